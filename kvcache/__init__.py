@@ -1,0 +1,1 @@
+"""kvcache: a compact radix-tree paged KV cache with paged attention backends."""
