@@ -1,0 +1,88 @@
+"""What a reuse scenario needs from an engine: the small protocol any engine can implement.
+
+Scenarios, the reuse assertions (`harness.reuse`) and the oracle (`harness.oracle`) reach an
+engine only through `EngineUnderTest`, so the same suites can drive another engine: wrap
+it in an adapter with these four members and its reuse is checked against the same
+oracle. Names of KV counters follow TensorRT-LLM (`reusedBlocks`, `missedBlocks`, ...);
+snake_case spellings are accepted too (see `harness.reuse.canonical_name`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class SupportsAsDict(Protocol):
+    """A stats object (e.g. `kvcache.KvCacheStats`) that lists its counters by name."""
+
+    def as_dict(self) -> Mapping[str, int | float]:
+        """Counter name -> value."""
+        ...
+
+
+StatsLike = SupportsAsDict | Mapping[str, Any]
+
+
+class GenerationResult(Protocol):
+    """One request's result, in the order of the prompts given to `generate`."""
+
+    @property
+    def seq_id(self) -> Hashable:
+        """The id this request has in `admission_log()` (joins results to the log)."""
+        ...
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """The generated tokens only (the prompt excluded)."""
+        ...
+
+    @property
+    def logits(self) -> Any | None:
+        """Logits of the generated positions, `[n, vocab]` tensor or array, if kept."""
+        ...
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the cache (the reused tokens)."""
+        ...
+
+    @property
+    def kv_metrics(self) -> Mapping[str, int | float] | SupportsAsDict:
+        """Per-request KV counters: reusedBlocks/numReusedBlocks, missedBlocks, ..."""
+        ...
+
+
+@runtime_checkable
+class EngineUnderTest(Protocol):
+    """An engine whose block reuse the harness checks.
+
+    `generate` runs prompts to completion and mutates the cache; the other members only
+    read. `admission_log()` lists, since the engine was built, every cache operation in
+    the order the cache saw it, as mappings with keys kind ("admit" | "commit" |
+    "append" | "free"), seq_id, tokens (admit: the prompt; append: the new tokens),
+    num_tokens (commit: tokens whose KV is now valid, counted from the sequence's start)
+    and scope (None, or a hashable key such as (salt, lora_id)); replaying it through
+    `harness.oracle.replay` predicts reuse under any batching or chunking.
+    `kv_cache_stats()` is cumulative since the engine was built.
+    """
+
+    @property
+    def cache_config(self) -> Mapping[str, Any]:
+        """Effective settings: tokens_per_block (int), enable_block_reuse,
+        enable_partial_reuse, copy_on_partial_reuse (resolved bools, never "auto")."""
+        ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 scopes: Sequence[Any] | None = None) -> Sequence[GenerationResult]:
+        """Run `prompts` (scope i for prompt i, or none) and return one result each."""
+        ...
+
+    def kv_cache_stats(self) -> StatsLike:
+        """Cumulative cache counters with TensorRT-LLM names (or an object with as_dict)."""
+        ...
+
+    def admission_log(self) -> Sequence[Mapping[str, Any]]:
+        """Every admit/commit/append/free so far, in the order the cache saw them."""
+        ...

@@ -1,0 +1,269 @@
+"""An independent expected-reuse model: replays admissions, commits, appends and frees.
+
+Written deliberately unlike `kvcache.radix` (it imports nothing from `kvcache`): a cached
+full block is a dict key `(scope, every token of the prefix through the block)`, a cached
+partial leaf is `(scope, prefix tokens, tail tokens)`, and "in use" is a count of live
+sequences per full-block key. It follows the reuse rules of DESIGN.md to the letter.
+
+Exact with an unbounded pool. With a bounded pool it is an upper bound on *full-block*
+reuse when partial reuse is off (eviction only removes blocks). With partial reuse on,
+eviction can turn a non-leaf into a claimable leaf earlier than the model expects, so a
+single request may then reuse one partial block more than predicted; compare totals
+with care in that setting.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from harness.oracle_types import (
+    Event,
+    OracleConfig,
+    OraclePrediction,
+    RequestReuse,
+    normalize_event,
+    normalize_scope,
+)
+
+__all__ = ["Event", "OracleConfig", "OraclePrediction", "RequestReuse", "ReuseOracle",
+           "predict_sequential", "replay"]
+
+Tokens = tuple[int, ...]
+FullKey = tuple[Hashable, Tokens]            # (scope, tokens [0, (i + 1) * B))
+PartialKey = tuple[Hashable, Tokens, Tokens]  # (scope, tokens [0, i * B), tail)
+ParentKey = tuple[Hashable, Tokens]           # (scope, tokens [0, i * B))
+
+
+@dataclass
+class _Seq:
+    """A live sequence: its tokens, committed count and the cached blocks it holds."""
+
+    scope: Hashable
+    tokens: list[int]
+    committed: int
+    held: list[FullKey]  # held[i] is the cached block at position i; contiguous from 0
+
+
+@dataclass(frozen=True)
+class _Match:
+    """What an admission would reuse now; `source` is the partial winner, if any."""
+
+    full_keys: tuple[FullKey, ...]
+    partial_tokens: int
+    source: FullKey | PartialKey | None
+    claim: bool
+
+
+class ReuseOracle:
+    """Replays cache events and predicts reuse per admission (mutates only itself)."""
+
+    def __init__(self, cfg: OracleConfig) -> None:
+        self.cfg = cfg
+        # every cached block -> when it was cached (ties between claimable blocks go to the
+        # most recently cached one; semantics.md leaves that choice open)
+        self._cached: dict[FullKey | PartialKey, int] = {}
+        self._clock = 0
+        # children of a prefix: the cached full blocks and partial leaves right after it
+        self._children: defaultdict[ParentKey, set[FullKey | PartialKey]] = defaultdict(set)
+        self._users: Counter[FullKey] = Counter()
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._admissions: list[RequestReuse] = []
+
+    # -- queries -----------------------------------------------------------------------
+
+    def probe(self, tokens: Sequence[int], scope: Any = None) -> int:
+        """Tokens an admission of `tokens` would reuse now; changes nothing."""
+        match = self._match(tuple(tokens), normalize_scope(scope, "probe"))
+        return len(match.full_keys) * self.cfg.tokens_per_block + match.partial_tokens
+
+    def prediction(self) -> OraclePrediction:
+        """Every admission so far, per request and in total."""
+        return OraclePrediction.from_admissions(self._admissions)
+
+    @property
+    def live_seq_ids(self) -> frozenset[Hashable]:
+        """Sequences admitted and not yet freed."""
+        return frozenset(self._seqs)
+
+    # -- events ------------------------------------------------------------------------
+
+    def apply(self, event: Event | Mapping[str, Any] | Any) -> RequestReuse | None:
+        """Apply one event; returns the admission's prediction for "admit", else None.
+
+        Raises ValueError for a malformed event, an unknown or duplicate seq_id, or a
+        commit that goes backwards or past the sequence's tokens.
+        """
+        ev = normalize_event(event)
+        if ev.kind == "admit":
+            return self._admit(ev.seq_id, ev.tokens, ev.scope)
+        seq = self._seqs.get(ev.seq_id)
+        if seq is None:
+            raise ValueError(f"{ev.kind} event for seq_id {ev.seq_id!r}, which is not live")
+        if ev.kind == "append":
+            seq.tokens.extend(ev.tokens)
+        elif ev.kind == "commit":
+            self._commit(ev.seq_id, seq, ev.num_tokens)
+        else:
+            self._free(ev.seq_id, seq)
+        return None
+
+    def replay(self, events: Iterable[Event | Mapping[str, Any] | Any]) -> OraclePrediction:
+        """Apply every event in order; returns the prediction so far."""
+        for event in events:
+            self.apply(event)
+        return self.prediction()
+
+    # -- the rules ---------------------------------------------------------------------
+
+    def _match(self, prompt: Tokens, scope: Hashable) -> _Match:
+        B = self.cfg.tokens_per_block
+        if not self.cfg.enable_block_reuse or not prompt:
+            return _Match((), 0, None, False)
+        limit = len(prompt) - 1  # the last prompt token is never reused
+        hits: list[FullKey] = []
+        while (len(hits) + 1) * B <= limit:
+            key = (scope, prompt[: (len(hits) + 1) * B])
+            if key not in self._cached:
+                break
+            hits.append(key)
+        start = len(hits) * B
+        remaining = limit - start
+        if not self.cfg.enable_partial_reuse or remaining == 0:
+            return _Match(tuple(hits), 0, None, False)
+        wanted = prompt[start : start + min(remaining, B)]
+        best: tuple[int, bool, int] | None = None  # (shared, claimable, stamp): max wins
+        source: FullKey | PartialKey | None = None
+        for cand in self._children.get((scope, prompt[:start]), ()):
+            block = cand[1][start:] if len(cand) == 2 else cand[2]
+            claimable = self._unused_leaf(cand)
+            if not (claimable or self.cfg.copy_on_partial_reuse):
+                continue
+            shared = _common_prefix(block, wanted)
+            rank = (shared, claimable, self._cached[cand])
+            if shared >= 1 and (best is None or rank > best):
+                best, source = rank, cand
+        if best is None:
+            return _Match(tuple(hits), 0, None, False)
+        return _Match(tuple(hits), best[0], source, best[1])
+
+    def _unused_leaf(self, key: FullKey | PartialKey) -> bool:
+        if len(key) == 3:
+            return True  # partial leaves are never held and nothing can follow them
+        return self._users[key] == 0 and not self._children.get(key)
+
+    def _admit(self, seq_id: Hashable, prompt: Tokens, scope: Hashable) -> RequestReuse:
+        if seq_id in self._seqs:
+            raise ValueError(f"admit event for seq_id {seq_id!r}, which is already live")
+        match = self._match(prompt, scope)
+        if match.source is not None and match.claim:
+            self._uncache(match.source)
+        for key in match.full_keys:
+            self._users[key] += 1
+        reused = len(match.full_keys) * self.cfg.tokens_per_block + match.partial_tokens
+        self._seqs[seq_id] = _Seq(scope, list(prompt), reused, list(match.full_keys))
+        action: Literal["claim", "copy"] | None = None
+        if match.partial_tokens:
+            action = "claim" if match.claim else "copy"
+        result = RequestReuse.for_prompt(
+            seq_id, len(prompt), self.cfg.tokens_per_block, len(match.full_keys),
+            match.partial_tokens, action)
+        self._admissions.append(result)
+        return result
+
+    def _commit(self, seq_id: Hashable, seq: _Seq, n: int) -> None:
+        if n < seq.committed or n > len(seq.tokens):
+            raise ValueError(f"commit of {n} tokens for seq_id {seq_id!r}: must lie in "
+                             f"[{seq.committed}, {len(seq.tokens)}] (committed so far, "
+                             "token count)")
+        seq.committed = n
+        if not self.cfg.enable_block_reuse:
+            return
+        B = self.cfg.tokens_per_block
+        for i in range(len(seq.held), n // B):
+            key = (seq.scope, tuple(seq.tokens[: (i + 1) * B]))
+            if key not in self._cached:  # else deduplicated: hold the cached one
+                self._cache(key)
+            self._users[key] += 1
+            seq.held.append(key)
+
+    def _free(self, seq_id: Hashable, seq: _Seq) -> None:
+        del self._seqs[seq_id]
+        for key in seq.held:
+            self._users[key] -= 1
+            if self._users[key] == 0:
+                del self._users[key]
+        B = self.cfg.tokens_per_block
+        if not self.cfg.enable_block_reuse or seq.committed % B == 0:
+            return
+        start = seq.committed // B * B
+        parent = (seq.scope, tuple(seq.tokens[:start]))
+        tail = tuple(seq.tokens[start : seq.committed])
+        for cand in self._children.get(parent, ()):
+            block = cand[1][start:] if len(cand) == 2 else cand[2]
+            if block[: len(tail)] == tail:
+                return  # an existing block already starts with this tail
+        self._cache((parent[0], parent[1], tail))
+
+    def _cache(self, key: FullKey | PartialKey) -> None:
+        self._clock += 1
+        self._cached[key] = self._clock
+        self._children[_parent(key, self.cfg.tokens_per_block)].add(key)
+
+    def _uncache(self, key: FullKey | PartialKey) -> None:
+        del self._cached[key]
+        parent = _parent(key, self.cfg.tokens_per_block)
+        self._children[parent].remove(key)
+        if not self._children[parent]:
+            del self._children[parent]
+
+
+def _parent(key: FullKey | PartialKey, B: int) -> ParentKey:
+    if len(key) == 2:
+        return (key[0], key[1][:-B])
+    return (key[0], key[1])
+
+
+def _common_prefix(a: Tokens, b: Tokens) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def replay(events: Iterable[Event | Mapping[str, Any] | Any], cfg: OracleConfig
+           ) -> OraclePrediction:
+    """Predict reuse for a whole event log (e.g. `engine.admission_log()`)."""
+    return ReuseOracle(cfg).replay(events)
+
+
+def predict_sequential(prompts: Sequence[Sequence[int]],
+                       outputs_or_generated_tokens: Sequence[Any] | None,
+                       scopes: Sequence[Any] | None, cfg: OracleConfig) -> OraclePrediction:
+    """Reuse when each request runs alone, after the previous one finished.
+
+    Request i (seq_id i) is admitted, its generated tokens appended, then it commits its
+    prompt plus every generated token but the last (the last sampled token's KV is never
+    computed), then it is freed. `outputs_or_generated_tokens[i]` is a token list or an
+    object with `token_ids` (an engine result); None means nothing was generated.
+    Raises ValueError when the lengths of the three sequences differ.
+    """
+    outs = outputs_or_generated_tokens
+    if outs is not None and len(outs) != len(prompts):
+        raise ValueError(f"predict_sequential: {len(outs)} outputs for {len(prompts)} prompts")
+    if scopes is not None and len(scopes) != len(prompts):
+        raise ValueError(f"predict_sequential: {len(scopes)} scopes for {len(prompts)} prompts")
+    oracle = ReuseOracle(cfg)
+    for i, prompt in enumerate(prompts):
+        out = None if outs is None else outs[i]
+        generated = list(getattr(out, "token_ids", out) or ())
+        scope = None if scopes is None else scopes[i]
+        oracle.apply(Event("admit", i, tuple(prompt), 0, scope))
+        oracle.apply(Event("append", i, tuple(generated)))
+        oracle.apply(Event("commit", i, (), len(prompt) + max(len(generated) - 1, 0)))
+        oracle.apply(Event("free", i))
+    return oracle.prediction()

@@ -1,0 +1,196 @@
+"""The oracle's inputs and outputs: its config, cache events, per-request and total reuse.
+
+Kept apart from `harness.oracle` (the rules) so both stay one screen-sized concept each.
+Nothing here imports `kvcache`: events and scopes are read by shape (attributes or keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
+
+EventKind = Literal["admit", "commit", "append", "free"]
+_KINDS: tuple[EventKind, ...] = ("admit", "commit", "append", "free")
+
+
+@dataclass(frozen=True)
+class OracleConfig:
+    """The effective reuse policy the oracle models (no "auto": every flag resolved)."""
+
+    tokens_per_block: int
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True
+    copy_on_partial_reuse: bool = True
+
+    def __post_init__(self) -> None:
+        B = self.tokens_per_block
+        if isinstance(B, bool) or not isinstance(B, int) or B < 1:
+            raise ValueError(f"OracleConfig.tokens_per_block must be an int >= 1, got {B!r}")
+        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"OracleConfig.{name} must be True or False, "
+                                 f"got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], where: str = "cache_config"
+                     ) -> OracleConfig:
+        """Read an engine's effective cache config; extra keys (pool size...) are ignored.
+
+        Raises ValueError when `tokens_per_block` is missing or a flag is unresolved.
+        """
+        if "tokens_per_block" not in data:
+            raise ValueError(f"{where} has no 'tokens_per_block' (keys: {sorted(data)})")
+        flags = {}
+        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
+            value = data.get(name, True)
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}[{name!r}] must be the effective True/False, "
+                                 f"got {value!r}")
+            flags[name] = value
+        return cls(tokens_per_block=data["tokens_per_block"], **flags)
+
+
+class Event(NamedTuple):
+    """One cache operation, as the oracle reads it (scope already normalized)."""
+
+    kind: EventKind
+    seq_id: Hashable
+    tokens: tuple[int, ...] = ()
+    num_tokens: int = 0
+    scope: Hashable = None
+
+
+def normalize_scope(scope: Any, where: str) -> Hashable:
+    """None, (None, None) and an object whose salt and lora_id are None -> None.
+
+    An object with `salt`/`lora_id` attributes becomes the tuple (salt, lora_id); a list
+    (a scope read back from JSON) becomes a tuple. Salt 0 stays distinct from None.
+    Raises ValueError for an unhashable scope.
+    """
+    if scope is None:
+        return None
+    if hasattr(scope, "salt") and hasattr(scope, "lora_id"):
+        scope = (scope.salt, scope.lora_id)
+    elif isinstance(scope, list):
+        scope = tuple(scope)
+    if scope == (None, None):
+        return None
+    if not isinstance(scope, Hashable):
+        raise ValueError(f"{where}: scope {scope!r} is not hashable")
+    return scope
+
+
+def _tokens(value: Any, where: str) -> tuple[int, ...]:
+    out = tuple(value or ())
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"{where}: token {t!r} is not a non-negative int")
+    return out
+
+
+def normalize_event(raw: Event | Mapping[str, Any] | Any) -> Event:
+    """Read an event from a mapping or any object with the fields (e.g. CacheEvent).
+
+    Raises ValueError for an unknown kind, a missing field, an empty admit prompt, bad
+    tokens or a negative commit count.
+    """
+    get = raw.get if isinstance(raw, Mapping) else lambda k, d=None: getattr(raw, k, d)
+    kind, seq_id = get("kind"), get("seq_id")
+    if kind not in _KINDS:
+        raise ValueError(f"event {raw!r}: kind must be one of {_KINDS}, got {kind!r}")
+    if seq_id is None or not isinstance(seq_id, Hashable):
+        raise ValueError(f"event {raw!r}: seq_id must be a hashable value, got {seq_id!r}")
+    where = f"{kind} event for seq_id {seq_id!r}"
+    tokens = _tokens(get("tokens"), where)
+    if kind == "admit" and not tokens:
+        raise ValueError(f"{where}: the prompt is empty (a prompt needs at least one token)")
+    num = get("num_tokens", 0) or 0
+    if kind == "commit" and (isinstance(num, bool) or not isinstance(num, int) or num < 0):
+        raise ValueError(f"{where}: num_tokens must be an int >= 0, got {num!r}")
+    return Event(kind, seq_id, tokens, num, normalize_scope(get("scope"), where))
+
+
+@dataclass(frozen=True)
+class RequestReuse:
+    """Predicted reuse of one admission. `partial_action` says how the partial hit is taken."""
+
+    seq_id: Hashable
+    prompt_len: int
+    full_reused_blocks: int
+    partial_reused_blocks: int
+    missed_blocks: int
+    reused_tokens: int
+    partial_action: Literal["claim", "copy"] | None = None
+
+    @classmethod
+    def for_prompt(cls, seq_id: Hashable, prompt_len: int, B: int, full: int, partial_tokens: int,
+                   action: Literal["claim", "copy"] | None) -> RequestReuse:
+        """The record for `full` full hits plus a partial hit of `partial_tokens` tokens."""
+        reused = full + (1 if partial_tokens else 0)
+        return cls(seq_id, prompt_len, full, reused - full, -(-prompt_len // B) - reused,
+                   full * B + partial_tokens, action)
+
+    @property
+    def reused_blocks(self) -> int:
+        """Full plus partial hits."""
+        return self.full_reused_blocks + self.partial_reused_blocks
+
+    def as_dict(self) -> dict[str, int]:
+        """TensorRT-LLM-style camelCase names (reusedBlocks, missedBlocks, ...)."""
+        return {"reusedBlocks": self.reused_blocks, "missedBlocks": self.missed_blocks,
+                "fullReusedBlocks": self.full_reused_blocks,
+                "partialReusedBlocks": self.partial_reused_blocks,
+                "reusedTokens": self.reused_tokens}
+
+
+@dataclass(frozen=True)
+class ReuseTotals:
+    """Sums over admissions, with the cache's counter names in `as_dict()`."""
+
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+    full_reused_blocks: int = 0
+    partial_reused_blocks: int = 0
+    reused_tokens: int = 0
+    claimed_blocks: int = 0
+    copied_blocks: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """reused / (reused + missed); 0.0 when nothing was admitted."""
+        total = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / total if total else 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        """reusedBlocks, missedBlocks, fullReusedBlocks, partialReusedBlocks, reusedTokens,
+        claimedBlocks, copiedBlocks and cacheHitRate."""
+        return {"reusedBlocks": self.reused_blocks, "missedBlocks": self.missed_blocks,
+                "fullReusedBlocks": self.full_reused_blocks,
+                "partialReusedBlocks": self.partial_reused_blocks,
+                "reusedTokens": self.reused_tokens, "claimedBlocks": self.claimed_blocks,
+                "copiedBlocks": self.copied_blocks, "cacheHitRate": self.cache_hit_rate}
+
+
+@dataclass(frozen=True)
+class OraclePrediction:
+    """Admissions in order, the latest admission per seq_id, and totals over all of them."""
+
+    admissions: tuple[RequestReuse, ...]
+    totals: ReuseTotals
+    requests: Mapping[Hashable, RequestReuse] = field(default_factory=dict)
+
+    @classmethod
+    def from_admissions(cls, admissions: Sequence[RequestReuse]) -> OraclePrediction:
+        """Sum `admissions`; a seq_id admitted twice maps to its latest admission."""
+        totals = ReuseTotals(
+            reused_blocks=sum(a.reused_blocks for a in admissions),
+            missed_blocks=sum(a.missed_blocks for a in admissions),
+            full_reused_blocks=sum(a.full_reused_blocks for a in admissions),
+            partial_reused_blocks=sum(a.partial_reused_blocks for a in admissions),
+            reused_tokens=sum(a.reused_tokens for a in admissions),
+            claimed_blocks=sum(a.partial_action == "claim" for a in admissions),
+            copied_blocks=sum(a.partial_action == "copy" for a in admissions))
+        requests = MappingProxyType({a.seq_id: a for a in admissions})
+        return cls(tuple(admissions), totals, requests)
