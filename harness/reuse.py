@@ -1,0 +1,299 @@
+"""The reusedBlocks assertion framework: expected vs actual reuse over a block of work.
+
+Tests snapshot cumulative stats before and after the work, then state exact counts or
+bounds per counter (and per request). Counters are diffed, gauges read from `after`,
+`cacheHitRate` recomputed over the window. A failure raises `ReuseMismatch` whose message
+is a table of expected vs actual (mismatching rows marked), a one-line reproduction and
+the cache tree, when given.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.engine_protocol import EngineUnderTest, StatsLike
+from harness.oracle import OracleConfig, OraclePrediction, replay
+
+GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
+                    "cachedNumBlocks"})
+# per-request spellings (TensorRT-LLM's RequestPerfMetrics) -> the cache counter names
+_ALIASES = {"numReusedBlocks": "reusedBlocks", "numMissedBlocks": "missedBlocks",
+            "numTotalAllocatedBlocks": "allocTotalBlocks",
+            "numNewAllocatedBlocks": "allocNewBlocks",
+            "numFullReusedBlocks": "fullReusedBlocks",
+            "numPartialReusedBlocks": "partialReusedBlocks",
+            "numReusedTokens": "reusedTokens", "kvCacheHitRate": "cacheHitRate"}
+_SHOWN = ("reusedBlocks", "missedBlocks", "cacheHitRate")  # always in the totals table
+Number = int | float
+
+
+class ReuseMismatch(AssertionError):
+    """Reuse counters differ from what was expected; the message holds the table."""
+
+
+def canonical_name(name: str) -> str:
+    """`reused_blocks`, `num_reused_blocks`, `numReusedBlocks` -> `reusedBlocks`."""
+    camel = re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), name)
+    return _ALIASES.get(camel, camel)
+
+
+def normalize_stats(stats: StatsLike, where: str = "stats") -> dict[str, Number]:
+    """Counter name -> number, in canonical camelCase, from a mapping or `as_dict()`.
+
+    Raises ValueError for a non-numeric value or two spellings of one counter.
+    """
+    raw = stats.as_dict() if hasattr(stats, "as_dict") else stats
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping or an object with as_dict(), "
+                         f"got {type(stats).__name__}")
+    out: dict[str, Number] = {}
+    for key, value in raw.items():
+        name = canonical_name(str(key))
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}[{key!r}] is {value!r}, not a number")
+        if name in out:
+            raise ValueError(f"{where}: {key!r} repeats counter {name!r}")
+        out[name] = value
+    return out
+
+
+def hit_rate(values: Mapping[str, Number]) -> float:
+    """reusedBlocks / (reusedBlocks + missedBlocks); 0.0 when both are zero."""
+    total = values.get("reusedBlocks", 0) + values.get("missedBlocks", 0)
+    return values.get("reusedBlocks", 0) / total if total else 0.0
+
+
+def diff_stats(before: StatsLike | None, after: StatsLike) -> dict[str, Number]:
+    """The window between two cumulative snapshots (before=None: since start)."""
+    a = normalize_stats(after, "after")
+    b = normalize_stats(before, "before") if before is not None else {}
+    window = {k: v if k in GAUGES else v - b.get(k, 0) for k, v in a.items()}
+    window["cacheHitRate"] = hit_rate(window)
+    return window
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Allowed range of one counter; both ends inclusive, None means unbounded."""
+
+    at_least: Number | None = None
+    at_most: Number | None = None
+
+    def __post_init__(self) -> None:
+        lo, hi = self.at_least, self.at_most
+        if lo is None and hi is None:
+            raise ValueError("Bounds needs at_least, at_most or both")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"Bounds(at_least={lo}, at_most={hi}) is empty")
+
+    def holds(self, value: Number) -> bool:
+        """Whether `value` lies inside."""
+        return ((self.at_least is None or value >= self.at_least)
+                and (self.at_most is None or value <= self.at_most))
+
+    def __str__(self) -> str:
+        lo, hi = self.at_least, self.at_most
+        if lo == hi:
+            return f"== {_fmt(lo)}"
+        if hi is None:
+            return f">= {_fmt(lo)}"
+        return f"<= {_fmt(hi)}" if lo is None else f"{_fmt(lo)}..{_fmt(hi)}"
+
+
+@dataclass(frozen=True)
+class ReproContext:
+    """What reproduces a failure: pytest node id, seed and cache config."""
+
+    node_id: str
+    seed: int | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """`reproduce: pytest '<node id>'  # seed=3 tokens_per_block=16 ...`."""
+        notes = ([f"seed={self.seed}"] if self.seed is not None else []) + [
+            f"{k}={v}" for k, v in self.config.items()]
+        tail = f"  # {' '.join(notes)}" if notes else ""
+        return f"reproduce: pytest {shlex.quote(self.node_id)}{tail}"
+
+
+TreeDump = str | Callable[[], str]
+
+
+@dataclass(frozen=True)
+class _Row:
+    where: str
+    counter: str
+    expected: Bounds | None
+    actual: Number | None
+
+    @property
+    def ok(self) -> bool:
+        if self.expected is None:
+            return True
+        return self.actual is not None and self.expected.holds(self.actual)
+
+
+def _fmt(value: Number | None) -> str:
+    if value is None:
+        return "missing"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _bounds(exact: Mapping[str, Number] | None, at_least: Mapping[str, Number] | None,
+            at_most: Mapping[str, Number] | None) -> dict[str, Bounds]:
+    out: dict[str, Bounds] = {}
+    for name, value in (exact or {}).items():
+        out[canonical_name(name)] = Bounds(value, value)
+    for name, value in (at_least or {}).items():
+        key = canonical_name(name)
+        if key in out:
+            raise ValueError(f"counter {name!r} has both an exact value and at_least")
+        out[key] = Bounds(at_least=value)
+    for name, value in (at_most or {}).items():
+        key = canonical_name(name)
+        prev = out.get(key)
+        if prev is not None and prev.at_most is not None:
+            raise ValueError(f"counter {name!r} has both an exact value and at_most")
+        out[key] = Bounds(prev.at_least if prev else None, value)
+    return out
+
+
+def _per_request_bounds(spec: Mapping[str, Number | Bounds]) -> dict[str, Bounds]:
+    return {canonical_name(k): v if isinstance(v, Bounds) else Bounds(v, v)
+            for k, v in spec.items()}
+
+
+def _request_rows(per_request: Mapping[Hashable, Mapping[str, Number | Bounds]],
+                  actual_requests: Mapping[Hashable, StatsLike]) -> list[_Row]:
+    rows: list[_Row] = []
+    for seq_id, spec in per_request.items():
+        got = actual_requests.get(seq_id)
+        actual = normalize_stats(got, f"request {seq_id!r}") if got is not None else {}
+        rows += [_Row(f"request {seq_id!r}", name, bound, actual.get(name))
+                 for name, bound in _per_request_bounds(spec).items()]
+    return rows
+
+
+def format_table(rows: list[_Row]) -> str:
+    """Rows as aligned columns; failing rows end with `<-- mismatch`."""
+    cells = [("where", "counter", "expected", "actual")] + [
+        (r.where, r.counter, str(r.expected) if r.expected else "-", _fmt(r.actual))
+        for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = []
+    for i, cell in enumerate(cells):
+        text = "  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=True))
+        failed = i > 0 and not rows[i - 1].ok
+        lines.append("  " + (text + "  <-- mismatch" if failed else text.rstrip()))
+    return "\n".join(lines)
+
+
+def _raise_if_failed(rows: list[_Row], context: ReproContext | None,
+                     tree_dump: TreeDump | None) -> None:
+    failed = sum(not r.ok for r in rows)
+    if not failed:
+        return
+    checked = sum(r.expected is not None for r in rows)
+    parts = [f"reuse mismatch: {failed} of {checked} checks failed", format_table(rows)]
+    if context is not None:
+        parts.append(context.line())
+    if tree_dump is not None:
+        try:
+            dump = tree_dump() if callable(tree_dump) else tree_dump
+        except Exception as exc:  # the mismatch matters more than a broken dump
+            dump = f"(tree dump failed: {exc!r})"
+        parts.append("cache tree:\n" + "\n".join("  " + ln for ln in dump.splitlines()))
+    raise ReuseMismatch("\n".join(parts))
+
+
+def expect_reuse(before: StatsLike | None, after: StatsLike, *,
+                 exact: Mapping[str, Number] | None = None,
+                 at_least: Mapping[str, Number] | None = None,
+                 at_most: Mapping[str, Number] | None = None,
+                 per_request: Mapping[Hashable, Mapping[str, Number | Bounds]] | None = None,
+                 actual_requests: Mapping[Hashable, StatsLike] | None = None,
+                 context: ReproContext | None = None,
+                 tree_dump: TreeDump | None = None) -> dict[str, Number]:
+    """Check the window `after - before` against exact counts and bounds.
+
+    Counter names may be camelCase or snake_case. `per_request` maps seq_id -> counter ->
+    exact value or `Bounds`, checked against `actual_requests` (seq_id -> that request's
+    metrics). Returns the window. Raises ReuseMismatch when a check fails, ValueError for
+    an expectation on a counter the stats do not have, or per_request without actuals.
+    """
+    window = diff_stats(before, after)
+    totals = _bounds(exact, at_least, at_most)
+    unknown = sorted(set(totals) - set(window))
+    if unknown:
+        raise ValueError(f"expect_reuse: no counter {unknown} in the stats "
+                         f"(known: {sorted(window)})")
+    rows = [_Row("total", n, b, window[n]) for n, b in totals.items()]
+    rows += [_Row("total", n, None, window.get(n)) for n in _SHOWN if n not in totals]
+    if per_request:
+        if actual_requests is None:
+            raise ValueError("expect_reuse: per_request expectations need actual_requests")
+        rows += _request_rows(per_request, actual_requests)
+    _raise_if_failed(rows, context, tree_dump)
+    return window
+
+
+def predict_from_engine(engine: EngineUnderTest) -> OraclePrediction:
+    """The oracle's prediction for everything in `engine.admission_log()` so far."""
+    cfg = OracleConfig.from_mapping(engine.cache_config, "engine.cache_config")
+    return replay(engine.admission_log(), cfg)
+
+
+def _oracle_spec(prediction: Mapping[str, Number], exact: bool) -> dict[str, Bounds]:
+    # With a bounded pool the oracle is an upper bound on reuse (a lower one on misses).
+    spec: dict[str, Bounds] = {}
+    for name, value in prediction.items():
+        if name == "cacheHitRate":
+            continue
+        if exact:
+            spec[name] = Bounds(value, value)
+        elif name in ("reusedBlocks", "fullReusedBlocks", "reusedTokens"):
+            spec[name] = Bounds(at_most=value)
+        elif name == "missedBlocks":
+            spec[name] = Bounds(at_least=value)
+    return spec
+
+
+def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePrediction,
+                          exact: bool = True, *, results: Any = None,
+                          before: StatsLike | None = None,
+                          context: ReproContext | None = None,
+                          tree_dump: TreeDump | None = None) -> dict[str, Number]:
+    """Compare the engine's reuse with the oracle's, in total and per request.
+
+    Totals: `engine.kv_cache_stats()` minus `before` (default: since start) against the
+    prediction's totals, for every counter the engine reports. Per request (when
+    `results` from `generate` are given): each result's `kv_metrics` and
+    `num_cached_tokens` against the prediction for its seq_id. `exact=False` (bounded
+    pool) only checks reuse <= predicted and misses >= predicted. Returns the window.
+    Raises ReuseMismatch on a difference.
+    """
+    window = diff_stats(before, engine.kv_cache_stats())
+    totals = _oracle_spec(oracle_prediction.totals.as_dict(), exact)
+    rows = [_Row("total", n, b, window.get(n)) for n, b in totals.items()
+            if n in window or n in _SHOWN]
+    for result in results or ():
+        seq_id = result.seq_id
+        predicted = oracle_prediction.requests.get(seq_id)
+        where = f"request {seq_id!r}"
+        if predicted is None:
+            rows.append(_Row(where, "admitted", Bounds(1, 1), 0))
+            continue
+        actual = normalize_stats(result.kv_metrics, where)
+        actual["numCachedTokens"] = result.num_cached_tokens
+        expected = {**predicted.as_dict(), "numCachedTokens": predicted.reused_tokens}
+        spec = _oracle_spec(expected, exact)
+        if not exact:
+            spec["numCachedTokens"] = Bounds(at_most=predicted.reused_tokens)
+        rows += [_Row(where, n, b, actual.get(n)) for n, b in spec.items()
+                 if n in actual or n in _SHOWN]
+    _raise_if_failed(rows, context, tree_dump)
+    return window
