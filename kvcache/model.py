@@ -1,0 +1,406 @@
+"""A small Llama-style decoder, optionally hybrid with a recurrent mixer, and named presets.
+
+The model owns no KV cache and no recurrent state. Every attention layer hands its rotated
+q, k, v to the engine's `ForwardContext`, which stores k and v (paged or not) and attends;
+every recurrent layer reads and writes its per-request state through the same context. A
+step's T tokens are the new tokens of all requests in the batch, concatenated in batch order.
+
+The math follows Hugging Face's Llama exactly (RMSNorm in float32, RoPE with the
+rotate-half convention, SwiGLU), so HF checkpoints load without permuting weights
+(see `kvcache.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LayerType = Literal["attention", "recurrent"]
+LAYER_TYPES: tuple[LayerType, ...] = ("attention", "recurrent")
+
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and hyper-parameters of a `Transformer`; validated on construction.
+
+    `head_dim` is explicit (it need not equal hidden_size / num_heads). `sliding_window`
+    applies to every attention layer: a query at position i sees keys j with
+    i - sliding_window < j <= i. `layer_types` defaults to all "attention"; a list is
+    accepted and stored as a tuple.
+
+    Raises:
+        ValueError: a field has a bad type or value; the message names field and value.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    max_position_embeddings: int = 4096
+    layer_types: tuple[LayerType, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_INTS:
+            _check_positive_int(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates halves)"
+            )
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                f"ModelConfig.tie_word_embeddings={self.tie_word_embeddings!r} must be a bool"
+            )
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window)
+        self._normalise_layer_types()
+
+    def _normalise_layer_types(self) -> None:
+        # object.__setattr__: the dataclass is frozen; this runs once, inside __init__.
+        types = tuple(self.layer_types) or ("attention",) * self.num_layers
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_layers:
+            raise ValueError(
+                f"ModelConfig.layer_types has {len(types)} entries, num_layers={self.num_layers}"
+            )
+        for index, kind in enumerate(types):
+            if kind not in LAYER_TYPES:
+                raise ValueError(
+                    f"ModelConfig.layer_types[{index}]={kind!r}; expected one of {LAYER_TYPES}"
+                )
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether any layer is recurrent (its state cannot be rolled back per token)."""
+        return "recurrent" in self.layer_types
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers that call `ForwardContext.attention` (and need KV storage)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "attention")
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Indices of the layers that use `ForwardContext.recurrent_state`."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "recurrent")
+
+    @property
+    def window_left(self) -> int:
+        """FlashInfer's `window_left`: -1 for full attention, else sliding_window - 1.
+
+        The -1 is FlashInfer's own convention, kept so it can be passed straight through.
+        """
+        return -1 if self.sliding_window is None else self.sliding_window - 1
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
+
+
+_TINY = ModelConfig(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    # 64, not hidden/heads = 32: FlashInfer's prefill kernels dispatch head_dim in {64, 128,
+    # 256, ...}, and the same presets run on GPU.
+    head_dim=64,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": _TINY,
+    "tiny-tied": dataclasses.replace(_TINY, tie_word_embeddings=True),
+    "tiny-swa": dataclasses.replace(_TINY, sliding_window=32),
+    "hybrid-tiny": dataclasses.replace(
+        _TINY, layer_types=("attention", "recurrent", "attention", "attention")
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Return the preset called `name`; raises ValueError listing the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+class ForwardContext(Protocol):
+    """What the engine supplies to one forward pass; the model calls it once per layer.
+
+    `layer` is always the global layer index (0 .. num_layers - 1).
+    """
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """New tokens per request, in batch order; they sum to T."""
+        ...
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store k, v for the new tokens, then attend causally (and within the window).
+
+        q: [T, Hq, D], k and v: [T, Hkv, D], contiguous, RoPE already applied. The context
+        applies the softmax scale 1/sqrt(D) and GQA (query head h reads kv head h // (Hq/Hkv)).
+        Returns [T, Hq, D] in q's dtype.
+        """
+        ...
+
+    def recurrent_state(self, layer: int) -> Tensor:
+        """State before this step, [num_requests, hidden]; zeros for a fresh request."""
+        ...
+
+    def set_recurrent_state(self, layer: int, state: Tensor) -> None:
+        """Receive the state after this step, [num_requests, hidden], float32."""
+        ...
+
+
+class Rope(NamedTuple):
+    """Rotary tables for a step's tokens: cos and sin, each [T, D], in the activation dtype."""
+
+    cos: Tensor
+    sin: Tensor
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> Rope:
+    """Cos/sin for absolute `positions` [T], computed in float32 as HF Llama does."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))  # [D/2]
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]: halves, not interleaved pairs
+    return Rope(angles.cos().to(dtype), angles.sin().to(dtype))
+
+
+def apply_rope(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate x [T, H, D] by its token's angle (HF's rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * rope.cos[:, None, :] + rotated * rope.sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32, scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Fused qkv projection and RoPE; the attention itself is the context's."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.wo = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
+        tokens = x.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), rope)  # [T, Hq, D]
+        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), rope)  # [T, Hkv, D]
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
+        out = ctx.attention(self.layer, q, k, v)  # [T, Hq, D]
+        return self.wo(out.reshape(tokens, q_size))  # [T, hidden]
+
+
+class Recurrence(nn.Module):
+    """An SSM-like mixer: a diagonal linear recurrence per request, in place of attention.
+
+    h_t = a * h_{t-1} + (1 - a) * (W_in x_t), a = sigmoid(decay) per channel, y_t = W_o h_t.
+
+    The state after a step summarises every token so far and cannot be rolled back to an
+    earlier token, so KV blocks cannot stand in for it: a model with this layer cannot reuse
+    cached prefixes (block reuse is unsupported unless the engine snapshots state). The scan
+    runs in float32, token by token, so chunked and unchunked prefill give identical states.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.hidden_size = config.hidden_size
+        self.win = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.wo = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.decay = nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        seq_lens = ctx.seq_lens
+        state = ctx.recurrent_state(self.layer).float()  # [R, hidden]
+        if state.shape != (len(seq_lens), self.hidden_size):
+            raise ValueError(
+                f"recurrent_state(layer={self.layer}) has shape {tuple(state.shape)}, "
+                f"expected {(len(seq_lens), self.hidden_size)} for seq_lens={seq_lens}"
+            )
+        a = torch.sigmoid(self.decay.float())  # [hidden]
+        drive = (1 - a) * self.win(x).float()  # [T, hidden]
+        states = torch.empty_like(drive)  # [T, hidden]: h_t for every token
+        finals = []
+        start = 0
+        for request, length in enumerate(seq_lens):
+            h = state[request]
+            for t in range(start, start + length):
+                h = a * h + drive[t]
+                states[t] = h
+            finals.append(h)
+            start += length
+        ctx.set_recurrent_state(self.layer, torch.stack(finals))  # [R, hidden]
+        return self.wo(states.to(x.dtype))  # [T, hidden]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer: Attention | Recurrence
+        if config.layer_types[layer] == "attention":
+            self.mixer = Attention(config, layer)
+        else:
+            self.mixer = Recurrence(config, layer)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
+        normed = self.attention_norm(x)
+        if isinstance(self.mixer, Attention):
+            x = x + self.mixer(normed, rope, ctx)
+        else:
+            x = x + self.mixer(normed, ctx)  # position enters through the scan order
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder. `seed` initialises weights deterministically (on any device); None
+    leaves torch's default init, for loaders that assign every tensor anyway."""
+
+    def __init__(self, config: ModelConfig, seed: int | None = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        if seed is not None:
+            self.init_weights(seed)
+
+    def tie_weights(self) -> None:
+        """Make the output projection share the embedding when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Overwrite every parameter from `seed` (mutates the model).
+
+        Linear and embedding weights ~ N(0, std), norms 1, recurrent decay logits
+        ~ U(0, 4) (a in 0.5..0.98: slow enough that state from earlier chunks matters).
+        Values are drawn on the CPU, so every device gets the same weights.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():  # tied weights are listed once
+            if name.endswith("norm.weight"):
+                value = torch.ones(param.shape)
+            elif name.endswith("decay"):
+                value = torch.rand(param.shape, generator=generator) * 4
+            else:
+                value = torch.randn(param.shape, generator=generator) * std
+            param.copy_(value)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        ctx: ForwardContext,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
+        """Run one step over T new tokens; returns float32 logits [N, vocab].
+
+        input_ids, positions: [T] (absolute positions, used by RoPE). N is
+        len(logits_indices), or T when it is None. Mutates nothing but the engine's state
+        through `ctx`. Raises ValueError when the shapes and ctx.seq_lens disagree.
+        """
+        _check_step(input_ids, positions, ctx.seq_lens)
+        x = self.tok_embeddings(input_ids)  # [T, hidden]
+        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for block in self.layers:
+            x = block(x, rope, ctx)
+        if logits_indices is not None:
+            x = x[logits_indices]  # [N, hidden]
+        return self.output(self.norm(x)).float()  # [N, vocab]
+
+
+def _check_step(input_ids: Tensor, positions: Tensor, seq_lens: list[int]) -> None:
+    if input_ids.ndim != 1 or input_ids.shape != positions.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+            "must both be [T]"
+        )
+    if input_ids.dtype.is_floating_point or positions.dtype.is_floating_point:
+        raise ValueError(
+            f"input_ids ({input_ids.dtype}) and positions ({positions.dtype}) must be integer"
+        )
+    if not seq_lens or sum(seq_lens) != input_ids.shape[0] or min(seq_lens) < 0:
+        raise ValueError(
+            f"ctx.seq_lens={seq_lens} must be non-negative and sum to T={input_ids.shape[0]}"
+        )
