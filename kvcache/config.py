@@ -1,0 +1,83 @@
+"""KvCacheConfig: the cache's size and reuse policy, validated once at construction."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"KvCacheConfig.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"KvCacheConfig.{name} must be >= {minimum}, got {value}")
+
+
+def _check_flag(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"KvCacheConfig.{name} must be True, False or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """Size and reuse policy of a KV cache.
+
+    The three reuse flags accept None ("auto"): `enable_block_reuse=None` is on unless
+    the engine knows the backend or model cannot reuse blocks; the partial-reuse flags
+    default to following the flag above them. Setting a dependent flag to True while its
+    parent is off is a ValueError, as is any non-positive size.
+    """
+
+    tokens_per_block: int = 16
+    max_num_blocks: int = 1024
+    enable_block_reuse: bool | None = None
+    enable_partial_reuse: bool | None = None
+    copy_on_partial_reuse: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("tokens_per_block", self.tokens_per_block, 1)
+        _check_int("max_num_blocks", self.max_num_blocks, 1)
+        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
+            _check_flag(name, getattr(self, name))
+        if self.enable_partial_reuse and self.enable_block_reuse is False:
+            raise ValueError("KvCacheConfig.enable_partial_reuse=True needs block reuse, "
+                             "but enable_block_reuse=False")
+        if self.copy_on_partial_reuse and not self.partial_reuse:
+            raise ValueError("KvCacheConfig.copy_on_partial_reuse=True needs partial reuse, "
+                             f"but enable_partial_reuse={self.enable_partial_reuse!r} with "
+                             f"enable_block_reuse={self.enable_block_reuse!r}")
+
+    @property
+    def block_reuse(self) -> bool:
+        """Effective block reuse (auto means on)."""
+        return self.enable_block_reuse is not False
+
+    @property
+    def partial_reuse(self) -> bool:
+        """Effective partial reuse."""
+        if self.enable_partial_reuse is None:
+            return self.block_reuse
+        return self.enable_partial_reuse and self.block_reuse
+
+    @property
+    def copy_on_partial(self) -> bool:
+        """Effective copy-on-partial-reuse."""
+        if self.copy_on_partial_reuse is None:
+            return self.partial_reuse
+        return self.copy_on_partial_reuse and self.partial_reuse
+
+    def without_reuse(self) -> KvCacheConfig:
+        """This configuration with block reuse switched off (auto resolved to off)."""
+        return replace(self, enable_block_reuse=False, enable_partial_reuse=None,
+                       copy_on_partial_reuse=None)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> KvCacheConfig:
+        """Build from a mapping; unknown keys are a ValueError naming them and `where`."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown KvCacheConfig keys {unknown}; "
+                             f"known keys are {sorted(known)}")
+        return cls(**data)

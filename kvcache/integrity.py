@@ -1,0 +1,130 @@
+"""Invariants of the tree, the pool and the sequences, checked from scratch.
+
+Slow on purpose (it recomputes everything the hot path keeps incrementally); tests call
+it after mutations and the harness plugin after every test that owns a cache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
+
+from kvcache.radix import TOKEN_BYTES, Node
+
+if TYPE_CHECKING:
+    from kvcache.manager import KVCacheManager
+    from kvcache.sequence import Sequence
+
+
+class IntegrityError(AssertionError):
+    """A broken invariant; the message names it and the objects involved."""
+
+
+def _fail(msg: str) -> NoReturn:
+    raise IntegrityError(msg)
+
+
+def _chain(node: Node | None) -> list[Node]:
+    out = []
+    while node is not None and node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out
+
+
+def check_manager(mgr: KVCacheManager) -> None:
+    """Raise IntegrityError naming the first broken invariant of `mgr`."""
+    tree, pool = mgr.tree, mgr.pool
+    bb = tree.block_bytes
+    expected_ref: Counter[int] = Counter()
+    owner: dict[int, str] = {}
+
+    def own(block: int, where: str) -> None:
+        if not 0 <= block < pool.num_blocks:
+            _fail(f"block id {block} ({where}) is outside [0, {pool.num_blocks})")
+        if block in owner:
+            _fail(f"block {block} is owned twice: by {owner[block]} and by {where}")
+        owner[block] = where
+
+    for i, block in enumerate(pool.free):
+        own(block, f"free list[{i}]")
+    for seq in mgr.sequences.values():
+        _check_sequence(mgr, seq, expected_ref, own)
+
+    live_heap = {id(e[3]) for e in pool.heap if e[3].stamp == e[2]}
+    evictable = 0
+    nodes = 0
+    for key, node in tree.walk():
+        nodes += 1
+        where = f"node {node!r} in scope {key!r}"
+        parent = node.parent
+        if parent is None or node not in parent.children.get(node.first, ()):
+            _fail(f"{where} is not indexed under its parent by its first token")
+        if node.first != node.key[:TOKEN_BYTES] or not node.key:
+            _fail(f"{where}: first-token index key does not match its tokens")
+        if len(node.key) < bb:
+            if len(node.blocks) != 1 or node.children or len(node.key) % TOKEN_BYTES:
+                _fail(f"{where}: a partial block must be a single-block leaf")
+        elif len(node.key) != len(node.blocks) * bb:
+            _fail(f"{where}: {len(node.key) // TOKEN_BYTES} tokens for "
+                  f"{len(node.blocks)} full blocks")
+        if node.ref != expected_ref[id(node)]:
+            _fail(f"{where}: ref {node.ref} but {expected_ref[id(node)]} holders")
+        if node.ref and parent.parent is not None and not parent.ref:
+            _fail(f"{where} is referenced but its parent {parent!r} is not")
+        full_firsts = [c.key[:bb] for cs in node.children.values() for c in cs
+                       if len(c.key) >= bb]
+        if len(full_firsts) != len(set(full_firsts)):
+            _fail(f"{where}: two full children start with the same block (not deduplicated)")
+        if not node.ref:
+            evictable += len(node.blocks)
+            if not node.children and id(node) not in live_heap:
+                _fail(f"{where} is an unreferenced leaf missing from the eviction heap")
+        for i, block in enumerate(node.blocks):
+            own(block, f"{where} block {i}")
+    if nodes != tree.num_nodes:
+        _fail(f"tree counts {tree.num_nodes} nodes but holds {nodes}")
+    if evictable != pool.num_evictable:
+        _fail(f"pool counts {pool.num_evictable} evictable blocks, the tree has {evictable}")
+    missing = set(range(pool.num_blocks)) - owner.keys()
+    if missing:
+        _fail(f"blocks {sorted(missing)[:10]} are owned by nobody (leaked)")
+    for seq_id, op in mgr._copy_ops:
+        if seq_id not in mgr.sequences:
+            _fail(f"copy op {op} belongs to freed sequence {seq_id!r}")
+
+
+def _check_sequence(mgr: KVCacheManager, seq: Sequence, expected_ref: Counter[int],
+                    own: Callable[[int, str], None]) -> None:
+    B = mgr.config.tokens_per_block
+    where = f"sequence {seq.seq_id!r}"
+    ntok = len(seq.tokens)
+    if len(seq.block_ids) != (ntok + B - 1) // B:
+        _fail(f"{where}: {len(seq.block_ids)} blocks for {ntok} tokens")
+    if not seq.num_cached_tokens <= seq.num_committed_tokens <= ntok:
+        _fail(f"{where}: cached {seq.num_cached_tokens} <= committed "
+              f"{seq.num_committed_tokens} <= tokens {ntok} does not hold")
+    if mgr.reuse and seq.tree_blocks != seq.num_committed_tokens // B:
+        _fail(f"{where}: {seq.tree_blocks} blocks in the tree, committed "
+              f"{seq.num_committed_tokens} tokens")
+    chain = _chain(seq.last)
+    for node in chain:
+        expected_ref[id(node)] += 1
+    keys = b"".join(n.key for n in reversed(chain))
+    if keys != seq.tokens[:seq.tree_blocks * B].tobytes():
+        _fail(f"{where}: the tree path it holds does not spell its first "
+              f"{seq.tree_blocks} blocks")
+    scope_root = mgr.tree.roots.get(seq.scope)
+    top = chain[-1].parent if chain else None
+    if chain and top is not scope_root:
+        _fail(f"{where}: holds a path outside its scope {seq.scope!r}")
+    shadow = set(seq.shadow)
+    path_blocks = [b for n in reversed(chain) for b in n.blocks]
+    for i, block in enumerate(seq.block_ids):
+        if i < seq.tree_blocks and block != path_blocks[i]:
+            if block not in shadow:
+                _fail(f"{where}: block {i} is {block}, the tree holds {path_blocks[i]}")
+            own(block, f"{where} shadow block {i}")
+        elif i >= seq.tree_blocks:
+            own(block, f"{where} private block {i}")

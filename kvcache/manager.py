@@ -1,0 +1,354 @@
+"""KVCacheManager: admit sequences with reuse, commit, append, free, probe, stats.
+
+The manager touches no tensors: it hands out block ids and `BlockCopy` ops that the engine
+applies to storage before its next forward pass. Every public mutator either succeeds or
+raises before changing anything (bad input: ValueError; no room: OutOfBlocksError).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from collections.abc import Sequence as Seq
+
+from kvcache.config import KvCacheConfig
+from kvcache.events import CacheEvent
+from kvcache.integrity import check_manager
+from kvcache.ops import BlockCopy
+from kvcache.pool import BlockPool, OutOfBlocksError
+from kvcache.radix import (
+    TOKEN_BYTES,
+    BlockRadixTree,
+    PartialHit,
+    ReuseMatch,
+    ReuseScope,
+    scope_key,
+    to_token_array,
+)
+from kvcache.sequence import Sequence
+from kvcache.stats import KvCacheStats
+
+DEFAULT_PRIORITY = 35
+
+
+class _Counters:
+    """Cumulative counters, kept as plain attributes for the hot path."""
+
+    __slots__ = ("alloc_new", "alloc_total", "claimed", "copied", "decode_alloc", "full_reused",
+                 "missed", "partial_reused", "reused_tokens")
+
+    def __init__(self) -> None:
+        self.alloc_total = self.alloc_new = self.full_reused = self.partial_reused = 0
+        self.missed = self.reused_tokens = self.decode_alloc = self.copied = self.claimed = 0
+
+
+class KVCacheManager:
+    """A paged KV cache's bookkeeping: a block radix tree over a fixed block pool."""
+
+    def __init__(self, config: KvCacheConfig, *, record_events: bool = False) -> None:
+        if not isinstance(config, KvCacheConfig):
+            raise ValueError(f"KVCacheManager: expected a KvCacheConfig, got {config!r}")
+        self.config = config
+        self._B = config.tokens_per_block
+        self.tree = BlockRadixTree(self._B)
+        self.pool = BlockPool(config.max_num_blocks, self.tree)
+        self.reuse = config.block_reuse
+        self._partial = config.partial_reuse
+        self._copy = config.copy_on_partial
+        self.sequences: dict[Hashable, Sequence] = {}
+        self._copy_ops: list[tuple[Hashable, BlockCopy]] = []
+        self._c = _Counters()
+        self._step_base: KvCacheStats | None = None
+        self.events: list[CacheEvent] | None = [] if record_events else None
+
+    # ------------------------------------------------------------------ admission
+    def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
+                     priority: int = DEFAULT_PRIORITY) -> Sequence:
+        """Admit a sequence: match its prompt, then hold blocks for the whole prompt.
+
+        Returns the live `Sequence`; `num_cached_tokens` tokens (any alignment) need no
+        compute. A partial hit on an unused leaf claims that block (it leaves the tree);
+        otherwise it queues a `BlockCopy` for `take_copy_ops()`. Raises ValueError for a
+        live `seq_id`, an empty prompt, bad tokens, scope or priority, and
+        OutOfBlocksError when the blocks cannot be had; either way nothing changes.
+        """
+        if seq_id in self.sequences:
+            raise ValueError(f"add_sequence({seq_id!r}): seq_id is already live")
+        if type(priority) is not int or not 0 <= priority <= 100:
+            raise ValueError(f"add_sequence({seq_id!r}): priority must be an int in [0, 100], "
+                             f"got {priority!r}")
+        skey = None if scope is None else scope_key(scope, f"add_sequence({seq_id!r})")
+        arr = to_token_array(tokens, "add_sequence", seq_id)
+        length = len(arr)
+        if not length:
+            raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
+        nblocks = (length + self._B - 1) // self._B
+        pool = self.pool
+        m = self._match(arr.tobytes(), length, skey)
+        if m is None:
+            if nblocks > pool.num_available:
+                raise OutOfBlocksError(f"add_sequence({seq_id!r})", nblocks, pool.num_available,
+                                       pool.num_blocks)
+            fresh_ids, fresh = pool.allocate(nblocks)
+            seq = Sequence(seq_id, arr, skey, priority, fresh_ids, 0, None, 0)
+            return self._admitted(seq, nblocks, 0, None, nblocks, fresh)
+
+        hits, nfull, ph, ntok = m
+        ids: list[int] = []
+        avail = pool.num_available
+        for node, nb in hits:
+            ids += node.blocks[:nb]
+            if not node.ref:
+                avail -= nb  # about to be referenced
+        claim = ph is not None and ph.claim
+        if ph is not None and not ph.node.ref:
+            avail -= 1  # claimed, or a copy source protected during this admission
+        need = nblocks - nfull - claim
+        if need > avail:
+            raise OutOfBlocksError(f"add_sequence({seq_id!r})", need, avail, pool.num_blocks)
+
+        tree = self.tree
+        deep = None
+        if hits:
+            last, nb = hits[-1]
+            deep = tree.split(last, nb) if nb < len(last.blocks) else last
+            pool.acquire(deep, None, priority)
+        src = None
+        if ph is not None:
+            node = ph.node  # after the split above it starts at the candidate block
+            if claim:
+                pool.forget_cached(node)
+                tree.detach(node)
+                ids.append(node.blocks[0])
+            else:
+                src = tree.split(node, 1) if len(node.blocks) > 1 else node
+                pool.acquire(src, src.parent, priority)
+        new, fresh = pool.allocate(need)
+        if src is not None and ph is not None:
+            self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0], ph.num_tokens)))
+            pool.release_node(src)
+        ids += new
+        seq = Sequence(seq_id, arr, skey, priority, ids, ntok, deep, nfull)
+        return self._admitted(seq, nblocks, nfull, ph, need, fresh)
+
+    def _match(self, kb: bytes, length: int, skey: Hashable) -> ReuseMatch | None:
+        """The reuse an admission of token bytes `kb` would get now, or None for none."""
+        if not self.reuse or length < 2:
+            return None
+        root = self.tree.roots.get(skey)
+        if root is None or not root.children:
+            return None
+        m = self.tree.match(root, kb, (length - 1) * TOKEN_BYTES, partial=self._partial,
+                            copy_on_partial=self._copy)
+        return m if m.num_tokens else None
+
+    def _admitted(self, seq: Sequence, nblocks: int, nfull: int, ph: PartialHit | None,
+                  alloc: int, fresh: int) -> Sequence:
+        c = self._c
+        partial = ph is not None
+        c.full_reused += nfull
+        c.partial_reused += partial
+        c.missed += nblocks - nfull - partial
+        c.alloc_total += alloc
+        c.alloc_new += fresh
+        c.reused_tokens += seq.num_cached_tokens
+        if ph is not None:
+            if ph.claim:
+                c.claimed += 1
+            else:
+                c.copied += 1
+        seq.full_reused, seq.partial_reused = nfull, int(partial)
+        seq.missed = nblocks - nfull - partial
+        seq.alloc_total, seq.alloc_new = alloc, fresh
+        self.sequences[seq.seq_id] = seq
+        if self.events is not None:
+            self.events.append(CacheEvent("admit", seq.seq_id, tuple(seq.tokens), 0, seq.scope))
+        return seq
+
+    # ------------------------------------------------------------------ progress
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Mark the KV of tokens [0, num_tokens) valid; its full blocks become reusable.
+
+        A full block equal to one already cached is deduplicated (the sequence keeps its
+        private copy until freed). Raises ValueError for an unknown `seq_id`, a count
+        beyond the sequence or below an earlier commit.
+        """
+        seq = self._get(seq_id, "commit")
+        n = num_tokens
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(f"commit({seq_id!r}): num_tokens must be an int, got {n!r}")
+        if n > len(seq.tokens):
+            raise ValueError(f"commit({seq_id!r}, {n}): beyond the sequence's "
+                             f"{len(seq.tokens)} tokens")
+        if n < seq.num_committed_tokens:
+            raise ValueError(f"commit({seq_id!r}, {n}): goes backwards; "
+                             f"{seq.num_committed_tokens} tokens are already committed")
+        seq.num_committed_tokens = n
+        if self.events is not None:
+            self.events.append(CacheEvent("commit", seq_id, (), n, None))
+        nfull = n // self._B
+        if self.reuse and nfull > seq.tree_blocks:
+            self._insert(seq, nfull)
+
+    def _insert(self, seq: Sequence, nfull: int) -> None:
+        B = self._B
+        t = seq.tree_blocks
+        deep = seq.last
+        if deep is not None and deep.ref == 1 and not deep.children:
+            # a leaf only this sequence holds: grow it in place, the tree stays compressed
+            deep.key += seq.tokens[t * B:nfull * B].tobytes()
+            deep.blocks += seq.block_ids[t:nfull]
+            seq.tree_blocks = nfull
+            return
+        tree = self.tree
+        parent = deep if deep is not None else tree.root(seq.scope)
+        kb = seq.tokens[t * B:nfull * B].tobytes()
+        if parent.children:
+            m = tree.match(parent, kb, len(kb), partial=False, copy_on_partial=False)
+            if m.hits:  # someone committed the same blocks first: hold theirs
+                last, nb = m.hits[-1]
+                top = tree.split(last, nb) if nb < len(last.blocks) else last
+                self.pool.acquire(top, parent, seq.priority)
+                k = m.num_full_blocks
+                seq.shadow += seq.block_ids[t:t + k]
+                t += k
+                kb = kb[k * tree.block_bytes:]
+                parent = top
+        if t < nfull:
+            node = tree.add_child(parent, kb, seq.block_ids[t:nfull])
+            node.ref = 1
+            node.priority = seq.priority
+            parent = node
+        seq.last = parent
+        seq.tree_blocks = nfull
+
+    def append_tokens(self, seq_id: Hashable, tokens: Seq[int]) -> None:
+        """Append generated tokens, allocating blocks as needed.
+
+        Raises ValueError for bad tokens or an unknown `seq_id`, OutOfBlocksError when the
+        new blocks cannot be had; either way nothing changes.
+        """
+        seq = self._get(seq_id, "append_tokens")
+        arr = to_token_array(tokens, "append_tokens", seq_id)
+        need = (len(seq.tokens) + len(arr) + self._B - 1) // self._B - len(seq.block_ids)
+        if need > 0:
+            pool = self.pool
+            if need > pool.num_available:
+                raise OutOfBlocksError(f"append_tokens({seq_id!r})", need, pool.num_available,
+                                       pool.num_blocks)
+            new, fresh = pool.allocate(need)
+            seq.block_ids += new
+            seq.alloc_total += need
+            seq.alloc_new += fresh
+            c = self._c
+            c.decode_alloc += need
+            c.alloc_total += need
+            c.alloc_new += fresh
+        seq.tokens.extend(arr)
+        if self.events is not None:
+            self.events.append(CacheEvent("append", seq_id, tuple(arr), 0, None))
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """Release a sequence: its committed blocks stay cached, the rest return to the pool.
+
+        A committed partial tail is cached as a partial leaf unless an existing block
+        already starts with it. Pending copy ops of this sequence are dropped.
+        """
+        seq = self._get(seq_id, "free_sequence")
+        del self.sequences[seq_id]
+        if self.events is not None:
+            self.events.append(CacheEvent("free", seq_id, (), 0, None))
+        if self._copy_ops:
+            self._copy_ops = [op for op in self._copy_ops if op[0] != seq_id]
+        pool = self.pool
+        pool.tick()
+        keep = seq.tree_blocks
+        if self.reuse:
+            if seq.num_committed_tokens % self._B and self._cache_tail(seq):
+                keep += 1
+            if seq.last is not None:
+                pool.release(seq.last)
+        pool.free += seq.shadow
+        pool.free += seq.block_ids[keep:]
+
+    def _cache_tail(self, seq: Sequence) -> bool:
+        n = seq.num_committed_tokens
+        start = n - n % self._B
+        tail = seq.tokens[start:n].tobytes()
+        parent = seq.last if seq.last is not None else self.tree.root(seq.scope)
+        for c in parent.children.get(tail[:TOKEN_BYTES], ()):
+            if c.key.startswith(tail):
+                return False
+        node = self.tree.add_child(parent, tail, [seq.block_ids[start // self._B]])
+        node.priority = seq.priority
+        self.pool.add_cached(node)
+        return True
+
+    # ------------------------------------------------------------------ queries
+    def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> int:
+        """Tokens an admission of `tokens` would reuse now. Holds and changes nothing."""
+        arr = to_token_array(tokens, "probe_reuse", None)
+        m = self._match(arr.tobytes(), len(arr), scope_key(scope, "probe_reuse"))
+        return m.num_tokens if m is not None else 0
+
+    def take_copy_ops(self) -> list[BlockCopy]:
+        """Pending copies, in the order they must be applied; the queue is emptied."""
+        ops = [op for _, op in self._copy_ops]
+        self._copy_ops = []
+        return ops
+
+    def get_sequence(self, seq_id: Hashable) -> Sequence:
+        """The live handle of `seq_id`; ValueError if it is not live."""
+        return self._get(seq_id, "get_sequence")
+
+    def _get(self, seq_id: Hashable, where: str) -> Sequence:
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise ValueError(f"{where}: unknown seq_id {seq_id!r} (not admitted, or freed)")
+        return seq
+
+    def stats(self) -> KvCacheStats:
+        """Cumulative statistics (gauges are current)."""
+        pool = self.pool
+        c = self._c
+        free = pool.num_available
+        private = sum(s.num_private_blocks for s in self.sequences.values())
+        return KvCacheStats(
+            max_num_blocks=pool.num_blocks, free_num_blocks=free,
+            used_num_blocks=pool.num_blocks - free, tokens_per_block=self._B,
+            alloc_total_blocks=c.alloc_total, alloc_new_blocks=c.alloc_new,
+            reused_blocks=c.full_reused + c.partial_reused, missed_blocks=c.missed,
+            full_reused_blocks=c.full_reused, partial_reused_blocks=c.partial_reused,
+            reused_tokens=c.reused_tokens, decode_alloc_blocks=c.decode_alloc,
+            copied_blocks=c.copied, claimed_blocks=c.claimed, evicted_blocks=pool.num_evicted,
+            cached_num_blocks=pool.num_blocks - len(pool.free) - private)
+
+    def step_stats(self) -> KvCacheStats:
+        """Counters since the previous `step_stats()` call (since start for the first)."""
+        now = self.stats()
+        base = self._step_base
+        self._step_base = now
+        if base is None:
+            return now
+        return now.minus(base)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant of tree, pool, sequences."""
+        check_manager(self)
+
+    def leak_report(self) -> list[str]:
+        """One line per leak: live sequences, pending copies, stray references."""
+        lines = [f"sequence {s.seq_id!r} is still live, holding {len(s.block_ids)} blocks"
+                 for s in self.sequences.values()]
+        if self._copy_ops:
+            lines.append(f"{len(self._copy_ops)} copy ops were never taken")
+        if not self.sequences:
+            lines += [f"node {node!r} in scope {key!r} has ref {node.ref} with no live sequence"
+                      for key, node in self.tree.walk() if node.ref]
+        free = self.pool.num_available
+        if not self.sequences and free != self.pool.num_blocks:
+            lines.append(f"{self.pool.num_blocks - free} blocks are neither free nor evictable")
+        return lines
+
+    def dump_tree(self) -> str:
+        """The cache tree as text, for failure messages."""
+        return self.tree.dump()

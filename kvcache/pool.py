@@ -1,0 +1,178 @@
+"""BlockPool: free blocks, reference counts and the priority-LRU of evictable leaves.
+
+Every block id is in exactly one place: the free stack (no cached content), a tree node
+(cached; evictable when unreferenced) or a sequence's private list. The pool keeps a
+running count of unreferenced cached blocks, so "how many blocks could I get" is O(1),
+and a heap of evictable leaves ordered by (priority, time of last release) with lazy
+invalidation, so eviction never scans the pool.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from kvcache.radix import BlockRadixTree, Node
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free or evictable blocks; the cache is left exactly as it was."""
+
+    def __init__(self, where: str, needed: int, available: int, capacity: int) -> None:
+        self.needed = needed
+        self.available = available
+        self.capacity = capacity
+        never = " (more than the whole pool: it can never fit)" if needed > capacity else ""
+        super().__init__(f"{where}: needs {needed} new blocks, {available} free or evictable "
+                         f"of {capacity}{never}")
+
+    @property
+    def can_never_fit(self) -> bool:
+        """True when even an empty pool could not satisfy the request."""
+        return self.needed > self.capacity
+
+
+class BlockPool:
+    """Owns block ids and the eviction order; the tree owns the structure."""
+
+    def __init__(self, num_blocks: int, tree: BlockRadixTree) -> None:
+        self.num_blocks = num_blocks
+        self.tree = tree
+        # Popped from the end: low ids first, which keeps small tests readable.
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.num_evictable = 0  # blocks in unreferenced tree nodes
+        self.heap: list[tuple[int, int, int, Node]] = []
+        self._stamp = 0
+        self.clock = 0  # logical time: advanced once per release of a holder
+        self.num_evicted = 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks obtainable now: free plus evictable."""
+        return len(self.free) + self.num_evictable
+
+    def acquire(self, deep: Node, stop: Node | None, priority: int) -> None:
+        """Take one reference on every node from `deep` up to (excluding) `stop`.
+
+        `stop=None` means up to the root. A node's retention priority is the highest of
+        its holders' since it was last unreferenced.
+        """
+        node: Node | None = deep
+        while node is not stop and node is not None and node.parent is not None:
+            if node.ref == 0:
+                self.num_evictable -= len(node.blocks)
+                node.priority = priority
+            elif priority > node.priority:
+                node.priority = priority
+            node.ref += 1
+            node = node.parent
+
+    def tick(self) -> None:
+        """Advance logical time: releases after this are more recent than those before."""
+        self.clock += 1
+
+    def release(self, deep: Node) -> None:
+        """Drop one reference on `deep` and all its ancestors (a holder's whole chain).
+
+        Then re-merges edges that admissions split, wherever parent and only child are
+        again alike in holders, time and priority, so later walks stay short.
+        """
+        node: Node | None = deep
+        while node is not None and node.parent is not None:
+            node.ref -= 1
+            if node.ref == 0:
+                node.last_used = self.clock
+                self.num_evictable += len(node.blocks)
+                if not node.children:
+                    self.push(node)
+            node = node.parent
+        node = deep
+        bb = self.tree.block_bytes
+        while True:
+            top = node.parent
+            if top is None or top.parent is None:
+                return
+            if (len(top.children) == 1 and top.ref == node.ref
+                    and top.last_used == node.last_used and top.priority == node.priority
+                    and len(node.key) >= bb and len(top.children[node.first]) == 1):
+                self.tree.merge(top, node)
+            else:
+                node = top
+
+    def release_node(self, node: Node) -> None:
+        """Drop the single reference taken with `acquire(node, node.parent, ...)`."""
+        node.ref -= 1
+        if node.ref == 0:
+            node.last_used = self.clock
+            self.num_evictable += len(node.blocks)
+            if not node.children:
+                self.push(node)
+
+    def push(self, node: Node) -> None:
+        """Register unreferenced leaf `node` as evictable (older entries go stale)."""
+        self._stamp += 1
+        node.stamp = self._stamp
+        heapq.heappush(self.heap, (node.priority, node.last_used, self._stamp, node))
+        if len(self.heap) > 2 * self.tree.num_nodes + 1024:
+            self._compact()
+
+    def add_cached(self, node: Node) -> None:
+        """Account a freshly attached unreferenced node (a committed partial tail)."""
+        node.last_used = self.clock
+        self.num_evictable += len(node.blocks)
+        self.push(node)
+
+    def forget_cached(self, node: Node) -> None:
+        """Account an unreferenced node leaving the tree without eviction (a claim)."""
+        assert node.ref == 0
+        self.num_evictable -= len(node.blocks)
+
+    def allocate(self, n: int) -> tuple[list[int], int]:
+        """Hand out `n` blocks: free ones first, then evicted ones.
+
+        Returns (ids, how many came from the free stack). The caller has checked
+        `num_available`; running short here is an internal error.
+        """
+        free = self.free
+        if n <= len(free):
+            cut = len(free) - n
+            ids = free[cut:]
+            del free[cut:]
+            return ids, n
+        ids = free[:]
+        free.clear()
+        fresh = len(ids)
+        ids += self._evict(n - fresh)
+        return ids, fresh
+
+    def _evict(self, need: int) -> list[int]:
+        heap = self.heap
+        tree = self.tree
+        out: list[int] = []
+        while need:
+            assert heap, f"eviction ran dry with {need} blocks still needed"
+            _, _, stamp, node = heap[0]
+            if (node.stamp != stamp or node.ref or node.children or node.parent is None):
+                heapq.heappop(heap)
+                continue
+            nb = len(node.blocks)
+            if nb > need:  # evict the tail of the edge; its entry stays valid
+                out += tree.trim(node, need)
+                self.num_evictable -= need
+                self.num_evicted += need
+                break
+            heapq.heappop(heap)
+            out += node.blocks
+            need -= nb
+            self.num_evictable -= nb
+            self.num_evicted += nb
+            parent = tree.detach(node)
+            if parent.parent is not None and parent.ref == 0 and not parent.children:
+                self.push(parent)
+        return out
+
+    def _compact(self) -> None:
+        # in place: _evict may be iterating over this very list
+        self.heap[:] = [e for e in self.heap
+                        if e[3].stamp == e[2] and not e[3].ref and not e[3].children
+                        and e[3].parent is not None]
+        heapq.heapify(self.heap)

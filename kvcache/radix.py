@@ -1,0 +1,315 @@
+"""Block radix tree: keys, match, insert, split and prune of cached KV blocks.
+
+Each reuse scope has its own root. An edge (a `Node`) holds a *run* of full blocks: its
+key is the token bytes of all of them and `blocks` their physical ids, so matching a long
+shared prefix is one C-level byte comparison instead of a Python step per block. Edges
+are split on demand, exactly where a match or a reference starts or stops, so reference
+counts, LRU time and priority are uniform within an edge. A partial block (fewer than
+`tokens_per_block` tokens) only ever appears as a leaf of its own.
+
+Tokens are stored as native unsigned 32-bit integers (`array('I')`); converting a list
+once costs about 3 ns a token and rejects negative and non-integer tokens for free.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+TOKEN_BYTES = array("I").itemsize
+assert TOKEN_BYTES == 4, "kvcache needs a 4-byte C unsigned int"
+_BYTEORDER = sys.byteorder
+
+ScopeKey = Hashable | None
+
+
+@dataclass(frozen=True)
+class ReuseScope:
+    """Who may share cached blocks: requests reuse only blocks of their own scope.
+
+    `ReuseScope()` is the default scope, the same as passing `None`; `salt=0` is a
+    scope of its own, distinct from `salt=None`.
+    """
+
+    salt: int | str | bytes | None = None
+    lora_id: int | None = None
+
+    @property
+    def key(self) -> ScopeKey:
+        """Hashable key of this scope's tree root (None for the default scope)."""
+        if self.salt is None and self.lora_id is None:
+            return None
+        return (self.salt, self.lora_id)
+
+
+def scope_key(scope: ReuseScope | None, where: str = "scope") -> ScopeKey:
+    """Normalize `scope` to its root key; raises ValueError for anything else."""
+    if scope is None:
+        return None
+    if not isinstance(scope, ReuseScope):
+        raise ValueError(f"{where}: expected None or ReuseScope, got {scope!r}")
+    return scope.key
+
+
+def to_token_array(tokens: Sequence[int], op: str, seq_id: Hashable) -> array:
+    """Tokens as `array('I')`; raises ValueError naming the first bad token and the call."""
+    arr = array("I")
+    try:
+        arr.fromlist(tokens if type(tokens) is list else list(tokens))
+    except TypeError:
+        pass
+    except OverflowError:
+        pass
+    else:
+        return arr
+    where = op if seq_id is None else f"{op}({seq_id!r})"
+    for i, tok in enumerate(tokens):
+        if isinstance(tok, bool) or not hasattr(tok, "__index__") or not 0 <= tok < 2**32:
+            raise ValueError(f"{where}: token {i} is {tok!r}; tokens must be integers "
+                             "in [0, 2**32)")
+    raise ValueError(f"{where}: tokens must be a sequence of integers, got {type(tokens)}")
+
+
+class Node:
+    """One edge of the tree: a run of full blocks, or a single partial leaf block.
+
+    `ref` counts the holders (live sequences, or an admission protecting a copy source)
+    whose path runs through this edge; a holder always holds the whole chain up to the
+    root, so a referenced node's ancestors are referenced too and every unreferenced node
+    is evictable once its (unreferenced) descendants are gone.
+    """
+
+    __slots__ = ("blocks", "children", "first", "key", "last_used", "parent", "priority",
+                 "ref", "stamp")
+
+    def __init__(self, key: bytes, blocks: list[int], parent: Node | None) -> None:
+        self.key = key
+        self.blocks = blocks
+        self.parent = parent
+        self.first = key[:TOKEN_BYTES]
+        # children by first token: siblings sharing one are the partial-match candidates
+        self.children: dict[bytes, list[Node]] = {}
+        self.ref = 0
+        self.last_used = 0
+        self.priority = 0
+        self.stamp = 0
+
+    def __repr__(self) -> str:
+        return f"Node(tokens={len(self.key) // TOKEN_BYTES}, blocks={self.blocks}, ref={self.ref})"
+
+
+class PartialHit(NamedTuple):
+    """A partial match inside block `at` of `node` covering `num_tokens` tokens."""
+
+    node: Node
+    at: int
+    num_tokens: int
+    claim: bool  # an unused leaf block: taken over without a copy
+
+
+class ReuseMatch(NamedTuple):
+    """What an admission would reuse; valid only until the tree next changes.
+
+    `hits` lists (node, blocks matched from its start); only the last may stop inside
+    its node. `num_tokens` = num_full_blocks * tokens_per_block + partial tokens.
+    """
+
+    hits: list[tuple[Node, int]]
+    num_full_blocks: int
+    partial: PartialHit | None
+    num_tokens: int
+
+
+def common_prefix_bytes(kb: bytes, off: int, key: bytes, n: int) -> int:
+    """Number of equal leading bytes of kb[off:off+n] and key[:n], in C-level steps."""
+    a = kb[off:off + n]
+    b = key if len(key) == n else key[:n]
+    if a == b:
+        return n
+    x = int.from_bytes(a, "big") ^ int.from_bytes(b, "big")
+    return n - (x.bit_length() + 7) // 8
+
+
+class BlockRadixTree:
+    """Per-scope radix trees of cached blocks. Pure structure: no ref counting policy."""
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.block_bytes = tokens_per_block * TOKEN_BYTES
+        self.roots: dict[ScopeKey, Node] = {}
+        self.num_nodes = 0
+
+    def root(self, key: ScopeKey) -> Node:
+        """The root of scope `key`, created on first use (roots hold no blocks)."""
+        node = self.roots.get(key)
+        if node is None:
+            node = self.roots[key] = Node(b"", [], None)
+        return node
+
+    def match(self, start: Node, kb: bytes, limit: int, *, partial: bool,
+              copy_on_partial: bool) -> ReuseMatch:
+        """Match token bytes `kb[:limit]` below `start`: full blocks, then one partial.
+
+        Pure: mutates nothing. `limit` is in bytes. The partial candidate is taken only
+        when `partial`; an in-use or interior candidate only when `copy_on_partial`.
+        """
+        bb = self.block_bytes
+        full_end = limit - limit % bb
+        startswith = kb.startswith
+        node = start
+        off = 0
+        hits: list[tuple[Node, int]] = []
+        mid: Node | None = None  # set when the walk stopped inside `mid`
+        while off < full_end:
+            cands = node.children.get(kb[off:off + 4])  # 4 == TOKEN_BYTES
+            if cands is None:
+                break
+            nb = 0
+            for c in cands:
+                klen = len(c.key)
+                if klen < bb:
+                    continue
+                if off + klen <= full_end and startswith(c.key, off):
+                    nb = len(c.blocks)
+                else:
+                    nb = common_prefix_bytes(kb, off, c.key, min(klen, full_end - off)) // bb
+                if nb:
+                    hits.append((c, nb))
+                    off += nb * bb
+                    if nb < len(c.blocks):
+                        mid = c
+                    node = c
+                    break
+            if not nb or mid is not None:
+                break
+        num_full = off // bb
+        hit = None
+        if partial and limit - off >= TOKEN_BYTES:
+            hit = self._partial(node, mid, hits, kb, off, limit, copy_on_partial)
+        ntok = off // TOKEN_BYTES + (hit.num_tokens if hit is not None else 0)
+        return ReuseMatch(hits, num_full, hit, ntok)
+
+    def _partial(self, node: Node, mid: Node | None, hits: list[tuple[Node, int]], kb: bytes,
+                 off: int, limit: int, copy_on_partial: bool) -> PartialHit | None:
+        bb = self.block_bytes
+        rem = min(limit - off, bb)
+        if mid is not None:  # the only candidate is the next block inside `mid`
+            index = hits[-1][1]
+            claim = mid.ref == 0 and not mid.children and index == len(mid.blocks) - 1
+            if not (claim or copy_on_partial):
+                return None
+            block = mid.key[index * bb:(index + 1) * bb]
+            n = common_prefix_bytes(kb, off, block, rem) // TOKEN_BYTES
+            return PartialHit(mid, index, n, claim) if n else None
+        best: PartialHit | None = None
+        for c in node.children.get(kb[off:off + TOKEN_BYTES], ()):
+            claim = c.ref == 0 and not c.children and len(c.blocks) == 1
+            if not (claim or copy_on_partial):
+                continue
+            n = common_prefix_bytes(kb, off, c.key, min(rem, len(c.key))) // TOKEN_BYTES
+            if best is None or n > best.num_tokens or (n == best.num_tokens and claim):
+                best = PartialHit(c, 0, n, claim)
+        return best if best is not None and best.num_tokens else None
+
+    def add_child(self, parent: Node, key: bytes, blocks: list[int]) -> Node:
+        """Attach a new unreferenced node under `parent` and return it."""
+        node = Node(key, blocks, parent)
+        parent.children.setdefault(node.first, []).append(node)
+        self.num_nodes += 1
+        return node
+
+    def split(self, node: Node, nblocks: int) -> Node:
+        """Split `node` after its first `nblocks` blocks; returns the new upper node.
+
+        `node` keeps the lower part (and its children, heap entries and the holders that
+        end in it), so holders' chains stay valid; the upper part copies ref, time and
+        priority, as every holder of `node` holds both parts.
+        """
+        assert 0 < nblocks < len(node.blocks), (nblocks, node)
+        parent = node.parent
+        assert parent is not None
+        cut = nblocks * self.block_bytes
+        top = Node(node.key[:cut], node.blocks[:nblocks], parent)
+        top.ref, top.last_used, top.priority = node.ref, node.last_used, node.priority
+        siblings = parent.children[node.first]
+        siblings[siblings.index(node)] = top
+        node.key = node.key[cut:]
+        node.first = node.key[:TOKEN_BYTES]
+        del node.blocks[:nblocks]
+        node.parent = top
+        top.children[node.first] = [node]
+        self.num_nodes += 1
+        return top
+
+    def merge(self, top: Node, node: Node) -> None:
+        """Fold `top` into its only child `node` (the inverse of `split`).
+
+        Callers merge only when both parts have the same holders, time and priority, so
+        nothing observable changes; `node` survives, keeping the holders that end in it.
+        """
+        parent = top.parent
+        assert parent is not None and node.parent is top and len(top.children) == 1
+        node.key = top.key + node.key
+        node.blocks = top.blocks + node.blocks
+        node.first = top.first
+        node.parent = parent
+        siblings = parent.children[top.first]
+        siblings[siblings.index(top)] = node
+        top.parent = None  # stale heap entries of `top` now fail validation
+        top.children = {}
+        self.num_nodes -= 1
+
+    def detach(self, node: Node) -> Node:
+        """Remove leaf `node` from the tree; returns its former parent."""
+        assert not node.children, node
+        parent = node.parent
+        assert parent is not None, "cannot detach a root"
+        siblings = parent.children[node.first]
+        siblings.remove(node)
+        if not siblings:
+            del parent.children[node.first]
+        node.parent = None
+        self.num_nodes -= 1
+        return parent
+
+    def trim(self, node: Node, nblocks: int) -> list[int]:
+        """Drop the last `nblocks` blocks of leaf `node`; returns their ids."""
+        assert not node.children and 0 < nblocks < len(node.blocks), (nblocks, node)
+        keep = len(node.blocks) - nblocks
+        ids = node.blocks[keep:]
+        del node.blocks[keep:]
+        node.key = node.key[:keep * self.block_bytes]
+        return ids
+
+    def walk(self) -> Iterator[tuple[ScopeKey, Node]]:
+        """Every non-root node with its scope key, parents before children."""
+        for key, root in self.roots.items():
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for siblings in node.children.values():
+                    for child in siblings:
+                        yield key, child
+                        stack.append(child)
+
+    def dump(self, max_nodes: int = 200) -> str:
+        """A readable picture of the tree for failure messages."""
+        lines: list[str] = []
+        for key, root in self.roots.items():
+            lines.append(f"scope {key!r}")
+            stack = [(root, 1)]
+            while stack and len(lines) < max_nodes:
+                node, depth = stack.pop()
+                for siblings in node.children.values():
+                    for child in siblings:
+                        toks = array("I", child.key).tolist()
+                        head = toks[:8]
+                        more = "..." if len(toks) > 8 else ""
+                        lines.append(f"{'  ' * depth}{head}{more} tokens={len(toks)} "
+                                     f"blocks={child.blocks} ref={child.ref} "
+                                     f"prio={child.priority} t={child.last_used}")
+                        stack.append((child, depth + 1))
+        return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""KvCacheStats (cumulative) and per-request KV metrics, with TensorRT-LLM's names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+# snake_case field -> TensorRT-LLM's camelCase name
+_CAMEL = {
+    "max_num_blocks": "maxNumBlocks",
+    "free_num_blocks": "freeNumBlocks",
+    "used_num_blocks": "usedNumBlocks",
+    "tokens_per_block": "tokensPerBlock",
+    "alloc_total_blocks": "allocTotalBlocks",
+    "alloc_new_blocks": "allocNewBlocks",
+    "reused_blocks": "reusedBlocks",
+    "missed_blocks": "missedBlocks",
+    "full_reused_blocks": "fullReusedBlocks",
+    "partial_reused_blocks": "partialReusedBlocks",
+    "reused_tokens": "reusedTokens",
+    "decode_alloc_blocks": "decodeAllocBlocks",
+    "copied_blocks": "copiedBlocks",
+    "claimed_blocks": "claimedBlocks",
+    "evicted_blocks": "evictedBlocks",
+    "cached_num_blocks": "cachedNumBlocks",
+}
+GAUGES = frozenset({"max_num_blocks", "free_num_blocks", "used_num_blocks", "tokens_per_block",
+                    "cached_num_blocks"})
+
+
+@dataclass(frozen=True)
+class KvCacheStats:
+    """A snapshot of the cache's counters.
+
+    Gauges (max/free/used/cached blocks, tokens per block) are current values; the other
+    fields count since start (`stats()`) or since the previous `step_stats()` call.
+    A block no sequence references counts as free, cached or not. Missed blocks are the
+    prompt blocks not reused (the one holding the last prompt token included); decode
+    allocations are counted apart in `decode_alloc_blocks`. `alloc_total_blocks` counts
+    every block handed to a request other than a reuse hit (copy targets included) and
+    `alloc_new_blocks` those of them obtained without evicting cached content.
+    """
+
+    max_num_blocks: int
+    free_num_blocks: int
+    used_num_blocks: int
+    tokens_per_block: int
+    alloc_total_blocks: int = 0
+    alloc_new_blocks: int = 0
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+    full_reused_blocks: int = 0
+    partial_reused_blocks: int = 0
+    reused_tokens: int = 0
+    decode_alloc_blocks: int = 0
+    copied_blocks: int = 0
+    claimed_blocks: int = 0
+    evicted_blocks: int = 0
+    cached_num_blocks: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """reused / (reused + missed); 0.0 when nothing was admitted."""
+        total = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / total if total else 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        """TensorRT-LLM's camelCase names, `cacheHitRate` included."""
+        out: dict[str, int | float] = {_CAMEL[f.name]: getattr(self, f.name)
+                                       for f in fields(self)}
+        out["cacheHitRate"] = self.cache_hit_rate
+        return out
+
+    def minus(self, earlier: KvCacheStats) -> KvCacheStats:
+        """Counters since `earlier`; gauges stay as in `self`."""
+        values = {f.name: getattr(self, f.name) if f.name in GAUGES
+                  else getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
+        return KvCacheStats(**values)
+
+
+class RequestKvMetrics(NamedTuple):
+    """Per-request KV metrics, named as TensorRT-LLM names them."""
+
+    num_total_allocated_blocks: int
+    num_new_allocated_blocks: int
+    num_reused_blocks: int
+    num_missed_blocks: int
+    num_full_reused_blocks: int
+    num_partial_reused_blocks: int
+    num_reused_tokens: int
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        """reused / (reused + missed) for this request's prompt; 0.0 for none."""
+        total = self.num_reused_blocks + self.num_missed_blocks
+        return self.num_reused_blocks / total if total else 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Field names plus kv_cache_hit_rate."""
+        out: dict[str, int | float] = dict(self._asdict())
+        out["kv_cache_hit_rate"] = self.kv_cache_hit_rate
+        return out
