@@ -22,16 +22,8 @@ from torch import Tensor, nn
 LayerType = Literal["attention", "recurrent"]
 LAYER_TYPES: tuple[LayerType, ...] = ("attention", "recurrent")
 
-_POSITIVE_INTS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "max_position_embeddings",
-)
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,6 +78,8 @@ class ModelConfig:
         self._normalise_layer_types()
 
     def _normalise_layer_types(self) -> None:
+        if not isinstance(self.layer_types, tuple | list):
+            raise ValueError(f"ModelConfig.layer_types={self.layer_types!r} must be a tuple")
         # object.__setattr__: the dataclass is frozen; this runs once, inside __init__.
         types = tuple(self.layer_types) or ("attention",) * self.num_layers
         object.__setattr__(self, "layer_types", types)
@@ -233,21 +227,19 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
-        self.wqkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
-        self.wo = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.wo = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
         tokens = x.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), rope)  # [T, Hq, D]
         k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), rope)  # [T, Hkv, D]
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
         out = ctx.attention(self.layer, q, k, v)  # [T, Hq, D]
-        return self.wo(out.reshape(tokens, q_size))  # [T, hidden]
+        return self.wo(out.reshape(tokens, self.q_size))  # [T, hidden]
 
 
 class Recurrence(nn.Module):
@@ -359,12 +351,14 @@ class Transformer(nn.Module):
         """
         generator = torch.Generator().manual_seed(seed)
         for name, param in self.named_parameters():  # tied weights are listed once
+            # device="cpu" explicitly: a `with torch.device(...)` around the constructor
+            # must not move the draws off the generator's device.
             if name.endswith("norm.weight"):
-                value = torch.ones(param.shape)
+                value = torch.ones(param.shape, device="cpu")
             elif name.endswith("decay"):
-                value = torch.rand(param.shape, generator=generator) * 4
+                value = torch.rand(param.shape, generator=generator, device="cpu") * 4
             else:
-                value = torch.randn(param.shape, generator=generator) * std
+                value = torch.randn(param.shape, generator=generator, device="cpu") * std
             param.copy_(value)
 
     def forward(

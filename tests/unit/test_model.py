@@ -120,6 +120,7 @@ TINY_FIELDS: dict[str, Any] = dataclasses.asdict(PRESETS["tiny"])
         pytest.param("rms_norm_eps", -1e-5, "rms_norm_eps=-1e-05", id="eps-negative"),
         pytest.param("tie_word_embeddings", "yes", "tie_word_embeddings='yes'", id="tie-str"),
         pytest.param("sliding_window", 0, "sliding_window=0", id="window-zero"),
+        pytest.param("layer_types", "attention", "layer_types='attention' must be a tuple", id="types-str"),
         pytest.param("layer_types", ("attention",) * 3, "3 entries, num_layers=4", id="types-len"),
         pytest.param(
             "layer_types", ("attention", "mamba", "attention", "attention"), r"\[1\]='mamba'",

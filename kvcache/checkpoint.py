@@ -1,0 +1,402 @@
+"""Hugging Face-format checkpoints: config.json plus *.safetensors, read and written.
+
+Reads model_type "llama" and "mistral" (Llama plus a sliding window). Our presets are
+written in the same format; hybrid presets (with recurrent layers) have no HF
+architecture and are written as model_type "kvcache_hybrid": the Llama layout plus
+`layer_types` and `model.layers.N.recurrence.*` tensors, readable only here.
+
+Weights are read with safetensors only. Pickle-based files (*.bin, *.pt) are refused:
+unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from kvcache.model import ModelConfig, Transformer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+HYBRID_MODEL_TYPE = "kvcache_hybrid"
+MODEL_TYPES = ("llama", "mistral", HYBRID_MODEL_TYPE)
+_DEFAULT_ROPE_THETA = 10000.0  # HF Llama's value when a config names none
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, HYBRID_MODEL_TYPE: 4096}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+# safetensors dtype codes we accept; ints, fp8 and f64 are refused.
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# Older HF Llama exports saved this non-learned RoPE buffer; it carries no information.
+_IGNORED_SUFFIX = "rotary_emb.inv_freq"
+
+# HF name -> our name, per layer kind, relative to model.layers.N. / layers.N.
+_COMMON_RENAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_MIXER_RENAMES = {
+    "attention": {"self_attn.o_proj.weight": "mixer.wo.weight"},
+    "recurrent": {
+        "recurrence.in_proj.weight": "mixer.win.weight",
+        "recurrence.out_proj.weight": "mixer.wo.weight",
+        "recurrence.decay": "mixer.decay",
+    },
+}
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_GLOBAL_RENAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the key or tensor and file."""
+
+
+def load_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """Parse an HF config.json (`path` is the file or its directory) into a ModelConfig.
+
+    Keys that would change the math (activation, biases, RoPE scaling, quantisation) are
+    checked; the rest of HF's keys (token ids, dtype, architectures) are metadata.
+    Raises FileNotFoundError without config.json, CheckpointError for anything unsupported.
+    """
+    file = Path(path) / CONFIG_FILE if Path(path).is_dir() else Path(path)
+    raw = _read_json(file)
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(
+            f"{file}: model_type={model_type!r} is not supported; supported: {MODEL_TYPES}"
+        )
+    _check_supported(raw, file, model_type)
+    hidden, heads = _require(raw, "hidden_size", file), _require(raw, "num_attention_heads", file)
+    try:
+        return ModelConfig(
+            vocab_size=_require(raw, "vocab_size", file),
+            hidden_size=hidden,
+            intermediate_size=_require(raw, "intermediate_size", file),
+            num_layers=_require(raw, "num_hidden_layers", file),
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,  # HF: None means MHA
+            head_dim=raw.get("head_dim") or _derived_head_dim(hidden, heads),
+            rope_theta=_rope_theta(raw, file),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            sliding_window=raw.get("sliding_window"),
+            max_position_embeddings=raw.get(
+                "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type]
+            ),
+            layer_types=tuple(raw.get("layer_types", ())),
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"{file}: {exc}") from exc
+
+
+def load_pretrained(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Transformer:
+    """Build a Transformer from an HF checkpoint directory (config.json + *.safetensors).
+
+    Every tensor is checked before any is loaded: all problems (missing, unexpected, wrong
+    shape, non-float dtype) are reported together, each naming tensor and file.
+    Raises CheckpointError, FileNotFoundError, or ValueError for a non-float `dtype`.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"load_pretrained(dtype={dtype}): expected a floating dtype")
+    directory = Path(path)
+    config = load_config(directory)
+    stored = _scan(_weight_files(directory))
+    _validate(directory, stored, config)
+    hf: dict[str, Tensor] = {}
+    for file in sorted({s.file for s in stored.values()}):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                if not name.endswith(_IGNORED_SUFFIX):
+                    hf[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+    # Some exports store a tied head anyway; accept it only if it equals the embedding.
+    head = hf.pop("lm_head.weight", None) if config.tie_word_embeddings else None
+    if head is not None and not torch.equal(head, hf["model.embed_tokens.weight"]):
+        raise CheckpointError(
+            f"{stored['lm_head.weight'].file}: tie_word_embeddings is true but lm_head.weight "
+            "differs from model.embed_tokens.weight"
+        )
+    with torch.device("meta"):  # no allocation or init: every tensor is assigned below
+        model = Transformer(config, seed=None)
+    model.load_state_dict(_to_ours(hf, config), strict=True, assign=True)
+    model.tie_weights()  # assign=True replaced the shared Parameter by two
+    return model
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
+    """Write `model` as config.json + model.safetensors in `path` (created if needed)."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    dtype = model.tok_embeddings.weight.dtype
+    (directory / CONFIG_FILE).write_text(json.dumps(_hf_config(config, dtype), indent=2) + "\n")
+    save_file(_to_hf(model), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no such file (an HF checkpoint needs {CONFIG_FILE})")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file}: not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _require(raw: dict[str, Any], key: str, file: Path) -> Any:
+    if raw.get(key) is None:
+        raise CheckpointError(f"{file}: required key {key!r} is missing")
+    return raw[key]
+
+
+def _derived_head_dim(hidden: Any, heads: Any) -> Any:
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    raise ValueError(
+        f"head_dim is absent and hidden_size={hidden!r} / heads={heads!r} is not whole"
+    )
+
+
+def _check_supported(raw: dict[str, Any], file: Path, model_type: str) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{file}: hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
+    for key in ("attention_bias", "mlp_bias", "quantization_config"):
+        if raw.get(key):
+            raise CheckpointError(f"{file}: {key}={raw[key]!r} is not supported")
+    if model_type == "llama" and raw.get("sliding_window") is not None:
+        raise CheckpointError(
+            f"{file}: sliding_window={raw['sliding_window']!r} with model_type 'llama' (HF's "
+            "Llama ignores it); use model_type 'mistral' for a sliding window"
+        )
+    if model_type != HYBRID_MODEL_TYPE and "layer_types" in raw:
+        raise CheckpointError(f"{file}: layer_types is only read for {HYBRID_MODEL_TYPE!r}")
+
+
+def _rope_theta(raw: dict[str, Any], file: Path) -> Any:
+    """RoPE base from old top-level `rope_theta` or newer `rope_parameters` (both agree)."""
+    scaling = raw.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind != "default":
+            raise CheckpointError(
+                f"{file}: rope_scaling={scaling!r} is not supported (only default RoPE)"
+            )
+    top = raw.get("rope_theta")
+    params = raw.get("rope_parameters")
+    if params is None:
+        return _DEFAULT_ROPE_THETA if top is None else top
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{file}: rope_parameters={params!r} must be an object")
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise CheckpointError(
+            f"{file}: rope_parameters.rope_type={kind!r} is not supported (only 'default')"
+        )
+    unknown = sorted(set(params) - {"rope_type", "rope_theta"})
+    if unknown:
+        raise CheckpointError(f"{file}: rope_parameters has unsupported keys {unknown}")
+    theta = params.get("rope_theta", top)
+    if top is not None and theta != top:
+        raise CheckpointError(
+            f"{file}: rope_theta={top!r} disagrees with rope_parameters.rope_theta={theta!r}"
+        )
+    return _DEFAULT_ROPE_THETA if theta is None else theta
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_FILE
+    if index.is_file():
+        # Some repositories hold extra safetensors (e.g. consolidated.safetensors in another
+        # naming scheme); the index says which files make up the HF model.
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists files that do not exist: {missing}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{directory}: only pickle-based weights {pickles}; refusing to unpickle "
+            "(convert them to safetensors)"
+        )
+    raise FileNotFoundError(f"{directory}: no *.safetensors weight files")
+
+
+class _Stored(NamedTuple):
+    """Where a tensor lives and what its safetensors header says (nothing loaded yet)."""
+
+    file: Path
+    shape: list[int]
+    dtype: str  # safetensors code: "F32", "BF16", "I64", ...
+
+
+def _scan(files: list[Path]) -> dict[str, _Stored]:
+    stored: dict[str, _Stored] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                if name in stored:
+                    raise CheckpointError(
+                        f"tensor {name!r} is in both {stored[name].file} and {file}"
+                    )
+                view = handle.get_slice(name)
+                stored[name] = _Stored(file, list(view.get_shape()), view.get_dtype())
+    return stored
+
+
+def _validate(directory: Path, stored: dict[str, _Stored], config: ModelConfig) -> None:
+    expected = _hf_shapes(config)
+    if config.tie_word_embeddings:  # allowed, not required: see load_pretrained
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    files = sorted({str(s.file) for s in stored.values()})
+    problems = [
+        f"tensor {name!r} is missing: expected shape {list(shape)} in {files}"
+        for name, shape in expected.items()
+        if name not in stored and not (name == "lm_head.weight" and config.tie_word_embeddings)
+    ]
+    for name, (file, shape, dtype) in stored.items():
+        if name.endswith(_IGNORED_SUFFIX):
+            continue
+        if name not in expected:
+            problems.append(f"tensor {name!r} in {file} is unexpected for this config")
+            continue
+        if shape != list(expected[name]):
+            problems.append(
+                f"tensor {name!r} in {file}: expected shape {list(expected[name])}, got {shape}"
+            )
+        if dtype not in _FLOAT_DTYPES:
+            problems.append(
+                f"tensor {name!r} in {file}: expected dtype one of {sorted(_FLOAT_DTYPES)}, "
+                f"got {dtype}"
+            )
+    if problems:
+        raise CheckpointError(
+            f"{directory}: weights do not match {CONFIG_FILE}:\n  " + "\n  ".join(problems)
+        )
+
+
+def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for every tensor a checkpoint of `config` must hold."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    mixer_shapes: dict[str, dict[str, tuple[int, ...]]] = {
+        "attention": {
+            "self_attn.q_proj.weight": (q_size, hidden),
+            "self_attn.k_proj.weight": (kv_size, hidden),
+            "self_attn.v_proj.weight": (kv_size, hidden),
+            "self_attn.o_proj.weight": (hidden, q_size),
+        },
+        "recurrent": {
+            "recurrence.in_proj.weight": (hidden, hidden),
+            "recurrence.out_proj.weight": (hidden, hidden),
+            "recurrence.decay": (hidden,),
+        },
+    }
+    for layer, kind in enumerate(config.layer_types):
+        layer_shapes = {
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "mlp.gate_proj.weight": (inter, hidden),
+            "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+        } | mixer_shapes[kind]
+        shapes |= {f"model.layers.{layer}.{name}": shape for name, shape in layer_shapes.items()}
+    return shapes
+
+
+def _to_ours(hf: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    ours = {our: hf[name] for name, our in _GLOBAL_RENAMES.items() if name in hf}
+    if config.tie_word_embeddings:
+        ours["output.weight"] = ours["tok_embeddings.weight"]
+    for layer, kind in enumerate(config.layer_types):
+        prefix = f"model.layers.{layer}."
+        for name, our in (_COMMON_RENAMES | _MIXER_RENAMES[kind]).items():
+            ours[f"layers.{layer}.{our}"] = hf[prefix + name]
+        if kind == "attention":
+            qkv = [hf[prefix + name] for name in _QKV]
+            ours[f"layers.{layer}.mixer.wqkv.weight"] = torch.cat(qkv)  # [q + 2 kv, hidden]
+    return ours
+
+
+def _to_hf(model: Transformer) -> dict[str, Tensor]:
+    config = model.config
+    # clone(): safetensors refuses views and tensors that share storage (tied, split qkv).
+    ours = {name: t.detach().cpu() for name, t in model.state_dict().items()}
+    hf = {name: ours[our].clone() for name, our in _GLOBAL_RENAMES.items()}
+    if config.tie_word_embeddings:
+        del hf["lm_head.weight"]  # HF omits the tied head
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    for layer, kind in enumerate(config.layer_types):
+        prefix = f"model.layers.{layer}."
+        for name, our in (_COMMON_RENAMES | _MIXER_RENAMES[kind]).items():
+            hf[prefix + name] = ours[f"layers.{layer}.{our}"].clone()
+        if kind == "attention":
+            parts = ours[f"layers.{layer}.mixer.wqkv.weight"].split([q_size, kv_size, kv_size])
+            hf |= {prefix + name: part.clone() for name, part in zip(_QKV, parts, strict=True)}
+    return hf
+
+
+def _hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    if config.has_recurrent_layers:
+        model_type = HYBRID_MODEL_TYPE
+    else:
+        model_type = "llama" if config.sliding_window is None else "mistral"
+    raw: dict[str, Any] = {
+        "model_type": model_type,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        # Both RoPE forms, so transformers 4.x (rope_theta) and 5.x (rope_parameters) agree.
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if model_type in _ARCHITECTURES:
+        raw["architectures"] = [_ARCHITECTURES[model_type]]
+    if model_type != "llama":
+        raw["sliding_window"] = config.sliding_window
+    if model_type == HYBRID_MODEL_TYPE:
+        raw["layer_types"] = list(config.layer_types)
+    return raw

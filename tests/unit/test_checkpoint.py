@@ -1,0 +1,283 @@
+"""HF-format checkpoints: parity with transformers' Llama/Mistral, our own round trip,
+and clear refusals of checkpoints we cannot load."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+)
+
+from kvcache.checkpoint import CheckpointError, load_config, load_pretrained, save_pretrained
+from kvcache.model import PRESETS, ModelConfig, Transformer
+
+HF_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    # A non-default base, so a loader that ignored it would fail parity.
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "attn_implementation": "eager",
+}
+
+
+class FullContext:
+    """Recomputes the whole sequence each call: causal (plus window) SDPA, no cache."""
+
+    def __init__(self, config: ModelConfig, length: int) -> None:
+        self.config = config
+        self.seq_lens = [length]
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        pos = torch.arange(q.shape[0])
+        allowed = pos[None, :] <= pos[:, None]  # [T, T]: key j <= query i
+        if self.config.window_left >= 0:
+            allowed &= pos[:, None] - pos[None, :] <= self.config.window_left
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed, enable_gqa=True
+        )  # [Hq, T, D]
+        return out.transpose(0, 1)
+
+    def recurrent_state(self, layer: int) -> Tensor:
+        return torch.zeros(1, self.config.hidden_size)
+
+    def set_recurrent_state(self, layer: int, state: Tensor) -> None:
+        """Discarded: every call recomputes the sequence from its start."""
+
+
+def logits(model: Transformer, ids: list[int]) -> Tensor:
+    ctx = FullContext(model.config, len(ids))
+    return model(torch.tensor(ids), torch.arange(len(ids)), ctx)
+
+
+def greedy(model: Transformer, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(logits(model, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def random_hf(cls: type[PreTrainedModel], config: LlamaConfig | MistralConfig) -> PreTrainedModel:
+    """An HF model with every weight random, norms included (HF inits them to 1, which would
+    hide swapped norms), scaled so the logits spread and ties are unlikely."""
+    torch.manual_seed(0)
+    model = cls(config).eval().requires_grad_(False)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape) * (0.1 if name.endswith("norm.weight") else 0.15)
+        param.copy_(noise + 1 if name.endswith("norm.weight") else noise)
+    return model
+
+
+def prompt(n: int, vocab: int = 128, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(model: PreTrainedModel, ids: list[int]) -> Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def edit_json(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+
+
+@pytest.fixture(scope="module")
+def hf_llama() -> PreTrainedModel:
+    return random_hf(LlamaForCausalLM, LlamaConfig(**HF_SHAPE))
+
+
+@pytest.fixture
+def llama_dir(tmp_path: Path, hf_llama: PreTrainedModel) -> Path:
+    hf_llama.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def rope_to_top_level(raw: dict[str, Any]) -> None:
+    raw["rope_theta"] = raw.pop("rope_parameters")["rope_theta"]
+
+
+@pytest.mark.parametrize(
+    "rope_edit",
+    [pytest.param(None, id="rope-parameters"), pytest.param(rope_to_top_level, id="rope-theta")],
+)
+def test_llama_parity(
+    llama_dir: Path, hf_llama: PreTrainedModel, rope_edit: Callable[[dict[str, Any]], None] | None
+) -> None:
+    if rope_edit is not None:
+        edit_json(llama_dir / "config.json", rope_edit)
+    model = load_pretrained(llama_dir).requires_grad_(False)
+    assert model.config.rope_theta == 1000.0
+    ids = prompt(20)
+    torch.testing.assert_close(logits(model, ids), hf_logits(hf_llama, ids), atol=1e-4, rtol=0)
+    expected = hf_llama.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)
+    assert greedy(model, ids, 8) == expected[0, len(ids) :].tolist()
+
+
+def test_mistral_sliding_window_parity(tmp_path: Path) -> None:
+    hf = random_hf(MistralForCausalLM, MistralConfig(**HF_SHAPE, sliding_window=8))
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path).requires_grad_(False)
+    assert (model.config.sliding_window, model.config.window_left) == (8, 7)
+    ids = prompt(24)  # three windows long, so the window changes the logits
+    torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_tied_and_sharded_parity(tmp_path: Path) -> None:
+    hf = random_hf(LlamaForCausalLM, LlamaConfig(**HF_SHAPE, tie_word_embeddings=True))
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    # A stray file outside the index (repositories ship such) must not be read.
+    save_file({"unrelated": torch.zeros(1)}, str(tmp_path / "consolidated.safetensors"))
+    model = load_pretrained(tmp_path).requires_grad_(False)
+    assert model.output.weight is model.tok_embeddings.weight
+    ids = prompt(16)
+    torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_save_load_round_trip(tmp_path: Path, name: str) -> None:
+    model = Transformer(PRESETS[name], seed=3).requires_grad_(False)
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path).requires_grad_(False)
+    assert loaded.config == model.config
+    original, restored = model.state_dict(), loaded.state_dict()
+    assert original.keys() == restored.keys()
+    assert all(torch.equal(original[k], restored[k]) for k in original)
+    assert torch.equal(logits(loaded, prompt(12, 512)), logits(model, prompt(12, 512)))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "tiny-swa"])
+def test_saved_presets_load_in_transformers(tmp_path: Path, name: str) -> None:
+    model = Transformer(PRESETS[name], seed=4).requires_grad_(False)
+    save_pretrained(model, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids = prompt(40, 512)
+    torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_load_casts_to_requested_dtype(llama_dir: Path) -> None:
+    model = load_pretrained(llama_dir, dtype=torch.bfloat16).requires_grad_(False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert logits(model, prompt(8)).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"dtype=torch\.int32"):
+        load_pretrained(llama_dir, dtype=torch.int32)
+
+
+WEIGHTS = "model.safetensors"
+UP_PROJ = "model.layers.1.mlp.up_proj.weight"
+
+
+def drop_up_proj(tensors: dict[str, Tensor]) -> None:
+    del tensors[UP_PROJ]
+
+
+def add_bias(tensors: dict[str, Tensor]) -> None:
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+
+
+def shrink_k_proj(tensors: dict[str, Tensor]) -> None:
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+
+
+def int_norm(tensors: dict[str, Tensor]) -> None:
+    tensors["model.norm.weight"] = torch.ones(64, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        pytest.param(drop_up_proj, rf"'{UP_PROJ}' is missing: expected shape \[128, 64\]", id="missing"),
+        pytest.param(add_bias, r"'model.layers.0.self_attn.q_proj.bias' in .*model.safetensors is unexpected", id="unexpected"),
+        pytest.param(shrink_k_proj, r"k_proj.weight' in .*model.safetensors: expected shape \[32, 64\], got \[16, 64\]", id="shape"),
+        pytest.param(int_norm, r"'model.norm.weight' in .*: expected dtype one of \['BF16', 'F16', 'F32'\], got I64", id="dtype"),
+    ],
+)  # fmt: skip
+def test_load_rejects_bad_tensors(
+    llama_dir: Path, edit: Callable[[dict[str, Tensor]], None], match: str
+) -> None:
+    tensors = load_file(llama_dir / WEIGHTS)
+    edit(tensors)
+    save_file(tensors, str(llama_dir / WEIGHTS))
+    with pytest.raises(CheckpointError, match=match):
+        load_pretrained(llama_dir)
+
+
+def test_load_rejects_tied_head_that_differs(tmp_path: Path) -> None:
+    save_pretrained(Transformer(PRESETS["tiny-tied"], seed=0), tmp_path)
+    tensors = load_file(tmp_path / WEIGHTS)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+    save_file(tensors, str(tmp_path / WEIGHTS))
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight differs from model\.embed_tokens"):
+        load_pretrained(tmp_path)
+
+
+def set_key(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(raw: dict[str, Any]) -> None:
+        raw[key] = value
+
+    return edit
+
+
+def set_rope_type(raw: dict[str, Any]) -> None:
+    raw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0}
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        pytest.param(set_key("model_type", "gpt2"), "model_type='gpt2' is not supported", id="model-type"),
+        pytest.param(set_rope_type, "rope_parameters.rope_type='llama3' is not supported", id="rope-type"),
+        pytest.param(set_key("rope_scaling", {"type": "linear", "factor": 2.0}), "rope_scaling=.*linear", id="rope-scaling"),
+        pytest.param(set_key("rope_theta", 5.0), r"rope_theta=5.0 disagrees with rope_parameters.rope_theta=1000.0", id="rope-conflict"),
+        pytest.param(set_key("hidden_act", "gelu"), "hidden_act='gelu'", id="activation"),
+        pytest.param(set_key("attention_bias", True), "attention_bias=True", id="bias"),
+        pytest.param(set_key("sliding_window", 16), "sliding_window=16 with model_type 'llama'", id="llama-window"),
+        pytest.param(set_key("hidden_size", None), "required key 'hidden_size' is missing", id="missing-key"),
+        pytest.param(set_key("num_key_value_heads", 3), "num_heads=4 is not a multiple of num_kv_heads=3", id="bad-value"),
+    ],
+)  # fmt: skip
+def test_load_config_rejects(
+    llama_dir: Path, edit: Callable[[dict[str, Any]], None], match: str
+) -> None:
+    edit_json(llama_dir / "config.json", edit)
+    with pytest.raises(CheckpointError, match=match) as info:
+        load_config(llama_dir)
+    assert str(llama_dir / "config.json") in str(info.value)
+
+
+def test_missing_config_json(llama_dir: Path) -> None:
+    (llama_dir / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        load_pretrained(llama_dir)
+
+
+def test_pickle_only_directory_is_refused(llama_dir: Path) -> None:
+    (llama_dir / WEIGHTS).unlink()
+    # Not a valid pickle: if the loader tried to unpickle it, the error would differ.
+    (llama_dir / "pytorch_model.bin").write_bytes(b"never unpickled")
+    with pytest.raises(CheckpointError, match=r"\['pytorch_model.bin'\]; refusing to unpickle"):
+        load_pretrained(llama_dir)
+    (llama_dir / "pytorch_model.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_pretrained(llama_dir)
