@@ -290,6 +290,11 @@ class KVCacheManager:
         m = self._match(arr.tobytes(), len(arr), scope_key(scope, "probe_reuse"))
         return m.num_tokens if m is not None else 0
 
+    @property
+    def pending_copy_ops(self) -> list[BlockCopy]:
+        """Copies queued and not yet taken (a copy of the queue; read-only view)."""
+        return [op for _, op in self._copy_ops]
+
     def take_copy_ops(self) -> list[BlockCopy]:
         """Pending copies, in the order they must be applied; the queue is emptied."""
         ops = [op for _, op in self._copy_ops]

@@ -1,0 +1,259 @@
+"""KVCacheManager reuse rules, each with hand-computed numbers (DESIGN.md, reuse semantics)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import pytest
+
+from kvcache import BlockCopy, KVCacheManager, ReuseScope
+
+
+def run_request(mgr: KVCacheManager, seq_id: Hashable, tokens: list[int],
+                generated: Sequence[int] = (), scope: ReuseScope | None = None) -> int:
+    """Admit, compute and finish one request as an engine does; returns its cached tokens.
+
+    The prompt is committed after prefill; each generated token is appended, and the KV
+    of all but the last one is committed (the last sampled token's KV is never computed).
+    """
+    seq = mgr.add_sequence(seq_id, tokens, scope=scope)
+    cached = seq.num_cached_tokens
+    mgr.take_copy_ops()
+    mgr.commit(seq_id, len(tokens))
+    for tok in generated:
+        mgr.append_tokens(seq_id, [tok])
+        mgr.commit(seq_id, seq.num_tokens - 1)
+    mgr.check_integrity()
+    mgr.free_sequence(seq_id)
+    mgr.check_integrity()
+    return cached
+
+
+def prompt(n: int, start: int = 1) -> list[int]:
+    return list(range(start, start + n))
+
+
+# --- the L-1 cap, with the edges L % B in {0, 1} ------------------------------------------
+CAP_CASES = [(B, L) for B in (1, 2, 4, 16) for L in (1, 2, B, B + 1, 2 * B, 2 * B + 1, 3 * B + 2)]
+
+
+@pytest.mark.parametrize(("B", "L"), [pytest.param(B, L, id=f"b{B}-l{L}") for B, L in CAP_CASES])
+@pytest.mark.parametrize("partial", [True, False], ids=["partial", "full-only"])
+def test_warm_prompt_reuses_all_but_last_token(make_manager, B: int, L: int, partial: bool) -> None:
+    mgr = make_manager(B, 64, partial=partial)
+    p = prompt(L)
+    assert run_request(mgr, "cold", p) == 0
+    full = (L - 1) // B
+    # the block holding tokens [full*B, L-1) is cached (a full leaf or the partial tail)
+    expected = L - 1 if partial else full * B
+    assert mgr.probe_reuse(p) == expected
+    before = mgr.stats()
+    seq = mgr.add_sequence("warm", p)
+    assert seq.num_cached_tokens == expected
+    m = seq.metrics
+    assert m.num_full_reused_blocks == full
+    assert m.num_partial_reused_blocks == int(expected > full * B)
+    assert m.num_reused_blocks + m.num_missed_blocks == -(-L // B)
+    delta = mgr.stats().minus(before)
+    assert delta.reused_blocks == m.num_reused_blocks
+    assert delta.missed_blocks == m.num_missed_blocks
+    mgr.free_sequence("warm")
+
+
+def test_prompt_on_block_boundary_never_over_credits(make_manager) -> None:
+    # L = 8, B = 4: both blocks cached, but only 7 tokens may be reused: 1 full + 3 partial
+    mgr = make_manager(4, 16)
+    run_request(mgr, "a", prompt(8))
+    seq = mgr.add_sequence("b", prompt(8))
+    assert seq.num_cached_tokens == 7
+    assert (seq.metrics.num_full_reused_blocks, seq.metrics.num_partial_reused_blocks) == (1, 1)
+    assert seq.metrics.num_missed_blocks == 0
+    mgr.free_sequence("b")
+
+
+# --- walk full blocks, then at most one partial, then stop -------------------------------
+def test_walk_stops_at_first_mismatch(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    run_request(mgr, "a", prompt(16))  # blocks [1-4] [5-8] [9-12] [13-16]
+    q = prompt(16)
+    q[5] = 99  # block 1 differs at its second token: 4 full + 1 partial token, then stop
+    assert mgr.probe_reuse(q) == 5
+    q2 = prompt(16)
+    q2[4] = 99  # block 1 differs at its first token: block 2 may match but is never reached
+    assert mgr.probe_reuse(q2) == 4
+
+
+def test_partial_picks_longest_common_prefix_among_siblings(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    run_request(mgr, "a", [1, 2, 3, 4, 5, 6, 7, 8, 0])  # [1-4] [5-8] + tail [0]
+    # b copies 1 token of the interior [5-8], then commits its own sibling [5, 9, 9, 9]
+    assert run_request(mgr, "b", [1, 2, 3, 4, 5, 9, 9, 9, 0]) == 5
+    assert mgr.probe_reuse([1, 2, 3, 4, 5, 6, 8, 0, 0]) == 6  # [5, 6] beats [5]
+    assert mgr.probe_reuse([1, 2, 3, 4, 5, 9, 9, 0, 0]) == 7  # [5, 9, 9] beats [5]
+
+
+# --- claim / copy / none ------------------------------------------------------------------
+def test_unused_leaf_is_claimed_and_leaves_the_tree(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    run_request(mgr, "a", prompt(8))  # blocks [1-4] [5-8], both full leaves
+    tail_block = mgr.tree.roots[None].children[(1).to_bytes(4, "little")][0].blocks[1]
+    seq = mgr.add_sequence("b", [1, 2, 3, 4, 5, 6, 0])
+    assert seq.num_cached_tokens == 6
+    assert seq.block_ids[1] == tail_block  # claimed: the very block, no copy
+    assert mgr.take_copy_ops() == []
+    assert mgr.stats().claimed_blocks == 1
+    # the claimed block left the tree: nobody can match [5-8] until it is committed again
+    assert mgr.probe_reuse(prompt(9)) == 4
+    mgr.commit("b", 7)
+    mgr.free_sequence("b")
+    assert mgr.probe_reuse([1, 2, 3, 4, 5, 6, 0, 9]) == 7  # its own tail [5, 6, 0] now
+
+
+def test_in_use_block_is_copied(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    a = mgr.add_sequence("a", prompt(9))
+    mgr.commit("a", 9)  # [1-4] [5-8] cached and held by a
+    b = mgr.add_sequence("b", [1, 2, 3, 4, 5, 6, 0])
+    assert b.num_cached_tokens == 6
+    assert b.block_ids[0] == a.block_ids[0]
+    assert b.block_ids[1] not in a.block_ids
+    assert mgr.take_copy_ops() == [BlockCopy(src=a.block_ids[1], dst=b.block_ids[1], num_tokens=2)]
+    assert mgr.stats().copied_blocks == 1
+    assert mgr.probe_reuse(prompt(9)) == 8  # the source stays cached
+    mgr.free_sequence("a")
+    mgr.free_sequence("b")
+
+
+def test_interior_block_is_copied_not_claimed(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    run_request(mgr, "a", prompt(12))  # [1-4] [5-8] [9-12]: [5-8] has a child
+    b = mgr.add_sequence("b", [1, 2, 3, 4, 5, 6, 0])
+    assert b.num_cached_tokens == 6
+    (op,) = mgr.take_copy_ops()
+    assert op.num_tokens == 2 and op.dst == b.block_ids[1]
+    assert mgr.probe_reuse(prompt(13)) == 12  # nothing left the tree
+    mgr.free_sequence("b")
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["no-copy", "copy"])
+def test_copy_off_reuses_only_unused_leaves(make_manager, copy: bool) -> None:
+    mgr = make_manager(4, 32, copy=copy)
+    a = mgr.add_sequence("a", prompt(9))
+    mgr.commit("a", 9)
+    # in use: partial reuse needs a copy
+    assert mgr.probe_reuse([1, 2, 3, 4, 5, 6, 0]) == (6 if copy else 4)
+    mgr.free_sequence("a")
+    # now an unused leaf... but [5-8] has the partial tail [9] as child: interior
+    assert mgr.probe_reuse([1, 2, 3, 4, 5, 6, 0]) == (6 if copy else 4)
+    assert a.block_ids  # the handle stays readable after free
+
+
+def test_partial_reuse_off_takes_full_blocks_only(make_manager) -> None:
+    mgr = make_manager(4, 32, partial=False)
+    run_request(mgr, "a", prompt(8))
+    assert mgr.probe_reuse([1, 2, 3, 4, 5, 6, 7, 0]) == 4
+    assert mgr.stats().partial_reused_blocks == 0
+
+
+def test_tie_prefers_block_that_needs_no_copy(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    a = mgr.add_sequence("a", [1, 2, 3, 4, 5, 6, 7, 8, 1])
+    mgr.commit("a", 9)  # [5-8] held by a (a copy candidate)
+    run_request(mgr, "b", [1, 2, 3, 4, 5, 6, 9])  # b copies 2 tokens, leaves tail [5, 6, 9]
+    c = mgr.add_sequence("c", [1, 2, 3, 4, 5, 6, 0])  # both candidates share 2 tokens
+    assert c.num_cached_tokens == 6
+    assert mgr.take_copy_ops() == []  # the unused leaf [5, 6, 9] was claimed
+    assert c.block_ids[1] not in a.block_ids
+    mgr.free_sequence("a")
+    mgr.free_sequence("c")
+
+
+# --- commit, dedup, tails -----------------------------------------------------------------
+def test_commit_per_chunk_makes_blocks_reusable_at_once(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    mgr.add_sequence("a", prompt(12))
+    mgr.commit("a", 5)  # chunk 1: one full block committed
+    assert mgr.probe_reuse(prompt(12)) == 4
+    mgr.commit("a", 10)
+    assert mgr.probe_reuse(prompt(12)) == 8
+    mgr.commit("a", 12)
+    assert mgr.probe_reuse(prompt(12)) == 11  # the full third block is partially usable
+    mgr.free_sequence("a")
+
+
+def test_duplicate_full_blocks_are_deduplicated(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    a = mgr.add_sequence("a", prompt(9))
+    b = mgr.add_sequence("b", prompt(9))  # admitted before a committed: no reuse
+    assert b.num_cached_tokens == 0
+    mgr.commit("a", 9)
+    mgr.commit("b", 9)
+    mgr.check_integrity()  # one node holds [1-8]; b's own blocks are shadows
+    nodes = list(mgr.tree.walk())
+    assert sum(len(n.blocks) for _, n in nodes) == 2
+    assert nodes[0][1].ref == 2
+    mgr.free_sequence("a")
+    mgr.free_sequence("b")
+    assert mgr.stats().free_num_blocks == 32
+    assert mgr.stats().cached_num_blocks == 3  # [1-4] [5-8] and a's tail [9]
+    assert a.block_ids[:2] != b.block_ids[:2]
+
+
+def test_partial_tail_committed_only_for_computed_tokens(make_manager) -> None:
+    mgr = make_manager(4, 32)
+    seq = mgr.add_sequence("a", prompt(6))
+    mgr.commit("a", 6)
+    mgr.append_tokens("a", [50, 51])  # KV of 50 computed, 51 sampled but never computed
+    mgr.commit("a", 7)
+    assert seq.num_tokens == 8
+    mgr.free_sequence("a")
+    assert mgr.probe_reuse([1, 2, 3, 4, 5, 6, 50, 51, 9]) == 7  # tail [5, 6, 50], not 51
+
+
+def test_generated_tokens_are_reused_in_the_next_turn(make_manager) -> None:
+    mgr = make_manager(4, 64)
+    turn1 = prompt(6)
+    run_request(mgr, "t1", turn1, generated=[50, 51, 52])  # KV of 50, 51 computed
+    turn2 = [*turn1, 50, 51, 52, 60, 61]
+    # committed 8 tokens: [1-4] [5, 6, 50, 51]; 52 was never computed
+    assert mgr.probe_reuse(turn2) == 8
+    assert run_request(mgr, "t2", turn2) == 8
+
+
+def test_scopes_never_share(make_manager) -> None:
+    mgr = make_manager(4, 64)
+    p = prompt(9)
+    run_request(mgr, "none", p)
+    run_request(mgr, "salt0", p, scope=ReuseScope(salt=0))
+    assert mgr.probe_reuse(p, ReuseScope()) == 8
+    assert mgr.probe_reuse(p, ReuseScope(salt=0)) == 8
+    assert mgr.probe_reuse(p, ReuseScope(salt=1)) == 0
+    assert mgr.probe_reuse(p, ReuseScope(lora_id=0)) == 0
+    seq = mgr.add_sequence("lora", p, scope=ReuseScope(lora_id=7))
+    assert seq.num_cached_tokens == 0
+    mgr.free_sequence("lora")
+
+
+def test_reuse_disabled_caches_nothing(make_manager) -> None:
+    mgr = make_manager(4, 16, reuse=False)
+    run_request(mgr, "a", prompt(9), generated=[1, 2])
+    assert run_request(mgr, "b", prompt(9)) == 0
+    assert mgr.probe_reuse(prompt(9)) == 0
+    s = mgr.stats()
+    assert (s.reused_blocks, s.missed_blocks, s.cached_num_blocks) == (0, 6, 0)
+    assert list(mgr.tree.walk()) == []
+
+
+def test_probe_touches_no_lru_and_no_stats(make_manager) -> None:
+    mgr = make_manager(4, 3)
+    run_request(mgr, "old", prompt(5, 100))  # [100-103] + tail [104]: 2 blocks
+    run_request(mgr, "new", prompt(2, 200))  # tail [200, 201]: 1 block, more recent
+    before = (mgr.stats(), mgr.tree.dump())
+    for _ in range(3):
+        assert mgr.probe_reuse(prompt(5, 100)) == 4
+    assert (mgr.stats(), mgr.tree.dump()) == before
+    # LRU untouched by the probes: "old"'s tail goes first, then its block [100-103]
+    mgr.add_sequence("x", prompt(8, 300))
+    assert mgr.probe_reuse(prompt(5, 100)) == 0
+    assert mgr.probe_reuse([200, 201, 0]) == 2
+    mgr.free_sequence("x")

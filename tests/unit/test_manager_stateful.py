@@ -1,0 +1,133 @@
+"""Stateful property test: random add / commit / append / free / probe against the oracle.
+
+The model is `harness.oracle`, a deliberately naive reuse model written without any code
+from `kvcache`. With a pool too large to evict, every admission and probe must equal its
+prediction exactly, claim-or-copy included; with small pools the manager must keep every
+invariant, never fail an admission that fits, and leave the cache untouched when one
+does not.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from harness.oracle import OracleConfig, ReuseOracle
+from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+
+# A few stems so that prompts share prefixes, plus random suffixes over a tiny alphabet so
+# that partial matches and sibling candidates are common.
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5], [7]]
+prompts = st.builds(lambda stem, cut, tail: stem[:cut] + tail,
+                    st.sampled_from(STEMS), st.integers(0, 9),
+                    st.lists(st.integers(1, 4), max_size=6)).filter(bool)
+scopes = st.sampled_from([None, ReuseScope(salt=0), ReuseScope(salt=1)])
+flags = st.sampled_from([(True, True, True), (True, True, False), (True, False, False),
+                         (False, False, False)])
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Drives one manager and the oracle through the same operations."""
+
+    pool_blocks = 10_000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr: KVCacheManager
+        self.oracle: ReuseOracle
+        self.next_id = 0
+        self.seen = 0
+
+    @initialize(block=st.sampled_from([1, 2, 3, 4]), policy=flags)
+    def setup(self, block: int, policy: tuple[bool, bool, bool]) -> None:
+        reuse, partial, copy = policy
+        cfg = KvCacheConfig(tokens_per_block=block, max_num_blocks=self.pool_blocks,
+                            enable_block_reuse=reuse, enable_partial_reuse=partial,
+                            copy_on_partial_reuse=copy)
+        self.mgr = KVCacheManager(cfg, record_events=True)
+        self.oracle = ReuseOracle(OracleConfig(block, reuse, partial, copy))
+
+    @property
+    def exact(self) -> bool:
+        return self.pool_blocks >= 10_000
+
+    def sync(self) -> list[object]:
+        """Feed the oracle the events the manager recorded since the last sync."""
+        assert self.mgr.events is not None
+        new = self.mgr.events[self.seen:]
+        self.seen = len(self.mgr.events)
+        return [self.oracle.apply(ev.as_dict()) for ev in new]
+
+    @rule(tokens=prompts, scope=scopes)
+    def add(self, tokens: list[int], scope: ReuseScope | None) -> None:
+        seq_id = self.next_id
+        self.next_id += 1
+        probed = self.mgr.probe_reuse(tokens, scope)
+        before = (self.mgr.stats(), self.mgr.tree.dump(), list(self.mgr.pool.free))
+        try:
+            seq = self.mgr.add_sequence(seq_id, tokens, scope=scope)
+        except OutOfBlocksError as err:
+            assert err.needed > err.available
+            assert (self.mgr.stats(), self.mgr.tree.dump(), list(self.mgr.pool.free)) == before
+            return
+        assert seq.num_cached_tokens == probed
+        (predicted,) = self.sync()
+        if self.exact:
+            assert seq.num_cached_tokens == predicted.reused_tokens, self.mgr.dump_tree()
+            assert seq.metrics.num_full_reused_blocks == predicted.full_reused_blocks
+        self.mgr.take_copy_ops()
+
+    @precondition(lambda self: self.mgr.sequences)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.mgr.sequences)))
+        seq = self.mgr.sequences[seq_id]
+        n = data.draw(st.integers(seq.num_committed_tokens, seq.num_tokens))
+        self.mgr.commit(seq_id, n)
+        self.sync()
+
+    @precondition(lambda self: self.mgr.sequences)
+    @rule(data=st.data(), tokens=st.lists(st.integers(1, 4), min_size=1, max_size=5))
+    def append(self, data: st.DataObject, tokens: list[int]) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.mgr.sequences)))
+        try:
+            self.mgr.append_tokens(seq_id, tokens)
+        except OutOfBlocksError:
+            return
+        self.sync()
+
+    @precondition(lambda self: self.mgr.sequences)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        self.mgr.free_sequence(data.draw(st.sampled_from(sorted(self.mgr.sequences))))
+        self.sync()
+
+    @rule(tokens=prompts, scope=scopes)
+    def probe(self, tokens: list[int], scope: ReuseScope | None) -> None:
+        got = self.mgr.probe_reuse(tokens, scope)
+        if self.exact:
+            assert got == self.oracle.probe(tokens, scope)
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "mgr"):
+            return
+        self.mgr.check_integrity()
+        if not self.mgr.sequences:
+            assert self.mgr.stats().used_num_blocks == 0
+            assert self.mgr.leak_report() == []
+
+
+class SmallPoolMachine(CacheMachine):
+    """The same operations over a pool of 6 blocks: eviction on most admissions."""
+
+    pool_blocks = 6
+
+
+_settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestUnboundedPool = CacheMachine.TestCase
+TestUnboundedPool.settings = _settings
+TestSmallPool = SmallPoolMachine.TestCase
+TestSmallPool.settings = _settings
