@@ -1,0 +1,1 @@
+"""pytest-benchmark suites; `nox -s bench` runs them and writes the report."""
