@@ -1,0 +1,283 @@
+"""Test lists as frozen dataclasses: conditions, blocks, entries, and selection by machine.
+
+`load_test_db(dir)` reads every `*.yml` of a test-db folder (format: test_db_schema.py,
+reference: test_lists/SCHEMA.md); `load_test_list(file)` reads a plain list, one entry a
+line. `ListDb.select(machine)` returns the entries whose block conditions hold, and
+`resolve()` maps collected node ids to the entry that selects each of them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from harness.hardware import Backend, Machine, Stage
+from harness.test_db_errors import ListError, Location, Problem
+from harness.test_db_schema import (
+    DEFAULT_TIMEOUT_SECONDS,
+    BlockModel,
+    EntrySpec,
+    ListFileDoc,
+    parse_entry_text,
+    read_list_file,
+)
+
+
+def covers(prefix: str, node_id: str) -> bool:
+    """True if entry text `prefix` selects `node_id`: the same id, or a folder, file, class
+    or unparametrized function above it."""
+    if not node_id.startswith(prefix):
+        return False
+    rest = node_id[len(prefix):]
+    return rest == "" or rest.startswith(("::", "/", "["))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One list entry: a node id or prefix, its timeout (None: the default) and isolation."""
+
+    test: str
+    timeout_seconds: int | None
+    isolation: bool
+    location: Location
+    source: str  # the context (test-db) or list file name it came from
+
+    @property
+    def effective_timeout(self) -> int:
+        """Seconds the selected tests may run: the entry's timeout or the 60-minute default."""
+        return DEFAULT_TIMEOUT_SECONDS if self.timeout_seconds is None else self.timeout_seconds
+
+    def covers(self, node_id: str) -> bool:
+        """True if this entry selects the collected test `node_id`."""
+        return covers(self.test, node_id)
+
+
+class Check(NamedTuple):
+    """One condition key checked against a machine, with a sentence saying why."""
+
+    key: str
+    passed: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class GpuCountRange:
+    """`ranges.system_gpu_count`: inclusive bounds, None meaning unbounded."""
+
+    gte: int | None
+    lte: int | None
+
+    def check(self, machine: Machine) -> Check:
+        low = "0" if self.gte is None else str(self.gte)
+        high = "inf" if self.lte is None else str(self.lte)
+        inside = (self.gte is None or machine.gpu_count >= self.gte) and (
+            self.lte is None or machine.gpu_count <= self.lte)
+        word = "in" if inside else "outside"
+        return Check("system_gpu_count", inside, f"gpu count {machine.gpu_count} {word} [{low}, {high}]")
+
+    def intersects(self, other: GpuCountRange) -> bool:
+        """True if some gpu count satisfies both ranges."""
+        low = max(self.gte or 0, other.gte or 0)
+        highs = [h for h in (self.lte, other.lte) if h is not None]
+        return not highs or low <= min(highs)
+
+
+@dataclass(frozen=True)
+class Wildcard:
+    """`wildcards.<key>`: globs matched case-insensitively against the machine's value."""
+
+    key: str  # "gpu" or "cpu"
+    patterns: tuple[str, ...]
+
+    def check(self, machine: Machine) -> Check:
+        value = machine.gpu if self.key == "gpu" else machine.cpu_arch
+        hit = next((p for p in self.patterns if fnmatch.fnmatchcase(value.lower(), p.lower())), None)
+        if hit is not None:
+            return Check(self.key, True, f"{self.key} {value!r} matches {hit!r}")
+        return Check(self.key, False, f"{self.key} {value!r} matches none of {list(self.patterns)}")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A block's condition: every present key must hold (terms, ranges, wildcards)."""
+
+    stage: Stage
+    backend: Backend | None
+    gpu_count: GpuCountRange | None
+    wildcards: tuple[Wildcard, ...]
+
+    def checks(self, machine: Machine) -> tuple[Check, ...]:
+        """Each key's verdict, in the order terms, ranges, wildcards."""
+        stage_ok = self.stage == machine.stage
+        out = [Check("stage", stage_ok, f"stage {machine.stage}" + (
+            "" if stage_ok else f", block wants {self.stage}"))]
+        if self.backend is not None:
+            ok = self.backend in machine.backends
+            verb = "is" if ok else "is not"
+            out.append(Check("backend", ok, f"backend {self.backend} {verb} among this run's "
+                             f"backends ({', '.join(machine.backends)})"))
+        if self.gpu_count is not None:
+            out.append(self.gpu_count.check(machine))
+        out.extend(w.check(machine) for w in self.wildcards)
+        return tuple(out)
+
+    def matches(self, machine: Machine) -> bool:
+        """True if every key holds for `machine`."""
+        return all(c.passed for c in self.checks(machine))
+
+    def may_overlap(self, other: Condition) -> bool:
+        """True unless the two can never hold on one machine (wildcards count as overlapping)."""
+        if self.stage != other.stage:
+            return False
+        if self.backend is not None and other.backend is not None and self.backend != other.backend:
+            return False
+        if self.gpu_count is None or other.gpu_count is None:
+            return True
+        return self.gpu_count.intersects(other.gpu_count)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One `{condition, tests}` block of a context."""
+
+    context: str
+    index: int
+    condition: Condition
+    entries: tuple[Entry, ...]
+    location: Location
+
+    @property
+    def name(self) -> str:
+        return f"{self.context}[{self.index}]"
+
+
+class Verdict(NamedTuple):
+    """Whether a block applies to a machine, and each condition key's reason."""
+
+    block: Block
+    selected: bool
+    checks: tuple[Check, ...]
+
+
+@dataclass(frozen=True)
+class ListDb:
+    """Every block of a test-db folder, in file then block order."""
+
+    directory: Path
+    blocks: tuple[Block, ...]
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        return tuple(e for b in self.blocks for e in b.entries)
+
+    def explain(self, machine: Machine) -> tuple[Verdict, ...]:
+        """Each block's verdict for `machine`."""
+        out = []
+        for block in self.blocks:
+            checks = block.condition.checks(machine)
+            out.append(Verdict(block, all(c.passed for c in checks), checks))
+        return tuple(out)
+
+    def select(self, machine: Machine) -> tuple[Entry, ...]:
+        """Entries of every block whose condition holds for `machine`, in list order."""
+        return tuple(e for v in self.explain(machine) if v.selected for e in v.block.entries)
+
+
+def _condition(model: BlockModel) -> Condition:
+    cond = model.condition
+    rng = cond.ranges.system_gpu_count if cond.ranges is not None else None
+    wildcards = [] if cond.wildcards is None else [
+        Wildcard(key, tuple(globs)) for key, globs in
+        (("gpu", cond.wildcards.gpu), ("cpu", cond.wildcards.cpu)) if globs is not None]
+    return Condition(
+        stage=cond.terms.stage,
+        backend=cond.terms.backend,
+        gpu_count=None if rng is None else GpuCountRange(rng.gte, rng.lte),
+        wildcards=tuple(wildcards),
+    )
+
+
+def _blocks(doc: ListFileDoc) -> Iterable[Block]:
+    for i, model in enumerate(doc.blocks):
+        entries = []
+        for j, item in enumerate(model.tests):
+            spec = parse_entry_text(item) if isinstance(item, str) else item.spec()
+            where = Location(doc.path, doc.line(doc.context, i, "tests", j))
+            entries.append(Entry(*spec, location=where, source=doc.context))
+        where = Location(doc.path, doc.line(doc.context, i))
+        yield Block(doc.context, i, _condition(model), tuple(entries), where)
+
+
+def load_test_db(directory: Path) -> ListDb:
+    """Read and validate every `*.yml` in `directory`; raises ListError naming file and line."""
+    if not directory.is_dir():
+        raise ListError([Problem(Location(directory, None), "test-db folder does not exist")])
+    files = sorted(directory.glob("*.yml"))
+    if not files:
+        raise ListError([Problem(Location(directory, None), "test-db folder holds no *.yml list")])
+    problems: list[Problem] = []
+    blocks: list[Block] = []
+    for path in files:
+        try:
+            blocks.extend(_blocks(read_list_file(path)))
+        except ListError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ListError(problems)
+    return ListDb(directory, tuple(blocks))
+
+
+def load_test_list(path: Path) -> tuple[Entry, ...]:
+    """Read a plain list: one entry a line, `#` comment lines and blank lines ignored.
+
+    Raises ListError for a missing file, bad entries, duplicates or an empty list.
+    """
+    if not path.is_file():
+        raise ListError([Problem(Location(path, None), "test list does not exist")])
+    problems: list[Problem] = []
+    entries: dict[str, Entry] = {}
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        where = Location(path, number)
+        try:
+            spec: EntrySpec = parse_entry_text(text)
+        except ValueError as exc:
+            problems.append(Problem(where, str(exc)))
+            continue
+        if spec.test in entries:
+            first = entries[spec.test].location.line
+            problems.append(Problem(where, f"duplicate entry {spec.test!r} (first at line {first})"))
+            continue
+        entries[spec.test] = Entry(*spec, location=where, source=path.name)
+    if not problems and not entries:
+        problems.append(Problem(Location(path, None), "test list holds no entry"))
+    if problems:
+        raise ListError(problems)
+    return tuple(entries.values())
+
+
+class Resolution(NamedTuple):
+    """Which entry selects each collected test, and the entries that selected none."""
+
+    chosen: dict[str, Entry]  # node id -> the most specific covering entry
+    unmatched: tuple[Entry, ...]
+
+
+def resolve(entries: Iterable[Entry], node_ids: Iterable[str]) -> Resolution:
+    """Map node ids to covering entries; the longest (most specific) entry wins, then the
+    first in list order. Unmatched entries come back in list order."""
+    given = list(entries)
+    by_length = sorted(given, key=lambda e: -len(e.test))  # stable: list order among equals
+    chosen: dict[str, Entry] = {}
+    used: set[int] = set()
+    for node_id in node_ids:
+        covering = [e for e in by_length if e.covers(node_id)]
+        if covering:
+            chosen[node_id] = covering[0]
+            used.update(id(e) for e in covering)
+    return Resolution(chosen, tuple(e for e in given if id(e) not in used))

@@ -1,0 +1,158 @@
+"""Validation of test lists and waives against each other and against the collected suite.
+
+`kvharness validate` and `nox -s lists` run `validate()`: schema (on load), duplicates,
+entries that select no collected test, waives that select nothing, and orphans
+(collected tests no list selects, on any machine or stage). Orphans are errors: a test
+in no list never runs in CI, which is the "silently absent" this harness exists to stop.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.test_db import Entry, ListDb, covers, load_test_db, resolve
+from harness.test_db_errors import ListError, Location, Problem
+from harness.waives import Waive, load_waives
+
+DEFAULT_TEST_PATHS = ("tests",)
+
+
+class CollectError(RuntimeError):
+    """`pytest --collect-only` failed; the message holds the end of its output."""
+
+
+def duplicate_problems(db: ListDb) -> list[Problem]:
+    """Entries listed twice, or selected twice through a folder/file/class prefix, within
+    one context in blocks that can hold on the same machine (same stage, overlapping GPU
+    count range, compatible backend)."""
+    problems = []
+    for i, first in enumerate(db.blocks):
+        for second in db.blocks[i:]:
+            same = first is second
+            if first.context != second.context:
+                continue
+            if not same and not first.condition.may_overlap(second.condition):
+                continue
+            for j, a in enumerate(first.entries):
+                for b in second.entries[j + 1:] if same else second.entries:
+                    problems.extend(_pair(a, b))
+    return problems
+
+
+def _pair(a: Entry, b: Entry) -> list[Problem]:
+    if a.test == b.test:
+        return [Problem(b.location, f"duplicate entry {b.test!r} (also at {a.location})")]
+    if covers(a.test, b.test):
+        return [Problem(b.location, f"entry {b.test!r} is already selected by {a.test!r} "
+                        f"({a.location}) in a block that can apply to the same machine")]
+    if covers(b.test, a.test):
+        return [Problem(a.location, f"entry {a.test!r} is already selected by {b.test!r} "
+                        f"({b.location}) in a block that can apply to the same machine")]
+    return []
+
+
+def _path_of(test: str) -> str:
+    return test.partition("::")[0]
+
+
+def unmatched_problems(unmatched: Iterable[Entry | Waive], rootdir: Path) -> list[Problem]:
+    """A problem per entry or waive that selected no collected test, saying whether its
+    file exists at all."""
+    problems = []
+    for item in unmatched:
+        kind = "waive" if isinstance(item, Waive) else "entry"
+        path = _path_of(item.test)
+        if not (rootdir / path).exists():
+            problems.append(Problem(item.location, f"{kind} {item.test!r}: no such file or "
+                                    f"folder {path!r} under {rootdir}"))
+        else:
+            problems.append(Problem(item.location, f"{kind} {item.test!r} matches no collected test"))
+    return problems
+
+
+def orphan_problems(entries: Sequence[Entry], node_ids: Iterable[str]) -> list[Problem]:
+    """One problem per test file holding collected tests that no entry selects."""
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for node_id in node_ids:
+        if not any(e.covers(node_id) for e in entries):
+            path, _, name = node_id.partition("::")
+            by_file[path].append(name or path)
+    return [
+        Problem(Location(Path(path), None), f"{len(names)} collected tests are in no list: "
+                f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}")
+        for path, names in sorted(by_file.items())
+    ]
+
+
+def collect_node_ids(rootdir: Path, paths: Sequence[str]) -> list[str]:
+    """Node ids that `pytest --collect-only` finds under `paths`, run in `rootdir`.
+
+    Runs pytest in a subprocess (test modules are imported there, not here), without
+    PYTEST_ADDOPTS. Raises CollectError when collection fails.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+           *paths]
+    done = subprocess.run(cmd, cwd=rootdir, env=env, capture_output=True, text=True, check=False)
+    # Exit code 5: nothing collected, which is an answer, not a failure.
+    if done.returncode not in (0, 5):
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-20:])
+        raise CollectError(f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{tail}")
+    return [line for line in done.stdout.splitlines() if "::" in line and not line[0].isspace()]
+
+
+def default_paths(rootdir: Path, entries: Iterable[Entry]) -> list[str]:
+    """`tests` plus every other top-level folder the entries point into."""
+    roots = set(DEFAULT_TEST_PATHS) | {_path_of(e.test).split("/")[0] for e in entries}
+    return sorted(r for r in roots if (rootdir / r).exists())
+
+
+@dataclass(frozen=True)
+class Validation:
+    """What `validate` found: every problem, and counts for the summary line."""
+
+    problems: tuple[Problem, ...]
+    blocks: int
+    entries: int
+    waives: int
+    collected: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        """One line: the counts and the verdict."""
+        verdict = "ok" if self.ok else f"{len(self.problems)} problems"
+        return (f"{verdict}: {self.blocks} blocks, {self.entries} entries, {self.waives} waives, "
+                f"{self.collected} collected tests")
+
+
+def validate(test_db: Path, waives_path: Path | None, rootdir: Path,
+             paths: Sequence[str] | None = None) -> Validation:
+    """Validate lists and waives against the tests collected under `paths` (default:
+    `default_paths`). Raises ListError only when the files cannot be parsed at all;
+    every other problem is in the returned Validation. Raises CollectError if pytest
+    cannot collect."""
+    problems: list[Problem] = []
+    db = load_test_db(test_db)
+    waives: tuple[Waive, ...] = ()
+    if waives_path is not None:
+        try:
+            waives = load_waives(waives_path)
+        except ListError as exc:
+            problems.extend(exc.problems)
+    entries = db.entries
+    node_ids = collect_node_ids(rootdir, default_paths(rootdir, entries) if paths is None else paths)
+    problems.extend(duplicate_problems(db))
+    problems.extend(unmatched_problems(resolve(entries, node_ids).unmatched, rootdir))
+    problems.extend(unmatched_problems(
+        [w for w in waives if not any(w.covers(n) for n in node_ids)], rootdir))
+    problems.extend(orphan_problems(entries, node_ids))
+    return Validation(tuple(problems), len(db.blocks), len(entries), len(waives), len(node_ids))
