@@ -1,8 +1,30 @@
-"""pytest plugin: markers and GPU skips (selection and leak checks grow here)."""
+"""pytest plugin `kvharness`: markers, GPU skips, list-driven selection, per-entry timeouts,
+waives, ISOLATION, leak checks after cache-owning tests, and the run's reuse report.
+
+Without --test-db/--test-list it only registers markers, skips `gpu` tests where CUDA is
+absent, checks caches after tests and keeps the reuse report. With a list, every
+collected test no entry selects is deselected through `pytest_deselected` (as pytest's
+own --deselect does), so the counts pytest prints are honest.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import importlib.util
+import os
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
 import pytest
+
+from harness.hardware import Machine, add_machine_options, detect, machine_from_options
+from harness.isolation import REPORT_OPTION, ReportWriter, run_isolated
+from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
+from harness.plugin_selection import ISOLATE, Selection, apply_selection, load_lists
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",
@@ -10,11 +32,116 @@ MARKERS = {
     "flashinfer": "exercises the FlashInfer backend",
     "slow": "takes more than a few seconds on a 2-core CPU",
 }
+GPU_SKIP_REASON = "needs CUDA: torch.cuda.is_available() is False on this machine"
 
 
+@dataclass
+class HarnessState:
+    """Per-run plugin state, kept in `config.stash` (mutated as the run goes)."""
+
+    machine: Machine | None
+    selection: Selection | None
+    report: Any = None  # harness.report.ReuseReport once that module is importable
+    reuse_marker: ModuleType | None = None
+    child: bool = False  # this process runs one ISOLATION test for a parent
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+STATE = pytest.StashKey[HarnessState]()
+CALL_PASSED = pytest.StashKey[bool]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvharness", "test lists, waives, isolation and leak checks (kvharness)")
+    group.addoption("--test-db", metavar="DIR", default=None,
+                    help="select tests from the YAML lists in DIR for this machine and stage")
+    group.addoption("--test-list", metavar="FILE", default=None,
+                    help="select tests from a plain list, one entry a line")
+    group.addoption("--waives", metavar="FILE", default=None,
+                    help="skip the tests waived in FILE (default with --test-db: "
+                    "DIR/../waives.txt when it exists)")
+    add_machine_options(group.addoption)
+    group.addoption("--results-dir", metavar="DIR", default=None,
+                    help="write the reuse report (reuse_report.json/.md) into DIR")
+    group.addoption("--gpu-per-worker", action="store_true", default=False,
+                    help="with pytest-xdist -n N: pin worker K to the K-th visible GPU")
+    group.addoption(REPORT_OPTION, metavar="FILE", default=None, help=argparse.SUPPRESS)
+
+
+def _optional(module: str) -> ModuleType | None:
+    # The reuse modules are written alongside this plugin; run without them until they land.
+    if importlib.util.find_spec(module) is None:
+        return None
+    return importlib.import_module(module)
+
+
+def _machine(config: pytest.Config) -> Machine:
+    worker = getattr(config, "workerinput", None)
+    if worker is not None and "kvharness_machine" in worker:
+        return Machine.from_dict(worker["kvharness_machine"])
+    try:
+        return machine_from_options(config.option.stage, config.option.gpu,
+                                    config.option.gpu_count, config.option.backend, detect())
+    except ValueError as exc:
+        raise pytest.UsageError(f"kvharness: {exc}") from None
+
+
+def _check_gpu_per_worker(config: pytest.Config, machine: Machine) -> None:
+    """On the controller, refuse more workers than GPUs; on a worker, pin its GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(machine.gpu_count)]
+    worker: dict[str, Any] | None = getattr(config, "workerinput", None)
+    if worker is None:
+        count = getattr(config.option, "numprocesses", None)
+        if isinstance(count, int) and count > len(devices):
+            raise pytest.UsageError(f"--gpu-per-worker: -n {count} workers but only "
+                                    f"{len(devices)} GPUs ({', '.join(devices) or 'none'})")
+        return
+    index = int(str(worker["workerid"]).removeprefix("gw"))
+    if index >= len(devices):
+        raise pytest.UsageError(f"--gpu-per-worker: worker {worker['workerid']} has no GPU "
+                                f"among {devices}")
+    # Before any test initializes CUDA in this worker: afterwards the variable is ignored.
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[index]
+
+
+class XdistHooks:
+    """Controller side of pytest-xdist: hand the machine description to every worker, so
+    workers select exactly what the controller would (and need not touch CUDA first)."""
+
+    def __init__(self, machine: Machine) -> None:
+        self._machine = machine
+
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput["kvharness_machine"] = self._machine.as_dict()
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
+    reuse_marker = _optional("harness.reuse_marker")
+    if reuse_marker is not None:
+        config.addinivalue_line("markers", reuse_marker.MARKER_DOC)
+    report_module = _optional("harness.report")
+    opt = config.option
+    child = opt.kvharness_report_to is not None
+    if child:
+        config.pluginmanager.register(
+            ReportWriter(config, Path(opt.kvharness_report_to)), "kvharness-isolation-writer")
+    uses_machine = opt.test_db is not None or opt.gpu_per_worker
+    machine = _machine(config) if uses_machine else None
+    if machine is not None and opt.gpu_per_worker:
+        _check_gpu_per_worker(config, machine)
+    if machine is not None and config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistHooks(machine), "kvharness-xdist")
+    config.stash[STATE] = HarnessState(
+        machine=machine,
+        selection=load_lists(config, machine),
+        report=None if report_module is None else report_module.ReuseReport(),
+        reuse_marker=reuse_marker,
+        child=child,
+    )
 
 
 def _cuda_available() -> bool:
@@ -25,10 +152,107 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda_available():
+    # tryfirst: select from everything collected, before -k, --deselect or pytest-split.
+    gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
+    if gpu_items and not _cuda_available():
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=GPU_SKIP_REASON))
+    state = config.stash[STATE]
+    if state.selection is not None:
+        state.counts = apply_selection(config, state.selection, items, isolate=not state.child)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    state = config.stash[STATE]
+    lines = []
+    if state.machine is not None:
+        lines.append(f"kvharness machine: {state.machine.describe()}")
+    if state.selection is not None:
+        lines.append(f"kvharness lists: {state.selection.describe()}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    counts = config.stash[STATE].counts
+    if counts:
+        text = ", ".join(f"{value} {key}" for key, value in counts.items())
+        terminalreporter.write_line(f"kvharness: {text}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    if ISOLATE not in item.stash:
+        return None
+    run_isolated(item, nextitem, item.stash[ISOLATE])
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    yield
+    # Reached only when the test body passed: then check its expect_reuse marker.
+    state = item.config.stash[STATE]
+    if state.reuse_marker is not None:
+        state.reuse_marker.run_marker_check(item, state.report)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_PASSED] = report.passed
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    # Look before fixtures are finalized (a fixture's teardown may free what the test
+    # leaked); raise after, so fixtures are still torn down. A test that failed is not
+    # checked: its leaks are a symptom, not news.
+    problems: list[str] = []
+    if item.stash.get(CALL_PASSED, False):
+        try:
+            problems = leak_problems(find_cache_owners(getattr(item, "funcargs", None) or {}))
+        except TypeError as exc:
+            problems = [str(exc)]
+    yield
+    if problems:
+        raise CacheLeakError(item.nodeid, problems)
+
+
+@pytest.fixture(scope="session")
+def reuse_report(request: pytest.FixtureRequest) -> Any:
+    """The run's `harness.report.ReuseReport`: add records; written at session end into
+    --results-dir (if given)."""
+    report = request.config.stash[STATE].report
+    if report is None:
+        pytest.skip("harness.report is not importable here: no reuse report")
+    return report
+
+
+@pytest.fixture
+def reuse_watch(request: pytest.FixtureRequest) -> Any:
+    """A fresh `harness.reuse_marker.ReuseWatch`; arm it for @pytest.mark.expect_reuse."""
+    module = request.config.stash[STATE].reuse_marker
+    if module is None:
+        pytest.skip("harness.reuse_marker is not importable here: no expect_reuse checks")
+    return module.ReuseWatch()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    state = config.stash.get(STATE, None)
+    results = config.option.results_dir
+    if state is None or state.report is None or results is None or state.child:
         return
-    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+    out = Path(results)
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        state.report.write_part(out, str(worker["workerid"]))
+        return
+    state.report.merge_parts(out)
+    state.report.write(out)

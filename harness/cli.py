@@ -1,0 +1,158 @@
+"""`kvharness`: detect this machine, list what the test lists select, validate them, report.
+
+    kvharness detect [--json]
+    kvharness list [--test-db DIR] [--stage S] [--gpu NAME] [--gpu-count N] [--backend B]
+                   [--explain] [--json]
+    kvharness validate [--test-db DIR] [--waives FILE] [--rootdir DIR] [PATH ...]
+    kvharness report [--results-dir DIR] [--output FILE]
+
+Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from harness.hardware import add_machine_options, detect, machine_from_options
+from harness.test_db import Entry, Verdict, load_test_db
+from harness.test_db_check import CollectError, validate
+from harness.test_db_errors import ListError
+
+DEFAULT_TEST_DB = Path("test_lists/test-db")
+DEFAULT_RESULTS = Path("results")
+
+
+def _entry_dict(entry: Entry) -> dict[str, Any]:
+    return {"test": entry.test, "timeout_seconds": entry.effective_timeout,
+            "isolation": entry.isolation, "context": entry.source, "location": str(entry.location)}
+
+
+def _entry_line(entry: Entry) -> str:
+    notes = [f"timeout {entry.timeout_seconds} s"] if entry.timeout_seconds is not None else []
+    notes += ["isolated"] if entry.isolation else []
+    extra = f"  ({', '.join(notes)})" if notes else ""
+    return f"{entry.test}{extra}  [{entry.location}]"
+
+
+def _verdict_dict(verdict: Verdict) -> dict[str, Any]:
+    block = verdict.block
+    return {"block": block.name, "location": str(block.location), "selected": verdict.selected,
+            "checks": [c._asdict() for c in verdict.checks]}
+
+
+def _detect(args: argparse.Namespace) -> int:
+    hardware = detect()
+    data = {**asdict(hardware), "backends": list(hardware.backends)}
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for key, value in data.items():
+        text = ", ".join(value) if isinstance(value, list) else value
+        print(f"{key}: {'yes' if value is True else 'no' if value is False else text}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    db = load_test_db(args.test_db)
+    machine = machine_from_options(args.stage, args.gpu, args.gpu_count, args.backend, detect())
+    verdicts = db.explain(machine)
+    selected = db.select(machine)
+    if args.json:
+        print(json.dumps({"machine": machine.as_dict(),
+                          "selected": [_entry_dict(e) for e in selected],
+                          "blocks": [_verdict_dict(v) for v in verdicts]}, indent=2))
+        return 0
+    if not args.explain:
+        for entry in selected:
+            print(_entry_line(entry))
+        return 0
+    print(f"machine: {machine.describe()}")
+    for verdict in verdicts:
+        word = "selected" if verdict.selected else "not selected"
+        print(f"{verdict.block.name} ({verdict.block.location}): {word}")
+        for check in verdict.checks:
+            print(f"  [{'ok' if check.passed else 'no'}] {check.detail}")
+        for entry in verdict.block.entries if verdict.selected else ():
+            print(f"    {_entry_line(entry)}")
+    print(f"{len(selected)} entries selected")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    waives = args.waives
+    if waives is None and (args.test_db.parent / "waives.txt").is_file():
+        waives = args.test_db.parent / "waives.txt"
+    result = validate(args.test_db, waives, args.rootdir, args.paths or None)
+    for problem in result.problems:
+        print(problem)
+    print(result.summary())
+    return 0 if result.ok else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    report = importlib.import_module("harness.report")
+    text = report.summarize(args.results_dir)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text, encoding="utf-8")
+    print(text, end="")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvharness", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("detect", help="describe this machine (GPU, CUDA, FlashInfer)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_detect)
+
+    p = sub.add_parser("list", help="entries the test lists select for a machine")
+    p.add_argument("--test-db", type=Path, default=DEFAULT_TEST_DB, metavar="DIR",
+                   help=f"test-db folder (default: {DEFAULT_TEST_DB})")
+    add_machine_options(p.add_argument)
+    p.add_argument("--explain", action="store_true",
+                   help="say for every block which condition matched or failed")
+    p.add_argument("--json", action="store_true", help="print JSON (blocks included)")
+    p.set_defaults(run=_list)
+
+    p = sub.add_parser("validate", help="check lists and waives against the collected tests")
+    p.add_argument("--test-db", type=Path, default=DEFAULT_TEST_DB, metavar="DIR",
+                   help=f"test-db folder (default: {DEFAULT_TEST_DB})")
+    p.add_argument("--waives", type=Path, default=None, metavar="FILE",
+                   help="waives file (default: DIR/../waives.txt when it exists)")
+    p.add_argument("--rootdir", type=Path, default=Path.cwd(), metavar="DIR",
+                   help="where pytest collects from (default: the current folder)")
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="paths to collect (default: tests plus every folder entries name)")
+    p.set_defaults(run=_validate)
+
+    p = sub.add_parser("report", help="markdown summary of junit, reuse and benchmark results")
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, metavar="DIR",
+                   help=f"results folder, searched recursively (default: {DEFAULT_RESULTS})")
+    p.add_argument("--output", type=Path, default=None, metavar="FILE",
+                   help="also write the summary to FILE")
+    p.set_defaults(run=_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit code (argparse exits with 2 on bad flags)."""
+    args = _parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except (ListError, CollectError, ValueError) as exc:
+        print(f"kvharness {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

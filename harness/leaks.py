@@ -1,0 +1,111 @@
+"""Leak checks for anything that owns a KV cache, found among a test's fixture values.
+
+The contract is the `CacheOwner` protocol: `check_integrity()` raises when an internal
+invariant is broken, `leak_report()` returns one line per leaked block, sequence or hold
+(empty when everything is free or evictable). `kvcache.KVCacheManager` is one; another
+engine's cache joins by providing the two methods. The plugin calls `find_cache_owners`
+on a test's fixture values after its call phase and `leak_problems` on what it finds.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class CacheOwner(Protocol):
+    """Something that owns cache blocks and can account for them."""
+
+    def check_integrity(self) -> None:
+        """Raise (AssertionError, naming the broken invariant) if internal state is corrupt."""
+
+    def leak_report(self) -> list[str]:
+        """One line per leak; empty when every block is free or evictable and nothing is held."""
+
+
+def _has_method(obj: object, name: str) -> bool:
+    # Look on the class, not through __getattr__: a mock or proxy answering every name
+    # must not pass for a cache owner.
+    try:
+        attr = inspect.getattr_static(type(obj), name)
+    except AttributeError:
+        return False
+    return callable(attr) or isinstance(attr, staticmethod | classmethod)
+
+
+def is_cache_owner(obj: object) -> bool:
+    """True if `obj`'s class defines both `check_integrity` and `leak_report`."""
+    return _has_method(obj, "check_integrity") and _has_method(obj, "leak_report")
+
+
+def _owned(label: str, value: object) -> Iterator[tuple[str, CacheOwner]]:
+    if is_cache_owner(value):
+        yield label, value  # type: ignore[misc]  # checked structurally just above
+    if _has_method(value, "cache_owners"):
+        for i, owner in enumerate(value.cache_owners()):  # type: ignore[attr-defined]
+            if not is_cache_owner(owner):
+                raise TypeError(f"{label}.cache_owners()[{i}] is a {type(owner).__name__}, "
+                                "which lacks check_integrity() or leak_report()")
+            yield f"{label}.cache_owners()[{i}]", owner
+    try:
+        inspect.getattr_static(value, "cache_manager")
+    except AttributeError:
+        return
+    manager = getattr(value, "cache_manager")  # noqa: B009  # may be a property
+    if is_cache_owner(manager):
+        yield f"{label}.cache_manager", manager
+
+
+def find_cache_owners(values: Mapping[str, object]) -> list[tuple[str, CacheOwner]]:
+    """Cache owners among fixture `values` (name -> value), each once, labelled by path.
+
+    A value counts when it is an owner itself, when it has `cache_owners()` returning
+    owners (a factory fixture), or when its `cache_manager` attribute is one (an engine).
+    Raises TypeError when `cache_owners()` yields something that is not an owner.
+    """
+    seen: set[int] = set()
+    found: list[tuple[str, CacheOwner]] = []
+    for name, value in values.items():
+        for label, owner in _owned(name, value):
+            if id(owner) not in seen:
+                seen.add(id(owner))
+                found.append((label, owner))
+    return found
+
+
+def leak_problems(owners: Iterable[tuple[str, CacheOwner]]) -> list[str]:
+    """What is wrong with each owner, one line per problem; empty when all are clean.
+
+    Calls `check_integrity()` and `leak_report()`; an exception from either is a problem
+    (reported with its type and message), never swallowed.
+    """
+    problems: list[str] = []
+    for label, owner in owners:
+        kind = type(owner).__name__
+        try:
+            owner.check_integrity()
+        except Exception as exc:  # any failure of the check is what we report
+            problems.append(f"{label} ({kind}): check_integrity() failed: "
+                            f"{type(exc).__name__}: {exc}")
+        try:
+            report = owner.leak_report()
+        except Exception as exc:
+            problems.append(f"{label} ({kind}): leak_report() raised {type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(report, list):
+            problems.append(f"{label} ({kind}): leak_report() returned a "
+                            f"{type(report).__name__}, expected a list of strings")
+            continue
+        problems.extend(f"{label} ({kind}): leaked: {line}" for line in report)
+    return problems
+
+
+class CacheLeakError(Exception):
+    """A test left a cache with leaked blocks or broken invariants (raised in teardown)."""
+
+    def __init__(self, node_id: str, problems: list[str]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{node_id} left its cache unclean ({len(problems)} problems):\n{lines}")
