@@ -249,8 +249,7 @@ class Recurrence(nn.Module):
 
     The state after a step summarises every token so far and cannot be rolled back to an
     earlier token, so KV blocks cannot stand in for it: a model with this layer cannot reuse
-    cached prefixes (block reuse is unsupported unless the engine snapshots state). The scan
-    runs in float32, token by token, so chunked and unchunked prefill give identical states.
+    cached prefixes (block reuse is unsupported unless the engine snapshots state).
     """
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -269,20 +268,51 @@ class Recurrence(nn.Module):
                 f"recurrent_state(layer={self.layer}) has shape {tuple(state.shape)}, "
                 f"expected {(len(seq_lens), self.hidden_size)} for seq_lens={seq_lens}"
             )
-        a = torch.sigmoid(self.decay.float())  # [hidden]
-        drive = (1 - a) * self.win(x).float()  # [T, hidden]
-        states = torch.empty_like(drive)  # [T, hidden]: h_t for every token
-        finals = []
-        start = 0
-        for request, length in enumerate(seq_lens):
-            h = state[request]
-            for t in range(start, start + length):
-                h = a * h + drive[t]
-                states[t] = h
-            finals.append(h)
-            start += length
-        ctx.set_recurrent_state(self.layer, torch.stack(finals))  # [R, hidden]
+        decay = self.decay.float()
+        drive = torch.sigmoid(-decay) * self.win(x).float()  # [T, hidden]: (1 - a) W_in x
+        states, final = diagonal_scan(drive, F.logsigmoid(decay), state, seq_lens)
+        ctx.set_recurrent_state(self.layer, final)  # [R, hidden]
         return self.wo(states.to(x.dtype))  # [T, hidden]
+
+
+_SCAN_BLOCK = 64  # tokens advanced per step: fewer Python steps vs a [L, L, C] weight table
+
+
+def diagonal_scan(
+    drive: Tensor, log_a: Tensor, state: Tensor, seq_lens: list[int]
+) -> tuple[Tensor, Tensor]:
+    """h_t = a * h_{t-1} + drive_t along each request's tokens, all requests at once.
+
+    drive: [T, C] (requests concatenated), log_a: [C] (a in (0, 1)), state: [R, C] before
+    the step. Returns (h for every token [T, C], state after the step [R, C]), float32.
+    Inside a block of L tokens h_{s+i} = a^(i+1) h_s + sum_{j<=i} a^(i-j) drive_{s+j}: one
+    batched matmul per block instead of L dependent steps. Results match the step-by-step
+    recurrence to float32 rounding, not bitwise (they depend on block boundaries).
+    """
+    if all(n == 1 for n in seq_lens):  # decode: no index tensors, so CUDA-graph capturable
+        final = torch.exp(log_a) * state + drive
+        return final, final
+    requests, longest = len(seq_lens), max(seq_lens)
+    lens = torch.tensor(seq_lens, device=drive.device)
+    owner = torch.repeat_interleave(torch.arange(requests, device=drive.device), lens)  # [T]
+    offset = torch.arange(drive.shape[0], device=drive.device) - (lens.cumsum(0) - lens)[owner]
+    padded = drive.new_zeros(requests, longest, drive.shape[1])  # [R, Lmax, C]
+    padded[owner, offset] = drive
+    steps = torch.arange(min(_SCAN_BLOCK, longest), device=drive.device)
+    lag = steps[:, None] - steps[None, :]  # [L, L]: i - j
+    weight = torch.exp(lag.clamp(min=0)[..., None] * log_a) * (lag >= 0)[..., None]  # [L, L, C]
+    carry = torch.exp((steps + 1)[:, None] * log_a)  # [L, C]: a^(i+1)
+    out = torch.empty_like(padded)
+    h = state  # [R, C]; rows of requests already finished run on harmlessly over padding
+    for start in range(0, longest, _SCAN_BLOCK):
+        block = padded[:, start : start + _SCAN_BLOCK]  # [R, L, C]
+        n = block.shape[1]
+        hs = torch.einsum("ijc,rjc->ric", weight[:n, :n], block) + carry[:n] * h[:, None, :]
+        out[:, start : start + n] = hs
+        h = hs[:, -1]
+    last = out[torch.arange(requests, device=drive.device), (lens - 1).clamp(min=0)]
+    final = torch.where((lens > 0)[:, None], last, state)  # a request with no new tokens
+    return out[owner, offset], final
 
 
 class FeedForward(nn.Module):
@@ -394,7 +424,7 @@ def _check_step(input_ids: Tensor, positions: Tensor, seq_lens: list[int]) -> No
         raise ValueError(
             f"input_ids ({input_ids.dtype}) and positions ({positions.dtype}) must be integer"
         )
-    if not seq_lens or sum(seq_lens) != input_ids.shape[0] or min(seq_lens) < 0:
+    if not input_ids.shape[0] or sum(seq_lens) != input_ids.shape[0] or min(seq_lens) < 0:
         raise ValueError(
-            f"ctx.seq_lens={seq_lens} must be non-negative and sum to T={input_ids.shape[0]}"
+            f"ctx.seq_lens={seq_lens} must be non-negative and sum to T={input_ids.shape[0]} > 0"
         )
