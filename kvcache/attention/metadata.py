@@ -106,7 +106,7 @@ class PagedMetadata:
 
 def _as_index_array(name: str, values: Sequence[int] | npt.NDArray[np.integer]) -> IntArray:
     arr = np.asarray(values)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
         raise ValueError(f"build_metadata: {name} must be a 1-D sequence of ints, "
                          f"got shape {arr.shape} dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)

@@ -1,0 +1,203 @@
+"""Every flashinfer call the backend makes, bound to the real signatures on CPU.
+
+The installed package's signatures are checked with inspect; FlashInfer 0.6.0's (the
+oldest we support) are written down below from its source, so a keyword only newer
+releases accept fails here too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from attn_testlib import Scenario
+
+from kvcache.attention.flashinfer import (
+    Call,
+    FlashInferBackend,
+    KernelParams,
+    StepBuffers,
+    append_call,
+    decode_plan_call,
+    decode_wrapper_call,
+    graph_append_rows,
+    prefill_plan_call,
+    prefill_wrapper_call,
+    run_call,
+)
+from kvcache.storage import KvLayout
+
+LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
+
+
+@pytest.fixture(scope="module")
+def fi() -> ModuleType:
+    try:
+        with warnings.catch_warnings():  # its optional kernels warn about their own deps
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return importlib.import_module("flashinfer")
+    except ImportError as err:
+        pytest.skip(f"flashinfer is not importable: {err}")
+
+
+def _params(sc: Scenario, page_size: int) -> KernelParams:
+    return KernelParams(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=page_size,
+                        sm_scale=0.25, window_left=-1, logits_soft_cap=None,
+                        dtype=sc.storage.dtype)
+
+
+def _buffers(sc: Scenario) -> StepBuffers:
+    return StepBuffers.allocate(8, 64, torch.device("cpu")).for_size(sc.md.batch_size)
+
+
+def _bind(fn: Callable[..., Any], call: Call, *, method: bool) -> None:
+    sig = inspect.signature(fn)
+    kinds = {p.kind for p in sig.parameters.values()}
+    assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{fn.__qualname__} takes **kwargs"
+    sig.bind(*((None,) if method else ()), *call.args, **call.kwargs)
+
+
+def _plan_target(cls: type) -> Callable[..., Any]:
+    # 0.7 decode plan() forwards **kwargs to _plan_impl, where the keywords are parsed.
+    plan = cls.plan
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD
+           for p in inspect.signature(plan).parameters.values()):
+        return cls._plan_impl  # type: ignore[attr-defined, no-any-return]
+    return plan  # type: ignore[no-any-return]
+
+
+@pytest.mark.flashinfer
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_wrapper_and_plan_calls_bind(fi: ModuleType, layout: KvLayout) -> None:
+    sc = Scenario([(5, 6), (13, 1)], page_size=4, layout=layout, dtype=torch.float16)
+    params = _params(sc, 4)
+    workspace = torch.empty(16, dtype=torch.uint8)
+    prefill, decode = fi.BatchPrefillWithPagedKVCacheWrapper, fi.BatchDecodeWithPagedKVCacheWrapper
+    _bind(prefill.__init__, prefill_wrapper_call(workspace, layout), method=True)
+    for cores in (False, True):
+        _bind(decode.__init__, decode_wrapper_call(workspace, layout, cores), method=True)
+        _bind(decode.__init__, decode_wrapper_call(workspace, layout, cores, _buffers(sc)),
+              method=True)
+    _bind(_plan_target(prefill), prefill_plan_call(params, sc.md, sc.md.kv_indices), method=True)
+    _bind(_plan_target(decode), decode_plan_call(params, sc.md, sc.md.kv_indices), method=True)
+
+
+@pytest.mark.flashinfer
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_run_and_append_calls_bind(fi: ModuleType, layout: KvLayout) -> None:
+    sc = Scenario([(5, 6), (13, 1)], page_size=4, layout=layout, dtype=torch.float16)
+    pages = sc.storage.page_view(0, 4)
+    for cls in (fi.BatchPrefillWithPagedKVCacheWrapper, fi.BatchDecodeWithPagedKVCacheWrapper):
+        for lse in (False, True):
+            inspect.signature(cls.run).bind(None, *run_call(sc.q[0], pages, lse).args,
+                                            **run_call(sc.q[0], pages, lse).kwargs)
+    call = append_call(sc.k_new[0], sc.v_new[0], _buffers(sc), pages, layout)
+    _bind(fi.page.append_paged_kv_cache, call, method=False)
+    assert call.kwargs["kv_layout"] == layout
+
+
+# FlashInfer 0.6.0 signatures, from its flashinfer/{prefill,decode,page}.py:
+# (required positional names, optional names).
+V060: dict[str, tuple[list[str], list[str]]] = {
+    "prefill.__init__": (["self", "float_workspace_buffer"], [
+        "kv_layout", "use_cuda_graph", "qo_indptr_buf", "paged_kv_indptr_buf",
+        "paged_kv_indices_buf", "paged_kv_last_page_len_buf", "custom_mask_buf",
+        "mask_indptr_buf", "backend", "jit_args", "jit_kwargs"]),
+    "decode.__init__": (["self", "float_workspace_buffer"], [
+        "kv_layout", "use_cuda_graph", "use_tensor_cores", "paged_kv_indptr_buffer",
+        "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer", "backend", "jit_args"]),
+    "prefill.plan": (["self", "qo_indptr", "paged_kv_indptr", "paged_kv_indices",
+                      "paged_kv_last_page_len", "num_qo_heads", "num_kv_heads", "head_dim_qk",
+                      "page_size"], [
+        "head_dim_vo", "custom_mask", "packed_custom_mask", "causal", "pos_encoding_mode",
+        "use_fp16_qk_reduction", "sm_scale", "window_left", "logits_soft_cap", "rope_scale",
+        "rope_theta", "q_data_type", "kv_data_type", "o_data_type", "non_blocking"]),
+    "decode.plan": (["self", "indptr", "indices", "last_page_len", "num_qo_heads",
+                     "num_kv_heads", "head_dim", "page_size"], [
+        "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type",
+        "o_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking"]),
+    "append_paged_kv_cache": (["append_key", "append_value", "batch_indices", "positions",
+                               "paged_kv_cache", "kv_indices", "kv_indptr",
+                               "kv_last_page_len"], ["kv_layout"]),
+}
+
+
+def _v060(name: str) -> inspect.Signature:
+    required, optional = V060[name]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(n, kind) for n in required]
+                             + [inspect.Parameter(n, kind, default=None) for n in optional])
+
+
+@pytest.mark.flashinfer
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_calls_bind_to_flashinfer_060_signatures(layout: KvLayout) -> None:
+    sc = Scenario([(5, 6), (13, 1)], page_size=4, layout=layout, dtype=torch.float16)
+    params, ws = _params(sc, 4), torch.empty(16, dtype=torch.uint8)
+    calls = {
+        "prefill.__init__": prefill_wrapper_call(ws, layout),
+        "decode.__init__": decode_wrapper_call(ws, layout, True, _buffers(sc)),
+        "prefill.plan": prefill_plan_call(params, sc.md, sc.md.kv_indices),
+        "decode.plan": decode_plan_call(params, sc.md, sc.md.kv_indices),
+    }
+    for name, call in calls.items():
+        _v060(name).bind(None, *call.args, **call.kwargs)
+    call = append_call(sc.k_new[0], sc.v_new[0], _buffers(sc), sc.storage.page_view(0, 4), layout)
+    _v060("append_paged_kv_cache").bind(*call.args, **call.kwargs)
+
+
+def test_plan_calls_carry_the_metadata_and_options() -> None:
+    sc = Scenario([(5, 6), (13, 1)], page_size=4, dtype=torch.float16)
+    params = _params(sc, 4)
+    prefill = prefill_plan_call(params, sc.md, sc.md.kv_indices)
+    assert prefill.args[:4] == (sc.md.qo_indptr, sc.md.kv_indptr, sc.md.kv_indices,
+                                sc.md.kv_last_page_len)
+    assert prefill.args[4:] == (4, 2, 16, 4)
+    assert prefill.kwargs["causal"] is True
+    assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in prefill.args[:4])
+    decode = decode_plan_call(params, sc.md, sc.md.kv_indices)
+    assert decode.args[3:] == (4, 2, 16, 4)
+    for call in (prefill, decode):
+        assert call.kwargs["sm_scale"] == 0.25 and call.kwargs["q_data_type"] == torch.float16
+
+
+def test_graph_append_rows_repeat_the_first_real_write() -> None:
+    sc = Scenario([(9, 1), (16, 1), (3, 1)], pad_to=6)
+    src, batch, pos = graph_append_rows(sc.md)
+    assert src.tolist() == [0, 1, 2, 0, 0, 0]
+    assert batch.tolist() == [0, 1, 2, 0, 0, 0]
+    assert pos.tolist() == [9, 16, 3, 9, 9, 9]
+    assert (src.dtype, batch.dtype, pos.dtype) == (torch.int64, torch.int32, torch.int32)
+    prefill = Scenario([(0, 3)])
+    with pytest.raises(ValueError, match="decode-only"):
+        graph_append_rows(prefill.md)
+
+
+def test_step_buffers_share_memory_across_sizes() -> None:
+    shared = StepBuffers.allocate(8, 32, torch.device("cpu"))
+    small = shared.for_size(2)
+    assert [t.numel() for t in small] == [3, 32, 2, 2, 2, 2]
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(small, shared, strict=True))
+
+
+def test_tensor_cores_for_large_query_groups() -> None:
+    sc = Scenario([(0, 1)])
+    base = _params(sc, 8)
+    group = {g: KernelParams(2 * g, 2, 16, 8, 0.25, -1, None, torch.float16)
+             for g in (1, 2, 4, 8)}
+    assert {g: p.decode_uses_tensor_cores for g, p in group.items()} == {
+        1: False, 2: False, 4: True, 8: True}
+    assert base.decode_uses_tensor_cores is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_backend_needs_cuda() -> None:
+    sc = Scenario([(0, 1)], dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="needs CUDA: storage is on cpu"):
+        FlashInferBackend(storage=sc.storage, num_qo_heads=4, num_kv_heads=2, head_dim=16)
