@@ -1,0 +1,134 @@
+"""Paged metadata build and reference attention, each next to its ideal.
+
+Metadata: decode batches at a 4k-token context, block 16, from a persistent block table;
+the ideal is one torch copy_ of the finished int32 kv_indices (the least any build must
+touch). Attention: the torch reference backend against dense masked attention over the
+same K/V without paging. Each measured test also times its baseline in-process and
+records the ratio in extra_info.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvcache.attention.metadata import BlockTable, build_metadata
+from kvcache.attention.reference import ReferenceBackend
+from kvcache.storage import KvStorage
+
+CONTEXT, BLOCK = 4096, 16
+BATCHES = [pytest.param(b, id=f"b{b}") for b in (1, 8, 64, 256)]
+
+
+def _median_us(fn: Callable[[], Any], number: int = 200, repeat: int = 15) -> float:
+    runs = timeit.Timer(fn).repeat(repeat=repeat, number=number)
+    return statistics.median(runs) / number * 1e6
+
+
+def _record_ratio(benchmark: Any, baseline_us: float) -> None:
+    benchmark.extra_info["baseline_us"] = round(baseline_us, 3)
+    if benchmark.stats is not None:  # absent under --benchmark-disable
+        median_us = benchmark.stats.stats.median * 1e6
+        benchmark.extra_info["ratio"] = round(median_us / baseline_us, 2)
+
+
+def _decode_batch(batch: int, ragged: bool) -> tuple[BlockTable, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    width = CONTEXT // BLOCK + 1
+    table = BlockTable(batch * 2, width)
+    slots = rng.permutation(batch * 2)[:batch]
+    for slot in slots.tolist():
+        table.assign(slot, rng.integers(0, 1 << 20, width).tolist())
+    cached = (rng.integers(CONTEXT * 7 // 8, CONTEXT, batch) if ragged
+              else np.full(batch, CONTEXT - 1))
+    return table, slots, cached, np.ones(batch, dtype=np.int64)
+
+
+def _bench_build(benchmark: Any, batch: int, ragged: bool) -> None:
+    table, slots, cached, new = _decode_batch(batch, ragged)
+
+    def build() -> Any:
+        return build_metadata(table, slots, cached, new, block_size=BLOCK)
+
+    md = benchmark(build)
+    final = md.kv_indices.clone()
+    dst = torch.empty_like(final)
+    benchmark.extra_info.update(batch=batch, context=CONTEXT, block_size=BLOCK,
+                                ragged=ragged, nnz_pages=final.numel())
+    _record_ratio(benchmark, _median_us(lambda: dst.copy_(final)))
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_build_decode_metadata(benchmark: Any, batch: int) -> None:
+    _bench_build(benchmark, batch, ragged=False)
+
+
+@pytest.mark.parametrize("batch", [pytest.param(256, id="b256")])
+def test_build_decode_metadata_ragged(benchmark: Any, batch: int) -> None:
+    """Contexts spread over [3.5k, 4k): kv_indices needs a ragged gather."""
+    _bench_build(benchmark, batch, ragged=True)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_copy_kv_indices_baseline(benchmark: Any, batch: int) -> None:
+    md = build_metadata(*_decode_batch(batch, ragged=False), block_size=BLOCK)
+    final = md.kv_indices.clone()
+    dst = torch.empty_like(final)
+    benchmark(dst.copy_, final)
+    benchmark.extra_info.update(batch=batch, context=CONTEXT, nnz_pages=final.numel())
+
+
+# Attention: 4 requests, 256 cached + 128 new tokens each, GQA 8/2, head_dim 64, fp32.
+REQUESTS, CACHED, NEW, HQ, HKV, D = 4, 256, 128, 8, 2, 64
+
+
+def _attention_setup() -> tuple[ReferenceBackend, list[torch.Tensor], Callable[[], Any]]:
+    gen = torch.Generator().manual_seed(0)
+    kv_len = CACHED + NEW
+    blocks = kv_len // BLOCK
+    storage = KvStorage(num_layers=1, num_blocks=REQUESTS * blocks, block_size=BLOCK,
+                        num_kv_heads=HKV, head_dim=D)
+    table = BlockTable(REQUESTS, blocks)
+    perm = torch.randperm(REQUESTS * blocks, generator=gen).tolist()
+    for r in range(REQUESTS):
+        table.assign(r, perm[r * blocks:(r + 1) * blocks])
+    md = build_metadata(table, list(range(REQUESTS)), [CACHED] * REQUESTS, [NEW] * REQUESTS,
+                        block_size=BLOCK)
+    backend = ReferenceBackend(storage=storage, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    backend.plan(md)
+    T = REQUESTS * NEW
+    q, k, v = (torch.randn(T, h, D, generator=gen) for h in (HQ, HKV, HKV))
+    keys = [torch.randn(kv_len, HQ, D, generator=gen).transpose(0, 1) for _ in range(REQUESTS)]
+    values = [torch.randn(kv_len, HQ, D, generator=gen).transpose(0, 1) for _ in range(REQUESTS)]
+    # Bottom-right causal mask (SDPA's is_causal is top-left aligned when q_len != kv_len).
+    visible = torch.ones(NEW, kv_len, dtype=torch.bool).tril(diagonal=kv_len - NEW)
+    qs = q.view(REQUESTS, NEW, HQ, D).transpose(1, 2)
+
+    def dense() -> list[torch.Tensor]:
+        return [torch.nn.functional.scaled_dot_product_attention(
+            qs[r], keys[r], values[r], attn_mask=visible, scale=1 / math.sqrt(D))
+            for r in range(REQUESTS)]
+
+    return backend, [q, k, v], dense
+
+
+def test_reference_attention(benchmark: Any) -> None:
+    backend, (q, k, v), dense = _attention_setup()
+    benchmark(backend.forward, 0, q, k, v)
+    benchmark.extra_info.update(requests=REQUESTS, cached=CACHED, new=NEW, num_qo_heads=HQ,
+                                num_kv_heads=HKV, head_dim=D, block_size=BLOCK)
+    _record_ratio(benchmark, _median_us(dense, number=5, repeat=7))
+
+
+def test_dense_attention_baseline(benchmark: Any) -> None:
+    _, _, dense = _attention_setup()
+    benchmark(dense)
+    benchmark.extra_info.update(requests=REQUESTS, cached=CACHED, new=NEW, num_qo_heads=HQ,
+                                num_kv_heads=HKV, head_dim=D)
