@@ -1,0 +1,317 @@
+"""Engine: a small inference engine whose outputs prove that block reuse is correct.
+
+    engine = Engine("tiny", KvCacheConfig(...), attn_backend="torch")
+    outs = engine.generate(prompts, max_new_tokens=8)
+
+One step = schedule (admit with reuse, chunk prefills under the token budget), apply the
+manager's block copies, build paged metadata, plan the backend once, run the model (the
+backend appends and attends per layer), commit what was computed, sample greedily.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcache.attention import AttentionBackend, BlockTable, build_metadata, get_backend
+from kvcache.config import KvCacheConfig
+from kvcache.cuda_graphs import DecodeGraphs
+from kvcache.manager import DEFAULT_PRIORITY, KVCacheManager
+from kvcache.model import Transformer, get_preset
+from kvcache.pool import OutOfBlocksError
+from kvcache.radix import ReuseScope
+from kvcache.request import FinishReason, GenerationOutput, Request
+from kvcache.scheduler import Chunk, Scheduler
+from kvcache.stats import KvCacheStats
+from kvcache.step_context import StepContext
+from kvcache.storage import KvStorage
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend],
+                  model: Transformer) -> tuple[KvCacheConfig, str | None]:
+    """The effective cache config and, when reuse was switched off, why.
+
+    Raises ValueError when reuse is explicitly enabled for a model with recurrent layers
+    (their state cannot be rolled back per token; no state snapshots exist yet).
+    """
+    if model.config.has_recurrent_layers:
+        if cfg.enable_block_reuse:
+            raise ValueError(
+                "enable_block_reuse=True is unsupported for a model with recurrent layers "
+                f"(layers {list(model.config.recurrent_layers)}): their state cannot be "
+                "rolled back per token; use enable_block_reuse=None (auto) or False")
+        reason = "the model has recurrent layers whose state cannot be rolled back per token"
+    elif not backend.supports_block_reuse:
+        reason = f"attention backend {backend.name!r} does not support block reuse"
+    else:
+        return replace(cfg, enable_block_reuse=True), None
+    if cfg.block_reuse:
+        log.warning("block reuse disabled: %s", reason)
+    return cfg.without_reuse(), reason
+
+
+class Engine:
+    """Greedy generation over a paged KV cache with block reuse.
+
+    Thread-safe: add_request, step and abort take one lock, so requests may arrive from
+    other threads while one thread runs the step loop.
+    """
+
+    def __init__(self, model: Transformer | str, cache_config: KvCacheConfig, *,
+                 attn_backend: str = "torch", max_num_tokens: int = 512,
+                 max_batch_size: int = 16, enable_chunked_prefill: bool = True,
+                 cuda_graph: bool = False, pad_decode: bool | None = None,
+                 graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 layout: str = "NHD", page_size: int | None = None, seed: int = 0,
+                 record_events: bool = True, backend_options: dict[str, Any] | None = None
+                 ) -> None:
+        for name, value in (("max_num_tokens", max_num_tokens),
+                            ("max_batch_size", max_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
+        if not isinstance(cache_config, KvCacheConfig):
+            raise ValueError(f"Engine: cache_config must be a KvCacheConfig, got {cache_config!r}")
+        self.device = torch.device(device)
+        if cuda_graph and not torch.cuda.is_available():
+            raise ValueError("Engine: cuda_graph=True needs CUDA, but torch.cuda.is_available() "
+                             "is False on this machine")
+        if cuda_graph and attn_backend != "flashinfer":
+            raise ValueError(f"Engine: cuda_graph=True needs attn_backend='flashinfer', "
+                             f"got {attn_backend!r}")
+        if isinstance(model, str):
+            model = Transformer(get_preset(model), seed=seed)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        mc = model.config
+        if cuda_graph and mc.has_recurrent_layers:
+            raise ValueError("Engine: cuda_graph=True is unsupported for models with "
+                             "recurrent layers")
+        backend_cls = get_backend(attn_backend)
+        self.cache_config, self.reuse_disabled_reason = resolve_reuse(cache_config,
+                                                                      backend_cls, model)
+        B = cache_config.tokens_per_block
+        self.manager = KVCacheManager(self.cache_config, record_events=record_events)
+        self._attn_layer = {layer: i for i, layer in enumerate(mc.attention_layers)}
+        self.storage = KvStorage(num_layers=max(1, len(mc.attention_layers)),
+                                 num_blocks=cache_config.max_num_blocks, block_size=B,
+                                 num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                 dtype=dtype, device=self.device, layout=layout)  # type: ignore[arg-type]
+        self.graph_batch_sizes = tuple(sorted(graph_batch_sizes)) if (
+            cuda_graph or pad_decode) else ()
+        options = dict(backend_options or {})
+        if cuda_graph:
+            options["graph_batch_sizes"] = self.graph_batch_sizes
+        self.backend = backend_cls(storage=self.storage, num_qo_heads=mc.num_heads,
+                                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                   page_size=page_size, window_left=mc.window_left, **options)
+        self.max_model_len = mc.max_position_embeddings
+        self.table = BlockTable(max_batch_size, -(-self.max_model_len // B))
+        self.max_num_tokens = max_num_tokens
+        self.chunked = enable_chunked_prefill
+        self.scheduler = Scheduler(self.manager, self.table, max_num_tokens=max_num_tokens,
+                                   max_batch_size=max_batch_size, chunked=enable_chunked_prefill)
+        self.graphs = DecodeGraphs(self.model, self.backend, self.graph_batch_sizes,
+                                   self.device) if cuda_graph else None
+        self._lock = threading.RLock()
+        self._next_rid = 0
+        self.num_steps = 0
+        self.num_computed_tokens = 0  # tokens the model ran on (padding excluded)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig,
+                        **options: Any) -> Engine:
+        """An engine over an HF-format checkpoint (config.json + *.safetensors)."""
+        from kvcache.checkpoint import load_pretrained
+
+        dtype = options.get("dtype", torch.float32)
+        device = options.get("device", "cpu")
+        return cls(load_pretrained(path, dtype=dtype, device=device), cache_config, **options)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int,
+                    scope: ReuseScope | None = None, *, priority: int = DEFAULT_PRIORITY,
+                    force_tokens: Sequence[int] | None = None,
+                    return_logits: bool = True) -> int:
+        """Queue a request; returns its id. `force_tokens` replaces greedy sampling
+        (teacher forcing). Raises ValueError naming the bad value for bad input or a
+        request that could never fit the model, the pool or (unchunked) the budget."""
+        with self._lock:
+            rid = self._next_rid
+            where = f"add_request(#{rid})"
+            tokens = self._check_tokens(prompt, f"{where}: prompt")
+            if not tokens:
+                raise ValueError(f"{where}: empty prompt")
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                    or max_new_tokens < 1:
+                raise ValueError(f"{where}: max_new_tokens must be an int >= 1, "
+                                 f"got {max_new_tokens!r}")
+            total = len(tokens) + max_new_tokens
+            if total > self.max_model_len:
+                raise ValueError(f"{where}: prompt of {len(tokens)} tokens + {max_new_tokens} "
+                                 f"new exceeds the model's maximum of {self.max_model_len}")
+            blocks = -(-total // self.cache_config.tokens_per_block)
+            if blocks > self.cache_config.max_num_blocks:
+                raise ValueError(f"{where}: needs {blocks} blocks, the pool has only "
+                                 f"{self.cache_config.max_num_blocks}: it can never fit")
+            if not self.chunked and total > self.max_num_tokens:
+                raise ValueError(f"{where}: {total} tokens exceed max_num_tokens="
+                                 f"{self.max_num_tokens} without chunked prefill")
+            forced = None
+            if force_tokens is not None:
+                forced = self._check_tokens(force_tokens, f"{where}: force_tokens")
+                if len(forced) < max_new_tokens:
+                    raise ValueError(f"{where}: force_tokens has {len(forced)} tokens, "
+                                     f"max_new_tokens is {max_new_tokens}")
+            if scope is not None and not isinstance(scope, ReuseScope):
+                raise ValueError(f"{where}: scope must be None or ReuseScope, got {scope!r}")
+            if isinstance(priority, bool) or not isinstance(priority, int) \
+                    or not 0 <= priority <= 100:
+                raise ValueError(f"{where}: priority must be an int in [0, 100], "
+                                 f"got {priority!r}")
+            self._next_rid += 1
+            self.scheduler.waiting.append(Request(rid, tokens, max_new_tokens, scope, priority,
+                                                  forced, return_logits))
+            return rid
+
+    def _check_tokens(self, tokens: Sequence[int], where: str) -> list[int]:
+        vocab = self.model.config.vocab_size
+        out = list(tokens)
+        for i, tok in enumerate(out):
+            if isinstance(tok, bool) or not isinstance(tok, int | np.integer) \
+                    or not 0 <= tok < vocab:
+                raise ValueError(f"{where}: token {i} is {tok!r}; tokens must be ints in "
+                                 f"[0, {vocab}) (the model's vocab_size)")
+        return [int(t) for t in out]
+
+    def abort(self, rid: int) -> GenerationOutput | None:
+        """Cancel request `rid`; its blocks are released, what it committed stays cached.
+        Returns its partial output, or None if it is unknown or already finished."""
+        with self._lock:
+            req = self.scheduler.remove(rid)
+            return req.output(FinishReason.ABORTED) if req is not None else None
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return len(self.scheduler) > 0
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[GenerationOutput]:
+        """Run one step; returns the requests that finished in it."""
+        with self._lock:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("no request could be scheduled with nothing running: "
+                                       f"{len(self.scheduler.waiting)} waiting")
+                return []
+            ops = self.manager.take_copy_ops()
+            if ops:
+                self.storage.apply_copies(ops)
+            logits = self._forward(chunks)
+            self.num_steps += 1
+            return self._advance(chunks, logits)
+
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        decode = all(c.num_new == 1 and c.samples for c in chunks)
+        pad_to = None
+        if decode and self.graph_batch_sizes and len(chunks) <= self.graph_batch_sizes[-1]:
+            pad_to = next(s for s in self.graph_batch_sizes if s >= len(chunks))
+        slots = np.fromiter((c.req.slot for c in chunks), dtype=np.int64, count=len(chunks))
+        md = build_metadata(self.table, slots,
+                            [c.req.num_computed for c in chunks], [c.num_new for c in chunks],
+                            block_size=self.cache_config.tokens_per_block,
+                            page_size=self.backend.page_size,
+                            page_index_multiplier=self.backend.page_index_multiplier,
+                            pad_to=pad_to)
+        ids: list[int] = []
+        rows: list[int] = []
+        for c in chunks:
+            req = c.req
+            ids += req.tokens[req.num_computed:req.num_computed + c.num_new]
+            if c.samples:
+                rows.append(len(ids) - 1)
+        self.num_computed_tokens += len(ids)
+        ids += [0] * md.num_padded
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = md.positions.to(self.device)
+        ctx = StepContext(self.backend, self._attn_layer, md, [c.req for c in chunks],
+                          self.model.config.hidden_size, self.device)
+        with torch.inference_mode():
+            if self.graphs is not None and md.num_padded + md.num_requests in self.graphs.sizes \
+                    and md.is_decode:
+                return self.graphs.run(md, input_ids, positions, ctx)[torch.tensor(rows)]
+            self.backend.plan(md)
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            return self.model(input_ids, positions, ctx, index)
+
+    def _advance(self, chunks: list[Chunk], logits: torch.Tensor) -> list[GenerationOutput]:
+        finished = []
+        row = 0
+        for c in chunks:
+            req = c.req
+            req.num_computed += c.num_new
+            self.manager.commit(req.rid, req.num_computed)
+            if not c.samples:
+                continue
+            lg = logits[row]
+            row += 1
+            n = len(req.generated)
+            tok = req.forced[n] if req.forced is not None else int(lg.argmax())
+            if req.return_logits:
+                req.logits.append(lg.detach().to("cpu", torch.float32).clone())
+            req.generated.append(tok)
+            req.tokens.append(tok)
+            if len(req.generated) >= req.max_new_tokens:
+                self.scheduler.release(req)
+                finished.append(req.output(FinishReason.LENGTH))
+                continue
+            try:
+                self.manager.append_tokens(req.rid, [tok])
+            except OutOfBlocksError:
+                log.info("preempting request %d: no block for its next token", req.rid)
+                self.scheduler.preempt(req)
+                continue
+            self.scheduler.sync_table(req)
+        return finished
+
+    # ------------------------------------------------------------------ convenience
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8,
+                 scopes: Sequence[ReuseScope | None] | None = None, *,
+                 return_logits: bool = True,
+                 force_tokens: Sequence[Sequence[int]] | None = None) -> list[GenerationOutput]:
+        """Run `prompts` to completion; outputs in prompt order."""
+        if scopes is not None and len(scopes) != len(prompts):
+            raise ValueError(f"generate: {len(scopes)} scopes for {len(prompts)} prompts")
+        if force_tokens is not None and len(force_tokens) != len(prompts):
+            raise ValueError(f"generate: {len(force_tokens)} force_tokens for "
+                             f"{len(prompts)} prompts")
+        rids = [self.add_request(p, max_new_tokens, scopes[i] if scopes else None,
+                                 force_tokens=force_tokens[i] if force_tokens else None,
+                                 return_logits=return_logits)
+                for i, p in enumerate(prompts)]
+        done: dict[int, GenerationOutput] = {}
+        while len(done) < len(rids):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[r] for r in rids]
+
+    def kv_cache_stats(self) -> KvCacheStats:
+        """The manager's cumulative statistics."""
+        return self.manager.stats()
+
+    def admission_log(self) -> list[dict[str, Any]]:
+        """Every cache operation in the order the cache saw it (for the reuse oracle)."""
+        if self.manager.events is None:
+            raise ValueError("admission_log: the engine was built with record_events=False")
+        return [e.as_dict() for e in self.manager.events]

@@ -1,0 +1,87 @@
+"""A request's life in the engine, and the result it ends with."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.radix import ReuseScope
+from kvcache.sequence import Sequence as CacheSequence
+from kvcache.stats import RequestKvMetrics
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped."""
+
+    LENGTH = "length"  # generated max_new_tokens
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """One finished request.
+
+    `token_ids` are the generated tokens; `logits` their float32 logits [n, vocab] when
+    asked for; `num_cached_tokens` the prompt tokens reused at first admission and
+    `kv_metrics` that admission's KV metrics; `num_preemptions` how often the request
+    was evicted and recomputed.
+    """
+
+    request_id: int
+    prompt: tuple[int, ...]
+    token_ids: list[int]
+    logits: torch.Tensor | None
+    num_cached_tokens: int
+    kv_metrics: RequestKvMetrics | None
+    finish_reason: FinishReason
+    num_preemptions: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable engine-side state of one request.
+
+    `tokens` is prompt plus generated; the KV of tokens[:num_computed] is in the cache.
+    Every running request has uncomputed tokens: the rest of its prompt, or its last
+    sampled token.
+    """
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    scope: ReuseScope | None
+    priority: int
+    forced: Sequence[int] | None
+    return_logits: bool
+    tokens: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    seq: CacheSequence | None = None
+    slot: int | None = None
+    table_len: int = 0
+    num_computed: int = 0
+    num_cached_tokens: int | None = None
+    kv_metrics: RequestKvMetrics | None = None
+    num_preemptions: int = 0
+    state: dict[int, torch.Tensor] = field(default_factory=dict)  # recurrent layer -> [hidden]
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV this request still has to compute."""
+        return len(self.tokens) - self.num_computed
+
+    def output(self, reason: FinishReason) -> GenerationOutput:
+        """The result as it stands."""
+        logits = torch.stack(self.logits) if self.logits else None
+        if logits is None and self.return_logits:
+            logits = torch.empty(0)
+        return GenerationOutput(self.rid, tuple(self.prompt), list(self.generated),
+                                logits if self.return_logits else None,
+                                self.num_cached_tokens or 0, self.kv_metrics, reason,
+                                self.num_preemptions)

@@ -1,0 +1,118 @@
+"""Scheduler: a per-step token budget over admission with reuse and chunked prefill.
+
+Each step, running requests come first (decodes before prefill chunks, in admission
+order), then waiting requests are admitted in arrival order while a batch slot, token
+budget and blocks remain. A request that cannot get its blocks waits; nothing is
+half-admitted (the manager's admission is all-or-nothing).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from kvcache.attention.metadata import BlockTable
+from kvcache.manager import KVCacheManager
+from kvcache.pool import OutOfBlocksError
+from kvcache.request import Request
+
+
+class Chunk(NamedTuple):
+    """`num_new` tokens of `req` to compute this step; `samples` if they reach its end."""
+
+    req: Request
+    num_new: int
+    samples: bool
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and their batch slots."""
+
+    def __init__(self, manager: KVCacheManager, table: BlockTable, *, max_num_tokens: int,
+                 max_batch_size: int, chunked: bool) -> None:
+        self.manager = manager
+        self.table = table
+        self.max_num_tokens = max_num_tokens
+        self.chunked = chunked
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> list[Chunk]:
+        """This step's chunks; admits waiting requests (mutating the cache) as they fit."""
+        budget = self.max_num_tokens
+        chunks: list[Chunk] = []
+        for req in sorted(self.running, key=lambda r: r.num_uncomputed > 1):
+            n = self._take(req.num_uncomputed, budget)
+            if n:
+                chunks.append(Chunk(req, n, n == req.num_uncomputed))
+                budget -= n
+        while self.waiting and budget and self._free_slots:
+            req = self.waiting[0]
+            if not self.chunked and (len(req.tokens)
+                                     - self.manager.probe_reuse(req.tokens, req.scope) > budget):
+                break
+            try:
+                seq = self.manager.add_sequence(req.rid, req.tokens, req.scope, req.priority)
+            except OutOfBlocksError:
+                break  # wait for running requests to free blocks
+            self.waiting.popleft()
+            req.seq = seq
+            req.num_computed = seq.num_cached_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = seq.num_cached_tokens
+                req.kv_metrics = seq.metrics
+            req.slot = self._free_slots.pop()
+            self.table.assign(req.slot, seq.block_ids)
+            req.table_len = len(seq.block_ids)
+            self.running.append(req)
+            n = self._take(req.num_uncomputed, budget)
+            if n:
+                chunks.append(Chunk(req, n, n == req.num_uncomputed))
+                budget -= n
+        return chunks
+
+    def _take(self, todo: int, budget: int) -> int:
+        if self.chunked:
+            return min(todo, budget)
+        return todo if todo <= budget else 0
+
+    def sync_table(self, req: Request) -> None:
+        """Copy blocks the manager appended to `req` into the block table."""
+        assert req.seq is not None and req.slot is not None
+        ids = req.seq.block_ids
+        if len(ids) > req.table_len:
+            self.table.extend(req.slot, ids[req.table_len:])
+            req.table_len = len(ids)
+
+    def release(self, req: Request) -> None:
+        """Free `req`'s blocks (committed ones stay cached) and its slot."""
+        assert req.slot is not None
+        self.manager.free_sequence(req.rid)
+        self.table.release(req.slot)
+        self._free_slots.append(req.slot)
+        self.running.remove(req)
+        req.seq, req.slot, req.table_len = None, None, 0
+
+    def preempt(self, req: Request) -> None:
+        """Release `req` and queue it first, to be recomputed (reusing what survives)."""
+        self.release(req)
+        req.num_computed = 0
+        req.state.clear()
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def remove(self, rid: int) -> Request | None:
+        """Take request `rid` out wherever it is (releasing it if running)."""
+        for req in self.running:
+            if req.rid == rid:
+                self.release(req)
+                return req
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return req
+        return None

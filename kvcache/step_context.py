@@ -1,0 +1,44 @@
+"""StepContext: what one forward pass asks of the engine (kvcache.model.ForwardContext)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.attention import AttentionBackend, PagedMetadata
+from kvcache.request import Request
+
+
+class StepContext:
+    """Routes attention layers to the planned backend and keeps recurrent state per request.
+
+    Requests are the step's real ones in batch order; padding requests (CUDA-graph decode)
+    follow them, start from zero state and keep none.
+    """
+
+    def __init__(self, backend: AttentionBackend, attn_layer: dict[int, int],
+                 md: PagedMetadata, requests: list[Request], hidden: int,
+                 device: torch.device) -> None:
+        self.backend = backend
+        self.attn_layer = attn_layer
+        qo = md.qo_indptr.tolist()
+        self.seq_lens = [qo[i + 1] - qo[i] for i in range(len(qo) - 1)]
+        self.requests = requests
+        self.hidden = hidden
+        self.device = device
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+        """Append k, v into this attention layer's pages, then attend."""
+        return self.backend.forward(self.attn_layer[layer], q, k, v)
+
+    def recurrent_state(self, layer: int) -> torch.Tensor:
+        """[batch, hidden] float32: each request's state before this step."""
+        zero = torch.zeros(self.hidden, dtype=torch.float32, device=self.device)
+        rows = [req.state.get(layer, zero) for req in self.requests]
+        rows += [zero] * (len(self.seq_lens) - len(rows))
+        return torch.stack(rows)
+
+    def set_recurrent_state(self, layer: int, state: torch.Tensor) -> None:
+        """Keep each real request's state after this step."""
+        for i, req in enumerate(self.requests):
+            req.state[layer] = state[i].detach()
