@@ -1,0 +1,62 @@
+"""Adapters from concrete engines to `EngineUnderTest`; kvcache's Engine is the first.
+
+Another engine joins the same scenarios, oracle and reuse assertions by writing one such
+class: effective cache settings, generate, cumulative stats and the admission log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcache import Engine, KVCacheManager, ReuseScope
+
+
+@dataclass(frozen=True)
+class Result:
+    """One request's result in the protocol's terms."""
+
+    seq_id: Hashable
+    token_ids: Sequence[int]
+    logits: Any | None
+    num_cached_tokens: int
+    kv_metrics: Mapping[str, int | float]
+
+
+class KvcacheEngineAdapter:
+    """`EngineUnderTest` over `kvcache.Engine`; also a cache owner for the leak check."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @property
+    def cache_manager(self) -> KVCacheManager:
+        """The engine's manager (the harness plugin checks it for leaks after a test)."""
+        return self.engine.manager
+
+    @property
+    def cache_config(self) -> Mapping[str, Any]:
+        """The effective settings, every flag resolved."""
+        c = self.engine.cache_config
+        return {"tokens_per_block": c.tokens_per_block, "max_num_blocks": c.max_num_blocks,
+                "enable_block_reuse": c.block_reuse, "enable_partial_reuse": c.partial_reuse,
+                "copy_on_partial_reuse": c.copy_on_partial}
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 scopes: Sequence[ReuseScope | None] | None = None,
+                 **options: Any) -> list[Result]:
+        """Run prompts to completion; `options` go to `Engine.generate`."""
+        outs = self.engine.generate(prompts, max_new_tokens, scopes, **options)
+        return [Result(o.request_id, o.token_ids, o.logits, o.num_cached_tokens,
+                       o.kv_metrics.as_dict() if o.kv_metrics is not None else {})
+                for o in outs]
+
+    def kv_cache_stats(self) -> Mapping[str, int | float]:
+        """Cumulative stats, TensorRT-LLM names."""
+        return self.engine.kv_cache_stats().as_dict()
+
+    def admission_log(self) -> list[dict[str, Any]]:
+        """The cache's operations in order."""
+        return self.engine.admission_log()
