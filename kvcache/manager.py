@@ -7,7 +7,7 @@ raises before changing anything (bad input: ValueError; no room: OutOfBlocksErro
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 
 from kvcache.config import KvCacheConfig
@@ -59,6 +59,9 @@ class KVCacheManager:
         self._c = _Counters()
         self._step_base: KvCacheStats | None = None
         self.events: list[CacheEvent] | None = [] if record_events else None
+        # Test seam for fault injection: called as (operation, blocks needed) before any
+        # allocation; returning True fails it with OutOfBlocksError, nothing changed.
+        self.allocation_fault: Callable[[str, int], bool] | None = None
 
     # ------------------------------------------------------------------ admission
     def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
@@ -84,6 +87,9 @@ class KVCacheManager:
         nblocks = (length + self._B - 1) // self._B
         pool = self.pool
         m = self._match(arr.tobytes(), length, skey)
+        if self.allocation_fault is not None and self.allocation_fault("add_sequence", nblocks):
+            raise OutOfBlocksError(f"add_sequence({seq_id!r}) [injected fault]", nblocks, 0,
+                                   pool.num_blocks)
         if m is None:
             if nblocks > pool.num_available:
                 raise OutOfBlocksError(f"add_sequence({seq_id!r})", nblocks, pool.num_available,
@@ -232,6 +238,9 @@ class KVCacheManager:
         need = (len(seq.tokens) + len(arr) + self._B - 1) // self._B - len(seq.block_ids)
         if need > 0:
             pool = self.pool
+            if self.allocation_fault is not None and self.allocation_fault("append_tokens", need):
+                raise OutOfBlocksError(f"append_tokens({seq_id!r}) [injected fault]", need, 0,
+                                       pool.num_blocks)
             if need > pool.num_available:
                 raise OutOfBlocksError(f"append_tokens({seq_id!r})", need, pool.num_available,
                                        pool.num_blocks)

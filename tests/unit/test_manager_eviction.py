@@ -130,3 +130,25 @@ def test_request_larger_than_the_pool_can_never_fit(make_manager) -> None:
     with pytest.raises(OutOfBlocksError, match="it can never fit") as err:
         mgr.add_sequence("x", [1] * 5)
     assert err.value.can_never_fit
+
+
+def test_injected_allocation_fault_changes_nothing(make_manager) -> None:
+    mgr = make_manager(2, 8)
+    mgr.add_sequence("a", [1, 2, 3])
+    calls: list[tuple[str, int]] = []
+
+    def fail(op: str, blocks: int) -> bool:
+        calls.append((op, blocks))
+        return True
+
+    mgr.allocation_fault = fail
+    before = snapshot(mgr)
+    with pytest.raises(OutOfBlocksError, match=r"add_sequence\('b'\) \[injected fault\]"):
+        mgr.add_sequence("b", [1, 2, 3, 4, 5])
+    with pytest.raises(OutOfBlocksError, match=r"append_tokens\('a'\) \[injected fault\]"):
+        mgr.append_tokens("a", [4, 5])
+    mgr.append_tokens("a", [4])  # fits its block: no allocation, no fault
+    assert calls == [("add_sequence", 3), ("append_tokens", 1)]
+    assert snapshot(mgr)[1:] == before[1:]
+    mgr.allocation_fault = None
+    mgr.free_sequence("a")
