@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -17,6 +18,7 @@ import torch
 
 IntArray = npt.NDArray[np.int64]
 _INT32_LIMIT = 2**31
+_Int = TypeVar("_Int", np.int32, np.int64)
 
 
 class BlockTable:
@@ -40,23 +42,25 @@ class BlockTable:
             raise ValueError(f"BlockTable: slot {slot} is outside [0, {self.max_slots})")
 
     def assign(self, slot: int, block_ids: Sequence[int]) -> None:
-        """Replace the slot's blocks with `block_ids`. Raises ValueError on overflow."""
-        self._check_slot(slot)
-        self.lengths[slot] = 0
-        self.extend(slot, block_ids)
+        """Replace the slot's blocks with `block_ids`. Raises ValueError (table unchanged)
+        for a bad slot, a bad id or more than max_blocks_per_slot blocks."""
+        self._write(slot, 0, block_ids)
 
     def extend(self, slot: int, block_ids: Sequence[int]) -> None:
-        """Append `block_ids` to the slot's blocks. Raises ValueError on overflow or a bad id."""
+        """Append `block_ids` to the slot's blocks. Raises ValueError as assign does."""
+        self._check_slot(slot)
+        self._write(slot, int(self.lengths[slot]), block_ids)
+
+    def _write(self, slot: int, start: int, block_ids: Sequence[int]) -> None:
         self._check_slot(slot)
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        start = int(self.lengths[slot])
         end = start + len(ids)
         if end > self.max_blocks_per_slot:
             raise ValueError(f"BlockTable: slot {slot} would hold {end} blocks, more than "
                              f"max_blocks_per_slot={self.max_blocks_per_slot}")
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= _INT32_LIMIT):
             raise ValueError(f"BlockTable: block ids for slot {slot} must be in [0, 2**31), "
-                             f"got {block_ids!r}")
+                             f"got ids in [{ids.min()}, {ids.max()}]")
         self.blocks[slot, start:end] = ids
         self.lengths[slot] = end
 
@@ -145,7 +149,7 @@ def _check_capacity(table: BlockTable, slots: IntArray, kv_len: IntArray, num_bl
                          f"holds {held[bad]}")
 
 
-def _ragged_rows(rows: npt.NDArray[np.int32], counts: IntArray, max_count: int) -> npt.NDArray[np.int32]:
+def _ragged_rows(rows: npt.NDArray[_Int], counts: IntArray, max_count: int) -> npt.NDArray[_Int]:
     """Concatenate rows[i, :counts[i]]; rows is a fresh array, so a uniform ravel is owned."""
     if _min(counts) == max_count:
         return rows.reshape(-1)
@@ -160,11 +164,12 @@ def _page_rows(table: BlockTable, slots: IntArray, num_blocks: IntArray, num_pag
     if k == 1:
         return _ragged_rows(table.blocks[slots, :max_pages], num_pages, max_pages)
     blocks = table.blocks[slots, : int(_max(num_blocks))].astype(np.int64)
-    if int(_max(blocks, axis=None)) * m + k > _INT32_LIMIT:
-        raise ValueError(f"build_metadata: page ids overflow int32 with page_index_multiplier={m} "
-                         f"and block ids up to {int(blocks.max())}")
-    pages = (blocks[:, :, None] * m + np.arange(k)).reshape(len(slots), -1)
-    return _ragged_rows(pages[:, :max_pages].astype(np.int32), num_pages, max_pages)
+    pages = (blocks[:, :, None] * m + np.arange(k)).reshape(len(slots), -1)[:, :max_pages]
+    flat = _ragged_rows(pages, num_pages, max_pages)
+    if int(_max(flat)) >= _INT32_LIMIT:
+        raise ValueError(f"build_metadata: page id {int(_max(flat))} overflows int32 "
+                         f"(page_index_multiplier={m})")
+    return flat.astype(np.int32)
 
 
 def _pad(values: IntArray, num_padded: int, fill: int) -> IntArray:

@@ -194,10 +194,14 @@ def test_block_table_updates_incrementally() -> None:
                  id="extend-overflow"),
     pytest.param(lambda t: t.assign(0, [-1]), "block ids", id="negative-id"),
     pytest.param(lambda t: t.assign(0, [2**31]), "block ids", id="id-too-big"),
+    pytest.param(lambda t: t.assign(1, [1, 2, 3, 4, 5]), "slot 1 would hold 5", id="reassign"),
 ])
 def test_block_table_errors(action, match: str) -> None:  # type: ignore[no-untyped-def]
+    table = BlockTable(2, 4)
+    table.assign(1, [6, 7])
     with pytest.raises(ValueError, match=match):
-        action(BlockTable(2, 4))
+        action(table)
+    assert table.block_ids(1) == [6, 7], "a rejected update changed the table"
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -214,7 +218,7 @@ def test_block_table_errors(action, match: str) -> None:  # type: ignore[no-unty
                  id="small-multiplier"),
     pytest.param(dict(pad_to=1), "pad_to=1", id="pad-to"),
     pytest.param(dict(slots=[[0], [1]]), "1-D", id="shape"),
-    pytest.param(dict(page_size=4, page_index_multiplier=2**30), "overflow int32",
+    pytest.param(dict(page_size=4, page_index_multiplier=2**30), "overflows int32",
                  id="page-id-overflow"),
 ])
 def test_build_metadata_errors(kwargs: dict, match: str) -> None:
