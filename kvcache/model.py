@@ -12,145 +12,16 @@ rotate-half convention, SwiGLU), so HF checkpoints load without permuting weight
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-LayerType = Literal["attention", "recurrent"]
-LAYER_TYPES: tuple[LayerType, ...] = ("attention", "recurrent")
+from kvcache.model_config import LAYER_TYPES, PRESETS, LayerType, ModelConfig, get_preset
 
-_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape and hyper-parameters of a `Transformer`; validated on construction.
-
-    `head_dim` is explicit (it need not equal hidden_size / num_heads). `sliding_window`
-    applies to every attention layer: a query at position i sees keys j with
-    i - sliding_window < j <= i. `layer_types` defaults to all "attention"; a list is
-    accepted and stored as a tuple.
-
-    Raises:
-        ValueError: a field has a bad type or value; the message names field and value.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    sliding_window: int | None = None
-    max_position_embeddings: int = 4096
-    layer_types: tuple[LayerType, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in _POSITIVE_INTS:
-            _check_positive_int(name, getattr(self, name))
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
-                f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates halves)"
-            )
-        for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(
-                f"ModelConfig.tie_word_embeddings={self.tie_word_embeddings!r} must be a bool"
-            )
-        if self.sliding_window is not None:
-            _check_positive_int("sliding_window", self.sliding_window)
-        self._normalise_layer_types()
-
-    def _normalise_layer_types(self) -> None:
-        if not isinstance(self.layer_types, tuple | list):
-            raise ValueError(f"ModelConfig.layer_types={self.layer_types!r} must be a tuple")
-        # object.__setattr__: the dataclass is frozen; this runs once, inside __init__.
-        types = tuple(self.layer_types) or ("attention",) * self.num_layers
-        object.__setattr__(self, "layer_types", types)
-        if len(types) != self.num_layers:
-            raise ValueError(
-                f"ModelConfig.layer_types has {len(types)} entries, num_layers={self.num_layers}"
-            )
-        for index, kind in enumerate(types):
-            if kind not in LAYER_TYPES:
-                raise ValueError(
-                    f"ModelConfig.layer_types[{index}]={kind!r}; expected one of {LAYER_TYPES}"
-                )
-
-    @property
-    def has_recurrent_layers(self) -> bool:
-        """Whether any layer is recurrent (its state cannot be rolled back per token)."""
-        return "recurrent" in self.layer_types
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        """Indices of the layers that call `ForwardContext.attention` (and need KV storage)."""
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "attention")
-
-    @property
-    def recurrent_layers(self) -> tuple[int, ...]:
-        """Indices of the layers that use `ForwardContext.recurrent_state`."""
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "recurrent")
-
-    @property
-    def window_left(self) -> int:
-        """FlashInfer's `window_left`: -1 for full attention, else sliding_window - 1.
-
-        The -1 is FlashInfer's own convention, kept so it can be passed straight through.
-        """
-        return -1 if self.sliding_window is None else self.sliding_window - 1
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
-
-
-_TINY = ModelConfig(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    # 64, not hidden/heads = 32: FlashInfer's prefill kernels dispatch head_dim in {64, 128,
-    # 256, ...}, and the same presets run on GPU.
-    head_dim=64,
-)
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": _TINY,
-    "tiny-tied": dataclasses.replace(_TINY, tie_word_embeddings=True),
-    "tiny-swa": dataclasses.replace(_TINY, sliding_window=32),
-    "hybrid-tiny": dataclasses.replace(
-        _TINY, layer_types=("attention", "recurrent", "attention", "attention")
-    ),
-}
-
-
-def get_preset(name: str) -> ModelConfig:
-    """Return the preset called `name`; raises ValueError listing the known names."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
-
+__all__ = ["LAYER_TYPES", "PRESETS", "ForwardContext", "LayerType", "ModelConfig",
+           "Transformer", "get_preset"]
 
 class ForwardContext(Protocol):
     """What the engine supplies to one forward pass; the model calls it once per layer.
