@@ -64,30 +64,31 @@ class StepBuffers(NamedTuple):
     kv_indptr: torch.Tensor      # int32 [B + 1]
     kv_indices: torch.Tensor     # int32 [capacity]
     kv_last_page_len: torch.Tensor  # int32 [B]
-    append_src: torch.Tensor     # int64 [rows]: row of k/v each append row writes
-    append_batch: torch.Tensor   # int32 [rows]
-    append_pos: torch.Tensor     # int32 [rows]
+    append_batch: torch.Tensor   # int32 [rows]: request of each appended row
+    append_pos: torch.Tensor     # int32 [rows]: its position in that request
 
     @classmethod
     def allocate(cls, max_batch: int, capacity: int, device: torch.device) -> StepBuffers:
         def i32(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=device)
-        return cls(i32(max_batch + 1), i32(capacity), i32(max_batch),
-                   torch.zeros(max_batch, dtype=torch.int64, device=device),
-                   i32(max_batch), i32(max_batch))
+        return cls(i32(max_batch + 1), i32(capacity), i32(max_batch), i32(max_batch),
+                   i32(max_batch))
 
     def for_size(self, batch: int) -> StepBuffers:
         return StepBuffers(self.kv_indptr[: batch + 1], self.kv_indices,
-                            self.kv_last_page_len[:batch], self.append_src[:batch],
-                            self.append_batch[:batch], self.append_pos[:batch])
+                           self.kv_last_page_len[:batch], self.append_batch[:batch],
+                           self.append_pos[:batch])
 
 
 def prefill_wrapper_call(workspace: torch.Tensor, layout: KvLayout) -> Call:
+    """BatchPrefillWithPagedKVCacheWrapper(...) over the shared float workspace."""
     return Call((workspace,), {"kv_layout": layout})
 
 
 def decode_wrapper_call(workspace: torch.Tensor, layout: KvLayout, use_tensor_cores: bool,
                         graph: StepBuffers | None = None) -> Call:
+    """BatchDecodeWithPagedKVCacheWrapper(...); with `graph`, a CUDA-graph wrapper whose
+    plan() copies the metadata into those (persistent, device) buffers."""
     kwargs: dict[str, Any] = {"kv_layout": layout, "use_tensor_cores": use_tensor_cores}
     if graph is not None:
         kwargs.update(use_cuda_graph=True, paged_kv_indptr_buffer=graph.kv_indptr,
@@ -103,23 +104,28 @@ def _plan_options(p: KernelParams) -> dict[str, Any]:
 
 
 def prefill_plan_call(p: KernelParams, md: PagedMetadata, kv_indices: torch.Tensor) -> Call:
-    """Host qo_indptr / kv_indptr / last_page_len, kv_indices wherever it lives."""
+    """prefill.plan(...): causal, host qo_indptr / kv_indptr / last_page_len (FlashInfer
+    schedules on the host), kv_indices on the device (or host: plan copies it)."""
     return Call((md.qo_indptr, md.kv_indptr, kv_indices, md.kv_last_page_len, p.num_qo_heads,
                  p.num_kv_heads, p.head_dim, p.page_size), {"causal": True, **_plan_options(p)})
 
 
 def decode_plan_call(p: KernelParams, md: PagedMetadata, kv_indices: torch.Tensor) -> Call:
+    """decode.plan(...): host indptr / last_page_len, kv_indices on the device or host."""
     return Call((md.kv_indptr, kv_indices, md.kv_last_page_len, p.num_qo_heads,
                  p.num_kv_heads, p.head_dim, p.page_size), _plan_options(p))
 
 
 def run_call(q: torch.Tensor, kv_pages: tuple[torch.Tensor, torch.Tensor],
              return_lse: bool) -> Call:
+    """wrapper.run(q, (k_pages, v_pages)); with return_lse it returns (o, lse base 2)."""
     return Call((q, kv_pages), {"return_lse": return_lse})
 
 
 def append_call(k: torch.Tensor, v: torch.Tensor, buffers: StepBuffers,
                 kv_pages: tuple[torch.Tensor, torch.Tensor], layout: KvLayout) -> Call:
+    """flashinfer.page.append_paged_kv_cache(...): row i of k/v goes to request
+    append_batch[i] at position append_pos[i], through the step's device CSR."""
     return Call((k, v, buffers.append_batch, buffers.append_pos, kv_pages, buffers.kv_indices,
                  buffers.kv_indptr, buffers.kv_last_page_len), {"kv_layout": layout})
 
@@ -151,11 +157,12 @@ def _import_flashinfer() -> ModuleType:
 
 @dataclass(frozen=True)
 class _Step:
-    """What one planned step's forward calls use."""
+    """What one planned step's forward calls use. append_src (CUDA-graph steps) holds the
+    k/v row each append row writes; without it the first num_append_tokens rows append."""
 
     wrapper: Any
     buffers: StepBuffers
-    graphed: bool
+    append_src: torch.Tensor | None
 
 
 class FlashInferBackend(AttentionBackend):
@@ -209,18 +216,19 @@ class FlashInferBackend(AttentionBackend):
                                       prefill_wrapper_call(workspace, layout))
         self._decode = self._wrapper("BatchDecodeWithPagedKVCacheWrapper",
                                      decode_wrapper_call(workspace, layout, tensor_cores))
-        self._graphs: dict[int, tuple[Any, StepBuffers]] = {}
+        self._graphs: dict[int, tuple[Any, StepBuffers, torch.Tensor]] = {}
         if graph_batch_sizes:
             pages_per_block = storage.block_size // self.page_size
             max_batch = max(graph_batch_sizes)
             capacity = (max_batch * storage.num_blocks * pages_per_block
                         if graph_max_pages is None else graph_max_pages)
             shared = StepBuffers.allocate(max_batch, capacity, device)
+            shared_src = torch.zeros(max_batch, dtype=torch.int64, device=device)
             for size in graph_batch_sizes:
                 views = shared.for_size(size)
                 wrapper = self._wrapper("BatchDecodeWithPagedKVCacheWrapper",
                                         decode_wrapper_call(workspace, layout, tensor_cores, views))
-                self._graphs[size] = (wrapper, views)
+                self._graphs[size] = (wrapper, views, shared_src[:size])
         self._step: _Step | None = None
 
     def _wrapper(self, cls_name: str, call: Call) -> Any:
@@ -240,16 +248,16 @@ class FlashInferBackend(AttentionBackend):
         n = md.num_append_tokens
         buffers = StepBuffers(
             md.kv_indptr.to(device), md.kv_indices.to(device), md.kv_last_page_len.to(device),
-            torch.arange(n, device=device), md.batch_indices[:n].to(device),
-            md.positions[:n].to(device=device, dtype=torch.int32))
+            md.batch_indices[:n].to(device), md.positions[:n].to(device=device, dtype=torch.int32))
         if md.is_decode:
             wrapper, call = self._decode, decode_plan_call(self._params, md, buffers.kv_indices)
         else:
             wrapper, call = self._prefill, prefill_plan_call(self._params, md, buffers.kv_indices)
         wrapper.plan(*call.args, **call.kwargs)
-        self._step = _Step(wrapper, buffers, graphed=False)
+        self._step = _Step(wrapper, buffers, append_src=None)
 
-    def _plan_graph(self, md: PagedMetadata, wrapper: Any, views: StepBuffers) -> _Step:
+    def _plan_graph(self, md: PagedMetadata, wrapper: Any, views: StepBuffers,
+                    src: torch.Tensor) -> _Step:
         nnz = md.kv_indices.numel()
         if nnz > views.kv_indices.numel():
             raise ValueError(f"FlashInferBackend.plan: decode batch references {nnz} pages, more "
@@ -257,9 +265,10 @@ class FlashInferBackend(AttentionBackend):
         # A graph wrapper's plan copies indptr, indices and last_page_len into `views`.
         call = decode_plan_call(self._params, md, md.kv_indices)
         wrapper.plan(*call.args, **call.kwargs)
-        for buffer, host in zip(views[3:], graph_append_rows(md), strict=True):
+        for buffer, host in zip((src, views.append_batch, views.append_pos),
+                                graph_append_rows(md), strict=True):
             buffer.copy_(host)
-        return _Step(wrapper, views, graphed=True)
+        return _Step(wrapper, views, append_src=src)
 
     def _current(self) -> _Step:
         assert self._step is not None, "plan() sets the step before any forward"
@@ -267,9 +276,8 @@ class FlashInferBackend(AttentionBackend):
 
     def _append(self, layer: int, md: PagedMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         step = self._current()
-        if step.graphed:
-            k = k.index_select(0, step.buffers.append_src)
-            v = v.index_select(0, step.buffers.append_src)
+        if step.append_src is not None:
+            k, v = k.index_select(0, step.append_src), v.index_select(0, step.append_src)
         else:
             k, v = k[: md.num_append_tokens], v[: md.num_append_tokens]
         call = append_call(k, v, step.buffers, self.pages[layer], self.storage.layout)
