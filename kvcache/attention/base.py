@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, Required, TypedDict
 
 import torch
 
@@ -17,6 +17,19 @@ class AttentionOutput(NamedTuple):
 
     o: torch.Tensor
     lse: torch.Tensor | None
+
+
+class BackendOptions(TypedDict, total=False):
+    """AttentionBackend's constructor arguments, for subclasses that add their own."""
+
+    storage: Required[KvStorage]
+    num_qo_heads: Required[int]
+    num_kv_heads: Required[int]
+    head_dim: Required[int]
+    page_size: int | None
+    sm_scale: float | None
+    window_left: int
+    logits_soft_cap: float | None
 
 
 class AttentionBackend(ABC):

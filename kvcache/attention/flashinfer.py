@@ -18,13 +18,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Unpack
 
 import torch
 
-from kvcache.attention.base import AttentionBackend, AttentionOutput
+from kvcache.attention.base import AttentionBackend, AttentionOutput, BackendOptions
 from kvcache.attention.metadata import PagedMetadata
-from kvcache.storage import KvLayout, KvStorage
+from kvcache.storage import KvLayout
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -181,21 +181,13 @@ class FlashInferBackend(AttentionBackend):
     def __init__(
         self,
         *,
-        storage: KvStorage,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int | None = None,
-        sm_scale: float | None = None,
-        window_left: int = -1,
-        logits_soft_cap: float | None = None,
         graph_batch_sizes: tuple[int, ...] = (),
         graph_max_pages: int | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
+        **options: Unpack[BackendOptions],
     ) -> None:
-        super().__init__(storage=storage, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, page_size=page_size, sm_scale=sm_scale,
-                         window_left=window_left, logits_soft_cap=logits_soft_cap)
+        super().__init__(**options)
+        storage = self.storage
         if storage.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"FlashInferBackend needs CUDA: storage is on {storage.device}, "
                                f"torch.cuda.is_available()={torch.cuda.is_available()}")
@@ -207,8 +199,9 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"FlashInferBackend: graph_batch_sizes={graph_batch_sizes} must be "
                              f"distinct positive ints")
         self._fi = _import_flashinfer()
-        self._params = KernelParams(num_qo_heads, num_kv_heads, head_dim, self.page_size,
-                                    self.sm_scale, window_left, logits_soft_cap, storage.dtype)
+        self._params = KernelParams(self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                                    self.page_size, self.sm_scale, self.window_left,
+                                    self.logits_soft_cap, storage.dtype)
         device, layout = storage.device, storage.layout
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         tensor_cores = self._params.decode_uses_tensor_cores

@@ -14,12 +14,12 @@ mix the two, so the backend does not support block reuse.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Unpack
 
 import torch
 
+from kvcache.attention.base import BackendOptions
 from kvcache.attention.reference import ReferenceBackend
-from kvcache.storage import KvStorage
 
 
 class StarAttentionBackend(ReferenceBackend):
@@ -28,25 +28,11 @@ class StarAttentionBackend(ReferenceBackend):
     name: ClassVar[str] = "star"
     supports_block_reuse: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        *,
-        storage: KvStorage,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int | None = None,
-        sm_scale: float | None = None,
-        window_left: int = -1,
-        logits_soft_cap: float | None = None,
-        star_block_size: int = 64,
-    ) -> None:
+    def __init__(self, *, star_block_size: int = 64, **options: Unpack[BackendOptions]) -> None:
         if star_block_size < 1:
             raise ValueError(f"StarAttentionBackend: star_block_size={star_block_size} "
                              f"must be >= 1")
-        super().__init__(storage=storage, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, page_size=page_size, sm_scale=sm_scale,
-                         window_left=window_left, logits_soft_cap=logits_soft_cap)
+        super().__init__(**options)
         self.star_block_size = star_block_size
 
     def request_mask(self, q_pos: torch.Tensor, kv_len: int, qo_len: int) -> torch.Tensor:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
 import pytest
 
 from kvcache.attention import (
+    AttentionBackend,
     FlashInferBackend,
     ReferenceBackend,
     StarAttentionBackend,
     backend_names,
     get_backend,
 )
+from kvcache.attention.base import BackendOptions
 
 
 def test_registered_backends() -> None:
@@ -37,3 +40,9 @@ def test_import_does_not_import_flashinfer() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_backend_options_mirror_the_base_constructor() -> None:
+    # Subclasses take **BackendOptions; a parameter added to one but not the other drifts.
+    params = set(inspect.signature(AttentionBackend.__init__).parameters) - {"self"}
+    assert set(BackendOptions.__annotations__) == params
