@@ -236,7 +236,8 @@ def build_metadata(
     npad = Bt - B
     kv_indptr = np.zeros(Bt + 1, dtype=np.int32)
     np.add.accumulate(num_pages, out=kv_indptr[1 : B + 1])
-    kv_indptr[B + 1 :] = kv_indptr[B]
+    if npad:
+        kv_indptr[B + 1 :] = kv_indptr[B]
     is_decode = bool(_max(new) == 1)
     if is_decode:
         T_real = B
