@@ -1,0 +1,167 @@
+"""Validation across lists, waives and the collected suite: duplicates, entries and waives
+that select nothing, orphans, and the waives file format."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness.test_db import load_test_db
+from harness.test_db_check import (
+    collect_node_ids,
+    duplicate_problems,
+    orphan_problems,
+    unmatched_problems,
+    validate,
+)
+from harness.test_db_errors import ListError
+from harness.waives import load_waives, waive_for
+
+HEAD = "version: 0.0.1\nl0_cpu:\n"
+
+
+def block(stage: str, tests: list[str], gpus: str = "{gte: 0, lte: 0}", backend: str = "") -> str:
+    extra = f"\n      backend: {backend}" if backend else ""
+    lines = "".join(f"  - {t}\n" for t in tests)
+    return (f"- condition:\n    ranges:\n      system_gpu_count: {gpus}\n"
+            f"    terms:\n      stage: {stage}{extra}\n  tests:\n{lines}")
+
+
+def load(tmp_path: Path, text: str, name: str = "l0_cpu.yml") -> Path:
+    db = tmp_path / "test-db"
+    db.mkdir(exist_ok=True)
+    (db / name).write_text(text)
+    return db
+
+
+@pytest.mark.parametrize(
+    ("blocks", "expected"),
+    [
+        pytest.param([block("pre_merge", ["tests/a.py", "tests/a.py"])],
+                     ["10: duplicate entry 'tests/a.py' (also at "], id="same-block"),
+        pytest.param([block("pre_merge", ["tests/a.py"]), block("pre_merge", ["tests/a.py::t"])],
+                     ["16: entry 'tests/a.py::t' is already selected by 'tests/a.py' ("],
+                     id="prefix-overlapping-blocks"),
+        pytest.param([block("pre_merge", ["tests/a.py::t"]), block("pre_merge", ["tests"])],
+                     ["9: entry 'tests/a.py::t' is already selected by 'tests' ("],
+                     id="folder-later"),
+        pytest.param([block("pre_merge", ["tests/a.py"]), block("post_merge", ["tests/a.py"])],
+                     [], id="other-stage"),
+        pytest.param([block("pre_merge", ["tests/a.py"], "{lte: 1}"),
+                      block("pre_merge", ["tests/a.py"], "{gte: 2}")], [], id="disjoint-gpus"),
+        pytest.param([block("pre_merge", ["tests/a.py"], backend="torch"),
+                      block("pre_merge", ["tests/a.py"], backend="flashinfer")], [],
+                     id="other-backend"),
+        pytest.param([block("pre_merge", ["tests/a.py"], backend="torch"),
+                      block("pre_merge", ["tests/a.py"])], ["17: duplicate entry"],
+                     id="backend-and-any"),
+    ],
+)
+def test_duplicates(tmp_path: Path, blocks: list[str], expected: list[str]) -> None:
+    db = load_test_db(load(tmp_path, HEAD + "".join(blocks)))
+    found = [str(p).removeprefix(str(tmp_path / "test-db" / "l0_cpu.yml") + ":")
+             for p in duplicate_problems(db)]
+    assert len(found) == len(expected)
+    for text, start in zip(found, expected, strict=True):
+        assert text.startswith(start), text
+
+
+def test_same_entry_in_two_contexts_is_no_duplicate(tmp_path: Path) -> None:
+    load(tmp_path, HEAD + block("pre_merge", ["tests/a.py"]))
+    db = load_test_db(load(tmp_path, HEAD.replace("l0_cpu", "l0_h100") + block(
+        "pre_merge", ["tests/a.py"], "{gte: 1}"), "l0_h100.yml"))
+    assert duplicate_problems(db) == []
+
+
+def test_unmatched_entries_say_whether_the_file_exists(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "a.py").write_text("")
+    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", ["tests/a.py::gone", "tests/zz.py"])))
+    messages = [p.message for p in unmatched_problems(db.entries, tmp_path)]
+    assert messages == [
+        "entry 'tests/a.py::gone' matches no collected test",
+        f"entry 'tests/zz.py': no such file or folder 'tests/zz.py' under {tmp_path}",
+    ]
+
+
+def test_orphans_are_grouped_by_file(tmp_path: Path) -> None:
+    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", ["tests/a.py::t1"])))
+    ids = ["tests/a.py::t1", "tests/a.py::t2"] + [f"tests/b.py::t[{i}]" for i in range(7)]
+    found = [(str(p.location), p.message) for p in orphan_problems(db.entries, ids)]
+    assert found == [
+        ("tests/a.py", "1 collected tests are in no list: t2"),
+        ("tests/b.py", "7 collected tests are in no list: t[0], t[1], t[2], t[3], t[4], ..."),
+    ]
+
+
+WAIVES = """\
+# known failures
+tests/a.py::t[p1] SKIP (fails on (some) inputs) https://github.com/o/r/issues/1
+
+tests/b.py SKIP (slow) https://example.com/b
+"""
+
+
+def test_waives_parse_and_cover(tmp_path: Path) -> None:
+    path = tmp_path / "waives.txt"
+    path.write_text(WAIVES)
+    waives = load_waives(path)
+    assert [(w.test, w.reason, w.location.line) for w in waives] == [
+        ("tests/a.py::t[p1]", "fails on (some) inputs", 2), ("tests/b.py", "slow", 4)]
+    hit = waive_for(waives, "tests/b.py::Test::x")
+    assert hit is not None and hit.skip_reason == "waived: slow (https://example.com/b)"
+    assert waive_for(waives, "tests/a.py::t[p2]") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        pytest.param("tests/a.py skip (x) https://e.com\n", "is not '<node id> SKIP (<reason>) <link>'",
+                     id="lower-case-skip"),
+        pytest.param("tests/a.py SKIP (x)\n", "is not '<node id> SKIP", id="no-link"),
+        pytest.param("tests/a.py SKIP ( ) https://e.com\n", "has an empty reason", id="no-reason"),
+        pytest.param("tests/a.py SKIP (x) nvbugs/123\n", "link 'nvbugs/123' is not an http(s) URL",
+                     id="bad-link"),
+        pytest.param("/abs/a.py SKIP (x) https://e.com\n", "relative to the repository root",
+                     id="absolute"),
+        pytest.param("tests/a.py SKIP (x) https://e.com\ntests/a.py SKIP (y) https://e.com\n",
+                     "'tests/a.py' is waived twice (first at line 1)", id="twice"),
+    ],
+)
+def test_broken_waives(tmp_path: Path, text: str, fragment: str) -> None:
+    path = tmp_path / "waives.txt"
+    path.write_text(text)
+    with pytest.raises(ListError) as caught:
+        load_waives(path)
+    [problem] = caught.value.problems
+    assert fragment in problem.message
+    assert problem.location == (path, len(text.splitlines()))
+
+
+def test_validate_against_a_real_collection(tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text(textwrap.dedent("""\
+        import pytest
+        @pytest.mark.parametrize("x", [1, 2], ids=["p1", "p2"])
+        def test_par(x): pass
+        def test_plain(): pass
+        """))
+    (tests / "test_orphan.py").write_text("def test_lonely(): pass\n")
+    assert collect_node_ids(tmp_path, ["tests"]) == [
+        "tests/test_a.py::test_par[p1]", "tests/test_a.py::test_par[p2]",
+        "tests/test_a.py::test_plain", "tests/test_orphan.py::test_lonely"]
+    db = load(tmp_path, HEAD + block("pre_merge", ["tests/test_a.py::test_par", "tests/test_a.py::gone"])
+              + block("post_merge", ["tests/test_a.py::test_plain"]))
+    waives = tmp_path / "waives.txt"
+    waives.write_text("tests/test_a.py::test_par[p2] SKIP (x) https://e.com/1\n"
+                      "tests/test_a.py::test_par[p3] SKIP (x) https://e.com/2\n")
+    result = validate(db, waives, tmp_path)
+    assert [str(p).replace(str(tmp_path) + "/", "") for p in result.problems] == [
+        "test-db/l0_cpu.yml:10: entry 'tests/test_a.py::gone' matches no collected test",
+        "waives.txt:2: waive 'tests/test_a.py::test_par[p3]' matches no collected test",
+        "tests/test_orphan.py: 1 collected tests are in no list: test_lonely",
+    ]
+    assert result.summary() == "3 problems: 2 blocks, 3 entries, 2 waives, 4 collected tests"

@@ -1,0 +1,140 @@
+"""CI plumbing: the GitHub workflow against GitHub's schema (offline, check-jsonschema's
+vendored copy), its steps calling ci/ scripts, the scripts themselves, the nox sessions,
+and the committed test lists and durations file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from harness.hardware import Machine
+from harness.test_db import load_test_db
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
+SCRIPTS = sorted((ROOT / "ci").glob("*.sh"))
+
+
+def _check_jsonschema(path: Path) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("check-jsonschema")
+    if exe is None:
+        pytest.skip("check-jsonschema is not installed (pip install -e .[test])")
+    return subprocess.run([exe, "--builtin-schema", "vendor.github-workflows", str(path)],
+                          capture_output=True, text=True, check=False)
+
+
+def _jobs() -> dict[str, Any]:
+    jobs: dict[str, Any] = yaml.safe_load(WORKFLOW.read_text())["jobs"]
+    return jobs
+
+
+def test_workflow_matches_githubs_schema() -> None:
+    done = _check_jsonschema(WORKFLOW)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_schema_check_rejects_a_broken_workflow(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yml"
+    broken.write_text(WORKFLOW.read_text().replace("    runs-on: ubuntu-latest\n",
+                                                   "    runs_on: ubuntu-latest\n", 1))
+    done = _check_jsonschema(broken)
+    assert done.returncode == 1 and "$.jobs.cpu: 'runs-on' is a required property" in done.stdout
+
+
+def test_every_run_step_is_a_ci_script_or_nox() -> None:
+    for name, job in _jobs().items():
+        for step in job["steps"]:
+            command = step.get("run")
+            if command is None:
+                assert step["uses"].split("@")[0] in (
+                    "actions/checkout", "actions/setup-python", "actions/upload-artifact"), name
+                continue
+            program = command.split()[0]
+            assert program == "nox" or (ROOT / program) in SCRIPTS, f"{name}: {command}"
+
+
+def test_gpu_jobs_run_on_labelled_runners_with_a_list_per_kind() -> None:
+    contexts = {b.context for b in load_test_db(ROOT / "test_lists" / "test-db").blocks}
+    gpu_jobs = {n: j for n, j in _jobs().items() if "self-hosted" in j["runs-on"]}
+    assert set(gpu_jobs) == {"gpu-premerge", "gpu-postmerge", "bench"}
+    for job in gpu_jobs.values():
+        assert job["runs-on"] == ["self-hosted", "linux", "gpu", "${{ matrix.gpu }}"]
+        assert {f"l0_{gpu}" for gpu in job["strategy"]["matrix"]["gpu"]} <= contexts
+    shards = gpu_jobs["gpu-postmerge"]["strategy"]["matrix"]
+    assert shards["group"] == list(range(1, shards["splits"][0] + 1))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_scripts_are_executable_bash(script: Path) -> None:
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+    assert script.read_text().startswith("#!/usr/bin/env bash\n")
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        pytest.param(["ci/cpu.sh", "nightly"], 2, "unknown session 'nightly'", id="cpu-session"),
+        pytest.param(["ci/gpu_postmerge.sh", "1"], 2, "usage: ci/gpu_postmerge.sh GROUP SPLITS",
+                     id="postmerge-usage"),
+    ],
+)
+def test_scripts_reject_bad_arguments(argv: list[str], code: int, message: str) -> None:
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == code and message in done.stderr
+
+
+def test_job_summary_appends_the_report(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "reuse_report.json").write_text('{"records": []}')
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(summary)}
+    subprocess.run(["ci/job_summary.sh", str(results)], cwd=ROOT, env=env, check=True)
+    text = summary.read_text()
+    assert text.startswith("earlier step\n# Results: results\n") and "## Reuse" in text
+
+
+def test_nox_sessions() -> None:
+    nox = shutil.which("nox")
+    if nox is None:
+        pytest.skip("nox is not installed (pip install -e .[dev])")
+    listing = subprocess.run([nox, "--list"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+    sessions = {line[2:].split(" -> ")[0]: line[0] for line in listing.splitlines()
+                if line[:2] in ("* ", "- ")}
+    assert sessions == {"premerge": "*", "postmerge": "-", "lists": "-", "lint": "-", "bench": "-"}
+
+
+@pytest.mark.parametrize("stage", ["pre_merge", "post_merge"])
+@pytest.mark.parametrize(
+    ("gpu", "count", "backends", "context"),
+    [
+        pytest.param("cpu", 0, ["torch"], "l0_cpu", id="cpu"),
+        pytest.param("NVIDIA H100 80GB HBM3", 8, ["torch", "flashinfer"], "l0_h100", id="h100"),
+        pytest.param("NVIDIA H200", 1, ["torch", "flashinfer"], "l0_h200", id="h200"),
+        pytest.param("NVIDIA B200", 4, ["torch", "flashinfer"], "l0_b200", id="b200"),
+    ],
+)
+def test_committed_lists_select_one_context_per_machine(
+    stage: str, gpu: str, count: int, backends: list[str], context: str
+) -> None:
+    db = load_test_db(ROOT / "test_lists" / "test-db")
+    machine = Machine.from_dict({"stage": stage, "gpu": gpu, "gpu_count": count,
+                                 "backends": backends, "cuda": count > 0, "cpu_arch": "x86_64"})
+    selected = db.select(machine)
+    assert selected and {e.source for e in selected} == {context}
+
+
+def test_durations_file_is_pytest_split_json() -> None:
+    durations = json.loads((ROOT / "test_lists" / ".test_durations").read_text())
+    assert isinstance(durations, dict) and durations
+    assert all("::" in k and isinstance(v, float) for k, v in durations.items())
