@@ -305,6 +305,9 @@ def _messages(path: Path, root: yaml.Node, exc: ValidationError) -> Iterator[Pro
     for err in exc.errors():
         loc = tuple(k for k in err["loc"] if not (isinstance(k, str) and k.startswith("<")))
         error = (err.get("ctx") or {}).get("error")
+        # The path names the mapping that holds an unknown or missing key; the line is
+        # the unknown key's own (a missing key has none: node_line stops at the mapping).
+        where = _path_text(loc[:-1] if err["type"] == "missing" else loc)
         if isinstance(error, UnknownKeyError):
             loc += (error.key,)
         if isinstance(error, ValueError):
@@ -313,7 +316,6 @@ def _messages(path: Path, root: yaml.Node, exc: ValidationError) -> Iterator[Pro
             message = f"missing key {loc[-1]!r}"
         else:
             message = f"{err['msg']} (got {err['input']!r})"
-        where = _path_text(loc)
         yield Problem(Location(path, node_line(root, loc)), f"{where}: {message}" if where else message)
 
 
