@@ -1,6 +1,15 @@
-"""Sessions: `nox -s premerge` before a merge, `nox -s postmerge` after it, `nox -s bench`."""
+"""Sessions: `nox -s premerge` before a merge, `nox -s postmerge` after it, `nox -s bench`.
+
+premerge/postmerge run the test-db lists (test_lists/test-db) for the detected hardware;
+anything after `--` goes to pytest and wins over the defaults (`-- --gpu h100
+--gpu-count 1`, `-- -n 8 --gpu-per-worker`, `-- tests/unit`). Results (junit XML, the
+reuse report, benchmark JSON) land in results/<session>/.
+"""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import nox
 
@@ -11,24 +20,59 @@ nox.options.default_venv_backend = "venv"
 # run in (the CPU build here, the runner's CUDA build on GPU runners): never a bare
 # `torch` requirement that lets the resolver pull a multi-GB build.
 VENV_PARAMS = ["--system-site-packages"]
+TEST_DB = "test_lists/test-db"
 
 
-def _install(session: nox.Session, extras: str) -> None:
+def _setup(session: nox.Session, extras: str) -> Path:
+    """Install the project with `extras`; return a fresh results/<session> folder."""
     session.run("python", "-c", "import torch", silent=True,
                 success_codes=[0], external=False)
     session.install("-e", f".[{extras}]")
+    results = Path("results") / session.name
+    shutil.rmtree(results, ignore_errors=True)
+    results.mkdir(parents=True)
+    return results
 
 
 @nox.session(venv_params=VENV_PARAMS)
 def premerge(session: nox.Session) -> None:
-    """Run the pre-merge tests."""
-    _install(session, "test")
-    session.run("pytest", "tests", *session.posargs)
+    """Run the pre-merge lists for this machine."""
+    results = _setup(session, "test")
+    session.run("pytest", f"--test-db={TEST_DB}", "--stage=pre_merge",
+                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
+                *session.posargs)
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def postmerge(session: nox.Session) -> None:
+    """Run the post-merge lists for this machine."""
+    results = _setup(session, "test")
+    session.run("pytest", f"--test-db={TEST_DB}", "--stage=post_merge",
+                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
+                *session.posargs)
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def lists(session: nox.Session) -> None:
+    """Validate the test lists and waives against the collected tests."""
+    _setup(session, "test")
+    session.run("kvharness", "validate", f"--test-db={TEST_DB}", *session.posargs)
 
 
 @nox.session(venv_params=VENV_PARAMS)
 def lint(session: nox.Session) -> None:
     """Ruff and mypy on kvcache/ and harness/."""
-    _install(session, "dev")
+    _setup(session, "dev")
     session.run("ruff", "check", "kvcache", "harness", "tests", "benchmarks", "noxfile.py")
     session.run("mypy")
+
+
+@nox.session(venv_params=VENV_PARAMS, default=False)
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks; JSON, summary and plots in results/bench."""
+    results = _setup(session, "test,bench")
+    session.run("pytest", "benchmarks", f"--benchmark-json={results / 'benchmarks.json'}",
+                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
+                *session.posargs)
+    if Path("benchmarks/report.py").is_file():
+        session.run("python", "-m", "benchmarks.report", str(results))
