@@ -19,6 +19,8 @@ nox.options.default_venv_backend = "venv"
 # Sessions see the interpreter's site-packages so torch comes from the environment they
 # run in (the CPU build here, the runner's CUDA build on GPU runners): never a bare
 # `torch` requirement that lets the resolver pull a multi-GB build.
+# Tools run as `python -m` so they use this interpreter (and its editable install of the
+# project) even when the system site-packages already provide them.
 VENV_PARAMS = ["--system-site-packages"]
 TEST_DB = "test_lists/test-db"
 
@@ -38,7 +40,7 @@ def _setup(session: nox.Session, extras: str) -> Path:
 def premerge(session: nox.Session) -> None:
     """Run the pre-merge lists for this machine."""
     results = _setup(session, "test")
-    session.run("pytest", f"--test-db={TEST_DB}", "--stage=pre_merge",
+    session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", "--stage=pre_merge",
                 f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *session.posargs)
 
@@ -47,7 +49,7 @@ def premerge(session: nox.Session) -> None:
 def postmerge(session: nox.Session) -> None:
     """Run the post-merge lists for this machine."""
     results = _setup(session, "test")
-    session.run("pytest", f"--test-db={TEST_DB}", "--stage=post_merge",
+    session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", "--stage=post_merge",
                 f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *session.posargs)
 
@@ -56,22 +58,25 @@ def postmerge(session: nox.Session) -> None:
 def lists(session: nox.Session) -> None:
     """Validate the test lists and waives against the collected tests."""
     _setup(session, "test")
-    session.run("kvharness", "validate", f"--test-db={TEST_DB}", *session.posargs)
+    session.run("python", "-m", "harness.cli", "validate", f"--test-db={TEST_DB}",
+                *session.posargs)
 
 
 @nox.session(venv_params=VENV_PARAMS)
 def lint(session: nox.Session) -> None:
     """Ruff and mypy on kvcache/ and harness/."""
     _setup(session, "dev")
-    session.run("ruff", "check", "kvcache", "harness", "tests", "benchmarks", "noxfile.py")
-    session.run("mypy")
+    session.run("python", "-m", "ruff", "check", "kvcache", "harness", "tests", "benchmarks",
+                "noxfile.py")
+    session.run("python", "-m", "mypy")
 
 
 @nox.session(venv_params=VENV_PARAMS, default=False)
 def bench(session: nox.Session) -> None:
     """Run the benchmarks; JSON, summary and plots in results/bench."""
     results = _setup(session, "test,bench")
-    session.run("pytest", "benchmarks", f"--benchmark-json={results / 'benchmarks.json'}",
+    session.run("python", "-m", "pytest", "benchmarks",
+                f"--benchmark-json={results / 'benchmarks.json'}",
                 f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *session.posargs)
     if Path("benchmarks/report.py").is_file():
