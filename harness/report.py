@@ -88,9 +88,13 @@ class ReuseReport:
     def merge_parts(self, out_dir: Path) -> None:
         """Add the records of every part under out_dir (workers' records), then drop them."""
         parts = out_dir / PARTS_DIR
-        for path in sorted(parts.glob("*.json")) if parts.is_dir() else ():
+        if not parts.is_dir():
+            return
+        for path in sorted(parts.glob("*.json")):
             self._records.extend(ReuseReport.load(path).records)
             path.unlink()
+        if not any(parts.iterdir()):
+            parts.rmdir()
 
     def write(self, out_dir: Path) -> list[Path]:
         """Write reuse_report.json and reuse_report.md into `out_dir` (created if needed)."""

@@ -194,11 +194,18 @@ def format_table(rows: list[_Row]) -> str:
 
 def _raise_if_failed(rows: list[_Row], context: ReproContext | None,
                      tree_dump: TreeDump | None) -> None:
+    __tracebackhide__ = True  # pytest shows the table, not this frame
     failed = sum(not r.ok for r in rows)
     if not failed:
         return
     checked = sum(r.expected is not None for r in rows)
-    parts = [f"reuse mismatch: {failed} of {checked} checks failed", format_table(rows)]
+    # requests whose every check held are left out: only totals and failing requests show
+    bad = {r.where for r in rows if not r.ok}
+    shown = [r for r in rows if r.where == "total" or r.where in bad]
+    hidden = len({r.where for r in rows} - bad - {"total"})
+    parts = [f"reuse mismatch: {failed} of {checked} checks failed", format_table(shown)]
+    if hidden:
+        parts.append(f"  ({hidden} more requests matched every check)")
     if context is not None:
         parts.append(context.line())
     if tree_dump is not None:
@@ -225,6 +232,7 @@ def expect_reuse(before: StatsLike | None, after: StatsLike, *,
     metrics). Returns the window. Raises ReuseMismatch when a check fails, ValueError for
     an expectation on a counter the stats do not have, or per_request without actuals.
     """
+    __tracebackhide__ = True
     window = diff_stats(before, after)
     totals = _bounds(exact, at_least, at_most)
     unknown = sorted(set(totals) - set(window))
@@ -276,6 +284,7 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
     pool) only checks reuse <= predicted and misses >= predicted. Returns the window.
     Raises ReuseMismatch on a difference.
     """
+    __tracebackhide__ = True
     window = diff_stats(before, engine.kv_cache_stats())
     totals = _oracle_spec(oracle_prediction.totals.as_dict(), exact)
     rows = [_Row("total", n, b, window.get(n)) for n, b in totals.items()

@@ -48,7 +48,7 @@ class ReuseWatch:
                              "stats() nor kv_cache_stats() and is not callable")
         self._read = read
         self._before = read()
-        dump = getattr(getattr(source, "tree", None), "dump", None)
+        dump = getattr(source, "dump_tree", None)  # KVCacheManager.dump_tree()
         self._tree_dump = dump if callable(dump) else None
 
     @property
@@ -63,7 +63,7 @@ class ReuseWatch:
         return self._before, self._read()
 
     def tree_dump(self) -> str | None:
-        """The watched cache's tree, where it has `tree.dump()`."""
+        """The watched cache's tree, where it has `dump_tree()`."""
         return self._tree_dump() if self._tree_dump is not None else None
 
 
@@ -95,6 +95,7 @@ def check_marker_expectations(item: pytest.Item, before: StatsLike | None,
     Returns the window, or None when the item has no marker. Raises ReuseMismatch on a
     difference and ValueError for a malformed marker.
     """
+    __tracebackhide__ = True
     spec = _marker_expectations(item)
     if spec is None:
         return None
@@ -114,6 +115,7 @@ def run_marker_check(item: pytest.Item, report: ReuseReport | None = None) -> No
     (scenario = the test function's name) whether it passes or not. Raises ValueError
     when the marker is used without an armed `reuse_watch`, ReuseMismatch on a difference.
     """
+    __tracebackhide__ = True
     if item.get_closest_marker("expect_reuse") is None:
         return
     funcargs = getattr(item, "funcargs", {})
