@@ -1,0 +1,1 @@
+"""Reliability tests: faults, aborts, preemption, bad input, concurrency, isolation, fuzz."""

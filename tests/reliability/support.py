@@ -1,0 +1,97 @@
+"""Helpers shared by the reliability tests: tiny engines, cold references, clean checks.
+
+A *cold* run is the reference every warm, faulted, aborted or preempted run must equal:
+the same prompts on a fresh engine with block reuse off and a pool too large to preempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from harness.oracle import OracleConfig
+from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache.model import Transformer
+from kvcache.request import GenerationOutput
+
+# Warm and cold runs attend over the same KV in different batches and chunks; float32
+# sums may differ in the last bits, never more (the unit tests use the same bound).
+LOGITS_ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build a small engine over the shared tiny model."""
+
+    tokens_per_block: int = 4
+    max_num_blocks: int = 64
+    max_num_tokens: int = 64
+    max_batch_size: int = 8
+    chunked: bool = True
+    reuse: bool | None = None
+    partial: bool | None = None
+    copy: bool | None = None
+
+    def cache_config(self) -> KvCacheConfig:
+        """The KvCacheConfig this spec describes."""
+        return KvCacheConfig(tokens_per_block=self.tokens_per_block,
+                             max_num_blocks=self.max_num_blocks,
+                             enable_block_reuse=self.reuse, enable_partial_reuse=self.partial,
+                             copy_on_partial_reuse=self.copy)
+
+    def build(self, model: Transformer) -> Engine:
+        """A fresh engine (events recorded, for the oracle) over `model`."""
+        return Engine(model, self.cache_config(), max_num_tokens=self.max_num_tokens,
+                      max_batch_size=self.max_batch_size,
+                      enable_chunked_prefill=self.chunked)
+
+
+def cold_outputs(model: Transformer, prompts: Sequence[Sequence[int]],
+                 max_new_tokens: int) -> list[GenerationOutput]:
+    """Outputs of `prompts` on a fresh engine without reuse, nothing preempted."""
+    blocks = sum(len(p) + max_new_tokens for p in prompts)  # tokens_per_block 1: ample
+    spec = EngineSpec(tokens_per_block=1, max_num_blocks=max(blocks, 1), max_num_tokens=4096,
+                      max_batch_size=max(len(prompts), 1), reuse=False)
+    return spec.build(model).generate(prompts, max_new_tokens=max_new_tokens)
+
+
+def assert_same_output(expected: GenerationOutput, actual: GenerationOutput,
+                       where: str) -> None:
+    """Generated tokens equal and logits within LOGITS_ATOL; the message says where."""
+    assert actual.token_ids == expected.token_ids, (
+        f"{where}: request {actual.request_id} (prompt {list(actual.prompt)}) generated "
+        f"{actual.token_ids}, the cold run {expected.token_ids}")
+    assert expected.logits is not None and actual.logits is not None, f"{where}: no logits"
+    torch.testing.assert_close(actual.logits, expected.logits, atol=LOGITS_ATOL, rtol=0,
+                               msg=lambda m: f"{where}: request {actual.request_id} logits "
+                                             f"differ from the cold run: {m}")
+
+
+def assert_same_outputs(expected: Sequence[GenerationOutput],
+                        actual: Sequence[GenerationOutput], where: str) -> None:
+    """`assert_same_output` pairwise; the lengths must agree."""
+    assert len(actual) == len(expected), (f"{where}: {len(actual)} outputs, "
+                                          f"expected {len(expected)}")
+    for exp, act in zip(expected, actual, strict=True):
+        assert_same_output(exp, act, where)
+
+
+def assert_clean(manager: KVCacheManager, where: str) -> None:
+    """Every block free or evictable, nothing live, and every invariant intact."""
+    manager.check_integrity()
+    leaks = manager.leak_report()
+    assert leaks == [], f"{where}: leaked:\n  " + "\n  ".join(leaks)
+    assert manager.stats().used_num_blocks == 0, f"{where}: blocks still in use"
+
+
+def oracle_config(engine: Engine) -> OracleConfig:
+    """The oracle's view of `engine`'s effective reuse policy."""
+    c = engine.cache_config
+    return OracleConfig(c.tokens_per_block, c.block_reuse, c.partial_reuse, c.copy_on_partial)
+
+
+def scope_name(scope: ReuseScope | None) -> str:
+    """Short text for ids and messages."""
+    return "default" if scope is None else f"salt={scope.salt!r},lora={scope.lora_id!r}"
