@@ -124,7 +124,9 @@ class ReuseReport:
 def _num(value: float | int | str | None) -> str:
     if value is None:
         return "-"
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3f}"
+    return str(value)
 
 
 def _record_cells(r: ReuseRecord) -> list[str]:
