@@ -247,12 +247,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     state = config.stash.get(STATE, None)
     results = config.option.results_dir
-    if state is None or state.report is None or results is None or state.child:
+    if state is None or state.report is None or results is None:
         return
-    out = Path(results)
+    out = config.invocation_params.dir / results
     worker = getattr(config, "workerinput", None)
-    if worker is not None:
-        state.report.write_part(out, str(worker["workerid"]))
+    if state.child or worker is not None:
+        # Isolated children and xdist workers write parts; the process that owns the run
+        # (the plain pytest process or the xdist controller) merges them below.
+        name = str(worker["workerid"]) if worker is not None else f"isolated-{os.getpid()}"
+        state.report.write_part(out, name)
         return
     state.report.merge_parts(out)
     state.report.write(out)

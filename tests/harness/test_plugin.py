@@ -274,17 +274,24 @@ def test_isolation_runs_in_another_process_and_survives_crashes(quiet_pytester: 
     assert cases["test_crashes"].find("failure") is not None
 
 
-def test_reuse_report_is_written_into_results_dir(quiet_pytester: pytest.Pytester) -> None:
+def test_reuse_report_gathers_isolated_records_into_results_dir(
+    quiet_pytester: pytest.Pytester,
+) -> None:
     pytester = quiet_pytester
     pytester.makepyfile(test_r=textwrap.dedent("""\
+        import pytest
         from harness.report import ReuseRecord
-        def test_records(reuse_report):
-            reuse_report.add(ReuseRecord("shared-prompt", "test_r.py::test_records", {},
+        @pytest.mark.parametrize("where", ["here", "isolated"])
+        def test_records(reuse_report, where):
+            reuse_report.add(ReuseRecord(f"prompt-{where}", "test_r.py::test_records", {},
                                          {"reusedBlocks": 3, "missedBlocks": 1}, None, True))
         """))
-    result = pytester.runpytest("--results-dir", "out")
-    result.assert_outcomes(passed=1)
-    assert "shared-prompt" in (pytester.path / "out" / "reuse_report.md").read_text()
+    pytester.path.joinpath("qa.txt").write_text(
+        "test_r.py::test_records[here]\ntest_r.py::test_records[isolated] ISOLATION\n")
+    result = pytester.runpytest("--test-list", "qa.txt", "--results-dir", "out")
+    result.assert_outcomes(passed=2)
+    markdown = (pytester.path / "out" / "reuse_report.md").read_text()
+    assert "prompt-here" in markdown and "prompt-isolated" in markdown
     assert '"reusedBlocks": 3' in (pytester.path / "out" / "reuse_report.json").read_text()
 
 
