@@ -30,7 +30,10 @@ class GenerationResult(Protocol):
 
     @property
     def seq_id(self) -> Hashable:
-        """The id this request has in `admission_log()` (joins results to the log)."""
+        """The id this request has in `admission_log()` (joins results to the log).
+
+        `harness.reuse` also reads it as `request_id` (kvcache's GenerationOutput).
+        """
         ...
 
     @property
@@ -49,8 +52,9 @@ class GenerationResult(Protocol):
         ...
 
     @property
-    def kv_metrics(self) -> Mapping[str, int | float] | SupportsAsDict:
-        """Per-request KV counters: reusedBlocks/numReusedBlocks, missedBlocks, ..."""
+    def kv_metrics(self) -> Mapping[str, int | float] | SupportsAsDict | None:
+        """KV counters of the request's first admission (reusedBlocks or numReusedBlocks,
+        missedBlocks, ...), or None when the engine keeps none."""
         ...
 
 
@@ -69,9 +73,10 @@ class EngineUnderTest(Protocol):
     """
 
     @property
-    def cache_config(self) -> Mapping[str, Any]:
+    def cache_config(self) -> Mapping[str, Any] | Any:
         """Effective settings: tokens_per_block (int), enable_block_reuse,
-        enable_partial_reuse, copy_on_partial_reuse (resolved bools, never "auto")."""
+        enable_partial_reuse, copy_on_partial_reuse (resolved bools, never "auto").
+        A kvcache.KvCacheConfig is accepted too (see `harness.reuse.cache_config_mapping`)."""
         ...
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -175,7 +175,12 @@ class ReuseTotals:
 
 @dataclass(frozen=True)
 class OraclePrediction:
-    """Admissions in order, the latest admission per seq_id, and totals over all of them."""
+    """Admissions in order, the first admission per seq_id, and totals over all of them.
+
+    A seq_id admitted again (a preempted request recomputed, or an id reused after its
+    free) keeps its first admission in `requests`, as engines report per-request metrics
+    of the first admission; every admission is in `admissions` and in the totals.
+    """
 
     admissions: tuple[RequestReuse, ...]
     totals: ReuseTotals
@@ -183,7 +188,7 @@ class OraclePrediction:
 
     @classmethod
     def from_admissions(cls, admissions: Sequence[RequestReuse]) -> OraclePrediction:
-        """Sum `admissions`; a seq_id admitted twice maps to its latest admission."""
+        """Sum `admissions`; a seq_id admitted twice maps to its first admission."""
         totals = ReuseTotals(
             reused_blocks=sum(a.reused_blocks for a in admissions),
             missed_blocks=sum(a.missed_blocks for a in admissions),
@@ -192,5 +197,8 @@ class OraclePrediction:
             reused_tokens=sum(a.reused_tokens for a in admissions),
             claimed_blocks=sum(a.partial_action == "claim" for a in admissions),
             copied_blocks=sum(a.partial_action == "copy" for a in admissions))
-        requests = MappingProxyType({a.seq_id: a for a in admissions})
+        first: dict[Hashable, RequestReuse] = {}
+        for a in admissions:
+            first.setdefault(a.seq_id, a)
+        requests = MappingProxyType(first)
         return cls(tuple(admissions), totals, requests)

@@ -249,9 +249,30 @@ def expect_reuse(before: StatsLike | None, after: StatsLike, *,
     return window
 
 
+def cache_config_mapping(config: Any) -> Mapping[str, Any]:
+    """An engine's `cache_config` as the protocol's mapping of effective settings.
+
+    A mapping passes through. An object with `tokens_per_block` and the effective-flag
+    properties `block_reuse`, `partial_reuse`, `copy_on_partial` (kvcache.KvCacheConfig,
+    whose own fields may say None for "auto") is read through those properties.
+    Raises ValueError for anything else.
+    """
+    if isinstance(config, Mapping):
+        return config
+    names = ("tokens_per_block", "block_reuse", "partial_reuse", "copy_on_partial")
+    if not all(hasattr(config, n) for n in names):
+        raise ValueError(f"cache_config {config!r}: expected a mapping or an object with "
+                         f"{', '.join(names)}")
+    return {"tokens_per_block": config.tokens_per_block,
+            "enable_block_reuse": config.block_reuse,
+            "enable_partial_reuse": config.partial_reuse,
+            "copy_on_partial_reuse": config.copy_on_partial}
+
+
 def predict_from_engine(engine: EngineUnderTest) -> OraclePrediction:
     """The oracle's prediction for everything in `engine.admission_log()` so far."""
-    cfg = OracleConfig.from_mapping(engine.cache_config, "engine.cache_config")
+    cfg = OracleConfig.from_mapping(cache_config_mapping(engine.cache_config),
+                                    "engine.cache_config")
     return replay(engine.admission_log(), cfg)
 
 
@@ -279,8 +300,9 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
 
     Totals: `engine.kv_cache_stats()` minus `before` (default: since start) against the
     prediction's totals, for every counter the engine reports. Per request (when
-    `results` from `generate` are given): each result's `kv_metrics` and
-    `num_cached_tokens` against the prediction for its seq_id. `exact=False` (bounded
+    `results` from `generate` are given): each result's `kv_metrics` (if any) and
+    `num_cached_tokens` against the prediction for its `seq_id` (or `request_id`),
+    i.e. that request's first admission. `exact=False` (bounded
     pool) only checks reuse <= predicted and misses >= predicted. Returns the window.
     Raises ReuseMismatch on a difference.
     """
@@ -290,13 +312,15 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
     rows = [_Row("total", n, b, window.get(n)) for n, b in totals.items()
             if n in window or n in _SHOWN]
     for result in results or ():
-        seq_id = result.seq_id
+        # kvcache's GenerationOutput names it request_id
+        seq_id = getattr(result, "seq_id", getattr(result, "request_id", None))
         predicted = oracle_prediction.requests.get(seq_id)
         where = f"request {seq_id!r}"
         if predicted is None:
             rows.append(_Row(where, "admitted", Bounds(1, 1), 0))
             continue
-        actual = normalize_stats(result.kv_metrics, where)
+        metrics = result.kv_metrics
+        actual = normalize_stats(metrics, where) if metrics is not None else {}
         actual["numCachedTokens"] = result.num_cached_tokens
         expected = {**predicted.as_dict(), "numCachedTokens": predicted.reused_tokens}
         spec = _oracle_spec(expected, exact)

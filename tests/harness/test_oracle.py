@@ -272,6 +272,10 @@ def test_replay_accepts_event_objects_and_mappings() -> None:
               {"kind": "free", "seq_id": 7}, admit(8, seq(5))]
     pred = replay(events, ON)
     assert pred.requests[8].reused_tokens == 4 and 7 in pred.requests
+    # seq 7 again (a preempted request recomputed): requests keeps its first admission
+    again = replay([*events, {"kind": "free", "seq_id": 8}, admit(7, seq(5))], ON)
+    assert again.requests[7].reused_tokens == 0
+    assert [a.reused_tokens for a in again.admissions] == [0, 4, 4]
 
 
 @pytest.mark.parametrize(("events", "message"), [

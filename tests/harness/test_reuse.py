@@ -14,13 +14,14 @@ from harness.reuse import (
     Bounds,
     ReproContext,
     ReuseMismatch,
+    cache_config_mapping,
     canonical_name,
     diff_stats,
     expect_matches_oracle,
     expect_reuse,
     predict_from_engine,
 )
-from harness.workloads import shared_system_prompt
+from harness.workloads import multi_turn_conversations, shared_system_prompt
 from kvcache import KvCacheConfig, KVCacheManager, KvCacheStats
 
 BEFORE = {"reusedBlocks": 10, "missedBlocks": 5, "maxNumBlocks": 64, "freeNumBlocks": 60,
@@ -216,3 +217,28 @@ def test_bounded_pool_stays_under_oracle() -> None:
     window = expect_matches_oracle(engine, prediction, exact=False, results=results)
     assert window["reusedBlocks"] <= prediction.totals.reused_blocks
     assert engine.mgr.stats().evicted_blocks > 0
+
+
+@pytest.mark.parametrize(("B", "chunk", "copy"), [
+    pytest.param(4, 7, True, id="b4-chunk7-copy"), pytest.param(3, 3, False, id="b3-chunk3")])
+def test_real_engine_multi_turn_matches_oracle(B: int, chunk: int, copy: bool) -> None:
+    """kvcache's Engine (tiny model, CPU) through the protocol: batched, chunked prefill,
+    each turn's prompt built from the tokens the previous turn really generated."""
+    from kvcache import Engine
+
+    cfg = KvCacheConfig(tokens_per_block=B, max_num_blocks=512, copy_on_partial_reuse=copy)
+    engine = Engine("tiny", cfg, max_num_tokens=chunk)
+    assert isinstance(engine, EngineUnderTest)
+    assert cache_config_mapping(engine.cache_config)["copy_on_partial_reuse"] is copy
+    convs = multi_turn_conversations(3, 3, 9, 3, 0, num_system_prompts=2, vocab=200, seed=2)
+    answers: list[list[list[int]]] = [[] for _ in convs]
+    results: list[Any] = []
+    for turn in range(3):
+        outs = engine.generate([c.prompt(turn, a) for c, a in zip(convs, answers, strict=True)],
+                               3)
+        for a, out in zip(answers, outs, strict=True):
+            a.append(list(out.token_ids))
+        results += outs
+    prediction = predict_from_engine(engine)
+    window = expect_matches_oracle(engine, prediction, results=results)
+    assert window["fullReusedBlocks"] > 0
