@@ -5,11 +5,12 @@ full block is a dict key `(scope, every token of the prefix through the block)`,
 partial leaf is `(scope, prefix tokens, tail tokens)`, and "in use" is a count of live
 sequences per full-block key. It follows the reuse rules of DESIGN.md to the letter.
 
-Exact with an unbounded pool. With a bounded pool it is an upper bound on *full-block*
-reuse when partial reuse is off (eviction only removes blocks). With partial reuse on,
-eviction can turn a non-leaf into a claimable leaf earlier than the model expects, so a
-single request may then reuse one partial block more than predicted; compare totals
-with care in that setting.
+Exact with an unbounded pool. With a bounded pool it is an upper bound when partial
+reuse is off: eviction only removes blocks. With partial reuse on it is not strictly one:
+evicting a block's followers makes it an unused leaf, so a request may *claim* it where
+the model (which evicts nothing) says the block is not claimable. With
+copy_on_partial_reuse off that happens readily (the model predicts no partial hit at
+all; e.g. B=3, a pool of 4 blocks); with it on only through rare ties between candidates.
 """
 
 from __future__ import annotations

@@ -303,7 +303,8 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
     `results` from `generate` are given): each result's `kv_metrics` (if any) and
     `num_cached_tokens` against the prediction for its `seq_id` (or `request_id`),
     i.e. that request's first admission. `exact=False` (bounded
-    pool) only checks reuse <= predicted and misses >= predicted. Returns the window.
+    pool) only checks reuse <= predicted and misses >= predicted, which holds with
+    partial reuse off (see `harness.oracle` for why not always with it on). Returns the window.
     Raises ReuseMismatch on a difference.
     """
     __tracebackhide__ = True

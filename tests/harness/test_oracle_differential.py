@@ -154,3 +154,21 @@ def test_hand_scripts_agree(name: str, copy: bool) -> None:
                     seq.num_cached_tokens) == (predicted.full_reused_blocks,
                                                predicted.partial_reused_blocks,
                                                predicted.reused_tokens), f"step {i}: {op}"
+
+
+def test_bounded_pool_claim_can_beat_the_oracle() -> None:
+    """Why the oracle bounds reuse only with partial reuse off: B=3, 4 blocks, no copy.
+    Seq 0 leaves [2,1,2] + leaf [1]; seq 1 needs 3 blocks and evicts [1]; now [2,1,2] is
+    an unused leaf and [2,1] claims 1 token of it. The oracle evicts nothing: [2,1,2]
+    still has a follower, is not claimable, and it predicts 0."""
+    cfg = KvCacheConfig(tokens_per_block=3, max_num_blocks=4, enable_partial_reuse=True,
+                        copy_on_partial_reuse=False)
+    mgr = KVCacheManager(cfg, record_events=True)
+    mgr.add_sequence(0, [2, 1, 2, 1])
+    mgr.commit(0, 4)
+    mgr.free_sequence(0)
+    mgr.add_sequence(1, [1, 2, 1, 1, 2, 1, 1, 2])
+    seq = mgr.add_sequence(2, [2, 1])
+    prediction = ReuseOracle(_oracle_config(cfg)).replay(mgr.events or ())
+    assert (seq.num_cached_tokens, prediction.requests[2].reused_tokens) == (1, 0)
+    assert mgr.stats().evicted_blocks == 1
