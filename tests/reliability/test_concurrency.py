@@ -1,0 +1,160 @@
+"""Requests arrive from many threads while one thread runs the step loop.
+
+`Engine` takes one lock in add_request, step and abort. Producers here add (and some
+abort) requests while the main thread steps; afterwards every request has exactly one
+outcome, finished outputs equal the cold run's, aborted ones are a prefix of it, and the
+cache is intact with nothing leaked. Interleavings vary from run to run; the assertions
+hold for every one of them. Threads are joined with a timeout so a deadlock fails the
+test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import pytest
+
+from harness.oracle import replay
+from kvcache import Engine, ReuseScope
+from kvcache.model import Transformer
+from kvcache.request import FinishReason, GenerationOutput
+
+from .support import EngineSpec, assert_clean, assert_same_output, cold_outputs, oracle_config
+
+STEMS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+JOIN_SECONDS = 60
+
+
+def prompt_for(thread: int, i: int) -> list[int]:
+    """Prompts that share stems across threads, so reuse happens between them."""
+    stem = STEMS[(thread + i) % len(STEMS)]
+    return [*stem[:3 + (thread * 7 + i) % len(stem)], 100 + thread, 200 + i]
+
+
+class Submitted(NamedTuple):
+    """One request a producer added, and what its abort returned (if it aborted)."""
+
+    rid: int
+    prompt: list[int]
+    scope: ReuseScope | None
+    aborted: GenerationOutput | None
+    abort_called: bool
+
+
+def run_concurrently(engine: Engine, threads: int, per_thread: int, max_new_tokens: int,
+                     abort_every: int | None, check: Callable[[], None] | None = None
+                     ) -> tuple[list[Submitted], list[GenerationOutput]]:
+    """Producers add requests (aborting every `abort_every`-th right away or a little
+    later) while this thread steps until they are done and nothing is left."""
+    start = threading.Barrier(threads + 1)
+    submitted: list[list[Submitted]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+
+    def produce(t: int) -> None:
+        rng = random.Random(t)
+        try:
+            start.wait(JOIN_SECONDS)
+            mine = submitted[t]
+            for i in range(per_thread):
+                p, scope = prompt_for(t, i), ReuseScope(salt=1) if i % 4 == 3 else None
+                rid = engine.add_request(p, max_new_tokens, scope)
+                mine.append(Submitted(rid, p, scope, None, False))
+                if abort_every is not None and mine and rng.randrange(abort_every) == 0:
+                    victim = mine[rng.randrange(len(mine))]
+                    if not victim.abort_called:
+                        mine[mine.index(victim)] = victim._replace(
+                            aborted=engine.abort(victim.rid), abort_called=True)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=produce, args=(t,), daemon=True) for t in range(threads)]
+    for w in workers:
+        w.start()
+    start.wait(JOIN_SECONDS)
+    outputs: list[GenerationOutput] = []
+    for _ in range(20_000):
+        busy = any(w.is_alive() for w in workers)
+        if not busy and not engine.has_unfinished():
+            break
+        outputs += engine.step()
+        if check is not None:
+            check()
+    for w in workers:
+        w.join(JOIN_SECONDS)
+        assert not w.is_alive(), "a producer thread did not finish: deadlock?"
+    assert not errors, f"producers raised: {errors!r}"
+    assert not engine.has_unfinished(), "the step loop gave up with requests left"
+    return [s for mine in submitted for s in mine], outputs
+
+
+def check_outcomes(model: Transformer, submitted: list[Submitted],
+                   outputs: list[GenerationOutput], max_new_tokens: int) -> None:
+    rids = [s.rid for s in submitted]
+    assert len(set(rids)) == len(rids), "request ids were handed out twice"
+    finished = {o.request_id: o for o in outputs}
+    assert len(finished) == len(outputs), "a request finished twice"
+    cold = cold_outputs(model, [s.prompt for s in submitted], max_new_tokens)
+    for s, expected in zip(submitted, cold, strict=True):
+        if s.aborted is not None:  # aborted before it finished: no output of its own
+            assert s.rid not in finished, f"request {s.rid} was aborted and finished"
+            assert s.aborted.finish_reason is FinishReason.ABORTED
+            assert s.aborted.token_ids == expected.token_ids[:len(s.aborted.token_ids)]
+            continue
+        assert s.rid in finished, f"request {s.rid} never finished"
+        assert_same_output(expected, finished[s.rid], f"request {s.rid} from a thread")
+    assert set(finished) <= set(rids)
+
+
+def test_add_request_from_many_threads_while_stepping(tiny_model: Transformer) -> None:
+    engine = EngineSpec(4, 128, max_num_tokens=24, max_batch_size=6).build(tiny_model)
+    submitted, outputs = run_concurrently(engine, threads=6, per_thread=4, max_new_tokens=3,
+                                          abort_every=None,
+                                          check=engine.manager.check_integrity)
+    assert len(outputs) == 24
+    check_outcomes(tiny_model, submitted, outputs, 3)
+    assert_clean(engine.manager, "after the threads")
+    predicted = replay(engine.admission_log(), oracle_config(engine))
+    stats = engine.kv_cache_stats()
+    assert stats.evicted_blocks == 0 and stats.reused_blocks > 0
+    assert predicted.totals.reused_blocks == stats.reused_blocks
+
+
+@pytest.mark.parametrize(("spec", "threads", "per_thread"), [
+    pytest.param(EngineSpec(4, 128, max_num_tokens=16), 4, 6, id="roomy"),
+    pytest.param(EngineSpec(2, 24, max_num_tokens=12), 6, 5, id="tight-preempting"),
+    pytest.param(EngineSpec(1, 40, max_num_tokens=8, max_batch_size=3), 8, 3, id="b1-batch3"),
+])
+def test_bounded_stress_with_aborts(tiny_model: Transformer, spec: EngineSpec, threads: int,
+                                    per_thread: int) -> None:
+    engine = spec.build(tiny_model)
+    submitted, outputs = run_concurrently(engine, threads, per_thread, max_new_tokens=4,
+                                          abort_every=3)
+    check_outcomes(tiny_model, submitted, outputs, 4)
+    assert_clean(engine.manager, f"after the stress on {spec}")
+    # the cache stays fully usable: a last request reuses what the threads committed
+    p = prompt_for(0, 0)
+    expected = engine.manager.probe_reuse(p)
+    again = engine.generate([p], max_new_tokens=4)[0]
+    assert again.num_cached_tokens == expected
+    assert_same_output(cold_outputs(tiny_model, [p], 4)[0], again, "after the stress")
+    assert_clean(engine.manager, "after the last request")
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError, reason=(
+    "Engine.generate loops `while len(done) < len(rids)` and stores every output step() "
+    "returns, its own or not: a request queued by another caller (another thread, or a "
+    "generate() that raised) ends the loop early and generate raises KeyError, leaving "
+    "its own requests running; with two threads in generate() one can also spin forever "
+    "after the other consumed its output"))
+def test_generate_collects_only_its_own_requests(tiny_model: Transformer) -> None:
+    engine = EngineSpec(4, 64, max_num_tokens=16).build(tiny_model)
+    engine.add_request([1, 2, 3, 4, 5, 6], 1)  # another caller's request, already queued
+    prompts = [list(range(40, 70)), list(range(70, 100))]
+    outs = engine.generate(prompts, max_new_tokens=2)
+    assert [o.prompt for o in outs] == [tuple(p) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert_clean(engine.manager, "after generate")
