@@ -87,6 +87,18 @@ def _marker_expectations(item: pytest.Item) -> dict[str, Bounds] | None:
     return out
 
 
+def _check(item: pytest.Item, spec: dict[str, Bounds], before: StatsLike | None,
+           after: StatsLike, tree_dump: str | None) -> dict[str, Number]:
+    __tracebackhide__ = True
+    exact = {k: b.at_least for k, b in spec.items()
+             if b.at_least is not None and b.at_least == b.at_most}
+    lower = {k: b.at_least for k, b in spec.items()
+             if b.at_least is not None and k not in exact}
+    upper = {k: b.at_most for k, b in spec.items() if b.at_most is not None and k not in exact}
+    return expect_reuse(before, after, exact=exact, at_least=lower, at_most=upper,
+                        context=ReproContext(item.nodeid), tree_dump=tree_dump)
+
+
 def check_marker_expectations(item: pytest.Item, before: StatsLike | None,
                               after: StatsLike, tree_dump: str | None = None
                               ) -> dict[str, Number] | None:
@@ -97,45 +109,37 @@ def check_marker_expectations(item: pytest.Item, before: StatsLike | None,
     """
     __tracebackhide__ = True
     spec = _marker_expectations(item)
-    if spec is None:
-        return None
-    exact = {k: b.at_least for k, b in spec.items()
-             if b.at_least is not None and b.at_least == b.at_most}
-    lower = {k: b.at_least for k, b in spec.items()
-             if b.at_least is not None and k not in exact}
-    upper = {k: b.at_most for k, b in spec.items() if b.at_most is not None and k not in exact}
-    return expect_reuse(before, after, exact=exact, at_least=lower, at_most=upper,
-                        context=ReproContext(item.nodeid), tree_dump=tree_dump)
+    return None if spec is None else _check(item, spec, before, after, tree_dump)
 
 
 def run_marker_check(item: pytest.Item, report: ReuseReport | None = None) -> None:
     """The plugin's post-call step: check the marker against the item's `reuse_watch`.
 
     Does nothing for an item without the marker. Records the window into `report`
-    (scenario = the test function's name) whether it passes or not. Raises ValueError
-    when the marker is used without an armed `reuse_watch`, ReuseMismatch on a difference.
+    (scenario = the test function's name) whether the check passes or not. Raises
+    ValueError for a malformed marker or one used without an armed `reuse_watch`
+    (nothing recorded then), ReuseMismatch on a difference.
     """
     __tracebackhide__ = True
-    if item.get_closest_marker("expect_reuse") is None:
+    spec = _marker_expectations(item)
+    if spec is None:
         return
-    funcargs = getattr(item, "funcargs", {})
-    watch = funcargs.get("reuse_watch")
+    watch = getattr(item, "funcargs", {}).get("reuse_watch")
     if not isinstance(watch, ReuseWatch) or not watch.armed:
         raise ValueError(f"{item.nodeid}: @pytest.mark.expect_reuse needs the reuse_watch "
                          "fixture, armed with reuse_watch.watch(manager_or_engine)")
     before, after = watch.snapshots()
     passed = False
     try:
-        check_marker_expectations(item, before, after, watch.tree_dump())
+        _check(item, spec, before, after, watch.tree_dump())
         passed = True
     finally:
         if report is not None:
-            _record(report, item, diff_stats(before, after), passed)
+            _record(report, item, spec, diff_stats(before, after), passed)
 
 
-def _record(report: ReuseReport, item: pytest.Item, window: dict[str, Number],
-            passed: bool) -> None:
-    spec = _marker_expectations(item) or {}
+def _record(report: ReuseReport, item: pytest.Item, spec: dict[str, Bounds],
+            window: dict[str, Number], passed: bool) -> None:
     expected = {canonical_name(k): int(b.at_least) for k, b in spec.items()
                 if b.at_least is not None and b.at_least == b.at_most}
     callspec = getattr(item, "callspec", None)
