@@ -84,11 +84,6 @@ class ReuseOracle:
         """Every admission so far, per request and in total."""
         return OraclePrediction.from_admissions(self._admissions)
 
-    @property
-    def live_seq_ids(self) -> frozenset[Hashable]:
-        """Sequences admitted and not yet freed."""
-        return frozenset(self._seqs)
-
     # -- events ------------------------------------------------------------------------
 
     def apply(self, event: Event | Mapping[str, Any] | Any) -> RequestReuse | None:
