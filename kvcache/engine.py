@@ -36,6 +36,9 @@ from kvcache.storage import KvStorage
 log = logging.getLogger(__name__)
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
+# Admission into an idle engine fails only transiently (all blocks are then free or
+# evictable, and add_request rejects what could never fit); give up after this many.
+MAX_IDLE_STEPS = 8
 
 
 def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend],
@@ -125,6 +128,9 @@ class Engine:
                                    self.device) if cuda_graph else None
         self._lock = threading.RLock()
         self._next_rid = 0
+        self._awaited: set[int] = set()  # requests some generate() call is waiting for
+        self._outputs: dict[int, GenerationOutput] = {}  # their outputs, until collected
+        self.idle = False  # the last step scheduled nothing
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens the model ran on (padding excluded)
 
@@ -210,17 +216,19 @@ class Engine:
         """Run one step; returns the requests that finished in it."""
         with self._lock:
             chunks = self.scheduler.schedule()
+            self.idle = not chunks
             if not chunks:
-                if self.scheduler.waiting and not self.scheduler.running:
-                    raise RuntimeError("no request could be scheduled with nothing running: "
-                                       f"{len(self.scheduler.waiting)} waiting")
-                return []
+                return []  # waiting requests wait for blocks, slots or budget
             ops = self.manager.take_copy_ops()
             if ops:
                 self.storage.apply_copies(ops)
             logits = self._forward(chunks)
             self.num_steps += 1
-            return self._advance(chunks, logits)
+            finished = self._advance(chunks, logits)
+            for out in finished:
+                if out.request_id in self._awaited:
+                    self._outputs[out.request_id] = out
+            return finished
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         decode = all(c.num_new == 1 and c.samples for c in chunks)
@@ -296,15 +304,43 @@ class Engine:
         if force_tokens is not None and len(force_tokens) != len(prompts):
             raise ValueError(f"generate: {len(force_tokens)} force_tokens for "
                              f"{len(prompts)} prompts")
-        rids = [self.add_request(p, max_new_tokens, scopes[i] if scopes else None,
-                                 force_tokens=force_tokens[i] if force_tokens else None,
-                                 return_logits=return_logits)
-                for i, p in enumerate(prompts)]
-        done: dict[int, GenerationOutput] = {}
-        while len(done) < len(rids):
-            for out in self.step():
-                done[out.request_id] = out
-        return [done[r] for r in rids]
+        rids: list[int] = []
+        with self._lock:
+            try:
+                for i, p in enumerate(prompts):
+                    rids.append(self.add_request(
+                        p, max_new_tokens, scopes[i] if scopes else None,
+                        force_tokens=force_tokens[i] if force_tokens else None,
+                        return_logits=return_logits))
+            except ValueError:
+                for rid in rids:  # all or nothing: no orphan requests left queued
+                    self.scheduler.remove(rid)
+                if rids:
+                    self._next_rid = rids[0]  # under the lock, so the ids were consecutive
+                raise
+            self._awaited.update(rids)
+        try:
+            return self._wait_for(rids)
+        finally:
+            with self._lock:
+                self._awaited.difference_update(rids)
+                for rid in rids:
+                    self._outputs.pop(rid, None)
+
+    def _wait_for(self, rids: list[int]) -> list[GenerationOutput]:
+        stalls = 0
+        while True:
+            with self._lock:
+                if all(r in self._outputs for r in rids):
+                    return [self._outputs[r] for r in rids]
+                self.step()
+                stalls = stalls + 1 if self.idle and not self.scheduler.running else 0
+                if stalls > MAX_IDLE_STEPS:
+                    for rid in rids:
+                        self.scheduler.remove(rid)
+                    raise RuntimeError(f"generate: no progress in {stalls} steps with nothing "
+                                       f"running; {len(self.scheduler.waiting)} requests cannot "
+                                       "be admitted")
 
     def kv_cache_stats(self) -> KvCacheStats:
         """The manager's cumulative statistics."""
