@@ -106,9 +106,13 @@ class KVCacheManager:
             if not node.ref:
                 avail -= nb  # about to be referenced
         claim = ph is not None and ph.claim
-        if ph is not None and not ph.node.ref:
-            avail -= 1  # claimed, or a copy source protected during this admission
         need = nblocks - nfull - claim
+        if ph is not None and not ph.node.ref:
+            if claim or need < avail:
+                avail -= 1  # claimed, or a copy source protected during this admission
+            else:  # protecting the copy source would not leave room: forgo the partial hit
+                ph = None
+                ntok = nfull * self._B
         if need > avail:
             raise OutOfBlocksError(f"add_sequence({seq_id!r})", need, avail, pool.num_blocks)
 
