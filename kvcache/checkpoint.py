@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -100,6 +100,8 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
             ),
             layer_types=tuple(raw.get("layer_types", ())),
         )
+    except CheckpointError:
+        raise  # already names the file
     except ValueError as exc:
         raise CheckpointError(f"{file}: {exc}") from exc
 
@@ -259,7 +261,11 @@ class _Stored(NamedTuple):
 def _scan(files: list[Path]) -> dict[str, _Stored]:
     stored: dict[str, _Stored] = {}
     for file in files:
-        with safe_open(file, framework="pt") as handle:
+        try:
+            handle = safe_open(file, framework="pt")
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file: {exc}") from exc
+        with handle:
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 if name in stored:
                     raise CheckpointError(
