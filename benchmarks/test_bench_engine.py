@@ -1,0 +1,216 @@
+"""Time to first token on the tiny model: engine (warm and cold) against the ideal.
+
+A prompt of L tokens (2,048; 1,024 in quick mode) of which c are already cached, for c
+from 0 (cold) to 95% of L. Each round submits one request with max_new_tokens=1 and
+times `Engine.generate` end to end: admission with reuse, metadata, one forward over the
+L - c new tokens, commit, sampling, release.
+
+The ideal is the least any engine must do: the bare model forward of the same L - c new
+tokens over a paged KV cache already holding the first c tokens, built directly from
+KvStorage, a BlockTable, build_metadata and the reference backend, with no scheduler
+and no cache manager. It is timed in the setup hook before every engine round, so the
+two alternate and see the same machine load (on a shared 2-core VM, timing them in
+separate tests moved their ratio by 30%); its median goes to extra_info with the
+in-run ratio engine / ideal. The headline is c = 3L/4 (1,536 of 2,048): warm / ideal
+should be near 1, and cold / warm near the ideal's own cold / warm (the ratio of work).
+
+How c is held exact in the engine: the prefix is cached once by a priming request
+(prefix + token 0); round 0 (the warm-up) sends the seeded prompt itself, every later
+round the prompt with token c replaced by a marker no earlier round used, so its first
+new token matches no cached child (no partial hit) and every round reuses exactly c
+tokens. Round 0's prompt is the one the ideal times, and its logits must equal those of
+a cold forward: warm equals cold, checked on every run.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks.conftest import quick_mode
+from kvcache import Engine, KvCacheConfig
+from kvcache.attention import BlockTable, ReferenceBackend, build_metadata
+from kvcache.model import Transformer, get_preset
+from kvcache.request import GenerationOutput
+from kvcache.storage import KvStorage
+
+PRESET, BLOCK, SEED = "tiny", 16, 0
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 0.875, 0.95)
+HEADLINE = 0.75
+TOL = {"rtol": 1e-5, "atol": 1e-5}  # float32 warm vs cold (issue 3)
+# One intra-op thread: on a shared 2-core VM two OpenMP threads spin against the other
+# processes and single rounds stall for 10x their median; one thread keeps rounds
+# comparable (and matches DESIGN.md's one-core measurements).
+TORCH_THREADS = 1
+
+
+@dataclass(frozen=True)
+class TtftPlan:
+    """Prompt length, cached fractions and timed rounds for one run mode."""
+
+    prompt_len: int
+    fractions: tuple[float, ...]
+    rounds: int
+
+    def cached(self, fraction: float) -> int:
+        """Cached tokens for `fraction`, on a block boundary."""
+        return round(fraction * self.prompt_len / BLOCK) * BLOCK
+
+
+FULL = TtftPlan(2048, FRACTIONS, rounds=7)
+QUICK = TtftPlan(1024, (0.0, HEADLINE), rounds=3)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cached" in metafunc.fixturenames:
+        plan = QUICK if quick_mode(metafunc.config) else FULL
+        values = [plan.cached(f) for f in plan.fractions]
+        metafunc.parametrize("cached", values, ids=[f"c{c}" for c in values])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads() -> Iterator[int]:
+    """Run this module's measurements with TORCH_THREADS intra-op threads, then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    yield TORCH_THREADS
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def plan(bench_quick: bool) -> TtftPlan:
+    return QUICK if bench_quick else FULL
+
+
+def seeded_prompt(length: int) -> list[int]:
+    """`length` tokens in [1, vocab) from the fixed seed (0 is kept for priming)."""
+    vocab = get_preset(PRESET).vocab_size
+    rng = random.Random(SEED)
+    return [rng.randrange(1, vocab) for _ in range(length)]
+
+
+def round_prompts(prompt: list[int], cached: int) -> Iterator[list[int]]:
+    """`prompt`, then copies whose token `cached` is each time a marker not used before."""
+    yield prompt
+    vocab = get_preset(PRESET).vocab_size
+    for marker in range(1, vocab):
+        if marker != prompt[cached]:
+            yield [*prompt[:cached], marker, *prompt[cached + 1:]]
+    raise ValueError(f"round_prompts: more rounds than the {vocab - 2} markers available")
+
+
+class BareContext:
+    """ForwardContext of an attention-only model: every layer goes to the backend."""
+
+    def __init__(self, backend: ReferenceBackend, seq_lens: list[int]) -> None:
+        self.backend = backend
+        self.seq_lens = seq_lens
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v)
+
+    def recurrent_state(self, layer: int) -> torch.Tensor:
+        raise ValueError(f"BareContext: layer {layer} is recurrent; the ideal is attention-only")
+
+    def set_recurrent_state(self, layer: int, state: torch.Tensor) -> None:
+        raise ValueError(f"BareContext: layer {layer} is recurrent; the ideal is attention-only")
+
+
+class BarePrefill:
+    """The model over prompt[cached:] with the KV of prompt[:cached] already paged in.
+
+    Construction fills the cache (one untimed forward over the prefix); each call builds
+    the step's metadata, plans and runs the forward, and returns the last token's
+    float32 logits [vocab]. Calls rewrite the same slots with the same values.
+    """
+
+    def __init__(self, model: Transformer, prompt: list[int], cached: int) -> None:
+        mc = model.config
+        self.model = model
+        self.prompt = prompt
+        self.cached = cached
+        num_blocks = -(-len(prompt) // BLOCK)
+        storage = KvStorage(num_layers=mc.num_layers, num_blocks=num_blocks, block_size=BLOCK,
+                            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        self.backend = ReferenceBackend(storage=storage, num_qo_heads=mc.num_heads,
+                                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        self.table = BlockTable(1, num_blocks)
+        self.table.assign(0, range(num_blocks))
+        if cached:
+            self._forward(0, cached)
+
+    def _forward(self, start: int, stop: int) -> torch.Tensor:
+        md = build_metadata(self.table, [0], [start], [stop - start], block_size=BLOCK)
+        ids = torch.tensor(self.prompt[start:stop], dtype=torch.long)
+        last = torch.tensor([stop - start - 1])
+        with torch.inference_mode():
+            self.backend.plan(md)
+            return self.model(ids, md.positions, BareContext(self.backend, [stop - start]),
+                              last)[0]
+
+    def __call__(self) -> torch.Tensor:
+        return self._forward(self.cached, len(self.prompt))
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    """The engine's model: the same preset and seed, so the weights are identical."""
+    return Transformer(get_preset(PRESET), seed=SEED).eval()
+
+
+@pytest.fixture(scope="module")
+def cold_reference(model: Transformer, plan: TtftPlan) -> torch.Tensor:
+    """Last-token logits of the seeded prompt computed with nothing cached."""
+    return BarePrefill(model, seeded_prompt(plan.prompt_len), 0)()
+
+
+def test_ttft(benchmark: Any, plan: TtftPlan, cached: int, model: Transformer,
+              cold_reference: torch.Tensor) -> None:
+    """Engine TTFT with `cached` tokens reused (0: cold), the ideal's timed alongside."""
+    L = plan.prompt_len
+    # Room for the prefix, the request in flight and one finished one; older finished
+    # suffixes are evicted (least recently used; the prefix is touched every round).
+    cfg = KvCacheConfig(tokens_per_block=BLOCK, max_num_blocks=4 * (L // BLOCK + 1),
+                        enable_block_reuse=True)
+    engine = Engine(PRESET, cfg, max_num_tokens=L, max_batch_size=1, seed=SEED,
+                    record_events=False)
+    prompt = seeded_prompt(L)
+    if cached:
+        engine.generate([[*prompt[:cached], 0]], max_new_tokens=1)
+    prompts = round_prompts(prompt, cached)
+    bare = BarePrefill(model, prompt, cached)
+    ideal: list[tuple[float, torch.Tensor]] = []
+    outs: list[GenerationOutput] = []
+
+    def ideal_then_prompt() -> tuple[tuple[list[int]], dict[str, Any]]:
+        start = time.perf_counter()
+        logits = bare()
+        ideal.append((time.perf_counter() - start, logits))
+        return (next(prompts),), {}
+
+    def first_token(prompt: list[int]) -> None:
+        outs.append(engine.generate([prompt], max_new_tokens=1)[0])
+
+    benchmark.pedantic(first_token, setup=ideal_then_prompt, rounds=plan.rounds,
+                       warmup_rounds=1)
+    ideal_s = statistics.median(t for t, _ in ideal[1:] or ideal)  # [0]: the warm-up
+    benchmark.extra_info.update(
+        suite="ttft", model=PRESET, prompt_tokens=L, cached_tokens=cached,
+        new_tokens=L - cached, cached_fraction=cached / L, block_size=BLOCK,
+        headline=cached == plan.cached(HEADLINE), torch_num_threads=torch.get_num_threads(),
+        ideal_median_s=ideal_s, ideal_min_s=min(t for t, _ in ideal))
+    if benchmark.stats is not None:  # absent under --benchmark-disable
+        benchmark.extra_info["engine_over_ideal"] = benchmark.stats.stats.median / ideal_s
+    assert [o.num_cached_tokens for o in outs] == [cached] * len(outs)
+    assert engine.manager.leak_report() == []
+    assert outs[0].logits is not None
+    torch.testing.assert_close(outs[0].logits[0], cold_reference, **TOL)
+    torch.testing.assert_close(ideal[0][1], cold_reference, **TOL)
