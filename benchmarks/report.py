@@ -1,0 +1,176 @@
+"""Benchmark summary: `python -m benchmarks.report RESULTS_DIR [--json FILE ...]`.
+
+Reads pytest-benchmark JSON (every *.json in RESULTS_DIR that is one, or the --json
+files), writes RESULTS_DIR/summary.md with the headline numbers and ratios (cache-core
+tokens/s against the baseline trie and DESIGN.md's targets, metadata build against one
+copy_, TTFT warm / cold / ideal, hit-rate curves, memory, GPU figures) and PNG plots
+(see benchmarks.report_plots). Sections whose benchmarks did not run are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.conftest import library_versions
+from benchmarks.report_md import SECTIONS, other_section, render
+
+SUMMARY = "summary.md"
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark of a pytest-benchmark JSON: name, seconds per round, extra_info."""
+
+    name: str
+    median: float
+    min: float
+    rounds: int
+    extra: Mapping[str, Any]
+
+    @property
+    def base(self) -> str:
+        """The test function's name, without parameters."""
+        return self.name.split("[", 1)[0]
+
+
+@dataclass(frozen=True)
+class Results:
+    """Benchmarks of one or more JSON files, with the first file's run description."""
+
+    benches: tuple[Bench, ...]
+    machine: Mapping[str, Any]
+    commit: Mapping[str, Any]
+    datetime: str
+    sources: tuple[Path, ...]
+
+
+def _parse(path: Path, data: Any) -> list[Bench]:
+    out = []
+    for i, b in enumerate(data["benchmarks"]):
+        try:
+            stats = b["stats"]
+            out.append(Bench(str(b["name"]), float(stats["median"]), float(stats["min"]),
+                             int(stats["rounds"]), dict(b.get("extra_info") or {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: benchmarks[{i}] is malformed ({exc!r})") from None
+    return out
+
+
+def _is_benchmark_json(data: Any) -> bool:
+    return isinstance(data, dict) and isinstance(data.get("benchmarks"), list)
+
+
+def load(results_dir: Path, files: Sequence[Path] = ()) -> Results:
+    """Benchmarks of `files`, or of every pytest-benchmark JSON in `results_dir`.
+
+    Raises ValueError naming the file when a given file is unreadable or not
+    pytest-benchmark JSON, or when no benchmark JSON is found at all.
+    """
+    explicit = bool(files)
+    paths = list(files) if explicit else sorted(results_dir.glob("*.json"))
+    benches: list[Bench] = []
+    head: dict[str, Any] | None = None
+    used = []
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            if explicit:
+                raise ValueError(f"{path}: cannot read benchmark JSON ({exc})") from None
+            continue
+        if not _is_benchmark_json(data):
+            if explicit:
+                raise ValueError(f"{path}: not pytest-benchmark JSON (no 'benchmarks' list)")
+            continue  # a results folder holds other JSON too (the reuse report)
+        benches += _parse(path, data)
+        head = head or data
+        used.append(path)
+    if head is None:
+        where = ", ".join(map(str, paths)) if explicit else f"{results_dir}/*.json"
+        raise ValueError(f"no pytest-benchmark JSON found in {where}")
+    return Results(tuple(benches), head.get("machine_info") or {}, head.get("commit_info") or {},
+                   str(head.get("datetime", "?")), tuple(used))
+
+
+def machine_section(res: Results) -> list[str]:
+    """Where and with what the numbers were measured."""
+    m = res.machine
+    cpu = m.get("cpu") or {}
+    libs = m.get("libraries")
+    libs_note = ""
+    if not isinstance(libs, dict):  # JSON written without benchmarks/conftest.py's hook
+        libs, libs_note = library_versions(), " (read when the report was written)"
+    commit = res.commit
+    lines = ["## Machine", "",
+             f"- when: {res.datetime}; commit {str(commit.get('id', '?'))[:12]}"
+             f"{' (dirty)' if commit.get('dirty') else ''} on {commit.get('branch', '?')}",
+             f"- cpu: {cpu.get('brand_raw', '?')}, {cpu.get('count', '?')} cores; "
+             f"{m.get('system', '?')} {m.get('release', '')}; "
+             f"python {m.get('python_version', '?')}",
+             f"- gpu: {m.get('cuda_device') or 'none'}; torch threads: "
+             f"{m.get('torch_num_threads', '?')}; quick mode: {m.get('bench_quick', '?')}",
+             "- libraries" + libs_note + ": "
+             + ", ".join(f"{k} {v}" for k, v in sorted(libs.items())),
+             f"- sources: {', '.join(p.name for p in res.sources)}", ""]
+    return lines
+
+
+def summarize(res: Results, plots: Mapping[str, Path], problems: Sequence[str] = ()) -> str:
+    """The markdown summary; `plots` maps a plot's title to its file (linked), `problems`
+    lists plots that could not be drawn."""
+    body: list[str] = []
+    left = list(res.benches)
+    for section in SECTIONS:
+        mine = [b for b in left if section.claims(b)]
+        if mine:
+            body += render(section, mine)
+            left = [b for b in left if not section.claims(b)]
+    if left:
+        body += other_section(left)
+    figures = [f"![{title}]({path.name})" for title, path in plots.items()]
+    figures += [f"- {line}" for line in problems]
+    return "\n".join(["# Benchmark summary", "", *machine_section(res), *body,
+                      *(["## Plots", "", *figures, ""] if figures else [])])
+
+
+def write_report(results_dir: Path, files: Sequence[Path] = ()) -> list[Path]:
+    """Write summary.md and the plots into `results_dir`; returns the paths written.
+
+    Raises ValueError as `load` does.
+    """
+    from benchmarks.report_plots import write_plots
+
+    res = load(results_dir, files)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(res.benches, results_dir)
+    summary = results_dir / SUMMARY
+    summary.write_text(summarize(res, plots.paths, plots.problems))
+    return [summary, *plots.paths.values()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 for bad input)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
+    parser.add_argument("results_dir", type=Path, help="folder to read JSON from and write to")
+    parser.add_argument("--json", type=Path, action="append", default=[], metavar="FILE",
+                        help="pytest-benchmark JSON to read (repeatable); default: "
+                        "every benchmark JSON in RESULTS_DIR")
+    args = parser.parse_args(argv)
+    try:
+        written = write_report(args.results_dir, args.json)
+    except ValueError as exc:
+        print(f"benchmarks.report: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""Markdown sections of the benchmark summary, one per suite.
+
+Each `Section` claims the benchmarks it renders (by test name or extra_info["suite"]);
+`benchmarks.report` renders every section that claimed something and lists the rest
+under "Other benchmarks". Times in the JSON are seconds per round.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from benchmarks.report import Bench
+
+METADATA_TARGET = 4.0  # issue 3: a decode metadata build costs at most 4 copy_'s
+WARM_TARGET = 1.05  # issue 3: warm TTFT within 5% of the ideal
+
+
+class Section(NamedTuple):
+    """A summary section: its title, which benchmarks it shows, and how."""
+
+    title: str
+    claims: Callable[[Bench], bool]
+    render: Callable[[Sequence[Bench]], list[str]]
+
+
+# What a section or plot raises on extra_info it cannot read (JSON from other suites).
+RENDER_ERRORS = (KeyError, TypeError, ValueError, ZeroDivisionError, StopIteration)
+
+
+def render(section: Section, benches: Sequence[Bench]) -> list[str]:
+    """The section's lines, or its title and why it could not be rendered."""
+    try:
+        return section.render(benches)
+    except RENDER_ERRORS as exc:
+        names = ", ".join(b.name for b in benches)
+        return [f"## {section.title}", "", f"Not rendered: {type(exc).__name__}: {exc} while "
+                f"reading {names} (JSON from another version of the suites?)", ""]
+
+
+def _bases(*names: str) -> Callable[[Bench], bool]:
+    return lambda b: b.base in names
+
+
+def _suite(prefix: str) -> Callable[[Bench], bool]:
+    return lambda b: str(b.extra.get("suite", "")).startswith(prefix)
+
+
+def rate(value: float | None, unit: str) -> str:
+    """`value` with an SI prefix: 1.23e8 -> '123.0 M<unit>'."""
+    if value is None:
+        return "n/a"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f} {prefix}{unit}"
+    return f"{value:.1f} {unit}"
+
+
+def duration(seconds: float | None) -> str:
+    """Seconds in the unit that reads best: '12.3 ms', '45.6 us'."""
+    if seconds is None:
+        return "n/a"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def ratio(value: float | None) -> str:
+    """'1.23x', or 'n/a'."""
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A markdown table."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+
+
+def _cache_core(benches: Sequence[Bench]) -> list[str]:
+    rows = []
+    for b in sorted(benches, key=lambda b: (b.extra.get("workload", ""), b.name)):
+        e = b.extra
+        ours = e.get("tokens_per_s") or _div(e.get("tokens"), b.min)
+        base, target = e.get("baseline_tokens_per_s"), e.get("target_tokens_per_s")
+        rows.append([e.get("workload", b.name), e.get("phase", "?"), rate(ours, "tok/s"),
+                     rate(base, "tok/s"), ratio(_div(ours, base)), rate(target, "tok/s"),
+                     ratio(_div(ours, target))])
+    return ["## Cache core: DESIGN.md workloads (best round)", "",
+            *table(["workload", "phase", "ours", "baseline trie", "ours / baseline", "target",
+                    "ours / target"], rows)]
+
+
+def _tree_size(benches: Sequence[Bench]) -> list[str]:
+    ordered = sorted(benches, key=lambda b: b.extra.get("cached_blocks", 0))
+    first = ordered[0].median
+    rows = [[b.extra.get("cached_blocks", "?"), b.extra.get("tree_nodes", "?"),
+             duration(b.median), ratio(b.median / first)] for b in ordered]
+    return ["## Per-request cost against cached blocks (flat = O(prompt), not O(pool))", "",
+            *table(["cached blocks", "tree nodes", "median per request", "vs smallest"], rows),
+            f"Largest tree / smallest: {ratio(ordered[-1].median / first)}.", ""]
+
+
+def _metadata(benches: Sequence[Bench]) -> list[str]:
+    builds = [b for b in benches if b.base.startswith("test_build_decode_metadata")]
+    rows = [[b.extra.get("batch", "?"), "yes" if b.extra.get("ragged") else "no",
+             b.extra.get("context", "?"), duration(b.median),
+             duration(_div(b.extra.get("baseline_us"), 1e6)), ratio(b.extra.get("ratio"))]
+            for b in sorted(builds, key=lambda b: (b.extra.get("ragged", False),
+                                                   b.extra.get("batch", 0)))]
+    return [f"## Decode metadata build against one copy_ of kv_indices (target <= "
+            f"{METADATA_TARGET:g}x)", "",
+            *table(["batch", "ragged", "context", "build", "copy_", "build / copy_"], rows)]
+
+
+def _attention(benches: Sequence[Bench]) -> list[str]:
+    rows = [[b.name, duration(b.median), ratio(b.extra.get("ratio"))]
+            for b in benches if b.base == "test_reference_attention"]
+    rows += [[b.name, duration(b.median), "1.00x"]
+             for b in benches if b.base == "test_dense_attention_baseline"]
+    return ["## Reference paged attention against dense attention", "",
+            *table(["benchmark", "median", "vs dense"], rows)]
+
+
+def _ttft(benches: Sequence[Bench]) -> list[str]:
+    by = {int(b.extra["cached_tokens"]): b for b in benches}
+    L = int(benches[0].extra["prompt_tokens"])
+    lines = [f"## Time to first token: tiny model, {L}-token prompt (median of rounds)", "",
+             "The ideal (bare forward of the new tokens over a filled paged cache) is timed "
+             "alternately with the engine, so engine / ideal is an in-run ratio.", ""]
+    head = next((c for c, b in by.items() if b.extra.get("headline")), None)
+    if head is not None and 0 in by:
+        warm, cold = by[head], by[0]
+        ideal, ideal_cold = warm.extra["ideal_median_s"], cold.extra["ideal_median_s"]
+        lines += [f"Headline, {head} of {L} tokens cached: warm {duration(warm.median)}, cold "
+                  f"{duration(cold.median)}, ideal {duration(ideal)}.", "",
+                  f"- warm / ideal: **{ratio(warm.median / ideal)}** "
+                  f"(target <= {WARM_TARGET:g}x)",
+                  f"- cold / warm: **{ratio(cold.median / warm.median)}**; the ideal's cold / "
+                  f"warm (the ratio of work): {ratio(ideal_cold / ideal)}; new tokens: "
+                  f"{ratio(L / (L - head))}", ""]
+    rows = [[c, f"{c / L:.3f}", duration(b.median), duration(b.extra.get("ideal_median_s")),
+             ratio(_div(b.median, b.extra.get("ideal_median_s")))]
+            for c, b in sorted(by.items())]
+    return lines + table(["cached tokens", "fraction", "engine", "ideal", "engine / ideal"],
+                         rows)
+
+
+def _hit_rate(benches: Sequence[Bench]) -> list[str]:
+    lines = ["## Hit rate against pool size (engine-like replay, priority-LRU eviction)", ""]
+    for b in sorted(benches, key=lambda b: b.extra.get("workload", "")):
+        e = b.extra
+        rows = zip(e.get("pool_blocks", []), e.get("pool_fraction", []),
+                   e.get("block_hit_rate", []), e.get("token_hit_rate", []),
+                   e.get("evicted_blocks", []), strict=False)
+        lines += [f"**{e.get('workload', b.name)}**: {e.get('requests', '?')} requests in "
+                  f"steps of {e.get('batch', '?')}; no-eviction hit rate "
+                  f"{e.get('max_token_hit_rate', '?')}; replay at the smallest pool "
+                  f"{duration(b.median)}.", "",
+                  *table(["pool blocks", "of footprint", "block hit rate", "token hit rate",
+                          "evicted blocks"], [list(r) for r in rows])]
+    return lines
+
+
+def _memory(benches: Sequence[Bench]) -> list[str]:
+    heap = [b.extra for b in benches if b.extra.get("kind") == "heap"]
+    kv = [b.extra for b in benches if b.extra.get("kind") == "kv"]
+    lines = ["## Memory", ""]
+    if heap:
+        lines += ["Python heap of the manager (tracemalloc), DESIGN.md workloads:", "",
+                  *table(["workload", "cached blocks", "bytes / cached block",
+                          "bytes / cached token", "empty manager bytes / pool block",
+                          "heap / tiny fp16 KV block"],
+                         [[e.get("workload"), e.get("cached_blocks"),
+                           e.get("bytes_per_cached_block"), e.get("bytes_per_cached_token"),
+                           e.get("bytes_per_pool_block"), e.get("heap_to_tiny_fp16_kv")]
+                          for e in heap])]
+    if kv:
+        lines += ["KV storage of the tiny model:", "",
+                  *table(["dtype", "bytes / token", "bytes / block"],
+                         [[e.get("dtype"), e.get("bytes_per_token"), e.get("bytes_per_block")]
+                          for e in kv])]
+    return lines
+
+
+def _gpu(benches: Sequence[Bench]) -> list[str]:
+    groups: dict[str, list[Bench]] = defaultdict(list)
+    for b in benches:
+        groups[str(b.extra["suite"])].append(b)
+    device = benches[0].extra.get("device", "?")
+    lines = [f"## GPU ({device})", ""]
+    rows = []
+    for b in groups["gpu_attention"]:
+        e = b.extra
+        rows.append([e["phase"], f"{e['requests']} x ({e['cached']} + {e['new']})",
+                     duration(e.get("seconds_per_call")), rate(e.get("tokens_per_s"), "tok/s"),
+                     rate(e.get("bytes_per_s"), "B/s"), f"{e.get('tflops', 0):.1f}",
+                     ratio(e.get("ratio_to_copy_bandwidth")), ratio(e.get("ratio_to_nominal_hbm"))])
+    if rows:
+        lines += table(["phase", "requests x (cached + new)", "per call", "throughput",
+                        "bandwidth", "TFLOP/s", "vs copy bandwidth", "vs nominal HBM"], rows)
+    ttft = {b.extra["path"]: b.median for b in groups["gpu_ttft"]}
+    if {"warm", "cold"} <= ttft.keys():
+        lines += [f"TTFT (tiny, fp16, FlashInfer): warm {duration(ttft['warm'])}, cold "
+                  f"{duration(ttft['cold'])}, cold / warm {ratio(ttft['cold'] / ttft['warm'])}.",
+                  ""]
+    steps = {(b.extra["batch"], b.extra["mode"]): b.median for b in groups["gpu_decode_step"]}
+    if steps:
+        lines += table(["batch", "eager step", "graph step", "eager / graph"],
+                       [[bs, duration(steps.get((bs, "eager"))),
+                         duration(steps.get((bs, "graph"))),
+                         ratio(_div(steps.get((bs, "eager")), steps.get((bs, "graph"))))]
+                        for bs in sorted({k[0] for k in steps})])
+    return lines
+
+
+def other_section(benches: Sequence[Bench]) -> list[str]:
+    """Benchmarks no section claimed."""
+    return ["## Other benchmarks", "",
+            *table(["benchmark", "median", "rounds"],
+                   [[b.name, duration(b.median), b.rounds] for b in benches])]
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section("Cache core", _bases("test_cache_core_throughput"), _cache_core),
+    Section("Per-request cost against cached blocks",
+            _bases("test_request_cost_is_flat_in_tree_size"), _tree_size),
+    Section("Decode metadata build", _bases("test_build_decode_metadata",
+                                            "test_build_decode_metadata_ragged",
+                                            "test_copy_kv_indices_baseline"), _metadata),
+    Section("Reference paged attention", _bases("test_reference_attention",
+                                                "test_dense_attention_baseline"), _attention),
+    Section("Time to first token", _suite("ttft"), _ttft),
+    Section("Hit rate against pool size", _suite("hit_rate"), _hit_rate),
+    Section("Memory", _suite("memory"), _memory),
+    Section("GPU", _suite("gpu_"), _gpu),
+)

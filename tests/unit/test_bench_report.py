@@ -1,0 +1,169 @@
+"""benchmarks.report on synthetic pytest-benchmark JSON, and the quick suites end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.report import main
+from benchmarks.report_md import duration, rate
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(name: str, median: float, extra: dict[str, Any], minimum: float | None = None,
+          rounds: int = 5) -> dict[str, Any]:
+    """One benchmark entry shaped as pytest-benchmark writes it."""
+    low = median if minimum is None else minimum
+    return {"name": name, "fullname": f"benchmarks/x.py::{name}", "group": None,
+            "params": None, "extra_info": extra,
+            "stats": {"min": low, "max": median * 2, "mean": median, "median": median,
+                      "rounds": rounds, "stddev": 0.0, "iterations": 1}}
+
+
+def ttft(cached: int, engine_s: float, ideal_s: float, headline: bool) -> dict[str, Any]:
+    return bench(f"test_ttft[c{cached}]", engine_s, {
+        "suite": "ttft", "prompt_tokens": 2048, "cached_tokens": cached,
+        "cached_fraction": cached / 2048, "headline": headline, "ideal_median_s": ideal_s})
+
+
+def suite_benches() -> list[dict[str, Any]]:
+    """One or more entries for every section of the summary, plus an unknown one."""
+    core = {"workload": "shared_prompt", "phase": "insert", "tokens": 100_000_000,
+            "baseline_tokens_per_s": 5e7, "target_tokens_per_s": 1e8}
+    return [
+        bench("test_cache_core_throughput[shared_prompt-insert]", 0.6, core, minimum=0.5),
+        bench("test_request_cost_is_flat_in_tree_size[1e3]", 20e-6, {"cached_blocks": 1000}),
+        bench("test_request_cost_is_flat_in_tree_size[1e6]", 30e-6,
+              {"cached_blocks": 1_000_000}),
+        bench("test_build_decode_metadata[b256]", 12e-6, {"batch": 256, "context": 4096,
+                                                           "baseline_us": 4.0, "ratio": 3.0}),
+        bench("test_copy_kv_indices_baseline[b256]", 4e-6, {"batch": 256}),
+        bench("test_reference_attention", 0.02, {"ratio": 1.7}),
+        ttft(0, 0.42, 0.40, False), ttft(1536, 0.105, 0.1, True),
+        bench("test_hit_rate_curve[multi_turn]", 0.01, {
+            "suite": "hit_rate", "workload": "multi_turn", "requests": 576, "batch": 8,
+            "pool_blocks": [700, 7000], "pool_fraction": [0.1, 1.0],
+            "block_hit_rate": [0.3156, 0.9156], "token_hit_rate": [0.3156, 0.9145],
+            "evicted_blocks": [23552, 0], "max_token_hit_rate": 0.9145}),
+        bench("test_heap_per_cached_block[shared_prompt]", 0.5, {
+            "suite": "memory", "kind": "heap", "workload": "shared_prompt",
+            "cached_blocks": 32960, "bytes_per_cached_block": 89.08,
+            "bytes_per_cached_token": 5.567, "bytes_per_pool_block": 39.95,
+            "heap_to_tiny_fp16_kv": 0.00272}),
+        bench("test_kv_bytes_per_token[fp16]", 1e-4, {
+            "suite": "memory", "kind": "kv", "dtype": "float16", "bytes_per_token": 2048.0,
+            "bytes_per_block": 32768.0}),
+        bench("test_decode_step[eager-b8]", 2e-3, {"suite": "gpu_decode_step", "mode": "eager",
+                                                   "batch": 8, "device": "NVIDIA H200"}),
+        bench("test_decode_step[graph-b8]", 1e-3, {"suite": "gpu_decode_step", "mode": "graph",
+                                                   "batch": 8, "device": "NVIDIA H200"}),
+        bench("test_something_new", 0.25, {}),
+    ]
+
+
+def write_json(path: Path, benches: list[dict[str, Any]], libraries: bool = True) -> Path:
+    machine: dict[str, Any] = {"node": "vm", "python_version": "3.11.7", "system": "Linux",
+                               "cpu": {"brand_raw": "AMD EPYC", "count": 2},
+                               "torch_num_threads": 1, "bench_quick": False}
+    if libraries:
+        machine["libraries"] = {"torch": "9.9.9-synthetic", "flashinfer-python": "0.7.4"}
+    path.write_text(json.dumps({"machine_info": machine, "benchmarks": benches,
+                                "commit_info": {"id": "abcdef1234567890", "branch": "main"},
+                                "datetime": "2026-01-01T00:00:00", "version": "5.2.3"}))
+    return path
+
+
+def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
+    src = write_json(tmp_path / "bench.json", suite_benches())
+    out = tmp_path / "out"
+    assert main([str(out), "--json", str(src)]) == 0
+    md = (out / "summary.md").read_text()
+    for text in ("200.0 Mtok/s", "50.0 Mtok/s", "| 4.00x |", "| 2.00x |",  # cache core
+                 "Largest tree / smallest: 1.50x",
+                 "| 256 | no | 4096 | 12 us | 4 us | 3.00x |",  # metadata
+                 "warm / ideal: **1.05x**", "cold / warm: **4.00x**", "new tokens: 4.00x",
+                 "| 0.3156 |", "| 23552 |", "| 89.08 |", "| float16 | 2048.0 |",
+                 "| 8 | 2 ms | 1 ms | 2.00x |", "NVIDIA H200",  # GPU decode step
+                 "test_something_new", "torch 9.9.9-synthetic", "commit abcdef123456"):
+        assert text in md, f"{text!r} missing from summary.md:\n{md}"
+    for png in ("ttft_vs_cached_fraction.png", "hit_rate_vs_pool_size.png",
+                "cost_vs_tree_size.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC, png
+        assert f"]({png})" in md
+
+
+def test_reads_only_benchmark_json_from_the_folder(tmp_path: Path) -> None:
+    write_json(tmp_path / "bench.json", suite_benches()[:1])
+    (tmp_path / "reuse_report.json").write_text(json.dumps({"records": []}))
+    assert main([str(tmp_path)]) == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "sources: bench.json" in md
+    assert "## Time to first token" not in md  # sections without benchmarks are left out
+    assert not (tmp_path / "ttft_vs_cached_fraction.png").exists()
+
+
+def test_a_given_file_that_is_not_benchmark_json_is_an_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "reuse_report.json"
+    other.write_text(json.dumps({"records": []}))
+    assert main([str(tmp_path), "--json", str(other)]) == 2
+    assert f"{other}: not pytest-benchmark JSON" in capsys.readouterr().err
+
+
+def test_a_folder_without_benchmark_json_is_an_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path)]) == 2
+    assert "no pytest-benchmark JSON found" in capsys.readouterr().err
+
+
+def test_unreadable_extra_info_is_reported_not_raised(tmp_path: Path) -> None:
+    old = bench("test_ttft[c0]", 0.4, {"suite": "ttft", "prompt_tokens": 2048,
+                                         "cached_fraction": 0.0})
+    write_json(tmp_path / "bench.json", [old], libraries=False)
+    assert main([str(tmp_path)]) == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "Not rendered: KeyError: 'cached_tokens' while reading test_ttft[c0]" in md
+    assert "TTFT against cached fraction: not drawn" in md
+    assert "libraries (read when the report was written)" in md
+
+
+@pytest.mark.parametrize(("value", "unit", "text"), [
+    pytest.param(1.234e8, "tok/s", "123.4 Mtok/s", id="mega"),
+    pytest.param(512.0, "B", "512.0 B", id="plain")])
+def test_rate(value: float, unit: str, text: str) -> None:
+    assert rate(value, unit) == text
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    pytest.param(2.5, "2.5 s", id="s"), pytest.param(0.0123, "12.3 ms", id="ms"),
+    pytest.param(4e-6, "4 us", id="us"), pytest.param(5e-8, "50 ns", id="ns")])
+def test_duration(seconds: float, text: str) -> None:
+    assert duration(seconds) == text
+
+
+@pytest.mark.slow
+def test_quick_suites_end_to_end(tmp_path: Path) -> None:
+    """The quick suites run under pytest-benchmark and the report reads what they wrote."""
+    out = tmp_path / "bench"
+    out.mkdir()
+    suites = ["benchmarks/test_bench_engine.py", "benchmarks/test_bench_hit_rate.py",
+              "benchmarks/test_bench_memory.py"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *suites, "--bench-quick", "-q", "-p",
+         "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert main([str(out)]) == 0
+    md = (out / "summary.md").read_text()
+    for title in ("## Time to first token", "## Hit rate against pool size", "## Memory",
+                  "quick mode: True"):
+        assert title in md, f"{title!r} missing from summary.md:\n{md}"
+    assert "Not rendered" not in md and "not drawn" not in md, md
+    assert (out / "hit_rate_vs_pool_size.png").read_bytes()[:8] == PNG_MAGIC
