@@ -167,23 +167,27 @@ class BlockRadixTree:
             cands = node.children.get(kb[off:off + 4])  # 4 == TOKEN_BYTES
             if cands is None:
                 break
-            nb = 0
             for c in cands:
-                klen = len(c.key)
+                key = c.key
+                klen = len(key)
                 if klen < bb:
-                    continue
-                if off + klen <= full_end and startswith(c.key, off):
-                    nb = len(c.blocks)
-                else:
-                    nb = common_prefix_bytes(kb, off, c.key, min(klen, full_end - off)) // bb
+                    continue  # a partial leaf: only a partial-match candidate
+                end = off + klen
+                if end <= full_end and startswith(key, off):
+                    hits.append((c, len(c.blocks)))
+                    off = end
+                    node = c
+                    break
+                # full siblings differ in their first block: at most one can match part
+                nb = common_prefix_bytes(kb, off, key, min(klen, full_end - off)) // bb
                 if nb:
                     hits.append((c, nb))
                     off += nb * bb
-                    if nb < len(c.blocks):
-                        mid = c
-                    node = c
+                    node = mid = c
                     break
-            if not nb or mid is not None:
+            else:
+                break
+            if mid is not None:
                 break
         num_full = off // bb
         hit = None
