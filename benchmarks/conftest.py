@@ -38,6 +38,10 @@ def quick_mode(config: pytest.Config) -> bool:
     return bool(config.getoption("bench_quick", default=False)) or env == "1"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    quick_mode(config)  # a bad KVH_BENCH_QUICK stops the run before anything is collected
+
+
 @pytest.fixture(scope="session")
 def bench_quick(pytestconfig: pytest.Config) -> bool:
     """True in quick mode: suites shrink their inputs and rounds."""

@@ -1,4 +1,8 @@
-"""benchmarks.report on synthetic pytest-benchmark JSON, and the quick suites end to end."""
+"""benchmarks.report on synthetic pytest-benchmark JSON, and the quick suites end to end.
+
+The report runs as its users run it, `python -m benchmarks.report` from the repository
+root (tests/ is not a package, so `benchmarks` is importable only from there).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks.report import main
-from benchmarks.report_md import duration, rate
-
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def report(*args: Path | str) -> subprocess.CompletedProcess[str]:
+    """Run `python -m benchmarks.report ARGS` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.report", *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
 def bench(name: str, median: float, extra: dict[str, Any], minimum: float | None = None,
@@ -83,7 +90,11 @@ def write_json(path: Path, benches: list[dict[str, Any]], libraries: bool = True
 def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
     src = write_json(tmp_path / "bench.json", suite_benches())
     out = tmp_path / "out"
-    assert main([str(out), "--json", str(src)]) == 0
+    proc = report(out, "--json", src)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(out / name) for name in (
+        "summary.md", "ttft_vs_cached_fraction.png", "hit_rate_vs_pool_size.png",
+        "cost_vs_tree_size.png")]
     md = (out / "summary.md").read_text()
     for text in ("200.0 Mtok/s", "50.0 Mtok/s", "| 4.00x |", "| 2.00x |",  # cache core
                  "Largest tree / smallest: 1.50x",
@@ -102,50 +113,37 @@ def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
 def test_reads_only_benchmark_json_from_the_folder(tmp_path: Path) -> None:
     write_json(tmp_path / "bench.json", suite_benches()[:1])
     (tmp_path / "reuse_report.json").write_text(json.dumps({"records": []}))
-    assert main([str(tmp_path)]) == 0
+    assert report(tmp_path).returncode == 0
     md = (tmp_path / "summary.md").read_text()
     assert "sources: bench.json" in md
     assert "## Time to first token" not in md  # sections without benchmarks are left out
     assert not (tmp_path / "ttft_vs_cached_fraction.png").exists()
 
 
-def test_a_given_file_that_is_not_benchmark_json_is_an_error(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_given_file_that_is_not_benchmark_json_is_an_error(tmp_path: Path) -> None:
     other = tmp_path / "reuse_report.json"
     other.write_text(json.dumps({"records": []}))
-    assert main([str(tmp_path), "--json", str(other)]) == 2
-    assert f"{other}: not pytest-benchmark JSON" in capsys.readouterr().err
+    proc = report(tmp_path, "--json", other)
+    assert proc.returncode == 2
+    assert f"{other}: not pytest-benchmark JSON" in proc.stderr
+    assert not (tmp_path / "summary.md").exists()
 
 
-def test_a_folder_without_benchmark_json_is_an_error(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(tmp_path)]) == 2
-    assert "no pytest-benchmark JSON found" in capsys.readouterr().err
+def test_a_folder_without_benchmark_json_is_an_error(tmp_path: Path) -> None:
+    proc = report(tmp_path)
+    assert proc.returncode == 2
+    assert f"no pytest-benchmark JSON found in {tmp_path}/*.json" in proc.stderr
 
 
 def test_unreadable_extra_info_is_reported_not_raised(tmp_path: Path) -> None:
     old = bench("test_ttft[c0]", 0.4, {"suite": "ttft", "prompt_tokens": 2048,
                                          "cached_fraction": 0.0})
     write_json(tmp_path / "bench.json", [old], libraries=False)
-    assert main([str(tmp_path)]) == 0
+    assert report(tmp_path).returncode == 0
     md = (tmp_path / "summary.md").read_text()
     assert "Not rendered: KeyError: 'cached_tokens' while reading test_ttft[c0]" in md
     assert "TTFT against cached fraction: not drawn" in md
     assert "libraries (read when the report was written)" in md
-
-
-@pytest.mark.parametrize(("value", "unit", "text"), [
-    pytest.param(1.234e8, "tok/s", "123.4 Mtok/s", id="mega"),
-    pytest.param(512.0, "B", "512.0 B", id="plain")])
-def test_rate(value: float, unit: str, text: str) -> None:
-    assert rate(value, unit) == text
-
-
-@pytest.mark.parametrize(("seconds", "text"), [
-    pytest.param(2.5, "2.5 s", id="s"), pytest.param(0.0123, "12.3 ms", id="ms"),
-    pytest.param(4e-6, "4 us", id="us"), pytest.param(5e-8, "50 ns", id="ns")])
-def test_duration(seconds: float, text: str) -> None:
-    assert duration(seconds) == text
 
 
 @pytest.mark.slow
@@ -160,7 +158,7 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
          "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert main([str(out)]) == 0
+    assert report(out).returncode == 0
     md = (out / "summary.md").read_text()
     for title in ("## Time to first token", "## Hit rate against pool size", "## Memory",
                   "quick mode: True"):
