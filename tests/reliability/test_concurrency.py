@@ -22,7 +22,14 @@ from kvcache import Engine, ReuseScope
 from kvcache.model import Transformer
 from kvcache.request import FinishReason, GenerationOutput
 
-from .support import EngineSpec, assert_clean, assert_same_output, cold_outputs, oracle_config
+from .support import (
+    EngineSpec,
+    assert_clean,
+    assert_same_output,
+    assert_same_outputs,
+    cold_outputs,
+    oracle_config,
+)
 
 STEMS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 JOIN_SECONDS = 60
@@ -143,18 +150,42 @@ def test_bounded_stress_with_aborts(tiny_model: Transformer, spec: EngineSpec, t
     assert_clean(engine.manager, "after the last request")
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason=(
-    "Engine.generate loops `while len(done) < len(rids)` and stores every output step() "
-    "returns, its own or not: a request queued by another caller (another thread, or a "
-    "generate() that raised) ends the loop early and generate raises KeyError, leaving "
-    "its own requests running; with two threads in generate() one can also spin forever "
-    "after the other consumed its output"))
 def test_generate_collects_only_its_own_requests(tiny_model: Transformer) -> None:
     engine = EngineSpec(4, 64, max_num_tokens=16).build(tiny_model)
     engine.add_request([1, 2, 3, 4, 5, 6], 1)  # another caller's request, already queued
     prompts = [list(range(40, 70)), list(range(70, 100))]
     outs = engine.generate(prompts, max_new_tokens=2)
     assert [o.prompt for o in outs] == [tuple(p) for p in prompts]
+    assert_same_outputs(cold_outputs(tiny_model, prompts, 2), outs, "beside a stray request")
     while engine.has_unfinished():
         engine.step()
     assert_clean(engine.manager, "after generate")
+
+
+def test_generate_from_many_threads_at_once(tiny_model: Transformer) -> None:
+    """Each thread's generate() steps the shared engine and gets exactly its own outputs."""
+    engine = EngineSpec(4, 128, max_num_tokens=16, max_batch_size=4).build(tiny_model)
+    jobs = [[prompt_for(t, i) for i in range(1 + t % 3)] for t in range(6)]
+    news = [2 + t % 4 for t in range(6)]
+    start = threading.Barrier(len(jobs))
+    results: dict[int, list[GenerationOutput] | BaseException] = {}
+
+    def work(t: int) -> None:
+        try:
+            start.wait(JOIN_SECONDS)
+            results[t] = engine.generate(jobs[t], max_new_tokens=news[t])
+        except BaseException as exc:  # reported below
+            results[t] = exc
+
+    workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(len(jobs))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(JOIN_SECONDS)
+        assert not w.is_alive(), "a generate() call never returned"
+    for t, prompts in enumerate(jobs):
+        outs = results[t]
+        assert isinstance(outs, list), f"thread {t}: generate raised {outs!r}"
+        assert_same_outputs(cold_outputs(tiny_model, prompts, news[t]), outs, f"thread {t}")
+    assert not engine.has_unfinished()
+    assert_clean(engine.manager, "after the threads")
