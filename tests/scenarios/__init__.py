@@ -1,0 +1,1 @@
+"""Scenario suites: every tricky reuse scenario, warm equals cold, exact reuse counts."""

@@ -1,0 +1,261 @@
+"""What every scenario family shares: backends, reuse modes, prompts and the checks.
+
+A scenario runs prompts *cold* (nothing cached that could help them), then *warm*, and
+asserts (a) warm equals cold and (b) reuse equals the oracle replaying the engine's
+admission log, per request and in total; every check is recorded in the run's reuse
+report under the family's name. In float32 on CPU greedy tokens must be identical and
+logits within 1e-5; in reduced precision the warm run is teacher-forced with the cold
+run's tokens and logits are compared with a tolerance (a 1-ULP drift is normal there).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from harness.adapters import KvcacheEngineAdapter
+from harness.report import ReuseRecord, ReuseReport
+from harness.reuse import (
+    Bounds,
+    ReproContext,
+    diff_stats,
+    expect_matches_oracle,
+    expect_reuse,
+    predict_from_engine,
+)
+from kvcache import Engine, GenerationOutput, KVCacheManager, ReuseScope
+
+VOCAB = 500  # token ids drawn from [1, VOCAB): inside every preset's vocabulary
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """An attention backend on a device in a dtype, and how closely warm must match cold."""
+
+    attn: str
+    device: str
+    dtype: torch.dtype
+    atol: float
+
+    @property
+    def exact(self) -> bool:
+        """float32 on CPU: greedy tokens must match free-running, no teacher forcing."""
+        return self.dtype == torch.float32 and self.device == "cpu"
+
+    def __str__(self) -> str:
+        return f"{self.attn}-{str(self.dtype).removeprefix('torch.')}-{self.device}"
+
+
+TORCH = BackendSpec("torch", "cpu", torch.float32, 1e-5)
+# bf16 on CPU exercises the teacher-forced path here; a few bf16 ULPs at |logit| < 1.
+TORCH_BF16 = BackendSpec("torch", "cpu", torch.bfloat16, 2e-2)
+# FlashInfer's kernels tile cold prefills and warm suffixes differently: allow a few ULPs
+# of fp16 / bf16 at the tiny model's logit scale (|logit| < 1), far below what wrong KV
+# does (differences of the logits' own size).
+FI_FP16 = BackendSpec("flashinfer", "cuda", torch.float16, 1e-2)
+FI_BF16 = BackendSpec("flashinfer", "cuda", torch.bfloat16, 4e-2)
+
+GPU_MARKS = (pytest.mark.gpu, pytest.mark.flashinfer)
+CPU_BACKENDS = [pytest.param(TORCH, id="torch"), pytest.param(TORCH_BF16, id="torch-bf16")]
+GPU_BACKENDS = [pytest.param(FI_FP16, id="fi-fp16", marks=GPU_MARKS),
+                pytest.param(FI_BF16, id="fi-bf16", marks=GPU_MARKS)]
+ALL_BACKENDS = CPU_BACKENDS + GPU_BACKENDS
+
+
+class ReuseMode(NamedTuple):
+    """The partial-reuse settings: partial reuse on or off, copy-on-partial on or off."""
+
+    partial: bool
+    copy: bool
+
+    def __str__(self) -> str:
+        return ("copy" if self.copy else "claim") if self.partial else "nopartial"
+
+
+COPY = ReuseMode(True, True)  # partial reuse by claiming idle leaves or copying
+CLAIM = ReuseMode(True, False)  # partial reuse only by claiming idle leaves
+NO_PARTIAL = ReuseMode(False, False)
+MODES = [pytest.param(COPY, id="copy"), pytest.param(CLAIM, id="claim"),
+         pytest.param(NO_PARTIAL, id="nopartial")]
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    """`n` token ids uniform in [1, VOCAB)."""
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def prompts_of(seed: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Independent random prompts of the given lengths."""
+    rng = random.Random(seed)
+    return [tokens(rng, n) for n in lengths]
+
+
+def unlike(token: int) -> int:
+    """A token id different from `token` (to make a prompt diverge exactly there)."""
+    return token % (VOCAB - 1) + 1
+
+
+def forced(reference: Sequence[GenerationOutput] | None, backend: BackendSpec
+           ) -> list[list[int]] | None:
+    """Teacher-forcing tokens for a run compared with `reference` (None where exact)."""
+    if reference is None or backend.exact:
+        return None
+    return [list(o.token_ids) for o in reference]
+
+
+def assert_same_outputs(expected: Sequence[GenerationOutput], actual: Sequence[GenerationOutput],
+                        backend: BackendSpec, where: str) -> None:
+    """Same generated tokens, logits within the backend's tolerance (pairwise)."""
+    assert len(actual) == len(expected), f"{where}: {len(actual)} outputs, {len(expected)} expected"
+    for exp, act in zip(expected, actual, strict=True):
+        assert act.token_ids == exp.token_ids, (
+            f"{where}: request {act.request_id} (prompt of {len(act.prompt)} tokens) generated "
+            f"{act.token_ids}, the reference {exp.token_ids}")
+        assert exp.logits is not None and act.logits is not None, f"{where}: no logits kept"
+        torch.testing.assert_close(
+            act.logits, exp.logits, atol=backend.atol, rtol=0,
+            msg=lambda m, a=act: f"{where}: request {a.request_id} logits differ: {m}")
+
+
+def scope_from_key(key: Any) -> ReuseScope | None:
+    """The ReuseScope whose key an admission-log event carries (None or (salt, lora_id))."""
+    return None if key is None else ReuseScope(*key)
+
+
+def assert_probe_matches_admissions(engine: Engine) -> None:
+    """Replay `engine`'s cache log on a fresh manager of the same config; before every
+    admission, `probe_reuse` must equal the tokens that admission reuses.
+
+    The replica sees the same operations on the same pool, so it passes through exactly
+    the engine's states (default retention priority assumed: the log does not carry it).
+    """
+    replica = KVCacheManager(engine.cache_config)
+    for i, ev in enumerate(engine.admission_log()):
+        kind, sid = ev["kind"], ev["seq_id"]
+        if kind == "admit":
+            scope = scope_from_key(ev["scope"])
+            probed = replica.probe_reuse(ev["tokens"], scope)
+            seq = replica.add_sequence(sid, ev["tokens"], scope)
+            replica.take_copy_ops()
+            assert seq.num_cached_tokens == probed, (
+                f"log event {i}: probe_reuse said {probed} tokens, the admission of request "
+                f"{sid!r} reused {seq.num_cached_tokens}\n{replica.dump_tree()}")
+        elif kind == "commit":
+            replica.commit(sid, ev["num_tokens"])
+        elif kind == "append":
+            replica.append_tokens(sid, ev["tokens"])
+        else:
+            replica.free_sequence(sid)
+
+
+class ColdWarm(NamedTuple):
+    """Outputs of a cold run and of the warm run that followed it."""
+
+    cold: list[GenerationOutput]
+    warm: list[GenerationOutput]
+
+
+class ScenarioRun:
+    """One scenario test: its oracle checks, cold/warm runs and reuse-report records."""
+
+    def __init__(self, name: str, node_id: str, params: dict[str, str],
+                 report: ReuseReport) -> None:
+        self.name = name
+        self.node_id = node_id
+        self.params = params
+        self.report = report
+
+    def expect_oracle(self, engine: Engine, results: Sequence[GenerationOutput] = (), *,
+                      exact: bool = True, seed: int | None = None,
+                      probe_replica: bool = True) -> dict[str, int | float]:
+        """Reuse since the engine started equals the oracle's replay of its admission
+        log, in total and for each of `results` (exact=False: reuse at most, misses at
+        least, the bound a bounded pool allows with partial reuse off). Then probe_reuse
+        must have matched every admission (on a replica) and the tree must be intact.
+        Records the run in the reuse report, passed or not. Returns the stats window.
+        """
+        __tracebackhide__ = True
+        adapter = KvcacheEngineAdapter(engine)
+        prediction = predict_from_engine(adapter)
+        config = {**adapter.cache_config, "backend": engine.backend.name,
+                  "max_num_tokens": engine.max_num_tokens}
+        passed = False
+        try:
+            window = expect_matches_oracle(
+                adapter, prediction, exact, results=list(results),
+                context=ReproContext(self.node_id, seed, config),
+                tree_dump=engine.manager.dump_tree)
+            if probe_replica:
+                assert_probe_matches_admissions(engine)
+            engine.manager.check_integrity()
+            passed = True
+        finally:
+            expected = {k: int(v) for k, v in prediction.totals.as_dict().items()
+                        if k != "cacheHitRate"} if exact else None
+            self.report.add(ReuseRecord(self.name, self.node_id, self.params,
+                                        diff_stats(None, engine.kv_cache_stats()), expected,
+                                        passed))
+        return window
+
+    def expect_full_blocks_bounded(self, engine: Engine, results: Sequence[GenerationOutput],
+                                   *, seed: int | None = None) -> dict[str, int | float]:
+        """Full blocks reused, per request and in total, at most what the oracle predicts
+        for the same log with an unbounded pool (eviction only removes full blocks; with
+        partial reuse on, partial counts may differ either way). Recorded like
+        `expect_oracle`. Returns the stats window."""
+        __tracebackhide__ = True
+        adapter = KvcacheEngineAdapter(engine)
+        prediction = predict_from_engine(adapter)
+        full = "fullReusedBlocks"
+        passed = False
+        try:
+            window = expect_reuse(
+                None, engine.kv_cache_stats(),
+                at_most={full: prediction.totals.full_reused_blocks},
+                per_request={o.request_id: {full: Bounds(
+                    at_most=prediction.requests[o.request_id].full_reused_blocks)}
+                    for o in results},
+                actual_requests={o.request_id: o.kv_metrics for o in results
+                                 if o.kv_metrics is not None},
+                context=ReproContext(self.node_id, seed, dict(adapter.cache_config)),
+                tree_dump=engine.manager.dump_tree)
+            engine.manager.check_integrity()
+            passed = True
+        finally:
+            self.report.add(ReuseRecord(self.name, self.node_id, self.params,
+                                        diff_stats(None, engine.kv_cache_stats()), None,
+                                        passed))
+        return window
+
+    def cold_warm(self, engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  backend: BackendSpec, *, scopes: Sequence[ReuseScope | None] | None = None,
+                  one_by_one: bool = False, seed: int | None = None) -> ColdWarm:
+        """Run `prompts` cold, then warm; assert warm equals cold and oracle-exact reuse.
+
+        `one_by_one` runs the warm prompts one request at a time, checking on the
+        engine's own manager that probe_reuse equals each admission's reuse.
+        """
+        __tracebackhide__ = True
+        cold = engine.generate(prompts, max_new_tokens, scopes)
+        force = forced(cold, backend)
+        if one_by_one:
+            warm = []
+            for i, prompt in enumerate(prompts):
+                scope = scopes[i] if scopes is not None else None
+                probed = engine.manager.probe_reuse(prompt, scope)
+                out = engine.generate([prompt], max_new_tokens, [scope],
+                                      force_tokens=[force[i]] if force else None)[0]
+                assert out.num_cached_tokens == probed, (
+                    f"prompt {i}: probe_reuse said {probed} tokens, the admission reused "
+                    f"{out.num_cached_tokens}")
+                warm.append(out)
+        else:
+            warm = engine.generate(prompts, max_new_tokens, scopes, force_tokens=force)
+        assert_same_outputs(cold, warm, backend, "warm vs cold")
+        self.expect_oracle(engine, cold + warm, seed=seed)
+        return ColdWarm(cold, warm)

@@ -1,0 +1,143 @@
+"""Eviction under pressure: with a pool smaller than the working set outputs still equal a
+run without reuse, blocks a live request references are never evicted, the least
+recently used idle prefix goes first unless a higher retention priority keeps it, and
+full-block reuse never exceeds the unbounded oracle's prediction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from harness.workloads import shared_system_prompt
+from kvcache import DEFAULT_PRIORITY, Engine, GenerationOutput
+
+from .conftest import EngineFactory
+from .support import (
+    MODES,
+    NO_PARTIAL,
+    TORCH,
+    VOCAB,
+    ReuseMode,
+    ScenarioRun,
+    assert_same_outputs,
+    tokens,
+)
+
+NEW_TOKENS = 4
+# (tokens per block, pool blocks): each pool holds a fraction of the working set
+POOLS = [pytest.param(B, n, id=f"B{B}-pool{n}") for B, n in ((2, 36), (4, 16), (16, 5))]
+
+
+def run_all(engine: Engine, prompts: list[list[int]], new: int) -> list[GenerationOutput]:
+    """`generate`, plus a check after every step that no block two live requests hold is
+    anything but a cached block both reference (an evicted or reused block would be)."""
+    rids = [engine.add_request(p, new) for p in prompts]
+    done: dict[int, GenerationOutput] = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step()}
+        assert_live_blocks_unshared(engine)
+    return [done[r] for r in rids]
+
+
+def assert_live_blocks_unshared(engine: Engine) -> None:
+    """Every block a live sequence holds is off the free list; a block in two live
+    sequences must be a cached (tree) block of both."""
+    mgr = engine.manager
+    free = set(mgr.pool.free)
+    owner: dict[int, tuple[object, bool]] = {}
+    for sid, seq in mgr.sequences.items():
+        for pos, block in enumerate(seq.block_ids):
+            cached = pos < seq.tree_blocks and block not in seq.shadow
+            assert block not in free, f"request {sid!r} holds block {block}, which is free"
+            other = owner.setdefault(block, (sid, cached))
+            if other[0] != sid:
+                assert cached and other[1], (
+                    f"block {block} is held by requests {other[0]!r} and {sid!r}, "
+                    "not as a shared cached block")
+
+
+@pytest.mark.parametrize(("B", "blocks"), POOLS)
+@pytest.mark.parametrize("mode", MODES)
+def test_pool_smaller_than_working_set(make_engine: EngineFactory, scenario: ScenarioRun,
+                                       mode: ReuseMode, B: int, blocks: int) -> None:
+    prompts = shared_system_prompt(9, 18, 5, num_groups=3, vocab=VOCAB, seed=B)
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS)
+    engine = make_engine(B, mode=mode, max_num_blocks=blocks)
+    outs: list[GenerationOutput] = []
+    for shift in range(3):  # three rounds, each in another order
+        order = prompts[shift:] + prompts[:shift]
+        got = run_all(engine, order, NEW_TOKENS)
+        assert_same_outputs(reference[shift:] + reference[:shift], got, TORCH,
+                            f"round {shift} vs no reuse")
+        outs += got
+    stats = engine.kv_cache_stats()
+    assert stats.evicted_blocks > 0 and stats.reused_blocks > 0
+    if mode == NO_PARTIAL:
+        scenario.expect_oracle(engine, outs, exact=False, seed=B)
+    else:
+        scenario.expect_full_blocks_bounded(engine, outs, seed=B)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_referenced_blocks_are_never_evicted(make_engine: EngineFactory,
+                                             scenario: ScenarioRun, mode: ReuseMode) -> None:
+    B = 4
+    rng = random.Random(11)
+    long_runner = tokens(rng, 14)
+    churn = [long_runner[:6] + tokens(rng, 6) for _ in range(8)]  # partly shared prefix
+    reference = (make_engine.cold_reference(B, [long_runner], 24)
+                 + make_engine.cold_reference(B, churn, 2))
+    engine = make_engine(B, mode=mode, max_num_blocks=12, max_batch_size=3)
+    rid = engine.add_request(long_runner, 24)  # holds up to 10 blocks while churn cycles
+    held: list[int] = []
+    churn_rids = [engine.add_request(p, 2) for p in churn]
+    done: dict[int, GenerationOutput] = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step()}
+        assert_live_blocks_unshared(engine)
+        if rid in engine.manager.sequences:
+            now = list(engine.manager.get_sequence(rid).block_ids)
+            assert now[:len(held)] == held, "the long request's blocks changed under it"
+            held = now
+    assert done[rid].num_preemptions == 0
+    assert_same_outputs(reference, [done[rid], *(done[r] for r in churn_rids)], TORCH,
+                        "long request and churn vs no reuse")
+    assert engine.kv_cache_stats().evicted_blocks > 0
+    scenario.expect_full_blocks_bounded(engine, [done[rid], *(done[r] for r in churn_rids)])
+
+
+def run_one(engine: Engine, prompt: list[int], priority: int = DEFAULT_PRIORITY
+            ) -> GenerationOutput:
+    """One request to completion; probe_reuse must predict its admission exactly."""
+    probed = engine.manager.probe_reuse(prompt)
+    engine.add_request(prompt, 1, priority=priority)
+    outs: list[GenerationOutput] = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[0].num_cached_tokens == probed, "probe_reuse differs from the admission"
+    return outs[0]
+
+
+@pytest.mark.parametrize(("y_priority", "survivors"), [
+    pytest.param(DEFAULT_PRIORITY, "XZ", id="lru"),
+    pytest.param(80, "XY", id="priority"),
+])
+def test_lru_and_retention_priority_choose_the_victim(
+        make_engine: EngineFactory, scenario: ScenarioRun, y_priority: int,
+        survivors: str) -> None:
+    """X, Y, Z (3 blocks each) fill 9 of 10 blocks; X is used again; W needs 3 blocks, so
+    2 are evicted from the least recently used idle prefix of the lowest priority: Y,
+    or Z when Y was admitted with a higher retention priority."""
+    B = 4
+    x, y, z, w = (tokens(random.Random(s), 3 * B) for s in range(4))
+    engine = make_engine(B, mode=NO_PARTIAL, max_num_blocks=10)
+    outs = [run_one(engine, x), run_one(engine, y, y_priority), run_one(engine, z),
+            run_one(engine, x), run_one(engine, w)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 2 * B, 0]
+    assert engine.kv_cache_stats().evicted_blocks == 2
+    # the victim keeps its first block; the others still match all but the last token
+    probes = {name: engine.manager.probe_reuse(p) for name, p in zip("XYZ", (x, y, z),
+                                                                       strict=True)}
+    assert probes == {n: 2 * B if n in survivors else B for n in "XYZ"}
+    scenario.expect_oracle(engine, outs, exact=False, probe_replica=False)
