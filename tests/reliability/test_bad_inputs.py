@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -289,9 +290,7 @@ Q0 = "model.layers.0.self_attn.q_proj.weight"
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A valid 2-layer checkpoint, written once; cases corrupt copies of it."""
     path = tmp_path_factory.mktemp("pristine")
-    config = get_preset("tiny")
-    model = Transformer(type(config)(**{**config.__dict__, "num_layers": 2, "layer_types": ()}))
-    save_pretrained(model, path)
+    save_pretrained(Transformer(replace(get_preset("tiny"), num_layers=2, layer_types=())), path)
     return path
 
 
