@@ -11,7 +11,7 @@ run's tokens and logits are compared with a tolerance (a 1-ULP drift is normal t
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -117,9 +117,15 @@ def assert_same_outputs(expected: Sequence[GenerationOutput], actual: Sequence[G
             f"{where}: request {act.request_id} (prompt of {len(act.prompt)} tokens) generated "
             f"{act.token_ids}, the reference {exp.token_ids}")
         assert exp.logits is not None and act.logits is not None, f"{where}: no logits kept"
-        torch.testing.assert_close(
-            act.logits, exp.logits, atol=backend.atol, rtol=0,
-            msg=lambda m, a=act: f"{where}: request {a.request_id} logits differ: {m}")
+        torch.testing.assert_close(act.logits, exp.logits, atol=backend.atol, rtol=0,
+                                   msg=_logits_message(f"{where}: request {act.request_id}"))
+
+
+def _logits_message(where: str) -> Callable[[str], str]:
+    def message(detail: str) -> str:
+        return f"{where}: logits differ: {detail}"
+
+    return message
 
 
 def scope_from_key(key: Any) -> ReuseScope | None:

@@ -1,7 +1,9 @@
-"""Chunked prefill with reuse: chunks that cut blocks and cached prefixes anywhere, a
-request reusing blocks another request committed in an earlier chunk while still in
-prefill, and a token budget under one block all give the unchunked run's outputs and
-exactly the oracle's reuse (the log carries every chunk's commit)."""
+"""Proves chunked prefill with reuse equals unchunked prefill, with oracle-exact reuse.
+
+Chunks cut blocks and cached prefixes anywhere, a request reuses blocks another request
+committed in an earlier chunk while still in prefill, and the budget may be under one
+block; the admission log carries every chunk's commit.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Cold vs warm: the same prompts again reuse all but their last token (partial reuse on) or
-floor((L-1)/B) full blocks (off), for L % B in {0, 1, other}, L < B and L = 1, and the
-warm run's outputs equal the cold run's."""
+"""Proves a warm rerun reuses all but the last prompt token and equals the cold run.
+
+The same prompts again reuse L - 1 tokens (partial reuse on) or floor((L-1)/B) full
+blocks (off), for L % B in {0, 1, other}, L < B and L = 1.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""CUDA graphs with reuse: decode steps padded to a captured batch size (replayed graphs on
-GPU, the same padded path without capture on CPU) give the eager, unpadded outputs for
-reused and fresh sequences alike, while batch sizes shrink and page counts grow between
-steps."""
+"""Proves padded (CUDA-graph) decode equals eager, unpadded decode for reused and fresh sequences.
+
+Replayed graphs on GPU, the same padded path without capture on CPU, while batch sizes
+shrink and page counts grow between steps.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Eviction under pressure: with a pool smaller than the working set outputs still equal a
-run without reuse, blocks a live request references are never evicted, the least
-recently used idle prefix goes first unless a higher retention priority keeps it, and
-full-block reuse never exceeds the unbounded oracle's prediction."""
+"""Proves eviction under pressure keeps outputs right, spares live blocks, follows LRU and priority.
+
+With a pool smaller than the working set outputs equal a run without reuse, blocks a live
+request references are never evicted, the least recently used idle prefix of the lowest
+retention priority goes first, and full-block reuse never exceeds the unbounded oracle.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""In-batch sharing: siblings with a common prefix admitted in one step give the outputs of
-a run without reuse, their committed prefix blocks are cached once (deduplicated), and
-reuse equals the oracle for the engine's admission order; computing the shared prefix
-only once is expected to fail until in-batch prefix sharing exists."""
+"""Proves siblings admitted in one step are correct, deduplicated and reused as the oracle says.
+
+Their committed prefix blocks are cached once and reuse follows the engine's admission
+order; computing the shared prefix only once (in-batch sharing) is expected to fail
+until it exists.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Partial, non-page-aligned reuse: a prefix ending mid-block claims an idle leaf (partial
-or full), copies an in-use or interior block (copy_on_partial_reuse), or reuses only
-full blocks (copy off, or partial reuse off), exactly as configured; outputs equal a run
-without reuse."""
+"""Proves a mid-block prefix claims an idle leaf, copies a busy or interior block, or is skipped.
+
+Exactly as configured: claiming needs partial reuse, copying also copy_on_partial_reuse;
+outputs equal a run without reuse.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Reuse policies: the star attention backend reuses nothing (reusedBlocks == 0) and logs
-why, the hybrid (recurrent) model turns reuse off under the auto setting and rejects an
-explicit enable with a clear error; with reuse off every prompt block is missed and
-warm outputs still equal cold."""
+"""Proves reuse is off, with a reason, where it cannot be right: star attention, hybrid models.
+
+The star backend reuses nothing (reusedBlocks == 0) and logs why; the hybrid (recurrent)
+model turns reuse off under auto and rejects an explicit enable; with reuse off every
+prompt block is missed and warm outputs still equal cold.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Reuse scopes: requests under different cache salts or LoRA ids never share a block,
-probe_reuse included; the same scope shares; salt 0 is not the default scope and
-ReuseScope() is; outputs never depend on the scope."""
+"""Proves different salts or LoRA ids never share blocks (probe_reuse included); one scope does.
+
+Salt 0 is not the default scope and ReuseScope() is; outputs never depend on the scope.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Shared prefixes: one system prompt under many user suffixes, few-shot prompts sharing
-prefixes of varying length, and multi-turn chat whose prompts hold earlier answers (so
-blocks of generated tokens are reused) give the outputs of a run without reuse and
-exactly the oracle's reuse."""
+"""Proves shared system prompts, few-shot prefixes and multi-turn chats reuse exactly right.
+
+Later users reuse the system prompt's blocks, few-shot prompts share prefixes of varying
+length, and each chat turn reuses blocks holding earlier generated answers; outputs equal
+a run without reuse and reuse equals the oracle.
+"""
 
 from __future__ import annotations
 
