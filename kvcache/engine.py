@@ -130,6 +130,7 @@ class Engine:
         self._next_rid = 0
         self._awaited: set[int] = set()  # requests some generate() call is waiting for
         self._outputs: dict[int, GenerationOutput] = {}  # their outputs, until collected
+        self._unclaimed: list[GenerationOutput] = []  # others' outputs, for the next step()
         self.idle = False  # the last step scheduled nothing
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens the model ran on (padding excluded)
@@ -213,22 +214,31 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[GenerationOutput]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it, and any that finished
+        earlier inside some generate() call that was not waiting for them."""
         with self._lock:
-            chunks = self.scheduler.schedule()
-            self.idle = not chunks
-            if not chunks:
-                return []  # waiting requests wait for blocks, slots or budget
-            ops = self.manager.take_copy_ops()
-            if ops:
-                self.storage.apply_copies(ops)
-            logits = self._forward(chunks)
-            self.num_steps += 1
-            finished = self._advance(chunks, logits)
-            for out in finished:
-                if out.request_id in self._awaited:
-                    self._outputs[out.request_id] = out
+            finished = self._unclaimed + self._step()
+            self._unclaimed = []
             return finished
+
+    def _step(self) -> list[GenerationOutput]:
+        """One step; outputs some generate() awaits are parked for it, the rest returned."""
+        chunks = self.scheduler.schedule()
+        self.idle = not chunks
+        if not chunks:
+            return []  # waiting requests wait for blocks, slots or budget
+        ops = self.manager.take_copy_ops()
+        if ops:
+            self.storage.apply_copies(ops)
+        logits = self._forward(chunks)
+        self.num_steps += 1
+        finished = []
+        for out in self._advance(chunks, logits):
+            if out.request_id in self._awaited:
+                self._outputs[out.request_id] = out
+            else:
+                finished.append(out)
+        return finished
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         decode = all(c.num_new == 1 and c.samples for c in chunks)
@@ -333,14 +343,15 @@ class Engine:
             with self._lock:
                 if all(r in self._outputs for r in rids):
                     return [self._outputs[r] for r in rids]
-                self.step()
+                self._unclaimed += self._step()  # a step-loop caller's outputs wait for it
                 stalls = stalls + 1 if self.idle and not self.scheduler.running else 0
                 if stalls > MAX_IDLE_STEPS:
+                    stalled = sum(1 for r in self.scheduler.waiting if r.rid in rids)
                     for rid in rids:
                         self.scheduler.remove(rid)
                     raise RuntimeError(f"generate: no progress in {stalls} steps with nothing "
-                                       f"running; {len(self.scheduler.waiting)} requests cannot "
-                                       "be admitted")
+                                       f"running; {stalled} of its requests could not be "
+                                       "admitted (allocation kept failing)")
 
     def kv_cache_stats(self) -> KvCacheStats:
         """The manager's cumulative statistics."""

@@ -191,10 +191,6 @@ def test_generate_from_many_threads_at_once(tiny_model: Transformer) -> None:
     assert_clean(engine.manager, "after the threads")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Engine.step() inside generate() returns every finished request to generate(), which "
-    "keeps only its own: the output of a request added with add_request by a caller who "
-    "runs its own step() loop is dropped, so that caller never sees it"))
 def test_generate_does_not_swallow_a_step_loop_callers_output(tiny_model: Transformer) -> None:
     engine = EngineSpec(4, 64).build(tiny_model)
     mine = engine.add_request([1, 2, 3], 1)  # caller A: add_request plus its own step loop

@@ -65,9 +65,9 @@ def make_case(seed: int) -> FuzzCase:
     prompts = prompt_tree(rng)
     new = rng.randint(1, 4)
     need = max(-(-(len(p) + new) // B) for p in prompts)
-    # One block more than the largest request: a partial copy may hold its source while
-    # it allocates (an exactly-full pool hits the bug test_preemption.py marks xfail).
-    pool = rng.choice([need + 1, need + 1, need + 2, 2 * need + 1, 4 * need + 8])
+    # From exactly the largest request's need (a partial copy then forgoes its source)
+    # to roomy pools.
+    pool = rng.choice([need, need + 1, need + 2, 2 * need + 1, 4 * need + 8])
     chunked = rng.random() < 0.85
     budget = rng.choice([1, 2, 3, 5, 8, 16, 64])
     if not chunked:
