@@ -233,7 +233,12 @@ def _weight_files(directory: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if not isinstance(n, str) or Path(n).name != n]
+        if outside:  # only plain file names: an index never reaches outside its folder
+            raise CheckpointError(f"{index}: weight_map names files outside the checkpoint "
+                                  f"folder: {outside}")
+        files = [directory / name for name in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index}: lists files that do not exist: {missing}")

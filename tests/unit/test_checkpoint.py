@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from kvcache.checkpoint import CheckpointError, load_config, load_pretrained, save_pretrained
-from kvcache.model import PRESETS, ModelConfig, Transformer
+from kvcache.model import PRESETS, ModelConfig, Transformer, get_preset
 
 HF_SHAPE: dict[str, Any] = {
     "hidden_size": 64,
@@ -281,3 +281,13 @@ def test_pickle_only_directory_is_refused(llama_dir: Path) -> None:
     (llama_dir / "pytorch_model.bin").unlink()
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
         load_pretrained(llama_dir)
+
+
+def test_index_naming_files_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    model = Transformer(get_preset("tiny"), seed=0)
+    save_pretrained(model, tmp_path)
+    index = {"weight_map": {"model.embed_tokens.weight": "../elsewhere.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"names files outside the checkpoint folder: "
+                                              r"\['\.\./elsewhere\.safetensors'\]"):
+        load_pretrained(tmp_path)
