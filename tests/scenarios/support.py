@@ -240,14 +240,19 @@ class ScenarioRun:
 
     def cold_warm(self, engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   backend: BackendSpec, *, scopes: Sequence[ReuseScope | None] | None = None,
-                  one_by_one: bool = False, seed: int | None = None) -> ColdWarm:
+                  one_by_one: bool = False, seed: int | None = None,
+                  reference: Sequence[GenerationOutput] | None = None) -> ColdWarm:
         """Run `prompts` cold, then warm; assert warm equals cold and oracle-exact reuse.
 
         `one_by_one` runs the warm prompts one request at a time, checking on the
-        engine's own manager that probe_reuse equals each admission's reuse.
+        engine's own manager that probe_reuse equals each admission's reuse. With a
+        `reference` (outputs without reuse), the cold run must equal it too.
         """
         __tracebackhide__ = True
-        cold = engine.generate(prompts, max_new_tokens, scopes)
+        cold = engine.generate(prompts, max_new_tokens, scopes,
+                               force_tokens=forced(reference, backend))
+        if reference is not None:
+            assert_same_outputs(reference, cold, backend, "cold vs reference")
         force = forced(cold, backend)
         if one_by_one:
             warm = []

@@ -85,6 +85,8 @@ def test_siblings_admitted_after_the_first_reuse_its_prefix(
 @pytest.mark.xfail(strict=True, reason="in-batch prefix sharing is not implemented: siblings "
                    "admitted in one step each compute the shared prefix")
 def test_in_batch_sharing_computes_the_prefix_once(make_engine: EngineFactory) -> None:
-    engine = make_engine(16)
+    B = 16
+    engine = make_engine(B)
     engine.generate(siblings(0), 1)  # one new token: only prompt tokens are computed
-    assert engine.num_computed_tokens <= PREFIX + N * SUFFIX
+    # about one prefix plus N suffixes: a block of slack, far below N whole prompts
+    assert engine.num_computed_tokens <= PREFIX + N * SUFFIX + B
