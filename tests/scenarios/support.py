@@ -55,10 +55,11 @@ TORCH = BackendSpec("torch", "cpu", torch.float32, 1e-5)
 # bf16 on CPU exercises the teacher-forced path here; a few bf16 ULPs at |logit| < 1.
 TORCH_BF16 = BackendSpec("torch", "cpu", torch.bfloat16, 2e-2)
 # FlashInfer's kernels tile cold prefills and warm suffixes differently: allow a few ULPs
-# of fp16 / bf16 at the tiny model's logit scale (|logit| < 1), far below what wrong KV
-# does (differences of the logits' own size).
+# of fp16 / bf16 at the tiny model's logit scale (|logit| < 1). Wrong KV moves logits
+# more: skipping one 2-token partial copy moved them by 0.057 (measured on CPU). These
+# bounds are estimates until GPU runs calibrate them.
 FI_FP16 = BackendSpec("flashinfer", "cuda", torch.float16, 1e-2)
-FI_BF16 = BackendSpec("flashinfer", "cuda", torch.bfloat16, 4e-2)
+FI_BF16 = BackendSpec("flashinfer", "cuda", torch.bfloat16, 3e-2)
 
 GPU_MARKS = (pytest.mark.gpu, pytest.mark.flashinfer)
 CPU_BACKENDS = [pytest.param(TORCH, id="torch"), pytest.param(TORCH_BF16, id="torch-bf16")]
