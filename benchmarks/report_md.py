@@ -69,8 +69,10 @@ def duration(seconds: float | None) -> str:
 
 
 def ratio(value: float | None) -> str:
-    """'1.23x', or 'n/a'."""
-    return "n/a" if value is None else f"{value:.2f}x"
+    """'1.23x' (three significant digits below 0.1: '0.00371x'), or 'n/a'."""
+    if value is None:
+        return "n/a"
+    return f"{value:.3g}x" if abs(value) < 0.1 else f"{value:.2f}x"
 
 
 def _div(a: float | None, b: float | None) -> float | None:
@@ -111,7 +113,8 @@ def _metadata(benches: Sequence[Bench]) -> list[str]:
     builds = [b for b in benches if b.base.startswith("test_build_decode_metadata")]
     rows = [[b.extra.get("batch", "?"), "yes" if b.extra.get("ragged") else "no",
              b.extra.get("context", "?"), duration(b.median),
-             duration(_div(b.extra.get("baseline_us"), 1e6)), ratio(b.extra.get("ratio"))]
+             duration(_div(b.extra.get("baseline_us"), 1e6)),
+             ratio(_div(b.median * 1e6, b.extra.get("baseline_us")) or b.extra.get("ratio"))]
             for b in sorted(builds, key=lambda b: (b.extra.get("ragged", False),
                                                    b.extra.get("batch", 0)))]
     return [f"## Decode metadata build against one copy_ of kv_indices (target <= "
