@@ -43,7 +43,7 @@ MAX_IDLE_STEPS = 8
 
 def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend],
                   model: Transformer) -> tuple[KvCacheConfig, str | None]:
-    """The effective cache config and, when reuse was switched off, why.
+    """The effective cache config and, when reuse had to be switched off, why.
 
     Raises ValueError when reuse is explicitly enabled for a model with recurrent layers
     (their state cannot be rolled back per token; no state snapshots exist yet).
@@ -57,8 +57,10 @@ def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend],
         reason = "the model has recurrent layers whose state cannot be rolled back per token"
     elif not backend.supports_block_reuse:
         reason = f"attention backend {backend.name!r} does not support block reuse"
-    else:
+    elif cfg.block_reuse:  # auto resolves to on; an explicit False stays off
         return replace(cfg, enable_block_reuse=True), None
+    else:
+        return cfg, None  # off by request: nothing to explain
     if cfg.block_reuse:
         log.warning("block reuse disabled: %s", reason)
     return cfg.without_reuse(), reason

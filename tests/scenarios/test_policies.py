@@ -64,8 +64,6 @@ def test_hybrid_model_rejects_explicit_reuse(make_engine: EngineFactory) -> None
                                             enable_block_reuse=True))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: kvcache.engine.resolve_reuse turns an explicit "
-                   "enable_block_reuse=False into True for models and backends that can reuse")
 @pytest.mark.parametrize("B", [pytest.param(B, id=f"B{B}") for B in (4, 16)])
 def test_reuse_switched_off_misses_every_block(make_engine: EngineFactory,
                                                scenario: ScenarioRun, B: int) -> None:
