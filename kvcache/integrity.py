@@ -73,16 +73,15 @@ def check_manager(mgr: KVCacheManager) -> None:
             _fail(f"{where}: ref {node.ref} but {expected_ref[id(node)]} holders")
         if node.ref and parent.parent is not None and not parent.ref:
             _fail(f"{where} is referenced but its parent {parent!r} is not")
-        full_firsts = [c.key[:bb] for cs in node.children.values() for c in cs
-                       if len(c.key) >= bb]
-        if len(full_firsts) != len(set(full_firsts)):
-            _fail(f"{where}: two full children start with the same block (not deduplicated)")
+        _check_child_index(node, bb, where)
         if not node.ref:
             evictable += len(node.blocks)
             if not node.children and id(node) not in live_heap:
                 _fail(f"{where} is an unreferenced leaf missing from the eviction heap")
         for i, block in enumerate(node.blocks):
             own(block, f"{where} block {i}")
+    for key, root in tree.roots.items():
+        _check_child_index(root, bb, f"root of scope {key!r}")
     if nodes != tree.num_nodes:
         _fail(f"tree counts {tree.num_nodes} nodes but holds {nodes}")
     if evictable != pool.num_evictable:
@@ -93,6 +92,14 @@ def check_manager(mgr: KVCacheManager) -> None:
     for seq_id, op in mgr._copy_ops:
         if seq_id not in mgr.sequences:
             _fail(f"copy op {op} belongs to freed sequence {seq_id!r}")
+
+
+def _check_child_index(node: Node, bb: int, where: str) -> None:
+    full = {c.key[:bb]: c for cs in node.children.values() for c in cs if len(c.key) >= bb}
+    if len(full) != sum(len(c.key) >= bb for cs in node.children.values() for c in cs):
+        _fail(f"{where}: two full children start with the same block (not deduplicated)")
+    if full != node.full:
+        _fail(f"{where}: its first-block index of full children is stale")
 
 
 def _check_sequence(mgr: KVCacheManager, seq: Sequence, expected_ref: Counter[int],

@@ -212,7 +212,7 @@ class KVCacheManager:
         tree = self.tree
         parent = deep if deep is not None else tree.root(seq.scope)
         kb = seq.tokens[t * B:nfull * B].tobytes()
-        if parent.children:
+        if parent.full:
             m = tree.match(parent, kb, len(kb), partial=False, copy_on_partial=False)
             if m.hits:  # someone committed the same blocks first: hold theirs
                 last, nb = m.hits[-1]

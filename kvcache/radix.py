@@ -82,8 +82,8 @@ class Node:
     is evictable once its (unreferenced) descendants are gone.
     """
 
-    __slots__ = ("blocks", "children", "first", "key", "last_used", "parent", "priority",
-                 "ref", "stamp")
+    __slots__ = ("blocks", "children", "first", "full", "key", "last_used", "parent",
+                 "priority", "ref", "stamp")
 
     def __init__(self, key: bytes, blocks: list[int], parent: Node | None) -> None:
         self.key = key
@@ -92,6 +92,10 @@ class Node:
         self.first = key[:TOKEN_BYTES]
         # children by first token: siblings sharing one are the partial-match candidates
         self.children: dict[bytes, list[Node]] = {}
+        # full-block children by their first block (unique: shared blocks are one edge),
+        # so the walk finds its next edge in one lookup however many siblings diverge
+        # inside that block
+        self.full: dict[bytes, Node] = {}
         self.ref = 0
         self.last_used = 0
         self.priority = 0
@@ -164,31 +168,22 @@ class BlockRadixTree:
         hits: list[tuple[Node, int]] = []
         mid: Node | None = None  # set when the walk stopped inside `mid`
         while off < full_end:
-            cands = node.children.get(kb[off:off + 4])  # 4 == TOKEN_BYTES
-            if cands is None:
+            c = node.full.get(kb[off:off + bb])
+            if c is None:
                 break
-            for c in cands:
-                key = c.key
-                klen = len(key)
-                if klen < bb:
-                    continue  # a partial leaf: only a partial-match candidate
-                end = off + klen
-                if end <= full_end and startswith(key, off):
-                    hits.append((c, len(c.blocks)))
-                    off = end
-                    node = c
-                    break
-                # full siblings differ in their first block: at most one can match part
-                nb = common_prefix_bytes(kb, off, key, min(klen, full_end - off)) // bb
-                if nb:
-                    hits.append((c, nb))
-                    off += nb * bb
-                    node = mid = c
-                    break
-            else:
-                break
-            if mid is not None:
-                break
+            key = c.key
+            end = off + len(key)
+            if end <= full_end and startswith(key, off):
+                hits.append((c, len(c.blocks)))
+                off = end
+                node = c
+                continue
+            # the edge matches part of the way (at least its first block): stop inside it
+            nb = common_prefix_bytes(kb, off, key, min(len(key), full_end - off)) // bb
+            hits.append((c, nb))
+            off += nb * bb
+            node = mid = c
+            break
         num_full = off // bb
         hit = None
         if partial and limit - off >= TOKEN_BYTES:
@@ -222,6 +217,9 @@ class BlockRadixTree:
         """Attach a new unreferenced node under `parent` and return it."""
         node = Node(key, blocks, parent)
         parent.children.setdefault(node.first, []).append(node)
+        bb = self.block_bytes
+        if len(key) >= bb:
+            parent.full[key[:bb]] = node
         self.num_nodes += 1
         return node
 
@@ -240,11 +238,13 @@ class BlockRadixTree:
         top.ref, top.last_used, top.priority = node.ref, node.last_used, node.priority
         siblings = parent.children[node.first]
         siblings[siblings.index(node)] = top
+        parent.full[top.key[:self.block_bytes]] = top
         node.key = node.key[cut:]
         node.first = node.key[:TOKEN_BYTES]
         del node.blocks[:nblocks]
         node.parent = top
         top.children[node.first] = [node]
+        top.full[node.key[:self.block_bytes]] = node
         self.num_nodes += 1
         return top
 
@@ -262,8 +262,10 @@ class BlockRadixTree:
         node.parent = parent
         siblings = parent.children[top.first]
         siblings[siblings.index(top)] = node
+        parent.full[top.key[:self.block_bytes]] = node
         top.parent = None  # stale heap entries of `top` now fail validation
         top.children = {}
+        top.full = {}
         self.num_nodes -= 1
 
     def detach(self, node: Node) -> Node:
@@ -275,6 +277,8 @@ class BlockRadixTree:
         siblings.remove(node)
         if not siblings:
             del parent.children[node.first]
+        if len(node.key) >= self.block_bytes:
+            del parent.full[node.key[:self.block_bytes]]
         node.parent = None
         self.num_nodes -= 1
         return parent
