@@ -7,6 +7,7 @@ root (tests/ is not a package, so `benchmarks` is importable only from there).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,7 +157,9 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *suites, "--bench-quick", "-q", "-p",
          "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        # under xdist the worker's PYTEST_XDIST_* variables would switch benchmarks off
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report(out).returncode == 0
     md = (out / "summary.md").read_text()
