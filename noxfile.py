@@ -39,7 +39,7 @@ def _setup(session: nox.Session, extras: str) -> Path:
 @nox.session(venv_params=VENV_PARAMS)
 def premerge(session: nox.Session) -> None:
     """Run the pre-merge lists for this machine."""
-    results = _setup(session, "test")
+    results = _setup(session, "test,bench")
     session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", "--stage=pre_merge",
                 f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *session.posargs)
@@ -48,7 +48,7 @@ def premerge(session: nox.Session) -> None:
 @nox.session(venv_params=VENV_PARAMS)
 def postmerge(session: nox.Session) -> None:
     """Run the post-merge lists for this machine."""
-    results = _setup(session, "test")
+    results = _setup(session, "test,bench")
     session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", "--stage=post_merge",
                 f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *session.posargs)
@@ -73,11 +73,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_params=VENV_PARAMS, default=False)
 def bench(session: nox.Session) -> None:
-    """Run the benchmarks; JSON, summary and plots in results/bench."""
+    """Run the benchmarks; JSON, summary.md and plots in results/bench (-- --bench-quick: smoke)."""
     results = _setup(session, "test,bench")
-    session.run("python", "-m", "pytest", "benchmarks",
-                f"--benchmark-json={results / 'benchmarks.json'}",
-                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
+    session.run("pytest", "benchmarks", f"--benchmark-json={results / 'bench.json'}",
+                "--benchmark-sort=fullname", f"--junitxml={results / 'junit.xml'}",
                 *session.posargs)
-    if Path("benchmarks/report.py").is_file():
-        session.run("python", "-m", "benchmarks.report", str(results))
+    session.run("python", "-m", "benchmarks.report", str(results))
