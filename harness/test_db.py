@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness.hardware import Backend, Machine, Stage
-from harness.test_db_errors import ListError, Location, Problem
+from harness.test_db_errors import ListError, Location, Problem, content_lines
 from harness.test_db_schema import (
     DEFAULT_TIMEOUT_SECONDS,
     BlockModel,
@@ -235,15 +235,9 @@ def load_test_list(path: Path) -> tuple[Entry, ...]:
 
     Raises ListError for a missing file, bad entries, duplicates or an empty list.
     """
-    if not path.is_file():
-        raise ListError([Problem(Location(path, None), "test list does not exist")])
     problems: list[Problem] = []
     entries: dict[str, Entry] = {}
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        text = raw.strip()
-        if not text or text.startswith("#"):
-            continue
-        where = Location(path, number)
+    for where, text in content_lines(path, "test list"):
         try:
             spec: EntrySpec = parse_entry_text(text)
         except ValueError as exc:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.test_db import covers
-from harness.test_db_errors import ListError, Location, Problem
+from harness.test_db_errors import ListError, Location, Problem, content_lines
 from harness.test_db_schema import check_node_id
 
 _LINE = re.compile(r"(?P<test>\S+)\s+SKIP\s+\((?P<reason>.*)\)\s+(?P<link>\S+)")
@@ -57,15 +57,9 @@ def _parse(line: str, where: Location) -> Waive:
 
 def load_waives(path: Path) -> tuple[Waive, ...]:
     """Read a waives file; raises ListError for a bad line or a node id waived twice."""
-    if not path.is_file():
-        raise ListError([Problem(Location(path, None), "waives file does not exist")])
     problems: list[Problem] = []
     waives: dict[str, Waive] = {}
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        text = raw.strip()
-        if not text or text.startswith("#"):
-            continue
-        where = Location(path, number)
+    for where, text in content_lines(path, "waives file"):
         try:
             waive = _parse(text, where)
         except ValueError as exc:

@@ -78,12 +78,7 @@ class BlockPool:
         """
         node: Node | None = deep
         while node is not None and node.parent is not None:
-            node.ref -= 1
-            if node.ref == 0:
-                node.last_used = self.clock
-                self.num_evictable += len(node.blocks)
-                if not node.children:
-                    self.push(node)
+            self.release_node(node)
             node = node.parent
         node = deep
         bb = self.tree.block_bytes
@@ -99,7 +94,8 @@ class BlockPool:
                 node = top
 
     def release_node(self, node: Node) -> None:
-        """Drop the single reference taken with `acquire(node, node.parent, ...)`."""
+        """Drop one reference on `node` alone (as taken by `acquire(node, node.parent, ...)`);
+        an unreferenced node becomes evictable as of now."""
         node.ref -= 1
         if node.ref == 0:
             node.last_used = self.clock
