@@ -31,7 +31,7 @@ from kvcache.request import FinishReason, GenerationOutput, Request
 from kvcache.scheduler import Chunk, Scheduler
 from kvcache.stats import KvCacheStats
 from kvcache.step_context import StepContext
-from kvcache.storage import KvStorage
+from kvcache.storage import KvLayout, KvStorage
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,16 @@ def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend],
 class Engine:
     """Greedy generation over a paged KV cache with block reuse.
 
-    Thread-safe: add_request, step and abort take one lock, so requests may arrive from
-    other threads while one thread runs the step loop.
+    `model` is a Transformer or a preset name (weights from `seed`). `max_num_tokens` is
+    the per-step token budget, `max_batch_size` the running requests. `pad_decode` pads
+    decode batches to `graph_batch_sizes` as CUDA-graph replay does (`cuda_graph=True`
+    captures them; it needs CUDA and the flashinfer backend). `layout` ("NHD"/"HND") and
+    `page_size` (a divisor of the block size: re-paging) shape the KV storage the backend
+    reads. `record_events` keeps the cache's admission log for the reuse oracle.
+    Raises ValueError naming the bad option.
+
+    Thread-safe: add_request, step, abort and generate take one lock, so requests may
+    arrive from other threads while one thread runs the step loop.
     """
 
     def __init__(self, model: Transformer | str, cache_config: KvCacheConfig, *,
@@ -79,7 +87,7 @@ class Engine:
                  cuda_graph: bool = False, pad_decode: bool | None = None,
                  graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 layout: str = "NHD", page_size: int | None = None, seed: int = 0,
+                 layout: KvLayout = "NHD", page_size: int | None = None, seed: int = 0,
                  record_events: bool = True, backend_options: dict[str, Any] | None = None
                  ) -> None:
         for name, value in (("max_num_tokens", max_num_tokens),
@@ -111,7 +119,7 @@ class Engine:
         self.storage = KvStorage(num_layers=max(1, len(mc.attention_layers)),
                                  num_blocks=cache_config.max_num_blocks, block_size=B,
                                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                 dtype=dtype, device=self.device, layout=layout)  # type: ignore[arg-type]
+                                 dtype=dtype, device=self.device, layout=layout)
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes)) if (
             cuda_graph or pad_decode) else ()
         options = dict(backend_options or {})
@@ -268,8 +276,7 @@ class Engine:
         ctx = StepContext(self.backend, self._attn_layer, md, [c.req for c in chunks],
                           self.model.config.hidden_size, self.device)
         with torch.inference_mode():
-            if self.graphs is not None and md.num_padded + md.num_requests in self.graphs.sizes \
-                    and md.is_decode:
+            if self.graphs is not None and md.is_decode and md.batch_size in self.graphs.sizes:
                 return self.graphs.run(md, input_ids, positions, ctx)[torch.tensor(rows)]
             self.backend.plan(md)
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
