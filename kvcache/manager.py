@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 from kvcache.config import KvCacheConfig
 from kvcache.events import CacheEvent
@@ -18,8 +19,8 @@ from kvcache.pool import BlockPool, OutOfBlocksError
 from kvcache.radix import (
     TOKEN_BYTES,
     BlockRadixTree,
+    Node,
     PartialHit,
-    ReuseMatch,
     ReuseScope,
     scope_key,
     to_token_array,
@@ -28,6 +29,17 @@ from kvcache.sequence import Sequence
 from kvcache.stats import KvCacheStats
 
 DEFAULT_PRIORITY = 35
+
+
+class _Plan(NamedTuple):
+    """An admission worked out before anything changes (see `KVCacheManager._plan`)."""
+
+    hits: list[tuple[Node, int]]
+    num_full_blocks: int
+    partial: PartialHit | None
+    num_tokens: int
+    need: int  # new blocks to allocate
+    available: int  # blocks obtainable once the hits are held
 
 
 class _Counters:
@@ -86,11 +98,11 @@ class KVCacheManager:
             raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
         nblocks = (length + self._B - 1) // self._B
         pool = self.pool
-        m = self._match(arr.tobytes(), length, skey)
         if self.allocation_fault is not None and self.allocation_fault("add_sequence", nblocks):
             raise OutOfBlocksError(f"add_sequence({seq_id!r}) [injected fault]", nblocks, 0,
                                    pool.num_blocks)
-        if m is None:
+        plan = self._plan(arr.tobytes(), length, nblocks, skey)
+        if plan is None:
             if nblocks > pool.num_available:
                 raise OutOfBlocksError(f"add_sequence({seq_id!r})", nblocks, pool.num_available,
                                        pool.num_blocks)
@@ -98,23 +110,13 @@ class KVCacheManager:
             seq = Sequence(seq_id, arr, skey, priority, fresh_ids, 0, None, 0)
             return self._admitted(seq, nblocks, 0, None, nblocks, fresh)
 
-        hits, nfull, ph, ntok = m
-        ids: list[int] = []
-        avail = pool.num_available
-        for node, nb in hits:
-            ids += node.blocks[:nb]
-            if not node.ref:
-                avail -= nb  # about to be referenced
-        claim = ph is not None and ph.claim
-        need = nblocks - nfull - claim
-        if ph is not None and not ph.node.ref:
-            if claim or need < avail:
-                avail -= 1  # claimed, or a copy source protected during this admission
-            else:  # protecting the copy source would not leave room: forgo the partial hit
-                ph = None
-                ntok = nfull * self._B
+        hits, nfull, ph, ntok, need, avail = plan
         if need > avail:
             raise OutOfBlocksError(f"add_sequence({seq_id!r})", need, avail, pool.num_blocks)
+        ids: list[int] = []
+        for node, nb in hits:
+            ids += node.blocks[:nb]
+        claim = ph is not None and ph.claim
 
         tree = self.tree
         deep = None
@@ -140,16 +142,33 @@ class KVCacheManager:
         seq = Sequence(seq_id, arr, skey, priority, ids, ntok, deep, nfull)
         return self._admitted(seq, nblocks, nfull, ph, need, fresh)
 
-    def _match(self, kb: bytes, length: int, skey: Hashable) -> ReuseMatch | None:
-        """The reuse an admission of token bytes `kb` would get now, or None for none."""
+    def _plan(self, kb: bytes, length: int, nblocks: int, skey: Hashable) -> _Plan | None:
+        """What admitting token bytes `kb` would reuse and need now; None for no reuse.
+
+        Pure. The partial hit is forgone when protecting its copy source would take the
+        very block the admission needs, so that a prompt that fits is never refused.
+        """
         if not self.reuse or length < 2:
             return None
         root = self.tree.roots.get(skey)
         if root is None or not root.children:
             return None
-        m = self.tree.match(root, kb, (length - 1) * TOKEN_BYTES, partial=self._partial,
-                            copy_on_partial=self._copy)
-        return m if m.num_tokens else None
+        hits, nfull, ph, ntok = self.tree.match(
+            root, kb, (length - 1) * TOKEN_BYTES, partial=self._partial,
+            copy_on_partial=self._copy)
+        if not ntok:
+            return None
+        avail = self.pool.num_available
+        for node, nb in hits:
+            if not node.ref:
+                avail -= nb  # about to be referenced
+        need = nblocks - nfull - (ph is not None and ph.claim)
+        if ph is not None and not ph.node.ref:
+            if ph.claim or need < avail:
+                avail -= 1  # claimed, or a copy source protected during the admission
+            else:
+                ph, ntok = None, nfull * self._B
+        return _Plan(hits, nfull, ph, ntok, need, avail)
 
     def _admitted(self, seq: Sequence, nblocks: int, nfull: int, ph: PartialHit | None,
                   alloc: int, fresh: int) -> Sequence:
@@ -300,8 +319,10 @@ class KVCacheManager:
     def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now. Holds and changes nothing."""
         arr = to_token_array(tokens, "probe_reuse", None)
-        m = self._match(arr.tobytes(), len(arr), scope_key(scope, "probe_reuse"))
-        return m.num_tokens if m is not None else 0
+        length = len(arr)
+        plan = self._plan(arr.tobytes(), length, (length + self._B - 1) // self._B,
+                          scope_key(scope, "probe_reuse"))
+        return plan.num_tokens if plan is not None else 0
 
     @property
     def pending_copy_ops(self) -> list[BlockCopy]:

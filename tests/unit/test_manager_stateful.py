@@ -53,11 +53,14 @@ class CacheMachine(RuleBasedStateMachine):
         return self.pool_blocks >= 10_000
 
     def sync(self) -> list[object]:
-        """Feed the oracle the events the manager recorded since the last sync."""
+        """Feed the oracle the events the manager recorded since the last sync.
+
+        Only with an unbounded pool: under eviction a sequence may reuse less than the
+        oracle predicts, and its later commits would contradict the oracle's replay."""
         assert self.mgr.events is not None
         new = self.mgr.events[self.seen:]
         self.seen = len(self.mgr.events)
-        return [self.oracle.apply(ev.as_dict()) for ev in new]
+        return [self.oracle.apply(ev.as_dict()) for ev in new] if self.exact else []
 
     @rule(tokens=prompts, scope=scopes)
     def add(self, tokens: list[int], scope: ReuseScope | None) -> None:
@@ -72,8 +75,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert (self.mgr.stats(), self.mgr.tree.dump(), list(self.mgr.pool.free)) == before
             return
         assert seq.num_cached_tokens == probed
-        (predicted,) = self.sync()
         if self.exact:
+            (predicted,) = self.sync()
             assert seq.num_cached_tokens == predicted.reused_tokens, self.mgr.dump_tree()
             assert seq.metrics.num_full_reused_blocks == predicted.full_reused_blocks
         self.mgr.take_copy_ops()
