@@ -40,6 +40,7 @@ class _Plan(NamedTuple):
     num_tokens: int
     need: int  # new blocks to allocate
     available: int  # blocks obtainable once the hits are held
+    block_ids: list[int]  # the hits' blocks, in order
 
 
 class _Counters:
@@ -110,12 +111,9 @@ class KVCacheManager:
             seq = Sequence(seq_id, arr, skey, priority, fresh_ids, 0, None, 0)
             return self._admitted(seq, nblocks, 0, None, nblocks, fresh)
 
-        hits, nfull, ph, ntok, need, avail = plan
+        hits, nfull, ph, ntok, need, avail, ids = plan
         if need > avail:
             raise OutOfBlocksError(f"add_sequence({seq_id!r})", need, avail, pool.num_blocks)
-        ids: list[int] = []
-        for node, nb in hits:
-            ids += node.blocks[:nb]
         claim = ph is not None and ph.claim
 
         tree = self.tree
@@ -137,7 +135,7 @@ class KVCacheManager:
         new, fresh = pool.allocate(need)
         if src is not None and ph is not None:
             self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0], ph.num_tokens)))
-            pool.release_node(src)
+            pool.release(src, src.parent)
         ids += new
         seq = Sequence(seq_id, arr, skey, priority, ids, ntok, deep, nfull)
         return self._admitted(seq, nblocks, nfull, ph, need, fresh)
@@ -159,7 +157,9 @@ class KVCacheManager:
         if not ntok:
             return None
         avail = self.pool.num_available
+        ids: list[int] = []
         for node, nb in hits:
+            ids += node.blocks[:nb]
             if not node.ref:
                 avail -= nb  # about to be referenced
         need = nblocks - nfull - (ph is not None and ph.claim)
@@ -168,7 +168,7 @@ class KVCacheManager:
                 avail -= 1  # claimed, or a copy source protected during the admission
             else:
                 ph, ntok = None, nfull * self._B
-        return _Plan(hits, nfull, ph, ntok, need, avail)
+        return _Plan(hits, nfull, ph, ntok, need, avail, ids)
 
     def _admitted(self, seq: Sequence, nblocks: int, nfull: int, ph: PartialHit | None,
                   alloc: int, fresh: int) -> Sequence:

@@ -70,16 +70,25 @@ class BlockPool:
         """Advance logical time: releases after this are more recent than those before."""
         self.clock += 1
 
-    def release(self, deep: Node) -> None:
-        """Drop one reference on `deep` and all its ancestors (a holder's whole chain).
+    def release(self, deep: Node, stop: Node | None = None) -> None:
+        """Drop one reference on `deep` and its ancestors up to (excluding) `stop`;
+        `stop=None` releases a holder's whole chain. Unreferenced nodes become evictable.
 
-        Then re-merges edges that admissions split, wherever parent and only child are
-        again alike in holders, time and priority, so later walks stay short.
+        After a whole-chain release, edges that admissions split are merged back wherever
+        parent and only child are alike again in holders, time and priority, so later
+        walks stay short.
         """
         node: Node | None = deep
-        while node is not None and node.parent is not None:
-            self.release_node(node)
+        while node is not stop and node is not None and node.parent is not None:
+            node.ref -= 1
+            if node.ref == 0:
+                node.last_used = self.clock
+                self.num_evictable += len(node.blocks)
+                if not node.children:
+                    self.push(node)
             node = node.parent
+        if stop is not None:
+            return
         node = deep
         bb = self.tree.block_bytes
         while True:
@@ -92,16 +101,6 @@ class BlockPool:
                 self.tree.merge(top, node)
             else:
                 node = top
-
-    def release_node(self, node: Node) -> None:
-        """Drop one reference on `node` alone (as taken by `acquire(node, node.parent, ...)`);
-        an unreferenced node becomes evictable as of now."""
-        node.ref -= 1
-        if node.ref == 0:
-            node.last_used = self.clock
-            self.num_evictable += len(node.blocks)
-            if not node.children:
-                self.push(node)
 
     def push(self, node: Node) -> None:
         """Register unreferenced leaf `node` as evictable (older entries go stale)."""
