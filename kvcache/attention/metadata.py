@@ -9,16 +9,15 @@ position p is written to page kv_indices[kv_indptr[b] + p // P], slot p % P.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-IntArray = npt.NDArray[np.int64]
-_INT32_LIMIT = 2**31
-_Int = TypeVar("_Int", np.int32, np.int64)
+from kvcache.attention.metadata_decode import INT32_LIMIT, IntArray, decode_arrays, gather_pages
+
+_ONE = np.array(1)
 
 
 class BlockTable:
@@ -36,6 +35,19 @@ class BlockTable:
         self.max_blocks_per_slot = max_blocks_per_slot
         self.blocks = np.zeros((max_slots, max_blocks_per_slot), dtype=np.int32)
         self.lengths = np.zeros(max_slots, dtype=np.int64)
+        self._prefixes: dict[int, npt.NDArray[np.void]] = {}
+
+    def row_prefixes(self, width: int) -> npt.NDArray[np.void]:
+        """A view (no copy) of `blocks` with one opaque item per slot: its first `width`
+        ids. Indexing it copies whole row prefixes, one memmove each, ~25% faster than an
+        int32 gather. Views are kept per width: `blocks` never moves, so they stay live."""
+        view = self._prefixes.get(width)
+        if view is None:
+            item = np.dtype((np.void, width * self.blocks.itemsize))
+            view = np.ndarray((self.max_slots,), dtype=item, buffer=self.blocks,
+                              strides=(self.blocks.strides[0],))
+            self._prefixes[width] = view
+        return view
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
@@ -58,7 +70,7 @@ class BlockTable:
         if end > self.max_blocks_per_slot:
             raise ValueError(f"BlockTable: slot {slot} would hold {end} blocks, more than "
                              f"max_blocks_per_slot={self.max_blocks_per_slot}")
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= _INT32_LIMIT):
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= INT32_LIMIT):
             raise ValueError(f"BlockTable: block ids for slot {slot} must be in [0, 2**31), "
                              f"got ids in [{ids.min()}, {ids.max()}]")
         self.blocks[slot, start:end] = ids
@@ -75,8 +87,7 @@ class BlockTable:
         return self.blocks[slot, : int(self.lengths[slot])].tolist()
 
 
-@dataclass(frozen=True, eq=False)
-class PagedMetadata:
+class PagedMetadata(NamedTuple):
     """One step's paged metadata; B = num_requests + num_padded, T = qo_indptr[B].
 
     CSR at kernel-page granularity, int32 CPU tensors: qo_indptr [B+1], kv_indptr [B+1],
@@ -84,6 +95,7 @@ class PagedMetadata:
     Per new token (padding tokens included, last): positions (int64 [T]; 0 for padding)
     and batch_indices (int32 [T]). Per token that appends (the first num_append_tokens;
     padding appends nowhere): append_pages, append_slots (int64 [num_append_tokens]).
+    A NamedTuple: building one costs a fifth of a 15-field frozen dataclass.
     """
 
     qo_indptr: torch.Tensor
@@ -108,19 +120,17 @@ class PagedMetadata:
         return self.num_requests + self.num_padded
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def _as_index_array(name: str, values: Sequence[int] | npt.NDArray[np.integer]) -> IntArray:
+    if type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1:
+        return cast(IntArray, values)  # the engine's form: no conversion, no copy (nothing writes to it)
     arr = np.asarray(values)
     if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
         raise ValueError(f"build_metadata: {name} must be a 1-D sequence of ints, "
                          f"got shape {arr.shape} dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
-
-
-# Reductions cost ~0.7 us each on small arrays, a third of a 256-request decode build, so
-# the checks below fold several conditions into one count and explain only on failure.
-_count = np.count_nonzero
-_max = np.maximum.reduce
-_min = np.minimum.reduce
 
 
 def _check_requests(table: BlockTable, slots: IntArray, cached: IntArray, new: IntArray) -> None:
@@ -129,47 +139,27 @@ def _check_requests(table: BlockTable, slots: IntArray, cached: IntArray, new: I
         raise ValueError(f"build_metadata: slots, num_cached, num_new must have one equal, "
                          f"non-zero length; got {B}, {len(cached)}, {len(new)}")
     # A negative slot wraps to a huge unsigned value: one compare checks both bounds.
-    if _count(slots.view(np.uint64) >= table.max_slots):
+    if np.count_nonzero(slots.view(np.uint64) >= table.max_slots):
         bad = int(np.flatnonzero((slots < 0) | (slots >= table.max_slots))[0])
         raise ValueError(f"build_metadata: slots[{bad}]={slots[bad]} is outside "
                          f"[0, {table.max_slots})")
+
+
+def _check_counts(cached: IntArray, new: IntArray) -> None:
     # cached | (new - 1) is negative iff cached < 0 or new < 1.
-    if _count((cached | (new - 1)) < 0):
+    if np.count_nonzero((cached | (new - 1)) < 0):
         bad = int(np.flatnonzero((cached < 0) | (new < 1))[0])
         raise ValueError(f"build_metadata: request {bad} has num_cached={cached[bad]}, "
                          f"num_new={new[bad]} (need num_cached >= 0, num_new >= 1)")
 
 
-def _check_capacity(table: BlockTable, slots: IntArray, kv_len: IntArray, num_blocks: IntArray) -> None:
-    held = table.lengths.take(slots)
-    if _count(num_blocks > held):
+def _check_capacity(slots: IntArray, kv_len: IntArray, num_blocks: IntArray,
+                    held: IntArray) -> None:
+    if np.count_nonzero(num_blocks > held):
         bad = int(np.flatnonzero(num_blocks > held)[0])
         raise ValueError(f"build_metadata: request {bad} (slot {slots[bad]}) needs "
                          f"{num_blocks[bad]} blocks for kv_len {kv_len[bad]} but the table "
                          f"holds {held[bad]}")
-
-
-def _ragged_rows(rows: npt.NDArray[_Int], counts: IntArray, max_count: int) -> npt.NDArray[_Int]:
-    """Concatenate rows[i, :counts[i]]; rows is a fresh array, so a uniform ravel is owned."""
-    if _min(counts) == max_count:
-        return rows.reshape(-1)
-    keep = np.arange(rows.shape[1], dtype=np.int32) < counts.astype(np.int32)[:, None]
-    return rows[keep]
-
-
-def _page_rows(table: BlockTable, slots: IntArray, num_blocks: IntArray, num_pages: IntArray,
-               k: int, m: int) -> npt.NDArray[np.int32]:
-    """kv_indices: each request's first num_pages pages (block b -> pages b*m + j, j < k)."""
-    max_pages = int(_max(num_pages))
-    if k == 1:
-        return _ragged_rows(table.blocks[slots, :max_pages], num_pages, max_pages)
-    blocks = table.blocks[slots, : int(_max(num_blocks))].astype(np.int64)
-    pages = (blocks[:, :, None] * m + np.arange(k)).reshape(len(slots), -1)[:, :max_pages]
-    flat = _ragged_rows(pages, num_pages, max_pages)
-    if int(_max(flat)) >= _INT32_LIMIT:
-        raise ValueError(f"build_metadata: page id {int(_max(flat))} overflows int32 "
-                         f"(page_index_multiplier={m})")
-    return flat.astype(np.int32)
 
 
 def _pad(values: IntArray, num_padded: int, fill: int) -> IntArray:
@@ -223,39 +213,47 @@ def build_metadata(
     Bt = B if pad_to is None else pad_to
     if Bt < B:
         raise ValueError(f"build_metadata: pad_to={pad_to} is smaller than the batch ({B})")
+    held = table.lengths[slot_arr]
+    if not np.count_nonzero(new != _ONE):
+        arrays = decode_arrays(table, held, slot_arr, cached, Bt, block_size, P, m)
+        if arrays is not None:
+            t = torch.from_numpy
+            return PagedMetadata(t(arrays[0]), t(arrays[1]), t(arrays[2]), t(arrays[3]),
+                                 t(arrays[4]), t(arrays[5]), t(arrays[6]), t(arrays[7]),
+                                 t(arrays[8]), P, B, Bt - B, True, Bt, B)
+    return _build_general(table, slot_arr, cached, new, held, Bt, block_size, P, k, m)
 
+
+def _build_general(table: BlockTable, slots: IntArray, cached: IntArray, new: IntArray,
+                   held: IntArray, Bt: int, block_size: int, P: int, k: int,
+                   m: int) -> PagedMetadata:
+    """Any mix of prefill and decode requests; explains every bad count."""
+    _check_counts(cached, new)
+    B = len(slots)
     kv_len = cached + new
     # Position of each request's last token, split once into (page - 1, slot - 1) terms.
     last_pos = kv_len - 1
     last_page, last_slot = np.divmod(last_pos, P)
     num_pages = last_page + 1
     num_blocks = num_pages if k == 1 else last_pos // block_size + 1
-    _check_capacity(table, slot_arr, kv_len, num_blocks)
-    kv_indices = _page_rows(table, slot_arr, num_blocks, num_pages, k, m)
+    _check_capacity(slots, kv_len, num_blocks, held)
+    max_pages = int(num_pages.max())
+    kv_indices = gather_pages(table, slots, num_blocks, num_pages, max_pages,
+                              int(num_pages.min()) == max_pages, k, m)
 
     npad = Bt - B
     kv_indptr = np.zeros(Bt + 1, dtype=np.int32)
     np.add.accumulate(num_pages, out=kv_indptr[1 : B + 1])
     if npad:
         kv_indptr[B + 1 :] = kv_indptr[B]
-    is_decode = bool(_max(new) == 1)
-    if is_decode:
-        T_real = B
-        qo_indptr = np.arange(Bt + 1, dtype=np.int32)
-        batch_indices = np.arange(Bt, dtype=np.int32)
-        positions_real = last_pos
-        append_pages = kv_indices[kv_indptr[1 : B + 1] - 1].astype(np.int64)
-        append_slots = last_slot
-    else:
-        qo_indptr = np.zeros(Bt + 1, dtype=np.int32)
-        np.add.accumulate(_pad(new, npad, 1), out=qo_indptr[1:])
-        T_real = int(qo_indptr[B])
-        batch_real = np.repeat(np.arange(B, dtype=np.int32), new)
-        positions_real = (np.arange(T_real, dtype=np.int64)
-                          + np.repeat(cached - qo_indptr[:B], new))
-        page_local, append_slots = np.divmod(positions_real, P)
-        append_pages = kv_indices[kv_indptr[batch_real] + page_local].astype(np.int64)
-        batch_indices = np.concatenate([batch_real, np.arange(B, Bt, dtype=np.int32)])
+    qo_indptr = np.zeros(Bt + 1, dtype=np.int32)
+    np.add.accumulate(_pad(new, npad, 1), out=qo_indptr[1:])
+    T_real = int(qo_indptr[B])
+    batch_real = np.repeat(np.arange(B, dtype=np.int32), new)
+    positions_real = np.arange(T_real, dtype=np.int64) + np.repeat(cached - qo_indptr[:B], new)
+    page_local, append_slots = np.divmod(positions_real, P)
+    append_pages = kv_indices[kv_indptr[batch_real] + page_local].astype(np.int64)
+    batch_indices = np.concatenate([batch_real, np.arange(B, Bt, dtype=np.int32)])
 
     from_np = torch.from_numpy
     return PagedMetadata(
@@ -271,7 +269,7 @@ def build_metadata(
         page_size=P,
         num_requests=B,
         num_padded=npad,
-        is_decode=is_decode,
+        is_decode=T_real == B,
         num_tokens=T_real + npad,
         num_append_tokens=T_real,
     )
