@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.attention.metadata import BlockTable, PagedMetadata, build_metadata
+from kvcache.attention.metadata import BlockTable, PagedMetadata, _build_general, build_metadata
 
 # Block size 8. Slot 0 holds blocks [5, 3, 9], slot 1 [1, 2], slot 2 [7, 0, 4].
 BLOCKS = {0: [5, 3, 9], 1: [1, 2], 2: [7, 0, 4]}
@@ -226,3 +227,47 @@ def test_build_metadata_errors(kwargs: dict, match: str) -> None:
                 block_size=8) | kwargs
     with pytest.raises(ValueError, match=match):
         build_metadata(**args)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), k=st.sampled_from([1, 2, 4]), heads=st.sampled_from([1, 3]),
+       pad=st.integers(0, 3), as_arrays=st.booleans())
+def test_decode_fast_path_equals_general_path(data: st.DataObject, k: int, heads: int,
+                                              pad: int, as_arrays: bool) -> None:
+    """Decode batches (uniform and ragged page counts) take the lean path; the general
+    prefill arithmetic must give every field the same value, dtype and shape."""
+    m = 1 if k == 1 else k * heads
+    n_req = data.draw(st.integers(1, 6), label="requests")
+    slots = data.draw(st.permutations(range(8)))[:n_req]
+    cached = data.draw(st.lists(st.integers(0, 47), min_size=n_req, max_size=n_req))
+    table = BlockTable(8, 7)
+    for slot, c in zip(slots, cached, strict=True):
+        table.assign(slot, data.draw(st.lists(st.integers(0, 999), min_size=c // 8 + 1,
+                                              max_size=7)))
+    args = ((np.array(slots), np.array(cached), np.ones(n_req, dtype=np.int64)) if as_arrays
+            else (slots, cached, [1] * n_req))
+    fast = build_metadata(table, *args, block_size=8, page_size=8 // k,
+                          page_index_multiplier=m, pad_to=n_req + pad)
+    s, c = np.array(slots), np.array(cached)
+    general = _build_general(table, s, c, np.ones(n_req, dtype=np.int64), table.lengths[s],
+                             n_req + pad, 8, 8 // k, k, m)
+    for name, want in general._asdict().items():
+        got = getattr(fast, name)
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+        else:
+            assert got == want, name
+
+
+def test_decode_result_owns_its_arrays() -> None:
+    """Nothing in a result aliases the inputs or the table: later updates leave it intact."""
+    table = _table()
+    slots, cached = np.array([2, 0]), np.array([17, 15])
+    md = build_metadata(table, slots, cached, np.ones(2, dtype=np.int64), block_size=8)
+    before = _lists(md)
+    cached[:] = 0
+    table.assign(2, [1, 1, 1])
+    table.assign(0, [2, 2])
+    assert _lists(md) == before
+    again = build_metadata(table, [2, 0], [17, 15], [1, 1], block_size=8)
+    assert again.kv_indices.tolist() == [1, 1, 1, 2, 2], "the build did not read the table"
