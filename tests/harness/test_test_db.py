@@ -201,7 +201,7 @@ BROKEN = {
                             "isolation: Input should be a valid boolean (got 'yes')"),
     "entry-not-text": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - 42 #<-\n")},
                        "an entry is a node id string or a mapping"),
-    "absolute-node-id": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - /work/tests/unit #<-\n")},
+    "absolute-node-id": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - /srv/repo/tests/unit #<-\n")},
                          "paths are relative to the repository root"),
     "colons-after-folder": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - tests/unit::test_x #<-\n")},
                             "'::' may only follow a .py file"),
