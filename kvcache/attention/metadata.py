@@ -36,6 +36,8 @@ class BlockTable:
         self.blocks = np.zeros((max_slots, max_blocks_per_slot), dtype=np.int32)
         self.lengths = np.zeros(max_slots, dtype=np.int64)
         self._prefixes: dict[int, npt.NDArray[np.void]] = {}
+        # copied for qo_indptr and batch_indices of decode steps (cheaper than np.arange)
+        self.arange32 = np.arange(max_slots + 1, dtype=np.int32)
 
     def row_prefixes(self, width: int) -> npt.NDArray[np.void]:
         """A view (no copy) of `blocks` with one opaque item per slot: its first `width`
