@@ -10,21 +10,21 @@ own --deselect does), so the counts pytest prints are honest.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from harness import reuse_marker
 from harness.hardware import Machine, add_machine_options, detect, machine_from_options
 from harness.isolation import REPORT_OPTION, ReportWriter, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.plugin_selection import ISOLATE, Selection, apply_selection, load_lists
+from harness.report import ReuseReport
+from harness.reuse_marker import ReuseWatch
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",
@@ -41,8 +41,7 @@ class HarnessState:
 
     machine: Machine | None
     selection: Selection | None
-    report: Any = None  # harness.report.ReuseReport once that module is importable
-    reuse_marker: ModuleType | None = None
+    report: ReuseReport = field(default_factory=ReuseReport)
     child: bool = False  # this process runs one ISOLATION test for a parent
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -66,13 +65,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gpu-per-worker", action="store_true", default=False,
                     help="with pytest-xdist -n N: pin worker K to the K-th visible GPU")
     group.addoption(REPORT_OPTION, metavar="FILE", default=None, help=argparse.SUPPRESS)
-
-
-def _optional(module: str) -> ModuleType | None:
-    # The reuse modules are written alongside this plugin; run without them until they land.
-    if importlib.util.find_spec(module) is None:
-        return None
-    return importlib.import_module(module)
 
 
 def _machine(config: pytest.Config) -> Machine:
@@ -120,10 +112,7 @@ class XdistHooks:
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
-    reuse_marker = _optional("harness.reuse_marker")
-    if reuse_marker is not None:
-        config.addinivalue_line("markers", reuse_marker.MARKER_DOC)
-    report_module = _optional("harness.report")
+    config.addinivalue_line("markers", reuse_marker.MARKER_DOC)
     opt = config.option
     child = opt.kvharness_report_to is not None
     if child:
@@ -138,8 +127,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STATE] = HarnessState(
         machine=machine,
         selection=load_lists(config, machine),
-        report=None if report_module is None else report_module.ReuseReport(),
-        reuse_marker=reuse_marker,
         child=child,
     )
 
@@ -193,9 +180,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     yield
     # Reached only when the test body passed: then check its expect_reuse marker.
-    state = item.config.stash[STATE]
-    if state.reuse_marker is not None:
-        state.reuse_marker.run_marker_check(item, state.report)
+    reuse_marker.run_marker_check(item, item.config.stash[STATE].report)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -225,29 +210,23 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 
 
 @pytest.fixture(scope="session")
-def reuse_report(request: pytest.FixtureRequest) -> Any:
-    """The run's `harness.report.ReuseReport`: add records; written at session end into
-    --results-dir (if given)."""
-    report = request.config.stash[STATE].report
-    if report is None:
-        pytest.skip("harness.report is not importable here: no reuse report")
-    return report
+def reuse_report(request: pytest.FixtureRequest) -> ReuseReport:
+    """The run's reuse report: add records; written at session end into --results-dir
+    (if given)."""
+    return request.config.stash[STATE].report
 
 
 @pytest.fixture
-def reuse_watch(request: pytest.FixtureRequest) -> Any:
-    """A fresh `harness.reuse_marker.ReuseWatch`; arm it for @pytest.mark.expect_reuse."""
-    module = request.config.stash[STATE].reuse_marker
-    if module is None:
-        pytest.skip("harness.reuse_marker is not importable here: no expect_reuse checks")
-    return module.ReuseWatch()
+def reuse_watch() -> ReuseWatch:
+    """A fresh watch; arm it for @pytest.mark.expect_reuse."""
+    return ReuseWatch()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     state = config.stash.get(STATE, None)
     results = config.option.results_dir
-    if state is None or state.report is None or results is None:
+    if state is None or results is None:
         return
     out = config.invocation_params.dir / results
     worker = getattr(config, "workerinput", None)
