@@ -12,7 +12,6 @@ Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad fl
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.hardware import add_machine_options, detect, machine_from_options
+from harness.report import summarize
 from harness.test_db import Entry, Verdict, load_test_db
 from harness.test_db_check import CollectError, validate
 from harness.test_db_errors import ListError
@@ -97,8 +97,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    report = importlib.import_module("harness.report")
-    text = report.summarize(args.results_dir)
+    text = summarize(args.results_dir)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text, encoding="utf-8")
