@@ -37,9 +37,9 @@ import torch
 from benchmarks.conftest import quick_mode
 from kvcache import Engine, KvCacheConfig
 from kvcache.attention import BlockTable, ReferenceBackend, build_metadata
+from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer, get_preset
-from kvcache.request import GenerationOutput
-from kvcache.storage import KvStorage
+from kvcache.storage.kv_storage import KvStorage
 
 PRESET, BLOCK, SEED = "tiny", 16, 0
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 0.875, 0.95)

@@ -26,8 +26,8 @@ from benchmarks.test_bench_engine import HEADLINE, round_prompts, seeded_prompt
 from kvcache import Engine, KvCacheConfig
 from kvcache.attention import BlockTable, build_metadata
 from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.request import GenerationOutput
-from kvcache.storage import KvStorage
+from kvcache.engine import GenerationOutput
+from kvcache.storage.kv_storage import KvStorage
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer]
 

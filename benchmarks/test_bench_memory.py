@@ -24,7 +24,7 @@ import torch
 from harness.workloads import bench_multi_turn_chat, bench_shared_prompt
 from kvcache import KvCacheConfig, KVCacheManager
 from kvcache.model import get_preset
-from kvcache.storage import KvStorage
+from kvcache.storage.kv_storage import KvStorage
 
 B = 16
 WORKLOADS: dict[str, Callable[[], list[list[int]]]] = {

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache.attention.metadata import BlockTable, build_metadata
+from kvcache.attention import BlockTable, build_metadata
 from kvcache.attention.reference import ReferenceBackend
-from kvcache.storage import KvStorage
+from kvcache.storage.kv_storage import KvStorage
 
 CONTEXT, BLOCK = 4096, 16
 BATCHES = [pytest.param(b, id=f"b{b}") for b in (1, 8, 64, 256)]

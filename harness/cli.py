@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.hardware import add_machine_options, detect, machine_from_options
+from harness.lists.checks import CollectError, validate
+from harness.lists.db import Entry, Verdict, load_test_db
+from harness.lists.errors import ListError
 from harness.report import summarize
-from harness.test_db import Entry, Verdict, load_test_db
-from harness.test_db_check import CollectError, validate
-from harness.test_db_errors import ListError
 
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")

@@ -1,10 +1,10 @@
 """What a reuse scenario needs from an engine: the small protocol any engine can implement.
 
-Scenarios, the reuse assertions (`harness.reuse`) and the oracle (`harness.oracle`) reach an
+Scenarios, the reuse assertions (`harness.reuse.assertions`) and the oracle (`harness.oracle.model`) reach an
 engine only through `EngineUnderTest`, so the same suites can drive another engine: wrap
 it in an adapter with these four members and its reuse is checked against the same
 oracle. Names of KV counters follow TensorRT-LLM (`reusedBlocks`, `missedBlocks`, ...);
-snake_case spellings are accepted too (see `harness.reuse.canonical_name`).
+snake_case spellings are accepted too (see `harness.reuse.assertions.canonical_name`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class GenerationResult(Protocol):
     def seq_id(self) -> Hashable:
         """The id this request has in `admission_log()` (joins results to the log).
 
-        `harness.reuse` also reads it as `request_id` (kvcache's GenerationOutput).
+        `harness.reuse.assertions` also reads it as `request_id` (kvcache's GenerationOutput).
         """
         ...
 
@@ -68,7 +68,7 @@ class EngineUnderTest(Protocol):
     "append" | "free"), seq_id, tokens (admit: the prompt; append: the new tokens),
     num_tokens (commit: tokens whose KV is now valid, counted from the sequence's start)
     and scope (None, or a hashable key such as (salt, lora_id)); replaying it through
-    `harness.oracle.replay` predicts reuse under any batching or chunking.
+    `harness.oracle.model.replay` predicts reuse under any batching or chunking.
     `kv_cache_stats()` is cumulative since the engine was built.
     """
 
@@ -76,7 +76,7 @@ class EngineUnderTest(Protocol):
     def cache_config(self) -> Mapping[str, Any] | Any:
         """Effective settings: tokens_per_block (int), enable_block_reuse,
         enable_partial_reuse, copy_on_partial_reuse (resolved bools, never "auto").
-        A kvcache.KvCacheConfig is accepted too (see `harness.reuse.cache_config_mapping`)."""
+        A kvcache.KvCacheConfig is accepted too (see `harness.reuse.assertions.cache_config_mapping`)."""
         ...
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from harness import reuse_marker
 from harness.hardware import Machine, add_machine_options, detect, machine_from_options
 from harness.isolation import REPORT_OPTION, ReportWriter, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
-from harness.plugin_selection import ISOLATE, Selection, apply_selection, load_lists
 from harness.report import ReuseReport
-from harness.reuse_marker import ReuseWatch
+from harness.reuse import marker as reuse_marker
+from harness.reuse.marker import ReuseWatch
+from harness.selection import ISOLATE, Selection, apply_selection, load_lists
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",

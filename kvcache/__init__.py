@@ -1,26 +1,37 @@
 """kvcache: a compact radix-tree paged KV cache with paged attention backends.
 
-The cache core (config, radix tree, pool, manager, stats) is pure Python; the engine,
-model and attention backends need torch and are imported on first use, so
-`import kvcache` works on machines without torch or CUDA.
+    core/       the cache itself, pure Python: config, radix tree, pool, manager, stats
+    storage/    KV tensors and block copies (torch)
+    attention/  block table (numpy), paged metadata and backends (torch, FlashInfer)
+    model/      a tiny Llama-style decoder and its HF-format loader (torch)
+    engine/     scheduler, step loop and generate() over all of the above
+
+`import kvcache` loads only the core (no torch, no numpy); `Engine` and
+`GenerationOutput` import the engine on first use. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
-from kvcache.config import KvCacheConfig
-from kvcache.events import CacheEvent
-from kvcache.integrity import IntegrityError
-from kvcache.manager import DEFAULT_PRIORITY, KVCacheManager
-from kvcache.ops import BlockCopy
-from kvcache.pool import OutOfBlocksError
-from kvcache.radix import ReuseMatch, ReuseScope
-from kvcache.sequence import Sequence
-from kvcache.stats import KvCacheStats, RequestKvMetrics
+from kvcache._lazy import lazy_getattr
+from kvcache.core import (
+    DEFAULT_PRIORITY,
+    BlockCopy,
+    CacheEvent,
+    IntegrityError,
+    KvCacheConfig,
+    KVCacheManager,
+    KvCacheStats,
+    OutOfBlocksError,
+    RequestKvMetrics,
+    ReuseMatch,
+    ReuseScope,
+    Sequence,
+)
 
-_LAZY = {"Engine": "kvcache.engine", "GenerationOutput": "kvcache.engine"}
+if TYPE_CHECKING:
+    from kvcache.engine import Engine, GenerationOutput
 
 __all__ = [
     "DEFAULT_PRIORITY",
@@ -39,9 +50,5 @@ __all__ = [
     "Sequence",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvcache' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, {"Engine": "kvcache.engine.engine",
+                                      "GenerationOutput": "kvcache.engine.request"})

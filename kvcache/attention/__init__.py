@@ -1,17 +1,37 @@
-"""Paged attention: metadata, backends and a registry of backends by name.
+"""Paged attention: the block table, per-step metadata, backends and their registry.
 
-Importing this package never imports flashinfer: the FlashInfer backend imports it when
-constructed, so CPU-only machines can import and test everything else.
+Names are exported lazily: `kvcache.attention.block_table` needs numpy alone, and
+nothing here imports flashinfer until a FlashInfer backend is constructed, so CPU-only
+machines import and test everything else.
 """
 
 from __future__ import annotations
 
-from kvcache.attention.base import AttentionBackend, AttentionOutput
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.metadata import BlockTable, PagedMetadata, build_metadata
-from kvcache.attention.reference import ReferenceBackend
-from kvcache.attention.star import StarAttentionBackend
+from typing import TYPE_CHECKING
 
+from kvcache._lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from kvcache.attention.base import AttentionBackend, AttentionOutput
+    from kvcache.attention.block_table import BlockTable
+    from kvcache.attention.flashinfer import FlashInferBackend
+    from kvcache.attention.metadata import PagedMetadata, build_metadata
+    from kvcache.attention.reference import ReferenceBackend
+    from kvcache.attention.registry import backend_names, get_backend
+    from kvcache.attention.star import StarAttentionBackend
+
+_EXPORTS = {
+    "AttentionBackend": "kvcache.attention.base",
+    "AttentionOutput": "kvcache.attention.base",
+    "BlockTable": "kvcache.attention.block_table",
+    "FlashInferBackend": "kvcache.attention.flashinfer",
+    "PagedMetadata": "kvcache.attention.metadata",
+    "build_metadata": "kvcache.attention.metadata",
+    "ReferenceBackend": "kvcache.attention.reference",
+    "StarAttentionBackend": "kvcache.attention.star",
+    "backend_names": "kvcache.attention.registry",
+    "get_backend": "kvcache.attention.registry",
+}
 __all__ = [
     "AttentionBackend",
     "AttentionOutput",
@@ -24,21 +44,4 @@ __all__ = [
     "build_metadata",
     "get_backend",
 ]
-
-_BACKENDS: dict[str, type[AttentionBackend]] = {
-    cls.name: cls for cls in (ReferenceBackend, FlashInferBackend, StarAttentionBackend)
-}
-
-
-def backend_names() -> tuple[str, ...]:
-    """Names get_backend accepts, sorted."""
-    return tuple(sorted(_BACKENDS))
-
-
-def get_backend(name: str) -> type[AttentionBackend]:
-    """The backend class registered as `name`; ValueError listing the names otherwise."""
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; supported: "
-                         f"{', '.join(backend_names())}") from None
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -9,7 +9,7 @@ from typing import ClassVar, NamedTuple, Required, TypedDict
 import torch
 
 from kvcache.attention.metadata import PagedMetadata
-from kvcache.storage import KvStorage
+from kvcache.storage.kv_storage import KvStorage
 
 
 class AttentionOutput(NamedTuple):

@@ -24,7 +24,7 @@ import torch
 
 from kvcache.attention.base import AttentionBackend, AttentionOutput, BackendOptions
 from kvcache.attention.metadata import PagedMetadata
-from kvcache.storage import KvLayout
+from kvcache.storage.kv_storage import KvLayout
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)

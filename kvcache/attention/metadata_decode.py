@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from kvcache.attention.metadata import BlockTable
+    from kvcache.attention.block_table import BlockTable
 
 IntArray = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kvcache.attention import BlockTable, PagedMetadata, build_metadata
 from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.metadata import BlockTable, PagedMetadata, build_metadata
 from kvcache.attention.reference import ReferenceBackend
-from kvcache.storage import KvLayout, KvStorage
+from kvcache.storage.kv_storage import KvLayout, KvStorage
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer]
 

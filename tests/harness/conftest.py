@@ -9,7 +9,7 @@ import pytest
 # rewriting) the rest costs seconds a run: import what the plugin loads lazily once, here.
 import torch  # noqa: F401
 
-import harness.reuse_marker  # noqa: F401
+import harness.reuse.marker  # noqa: F401
 
 
 @pytest.fixture

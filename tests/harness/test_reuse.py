@@ -10,7 +10,7 @@ import pytest
 
 from harness.engine_protocol import EngineUnderTest
 from harness.oracle import OracleConfig, predict_sequential, replay
-from harness.reuse import (
+from harness.reuse.assertions import (
     Bounds,
     ReproContext,
     ReuseMismatch,
@@ -209,7 +209,7 @@ def test_engine_vs_wrong_prediction_names_requests() -> None:
 
 def test_bounded_pool_stays_under_oracle() -> None:
     # 8 blocks for prompts of 4 blocks each: evictions; partial reuse off keeps the
-    # oracle a strict upper bound (see harness.oracle's docstring)
+    # oracle a strict upper bound (see harness.oracle.model's docstring)
     cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=8, enable_partial_reuse=False)
     engine = CacheOnlyEngine(cfg)
     results = engine.generate(PROMPTS + PROMPTS[::-1], 2)

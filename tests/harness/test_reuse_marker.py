@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from harness.reuse import diff_stats
-from harness.reuse_marker import ReuseWatch
+from harness.reuse.assertions import diff_stats
+from harness.reuse.marker import ReuseWatch
 from kvcache import KvCacheConfig, KVCacheManager
 
 pytest_plugins = ["pytester"]
@@ -15,12 +15,12 @@ pytest_plugins = ["pytester"]
 TESTS = '''
 import pytest
 
-from harness.reuse import diff_stats
-from harness.reuse_marker import ReuseWatch
+from harness.reuse.assertions import diff_stats
+from harness.reuse.marker import ReuseWatch
 from kvcache import KvCacheConfig, KVCacheManager
 
 pytest_plugins = ["pytester"]
-from harness.reuse import Bounds
+from harness.reuse.assertions import Bounds
 from kvcache import KvCacheConfig, KVCacheManager
 
 
@@ -88,7 +88,7 @@ def test_marker_outcomes(outcome: pytest.RunResult) -> None:
     assert "test_unarmed: @pytest.mark.expect_reuse needs the reuse_watch fixture" in text
     assert "RuntimeError: boom" in text
     assert ("expect_reuse(reusedBlocks='2'): a counter's expectation is a number or "
-            "harness.reuse.Bounds") in text
+            "harness.reuse.assertions.Bounds") in text
 
 
 def test_marker_records_into_reuse_report(outcome: pytest.RunResult,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from harness.hardware import Machine
-from harness.test_db import covers, load_test_db, load_test_list, resolve
-from harness.test_db_errors import ListError
-from harness.test_db_schema import parse_entry_text
+from harness.lists.db import covers, load_test_db, load_test_list, resolve
+from harness.lists.errors import ListError
+from harness.lists.schema import parse_entry_text
 
 GOOD = """\
 version: 0.0.1

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from harness.test_db import load_test_db
-from harness.test_db_check import (
+from harness.lists.checks import (
     collect_node_ids,
     duplicate_problems,
     orphan_problems,
     unmatched_problems,
     validate,
 )
-from harness.test_db_errors import ListError
-from harness.waives import load_waives, waive_for
+from harness.lists.db import load_test_db
+from harness.lists.errors import ListError
+from harness.lists.waives import load_waives, waive_for
 
 HEAD = "version: 0.0.1\nl0_cpu:\n"
 

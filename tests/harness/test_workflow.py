@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from harness.hardware import Machine
-from harness.test_db import load_test_db
+from harness.lists.db import load_test_db
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"

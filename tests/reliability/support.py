@@ -13,8 +13,8 @@ import torch
 
 from harness.oracle import OracleConfig
 from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
-from kvcache.request import GenerationOutput
 
 # Warm and cold runs attend over the same KV in different batches and chunks; float32
 # sums may differ in the last bits, never more (the unit tests use the same bound).

@@ -14,8 +14,8 @@ import pytest
 
 from harness.oracle import ReuseOracle
 from kvcache import Engine
+from kvcache.engine import FinishReason, GenerationOutput
 from kvcache.model import Transformer
-from kvcache.request import FinishReason, GenerationOutput
 
 from .support import EngineSpec, assert_clean, assert_same_output, cold_outputs, oracle_config
 

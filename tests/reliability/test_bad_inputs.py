@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.cli import main as kvharness
-from harness.test_db import load_test_db
-from harness.test_db_errors import ListError
+from harness.lists.db import load_test_db
+from harness.lists.errors import ListError
 from kvcache import Engine, KvCacheConfig, KVCacheManager
-from kvcache.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from kvcache.model import Transformer, get_preset
+from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 
 from .support import EngineSpec, assert_clean
 

@@ -19,8 +19,8 @@ import pytest
 
 from harness.oracle import replay
 from kvcache import Engine, ReuseScope
+from kvcache.engine import FinishReason, GenerationOutput
 from kvcache.model import Transformer
-from kvcache.request import FinishReason, GenerationOutput
 
 from .support import (
     EngineSpec,

@@ -22,8 +22,8 @@ import pytest
 
 from harness.oracle import replay
 from kvcache import Engine, KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
-from kvcache.request import GenerationOutput
 
 from .support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs, oracle_config
 

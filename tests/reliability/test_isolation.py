@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
-from kvcache.request import GenerationOutput
 
 from .support import EngineSpec, assert_clean, oracle_config
 

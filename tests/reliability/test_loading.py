@@ -18,11 +18,11 @@ import torch
 import yaml
 
 from harness.cli import main as kvharness
-from harness.test_db import load_test_db
-from harness.test_db_errors import ListError
+from harness.lists.db import load_test_db
+from harness.lists.errors import ListError
 from kvcache import Engine, KvCacheConfig
-from kvcache.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from kvcache.model import ModelConfig, Transformer
+from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 
 from .support import assert_same_outputs
 

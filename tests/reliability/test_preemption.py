@@ -13,8 +13,8 @@ from typing import NamedTuple
 import pytest
 
 from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer, get_preset
-from kvcache.request import GenerationOutput
 
 from .support import (
     EngineSpec,

@@ -20,7 +20,7 @@ import torch
 
 from harness.adapters import KvcacheEngineAdapter
 from harness.report import ReuseRecord, ReuseReport
-from harness.reuse import (
+from harness.reuse.assertions import (
     Bounds,
     ReproContext,
     diff_stats,

@@ -27,7 +27,7 @@ def test_star_backend_reuses_nothing_and_says_why(make_engine: EngineFactory,
                                                   scenario: ScenarioRun,
                                                   caplog: pytest.LogCaptureFixture,
                                                   B: int, reuse: bool | None) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvcache.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvcache.engine.engine"):
         engine = make_engine(B, backend=STAR, reuse=reuse)
     assert "block reuse disabled: attention backend 'star' does not support block reuse" \
         in caplog.text
@@ -45,7 +45,7 @@ def test_star_backend_reuses_nothing_and_says_why(make_engine: EngineFactory,
 @pytest.mark.parametrize("B", [pytest.param(B, id=f"B{B}") for B in (1, 4, 16)])
 def test_hybrid_model_auto_disables_reuse(make_engine: EngineFactory, scenario: ScenarioRun,
                                           caplog: pytest.LogCaptureFixture, B: int) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvcache.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvcache.engine.engine"):
         engine = make_engine(B, preset="hybrid-tiny")
     assert "recurrent" in (engine.reuse_disabled_reason or "")
     assert "block reuse disabled" in caplog.text

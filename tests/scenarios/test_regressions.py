@@ -12,7 +12,7 @@ import random
 import pytest
 
 from kvcache import Engine, GenerationOutput, KVCacheManager
-from kvcache.radix import TOKEN_BYTES
+from kvcache.core.radix import TOKEN_BYTES
 
 from .conftest import EngineFactory
 from .support import (

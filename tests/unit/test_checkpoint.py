@@ -21,8 +21,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from kvcache.checkpoint import CheckpointError, load_config, load_pretrained, save_pretrained
 from kvcache.model import PRESETS, ModelConfig, Transformer, get_preset
+from kvcache.model.checkpoint import CheckpointError, load_config, load_pretrained, save_pretrained
 
 HF_SHAPE: dict[str, Any] = {
     "hidden_size": 64,

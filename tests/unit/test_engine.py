@@ -11,8 +11,8 @@ import torch
 
 from harness.oracle import OracleConfig, replay
 from kvcache import Engine, KvCacheConfig, ReuseScope
-from kvcache.checkpoint import save_pretrained
 from kvcache.model import Transformer, get_preset
+from kvcache.model.checkpoint import save_pretrained
 
 
 def prompts(n: int, length: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
@@ -88,7 +88,7 @@ def test_repaged_kernel_pages_equal_direct_paging(layout: str, page_size: int) -
 
 
 def test_star_backend_disables_reuse_with_a_logged_reason(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvcache.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvcache.engine.engine"):
         engine = Engine("tiny", cfg(4, enable_block_reuse=True), attn_backend="star")
     assert "attention backend 'star' does not support block reuse" in caplog.text
     ps = prompts(2, 13)

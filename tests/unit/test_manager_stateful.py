@@ -1,6 +1,6 @@
 """Stateful property test: random add / commit / append / free / probe against the oracle.
 
-The model is `harness.oracle`, a deliberately naive reuse model written without any code
+The model is `harness.oracle.model`, a deliberately naive reuse model written without any code
 from `kvcache`. With a pool too large to evict, every admission and probe must equal its
 prediction exactly, claim-or-copy included; with small pools the manager must keep every
 invariant, never fail an admission that fits, and leave the cache untouched when one

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from kvcache.model import PRESETS, ModelConfig, Transformer, diagonal_scan, get_preset
+from kvcache.model import PRESETS, ModelConfig, Transformer, get_preset
+from kvcache.model.transformer import diagonal_scan
 
 ATOL = 1e-5
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvcache.attention.metadata import BlockTable, PagedMetadata, build_metadata
-from kvcache.storage import KvLayout, KvStorage
+from kvcache.attention import BlockTable, PagedMetadata, build_metadata
+from kvcache.storage.kv_storage import KvLayout, KvStorage
 
 # visible(i, j, qo_len, kv_len) -> bool: does query i (of qo_len) see key j (of kv_len)?
 Visibility = Callable[[int, int, int, int], bool]

@@ -31,7 +31,7 @@ from kvcache.attention.flashinfer import (
     prefill_wrapper_call,
     run_call,
 )
-from kvcache.storage import KvLayout
+from kvcache.storage.kv_storage import KvLayout
 
 LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
 

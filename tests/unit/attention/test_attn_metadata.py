@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.attention.metadata import BlockTable, PagedMetadata, _build_general, build_metadata
+from kvcache.attention import BlockTable, PagedMetadata, build_metadata
+from kvcache.attention.metadata import _build_general
 
 # Block size 8. Slot 0 holds blocks [5, 3, 9], slot 1 [1, 2], slot 2 [7, 0, 4].
 BLOCKS = {0: [5, 3, 9], 1: [1, 2], 2: [7, 0, 4]}

@@ -9,7 +9,7 @@ import torch
 from attn_testlib import Scenario, causal
 
 from kvcache.attention.reference import ReferenceBackend
-from kvcache.storage import KvLayout
+from kvcache.storage.kv_storage import KvLayout
 
 # (cached, new) per request: non-page-aligned cached prefixes, empty prefixes, a prefix
 # ending exactly on a block boundary, single-token and multi-token chunks side by side.

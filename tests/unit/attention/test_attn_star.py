@@ -8,7 +8,7 @@ from attn_testlib import Scenario, Visibility
 
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.attention.star import StarAttentionBackend
-from kvcache.storage import KvLayout
+from kvcache.storage.kv_storage import KvLayout
 
 S = 4  # star block size: small so short prompts span several blocks
 

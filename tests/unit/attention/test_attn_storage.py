@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.ops import BlockCopy
-from kvcache.storage import KvLayout, KvStorage
+from kvcache.core.ops import BlockCopy
+from kvcache.storage.kv_storage import KvLayout, KvStorage
 
 LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
 

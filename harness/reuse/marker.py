@@ -13,13 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 from harness.engine_protocol import StatsLike
 from harness.report import ReuseRecord, ReuseReport
-from harness.reuse import Bounds, Number, ReproContext, canonical_name, diff_stats, expect_reuse
+from harness.reuse.assertions import (
+    Bounds,
+    Number,
+    ReproContext,
+    canonical_name,
+    diff_stats,
+    expect_reuse,
+)
 
 if TYPE_CHECKING:
     import pytest
 
 MARKER_DOC = ("expect_reuse(**counters): reuse counters (TensorRT-LLM names; int = exact, "
-              "harness.reuse.Bounds = range) the cache armed in the reuse_watch fixture must "
+              "harness.reuse.assertions.Bounds = range) the cache armed in the reuse_watch fixture must "
               "show over the test")
 
 
@@ -83,7 +90,7 @@ def _marker_expectations(item: pytest.Item) -> dict[str, Bounds] | None:
             out[name] = Bounds(value, value)
         else:
             raise ValueError(f"{item.nodeid}: expect_reuse({name}={value!r}): "
-                             "a counter's expectation is a number or harness.reuse.Bounds")
+                             "a counter's expectation is a number or harness.reuse.assertions.Bounds")
     return out
 
 

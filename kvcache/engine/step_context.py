@@ -1,11 +1,12 @@
-"""StepContext: what one forward pass asks of the engine (kvcache.model.ForwardContext)."""
+"""StepContext: what one forward pass asks of the engine (kvcache.model.transformer.ForwardContext)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvcache.attention import AttentionBackend, PagedMetadata
-from kvcache.request import Request
+from kvcache.attention.base import AttentionBackend
+from kvcache.attention.metadata import PagedMetadata
+from kvcache.engine.request import Request
 
 
 class StepContext:

@@ -7,7 +7,7 @@ step's T tokens are the new tokens of all requests in the batch, concatenated in
 
 The math follows Hugging Face's Llama exactly (RMSNorm in float32, RoPE with the
 rotate-half convention, SwiGLU), so HF checkpoints load without permuting weights
-(see `kvcache.checkpoint`).
+(see `kvcache.model.checkpoint`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvcache.model_config import LAYER_TYPES, PRESETS, LayerType, ModelConfig, get_preset
+from kvcache.model.config import ModelConfig
 
-__all__ = ["LAYER_TYPES", "PRESETS", "ForwardContext", "LayerType", "ModelConfig",
-           "Transformer", "get_preset"]
 
 class ForwardContext(Protocol):
     """What the engine supplies to one forward pass; the model calls it once per layer.

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from kvcache.attention.metadata import BlockTable
-from kvcache.manager import KVCacheManager
-from kvcache.pool import OutOfBlocksError
-from kvcache.request import Request
+from kvcache.attention.block_table import BlockTable
+from kvcache.core.manager import KVCacheManager
+from kvcache.core.pool import OutOfBlocksError
+from kvcache.engine.request import Request
 
 
 class Chunk(NamedTuple):

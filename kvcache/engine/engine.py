@@ -20,18 +20,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcache.attention import AttentionBackend, BlockTable, build_metadata, get_backend
-from kvcache.config import KvCacheConfig
-from kvcache.cuda_graphs import DecodeGraphs
-from kvcache.manager import DEFAULT_PRIORITY, KVCacheManager
-from kvcache.model import Transformer, get_preset
-from kvcache.pool import OutOfBlocksError
-from kvcache.radix import ReuseScope
-from kvcache.request import FinishReason, GenerationOutput, Request
-from kvcache.scheduler import Chunk, Scheduler
-from kvcache.stats import KvCacheStats
-from kvcache.step_context import StepContext
-from kvcache.storage import KvLayout, KvStorage
+from kvcache.attention.base import AttentionBackend
+from kvcache.attention.block_table import BlockTable
+from kvcache.attention.metadata import build_metadata
+from kvcache.attention.registry import get_backend
+from kvcache.core.config import KvCacheConfig
+from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
+from kvcache.core.pool import OutOfBlocksError
+from kvcache.core.radix import ReuseScope
+from kvcache.core.stats import KvCacheStats
+from kvcache.engine.cuda_graphs import DecodeGraphs
+from kvcache.engine.request import FinishReason, GenerationOutput, Request
+from kvcache.engine.scheduler import Chunk, Scheduler
+from kvcache.engine.step_context import StepContext
+from kvcache.model.config import get_preset
+from kvcache.model.transformer import Transformer
+from kvcache.storage.kv_storage import KvLayout, KvStorage
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +153,7 @@ class Engine:
     def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig,
                         **options: Any) -> Engine:
         """An engine over an HF-format checkpoint (config.json + *.safetensors)."""
-        from kvcache.checkpoint import load_pretrained
+        from kvcache.model.checkpoint import load_pretrained
 
         dtype = options.get("dtype", torch.float32)
         device = options.get("device", "cpu")

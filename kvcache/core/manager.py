@@ -11,12 +11,13 @@ from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
-from kvcache.config import KvCacheConfig
-from kvcache.events import CacheEvent
-from kvcache.integrity import check_manager
-from kvcache.ops import BlockCopy
-from kvcache.pool import BlockPool, OutOfBlocksError
-from kvcache.radix import (
+from kvcache.core.config import KvCacheConfig
+from kvcache.core.events import CacheEvent
+from kvcache.core.handle import Sequence
+from kvcache.core.integrity import check_manager
+from kvcache.core.ops import BlockCopy
+from kvcache.core.pool import BlockPool, OutOfBlocksError
+from kvcache.core.radix import (
     TOKEN_BYTES,
     BlockRadixTree,
     Node,
@@ -25,8 +26,7 @@ from kvcache.radix import (
     scope_key,
     to_token_array,
 )
-from kvcache.sequence import Sequence
-from kvcache.stats import KvCacheStats
+from kvcache.core.stats import KvCacheStats
 
 DEFAULT_PRIORITY = 35
 

@@ -1,6 +1,6 @@
 """The oracle's inputs and outputs: its config, cache events, per-request and total reuse.
 
-Kept apart from `harness.oracle` (the rules) so both stay one screen-sized concept each.
+Kept apart from `harness.oracle.model` (the rules) so both stay one screen-sized concept each.
 Nothing here imports `kvcache`: events and scopes are read by shape (attributes or keys).
 """
 

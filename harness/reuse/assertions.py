@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.engine_protocol import EngineUnderTest, StatsLike
-from harness.oracle import OracleConfig, OraclePrediction, replay
+from harness.oracle.model import OracleConfig, OraclePrediction, replay
 
 GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
                     "cachedNumBlocks"})
@@ -304,7 +304,7 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
     `num_cached_tokens` against the prediction for its `seq_id` (or `request_id`),
     i.e. that request's first admission. `exact=False` (bounded
     pool) only checks reuse <= predicted and misses >= predicted, which holds with
-    partial reuse off (see `harness.oracle` for why not always with it on). Returns the window.
+    partial reuse off (see `harness.oracle.model` for why not always with it on). Returns the window.
     Raises ReuseMismatch on a difference.
     """
     __tracebackhide__ = True

@@ -10,11 +10,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
-from kvcache.radix import TOKEN_BYTES, Node
+from kvcache.core.radix import TOKEN_BYTES, Node
 
 if TYPE_CHECKING:
-    from kvcache.manager import KVCacheManager
-    from kvcache.sequence import Sequence
+    from kvcache.core.handle import Sequence
+    from kvcache.core.manager import KVCacheManager
 
 
 class IntegrityError(AssertionError):

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.test_db import Entry, ListDb, covers, load_test_db, resolve
-from harness.test_db_errors import ListError, Location, Problem
-from harness.waives import Waive, load_waives
+from harness.lists.db import Entry, ListDb, covers, load_test_db, resolve
+from harness.lists.errors import ListError, Location, Problem
+from harness.lists.waives import Waive, load_waives
 
 DEFAULT_TEST_PATHS = ("tests",)
 

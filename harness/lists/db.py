@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness.hardware import Backend, Machine, Stage
-from harness.test_db_errors import ListError, Location, Problem, content_lines
-from harness.test_db_schema import (
+from harness.lists.errors import ListError, Location, Problem, content_lines
+from harness.lists.schema import (
     DEFAULT_TIMEOUT_SECONDS,
     BlockModel,
     EntrySpec,

@@ -21,7 +21,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from kvcache.model import ModelConfig, Transformer
+from kvcache.model.config import ModelConfig
+from kvcache.model.transformer import Transformer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

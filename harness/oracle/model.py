@@ -1,6 +1,6 @@
 """An independent expected-reuse model: replays admissions, commits, appends and frees.
 
-Written deliberately unlike `kvcache.radix` (it imports nothing from `kvcache`): a cached
+Written deliberately unlike `kvcache.core.radix` (it imports nothing from `kvcache`): a cached
 full block is a dict key `(scope, every token of the prefix through the block)`, a cached
 partial leaf is `(scope, prefix tokens, tail tokens)`, and "in use" is a count of live
 sequences per full-block key. It follows the reuse rules of DESIGN.md to the letter.
@@ -20,7 +20,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from harness.oracle_types import (
+from harness.oracle.types import (
     Event,
     OracleConfig,
     OraclePrediction,
@@ -28,9 +28,6 @@ from harness.oracle_types import (
     normalize_event,
     normalize_scope,
 )
-
-__all__ = ["Event", "OracleConfig", "OraclePrediction", "RequestReuse", "ReuseOracle",
-           "predict_sequential", "replay"]
 
 Tokens = tuple[int, ...]
 FullKey = tuple[Hashable, Tokens]            # (scope, tokens [0, (i + 1) * B))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 
-from kvcache.radix import BlockRadixTree, Node
+from kvcache.core.radix import BlockRadixTree, Node
 
 
 class OutOfBlocksError(RuntimeError):

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcache.attention import AttentionBackend, PagedMetadata
-from kvcache.model import ForwardContext, Transformer
+from kvcache.attention.base import AttentionBackend
+from kvcache.attention.metadata import PagedMetadata
+from kvcache.model.transformer import ForwardContext, Transformer
 
 
 class DecodeGraphs:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Hashable
 
-from kvcache.radix import Node, ScopeKey
-from kvcache.stats import RequestKvMetrics
+from kvcache.core.radix import Node, ScopeKey
+from kvcache.core.stats import RequestKvMetrics
 
 
 class Sequence:

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from harness.hardware import Machine
-from harness.test_db import Entry, covers, load_test_db, load_test_list, resolve
-from harness.test_db_check import unmatched_problems
-from harness.test_db_errors import ListError
-from harness.test_db_schema import DEFAULT_TIMEOUT_SECONDS
-from harness.waives import Waive, load_waives, waive_for
+from harness.lists.checks import unmatched_problems
+from harness.lists.db import Entry, covers, load_test_db, load_test_list, resolve
+from harness.lists.errors import ListError
+from harness.lists.schema import DEFAULT_TIMEOUT_SECONDS
+from harness.lists.waives import Waive, load_waives, waive_for
 
 ISOLATE = pytest.StashKey[int | None]()  # on an item: run it in a child, with this timeout
 

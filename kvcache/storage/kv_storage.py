@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from kvcache.ops import BlockCopy
+from kvcache.core.ops import BlockCopy
 
 KvLayout = Literal["NHD", "HND"]
 LAYOUTS: tuple[KvLayout, ...] = ("NHD", "HND")

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from harness.hardware import Backend, Stage
-from harness.test_db_errors import ListError, Location, Problem
+from harness.lists.errors import ListError, Location, Problem
 
 Version = Literal["0.0.1"]
 SUPPORTED_VERSIONS: tuple[str, ...] = get_args(Version)

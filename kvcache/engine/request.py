@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.radix import ReuseScope
-from kvcache.sequence import Sequence as CacheSequence
-from kvcache.stats import RequestKvMetrics
+from kvcache.core.handle import Sequence as CacheSequence
+from kvcache.core.radix import ReuseScope
+from kvcache.core.stats import RequestKvMetrics
 
 
 class FinishReason(enum.Enum):

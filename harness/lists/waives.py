@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.test_db import covers
-from harness.test_db_errors import ListError, Location, Problem, content_lines
-from harness.test_db_schema import check_node_id
+from harness.lists.db import covers
+from harness.lists.errors import ListError, Location, Problem, content_lines
+from harness.lists.schema import check_node_id
 
 _LINE = re.compile(r"(?P<test>\S+)\s+SKIP\s+\((?P<reason>.*)\)\s+(?P<link>\S+)")
 _LINK = re.compile(r"https?://\S+")

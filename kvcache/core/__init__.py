@@ -1,0 +1,32 @@
+"""The cache core: block radix tree, block pool, manager, statistics. Pure Python.
+
+Nothing here imports torch or numpy (a test checks it in a fresh interpreter): the
+manager hands out block ids and `BlockCopy` ops, and the engine applies them to tensors.
+"""
+
+from __future__ import annotations
+
+from kvcache.core.config import KvCacheConfig
+from kvcache.core.events import CacheEvent
+from kvcache.core.handle import Sequence
+from kvcache.core.integrity import IntegrityError
+from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
+from kvcache.core.ops import BlockCopy
+from kvcache.core.pool import OutOfBlocksError
+from kvcache.core.radix import ReuseMatch, ReuseScope
+from kvcache.core.stats import KvCacheStats, RequestKvMetrics
+
+__all__ = [
+    "DEFAULT_PRIORITY",
+    "BlockCopy",
+    "CacheEvent",
+    "IntegrityError",
+    "KVCacheManager",
+    "KvCacheConfig",
+    "KvCacheStats",
+    "OutOfBlocksError",
+    "RequestKvMetrics",
+    "ReuseMatch",
+    "ReuseScope",
+    "Sequence",
+]

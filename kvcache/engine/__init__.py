@@ -1,0 +1,29 @@
+"""The engine: scheduler (token budget, chunked prefill), step loop and generate().
+
+Names are exported lazily so `kvcache.engine.scheduler` loads without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcache._lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from kvcache.engine.engine import Engine
+    from kvcache.engine.request import FinishReason, GenerationOutput
+    from kvcache.engine.scheduler import Scheduler
+
+_EXPORTS = {
+    "Engine": "kvcache.engine.engine",
+    "FinishReason": "kvcache.engine.request",
+    "GenerationOutput": "kvcache.engine.request",
+    "Scheduler": "kvcache.engine.scheduler",
+}
+__all__ = [
+    "Engine",
+    "FinishReason",
+    "GenerationOutput",
+    "Scheduler",
+]
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
