@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache.attention.metadata_decode import INT32_LIMIT
+from kvcache.core.validate import check_positive_int
 
 
 class BlockTable:
@@ -23,9 +24,9 @@ class BlockTable:
     """
 
     def __init__(self, max_slots: int, max_blocks_per_slot: int) -> None:
-        for name, value in (("max_slots", max_slots), ("max_blocks_per_slot", max_blocks_per_slot)):
-            if value < 1:
-                raise ValueError(f"BlockTable: {name} must be >= 1, got {value}")
+        max_slots = check_positive_int(max_slots, "BlockTable: max_slots")
+        max_blocks_per_slot = check_positive_int(max_blocks_per_slot,
+                                                 "BlockTable: max_blocks_per_slot")
         self.max_slots = max_slots
         self.max_blocks_per_slot = max_blocks_per_slot
         self.blocks = np.zeros((max_slots, max_blocks_per_slot), dtype=np.int32)

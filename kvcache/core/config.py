@@ -6,12 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"KvCacheConfig.{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"KvCacheConfig.{name} must be >= {minimum}, got {value}")
+from kvcache.core.validate import check_positive_int
 
 
 def _check_flag(name: str, value: object) -> None:
@@ -36,8 +31,9 @@ class KvCacheConfig:
     copy_on_partial_reuse: bool | None = None
 
     def __post_init__(self) -> None:
-        _check_int("tokens_per_block", self.tokens_per_block, 1)
-        _check_int("max_num_blocks", self.max_num_blocks, 1)
+        for name in ("tokens_per_block", "max_num_blocks"):
+            value = check_positive_int(getattr(self, name), f"KvCacheConfig.{name}")
+            object.__setattr__(self, name, value)  # a numpy integer becomes an int
         for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
             _check_flag(name, getattr(self, name))
         if self.enable_partial_reuse and self.enable_block_reuse is False:

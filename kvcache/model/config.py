@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from kvcache.core.validate import check_positive_int
+
 LayerType = Literal["attention", "recurrent"]
 LAYER_TYPES: tuple[LayerType, ...] = ("attention", "recurrent")
 
@@ -41,7 +43,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
-            _check_positive_int(name, getattr(self, name))
+            object.__setattr__(self, name,
+                               check_positive_int(getattr(self, name), f"ModelConfig.{name}"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
@@ -60,7 +63,8 @@ class ModelConfig:
                 f"ModelConfig.tie_word_embeddings={self.tie_word_embeddings!r} must be a bool"
             )
         if self.sliding_window is not None:
-            _check_positive_int("sliding_window", self.sliding_window)
+            object.__setattr__(self, "sliding_window", check_positive_int(
+                self.sliding_window, "ModelConfig.sliding_window"))
         self._normalise_layer_types()
 
     def _normalise_layer_types(self) -> None:
@@ -101,11 +105,6 @@ class ModelConfig:
         The -1 is FlashInfer's own convention, kept so it can be passed straight through.
         """
         return -1 if self.sliding_window is None else self.sliding_window - 1
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
 
 
 _TINY = ModelConfig(

@@ -19,14 +19,10 @@ from typing import Literal
 import torch
 
 from kvcache.core.ops import BlockCopy
+from kvcache.core.validate import check_positive_int
 
 KvLayout = Literal["NHD", "HND"]
 LAYOUTS: tuple[KvLayout, ...] = ("NHD", "HND")
-
-
-def _require_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"KvStorage: {name} must be a positive int, got {value!r}")
 
 
 class KvStorage:
@@ -51,7 +47,7 @@ class KvStorage:
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
-            _require_positive(name, value)
+            check_positive_int(value, f"KvStorage: {name}")
         if layout not in LAYOUTS:
             raise ValueError(f"KvStorage: layout must be one of {LAYOUTS}, got {layout!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

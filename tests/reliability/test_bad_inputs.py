@@ -40,13 +40,13 @@ def cases(*params: Any) -> list[Any]:
 # -- KvCacheConfig ------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "message"), cases(
-    pytest.param({"tokens_per_block": 0}, r"KvCacheConfig\.tokens_per_block must be >= 1, got 0",
+    pytest.param({"tokens_per_block": 0}, r"KvCacheConfig\.tokens_per_block must be an int >= 1, got 0",
                  id="cfg-block-zero"),
-    pytest.param({"tokens_per_block": "16"}, r"KvCacheConfig\.tokens_per_block must be an int, "
+    pytest.param({"tokens_per_block": "16"}, r"KvCacheConfig\.tokens_per_block must be an int >= 1, "
                  r"got '16'", id="cfg-block-str"),
-    pytest.param({"max_num_blocks": -3}, r"KvCacheConfig\.max_num_blocks must be >= 1, got -3",
+    pytest.param({"max_num_blocks": -3}, r"KvCacheConfig\.max_num_blocks must be an int >= 1, got -3",
                  id="cfg-pool-negative"),
-    pytest.param({"max_num_blocks": True}, r"KvCacheConfig\.max_num_blocks must be an int, "
+    pytest.param({"max_num_blocks": True}, r"KvCacheConfig\.max_num_blocks must be an int >= 1, "
                  r"got True", id="cfg-pool-bool"),
     pytest.param({"enable_block_reuse": "yes"}, r"KvCacheConfig\.enable_block_reuse must be "
                  r"True, False or None, got 'yes'", id="cfg-flag-str"),

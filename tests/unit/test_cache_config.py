@@ -11,11 +11,11 @@ from kvcache.core.radix import scope_key
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        pytest.param({"tokens_per_block": 0}, "tokens_per_block must be >= 1, got 0", id="tpb-0"),
-        pytest.param({"tokens_per_block": -4}, "tokens_per_block must be >= 1", id="tpb-neg"),
+        pytest.param({"tokens_per_block": 0}, "tokens_per_block must be an int >= 1, got 0", id="tpb-0"),
+        pytest.param({"tokens_per_block": -4}, "tokens_per_block must be an int >= 1", id="tpb-neg"),
         pytest.param({"tokens_per_block": True}, "tokens_per_block must be an int", id="tpb-bool"),
         pytest.param({"tokens_per_block": 16.0}, "tokens_per_block must be an int", id="tpb-float"),
-        pytest.param({"max_num_blocks": 0}, "max_num_blocks must be >= 1, got 0", id="blocks-0"),
+        pytest.param({"max_num_blocks": 0}, "max_num_blocks must be an int >= 1, got 0", id="blocks-0"),
         pytest.param({"enable_block_reuse": 1}, "enable_block_reuse must be True, False or None",
                      id="reuse-int"),
         pytest.param({"enable_block_reuse": False, "enable_partial_reuse": True},

@@ -112,15 +112,15 @@ TINY_FIELDS: dict[str, Any] = dataclasses.asdict(PRESETS["tiny"])
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [
-        pytest.param("num_heads", 0, "num_heads=0", id="heads-zero"),
+        pytest.param("num_heads", 0, "num_heads must be an int >= 1, got 0", id="heads-zero"),
         pytest.param("num_kv_heads", 3, "num_heads=4 .* num_kv_heads=3", id="gqa-ratio"),
         pytest.param("head_dim", 31, "head_dim=31", id="head-dim-odd"),
-        pytest.param("vocab_size", True, "vocab_size=True", id="vocab-bool"),
-        pytest.param("hidden_size", 1.5, "hidden_size=1.5", id="hidden-float"),
+        pytest.param("vocab_size", True, "vocab_size must be an int >= 1, got True", id="vocab-bool"),
+        pytest.param("hidden_size", 1.5, "hidden_size must be an int >= 1, got 1.5", id="hidden-float"),
         pytest.param("rope_theta", 0.0, "rope_theta=0.0", id="theta-zero"),
         pytest.param("rms_norm_eps", -1e-5, "rms_norm_eps=-1e-05", id="eps-negative"),
         pytest.param("tie_word_embeddings", "yes", "tie_word_embeddings='yes'", id="tie-str"),
-        pytest.param("sliding_window", 0, "sliding_window=0", id="window-zero"),
+        pytest.param("sliding_window", 0, "sliding_window must be an int >= 1, got 0", id="window-zero"),
         pytest.param("layer_types", "attention", "layer_types='attention' must be a tuple", id="types-str"),
         pytest.param("layer_types", ("attention",) * 3, "3 entries, num_layers=4", id="types-len"),
         pytest.param(
