@@ -29,6 +29,7 @@ from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
 from kvcache.core.pool import OutOfBlocksError
 from kvcache.core.radix import ReuseScope
 from kvcache.core.stats import KvCacheStats
+from kvcache.core.validate import check_positive_int, check_priority
 from kvcache.engine.cuda_graphs import DecodeGraphs
 from kvcache.engine.request import FinishReason, GenerationOutput, Request
 from kvcache.engine.scheduler import Chunk, Scheduler
@@ -94,10 +95,8 @@ class Engine:
                  layout: KvLayout = "NHD", page_size: int | None = None, seed: int = 0,
                  record_events: bool = True, backend_options: dict[str, Any] | None = None
                  ) -> None:
-        for name, value in (("max_num_tokens", max_num_tokens),
-                            ("max_batch_size", max_batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
+        max_num_tokens = check_positive_int(max_num_tokens, "Engine: max_num_tokens")
+        max_batch_size = check_positive_int(max_batch_size, "Engine: max_batch_size")
         if not isinstance(cache_config, KvCacheConfig):
             raise ValueError(f"Engine: cache_config must be a KvCacheConfig, got {cache_config!r}")
         self.device = torch.device(device)
@@ -173,10 +172,7 @@ class Engine:
             tokens = self._check_tokens(prompt, f"{where}: prompt")
             if not tokens:
                 raise ValueError(f"{where}: empty prompt")
-            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                    or max_new_tokens < 1:
-                raise ValueError(f"{where}: max_new_tokens must be an int >= 1, "
-                                 f"got {max_new_tokens!r}")
+            max_new_tokens = check_positive_int(max_new_tokens, f"{where}: max_new_tokens")
             total = len(tokens) + max_new_tokens
             if total > self.max_model_len:
                 raise ValueError(f"{where}: prompt of {len(tokens)} tokens + {max_new_tokens} "
@@ -196,10 +192,7 @@ class Engine:
                                      f"max_new_tokens is {max_new_tokens}")
             if scope is not None and not isinstance(scope, ReuseScope):
                 raise ValueError(f"{where}: scope must be None or ReuseScope, got {scope!r}")
-            if isinstance(priority, bool) or not isinstance(priority, int) \
-                    or not 0 <= priority <= 100:
-                raise ValueError(f"{where}: priority must be an int in [0, 100], "
-                                 f"got {priority!r}")
+            priority = check_priority(priority, where)
             self._next_rid += 1
             self.scheduler.waiting.append(Request(rid, tokens, max_new_tokens, scope, priority,
                                                   forced, return_logits))
