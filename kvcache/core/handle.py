@@ -1,66 +1,122 @@
-"""Sequence: the live handle the manager returns for an admitted request."""
+"""Sequence: the live handle the manager returns for an admitted request (read-only)."""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable
+from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 from kvcache.core.radix import Node, ScopeKey
 from kvcache.core.stats import RequestKvMetrics
 
 
+class Holdings(NamedTuple):
+    """How a sequence is tied to the tree (for integrity checks and failure messages).
+
+    `last` ends the chain of tree nodes it references (None: it holds nothing cached);
+    block positions [0, tree_blocks) are cached along that chain, except that `shadow`
+    lists the sequence's private duplicates of blocks someone else committed first.
+    """
+
+    last: Node | None
+    tree_blocks: int
+    shadow: tuple[int, ...]
+
+
 class Sequence:
-    """An admitted sequence. Read its fields; change it only through the manager.
+    """An admitted sequence. Every field is read-only; only the manager changes it.
 
     Block positions, by index into `block_ids`:
 
         [0, tree_blocks)            cached in the tree along the chain ending at `last`
-                                    (ids listed in `shadow` are the sequence's private
-                                    duplicates of blocks someone else committed first)
+                                    (ids in `shadow` are private duplicates of blocks
+                                    someone else committed first)
         [tree_blocks, len)          private: reused partial block, fresh and decode blocks
     """
 
-    __slots__ = ("alloc_new", "alloc_total", "block_ids", "full_reused", "last", "missed",
-                 "num_cached_tokens", "num_committed_tokens", "partial_reused", "priority",
-                 "scope", "seq_id", "shadow", "tokens", "tree_blocks")
+    __slots__ = ("_alloc_new", "_alloc_total", "_block_ids", "_committed", "_full_reused",
+                 "_last", "_missed", "_num_cached", "_partial_reused", "_priority", "_scope",
+                 "_seq_id", "_shadow", "_tokens", "_tree_blocks")
 
     def __init__(self, seq_id: Hashable, tokens: array, scope: ScopeKey, priority: int,
                  block_ids: list[int], num_cached_tokens: int, last: Node | None,
                  tree_blocks: int) -> None:
-        self.seq_id = seq_id
-        self.tokens = tokens
-        self.scope = scope
-        self.priority = priority
-        self.block_ids = block_ids
-        self.num_cached_tokens = num_cached_tokens
-        self.num_committed_tokens = num_cached_tokens
-        self.last = last
-        self.tree_blocks = tree_blocks
-        self.shadow: list[int] = []
-        self.alloc_total = 0
-        self.alloc_new = 0
-        self.full_reused = 0
-        self.partial_reused = 0
-        self.missed = 0
+        self._seq_id = seq_id
+        self._tokens = tokens
+        self._scope = scope
+        self._priority = priority
+        self._block_ids = block_ids
+        self._num_cached = num_cached_tokens
+        self._committed = num_cached_tokens
+        self._last = last
+        self._tree_blocks = tree_blocks
+        self._shadow: list[int] = []
+        self._alloc_total = 0
+        self._alloc_new = 0
+        self._full_reused = 0
+        self._partial_reused = 0
+        self._missed = 0
+
+    @property
+    def seq_id(self) -> Hashable:
+        """The id it was admitted under."""
+        return self._seq_id
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens reused at admission (any alignment; never the last one)."""
+        return self._num_cached
+
+    @property
+    def num_committed_tokens(self) -> int:
+        """Tokens whose KV is valid (reused or committed)."""
+        return self._committed
+
+    @property
+    def block_ids(self) -> Seq[int]:
+        """Physical block of each `tokens_per_block` tokens, in order (a live view: it
+        grows as tokens are appended; do not mutate it)."""
+        return self._block_ids
+
+    @property
+    def tokens(self) -> Seq[int]:
+        """Prompt plus appended tokens (a live view; do not mutate it)."""
+        return self._tokens
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus appended tokens."""
-        return len(self.tokens)
+        return len(self._tokens)
+
+    @property
+    def scope(self) -> ScopeKey:
+        """The key of its reuse scope (None for the default scope)."""
+        return self._scope
+
+    @property
+    def priority(self) -> int:
+        """Its retention priority."""
+        return self._priority
 
     @property
     def num_private_blocks(self) -> int:
         """Blocks this sequence owns outside the tree (returned to the pool on free)."""
-        return len(self.block_ids) - self.tree_blocks + len(self.shadow)
+        return len(self._block_ids) - self._tree_blocks + len(self._shadow)
+
+    @property
+    def holdings(self) -> Holdings:
+        """Its ties to the tree, for integrity checks (a snapshot)."""
+        return Holdings(self._last, self._tree_blocks, tuple(self._shadow))
 
     @property
     def metrics(self) -> RequestKvMetrics:
         """Per-request KV metrics (TensorRT-LLM's names)."""
-        reused = self.full_reused + self.partial_reused
-        return RequestKvMetrics(self.alloc_total, self.alloc_new, reused, self.missed,
-                                self.full_reused, self.partial_reused, self.num_cached_tokens)
+        reused = self._full_reused + self._partial_reused
+        return RequestKvMetrics(self._alloc_total, self._alloc_new, reused, self._missed,
+                                self._full_reused, self._partial_reused, self._num_cached)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.seq_id!r}, tokens={len(self.tokens)}, "
-                f"cached={self.num_cached_tokens}, committed={self.num_committed_tokens}, "
-                f"blocks={self.block_ids})")
+        return (f"Sequence({self._seq_id!r}, tokens={len(self._tokens)}, "
+                f"cached={self._num_cached}, committed={self._committed}, "
+                f"blocks={self._block_ids})")

@@ -6,6 +6,7 @@ it after mutations and the harness plugin after every test that owns a cache.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
@@ -89,7 +90,7 @@ def check_manager(mgr: KVCacheManager) -> None:
     missing = set(range(pool.num_blocks)) - owner.keys()
     if missing:
         _fail(f"blocks {sorted(missing)[:10]} are owned by nobody (leaked)")
-    for seq_id, op in mgr._copy_ops:
+    for seq_id, op in mgr.pending_copies:
         if seq_id not in mgr.sequences:
             _fail(f"copy op {op} belongs to freed sequence {seq_id!r}")
 
@@ -112,26 +113,27 @@ def _check_sequence(mgr: KVCacheManager, seq: Sequence, expected_ref: Counter[in
     if not seq.num_cached_tokens <= seq.num_committed_tokens <= ntok:
         _fail(f"{where}: cached {seq.num_cached_tokens} <= committed "
               f"{seq.num_committed_tokens} <= tokens {ntok} does not hold")
-    if mgr.reuse and seq.tree_blocks != seq.num_committed_tokens // B:
-        _fail(f"{where}: {seq.tree_blocks} blocks in the tree, committed "
+    last, tree_blocks, shadow_ids = seq.holdings
+    if mgr.reuse and tree_blocks != seq.num_committed_tokens // B:
+        _fail(f"{where}: {tree_blocks} blocks in the tree, committed "
               f"{seq.num_committed_tokens} tokens")
-    chain = _chain(seq.last)
+    chain = _chain(last)
     for node in chain:
         expected_ref[id(node)] += 1
     keys = b"".join(n.key for n in reversed(chain))
-    if keys != seq.tokens[:seq.tree_blocks * B].tobytes():
+    if keys != array("I", seq.tokens[:tree_blocks * B]).tobytes():
         _fail(f"{where}: the tree path it holds does not spell its first "
-              f"{seq.tree_blocks} blocks")
+              f"{tree_blocks} blocks")
     scope_root = mgr.tree.roots.get(seq.scope)
     top = chain[-1].parent if chain else None
     if chain and top is not scope_root:
         _fail(f"{where}: holds a path outside its scope {seq.scope!r}")
-    shadow = set(seq.shadow)
+    shadow = set(shadow_ids)
     path_blocks = [b for n in reversed(chain) for b in n.blocks]
     for i, block in enumerate(seq.block_ids):
-        if i < seq.tree_blocks and block != path_blocks[i]:
+        if i < tree_blocks and block != path_blocks[i]:
             if block not in shadow:
                 _fail(f"{where}: block {i} is {block}, the tree holds {path_blocks[i]}")
             own(block, f"{where} shadow block {i}")
-        elif i >= seq.tree_blocks:
+        elif i >= tree_blocks:
             own(block, f"{where} private block {i}")

@@ -10,6 +10,7 @@ invalidation, so eviction never scans the pool.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 from kvcache.core.radix import BlockRadixTree, Node
 
@@ -110,11 +111,28 @@ class BlockPool:
         if len(self.heap) > 2 * self.tree.num_nodes + 1024:
             self._compact()
 
-    def add_cached(self, node: Node) -> None:
+    def add_cached(self, node: Node, priority: int) -> None:
         """Account a freshly attached unreferenced node (a committed partial tail)."""
+        node.priority = priority
         node.last_used = self.clock
         self.num_evictable += len(node.blocks)
         self.push(node)
+
+    def hold_new(self, node: Node, priority: int) -> None:
+        """Account a freshly attached node whose only holder is the sequence that
+        committed it (its parent chain is already held by that sequence)."""
+        assert node.ref == 0 and not node.children
+        node.ref = 1
+        node.priority = priority
+
+    def give_back(self, block_ids: Sequence[int]) -> None:
+        """Return blocks that hold no cached content (a sequence's private ones)."""
+        self.free += block_ids
+
+    @property
+    def num_free(self) -> int:
+        """Blocks holding no cached content."""
+        return len(self.free)
 
     def forget_cached(self, node: Node) -> None:
         """Account an unreferenced node leaving the tree without eviction (a claim)."""

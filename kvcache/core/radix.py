@@ -19,6 +19,8 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvcache.core.validate import check_int
+
 TOKEN_BYTES = array("I").itemsize
 assert TOKEN_BYTES == 4, "kvcache needs a 4-byte C unsigned int"
 _BYTEORDER = sys.byteorder
@@ -31,11 +33,20 @@ class ReuseScope:
     """Who may share cached blocks: requests reuse only blocks of their own scope.
 
     `ReuseScope()` is the default scope, the same as passing `None`; `salt=0` is a
-    scope of its own, distinct from `salt=None`.
+    scope of its own, distinct from `salt=None`. A salt is an int, str or bytes (never a
+    bool or float: `True` and `1.0` would silently share `salt=1`'s cache); a LoRA id is
+    an int >= 0. Anything else is a ValueError naming the field.
     """
 
     salt: int | str | bytes | None = None
     lora_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.salt is not None and not isinstance(self.salt, str | bytes):
+            object.__setattr__(self, "salt", check_int(self.salt, "ReuseScope.salt (an int, "
+                                                       "str or bytes)"))
+        if self.lora_id is not None:
+            object.__setattr__(self, "lora_id", check_int(self.lora_id, "ReuseScope.lora_id", 0))
 
     @property
     def key(self) -> ScopeKey:
@@ -55,22 +66,43 @@ def scope_key(scope: ReuseScope | None, where: str = "scope") -> ScopeKey:
 
 
 def to_token_array(tokens: Sequence[int], op: str, seq_id: Hashable) -> array:
-    """Tokens as `array('I')`; raises ValueError naming the first bad token and the call."""
+    """Tokens as `array('I')`; raises ValueError naming the call and the first bad token
+    (not an integer, a bool, or outside [0, 2**32)), or a value that is not a sequence."""
+    if type(tokens) is array and tokens.typecode == "I":
+        return array("I", tokens)  # already checked by construction: one memcpy
+    try:
+        items = tokens if type(tokens) is list else list(tokens)
+    except TypeError:
+        raise ValueError(f"{_where(op, seq_id)}: tokens must be a sequence of integers, "
+                         f"got {type(tokens).__name__}") from None
     arr = array("I")
     try:
-        arr.fromlist(tokens if type(tokens) is list else list(tokens))
-    except TypeError:
-        pass
-    except OverflowError:
-        pass
-    else:
-        return arr
-    where = op if seq_id is None else f"{op}({seq_id!r})"
-    for i, tok in enumerate(tokens):
-        if isinstance(tok, bool) or not hasattr(tok, "__index__") or not 0 <= tok < 2**32:
-            raise ValueError(f"{where}: token {i} is {tok!r}; tokens must be integers "
-                             "in [0, 2**32)")
-    raise ValueError(f"{where}: tokens must be a sequence of integers, got {type(tokens)}")
+        arr.fromlist(items)
+    except (TypeError, OverflowError):
+        for i, tok in enumerate(items):
+            if isinstance(tok, bool) or not hasattr(tok, "__index__") or not 0 <= tok < 2**32:
+                raise ValueError(f"{_where(op, seq_id)}: token {i} is {tok!r}; tokens must be "
+                                 "integers in [0, 2**32)") from None
+        raise
+    _reject_bools(arr, items, op, seq_id)
+    return arr
+
+
+def _reject_bools(arr: array, items: list[int], op: str, seq_id: Hashable) -> None:
+    # array('I') takes True and False as 1 and 0. A type check per item would cost twice
+    # the conversion, so type-check only the tokens whose second byte is zero (all those
+    # below 256, a few others): one strided slice and C-level searches find them.
+    second = arr.tobytes()[1::TOKEN_BYTES] if _BYTEORDER == "little" else arr.tobytes()[2::4]
+    i = second.find(0)
+    while i >= 0:
+        if type(items[i]) is bool:
+            raise ValueError(f"{_where(op, seq_id)}: token {i} is {items[i]!r}; tokens must "
+                             "be integers, not bools")
+        i = second.find(0, i + 1)
+
+
+def _where(op: str, seq_id: Hashable) -> str:
+    return op if seq_id is None else f"{op}({seq_id!r})"
 
 
 class Node:
@@ -222,6 +254,13 @@ class BlockRadixTree:
             parent.full[key[:bb]] = node
         self.num_nodes += 1
         return node
+
+    def extend_leaf(self, node: Node, key: bytes, blocks: list[int]) -> None:
+        """Append full blocks (token bytes `key`, ids `blocks`) to leaf `node` in place,
+        so a sequence committing chunk after chunk keeps one edge."""
+        assert not node.children and len(node.key) == len(node.blocks) * self.block_bytes
+        node.key += key
+        node.blocks += blocks
 
     def split(self, node: Node, nblocks: int) -> Node:
         """Split `node` after its first `nblocks` blocks; returns the new upper node.

@@ -49,8 +49,9 @@ def assert_live_blocks_unshared(engine: Engine) -> None:
     free = set(mgr.pool.free)
     owner: dict[int, tuple[object, bool]] = {}
     for sid, seq in mgr.sequences.items():
+        _, tree_blocks, shadow = seq.holdings
         for pos, block in enumerate(seq.block_ids):
-            cached = pos < seq.tree_blocks and block not in seq.shadow
+            cached = pos < tree_blocks and block not in shadow
             assert block not in free, f"request {sid!r} holds block {block}, which is free"
             other = owner.setdefault(block, (sid, cached))
             if other[0] != sid:
