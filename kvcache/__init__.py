@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from kvcache._lazy import lazy_getattr
 from kvcache.core import (
     DEFAULT_PRIORITY,
+    AdmissionPlan,
     BlockCopy,
     CacheEvent,
     IntegrityError,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_PRIORITY",
+    "AdmissionPlan",
     "BlockCopy",
     "CacheEvent",
     "Engine",

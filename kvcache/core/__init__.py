@@ -12,12 +12,14 @@ from kvcache.core.handle import Sequence
 from kvcache.core.integrity import IntegrityError
 from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
 from kvcache.core.ops import BlockCopy
+from kvcache.core.plan import AdmissionPlan
 from kvcache.core.pool import OutOfBlocksError
 from kvcache.core.radix import ReuseMatch, ReuseScope
 from kvcache.core.stats import KvCacheStats, RequestKvMetrics
 
 __all__ = [
     "DEFAULT_PRIORITY",
+    "AdmissionPlan",
     "BlockCopy",
     "CacheEvent",
     "IntegrityError",

@@ -1,46 +1,38 @@
 """KVCacheManager: admit sequences with reuse, commit, append, free, probe, stats.
 
 The manager touches no tensors: it hands out block ids and `BlockCopy` ops that the engine
-applies to storage before its next forward pass. Every public mutator either succeeds or
-raises before changing anything (bad input: ValueError; no room: OutOfBlocksError).
+applies to storage before its next forward pass. It changes the tree and the pool only
+through their methods. Every public mutator either succeeds or raises before changing
+anything (bad input: ValueError; no room: OutOfBlocksError). Admission is one walk:
+`plan_admission` works out what a prompt would reuse and need, `admit` carries it out.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
-from typing import NamedTuple
 
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent
 from kvcache.core.handle import Sequence
 from kvcache.core.integrity import check_manager
 from kvcache.core.ops import BlockCopy
+from kvcache.core.plan import AdmissionPlan
 from kvcache.core.pool import BlockPool, OutOfBlocksError
 from kvcache.core.radix import (
     TOKEN_BYTES,
     BlockRadixTree,
-    Node,
     PartialHit,
     ReuseScope,
+    ScopeKey,
     scope_key,
     to_token_array,
 )
 from kvcache.core.stats import KvCacheStats
+from kvcache.core.validate import check_int, check_priority
 
 DEFAULT_PRIORITY = 35
-
-
-class _Plan(NamedTuple):
-    """An admission worked out before anything changes (see `KVCacheManager._plan`)."""
-
-    hits: list[tuple[Node, int]]
-    num_full_blocks: int
-    partial: PartialHit | None
-    num_tokens: int
-    need: int  # new blocks to allocate
-    available: int  # blocks obtainable once the hits are held
-    block_ids: list[int]  # the hits' blocks, in order
 
 
 class _Counters:
@@ -71,51 +63,54 @@ class KVCacheManager:
         self._copy_ops: list[tuple[Hashable, BlockCopy]] = []
         self._c = _Counters()
         self._step_base: KvCacheStats | None = None
+        self._version = 0  # bumped by every mutation: plans made before it are stale
         self.events: list[CacheEvent] | None = [] if record_events else None
         # Test seam for fault injection: called as (operation, blocks needed) before any
-        # allocation; returning True fails it with OutOfBlocksError, nothing changed.
+        # allocation; returning True refuses it (a plan that does not fit, or
+        # OutOfBlocksError from append_tokens), nothing changed.
         self.allocation_fault: Callable[[str, int], bool] | None = None
 
     # ------------------------------------------------------------------ admission
-    def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
-                     priority: int = DEFAULT_PRIORITY) -> Sequence:
-        """Admit a sequence: match its prompt, then hold blocks for the whole prompt.
+    def plan_admission(self, tokens: Seq[int], scope: ReuseScope | None = None) -> AdmissionPlan:
+        """What admitting `tokens` in `scope` would reuse and need now. Changes nothing.
 
-        Returns the live `Sequence`; `num_cached_tokens` tokens (any alignment) need no
-        compute. A partial hit on an unused leaf claims that block (it leaves the tree);
-        otherwise it queues a `BlockCopy` for `take_copy_ops()`. Raises ValueError for a
-        live `seq_id`, an empty prompt, bad tokens, scope or priority, and
-        OutOfBlocksError when the blocks cannot be had; either way nothing changes.
+        Pass the plan to `admit` before the cache changes again. A plan that does not
+        fit says so (`fits` is False); it is not an error. Raises ValueError for an
+        empty prompt, bad tokens or a bad scope.
+        """
+        skey = None if scope is None else scope_key(scope, "plan_admission")
+        arr = to_token_array(tokens, "plan_admission", None)
+        if not arr:
+            raise ValueError("plan_admission: empty prompt")
+        plan = self._plan(arr, skey)
+        fault = self.allocation_fault
+        if fault is not None and fault("add_sequence", plan.num_blocks):
+            plan._fault = True
+        return plan
+
+    def admit(self, seq_id: Hashable, plan: AdmissionPlan,
+              priority: int = DEFAULT_PRIORITY) -> Sequence:
+        """Carry out `plan` for a new sequence `seq_id`; returns its live `Sequence`.
+
+        `num_cached_tokens` tokens (any alignment) need no compute. A partial hit on an
+        unused leaf claims that block (it leaves the tree); otherwise it queues a
+        `BlockCopy` for `take_copy_ops()`. Raises ValueError for a live `seq_id`, a bad
+        priority or a stale plan (the cache changed since it was made), and
+        OutOfBlocksError for a plan that does not fit; either way nothing changes.
         """
         if seq_id in self.sequences:
-            raise ValueError(f"add_sequence({seq_id!r}): seq_id is already live")
-        if type(priority) is not int or not 0 <= priority <= 100:
-            raise ValueError(f"add_sequence({seq_id!r}): priority must be an int in [0, 100], "
-                             f"got {priority!r}")
-        skey = None if scope is None else scope_key(scope, f"add_sequence({seq_id!r})")
-        arr = to_token_array(tokens, "add_sequence", seq_id)
-        length = len(arr)
-        if not length:
-            raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
-        nblocks = (length + self._B - 1) // self._B
+            raise ValueError(f"admit({seq_id!r}): seq_id is already live")
+        priority = check_priority(priority, f"admit({seq_id!r})")
+        if plan._version != self._version:
+            raise ValueError(f"admit({seq_id!r}): stale plan: the cache changed after "
+                             "plan_admission; plan again")
         pool = self.pool
-        if self.allocation_fault is not None and self.allocation_fault("add_sequence", nblocks):
-            raise OutOfBlocksError(f"add_sequence({seq_id!r}) [injected fault]", nblocks, 0,
-                                   pool.num_blocks)
-        plan = self._plan(arr.tobytes(), length, nblocks, skey)
-        if plan is None:
-            if nblocks > pool.num_available:
-                raise OutOfBlocksError(f"add_sequence({seq_id!r})", nblocks, pool.num_available,
-                                       pool.num_blocks)
-            fresh_ids, fresh = pool.allocate(nblocks)
-            seq = Sequence(seq_id, arr, skey, priority, fresh_ids, 0, None, 0)
-            return self._admitted(seq, nblocks, 0, None, nblocks, fresh)
-
-        hits, nfull, ph, ntok, need, avail, ids = plan
-        if need > avail:
-            raise OutOfBlocksError(f"add_sequence({seq_id!r})", need, avail, pool.num_blocks)
-        claim = ph is not None and ph.claim
-
+        if not plan.fits:
+            fault = " [injected fault]" if plan._fault else ""
+            raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}", plan._need,
+                                   0 if plan._fault else plan._available, pool.num_blocks)
+        self._version += 1
+        hits, ph, need, ids = plan._hits, plan._partial, plan._need, plan._block_ids[:]
         tree = self.tree
         deep = None
         if hits:
@@ -125,7 +120,7 @@ class KVCacheManager:
         src = None
         if ph is not None:
             node = ph.node  # after the split above it starts at the candidate block
-            if claim:
+            if ph.claim:
                 pool.forget_cached(node)
                 tree.detach(node)
                 ids.append(node.blocks[0])
@@ -137,26 +132,48 @@ class KVCacheManager:
             self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0], ph.num_tokens)))
             pool.release(src, src.parent)
         ids += new
-        seq = Sequence(seq_id, arr, skey, priority, ids, ntok, deep, nfull)
-        return self._admitted(seq, nblocks, nfull, ph, need, fresh)
+        seq = Sequence(seq_id, plan._tokens, plan._scope, priority, ids, plan._cached, deep,
+                       plan._full)
+        return self._admitted(seq, plan._num_blocks, plan._full, ph, need, fresh)
 
-    def _plan(self, kb: bytes, length: int, nblocks: int, skey: Hashable) -> _Plan | None:
-        """What admitting token bytes `kb` would reuse and need now; None for no reuse.
+    def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
+                     priority: int = DEFAULT_PRIORITY) -> Sequence:
+        """Plan and admit in one call (see `plan_admission` and `admit`).
 
-        Pure. The partial hit is forgone when protecting its copy source would take the
-        very block the admission needs, so that a prompt that fits is never refused.
+        Raises ValueError for a live `seq_id`, an empty prompt, bad tokens, scope or
+        priority, and OutOfBlocksError when the blocks cannot be had; either way nothing
+        changes.
         """
-        if not self.reuse or length < 2:
-            return None
-        root = self.tree.roots.get(skey)
+        if seq_id in self.sequences:
+            raise ValueError(f"add_sequence({seq_id!r}): seq_id is already live")
+        priority = check_priority(priority, f"add_sequence({seq_id!r})")
+        skey = None if scope is None else scope_key(scope, f"add_sequence({seq_id!r})")
+        arr = to_token_array(tokens, "add_sequence", seq_id)
+        if not arr:
+            raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
+        plan = self._plan(arr, skey)
+        fault = self.allocation_fault
+        if fault is not None and fault("add_sequence", plan._num_blocks):
+            plan._fault = True
+        return self.admit(seq_id, plan, priority)
+
+    def _plan(self, arr: array, skey: ScopeKey) -> AdmissionPlan:
+        """The admission plan of token array `arr` in scope `skey` now. Pure.
+
+        The partial hit is forgone when protecting its copy source would take the very
+        block the admission needs, so that a prompt that fits is never refused.
+        """
+        length = len(arr)
+        nblocks = (length + self._B - 1) // self._B
+        pool = self.pool
+        root = self.tree.roots.get(skey) if self.reuse and length > 1 else None
         if root is None or not root.children:
-            return None
+            return AdmissionPlan(arr, skey, self._version, nblocks, [], 0, None, 0, nblocks,
+                                 pool.num_available, [])
         hits, nfull, ph, ntok = self.tree.match(
-            root, kb, (length - 1) * TOKEN_BYTES, partial=self._partial,
+            root, arr.tobytes(), (length - 1) * TOKEN_BYTES, partial=self._partial,
             copy_on_partial=self._copy)
-        if not ntok:
-            return None
-        avail = self.pool.num_available
+        avail = pool.num_available
         ids: list[int] = []
         for node, nb in hits:
             ids += node.blocks[:nb]
@@ -168,7 +185,8 @@ class KVCacheManager:
                 avail -= 1  # claimed, or a copy source protected during the admission
             else:
                 ph, ntok = None, nfull * self._B
-        return _Plan(hits, nfull, ph, ntok, need, avail, ids)
+        return AdmissionPlan(arr, skey, self._version, nblocks, hits, nfull, ph, ntok, need,
+                             avail, ids)
 
     def _admitted(self, seq: Sequence, nblocks: int, nfull: int, ph: PartialHit | None,
                   alloc: int, fresh: int) -> Sequence:
@@ -179,18 +197,19 @@ class KVCacheManager:
         c.missed += nblocks - nfull - partial
         c.alloc_total += alloc
         c.alloc_new += fresh
-        c.reused_tokens += seq.num_cached_tokens
+        c.reused_tokens += seq._num_cached
         if ph is not None:
             if ph.claim:
                 c.claimed += 1
             else:
                 c.copied += 1
-        seq.full_reused, seq.partial_reused = nfull, int(partial)
-        seq.missed = nblocks - nfull - partial
-        seq.alloc_total, seq.alloc_new = alloc, fresh
-        self.sequences[seq.seq_id] = seq
+        seq._full_reused, seq._partial_reused = nfull, int(partial)
+        seq._missed = nblocks - nfull - partial
+        seq._alloc_total, seq._alloc_new = alloc, fresh
+        self.sequences[seq._seq_id] = seq
         if self.events is not None:
-            self.events.append(CacheEvent("admit", seq.seq_id, tuple(seq.tokens), 0, seq.scope))
+            self.events.append(CacheEvent("admit", seq._seq_id, tuple(seq._tokens), 0,
+                                          seq._scope))
         return seq
 
     # ------------------------------------------------------------------ progress
@@ -202,53 +221,51 @@ class KVCacheManager:
         beyond the sequence or below an earlier commit.
         """
         seq = self._get(seq_id, "commit")
-        n = num_tokens
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise ValueError(f"commit({seq_id!r}): num_tokens must be an int, got {n!r}")
-        if n > len(seq.tokens):
+        n = check_int(num_tokens, f"commit({seq_id!r}): num_tokens")
+        if n > len(seq._tokens):
             raise ValueError(f"commit({seq_id!r}, {n}): beyond the sequence's "
-                             f"{len(seq.tokens)} tokens")
-        if n < seq.num_committed_tokens:
+                             f"{len(seq._tokens)} tokens")
+        if n < seq._committed:
             raise ValueError(f"commit({seq_id!r}, {n}): goes backwards; "
-                             f"{seq.num_committed_tokens} tokens are already committed")
-        seq.num_committed_tokens = n
+                             f"{seq._committed} tokens are already committed")
+        self._version += 1
+        seq._committed = n
         if self.events is not None:
             self.events.append(CacheEvent("commit", seq_id, (), n, None))
         nfull = n // self._B
-        if self.reuse and nfull > seq.tree_blocks:
+        if self.reuse and nfull > seq._tree_blocks:
             self._insert(seq, nfull)
 
     def _insert(self, seq: Sequence, nfull: int) -> None:
         B = self._B
-        t = seq.tree_blocks
-        deep = seq.last
+        t = seq._tree_blocks
+        deep = seq._last
+        tree = self.tree
         if deep is not None and deep.ref == 1 and not deep.children:
             # a leaf only this sequence holds: grow it in place, the tree stays compressed
-            deep.key += seq.tokens[t * B:nfull * B].tobytes()
-            deep.blocks += seq.block_ids[t:nfull]
-            seq.tree_blocks = nfull
+            tree.extend_leaf(deep, seq._tokens[t * B:nfull * B].tobytes(),
+                             seq._block_ids[t:nfull])
+            seq._tree_blocks = nfull
             return
-        tree = self.tree
-        parent = deep if deep is not None else tree.root(seq.scope)
-        kb = seq.tokens[t * B:nfull * B].tobytes()
+        parent = deep if deep is not None else tree.root(seq._scope)
+        kb = seq._tokens[t * B:nfull * B].tobytes()
         if parent.full:
             m = tree.match(parent, kb, len(kb), partial=False, copy_on_partial=False)
             if m.hits:  # someone committed the same blocks first: hold theirs
                 last, nb = m.hits[-1]
                 top = tree.split(last, nb) if nb < len(last.blocks) else last
-                self.pool.acquire(top, parent, seq.priority)
+                self.pool.acquire(top, parent, seq._priority)
                 k = m.num_full_blocks
-                seq.shadow += seq.block_ids[t:t + k]
+                seq._shadow += seq._block_ids[t:t + k]
                 t += k
                 kb = kb[k * tree.block_bytes:]
                 parent = top
         if t < nfull:
-            node = tree.add_child(parent, kb, seq.block_ids[t:nfull])
-            node.ref = 1
-            node.priority = seq.priority
+            node = tree.add_child(parent, kb, seq._block_ids[t:nfull])
+            self.pool.hold_new(node, seq._priority)
             parent = node
-        seq.last = parent
-        seq.tree_blocks = nfull
+        seq._last = parent
+        seq._tree_blocks = nfull
 
     def append_tokens(self, seq_id: Hashable, tokens: Seq[int]) -> None:
         """Append generated tokens, allocating blocks as needed.
@@ -258,7 +275,7 @@ class KVCacheManager:
         """
         seq = self._get(seq_id, "append_tokens")
         arr = to_token_array(tokens, "append_tokens", seq_id)
-        need = (len(seq.tokens) + len(arr) + self._B - 1) // self._B - len(seq.block_ids)
+        need = (len(seq._tokens) + len(arr) + self._B - 1) // self._B - len(seq._block_ids)
         if need > 0:
             pool = self.pool
             if self.allocation_fault is not None and self.allocation_fault("append_tokens", need):
@@ -267,15 +284,16 @@ class KVCacheManager:
             if need > pool.num_available:
                 raise OutOfBlocksError(f"append_tokens({seq_id!r})", need, pool.num_available,
                                        pool.num_blocks)
+            self._version += 1
             new, fresh = pool.allocate(need)
-            seq.block_ids += new
-            seq.alloc_total += need
-            seq.alloc_new += fresh
+            seq._block_ids += new
+            seq._alloc_total += need
+            seq._alloc_new += fresh
             c = self._c
             c.decode_alloc += need
             c.alloc_total += need
             c.alloc_new += fresh
-        seq.tokens.extend(arr)
+        seq._tokens.extend(arr)
         if self.events is not None:
             self.events.append(CacheEvent("append", seq_id, tuple(arr), 0, None))
 
@@ -286,6 +304,7 @@ class KVCacheManager:
         already starts with it. Pending copy ops of this sequence are dropped.
         """
         seq = self._get(seq_id, "free_sequence")
+        self._version += 1
         del self.sequences[seq_id]
         if self.events is not None:
             self.events.append(CacheEvent("free", seq_id, (), 0, None))
@@ -293,41 +312,44 @@ class KVCacheManager:
             self._copy_ops = [op for op in self._copy_ops if op[0] != seq_id]
         pool = self.pool
         pool.tick()
-        keep = seq.tree_blocks
+        keep = seq._tree_blocks
         if self.reuse:
-            if seq.num_committed_tokens % self._B and self._cache_tail(seq):
+            if seq._committed % self._B and self._cache_tail(seq):
                 keep += 1
-            if seq.last is not None:
-                pool.release(seq.last)
-        pool.free += seq.shadow
-        pool.free += seq.block_ids[keep:]
+            if seq._last is not None:
+                pool.release(seq._last)
+        pool.give_back(seq._shadow)
+        pool.give_back(seq._block_ids[keep:])
 
     def _cache_tail(self, seq: Sequence) -> bool:
-        n = seq.num_committed_tokens
+        n = seq._committed
         start = n - n % self._B
-        tail = seq.tokens[start:n].tobytes()
-        parent = seq.last if seq.last is not None else self.tree.root(seq.scope)
+        tail = seq._tokens[start:n].tobytes()
+        parent = seq._last if seq._last is not None else self.tree.root(seq._scope)
         for c in parent.children.get(tail[:TOKEN_BYTES], ()):
             if c.key.startswith(tail):
                 return False
-        node = self.tree.add_child(parent, tail, [seq.block_ids[start // self._B]])
-        node.priority = seq.priority
-        self.pool.add_cached(node)
+        node = self.tree.add_child(parent, tail, [seq._block_ids[start // self._B]])
+        self.pool.add_cached(node, seq._priority)
         return True
 
     # ------------------------------------------------------------------ queries
     def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now. Holds and changes nothing."""
         arr = to_token_array(tokens, "probe_reuse", None)
-        length = len(arr)
-        plan = self._plan(arr.tobytes(), length, (length + self._B - 1) // self._B,
-                          scope_key(scope, "probe_reuse"))
-        return plan.num_tokens if plan is not None else 0
+        if not arr:
+            return 0
+        return self._plan(arr, scope_key(scope, "probe_reuse"))._cached
 
     @property
     def pending_copy_ops(self) -> list[BlockCopy]:
         """Copies queued and not yet taken (a copy of the queue; read-only view)."""
         return [op for _, op in self._copy_ops]
+
+    @property
+    def pending_copies(self) -> list[tuple[Hashable, BlockCopy]]:
+        """(seq_id, copy) for every queued copy, in order (a copy of the queue)."""
+        return list(self._copy_ops)
 
     def take_copy_ops(self) -> list[BlockCopy]:
         """Pending copies, in the order they must be applied; the queue is emptied."""
@@ -359,7 +381,7 @@ class KVCacheManager:
             full_reused_blocks=c.full_reused, partial_reused_blocks=c.partial_reused,
             reused_tokens=c.reused_tokens, decode_alloc_blocks=c.decode_alloc,
             copied_blocks=c.copied, claimed_blocks=c.claimed, evicted_blocks=pool.num_evicted,
-            cached_num_blocks=pool.num_blocks - len(pool.free) - private)
+            cached_num_blocks=pool.num_blocks - pool.num_free - private)
 
     def step_stats(self) -> KvCacheStats:
         """Counters since the previous `step_stats()` call (since start for the first)."""

@@ -2,19 +2,21 @@
 
 Each step, running requests come first (decodes before prefill chunks, in admission
 order), then waiting requests are admitted in arrival order while a batch slot, token
-budget and blocks remain. A request that cannot get its blocks waits; nothing is
-half-admitted (the manager's admission is all-or-nothing).
+budget and blocks remain. Admission is one walk of the cache: the manager plans it
+(what the prompt reuses, what it needs, whether that fits) and the scheduler admits that
+plan or, when it does not fit, leaves the request waiting; nothing is half-admitted.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvcache.attention.block_table import BlockTable
 from kvcache.core.manager import KVCacheManager
-from kvcache.core.pool import OutOfBlocksError
-from kvcache.engine.request import Request
+
+if TYPE_CHECKING:  # request.py needs torch; the scheduler does not
+    from kvcache.engine.request import Request
 
 
 class Chunk(NamedTuple):
@@ -52,13 +54,12 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget and self._free_slots:
             req = self.waiting[0]
-            if not self.chunked and (len(req.tokens)
-                                     - self.manager.probe_reuse(req.tokens, req.scope) > budget):
-                break
-            try:
-                seq = self.manager.add_sequence(req.rid, req.tokens, req.scope, req.priority)
-            except OutOfBlocksError:
+            plan = self.manager.plan_admission(req.tokens, req.scope)
+            if not plan.fits:
                 break  # wait for running requests to free blocks
+            if not self.chunked and len(req.tokens) - plan.num_cached_tokens > budget:
+                break
+            seq = self.manager.admit(req.rid, plan, req.priority)
             self.waiting.popleft()
             req.seq = seq
             req.num_computed = seq.num_cached_tokens

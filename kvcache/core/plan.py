@@ -1,0 +1,99 @@
+"""AdmissionPlan: what admitting a prompt would reuse and need, before anything changes.
+
+`KVCacheManager.plan_admission` walks the tree once and returns a plan; `admit` carries
+that plan out. A scheduler asks whether a request fits and admits it from the same walk
+(nano-vllm's `can_allocate` / `allocate` pair), and "the pool is full" is a plan that
+says so rather than an exception.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from kvcache.core.radix import Node, PartialHit, ScopeKey
+
+
+class AdmissionPlan:
+    """A planned admission; valid until the cache next changes.
+
+    Read-only. `num_cached_tokens` tokens would be reused (`num_full_blocks` full blocks
+    and, with `partial`, one partial block: claimed without a copy when `claim`, else
+    copied); `num_new_blocks` blocks must be allocated, `num_available` can be had once
+    the reused blocks are held, and `fits` says whether that is enough. `injected_fault`
+    is set when the manager's fault-injection seam refused it.
+    """
+
+    __slots__ = ("_available", "_block_ids", "_cached", "_fault", "_full", "_hits", "_need",
+                 "_num_blocks", "_partial", "_scope", "_tokens", "_version")
+
+    def __init__(self, tokens: array, scope: ScopeKey, version: int, num_blocks: int,
+                 hits: list[tuple[Node, int]], num_full_blocks: int, partial: PartialHit | None,
+                 num_cached_tokens: int, num_new_blocks: int, num_available: int,
+                 block_ids: list[int], injected_fault: bool = False) -> None:
+        self._tokens = tokens
+        self._scope = scope
+        self._version = version
+        self._hits = hits
+        self._partial = partial
+        self._block_ids = block_ids
+        self._num_blocks = num_blocks
+        self._full = num_full_blocks
+        self._cached = num_cached_tokens
+        self._need = num_new_blocks
+        self._available = num_available
+        self._fault = injected_fault
+
+    @property
+    def fits(self) -> bool:
+        """True when `admit` would succeed now."""
+        return self._need <= self._available and not self._fault
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the admission would reuse (any alignment; never the last one)."""
+        return self._cached
+
+    @property
+    def num_full_blocks(self) -> int:
+        """Full blocks it would reuse."""
+        return self._full
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the whole prompt occupies."""
+        return self._num_blocks
+
+    @property
+    def num_new_blocks(self) -> int:
+        """Blocks it would allocate (copy target, fresh blocks)."""
+        return self._need
+
+    @property
+    def num_available(self) -> int:
+        """Blocks obtainable once the reused blocks are held."""
+        return self._available
+
+    @property
+    def injected_fault(self) -> bool:
+        """True when the manager's fault-injection seam refused this admission."""
+        return self._fault
+
+    @property
+    def partial(self) -> bool:
+        """True when the last reused block is a partial match."""
+        return self._partial is not None
+
+    @property
+    def claim(self) -> bool:
+        """True when the partial match takes over an unused leaf block (no copy)."""
+        return self._partial is not None and self._partial.claim
+
+    @property
+    def num_reused_blocks(self) -> int:
+        """Blocks reused, the partial one included."""
+        return self._full + (self._partial is not None)
+
+    def __repr__(self) -> str:
+        return (f"AdmissionPlan(tokens={len(self._tokens)}, cached={self._cached}, "
+                f"full={self._full}, partial={self.partial}, claim={self.claim}, "
+                f"new={self._need}, available={self._available}, fits={self.fits})")

@@ -1,0 +1,96 @@
+"""Admission as one walk: plan_admission says what a prompt reuses and needs, admit does it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache import AdmissionPlan, OutOfBlocksError, ReuseScope
+
+
+def _cached(mgr, seq_id: str, tokens: list[int]) -> None:
+    mgr.add_sequence(seq_id, tokens)
+    mgr.commit(seq_id, len(tokens))
+    mgr.free_sequence(seq_id)
+
+
+def test_plan_then_admit_equals_add_sequence(make_manager) -> None:
+    a, b = make_manager(4, 16), make_manager(4, 16)
+    for mgr in (a, b):
+        _cached(mgr, "x", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    prompt = [1, 2, 3, 4, 5, 6, 7, 9, 9]
+    plan = a.plan_admission(prompt)
+    assert isinstance(plan, AdmissionPlan)
+    assert (plan.num_cached_tokens, plan.num_full_blocks, plan.partial, plan.claim,
+            plan.num_new_blocks, plan.fits) == (7, 1, True, False, 2, True)
+    assert plan.num_cached_tokens == a.probe_reuse(prompt)
+    seq_a = a.admit("y", plan)
+    seq_b = b.add_sequence("y", prompt)
+    assert (seq_a.block_ids, seq_a.num_cached_tokens) == (seq_b.block_ids, seq_b.num_cached_tokens)
+    assert a.take_copy_ops() == b.take_copy_ops() and a.stats() == b.stats()
+    for mgr in (a, b):
+        mgr.free_sequence("y")
+
+
+def test_planning_changes_nothing(make_manager) -> None:
+    mgr = make_manager(4, 8)
+    _cached(mgr, "x", [1, 2, 3, 4, 5, 6])
+    before = (mgr.stats(), mgr.dump_tree(), list(mgr.pool.free))
+    mgr.plan_admission([1, 2, 3, 4, 5, 7])
+    mgr.plan_admission([9] * 40)  # does not fit
+    assert (mgr.stats(), mgr.dump_tree(), list(mgr.pool.free)) == before
+
+
+def test_a_full_pool_is_a_plan_that_says_so(make_manager) -> None:
+    mgr = make_manager(4, 3)
+    mgr.add_sequence("big", [1] * 9)
+    plan = mgr.plan_admission([2] * 5)
+    assert (plan.fits, plan.num_new_blocks, plan.num_available) == (False, 2, 0)
+    before = (mgr.stats(), mgr.dump_tree())
+    with pytest.raises(OutOfBlocksError, match="needs 2 new blocks, 0 free or evictable of 3"):
+        mgr.admit("small", plan)
+    assert (mgr.stats(), mgr.dump_tree()) == before and "small" not in mgr.sequences
+    mgr.free_sequence("big")
+
+
+def test_a_stale_plan_is_refused(make_manager) -> None:
+    mgr = make_manager(4, 8)
+    plan = mgr.plan_admission([1, 2, 3, 4, 5])
+    mgr.add_sequence("other", [7, 7])
+    with pytest.raises(ValueError, match=r"admit\('late'\): stale plan"):
+        mgr.admit("late", plan)
+    assert "late" not in mgr.sequences
+    mgr.admit("late", mgr.plan_admission([1, 2, 3, 4, 5]))
+    mgr.free_sequence("late")
+    mgr.free_sequence("other")
+
+
+def test_plans_are_per_scope(make_manager) -> None:
+    mgr = make_manager(4, 8)
+    mgr.add_sequence("a", [1, 2, 3, 4, 5], scope=ReuseScope(salt="t1"))
+    mgr.commit("a", 5)
+    mgr.free_sequence("a")
+    assert mgr.plan_admission([1, 2, 3, 4, 5], ReuseScope(salt="t1")).num_cached_tokens == 4
+    assert mgr.plan_admission([1, 2, 3, 4, 5], ReuseScope(salt="t2")).num_cached_tokens == 0
+
+
+def test_an_injected_fault_is_a_plan_that_does_not_fit(make_manager) -> None:
+    mgr = make_manager(4, 8)
+    mgr.allocation_fault = lambda op, n: op == "add_sequence"
+    plan = mgr.plan_admission([1, 2, 3])
+    assert (plan.fits, plan.injected_fault) == (False, True)
+    with pytest.raises(OutOfBlocksError, match="injected fault"):
+        mgr.add_sequence("a", [1, 2, 3])
+    mgr.allocation_fault = None
+    assert mgr.plan_admission([1, 2, 3]).fits
+
+
+def test_plan_rejects_bad_input(make_manager) -> None:
+    mgr = make_manager(4, 8)
+    for tokens, message in (([], "empty prompt"), ([1, True], "token 1 is True"),
+                            ([-1], "token 0 is -1")):
+        with pytest.raises(ValueError, match=message):
+            mgr.plan_admission(tokens)
+    with pytest.raises(ValueError, match="expected None or ReuseScope"):
+        mgr.plan_admission([1], scope="tenant")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"admit\('a'\): priority must be an int in \[0, 100\]"):
+        mgr.admit("a", mgr.plan_admission([1]), priority=True)
