@@ -2,7 +2,7 @@
 
 Reads pytest-benchmark JSON (every *.json in RESULTS_DIR that is one, or the --json
 files), writes RESULTS_DIR/summary.md with the headline numbers and ratios (cache-core
-tokens/s against the baseline trie and DESIGN.md's targets, metadata build against one
+tokens/s against the baseline trie and docs/design.md's targets, metadata build against one
 copy_, TTFT warm / cold / ideal, hit-rate curves, memory, GPU figures) and PNG plots
 (see benchmarks.report_plots). Sections whose benchmarks did not run are left out.
 """

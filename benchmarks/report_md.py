@@ -94,7 +94,7 @@ def _cache_core(benches: Sequence[Bench]) -> list[str]:
         rows.append([e.get("workload", b.name), e.get("phase", "?"), rate(ours, "tok/s"),
                      rate(base, "tok/s"), ratio(_div(ours, base)), rate(target, "tok/s"),
                      ratio(_div(ours, target))])
-    return ["## Cache core: DESIGN.md workloads (best round)", "",
+    return ["## Cache core: design workloads (best round)", "",
             *table(["workload", "phase", "ours", "baseline trie", "ours / baseline", "target",
                     "ours / target"], rows)]
 
@@ -176,7 +176,7 @@ def _memory(benches: Sequence[Bench]) -> list[str]:
     kv = [b.extra for b in benches if b.extra.get("kind") == "kv"]
     lines = ["## Memory", ""]
     if heap:
-        lines += ["Python heap of the manager (tracemalloc), DESIGN.md workloads:", "",
+        lines += ["Python heap of the manager (tracemalloc), design workloads:", "",
                   *table(["workload", "cached blocks", "bytes / cached block",
                           "bytes / cached token", "empty manager bytes / pool block",
                           "heap / tiny fp16 KV block"],

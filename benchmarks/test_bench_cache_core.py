@@ -1,4 +1,4 @@
-"""Cache-core throughput on DESIGN.md's two workloads, and per-request cost vs tree size.
+"""Cache-core throughput on the two design workloads, and per-request cost vs tree size.
 
 Each workload runs two phases on a fresh manager: insert (admit, commit, free every
 request in order) and match (the same requests again). Throughput is tokens per second of
@@ -27,7 +27,7 @@ WORKLOADS: dict[str, Callable[[], list[list[int]]]] = {
     "random_tree": lambda: random_prompt_tree(7, depth=4, branching=6, segment_len=256,
                                               vocab=50_000),
 }
-# DESIGN.md's targets, tokens/s on one core of a 2-core x86-64 VM
+# docs/design.md#benchmark-workloads-and-targets: tokens/s on one core of a 2-core x86-64 VM
 TARGETS = {("shared_prompt", "insert"): 100e6, ("shared_prompt", "match"): 110e6,
            ("multi_turn", "insert"): 70e6, ("multi_turn", "match"): 65e6}
 

@@ -47,7 +47,7 @@ HEADLINE = 0.75
 TOL = 1e-5  # float32 warm vs cold, rtol and atol (issue 3)
 # One intra-op thread: on a shared 2-core VM two OpenMP threads spin against the other
 # processes and single rounds stall for 10x their median; one thread keeps rounds
-# comparable (and matches DESIGN.md's one-core measurements).
+# comparable (and matches the cache-core benchmarks' one-core measurements).
 TORCH_THREADS = 1
 
 

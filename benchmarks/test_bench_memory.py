@@ -1,6 +1,6 @@
 """Memory: Python heap per cached block (the manager's bookkeeping) and KV bytes per token.
 
-Heap: tracemalloc counts every allocation the manager makes while it caches DESIGN.md's
+Heap: tracemalloc counts every allocation the manager makes while it caches the design's
 two cache-core workloads (admit, commit, free each request; nothing evicted). The empty
 manager (its free list) is measured first and reported per pool block; what caching
 adds is reported per cached block and per cached token. The prompts are built before

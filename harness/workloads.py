@@ -163,14 +163,15 @@ def random_prompt_tree(seed: int, depth: int, branching: int, segment_len: int,
 
 
 def bench_shared_prompt(seed: int = BENCH_SEED) -> list[Prompt]:
-    """DESIGN.md's cache-core benchmark: 1,000 requests of 2,048 tokens, ids in [1, 50000);
-    request i = the 1,536-token prompt of group i % 10 + 512 unique tokens."""
+    """Cache-core benchmark workload (docs/design.md): 1,000 requests of 2,048 tokens, ids
+    in [1, 50000); request i = the 1,536-token prompt of group i % 10 + 512 unique tokens."""
     return shared_system_prompt(1000, 1536, 512, 10, BENCH_VOCAB, seed)
 
 
 def bench_multi_turn_chat(seed: int = BENCH_SEED) -> list[Prompt]:
-    """DESIGN.md's cache-core benchmark: 200 conversations x 8 turns, turn-major; system
-    prompt c % 10 (256 tokens) + 64 user tokens, then 128 generated + 64 user per turn."""
+    """Cache-core benchmark workload (docs/design.md): 200 conversations x 8 turns,
+    turn-major; system prompt c % 10 (256 tokens) + 64 user tokens, then 128 generated + 64
+    user per turn."""
     return multi_turn_chat(200, 8, 256, 64, 128, 10, BENCH_VOCAB, seed)
 
 

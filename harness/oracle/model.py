@@ -3,7 +3,7 @@
 Written deliberately unlike `kvcache.core.radix` (it imports nothing from `kvcache`): a cached
 full block is a dict key `(scope, every token of the prefix through the block)`, a cached
 partial leaf is `(scope, prefix tokens, tail tokens)`, and "in use" is a count of live
-sequences per full-block key. It follows the reuse rules of DESIGN.md to the letter.
+sequences per full-block key. It follows the reuse rules of docs/design.md to the letter.
 
 Exact with an unbounded pool. With a bounded pool it is an upper bound when partial
 reuse is off: eviction only removes blocks. With partial reuse on it is not strictly one:
@@ -61,7 +61,7 @@ class ReuseOracle:
     def __init__(self, cfg: OracleConfig) -> None:
         self.cfg = cfg
         # every cached block -> when it was cached (ties between claimable blocks go to the
-        # most recently cached one; semantics.md leaves that choice open)
+        # most recently cached one, as in the cache; docs/design.md#choosing-the-partial-block)
         self._cached: dict[FullKey | PartialKey, int] = {}
         self._clock = 0
         # children of a prefix: the cached full blocks and partial leaves right after it

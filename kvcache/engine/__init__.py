@@ -1,6 +1,6 @@
 """The engine: scheduler (token budget, chunked prefill), step loop and generate().
 
-Names are exported lazily so `kvcache.engine.scheduler` loads without torch.
+Names are exported lazily, so `import kvcache.engine` loads no torch until a name is used.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ every allocation; returning True makes that allocation raise OutOfBlocksError be
 anything changes. A workload is first run clean to number its allocation points; then,
 for every k, the k-th allocation (and, in a second pass, the k-th and the next one) fails.
 
-What the engine does with a fault (kvcache/scheduler.py, kvcache/engine.py): a failed
+What the engine does with a fault (kvcache/engine/scheduler.py, kvcache/engine/engine.py): a failed
 admission leaves the request waiting for the next step (even on an idle engine); a failed
 decode allocation preempts the request, which is recomputed later, reusing what it
 committed. Either way the outputs must equal a cold run, nothing may leak, and the cache

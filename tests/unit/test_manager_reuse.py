@@ -1,4 +1,4 @@
-"""KVCacheManager reuse rules, each with hand-computed numbers (DESIGN.md, reuse semantics)."""
+"""KVCacheManager reuse rules, each with hand-computed numbers (docs/design.md#reuse-semantics)."""
 
 from __future__ import annotations
 
