@@ -1,6 +1,6 @@
 """The cache core: block radix tree, block pool, manager, statistics. Pure Python.
 
-Nothing here imports torch or numpy (a test checks it in a fresh interpreter): the
+Nothing here imports torch or numpy (tests/unit/test_core_boundaries.py checks it): the
 manager hands out block ids and `BlockCopy` ops, and the engine applies them to tensors.
 """
 

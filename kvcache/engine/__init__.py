@@ -1,6 +1,8 @@
 """The engine: scheduler (token budget, chunked prefill), step loop and generate().
 
-Names are exported lazily, so `import kvcache.engine` loads no torch until a name is used.
+Names are exported lazily, so `import kvcache.engine` loads no torch until a name is used,
+and `kvcache.engine.scheduler` loads numpy alone (it reaches attention only through the
+block table).
 """
 
 from __future__ import annotations
