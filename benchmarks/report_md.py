@@ -171,6 +171,26 @@ def _hit_rate(benches: Sequence[Bench]) -> list[str]:
     return lines
 
 
+def _routing(benches: Sequence[Bench]) -> list[str]:
+    lines = ["## Cache-aware routing (N replicas, event-driven longest prefix vs round-robin)",
+             ""]
+    for b in sorted(benches, key=lambda b: b.extra.get("workload", "")):
+        e = b.extra
+        rows = zip(e.get("replicas", []), e.get("pool_blocks", []),
+                   e.get("round_robin_hit_rate", []), e.get("prefix_hit_rate", []),
+                   e.get("round_robin_saved_tokens", []), e.get("prefix_saved_tokens", []),
+                   e.get("prefix_imbalance", []), strict=False)
+        lines += [f"**{e.get('workload', b.name)}**: {e.get('requests', '?')} requests, "
+                  f"{e.get('prompt_tokens', '?')} prompt tokens; each replica's pool holds "
+                  f"{e.get('headroom', '?')} / N of the {e.get('footprint_blocks', '?')}-block "
+                  "footprint.", "",
+                  *table(["replicas", "pool blocks", "round-robin hit rate",
+                          "prefix hit rate", "round-robin tokens saved",
+                          "prefix tokens saved", "prefix load imbalance"],
+                         [list(r) for r in rows])]
+    return lines
+
+
 def _memory(benches: Sequence[Bench]) -> list[str]:
     heap = [b.extra for b in benches if b.extra.get("kind") == "heap"]
     kv = [b.extra for b in benches if b.extra.get("kind") == "kv"]
@@ -241,6 +261,7 @@ SECTIONS: tuple[Section, ...] = (
                                                 "test_dense_attention_baseline"), _attention),
     Section("Time to first token", _suite("ttft"), _ttft),
     Section("Hit rate against pool size", _suite("hit_rate"), _hit_rate),
+    Section("Cache-aware routing", _suite("routing"), _routing),
     Section("Memory", _suite("memory"), _memory),
     Section("GPU", _suite("gpu_"), _gpu),
 )

@@ -17,6 +17,8 @@ from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent
 from kvcache.core.handle import Sequence
 from kvcache.core.integrity import check_manager
+from kvcache.core.kv_event_log import KvEventLog
+from kvcache.core.kv_events import KvCacheEvent
 from kvcache.core.ops import BlockCopy
 from kvcache.core.plan import AdmissionPlan
 from kvcache.core.pool import BlockPool, OutOfBlocksError
@@ -49,7 +51,8 @@ class _Counters:
 class KVCacheManager:
     """A paged KV cache's bookkeeping: a block radix tree over a fixed block pool."""
 
-    def __init__(self, config: KvCacheConfig, *, record_events: bool = False) -> None:
+    def __init__(self, config: KvCacheConfig, *, record_events: bool = False,
+                 kv_events: bool = False) -> None:
         if not isinstance(config, KvCacheConfig):
             raise ValueError(f"KVCacheManager: expected a KvCacheConfig, got {config!r}")
         self.config = config
@@ -65,6 +68,8 @@ class KVCacheManager:
         self._step_base: KvCacheStats | None = None
         self._version = 0  # bumped by every mutation: plans made before it are stale
         self.events: list[CacheEvent] | None = [] if record_events else None
+        # KV-cache events for routers (blocks stored and removed), see kv_events.py
+        self._kv = KvEventLog(self._B) if kv_events else None
         # Test seam for fault injection: called as (operation, blocks needed) before any
         # allocation; returning True refuses it (a plan that does not fit, or
         # OutOfBlocksError from append_tokens), nothing changed.
@@ -123,11 +128,15 @@ class KVCacheManager:
             if ph.claim:
                 pool.forget_cached(node)
                 tree.detach(node)
+                if self._kv is not None:
+                    self._kv.removed(node.blocks)
                 ids.append(node.blocks[0])
             else:
                 src = tree.split(node, 1) if len(node.blocks) > 1 else node
                 pool.acquire(src, src.parent, priority)
         new, fresh = pool.allocate(need)
+        if self._kv is not None and fresh < need:
+            self._kv.removed(new[fresh:])
         if src is not None and ph is not None:
             self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0], ph.num_tokens)))
             pool.release(src, src.parent)
@@ -245,6 +254,9 @@ class KVCacheManager:
             # a leaf only this sequence holds: grow it in place, the tree stays compressed
             tree.extend_leaf(deep, seq._tokens[t * B:nfull * B].tobytes(),
                              seq._block_ids[t:nfull])
+            if self._kv is not None:
+                self._kv.stored(seq._seq_id, seq._tokens, seq._scope, t,
+                                seq._block_ids[t:nfull])
             seq._tree_blocks = nfull
             return
         parent = deep if deep is not None else tree.root(seq._scope)
@@ -262,6 +274,9 @@ class KVCacheManager:
                 parent = top
         if t < nfull:
             node = tree.add_child(parent, kb, seq._block_ids[t:nfull])
+            if self._kv is not None:
+                self._kv.stored(seq._seq_id, seq._tokens, seq._scope, t,
+                                seq._block_ids[t:nfull])
             self.pool.hold_new(node, seq._priority)
             parent = node
         seq._last = parent
@@ -286,6 +301,8 @@ class KVCacheManager:
                                        pool.num_blocks)
             self._version += 1
             new, fresh = pool.allocate(need)
+            if self._kv is not None and fresh < need:
+                self._kv.removed(new[fresh:])
             seq._block_ids += new
             seq._alloc_total += need
             seq._alloc_new += fresh
@@ -306,6 +323,8 @@ class KVCacheManager:
         seq = self._get(seq_id, "free_sequence")
         self._version += 1
         del self.sequences[seq_id]
+        if self._kv is not None:
+            self._kv.freed(seq_id)
         if self.events is not None:
             self.events.append(CacheEvent("free", seq_id, (), 0, None))
         if self._copy_ops:
@@ -329,7 +348,11 @@ class KVCacheManager:
         for c in parent.children.get(tail[:TOKEN_BYTES], ()):
             if c.key.startswith(tail):
                 return False
-        node = self.tree.add_child(parent, tail, [seq._block_ids[start // self._B]])
+        block = seq._block_ids[start // self._B]
+        node = self.tree.add_child(parent, tail, [block])
+        if self._kv is not None:
+            self._kv.stored_partial(seq._seq_id, seq._tokens, seq._scope, start // self._B,
+                                    n - start, block)
         self.pool.add_cached(node, seq._priority)
         return True
 
@@ -356,6 +379,27 @@ class KVCacheManager:
         ops = [op for _, op in self._copy_ops]
         self._copy_ops = []
         return ops
+
+    def take_kv_events(self) -> list[KvCacheEvent]:
+        """KV-cache events since the last call, oldest first (BlockStored, BlockRemoved,
+        AllBlocksCleared); the queue is emptied. ValueError unless built with
+        kv_events=True."""
+        if self._kv is None:
+            raise ValueError("take_kv_events: the manager was built with kv_events=False")
+        return self._kv.take()
+
+    def reset_cache(self) -> None:
+        """Drop every cached block (vLLM's reset_prefix_cache); with KV events on, records
+        AllBlocksCleared. Raises ValueError while any sequence is live (their blocks are
+        in use), changing nothing."""
+        if self.sequences:
+            raise ValueError(f"reset_cache: {len(self.sequences)} sequences are live; "
+                             "free them first")
+        self._version += 1
+        self.tree = BlockRadixTree(self._B)
+        self.pool.reset(self.tree)
+        if self._kv is not None:
+            self._kv.cleared()
 
     def get_sequence(self, seq_id: Hashable) -> Sequence:
         """The live handle of `seq_id`; ValueError if it is not live."""

@@ -46,6 +46,15 @@ class BlockPool:
         self.clock = 0  # logical time: advanced once per release of a holder
         self.num_evicted = 0
 
+    def reset(self, tree: BlockRadixTree) -> None:
+        """Forget every cached block: all blocks become free, `tree` (empty) replaces the
+        old tree. Only valid while no block is referenced; the clock and the eviction
+        count carry on."""
+        self.tree = tree
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+        self.num_evictable = 0
+        self.heap = []
+
     @property
     def num_available(self) -> int:
         """Blocks obtainable now: free plus evictable."""

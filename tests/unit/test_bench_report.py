@@ -153,7 +153,7 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     out.mkdir()
     suites = ["benchmarks/test_bench_engine.py", "benchmarks/test_bench_hit_rate.py",
-              "benchmarks/test_bench_memory.py"]
+              "benchmarks/test_bench_memory.py", "benchmarks/test_bench_routing.py"]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *suites, "--bench-quick", "-q", "-p",
          "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"],
@@ -164,7 +164,7 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     assert report(out).returncode == 0
     md = (out / "summary.md").read_text()
     for title in ("## Time to first token", "## Hit rate against pool size", "## Memory",
-                  "quick mode: True"):
+                  "## Cache-aware routing", "quick mode: True"):
         assert title in md, f"{title!r} missing from summary.md:\n{md}"
     assert "Not rendered" not in md and "not drawn" not in md, md
     assert (out / "hit_rate_vs_pool_size.png").read_bytes()[:8] == PNG_MAGIC
