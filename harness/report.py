@@ -2,7 +2,8 @@
 
 `ReuseReport` collects one `ReuseRecord` per checked scenario run. `summarize` folds
 whatever a results folder holds (junit XML, reuse_report.json, pytest-benchmark JSON)
-into one markdown page; any of them may be missing. Standard library only.
+into one markdown page; any of them may be missing. Standard library only (and the
+harness's own `hit_rate`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness.oracle.types import hit_rate
 
 REPORT_JSON = "reuse_report.json"
 REPORT_MD = "reuse_report.md"
@@ -198,9 +201,8 @@ def _reuse_section(results_dir: Path) -> list[str]:
         rs = by[scenario]
         reused = sum(r.stats.get("reusedBlocks", 0) for r in rs)
         missed = sum(r.stats.get("missedBlocks", 0) for r in rs)
-        rate = reused / (reused + missed) if reused + missed else 0.0
         lines.append(f"| {scenario} | {len(rs)} | {sum(not r.passed for r in rs)} | "
-                     f"{_num(reused)} | {_num(missed)} | {rate:.3f} |")
+                     f"{_num(reused)} | {_num(missed)} | {hit_rate(reused, missed):.3f} |")
     return lines
 
 

@@ -15,6 +15,16 @@ EventKind = Literal["admit", "commit", "append", "free"]
 _KINDS: tuple[EventKind, ...] = ("admit", "commit", "append", "free")
 
 
+def hit_rate(reused_blocks: int | float, missed_blocks: int | float) -> float:
+    """The block hit rate, reused / (reused + missed); 0.0 when no block was looked up.
+
+    The harness's one formula: the oracle's totals, the reuse assertions' window and the
+    report's per-scenario rows all call it (kvcache computes its own, independently).
+    """
+    total = reused_blocks + missed_blocks
+    return reused_blocks / total if total else 0.0
+
+
 @dataclass(frozen=True)
 class OracleConfig:
     """The effective reuse policy the oracle models (no "auto": every flag resolved)."""
@@ -159,9 +169,8 @@ class ReuseTotals:
 
     @property
     def cache_hit_rate(self) -> float:
-        """reused / (reused + missed); 0.0 when nothing was admitted."""
-        total = self.reused_blocks + self.missed_blocks
-        return self.reused_blocks / total if total else 0.0
+        """`hit_rate` of the totals; 0.0 when nothing was admitted."""
+        return hit_rate(self.reused_blocks, self.missed_blocks)
 
     def as_dict(self) -> dict[str, int | float]:
         """reusedBlocks, missedBlocks, fullReusedBlocks, partialReusedBlocks, reusedTokens,

@@ -17,6 +17,7 @@ from typing import Any
 
 from harness.engine_protocol import EngineUnderTest, StatsLike
 from harness.oracle.model import OracleConfig, OraclePrediction, replay
+from harness.oracle.types import hit_rate
 
 GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
                     "cachedNumBlocks"})
@@ -61,18 +62,12 @@ def normalize_stats(stats: StatsLike, where: str = "stats") -> dict[str, Number]
     return out
 
 
-def hit_rate(values: Mapping[str, Number]) -> float:
-    """reusedBlocks / (reusedBlocks + missedBlocks); 0.0 when both are zero."""
-    total = values.get("reusedBlocks", 0) + values.get("missedBlocks", 0)
-    return values.get("reusedBlocks", 0) / total if total else 0.0
-
-
 def diff_stats(before: StatsLike | None, after: StatsLike) -> dict[str, Number]:
     """The window between two cumulative snapshots (before=None: since start)."""
     a = normalize_stats(after, "after")
     b = normalize_stats(before, "before") if before is not None else {}
     window = {k: v if k in GAUGES else v - b.get(k, 0) for k, v in a.items()}
-    window["cacheHitRate"] = hit_rate(window)
+    window["cacheHitRate"] = hit_rate(window.get("reusedBlocks", 0), window.get("missedBlocks", 0))
     return window
 
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.oracle.types import ReuseTotals
 from harness.report import ReuseRecord, ReuseReport, summarize
+from harness.reuse.assertions import diff_stats
 
 OK = ReuseRecord("shared_prefix", "tests/scenarios/test_shared.py::test_a[p16]",
                  {"B": "16"}, {"reusedBlocks": 6, "missedBlocks": 2, "cacheHitRate": 0.75},
@@ -123,3 +125,20 @@ def test_summarize_empty_and_broken(tmp_path: Path) -> None:
     assert "No reuse report found." in text and "No benchmark JSON found." in text
     with pytest.raises(ValueError, match="is not a directory"):
         summarize(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(("reused", "missed", "rate"), [
+    pytest.param(0, 0, 0.0, id="nothing-looked-up"), pytest.param(0, 4, 0.0, id="all-missed"),
+    pytest.param(5, 0, 1.0, id="all-reused"), pytest.param(9, 7, 0.5625, id="9-of-16"),
+    pytest.param(1, 2, 1 / 3, id="1-of-3")])
+def test_oracle_assertions_and_report_share_the_hit_rate(
+        tmp_path: Path, reused: int, missed: int, rate: float) -> None:
+    assert ReuseTotals(reused_blocks=reused, missed_blocks=missed).cache_hit_rate == rate
+    window = diff_stats({"reusedBlocks": 1, "missedBlocks": 1},
+                        {"reusedBlocks": reused + 1, "missedBlocks": missed + 1})
+    assert window["cacheHitRate"] == rate
+    # the report sums a scenario's runs before dividing: split the counts over two runs
+    runs = [ReuseRecord("s", f"t{i}", {}, {"reusedBlocks": r, "missedBlocks": m}, None, True)
+            for i, (r, m) in enumerate([(reused // 2, missed), (reused - reused // 2, 0)])]
+    ReuseReport(runs).write(tmp_path)
+    assert f"| s | 2 | 0 | {reused} | {missed} | {rate:.3f} |" in summarize(tmp_path)
