@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from harness.bench_results import BenchJsonError
 from harness.oracle.types import ReuseTotals
 from harness.report import ReuseRecord, ReuseReport, summarize
 from harness.reuse.assertions import diff_stats
@@ -79,9 +81,13 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 </testsuite></testsuites>
 """
 BENCH = {"machine_info": {}, "benchmarks": [
-    {"name": "test_insert[shared]", "stats": {"mean": 0.0205, "ops": 48.78},
+    {"name": "test_insert[shared]",
+     "stats": {"min": 0.02, "max": 0.021, "mean": 0.0205, "median": 0.0205, "rounds": 5,
+               "ops": 48.78},
      "extra_info": {"tokens_per_s": 97_500_000.0, "workload": "shared", "nested": {"x": 1}}},
-    {"name": "test_match[chat]", "stats": {"mean": 0.000004, "ops": 250000.0},
+    {"name": "test_match[chat]",
+     "stats": {"min": 0.000004, "max": 0.000004, "mean": 0.000004, "median": 0.000004,
+               "rounds": 1000, "ops": 250000.0},
      "extra_info": {}}]}
 
 
@@ -116,6 +122,18 @@ def test_summarize_everything(tmp_path: Path) -> None:
 | `test_insert[shared]` | 20.5 ms | 48.8 | tokens_per_s=97,500,000, workload=shared |
 | `test_match[chat]` | 4 us | 250,000.0 | - |
 """
+
+
+def test_a_benchmark_json_of_the_wrong_shape_is_an_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    broken = tmp_path / "bench" / "bench.json"
+    broken.write_text(json.dumps({"benchmarks": [{"name": "test_x", "stats": {"mean": 1.0}}]}))
+    with pytest.raises(BenchJsonError, match=rf"^{re.escape(str(broken))}: benchmarks\[0\] "
+                                             r"\(test_x\): stats lack \['min', 'max'"):
+        summarize(tmp_path)
+    broken.write_text('{"benchmarks": [')  # a run killed while writing
+    with pytest.raises(BenchJsonError, match=rf"^{re.escape(str(broken))}: cannot read"):
+        summarize(tmp_path)
 
 
 def test_summarize_empty_and_broken(tmp_path: Path) -> None:
