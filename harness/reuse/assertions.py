@@ -244,30 +244,9 @@ def expect_reuse(before: StatsLike | None, after: StatsLike, *,
     return window
 
 
-def cache_config_mapping(config: Any) -> Mapping[str, Any]:
-    """An engine's `cache_config` as the protocol's mapping of effective settings.
-
-    A mapping passes through. An object with `tokens_per_block` and the effective-flag
-    properties `block_reuse`, `partial_reuse`, `copy_on_partial` (kvcache.KvCacheConfig,
-    whose own fields may say None for "auto") is read through those properties.
-    Raises ValueError for anything else.
-    """
-    if isinstance(config, Mapping):
-        return config
-    names = ("tokens_per_block", "block_reuse", "partial_reuse", "copy_on_partial")
-    if not all(hasattr(config, n) for n in names):
-        raise ValueError(f"cache_config {config!r}: expected a mapping or an object with "
-                         f"{', '.join(names)}")
-    return {"tokens_per_block": config.tokens_per_block,
-            "enable_block_reuse": config.block_reuse,
-            "enable_partial_reuse": config.partial_reuse,
-            "copy_on_partial_reuse": config.copy_on_partial}
-
-
 def predict_from_engine(engine: EngineUnderTest) -> OraclePrediction:
     """The oracle's prediction for everything in `engine.admission_log()` so far."""
-    cfg = OracleConfig.from_mapping(cache_config_mapping(engine.cache_config),
-                                    "engine.cache_config")
+    cfg = OracleConfig.from_cache_config(engine.cache_config, "engine.cache_config")
     return replay(engine.admission_log(), cfg)
 
 
