@@ -16,8 +16,7 @@ from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import Engine
 from kvcache.engine import FinishReason, GenerationOutput
 from kvcache.model import Transformer
-
-from .support import EngineSpec, assert_clean, assert_same_output, cold_outputs
+from tests.reliability.support import EngineSpec, assert_clean, assert_same_output, cold_outputs
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # 19
 

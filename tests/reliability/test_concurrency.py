@@ -21,8 +21,7 @@ from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, ReuseScope
 from kvcache.engine import FinishReason, GenerationOutput
 from kvcache.model import Transformer
-
-from .support import (
+from tests.reliability.support import (
     EngineSpec,
     assert_clean,
     assert_same_output,

@@ -24,8 +24,7 @@ from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
-
-from .support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs
+from tests.reliability.support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs
 
 P = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # a stem the workloads share
 SALT = ReuseScope(salt=7)

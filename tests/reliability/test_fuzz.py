@@ -21,8 +21,7 @@ import pytest
 from harness.reuse.assertions import predict_from_engine
 from kvcache import ReuseScope
 from kvcache.model import Transformer
-
-from .support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs
+from tests.reliability.support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs
 
 Prompt = tuple[int, ...]
 QUICK_SEEDS = range(10)

@@ -20,8 +20,7 @@ from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
-
-from .support import EngineSpec, assert_clean
+from tests.reliability.support import EngineSpec, assert_clean
 
 # ReuseScope() is the default scope, the same as None; salt 0 is a scope of its own.
 SCOPES: list[ReuseScope | None] = [None, ReuseScope(), ReuseScope(salt=0), ReuseScope(salt=1),

@@ -1,7 +1,7 @@
 """benchmarks.report on synthetic pytest-benchmark JSON, and the quick suites end to end.
 
 The report runs as its users run it, `python -m benchmarks.report` from the repository
-root (tests/ is not a package, so `benchmarks` is importable only from there).
+root (benchmarks/ is not installed, so it is importable only from there).
 """
 
 from __future__ import annotations
