@@ -13,6 +13,7 @@ from pathlib import Path
 
 import nox
 
+nox.needs_version = ">=2024.4"  # what pyproject's dev extra installs; nox reads it first
 nox.options.sessions = ["premerge"]
 nox.options.default_venv_backend = "venv"
 
@@ -27,8 +28,8 @@ TEST_DB = "test_lists/test-db"
 
 def _setup(session: nox.Session, extras: str) -> Path:
     """Install the project with `extras`; return a fresh results/<session> folder."""
-    session.run("python", "-c", "import torch", silent=True,
-                success_codes=[0], external=False)
+    # Fail first, and plainly, where the interpreter nox runs on has no torch to share.
+    session.run("python", "-c", "import torch", silent=True)
     session.install("-e", f".[{extras}]")
     results = Path("results") / session.name
     shutil.rmtree(results, ignore_errors=True)
@@ -36,22 +37,24 @@ def _setup(session: nox.Session, extras: str) -> Path:
     return results
 
 
+def _run_lists(session: nox.Session, stage: str) -> None:
+    """Run the test-db lists of `stage` for this machine; posargs go to pytest last."""
+    results = _setup(session, "test,bench")
+    session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", f"--stage={stage}",
+                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
+                *session.posargs)
+
+
 @nox.session(venv_params=VENV_PARAMS)
 def premerge(session: nox.Session) -> None:
     """Run the pre-merge lists for this machine."""
-    results = _setup(session, "test,bench")
-    session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", "--stage=pre_merge",
-                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
-                *session.posargs)
+    _run_lists(session, "pre_merge")
 
 
 @nox.session(venv_params=VENV_PARAMS)
 def postmerge(session: nox.Session) -> None:
     """Run the post-merge lists for this machine."""
-    results = _setup(session, "test,bench")
-    session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", "--stage=post_merge",
-                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
-                *session.posargs)
+    _run_lists(session, "post_merge")
 
 
 @nox.session(venv_params=VENV_PARAMS)
@@ -64,7 +67,7 @@ def lists(session: nox.Session) -> None:
 
 @nox.session(venv_params=VENV_PARAMS)
 def lint(session: nox.Session) -> None:
-    """Ruff and mypy on kvcache/ and harness/."""
+    """Ruff on the code, tests and benchmarks; mypy on kvcache/ and harness/."""
     _setup(session, "dev")
     session.run("python", "-m", "ruff", "check", "kvcache", "harness", "tests", "benchmarks",
                 "noxfile.py")
@@ -75,7 +78,7 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks; JSON, summary.md and plots in results/bench (-- --bench-quick: smoke)."""
     results = _setup(session, "test,bench")
-    session.run("pytest", "benchmarks", f"--benchmark-json={results / 'bench.json'}",
-                "--benchmark-sort=fullname", f"--junitxml={results / 'junit.xml'}",
-                *session.posargs)
+    session.run("python", "-m", "pytest", "benchmarks",
+                f"--benchmark-json={results / 'bench.json'}", "--benchmark-sort=fullname",
+                f"--junitxml={results / 'junit.xml'}", *session.posargs)
     session.run("python", "-m", "benchmarks.report", str(results))

@@ -1,8 +1,9 @@
 """Benchmark summary: `python -m benchmarks.report RESULTS_DIR [--json FILE ...]`.
 
 Reads pytest-benchmark JSON (every *.json in RESULTS_DIR that is one, or the --json
-files), writes RESULTS_DIR/summary.md with the headline numbers and ratios (cache-core
-tokens/s against the baseline trie and docs/design.md's targets, metadata build against one
+files) through `harness.bench_results`, the reader `kvharness report` uses too, and
+writes RESULTS_DIR/summary.md with the headline numbers and ratios (cache-core tokens/s
+against the baseline trie and docs/design.md's targets, metadata build against one
 copy_, TTFT warm / cold / ideal, hit-rate curves, memory, GPU figures) and PNG plots
 (see benchmarks.report_plots). Sections whose benchmarks did not run are left out.
 """
@@ -10,7 +11,6 @@ copy_, TTFT warm / cold / ideal, hit-rate curves, memory, GPU figures) and PNG p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,83 +19,36 @@ from typing import Any
 
 from benchmarks.conftest import library_versions
 from benchmarks.report_md import SECTIONS, other_section, render
+from harness.bench_results import Benchmark, find_bench_json, load_bench_json
 
 SUMMARY = "summary.md"
-
-
-@dataclass(frozen=True)
-class Bench:
-    """One benchmark of a pytest-benchmark JSON: name, seconds per round, extra_info."""
-
-    name: str
-    median: float
-    min: float
-    rounds: int
-    extra: Mapping[str, Any]
-
-    @property
-    def base(self) -> str:
-        """The test function's name, without parameters."""
-        return self.name.split("[", 1)[0]
 
 
 @dataclass(frozen=True)
 class Results:
     """Benchmarks of one or more JSON files, with the first file's run description."""
 
-    benches: tuple[Bench, ...]
+    benches: tuple[Benchmark, ...]
     machine: Mapping[str, Any]
     commit: Mapping[str, Any]
     datetime: str
     sources: tuple[Path, ...]
 
 
-def _parse(path: Path, data: Any) -> list[Bench]:
-    out = []
-    for i, b in enumerate(data["benchmarks"]):
-        try:
-            stats = b["stats"]
-            out.append(Bench(str(b["name"]), float(stats["median"]), float(stats["min"]),
-                             int(stats["rounds"]), dict(b.get("extra_info") or {})))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: benchmarks[{i}] is malformed ({exc!r})") from None
-    return out
-
-
-def _is_benchmark_json(data: Any) -> bool:
-    return isinstance(data, dict) and isinstance(data.get("benchmarks"), list)
-
-
 def load(results_dir: Path, files: Sequence[Path] = ()) -> Results:
     """Benchmarks of `files`, or of every pytest-benchmark JSON in `results_dir`.
 
     Raises ValueError naming the file when a given file is unreadable or not
-    pytest-benchmark JSON, or when no benchmark JSON is found at all.
+    pytest-benchmark JSON, when a JSON file in `results_dir` is not JSON or a benchmark
+    JSON there is of the wrong shape (see `harness.bench_results`), or when no benchmark
+    JSON is found at all.
     """
-    explicit = bool(files)
-    paths = list(files) if explicit else sorted(results_dir.glob("*.json"))
-    benches: list[Bench] = []
-    head: dict[str, Any] | None = None
-    used = []
-    for path in paths:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            if explicit:
-                raise ValueError(f"{path}: cannot read benchmark JSON ({exc})") from None
-            continue
-        if not _is_benchmark_json(data):
-            if explicit:
-                raise ValueError(f"{path}: not pytest-benchmark JSON (no 'benchmarks' list)")
-            continue  # a results folder holds other JSON too (the reuse report)
-        benches += _parse(path, data)
-        head = head or data
-        used.append(path)
-    if head is None:
-        where = ", ".join(map(str, paths)) if explicit else f"{results_dir}/*.json"
-        raise ValueError(f"no pytest-benchmark JSON found in {where}")
-    return Results(tuple(benches), head.get("machine_info") or {}, head.get("commit_info") or {},
-                   str(head.get("datetime", "?")), tuple(used))
+    runs = [load_bench_json(p) for p in files] if files else find_bench_json(results_dir)
+    if not runs:
+        raise ValueError(f"no pytest-benchmark JSON found in {results_dir}/*.json")
+    head = runs[0]
+    return Results(tuple(b for run in runs for b in run.benchmarks), head.machine,
+                   head.commit, head.datetime, tuple(run.source for run in runs))
 
 
 def machine_section(res: Results) -> list[str]:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from benchmarks.report import Bench
+    from harness.bench_results import Benchmark
 
 METADATA_TARGET = 4.0  # issue 3: a decode metadata build costs at most 4 copy_'s
 WARM_TARGET = 1.05  # issue 3: warm TTFT within 5% of the ideal
@@ -22,15 +22,15 @@ class Section(NamedTuple):
     """A summary section: its title, which benchmarks it shows, and how."""
 
     title: str
-    claims: Callable[[Bench], bool]
-    render: Callable[[Sequence[Bench]], list[str]]
+    claims: Callable[[Benchmark], bool]
+    render: Callable[[Sequence[Benchmark]], list[str]]
 
 
 # What a section or plot raises on extra_info it cannot read (JSON from other suites).
 RENDER_ERRORS = (KeyError, TypeError, ValueError, ZeroDivisionError, StopIteration)
 
 
-def render(section: Section, benches: Sequence[Bench]) -> list[str]:
+def render(section: Section, benches: Sequence[Benchmark]) -> list[str]:
     """The section's lines, or its title and why it could not be rendered."""
     try:
         return section.render(benches)
@@ -40,11 +40,11 @@ def render(section: Section, benches: Sequence[Bench]) -> list[str]:
                 f"reading {names} (JSON from another version of the suites?)", ""]
 
 
-def _bases(*names: str) -> Callable[[Bench], bool]:
+def _bases(*names: str) -> Callable[[Benchmark], bool]:
     return lambda b: b.base in names
 
 
-def _suite(prefix: str) -> Callable[[Bench], bool]:
+def _suite(prefix: str) -> Callable[[Benchmark], bool]:
     return lambda b: str(b.extra.get("suite", "")).startswith(prefix)
 
 
@@ -85,7 +85,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
 
 
-def _cache_core(benches: Sequence[Bench]) -> list[str]:
+def _cache_core(benches: Sequence[Benchmark]) -> list[str]:
     rows = []
     for b in sorted(benches, key=lambda b: (b.extra.get("workload", ""), b.name)):
         e = b.extra
@@ -99,7 +99,7 @@ def _cache_core(benches: Sequence[Bench]) -> list[str]:
                     "ours / target"], rows)]
 
 
-def _tree_size(benches: Sequence[Bench]) -> list[str]:
+def _tree_size(benches: Sequence[Benchmark]) -> list[str]:
     ordered = sorted(benches, key=lambda b: b.extra.get("cached_blocks", 0))
     first = ordered[0].median
     rows = [[b.extra.get("cached_blocks", "?"), b.extra.get("tree_nodes", "?"),
@@ -109,7 +109,7 @@ def _tree_size(benches: Sequence[Bench]) -> list[str]:
             f"Largest tree / smallest: {ratio(ordered[-1].median / first)}.", ""]
 
 
-def _metadata(benches: Sequence[Bench]) -> list[str]:
+def _metadata(benches: Sequence[Benchmark]) -> list[str]:
     builds = [b for b in benches if b.base.startswith("test_build_decode_metadata")]
     rows = [[b.extra.get("batch", "?"), "yes" if b.extra.get("ragged") else "no",
              b.extra.get("context", "?"), duration(b.median),
@@ -122,7 +122,7 @@ def _metadata(benches: Sequence[Bench]) -> list[str]:
             *table(["batch", "ragged", "context", "build", "copy_", "build / copy_"], rows)]
 
 
-def _attention(benches: Sequence[Bench]) -> list[str]:
+def _attention(benches: Sequence[Benchmark]) -> list[str]:
     rows = [[b.name, duration(b.median), ratio(b.extra.get("ratio"))]
             for b in benches if b.base == "test_reference_attention"]
     rows += [[b.name, duration(b.median), "1.00x"]
@@ -131,7 +131,7 @@ def _attention(benches: Sequence[Bench]) -> list[str]:
             *table(["benchmark", "median", "vs dense"], rows)]
 
 
-def _ttft(benches: Sequence[Bench]) -> list[str]:
+def _ttft(benches: Sequence[Benchmark]) -> list[str]:
     by = {int(b.extra["cached_tokens"]): b for b in benches}
     L = int(benches[0].extra["prompt_tokens"])
     lines = [f"## Time to first token: tiny model, {L}-token prompt (median of rounds)", "",
@@ -155,7 +155,7 @@ def _ttft(benches: Sequence[Bench]) -> list[str]:
                          rows)
 
 
-def _hit_rate(benches: Sequence[Bench]) -> list[str]:
+def _hit_rate(benches: Sequence[Benchmark]) -> list[str]:
     lines = ["## Hit rate against pool size (engine-like replay, priority-LRU eviction)", ""]
     for b in sorted(benches, key=lambda b: b.extra.get("workload", "")):
         e = b.extra
@@ -171,7 +171,7 @@ def _hit_rate(benches: Sequence[Bench]) -> list[str]:
     return lines
 
 
-def _routing(benches: Sequence[Bench]) -> list[str]:
+def _routing(benches: Sequence[Benchmark]) -> list[str]:
     lines = ["## Cache-aware routing (N replicas, event-driven longest prefix vs round-robin)",
              ""]
     for b in sorted(benches, key=lambda b: b.extra.get("workload", "")):
@@ -191,7 +191,7 @@ def _routing(benches: Sequence[Bench]) -> list[str]:
     return lines
 
 
-def _memory(benches: Sequence[Bench]) -> list[str]:
+def _memory(benches: Sequence[Benchmark]) -> list[str]:
     heap = [b.extra for b in benches if b.extra.get("kind") == "heap"]
     kv = [b.extra for b in benches if b.extra.get("kind") == "kv"]
     lines = ["## Memory", ""]
@@ -212,8 +212,8 @@ def _memory(benches: Sequence[Bench]) -> list[str]:
     return lines
 
 
-def _gpu(benches: Sequence[Bench]) -> list[str]:
-    groups: dict[str, list[Bench]] = defaultdict(list)
+def _gpu(benches: Sequence[Benchmark]) -> list[str]:
+    groups: dict[str, list[Benchmark]] = defaultdict(list)
     for b in benches:
         groups[str(b.extra["suite"])].append(b)
     device = benches[0].extra.get("device", "?")
@@ -243,7 +243,7 @@ def _gpu(benches: Sequence[Bench]) -> list[str]:
     return lines
 
 
-def other_section(benches: Sequence[Bench]) -> list[str]:
+def other_section(benches: Sequence[Benchmark]) -> list[str]:
     """Benchmarks no section claimed."""
     return ["## Other benchmarks", "",
             *table(["benchmark", "median", "rounds"],

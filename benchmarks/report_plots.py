@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from benchmarks.report_md import RENDER_ERRORS
 
 if TYPE_CHECKING:
-    from benchmarks.report import Bench
+    from harness.bench_results import Benchmark
 
 
 def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Axes]:
@@ -30,7 +30,7 @@ def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Axes]:
     return fig, ax
 
 
-def ttft_plot(benches: Sequence[Bench]) -> Figure | None:
+def ttft_plot(benches: Sequence[Benchmark]) -> Figure | None:
     """Engine and ideal TTFT (median, ms) against the cached fraction of the prompt."""
     points = [b for b in benches if b.extra.get("suite") == "ttft"]
     if not points:
@@ -47,7 +47,7 @@ def ttft_plot(benches: Sequence[Bench]) -> Figure | None:
     return fig
 
 
-def hit_rate_plot(benches: Sequence[Bench]) -> Figure | None:
+def hit_rate_plot(benches: Sequence[Benchmark]) -> Figure | None:
     """Block hit rate against pool size (as a fraction of the no-eviction footprint)."""
     curves = [b for b in benches if b.extra.get("suite") == "hit_rate"]
     if not curves:
@@ -63,7 +63,7 @@ def hit_rate_plot(benches: Sequence[Bench]) -> Figure | None:
     return fig
 
 
-def tree_size_plot(benches: Sequence[Bench]) -> Figure | None:
+def tree_size_plot(benches: Sequence[Benchmark]) -> Figure | None:
     """Median cost of one request against the number of cached blocks."""
     points = sorted((b.extra["cached_blocks"], b.median * 1e6) for b in benches
                     if b.base == "test_request_cost_is_flat_in_tree_size"
@@ -78,7 +78,7 @@ def tree_size_plot(benches: Sequence[Bench]) -> Figure | None:
     return fig
 
 
-PLOTS: tuple[tuple[str, str, Callable[[Sequence[Bench]], Figure | None]], ...] = (
+PLOTS: tuple[tuple[str, str, Callable[[Sequence[Benchmark]], Figure | None]], ...] = (
     ("TTFT against cached fraction", "ttft_vs_cached_fraction.png", ttft_plot),
     ("Hit rate against pool size", "hit_rate_vs_pool_size.png", hit_rate_plot),
     ("Per-request cost against tree size", "cost_vs_tree_size.png", tree_size_plot),
@@ -92,7 +92,7 @@ class PlotsWritten(NamedTuple):
     problems: list[str]
 
 
-def write_plots(benches: Sequence[Bench], out_dir: Path) -> PlotsWritten:
+def write_plots(benches: Sequence[Benchmark], out_dir: Path) -> PlotsWritten:
     """Draw every plot that has data into `out_dir` (writes PNG files)."""
     out = PlotsWritten({}, [])
     for title, filename, draw in PLOTS:

@@ -10,6 +10,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from harness.oracle.types import OracleConfig
+
 if TYPE_CHECKING:
     from kvcache import Engine, KVCacheManager, ReuseScope
 
@@ -38,11 +40,10 @@ class KvcacheEngineAdapter:
 
     @property
     def cache_config(self) -> Mapping[str, Any]:
-        """The effective settings, every flag resolved."""
+        """The effective settings, every flag resolved, and the pool size (max_num_blocks)."""
         c = self.engine.cache_config
-        return {"tokens_per_block": c.tokens_per_block, "max_num_blocks": c.max_num_blocks,
-                "enable_block_reuse": c.block_reuse, "enable_partial_reuse": c.partial_reuse,
-                "copy_on_partial_reuse": c.copy_on_partial}
+        effective = OracleConfig.from_cache_config(c, "engine.cache_config")
+        return {**effective.as_dict(), "max_num_blocks": c.max_num_blocks}
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  scopes: Sequence[ReuseScope | None] | None = None,

@@ -76,7 +76,8 @@ class EngineUnderTest(Protocol):
     def cache_config(self) -> Mapping[str, Any] | Any:
         """Effective settings: tokens_per_block (int), enable_block_reuse,
         enable_partial_reuse, copy_on_partial_reuse (resolved bools, never "auto").
-        A kvcache.KvCacheConfig is accepted too (see `harness.reuse.assertions.cache_config_mapping`)."""
+        A kvcache.KvCacheConfig is accepted too (both are read by
+        `harness.oracle.types.OracleConfig.from_cache_config`)."""
         ...
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

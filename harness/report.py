@@ -1,8 +1,9 @@
 """The run's reuse report (JSON + markdown) and a markdown summary of a results folder.
 
 `ReuseReport` collects one `ReuseRecord` per checked scenario run. `summarize` folds
-whatever a results folder holds (junit XML, reuse_report.json, pytest-benchmark JSON)
-into one markdown page; any of them may be missing. Standard library only.
+whatever a results folder holds (junit XML, reuse_report.json, pytest-benchmark JSON read
+through `harness.bench_results`) into one markdown page; any of them may be missing.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness.bench_results import find_bench_json
+from harness.oracle.types import hit_rate
 
 REPORT_JSON = "reuse_report.json"
 REPORT_MD = "reuse_report.md"
@@ -198,9 +202,8 @@ def _reuse_section(results_dir: Path) -> list[str]:
         rs = by[scenario]
         reused = sum(r.stats.get("reusedBlocks", 0) for r in rs)
         missed = sum(r.stats.get("missedBlocks", 0) for r in rs)
-        rate = reused / (reused + missed) if reused + missed else 0.0
         lines.append(f"| {scenario} | {len(rs)} | {sum(not r.passed for r in rs)} | "
-                     f"{_num(reused)} | {_num(missed)} | {rate:.3f} |")
+                     f"{_num(reused)} | {_num(missed)} | {hit_rate(reused, missed):.3f} |")
     return lines
 
 
@@ -213,23 +216,12 @@ def _seconds(value: float) -> str:
 
 def _bench_section(results_dir: Path) -> list[str]:
     rows: list[str] = []
-    for path in sorted(results_dir.rglob("*.json")):
-        if path.name == REPORT_JSON or path.parent.name == PARTS_DIR:
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue  # not every JSON file in a results folder is a benchmark file
-        if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
-            continue
-        for bench in data["benchmarks"]:
-            stats = bench.get("stats", {})
-            extra = ", ".join(f"{k}={_num(v)}" for k, v in bench.get("extra_info", {}).items()
+    for run in find_bench_json(results_dir, recursive=True):
+        for bench in run.benchmarks:
+            extra = ", ".join(f"{k}={_num(v)}" for k, v in bench.extra.items()
                               if isinstance(v, int | float | str) and not isinstance(v, bool))
-            mean, ops = stats.get("mean"), stats.get("ops")
-            rows.append(f"| `{bench.get('name', '?')}` | "
-                        f"{_seconds(mean) if mean is not None else '-'} | "
-                        f"{f'{ops:,.1f}' if ops is not None else '-'} | {extra or '-'} |")
+            rows.append(f"| `{bench.name}` | {_seconds(bench.mean)} | {bench.ops:,.1f} | "
+                        f"{extra or '-'} |")
     if not rows:
         return ["## Benchmarks", "", "No benchmark JSON found."]
     return ["## Benchmarks", "", "| benchmark | mean | ops/s | headline |",
@@ -240,7 +232,9 @@ def summarize(results_dir: Path) -> str:
     """Markdown summary of junit XML, reuse_report.json and benchmark JSON in `results_dir`.
 
     Searches recursively; a missing kind gets a "none found" line. Raises ValueError
-    when `results_dir` is not a directory, or a reuse report in it is malformed.
+    when `results_dir` is not a directory, or a reuse report in it is malformed; raises
+    BenchJsonError (a ValueError) naming the file when a *.json in it is not JSON or a
+    benchmark JSON is not pytest-benchmark's shape (see `harness.bench_results`).
     """
     if not results_dir.is_dir():
         raise ValueError(f"summarize: {results_dir} is not a directory")

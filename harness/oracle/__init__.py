@@ -6,7 +6,7 @@ It imports nothing from `kvcache`; see `harness.oracle.model` for the rules it f
 from __future__ import annotations
 
 from harness.oracle.model import ReuseOracle, predict_sequential, replay
-from harness.oracle.types import Event, OracleConfig, OraclePrediction, RequestReuse
+from harness.oracle.types import Event, OracleConfig, OraclePrediction, RequestReuse, hit_rate
 
 __all__ = ["Event", "OracleConfig", "OraclePrediction", "RequestReuse", "ReuseOracle",
-           "predict_sequential", "replay"]
+           "hit_rate", "predict_sequential", "replay"]

@@ -15,9 +15,31 @@ EventKind = Literal["admit", "commit", "append", "free"]
 _KINDS: tuple[EventKind, ...] = ("admit", "commit", "append", "free")
 
 
+def hit_rate(reused_blocks: int | float, missed_blocks: int | float) -> float:
+    """The block hit rate, reused / (reused + missed); 0.0 when no block was looked up.
+
+    The harness's one formula: the oracle's totals, the reuse assertions' window and the
+    report's per-scenario rows all call it (kvcache computes its own, independently).
+    """
+    total = reused_blocks + missed_blocks
+    return reused_blocks / total if total else 0.0
+
+
+# The protocol's effective-flag keys (EngineUnderTest.cache_config) -> the properties of
+# kvcache.KvCacheConfig that resolve its "auto" (None) fields, read by name so the
+# oracle imports nothing from kvcache.
+_FLAG_PROPERTIES = {"enable_block_reuse": "block_reuse",
+                    "enable_partial_reuse": "partial_reuse",
+                    "copy_on_partial_reuse": "copy_on_partial"}
+
+
 @dataclass(frozen=True)
 class OracleConfig:
-    """The effective reuse policy the oracle models (no "auto": every flag resolved)."""
+    """The effective reuse policy the oracle models (no "auto": every flag resolved).
+
+    `from_cache_config` is the harness's one reading of an engine's cache config: the
+    reuse assertions, the kvcache adapter and the test suites all go through it.
+    """
 
     tokens_per_block: int
     enable_block_reuse: bool = True
@@ -28,28 +50,50 @@ class OracleConfig:
         B = self.tokens_per_block
         if isinstance(B, bool) or not isinstance(B, int) or B < 1:
             raise ValueError(f"OracleConfig.tokens_per_block must be an int >= 1, got {B!r}")
-        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
+        for name in _FLAG_PROPERTIES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OracleConfig.{name} must be True or False, "
                                  f"got {getattr(self, name)!r}")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], where: str = "cache_config"
-                     ) -> OracleConfig:
-        """Read an engine's effective cache config; extra keys (pool size...) are ignored.
+    def from_cache_config(cls, config: Mapping[str, Any] | Any, where: str = "cache_config"
+                          ) -> OracleConfig:
+        """The effective policy of an engine's cache config.
 
-        Raises ValueError when `tokens_per_block` is missing or a flag is unresolved.
+        `config` is either the `EngineUnderTest.cache_config` mapping (tokens_per_block
+        and the effective flags enable_block_reuse, enable_partial_reuse,
+        copy_on_partial_reuse; a missing flag is True, extra keys such as the pool size
+        are ignored) or an object with `tokens_per_block` and the resolved properties
+        `block_reuse`, `partial_reuse`, `copy_on_partial` (kvcache.KvCacheConfig, whose
+        own fields may say None for "auto"). Raises ValueError naming `where` when
+        `tokens_per_block` is missing or not an int >= 1, or a flag is not a resolved
+        True/False.
         """
-        if "tokens_per_block" not in data:
-            raise ValueError(f"{where} has no 'tokens_per_block' (keys: {sorted(data)})")
-        flags = {}
-        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
-            value = data.get(name, True)
+        if isinstance(config, Mapping):
+            if "tokens_per_block" not in config:
+                raise ValueError(f"{where} has no 'tokens_per_block' (keys: {sorted(config)})")
+            block = config["tokens_per_block"]
+            flags = {k: (config.get(k, True), f"{where}[{k!r}]") for k in _FLAG_PROPERTIES}
+        else:
+            names = ("tokens_per_block", *_FLAG_PROPERTIES.values())
+            if not all(hasattr(config, n) for n in names):
+                raise ValueError(f"{where} {config!r}: expected a mapping or an object with "
+                                 f"{', '.join(names)}")
+            block = config.tokens_per_block
+            flags = {k: (getattr(config, prop), f"{where}.{prop}")
+                     for k, prop in _FLAG_PROPERTIES.items()}
+        for value, spelled in flags.values():
             if not isinstance(value, bool):
-                raise ValueError(f"{where}[{name!r}] must be the effective True/False, "
-                                 f"got {value!r}")
-            flags[name] = value
-        return cls(tokens_per_block=data["tokens_per_block"], **flags)
+                raise ValueError(f"{spelled} must be the effective True/False, got {value!r}")
+        try:
+            return cls(block, **{k: value for k, (value, _) in flags.items()})
+        except ValueError as exc:  # a bad tokens_per_block: say where it came from
+            raise ValueError(f"{where}: {exc}") from None
+
+    def as_dict(self) -> dict[str, int | bool]:
+        """The `EngineUnderTest.cache_config` mapping: tokens_per_block and the flags."""
+        return {"tokens_per_block": self.tokens_per_block,
+                **{name: getattr(self, name) for name in _FLAG_PROPERTIES}}
 
 
 class Event(NamedTuple):
@@ -159,9 +203,8 @@ class ReuseTotals:
 
     @property
     def cache_hit_rate(self) -> float:
-        """reused / (reused + missed); 0.0 when nothing was admitted."""
-        total = self.reused_blocks + self.missed_blocks
-        return self.reused_blocks / total if total else 0.0
+        """`hit_rate` of the totals; 0.0 when nothing was admitted."""
+        return hit_rate(self.reused_blocks, self.missed_blocks)
 
     def as_dict(self) -> dict[str, int | float]:
         """reusedBlocks, missedBlocks, fullReusedBlocks, partialReusedBlocks, reusedTokens,

@@ -17,6 +17,7 @@ from typing import Any
 
 from harness.engine_protocol import EngineUnderTest, StatsLike
 from harness.oracle.model import OracleConfig, OraclePrediction, replay
+from harness.oracle.types import hit_rate
 
 GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
                     "cachedNumBlocks"})
@@ -61,18 +62,12 @@ def normalize_stats(stats: StatsLike, where: str = "stats") -> dict[str, Number]
     return out
 
 
-def hit_rate(values: Mapping[str, Number]) -> float:
-    """reusedBlocks / (reusedBlocks + missedBlocks); 0.0 when both are zero."""
-    total = values.get("reusedBlocks", 0) + values.get("missedBlocks", 0)
-    return values.get("reusedBlocks", 0) / total if total else 0.0
-
-
 def diff_stats(before: StatsLike | None, after: StatsLike) -> dict[str, Number]:
     """The window between two cumulative snapshots (before=None: since start)."""
     a = normalize_stats(after, "after")
     b = normalize_stats(before, "before") if before is not None else {}
     window = {k: v if k in GAUGES else v - b.get(k, 0) for k, v in a.items()}
-    window["cacheHitRate"] = hit_rate(window)
+    window["cacheHitRate"] = hit_rate(window.get("reusedBlocks", 0), window.get("missedBlocks", 0))
     return window
 
 
@@ -249,30 +244,9 @@ def expect_reuse(before: StatsLike | None, after: StatsLike, *,
     return window
 
 
-def cache_config_mapping(config: Any) -> Mapping[str, Any]:
-    """An engine's `cache_config` as the protocol's mapping of effective settings.
-
-    A mapping passes through. An object with `tokens_per_block` and the effective-flag
-    properties `block_reuse`, `partial_reuse`, `copy_on_partial` (kvcache.KvCacheConfig,
-    whose own fields may say None for "auto") is read through those properties.
-    Raises ValueError for anything else.
-    """
-    if isinstance(config, Mapping):
-        return config
-    names = ("tokens_per_block", "block_reuse", "partial_reuse", "copy_on_partial")
-    if not all(hasattr(config, n) for n in names):
-        raise ValueError(f"cache_config {config!r}: expected a mapping or an object with "
-                         f"{', '.join(names)}")
-    return {"tokens_per_block": config.tokens_per_block,
-            "enable_block_reuse": config.block_reuse,
-            "enable_partial_reuse": config.partial_reuse,
-            "copy_on_partial_reuse": config.copy_on_partial}
-
-
 def predict_from_engine(engine: EngineUnderTest) -> OraclePrediction:
     """The oracle's prediction for everything in `engine.admission_log()` so far."""
-    cfg = OracleConfig.from_mapping(cache_config_mapping(engine.cache_config),
-                                    "engine.cache_config")
+    cfg = OracleConfig.from_cache_config(engine.cache_config, "engine.cache_config")
     return replay(engine.admission_log(), cfg)
 
 

@@ -1,6 +1,7 @@
 """Leak checks after cache-owning tests: the CacheOwner protocol, found through fixture
-values (owners, factories with cache_owners(), engines with cache_manager), with a tiny
-test double for the protocol and with the real KVCacheManager."""
+values (owners, factories with cache_owners(), engines through `manager` or
+`cache_manager`), with a tiny test double for the protocol, the real KVCacheManager and
+a bare kvcache.Engine."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from unittest.mock import MagicMock
 
 import pytest
 
+from harness.adapters import KvcacheEngineAdapter
 from harness.leaks import CacheOwner, find_cache_owners, is_cache_owner, leak_problems
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import Engine, KvCacheConfig, KVCacheManager
 
 pytest_plugins = ["pytester"]
 
@@ -141,6 +143,74 @@ def test_owners_are_found_once_each() -> None:
 
     found = find_cache_owners({"mgr": manager, "engine": Engine(), "n": 3})
     assert found == [("mgr", manager)]
+
+
+BARE_ENGINES = """\
+import pytest
+from kvcache import Engine, KvCacheConfig
+
+
+class Factory:
+    def __init__(self):
+        self.made = []
+
+    def __call__(self):
+        self.made.append(Engine("tiny", KvCacheConfig(tokens_per_block=4, max_num_blocks=64)))
+        return self.made[-1]
+
+    def cache_owners(self):
+        return self.made  # engines, not their managers: reached through engine.manager
+
+
+@pytest.fixture
+def engine():
+    return Engine("tiny", KvCacheConfig(tokens_per_block=4, max_num_blocks=64))
+
+@pytest.fixture
+def engines(): return Factory()
+
+
+def test_unfinished_request(engine):
+    engine.add_request(list(range(1, 10)), max_new_tokens=4)
+    engine.step()  # admitted and prefilled; still running when the test ends
+
+def test_finished(engine):
+    engine.generate([list(range(1, 10))], max_new_tokens=2)
+
+def test_factory_of_engines(engines):
+    engines().generate([[1, 2, 3]], max_new_tokens=1)
+    leaky = engines()
+    leaky.add_request([4, 5, 6, 7, 8], max_new_tokens=4)
+    leaky.step()
+"""
+
+
+def test_a_leaking_bare_engine_fixture_errors(quiet_pytester: pytest.Pytester) -> None:
+    quiet_pytester.makepyfile(test_engines=BARE_ENGINES)
+    result = quiet_pytester.runpytest()
+    result.assert_outcomes(passed=3, errors=2)
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_unfinished_request*",
+        "*engine.manager (KVCacheManager): leaked: sequence 0 is still live, holding 3 blocks*",
+        "*ERROR at teardown of test_factory_of_engines*",
+        "*engines.cache_owners()?1?.manager (KVCacheManager): leaked: sequence 0 is still live*",
+    ])
+    result.stdout.no_fnmatch_line("*teardown of test_finished*")
+
+
+def test_engines_and_adapters_are_found_through_their_attributes() -> None:
+    engine = Engine("tiny", KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+    adapter = KvcacheEngineAdapter(engine)
+    assert find_cache_owners({"engine": engine}) == [("engine.manager", engine.manager)]
+    assert find_cache_owners({"adapter": adapter}) == [("adapter.cache_manager", engine.manager)]
+    # the same cache behind two fixtures is checked once, under the first name
+    assert find_cache_owners({"engine": engine, "adapter": adapter}) == [
+        ("engine.manager", engine.manager)]
+
+    class NotAnEngine:
+        manager = "a manager of something else"
+
+    assert find_cache_owners({"x": NotAnEngine(), "mock": MagicMock()}) == []
 
 
 def test_bad_leak_reports_are_problems_not_crashes() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,9 +312,41 @@ def test_config_validation(kwargs: dict[str, Any], message: str) -> None:
 
 
 def test_config_from_engine_mapping() -> None:
-    cfg = OracleConfig.from_mapping({"tokens_per_block": 8, "enable_block_reuse": True,
-                                     "enable_partial_reuse": False,
-                                     "copy_on_partial_reuse": False, "max_num_blocks": 9})
+    cfg = OracleConfig.from_cache_config({"tokens_per_block": 8, "enable_block_reuse": True,
+                                          "enable_partial_reuse": False,
+                                          "copy_on_partial_reuse": False, "max_num_blocks": 9})
     assert cfg == OracleConfig(8, True, False, False)
+    assert cfg.as_dict() == {"tokens_per_block": 8, "enable_block_reuse": True,
+                             "enable_partial_reuse": False, "copy_on_partial_reuse": False}
+    assert OracleConfig.from_cache_config(cfg.as_dict()) == cfg
     with pytest.raises(ValueError, match=r"enable_partial_reuse.*effective"):
-        OracleConfig.from_mapping({"tokens_per_block": 8, "enable_partial_reuse": None})
+        OracleConfig.from_cache_config({"tokens_per_block": 8, "enable_partial_reuse": None})
+
+
+class _Resolved:
+    """A config object read by shape: fields that may say None, resolved properties."""
+
+    def __init__(self, tokens_per_block: object, block_reuse: object = True) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.block_reuse = block_reuse
+        self.partial_reuse = self.copy_on_partial = False
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    pytest.param({"enable_block_reuse": True}, "engine.cache_config has no 'tokens_per_block' "
+                 "(keys: ['enable_block_reuse'])", id="mapping-no-block-size"),
+    pytest.param({"tokens_per_block": 0}, "engine.cache_config: OracleConfig.tokens_per_block "
+                 "must be an int >= 1, got 0", id="mapping-block-size-0"),
+    pytest.param({"tokens_per_block": 4, "copy_on_partial_reuse": "auto"},
+                 "engine.cache_config['copy_on_partial_reuse'] must be the effective "
+                 "True/False, got 'auto'", id="mapping-auto"),
+    pytest.param(_Resolved(4, block_reuse=None), "engine.cache_config.block_reuse must be the "
+                 "effective True/False, got None", id="object-unresolved"),
+    pytest.param(_Resolved(True), "engine.cache_config: OracleConfig.tokens_per_block must be "
+                 "an int >= 1, got True", id="object-bool-block-size"),
+    pytest.param(object(), "expected a mapping or an object with tokens_per_block, "
+                 "block_reuse, partial_reuse, copy_on_partial", id="neither"),
+])
+def test_config_from_bad_engine_configs_names_where(config: object, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OracleConfig.from_cache_config(config, "engine.cache_config")

@@ -32,11 +32,6 @@ def configs(draw: st.DrawFn) -> KvCacheConfig:
                          copy_on_partial_reuse=copy)
 
 
-def _oracle_config(cfg: KvCacheConfig) -> OracleConfig:
-    return OracleConfig(cfg.tokens_per_block, cfg.block_reuse, cfg.partial_reuse,
-                        cfg.copy_on_partial)
-
-
 def _prompts(mgr: KVCacheManager) -> st.SearchStrategy[list[int]]:
     """Fresh tokens, or a cut of an earlier sequence (appended tokens included) plus a few."""
     seen = [list(e.tokens) for e in mgr.events or () if e.kind == "admit"]
@@ -83,7 +78,7 @@ def _step(data: st.DataObject, mgr: KVCacheManager, oracle: ReuseOracle,
 def test_oracle_agrees_with_manager(data: st.DataObject) -> None:
     cfg = data.draw(configs())
     mgr = KVCacheManager(cfg, record_events=True)
-    oracle = ReuseOracle(_oracle_config(cfg))
+    oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
     admitted = 0
     for _ in range(data.draw(st.integers(1, 25))):
         kind, seen = _step(data, mgr, oracle, admitted)
@@ -133,7 +128,7 @@ def test_hand_scripts_agree(name: str, copy: bool) -> None:
     cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=64, enable_block_reuse=True,
                         enable_partial_reuse=True, copy_on_partial_reuse=copy)
     mgr = KVCacheManager(cfg, record_events=True)
-    oracle = ReuseOracle(_oracle_config(cfg))
+    oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
     for i, (op, *args) in enumerate(SCRIPTS[name]):
         if op == "p":
             assert mgr.probe_reuse(args[0]) == oracle.probe(args[0]), f"step {i}: probe"
@@ -169,6 +164,6 @@ def test_bounded_pool_claim_can_beat_the_oracle() -> None:
     mgr.free_sequence(0)
     mgr.add_sequence(1, [1, 2, 1, 1, 2, 1, 1, 2])
     seq = mgr.add_sequence(2, [2, 1])
-    prediction = ReuseOracle(_oracle_config(cfg)).replay(mgr.events or ())
+    prediction = ReuseOracle(OracleConfig.from_cache_config(cfg)).replay(mgr.events or ())
     assert (seq.num_cached_tokens, prediction.requests[2].reused_tokens) == (1, 0)
     assert mgr.stats().evicted_blocks == 1

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from harness.bench_results import BenchJsonError
+from harness.oracle.types import ReuseTotals
 from harness.report import ReuseRecord, ReuseReport, summarize
+from harness.reuse.assertions import diff_stats
 
 OK = ReuseRecord("shared_prefix", "tests/scenarios/test_shared.py::test_a[p16]",
                  {"B": "16"}, {"reusedBlocks": 6, "missedBlocks": 2, "cacheHitRate": 0.75},
@@ -77,9 +81,13 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 </testsuite></testsuites>
 """
 BENCH = {"machine_info": {}, "benchmarks": [
-    {"name": "test_insert[shared]", "stats": {"mean": 0.0205, "ops": 48.78},
+    {"name": "test_insert[shared]",
+     "stats": {"min": 0.02, "max": 0.021, "mean": 0.0205, "median": 0.0205, "rounds": 5,
+               "ops": 48.78},
      "extra_info": {"tokens_per_s": 97_500_000.0, "workload": "shared", "nested": {"x": 1}}},
-    {"name": "test_match[chat]", "stats": {"mean": 0.000004, "ops": 250000.0},
+    {"name": "test_match[chat]",
+     "stats": {"min": 0.000004, "max": 0.000004, "mean": 0.000004, "median": 0.000004,
+               "rounds": 1000, "ops": 250000.0},
      "extra_info": {}}]}
 
 
@@ -116,6 +124,18 @@ def test_summarize_everything(tmp_path: Path) -> None:
 """
 
 
+def test_a_benchmark_json_of_the_wrong_shape_is_an_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    broken = tmp_path / "bench" / "bench.json"
+    broken.write_text(json.dumps({"benchmarks": [{"name": "test_x", "stats": {"mean": 1.0}}]}))
+    with pytest.raises(BenchJsonError, match=rf"^{re.escape(str(broken))}: benchmarks\[0\] "
+                                             r"\(test_x\): stats lack \['min', 'max'"):
+        summarize(tmp_path)
+    broken.write_text('{"benchmarks": [')  # a run killed while writing
+    with pytest.raises(BenchJsonError, match=rf"^{re.escape(str(broken))}: cannot read"):
+        summarize(tmp_path)
+
+
 def test_summarize_empty_and_broken(tmp_path: Path) -> None:
     (tmp_path / "junit.xml").write_text("<testsuite><testcase")
     text = summarize(tmp_path)
@@ -123,3 +143,20 @@ def test_summarize_empty_and_broken(tmp_path: Path) -> None:
     assert "No reuse report found." in text and "No benchmark JSON found." in text
     with pytest.raises(ValueError, match="is not a directory"):
         summarize(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(("reused", "missed", "rate"), [
+    pytest.param(0, 0, 0.0, id="nothing-looked-up"), pytest.param(0, 4, 0.0, id="all-missed"),
+    pytest.param(5, 0, 1.0, id="all-reused"), pytest.param(9, 7, 0.5625, id="9-of-16"),
+    pytest.param(1, 2, 1 / 3, id="1-of-3")])
+def test_oracle_assertions_and_report_share_the_hit_rate(
+        tmp_path: Path, reused: int, missed: int, rate: float) -> None:
+    assert ReuseTotals(reused_blocks=reused, missed_blocks=missed).cache_hit_rate == rate
+    window = diff_stats({"reusedBlocks": 1, "missedBlocks": 1},
+                        {"reusedBlocks": reused + 1, "missedBlocks": missed + 1})
+    assert window["cacheHitRate"] == rate
+    # the report sums a scenario's runs before dividing: split the counts over two runs
+    runs = [ReuseRecord("s", f"t{i}", {}, {"reusedBlocks": r, "missedBlocks": m}, None, True)
+            for i, (r, m) in enumerate([(reused // 2, missed), (reused - reused // 2, 0)])]
+    ReuseReport(runs).write(tmp_path)
+    assert f"| s | 2 | 0 | {reused} | {missed} | {rate:.3f} |" in summarize(tmp_path)

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
+from harness.adapters import KvcacheEngineAdapter
 from harness.engine_protocol import EngineUnderTest
 from harness.oracle import OracleConfig, predict_sequential, replay
 from harness.reuse.assertions import (
     Bounds,
     ReproContext,
     ReuseMismatch,
-    cache_config_mapping,
     canonical_name,
     diff_stats,
     expect_matches_oracle,
@@ -22,7 +22,7 @@ from harness.reuse.assertions import (
     predict_from_engine,
 )
 from harness.workloads import multi_turn_conversations, shared_system_prompt
-from kvcache import KvCacheConfig, KVCacheManager, KvCacheStats
+from kvcache import Engine, KvCacheConfig, KVCacheManager, KvCacheStats
 
 BEFORE = {"reusedBlocks": 10, "missedBlocks": 5, "maxNumBlocks": 64, "freeNumBlocks": 60,
           "allocTotalBlocks": 5}
@@ -149,11 +149,8 @@ class CacheOnlyEngine:
         self._next_id = 0
 
     @property
-    def cache_config(self) -> Mapping[str, Any]:
-        c = self.mgr.config
-        return {"tokens_per_block": c.tokens_per_block, "enable_block_reuse": c.block_reuse,
-                "enable_partial_reuse": c.partial_reuse,
-                "copy_on_partial_reuse": c.copy_on_partial}
+    def cache_config(self) -> KvCacheConfig:
+        return self.mgr.config
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  scopes: Sequence[Any] | None = None) -> list[Result]:
@@ -188,7 +185,7 @@ def test_engine_matches_oracle_per_request_and_total() -> None:
     window = expect_matches_oracle(engine, prediction, results=results)
     assert window["reusedBlocks"] == prediction.totals.reused_blocks > 0
     # one request at a time: the log-driven prediction equals the sequential one
-    cfg = OracleConfig.from_mapping(engine.cache_config)
+    cfg = OracleConfig.from_cache_config(engine.cache_config)
     assert predict_sequential(PROMPTS, results, None, cfg).admissions == prediction.admissions
 
 
@@ -229,7 +226,7 @@ def test_real_engine_multi_turn_matches_oracle(B: int, chunk: int, copy: bool) -
     cfg = KvCacheConfig(tokens_per_block=B, max_num_blocks=512, copy_on_partial_reuse=copy)
     engine = Engine("tiny", cfg, max_num_tokens=chunk)
     assert isinstance(engine, EngineUnderTest)
-    assert cache_config_mapping(engine.cache_config)["copy_on_partial_reuse"] is copy
+    assert OracleConfig.from_cache_config(engine.cache_config).copy_on_partial_reuse is copy
     convs = multi_turn_conversations(3, 3, 9, 3, 0, num_system_prompts=2, vocab=200, seed=2)
     answers: list[list[list[int]]] = [[] for _ in convs]
     results: list[Any] = []
@@ -242,3 +239,27 @@ def test_real_engine_multi_turn_matches_oracle(B: int, chunk: int, copy: bool) -
     prediction = predict_from_engine(engine)
     window = expect_matches_oracle(engine, prediction, results=results)
     assert window["fullReusedBlocks"] > 0
+
+
+@pytest.mark.parametrize(("flags", "effective"), [
+    pytest.param({}, (True, True, True), id="auto"),
+    pytest.param({"enable_block_reuse": False}, (False, False, False), id="reuse-off"),
+    pytest.param({"enable_partial_reuse": False}, (True, False, False), id="partial-off"),
+    pytest.param({"copy_on_partial_reuse": False}, (True, True, False), id="copy-off"),
+])
+def test_every_reader_of_an_engine_config_agrees(flags: dict[str, bool],
+                                                 effective: tuple[bool, bool, bool]) -> None:
+    """The config object, the adapter's protocol mapping and the oracle's replay of the
+    engine all resolve "auto" the same way (through OracleConfig.from_cache_config)."""
+    engine = Engine("tiny", KvCacheConfig(tokens_per_block=4, max_num_blocks=32, **flags))
+    expected = OracleConfig(4, *effective)
+    assert OracleConfig.from_cache_config(engine.cache_config) == expected
+    adapter = KvcacheEngineAdapter(engine)
+    assert adapter.cache_config == {**expected.as_dict(), "max_num_blocks": 32}
+    assert OracleConfig.from_cache_config(adapter.cache_config) == expected
+    # the oracle replaying the engine reads the same policy: a repeated 9-token prompt
+    # reuses its first 8 tokens (the last is always recomputed), 2 blocks, with reuse on
+    for _ in range(2):
+        engine.generate([list(range(1, 10))], max_new_tokens=1)
+    assert predict_from_engine(engine).totals.reused_blocks == (2 if effective[0] else 0)
+    assert predict_from_engine(adapter).admissions == predict_from_engine(engine).admissions

@@ -4,10 +4,12 @@ and the committed test lists and durations file."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,18 @@ def test_nox_sessions() -> None:
     sessions = {line[2:].split(" -> ")[0]: line[0] for line in listing.splitlines()
                 if line[:2] in ("* ", "- ")}
     assert sessions == {"premerge": "*", "postmerge": "-", "lists": "-", "lint": "-", "bench": "-"}
+
+
+def test_noxfile_needs_the_nox_the_dev_extra_installs() -> None:
+    """nox reads `nox.needs_version` as a literal before it runs the noxfile; keep it equal
+    to the dev extra's requirement so `pip install -e .[dev]` gives a nox that qualifies."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    needs = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
+             and ast.unparse(node.targets[0]) == "nox.needs_version"
+             and isinstance(node.value, ast.Constant)]
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["dev"]
+    assert len(needs) == 1 and f"nox{needs[0]}" in dev, (needs, dev)
 
 
 @pytest.mark.parametrize("stage", ["pre_merge", "post_merge"])

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.oracle import OracleConfig
 from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
@@ -84,12 +83,6 @@ def assert_clean(manager: KVCacheManager, where: str) -> None:
     leaks = manager.leak_report()
     assert leaks == [], f"{where}: leaked:\n  " + "\n  ".join(leaks)
     assert manager.stats().used_num_blocks == 0, f"{where}: blocks still in use"
-
-
-def oracle_config(engine: Engine) -> OracleConfig:
-    """The oracle's view of `engine`'s effective reuse policy."""
-    c = engine.cache_config
-    return OracleConfig(c.tokens_per_block, c.block_reuse, c.partial_reuse, c.copy_on_partial)
 
 
 def scope_name(scope: ReuseScope | None) -> str:

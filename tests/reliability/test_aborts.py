@@ -12,19 +12,18 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.oracle import ReuseOracle
+from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import Engine
 from kvcache.engine import FinishReason, GenerationOutput
 from kvcache.model import Transformer
-
-from .support import EngineSpec, assert_clean, assert_same_output, cold_outputs, oracle_config
+from tests.reliability.support import EngineSpec, assert_clean, assert_same_output, cold_outputs
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # 19
 
 
 def oracle_of(engine: Engine) -> ReuseOracle:
     """An oracle fed every cache event so far."""
-    oracle = ReuseOracle(oracle_config(engine))
+    oracle = ReuseOracle(OracleConfig.from_cache_config(engine.cache_config))
     oracle.replay(engine.admission_log())
     return oracle
 

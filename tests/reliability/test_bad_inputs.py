@@ -25,8 +25,7 @@ from harness.lists.errors import ListError
 from kvcache import Engine, KvCacheConfig, KVCacheManager
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
-
-from .support import EngineSpec, assert_clean
+from tests.reliability.support import EngineSpec, assert_clean
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 IDS: set[str] = set()  # every case id below, checked against the document

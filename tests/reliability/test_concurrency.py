@@ -17,18 +17,16 @@ from typing import NamedTuple
 
 import pytest
 
-from harness.oracle import replay
+from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, ReuseScope
 from kvcache.engine import FinishReason, GenerationOutput
 from kvcache.model import Transformer
-
-from .support import (
+from tests.reliability.support import (
     EngineSpec,
     assert_clean,
     assert_same_output,
     assert_same_outputs,
     cold_outputs,
-    oracle_config,
 )
 
 STEMS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
@@ -123,7 +121,7 @@ def test_add_request_from_many_threads_while_stepping(tiny_model: Transformer) -
     assert len(outputs) == 24
     check_outcomes(tiny_model, submitted, outputs, 3)
     assert_clean(engine.manager, "after the threads")
-    predicted = replay(engine.admission_log(), oracle_config(engine))
+    predicted = predict_from_engine(engine)
     stats = engine.kv_cache_stats()
     assert stats.evicted_blocks == 0 and stats.reused_blocks > 0
     assert predicted.totals.reused_blocks == stats.reused_blocks

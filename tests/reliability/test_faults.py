@@ -20,12 +20,11 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from harness.oracle import replay
+from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
-
-from .support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs, oracle_config
+from tests.reliability.support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs
 
 P = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # a stem the workloads share
 SALT = ReuseScope(salt=7)
@@ -148,7 +147,7 @@ def check_run(r: Run, work: Workload, cold: list[GenerationOutput], clean: Run) 
         assert got == failed_appends, f"{where}: {got} preemptions, expected {failed_appends}"
     stats = r.engine.kv_cache_stats()
     if stats.evicted_blocks == 0:  # the oracle is exact without eviction
-        predicted = replay(r.engine.admission_log(), oracle_config(r.engine))
+        predicted = predict_from_engine(r.engine)
         assert predicted.totals.reused_blocks == stats.reused_blocks, (
             f"{where}: reusedBlocks {stats.reused_blocks}, oracle "
             f"{predicted.totals.reused_blocks}")

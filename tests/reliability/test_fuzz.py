@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.oracle import replay
+from harness.reuse.assertions import predict_from_engine
 from kvcache import ReuseScope
 from kvcache.model import Transformer
-
-from .support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs, oracle_config
+from tests.reliability.support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs
 
 Prompt = tuple[int, ...]
 QUICK_SEEDS = range(10)
@@ -95,7 +94,7 @@ def check_case(model: Transformer, case: FuzzCase) -> None:
         assert_clean(engine.manager, f"after wave {i}")
     stats = engine.kv_cache_stats()
     if stats.evicted_blocks == 0:  # the oracle is exact when nothing was evicted
-        predicted = replay(engine.admission_log(), oracle_config(engine))
+        predicted = predict_from_engine(engine)
         assert (predicted.totals.reused_blocks, predicted.totals.missed_blocks) == (
             stats.reused_blocks, stats.missed_blocks), "reuse counters differ from the oracle"
 

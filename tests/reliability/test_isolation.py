@@ -20,8 +20,7 @@ from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
-
-from .support import EngineSpec, assert_clean, oracle_config
+from tests.reliability.support import EngineSpec, assert_clean
 
 # ReuseScope() is the default scope, the same as None; salt 0 is a scope of its own.
 SCOPES: list[ReuseScope | None] = [None, ReuseScope(), ReuseScope(salt=0), ReuseScope(salt=1),
@@ -150,7 +149,7 @@ def run_world(block: int, pool: int, partial: bool, copy: bool,
     cfg = KvCacheConfig(tokens_per_block=block, max_num_blocks=pool, enable_block_reuse=True,
                         enable_partial_reuse=partial, copy_on_partial_reuse=copy)
     w = World(KVCacheManager(cfg, record_events=True),
-              OracleConfig(block, True, partial, copy), exact=pool >= 10_000)
+              OracleConfig.from_cache_config(cfg), exact=pool >= 10_000)
     for op in script:
         step(w, op)
         w.check_disjoint()
@@ -192,7 +191,7 @@ def test_engine_requests_reuse_only_their_own_scope(tiny_model: Transformer) -> 
     predicted: dict[int, int] = {}
     for event in engine.admission_log():
         k = rid_scope[event["seq_id"]]
-        result = by_scope.setdefault(k, ReuseOracle(oracle_config(engine))).apply(event)
+        result = by_scope.setdefault(k, ReuseOracle(OracleConfig.from_cache_config(engine.cache_config))).apply(event)
         if result is not None:
             predicted[event["seq_id"]] = result.reused_tokens
     assert [o.num_cached_tokens for o in outs] == [predicted[o.request_id] for o in outs]

@@ -23,8 +23,7 @@ from harness.lists.errors import ListError
 from kvcache import Engine, KvCacheConfig
 from kvcache.model import ModelConfig, Transformer
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
-
-from .support import assert_same_outputs
+from tests.reliability.support import assert_same_outputs
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = KvCacheConfig(tokens_per_block=4, max_num_blocks=16)

@@ -15,8 +15,7 @@ import pytest
 from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer, get_preset
-
-from .support import (
+from tests.reliability.support import (
     EngineSpec,
     assert_clean,
     assert_same_output,

@@ -1,4 +1,5 @@
-"""What every scenario family shares: backends, reuse modes, prompts and the checks.
+"""What every scenario family shares: backends, reuse modes, prompts, the checks and the
+engine factory behind the `make_engine` fixture.
 
 A scenario runs prompts *cold* (nothing cached that could help them), then *warm*, and
 asserts (a) warm equals cold and (b) reuse equals the oracle replaying the engine's
@@ -28,7 +29,8 @@ from harness.reuse.assertions import (
     expect_reuse,
     predict_from_engine,
 )
-from kvcache import Engine, GenerationOutput, KVCacheManager, ReuseScope
+from kvcache import Engine, GenerationOutput, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache.model import Transformer, get_preset
 
 VOCAB = 500  # token ids drawn from [1, VOCAB): inside every preset's vocabulary
 
@@ -271,3 +273,66 @@ class ScenarioRun:
         assert_same_outputs(cold, warm, backend, "warm vs cold")
         self.expect_oracle(engine, cold + warm, seed=seed)
         return ColdWarm(cold, warm)
+
+
+POOL_TOKENS = 2048  # default pool: far more than any scenario holds, so nothing is evicted
+
+
+class Models:
+    """Presets built once per (name, device, dtype) with seed 0; engines share them (a
+    model holds no per-request state). Mutates only its own cache."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[str, str, torch.dtype], Transformer] = {}
+
+    def get(self, preset: str, device: str, dtype: torch.dtype) -> Transformer:
+        """The shared model for this preset, device and dtype."""
+        key = (preset, device, dtype)
+        if key not in self._built:
+            model = Transformer(get_preset(preset), seed=0)
+            self._built[key] = model.to(device=device, dtype=dtype).eval()
+        return self._built[key]
+
+
+class EngineFactory:
+    """Builds engines for one test; the harness checks `cache_owners()` for leaks after it."""
+
+    def __init__(self, models: Models) -> None:
+        self.models = models
+        self.created: list[Engine] = []
+
+    def __call__(self, tokens_per_block: int, *, backend: BackendSpec = TORCH,
+                 mode: ReuseMode | None = None, reuse: bool | None = None,
+                 max_num_blocks: int | None = None, preset: str = "tiny",
+                 **engine_options: Any) -> Engine:
+        """A fresh engine. `mode` sets the partial-reuse flags (None: the defaults);
+        `reuse` is enable_block_reuse; `max_num_blocks` defaults to POOL_TOKENS worth;
+        `engine_options` go to `Engine` (max_num_tokens, page_size, ...)."""
+        blocks = max_num_blocks or -(-POOL_TOKENS // tokens_per_block)
+        cfg = KvCacheConfig(
+            tokens_per_block=tokens_per_block, max_num_blocks=blocks, enable_block_reuse=reuse,
+            enable_partial_reuse=None if mode is None else mode.partial,
+            copy_on_partial_reuse=mode.copy if mode is not None and mode.partial else None)
+        model = self.models.get(preset, backend.device, backend.dtype)
+        engine = Engine(model, cfg, attn_backend=backend.attn, device=backend.device,
+                        dtype=backend.dtype, **engine_options)
+        self.created.append(engine)
+        return engine
+
+    def cold_reference(self, tokens_per_block: int, prompts: Sequence[Sequence[int]],
+                       max_new_tokens: int, *, backend: BackendSpec = TORCH,
+                       preset: str = "tiny") -> list[GenerationOutput]:
+        """Outputs of `prompts` computed with nothing reused: a fresh engine admits them
+        all in its first step, before anything is committed (asserted, so the reference
+        stays cold whatever the reuse flags do)."""
+        total = sum(len(p) for p in prompts) + len(prompts) * max_new_tokens
+        engine = self(tokens_per_block, backend=backend, reuse=False, preset=preset,
+                      max_num_tokens=max(total, 1), max_batch_size=len(prompts),
+                      max_num_blocks=max(total, 1), enable_chunked_prefill=False)
+        outs = engine.generate(prompts, max_new_tokens)
+        assert [o.num_cached_tokens for o in outs] == [0] * len(prompts), "reference reused"
+        return outs
+
+    def cache_owners(self) -> list[KVCacheManager]:
+        """Every engine's manager (the plugin's leak check reads this)."""
+        return [e.manager for e in self.created]

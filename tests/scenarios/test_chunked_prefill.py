@@ -12,14 +12,13 @@ import random
 import pytest
 
 from harness.workloads import shared_system_prompt
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     ALL_BACKENDS,
     CPU_BACKENDS,
     MODES,
     VOCAB,
     BackendSpec,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

@@ -10,12 +10,12 @@ from typing import NamedTuple
 
 import pytest
 
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     ALL_BACKENDS,
     CPU_BACKENDS,
     MODES,
     BackendSpec,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 
 from kvcache import Engine, GenerationOutput
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     CPU_BACKENDS,
     FI_FP16,
     MODES,
     BackendSpec,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

@@ -13,13 +13,12 @@ import pytest
 
 from harness.workloads import shared_system_prompt
 from kvcache import DEFAULT_PRIORITY, Engine, GenerationOutput
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     MODES,
     NO_PARTIAL,
     TORCH,
     VOCAB,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

@@ -10,14 +10,13 @@ from __future__ import annotations
 import pytest
 
 from harness.workloads import shared_system_prompt
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     ALL_BACKENDS,
     MODES,
     TORCH,
     VOCAB,
     BackendSpec,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

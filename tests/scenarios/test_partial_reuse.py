@@ -12,13 +12,12 @@ from typing import NamedTuple
 import pytest
 
 from kvcache import Engine, GenerationOutput
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     ALL_BACKENDS,
     MODES,
     TORCH,
     BackendSpec,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

@@ -12,9 +12,7 @@ import logging
 import pytest
 
 from kvcache import Engine, KvCacheConfig
-
-from .conftest import EngineFactory
-from .support import TORCH, BackendSpec, ScenarioRun, prompts_of
+from tests.scenarios.support import TORCH, BackendSpec, EngineFactory, ScenarioRun, prompts_of
 
 STAR = BackendSpec("star", "cpu", TORCH.dtype, TORCH.atol)
 PROMPT_LENGTHS = [5, 16, 17, 30]

@@ -11,13 +11,12 @@ import pytest
 
 from harness.workloads import random_prompt_tree
 from kvcache import Engine, GenerationOutput, ReuseScope
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     MODES,
     NO_PARTIAL,
     TORCH,
     VOCAB,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

@@ -13,12 +13,11 @@ import pytest
 
 from kvcache import Engine, GenerationOutput, KVCacheManager
 from kvcache.core.radix import TOKEN_BYTES
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     COPY,
     MODES,
     TORCH,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

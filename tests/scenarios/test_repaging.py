@@ -9,9 +9,15 @@ import pytest
 
 from harness.workloads import shared_system_prompt
 from kvcache import Engine, GenerationOutput
-
-from .conftest import EngineFactory
-from .support import ALL_BACKENDS, VOCAB, BackendSpec, ScenarioRun, assert_same_outputs, forced
+from tests.scenarios.support import (
+    ALL_BACKENDS,
+    VOCAB,
+    BackendSpec,
+    EngineFactory,
+    ScenarioRun,
+    assert_same_outputs,
+    forced,
+)
 
 B = 16
 NEW_TOKENS = 3

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 
 from kvcache import ReuseScope
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     ALL_BACKENDS,
     TORCH,
     BackendSpec,
+    EngineFactory,
     ScenarioRun,
     assert_same_outputs,
     forced,

@@ -10,14 +10,13 @@ from __future__ import annotations
 import pytest
 
 from harness.workloads import few_shot, multi_turn_conversations, shared_system_prompt
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     ALL_BACKENDS,
     CPU_BACKENDS,
     MODES,
     VOCAB,
     BackendSpec,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

@@ -1,7 +1,7 @@
 """benchmarks.report on synthetic pytest-benchmark JSON, and the quick suites end to end.
 
 The report runs as its users run it, `python -m benchmarks.report` from the repository
-root (tests/ is not a package, so `benchmarks` is importable only from there).
+root (benchmarks/ is not installed, so it is importable only from there).
 """
 
 from __future__ import annotations
@@ -128,6 +128,19 @@ def test_a_given_file_that_is_not_benchmark_json_is_an_error(tmp_path: Path) -> 
     assert proc.returncode == 2
     assert f"{other}: not pytest-benchmark JSON" in proc.stderr
     assert not (tmp_path / "summary.md").exists()
+
+
+def test_a_benchmark_json_of_the_wrong_shape_is_an_error_not_rendered(tmp_path: Path) -> None:
+    good = write_json(tmp_path / "a.json", suite_benches()[:1])
+    broken = suite_benches()[:2]
+    del broken[1]["stats"]["median"]
+    bad = write_json(tmp_path / "b.json", broken)
+    for args in ((tmp_path,), (tmp_path, "--json", good, "--json", bad)):
+        proc = report(*args)
+        assert proc.returncode == 2
+        assert f"{bad}: benchmarks[1] (test_request_cost_is_flat_in_tree_size[1e3]): stats " \
+               "lack ['median']" in proc.stderr
+        assert not (tmp_path / "summary.md").exists()
 
 
 def test_a_folder_without_benchmark_json_is_an_error(tmp_path: Path) -> None:

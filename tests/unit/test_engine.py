@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from harness.oracle import OracleConfig, replay
+from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, KvCacheConfig, ReuseScope
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import save_pretrained
@@ -31,12 +31,6 @@ def assert_same(a, b, atol: float = 1e-5) -> None:
         torch.testing.assert_close(x.logits, y.logits, atol=atol, rtol=0)
 
 
-def oracle_for(engine: Engine):
-    c = engine.cache_config
-    return replay(engine.admission_log(), OracleConfig(c.tokens_per_block, c.block_reuse,
-                                                       c.partial_reuse, c.copy_on_partial))
-
-
 @pytest.mark.parametrize("B", [1, 4, 16])
 @pytest.mark.parametrize("length", [16, 17, 23])
 def test_warm_equals_cold_with_oracle_reuse(B: int, length: int) -> None:
@@ -48,7 +42,7 @@ def test_warm_equals_cold_with_oracle_reuse(B: int, length: int) -> None:
     assert [o.num_cached_tokens for o in cold] == [0, 0, 0]
     # the last prompt token is never reused; the cold run's tail covers the rest
     assert [o.num_cached_tokens for o in warm] == [length - 1] * 3
-    predicted = oracle_for(engine)
+    predicted = predict_from_engine(engine)
     assert predicted.totals.reused_blocks == engine.kv_cache_stats().reused_blocks
     for out in warm:
         assert out.kv_metrics is not None
@@ -65,7 +59,8 @@ def test_chunked_equals_unchunked_and_batched_equals_one_by_one() -> None:
     assert_same(reference, chunked.generate(ps, max_new_tokens=5))
     batched = Engine("tiny", cfg(8), max_num_tokens=512)
     assert_same(reference, batched.generate(ps, max_new_tokens=5))
-    assert oracle_for(chunked).totals.reused_blocks == chunked.kv_cache_stats().reused_blocks
+    predicted = predict_from_engine(chunked)
+    assert predicted.totals.reused_blocks == chunked.kv_cache_stats().reused_blocks
 
 
 def test_padded_decode_equals_unpadded() -> None:

@@ -46,7 +46,7 @@ class CacheMachine(RuleBasedStateMachine):
                             enable_block_reuse=reuse, enable_partial_reuse=partial,
                             copy_on_partial_reuse=copy)
         self.mgr = KVCacheManager(cfg, record_events=True)
-        self.oracle = ReuseOracle(OracleConfig(block, reuse, partial, copy))
+        self.oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
 
     @property
     def exact(self) -> bool:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from attn_testlib import Scenario
 
 from kvcache.attention.flashinfer import (
     Call,
@@ -32,6 +31,7 @@ from kvcache.attention.flashinfer import (
     run_call,
 )
 from kvcache.storage.kv_storage import KvLayout
+from tests.unit.attention.support import Scenario
 
 LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
 

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from attn_testlib import Scenario, causal
 
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.storage.kv_storage import KvLayout
+from tests.unit.attention.support import Scenario, causal
 
 # (cached, new) per request: non-page-aligned cached prefixes, empty prefixes, a prefix
 # ending exactly on a block boundary, single-token and multi-token chunks side by side.

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_testlib import Scenario, Visibility
 
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.attention.star import StarAttentionBackend
 from kvcache.storage.kv_storage import KvLayout
+from tests.unit.attention.support import Scenario, Visibility
 
 S = 4  # star block size: small so short prompts span several blocks
 

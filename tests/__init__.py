@@ -1,0 +1,1 @@
+"""Test suites; helpers are imported absolutely, `from tests.<suite>.support import ...`."""

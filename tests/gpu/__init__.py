@@ -1,0 +1,1 @@
+"""GPU-only tests (marked `gpu`; skipped with a reason where CUDA is absent)."""

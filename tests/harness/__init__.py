@@ -1,0 +1,1 @@
+"""Harness tests: lists, plugin, CLI, CI plumbing, oracle, reuse assertions, reports."""

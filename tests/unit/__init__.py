@@ -1,0 +1,1 @@
+"""Unit tests: cache core, model, engine, checkpoints, the benchmark report."""

@@ -1,0 +1,1 @@
+"""Attention tests: metadata, reference and FlashInfer backends against a dense oracle."""
