@@ -191,6 +191,22 @@ def _routing(benches: Sequence[Benchmark]) -> list[str]:
     return lines
 
 
+def _in_batch(benches: Sequence[Benchmark]) -> list[str]:
+    lines = ["## In-batch prefix sharing (N siblings in one generate call, tiny model)", ""]
+    rows = []
+    for b in sorted(benches, key=lambda b: b.extra.get("siblings", 0)):
+        e = b.extra
+        done = e.get("computed_tokens", {})
+        rows.append([e.get("siblings"), f"{e.get('prefix_tokens')} + {e.get('own_tokens')}",
+                     duration(b.median), duration(e.get("separate_median_s")),
+                     duration(e.get("ideal_median_s")), ratio(e.get("shared_over_ideal")),
+                     ratio(e.get("separate_over_shared")),
+                     f"{done.get('shared', '?')} / {done.get('separate', '?')}"])
+    return lines + table(["N", "prefix + own tokens", "shared", "separate", "ideal",
+                          "shared / ideal", "separate / shared",
+                          "tokens computed shared / separate"], rows)
+
+
 def _memory(benches: Sequence[Benchmark]) -> list[str]:
     heap = [b.extra for b in benches if b.extra.get("kind") == "heap"]
     kv = [b.extra for b in benches if b.extra.get("kind") == "kv"]
@@ -261,6 +277,7 @@ SECTIONS: tuple[Section, ...] = (
                                                 "test_dense_attention_baseline"), _attention),
     Section("Time to first token", _suite("ttft"), _ttft),
     Section("Hit rate against pool size", _suite("hit_rate"), _hit_rate),
+    Section("In-batch prefix sharing", _suite("in_batch"), _in_batch),
     Section("Cache-aware routing", _suite("routing"), _routing),
     Section("Memory", _suite("memory"), _memory),
     Section("GPU", _suite("gpu_"), _gpu),

@@ -80,6 +80,10 @@ class Engine:
     captures them; it needs CUDA and the flashinfer backend). `layout` ("NHD"/"HND") and
     `page_size` (a divisor of the block size: re-paging) shape the KV storage the backend
     reads. `record_events` keeps the cache's admission log for the reuse oracle.
+    `share_prefixes` holds a request back while a running one of the same scope still
+    computes the full blocks their prompts share, then admits it with reuse (in-batch
+    prefix sharing; see kvcache/engine/prefix_sharing.py). `kv_events` records KV-cache
+    events for routers (`engine.manager.take_kv_events()`).
     Raises ValueError naming the bad option.
 
     Thread-safe: add_request, step, abort and generate take one lock, so requests may
@@ -89,6 +93,7 @@ class Engine:
     def __init__(self, model: Transformer | str, cache_config: KvCacheConfig, *,
                  attn_backend: str = "torch", max_num_tokens: int = 512,
                  max_batch_size: int = 16, enable_chunked_prefill: bool = True,
+                 share_prefixes: bool = True, kv_events: bool = False,
                  cuda_graph: bool = False, pad_decode: bool | None = None,
                  graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -117,7 +122,8 @@ class Engine:
         self.cache_config, self.reuse_disabled_reason = resolve_reuse(cache_config,
                                                                       backend_cls, model)
         B = cache_config.tokens_per_block
-        self.manager = KVCacheManager(self.cache_config, record_events=record_events)
+        self.manager = KVCacheManager(self.cache_config, record_events=record_events,
+                                      kv_events=kv_events)
         self._attn_layer = {layer: i for i, layer in enumerate(mc.attention_layers)}
         self.storage = KvStorage(num_layers=max(1, len(mc.attention_layers)),
                                  num_blocks=cache_config.max_num_blocks, block_size=B,
@@ -136,7 +142,8 @@ class Engine:
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
         self.scheduler = Scheduler(self.manager, self.table, max_num_tokens=max_num_tokens,
-                                   max_batch_size=max_batch_size, chunked=enable_chunked_prefill)
+                                   max_batch_size=max_batch_size, chunked=enable_chunked_prefill,
+                                   share_prefixes=share_prefixes)
         self.graphs = DecodeGraphs(self.model, self.backend, self.graph_batch_sizes,
                                    self.device) if cuda_graph else None
         self._lock = threading.RLock()

@@ -67,6 +67,7 @@ class Request:
     kv_metrics: RequestKvMetrics | None = None
     num_preemptions: int = 0
     state: dict[int, torch.Tensor] = field(default_factory=dict)  # recurrent layer -> [hidden]
+    prompt_key: bytes | None = field(default=None, repr=False)  # prompt as uint32 bytes
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvcache.attention.block_table import BlockTable
 from kvcache.core.manager import KVCacheManager
+from kvcache.engine.prefix_sharing import leader_of
 
 if TYPE_CHECKING:  # request.py needs torch; the scheduler does not
     from kvcache.engine.request import Request
@@ -31,11 +32,13 @@ class Scheduler:
     """Owns the waiting queue, the running set and their batch slots."""
 
     def __init__(self, manager: KVCacheManager, table: BlockTable, *, max_num_tokens: int,
-                 max_batch_size: int, chunked: bool) -> None:
+                 max_batch_size: int, chunked: bool, share_prefixes: bool = True) -> None:
         self.manager = manager
         self.table = table
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
+        # hold siblings back until a running request commits their common prefix
+        self.share_prefixes = share_prefixes and manager.reuse
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
@@ -52,9 +55,14 @@ class Scheduler:
             if n:
                 chunks.append(Chunk(req, n, n == req.num_uncomputed))
                 budget -= n
+        held: list[Request] = []  # siblings waiting for a leader's prefix, in order
         while self.waiting and budget and self._free_slots:
             req = self.waiting[0]
             plan = self.manager.plan_admission(req.tokens, req.scope)
+            if self.share_prefixes and leader_of(req, plan.num_full_blocks, self.running,
+                                                 self.manager.config.tokens_per_block):
+                held.append(self.waiting.popleft())
+                continue
             if not plan.fits:
                 break  # wait for running requests to free blocks
             if not self.chunked and len(req.tokens) - plan.num_cached_tokens > budget:
@@ -74,6 +82,7 @@ class Scheduler:
             if n:
                 chunks.append(Chunk(req, n, n == req.num_uncomputed))
                 budget -= n
+        self.waiting.extendleft(reversed(held))  # they keep their place in the queue
         return chunks
 
     def _take(self, todo: int, budget: int) -> int:

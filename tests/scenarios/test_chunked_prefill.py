@@ -49,16 +49,18 @@ def test_chunks_cut_blocks_and_cached_prefixes(make_engine: EngineFactory,
     scenario.expect_oracle(engine, cold + warm, seed=budget)
 
 
+@pytest.mark.parametrize("share", [pytest.param(True, id="share"),
+                                   pytest.param(False, id="noshare")])
 @pytest.mark.parametrize("B", [pytest.param(B, id=f"B{B}") for B in (4, 16)])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_reuse_of_blocks_committed_by_a_request_still_in_prefill(
         make_engine: EngineFactory, scenario: ScenarioRun, backend: BackendSpec,
-        B: int) -> None:
+        B: int, share: bool) -> None:
     rng = random.Random(B)
     a = tokens(rng, 30)
     q = a[:28] + tokens(rng, 5)
     reference = make_engine.cold_reference(B, [a, q], NEW_TOKENS, backend=backend)
-    engine = make_engine(B, backend=backend, max_num_tokens=12)
+    engine = make_engine(B, backend=backend, max_num_tokens=12, share_prefixes=share)
     force = forced(reference, backend)
     ra = engine.add_request(a, NEW_TOKENS, force_tokens=force[0] if force else None)
     rq = engine.add_request(q, NEW_TOKENS, force_tokens=force[1] if force else None)
@@ -66,14 +68,18 @@ def test_reuse_of_blocks_committed_by_a_request_still_in_prefill(
     engine.step()  # A has run two 12-token chunks; Q waits for budget
     assert engine.manager.get_sequence(ra).num_committed_tokens == 24
     assert rq not in engine.manager.sequences
-    done = {o.request_id: o for o in engine.step()}  # A's last 6 tokens, Q admitted beside
+    # A's last 6 tokens; without sharing Q is admitted beside them, with it Q waits for
+    # A to commit the full blocks they share
+    done = {o.request_id: o for o in engine.step()}
     assert engine.manager.get_sequence(ra).num_committed_tokens == 30
+    assert (rq in engine.manager.sequences) is (not share or 28 // B * B == 24 // B * B)
     while engine.has_unfinished():
         done |= {o.request_id: o for o in engine.step()}
     out = [done[ra], done[rq]]
     assert_same_outputs(reference, out, backend, "A, Q vs no reuse")
-    # Q saw only what A had committed before that step: its first 24 tokens' full blocks
-    assert out[1].num_cached_tokens == 24 // B * B
+    # without sharing Q saw only what A had committed before that step (its first 24
+    # tokens' full blocks); with it, every full block of their 28 shared tokens
+    assert out[1].num_cached_tokens == (28 if share else 24) // B * B
     scenario.expect_oracle(engine, out, seed=B)
 
 
