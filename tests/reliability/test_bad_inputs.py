@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +24,7 @@ from harness.cli import main as kvharness
 from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
 from kvcache import Engine, KvCacheConfig, KVCacheManager
+from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 
@@ -156,6 +158,15 @@ MAX = get_preset("tiny").max_position_embeddings
                  r"2 prompts", id="gen-scopes-length"),
     pytest.param(lambda e: e.generate([[1, 2], [1, -2]], 1), r"add_request\(#1\): prompt: "
                  r"token 1 is -2", id="gen-second-prompt"),
+    pytest.param(lambda e: e.generate([5], 1), r"generate: prompts must be a list of token "
+                 r"lists; prompt 0 is 5 \(for one prompt, pass \[\[\.\.\.\]\]\)",
+                 id="gen-bare-prompt"),
+    pytest.param(lambda e: e.add_request(5, 1), r"add_request\(#0\): prompt: expected a "
+                 r"sequence of token ids, got 5", id="req-prompt-int"),
+    pytest.param(lambda e: e.add_request([np.True_], 1), r"add_request\(#0\): prompt: token 0 "
+                 r"is (np\.)?True_?; tokens must be ints", id="req-token-numpy-bool"),
+    pytest.param(lambda e: e.abort(7), r"abort\(7\): no such request; no request was added yet",
+                 id="abort-unknown"),
 ))
 def test_bad_request_changes_nothing(tiny_model: Transformer, call: EngineCall,
                                      message: str) -> None:
@@ -168,6 +179,30 @@ def test_bad_request_changes_nothing(tiny_model: Transformer, call: EngineCall,
     out = engine.generate([[1, 2, 3]], max_new_tokens=2)
     assert out[0].request_id == 0 and len(out[0].token_ids) == 2, "the engine stays usable"
     assert_clean(engine.manager, "after the bad request")
+
+
+def test_numpy_int_tokens_are_accepted(tiny_model: Transformer) -> None:
+    engine = EngineSpec(4, 16).build(tiny_model)
+    ints = engine.generate([[1, 2, 3]], 2)[0]
+    arrays = engine.generate([np.array([1, 2, 3], dtype=np.int32)], 2)[0]
+    scalars = engine.generate([[np.int64(1), np.uint16(2), 3]], 2)[0]
+    assert ints.token_ids == arrays.token_ids == scalars.token_ids
+    assert arrays.prompt == scalars.prompt == (1, 2, 3)
+    assert all(type(t) is int for t in arrays.prompt), "tokens are stored as Python ints"
+
+
+def test_abort_after_the_finish_changes_nothing(tiny_model: Transformer) -> None:
+    engine = EngineSpec(4, 16).build(tiny_model)
+    rid = engine.generate([[1, 2, 3]], 2)[0].request_id
+    before = (engine.manager.dump_tree(), engine.kv_cache_stats())
+    with pytest.raises(RequestFinishedError, match=rf"abort\(#{rid}\): request #{rid} already "
+                                                   r"finished or was aborted; nothing to abort"):
+        engine.abort(rid)
+    assert (engine.manager.dump_tree(), engine.kv_cache_stats()) == before
+    assert_clean(engine.manager, "after the refused abort")
+
+
+IDS.add("abort-finished")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), cases(
