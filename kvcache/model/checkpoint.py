@@ -5,6 +5,8 @@ written in the same format; hybrid presets (with recurrent layers) have no HF
 architecture and are written as model_type "kvcache_hybrid": the Llama layout plus
 `layer_types` and `model.layers.N.recurrence.*` tensors, readable only here.
 
+config.json itself is read and written by `kvcache.model.hf_config`.
+
 Weights are read with safetensors only. Pickle-based files (*.bin, *.pt) are refused:
 unpickling runs arbitrary code.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,16 +24,13 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from kvcache.model.config import ModelConfig
+from kvcache.model.hf_config import CONFIG_FILE, CheckpointError, hf_config, load_config, read_json
 from kvcache.model.transformer import Transformer
 
-CONFIG_FILE = "config.json"
+__all__ = ["CheckpointError", "load_config", "load_pretrained", "save_pretrained"]
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-HYBRID_MODEL_TYPE = "kvcache_hybrid"
-MODEL_TYPES = ("llama", "mistral", HYBRID_MODEL_TYPE)
-_DEFAULT_ROPE_THETA = 10000.0  # HF Llama's value when a config names none
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, HYBRID_MODEL_TYPE: 4096}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
 # safetensors dtype codes we accept; ints, fp8 and f64 are refused.
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -61,50 +60,6 @@ _GLOBAL_RENAMES = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the key or tensor and file."""
-
-
-def load_config(path: str | os.PathLike[str]) -> ModelConfig:
-    """Parse an HF config.json (`path` is the file or its directory) into a ModelConfig.
-
-    Keys that would change the math (activation, biases, RoPE scaling, quantisation) are
-    checked; the rest of HF's keys (token ids, dtype, architectures) are metadata.
-    Raises FileNotFoundError without config.json, CheckpointError for anything unsupported.
-    """
-    file = Path(path) / CONFIG_FILE if Path(path).is_dir() else Path(path)
-    raw = _read_json(file)
-    model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise CheckpointError(
-            f"{file}: model_type={model_type!r} is not supported; supported: {MODEL_TYPES}"
-        )
-    _check_supported(raw, file, model_type)
-    hidden, heads = _require(raw, "hidden_size", file), _require(raw, "num_attention_heads", file)
-    try:
-        return ModelConfig(
-            vocab_size=_require(raw, "vocab_size", file),
-            hidden_size=hidden,
-            intermediate_size=_require(raw, "intermediate_size", file),
-            num_layers=_require(raw, "num_hidden_layers", file),
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,  # HF: None means MHA
-            head_dim=raw.get("head_dim") or _derived_head_dim(hidden, heads),
-            rope_theta=_rope_theta(raw, file),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            sliding_window=raw.get("sliding_window"),
-            max_position_embeddings=raw.get(
-                "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type]
-            ),
-            layer_types=tuple(raw.get("layer_types", ())),
-        )
-    except CheckpointError:
-        raise  # already names the file
-    except ValueError as exc:
-        raise CheckpointError(f"{file}: {exc}") from exc
 
 
 def load_pretrained(
@@ -150,80 +105,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config
     dtype = model.tok_embeddings.weight.dtype
-    (directory / CONFIG_FILE).write_text(json.dumps(_hf_config(config, dtype), indent=2) + "\n")
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config(config, dtype), indent=2) + "\n")
     save_file(_to_hf(model), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-
-
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such file (an HF checkpoint needs {CONFIG_FILE})")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}: not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-    return raw
-
-
-def _require(raw: dict[str, Any], key: str, file: Path) -> Any:
-    if raw.get(key) is None:
-        raise CheckpointError(f"{file}: required key {key!r} is missing")
-    return raw[key]
-
-
-def _derived_head_dim(hidden: Any, heads: Any) -> Any:
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
-        return hidden // heads
-    raise ValueError(
-        f"head_dim is absent and hidden_size={hidden!r} / heads={heads!r} is not whole"
-    )
-
-
-def _check_supported(raw: dict[str, Any], file: Path, model_type: str) -> None:
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{file}: hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
-    for key in ("attention_bias", "mlp_bias", "quantization_config"):
-        if raw.get(key):
-            raise CheckpointError(f"{file}: {key}={raw[key]!r} is not supported")
-    if model_type == "llama" and raw.get("sliding_window") is not None:
-        raise CheckpointError(
-            f"{file}: sliding_window={raw['sliding_window']!r} with model_type 'llama' (HF's "
-            "Llama ignores it); use model_type 'mistral' for a sliding window"
-        )
-    if model_type != HYBRID_MODEL_TYPE and "layer_types" in raw:
-        raise CheckpointError(f"{file}: layer_types is only read for {HYBRID_MODEL_TYPE!r}")
-
-
-def _rope_theta(raw: dict[str, Any], file: Path) -> Any:
-    """RoPE base from old top-level `rope_theta` or newer `rope_parameters` (both agree)."""
-    scaling = raw.get("rope_scaling")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind != "default":
-            raise CheckpointError(
-                f"{file}: rope_scaling={scaling!r} is not supported (only default RoPE)"
-            )
-    top = raw.get("rope_theta")
-    params = raw.get("rope_parameters")
-    if params is None:
-        return _DEFAULT_ROPE_THETA if top is None else top
-    if not isinstance(params, dict):
-        raise CheckpointError(f"{file}: rope_parameters={params!r} must be an object")
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise CheckpointError(
-            f"{file}: rope_parameters.rope_type={kind!r} is not supported (only 'default')"
-        )
-    unknown = sorted(set(params) - {"rope_type", "rope_theta"})
-    if unknown:
-        raise CheckpointError(f"{file}: rope_parameters has unsupported keys {unknown}")
-    theta = params.get("rope_theta", top)
-    if top is not None and theta != top:
-        raise CheckpointError(
-            f"{file}: rope_theta={top!r} disagrees with rope_parameters.rope_theta={theta!r}"
-        )
-    return _DEFAULT_ROPE_THETA if theta is None else theta
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -231,7 +114,7 @@ def _weight_files(directory: Path) -> list[Path]:
     if index.is_file():
         # Some repositories hold extra safetensors (e.g. consolidated.safetensors in another
         # naming scheme); the index says which files make up the HF model.
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
         names = sorted(set(weight_map.values()))
@@ -380,35 +263,3 @@ def _to_hf(model: Transformer) -> dict[str, Tensor]:
             parts = ours[f"layers.{layer}.mixer.wqkv.weight"].split([q_size, kv_size, kv_size])
             hf |= {prefix + name: part.clone() for name, part in zip(_QKV, parts, strict=True)}
     return hf
-
-
-def _hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    if config.has_recurrent_layers:
-        model_type = HYBRID_MODEL_TYPE
-    else:
-        model_type = "llama" if config.sliding_window is None else "mistral"
-    raw: dict[str, Any] = {
-        "model_type": model_type,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "max_position_embeddings": config.max_position_embeddings,
-        # Both RoPE forms, so transformers 4.x (rope_theta) and 5.x (rope_parameters) agree.
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    if model_type in _ARCHITECTURES:
-        raw["architectures"] = [_ARCHITECTURES[model_type]]
-    if model_type != "llama":
-        raw["sliding_window"] = config.sliding_window
-    if model_type == HYBRID_MODEL_TYPE:
-        raw["layer_types"] = list(config.layer_types)
-    return raw
