@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvcache.model.config import ModelConfig
+from kvcache.model.config import MAX_LAYERS, MAX_POSITIONS, ModelConfig
 
 CONFIG_FILE = "config.json"
 HYBRID_MODEL_TYPE = "kvcache_hybrid"
@@ -23,6 +23,8 @@ MODEL_TYPES = ("llama", "mistral", HYBRID_MODEL_TYPE)
 _DEFAULT_ROPE_THETA = 10000.0  # HF Llama's value when a config names none
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, HYBRID_MODEL_TYPE: 4096}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# Keys whose value sizes something before any weight is read, and ModelConfig's bounds.
+_BOUNDED_KEYS = {"num_hidden_layers": MAX_LAYERS, "max_position_embeddings": MAX_POSITIONS}
 
 
 class CheckpointError(ValueError):
@@ -32,7 +34,8 @@ class CheckpointError(ValueError):
 def load_config(path: str | os.PathLike[str]) -> ModelConfig:
     """Parse an HF config.json (`path` is the file or its directory) into a ModelConfig.
 
-    Raises FileNotFoundError without config.json, CheckpointError for anything unsupported.
+    Raises FileNotFoundError without the file, CheckpointError (naming the file) for a
+    file that is not UTF-8 JSON or holds anything unsupported or out of range.
     """
     file = Path(path) / CONFIG_FILE if Path(path).is_dir() else Path(path)
     return parse_config(read_json(file), file)
@@ -40,11 +43,14 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
 
 def read_json(file: Path) -> dict[str, Any]:
     """The JSON object in `file`. Raises FileNotFoundError, or CheckpointError naming the
-    file for one that is not JSON or not an object."""
+    file for one that is not UTF-8, not JSON, or not an object."""
     if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such file (an HF checkpoint needs {CONFIG_FILE})")
+        what = "a folder, not a file" if file.is_dir() else "no such file"
+        raise FileNotFoundError(f"{file}: {what} (an HF checkpoint needs {CONFIG_FILE})")
     try:
-        raw = json.loads(file.read_text())
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{file}: not UTF-8 text: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file}: not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
@@ -60,7 +66,16 @@ def parse_config(raw: dict[str, Any], file: Path) -> ModelConfig:
             f"{file}: model_type={model_type!r} is not supported; supported: {MODEL_TYPES}"
         )
     _check_supported(raw, file, model_type)
+    for key, limit in _BOUNDED_KEYS.items():  # named by their key here, not ModelConfig's
+        value = raw.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > limit:
+            raise CheckpointError(f"{file}: {key}={value!r} exceeds the limit of {limit}")
     hidden, heads = _require(raw, "hidden_size", file), _require(raw, "num_attention_heads", file)
+    layer_types = raw.get("layer_types", [])
+    if not isinstance(layer_types, list):
+        raise CheckpointError(f"{file}: layer_types={layer_types!r} must be a list")
+    # Only an absent (or null) key takes the default: a 0 is an error, not "unset".
+    kv_heads, head_dim = raw.get("num_key_value_heads"), raw.get("head_dim")
     try:
         return ModelConfig(
             vocab_size=_require(raw, "vocab_size", file),
@@ -68,8 +83,8 @@ def parse_config(raw: dict[str, Any], file: Path) -> ModelConfig:
             intermediate_size=_require(raw, "intermediate_size", file),
             num_layers=_require(raw, "num_hidden_layers", file),
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,  # HF: None means MHA
-            head_dim=raw.get("head_dim") or _derived_head_dim(hidden, heads),
+            num_kv_heads=heads if kv_heads is None else kv_heads,  # HF: absent means MHA
+            head_dim=_derived_head_dim(hidden, heads) if head_dim is None else head_dim,
             rope_theta=_rope_theta(raw, file),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
@@ -77,7 +92,7 @@ def parse_config(raw: dict[str, Any], file: Path) -> ModelConfig:
             max_position_embeddings=raw.get(
                 "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type]
             ),
-            layer_types=tuple(raw.get("layer_types", ())),
+            layer_types=tuple(layer_types),
         )
     except CheckpointError:
         raise  # already names the file
