@@ -160,14 +160,18 @@ class Engine:
         self.num_computed_tokens = 0  # tokens the model ran on (padding excluded)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig,
-                        **options: Any) -> Engine:
-        """An engine over an HF-format checkpoint (config.json + *.safetensors)."""
+    def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig, *,
+                        check_finite: bool = True, **options: Any) -> Engine:
+        """An engine over an HF-format checkpoint (config.json + *.safetensors): `path` is
+        its folder or config.json; `check_finite=False` skips the NaN/inf scan of the
+        weights; `options` go to Engine(). Raises what `load_pretrained` raises (naming
+        the file and what is wrong) and what Engine() raises."""
         from kvcache.model.checkpoint import load_pretrained
 
         dtype = options.get("dtype", torch.float32)
         device = options.get("device", "cpu")
-        return cls(load_pretrained(path, dtype=dtype, device=device), cache_config, **options)
+        model = load_pretrained(path, dtype=dtype, device=device, check_finite=check_finite)
+        return cls(model, cache_config, **options)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,

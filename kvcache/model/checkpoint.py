@@ -8,13 +8,16 @@ architecture and are written as model_type "kvcache_hybrid": the Llama layout pl
 config.json itself is read and written by `kvcache.model.hf_config`.
 
 Weights are read with safetensors only. Pickle-based files (*.bin, *.pt) are refused:
-unpickling runs arbitrary code.
+unpickling runs arbitrary code. Nothing is sized from config.json before it is checked
+against the tensor headers present (the depth first: a layer count sizes the rest).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,6 +34,7 @@ __all__ = ["CheckpointError", "load_config", "load_pretrained", "save_pretrained
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 # safetensors dtype codes we accept; ints, fp8 and f64 are refused.
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -66,25 +70,27 @@ def load_pretrained(
     path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    *,
+    check_finite: bool = True,
 ) -> Transformer:
-    """Build a Transformer from an HF checkpoint directory (config.json + *.safetensors).
+    """Build a Transformer from an HF checkpoint (config.json + *.safetensors).
 
-    Every tensor is checked before any is loaded: all problems (missing, unexpected, wrong
-    shape, non-float dtype) are reported together, each naming tensor and file.
+    `path` is the checkpoint folder or its config.json (read as that folder). Every
+    tensor header is checked before any tensor is read: all problems (missing,
+    unexpected, wrong shape, non-float dtype) are reported together, each naming tensor
+    and file. With `check_finite`, every tensor is then checked for NaN and infinite
+    values after the cast to `dtype` (one min/max reduction per tensor; an overflow of
+    the cast counts too); pass False to skip that pass on trusted weights.
     Raises CheckpointError, FileNotFoundError, or ValueError for a non-float `dtype`.
     """
     if not dtype.is_floating_point:
         raise ValueError(f"load_pretrained(dtype={dtype}): expected a floating dtype")
-    directory = Path(path)
+    directory = _checkpoint_folder(Path(path))
     config = load_config(directory)
     stored = _scan(_weight_files(directory))
+    _check_depth(directory, stored, config)
     _validate(directory, stored, config)
-    hf: dict[str, Tensor] = {}
-    for file in sorted({s.file for s in stored.values()}):
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                if not name.endswith(_IGNORED_SUFFIX):
-                    hf[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+    hf = _read_tensors(stored, dtype, device, check_finite)
     # Some exports store a tied head anyway; accept it only if it equals the embedding.
     head = hf.pop("lm_head.weight", None) if config.tie_word_embeddings else None
     if head is not None and not torch.equal(head, hf["model.embed_tokens.weight"]):
@@ -109,23 +115,29 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     save_file(_to_hf(model), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
+def _checkpoint_folder(path: Path) -> Path:
+    """The folder `path` names: itself, or the folder of a config.json."""
+    if path.is_dir():
+        return path
+    if path.is_file() and path.name == CONFIG_FILE:
+        return path.parent  # unambiguous: the weights are found beside it
+    if path.exists():
+        raise CheckpointError(f"{path}: expected a checkpoint folder or its {CONFIG_FILE}, "
+                              "got another file")
+    raise FileNotFoundError(f"{path}: no such checkpoint folder")
+
+
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX_FILE
     if index.is_file():
         # Some repositories hold extra safetensors (e.g. consolidated.safetensors in another
         # naming scheme); the index says which files make up the HF model.
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
-        names = sorted(set(weight_map.values()))
-        outside = [n for n in names if not isinstance(n, str) or Path(n).name != n]
-        if outside:  # only plain file names: an index never reaches outside its folder
-            raise CheckpointError(f"{index}: weight_map names files outside the checkpoint "
-                                  f"folder: {outside}")
+        names = _index_files(index)
         files = [directory / name for name in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{index}: lists files that do not exist: {missing}")
+            raise CheckpointError(f"{index}: lists files that do not exist or are not "
+                                  f"regular files: {missing}")
         return files
     files = sorted(directory.glob("*.safetensors"))
     if files:
@@ -139,6 +151,25 @@ def _weight_files(directory: Path) -> list[Path]:
     raise FileNotFoundError(f"{directory}: no *.safetensors weight files")
 
 
+def _index_files(index: Path) -> list[str]:
+    """The file names an index's weight_map maps tensors to, each a plain file name."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
+    bad = {name: file for name, file in weight_map.items() if not isinstance(file, str)}
+    if bad:
+        shown = dict(list(bad.items())[:3])
+        more = f" and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
+        raise CheckpointError(f"{index}: weight_map values must be file names (strings), "
+                              f"got {shown}{more}")
+    names = sorted(set(weight_map.values()))
+    outside = [n for n in names if Path(n).name != n]
+    if outside:  # only plain file names: an index never reaches outside its folder
+        raise CheckpointError(f"{index}: weight_map names files outside the checkpoint "
+                              f"folder: {outside}")
+    return names
+
+
 class _Stored(NamedTuple):
     """Where a tensor lives and what its safetensors header says (nothing loaded yet)."""
 
@@ -150,6 +181,8 @@ class _Stored(NamedTuple):
 def _scan(files: list[Path]) -> dict[str, _Stored]:
     stored: dict[str, _Stored] = {}
     for file in files:
+        if not file.is_file():  # a folder named *.safetensors
+            raise CheckpointError(f"{file}: a folder, not a safetensors file")
         try:
             handle = safe_open(file, framework="pt")
         except SafetensorError as exc:
@@ -163,6 +196,49 @@ def _scan(files: list[Path]) -> dict[str, _Stored]:
                 view = handle.get_slice(name)
                 stored[name] = _Stored(file, list(view.get_shape()), view.get_dtype())
     return stored
+
+
+def _check_depth(directory: Path, stored: dict[str, _Stored], config: ModelConfig) -> None:
+    """Compare num_hidden_layers with the layers the weights hold, before anything is sized
+    by it (a tensor list per layer, a module per layer)."""
+    present = {int(m.group(1)) for name in stored if (m := _LAYER.match(name))}
+    depth = max(present) + 1 if present else 0
+    if config.num_layers > depth:
+        files = sorted({str(s.file) for s in stored.values()})
+        held = {0: "no layers", 1: "only layer 0"}.get(depth, f"layers 0 to {depth - 1}")
+        raise CheckpointError(f"{directory / CONFIG_FILE}: num_hidden_layers={config.num_layers}"
+                              f", but the weights in {files} hold {held}")
+
+
+def _read_tensors(stored: dict[str, _Stored], dtype: torch.dtype, device: str | torch.device,
+                  check_finite: bool) -> dict[str, Tensor]:
+    """Every stored tensor except ignored buffers, cast to `dtype` on `device`. Raises
+    CheckpointError listing each tensor with NaN or infinite values when `check_finite`."""
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, s in stored.items():
+        if not name.endswith(_IGNORED_SUFFIX):
+            by_file[s.file].append(name)
+    hf: dict[str, Tensor] = {}
+    problems = []
+    for file, names in sorted(by_file.items()):
+        with safe_open(file, framework="pt") as handle:
+            for name in names:
+                tensor = handle.get_tensor(name).to(device=device, dtype=dtype)
+                if check_finite and not _is_finite(tensor):
+                    nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+                    problems.append(f"tensor {name!r} in {file}: {nan} NaN and {inf} infinite "
+                                    f"values (read as {dtype})")
+                hf[name] = tensor
+    if problems:
+        raise CheckpointError("non-finite weights (load with check_finite=False to skip this "
+                              "check):\n  " + "\n  ".join(problems))
+    return hf
+
+
+def _is_finite(tensor: Tensor) -> bool:
+    # One reduction: min and max are NaN if any value is, and +-inf bound any infinity.
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _validate(directory: Path, stored: dict[str, _Stored], config: ModelConfig) -> None:
