@@ -13,19 +13,21 @@ from kvcache._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from kvcache.engine.engine import Engine
-    from kvcache.engine.request import FinishReason, GenerationOutput
+    from kvcache.engine.request import FinishReason, GenerationOutput, RequestFinishedError
     from kvcache.engine.scheduler import Scheduler
 
 _EXPORTS = {
     "Engine": "kvcache.engine.engine",
     "FinishReason": "kvcache.engine.request",
     "GenerationOutput": "kvcache.engine.request",
+    "RequestFinishedError": "kvcache.engine.request",
     "Scheduler": "kvcache.engine.scheduler",
 }
 __all__ = [
     "Engine",
     "FinishReason",
     "GenerationOutput",
+    "RequestFinishedError",
     "Scheduler",
 ]
 __getattr__ = lazy_getattr(__name__, _EXPORTS)

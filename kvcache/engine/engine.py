@@ -11,7 +11,6 @@ backend appends and attends per layer), commit what was computed, sample greedil
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +30,15 @@ from kvcache.core.radix import ReuseScope
 from kvcache.core.stats import KvCacheStats
 from kvcache.core.validate import check_positive_int, check_priority
 from kvcache.engine.cuda_graphs import DecodeGraphs
-from kvcache.engine.request import FinishReason, GenerationOutput, Request
+from kvcache.engine.fair_lock import FairLock
+from kvcache.engine.request import (
+    FinishReason,
+    GenerationOutput,
+    Request,
+    RequestFinishedError,
+    check_prompts,
+    check_tokens,
+)
 from kvcache.engine.scheduler import Chunk, Scheduler
 from kvcache.engine.step_context import StepContext
 from kvcache.model.config import get_preset
@@ -86,8 +93,9 @@ class Engine:
     events for routers (`engine.manager.take_kv_events()`).
     Raises ValueError naming the bad option.
 
-    Thread-safe: add_request, step, abort and generate take one lock, so requests may
-    arrive from other threads while one thread runs the step loop.
+    Thread-safe: add_request, step, abort and generate take one fair lock (`FairLock`),
+    so requests may arrive from other threads while one thread runs the step loop; such
+    a call waits for at most the step in progress, never for the work to drain.
     """
 
     def __init__(self, model: Transformer | str, cache_config: KvCacheConfig, *,
@@ -138,7 +146,10 @@ class Engine:
                                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                                    page_size=page_size, window_left=mc.window_left, **options)
         self.max_model_len = mc.max_position_embeddings
-        self.table = BlockTable(max_batch_size, -(-self.max_model_len // B))
+        # A request never holds more blocks than the pool has (add_request rejects it), so
+        # the table is sized by the pool, never by the model's maximum length alone.
+        self.table = BlockTable(max_batch_size, min(-(-self.max_model_len // B),
+                                                    cache_config.max_num_blocks))
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
         self.scheduler = Scheduler(self.manager, self.table, max_num_tokens=max_num_tokens,
@@ -146,7 +157,7 @@ class Engine:
                                    share_prefixes=share_prefixes)
         self.graphs = DecodeGraphs(self.model, self.backend, self.graph_batch_sizes,
                                    self.device) if cuda_graph else None
-        self._lock = threading.RLock()
+        self._lock = FairLock()
         self._next_rid = 0
         self._awaited: set[int] = set()  # requests some generate() call is waiting for
         self._outputs: dict[int, GenerationOutput] = {}  # their outputs, until collected
@@ -156,14 +167,18 @@ class Engine:
         self.num_computed_tokens = 0  # tokens the model ran on (padding excluded)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig,
-                        **options: Any) -> Engine:
-        """An engine over an HF-format checkpoint (config.json + *.safetensors)."""
+    def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig, *,
+                        check_finite: bool = True, **options: Any) -> Engine:
+        """An engine over an HF-format checkpoint (config.json + *.safetensors): `path` is
+        its folder or config.json; `check_finite=False` skips the NaN/inf scan of the
+        weights; `options` go to Engine(). Raises what `load_pretrained` raises (naming
+        the file and what is wrong) and what Engine() raises."""
         from kvcache.model.checkpoint import load_pretrained
 
         dtype = options.get("dtype", torch.float32)
         device = options.get("device", "cpu")
-        return cls(load_pretrained(path, dtype=dtype, device=device), cache_config, **options)
+        model = load_pretrained(path, dtype=dtype, device=device, check_finite=check_finite)
+        return cls(model, cache_config, **options)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
@@ -176,7 +191,8 @@ class Engine:
         with self._lock:
             rid = self._next_rid
             where = f"add_request(#{rid})"
-            tokens = self._check_tokens(prompt, f"{where}: prompt")
+            vocab = self.model.config.vocab_size
+            tokens = check_tokens(prompt, vocab, f"{where}: prompt")
             if not tokens:
                 raise ValueError(f"{where}: empty prompt")
             max_new_tokens = check_positive_int(max_new_tokens, f"{where}: max_new_tokens")
@@ -193,7 +209,7 @@ class Engine:
                                  f"{self.max_num_tokens} without chunked prefill")
             forced = None
             if force_tokens is not None:
-                forced = self._check_tokens(force_tokens, f"{where}: force_tokens")
+                forced = check_tokens(force_tokens, vocab, f"{where}: force_tokens")
                 if len(forced) < max_new_tokens:
                     raise ValueError(f"{where}: force_tokens has {len(forced)} tokens, "
                                      f"max_new_tokens is {max_new_tokens}")
@@ -205,22 +221,28 @@ class Engine:
                                                   forced, return_logits))
             return rid
 
-    def _check_tokens(self, tokens: Sequence[int], where: str) -> list[int]:
-        vocab = self.model.config.vocab_size
-        out = list(tokens)
-        for i, tok in enumerate(out):
-            if isinstance(tok, bool) or not isinstance(tok, int | np.integer) \
-                    or not 0 <= tok < vocab:
-                raise ValueError(f"{where}: token {i} is {tok!r}; tokens must be ints in "
-                                 f"[0, {vocab}) (the model's vocab_size)")
-        return [int(t) for t in out]
-
-    def abort(self, rid: int) -> GenerationOutput | None:
+    def abort(self, rid: int) -> GenerationOutput:
         """Cancel request `rid`; its blocks are released, what it committed stays cached.
-        Returns its partial output, or None if it is unknown or already finished."""
+
+        Returns its partial output (finish reason ABORTED); a generate() call waiting for
+        the request returns the same output in its place. Raises RequestFinishedError (a
+        ValueError) if the request already finished or was aborted, and ValueError for
+        an id this engine never issued.
+        """
         with self._lock:
-            req = self.scheduler.remove(rid)
-            return req.output(FinishReason.ABORTED) if req is not None else None
+            if isinstance(rid, bool) or not isinstance(rid, int | np.integer) \
+                    or not 0 <= rid < self._next_rid:
+                issued = (f"ids 0 to {self._next_rid - 1} were issued" if self._next_rid
+                          else "no request was added yet")
+                raise ValueError(f"abort({rid!r}): no such request; {issued}")
+            req = self.scheduler.remove(int(rid))
+            if req is None:
+                raise RequestFinishedError(f"abort(#{rid}): request #{rid} already finished "
+                                           "or was aborted; nothing to abort")
+            out = req.output(FinishReason.ABORTED)
+            if req.rid in self._awaited:
+                self._outputs[req.rid] = out
+            return out
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
@@ -321,7 +343,13 @@ class Engine:
                  scopes: Sequence[ReuseScope | None] | None = None, *,
                  return_logits: bool = True,
                  force_tokens: Sequence[Sequence[int]] | None = None) -> list[GenerationOutput]:
-        """Run `prompts` to completion; outputs in prompt order."""
+        """Run `prompts` (a list of token lists) to completion; outputs in prompt order.
+
+        A request another thread aborts meanwhile is returned as aborted (its partial
+        output, finish reason ABORTED). Raises ValueError naming the bad value for bad
+        input (nothing is queued then), RuntimeError if its requests stay unadmittable.
+        """
+        check_prompts(prompts)
         if scopes is not None and len(scopes) != len(prompts):
             raise ValueError(f"generate: {len(scopes)} scopes for {len(prompts)} prompts")
         if force_tokens is not None and len(force_tokens) != len(prompts):
@@ -359,12 +387,13 @@ class Engine:
                 self._unclaimed += self._step()  # a step-loop caller's outputs wait for it
                 stalls = stalls + 1 if self.idle and not self.scheduler.running else 0
                 if stalls > MAX_IDLE_STEPS:
-                    stalled = sum(1 for r in self.scheduler.waiting if r.rid in rids)
-                    for rid in rids:
+                    # Aborted requests have outputs by now: what is left is still waiting.
+                    stalled = [r.rid for r in self.scheduler.waiting if r.rid in rids]
+                    for rid in stalled:
                         self.scheduler.remove(rid)
                     raise RuntimeError(f"generate: no progress in {stalls} steps with nothing "
-                                       f"running; {stalled} of its requests could not be "
-                                       "admitted (allocation kept failing)")
+                                       f"running; {len(stalled)} of its requests could not "
+                                       f"be admitted (allocation kept failing): {stalled}")
 
     def kv_cache_stats(self) -> KvCacheStats:
         """The manager's cumulative statistics."""

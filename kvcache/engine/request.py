@@ -1,4 +1,4 @@
-"""A request's life in the engine, and the result it ends with."""
+"""A request's life in the engine, the checks its input passes, and the result it ends with."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvcache.core.handle import Sequence as CacheSequence
@@ -18,6 +19,14 @@ class FinishReason(enum.Enum):
 
     LENGTH = "length"  # generated max_new_tokens
     ABORTED = "aborted"
+
+
+class RequestFinishedError(ValueError):
+    """`Engine.abort` of a request that already finished or was aborted.
+
+    A separate class because, with requests finishing on another thread, this is a race
+    a caller may expect and catch, unlike an id that was never issued (a ValueError).
+    """
 
 
 @dataclass(frozen=True)
@@ -86,3 +95,30 @@ class Request:
                                 logits if self.return_logits else None,
                                 self.num_cached_tokens or 0, self.kv_metrics, reason,
                                 self.num_preemptions)
+
+
+def check_tokens(tokens: Sequence[int], vocab_size: int, where: str) -> list[int]:
+    """`tokens` as a list of ints. Python and numpy ints pass; anything else (bools, numpy's
+    too; floats; a non-sequence) raises ValueError naming `where`, the token and its index."""
+    try:
+        out = None if isinstance(tokens, str | bytes) else list(tokens)
+    except TypeError:  # not iterable: an int, a 0-d tensor
+        out = None
+    if out is None:
+        raise ValueError(f"{where}: expected a sequence of token ids, got {tokens!r}")
+    for i, tok in enumerate(out):
+        if isinstance(tok, bool) or not isinstance(tok, int | np.integer) \
+                or not 0 <= tok < vocab_size:
+            raise ValueError(f"{where}: token {i} is {tok!r}; tokens must be ints in "
+                             f"[0, {vocab_size}) (the model's vocab_size)")
+    return [int(t) for t in out]
+
+
+def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    """Raise ValueError unless `prompts` is a list of prompts, not one bare prompt."""
+    if isinstance(prompts, str | bytes) or not hasattr(prompts, "__len__"):
+        raise ValueError(f"generate: prompts must be a list of token lists, got {prompts!r}")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, int | float | np.integer | np.floating | str | bytes):
+            raise ValueError(f"generate: prompts must be a list of token lists; prompt {i} is "
+                             f"{prompt!r} (for one prompt, pass [[...]])")

@@ -5,16 +5,21 @@ written in the same format; hybrid presets (with recurrent layers) have no HF
 architecture and are written as model_type "kvcache_hybrid": the Llama layout plus
 `layer_types` and `model.layers.N.recurrence.*` tensors, readable only here.
 
+config.json itself is read and written by `kvcache.model.hf_config`.
+
 Weights are read with safetensors only. Pickle-based files (*.bin, *.pt) are refused:
-unpickling runs arbitrary code.
+unpickling runs arbitrary code. Nothing is sized from config.json before it is checked
+against the tensor headers present (the depth first: a layer count sizes the rest).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections import defaultdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,16 +27,14 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from kvcache.model.config import ModelConfig
+from kvcache.model.hf_config import CONFIG_FILE, CheckpointError, hf_config, load_config, read_json
 from kvcache.model.transformer import Transformer
 
-CONFIG_FILE = "config.json"
+__all__ = ["CheckpointError", "load_config", "load_pretrained", "save_pretrained"]
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-HYBRID_MODEL_TYPE = "kvcache_hybrid"
-MODEL_TYPES = ("llama", "mistral", HYBRID_MODEL_TYPE)
-_DEFAULT_ROPE_THETA = 10000.0  # HF Llama's value when a config names none
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, HYBRID_MODEL_TYPE: 4096}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 # safetensors dtype codes we accept; ints, fp8 and f64 are refused.
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -63,73 +66,31 @@ _GLOBAL_RENAMES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the key or tensor and file."""
-
-
-def load_config(path: str | os.PathLike[str]) -> ModelConfig:
-    """Parse an HF config.json (`path` is the file or its directory) into a ModelConfig.
-
-    Keys that would change the math (activation, biases, RoPE scaling, quantisation) are
-    checked; the rest of HF's keys (token ids, dtype, architectures) are metadata.
-    Raises FileNotFoundError without config.json, CheckpointError for anything unsupported.
-    """
-    file = Path(path) / CONFIG_FILE if Path(path).is_dir() else Path(path)
-    raw = _read_json(file)
-    model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise CheckpointError(
-            f"{file}: model_type={model_type!r} is not supported; supported: {MODEL_TYPES}"
-        )
-    _check_supported(raw, file, model_type)
-    hidden, heads = _require(raw, "hidden_size", file), _require(raw, "num_attention_heads", file)
-    try:
-        return ModelConfig(
-            vocab_size=_require(raw, "vocab_size", file),
-            hidden_size=hidden,
-            intermediate_size=_require(raw, "intermediate_size", file),
-            num_layers=_require(raw, "num_hidden_layers", file),
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,  # HF: None means MHA
-            head_dim=raw.get("head_dim") or _derived_head_dim(hidden, heads),
-            rope_theta=_rope_theta(raw, file),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            sliding_window=raw.get("sliding_window"),
-            max_position_embeddings=raw.get(
-                "max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type]
-            ),
-            layer_types=tuple(raw.get("layer_types", ())),
-        )
-    except CheckpointError:
-        raise  # already names the file
-    except ValueError as exc:
-        raise CheckpointError(f"{file}: {exc}") from exc
-
-
 def load_pretrained(
     path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    *,
+    check_finite: bool = True,
 ) -> Transformer:
-    """Build a Transformer from an HF checkpoint directory (config.json + *.safetensors).
+    """Build a Transformer from an HF checkpoint (config.json + *.safetensors).
 
-    Every tensor is checked before any is loaded: all problems (missing, unexpected, wrong
-    shape, non-float dtype) are reported together, each naming tensor and file.
+    `path` is the checkpoint folder or its config.json (read as that folder). Every
+    tensor header is checked before any tensor is read: all problems (missing,
+    unexpected, wrong shape, non-float dtype) are reported together, each naming tensor
+    and file. With `check_finite`, every tensor is then checked for NaN and infinite
+    values after the cast to `dtype` (one min/max reduction per tensor; an overflow of
+    the cast counts too); pass False to skip that pass on trusted weights.
     Raises CheckpointError, FileNotFoundError, or ValueError for a non-float `dtype`.
     """
     if not dtype.is_floating_point:
         raise ValueError(f"load_pretrained(dtype={dtype}): expected a floating dtype")
-    directory = Path(path)
+    directory = _checkpoint_folder(Path(path))
     config = load_config(directory)
     stored = _scan(_weight_files(directory))
+    _check_depth(directory, stored, config)
     _validate(directory, stored, config)
-    hf: dict[str, Tensor] = {}
-    for file in sorted({s.file for s in stored.values()}):
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                if not name.endswith(_IGNORED_SUFFIX):
-                    hf[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+    hf = _read_tensors(stored, dtype, device, check_finite)
     # Some exports store a tied head anyway; accept it only if it equals the embedding.
     head = hf.pop("lm_head.weight", None) if config.tie_word_embeddings else None
     if head is not None and not torch.equal(head, hf["model.embed_tokens.weight"]):
@@ -150,80 +111,20 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config
     dtype = model.tok_embeddings.weight.dtype
-    (directory / CONFIG_FILE).write_text(json.dumps(_hf_config(config, dtype), indent=2) + "\n")
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config(config, dtype), indent=2) + "\n")
     save_file(_to_hf(model), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such file (an HF checkpoint needs {CONFIG_FILE})")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}: not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-    return raw
-
-
-def _require(raw: dict[str, Any], key: str, file: Path) -> Any:
-    if raw.get(key) is None:
-        raise CheckpointError(f"{file}: required key {key!r} is missing")
-    return raw[key]
-
-
-def _derived_head_dim(hidden: Any, heads: Any) -> Any:
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
-        return hidden // heads
-    raise ValueError(
-        f"head_dim is absent and hidden_size={hidden!r} / heads={heads!r} is not whole"
-    )
-
-
-def _check_supported(raw: dict[str, Any], file: Path, model_type: str) -> None:
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{file}: hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
-    for key in ("attention_bias", "mlp_bias", "quantization_config"):
-        if raw.get(key):
-            raise CheckpointError(f"{file}: {key}={raw[key]!r} is not supported")
-    if model_type == "llama" and raw.get("sliding_window") is not None:
-        raise CheckpointError(
-            f"{file}: sliding_window={raw['sliding_window']!r} with model_type 'llama' (HF's "
-            "Llama ignores it); use model_type 'mistral' for a sliding window"
-        )
-    if model_type != HYBRID_MODEL_TYPE and "layer_types" in raw:
-        raise CheckpointError(f"{file}: layer_types is only read for {HYBRID_MODEL_TYPE!r}")
-
-
-def _rope_theta(raw: dict[str, Any], file: Path) -> Any:
-    """RoPE base from old top-level `rope_theta` or newer `rope_parameters` (both agree)."""
-    scaling = raw.get("rope_scaling")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind != "default":
-            raise CheckpointError(
-                f"{file}: rope_scaling={scaling!r} is not supported (only default RoPE)"
-            )
-    top = raw.get("rope_theta")
-    params = raw.get("rope_parameters")
-    if params is None:
-        return _DEFAULT_ROPE_THETA if top is None else top
-    if not isinstance(params, dict):
-        raise CheckpointError(f"{file}: rope_parameters={params!r} must be an object")
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise CheckpointError(
-            f"{file}: rope_parameters.rope_type={kind!r} is not supported (only 'default')"
-        )
-    unknown = sorted(set(params) - {"rope_type", "rope_theta"})
-    if unknown:
-        raise CheckpointError(f"{file}: rope_parameters has unsupported keys {unknown}")
-    theta = params.get("rope_theta", top)
-    if top is not None and theta != top:
-        raise CheckpointError(
-            f"{file}: rope_theta={top!r} disagrees with rope_parameters.rope_theta={theta!r}"
-        )
-    return _DEFAULT_ROPE_THETA if theta is None else theta
+def _checkpoint_folder(path: Path) -> Path:
+    """The folder `path` names: itself, or the folder of a config.json."""
+    if path.is_dir():
+        return path
+    if path.is_file() and path.name == CONFIG_FILE:
+        return path.parent  # unambiguous: the weights are found beside it
+    if path.exists():
+        raise CheckpointError(f"{path}: expected a checkpoint folder or its {CONFIG_FILE}, "
+                              "got another file")
+    raise FileNotFoundError(f"{path}: no such checkpoint folder")
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -231,18 +132,12 @@ def _weight_files(directory: Path) -> list[Path]:
     if index.is_file():
         # Some repositories hold extra safetensors (e.g. consolidated.safetensors in another
         # naming scheme); the index says which files make up the HF model.
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
-        names = sorted(set(weight_map.values()))
-        outside = [n for n in names if not isinstance(n, str) or Path(n).name != n]
-        if outside:  # only plain file names: an index never reaches outside its folder
-            raise CheckpointError(f"{index}: weight_map names files outside the checkpoint "
-                                  f"folder: {outside}")
+        names = _index_files(index)
         files = [directory / name for name in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{index}: lists files that do not exist: {missing}")
+            raise CheckpointError(f"{index}: lists files that do not exist or are not "
+                                  f"regular files: {missing}")
         return files
     files = sorted(directory.glob("*.safetensors"))
     if files:
@@ -256,6 +151,25 @@ def _weight_files(directory: Path) -> list[Path]:
     raise FileNotFoundError(f"{directory}: no *.safetensors weight files")
 
 
+def _index_files(index: Path) -> list[str]:
+    """The file names an index's weight_map maps tensors to, each a plain file name."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: missing or malformed 'weight_map'")
+    bad = {name: file for name, file in weight_map.items() if not isinstance(file, str)}
+    if bad:
+        shown = dict(list(bad.items())[:3])
+        more = f" and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
+        raise CheckpointError(f"{index}: weight_map values must be file names (strings), "
+                              f"got {shown}{more}")
+    names = sorted(set(weight_map.values()))
+    outside = [n for n in names if Path(n).name != n]
+    if outside:  # only plain file names: an index never reaches outside its folder
+        raise CheckpointError(f"{index}: weight_map names files outside the checkpoint "
+                              f"folder: {outside}")
+    return names
+
+
 class _Stored(NamedTuple):
     """Where a tensor lives and what its safetensors header says (nothing loaded yet)."""
 
@@ -267,6 +181,8 @@ class _Stored(NamedTuple):
 def _scan(files: list[Path]) -> dict[str, _Stored]:
     stored: dict[str, _Stored] = {}
     for file in files:
+        if not file.is_file():  # a folder named *.safetensors
+            raise CheckpointError(f"{file}: a folder, not a safetensors file")
         try:
             handle = safe_open(file, framework="pt")
         except SafetensorError as exc:
@@ -280,6 +196,49 @@ def _scan(files: list[Path]) -> dict[str, _Stored]:
                 view = handle.get_slice(name)
                 stored[name] = _Stored(file, list(view.get_shape()), view.get_dtype())
     return stored
+
+
+def _check_depth(directory: Path, stored: dict[str, _Stored], config: ModelConfig) -> None:
+    """Compare num_hidden_layers with the layers the weights hold, before anything is sized
+    by it (a tensor list per layer, a module per layer)."""
+    present = {int(m.group(1)) for name in stored if (m := _LAYER.match(name))}
+    depth = max(present) + 1 if present else 0
+    if config.num_layers > depth:
+        files = sorted({str(s.file) for s in stored.values()})
+        held = {0: "no layers", 1: "only layer 0"}.get(depth, f"layers 0 to {depth - 1}")
+        raise CheckpointError(f"{directory / CONFIG_FILE}: num_hidden_layers={config.num_layers}"
+                              f", but the weights in {files} hold {held}")
+
+
+def _read_tensors(stored: dict[str, _Stored], dtype: torch.dtype, device: str | torch.device,
+                  check_finite: bool) -> dict[str, Tensor]:
+    """Every stored tensor except ignored buffers, cast to `dtype` on `device`. Raises
+    CheckpointError listing each tensor with NaN or infinite values when `check_finite`."""
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, s in stored.items():
+        if not name.endswith(_IGNORED_SUFFIX):
+            by_file[s.file].append(name)
+    hf: dict[str, Tensor] = {}
+    problems = []
+    for file, names in sorted(by_file.items()):
+        with safe_open(file, framework="pt") as handle:
+            for name in names:
+                tensor = handle.get_tensor(name).to(device=device, dtype=dtype)
+                if check_finite and not _is_finite(tensor):
+                    nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+                    problems.append(f"tensor {name!r} in {file}: {nan} NaN and {inf} infinite "
+                                    f"values (read as {dtype})")
+                hf[name] = tensor
+    if problems:
+        raise CheckpointError("non-finite weights (load with check_finite=False to skip this "
+                              "check):\n  " + "\n  ".join(problems))
+    return hf
+
+
+def _is_finite(tensor: Tensor) -> bool:
+    # One reduction: min and max are NaN if any value is, and +-inf bound any infinity.
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _validate(directory: Path, stored: dict[str, _Stored], config: ModelConfig) -> None:
@@ -380,35 +339,3 @@ def _to_hf(model: Transformer) -> dict[str, Tensor]:
             parts = ours[f"layers.{layer}.mixer.wqkv.weight"].split([q_size, kv_size, kv_size])
             hf |= {prefix + name: part.clone() for name, part in zip(_QKV, parts, strict=True)}
     return hf
-
-
-def _hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    if config.has_recurrent_layers:
-        model_type = HYBRID_MODEL_TYPE
-    else:
-        model_type = "llama" if config.sliding_window is None else "mistral"
-    raw: dict[str, Any] = {
-        "model_type": model_type,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "max_position_embeddings": config.max_position_embeddings,
-        # Both RoPE forms, so transformers 4.x (rope_theta) and 5.x (rope_parameters) agree.
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    if model_type in _ARCHITECTURES:
-        raw["architectures"] = [_ARCHITECTURES[model_type]]
-    if model_type != "llama":
-        raw["sliding_window"] = config.sliding_window
-    if model_type == HYBRID_MODEL_TYPE:
-        raw["layer_types"] = list(config.layer_types)
-    return raw

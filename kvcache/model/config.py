@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
-from kvcache.core.validate import check_positive_int
+from kvcache.core.validate import check_int, check_positive_int
 
 LayerType = Literal["attention", "recurrent"]
 LAYER_TYPES: tuple[LayerType, ...] = ("attention", "recurrent")
 
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+# Upper bounds for the fields that size something before any weight is seen: one
+# module and a dozen tensor names per layer; lengths up to this in the int32 kv_lens
+# and indptr arrays of the attention metadata.
+MAX_LAYERS = 1024  # the deepest published decoders have a few hundred: more is a typo
+MAX_POSITIONS = 2**31 - 1
+_UPPER_BOUNDS = {"num_layers": MAX_LAYERS, "max_position_embeddings": MAX_POSITIONS}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,7 +31,8 @@ class ModelConfig:
     accepted and stored as a tuple.
 
     Raises:
-        ValueError: a field has a bad type or value; the message names field and value.
+        ValueError: a field has a bad type or value (a non-finite float, a count above
+            MAX_LAYERS or MAX_POSITIONS); the message names field, value and limit.
     """
 
     vocab_size: int
@@ -43,8 +51,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
-            object.__setattr__(self, name,
-                               check_positive_int(getattr(self, name), f"ModelConfig.{name}"))
+            object.__setattr__(self, name, check_int(getattr(self, name), f"ModelConfig.{name}",
+                                                     1, _UPPER_BOUNDS.get(name)))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
@@ -56,8 +64,8 @@ class ModelConfig:
             )
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number")
+            if not _is_positive_finite(value):
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive finite number")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(
                 f"ModelConfig.tie_word_embeddings={self.tie_word_embeddings!r} must be a bool"
@@ -105,6 +113,15 @@ class ModelConfig:
         The -1 is FlashInfer's own convention, kept so it can be passed straight through.
         """
         return -1 if self.sliding_window is None else self.sliding_window - 1
+
+
+def _is_positive_finite(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return value > 0 and math.isfinite(value)  # NaN fails both
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 _TINY = ModelConfig(

@@ -14,7 +14,7 @@ import pytest
 
 from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import Engine
-from kvcache.engine import FinishReason, GenerationOutput
+from kvcache.engine import FinishReason, GenerationOutput, RequestFinishedError
 from kvcache.model import Transformer
 from tests.reliability.support import EngineSpec, assert_clean, assert_same_output, cold_outputs
 
@@ -132,9 +132,30 @@ def test_abort_a_waiting_request_leaves_no_trace(tiny_model: Transformer) -> Non
     assert second not in {e["seq_id"] for e in engine.admission_log()}, "it was never admitted"
     done = engine.step() + engine.step()
     assert [o.request_id for o in done] == [first]
-    assert engine.abort(second) is None and engine.abort(first) is None
-    assert engine.abort(12345) is None
     assert_clean(engine.manager, "after the waiting request was aborted")
+
+
+def test_abort_of_a_request_that_is_gone_says_so(tiny_model: Transformer) -> None:
+    """Aborting twice, after the finish or an id never issued raises and changes nothing."""
+    engine = EngineSpec(4, 32).build(tiny_model)
+    finished = engine.generate([PROMPT[:5]], 2)[0].request_id
+    aborted = engine.add_request(PROMPT[:7], 2)
+    assert engine.abort(aborted).finish_reason is FinishReason.ABORTED
+    before = (engine.manager.dump_tree(), engine.kv_cache_stats())
+    for rid in (finished, aborted):
+        with pytest.raises(RequestFinishedError, match=rf"abort\(#{rid}\): request #{rid} "
+                                                       r"already finished or was aborted"):
+            engine.abort(rid)
+    for rid in (2, -1, True, "0"):
+        with pytest.raises(ValueError, match=rf"abort\({rid!r}\): no such request; ids 0 to 1 "
+                                             r"were issued") as info:
+            engine.abort(rid)  # type: ignore[arg-type]
+        assert not isinstance(info.value, RequestFinishedError)
+    assert (engine.manager.dump_tree(), engine.kv_cache_stats()) == before
+    with pytest.raises(ValueError, match=r"abort\(0\): no such request; no request was added "
+                                         r"yet"):
+        EngineSpec(4, 32).build(tiny_model).abort(0)
+    assert_clean(engine.manager, "after the refused aborts")
 
 
 def test_abort_a_preempted_request(tiny_model: Transformer) -> None:

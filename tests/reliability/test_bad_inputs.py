@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +24,7 @@ from harness.cli import main as kvharness
 from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
 from kvcache import Engine, KvCacheConfig, KVCacheManager
+from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from tests.reliability.support import EngineSpec, assert_clean
@@ -155,6 +157,15 @@ MAX = get_preset("tiny").max_position_embeddings
                  r"2 prompts", id="gen-scopes-length"),
     pytest.param(lambda e: e.generate([[1, 2], [1, -2]], 1), r"add_request\(#1\): prompt: "
                  r"token 1 is -2", id="gen-second-prompt"),
+    pytest.param(lambda e: e.generate([5], 1), r"generate: prompts must be a list of token "
+                 r"lists; prompt 0 is 5 \(for one prompt, pass \[\[\.\.\.\]\]\)",
+                 id="gen-bare-prompt"),
+    pytest.param(lambda e: e.add_request(5, 1), r"add_request\(#0\): prompt: expected a "
+                 r"sequence of token ids, got 5", id="req-prompt-int"),
+    pytest.param(lambda e: e.add_request([np.True_], 1), r"add_request\(#0\): prompt: token 0 "
+                 r"is (np\.)?True_?; tokens must be ints", id="req-token-numpy-bool"),
+    pytest.param(lambda e: e.abort(7), r"abort\(7\): no such request; no request was added yet",
+                 id="abort-unknown"),
 ))
 def test_bad_request_changes_nothing(tiny_model: Transformer, call: EngineCall,
                                      message: str) -> None:
@@ -167,6 +178,30 @@ def test_bad_request_changes_nothing(tiny_model: Transformer, call: EngineCall,
     out = engine.generate([[1, 2, 3]], max_new_tokens=2)
     assert out[0].request_id == 0 and len(out[0].token_ids) == 2, "the engine stays usable"
     assert_clean(engine.manager, "after the bad request")
+
+
+def test_numpy_int_tokens_are_accepted(tiny_model: Transformer) -> None:
+    engine = EngineSpec(4, 16).build(tiny_model)
+    ints = engine.generate([[1, 2, 3]], 2)[0]
+    arrays = engine.generate([np.array([1, 2, 3], dtype=np.int32)], 2)[0]
+    scalars = engine.generate([[np.int64(1), np.uint16(2), 3]], 2)[0]
+    assert ints.token_ids == arrays.token_ids == scalars.token_ids
+    assert arrays.prompt == scalars.prompt == (1, 2, 3)
+    assert all(type(t) is int for t in arrays.prompt), "tokens are stored as Python ints"
+
+
+def test_abort_after_the_finish_changes_nothing(tiny_model: Transformer) -> None:
+    engine = EngineSpec(4, 16).build(tiny_model)
+    rid = engine.generate([[1, 2, 3]], 2)[0].request_id
+    before = (engine.manager.dump_tree(), engine.kv_cache_stats())
+    with pytest.raises(RequestFinishedError, match=rf"abort\(#{rid}\): request #{rid} already "
+                                                   r"finished or was aborted; nothing to abort"):
+        engine.abort(rid)
+    assert (engine.manager.dump_tree(), engine.kv_cache_stats()) == before
+    assert_clean(engine.manager, "after the refused abort")
+
+
+IDS.add("abort-finished")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), cases(
@@ -321,6 +356,33 @@ def remove(name: str) -> Callable[[Path], None]:
     return lambda path: (path / name).unlink()
 
 
+def write_bytes(name: str, data: bytes) -> Callable[[Path], None]:
+    def apply(path: Path) -> None:
+        (path / name).write_bytes(data)
+    return apply
+
+
+def replace_by_folder(name: str) -> Callable[[Path], None]:
+    def apply(path: Path) -> None:
+        (path / name).unlink()
+        (path / name).mkdir()
+    return apply
+
+
+def write_index(weight_map: dict[str, Any]) -> Callable[[Path], None]:
+    return write("model.safetensors.index.json", json.dumps({"weight_map": weight_map}))
+
+
+def load_instead(name: str) -> Callable[[Path], Path]:
+    """Load `name` (inside the checkpoint, or beside it) instead of the folder."""
+    return lambda path: path / name
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["model.norm.weight"][3] = float("nan")
+    tensors[Q0][0, :2] = torch.tensor([float("inf"), -float("inf")])
+
+
 @pytest.mark.parametrize(("corrupt", "error", "message"), cases(
     pytest.param(edit_tensors(lambda t: t.pop(Q0)), CheckpointError,
                  rf"tensor '{Q0}' is missing: expected shape \[256, 128\]", id="ck-missing-tensor"),
@@ -334,8 +396,53 @@ def remove(name: str) -> Callable[[Path], None]:
                  CheckpointError, r"tensor 'model\.layers\.7\.extra' in .* is unexpected for "
                  r"this config", id="ck-unexpected-tensor"),
     pytest.param(edit_config(num_hidden_layers=3), CheckpointError,
-                 r"tensor 'model\.layers\.2\.self_attn\.q_proj\.weight' is missing",
-                 id="ck-config-more-layers"),
+                 rf"config\.json: num_hidden_layers=3, but the weights in \['.*{WEIGHTS}'\] "
+                 r"hold layers 0 to 1$", id="ck-config-more-layers"),
+    pytest.param(edit_config(num_hidden_layers=2_000_000), CheckpointError,
+                 r"config\.json: num_hidden_layers=2000000 exceeds the limit of 1024",
+                 id="ck-huge-layers"),
+    pytest.param(edit_config(max_position_embeddings=10**12), CheckpointError,
+                 r"config\.json: max_position_embeddings=1000000000000 exceeds the limit of "
+                 r"2147483647", id="ck-huge-positions"),
+    pytest.param(edit_config(max_position_embeddings=1e12), CheckpointError,
+                 r"config\.json: max_position_embeddings=1000000000000\.0 exceeds the limit",
+                 id="ck-huge-positions-float"),
+    pytest.param(edit_config(rope_theta=float("inf"), rope_parameters=None), CheckpointError,
+                 r"config\.json: ModelConfig\.rope_theta=inf must be a positive finite number",
+                 id="ck-rope-theta-inf"),
+    pytest.param(edit_config(rms_norm_eps=float("inf")), CheckpointError,
+                 r"config\.json: ModelConfig\.rms_norm_eps=inf must be a positive finite "
+                 r"number", id="ck-rms-eps-inf"),
+    pytest.param(edit_config(num_key_value_heads=0), CheckpointError,
+                 r"config\.json: ModelConfig\.num_kv_heads must be an int >= 1, got 0",
+                 id="ck-kv-heads-zero"),
+    pytest.param(edit_config(head_dim=0), CheckpointError,
+                 r"config\.json: ModelConfig\.head_dim must be an int >= 1, got 0",
+                 id="ck-head-dim-zero"),
+    pytest.param(edit_config(model_type="kvcache_hybrid", layer_types=4), CheckpointError,
+                 r"config\.json: layer_types=4 must be a list", id="ck-layer-types-int"),
+    pytest.param(write_bytes("config.json", b'{"model_type": "llama", "name": "caf\xe9"}'),
+                 CheckpointError, r"config\.json: not UTF-8 text: 'utf-8' codec can't decode "
+                 r"byte 0xe9", id="ck-config-not-utf8"),
+    pytest.param(write_index({"model.norm.weight": ["model.safetensors"]}), CheckpointError,
+                 r"index\.json: weight_map values must be file names \(strings\), got "
+                 r"\{'model\.norm\.weight': \['model\.safetensors'\]\}",
+                 id="ck-index-list-value"),
+    pytest.param(write_index({"model.norm.weight": WEIGHTS, Q0: 3}), CheckpointError,
+                 rf"index\.json: weight_map values must be file names \(strings\), got "
+                 rf"\{{'{Q0}': 3\}}", id="ck-index-mixed-values"),
+    pytest.param(replace_by_folder(WEIGHTS), CheckpointError,
+                 rf"{WEIGHTS}: a folder, not a safetensors file", id="ck-weights-folder"),
+    pytest.param(load_instead(WEIGHTS), CheckpointError,
+                 rf"{WEIGHTS}: expected a checkpoint folder or its config\.json, got another "
+                 r"file", id="ck-path-other-file"),
+    pytest.param(load_instead("nope"), FileNotFoundError,
+                 r"nope: no such checkpoint folder", id="ck-no-folder"),
+    pytest.param(edit_tensors(non_finite), CheckpointError,
+                 r"non-finite weights \(load with check_finite=False to skip this check\):\n"
+                 rf"  tensor '{Q0}' in .*{WEIGHTS}: 0 NaN and 2 infinite values \(read as "
+                 r"torch\.float32\)\n  tensor 'model\.norm\.weight' in .*: 1 NaN and 0 "
+                 r"infinite values", id="ck-non-finite-weights"),
     pytest.param(edit_config(intermediate_size=200), CheckpointError,
                  r"mlp\.gate_proj\.weight' in .*: expected shape \[200, 128\], got \[256, 128\]",
                  id="ck-config-shapes"),
@@ -362,13 +469,13 @@ def remove(name: str) -> Callable[[Path], None]:
                  rf"{WEIGHTS}: not a readable safetensors file: ", id="ck-garbage-weights"),
 ))
 def test_corrupt_checkpoint(tmp_path: Path, pristine: Path,
-                            corrupt: Callable[[Path], None], error: type[Exception],
+                            corrupt: Callable[[Path], Path | None], error: type[Exception],
                             message: str) -> None:
     path = tmp_path / "ckpt"
     shutil.copytree(pristine, path)
-    corrupt(path)
+    load = corrupt(path) or path
     with pytest.raises(error, match=message) as info:
-        Engine.from_pretrained(path, KvCacheConfig(tokens_per_block=4, max_num_blocks=16))
+        Engine.from_pretrained(load, KvCacheConfig(tokens_per_block=4, max_num_blocks=16))
     assert str(path) in str(info.value), f"the message names no file under {path}"
 
 

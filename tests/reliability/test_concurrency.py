@@ -1,17 +1,20 @@
 """Requests arrive from many threads while one thread runs the step loop.
 
-`Engine` takes one lock in add_request, step and abort. Producers here add (and some
-abort) requests while the main thread steps; afterwards every request has exactly one
-outcome, finished outputs equal the cold run's, aborted ones are a prefix of it, and the
-cache is intact with nothing leaked. Interleavings vary from run to run; the assertions
-hold for every one of them. Threads are joined with a timeout so a deadlock fails the
-test instead of hanging it.
+`Engine` takes one fair lock in add_request, step, abort and generate. Producers here
+add (and some abort) requests while the main thread steps; afterwards every request has
+exactly one outcome, finished outputs equal the cold run's, aborted ones are a prefix of
+it, and the cache is intact with nothing leaked. Interleavings vary from run to run; the
+assertions hold for every one of them. Where a test needs one interleaving, it holds the
+engine's lock and lets the other threads through one critical section (one step) at a
+time: the lock is fair, so that order is deterministic and counted in steps. Threads are
+joined with a timeout so a deadlock fails the test instead of hanging it.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -19,7 +22,8 @@ import pytest
 
 from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, ReuseScope
-from kvcache.engine import FinishReason, GenerationOutput
+from kvcache.engine import FinishReason, GenerationOutput, RequestFinishedError
+from kvcache.engine.fair_lock import FairLock
 from kvcache.model import Transformer
 from tests.reliability.support import (
     EngineSpec,
@@ -70,8 +74,12 @@ def run_concurrently(engine: Engine, threads: int, per_thread: int, max_new_toke
                 if abort_every is not None and mine and rng.randrange(abort_every) == 0:
                     victim = mine[rng.randrange(len(mine))]
                     if not victim.abort_called:
-                        mine[mine.index(victim)] = victim._replace(
-                            aborted=engine.abort(victim.rid), abort_called=True)
+                        try:
+                            aborted: GenerationOutput | None = engine.abort(victim.rid)
+                        except RequestFinishedError:  # it finished first: a race, expected
+                            aborted = None
+                        mine[mine.index(victim)] = victim._replace(aborted=aborted,
+                                                                   abort_called=True)
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
@@ -197,3 +205,107 @@ def test_generate_does_not_swallow_a_step_loop_callers_output(tiny_model: Transf
     for _ in range(10):
         seen += engine.step()
     assert [o.request_id for o in seen] == [mine], "caller A never got its output"
+
+
+# -- one interleaving, counted in steps ------------------------------------------------------
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll `condition`; fail (rather than hang) if it never holds."""
+    deadline = time.monotonic() + JOIN_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.001)
+
+
+def let_through(lock: FairLock, sections: int) -> None:
+    """Holding `lock` with one other thread queued for it, let that thread through
+    `sections` critical sections (an admission or one step each); returns holding it."""
+    for _ in range(sections):
+        wait_until(lambda: lock.num_waiting == 1, "the generate() thread queued")
+        lock.release()
+        lock.acquire()  # behind the queued thread: it runs one section first
+
+
+def start_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int
+                   ) -> tuple[threading.Thread, dict[str, list[GenerationOutput] | BaseException]]:
+    """generate() on a new thread; its result (or exception) lands in the dict's "result"."""
+    box: dict[str, list[GenerationOutput] | BaseException] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = engine.generate(prompts, max_new_tokens)
+        except BaseException as exc:  # reported by the test
+            box["result"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def finish(thread: threading.Thread, box: dict[str, list[GenerationOutput] | BaseException]
+           ) -> list[GenerationOutput]:
+    thread.join(JOIN_SECONDS)
+    assert not thread.is_alive(), "generate() never returned"
+    result = box["result"]
+    assert isinstance(result, list), f"generate() raised {result!r}"
+    return result
+
+
+def test_abort_of_requests_generate_waits_for(tiny_model: Transformer) -> None:
+    """Another thread aborts a running and a waiting request of a generate() call: it
+    returns every output, those two as aborted, and blames nothing on allocation."""
+    prompts = [STEMS[0], STEMS[1], STEMS[2]]
+    cold = cold_outputs(tiny_model, prompts, 12)
+    engine = EngineSpec(4, 64, max_batch_size=2).build(tiny_model)  # the third waits
+    lock = engine._lock
+    with lock:
+        thread, box = start_generate(engine, prompts, 12)
+        let_through(lock, 1 + 3)  # the admission, then a prefill and two decode steps
+        assert engine.num_steps == 3
+        running, waiting = engine.abort(0), engine.abort(2)
+    outs = finish(thread, box)
+    assert [o.request_id for o in outs] == [0, 1, 2]
+    assert outs[0] == running and outs[2] == waiting, "generate() returns what abort() did"
+    assert running.finish_reason is FinishReason.ABORTED
+    assert running.token_ids == cold[0].token_ids[:3]
+    assert waiting.finish_reason is FinishReason.ABORTED and waiting.token_ids == []
+    assert outs[1].finish_reason is FinishReason.LENGTH
+    assert_same_output(cold[1], outs[1], "the request nobody aborted")
+    assert_clean(engine.manager, "after the aborts")
+
+
+@pytest.mark.parametrize("call", ["abort", "add_request"])
+def test_a_waiting_call_gets_in_after_one_step(tiny_model: Transformer, call: str) -> None:
+    """A call from another thread waits for the step in progress only, not for the work
+    of a generate() call to drain: counted in steps, it completes one step after it
+    queued, long before generate() finishes."""
+    engine = EngineSpec(4, 64).build(tiny_model)
+    lock = engine._lock
+    done_at: list[int] = []
+    added: list[int] = []
+
+    def waiter() -> None:
+        if call == "abort":
+            engine.abort(1)
+        else:
+            added.append(engine.add_request([40, 41, 42], 1))
+        done_at.append(engine.num_steps)
+
+    with lock:
+        thread, box = start_generate(engine, [STEMS[0], STEMS[1]], 16)
+        let_through(lock, 1 + 2)  # the admission and two steps
+        wait_until(lambda: lock.num_waiting == 1, "the generate() thread queued")
+        other = threading.Thread(target=waiter, daemon=True)
+        other.start()
+        wait_until(lambda: lock.num_waiting == 2, "the waiter queued behind it")
+        queued_at = engine.num_steps
+    other.join(JOIN_SECONDS)
+    assert not other.is_alive(), "the waiting call never got the lock"
+    outs = finish(thread, box)
+    assert done_at == [queued_at + 1], "the waiter waited for more than the step in progress"
+    assert done_at[0] < engine.num_steps, "the waiter got in only after generate() finished"
+    assert [o.finish_reason for o in outs] == [
+        FinishReason.LENGTH, FinishReason.ABORTED if call == "abort" else FinishReason.LENGTH]
+    if call == "add_request":  # finished by the generate() loop, handed to the next step()
+        assert [o.request_id for o in engine.step()] == added
+    assert_clean(engine.manager, f"after the {call}")

@@ -1,5 +1,6 @@
 """Loading never runs code from files: YAML only through safe loading, weights only
-through safetensors, nothing evaluated.
+through safetensors, nothing evaluated; and hostile sizes or values in a checkpoint are
+refused before anything is sized from them.
 
 The hostile files here would create a marker file if anything constructed, unpickled or
 evaluated them; every test asserts the marker does not exist afterwards.
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
 
 from harness.cli import main as kvharness
 from harness.lists.db import load_test_db
@@ -157,6 +159,75 @@ def test_torch_save_file_named_safetensors_is_not_unpickled(
     with pytest.raises(CheckpointError, match=rf"{path / 'model.safetensors'}: not a readable "
                                               r"safetensors file"):
         load_pretrained(path)
+
+
+# -- hostile sizes and values ------------------------------------------------------------
+
+def edit_config(path: Path, **changes: object) -> None:
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | changes))
+
+
+def test_longest_context_sizes_nothing_by_it(checkpoint: tuple[Path, Transformer]) -> None:
+    """max_position_embeddings has no weights to check it against: the engine sizes its
+    block table by the pool, which bounds every request, never by the model's length."""
+    path, model = checkpoint
+    edit_config(path, max_position_embeddings=2**31 - 1)  # the largest int32 lengths allow
+    engine = Engine.from_pretrained(path, CACHE, max_batch_size=3)
+    assert engine.max_model_len == 2**31 - 1
+    assert engine.table.blocks.shape == (3, CACHE.max_num_blocks)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    assert_same_outputs(Engine(model, CACHE).generate(prompts, 2),
+                        engine.generate(prompts, 2), "with the longest context")
+
+
+def test_layer_count_is_checked_against_the_weights_first(
+        checkpoint: tuple[Path, Transformer]) -> None:
+    """Within the limit but beyond the weights: one line naming the key and what the
+    weights hold, not a line per missing tensor of every absent layer."""
+    path, _ = checkpoint
+    edit_config(path, num_hidden_layers=1024)
+    with pytest.raises(CheckpointError) as info:
+        load_pretrained(path)
+    assert str(info.value) == (f"{path / 'config.json'}: num_hidden_layers=1024, but the "
+                               f"weights in {[str(path / 'model.safetensors')]} hold only "
+                               "layer 0")
+
+
+def test_config_json_path_loads_its_folder(checkpoint: tuple[Path, Transformer]) -> None:
+    path, model = checkpoint
+    engine = Engine.from_pretrained(path / "config.json", CACHE)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    assert_same_outputs(Engine(model, CACHE).generate(prompts, 2),
+                        engine.generate(prompts, 2), "loaded through config.json")
+
+
+def set_weight(path: Path, name: str, index: tuple[int, ...], value: float) -> None:
+    tensors = load_file(path / "model.safetensors")
+    tensors[name][index] = value
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_non_finite_weights_are_refused_unless_unchecked(
+        checkpoint: tuple[Path, Transformer]) -> None:
+    path, _ = checkpoint
+    set_weight(path, "model.norm.weight", (5,), float("nan"))
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.norm\.weight' in .*: 1 NaN and 0 "
+                                              r"infinite values \(read as torch\.float32\)"):
+        Engine.from_pretrained(path, CACHE)
+    engine = Engine.from_pretrained(path, CACHE, check_finite=False)  # trusted: not scanned
+    norm = engine.model.norm.weight
+    assert norm[5].isnan() and norm.isnan().sum() == 1, "the weights are loaded as stored"
+
+
+def test_a_cast_that_overflows_counts_as_non_finite(checkpoint: tuple[Path, Transformer]) -> None:
+    """70000 is a float32 value but beyond float16's range: loaded as float16 it is inf."""
+    path, _ = checkpoint
+    set_weight(path, "lm_head.weight", (0, 0), 70000.0)
+    assert load_pretrained(path).output.weight[0, 0] == 70000.0
+    with pytest.raises(CheckpointError, match=r"tensor 'lm_head\.weight' in .*: 0 NaN and 1 "
+                                              r"infinite values \(read as torch\.float16\)"):
+        load_pretrained(path, dtype=torch.float16)
 
 
 # -- the sources -------------------------------------------------------------------------

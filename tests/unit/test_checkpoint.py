@@ -239,6 +239,13 @@ def set_key(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
+def set_rope_theta(theta: float) -> Callable[[dict[str, Any]], None]:
+    def edit(raw: dict[str, Any]) -> None:
+        raw["rope_parameters"]["rope_theta"] = theta
+
+    return edit
+
+
 def set_rope_type(raw: dict[str, Any]) -> None:
     raw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0}
 
@@ -255,6 +262,13 @@ def set_rope_type(raw: dict[str, Any]) -> None:
         pytest.param(set_key("sliding_window", 16), "sliding_window=16 with model_type 'llama'", id="llama-window"),
         pytest.param(set_key("hidden_size", None), "required key 'hidden_size' is missing", id="missing-key"),
         pytest.param(set_key("num_key_value_heads", 3), "num_heads=4 is not a multiple of num_kv_heads=3", id="bad-value"),
+        pytest.param(set_key("num_key_value_heads", 0), "num_kv_heads must be an int >= 1, got 0", id="kv-heads-zero"),
+        pytest.param(set_key("head_dim", 0), "head_dim must be an int >= 1, got 0", id="head-dim-zero"),
+        pytest.param(set_rope_theta(float("inf")), "rope_theta=inf must be a positive finite number", id="theta-inf"),
+        pytest.param(set_key("rms_norm_eps", float("nan")), "rms_norm_eps=nan must be a positive finite", id="eps-nan"),
+        pytest.param(set_key("num_hidden_layers", 10**12), "num_hidden_layers=1000000000000 exceeds the limit of 1024", id="layers-limit"),
+        pytest.param(set_key("max_position_embeddings", 1e12), r"max_position_embeddings=1000000000000.0 exceeds the limit of 2147483647", id="positions-limit"),
+        pytest.param(set_key("layer_types", "attention"), "layer_types is only read for 'kvcache_hybrid'", id="layer-types-llama"),
     ],
 )  # fmt: skip
 def test_load_config_rejects(
@@ -264,6 +278,25 @@ def test_load_config_rejects(
     with pytest.raises(CheckpointError, match=match) as info:
         load_config(llama_dir)
     assert str(llama_dir / "config.json") in str(info.value)
+
+
+@pytest.mark.parametrize("value", [pytest.param(None, id="null"), pytest.param("absent", id="absent")])
+def test_kv_heads_unset_means_one_per_query_head(llama_dir: Path, value: str | None) -> None:
+    def edit(raw: dict[str, Any]) -> None:
+        if value == "absent":
+            del raw["num_key_value_heads"]
+        else:
+            raw["num_key_value_heads"] = value
+
+    edit_json(llama_dir / "config.json", edit)
+    assert load_config(llama_dir).num_kv_heads == HF_SHAPE["num_attention_heads"]
+
+
+def test_config_that_is_not_utf8_names_the_file(llama_dir: Path) -> None:
+    config = llama_dir / "config.json"
+    config.write_bytes(config.read_bytes().replace(b'"llama"', b'"ll\xe4ma"'))
+    with pytest.raises(CheckpointError, match=rf"{config}: not UTF-8 text: .*byte 0xe4"):
+        load_config(llama_dir)
 
 
 def test_missing_config_json(llama_dir: Path) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, KvCacheConfig, ReuseScope
+from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import save_pretrained
 
@@ -130,8 +131,10 @@ def test_abort_releases_blocks_and_keeps_committed_ones() -> None:
     rid = engine.add_request(p, 5)
     engine.step()  # one 8-token chunk: 2 full blocks committed
     out = engine.abort(rid)
-    assert out is not None and out.finish_reason.value == "aborted"
-    assert engine.abort(rid) is None
+    assert out.finish_reason.value == "aborted"
+    with pytest.raises(RequestFinishedError, match=rf"abort\(#{rid}\): request #{rid} already "
+                                                   r"finished or was aborted"):
+        engine.abort(rid)
     assert engine.kv_cache_stats().used_num_blocks == 0
     assert engine.manager.probe_reuse(p) == 8
 
