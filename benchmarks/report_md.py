@@ -191,6 +191,20 @@ def _routing(benches: Sequence[Benchmark]) -> list[str]:
     return lines
 
 
+def _hybrid(benches: Sequence[Benchmark]) -> list[str]:
+    lines = ["## Hybrid model TTFT (recurrent-state snapshots)", ""]
+    for b in benches:
+        e = b.extra
+        lines.append(f"{e.get('model')}, {e.get('prompt_tokens')}-token prompt with "
+                     f"{e.get('cached_tokens')} cached: warm {duration(b.median)}, cold "
+                     f"{duration(e.get('cold_median_s'))}, ideal "
+                     f"{duration(e.get('ideal_median_s'))}; warm / ideal "
+                     f"{ratio(e.get('warm_over_ideal'))}, cold / warm "
+                     f"{ratio(e.get('cold_over_warm'))}; snapshots "
+                     f"{e.get('snapshot_bytes')} bytes.")
+    return [*lines, ""]
+
+
 def _in_batch(benches: Sequence[Benchmark]) -> list[str]:
     lines = ["## In-batch prefix sharing (N siblings in one generate call, tiny model)", ""]
     rows = []
@@ -277,6 +291,7 @@ SECTIONS: tuple[Section, ...] = (
                                                 "test_dense_attention_baseline"), _attention),
     Section("Time to first token", _suite("ttft"), _ttft),
     Section("Hit rate against pool size", _suite("hit_rate"), _hit_rate),
+    Section("Hybrid model TTFT", _suite("hybrid_ttft"), _hybrid),
     Section("In-batch prefix sharing", _suite("in_batch"), _in_batch),
     Section("Cache-aware routing", _suite("routing"), _routing),
     Section("Memory", _suite("memory"), _memory),

@@ -41,7 +41,7 @@ from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer, get_preset
 from kvcache.storage.kv_storage import KvStorage
 
-PRESET, BLOCK, SEED = "tiny", 16, 0
+PRESET, HYBRID, BLOCK, SEED = "tiny", "hybrid-tiny", 16, 0
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 0.875, 0.95)
 HEADLINE = 0.75
 TOL = 1e-5  # float32 warm vs cold, rtol and atol (issue 3)
@@ -107,25 +107,34 @@ def round_prompts(prompt: list[int], cached: int) -> Iterator[list[int]]:
 
 
 class BareContext:
-    """ForwardContext of an attention-only model: every layer goes to the backend."""
+    """ForwardContext of the ideal: attention layers go to the backend; recurrent layers
+    start from `states` (layer -> [1, hidden]; zeros when absent) and, with `keep`,
+    leave their state after the step there."""
 
-    def __init__(self, backend: ReferenceBackend, seq_lens: list[int]) -> None:
+    def __init__(self, backend: ReferenceBackend, seq_lens: list[int], hidden: int,
+                 states: dict[int, torch.Tensor], keep: bool) -> None:
         self.backend = backend
         self.seq_lens = seq_lens
+        self.hidden = hidden
+        self.states = states
+        self.keep = keep
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(layer, q, k, v)
 
     def recurrent_state(self, layer: int) -> torch.Tensor:
-        raise ValueError(f"BareContext: layer {layer} is recurrent; the ideal is attention-only")
+        return self.states.get(layer, torch.zeros(1, self.hidden))
 
-    def set_recurrent_state(self, layer: int, state: torch.Tensor) -> None:
-        raise ValueError(f"BareContext: layer {layer} is recurrent; the ideal is attention-only")
+    def set_recurrent_state(self, layer: int, state: torch.Tensor,
+                            token_states: torch.Tensor) -> None:
+        if self.keep:
+            self.states[layer] = state
 
 
 class BarePrefill:
-    """The model over prompt[cached:] with the KV of prompt[:cached] already paged in.
+    """The model over prompt[cached:] with the KV of prompt[:cached] already paged in
+    (and, for a hybrid model, its recurrent layers' state after the prefix at hand).
 
     Construction fills the cache (one untimed forward over the prefix); each call builds
     the step's metadata, plans and runs the forward, and returns the last token's
@@ -144,20 +153,22 @@ class BarePrefill:
                                         num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
         self.table = BlockTable(1, num_blocks)
         self.table.assign(0, range(num_blocks))
+        self.states: dict[int, torch.Tensor] = {}  # recurrent layers: state after the prefix
         if cached:
-            self._forward(0, cached)
+            self._forward(0, cached, keep=True)
 
-    def _forward(self, start: int, stop: int) -> torch.Tensor:
+    def _forward(self, start: int, stop: int, keep: bool) -> torch.Tensor:
         md = build_metadata(self.table, [0], [start], [stop - start], block_size=BLOCK)
         ids = torch.tensor(self.prompt[start:stop], dtype=torch.long)
         last = torch.tensor([stop - start - 1])
+        ctx = BareContext(self.backend, [stop - start], self.model.config.hidden_size,
+                          self.states, keep)
         with torch.inference_mode():
             self.backend.plan(md)
-            return self.model(ids, md.positions, BareContext(self.backend, [stop - start]),
-                              last)[0]
+            return self.model(ids, md.positions, ctx, last)[0]
 
     def __call__(self) -> torch.Tensor:
-        return self._forward(self.cached, len(self.prompt))
+        return self._forward(self.cached, len(self.prompt), keep=False)
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +225,50 @@ def test_ttft(benchmark: Any, plan: TtftPlan, cached: int, model: Transformer,
     assert outs[0].logits is not None
     torch.testing.assert_close(outs[0].logits[0], cold_reference, rtol=TOL, atol=TOL)
     torch.testing.assert_close(ideal[0][1], cold_reference, rtol=TOL, atol=TOL)
+
+
+def test_ttft_hybrid(benchmark: Any, plan: TtftPlan) -> None:
+    """A hybrid model (attention + recurrent layers) warm from a state snapshot at 3/4 of
+    the prompt, against the same prompt cold and against the ideal (the bare forward of
+    the new tokens over a filled cache and the restored state)."""
+    L = plan.prompt_len
+    cached = plan.cached(HEADLINE)
+    model = Transformer(get_preset(HYBRID), seed=SEED).eval()
+    cfg = KvCacheConfig(tokens_per_block=BLOCK, max_num_blocks=4 * (L // BLOCK + 1))
+    warm_engine = Engine(model, cfg, max_num_tokens=L, max_batch_size=1, record_events=False)
+    cold_engine = Engine(model, cfg.without_reuse(), max_num_tokens=L, max_batch_size=1,
+                         record_events=False)
+    prompt = seeded_prompt(L)
+    warm_engine.generate([[*prompt[:cached], 0]], max_new_tokens=1)
+    prompts = round_prompts(prompt, cached)
+    bare = BarePrefill(model, prompt, cached)
+    times: dict[str, list[float]] = {"ideal": [], "cold": []}
+    outs: list[GenerationOutput] = []
+
+    def others() -> tuple[tuple[list[int]], dict[str, Any]]:
+        start = time.perf_counter()
+        bare()
+        times["ideal"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        cold_engine.generate([prompt], max_new_tokens=1)
+        times["cold"].append(time.perf_counter() - start)
+        return (next(prompts),), {}
+
+    def first_token(p: list[int]) -> None:
+        outs.append(warm_engine.generate([p], max_new_tokens=1)[0])
+
+    benchmark.pedantic(first_token, setup=others, rounds=plan.rounds, warmup_rounds=1)
+    ideal = statistics.median(times["ideal"][1:] or times["ideal"])
+    cold = statistics.median(times["cold"][1:] or times["cold"])
+    benchmark.extra_info.update(
+        suite="hybrid_ttft", model=HYBRID, prompt_tokens=L, cached_tokens=cached,
+        block_size=BLOCK, ideal_median_s=ideal, cold_median_s=cold,
+        snapshot_bytes=warm_engine.kv_cache_stats().state_snapshot_bytes)
+    if benchmark.stats is not None:
+        warm = benchmark.stats.stats.median
+        benchmark.extra_info.update(warm_over_ideal=warm / ideal, cold_over_warm=cold / warm)
+    assert [o.num_cached_tokens for o in outs] == [cached] * len(outs)
+    cold_logits = cold_engine.generate([prompt], max_new_tokens=1)[0].logits
+    assert outs[0].logits is not None and cold_logits is not None
+    torch.testing.assert_close(outs[0].logits, cold_logits, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(bare()[None], cold_logits, rtol=TOL, atol=TOL)

@@ -122,6 +122,10 @@ class ReuseOracle:
             if key not in self._cached:
                 break
             hits.append(key)
+        align = self.cfg.reuse_alignment_blocks
+        if align > 1:  # hybrid models resume only from state snapshots at these blocks
+            del hits[len(hits) - len(hits) % align:]
+            return _Match(tuple(hits), 0, None, False)
         start = len(hits) * B
         remaining = limit - start
         if not self.cfg.enable_partial_reuse or remaining == 0:

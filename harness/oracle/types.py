@@ -45,11 +45,13 @@ class OracleConfig:
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True
+    reuse_alignment_blocks: int = 1  # matches cut back to a multiple of this many blocks
 
     def __post_init__(self) -> None:
-        B = self.tokens_per_block
-        if isinstance(B, bool) or not isinstance(B, int) or B < 1:
-            raise ValueError(f"OracleConfig.tokens_per_block must be an int >= 1, got {B!r}")
+        for name in ("tokens_per_block", "reuse_alignment_blocks"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"OracleConfig.{name} must be an int >= 1, got {n!r}")
         for name in _FLAG_PROPERTIES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OracleConfig.{name} must be True or False, "
@@ -73,6 +75,7 @@ class OracleConfig:
             if "tokens_per_block" not in config:
                 raise ValueError(f"{where} has no 'tokens_per_block' (keys: {sorted(config)})")
             block = config["tokens_per_block"]
+            align = config.get("reuse_alignment_blocks", 1)
             flags = {k: (config.get(k, True), f"{where}[{k!r}]") for k in _FLAG_PROPERTIES}
         else:
             names = ("tokens_per_block", *_FLAG_PROPERTIES.values())
@@ -80,20 +83,24 @@ class OracleConfig:
                 raise ValueError(f"{where} {config!r}: expected a mapping or an object with "
                                  f"{', '.join(names)}")
             block = config.tokens_per_block
+            align = getattr(config, "reuse_alignment_blocks", 1)
             flags = {k: (getattr(config, prop), f"{where}.{prop}")
                      for k, prop in _FLAG_PROPERTIES.items()}
         for value, spelled in flags.values():
             if not isinstance(value, bool):
                 raise ValueError(f"{spelled} must be the effective True/False, got {value!r}")
         try:
-            return cls(block, **{k: value for k, (value, _) in flags.items()})
+            return cls(block, **{k: value for k, (value, _) in flags.items()},
+                       reuse_alignment_blocks=align)
         except ValueError as exc:  # a bad tokens_per_block: say where it came from
             raise ValueError(f"{where}: {exc}") from None
 
     def as_dict(self) -> dict[str, int | bool]:
-        """The `EngineUnderTest.cache_config` mapping: tokens_per_block and the flags."""
+        """The `EngineUnderTest.cache_config` mapping: tokens_per_block, the flags and
+        the reuse alignment."""
         return {"tokens_per_block": self.tokens_per_block,
-                **{name: getattr(self, name) for name in _FLAG_PROPERTIES}}
+                **{name: getattr(self, name) for name in _FLAG_PROPERTIES},
+                "reuse_alignment_blocks": self.reuse_alignment_blocks}
 
 
 class Event(NamedTuple):

@@ -20,7 +20,7 @@ from harness.oracle.model import OracleConfig, OraclePrediction, replay
 from harness.oracle.types import hit_rate
 
 GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
-                    "cachedNumBlocks"})
+                    "cachedNumBlocks", "stateSnapshotBytes"})
 # per-request spellings (TensorRT-LLM's RequestPerfMetrics) -> the cache counter names
 _ALIASES = {"numReusedBlocks": "reusedBlocks", "numMissedBlocks": "missedBlocks",
             "numTotalAllocatedBlocks": "allocTotalBlocks",

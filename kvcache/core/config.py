@@ -22,6 +22,11 @@ class KvCacheConfig:
     the engine knows the backend or model cannot reuse blocks; the partial-reuse flags
     default to following the flag above them. Setting a dependent flag to True while its
     parent is off is a ValueError, as is any non-positive size.
+
+    `reuse_alignment_blocks` = k cuts every match back to a multiple of k full blocks and
+    rules out partial reuse (auto resolves it off; True is a ValueError). Hybrid models
+    need it: their recurrent state can only be restored where a snapshot was taken, at
+    the end of every k-th block.
     """
 
     tokens_per_block: int = 16
@@ -29,13 +34,18 @@ class KvCacheConfig:
     enable_block_reuse: bool | None = None
     enable_partial_reuse: bool | None = None
     copy_on_partial_reuse: bool | None = None
+    reuse_alignment_blocks: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_block", "max_num_blocks"):
+        for name in ("tokens_per_block", "max_num_blocks", "reuse_alignment_blocks"):
             value = check_positive_int(getattr(self, name), f"KvCacheConfig.{name}")
             object.__setattr__(self, name, value)  # a numpy integer becomes an int
         for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
             _check_flag(name, getattr(self, name))
+        if self.enable_partial_reuse and self.reuse_alignment_blocks > 1:
+            raise ValueError("KvCacheConfig.enable_partial_reuse=True cannot start reuse "
+                             "inside a block, but reuse_alignment_blocks="
+                             f"{self.reuse_alignment_blocks} aligns matches to whole blocks")
         if self.enable_partial_reuse and self.enable_block_reuse is False:
             raise ValueError("KvCacheConfig.enable_partial_reuse=True needs block reuse, "
                              "but enable_block_reuse=False")
@@ -53,7 +63,7 @@ class KvCacheConfig:
     def partial_reuse(self) -> bool:
         """Effective partial reuse."""
         if self.enable_partial_reuse is None:
-            return self.block_reuse
+            return self.block_reuse and self.reuse_alignment_blocks == 1
         return self.enable_partial_reuse and self.block_reuse
 
     @property

@@ -25,6 +25,7 @@ from kvcache.core.pool import BlockPool, OutOfBlocksError
 from kvcache.core.radix import (
     TOKEN_BYTES,
     BlockRadixTree,
+    Node,
     PartialHit,
     ReuseScope,
     ScopeKey,
@@ -62,6 +63,7 @@ class KVCacheManager:
         self.reuse = config.block_reuse
         self._partial = config.partial_reuse
         self._copy = config.copy_on_partial
+        self._align = config.reuse_alignment_blocks
         self.sequences: dict[Hashable, Sequence] = {}
         self._copy_ops: list[tuple[Hashable, BlockCopy]] = []
         self._c = _Counters()
@@ -70,6 +72,9 @@ class KVCacheManager:
         self.events: list[CacheEvent] | None = [] if record_events else None
         # KV-cache events for routers (blocks stored and removed), see kv_events.py
         self._kv = KvEventLog(self._B) if kv_events else None
+        # Told the ids of cached blocks that left the tree (evicted, or claimed by an
+        # admission), after the fact: the engine drops what it keeps per block.
+        self.on_blocks_removed: Callable[[list[int]], None] | None = None
         # Test seam for fault injection: called as (operation, blocks needed) before any
         # allocation; returning True refuses it (a plan that does not fit, or
         # OutOfBlocksError from append_tokens), nothing changed.
@@ -128,15 +133,14 @@ class KVCacheManager:
             if ph.claim:
                 pool.forget_cached(node)
                 tree.detach(node)
-                if self._kv is not None:
-                    self._kv.removed(node.blocks)
+                self._removed(node.blocks)
                 ids.append(node.blocks[0])
             else:
                 src = tree.split(node, 1) if len(node.blocks) > 1 else node
                 pool.acquire(src, src.parent, priority)
         new, fresh = pool.allocate(need)
-        if self._kv is not None and fresh < need:
-            self._kv.removed(new[fresh:])
+        if fresh < need:
+            self._removed(new[fresh:])
         if src is not None and ph is not None:
             self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0], ph.num_tokens)))
             pool.release(src, src.parent)
@@ -182,6 +186,8 @@ class KVCacheManager:
         hits, nfull, ph, ntok = self.tree.match(
             root, arr.tobytes(), (length - 1) * TOKEN_BYTES, partial=self._partial,
             copy_on_partial=self._copy)
+        if nfull % self._align:
+            hits, nfull, ntok = self._aligned(hits, nfull)
         avail = pool.num_available
         ids: list[int] = []
         for node, nb in hits:
@@ -196,6 +202,26 @@ class KVCacheManager:
                 ph, ntok = None, nfull * self._B
         return AdmissionPlan(arr, skey, self._version, nblocks, hits, nfull, ph, ntok, need,
                              avail, ids)
+
+    def _removed(self, block_ids: list[int]) -> None:
+        if self._kv is not None:
+            self._kv.removed(block_ids)
+        if self.on_blocks_removed is not None:
+            self.on_blocks_removed(block_ids)
+
+    def _aligned(self, hits: list[tuple[Node, int]], nfull: int
+                 ) -> tuple[list[tuple[Node, int]], int, int]:
+        """The hits cut back to a multiple of `reuse_alignment_blocks` full blocks (the
+        blocks whose recurrent-state snapshot a hybrid model can restore from)."""
+        keep = nfull - nfull % self._align
+        out: list[tuple[Node, int]] = []
+        left = keep
+        for node, nb in hits:
+            if not left:
+                break
+            out.append((node, min(nb, left)))
+            left -= out[-1][1]
+        return out, keep, keep * self._B
 
     def _admitted(self, seq: Sequence, nblocks: int, nfull: int, ph: PartialHit | None,
                   alloc: int, fresh: int) -> Sequence:
@@ -301,8 +327,8 @@ class KVCacheManager:
                                        pool.num_blocks)
             self._version += 1
             new, fresh = pool.allocate(need)
-            if self._kv is not None and fresh < need:
-                self._kv.removed(new[fresh:])
+            if fresh < need:
+                self._removed(new[fresh:])
             seq._block_ids += new
             seq._alloc_total += need
             seq._alloc_new += fresh
@@ -396,10 +422,13 @@ class KVCacheManager:
             raise ValueError(f"reset_cache: {len(self.sequences)} sequences are live; "
                              "free them first")
         self._version += 1
+        cached = [b for _, node in self.tree.walk() for b in node.blocks]
         self.tree = BlockRadixTree(self._B)
         self.pool.reset(self.tree)
         if self._kv is not None:
             self._kv.cleared()
+        if self.on_blocks_removed is not None and cached:
+            self.on_blocks_removed(cached)
 
     def get_sequence(self, seq_id: Hashable) -> Sequence:
         """The live handle of `seq_id`; ValueError if it is not live."""

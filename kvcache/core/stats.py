@@ -23,9 +23,10 @@ _CAMEL = {
     "claimed_blocks": "claimedBlocks",
     "evicted_blocks": "evictedBlocks",
     "cached_num_blocks": "cachedNumBlocks",
+    "state_snapshot_bytes": "stateSnapshotBytes",
 }
 GAUGES = frozenset({"max_num_blocks", "free_num_blocks", "used_num_blocks", "tokens_per_block",
-                    "cached_num_blocks"})
+                    "cached_num_blocks", "state_snapshot_bytes"})
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class KvCacheStats:
     allocations are counted apart in `decode_alloc_blocks`. `alloc_total_blocks` counts
     every block handed to a request other than a reuse hit (copy targets included) and
     `alloc_new_blocks` those of them obtained without evicting cached content.
+    `state_snapshot_bytes` is the memory of the recurrent-state snapshots a hybrid model's
+    engine keeps with cached blocks (0 for the manager alone).
     """
 
     max_num_blocks: int
@@ -57,6 +60,7 @@ class KvCacheStats:
     claimed_blocks: int = 0
     evicted_blocks: int = 0
     cached_num_blocks: int = 0
+    state_snapshot_bytes: int = 0
 
     @property
     def cache_hit_rate(self) -> float:

@@ -40,6 +40,7 @@ from kvcache.engine.request import (
     check_tokens,
 )
 from kvcache.engine.scheduler import Chunk, Scheduler
+from kvcache.engine.state_snapshots import StateSnapshots
 from kvcache.engine.step_context import StepContext
 from kvcache.model.config import get_preset
 from kvcache.model.transformer import Transformer
@@ -53,22 +54,35 @@ DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
 MAX_IDLE_STEPS = 8
 
 
-def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend],
-                  model: Transformer) -> tuple[KvCacheConfig, str | None]:
+def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend], model: Transformer,
+                  snapshot_interval: int = 1) -> tuple[KvCacheConfig, str | None]:
     """The effective cache config and, when reuse had to be switched off, why.
 
-    Raises ValueError when reuse is explicitly enabled for a model with recurrent layers
-    (their state cannot be rolled back per token; no state snapshots exist yet).
+    A model with recurrent layers reuses only at recurrent-state snapshots: matches align
+    to every `snapshot_interval`-th block and never start inside a block. Raises
+    ValueError when reuse is explicitly enabled for recurrent layers that cannot be
+    snapshotted, or partial reuse for any recurrent model.
     """
-    if model.config.has_recurrent_layers:
+    layers = list(model.config.recurrent_layers)
+    if layers and not model.supports_state_snapshots:
         if cfg.enable_block_reuse:
             raise ValueError(
                 "enable_block_reuse=True is unsupported for a model with recurrent layers "
-                f"(layers {list(model.config.recurrent_layers)}): their state cannot be "
-                "rolled back per token; use enable_block_reuse=None (auto) or False")
-        reason = "the model has recurrent layers whose state cannot be rolled back per token"
+                f"(layers {layers}) that cannot snapshot their state: it cannot be rolled "
+                "back per token; use enable_block_reuse=None (auto) or False")
+        reason = ("the model has recurrent layers whose state cannot be rolled back per "
+                  "token and cannot be snapshotted")
+    elif layers and cfg.enable_partial_reuse:
+        raise ValueError(
+            "enable_partial_reuse=True is unsupported for a model with recurrent layers "
+            f"(layers {layers}): reuse resumes from state snapshots taken at block ends, "
+            "never inside a block; use enable_partial_reuse=None (auto) or False")
     elif not backend.supports_block_reuse:
         reason = f"attention backend {backend.name!r} does not support block reuse"
+    elif cfg.block_reuse and layers:  # on, at snapshot positions only
+        return replace(cfg, enable_block_reuse=True, enable_partial_reuse=False,
+                       copy_on_partial_reuse=None,
+                       reuse_alignment_blocks=snapshot_interval), None
     elif cfg.block_reuse:  # auto resolves to on; an explicit False stays off
         return replace(cfg, enable_block_reuse=True), None
     else:
@@ -102,6 +116,7 @@ class Engine:
                  attn_backend: str = "torch", max_num_tokens: int = 512,
                  max_batch_size: int = 16, enable_chunked_prefill: bool = True,
                  share_prefixes: bool = True, kv_events: bool = False,
+                 state_snapshot_interval: int = 1,
                  cuda_graph: bool = False, pad_decode: bool | None = None,
                  graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -127,11 +142,17 @@ class Engine:
             raise ValueError("Engine: cuda_graph=True is unsupported for models with "
                              "recurrent layers")
         backend_cls = get_backend(attn_backend)
-        self.cache_config, self.reuse_disabled_reason = resolve_reuse(cache_config,
-                                                                      backend_cls, model)
+        interval = check_positive_int(state_snapshot_interval,
+                                      "Engine: state_snapshot_interval")
+        self.cache_config, self.reuse_disabled_reason = resolve_reuse(
+            cache_config, backend_cls, model, interval)
         B = cache_config.tokens_per_block
         self.manager = KVCacheManager(self.cache_config, record_events=record_events,
                                       kv_events=kv_events)
+        self.snapshots: StateSnapshots | None = None  # hybrid models with reuse on
+        if mc.has_recurrent_layers and self.cache_config.block_reuse:
+            self.snapshots = StateSnapshots(mc.recurrent_layers, mc.hidden_size, interval)
+            self.manager.on_blocks_removed = self.snapshots.drop
         self._attn_layer = {layer: i for i, layer in enumerate(mc.attention_layers)}
         self.storage = KvStorage(num_layers=max(1, len(mc.attention_layers)),
                                  num_blocks=cache_config.max_num_blocks, block_size=B,
@@ -266,7 +287,12 @@ class Engine:
         ops = self.manager.take_copy_ops()
         if ops:
             self.storage.apply_copies(ops)
-        logits = self._forward(chunks)
+        if self.snapshots is not None:
+            self._restore_states(chunks, self.snapshots)
+        logits, snapshot_states = self._forward(chunks)
+        if self.snapshots is not None:
+            for block, states in snapshot_states.items():
+                self.snapshots.save(block, states)  # before the commit makes it matchable
         self.num_steps += 1
         finished = []
         for out in self._advance(chunks, logits):
@@ -276,7 +302,33 @@ class Engine:
                 finished.append(out)
         return finished
 
-    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+    def _restore_states(self, chunks: list[Chunk], snapshots: StateSnapshots) -> None:
+        """A request admitted warm resumes its recurrent state from the snapshot of the
+        last block it reuses (the manager aligns reuse to snapshot positions)."""
+        B = self.cache_config.tokens_per_block
+        for c in chunks:
+            req = c.req
+            if req.num_computed and not req.state and req.seq is not None:
+                req.state = snapshots.load(req.seq.block_ids[req.num_computed // B - 1])
+
+    def _snapshot_rows(self, chunks: list[Chunk], snapshots: StateSnapshots) -> dict[int, int]:
+        """Block id -> the token row of this step whose recurrent state is its snapshot:
+        the last token of every snapshot block a chunk completes."""
+        B = self.cache_config.tokens_per_block
+        rows: dict[int, int] = {}
+        offset = 0
+        for c in chunks:
+            req = c.req
+            assert req.seq is not None
+            start = req.num_computed
+            for end in snapshots.positions(start, start + c.num_new, B):
+                rows[req.seq.block_ids[end // B - 1]] = offset + end - start - 1
+            offset += c.num_new
+        return rows
+
+    def _forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
+        """Logits of the sampling rows, and the recurrent-state snapshots taken (block id
+        -> state per recurrent layer)."""
         decode = all(c.num_new == 1 and c.samples for c in chunks)
         pad_to = None
         if decode and self.graph_batch_sizes and len(chunks) <= self.graph_batch_sizes[-1]:
@@ -299,14 +351,17 @@ class Engine:
         ids += [0] * md.num_padded
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = md.positions.to(self.device)
+        snapshot_rows = (self._snapshot_rows(chunks, self.snapshots)
+                         if self.snapshots is not None else None)
         ctx = StepContext(self.backend, self._attn_layer, md, [c.req for c in chunks],
-                          self.model.config.hidden_size, self.device)
+                          self.model.config.hidden_size, self.device, snapshot_rows)
         with torch.inference_mode():
             if self.graphs is not None and md.is_decode and md.batch_size in self.graphs.sizes:
-                return self.graphs.run(md, input_ids, positions, ctx)[torch.tensor(rows)]
+                logits = self.graphs.run(md, input_ids, positions, ctx)[torch.tensor(rows)]
+                return logits, ctx.snapshot_states
             self.backend.plan(md)
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
-            return self.model(input_ids, positions, ctx, index)
+            return self.model(input_ids, positions, ctx, index), ctx.snapshot_states
 
     def _advance(self, chunks: list[Chunk], logits: torch.Tensor) -> list[GenerationOutput]:
         finished = []
@@ -315,6 +370,9 @@ class Engine:
             req = c.req
             req.num_computed += c.num_new
             self.manager.commit(req.rid, req.num_computed)
+            if self.snapshots is not None and req.seq is not None:
+                # a duplicate of a block someone committed first never enters the tree
+                self.snapshots.drop(req.seq.holdings.shadow)
             if not c.samples:
                 continue
             lg = logits[row]
@@ -396,8 +454,11 @@ class Engine:
                                        f"be admitted (allocation kept failing): {stalled}")
 
     def kv_cache_stats(self) -> KvCacheStats:
-        """The manager's cumulative statistics."""
-        return self.manager.stats()
+        """The manager's cumulative statistics, with the recurrent-state snapshots' memory."""
+        stats = self.manager.stats()
+        if self.snapshots is None:
+            return stats
+        return replace(stats, state_snapshot_bytes=self.snapshots.nbytes)
 
     def admission_log(self) -> list[dict[str, Any]]:
         """Every cache operation in the order the cache saw it (for the reuse oracle)."""

@@ -34,11 +34,12 @@ def prompt_bytes(req: Request) -> bytes:
 
 
 def leader_of(req: Request, reusable_blocks: int, running: Iterable[Request],
-              block_size: int) -> Request | None:
+              block_size: int, alignment: int = 1) -> Request | None:
     """A running request whose prefill will commit full blocks `req` could reuse beyond
     the `reusable_blocks` the cache offers it now; None when nothing is worth waiting for.
 
-    Only whole blocks count, capped as an admission is (never the last prompt token).
+    Only whole blocks count, capped as an admission is (never the last prompt token) and
+    cut back to a multiple of `alignment` blocks as the cache cuts matches.
     """
     limit = (len(req.tokens) - 1) // block_size
     if limit <= reusable_blocks:
@@ -51,6 +52,7 @@ def leader_of(req: Request, reusable_blocks: int, running: Iterable[Request],
         theirs = prompt_bytes(other)
         n = min(len(mine), len(theirs), limit * block_bytes)
         shared = common_prefix_bytes(mine, 0, theirs, n) // block_bytes
+        shared -= shared % alignment
         if shared > reusable_blocks and other.num_computed < shared * block_size:
             return other
     return None

@@ -59,8 +59,10 @@ class Scheduler:
         while self.waiting and budget and self._free_slots:
             req = self.waiting[0]
             plan = self.manager.plan_admission(req.tokens, req.scope)
+            cfg = self.manager.config
             if self.share_prefixes and leader_of(req, plan.num_full_blocks, self.running,
-                                                 self.manager.config.tokens_per_block):
+                                                 cfg.tokens_per_block,
+                                                 cfg.reuse_alignment_blocks):
                 held.append(self.waiting.popleft())
                 continue
             if not plan.fits:

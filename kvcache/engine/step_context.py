@@ -18,7 +18,7 @@ class StepContext:
 
     def __init__(self, backend: AttentionBackend, attn_layer: dict[int, int],
                  md: PagedMetadata, requests: list[Request], hidden: int,
-                 device: torch.device) -> None:
+                 device: torch.device, snapshot_rows: dict[int, int] | None = None) -> None:
         self.backend = backend
         self.attn_layer = attn_layer
         qo = md.qo_indptr.tolist()
@@ -26,6 +26,9 @@ class StepContext:
         self.requests = requests
         self.hidden = hidden
         self.device = device
+        # block id -> the step's token row whose state is that block's snapshot
+        self.snapshot_rows = snapshot_rows or {}
+        self.snapshot_states: dict[int, list[torch.Tensor]] = {}  # block id -> per layer
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:
@@ -39,7 +42,11 @@ class StepContext:
         rows += [zero] * (len(self.seq_lens) - len(rows))
         return torch.stack(rows)
 
-    def set_recurrent_state(self, layer: int, state: torch.Tensor) -> None:
-        """Keep each real request's state after this step."""
+    def set_recurrent_state(self, layer: int, state: torch.Tensor,
+                            token_states: torch.Tensor) -> None:
+        """Keep each real request's state after this step, and the states at the token
+        rows due for a snapshot (collected per block, in layer order)."""
         for i, req in enumerate(self.requests):
             req.state[layer] = state[i].detach()
+        for block, row in self.snapshot_rows.items():
+            self.snapshot_states.setdefault(block, []).append(token_states[row].detach())

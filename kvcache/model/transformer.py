@@ -12,7 +12,7 @@ rotate-half convention, SwiGLU), so HF checkpoints load without permuting weight
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +45,9 @@ class ForwardContext(Protocol):
         """State before this step, [num_requests, hidden]; zeros for a fresh request."""
         ...
 
-    def set_recurrent_state(self, layer: int, state: Tensor) -> None:
-        """Receive the state after this step, [num_requests, hidden], float32."""
+    def set_recurrent_state(self, layer: int, state: Tensor, token_states: Tensor) -> None:
+        """Receive the state after this step, [num_requests, hidden], and after each of
+        its tokens, [T, hidden] (for snapshots at block ends), both float32."""
         ...
 
 
@@ -117,9 +118,13 @@ class Recurrence(nn.Module):
     h_t = a * h_{t-1} + (1 - a) * (W_in x_t), a = sigmoid(decay) per channel, y_t = W_o h_t.
 
     The state after a step summarises every token so far and cannot be rolled back to an
-    earlier token, so KV blocks cannot stand in for it: a model with this layer cannot reuse
-    cached prefixes (block reuse is unsupported unless the engine snapshots state).
+    earlier token, so KV blocks cannot stand in for it: a model with this layer reuses
+    cached prefixes only where the engine kept a snapshot of the state. The layer hands the
+    state after every token to the context (`set_recurrent_state`), which is what makes
+    snapshots at block ends possible (`supports_snapshots`).
     """
+
+    supports_snapshots: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -140,7 +145,7 @@ class Recurrence(nn.Module):
         decay = self.decay.float()
         drive = torch.sigmoid(-decay) * self.win(x).float()  # [T, hidden]: (1 - a) W_in x
         states, final = diagonal_scan(drive, F.logsigmoid(decay), state, seq_lens)
-        ctx.set_recurrent_state(self.layer, final)  # [R, hidden]
+        ctx.set_recurrent_state(self.layer, final, states)  # [R, hidden], [T, hidden]
         return self.wo(states.to(x.dtype))  # [T, hidden]
 
 
@@ -234,6 +239,12 @@ class Transformer(nn.Module):
         self.tie_weights()
         if seed is not None:
             self.init_weights(seed)
+
+    @property
+    def supports_state_snapshots(self) -> bool:
+        """True when every recurrent layer hands out per-token states for snapshots."""
+        return all(block.mixer.supports_snapshots for block in self.layers
+                   if isinstance(block.mixer, Recurrence))
 
     def tie_weights(self) -> None:
         """Make the output projection share the embedding when the config ties them."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from harness.oracle import OracleConfig, ReuseOracle, predict_sequential, replay
+from harness.oracle import Event, OracleConfig, ReuseOracle, predict_sequential, replay
 
 ON = OracleConfig(4)
 NO_COPY = OracleConfig(4, copy_on_partial_reuse=False)
@@ -303,6 +303,8 @@ def test_commit_cannot_go_backwards() -> None:
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     pytest.param({"tokens_per_block": 0}, "tokens_per_block", id="b0"),
+    pytest.param({"tokens_per_block": 4, "reuse_alignment_blocks": 0}, "reuse_alignment_blocks",
+                 id="align0"),
     pytest.param({"tokens_per_block": 4, "enable_block_reuse": None}, "True or False",
                  id="auto"),
 ])
@@ -317,8 +319,11 @@ def test_config_from_engine_mapping() -> None:
                                           "copy_on_partial_reuse": False, "max_num_blocks": 9})
     assert cfg == OracleConfig(8, True, False, False)
     assert cfg.as_dict() == {"tokens_per_block": 8, "enable_block_reuse": True,
-                             "enable_partial_reuse": False, "copy_on_partial_reuse": False}
+                             "enable_partial_reuse": False, "copy_on_partial_reuse": False,
+                             "reuse_alignment_blocks": 1}
     assert OracleConfig.from_cache_config(cfg.as_dict()) == cfg
+    hybrid = OracleConfig.from_cache_config({**cfg.as_dict(), "reuse_alignment_blocks": 3})
+    assert hybrid.reuse_alignment_blocks == 3
     with pytest.raises(ValueError, match=r"enable_partial_reuse.*effective"):
         OracleConfig.from_cache_config({"tokens_per_block": 8, "enable_partial_reuse": None})
 
@@ -350,3 +355,15 @@ class _Resolved:
 def test_config_from_bad_engine_configs_names_where(config: object, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         OracleConfig.from_cache_config(config, "engine.cache_config")
+
+
+def test_alignment_cuts_matches_back_to_snapshot_blocks() -> None:
+    oracle = ReuseOracle(OracleConfig(2, enable_partial_reuse=False,
+                                      copy_on_partial_reuse=False, reuse_alignment_blocks=3))
+    oracle.apply(Event("admit", "a", tuple(range(1, 16))))
+    oracle.apply(Event("commit", "a", num_tokens=15))
+    oracle.apply(Event("free", "a"))
+    # 7 full blocks cached; a prompt sharing 14 tokens (L-1 cap) may use 6 of them
+    assert oracle.probe(range(1, 16)) == 12
+    assert oracle.probe([*range(1, 10), 50]) == 6  # 4 shared blocks -> 3
+    assert oracle.probe([1, 2, 3, 4, 50]) == 0  # 2 shared blocks -> none

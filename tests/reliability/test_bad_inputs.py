@@ -57,6 +57,9 @@ def cases(*params: Any) -> list[Any]:
     pytest.param({"enable_partial_reuse": False, "copy_on_partial_reuse": True},
                  r"copy_on_partial_reuse=True needs partial reuse, but "
                  r"enable_partial_reuse=False", id="cfg-copy-without-partial"),
+    pytest.param({"reuse_alignment_blocks": 2, "enable_partial_reuse": True},
+                 r"enable_partial_reuse=True cannot start reuse inside a block, but "
+                 r"reuse_alignment_blocks=2", id="cfg-align-partial"),
 ))
 def test_bad_cache_config(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -217,9 +220,12 @@ IDS.add("abort-finished")
     pytest.param({"cache_config": {"tokens_per_block": 4}}, r"Engine: cache_config must be a "
                  r"KvCacheConfig, got \{'tokens_per_block': 4\}", id="eng-config-dict"),
     pytest.param({"model": "hybrid-tiny", "cache_config": KvCacheConfig(
-        tokens_per_block=4, max_num_blocks=16, enable_block_reuse=True)},
-        r"enable_block_reuse=True is unsupported for a model with recurrent layers "
-        r"\(layers \[", id="eng-hybrid-reuse"),
+        tokens_per_block=4, max_num_blocks=16, enable_partial_reuse=True)},
+        r"enable_partial_reuse=True is unsupported for a model with recurrent layers "
+        r"\(layers \[", id="eng-hybrid-partial"),
+    pytest.param({"model": "hybrid-tiny", "state_snapshot_interval": 0},
+                 r"Engine: state_snapshot_interval must be an int >= 1, got 0",
+                 id="eng-snapshot-interval"),
 ))
 def test_bad_engine_options(kwargs: dict[str, Any], message: str) -> None:
     if kwargs.get("cuda_graph") and torch.cuda.is_available():

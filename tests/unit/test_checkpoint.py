@@ -60,7 +60,7 @@ class FullContext:
     def recurrent_state(self, layer: int) -> Tensor:
         return torch.zeros(1, self.config.hidden_size)
 
-    def set_recurrent_state(self, layer: int, state: Tensor) -> None:
+    def set_recurrent_state(self, layer: int, state: Tensor, token_states: Tensor) -> None:
         """Discarded: every call recomputes the sequence from its start."""
 
 

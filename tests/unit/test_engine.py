@@ -94,15 +94,18 @@ def test_star_backend_disables_reuse_with_a_logged_reason(caplog) -> None:
     assert engine.reuse_disabled_reason is not None
 
 
-def test_hybrid_model_auto_disables_reuse_and_rejects_explicit_enable() -> None:
+def test_hybrid_model_reuses_at_snapshots_and_refuses_partial_reuse() -> None:
     engine = Engine("hybrid-tiny", cfg(4))
-    assert not engine.cache_config.block_reuse
-    assert "recurrent" in (engine.reuse_disabled_reason or "")
+    assert engine.cache_config.block_reuse and not engine.cache_config.partial_reuse
+    assert engine.reuse_disabled_reason is None
     ps = prompts(2, 13)
-    assert_same(engine.generate(ps, max_new_tokens=3), engine.generate(ps, max_new_tokens=3))
-    with pytest.raises(ValueError, match="enable_block_reuse=True is unsupported for a model "
-                                         "with recurrent layers"):
-        Engine("hybrid-tiny", cfg(4, enable_block_reuse=True))
+    cold = engine.generate(ps, max_new_tokens=3)
+    warm = engine.generate(ps, max_new_tokens=3)
+    assert [o.num_cached_tokens for o in warm] == [12, 12]
+    assert [o.token_ids for o in cold] == [o.token_ids for o in warm]
+    with pytest.raises(ValueError, match="enable_partial_reuse=True is unsupported for a "
+                                         "model with recurrent layers"):
+        Engine("hybrid-tiny", cfg(4, enable_partial_reuse=True))
 
 
 def test_preemption_under_pressure_equals_an_undisturbed_run() -> None:

@@ -94,3 +94,24 @@ def test_plan_rejects_bad_input(make_manager) -> None:
         mgr.plan_admission([1], scope="tenant")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"admit\('a'\): priority must be an int in \[0, 100\]"):
         mgr.admit("a", mgr.plan_admission([1]), priority=True)
+
+
+@pytest.mark.parametrize(("align", "expected"), [(1, [16, 8, 4]), (2, [16, 8, 0]),
+                                                 (3, [12, 0, 0])])
+def test_matches_are_cut_back_to_the_reuse_alignment(make_manager, align: int,
+                                                     expected: list[int]) -> None:
+    from kvcache import KvCacheConfig, KVCacheManager
+
+    cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=16, reuse_alignment_blocks=align)
+    mgr = KVCacheManager(cfg)
+    make_manager.created.append(mgr)
+    assert cfg.partial_reuse is (align == 1)  # alignment > 1 rules partial reuse out
+    _cached(mgr, "base", list(range(1, 18)))  # 4 full blocks and a tail
+    # full blocks shared (L-1 cap included): 4, 2, 1; cut back to multiples of `align`
+    probes = [list(range(1, 18)), [*range(1, 11), 99, 99], [1, 2, 3, 4, 5, 6, 99]]
+    got = [mgr.probe_reuse(p) if align > 1 else mgr.plan_admission(p).num_full_blocks * 4
+           for p in probes]
+    assert got == expected
+    seq = mgr.add_sequence("warm", probes[0])
+    assert seq.num_cached_tokens == expected[0]
+    mgr.free_sequence("warm")

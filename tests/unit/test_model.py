@@ -52,7 +52,7 @@ class DenseContext:
     def recurrent_state(self, layer: int) -> Tensor:
         return self.states.get(layer, torch.zeros(1, self.config.hidden_size))
 
-    def set_recurrent_state(self, layer: int, state: Tensor) -> None:
+    def set_recurrent_state(self, layer: int, state: Tensor, token_states: Tensor) -> None:
         self.states[layer] = state
 
     def step(self, model: Transformer, tokens: list[int]) -> Tensor:
@@ -88,9 +88,10 @@ class BatchContext:
     def recurrent_state(self, layer: int) -> Tensor:
         return torch.cat([p.recurrent_state(layer) for p in self.parts])
 
-    def set_recurrent_state(self, layer: int, state: Tensor) -> None:
-        for part, row in zip(self.parts, state.split(1), strict=True):
-            part.set_recurrent_state(layer, row)
+    def set_recurrent_state(self, layer: int, state: Tensor, token_states: Tensor) -> None:
+        for part, row, rows in zip(self.parts, state.split(1), token_states.split(self.seq_lens),
+                                   strict=True):
+            part.set_recurrent_state(layer, row, rows)
 
 
 def tokens(n: int, seed: int = 0, vocab: int = 512) -> list[int]:

@@ -1,0 +1,140 @@
+"""Proves hybrid (attention + recurrent) models reuse prefixes through state snapshots.
+
+The engine keeps each recurrent layer's state at the end of every k-th committed full
+block and the cache aligns every match to those blocks: warm equals cold (tokens exact,
+float32 logits within 1e-5: the recurrence's blocked scan rounds differently when it
+resumes mid-prompt), the oracle predicts the aligned reuse exactly, across block sizes,
+snapshot intervals, chunked prefill that ends chunks mid-block, eviction and scopes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvcache import Engine, KvCacheConfig, ReuseScope
+from kvcache.model import Transformer, get_preset
+from kvcache.model.transformer import Recurrence
+from tests.scenarios.support import TORCH, EngineFactory, ScenarioRun, tokens
+
+PRESET = "hybrid-tiny"
+NEW_TOKENS = 4
+
+
+def family(seed: int, B: int) -> list[list[int]]:
+    """A base prompt and prompts sharing 0, 1 block + 1, 2.5 and 3 blocks of it."""
+    rng = random.Random(seed)
+    base = tokens(rng, 4 * B + 3)
+    return [base, base[:B + 1] + tokens(rng, 5), base[:5 * B // 2] + tokens(rng, B),
+            base[:3 * B] + tokens(rng, 2), tokens(rng, 2 * B)]
+
+
+def aligned(shared: int, length: int, B: int, k: int) -> int:
+    """Tokens a prompt reuses: whole blocks of the shared prefix, never the last prompt
+    token, cut back to a multiple of k blocks."""
+    blocks = min(shared, length - 1) // B
+    return (blocks - blocks % k) * B
+
+
+@pytest.mark.parametrize("chunk", [pytest.param(512, id="whole"), pytest.param(7, id="chunk7")])
+@pytest.mark.parametrize("k", [pytest.param(1, id="k1"), pytest.param(2, id="k2")])
+@pytest.mark.parametrize("B", [pytest.param(B, id=f"B{B}") for B in (4, 16)])
+def test_warm_resumes_from_snapshots(make_engine: EngineFactory, scenario: ScenarioRun,
+                                     B: int, k: int, chunk: int) -> None:
+    prompts = family(B * k, B)
+    engine = make_engine(B, preset=PRESET, max_num_tokens=chunk, state_snapshot_interval=k)
+    assert engine.reuse_disabled_reason is None
+    assert engine.cache_config.reuse_alignment_blocks == k
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, preset=PRESET)
+    engine.generate(prompts[:1], NEW_TOKENS)  # the base prompt, cached with snapshots
+    warm = engine.generate(prompts, NEW_TOKENS)
+    for ref, out in zip(reference, warm, strict=True):
+        assert out.token_ids == ref.token_ids
+        torch.testing.assert_close(out.logits, ref.logits, rtol=TORCH.atol, atol=TORCH.atol)
+    base = prompts[0]
+    shared = [len(base), B + 1, 5 * B // 2, 3 * B, 0]
+    assert [o.num_cached_tokens for o in warm] == [
+        aligned(s, len(p), B, k) for s, p in zip(shared, prompts, strict=True)]
+    scenario.expect_oracle(engine, warm, seed=B * k)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_snapshots_live_and_die_with_their_blocks(make_engine: EngineFactory,
+                                                  scenario: ScenarioRun, k: int) -> None:
+    B = 4
+    engine = make_engine(B, preset=PRESET, max_num_blocks=12, state_snapshot_interval=k)
+    rng = random.Random(k)
+    prompts = [tokens(rng, 17) for _ in range(4)]  # 5 blocks each: the pool holds two
+    for p in prompts:
+        engine.generate([p], NEW_TOKENS)
+        snapshots = engine.snapshots
+        assert snapshots is not None
+        # every cached full block at a snapshot position has one, nothing else does
+        due = {b for _, node in engine.manager.tree.walk() for b in _snapshot_blocks(
+            engine, node, k)}
+        assert set(snapshots._by_block) == due
+        assert engine.kv_cache_stats().state_snapshot_bytes == len(due) * 4 * 128
+    # eviction dropped the first prompts: warm runs of them are cold again, and correct
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, preset=PRESET)
+    outs = [engine.generate([p], NEW_TOKENS)[0] for p in prompts]
+    for ref, out in zip(reference, outs, strict=True):
+        assert out.token_ids == ref.token_ids
+    assert engine.kv_cache_stats().evicted_blocks > 0
+    scenario.expect_full_blocks_bounded(engine, outs, seed=k)
+
+
+def _snapshot_blocks(engine: Engine, node: object, k: int) -> list[int]:
+    """Block ids of `node` that end a multiple of k blocks from the root."""
+    depth, up = 0, node.parent  # type: ignore[attr-defined]
+    while up is not None and up.parent is not None:
+        depth += len(up.blocks)
+        up = up.parent
+    blocks = node.blocks  # type: ignore[attr-defined]
+    full = len(node.key) // 4 == len(blocks) * engine.cache_config.tokens_per_block  # type: ignore[attr-defined]
+    return [b for i, b in enumerate(blocks) if full and (depth + i + 1) % k == 0]
+
+
+def test_scopes_never_share_snapshots(make_engine: EngineFactory,
+                                      scenario: ScenarioRun) -> None:
+    B = 4
+    engine = make_engine(B, preset=PRESET)
+    prompt = tokens(random.Random(3), 21)
+    a, b = ReuseScope(salt="a"), ReuseScope(salt="b")
+    engine.generate([prompt], NEW_TOKENS, [a])
+    outs = engine.generate([prompt, prompt], NEW_TOKENS, [a, b])
+    assert [o.num_cached_tokens for o in outs] == [20, 0]
+    assert outs[0].token_ids == outs[1].token_ids
+    scenario.expect_oracle(engine, outs, seed=3)
+
+
+def test_explicit_reuse_works_and_partial_reuse_is_refused() -> None:
+    cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=64, enable_block_reuse=True)
+    engine = Engine(PRESET, cfg)
+    assert engine.cache_config.block_reuse and not engine.cache_config.partial_reuse
+    with pytest.raises(ValueError, match=r"enable_partial_reuse=True is unsupported for a "
+                                         r"model with recurrent layers \(layers \[1\]\)"):
+        Engine(PRESET, KvCacheConfig(tokens_per_block=4, max_num_blocks=64,
+                                     enable_partial_reuse=True))
+    with pytest.raises(ValueError, match="state_snapshot_interval must be an int >= 1"):
+        Engine(PRESET, cfg, state_snapshot_interval=0)
+
+
+class _Opaque(Recurrence):
+    """A recurrent layer whose state the engine cannot snapshot."""
+
+    supports_snapshots = False
+
+
+def test_a_model_without_snapshots_keeps_reuse_off() -> None:
+    model = Transformer(get_preset(PRESET), seed=0)
+    for block in model.layers:
+        if isinstance(block.mixer, Recurrence):
+            block.mixer.__class__ = _Opaque
+    engine = Engine(model, KvCacheConfig(tokens_per_block=4, max_num_blocks=64))
+    assert not engine.cache_config.block_reuse and engine.snapshots is None
+    assert "cannot be snapshotted" in (engine.reuse_disabled_reason or "")
+    with pytest.raises(ValueError, match="enable_block_reuse=True is unsupported"):
+        Engine(model, KvCacheConfig(tokens_per_block=4, max_num_blocks=64,
+                                    enable_block_reuse=True))
