@@ -2,9 +2,10 @@
 
 Five requests with prompts that end mid-block prefill in one step, then decode for 11
 steps while the batch shrinks 5 -> 4 -> 3 -> 2 (padded to the captured 8, 4, 4, 2) and
-every sequence crosses block and page boundaries. The tiny model's 4 query heads per 2
-KV heads take FlashInfer's CUDA-core decode kernel; an 8-head variant takes the
-tensor-core one. The graph run is teacher-forced with the eager run's tokens, so both
+every sequence crosses block and page boundaries. The tiny preset's 4 query heads per 2
+KV heads take FlashInfer's CUDA-core decode kernel; a variant with 8 query heads takes
+the tensor-core one (head_dim 128, the kernels test_flashinfer_gpu.py compiled already).
+The graph run is teacher-forced with the eager run's tokens, so both
 see the same sequences; its logits must match, and its own greedy choice must agree
 wherever the eager run's choice was not a near-tie.
 """
@@ -30,14 +31,15 @@ ATOL = 1e-2  # fp16 at the tiny model's logit scale (|logit| < 1), as the scenar
 SIZES = (1, 2, 4, 8)
 PROMPTS = [37, 21, 50, 9, 64]
 NEW = [12, 9, 12, 4, 10]
-# Query heads of the tiny model (2 KV heads): the two decode kernels.
-HEADS = [pytest.param(4, id="cuda-cores"), pytest.param(8, id="tensor-cores")]
+# The two decode kernels: the tiny preset (4 query heads, 2 KV heads) and a variant.
+TENSOR_CORES = dataclasses.replace(get_preset("tiny"), num_heads=8, head_dim=128)
+MODELS = {"cuda-cores": get_preset("tiny"), "tensor-cores": TENSOR_CORES}
+HEADS = [pytest.param(name, id=name) for name in MODELS]
 
 
-def make_engine(num_heads: int, family: KernelFamily, *, cuda_graph: bool,
+def make_engine(kernel: str, family: KernelFamily, *, cuda_graph: bool,
                 page_size: int | None = None, max_num_tokens: int = 512) -> Engine:
-    config = dataclasses.replace(get_preset("tiny"), num_heads=num_heads)
-    return Engine(Transformer(config, seed=0),
+    return Engine(Transformer(MODELS[kernel], seed=0),
                   KvCacheConfig(tokens_per_block=16, max_num_blocks=96),
                   attn_backend="flashinfer", device="cuda", dtype=torch.float16,
                   cuda_graph=cuda_graph, graph_batch_sizes=SIZES, page_size=page_size,
@@ -87,12 +89,12 @@ def assert_graphs_match_eager(measure: Measure, eager: list[GenerationOutput],
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("page_size", [pytest.param(None, id="p16"), pytest.param(4, id="p4")])
-@pytest.mark.parametrize("num_heads", HEADS)
-def test_graphs_on_equal_graphs_off(measure: Measure, num_heads: int, page_size: int | None,
+@pytest.mark.parametrize("kernel", HEADS)
+def test_graphs_on_equal_graphs_off(measure: Measure, kernel: str, page_size: int | None,
                                     family: KernelFamily) -> None:
     family = family_or_skip(family)
-    eager, _ = run(make_engine(num_heads, family, cuda_graph=False, page_size=page_size))
-    engine = make_engine(num_heads, family, cuda_graph=True, page_size=page_size)
+    eager, _ = run(make_engine(kernel, family, cuda_graph=False, page_size=page_size))
+    engine = make_engine(kernel, family, cuda_graph=True, page_size=page_size)
     graphed, layouts = run(engine, force=[o.token_ids for o in eager])
     assert_graphs_match_eager(measure, eager, graphed)
     graphs = engine.graphs
@@ -106,12 +108,12 @@ def test_graphs_on_equal_graphs_off(measure: Measure, num_heads: int, page_size:
     measure.note("layout_changes", graphs.captures - len(layouts))
 
 
-@pytest.mark.parametrize("num_heads", HEADS)
-def test_one_token_chunks_on_the_graph_path(measure: Measure, num_heads: int) -> None:
+@pytest.mark.parametrize("kernel", HEADS)
+def test_one_token_chunks_on_the_graph_path(measure: Measure, kernel: str) -> None:
     """A 1-token budget makes every prefill step a decode-shaped batch of one that
     samples nothing until the prompt's last token: the graph path with no sampled row."""
-    eager, _ = run(make_engine(num_heads, "auto", cuda_graph=False, max_num_tokens=1))
-    engine = make_engine(num_heads, "auto", cuda_graph=True, max_num_tokens=1)
+    eager, _ = run(make_engine(kernel, "auto", cuda_graph=False, max_num_tokens=1))
+    engine = make_engine(kernel, "auto", cuda_graph=True, max_num_tokens=1)
     graphed, _ = run(engine, force=[o.token_ids for o in eager])
     assert_graphs_match_eager(measure, eager, graphed)
     assert engine.graphs is not None and engine.graphs.replays == engine.num_steps
