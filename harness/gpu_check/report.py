@@ -2,7 +2,7 @@
 
 A CheckResult is one test: its outcome, seconds, the worst of its recorded comparisons
 (max absolute error against its tolerance; the tests record them through
-tests/gpu/gpu_testlib.Measure) and the kernel families its plans ran. A StageResult is
+tests/gpu/support.Measure) and the kernel families its plans ran. A StageResult is
 one stage's pytest process. Standard library only.
 """
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from gpu_testlib import Measure
+
+from tests.gpu.support import Measure
 
 
 @pytest.fixture

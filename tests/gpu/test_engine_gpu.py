@@ -17,13 +17,13 @@ import random
 
 import pytest
 import torch
-from gpu_testlib import FAMILIES, Measure, family_or_skip
 
 from kvcache import Engine, GenerationOutput, KvCacheConfig
 from kvcache.attention.flashinfer import FlashInferBackend
 from kvcache.attention.flashinfer_calls import KernelFamily
 from kvcache.attention.flashinfer_layout import PlanLayout
 from kvcache.model import Transformer, get_preset
+from tests.gpu.support import FAMILIES, Measure, family_or_skip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer, pytest.mark.cuda_graph]
 

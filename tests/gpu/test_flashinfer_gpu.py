@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_testlib import (
+
+from kvcache.attention.flashinfer import FlashInferBackend
+from kvcache.attention.flashinfer_calls import KernelFamily
+from kvcache.storage.kv_storage import KvLayout
+from tests.gpu.support import (
     DECODE_PATHS,
     DTYPES,
     FAMILIES,
@@ -27,10 +31,6 @@ from gpu_testlib import (
     family_or_skip,
     make_pair,
 )
-
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import KernelFamily
-from kvcache.storage.kv_storage import KvLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer]
 

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 import torch
-from gpu_testlib import TOL, Measure, backends, compare_step, make_pair
 
 from kvcache.attention.flashinfer import flashinfer_version
+from tests.gpu.support import TOL, Measure, backends, compare_step, make_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer]
 

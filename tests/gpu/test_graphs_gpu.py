@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_testlib import (
+
+from kvcache.attention import PagedMetadata
+from kvcache.attention.flashinfer import FlashInferBackend
+from kvcache.attention.flashinfer_calls import KernelFamily
+from kvcache.attention.reference import ReferenceBackend
+from kvcache.storage.kv_storage import KvLayout
+from tests.gpu.support import (
     DECODE_PATHS,
     LAYOUTS,
     PAGES,
@@ -25,12 +31,6 @@ from gpu_testlib import (
     make_pair,
     random_qkv,
 )
-
-from kvcache.attention import PagedMetadata
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import KernelFamily
-from kvcache.attention.reference import ReferenceBackend
-from kvcache.storage.kv_storage import KvLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer, pytest.mark.cuda_graph]
 
