@@ -96,6 +96,7 @@ def probe_environment() -> dict[str, str]:
         "torch": torch.__version__,
         "torch CUDA": str(torch.version.cuda),
         "nvcc": _nvcc(),
+        "ninja": _first_line(["ninja", "--version"]),  # FlashInfer's JIT builds with it
         "flashinfer-python": next((v for v in map(_version, ("flashinfer-python", "flashinfer"))
                                    if v != "absent"), "absent"),
         "flashinfer-cubin": _version("flashinfer-cubin"),
