@@ -1,4 +1,5 @@
-"""Sessions: `nox -s premerge` before a merge, `nox -s postmerge` after it, `nox -s bench`.
+"""Sessions: `nox -s premerge` before a merge, `nox -s postmerge` after it, `nox -s bench`,
+`nox -s gpu` (the GPU check; `python -m harness.gpu_check` without nox).
 
 premerge/postmerge run the test-db lists (test_lists/test-db) for the detected hardware;
 anything after `--` goes to pytest and wins over the defaults (`-- --gpu h100
@@ -82,3 +83,21 @@ def bench(session: nox.Session) -> None:
                 f"--benchmark-json={results / 'bench.json'}", "--benchmark-sort=fullname",
                 f"--junitxml={results / 'junit.xml'}", *session.posargs)
     session.run("python", "-m", "benchmarks.report", str(results))
+
+
+# What the GPU check imports besides torch and flashinfer; it runs the project from this
+# checkout, so where the interpreter already has these nothing is installed (offline).
+_GPU_CHECK_NEEDS = ("numpy", "yaml", "pydantic", "safetensors", "pytest", "pytest_timeout")
+
+
+@nox.session(venv_params=VENV_PARAMS, default=False)
+def gpu(session: nox.Session) -> None:
+    """GPU check: FlashInfer, CUDA graphs, engine, benches; budgeted; results/gpu/report.md."""
+    # torch and flashinfer come from the interpreter's site-packages and are never
+    # installed here; `nox --no-venv -s gpu` runs in the current interpreter as it is.
+    if session.venv_backend != "none":
+        probe = ("import importlib.util as u; print(all(u.find_spec(m) for m in "
+                 f"{_GPU_CHECK_NEEDS!r}))")
+        if str(session.run("python", "-c", probe, silent=True)).strip() != "True":
+            session.install("-e", ".[test]")  # offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR
+    session.run("python", "-m", "harness.gpu_check", *session.posargs)

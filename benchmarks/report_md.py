@@ -251,13 +251,16 @@ def _gpu(benches: Sequence[Benchmark]) -> list[str]:
     rows = []
     for b in groups["gpu_attention"]:
         e = b.extra
+        ran = e.get("kernels") or {}
         rows.append([e["phase"], f"{e['requests']} x ({e['cached']} + {e['new']})",
+                     f"{e.get('kernel_family', '?')} ({ran.get(e['phase'], '?')})",
                      duration(e.get("seconds_per_call")), rate(e.get("tokens_per_s"), "tok/s"),
                      rate(e.get("bytes_per_s"), "B/s"), f"{e.get('tflops', 0):.1f}",
                      ratio(e.get("ratio_to_copy_bandwidth")), ratio(e.get("ratio_to_nominal_hbm"))])
     if rows:
-        lines += table(["phase", "requests x (cached + new)", "per call", "throughput",
-                        "bandwidth", "TFLOP/s", "vs copy bandwidth", "vs nominal HBM"], rows)
+        lines += table(["phase", "requests x (cached + new)", "family (ran)", "per call",
+                        "throughput", "bandwidth", "TFLOP/s", "vs copy bandwidth",
+                        "vs nominal HBM"], rows)
     ttft = {b.extra["path"]: b.median for b in groups["gpu_ttft"]}
     if {"warm", "cold"} <= ttft.keys():
         lines += [f"TTFT (tiny, fp16, FlashInfer): warm {duration(ttft['warm'])}, cold "

@@ -2,7 +2,9 @@
 
 - Attention throughput: the FlashInfer backend's per-layer forward (append, then attend)
   on Llama-3-8B-like heads (32 query, 8 KV, head_dim 128, fp16, page 16), a prefill
-  batch over cached prefixes and a long-context decode batch. Each records the bytes it
+  batch over cached prefixes and a long-context decode batch, per kernel family ("auto",
+  "fa2", "fa3" where the GPU runs it; extra_info names what the plans resolved to; the
+  decode batch uses the tensor-core kernel, 4 query heads per KV head). Each records the bytes it
   must move (KV read, q read, o written, appended K/V written) and the FLOPs of the
   causal attention; the achieved bandwidth is compared with the device's roofline,
   measured in-run as a device-to-device copy (read + write), and with the nominal HBM
@@ -26,6 +28,7 @@ from benchmarks.test_bench_engine import HEADLINE, round_prompts, seeded_prompt
 from kvcache import Engine, KvCacheConfig
 from kvcache.attention import BlockTable, build_metadata
 from kvcache.attention.flashinfer import FlashInferBackend
+from kvcache.attention.flashinfer_calls import KERNEL_FAMILIES, KernelFamily
 from kvcache.engine import GenerationOutput
 from kvcache.storage.kv_storage import KvStorage
 
@@ -51,6 +54,7 @@ PREFILL = [pytest.param(AttnCase(8, 3584, 512), id="b8-c3584-n512"),
            pytest.param(AttnCase(1, 0, 8192), id="b1-c0-n8192")]
 DECODE = [pytest.param(AttnCase(64, 4095, 1), id="b64-kv4096"),
           pytest.param(AttnCase(256, 2047, 1), id="b256-kv2048")]
+FAMILIES = [pytest.param(f, id=f) for f in KERNEL_FAMILIES]
 
 
 def nominal_hbm(name: str) -> float | None:
@@ -82,9 +86,11 @@ def synced(fn: Callable[[], object], calls: int) -> Callable[[], None]:
     return run
 
 
-def attention_step(case: AttnCase) -> Callable[[], torch.Tensor]:
-    """A one-layer paged cache filled with noise and a backend planned for `case`; returns
-    its forward over fixed q, k, v (each call rewrites the same slots)."""
+def attention_step(case: AttnCase, family: KernelFamily
+                   ) -> tuple[FlashInferBackend, Callable[[], torch.Tensor]]:
+    """A one-layer paged cache filled with noise and a backend on `family` planned for
+    `case` (skips "fa3" where the GPU cannot run it); returns the backend and its
+    forward over fixed q, k, v (each call rewrites the same slots)."""
     kv_len = case.cached + case.new
     per_request = -(-kv_len // PAGE)
     storage = KvStorage(num_layers=1, num_blocks=case.requests * per_request, block_size=PAGE,
@@ -97,12 +103,18 @@ def attention_step(case: AttnCase) -> Callable[[], torch.Tensor]:
         table.assign(r, perm[r * per_request:(r + 1) * per_request])
     md = build_metadata(table, range(case.requests), [case.cached] * case.requests,
                         [case.new] * case.requests, block_size=PAGE)
-    backend = FlashInferBackend(storage=storage, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    try:
+        backend = FlashInferBackend(storage=storage, num_qo_heads=HQ, num_kv_heads=HKV,
+                                    head_dim=D, kernel_family=family)
+    except ValueError as err:
+        if family != "fa3":
+            raise
+        pytest.skip(str(err))
     backend.plan(md)
     T = case.requests * case.new
     q = torch.randn(T, HQ, D, dtype=DTYPE, device="cuda")
     k, v = (torch.randn(T, HKV, D, dtype=DTYPE, device="cuda") for _ in range(2))
-    return lambda: backend.forward(0, q, k, v)
+    return backend, lambda: backend.forward(0, q, k, v)
 
 
 def traffic(case: AttnCase) -> tuple[int, int]:
@@ -117,9 +129,9 @@ def traffic(case: AttnCase) -> tuple[int, int]:
     return kv_bytes + qo_bytes + append_bytes, 4 * HQ * D * pairs
 
 
-def _attention_bench(benchmark: Any, case: AttnCase, phase: str, copy_bw: float,
-                     quick: bool) -> None:
-    forward = attention_step(case)
+def _attention_bench(benchmark: Any, case: AttnCase, phase: str, family: KernelFamily,
+                     copy_bw: float, quick: bool) -> None:
+    backend, forward = attention_step(case, family)
     calls = (3 if quick else 20) if phase == "prefill" else (10 if quick else 100)
     benchmark.pedantic(synced(forward, calls), rounds=3 if quick else 10, warmup_rounds=2)
     moved, flops = traffic(case)
@@ -127,7 +139,8 @@ def _attention_bench(benchmark: Any, case: AttnCase, phase: str, copy_bw: float,
     info: dict[str, Any] = {
         "suite": "gpu_attention", "phase": phase, "device": name, "requests": case.requests,
         "cached": case.cached, "new": case.new, "num_qo_heads": HQ, "num_kv_heads": HKV,
-        "head_dim": D, "page_size": PAGE, "dtype": "float16", "calls_per_round": calls,
+        "head_dim": D, "page_size": PAGE, "dtype": "float16", "kernel_family": family,
+        "kernels": backend.kernels._asdict(), "calls_per_round": calls,
         "bytes_per_call": moved, "flops_per_call": flops,
         "copy_bandwidth_bytes_per_s": copy_bw, "nominal_hbm_bytes_per_s": nominal_hbm(name),
         "arithmetic_intensity": flops / moved}
@@ -142,16 +155,18 @@ def _attention_bench(benchmark: Any, case: AttnCase, phase: str, copy_bw: float,
     benchmark.extra_info.update(info)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", PREFILL)
 def test_flashinfer_prefill_throughput(benchmark: Any, bench_quick: bool, case: AttnCase,
-                                       copy_bandwidth: float) -> None:
-    _attention_bench(benchmark, case, "prefill", copy_bandwidth, bench_quick)
+                                       family: KernelFamily, copy_bandwidth: float) -> None:
+    _attention_bench(benchmark, case, "prefill", family, copy_bandwidth, bench_quick)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", DECODE)
 def test_flashinfer_decode_throughput(benchmark: Any, bench_quick: bool, case: AttnCase,
-                                      copy_bandwidth: float) -> None:
-    _attention_bench(benchmark, case, "decode", copy_bandwidth, bench_quick)
+                                      family: KernelFamily, copy_bandwidth: float) -> None:
+    _attention_bench(benchmark, case, "decode", family, copy_bandwidth, bench_quick)
 
 
 def _gpu_engine(prompt_len: int, max_batch: int, cuda_graph: bool) -> Engine:

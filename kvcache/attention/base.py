@@ -41,7 +41,10 @@ class AttentionBackend(ABC):
     j <= i + kv_len - qo_len, and with window_left w >= 0 also j >= i + kv_len - qo_len - w.
     Query head h reads kv head h // (Hq / Hkv). With logits_soft_cap c the scaled logit s
     becomes c * tanh(s / c). window_left = -1 means no window (FlashInfer's convention).
-    Padding requests (zero pages) append nothing and return zeros (lse -inf).
+    Padding requests (zero pages, a padded CUDA-graph batch) append nothing, and their
+    output and lse rows are undefined: nothing may read them. (FlashInfer's CUDA-core
+    decode planner can drop padding rows' work items under CUDA graphs, leaving garbage
+    there; the torch reference happens to return zeros, lse -inf.)
     """
 
     name: ClassVar[str]

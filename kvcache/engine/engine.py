@@ -92,6 +92,17 @@ def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend], model: Tr
     return cfg.without_reuse(), reason
 
 
+def sampled_rows(chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:
+    """int64 [samplers]: the row of each sampling chunk's last token in the step's token
+    order (chunks in order, each num_new rows); empty when no chunk samples."""
+    rows, end = [], 0
+    for c in chunks:
+        end += c.num_new
+        if c.samples:
+            rows.append(end - 1)
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
 class Engine:
     """Greedy generation over a paged KV cache with block reuse.
 
@@ -341,27 +352,24 @@ class Engine:
                             page_index_multiplier=self.backend.page_index_multiplier,
                             pad_to=pad_to)
         ids: list[int] = []
-        rows: list[int] = []
         for c in chunks:
             req = c.req
             ids += req.tokens[req.num_computed:req.num_computed + c.num_new]
-            if c.samples:
-                rows.append(len(ids) - 1)
         self.num_computed_tokens += len(ids)
         ids += [0] * md.num_padded
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = md.positions.to(self.device)
+        rows = sampled_rows(chunks, self.device)  # one selection for the eager and graph paths
         snapshot_rows = (self._snapshot_rows(chunks, self.snapshots)
                          if self.snapshots is not None else None)
         ctx = StepContext(self.backend, self._attn_layer, md, [c.req for c in chunks],
                           self.model.config.hidden_size, self.device, snapshot_rows)
         with torch.inference_mode():
             if self.graphs is not None and md.is_decode and md.batch_size in self.graphs.sizes:
-                logits = self.graphs.run(md, input_ids, positions, ctx)[torch.tensor(rows)]
+                logits = self.graphs.run(md, input_ids, positions, ctx).index_select(0, rows)
                 return logits, ctx.snapshot_states
             self.backend.plan(md)
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
-            return self.model(input_ids, positions, ctx, index), ctx.snapshot_states
+            return self.model(input_ids, positions, ctx, rows), ctx.snapshot_states
 
     def _advance(self, chunks: list[Chunk], logits: torch.Tensor) -> list[GenerationOutput]:
         finished = []

@@ -65,7 +65,7 @@ def test_every_run_step_is_a_ci_script_or_nox() -> None:
 def test_gpu_jobs_run_on_labelled_runners_with_a_list_per_kind() -> None:
     contexts = {b.context for b in load_test_db(ROOT / "test_lists" / "test-db").blocks}
     gpu_jobs = {n: j for n, j in _jobs().items() if "self-hosted" in j["runs-on"]}
-    assert set(gpu_jobs) == {"gpu-premerge", "gpu-postmerge", "bench"}
+    assert set(gpu_jobs) == {"gpu-premerge", "gpu-check", "gpu-postmerge", "bench"}
     for job in gpu_jobs.values():
         assert job["runs-on"] == ["self-hosted", "linux", "gpu", "${{ matrix.gpu }}"]
         assert {f"l0_{gpu}" for gpu in job["strategy"]["matrix"]["gpu"]} <= contexts
@@ -113,7 +113,8 @@ def test_nox_sessions() -> None:
                              check=True).stdout
     sessions = {line[2:].split(" -> ")[0]: line[0] for line in listing.splitlines()
                 if line[:2] in ("* ", "- ")}
-    assert sessions == {"premerge": "*", "postmerge": "-", "lists": "-", "lint": "-", "bench": "-"}
+    assert sessions == {"premerge": "*", "postmerge": "-", "lists": "-", "lint": "-", "bench": "-",
+                        "gpu": "-"}
 
 
 def test_noxfile_needs_the_nox_the_dev_extra_installs() -> None:

@@ -68,6 +68,11 @@ def suite_benches() -> list[dict[str, Any]]:
         bench("test_kv_bytes_per_token[fp16]", 1e-4, {
             "suite": "memory", "kind": "kv", "dtype": "float16", "bytes_per_token": 2048.0,
             "bytes_per_block": 32768.0}),
+        bench("test_flashinfer_decode_throughput[b64-kv4096-fa2]", 1e-4, {
+            "suite": "gpu_attention", "phase": "decode", "requests": 64, "cached": 4095,
+            "new": 1, "kernel_family": "fa2", "kernels": {"prefill": None, "decode": "fa2"},
+            "seconds_per_call": 1e-4, "tokens_per_s": 6.4e5, "bytes_per_s": 3.4e12,
+            "tflops": 1.5, "ratio_to_copy_bandwidth": 0.8, "device": "NVIDIA H200"}),
         bench("test_decode_step[eager-b8]", 2e-3, {"suite": "gpu_decode_step", "mode": "eager",
                                                    "batch": 8, "device": "NVIDIA H200"}),
         bench("test_decode_step[graph-b8]", 1e-3, {"suite": "gpu_decode_step", "mode": "graph",
@@ -103,6 +108,7 @@ def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
                  "warm / ideal: **1.05x**", "cold / warm: **4.00x**", "new tokens: 4.00x",
                  "| 0.3156 |", "| 23552 |", "| 89.08 |", "| float16 | 2048.0 |",
                  "| 8 | 2 ms | 1 ms | 2.00x |", "NVIDIA H200",  # GPU decode step
+                 "| decode | 64 x (4095 + 1) | fa2 (fa2) | 100 us |",  # GPU attention
                  "test_something_new", "torch 9.9.9-synthetic", "commit abcdef123456"):
         assert text in md, f"{text!r} missing from summary.md:\n{md}"
     for png in ("ttft_vs_cached_fraction.png", "hit_rate_vs_pool_size.png",

@@ -12,6 +12,9 @@ import torch
 from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, KvCacheConfig, ReuseScope
 from kvcache.engine import RequestFinishedError
+from kvcache.engine.engine import sampled_rows
+from kvcache.engine.request import Request
+from kvcache.engine.scheduler import Chunk
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import save_pretrained
 
@@ -70,6 +73,28 @@ def test_padded_decode_equals_unpadded() -> None:
     padded_engine = Engine("tiny", cfg(4), pad_decode=True, graph_batch_sizes=(4, 8))
     padded = padded_engine.generate(ps, max_new_tokens=6)
     assert_same(plain, padded)
+
+
+def test_sampled_rows_pick_each_sampling_chunks_last_token() -> None:
+    req = Request(0, [1, 2, 3], 1, None, 35, None, True)
+    rows = sampled_rows([Chunk(req, 5, False), Chunk(req, 1, True), Chunk(req, 3, True)],
+                        torch.device("cpu"))
+    assert rows.tolist() == [5, 8] and rows.dtype == torch.long
+    # No sampler: still an index (an empty float tensor would not be one). The graph path
+    # selects from its padded logits with it, the eager path hands it to the model.
+    none = sampled_rows([Chunk(req, 1, False), Chunk(req, 1, False)], torch.device("cpu"))
+    assert none.dtype == torch.long and none.shape == (0,)
+    assert torch.randn(4, 7).index_select(0, none).shape == (0, 7)
+
+
+def test_one_token_prefill_chunks_that_sample_nothing() -> None:
+    """A 1-token budget cuts prompts into 1-token chunks: decode-shaped steps of a
+    graph size (1) in which no row samples, until the prompt's last token."""
+    ps = prompts(1, 6, seed=5)
+    plain = Engine("tiny", cfg(4)).generate(ps, max_new_tokens=3)
+    engine = Engine("tiny", cfg(4), max_num_tokens=1, pad_decode=True, graph_batch_sizes=(1, 2))
+    assert_same(plain, engine.generate(ps, max_new_tokens=3))
+    assert engine.num_steps == 6 + 2  # five steps sampled nothing
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -17,12 +18,16 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache.attention.flashinfer import (
+from kvcache.attention.flashinfer import FlashInferBackend
+from kvcache.attention.flashinfer_calls import (
+    KERNEL_FAMILIES,
     Call,
-    FlashInferBackend,
+    KernelFamily,
     KernelParams,
+    PlanInputs,
     StepBuffers,
     append_call,
+    check_kernel_family,
     decode_plan_call,
     decode_wrapper_call,
     graph_append_rows,
@@ -34,6 +39,7 @@ from kvcache.storage.kv_storage import KvLayout
 from tests.unit.attention.support import Scenario
 
 LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
+FAMILIES = [pytest.param(f, id=f) for f in KERNEL_FAMILIES]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +59,12 @@ def _params(sc: Scenario, page_size: int) -> KernelParams:
 
 
 def _buffers(sc: Scenario) -> StepBuffers:
-    return StepBuffers.allocate(8, 64, torch.device("cpu")).for_size(sc.md.batch_size)
+    B, n = sc.md.batch_size, sc.md.num_append_tokens
+    return StepBuffers(*(torch.zeros(size, dtype=torch.int32) for size in (B + 1, 64, B, n, n)))
+
+
+def _graph_csr(batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.zeros(n, dtype=torch.int32) for n in (batch + 1, 64, batch))  # type: ignore[return-value]
 
 
 def _bind(fn: Callable[..., Any], call: Call, *, method: bool) -> None:
@@ -73,19 +84,22 @@ def _plan_target(cls: type) -> Callable[..., Any]:
 
 
 @pytest.mark.flashinfer
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_wrapper_and_plan_calls_bind(fi: ModuleType, layout: KvLayout) -> None:
+def test_wrapper_and_plan_calls_bind(fi: ModuleType, layout: KvLayout,
+                                     family: KernelFamily) -> None:
     sc = Scenario([(5, 6), (13, 1)], page_size=4, layout=layout, dtype=torch.float16)
     params = _params(sc, 4)
     workspace = torch.empty(16, dtype=torch.uint8)
     prefill, decode = fi.BatchPrefillWithPagedKVCacheWrapper, fi.BatchDecodeWithPagedKVCacheWrapper
-    _bind(prefill.__init__, prefill_wrapper_call(workspace, layout), method=True)
+    _bind(prefill.__init__, prefill_wrapper_call(workspace, layout, family), method=True)
     for cores in (False, True):
-        _bind(decode.__init__, decode_wrapper_call(workspace, layout, cores), method=True)
-        _bind(decode.__init__, decode_wrapper_call(workspace, layout, cores, _buffers(sc)),
-              method=True)
-    _bind(_plan_target(prefill), prefill_plan_call(params, sc.md, sc.md.kv_indices), method=True)
-    _bind(_plan_target(decode), decode_plan_call(params, sc.md, sc.md.kv_indices), method=True)
+        _bind(decode.__init__, decode_wrapper_call(workspace, layout, cores, family), method=True)
+        _bind(decode.__init__, decode_wrapper_call(workspace, layout, cores, family,
+                                                   _graph_csr(sc.md.batch_size)), method=True)
+    inputs = PlanInputs.of(sc.md)
+    _bind(_plan_target(prefill), prefill_plan_call(params, inputs), method=True)
+    _bind(_plan_target(decode), decode_plan_call(params, inputs), method=True)
 
 
 @pytest.mark.flashinfer
@@ -136,15 +150,18 @@ def _v060(name: str) -> inspect.Signature:
 
 
 @pytest.mark.flashinfer
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_calls_bind_to_flashinfer_060_signatures(layout: KvLayout) -> None:
+def test_calls_bind_to_flashinfer_060_signatures(layout: KvLayout, family: KernelFamily) -> None:
     sc = Scenario([(5, 6), (13, 1)], page_size=4, layout=layout, dtype=torch.float16)
     params, ws = _params(sc, 4), torch.empty(16, dtype=torch.uint8)
+    inputs = PlanInputs.of(sc.md)
     calls = {
-        "prefill.__init__": prefill_wrapper_call(ws, layout),
-        "decode.__init__": decode_wrapper_call(ws, layout, True, _buffers(sc)),
-        "prefill.plan": prefill_plan_call(params, sc.md, sc.md.kv_indices),
-        "decode.plan": decode_plan_call(params, sc.md, sc.md.kv_indices),
+        "prefill.__init__": prefill_wrapper_call(ws, layout, family),
+        "decode.__init__": decode_wrapper_call(ws, layout, True, family,
+                                               _graph_csr(sc.md.batch_size)),
+        "prefill.plan": prefill_plan_call(params, inputs),
+        "decode.plan": decode_plan_call(params, inputs),
     }
     for name, call in calls.items():
         _v060(name).bind(None, *call.args, **call.kwargs)
@@ -155,35 +172,81 @@ def test_calls_bind_to_flashinfer_060_signatures(layout: KvLayout) -> None:
 def test_plan_calls_carry_the_metadata_and_options() -> None:
     sc = Scenario([(5, 6), (13, 1)], page_size=4, dtype=torch.float16)
     params = _params(sc, 4)
-    prefill = prefill_plan_call(params, sc.md, sc.md.kv_indices)
+    inputs = PlanInputs.of(sc.md)
+    prefill = prefill_plan_call(params, inputs)
     assert prefill.args[:4] == (sc.md.qo_indptr, sc.md.kv_indptr, sc.md.kv_indices,
                                 sc.md.kv_last_page_len)
     assert prefill.args[4:] == (4, 2, 16, 4)
     assert prefill.kwargs["causal"] is True
     assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in prefill.args[:4])
-    decode = decode_plan_call(params, sc.md, sc.md.kv_indices)
+    decode = decode_plan_call(params, inputs)
+    assert decode.args[:3] == (sc.md.kv_indptr, sc.md.kv_indices, sc.md.kv_last_page_len)
     assert decode.args[3:] == (4, 2, 16, 4)
     for call in (prefill, decode):
         assert call.kwargs["sm_scale"] == 0.25 and call.kwargs["q_data_type"] == torch.float16
+        assert call.kwargs["non_blocking"] is True  # copies from the pinned staging views
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_wrappers_are_pinned_to_the_kernel_family(family: KernelFamily) -> None:
+    ws = torch.empty(16, dtype=torch.uint8)
+    assert prefill_wrapper_call(ws, "NHD", family).kwargs["backend"] == family
+    for cores in (False, True):
+        call = decode_wrapper_call(ws, "HND", cores, family, _graph_csr(2))
+        assert call.kwargs["backend"] == family and call.kwargs["use_tensor_cores"] is cores
+        assert call.kwargs["use_cuda_graph"] is True
+
+
+H100, B200 = "NVIDIA H100 80GB HBM3", "NVIDIA B200"
+
+
+@pytest.mark.parametrize(("family", "version", "capability", "cuda", "device"), [
+    pytest.param("auto", "0.6.13", (9, 0), "12.8", H100, id="auto-hopper"),
+    pytest.param("fa2", "0.7.4", (10, 0), "12.9", B200, id="fa2-blackwell"),
+    pytest.param("fa2", "0.6.0", (8, 0), "12.1", "NVIDIA A100", id="fa2-ampere-oldest"),
+    pytest.param("fa3", "0.6.11.post1", (9, 0), "12.4", H100, id="fa3-hopper"),
+    pytest.param("fa3", "0.7.4+cu128", (9, 0), "13.0", "NVIDIA H200", id="fa3-local-version"),
+])
+def test_kernel_family_accepted(family: str, version: str, capability: tuple[int, int],
+                                cuda: str, device: str) -> None:
+    assert check_kernel_family(family, flashinfer_version=version, capability=capability,
+                               cuda_version=cuda, device_name=device) == family
+
+
+@pytest.mark.parametrize(("family", "version", "capability", "cuda", "message"), [
+    pytest.param("fa4", "0.7.4", (9, 0), "12.8", "kernel_family='fa4' is not one of auto, fa2, "
+                 "fa3", id="unknown"),
+    pytest.param("FA3", "0.7.4", (9, 0), "12.8", "'FA3' is not one of", id="case"),
+    pytest.param("fa2", "0.5.3", (9, 0), "12.8", "flashinfer 0.5.3 is installed; this backend "
+                 "needs flashinfer >= 0.6", id="old-flashinfer"),
+    pytest.param("auto", "unknown", (9, 0), "12.8", "flashinfer unknown is installed",
+                 id="unknown-version"),
+    pytest.param("fa3", "0.6.13", (10, 0), "12.9", "needs a Hopper GPU (compute capability "
+                 "9.x); NVIDIA B200 has 10.0", id="fa3-blackwell"),
+    pytest.param("fa3", "0.6.13", (8, 9), "12.4", "has 8.9", id="fa3-ada"),
+    pytest.param("fa3", "0.6.13", (9, 0), "12.1", "torch built for CUDA >= 12.3 (sm_90a "
+                 "kernels); this torch is built for CUDA 12.1", id="fa3-old-cuda"),
+    pytest.param("fa3", "0.6.13", (9, 0), None, "built for CUDA None", id="fa3-cpu-torch"),
+])
+def test_kernel_family_rejected(family: str, version: str, capability: tuple[int, int],
+                                cuda: str | None, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_kernel_family(family, flashinfer_version=version, capability=capability,
+                            cuda_version=cuda, device_name=B200 if capability[0] == 10
+                            else "NVIDIA L40S")
 
 
 def test_graph_append_rows_repeat_the_first_real_write() -> None:
     sc = Scenario([(9, 1), (16, 1), (3, 1)], pad_to=6)
-    src, batch, pos = graph_append_rows(sc.md)
-    assert src.tolist() == [0, 1, 2, 0, 0, 0]
-    assert batch.tolist() == [0, 1, 2, 0, 0, 0]
-    assert pos.tolist() == [9, 16, 3, 9, 9, 9]
-    assert (src.dtype, batch.dtype, pos.dtype) == (torch.int64, torch.int32, torch.int32)
+    rows = graph_append_rows(sc.md)
+    assert rows.dtype == torch.int32 and rows.shape == (3, 6)
+    src, batch, pos = rows.tolist()
+    assert src == [0, 1, 2, 0, 0, 0]
+    assert batch == [0, 1, 2, 0, 0, 0]
+    assert pos == [9, 16, 3, 9, 9, 9]
     prefill = Scenario([(0, 3)])
     with pytest.raises(ValueError, match="decode-only"):
         graph_append_rows(prefill.md)
-
-
-def test_step_buffers_share_memory_across_sizes() -> None:
-    shared = StepBuffers.allocate(8, 32, torch.device("cpu"))
-    small = shared.for_size(2)
-    assert [t.numel() for t in small] == [3, 32, 2, 2, 2]
-    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(small, shared, strict=True))
 
 
 def test_tensor_cores_for_large_query_groups() -> None:
@@ -201,3 +264,10 @@ def test_backend_needs_cuda() -> None:
     sc = Scenario([(0, 1)], dtype=torch.float16)
     with pytest.raises(RuntimeError, match="needs CUDA: storage is on cpu"):
         FlashInferBackend(storage=sc.storage, num_qo_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def test_backend_rejects_an_unknown_kernel_family_first() -> None:
+    sc = Scenario([(0, 1)], dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel_family='fa9' is not one of auto, fa2, fa3"):
+        FlashInferBackend(storage=sc.storage, num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                          kernel_family="fa9")  # type: ignore[arg-type]
