@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcache.attention.base import AttentionBackend
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.metadata import build_metadata
 from kvcache.attention.registry import get_backend
@@ -39,9 +38,10 @@ from kvcache.engine.request import (
     check_prompts,
     check_tokens,
 )
+from kvcache.engine.reuse_policy import resolve_reuse
 from kvcache.engine.scheduler import Chunk, Scheduler
 from kvcache.engine.state_snapshots import StateSnapshots
-from kvcache.engine.step_context import StepContext
+from kvcache.engine.step_context import StepContext, sampled_rows
 from kvcache.model.config import get_preset
 from kvcache.model.transformer import Transformer
 from kvcache.storage.kv_storage import KvLayout, KvStorage
@@ -52,55 +52,6 @@ DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
 # Admission into an idle engine fails only transiently (all blocks are then free or
 # evictable, and add_request rejects what could never fit); give up after this many.
 MAX_IDLE_STEPS = 8
-
-
-def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend], model: Transformer,
-                  snapshot_interval: int = 1) -> tuple[KvCacheConfig, str | None]:
-    """The effective cache config and, when reuse had to be switched off, why.
-
-    A model with recurrent layers reuses only at recurrent-state snapshots: matches align
-    to every `snapshot_interval`-th block and never start inside a block. Raises
-    ValueError when reuse is explicitly enabled for recurrent layers that cannot be
-    snapshotted, or partial reuse for any recurrent model.
-    """
-    layers = list(model.config.recurrent_layers)
-    if layers and not model.supports_state_snapshots:
-        if cfg.enable_block_reuse:
-            raise ValueError(
-                "enable_block_reuse=True is unsupported for a model with recurrent layers "
-                f"(layers {layers}) that cannot snapshot their state: it cannot be rolled "
-                "back per token; use enable_block_reuse=None (auto) or False")
-        reason = ("the model has recurrent layers whose state cannot be rolled back per "
-                  "token and cannot be snapshotted")
-    elif layers and cfg.enable_partial_reuse:
-        raise ValueError(
-            "enable_partial_reuse=True is unsupported for a model with recurrent layers "
-            f"(layers {layers}): reuse resumes from state snapshots taken at block ends, "
-            "never inside a block; use enable_partial_reuse=None (auto) or False")
-    elif not backend.supports_block_reuse:
-        reason = f"attention backend {backend.name!r} does not support block reuse"
-    elif cfg.block_reuse and layers:  # on, at snapshot positions only
-        return replace(cfg, enable_block_reuse=True, enable_partial_reuse=False,
-                       copy_on_partial_reuse=None,
-                       reuse_alignment_blocks=snapshot_interval), None
-    elif cfg.block_reuse:  # auto resolves to on; an explicit False stays off
-        return replace(cfg, enable_block_reuse=True), None
-    else:
-        return cfg, None  # off by request: nothing to explain
-    if cfg.block_reuse:
-        log.warning("block reuse disabled: %s", reason)
-    return cfg.without_reuse(), reason
-
-
-def sampled_rows(chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:
-    """int64 [samplers]: the row of each sampling chunk's last token in the step's token
-    order (chunks in order, each num_new rows); empty when no chunk samples."""
-    rows, end = [], 0
-    for c in chunks:
-        end += c.num_new
-        if c.samples:
-            rows.append(end - 1)
-    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 class Engine:
@@ -299,7 +250,7 @@ class Engine:
         if ops:
             self.storage.apply_copies(ops)
         if self.snapshots is not None:
-            self._restore_states(chunks, self.snapshots)
+            self.snapshots.restore(chunks, self.cache_config.tokens_per_block)
         logits, snapshot_states = self._forward(chunks)
         if self.snapshots is not None:
             for block, states in snapshot_states.items():
@@ -312,30 +263,6 @@ class Engine:
             else:
                 finished.append(out)
         return finished
-
-    def _restore_states(self, chunks: list[Chunk], snapshots: StateSnapshots) -> None:
-        """A request admitted warm resumes its recurrent state from the snapshot of the
-        last block it reuses (the manager aligns reuse to snapshot positions)."""
-        B = self.cache_config.tokens_per_block
-        for c in chunks:
-            req = c.req
-            if req.num_computed and not req.state and req.seq is not None:
-                req.state = snapshots.load(req.seq.block_ids[req.num_computed // B - 1])
-
-    def _snapshot_rows(self, chunks: list[Chunk], snapshots: StateSnapshots) -> dict[int, int]:
-        """Block id -> the token row of this step whose recurrent state is its snapshot:
-        the last token of every snapshot block a chunk completes."""
-        B = self.cache_config.tokens_per_block
-        rows: dict[int, int] = {}
-        offset = 0
-        for c in chunks:
-            req = c.req
-            assert req.seq is not None
-            start = req.num_computed
-            for end in snapshots.positions(start, start + c.num_new, B):
-                rows[req.seq.block_ids[end // B - 1]] = offset + end - start - 1
-            offset += c.num_new
-        return rows
 
     def _forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
         """Logits of the sampling rows, and the recurrent-state snapshots taken (block id
@@ -360,7 +287,7 @@ class Engine:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = md.positions.to(self.device)
         rows = sampled_rows(chunks, self.device)  # one selection for the eager and graph paths
-        snapshot_rows = (self._snapshot_rows(chunks, self.snapshots)
+        snapshot_rows = (self.snapshots.rows(chunks, self.cache_config.tokens_per_block)
                          if self.snapshots is not None else None)
         ctx = StepContext(self.backend, self._attn_layer, md, [c.req for c in chunks],
                           self.model.config.hidden_size, self.device, snapshot_rows)

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from kvcache.engine.scheduler import Chunk
+
 
 class StateSnapshots:
     """Snapshots by physical block id. Mutated by the engine only."""
@@ -40,6 +42,29 @@ class StateSnapshots:
         step = block_size * self.interval
         first = (start // step + 1) * step
         return range(first, end + 1, step)
+
+    def restore(self, chunks: Sequence[Chunk], block_size: int) -> None:
+        """A request of this step admitted warm resumes its recurrent state from the
+        snapshot of the last block it reuses (the manager aligns reuse to snapshots).
+        Mutates the requests' `state`."""
+        for c in chunks:
+            req = c.req
+            if req.num_computed and not req.state and req.seq is not None:
+                req.state = self.load(req.seq.block_ids[req.num_computed // block_size - 1])
+
+    def rows(self, chunks: Sequence[Chunk], block_size: int) -> dict[int, int]:
+        """Block id -> the token row of this step whose recurrent state is its snapshot:
+        the last token of every snapshot block a chunk completes."""
+        rows: dict[int, int] = {}
+        offset = 0
+        for c in chunks:
+            req = c.req
+            assert req.seq is not None
+            start = req.num_computed
+            for end in self.positions(start, start + c.num_new, block_size):
+                rows[req.seq.block_ids[end // block_size - 1]] = offset + end - start - 1
+            offset += c.num_new
+        return rows
 
     def save(self, block_id: int, states: Sequence[torch.Tensor]) -> None:
         """Keep `states` (one [hidden] tensor per recurrent layer, in layer order) as the

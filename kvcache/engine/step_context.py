@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvcache.attention.base import AttentionBackend
 from kvcache.attention.metadata import PagedMetadata
 from kvcache.engine.request import Request
+from kvcache.engine.scheduler import Chunk
 
 
 class StepContext:
@@ -50,3 +53,14 @@ class StepContext:
             req.state[layer] = state[i].detach()
         for block, row in self.snapshot_rows.items():
             self.snapshot_states.setdefault(block, []).append(token_states[row].detach())
+
+
+def sampled_rows(chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:
+    """int64 [samplers]: the row of each sampling chunk's last token in the step's token
+    order (chunks in order, each num_new rows); empty when no chunk samples."""
+    rows, end = [], 0
+    for c in chunks:
+        end += c.num_new
+        if c.samples:
+            rows.append(end - 1)
+    return torch.tensor(rows, dtype=torch.long, device=device)

@@ -1,0 +1,50 @@
+"""Which reuse an engine can run: the effective cache config for a backend and a model."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from kvcache.attention.base import AttentionBackend
+from kvcache.core.config import KvCacheConfig
+from kvcache.model.transformer import Transformer
+
+log = logging.getLogger("kvcache.engine.engine")  # where users have always looked for it
+
+
+def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend], model: Transformer,
+                  snapshot_interval: int = 1) -> tuple[KvCacheConfig, str | None]:
+    """The effective cache config and, when reuse had to be switched off, why.
+
+    A model with recurrent layers reuses only at recurrent-state snapshots: matches align
+    to every `snapshot_interval`-th block and never start inside a block. Raises
+    ValueError when reuse is explicitly enabled for recurrent layers that cannot be
+    snapshotted, or partial reuse for any recurrent model.
+    """
+    layers = list(model.config.recurrent_layers)
+    if layers and not model.supports_state_snapshots:
+        if cfg.enable_block_reuse:
+            raise ValueError(
+                "enable_block_reuse=True is unsupported for a model with recurrent layers "
+                f"(layers {layers}) that cannot snapshot their state: it cannot be rolled "
+                "back per token; use enable_block_reuse=None (auto) or False")
+        reason = ("the model has recurrent layers whose state cannot be rolled back per "
+                  "token and cannot be snapshotted")
+    elif layers and cfg.enable_partial_reuse:
+        raise ValueError(
+            "enable_partial_reuse=True is unsupported for a model with recurrent layers "
+            f"(layers {layers}): reuse resumes from state snapshots taken at block ends, "
+            "never inside a block; use enable_partial_reuse=None (auto) or False")
+    elif not backend.supports_block_reuse:
+        reason = f"attention backend {backend.name!r} does not support block reuse"
+    elif cfg.block_reuse and layers:  # on, at snapshot positions only
+        return replace(cfg, enable_block_reuse=True, enable_partial_reuse=False,
+                       copy_on_partial_reuse=None,
+                       reuse_alignment_blocks=snapshot_interval), None
+    elif cfg.block_reuse:  # auto resolves to on; an explicit False stays off
+        return replace(cfg, enable_block_reuse=True), None
+    else:
+        return cfg, None  # off by request: nothing to explain
+    if cfg.block_reuse:
+        log.warning("block reuse disabled: %s", reason)
+    return cfg.without_reuse(), reason
