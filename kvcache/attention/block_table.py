@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvcache.attention.metadata_decode import INT32_LIMIT
 from kvcache.core.validate import check_positive_int
+
+INT32_LIMIT = 2**31  # block ids and page indices are int32 in the metadata
 
 
 class BlockTable:

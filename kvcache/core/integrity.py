@@ -8,14 +8,32 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from kvcache.core.radix import TOKEN_BYTES, Node
 
 if TYPE_CHECKING:
+    from kvcache.core.config import KvCacheConfig
     from kvcache.core.handle import Sequence
-    from kvcache.core.manager import KVCacheManager
+    from kvcache.core.ops import BlockCopy
+    from kvcache.core.pool import BlockPool
+    from kvcache.core.radix import BlockRadixTree
+
+
+class CheckedCache(Protocol):
+    """The public state of a cache manager that the check reads (nothing private)."""
+
+    config: KvCacheConfig
+    reuse: bool
+    tree: BlockRadixTree
+    pool: BlockPool
+    sequences: dict[Hashable, Sequence]
+
+    @property
+    def pending_copies(self) -> list[tuple[Hashable, BlockCopy]]:
+        """(seq_id, copy) for every queued copy."""
+        ...
 
 
 class IntegrityError(AssertionError):
@@ -34,7 +52,7 @@ def _chain(node: Node | None) -> list[Node]:
     return out
 
 
-def check_manager(mgr: KVCacheManager) -> None:
+def check_manager(mgr: CheckedCache) -> None:
     """Raise IntegrityError naming the first broken invariant of `mgr`."""
     tree, pool = mgr.tree, mgr.pool
     bb = tree.block_bytes
@@ -103,7 +121,7 @@ def _check_child_index(node: Node, bb: int, where: str) -> None:
         _fail(f"{where}: its first-block index of full children is stale")
 
 
-def _check_sequence(mgr: KVCacheManager, seq: Sequence, expected_ref: Counter[int],
+def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int],
                     own: Callable[[int, str], None]) -> None:
     B = mgr.config.tokens_per_block
     where = f"sequence {seq.seq_id!r}"
