@@ -92,6 +92,8 @@ def _validate(args: argparse.Namespace) -> int:
     result = validate(args.test_db, waives, args.rootdir, args.paths or None)
     for problem in result.problems:
         print(problem)
+    for warning in result.warnings:
+        print(f"warning: {warning}")
     print(result.summary())
     return 0 if result.ok else 1
 

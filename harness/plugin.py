@@ -21,6 +21,7 @@ import pytest
 from harness.hardware import Machine, add_machine_options, detect, machine_from_options
 from harness.isolation import REPORT_OPTION, ReportWriter, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
+from harness.lists.errors import Problem
 from harness.report import ReuseReport
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
@@ -44,6 +45,7 @@ class HarnessState:
     report: ReuseReport = field(default_factory=ReuseReport)
     child: bool = False  # this process runs one ISOLATION test for a parent
     counts: dict[str, int] = field(default_factory=dict)
+    warnings: tuple[Problem, ...] = ()  # list problems that did not stop the run
 
 
 STATE = pytest.StashKey[HarnessState]()
@@ -118,7 +120,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if child:
         config.pluginmanager.register(
             ReportWriter(config, Path(opt.kvharness_report_to)), "kvharness-isolation-writer")
-    uses_machine = opt.test_db is not None or opt.gpu_per_worker
+    # Waives may be scoped to a GPU kind (`full:H100/`), so they need the machine too.
+    uses_machine = (opt.test_db is not None or opt.gpu_per_worker or opt.test_list is not None
+                    or opt.waives is not None)
     machine = _machine(config) if uses_machine else None
     if machine is not None and opt.gpu_per_worker:
         _check_gpu_per_worker(config, machine)
@@ -148,7 +152,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=GPU_SKIP_REASON))
     state = config.stash[STATE]
     if state.selection is not None:
-        state.counts = apply_selection(config, state.selection, items, isolate=not state.child)
+        applied = apply_selection(config, state.selection, items, isolate=not state.child)
+        state.counts = applied.counts
+        state.warnings = state.selection.warnings + applied.warnings
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -158,13 +164,16 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"kvharness machine: {state.machine.describe()}")
     if state.selection is not None:
         lines.append(f"kvharness lists: {state.selection.describe()}")
+        lines.extend(f"kvharness warning: {p}" for p in state.selection.warnings)
     return lines
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    counts = config.stash[STATE].counts
-    if counts:
-        text = ", ".join(f"{value} {key}" for key, value in counts.items())
+    state = config.stash[STATE]
+    for problem in state.warnings:
+        terminalreporter.write_line(f"kvharness warning: {problem}", yellow=True)
+    if state.counts:
+        text = ", ".join(f"{value} {key}" for key, value in state.counts.items())
         terminalreporter.write_line(f"kvharness: {text}")
 
 

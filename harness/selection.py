@@ -8,16 +8,18 @@ folder) they are out of scope, unless their file does not exist at all.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from harness.hardware import Machine
 from harness.lists.checks import unmatched_problems
 from harness.lists.db import Entry, covers, load_test_db, load_test_list, resolve
-from harness.lists.errors import ListError
-from harness.lists.schema import DEFAULT_TIMEOUT_SECONDS
+from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS
+from harness.lists.errors import ListError, Problem
 from harness.lists.waives import Waive, load_waives, waive_for
 
 ISOLATE = pytest.StashKey[int | None]()  # on an item: run it in a child, with this timeout
@@ -26,13 +28,15 @@ ISOLATE = pytest.StashKey[int | None]()  # on an item: run it in a child, with t
 @dataclass(frozen=True)
 class Selection:
     """What the lists say for this run: selected entries (None: no list, waives only),
-    every entry of the lists (for orphan counts), the waives, and where they came from."""
+    every entry of the lists (for orphan counts), the waives that hold on this machine,
+    where they came from, and problems that do not stop the run (bad waive lines)."""
 
     entries: tuple[Entry, ...] | None
     all_entries: tuple[Entry, ...]
     waives: tuple[Waive, ...]
     source: str
     waives_source: str | None
+    warnings: tuple[Problem, ...] = ()
 
     def describe(self) -> str:
         """One header line: sources and counts."""
@@ -58,7 +62,8 @@ def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | No
     waives_path = None if opt.waives is None else _path(config, opt.waives)
     if waives_path is None and opt.test_db is not None:
         default = _path(config, opt.test_db).parent / "waives.txt"
-        waives_path = default if default.is_file() else None
+        # exists(), not is_file(): a folder named waives.txt is an error, not "no waives"
+        waives_path = default if default.exists() or default.is_symlink() else None
     if opt.test_db is None and opt.test_list is None and waives_path is None:
         return None
     entries: tuple[Entry, ...] | None = None
@@ -77,11 +82,13 @@ def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | No
             source = opt.test_list
         else:
             source = "no list"
-        waives = () if waives_path is None else load_waives(waives_path)
+        read = None if waives_path is None else load_waives(waives_path)
     except ListError as exc:
         raise pytest.UsageError(f"kvharness: broken test list or waives:\n{exc}") from None
+    waives = () if read is None else read.on(machine.gpu if machine else "cpu")
     return Selection(entries, all_entries, waives, source,
-                     None if waives_path is None else str(waives_path))
+                     None if waives_path is None else str(waives_path),
+                     () if read is None else read.problems)
 
 
 def _scope(config: pytest.Config) -> list[str] | None:
@@ -101,14 +108,18 @@ def _scope(config: pytest.Config) -> list[str] | None:
     return prefixes
 
 
-def _check_unmatched(config: pytest.Config, unmatched: list[Entry | Waive]) -> None:
+def _in_scope(config: pytest.Config, unmatched: Sequence[Entry | Waive]) -> list[Entry | Waive]:
     scope = _scope(config)
     rootdir = config.rootpath
-    relevant = [u for u in unmatched if scope is None or any(covers(p, u.test) for p in scope)
-                or not (rootdir / u.test.partition("::")[0]).exists()]
+    return [u for u in unmatched if scope is None or any(covers(p, u.test) for p in scope)
+            or not (rootdir / u.test.partition("::")[0]).exists()]
+
+
+def _check_unmatched(config: pytest.Config, unmatched: Sequence[Entry]) -> None:
+    relevant = _in_scope(config, unmatched)
     if relevant:
-        lines = "\n".join(str(p) for p in unmatched_problems(relevant, rootdir))
-        raise pytest.UsageError(f"kvharness: list entries or waives select no collected test:\n{lines}")
+        lines = "\n".join(str(p) for p in unmatched_problems(relevant, config.rootpath))
+        raise pytest.UsageError(f"kvharness: list entries select no collected test:\n{lines}")
 
 
 def _timeouts(config: pytest.Config, entries: tuple[Entry, ...]) -> tuple[bool, int | None]:
@@ -123,29 +134,36 @@ def _timeouts(config: pytest.Config, entries: tuple[Entry, ...]) -> tuple[bool, 
     return True, None if value is None else int(float(value))
 
 
+class Applied(NamedTuple):
+    """What applying the lists did: counts for the summary line, and problems that do
+    not stop the run (waives that select no collected test)."""
+
+    counts: dict[str, int]
+    warnings: tuple[Problem, ...]
+
+
 def apply_selection(config: pytest.Config, selection: Selection, items: list[pytest.Item],
-                    isolate: bool) -> dict[str, int]:
+                    isolate: bool) -> Applied:
     """Deselect (through pytest_deselected), time out, waive and isolate `items` in place.
 
-    Returns counts for the terminal summary. Raises pytest.UsageError for entries or
-    waives in scope that select nothing, or for list timeouts without pytest-timeout.
+    Raises pytest.UsageError for entries in scope that select nothing, or for list
+    timeouts without pytest-timeout. Waives that select nothing are warnings: a stale
+    waive must not stop every run (`kvharness validate` reports them as errors).
     """
     node_ids = [item.nodeid for item in items]
-    unmatched: list[Entry | Waive] = [w for w in selection.waives
-                                      if not any(w.covers(n) for n in node_ids)]
+    stale = _in_scope(config, [w for w in selection.waives
+                               if not any(w.covers(n) for n in node_ids)])
+    warnings = tuple(unmatched_problems(stale, config.rootpath))
     counts: dict[str, int] = {}
     if selection.entries is not None:
         resolution = resolve(selection.entries, node_ids)
-        unmatched = [*resolution.unmatched, *unmatched]
-        _check_unmatched(config, unmatched)
+        _check_unmatched(config, resolution.unmatched)
         keep = [item for item in items if item.nodeid in resolution.chosen]
         drop = [item for item in items if item.nodeid not in resolution.chosen]
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
         counts["selected"], counts["deselected"] = len(keep), len(drop)
-    else:
-        _check_unmatched(config, unmatched)
     waived = 0
     for item in items:
         waive = waive_for(selection.waives, item.nodeid)
@@ -157,7 +175,7 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
         counts["isolated"] = _apply_entries(config, selection, items, resolution.chosen, isolate)
         counts["in no list"] = sum(
             not any(e.covers(n) for e in selection.all_entries) for n in node_ids)
-    return counts
+    return Applied(counts, warnings)
 
 
 def _apply_entries(config: pytest.Config, selection: Selection, items: list[pytest.Item],

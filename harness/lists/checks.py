@@ -46,13 +46,15 @@ def duplicate_problems(db: ListDb) -> list[Problem]:
 
 
 def _pair(a: Entry, b: Entry) -> list[Problem]:
-    if a.test == b.test:
-        return [Problem(b.location, f"duplicate entry {b.test!r} (also at {a.location})")]
-    if covers(a.test, b.test):
-        return [Problem(b.location, f"entry {b.test!r} is already selected by {a.test!r} "
+    if a.text == b.text:
+        return [Problem(b.location, f"duplicate entry {b.text!r} (also at {a.location})")]
+    # An entry with -k selects an unknown part of its prefix: only one without -k is
+    # known to cover everything below it.
+    if a.keyword is None and covers(a.test, b.test):
+        return [Problem(b.location, f"entry {b.text!r} is already selected by {a.test!r} "
                         f"({a.location}) in a block that can apply to the same machine")]
-    if covers(b.test, a.test):
-        return [Problem(a.location, f"entry {a.test!r} is already selected by {b.test!r} "
+    if b.keyword is None and covers(b.test, a.test):
+        return [Problem(a.location, f"entry {a.text!r} is already selected by {b.test!r} "
                         f"({b.location}) in a block that can apply to the same machine")]
     return []
 
@@ -115,9 +117,11 @@ def default_paths(rootdir: Path, entries: Iterable[Entry]) -> list[str]:
 
 @dataclass(frozen=True)
 class Validation:
-    """What `validate` found: every problem, and counts for the summary line."""
+    """What `validate` found: every problem (errors), warnings, and counts for the
+    summary line."""
 
     problems: tuple[Problem, ...]
+    warnings: tuple[Problem, ...]
     blocks: int
     entries: int
     waives: int
@@ -130,6 +134,8 @@ class Validation:
     def summary(self) -> str:
         """One line: the counts and the verdict."""
         verdict = "ok" if self.ok else f"{len(self.problems)} problems"
+        if self.warnings:
+            verdict += f", {len(self.warnings)} warnings"
         return (f"{verdict}: {self.blocks} blocks, {self.entries} entries, {self.waives} waives, "
                 f"{self.collected} collected tests")
 
@@ -138,16 +144,20 @@ def validate(test_db: Path, waives_path: Path | None, rootdir: Path,
              paths: Sequence[str] | None = None) -> Validation:
     """Validate lists and waives against the tests collected under `paths` (default:
     `default_paths`). Raises ListError only when the files cannot be parsed at all;
-    every other problem is in the returned Validation. Raises CollectError if pytest
-    cannot collect."""
+    every other problem is in the returned Validation (a waive without a link is a
+    warning). Raises CollectError if pytest cannot collect."""
     problems: list[Problem] = []
+    warnings: tuple[Problem, ...] = ()
     db = load_test_db(test_db)
     waives: tuple[Waive, ...] = ()
     if waives_path is not None:
         try:
-            waives = load_waives(waives_path)
+            read = load_waives(waives_path)
         except ListError as exc:
             problems.extend(exc.problems)
+        else:
+            waives, warnings = read.waives, read.without_link()
+            problems.extend(read.problems)
     entries = db.entries
     node_ids = collect_node_ids(rootdir, default_paths(rootdir, entries) if paths is None else paths)
     problems.extend(duplicate_problems(db))
@@ -155,4 +165,4 @@ def validate(test_db: Path, waives_path: Path | None, rootdir: Path,
     problems.extend(unmatched_problems(
         [w for w in waives if not any(w.covers(n) for n in node_ids)], rootdir))
     problems.extend(orphan_problems(entries, node_ids))
-    return Validation(tuple(problems), len(db.blocks), len(entries), len(waives), len(node_ids))
+    return Validation(tuple(problems), warnings, len(db.blocks), len(entries), len(waives), len(node_ids))

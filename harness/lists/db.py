@@ -15,15 +15,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness.hardware import Backend, Machine, Stage
-from harness.lists.errors import ListError, Location, Problem, content_lines
-from harness.lists.schema import (
-    DEFAULT_TIMEOUT_SECONDS,
-    BlockModel,
-    EntrySpec,
-    ListFileDoc,
-    parse_entry_text,
-    read_list_file,
-)
+from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, EntrySpec, parse_entry_text
+from harness.lists.errors import ListError, Location, Problem
+from harness.lists.files import content_lines
+from harness.lists.keywords import KeywordExpr
+from harness.lists.schema import BlockModel, ListFileDoc, read_list_file
 
 
 def covers(prefix: str, node_id: str) -> bool:
@@ -37,13 +33,20 @@ def covers(prefix: str, node_id: str) -> bool:
 
 @dataclass(frozen=True)
 class Entry:
-    """One list entry: a node id or prefix, its timeout (None: the default) and isolation."""
+    """One list entry: a node id or prefix, its timeout (None: the default), isolation,
+    and a `-k` expression narrowing what the prefix selects."""
 
     test: str
     timeout_seconds: int | None
     isolation: bool
+    keyword: KeywordExpr | None
     location: Location
     source: str  # the context (test-db) or list file name it came from
+
+    @property
+    def text(self) -> str:
+        """The entry's selector as a list writes it: `test` plus any `-k "expr"`."""
+        return self.test if self.keyword is None else f'{self.test} -k "{self.keyword.text}"'
 
     @property
     def effective_timeout(self) -> int:
@@ -52,7 +55,8 @@ class Entry:
 
     def covers(self, node_id: str) -> bool:
         """True if this entry selects the collected test `node_id`."""
-        return covers(self.test, node_id)
+        return covers(self.test, node_id) and (self.keyword is None
+                                               or self.keyword.matches(node_id))
 
 
 class Check(NamedTuple):
@@ -212,13 +216,16 @@ def _blocks(doc: ListFileDoc) -> Iterable[Block]:
 
 
 def load_test_db(directory: Path) -> ListDb:
-    """Read and validate every `*.yml` in `directory`; raises ListError naming file and line."""
+    """Read and validate every `*.yml` in `directory`; raises ListError naming file and
+    line for every problem of every file (a `*.yaml` file is one: it would be ignored)."""
     if not directory.is_dir():
         raise ListError([Problem(Location(directory, None), "test-db folder does not exist")])
+    problems = [Problem(Location(path, None), f"list files end in .yml; rename it to "
+                        f"{path.stem}.yml (a .yaml file would be ignored)")
+                for path in sorted(directory.glob("*.yaml"))]
     files = sorted(directory.glob("*.yml"))
-    if not files:
+    if not files and not problems:
         raise ListError([Problem(Location(directory, None), "test-db folder holds no *.yml list")])
-    problems: list[Problem] = []
     blocks: list[Block] = []
     for path in files:
         try:
@@ -231,9 +238,9 @@ def load_test_db(directory: Path) -> ListDb:
 
 
 def load_test_list(path: Path) -> tuple[Entry, ...]:
-    """Read a plain list: one entry a line, `#` comment lines and blank lines ignored.
+    """Read a plain list: one entry a line, `#` comments and blank lines ignored.
 
-    Raises ListError for a missing file, bad entries, duplicates or an empty list.
+    Raises ListError for an unreadable file, bad entries, duplicates or an empty list.
     """
     problems: list[Problem] = []
     entries: dict[str, Entry] = {}
@@ -243,11 +250,12 @@ def load_test_list(path: Path) -> tuple[Entry, ...]:
         except ValueError as exc:
             problems.append(Problem(where, str(exc)))
             continue
-        if spec.test in entries:
-            first = entries[spec.test].location.line
-            problems.append(Problem(where, f"duplicate entry {spec.test!r} (first at line {first})"))
+        entry = Entry(*spec, location=where, source=path.name)
+        if entry.text in entries:
+            first = entries[entry.text].location.line
+            problems.append(Problem(where, f"duplicate entry {entry.text!r} (first at line {first})"))
             continue
-        entries[spec.test] = Entry(*spec, location=where, source=path.name)
+        entries[entry.text] = entry
     if not problems and not entries:
         problems.append(Problem(Location(path, None), "test list holds no entry"))
     if problems:

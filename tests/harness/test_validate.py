@@ -1,5 +1,5 @@
 """Validation across lists, waives and the collected suite: duplicates, entries and waives
-that select nothing, orphans, and the waives file format."""
+that select nothing, orphans (the waives format: test_waives.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from harness.lists.checks import (
     validate,
 )
 from harness.lists.db import load_test_db
-from harness.lists.errors import ListError
-from harness.lists.waives import load_waives, waive_for
 
 HEAD = "version: 0.0.1\nl0_cpu:\n"
 
@@ -96,50 +94,6 @@ def test_orphans_are_grouped_by_file(tmp_path: Path) -> None:
     ]
 
 
-WAIVES = """\
-# known failures
-tests/a.py::t[p1] SKIP (fails on (some) inputs) https://github.com/o/r/issues/1
-
-tests/b.py SKIP (slow) https://example.com/b
-"""
-
-
-def test_waives_parse_and_cover(tmp_path: Path) -> None:
-    path = tmp_path / "waives.txt"
-    path.write_text(WAIVES)
-    waives = load_waives(path)
-    assert [(w.test, w.reason, w.location.line) for w in waives] == [
-        ("tests/a.py::t[p1]", "fails on (some) inputs", 2), ("tests/b.py", "slow", 4)]
-    hit = waive_for(waives, "tests/b.py::Test::x")
-    assert hit is not None and hit.skip_reason == "waived: slow (https://example.com/b)"
-    assert waive_for(waives, "tests/a.py::t[p2]") is None
-
-
-@pytest.mark.parametrize(
-    ("text", "fragment"),
-    [
-        pytest.param("tests/a.py skip (x) https://e.com\n", "is not '<node id> SKIP (<reason>) <link>'",
-                     id="lower-case-skip"),
-        pytest.param("tests/a.py SKIP (x)\n", "is not '<node id> SKIP", id="no-link"),
-        pytest.param("tests/a.py SKIP ( ) https://e.com\n", "has an empty reason", id="no-reason"),
-        pytest.param("tests/a.py SKIP (x) nvbugs/123\n", "link 'nvbugs/123' is not an http(s) URL",
-                     id="bad-link"),
-        pytest.param("/abs/a.py SKIP (x) https://e.com\n", "relative to the repository root",
-                     id="absolute"),
-        pytest.param("tests/a.py SKIP (x) https://e.com\ntests/a.py SKIP (y) https://e.com\n",
-                     "'tests/a.py' is waived twice (first at line 1)", id="twice"),
-    ],
-)
-def test_broken_waives(tmp_path: Path, text: str, fragment: str) -> None:
-    path = tmp_path / "waives.txt"
-    path.write_text(text)
-    with pytest.raises(ListError) as caught:
-        load_waives(path)
-    [problem] = caught.value.problems
-    assert fragment in problem.message
-    assert problem.location == (path, len(text.splitlines()))
-
-
 def test_validate_against_a_real_collection(tmp_path: Path) -> None:
     tests = tmp_path / "tests"
     tests.mkdir()
@@ -156,12 +110,19 @@ def test_validate_against_a_real_collection(tmp_path: Path) -> None:
     db = load(tmp_path, HEAD + block("pre_merge", ["tests/test_a.py::test_par", "tests/test_a.py::gone"])
               + block("post_merge", ["tests/test_a.py::test_plain"]))
     waives = tmp_path / "waives.txt"
-    waives.write_text("tests/test_a.py::test_par[p2] SKIP (x) https://e.com/1\n"
-                      "tests/test_a.py::test_par[p3] SKIP (x) https://e.com/2\n")
+    waives.write_text("tests/test_a.py::test_par[p2] SKIP (x)\n"
+                      "tests/test_a.py::test_par[p3] SKIP (https://nvbugs/2)\n"
+                      "tests/test_a.py::test_plain SKIP x\n")
     result = validate(db, waives, tmp_path)
     assert [str(p).replace(str(tmp_path) + "/", "") for p in result.problems] == [
+        "waives.txt:3: waive of 'tests/test_a.py::test_plain': unexpected 'x' after SKIP; a "
+        "waive is '<node id> SKIP [(<reason>)] [<link>]' (line ignored)",
         "test-db/l0_cpu.yml:10: entry 'tests/test_a.py::gone' matches no collected test",
         "waives.txt:2: waive 'tests/test_a.py::test_par[p3]' matches no collected test",
         "tests/test_orphan.py: 1 collected tests are in no list: test_lonely",
     ]
-    assert result.summary() == "3 problems: 2 blocks, 3 entries, 2 waives, 4 collected tests"
+    assert [str(p).replace(str(tmp_path) + "/", "") for p in result.warnings] == [
+        "waives.txt:1: waive 'tests/test_a.py::test_par[p2]' has no link to an issue; write "
+        "SKIP (https://...)"]
+    assert result.summary() == ("4 problems, 1 warnings: 2 blocks, 3 entries, 2 waives, "
+                                "4 collected tests")

@@ -250,7 +250,7 @@ GOOD_TESTS = "  tests:\n  - tests/unit/test_engine.py\n"
     pytest.param("l0_cpu.yml", HEAD.replace("pre_merge", "nightly") + GOOD_TESTS, 5,
                  r"stage.*'nightly'", id="yaml-bad-stage"),
     pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py::t TIMEOUT (soon)\n", 7,
-                 r"TIMEOUT \(soon\) is not a positive whole number of minutes",
+                 r"TIMEOUT \(soon\) is not a whole number of minutes in 1\.\.1440",
                  id="yaml-bad-timeout"),
     pytest.param("l0_cpu.yml", HEAD + "    terms:\n      stage: post_merge\n" + GOOD_TESTS, 6,
                  r"duplicate key 'terms' \(first at line 4\)", id="yaml-duplicate-key"),
