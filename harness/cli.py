@@ -1,8 +1,8 @@
 """`kvharness`: detect this machine, list what the test lists select, validate them, report.
 
     kvharness detect [--json]
-    kvharness list [--test-db DIR] [--stage S] [--gpu NAME] [--gpu-count N] [--backend B]
-                   [--explain] [--json]
+    kvharness list [--test-db DIR] [--context NAME] [--stage S] [--gpu NAME] [--gpu-count N]
+                   [--backend B] [--orchestrator O] [--explain] [--json]
     kvharness validate [--test-db DIR] [--waives FILE] [--rootdir DIR] [PATH ...]
     kvharness report [--results-dir DIR] [--output FILE]
 
@@ -19,7 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from harness.hardware import add_machine_options, detect, machine_from_options
+from harness.gpus import features_of
+from harness.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.checks import CollectError, validate
 from harness.lists.db import Entry, Verdict, load_test_db
 from harness.lists.errors import ListError
@@ -30,15 +31,15 @@ DEFAULT_RESULTS = Path("results")
 
 
 def _entry_dict(entry: Entry) -> dict[str, Any]:
-    return {"test": entry.test, "timeout_seconds": entry.effective_timeout,
-            "isolation": entry.isolation, "context": entry.source, "location": str(entry.location)}
+    return {"test": entry.test, "keyword": entry.keyword and entry.keyword.text,
+            "timeout_seconds": entry.effective_timeout, "isolation": entry.isolation, "context": entry.source, "location": str(entry.location)}
 
 
 def _entry_line(entry: Entry) -> str:
     notes = [f"timeout {entry.timeout_seconds} s"] if entry.timeout_seconds is not None else []
     notes += ["isolated"] if entry.isolation else []
     extra = f"  ({', '.join(notes)})" if notes else ""
-    return f"{entry.test}{extra}  [{entry.location}]"
+    return f"{entry.text}{extra}  [{entry.location}]"
 
 
 def _verdict_dict(verdict: Verdict) -> dict[str, Any]:
@@ -49,7 +50,8 @@ def _verdict_dict(verdict: Verdict) -> dict[str, Any]:
 
 def _detect(args: argparse.Namespace) -> int:
     hardware = detect()
-    data = {**asdict(hardware), "backends": list(hardware.backends)}
+    data = {**asdict(hardware), "backends": list(hardware.backends),
+            **features_of(hardware.compute_capability)}
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -61,7 +63,9 @@ def _detect(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     db = load_test_db(args.test_db)
-    machine = machine_from_options(args.stage, args.gpu, args.gpu_count, args.backend, detect())
+    if args.context is not None:
+        db = db.only(args.context)
+    machine = machine_from_options(MachineFlags.of(args), detect())
     verdicts = db.explain(machine)
     selected = db.select(machine)
     if args.json:
@@ -118,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="entries the test lists select for a machine")
     p.add_argument("--test-db", type=Path, default=DEFAULT_TEST_DB, metavar="DIR",
                    help=f"test-db folder (default: {DEFAULT_TEST_DB})")
+    p.add_argument("--context", default=None, metavar="NAME",
+                   help="only the blocks of context NAME (trt-test-db --context)")
     add_machine_options(p.add_argument)
     p.add_argument("--explain", action="store_true",
                    help="say for every block which condition matched or failed")

@@ -9,7 +9,6 @@ own --deselect does), so the counts pytest prints are honest.
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -18,14 +17,15 @@ from typing import Any
 
 import pytest
 
-from harness.hardware import Machine, add_machine_options, detect, machine_from_options
-from harness.isolation import REPORT_OPTION, ReportWriter, run_isolated
+from harness.hardware import Machine, MachineFlags, detect, machine_from_options
+from harness.isolation import ReportWriter, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.lists.errors import Problem
+from harness.options import add_options
 from harness.report import ReuseReport
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
-from harness.selection import ISOLATE, Selection, apply_selection, load_lists
+from harness.selection import ISOLATE, Orphan, Selection, apply_selection, load_lists
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",
@@ -46,6 +46,7 @@ class HarnessState:
     child: bool = False  # this process runs one ISOLATION test for a parent
     counts: dict[str, int] = field(default_factory=dict)
     warnings: tuple[Problem, ...] = ()  # list problems that did not stop the run
+    orphans: tuple[Orphan, ...] = ()  # collected tests in no list: they fail the run
 
 
 STATE = pytest.StashKey[HarnessState]()
@@ -53,20 +54,7 @@ CALL_PASSED = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("kvharness", "test lists, waives, isolation and leak checks (kvharness)")
-    group.addoption("--test-db", metavar="DIR", default=None,
-                    help="select tests from the YAML lists in DIR for this machine and stage")
-    group.addoption("--test-list", metavar="FILE", default=None,
-                    help="select tests from a plain list, one entry a line")
-    group.addoption("--waives", metavar="FILE", default=None,
-                    help="skip the tests waived in FILE (default with --test-db: "
-                    "DIR/../waives.txt when it exists)")
-    add_machine_options(group.addoption)
-    group.addoption("--results-dir", metavar="DIR", default=None,
-                    help="write the reuse report (reuse_report.json/.md) into DIR")
-    group.addoption("--gpu-per-worker", action="store_true", default=False,
-                    help="with pytest-xdist -n N: pin worker K to the K-th visible GPU")
-    group.addoption(REPORT_OPTION, metavar="FILE", default=None, help=argparse.SUPPRESS)
+    add_options(parser)
 
 
 def _machine(config: pytest.Config) -> Machine:
@@ -74,8 +62,7 @@ def _machine(config: pytest.Config) -> Machine:
     if worker is not None and "kvharness_machine" in worker:
         return Machine.from_dict(worker["kvharness_machine"])
     try:
-        return machine_from_options(config.option.stage, config.option.gpu,
-                                    config.option.gpu_count, config.option.backend, detect())
+        return machine_from_options(MachineFlags.of(config.option), detect())
     except ValueError as exc:
         raise pytest.UsageError(f"kvharness: {exc}") from None
 
@@ -101,13 +88,23 @@ def _check_gpu_per_worker(config: pytest.Config, machine: Machine) -> None:
 
 class XdistHooks:
     """Controller side of pytest-xdist: hand the machine description to every worker, so
-    workers select exactly what the controller would (and need not touch CUDA first)."""
+    workers select exactly what the controller would (and need not touch CUDA first);
+    take back what the workers' selection found (the controller collects nothing)."""
 
-    def __init__(self, machine: Machine) -> None:
+    def __init__(self, config: pytest.Config, machine: Machine) -> None:
+        self._config = config
         self._machine = machine
 
     def pytest_configure_node(self, node: Any) -> None:
         node.workerinput["kvharness_machine"] = self._machine.as_dict()
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        output = getattr(node, "workeroutput", None) or {}
+        state = self._config.stash[STATE]
+        # Every worker selects from the same collection: the first one speaks for all.
+        if "kvharness_counts" in output and not state.counts:
+            state.counts = dict(output["kvharness_counts"])
+            state.orphans = tuple(Orphan.from_json(o) for o in output["kvharness_orphans"])
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -126,8 +123,10 @@ def pytest_configure(config: pytest.Config) -> None:
     machine = _machine(config) if uses_machine else None
     if machine is not None and opt.gpu_per_worker:
         _check_gpu_per_worker(config, machine)
+    if opt.test_prefix:
+        config.pluginmanager.register(TestPrefix(opt.test_prefix), "kvharness-test-prefix")
     if machine is not None and config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(XdistHooks(machine), "kvharness-xdist")
+        config.pluginmanager.register(XdistHooks(config, machine), "kvharness-xdist")
     config.stash[STATE] = HarnessState(
         machine=machine,
         selection=load_lists(config, machine),
@@ -155,6 +154,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         applied = apply_selection(config, state.selection, items, isolate=not state.child)
         state.counts = applied.counts
         state.warnings = state.selection.warnings + applied.warnings
+        state.orphans = applied.orphans
+        worker_output = getattr(config, "workeroutput", None)
+        if worker_output is not None:
+            worker_output["kvharness_counts"] = applied.counts
+            worker_output["kvharness_orphans"] = [o.to_json() for o in applied.orphans]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -172,9 +176,36 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     state = config.stash[STATE]
     for problem in state.warnings:
         terminalreporter.write_line(f"kvharness warning: {problem}", yellow=True)
+    if state.orphans and not state.child:
+        terminalreporter.section("kvharness: tests in no list", sep="-", red=True, bold=True)
+        for orphan in state.orphans:
+            terminalreporter.write_line(str(orphan))
+        terminalreporter.write_line(
+            f"{len(state.orphans)} collected tests are in no list of {config.option.test_db}: "
+            "they never run in CI. Add each to a block (see test_lists/SCHEMA.md).")
+        # Counted in pytest's last line too ("1 passed, 1 in no list"), which is red-flagged.
+        terminalreporter.stats.setdefault("in no list", []).extend(state.orphans)
     if state.counts:
         text = ", ".join(f"{value} {key}" for key, value in state.counts.items())
         terminalreporter.write_line(f"kvharness: {text}")
+
+
+class TestPrefix:
+    """TensorRT-LLM's --test-prefix: reports (junit, terminal) carry PREFIX/<id>.
+
+    Applied as reports are logged, not made, so reports replayed from isolated children
+    get it too; a report an xdist worker already prefixed is left alone.
+    """
+
+    __test__ = False  # not a test class, whatever pytest's name patterns say
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix.rstrip("/") + "/"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.nodeid.startswith(self.prefix):
+            report.nodeid = self.prefix + report.nodeid
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -234,6 +265,10 @@ def reuse_watch() -> ReuseWatch:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     state = config.stash.get(STATE, None)
+    owner = state is not None and not state.child and not hasattr(config, "workerinput")
+    if owner and state is not None and state.orphans and session.exitstatus == pytest.ExitCode.OK:
+        # A test in no list never runs in CI: the run that finds one must not be green.
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     results = config.option.results_dir
     if state is None or results is None:
         return

@@ -16,8 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.lists.db import Entry, ListDb, covers, load_test_db, resolve
+from harness.lists.db import Block, Entry, ListDb, covers, load_test_db, resolve
 from harness.lists.errors import ListError, Location, Problem
+from harness.lists.suggest import MAX_SUGGESTED_ENTRIES, Home, closest_ids, likely_home
 from harness.lists.waives import Waive, load_waives
 
 DEFAULT_TEST_PATHS = ("tests",)
@@ -63,33 +64,51 @@ def _path_of(test: str) -> str:
     return test.partition("::")[0]
 
 
-def unmatched_problems(unmatched: Iterable[Entry | Waive], rootdir: Path) -> list[Problem]:
+def unmatched_problems(unmatched: Iterable[Entry | Waive], rootdir: Path,
+                       node_ids: Sequence[str] = ()) -> list[Problem]:
     """A problem per entry or waive that selected no collected test, saying whether its
-    file exists at all."""
+    file exists at all and, for the first MAX_SUGGESTED_ENTRIES entries, which collected
+    ids are closest (from `node_ids`)."""
     problems = []
-    for item in unmatched:
+    for n, item in enumerate(unmatched):
         kind = "waive" if isinstance(item, Waive) else "entry"
         path = _path_of(item.test)
         if not (rootdir / path).exists():
-            problems.append(Problem(item.location, f"{kind} {item.test!r}: no such file or "
-                                    f"folder {path!r} under {rootdir}"))
+            message = f"{kind} {item.text!r}: no such file or folder {path!r} under {rootdir}"
         else:
-            problems.append(Problem(item.location, f"{kind} {item.test!r} matches no collected test"))
+            message = f"{kind} {item.text!r} matches no collected test"
+        near = closest_ids(item.test, node_ids) if n < MAX_SUGGESTED_ENTRIES else []
+        if near:
+            message += f"; closest: {', '.join(near)}"
+        problems.append(Problem(item.location, message))
     return problems
 
 
-def orphan_problems(entries: Sequence[Entry], node_ids: Iterable[str]) -> list[Problem]:
-    """One problem per test file holding collected tests that no entry selects."""
+def home_of(node_id: str, blocks: Iterable[Block]) -> Home | None:
+    """The block a test in no list probably belongs to (suggest.likely_home)."""
+    return likely_home(node_id, ((b.name, str(b.location), [e.test for e in b.entries])
+                                 for b in blocks))
+
+
+def orphan_problems(db: ListDb, node_ids: Iterable[str]) -> list[Problem]:
+    """One problem per test file holding collected tests that no entry selects, naming
+    the block the file probably belongs to."""
     by_file: dict[str, list[str]] = defaultdict(list)
+    entries = db.entries
     for node_id in node_ids:
         if not any(e.covers(node_id) for e in entries):
             path, _, name = node_id.partition("::")
             by_file[path].append(name or path)
-    return [
-        Problem(Location(Path(path), None), f"{len(names)} collected tests are in no list: "
-                f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}")
-        for path, names in sorted(by_file.items())
-    ]
+    problems = []
+    for path, names in sorted(by_file.items()):
+        message = (f"{len(names)} collected tests are in no list: "
+                   f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}")
+        home = home_of(path, db.blocks)
+        if home is not None:
+            message += (f"; add {path!r} to {home.block} ({home.location}), next to "
+                        f"{home.neighbour!r}")
+        problems.append(Problem(Location(Path(path), None), message))
+    return problems
 
 
 def collect_node_ids(rootdir: Path, paths: Sequence[str]) -> list[str]:
@@ -161,8 +180,8 @@ def validate(test_db: Path, waives_path: Path | None, rootdir: Path,
     entries = db.entries
     node_ids = collect_node_ids(rootdir, default_paths(rootdir, entries) if paths is None else paths)
     problems.extend(duplicate_problems(db))
-    problems.extend(unmatched_problems(resolve(entries, node_ids).unmatched, rootdir))
+    problems.extend(unmatched_problems(resolve(entries, node_ids).unmatched, rootdir, node_ids))
     problems.extend(unmatched_problems(
-        [w for w in waives if not any(w.covers(n) for n in node_ids)], rootdir))
-    problems.extend(orphan_problems(entries, node_ids))
+        [w for w in waives if not any(w.covers(n) for n in node_ids)], rootdir, node_ids))
+    problems.extend(orphan_problems(db, node_ids))
     return Validation(tuple(problems), warnings, len(db.blocks), len(entries), len(waives), len(node_ids))

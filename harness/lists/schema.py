@@ -27,7 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from harness.hardware import Backend, Stage
+from harness.gpus import FEATURES
+from harness.hardware import Backend, Orchestrator, Stage
 from harness.lists.entry import (
     EntrySpec,
     check_node_id,
@@ -101,17 +102,45 @@ class RangesModel(_Strict):
 class WildcardsModel(_Strict):
     gpu: Globs | None = None
     cpu: Globs | None = None
+    linux_distribution_name: Globs | None = None
+    compute_capability: Globs | None = None
 
     @model_validator(mode="after")
     def _some(self) -> WildcardsModel:
-        if self.gpu is None and self.cpu is None:
-            raise ValueError("wildcards needs gpu, cpu or both")
+        if all(getattr(self, key) is None for key in type(self).model_fields):
+            raise ValueError(f"wildcards needs one of {', '.join(type(self).model_fields)}")
         return self
+
+
+# TensorRT-LLM's backend names onto this project's: its PyTorch flow is the torch
+# backend here; `generic` (stages bound to no backend) places no condition.
+TRTLLM_BACKENDS: dict[str, Backend | None] = {"pytorch": "torch", "generic": None}
+_NO_COUNTERPART = ("tensorrt", "cpp", "triton")
+
+
+def _backend_name(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    if value in _NO_COUNTERPART:
+        raise ValueError(f"backend {value!r} is TensorRT-LLM's and has no counterpart here; "
+                         "use torch, flashinfer, pytorch (= torch) or generic (any backend)")
+    return TRTLLM_BACKENDS.get(value, value)
 
 
 class TermsModel(_Strict):
     stage: Stage
-    backend: Backend | None = None
+    backend: Annotated[Backend | None, BeforeValidator(_backend_name)] = None
+    orchestrator: Orchestrator | None = None
+    supports_int8: bool | None = None
+    supports_tf32: bool | None = None
+    supports_bf16: bool | None = None
+    supports_fp8: bool | None = None
+    supports_fp4: bool | None = None
+
+    def features(self) -> dict[str, bool]:
+        """The supports_* terms the block states."""
+        return {name: value for name in FEATURES
+                if (value := getattr(self, name)) is not None}
 
 
 class ConditionModel(_Strict):

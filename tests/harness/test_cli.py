@@ -61,7 +61,11 @@ def test_detect(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "detect", "--json")
     data = json.loads(out)
     assert code == 0 and data["cuda"] is torch.cuda.is_available()
-    assert set(data) == {"gpu", "gpu_count", "cuda", "flashinfer", "cpu_arch", "backends"}
+    assert set(data) == {"gpu", "gpu_count", "cuda", "flashinfer", "cpu_arch", "backends",
+                         "distribution", "compute_capability", "supports_int8",
+                         "supports_tf32", "supports_bf16", "supports_fp8", "supports_fp4"}
+    if not data["cuda"]:
+        assert data["compute_capability"] is None and data["supports_fp8"] is False
     code, out, _ = run(capsys, "detect")
     assert code == 0 and f"gpu: {data['gpu']}\n" in out and "backends: torch" in out
 
@@ -80,7 +84,7 @@ def test_list_explain_says_why(capsys: pytest.CaptureFixture[str], test_db: Path
                        "--gpu-count", "1", "--backend", "torch", "--explain")
     assert code == 0
     assert out.splitlines() == [
-        "machine: stage=pre_merge gpu='NVIDIA H100' gpu_count=1 backends=torch "
+        "machine: stage=pre_merge gpu='NVIDIA H100' (pretended) gpu_count=1 cc=9.0 backends=torch "
         f"cuda={'yes' if torch.cuda.is_available() else 'no'}",
         f"l0_cpu[0] ({test_db}/l0_cpu.yml:3): not selected",
         "  [ok] stage pre_merge",
@@ -116,7 +120,7 @@ def test_validate_reports_problems_and_exit_code(
     assert code == 1
     assert out.splitlines() == [
         f"{test_db}/l0_cpu.yml:12: entry 'tests/test_b.py::test_b': no such file or folder "
-        f"'tests/test_b.py' under {tmp_path}",
+        f"'tests/test_b.py' under {tmp_path}; closest: tests/test_a.py::test_x",
         f"{test_db}/l0_cpu.yml:20: entry 'tests/gpu': no such file or folder 'tests/gpu' under "
         f"{tmp_path}",
         "2 problems: 2 blocks, 3 entries, 0 waives, 1 collected tests",

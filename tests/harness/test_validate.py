@@ -73,24 +73,38 @@ def test_same_entry_in_two_contexts_is_no_duplicate(tmp_path: Path) -> None:
     assert duplicate_problems(db) == []
 
 
-def test_unmatched_entries_say_whether_the_file_exists(tmp_path: Path) -> None:
+def test_unmatched_entries_say_whether_the_file_exists_and_what_is_close(tmp_path: Path) -> None:
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "a.py").write_text("")
-    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", ["tests/a.py::gone", "tests/zz.py"])))
-    messages = [p.message for p in unmatched_problems(db.entries, tmp_path)]
+    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", [
+        "tests/a.py::gone", "tests/zz.py", "tests/a.py::test_x[p16-fi]", "tests/b.py::test_q"])))
+    collected = ["tests/a.py::gane", "tests/a.py::test_x[p16-fa]", "tests/a.py::test_x[p32-fi]",
+                 "tests/a.py::test_y[p16-fi]", "tests/a.py::unrelated_name", "tests/za.py::t"]
+    messages = [p.message for p in unmatched_problems(db.entries, tmp_path, collected)]
     assert messages == [
-        "entry 'tests/a.py::gone' matches no collected test",
-        f"entry 'tests/zz.py': no such file or folder 'tests/zz.py' under {tmp_path}",
+        "entry 'tests/a.py::gone' matches no collected test; closest: tests/a.py::gane",
+        f"entry 'tests/zz.py': no such file or folder 'tests/zz.py' under {tmp_path}; "
+        "closest: tests/za.py, tests/a.py",
+        "entry 'tests/a.py::test_x[p16-fi]' matches no collected test; closest: "
+        "tests/a.py::test_x[p16-fa], tests/a.py::test_x[p32-fi], tests/a.py::test_y[p16-fi]",
+        f"entry 'tests/b.py::test_q': no such file or folder 'tests/b.py' under {tmp_path}; "
+        "closest: tests/a.py::test_x, tests/a.py::test_y",
     ]
 
 
-def test_orphans_are_grouped_by_file(tmp_path: Path) -> None:
-    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", ["tests/a.py::t1"])))
-    ids = ["tests/a.py::t1", "tests/a.py::t2"] + [f"tests/b.py::t[{i}]" for i in range(7)]
-    found = [(str(p.location), p.message) for p in orphan_problems(db.entries, ids)]
+def test_orphans_are_grouped_by_file_with_their_likely_block(tmp_path: Path) -> None:
+    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", ["tests/a.py::t1"])
+                           + block("post_merge", ["other/c.py"])))
+    ids = ["tests/a.py::t1", "tests/a.py::t2", "lone/d.py::t"] + [
+        f"tests/b.py::t[{i}]" for i in range(7)]
+    found = [(str(p.location), p.message) for p in orphan_problems(db, ids)]
+    where = f"{db.directory / 'l0_cpu.yml'}:3"
     assert found == [
-        ("tests/a.py", "1 collected tests are in no list: t2"),
-        ("tests/b.py", "7 collected tests are in no list: t[0], t[1], t[2], t[3], t[4], ..."),
+        ("lone/d.py", "1 collected tests are in no list: t"),
+        ("tests/a.py", "1 collected tests are in no list: t2; add 'tests/a.py' to l0_cpu[0] "
+         f"({where}), next to 'tests/a.py::t1'"),
+        ("tests/b.py", "7 collected tests are in no list: t[0], t[1], t[2], t[3], t[4], ...; add "
+         f"'tests/b.py' to l0_cpu[0] ({where}), next to 'tests/a.py::t1'"),
     ]
 
 
@@ -118,8 +132,11 @@ def test_validate_against_a_real_collection(tmp_path: Path) -> None:
         "waives.txt:3: waive of 'tests/test_a.py::test_plain': unexpected 'x' after SKIP; a "
         "waive is '<node id> SKIP [(<reason>)] [<link>]' (line ignored)",
         "test-db/l0_cpu.yml:10: entry 'tests/test_a.py::gone' matches no collected test",
-        "waives.txt:2: waive 'tests/test_a.py::test_par[p3]' matches no collected test",
-        "tests/test_orphan.py: 1 collected tests are in no list: test_lonely",
+        "waives.txt:2: waive 'tests/test_a.py::test_par[p3]' matches no collected test; "
+        "closest: tests/test_a.py::test_par[p1], tests/test_a.py::test_par[p2]",
+        "tests/test_orphan.py: 1 collected tests are in no list: test_lonely; add "
+        "'tests/test_orphan.py' to l0_cpu[0] (test-db/l0_cpu.yml:3), next to "
+        "'tests/test_a.py::test_par'",
     ]
     assert [str(p).replace(str(tmp_path) + "/", "") for p in result.warnings] == [
         "waives.txt:1: waive 'tests/test_a.py::test_par[p2]' has no link to an issue; write "

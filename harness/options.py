@@ -1,0 +1,40 @@
+"""The plugin's command-line options, in one `kvharness` group.
+
+List options follow TensorRT-LLM's conftest spelling where it has one (`--test-list`,
+`--waives-file`, `--test-prefix`) and `trt-test-db`'s (`--context`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from harness.hardware import add_machine_options
+from harness.isolation import REPORT_OPTION
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Declare every kvharness option on pytest's `parser`."""
+    group = parser.getgroup("kvharness", "test lists, waives, isolation, reruns, shards and "
+                            "leak checks (kvharness)")
+    group.addoption("--test-db", metavar="DIR", default=None,
+                    help="select tests from the YAML lists in DIR for this machine and stage")
+    group.addoption("--context", metavar="NAME", default=None,
+                    help="with --test-db: only the blocks of context NAME (trt-test-db --context)")
+    group.addoption("--test-list", metavar="FILE", default=None,
+                    help="select tests from a plain list, one entry a line")
+    group.addoption("--waives", "--waives-file", dest="waives", metavar="FILE", default=None,
+                    help="skip the tests waived in FILE (default with --test-db: "
+                    "DIR/../waives.txt when it exists)")
+    group.addoption("--test-prefix", metavar="PREFIX", default=None,
+                    help="report test ids as PREFIX/<id> (a stage name such as "
+                    "H100-PyTorch-1); its first '-' part scopes full:<GPU>/ waives")
+    group.addoption("--list-order", action="store_true", default=False,
+                    help="run the selected tests in the order of the list entries")
+    add_machine_options(group.addoption)
+    group.addoption("--results-dir", metavar="DIR", default=None,
+                    help="write the reuse report, repro files and run record into DIR")
+    group.addoption("--gpu-per-worker", action="store_true", default=False,
+                    help="with pytest-xdist -n N: pin worker K to the K-th visible GPU")
+    group.addoption(REPORT_OPTION, metavar="FILE", default=None, help=argparse.SUPPRESS)
