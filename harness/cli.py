@@ -24,6 +24,7 @@ from harness.hardware import MachineFlags, add_machine_options, detect, machine_
 from harness.lists.checks import CollectError, validate
 from harness.lists.db import Entry, Verdict, load_test_db
 from harness.lists.errors import ListError
+from harness.lists.waives import default_waives
 from harness.report import summarize
 
 DEFAULT_TEST_DB = Path("test_lists/test-db")
@@ -90,9 +91,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    waives = args.waives
-    if waives is None and (args.test_db.parent / "waives.txt").is_file():
-        waives = args.test_db.parent / "waives.txt"
+    waives = args.waives if args.waives is not None else default_waives(args.test_db)
     result = validate(args.test_db, waives, args.rootdir, args.paths or None)
     for problem in result.problems:
         print(problem)
@@ -133,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check lists and waives against the collected tests")
     p.add_argument("--test-db", type=Path, default=DEFAULT_TEST_DB, metavar="DIR",
                    help=f"test-db folder (default: {DEFAULT_TEST_DB})")
-    p.add_argument("--waives", type=Path, default=None, metavar="FILE",
+    p.add_argument("--waives", "--waives-file", dest="waives", type=Path, default=None,
+                   metavar="FILE",
                    help="waives file (default: DIR/../waives.txt when it exists)")
     p.add_argument("--rootdir", type=Path, default=Path.cwd(), metavar="DIR",
                    help="where pytest collects from (default: the current folder)")

@@ -76,11 +76,17 @@ class ReuseReport:
     @classmethod
     def load(cls, path: Path) -> ReuseReport:
         """Read a report JSON (`write`'s or `write_part`'s). Raises ValueError if malformed."""
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable reuse report: {exc}") from None
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise ValueError(f"{path}: not a reuse report (no 'records' list)")
-        return cls([ReuseRecord.from_dict(r, f"{path} record {i}")
-                    for i, r in enumerate(data["records"])])
+        try:
+            return cls([ReuseRecord.from_dict(r, f"{path} record {i}")
+                        for i, r in enumerate(data["records"])])
+        except (TypeError, AttributeError) as exc:  # a record of the wrong shape
+            raise ValueError(f"{path}: malformed reuse record: {exc}") from None
 
     def write_part(self, out_dir: Path, name: str) -> Path:
         """Write this worker's records to out_dir/reuse_report.parts/<name>.json."""

@@ -25,7 +25,7 @@ from harness.lists.db import Entry, ListDb, covers, load_test_db, load_test_list
 from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS
 from harness.lists.errors import ListError, Problem
 from harness.lists.suggest import Home
-from harness.lists.waives import Waive, load_waives, waive_for
+from harness.lists.waives import Waive, default_waives, load_waives, waive_for
 
 ISOLATE = pytest.StashKey[int | None]()  # on an item: run it in a child, with this timeout
 ENTRY = pytest.StashKey[Entry]()  # on a selected item: the entry that selected it
@@ -91,9 +91,7 @@ def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | No
         raise pytest.UsageError("kvharness: --context names a context of --test-db")
     waives_path = None if opt.waives is None else _path(config, opt.waives)
     if waives_path is None and opt.test_db is not None:
-        default = _path(config, opt.test_db).parent / "waives.txt"
-        # exists(), not is_file(): a folder named waives.txt is an error, not "no waives"
-        waives_path = default if default.exists() or default.is_symlink() else None
+        waives_path = default_waives(_path(config, opt.test_db))
     if opt.test_db is None and opt.test_list is None and waives_path is None:
         return None
     assert machine is not None, "the plugin detects the machine whenever a list is given"

@@ -27,6 +27,8 @@ def read_list_text(path: Path, what: str) -> str:
     than MAX_LIST_BYTES, unreadable, or not UTF-8 (with the line of the first bad byte).
     """
     try:
+        if path.is_symlink() and not path.exists():
+            raise _fail(path, f"{what} is a dangling symlink or a symlink loop")
         if not path.exists():
             raise _fail(path, f"{what} does not exist")
         if path.is_dir():

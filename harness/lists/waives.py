@@ -148,6 +148,13 @@ def load_waives(path: Path) -> Waives:
     return Waives(path, tuple(waives.values()), tuple(problems))
 
 
+def default_waives(test_db: Path) -> Path | None:
+    """`waives.txt` next to the test-db folder, if anything by that name is there (a
+    folder or a broken link too: reading it then fails loudly instead of skipping it)."""
+    path = test_db.parent / "waives.txt"
+    return path if path.exists() or path.is_symlink() else None
+
+
 def waive_for(waives: tuple[Waive, ...], node_id: str) -> Waive | None:
     """The most specific waive covering `node_id` among `waives`, or None."""
     hits = [w for w in waives if w.covers(node_id)]

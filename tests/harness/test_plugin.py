@@ -216,6 +216,17 @@ def test_broken_list_stops_the_run_with_file_and_line(project: pytest.Pytester) 
             "'post_merge' (got 'nightly')") in result.stderr.str()
 
 
+@pytest.mark.timeout(60)  # unbounded aliases used to hang here for minutes
+def test_an_alias_bomb_stops_the_run_at_once(project: pytest.Pytester) -> None:
+    bomb = "".join(f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 9)}]\n" for i in range(1, 9))
+    lists = project.path / "lists" / "test-db" / "l0_cpu.yml"
+    lists.write_text("x0: &x0 [lol, lol, lol]\n" + bomb + LIST)
+    result = project.runpytest("--test-db", "lists/test-db")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*l0_cpu.yml:2: YAML: aliases (*x0) are not allowed in list "
+                                 "files; write the value out"])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
