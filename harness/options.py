@@ -32,6 +32,11 @@ def add_options(parser: pytest.Parser) -> None:
                     "H100-PyTorch-1); its first '-' part scopes full:<GPU>/ waives")
     group.addoption("--list-order", action="store_true", default=False,
                     help="run the selected tests in the order of the list entries")
+    group.addoption("--reruns", dest="reruns", action="store_true", default=None,
+                    help="rerun failed tests by TensorRT-LLM's rule (default: as each list "
+                    "block says; post_merge blocks do, pre_merge blocks do not)")
+    group.addoption("--no-reruns", dest="reruns", action="store_false",
+                    help="never rerun a failed test")
     add_machine_options(group.addoption)
     group.addoption("--results-dir", metavar="DIR", default=None,
                     help="write the reuse report, repro files and run record into DIR")

@@ -16,16 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest.runner import runtestprotocol  # the one entry point for running an item again
 
 from harness.hardware import Machine, MachineFlags, detect, machine_from_options
-from harness.isolation import ReportWriter, run_isolated
+from harness.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.lists.errors import Problem
 from harness.options import add_options
 from harness.report import ReuseReport
+from harness.reruns import (
+    FIRST_FAILURE_PROPERTY,
+    RERUN_PROPERTY,
+    RerunLedger,
+    passed_on_rerun,
+)
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
-from harness.selection import ISOLATE, Orphan, Selection, apply_selection, load_lists
+from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",
@@ -47,6 +54,8 @@ class HarnessState:
     counts: dict[str, int] = field(default_factory=dict)
     warnings: tuple[Problem, ...] = ()  # list problems that did not stop the run
     orphans: tuple[Orphan, ...] = ()  # collected tests in no list: they fail the run
+    ledger: RerunLedger = field(default_factory=RerunLedger)  # this process's reruns
+    flaky: list[pytest.TestReport] = field(default_factory=list)  # passed on rerun
 
 
 STATE = pytest.StashKey[HarnessState]()
@@ -127,11 +136,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(TestPrefix(opt.test_prefix), "kvharness-test-prefix")
     if machine is not None and config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(config, machine), "kvharness-xdist")
-    config.stash[STATE] = HarnessState(
-        machine=machine,
-        selection=load_lists(config, machine),
-        child=child,
-    )
+    state = HarnessState(machine=machine, selection=load_lists(config, machine), child=child)
+    config.stash[STATE] = state
+    config.pluginmanager.register(RerunRecorder(state), "kvharness-reruns")
 
 
 def _cuda_available() -> bool:
@@ -185,6 +192,12 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             "they never run in CI. Add each to a block (see test_lists/SCHEMA.md).")
         # Counted in pytest's last line too ("1 passed, 1 in no list"), which is red-flagged.
         terminalreporter.stats.setdefault("in no list", []).extend(state.orphans)
+    if state.flaky and not state.child:
+        terminalreporter.section("kvharness: passed on rerun (flaky)", sep="-", yellow=True)
+        for report in state.flaky:
+            props = dict(report.user_properties)
+            terminalreporter.write_line(f"{report.nodeid}: {props.get(RERUN_PROPERTY)}; first "
+                                        f"failure: {props.get(FIRST_FAILURE_PROPERTY)}")
     if state.counts:
         text = ", ".join(f"{value} {key}" for key, value in state.counts.items())
         terminalreporter.write_line(f"kvharness: {text}")
@@ -208,12 +221,54 @@ class TestPrefix:
             report.nodeid = self.prefix + report.nodeid
 
 
+def _may_rerun(item: pytest.Item) -> bool:
+    flag: bool | None = item.config.option.reruns
+    if flag is not None:
+        return flag
+    entry = item.stash.get(ENTRY, None)
+    return entry is not None and entry.reruns
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-    if ISOLATE not in item.stash:
-        return None
-    run_isolated(item, nextitem, item.stash[ISOLATE])
+    isolated = ISOLATE in item.stash
+    state = item.config.stash[STATE]
+    if state.child or not _may_rerun(item):
+        if not isolated:
+            return None  # pytest's own protocol
+        run_isolated(item, nextitem, item.stash[ISOLATE])
+        return True
+
+    def attempt() -> list[pytest.TestReport]:
+        if isolated:
+            return isolated_reports(item, nextitem, item.stash[ISOLATE])
+        return runtestprotocol(item, nextitem=nextitem, log=False)
+
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in state.ledger.run(item, attempt):
+        ihook.pytest_runtest_logreport(report=report)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
+
+
+class RerunRecorder:
+    """Keeps the reports of tests that passed on rerun, in whichever process owns the
+    run's summary (the xdist controller receives the workers' reports here too)."""
+
+    def __init__(self, state: HarnessState) -> None:
+        self._state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if passed_on_rerun(report):
+            self._state.flaky.append(report)
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config
+                             ) -> tuple[str, str, tuple[str, dict[str, bool]]] | None:
+    if passed_on_rerun(report):
+        return "passed on rerun", "R", ("PASSED ON RERUN", {"yellow": True})
+    return None
 
 
 @pytest.hookimpl(wrapper=True)

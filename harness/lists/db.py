@@ -42,6 +42,7 @@ class Entry:
     keyword: KeywordExpr | None
     location: Location
     source: str  # the context (test-db) or list file name it came from
+    reruns: bool = False  # its block reruns failures (harness.reruns)
 
     @property
     def text(self) -> str:
@@ -127,7 +128,8 @@ def _blocks(doc: ListFileDoc) -> Iterable[Block]:
         for j, item in enumerate(model.tests):
             spec = parse_entry_text(item) if isinstance(item, str) else item.spec()
             where = Location(doc.path, doc.line(doc.context, i, "tests", j))
-            entries.append(Entry(*spec, location=where, source=doc.context))
+            entries.append(Entry(*spec, location=where, source=doc.context,
+                                 reruns=model.rerun_failures))
         where = Location(doc.path, doc.line(doc.context, i))
         yield Block(doc.context, i, Condition.from_model(model.condition), tuple(entries), where)
 

@@ -185,6 +185,12 @@ EntryField = Annotated[
 class BlockModel(_Strict):
     condition: ConditionModel
     tests: Annotated[list[EntryField], Field(min_length=1)]
+    reruns: bool | None = None  # None: rerun failures in post_merge blocks only
+
+    @property
+    def rerun_failures(self) -> bool:
+        """Whether failed tests of this block are rerun (harness.reruns)."""
+        return self.condition.terms.stage == "post_merge" if self.reruns is None else self.reruns
 
 
 class _FileBase(_Strict):
