@@ -37,6 +37,16 @@ def add_options(parser: pytest.Parser) -> None:
                     "block says; post_merge blocks do, pre_merge blocks do not)")
     group.addoption("--no-reruns", dest="reruns", action="store_false",
                     help="never rerun a failed test")
+    group.addoption("--shard", type=int, default=None, metavar="K",
+                    help="run shard K (1-based) of a plan that spreads the selected tests "
+                    "over shards by recorded durations, longest first (LPT)")
+    group.addoption("--shards", type=int, default=None, metavar="N",
+                    help="with --shard: split into N shards")
+    group.addoption("--shard-time-budget", type=float, default=None, metavar="MINUTES",
+                    help="with --shard: as many shards as keep each within MINUTES")
+    group.addoption("--durations-file", metavar="FILE", default=None,
+                    help="durations for --shard (pytest-split JSON; default with --test-db: "
+                    "DIR/../.test_durations)")
     add_machine_options(group.addoption)
     group.addoption("--results-dir", metavar="DIR", default=None,
                     help="write the reuse report, repro files and run record into DIR")

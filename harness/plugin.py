@@ -1,5 +1,6 @@
 """pytest plugin `kvharness`: markers, GPU skips, list-driven selection, per-entry timeouts,
-waives, ISOLATION, leak checks after cache-owning tests, and the run's reuse report.
+waives, ISOLATION, reruns, shards, leak checks after cache-owning tests, and the run's
+reuse report.
 
 Without --test-db/--test-list it only registers markers, skips `gpu` tests where CUDA is
 absent, checks caches after tests and keeps the reuse report. With a list, every
@@ -9,9 +10,11 @@ own --deselect does), so the counts pytest prints are honest.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,8 @@ from harness.reruns import (
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
 from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
+from harness.shard_selection import apply_shard, check_shard_options
+from harness.sharding import SHARD_JSON, ShardRun
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",
@@ -56,6 +61,8 @@ class HarnessState:
     orphans: tuple[Orphan, ...] = ()  # collected tests in no list: they fail the run
     ledger: RerunLedger = field(default_factory=RerunLedger)  # this process's reruns
     flaky: list[pytest.TestReport] = field(default_factory=list)  # passed on rerun
+    shard: ShardRun | None = None  # --shard: this shard's plan (and, at the end, actual)
+    started: float = field(default_factory=time.monotonic)
 
 
 STATE = pytest.StashKey[HarnessState]()
@@ -114,6 +121,8 @@ class XdistHooks:
         if "kvharness_counts" in output and not state.counts:
             state.counts = dict(output["kvharness_counts"])
             state.orphans = tuple(Orphan.from_json(o) for o in output["kvharness_orphans"])
+            shard = output.get("kvharness_shard")
+            state.shard = None if shard is None else ShardRun.from_json(shard, "xdist worker")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -130,6 +139,7 @@ def pytest_configure(config: pytest.Config) -> None:
     uses_machine = (opt.test_db is not None or opt.gpu_per_worker or opt.test_list is not None
                     or opt.waives is not None)
     machine = _machine(config) if uses_machine else None
+    check_shard_options(config)
     if machine is not None and opt.gpu_per_worker:
         _check_gpu_per_worker(config, machine)
     if opt.test_prefix:
@@ -162,10 +172,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         state.counts = applied.counts
         state.warnings = state.selection.warnings + applied.warnings
         state.orphans = applied.orphans
-        worker_output = getattr(config, "workeroutput", None)
-        if worker_output is not None:
-            worker_output["kvharness_counts"] = applied.counts
-            worker_output["kvharness_orphans"] = [o.to_json() for o in applied.orphans]
+    state.shard = apply_shard(config, items)
+    worker_output = getattr(config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["kvharness_counts"] = state.counts
+        worker_output["kvharness_orphans"] = [o.to_json() for o in state.orphans]
+        worker_output["kvharness_shard"] = state.shard and state.shard.to_json()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -201,6 +213,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if state.counts:
         text = ", ".join(f"{value} {key}" for key, value in state.counts.items())
         terminalreporter.write_line(f"kvharness: {text}")
+    if state.shard is not None and not state.child:
+        terminalreporter.write_line(f"kvharness {state.shard.describe()}")
 
 
 class TestPrefix:
@@ -324,6 +338,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if owner and state is not None and state.orphans and session.exitstatus == pytest.ExitCode.OK:
         # A test in no list never runs in CI: the run that finds one must not be green.
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if owner and state is not None and state.shard is not None:
+        state.shard = replace(state.shard, actual=time.monotonic() - state.started)
     results = config.option.results_dir
     if state is None or results is None:
         return
@@ -337,3 +353,5 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     state.report.merge_parts(out)
     state.report.write(out)
+    if state.shard is not None:
+        (out / SHARD_JSON).write_text(json.dumps(state.shard.to_json(), indent=1))

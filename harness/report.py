@@ -2,7 +2,8 @@
 
 `ReuseReport` collects one `ReuseRecord` per checked scenario run. `summarize` folds
 whatever a results folder holds (junit XML, reuse_report.json, pytest-benchmark JSON read
-through `harness.bench_results`) into one markdown page; any of them may be missing.
+through `harness.bench_results`, the shard.json of each shard) into one markdown page;
+any of them may be missing.
 Standard library only.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from harness.bench_results import find_bench_json
 from harness.oracle.types import hit_rate
+from harness.sharding import SHARD_JSON, ShardRun
 
 REPORT_JSON = "reuse_report.json"
 REPORT_MD = "reuse_report.md"
@@ -234,6 +236,24 @@ def _bench_section(results_dir: Path) -> list[str]:
             "|---|---|---|---|", *rows]
 
 
+def _shard_section(results_dir: Path) -> list[str]:
+    runs = []
+    for path in sorted(results_dir.rglob(SHARD_JSON)):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable shard record: {exc}") from None
+        runs.append(ShardRun.from_json(data, str(path)))
+    if not runs:
+        return []
+    lines = ["## Shards", "", "| shard | tests | predicted | actual |", "|---|---|---|---|"]
+    for run in sorted(runs, key=lambda r: (r.shards, r.shard)):
+        actual = "-" if run.actual is None else f"{run.actual / 60:.1f} min"
+        lines.append(f"| {run.shard}/{run.shards} | {run.tests} | {run.predicted / 60:.1f} min "
+                     f"| {actual} |")
+    return lines
+
+
 def summarize(results_dir: Path) -> str:
     """Markdown summary of junit XML, reuse_report.json and benchmark JSON in `results_dir`.
 
@@ -245,8 +265,8 @@ def summarize(results_dir: Path) -> str:
     if not results_dir.is_dir():
         raise ValueError(f"summarize: {results_dir} is not a directory")
     sections = [_junit_section(results_dir), _reuse_section(results_dir),
-                _bench_section(results_dir)]
+                _bench_section(results_dir), _shard_section(results_dir)]
     lines = [f"# Results: {results_dir.name}"]
     for section in sections:
-        lines += ["", *section]
+        lines += ["", *section] if section else []
     return "\n".join(lines) + "\n"

@@ -84,7 +84,7 @@ def test_scripts_are_executable_bash(script: Path) -> None:
     ("argv", "code", "message"),
     [
         pytest.param(["ci/cpu.sh", "nightly"], 2, "unknown session 'nightly'", id="cpu-session"),
-        pytest.param(["ci/gpu_postmerge.sh", "1"], 2, "usage: ci/gpu_postmerge.sh GROUP SPLITS",
+        pytest.param(["ci/gpu_postmerge.sh", "1"], 2, "usage: ci/gpu_postmerge.sh SHARD SHARDS",
                      id="postmerge-usage"),
     ],
 )
