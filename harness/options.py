@@ -37,6 +37,9 @@ def add_options(parser: pytest.Parser) -> None:
                     "block says; post_merge blocks do, pre_merge blocks do not)")
     group.addoption("--no-reruns", dest="reruns", action="store_false",
                     help="never rerun a failed test")
+    group.addoption("--changed-since", metavar="REF", default=None,
+                    help="run only the selected tests whose sources changed since git REF "
+                    "(and always_run blocks); the rest go to the not-run manifest")
     group.addoption("--shard", type=int, default=None, metavar="K",
                     help="run shard K (1-based) of a plan that spreads the selected tests "
                     "over shards by recorded durations, longest first (LPT)")

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from _pytest.runner import runtestprotocol  # the one entry point for running an item again
 
+from harness.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
 from harness.hardware import Machine, MachineFlags, detect, machine_from_options
 from harness.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
@@ -61,6 +62,7 @@ class HarnessState:
     orphans: tuple[Orphan, ...] = ()  # collected tests in no list: they fail the run
     ledger: RerunLedger = field(default_factory=RerunLedger)  # this process's reruns
     flaky: list[pytest.TestReport] = field(default_factory=list)  # passed on rerun
+    changes: ChangeRun | None = None  # --changed-since: what changed, what did not run
     shard: ShardRun | None = None  # --shard: this shard's plan (and, at the end, actual)
     started: float = field(default_factory=time.monotonic)
 
@@ -121,6 +123,8 @@ class XdistHooks:
         if "kvharness_counts" in output and not state.counts:
             state.counts = dict(output["kvharness_counts"])
             state.orphans = tuple(Orphan.from_json(o) for o in output["kvharness_orphans"])
+            changes = output.get("kvharness_changes")
+            state.changes = None if changes is None else ChangeRun.from_json(changes)
             shard = output.get("kvharness_shard")
             state.shard = None if shard is None else ShardRun.from_json(shard, "xdist worker")
 
@@ -172,12 +176,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         state.counts = applied.counts
         state.warnings = state.selection.warnings + applied.warnings
         state.orphans = applied.orphans
+    state.changes = apply_changes(config, items)
     state.shard = apply_shard(config, items)
     worker_output = getattr(config, "workeroutput", None)
     if worker_output is not None:
         worker_output["kvharness_counts"] = state.counts
         worker_output["kvharness_orphans"] = [o.to_json() for o in state.orphans]
         worker_output["kvharness_shard"] = state.shard and state.shard.to_json()
+        worker_output["kvharness_changes"] = state.changes and state.changes.to_json()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -213,6 +219,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if state.counts:
         text = ", ".join(f"{value} {key}" for key, value in state.counts.items())
         terminalreporter.write_line(f"kvharness: {text}")
+    if state.changes is not None and not state.child:
+        terminalreporter.write_line(f"kvharness {state.changes.describe()}")
     if state.shard is not None and not state.child:
         terminalreporter.write_line(f"kvharness {state.shard.describe()}")
 
@@ -240,7 +248,7 @@ def _may_rerun(item: pytest.Item) -> bool:
     if flag is not None:
         return flag
     entry = item.stash.get(ENTRY, None)
-    return entry is not None and entry.reruns
+    return entry is not None and entry.policy.reruns
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -355,3 +363,5 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     state.report.write(out)
     if state.shard is not None:
         (out / SHARD_JSON).write_text(json.dumps(state.shard.to_json(), indent=1))
+    if state.changes is not None:
+        (out / NOT_RUN_JSON).write_text(json.dumps(state.changes.to_json(), indent=1))

@@ -19,7 +19,9 @@ from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, EntrySpec, parse_entry_
 from harness.lists.errors import ListError, Location, Problem
 from harness.lists.files import content_lines
 from harness.lists.keywords import KeywordExpr
-from harness.lists.schema import ListFileDoc, read_list_file
+from harness.lists.schema import BlockPolicy, ListFileDoc, read_list_file
+
+DEFAULT_POLICY = BlockPolicy()
 
 
 def covers(prefix: str, node_id: str) -> bool:
@@ -42,7 +44,7 @@ class Entry:
     keyword: KeywordExpr | None
     location: Location
     source: str  # the context (test-db) or list file name it came from
-    reruns: bool = False  # its block reruns failures (harness.reruns)
+    policy: BlockPolicy = DEFAULT_POLICY  # its block's (a plain list's: the defaults)
 
     @property
     def text(self) -> str:
@@ -129,7 +131,7 @@ def _blocks(doc: ListFileDoc) -> Iterable[Block]:
             spec = parse_entry_text(item) if isinstance(item, str) else item.spec()
             where = Location(doc.path, doc.line(doc.context, i, "tests", j))
             entries.append(Entry(*spec, location=where, source=doc.context,
-                                 reruns=model.rerun_failures))
+                                 policy=model.policy()))
         where = Location(doc.path, doc.line(doc.context, i))
         yield Block(doc.context, i, Condition.from_model(model.condition), tuple(entries), where)
 

@@ -182,15 +182,26 @@ EntryField = Annotated[
 ]
 
 
+class BlockPolicy(NamedTuple):
+    """A block's run policy for its entries: rerun failures (harness.reruns), always run
+    under --changed-since, and globs of files whose change runs the block."""
+
+    reruns: bool = False
+    always_run: bool = False
+    depends_on: tuple[str, ...] = ()
+
+
 class BlockModel(_Strict):
     condition: ConditionModel
     tests: Annotated[list[EntryField], Field(min_length=1)]
     reruns: bool | None = None  # None: rerun failures in post_merge blocks only
+    always_run: bool = False  # run even when --changed-since finds nothing it depends on
+    source_file_dependencies: Globs | None = None  # changes that must run this block
 
-    @property
-    def rerun_failures(self) -> bool:
-        """Whether failed tests of this block are rerun (harness.reruns)."""
-        return self.condition.terms.stage == "post_merge" if self.reruns is None else self.reruns
+    def policy(self) -> BlockPolicy:
+        """What the block says about its tests beyond selecting them."""
+        reruns = self.condition.terms.stage == "post_merge" if self.reruns is None else self.reruns
+        return BlockPolicy(reruns, self.always_run, tuple(self.source_file_dependencies or ()))
 
 
 class _FileBase(_Strict):
