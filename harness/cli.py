@@ -5,8 +5,10 @@
                    [--backend B] [--orchestrator O] [--explain] [--json]
     kvharness validate [--test-db DIR] [--waives FILE] [--rootdir DIR] [PATH ...]
     kvharness report [--results-dir DIR] [--output FILE]
+    kvharness repro FILE
 
-Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad flags.
+Exit codes: 0 fine, 1 problems found (broken lists, failed collection; `repro`: the
+failure came back), 2 bad flags (`repro`: a record that cannot be replayed).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from harness.lists.db import Entry, Verdict, load_test_db
 from harness.lists.errors import ListError
 from harness.lists.waives import default_waives
 from harness.report import summarize
+from harness.reuse.replay import replay
+from harness.reuse.repro import ReproRecord
 
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")
@@ -110,6 +114,23 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _repro(args: argparse.Namespace) -> int:
+    try:
+        record = ReproRecord.load(args.file)
+        print(f"replaying {record.node_id}: {record.check} check, seed {record.seed}, "
+              f"{len(record.admission_log or ())} cache events, config "
+              f"{json.dumps(record.config, sort_keys=True)}")
+        outcome = replay(record)
+    except ValueError as exc:
+        print(f"kvharness repro: {exc}", file=sys.stderr)
+        return 2
+    if outcome.reproduced:
+        print(f"reproduced:\n{outcome.message}")
+        return 1
+    print(f"did not reproduce: {outcome.message}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvharness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -147,6 +168,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=None, metavar="FILE",
                    help="also write the summary to FILE")
     p.set_defaults(run=_report)
+
+    p = sub.add_parser("repro", help="replay a failed reuse check from its repro file, "
+                       "without pytest")
+    p.add_argument("file", type=Path, metavar="FILE",
+                   help="a <results-dir>/repro/<test id>.json a failed run wrote")
+    p.set_defaults(run=_repro)
     return parser
 
 

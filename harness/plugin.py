@@ -36,6 +36,7 @@ from harness.reruns import (
 )
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
+from harness.reuse.repro import ReproRecord
 from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 from harness.shard_selection import apply_shard, check_shard_options
 from harness.sharding import SHARD_JSON, ShardRun
@@ -307,7 +308,18 @@ def pytest_runtest_makereport(
     report = yield
     if report.when == "call":
         item.stash[CALL_PASSED] = report.passed
+        _write_repro(item, call, report)
     return report
+
+
+def _write_repro(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
+    """A failed reuse check's ReproRecord goes to <results-dir>/repro/<test id>.json."""
+    record = getattr(call.excinfo.value, "repro", None) if call.excinfo is not None else None
+    results = item.config.option.results_dir
+    if not report.failed or not isinstance(record, ReproRecord) or results is None:
+        return
+    path = record.write(item.config.invocation_params.dir / results)
+    report.sections.append(("kvharness repro", f"replay it: nox -s repro -- {path}"))
 
 
 @pytest.hookimpl(wrapper=True)
