@@ -6,6 +6,7 @@
     kvharness validate [--test-db DIR] [--waives FILE] [--rootdir DIR] [PATH ...]
     kvharness report [--results-dir DIR] [--output FILE]
     kvharness repro FILE
+    kvharness flakes [--json] PATH ...
 
 Exit codes: 0 fine, 1 problems found (broken lists, failed collection; `repro`: the
 failure came back), 2 bad flags (`repro`: a record that cannot be replayed).
@@ -21,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from harness.flakes import fold, markdown
 from harness.gpus import features_of
 from harness.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.checks import CollectError, validate
@@ -131,6 +133,17 @@ def _repro(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flakes(args: argparse.Namespace) -> int:
+    ledger = fold(args.paths)
+    if args.json:
+        print(json.dumps({"runs": ledger.runs, "unreadable": list(ledger.unreadable),
+                          "tests": [{**r._asdict(), "failure_rate": r.failure_rate}
+                                    for r in ledger.rows]}, indent=2))
+    else:
+        print(markdown(ledger), end="")
+    return 1 if ledger.unreadable else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvharness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -174,6 +187,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path, metavar="FILE",
                    help="a <results-dir>/repro/<test id>.json a failed run wrote")
     p.set_defaults(run=_repro)
+
+    p = sub.add_parser("flakes", help="fold many runs' junit XML into tests by failure rate "
+                       "and passes on rerun")
+    p.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                   help="junit XML files, or folders searched for *.xml (one file = one run)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_flakes)
     return parser
 
 
