@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -202,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         code: int = args.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading (`kvharness list | head`): that is its right, not an
+        # error. Point stdout at /dev/null so the interpreter's last flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ListError, CollectError, ValueError) as exc:
         print(f"kvharness {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.reruns import PASSED_ON_RERUN, RERUN_PROPERTY
+from harness.run_record import PASSED_ON_RERUN, RERUN_PROPERTY, case_id
 
 
 class FlakeRow(NamedTuple):
@@ -38,17 +38,6 @@ class Ledger(NamedTuple):
     rows: tuple[FlakeRow, ...]
     runs: int
     unreadable: tuple[str, ...]
-
-
-def case_id(case: ET.Element) -> str:
-    """`path/to/test_x.py::Class::name` from a junit testcase (pytest's classname is the
-    dotted module path plus any CapWords classes)."""
-    parts = (case.get("classname") or "?").split(".")
-    classes: list[str] = []
-    while len(parts) > 1 and parts[-1][:1].isupper():
-        classes.insert(0, parts.pop())
-    path = case.get("file") or "/".join(parts) + ".py"
-    return "::".join([path, *classes, case.get("name") or "?"])
 
 
 def junit_files(paths: Iterable[Path]) -> list[Path]:

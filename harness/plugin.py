@@ -28,15 +28,11 @@ from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.lists.errors import Problem
 from harness.options import add_options
 from harness.report import ReuseReport
-from harness.reruns import (
-    FIRST_FAILURE_PROPERTY,
-    RERUN_PROPERTY,
-    RerunLedger,
-    passed_on_rerun,
-)
+from harness.reruns import RerunLedger, passed_on_rerun
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
 from harness.reuse.repro import ReproRecord
+from harness.run_record import FIRST_FAILURE_PROPERTY, RERUN_PROPERTY, write_run_record
 from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 from harness.shard_selection import apply_shard, check_shard_options
 from harness.sharding import SHARD_JSON, ShardRun
@@ -377,3 +373,5 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         (out / SHARD_JSON).write_text(json.dumps(state.shard.to_json(), indent=1))
     if state.changes is not None:
         (out / NOT_RUN_JSON).write_text(json.dumps(state.changes.to_json(), indent=1))
+    if state.counts:
+        write_run_record(out, state.counts, [o.node_id for o in state.orphans])

@@ -1,9 +1,9 @@
 """The run's reuse report (JSON + markdown) and a markdown summary of a results folder.
 
 `ReuseReport` collects one `ReuseRecord` per checked scenario run. `summarize` folds
-whatever a results folder holds (junit XML, reuse_report.json, pytest-benchmark JSON read
-through `harness.bench_results`, the shard.json of each shard) into one markdown page;
-any of them may be missing.
+whatever a results folder holds (the run's selection and named outcomes, junit XML,
+reuse_report.json, pytest-benchmark JSON read through `harness.bench_results`, the
+shard.json of each shard) into one markdown page; any of them may be missing.
 Standard library only.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from harness.bench_results import find_bench_json
 from harness.oracle.types import hit_rate
+from harness.run_record import outcome_sections
 from harness.sharding import SHARD_JSON, ShardRun
 
 REPORT_JSON = "reuse_report.json"
@@ -264,8 +265,9 @@ def summarize(results_dir: Path) -> str:
     """
     if not results_dir.is_dir():
         raise ValueError(f"summarize: {results_dir} is not a directory")
-    sections = [_junit_section(results_dir), _reuse_section(results_dir),
-                _bench_section(results_dir), _shard_section(results_dir)]
+    sections = [_junit_section(results_dir), outcome_sections(results_dir),
+                _reuse_section(results_dir), _bench_section(results_dir),
+                _shard_section(results_dir)]
     lines = [f"# Results: {results_dir.name}"]
     for section in sections:
         lines += ["", *section] if section else []

@@ -22,11 +22,9 @@ from dataclasses import dataclass
 import pytest
 
 from harness.isolation import CRASH_PROPERTY
+from harness.run_record import FIRST_FAILURE_PROPERTY, PASSED_ON_RERUN, RERUN_PROPERTY
 
 MAX_FAILED = 5
-RERUN_PROPERTY = "kvharness_rerun"
-FIRST_FAILURE_PROPERTY = "kvharness_first_failure"
-PASSED_ON_RERUN = "passed on rerun"
 
 Attempt = Callable[[], list[pytest.TestReport]]  # one run of the test, nothing logged
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,16 @@ def test_console_script_is_installed() -> None:
     assert exe is not None, "kvharness is not on PATH: pip install -e ."
     done = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True)
     assert "detect" in done.stdout and "validate" in done.stdout
+
+
+def test_list_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    db = tmp_path / "test-db"
+    db.mkdir()
+    entries = "".join(f"  - tests/test_{i:05d}.py::test_with_a_long_enough_name\n"
+                      for i in range(4000))  # far more than a pipe's buffer
+    (db / "l0_cpu.yml").write_text("version: 0.0.1\nl0_cpu:\n- condition: {terms: "
+                                   "{stage: pre_merge}}\n  tests:\n" + entries)
+    done = subprocess.run(f"{sys.executable} -m harness.cli list --test-db {db} | head -n 2",
+                          shell=True, capture_output=True, text=True, check=True)
+    assert len(done.stdout.splitlines()) == 2
+    assert done.stderr == ""
