@@ -5,12 +5,15 @@ An `oracle` check is recomputed from the log by the oracle (so a fixed oracle or
 shows "did not reproduce"); an `expect_reuse` check uses the bounds the test stated.
 Totals are the cache's stats over the window (minus the record's `before`); a request's
 counters are its metrics at its first admission, as the engine reports them.
+
+This is the one place the harness loads `kvcache` at run time, and only when a record is
+replayed: a repro file is a recording of kvcache's cache (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from harness.oracle.model import replay as oracle_replay
 from harness.oracle.types import OracleConfig
@@ -24,7 +27,9 @@ from harness.reuse.assertions import (
     normalize_stats,
 )
 from harness.reuse.repro import ReproRecord
-from kvcache import KvCacheConfig, KVCacheManager, ReuseScope
+
+if TYPE_CHECKING:
+    from kvcache import KVCacheManager
 
 _CACHE_KEYS = ("tokens_per_block", "max_num_blocks", "enable_block_reuse",
                "enable_partial_reuse", "copy_on_partial_reuse")
@@ -38,6 +43,8 @@ class Replay(NamedTuple):
 
 
 def _cache(record: ReproRecord) -> KVCacheManager:
+    from kvcache import KvCacheConfig, KVCacheManager
+
     missing = [k for k in ("tokens_per_block", "max_num_blocks") if k not in record.config]
     if missing:
         raise ValueError(f"{record.node_id}: the record's config lacks {missing}; the cache "
@@ -53,6 +60,8 @@ def _snapshot(seq: Any) -> dict[str, Any]:
 def _feed(cache: KVCacheManager, log: list[dict[str, Any]]) -> dict[Hashable, dict[str, Any]]:
     """Apply the log; returns each request's metrics as its first admission ended (when
     it was freed, or at the end of the log), which is what the engine reports."""
+    from kvcache import ReuseScope
+
     first: dict[Hashable, dict[str, Any]] = {}
     live: dict[Hashable, Any] = {}
     for i, event in enumerate(log):
