@@ -143,7 +143,9 @@ def pytest_configure(config: pytest.Config) -> None:
     check_shard_options(config)
     if machine is not None and opt.gpu_per_worker:
         _check_gpu_per_worker(config, machine)
-    if opt.test_prefix:
+    if opt.test_prefix and not hasattr(config, "workerinput"):
+        # On the xdist controller, not the workers: a worker must send reports under the
+        # ids it collected (xdist checks), and the controller logs them all again.
         config.pluginmanager.register(TestPrefix(opt.test_prefix), "kvharness-test-prefix")
     if machine is not None and config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(config, machine), "kvharness-xdist")

@@ -189,3 +189,12 @@ def test_list_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
                           shell=True, capture_output=True, text=True, check=True)
     assert len(done.stdout.splitlines()) == 2
     assert done.stderr == ""
+
+
+def test_list_reads_one_context(capsys: pytest.CaptureFixture[str], test_db: Path) -> None:
+    code, out, _ = run(capsys, "list", "--test-db", str(test_db), "--context", "l0_cpu",
+                       "--gpu", "cpu")
+    assert code == 0 and out.splitlines()[0].startswith("tests/test_a.py  (timeout 120 s)")
+    code, _, err = run(capsys, "list", "--test-db", str(test_db), "--context", "l0_x")
+    assert code == 1
+    assert err == f"kvharness list: {test_db}: no context 'l0_x'; this test-db holds l0_cpu\n"

@@ -153,13 +153,16 @@ def test_no_block_hint_repeats_the_flags(project: pytest.Pytester) -> None:
         "torch --context l0_h100` says why"])
 
 
-def test_plain_list_with_waives_file_and_test_prefix(project: pytest.Pytester) -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_plain_list_with_waives_file_and_test_prefix(project: pytest.Pytester,
+                                                     workers: list[str]) -> None:
     project.path.joinpath("l0_h100.txt").write_text(
         "tests/test_k.py::test_fp8_gemm\n"
         "tests/test_k.py -k partition  # TensorRT-LLM's generated lists keep comments\n")
     result = project.runpytest("--test-list", "l0_h100.txt", "--waives-file", "lists/waives.txt",
-                               "--test-prefix", "H100-PyTorch-1", "--junitxml", "junit.xml")
-    result.assert_outcomes(passed=3, skipped=1, deselected=2)
+                               "--test-prefix", "H100-PyTorch-1", "--junitxml", "junit.xml",
+                               *workers)
+    result.assert_outcomes(passed=3, skipped=1, deselected=0 if workers else 2)
     cases = {(c.get("classname"), c.get("name")): c.find("skipped") is not None for c in
              ET.parse(project.path / "junit.xml").getroot().iter("testcase")}
     assert cases == {
