@@ -76,6 +76,13 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(venv_params=VENV_PARAMS, default=False)
+def repro(session: nox.Session) -> None:
+    """Replay a failed reuse check: nox -s repro -- results/<session>/repro/<test>.json."""
+    session.install("-e", ".")
+    session.run("python", "-m", "harness.cli", "repro", *session.posargs)
+
+
+@nox.session(venv_params=VENV_PARAMS, default=False)
 def bench(session: nox.Session) -> None:
     """Run the benchmarks; JSON, summary.md and plots in results/bench (-- --bench-quick: smoke)."""
     results = _setup(session, "test,bench")

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Post-merge shard on a GPU runner: `ci/gpu_postmerge.sh GROUP SPLITS [pytest args...]`
-# runs shard GROUP (1-based) of SPLITS of the post_merge blocks for this GPU, split by the
-# committed durations (pytest-split), one pytest-xdist worker per GPU inside the runner.
+# Post-merge shard on a GPU runner: `ci/gpu_postmerge.sh SHARD SHARDS [pytest args...]`
+# runs shard SHARD (1-based) of SHARDS of the post_merge blocks for this GPU, assigned
+# longest-first by the committed durations (test_lists/.test_durations), one pytest-xdist
+# worker per GPU inside the runner. Each shard writes shard.json (predicted and actual
+# time) into results/postmerge/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-    echo "usage: ci/gpu_postmerge.sh GROUP SPLITS [pytest args...]" >&2
+    echo "usage: ci/gpu_postmerge.sh SHARD SHARDS [pytest args...]" >&2
     exit 2
 fi
-group=$1
-splits=$2
+shard=$1
+shards=$2
 shift 2
 gpus=$(ci/gpus.sh)
-exec nox -s postmerge -- -n "$gpus" --gpu-per-worker \
-    --splits "$splits" --group "$group" --durations-path test_lists/.test_durations "$@"
+exec nox -s postmerge -- -n "$gpus" --gpu-per-worker --shard "$shard" --shards "$shards" "$@"

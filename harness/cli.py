@@ -1,44 +1,53 @@
 """`kvharness`: detect this machine, list what the test lists select, validate them, report.
 
     kvharness detect [--json]
-    kvharness list [--test-db DIR] [--stage S] [--gpu NAME] [--gpu-count N] [--backend B]
-                   [--explain] [--json]
+    kvharness list [--test-db DIR] [--context NAME] [--stage S] [--gpu NAME] [--gpu-count N]
+                   [--backend B] [--orchestrator O] [--explain] [--json]
     kvharness validate [--test-db DIR] [--waives FILE] [--rootdir DIR] [PATH ...]
     kvharness report [--results-dir DIR] [--output FILE]
+    kvharness repro FILE
+    kvharness flakes [--json] PATH ...
 
-Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad flags.
+Exit codes: 0 fine, 1 problems found (broken lists, failed collection; `repro`: the
+failure came back), 2 bad flags (`repro`: a record that cannot be replayed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from harness.hardware import add_machine_options, detect, machine_from_options
+from harness.flakes import fold, markdown
+from harness.gpus import features_of
+from harness.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.checks import CollectError, validate
 from harness.lists.db import Entry, Verdict, load_test_db
 from harness.lists.errors import ListError
+from harness.lists.waives import default_waives
 from harness.report import summarize
+from harness.reuse.replay import replay
+from harness.reuse.repro import ReproRecord
 
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")
 
 
 def _entry_dict(entry: Entry) -> dict[str, Any]:
-    return {"test": entry.test, "timeout_seconds": entry.effective_timeout,
-            "isolation": entry.isolation, "context": entry.source, "location": str(entry.location)}
+    return {"test": entry.test, "keyword": entry.keyword and entry.keyword.text,
+            "timeout_seconds": entry.effective_timeout, "isolation": entry.isolation, "context": entry.source, "location": str(entry.location)}
 
 
 def _entry_line(entry: Entry) -> str:
     notes = [f"timeout {entry.timeout_seconds} s"] if entry.timeout_seconds is not None else []
     notes += ["isolated"] if entry.isolation else []
     extra = f"  ({', '.join(notes)})" if notes else ""
-    return f"{entry.test}{extra}  [{entry.location}]"
+    return f"{entry.text}{extra}  [{entry.location}]"
 
 
 def _verdict_dict(verdict: Verdict) -> dict[str, Any]:
@@ -49,7 +58,8 @@ def _verdict_dict(verdict: Verdict) -> dict[str, Any]:
 
 def _detect(args: argparse.Namespace) -> int:
     hardware = detect()
-    data = {**asdict(hardware), "backends": list(hardware.backends)}
+    data = {**asdict(hardware), "backends": list(hardware.backends),
+            **features_of(hardware.compute_capability)}
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -61,7 +71,9 @@ def _detect(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     db = load_test_db(args.test_db)
-    machine = machine_from_options(args.stage, args.gpu, args.gpu_count, args.backend, detect())
+    if args.context is not None:
+        db = db.only(args.context)
+    machine = machine_from_options(MachineFlags.of(args), detect())
     verdicts = db.explain(machine)
     selected = db.select(machine)
     if args.json:
@@ -86,12 +98,12 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    waives = args.waives
-    if waives is None and (args.test_db.parent / "waives.txt").is_file():
-        waives = args.test_db.parent / "waives.txt"
+    waives = args.waives if args.waives is not None else default_waives(args.test_db)
     result = validate(args.test_db, waives, args.rootdir, args.paths or None)
     for problem in result.problems:
         print(problem)
+    for warning in result.warnings:
+        print(f"warning: {warning}")
     print(result.summary())
     return 0 if result.ok else 1
 
@@ -105,6 +117,34 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _repro(args: argparse.Namespace) -> int:
+    try:
+        record = ReproRecord.load(args.file)
+        print(f"replaying {record.node_id}: {record.check} check, seed {record.seed}, "
+              f"{len(record.admission_log or ())} cache events, config "
+              f"{json.dumps(record.config, sort_keys=True)}")
+        outcome = replay(record)
+    except ValueError as exc:
+        print(f"kvharness repro: {exc}", file=sys.stderr)
+        return 2
+    if outcome.reproduced:
+        print(f"reproduced:\n{outcome.message}")
+        return 1
+    print(f"did not reproduce: {outcome.message}")
+    return 0
+
+
+def _flakes(args: argparse.Namespace) -> int:
+    ledger = fold(args.paths)
+    if args.json:
+        print(json.dumps({"runs": ledger.runs, "unreadable": list(ledger.unreadable),
+                          "tests": [{**r._asdict(), "failure_rate": r.failure_rate}
+                                    for r in ledger.rows]}, indent=2))
+    else:
+        print(markdown(ledger), end="")
+    return 1 if ledger.unreadable else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvharness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -116,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="entries the test lists select for a machine")
     p.add_argument("--test-db", type=Path, default=DEFAULT_TEST_DB, metavar="DIR",
                    help=f"test-db folder (default: {DEFAULT_TEST_DB})")
+    p.add_argument("--context", default=None, metavar="NAME",
+                   help="only the blocks of context NAME (trt-test-db --context)")
     add_machine_options(p.add_argument)
     p.add_argument("--explain", action="store_true",
                    help="say for every block which condition matched or failed")
@@ -125,7 +167,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check lists and waives against the collected tests")
     p.add_argument("--test-db", type=Path, default=DEFAULT_TEST_DB, metavar="DIR",
                    help=f"test-db folder (default: {DEFAULT_TEST_DB})")
-    p.add_argument("--waives", type=Path, default=None, metavar="FILE",
+    p.add_argument("--waives", "--waives-file", dest="waives", type=Path, default=None,
+                   metavar="FILE",
                    help="waives file (default: DIR/../waives.txt when it exists)")
     p.add_argument("--rootdir", type=Path, default=Path.cwd(), metavar="DIR",
                    help="where pytest collects from (default: the current folder)")
@@ -139,6 +182,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=None, metavar="FILE",
                    help="also write the summary to FILE")
     p.set_defaults(run=_report)
+
+    p = sub.add_parser("repro", help="replay a failed reuse check from its repro file, "
+                       "without pytest")
+    p.add_argument("file", type=Path, metavar="FILE",
+                   help="a <results-dir>/repro/<test id>.json a failed run wrote")
+    p.set_defaults(run=_repro)
+
+    p = sub.add_parser("flakes", help="fold many runs' junit XML into tests by failure rate "
+                       "and passes on rerun")
+    p.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                   help="junit XML files, or folders searched for *.xml (one file = one run)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_flakes)
     return parser
 
 
@@ -147,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         code: int = args.run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading (`kvharness list | head`): that is its right, not an
+        # error. Point stdout at /dev/null so the interpreter's last flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ListError, CollectError, ValueError) as exc:
         print(f"kvharness {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -68,9 +68,13 @@ def _command(item: pytest.Item, report_to: Path, timeout: int | None) -> list[st
     return cmd
 
 
-def _failed(item: pytest.Item, when: str, text: str) -> pytest.TestReport:
+CRASH_PROPERTY = "kvharness_crash"  # user property of a report made for a dead child
+
+
+def _failed(item: pytest.Item, when: str, text: str, status: str) -> pytest.TestReport:
     return pytest.TestReport(item.nodeid, item.location, {k: 1 for k in item.keywords},
-                             "failed", text, when)  # type: ignore[arg-type]
+                             "failed", text, when,  # type: ignore[arg-type]
+                             user_properties=[(CRASH_PROPERTY, status)])
 
 
 def _child_reports(item: pytest.Item, timeout: int | None) -> list[Any]:
@@ -103,21 +107,17 @@ def _child_reports(item: pytest.Item, timeout: int | None) -> list[Any]:
     else:
         why = f"isolated process {status} after its {tests[-1].when} phase:\n{tail}"
     when = "setup" if not tests else "call"
-    return [*tests, _failed(item, when, f"{item.nodeid} {why}")]
+    return [*tests, _failed(item, when, f"{item.nodeid} {why}", status)]
 
 
-def run_isolated(item: pytest.Item, nextitem: pytest.Item | None, timeout: int | None) -> None:
-    """Run `item` in a child process and log its reports through `item.ihook`.
+def isolated_reports(item: pytest.Item, nextitem: pytest.Item | None,
+                     timeout: int | None) -> list[pytest.TestReport]:
+    """Run `item` in a child process; return its setup/call reports and a teardown report.
 
-    Then tears down, in this process, the fixtures the next item does not need (the
-    child's teardown report is replaced by ours only if that teardown fails).
+    Tears down, in this process, the fixtures the next item does not need (the child's
+    teardown report is replaced by ours only if that teardown fails). Logs nothing.
     """
-    ihook = item.ihook
-    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     reports = _child_reports(item, timeout)
-    for report in reports:
-        if report.when != "teardown":
-            ihook.pytest_runtest_logreport(report=report)
     if item.session.shouldfail or item.session.shouldstop:
         nextitem = None
     # Only the fixture stack: the teardown hooks of other plugins expect a set-up item.
@@ -125,8 +125,16 @@ def run_isolated(item: pytest.Item, nextitem: pytest.Item | None, timeout: int |
     call = pytest.CallInfo.from_call(
         lambda: item.session._setupstate.teardown_exact(nextitem), when="teardown")
     child_teardown = next((r for r in reports if r.when == "teardown"), None)
+    body = [r for r in reports if r.when != "teardown"]
     if call.excinfo is not None or child_teardown is None:
-        ihook.pytest_runtest_logreport(report=ihook.pytest_runtest_makereport(item=item, call=call))
-    else:
-        ihook.pytest_runtest_logreport(report=child_teardown)
+        return [*body, item.ihook.pytest_runtest_makereport(item=item, call=call)]
+    return [*body, child_teardown]
+
+
+def run_isolated(item: pytest.Item, nextitem: pytest.Item | None, timeout: int | None) -> None:
+    """Run `item` in a child process and log its reports through `item.ihook`."""
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in isolated_reports(item, nextitem, timeout):
+        ihook.pytest_runtest_logreport(report=report)
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)

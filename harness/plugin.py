@@ -1,5 +1,6 @@
 """pytest plugin `kvharness`: markers, GPU skips, list-driven selection, per-entry timeouts,
-waives, ISOLATION, leak checks after cache-owning tests, and the run's reuse report.
+waives, ISOLATION, reruns, shards, leak checks after cache-owning tests, and the run's
+reuse report.
 
 Without --test-db/--test-list it only registers markers, skips `gpu` tests where CUDA is
 absent, checks caches after tests and keeps the reuse report. With a list, every
@@ -9,22 +10,32 @@ own --deselect does), so the counts pytest prints are honest.
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
+import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest.runner import runtestprotocol  # the one entry point for running an item again
 
-from harness.hardware import Machine, add_machine_options, detect, machine_from_options
-from harness.isolation import REPORT_OPTION, ReportWriter, run_isolated
+from harness.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
+from harness.hardware import Machine, MachineFlags, detect, machine_from_options
+from harness.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
+from harness.lists.errors import Problem
+from harness.options import add_options
 from harness.report import ReuseReport
+from harness.reruns import RerunLedger, passed_on_rerun
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
-from harness.selection import ISOLATE, Selection, apply_selection, load_lists
+from harness.reuse.repro import ReproRecord
+from harness.run_record import FIRST_FAILURE_PROPERTY, RERUN_PROPERTY, write_run_record
+from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
+from harness.shard_selection import apply_shard, check_shard_options
+from harness.sharding import SHARD_JSON, ShardRun
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",
@@ -44,6 +55,13 @@ class HarnessState:
     report: ReuseReport = field(default_factory=ReuseReport)
     child: bool = False  # this process runs one ISOLATION test for a parent
     counts: dict[str, int] = field(default_factory=dict)
+    warnings: tuple[Problem, ...] = ()  # list problems that did not stop the run
+    orphans: tuple[Orphan, ...] = ()  # collected tests in no list: they fail the run
+    ledger: RerunLedger = field(default_factory=RerunLedger)  # this process's reruns
+    flaky: list[pytest.TestReport] = field(default_factory=list)  # passed on rerun
+    changes: ChangeRun | None = None  # --changed-since: what changed, what did not run
+    shard: ShardRun | None = None  # --shard: this shard's plan (and, at the end, actual)
+    started: float = field(default_factory=time.monotonic)
 
 
 STATE = pytest.StashKey[HarnessState]()
@@ -51,20 +69,7 @@ CALL_PASSED = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("kvharness", "test lists, waives, isolation and leak checks (kvharness)")
-    group.addoption("--test-db", metavar="DIR", default=None,
-                    help="select tests from the YAML lists in DIR for this machine and stage")
-    group.addoption("--test-list", metavar="FILE", default=None,
-                    help="select tests from a plain list, one entry a line")
-    group.addoption("--waives", metavar="FILE", default=None,
-                    help="skip the tests waived in FILE (default with --test-db: "
-                    "DIR/../waives.txt when it exists)")
-    add_machine_options(group.addoption)
-    group.addoption("--results-dir", metavar="DIR", default=None,
-                    help="write the reuse report (reuse_report.json/.md) into DIR")
-    group.addoption("--gpu-per-worker", action="store_true", default=False,
-                    help="with pytest-xdist -n N: pin worker K to the K-th visible GPU")
-    group.addoption(REPORT_OPTION, metavar="FILE", default=None, help=argparse.SUPPRESS)
+    add_options(parser)
 
 
 def _machine(config: pytest.Config) -> Machine:
@@ -72,8 +77,7 @@ def _machine(config: pytest.Config) -> Machine:
     if worker is not None and "kvharness_machine" in worker:
         return Machine.from_dict(worker["kvharness_machine"])
     try:
-        return machine_from_options(config.option.stage, config.option.gpu,
-                                    config.option.gpu_count, config.option.backend, detect())
+        return machine_from_options(MachineFlags.of(config.option), detect())
     except ValueError as exc:
         raise pytest.UsageError(f"kvharness: {exc}") from None
 
@@ -99,13 +103,27 @@ def _check_gpu_per_worker(config: pytest.Config, machine: Machine) -> None:
 
 class XdistHooks:
     """Controller side of pytest-xdist: hand the machine description to every worker, so
-    workers select exactly what the controller would (and need not touch CUDA first)."""
+    workers select exactly what the controller would (and need not touch CUDA first);
+    take back what the workers' selection found (the controller collects nothing)."""
 
-    def __init__(self, machine: Machine) -> None:
+    def __init__(self, config: pytest.Config, machine: Machine) -> None:
+        self._config = config
         self._machine = machine
 
     def pytest_configure_node(self, node: Any) -> None:
         node.workerinput["kvharness_machine"] = self._machine.as_dict()
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        output = getattr(node, "workeroutput", None) or {}
+        state = self._config.stash[STATE]
+        # Every worker selects from the same collection: the first one speaks for all.
+        if "kvharness_counts" in output and not state.counts:
+            state.counts = dict(output["kvharness_counts"])
+            state.orphans = tuple(Orphan.from_json(o) for o in output["kvharness_orphans"])
+            changes = output.get("kvharness_changes")
+            state.changes = None if changes is None else ChangeRun.from_json(changes)
+            shard = output.get("kvharness_shard")
+            state.shard = None if shard is None else ShardRun.from_json(shard, "xdist worker")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -118,17 +136,22 @@ def pytest_configure(config: pytest.Config) -> None:
     if child:
         config.pluginmanager.register(
             ReportWriter(config, Path(opt.kvharness_report_to)), "kvharness-isolation-writer")
-    uses_machine = opt.test_db is not None or opt.gpu_per_worker
+    # Waives may be scoped to a GPU kind (`full:H100/`), so they need the machine too.
+    uses_machine = (opt.test_db is not None or opt.gpu_per_worker or opt.test_list is not None
+                    or opt.waives is not None)
     machine = _machine(config) if uses_machine else None
+    check_shard_options(config)
     if machine is not None and opt.gpu_per_worker:
         _check_gpu_per_worker(config, machine)
+    if opt.test_prefix and not hasattr(config, "workerinput"):
+        # On the xdist controller, not the workers: a worker must send reports under the
+        # ids it collected (xdist checks), and the controller logs them all again.
+        config.pluginmanager.register(TestPrefix(opt.test_prefix), "kvharness-test-prefix")
     if machine is not None and config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(XdistHooks(machine), "kvharness-xdist")
-    config.stash[STATE] = HarnessState(
-        machine=machine,
-        selection=load_lists(config, machine),
-        child=child,
-    )
+        config.pluginmanager.register(XdistHooks(config, machine), "kvharness-xdist")
+    state = HarnessState(machine=machine, selection=load_lists(config, machine), child=child)
+    config.stash[STATE] = state
+    config.pluginmanager.register(RerunRecorder(state), "kvharness-reruns")
 
 
 def _cuda_available() -> bool:
@@ -148,7 +171,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=GPU_SKIP_REASON))
     state = config.stash[STATE]
     if state.selection is not None:
-        state.counts = apply_selection(config, state.selection, items, isolate=not state.child)
+        applied = apply_selection(config, state.selection, items, isolate=not state.child)
+        state.counts = applied.counts
+        state.warnings = state.selection.warnings + applied.warnings
+        state.orphans = applied.orphans
+    state.changes = apply_changes(config, items)
+    state.shard = apply_shard(config, items)
+    worker_output = getattr(config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["kvharness_counts"] = state.counts
+        worker_output["kvharness_orphans"] = [o.to_json() for o in state.orphans]
+        worker_output["kvharness_shard"] = state.shard and state.shard.to_json()
+        worker_output["kvharness_changes"] = state.changes and state.changes.to_json()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -158,22 +192,104 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"kvharness machine: {state.machine.describe()}")
     if state.selection is not None:
         lines.append(f"kvharness lists: {state.selection.describe()}")
+        lines.extend(f"kvharness warning: {p}" for p in state.selection.warnings)
     return lines
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    counts = config.stash[STATE].counts
-    if counts:
-        text = ", ".join(f"{value} {key}" for key, value in counts.items())
+    state = config.stash[STATE]
+    for problem in state.warnings:
+        terminalreporter.write_line(f"kvharness warning: {problem}", yellow=True)
+    if state.orphans and not state.child:
+        terminalreporter.section("kvharness: tests in no list", sep="-", red=True, bold=True)
+        for orphan in state.orphans:
+            terminalreporter.write_line(str(orphan))
+        terminalreporter.write_line(
+            f"{len(state.orphans)} collected tests are in no list of {config.option.test_db}: "
+            "they never run in CI. Add each to a block (see test_lists/SCHEMA.md).")
+        # Counted in pytest's last line too ("1 passed, 1 in no list"), which is red-flagged.
+        terminalreporter.stats.setdefault("in no list", []).extend(state.orphans)
+    if state.flaky and not state.child:
+        terminalreporter.section("kvharness: passed on rerun (flaky)", sep="-", yellow=True)
+        for report in state.flaky:
+            props = dict(report.user_properties)
+            terminalreporter.write_line(f"{report.nodeid}: {props.get(RERUN_PROPERTY)}; first "
+                                        f"failure: {props.get(FIRST_FAILURE_PROPERTY)}")
+    if state.counts:
+        text = ", ".join(f"{value} {key}" for key, value in state.counts.items())
         terminalreporter.write_line(f"kvharness: {text}")
+    if state.changes is not None and not state.child:
+        terminalreporter.write_line(f"kvharness {state.changes.describe()}")
+    if state.shard is not None and not state.child:
+        terminalreporter.write_line(f"kvharness {state.shard.describe()}")
+
+
+class TestPrefix:
+    """TensorRT-LLM's --test-prefix: reports (junit, terminal) carry PREFIX/<id>.
+
+    Applied as reports are logged, not made, so reports replayed from isolated children
+    get it too; a report an xdist worker already prefixed is left alone.
+    """
+
+    __test__ = False  # not a test class, whatever pytest's name patterns say
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix.rstrip("/") + "/"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.nodeid.startswith(self.prefix):
+            report.nodeid = self.prefix + report.nodeid
+
+
+def _may_rerun(item: pytest.Item) -> bool:
+    flag: bool | None = item.config.option.reruns
+    if flag is not None:
+        return flag
+    entry = item.stash.get(ENTRY, None)
+    return entry is not None and entry.policy.reruns
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-    if ISOLATE not in item.stash:
-        return None
-    run_isolated(item, nextitem, item.stash[ISOLATE])
+    isolated = ISOLATE in item.stash
+    state = item.config.stash[STATE]
+    if state.child or not _may_rerun(item):
+        if not isolated:
+            return None  # pytest's own protocol
+        run_isolated(item, nextitem, item.stash[ISOLATE])
+        return True
+
+    def attempt() -> list[pytest.TestReport]:
+        if isolated:
+            return isolated_reports(item, nextitem, item.stash[ISOLATE])
+        return runtestprotocol(item, nextitem=nextitem, log=False)
+
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in state.ledger.run(item, attempt):
+        ihook.pytest_runtest_logreport(report=report)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
+
+
+class RerunRecorder:
+    """Keeps the reports of tests that passed on rerun, in whichever process owns the
+    run's summary (the xdist controller receives the workers' reports here too)."""
+
+    def __init__(self, state: HarnessState) -> None:
+        self._state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if passed_on_rerun(report):
+            self._state.flaky.append(report)
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config
+                             ) -> tuple[str, str, tuple[str, dict[str, bool]]] | None:
+    if passed_on_rerun(report):
+        return "passed on rerun", "R", ("PASSED ON RERUN", {"yellow": True})
+    return None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -190,7 +306,18 @@ def pytest_runtest_makereport(
     report = yield
     if report.when == "call":
         item.stash[CALL_PASSED] = report.passed
+        _write_repro(item, call, report)
     return report
+
+
+def _write_repro(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
+    """A failed reuse check's ReproRecord goes to <results-dir>/repro/<test id>.json."""
+    record = getattr(call.excinfo.value, "repro", None) if call.excinfo is not None else None
+    results = item.config.option.results_dir
+    if not report.failed or not isinstance(record, ReproRecord) or results is None:
+        return
+    path = record.write(item.config.invocation_params.dir / results)
+    report.sections.append(("kvharness repro", f"replay it: nox -s repro -- {path}"))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -225,6 +352,12 @@ def reuse_watch() -> ReuseWatch:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     state = config.stash.get(STATE, None)
+    owner = state is not None and not state.child and not hasattr(config, "workerinput")
+    if owner and state is not None and state.orphans and session.exitstatus == pytest.ExitCode.OK:
+        # A test in no list never runs in CI: the run that finds one must not be green.
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if owner and state is not None and state.shard is not None:
+        state.shard = replace(state.shard, actual=time.monotonic() - state.started)
     results = config.option.results_dir
     if state is None or results is None:
         return
@@ -238,3 +371,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     state.report.merge_parts(out)
     state.report.write(out)
+    if state.shard is not None:
+        (out / SHARD_JSON).write_text(json.dumps(state.shard.to_json(), indent=1))
+    if state.changes is not None:
+        (out / NOT_RUN_JSON).write_text(json.dumps(state.changes.to_json(), indent=1))
+    if state.counts:
+        write_run_record(out, state.counts, [o.node_id for o in state.orphans])

@@ -1,8 +1,9 @@
 """The run's reuse report (JSON + markdown) and a markdown summary of a results folder.
 
 `ReuseReport` collects one `ReuseRecord` per checked scenario run. `summarize` folds
-whatever a results folder holds (junit XML, reuse_report.json, pytest-benchmark JSON read
-through `harness.bench_results`) into one markdown page; any of them may be missing.
+whatever a results folder holds (the run's selection and named outcomes, junit XML,
+reuse_report.json, pytest-benchmark JSON read through `harness.bench_results`, the
+shard.json of each shard) into one markdown page; any of them may be missing.
 Standard library only.
 """
 
@@ -18,6 +19,8 @@ from typing import Any
 
 from harness.bench_results import find_bench_json
 from harness.oracle.types import hit_rate
+from harness.run_record import outcome_sections
+from harness.sharding import SHARD_JSON, ShardRun
 
 REPORT_JSON = "reuse_report.json"
 REPORT_MD = "reuse_report.md"
@@ -76,11 +79,17 @@ class ReuseReport:
     @classmethod
     def load(cls, path: Path) -> ReuseReport:
         """Read a report JSON (`write`'s or `write_part`'s). Raises ValueError if malformed."""
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable reuse report: {exc}") from None
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise ValueError(f"{path}: not a reuse report (no 'records' list)")
-        return cls([ReuseRecord.from_dict(r, f"{path} record {i}")
-                    for i, r in enumerate(data["records"])])
+        try:
+            return cls([ReuseRecord.from_dict(r, f"{path} record {i}")
+                        for i, r in enumerate(data["records"])])
+        except (TypeError, AttributeError) as exc:  # a record of the wrong shape
+            raise ValueError(f"{path}: malformed reuse record: {exc}") from None
 
     def write_part(self, out_dir: Path, name: str) -> Path:
         """Write this worker's records to out_dir/reuse_report.parts/<name>.json."""
@@ -228,6 +237,24 @@ def _bench_section(results_dir: Path) -> list[str]:
             "|---|---|---|---|", *rows]
 
 
+def _shard_section(results_dir: Path) -> list[str]:
+    runs = []
+    for path in sorted(results_dir.rglob(SHARD_JSON)):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable shard record: {exc}") from None
+        runs.append(ShardRun.from_json(data, str(path)))
+    if not runs:
+        return []
+    lines = ["## Shards", "", "| shard | tests | predicted | actual |", "|---|---|---|---|"]
+    for run in sorted(runs, key=lambda r: (r.shards, r.shard)):
+        actual = "-" if run.actual is None else f"{run.actual / 60:.1f} min"
+        lines.append(f"| {run.shard}/{run.shards} | {run.tests} | {run.predicted / 60:.1f} min "
+                     f"| {actual} |")
+    return lines
+
+
 def summarize(results_dir: Path) -> str:
     """Markdown summary of junit XML, reuse_report.json and benchmark JSON in `results_dir`.
 
@@ -238,9 +265,10 @@ def summarize(results_dir: Path) -> str:
     """
     if not results_dir.is_dir():
         raise ValueError(f"summarize: {results_dir} is not a directory")
-    sections = [_junit_section(results_dir), _reuse_section(results_dir),
-                _bench_section(results_dir)]
+    sections = [_junit_section(results_dir), outcome_sections(results_dir),
+                _reuse_section(results_dir), _bench_section(results_dir),
+                _shard_section(results_dir)]
     lines = [f"# Results: {results_dir.name}"]
     for section in sections:
-        lines += ["", *section]
+        lines += ["", *section] if section else []
     return "\n".join(lines) + "\n"

@@ -1,38 +1,49 @@
-"""The plugin's list work: load lists and waives from the options, then select, deselect,
-time out, waive and mark ISOLATION on collected items.
+"""The plugin's list work: load lists and waives from the options, then select, order,
+deselect, time out, waive and mark ISOLATION on collected items.
 
-Entries and waives that select no collected test are errors (pytest.UsageError naming
-file and line) when they lie inside what this run collects; outside it (a run of one
-folder) they are out of scope, unless their file does not exist at all.
+Entries that select no collected test are errors (pytest.UsageError naming file and
+line, with the closest real ids) when they lie inside what this run collects; outside it
+(a run of one folder) they are out of scope, unless their file does not exist at all.
+Waives that select nothing are warnings. With a test-db, a collected test that no block
+of any context selects is an *orphan*: the run reports it with the block it probably
+belongs to, and fails (plugin.py).
 """
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from harness.hardware import Machine
-from harness.lists.checks import unmatched_problems
-from harness.lists.db import Entry, covers, load_test_db, load_test_list, resolve
-from harness.lists.errors import ListError
-from harness.lists.schema import DEFAULT_TIMEOUT_SECONDS
-from harness.lists.waives import Waive, load_waives, waive_for
+from harness.hardware import Machine, MachineFlags
+from harness.lists.checks import home_of, unmatched_problems
+from harness.lists.db import Entry, ListDb, covers, load_test_db, load_test_list, resolve
+from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS
+from harness.lists.errors import ListError, Problem
+from harness.lists.suggest import Home
+from harness.lists.waives import Waive, default_waives, load_waives, waive_for
 
 ISOLATE = pytest.StashKey[int | None]()  # on an item: run it in a child, with this timeout
+ENTRY = pytest.StashKey[Entry]()  # on a selected item: the entry that selected it
 
 
 @dataclass(frozen=True)
 class Selection:
     """What the lists say for this run: selected entries (None: no list, waives only),
-    every entry of the lists (for orphan counts), the waives, and where they came from."""
+    the test-db they came from (None for a plain list), the waives that hold on this
+    machine, where they came from, and problems that do not stop the run (bad waive
+    lines)."""
 
     entries: tuple[Entry, ...] | None
-    all_entries: tuple[Entry, ...]
+    db: ListDb | None
     waives: tuple[Waive, ...]
     source: str
     waives_source: str | None
+    warnings: tuple[Problem, ...] = ()
 
     def describe(self) -> str:
         """One header line: sources and counts."""
@@ -46,42 +57,62 @@ def _path(config: pytest.Config, value: str) -> Path:
     return config.invocation_params.dir / value
 
 
-def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | None:
-    """Read --test-db/--test-list/--waives; None when none is given.
+def explain_hint(test_db: str, flags: MachineFlags, context: str | None) -> str:
+    """The `kvharness list --explain` command that shows why blocks did not apply,
+    repeating every machine flag this run was given."""
+    argv = ["kvharness", "list", "--explain", "--test-db", test_db, *flags.argv()]
+    argv += ["--context", context] if context is not None else []
+    return shlex.join(argv)
 
-    Raises pytest.UsageError for conflicting flags, broken lists, or a test-db of which
-    no block applies to `machine`.
+
+def _select(config: pytest.Config, machine: Machine) -> tuple[tuple[Entry, ...], ListDb]:
+    opt = config.option
+    db = load_test_db(_path(config, opt.test_db))
+    chosen = db if opt.context is None else db.only(opt.context)
+    entries = chosen.select(machine)
+    if not entries:
+        where = opt.test_db if opt.context is None else f"context {opt.context} of {opt.test_db}"
+        hint = explain_hint(opt.test_db, MachineFlags.of(opt), opt.context)
+        raise pytest.UsageError(f"kvharness: no block of {where} applies to "
+                                f"{machine.describe()}; `{hint}` says why")
+    return entries, db
+
+
+def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | None:
+    """Read --test-db (with --context)/--test-list/--waives; None when none is given.
+
+    Raises pytest.UsageError for conflicting flags, broken lists, an unknown context, or
+    a test-db of which no block applies to `machine`.
     """
     opt = config.option
     if opt.test_db is not None and opt.test_list is not None:
         raise pytest.UsageError("kvharness: --test-db and --test-list exclude each other")
+    if opt.context is not None and opt.test_db is None:
+        raise pytest.UsageError("kvharness: --context names a context of --test-db")
     waives_path = None if opt.waives is None else _path(config, opt.waives)
     if waives_path is None and opt.test_db is not None:
-        default = _path(config, opt.test_db).parent / "waives.txt"
-        waives_path = default if default.is_file() else None
+        waives_path = default_waives(_path(config, opt.test_db))
     if opt.test_db is None and opt.test_list is None and waives_path is None:
         return None
+    assert machine is not None, "the plugin detects the machine whenever a list is given"
     entries: tuple[Entry, ...] | None = None
-    all_entries: tuple[Entry, ...] = ()
+    db: ListDb | None = None
     try:
         if opt.test_db is not None:
-            assert machine is not None, "the plugin detects the machine whenever --test-db is given"
-            db = load_test_db(_path(config, opt.test_db))
-            entries, all_entries, source = db.select(machine), db.entries, opt.test_db
-            if not entries:
-                raise pytest.UsageError(
-                    f"kvharness: no block of {opt.test_db} applies to {machine.describe()}; "
-                    f"`kvharness list --explain --test-db {opt.test_db}` says why")
+            entries, db = _select(config, machine)
+            source = opt.test_db if opt.context is None else f"{opt.test_db} ({opt.context})"
         elif opt.test_list is not None:
-            entries = all_entries = load_test_list(_path(config, opt.test_list))
+            entries = load_test_list(_path(config, opt.test_list))
             source = opt.test_list
         else:
             source = "no list"
-        waives = () if waives_path is None else load_waives(waives_path)
+        read = None if waives_path is None else load_waives(waives_path)
     except ListError as exc:
         raise pytest.UsageError(f"kvharness: broken test list or waives:\n{exc}") from None
-    return Selection(entries, all_entries, waives, source,
-                     None if waives_path is None else str(waives_path))
+    waives = () if read is None else read.on(machine.gpu, opt.test_prefix)
+    return Selection(entries, db, waives, source,
+                     None if waives_path is None else str(waives_path),
+                     () if read is None else read.problems)
 
 
 def _scope(config: pytest.Config) -> list[str] | None:
@@ -101,14 +132,19 @@ def _scope(config: pytest.Config) -> list[str] | None:
     return prefixes
 
 
-def _check_unmatched(config: pytest.Config, unmatched: list[Entry | Waive]) -> None:
+def _in_scope(config: pytest.Config, unmatched: Sequence[Entry | Waive]) -> list[Entry | Waive]:
     scope = _scope(config)
     rootdir = config.rootpath
-    relevant = [u for u in unmatched if scope is None or any(covers(p, u.test) for p in scope)
-                or not (rootdir / u.test.partition("::")[0]).exists()]
+    return [u for u in unmatched if scope is None or any(covers(p, u.test) for p in scope)
+            or not (rootdir / u.test.partition("::")[0]).exists()]
+
+
+def _check_unmatched(config: pytest.Config, unmatched: Sequence[Entry],
+                     node_ids: Sequence[str]) -> None:
+    relevant = _in_scope(config, unmatched)
     if relevant:
-        lines = "\n".join(str(p) for p in unmatched_problems(relevant, rootdir))
-        raise pytest.UsageError(f"kvharness: list entries or waives select no collected test:\n{lines}")
+        lines = "\n".join(str(p) for p in unmatched_problems(relevant, config.rootpath, node_ids))
+        raise pytest.UsageError(f"kvharness: list entries select no collected test:\n{lines}")
 
 
 def _timeouts(config: pytest.Config, entries: tuple[Entry, ...]) -> tuple[bool, int | None]:
@@ -123,29 +159,83 @@ def _timeouts(config: pytest.Config, entries: tuple[Entry, ...]) -> tuple[bool, 
     return True, None if value is None else int(float(value))
 
 
-def apply_selection(config: pytest.Config, selection: Selection, items: list[pytest.Item],
-                    isolate: bool) -> dict[str, int]:
-    """Deselect (through pytest_deselected), time out, waive and isolate `items` in place.
+class Orphan(NamedTuple):
+    """A collected test no block of any context selects, and where it probably belongs."""
 
-    Returns counts for the terminal summary. Raises pytest.UsageError for entries or
-    waives in scope that select nothing, or for list timeouts without pytest-timeout.
+    node_id: str
+    home: Home | None
+
+    def to_json(self) -> list[str | None]:
+        """[node id, block, location, neighbour] for pytest-xdist's worker output."""
+        return [self.node_id, *self.home] if self.home else [self.node_id, None, None, None]
+
+    @classmethod
+    def from_json(cls, data: list[str | None]) -> Orphan:
+        """Inverse of `to_json`."""
+        node_id, block, location, neighbour = data
+        home = None if block is None else Home(block, str(location), str(neighbour))
+        return cls(str(node_id), home)
+
+    def __str__(self) -> str:
+        if self.home is None:
+            return f"{self.node_id}: in no list"
+        return (f"{self.node_id}: in no list; it probably belongs in {self.home.block} "
+                f"({self.home.location}), next to {self.home.neighbour!r}")
+
+
+class Applied(NamedTuple):
+    """What applying the lists did: counts for the summary line, problems that do not
+    stop the run (waives that select no collected test), and the orphans."""
+
+    counts: dict[str, int]
+    warnings: tuple[Problem, ...]
+    orphans: tuple[Orphan, ...] = ()
+
+
+def _orphans(db: ListDb | None, node_ids: Sequence[str]) -> tuple[Orphan, ...]:
+    if db is None:
+        return ()  # a plain list is a subset by design: the rest are not orphans
+    entries = db.entries
+    return tuple(Orphan(n, home_of(n, db.blocks)) for n in node_ids
+                 if not any(e.covers(n) for e in entries))
+
+
+def _in_list_order(items: list[pytest.Item], entries: Sequence[Entry],
+                   chosen: dict[str, Entry]) -> list[pytest.Item]:
+    # TensorRT-LLM runs a list in its order; within one entry, in collection order.
+    rank = {id(e): i for i, e in enumerate(entries)}
+    return sorted(items, key=lambda item: rank[id(chosen[item.nodeid])])
+
+
+def apply_selection(config: pytest.Config, selection: Selection, items: list[pytest.Item],
+                    isolate: bool) -> Applied:
+    """Deselect (through pytest_deselected), order (--list-order), time out, waive and
+    isolate `items` in place; each selected item gets its entry in `item.stash[ENTRY]`.
+
+    Raises pytest.UsageError for entries in scope that select nothing, or for list
+    timeouts without pytest-timeout. Waives that select nothing are warnings: a stale
+    waive must not stop every run (`kvharness validate` reports them as errors).
     """
     node_ids = [item.nodeid for item in items]
-    unmatched: list[Entry | Waive] = [w for w in selection.waives
-                                      if not any(w.covers(n) for n in node_ids)]
+    stale = _in_scope(config, [w for w in selection.waives
+                               if not any(w.covers(n) for n in node_ids)])
+    warnings = tuple(unmatched_problems(stale, config.rootpath))
     counts: dict[str, int] = {}
+    orphans: tuple[Orphan, ...] = ()
     if selection.entries is not None:
         resolution = resolve(selection.entries, node_ids)
-        unmatched = [*resolution.unmatched, *unmatched]
-        _check_unmatched(config, unmatched)
+        _check_unmatched(config, resolution.unmatched, node_ids)
         keep = [item for item in items if item.nodeid in resolution.chosen]
         drop = [item for item in items if item.nodeid not in resolution.chosen]
+        if config.option.list_order:
+            keep = _in_list_order(keep, selection.entries, resolution.chosen)
         if drop:
             config.hook.pytest_deselected(items=drop)
-            items[:] = keep
+        items[:] = keep
+        for item in items:
+            item.stash[ENTRY] = resolution.chosen[item.nodeid]
         counts["selected"], counts["deselected"] = len(keep), len(drop)
-    else:
-        _check_unmatched(config, unmatched)
+        orphans = _orphans(selection.db, node_ids)
     waived = 0
     for item in items:
         waive = waive_for(selection.waives, item.nodeid)
@@ -155,9 +245,9 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
     counts["waived"] = waived
     if selection.entries is not None:
         counts["isolated"] = _apply_entries(config, selection, items, resolution.chosen, isolate)
-        counts["in no list"] = sum(
-            not any(e.covers(n) for e in selection.all_entries) for n in node_ids)
-    return counts
+        if selection.db is not None:
+            counts["in no list"] = len(orphans)
+    return Applied(counts, warnings, orphans)
 
 
 def _apply_entries(config: pytest.Config, selection: Selection, items: list[pytest.Item],

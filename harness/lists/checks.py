@@ -16,8 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.lists.db import Entry, ListDb, covers, load_test_db, resolve
+from harness.lists.db import Block, Entry, ListDb, covers, load_test_db, resolve
 from harness.lists.errors import ListError, Location, Problem
+from harness.lists.suggest import MAX_SUGGESTED_ENTRIES, Home, closest_ids, likely_home
 from harness.lists.waives import Waive, load_waives
 
 DEFAULT_TEST_PATHS = ("tests",)
@@ -46,13 +47,15 @@ def duplicate_problems(db: ListDb) -> list[Problem]:
 
 
 def _pair(a: Entry, b: Entry) -> list[Problem]:
-    if a.test == b.test:
-        return [Problem(b.location, f"duplicate entry {b.test!r} (also at {a.location})")]
-    if covers(a.test, b.test):
-        return [Problem(b.location, f"entry {b.test!r} is already selected by {a.test!r} "
+    if a.text == b.text:
+        return [Problem(b.location, f"duplicate entry {b.text!r} (also at {a.location})")]
+    # An entry with -k selects an unknown part of its prefix: only one without -k is
+    # known to cover everything below it.
+    if a.keyword is None and covers(a.test, b.test):
+        return [Problem(b.location, f"entry {b.text!r} is already selected by {a.test!r} "
                         f"({a.location}) in a block that can apply to the same machine")]
-    if covers(b.test, a.test):
-        return [Problem(a.location, f"entry {a.test!r} is already selected by {b.test!r} "
+    if b.keyword is None and covers(b.test, a.test):
+        return [Problem(a.location, f"entry {a.text!r} is already selected by {b.test!r} "
                         f"({b.location}) in a block that can apply to the same machine")]
     return []
 
@@ -61,33 +64,51 @@ def _path_of(test: str) -> str:
     return test.partition("::")[0]
 
 
-def unmatched_problems(unmatched: Iterable[Entry | Waive], rootdir: Path) -> list[Problem]:
+def unmatched_problems(unmatched: Iterable[Entry | Waive], rootdir: Path,
+                       node_ids: Sequence[str] = ()) -> list[Problem]:
     """A problem per entry or waive that selected no collected test, saying whether its
-    file exists at all."""
+    file exists at all and, for the first MAX_SUGGESTED_ENTRIES entries, which collected
+    ids are closest (from `node_ids`)."""
     problems = []
-    for item in unmatched:
+    for n, item in enumerate(unmatched):
         kind = "waive" if isinstance(item, Waive) else "entry"
         path = _path_of(item.test)
         if not (rootdir / path).exists():
-            problems.append(Problem(item.location, f"{kind} {item.test!r}: no such file or "
-                                    f"folder {path!r} under {rootdir}"))
+            message = f"{kind} {item.text!r}: no such file or folder {path!r} under {rootdir}"
         else:
-            problems.append(Problem(item.location, f"{kind} {item.test!r} matches no collected test"))
+            message = f"{kind} {item.text!r} matches no collected test"
+        near = closest_ids(item.test, node_ids) if n < MAX_SUGGESTED_ENTRIES else []
+        if near:
+            message += f"; closest: {', '.join(near)}"
+        problems.append(Problem(item.location, message))
     return problems
 
 
-def orphan_problems(entries: Sequence[Entry], node_ids: Iterable[str]) -> list[Problem]:
-    """One problem per test file holding collected tests that no entry selects."""
+def home_of(node_id: str, blocks: Iterable[Block]) -> Home | None:
+    """The block a test in no list probably belongs to (suggest.likely_home)."""
+    return likely_home(node_id, ((b.name, str(b.location), [e.test for e in b.entries])
+                                 for b in blocks))
+
+
+def orphan_problems(db: ListDb, node_ids: Iterable[str]) -> list[Problem]:
+    """One problem per test file holding collected tests that no entry selects, naming
+    the block the file probably belongs to."""
     by_file: dict[str, list[str]] = defaultdict(list)
+    entries = db.entries
     for node_id in node_ids:
         if not any(e.covers(node_id) for e in entries):
             path, _, name = node_id.partition("::")
             by_file[path].append(name or path)
-    return [
-        Problem(Location(Path(path), None), f"{len(names)} collected tests are in no list: "
-                f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}")
-        for path, names in sorted(by_file.items())
-    ]
+    problems = []
+    for path, names in sorted(by_file.items()):
+        message = (f"{len(names)} collected tests are in no list: "
+                   f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}")
+        home = home_of(path, db.blocks)
+        if home is not None:
+            message += (f"; add {path!r} to {home.block} ({home.location}), next to "
+                        f"{home.neighbour!r}")
+        problems.append(Problem(Location(Path(path), None), message))
+    return problems
 
 
 def collect_node_ids(rootdir: Path, paths: Sequence[str]) -> list[str]:
@@ -115,9 +136,11 @@ def default_paths(rootdir: Path, entries: Iterable[Entry]) -> list[str]:
 
 @dataclass(frozen=True)
 class Validation:
-    """What `validate` found: every problem, and counts for the summary line."""
+    """What `validate` found: every problem (errors), warnings, and counts for the
+    summary line."""
 
     problems: tuple[Problem, ...]
+    warnings: tuple[Problem, ...]
     blocks: int
     entries: int
     waives: int
@@ -130,6 +153,8 @@ class Validation:
     def summary(self) -> str:
         """One line: the counts and the verdict."""
         verdict = "ok" if self.ok else f"{len(self.problems)} problems"
+        if self.warnings:
+            verdict += f", {len(self.warnings)} warnings"
         return (f"{verdict}: {self.blocks} blocks, {self.entries} entries, {self.waives} waives, "
                 f"{self.collected} collected tests")
 
@@ -138,21 +163,25 @@ def validate(test_db: Path, waives_path: Path | None, rootdir: Path,
              paths: Sequence[str] | None = None) -> Validation:
     """Validate lists and waives against the tests collected under `paths` (default:
     `default_paths`). Raises ListError only when the files cannot be parsed at all;
-    every other problem is in the returned Validation. Raises CollectError if pytest
-    cannot collect."""
+    every other problem is in the returned Validation (a waive without a link is a
+    warning). Raises CollectError if pytest cannot collect."""
     problems: list[Problem] = []
+    warnings: tuple[Problem, ...] = ()
     db = load_test_db(test_db)
     waives: tuple[Waive, ...] = ()
     if waives_path is not None:
         try:
-            waives = load_waives(waives_path)
+            read = load_waives(waives_path)
         except ListError as exc:
             problems.extend(exc.problems)
+        else:
+            waives, warnings = read.waives, read.without_link()
+            problems.extend(read.problems)
     entries = db.entries
     node_ids = collect_node_ids(rootdir, default_paths(rootdir, entries) if paths is None else paths)
     problems.extend(duplicate_problems(db))
-    problems.extend(unmatched_problems(resolve(entries, node_ids).unmatched, rootdir))
+    problems.extend(unmatched_problems(resolve(entries, node_ids).unmatched, rootdir, node_ids))
     problems.extend(unmatched_problems(
-        [w for w in waives if not any(w.covers(n) for n in node_ids)], rootdir))
-    problems.extend(orphan_problems(entries, node_ids))
-    return Validation(tuple(problems), len(db.blocks), len(entries), len(waives), len(node_ids))
+        [w for w in waives if not any(w.covers(n) for n in node_ids)], rootdir, node_ids))
+    problems.extend(orphan_problems(db, node_ids))
+    return Validation(tuple(problems), warnings, len(db.blocks), len(entries), len(waives), len(node_ids))

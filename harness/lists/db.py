@@ -8,22 +8,20 @@ line. `ListDb.select(machine)` returns the entries whose block conditions hold, 
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.hardware import Backend, Machine, Stage
-from harness.lists.errors import ListError, Location, Problem, content_lines
-from harness.lists.schema import (
-    DEFAULT_TIMEOUT_SECONDS,
-    BlockModel,
-    EntrySpec,
-    ListFileDoc,
-    parse_entry_text,
-    read_list_file,
-)
+from harness.hardware import Machine
+from harness.lists.conditions import Check, Condition
+from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, EntrySpec, parse_entry_text
+from harness.lists.errors import ListError, Location, Problem
+from harness.lists.files import content_lines
+from harness.lists.keywords import KeywordExpr
+from harness.lists.schema import BlockPolicy, ListFileDoc, read_list_file
+
+DEFAULT_POLICY = BlockPolicy()
 
 
 def covers(prefix: str, node_id: str) -> bool:
@@ -37,13 +35,21 @@ def covers(prefix: str, node_id: str) -> bool:
 
 @dataclass(frozen=True)
 class Entry:
-    """One list entry: a node id or prefix, its timeout (None: the default) and isolation."""
+    """One list entry: a node id or prefix, its timeout (None: the default), isolation,
+    and a `-k` expression narrowing what the prefix selects."""
 
     test: str
     timeout_seconds: int | None
     isolation: bool
+    keyword: KeywordExpr | None
     location: Location
     source: str  # the context (test-db) or list file name it came from
+    policy: BlockPolicy = DEFAULT_POLICY  # its block's (a plain list's: the defaults)
+
+    @property
+    def text(self) -> str:
+        """The entry's selector as a list writes it: `test` plus any `-k "expr"`."""
+        return self.test if self.keyword is None else f'{self.test} -k "{self.keyword.text}"'
 
     @property
     def effective_timeout(self) -> int:
@@ -52,91 +58,8 @@ class Entry:
 
     def covers(self, node_id: str) -> bool:
         """True if this entry selects the collected test `node_id`."""
-        return covers(self.test, node_id)
-
-
-class Check(NamedTuple):
-    """One condition key checked against a machine, with a sentence saying why."""
-
-    key: str
-    passed: bool
-    detail: str
-
-
-@dataclass(frozen=True)
-class GpuCountRange:
-    """`ranges.system_gpu_count`: inclusive bounds, None meaning unbounded."""
-
-    gte: int | None
-    lte: int | None
-
-    def check(self, machine: Machine) -> Check:
-        low = "0" if self.gte is None else str(self.gte)
-        high = "inf" if self.lte is None else str(self.lte)
-        inside = (self.gte is None or machine.gpu_count >= self.gte) and (
-            self.lte is None or machine.gpu_count <= self.lte)
-        word = "in" if inside else "outside"
-        return Check("system_gpu_count", inside, f"gpu count {machine.gpu_count} {word} [{low}, {high}]")
-
-    def intersects(self, other: GpuCountRange) -> bool:
-        """True if some gpu count satisfies both ranges."""
-        low = max(self.gte or 0, other.gte or 0)
-        highs = [h for h in (self.lte, other.lte) if h is not None]
-        return not highs or low <= min(highs)
-
-
-@dataclass(frozen=True)
-class Wildcard:
-    """`wildcards.<key>`: globs matched case-insensitively against the machine's value."""
-
-    key: str  # "gpu" or "cpu"
-    patterns: tuple[str, ...]
-
-    def check(self, machine: Machine) -> Check:
-        value = machine.gpu if self.key == "gpu" else machine.cpu_arch
-        hit = next((p for p in self.patterns if fnmatch.fnmatchcase(value.lower(), p.lower())), None)
-        if hit is not None:
-            return Check(self.key, True, f"{self.key} {value!r} matches {hit!r}")
-        return Check(self.key, False, f"{self.key} {value!r} matches none of {list(self.patterns)}")
-
-
-@dataclass(frozen=True)
-class Condition:
-    """A block's condition: every present key must hold (terms, ranges, wildcards)."""
-
-    stage: Stage
-    backend: Backend | None
-    gpu_count: GpuCountRange | None
-    wildcards: tuple[Wildcard, ...]
-
-    def checks(self, machine: Machine) -> tuple[Check, ...]:
-        """Each key's verdict, in the order terms, ranges, wildcards."""
-        stage_ok = self.stage == machine.stage
-        out = [Check("stage", stage_ok, f"stage {machine.stage}" + (
-            "" if stage_ok else f", block wants {self.stage}"))]
-        if self.backend is not None:
-            ok = self.backend in machine.backends
-            verb = "is" if ok else "is not"
-            out.append(Check("backend", ok, f"backend {self.backend} {verb} among this run's "
-                             f"backends ({', '.join(machine.backends)})"))
-        if self.gpu_count is not None:
-            out.append(self.gpu_count.check(machine))
-        out.extend(w.check(machine) for w in self.wildcards)
-        return tuple(out)
-
-    def matches(self, machine: Machine) -> bool:
-        """True if every key holds for `machine`."""
-        return all(c.passed for c in self.checks(machine))
-
-    def may_overlap(self, other: Condition) -> bool:
-        """True unless the two can never hold on one machine (wildcards count as overlapping)."""
-        if self.stage != other.stage:
-            return False
-        if self.backend is not None and other.backend is not None and self.backend != other.backend:
-            return False
-        if self.gpu_count is None or other.gpu_count is None:
-            return True
-        return self.gpu_count.intersects(other.gpu_count)
+        return covers(self.test, node_id) and (self.keyword is None
+                                               or self.keyword.matches(node_id))
 
 
 @dataclass(frozen=True)
@@ -173,6 +96,21 @@ class ListDb:
     def entries(self) -> tuple[Entry, ...]:
         return tuple(e for b in self.blocks for e in b.entries)
 
+    @property
+    def contexts(self) -> tuple[str, ...]:
+        """Context names in file order."""
+        return tuple(dict.fromkeys(b.context for b in self.blocks))
+
+    def only(self, context: str) -> ListDb:
+        """The blocks of one context, as `trt-test-db --context` reads them.
+
+        Raises ListError naming the folder and the contexts it holds.
+        """
+        if context not in self.contexts:
+            raise ListError([Problem(Location(self.directory, None), f"no context {context!r}; "
+                                     f"this test-db holds {', '.join(self.contexts)}")])
+        return ListDb(self.directory, tuple(b for b in self.blocks if b.context == context))
+
     def explain(self, machine: Machine) -> tuple[Verdict, ...]:
         """Each block's verdict for `machine`."""
         out = []
@@ -186,39 +124,29 @@ class ListDb:
         return tuple(e for v in self.explain(machine) if v.selected for e in v.block.entries)
 
 
-def _condition(model: BlockModel) -> Condition:
-    cond = model.condition
-    rng = cond.ranges.system_gpu_count if cond.ranges is not None else None
-    wildcards = [] if cond.wildcards is None else [
-        Wildcard(key, tuple(globs)) for key, globs in
-        (("gpu", cond.wildcards.gpu), ("cpu", cond.wildcards.cpu)) if globs is not None]
-    return Condition(
-        stage=cond.terms.stage,
-        backend=cond.terms.backend,
-        gpu_count=None if rng is None else GpuCountRange(rng.gte, rng.lte),
-        wildcards=tuple(wildcards),
-    )
-
-
 def _blocks(doc: ListFileDoc) -> Iterable[Block]:
     for i, model in enumerate(doc.blocks):
         entries = []
         for j, item in enumerate(model.tests):
             spec = parse_entry_text(item) if isinstance(item, str) else item.spec()
             where = Location(doc.path, doc.line(doc.context, i, "tests", j))
-            entries.append(Entry(*spec, location=where, source=doc.context))
+            entries.append(Entry(*spec, location=where, source=doc.context,
+                                 policy=model.policy()))
         where = Location(doc.path, doc.line(doc.context, i))
-        yield Block(doc.context, i, _condition(model), tuple(entries), where)
+        yield Block(doc.context, i, Condition.from_model(model.condition), tuple(entries), where)
 
 
 def load_test_db(directory: Path) -> ListDb:
-    """Read and validate every `*.yml` in `directory`; raises ListError naming file and line."""
+    """Read and validate every `*.yml` in `directory`; raises ListError naming file and
+    line for every problem of every file (a `*.yaml` file is one: it would be ignored)."""
     if not directory.is_dir():
         raise ListError([Problem(Location(directory, None), "test-db folder does not exist")])
+    problems = [Problem(Location(path, None), f"list files end in .yml; rename it to "
+                        f"{path.stem}.yml (a .yaml file would be ignored)")
+                for path in sorted(directory.glob("*.yaml"))]
     files = sorted(directory.glob("*.yml"))
-    if not files:
+    if not files and not problems:
         raise ListError([Problem(Location(directory, None), "test-db folder holds no *.yml list")])
-    problems: list[Problem] = []
     blocks: list[Block] = []
     for path in files:
         try:
@@ -231,9 +159,9 @@ def load_test_db(directory: Path) -> ListDb:
 
 
 def load_test_list(path: Path) -> tuple[Entry, ...]:
-    """Read a plain list: one entry a line, `#` comment lines and blank lines ignored.
+    """Read a plain list: one entry a line, `#` comments and blank lines ignored.
 
-    Raises ListError for a missing file, bad entries, duplicates or an empty list.
+    Raises ListError for an unreadable file, bad entries, duplicates or an empty list.
     """
     problems: list[Problem] = []
     entries: dict[str, Entry] = {}
@@ -243,11 +171,12 @@ def load_test_list(path: Path) -> tuple[Entry, ...]:
         except ValueError as exc:
             problems.append(Problem(where, str(exc)))
             continue
-        if spec.test in entries:
-            first = entries[spec.test].location.line
-            problems.append(Problem(where, f"duplicate entry {spec.test!r} (first at line {first})"))
+        entry = Entry(*spec, location=where, source=path.name)
+        if entry.text in entries:
+            first = entries[entry.text].location.line
+            problems.append(Problem(where, f"duplicate entry {entry.text!r} (first at line {first})"))
             continue
-        entries[spec.test] = Entry(*spec, location=where, source=path.name)
+        entries[entry.text] = entry
     if not problems and not entries:
         problems.append(Problem(Location(path, None), "test list holds no entry"))
     if problems:

@@ -36,12 +36,3 @@ class ListError(ValueError):
             raise ValueError("ListError needs at least one problem")
         super().__init__("\n".join(str(p) for p in self.problems))
 
-
-def content_lines(path: Path, what: str) -> list[tuple[Location, str]]:
-    """The stripped lines of a line-oriented file with their locations, blank lines and
-    `#` comments left out. Raises ListError naming `what` when the file does not exist."""
-    if not path.is_file():
-        raise ListError([Problem(Location(path, None), f"{what} does not exist")])
-    return [(Location(path, number), text)
-            for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
-            if (text := raw.strip()) and not text.startswith("#")]

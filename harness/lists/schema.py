@@ -27,86 +27,24 @@ from pydantic import (
     model_validator,
 )
 
-from harness.hardware import Backend, Stage
+from harness.gpus import FEATURES
+from harness.hardware import Backend, Orchestrator, Stage
+from harness.lists.entry import (
+    EntrySpec,
+    check_node_id,
+    check_timeout_seconds,
+    parse_entry_text,
+)
 from harness.lists.errors import ListError, Location, Problem
+from harness.lists.files import read_list_text
+from harness.lists.keywords import KeywordExpr
 
 Version = Literal["0.0.1"]
 SUPPORTED_VERSIONS: tuple[str, ...] = get_args(Version)
-DEFAULT_TIMEOUT_SECONDS = 60 * 60
 CONTEXT_NAME = re.compile(r"l\d+_[a-z0-9_]+")
-_OPTION = re.compile(r"\s+(?:TIMEOUT\s*\(\s*(?P<minutes>[^()]*?)\s*\)|(?P<isolation>ISOLATION))")
-
-
-class EntrySpec(NamedTuple):
-    """What an entry says, wherever it came from: node id, timeout (None: default), isolation."""
-
-    test: str
-    timeout_seconds: int | None
-    isolation: bool
-
-
-def check_node_id(node_id: str) -> str:
-    """Return `node_id` if it is a repository-relative pytest node id or path prefix.
-
-    Raises ValueError naming the node id and what is wrong with it.
-    """
-    path, _, rest = node_id.partition("::")
-    if not path:
-        raise ValueError(f"node id {node_id!r} has no path")
-    if path.startswith("/") or "\\" in path:
-        raise ValueError(f"node id {node_id!r}: paths are relative to the repository root, with /")
-    if any(part in ("", ".", "..") for part in path.split("/")):
-        raise ValueError(f"node id {node_id!r}: path {path!r} has an empty, '.' or '..' part")
-    if rest and not path.endswith(".py"):
-        raise ValueError(f"node id {node_id!r}: '::' may only follow a .py file")
-    if "::" in node_id and any(not part for part in rest.split("::")):
-        raise ValueError(f"node id {node_id!r} has an empty '::' part")
-    return node_id
-
-
-def _split_node_id(text: str) -> tuple[str, str]:
-    # Parametrized ids may hold spaces inside [...]; the node id ends at the first
-    # whitespace outside brackets.
-    depth = 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth = max(0, depth - 1)
-        elif ch.isspace() and depth == 0:
-            return text[:i], text[i:]
-    return text, ""
-
-
-def parse_entry_text(text: str) -> EntrySpec:
-    """Parse `node_id [TIMEOUT (minutes)] [ISOLATION]`; raises ValueError naming the entry."""
-    node_id, rest = _split_node_id(text.strip())
-    check_node_id(node_id)
-    minutes: int | None = None
-    isolation = False
-    pos = 0
-    while rest[pos:].strip():
-        match = _OPTION.match(rest, pos)
-        if match is None:
-            raise ValueError(
-                f"entry {text!r}: unexpected {rest[pos:].strip()!r} after the node id; "
-                "an entry is 'node_id [TIMEOUT (minutes)] [ISOLATION]'"
-            )
-        pos = match.end()
-        if match["isolation"]:
-            if isolation:
-                raise ValueError(f"entry {text!r}: ISOLATION given twice")
-            isolation = True
-            continue
-        if minutes is not None:
-            raise ValueError(f"entry {text!r}: TIMEOUT given twice")
-        if not match["minutes"].isdigit() or int(match["minutes"]) == 0:
-            raise ValueError(f"entry {text!r}: TIMEOUT ({match['minutes']}) is not a positive "
-                             "whole number of minutes")
-        minutes = int(match["minutes"])
-        if minutes * 60 == DEFAULT_TIMEOUT_SECONDS:
-            raise ValueError(f"entry {text!r}: TIMEOUT ({minutes}) is the default; remove it")
-    return EntrySpec(node_id, None if minutes is None else minutes * 60, isolation)
+# YAML integers longer than this are refused before Python parses them (past ~4300
+# digits int() raises; long before that they are nonsense in a list).
+MAX_INT_DIGITS = 18
 
 
 class UnknownKeyError(ValueError):
@@ -164,17 +102,45 @@ class RangesModel(_Strict):
 class WildcardsModel(_Strict):
     gpu: Globs | None = None
     cpu: Globs | None = None
+    linux_distribution_name: Globs | None = None
+    compute_capability: Globs | None = None
 
     @model_validator(mode="after")
     def _some(self) -> WildcardsModel:
-        if self.gpu is None and self.cpu is None:
-            raise ValueError("wildcards needs gpu, cpu or both")
+        if all(getattr(self, key) is None for key in type(self).model_fields):
+            raise ValueError(f"wildcards needs one of {', '.join(type(self).model_fields)}")
         return self
+
+
+# TensorRT-LLM's backend names onto this project's: its PyTorch flow is the torch
+# backend here; `generic` (stages bound to no backend) places no condition.
+TRTLLM_BACKENDS: dict[str, Backend | None] = {"pytorch": "torch", "generic": None}
+_NO_COUNTERPART = ("tensorrt", "cpp", "triton")
+
+
+def _backend_name(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    if value in _NO_COUNTERPART:
+        raise ValueError(f"backend {value!r} is TensorRT-LLM's and has no counterpart here; "
+                         "use torch, flashinfer, pytorch (= torch) or generic (any backend)")
+    return TRTLLM_BACKENDS.get(value, value)
 
 
 class TermsModel(_Strict):
     stage: Stage
-    backend: Backend | None = None
+    backend: Annotated[Backend | None, BeforeValidator(_backend_name)] = None
+    orchestrator: Orchestrator | None = None
+    supports_int8: bool | None = None
+    supports_tf32: bool | None = None
+    supports_bf16: bool | None = None
+    supports_fp8: bool | None = None
+    supports_fp4: bool | None = None
+
+    def features(self) -> dict[str, bool]:
+        """The supports_* terms the block states."""
+        return {name: value for name in FEATURES
+                if (value := getattr(self, name)) is not None}
 
 
 class ConditionModel(_Strict):
@@ -185,17 +151,13 @@ class ConditionModel(_Strict):
 
 class EntryMapping(_Strict):
     test: Annotated[str, AfterValidator(check_node_id)]
-    timeout_seconds: Annotated[int, Field(gt=0)] | None = None
+    timeout_seconds: Annotated[int, AfterValidator(check_timeout_seconds)] | None = None
     isolation: bool = False
-
-    @model_validator(mode="after")
-    def _not_default(self) -> EntryMapping:
-        if self.timeout_seconds == DEFAULT_TIMEOUT_SECONDS:
-            raise ValueError(f"timeout_seconds {self.timeout_seconds} is the default; remove it")
-        return self
+    keyword: Annotated[str, AfterValidator(lambda t: KeywordExpr.parse(t).text)] | None = None
 
     def spec(self) -> EntrySpec:
-        return EntrySpec(self.test, self.timeout_seconds, self.isolation)
+        keyword = None if self.keyword is None else KeywordExpr.parse(self.keyword)
+        return EntrySpec(self.test, self.timeout_seconds, self.isolation, keyword)
 
 
 def _check_entry_text(text: str) -> str:
@@ -215,14 +177,31 @@ EntryField = Annotated[
         _entry_kind,
         custom_error_type="entry_type",
         custom_error_message="an entry is a node id string or a mapping "
-        "{test, timeout_seconds, isolation}",
+        "{test, timeout_seconds, isolation, keyword}",
     ),
 ]
+
+
+class BlockPolicy(NamedTuple):
+    """A block's run policy for its entries: rerun failures (harness.reruns), always run
+    under --changed-since, and globs of files whose change runs the block."""
+
+    reruns: bool = False
+    always_run: bool = False
+    depends_on: tuple[str, ...] = ()
 
 
 class BlockModel(_Strict):
     condition: ConditionModel
     tests: Annotated[list[EntryField], Field(min_length=1)]
+    reruns: bool | None = None  # None: rerun failures in post_merge blocks only
+    always_run: bool = False  # run even when --changed-since finds nothing it depends on
+    source_file_dependencies: Globs | None = None  # changes that must run this block
+
+    def policy(self) -> BlockPolicy:
+        """What the block says about its tests beyond selecting them."""
+        reruns = self.condition.terms.stage == "post_merge" if self.reruns is None else self.reruns
+        return BlockPolicy(reruns, self.always_run, tuple(self.source_file_dependencies or ()))
 
 
 class _FileBase(_Strict):
@@ -247,7 +226,19 @@ class ListFileDoc(NamedTuple):
 
 
 class ListLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate mapping keys (PyYAML keeps the last one silently)."""
+    """SafeLoader for lists: rejects duplicate mapping keys (PyYAML keeps the last one
+    silently), aliases (`*name`: nested ones expand exponentially, a YAML bomb), and
+    integers too long to be anything but a mistake."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*{event.anchor}) are not allowed in list files; write "
+                "the value out", event.start_mark)
+        node: yaml.Node | None = super().compose_node(parent, index)
+        assert node is not None, "compose_node returns None only at the end of the stream"
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Hashable, int] = {}
@@ -261,6 +252,18 @@ class ListLoader(yaml.SafeLoader):
                     key_node.start_mark)
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
+        digits = sum(ch.isdigit() for ch in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"integer of {digits} digits; list numbers have at most "
+                f"{MAX_INT_DIGITS}", node.start_mark)
+        value: int = super().construct_yaml_int(node)
+        return value
+
+
+ListLoader.add_constructor("tag:yaml.org,2002:int", ListLoader.construct_bounded_int)
 
 
 def node_line(root: yaml.Node, loc: tuple[str | int, ...]) -> int:
@@ -279,8 +282,9 @@ def node_line(root: yaml.Node, loc: tuple[str | int, ...]) -> int:
 
 
 def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
-    """Safely load one YAML document and its node tree; raises ListError on YAML errors."""
-    loader = ListLoader(path.read_text(encoding="utf-8"))
+    """Safely load one YAML document and its node tree; raises ListError on YAML errors
+    and on files `read_list_text` refuses."""
+    loader = ListLoader(read_list_text(path, "list file"))
     try:
         root = loader.get_single_node()
         return (None if root is None else loader.construct_document(root)), root

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from harness.engine_protocol import EngineUnderTest, StatsLike
 from harness.oracle.model import OracleConfig, OraclePrediction, replay
 from harness.oracle.types import hit_rate
+from harness.reuse.repro import Check, ReproRecord, plain, replay_config, row_dicts
 
 GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
                     "cachedNumBlocks", "stateSnapshotBytes"})
@@ -33,7 +34,10 @@ Number = int | float
 
 
 class ReuseMismatch(AssertionError):
-    """Reuse counters differ from what was expected; the message holds the table."""
+    """Reuse counters differ from what was expected; the message holds the table, and
+    `repro` (when the check had a ReproContext) what `kvharness repro` replays."""
+
+    repro: ReproRecord | None = None
 
 
 def canonical_name(name: str) -> str:
@@ -101,11 +105,13 @@ class Bounds:
 
 @dataclass(frozen=True)
 class ReproContext:
-    """What reproduces a failure: pytest node id, seed and cache config."""
+    """What reproduces a failure: pytest node id, seed, engine and cache config, and the
+    cache's admission log when the check has no engine to read it from."""
 
     node_id: str
     seed: int | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
+    admission_log: Sequence[Mapping[str, Any]] | None = None
 
     def line(self) -> str:
         """`reproduce: pytest '<node id>'  # seed=3 tokens_per_block=16 ...`."""
@@ -212,6 +218,22 @@ def _raise_if_failed(rows: list[_Row], context: ReproContext | None,
     raise ReuseMismatch("\n".join(parts))
 
 
+def _checked(rows: list[_Row], context: ReproContext | None, tree_dump: TreeDump | None,
+             check: Check, before: StatsLike | None, exact: bool,
+             config: Mapping[str, Any], log: Sequence[Mapping[str, Any]] | None) -> None:
+    """`_raise_if_failed`, with a ReproRecord on the mismatch when there is a context."""
+    __tracebackhide__ = True
+    try:
+        _raise_if_failed(rows, context, tree_dump)
+    except ReuseMismatch as exc:
+        if context is not None:
+            exc.repro = ReproRecord(
+                context.node_id, check, context.seed, {**context.config, **config},
+                plain(log), None if before is None else normalize_stats(before, "before"),
+                exact, row_dicts(rows), str(exc))
+        raise
+
+
 def expect_reuse(before: StatsLike | None, after: StatsLike, *,
                  exact: Mapping[str, Number] | None = None,
                  at_least: Mapping[str, Number] | None = None,
@@ -240,7 +262,8 @@ def expect_reuse(before: StatsLike | None, after: StatsLike, *,
         if actual_requests is None:
             raise ValueError("expect_reuse: per_request expectations need actual_requests")
         rows += _request_rows(per_request, actual_requests)
-    _raise_if_failed(rows, context, tree_dump)
+    _checked(rows, context, tree_dump, "expect_reuse", before, False, {},
+             None if context is None else context.admission_log)
     return window
 
 
@@ -303,5 +326,7 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
             spec["numCachedTokens"] = Bounds(at_most=predicted.reused_tokens)
         rows += [_Row(where, n, b, actual.get(n)) for n, b in spec.items()
                  if n in actual or n in _SHOWN]
-    _raise_if_failed(rows, context, tree_dump)
+    config = replay_config(engine.cache_config)
+    _checked(rows, context, tree_dump, "oracle", before, exact, config,
+             engine.admission_log() if context is not None else None)
     return window

@@ -21,6 +21,7 @@ from harness.reuse.assertions import (
     diff_stats,
     expect_reuse,
 )
+from harness.reuse.repro import replay_config
 
 if TYPE_CHECKING:
     import pytest
@@ -37,6 +38,7 @@ class ReuseWatch:
         self._read: Callable[[], StatsLike] | None = None
         self._before: StatsLike | None = None
         self._tree_dump: Callable[[], str] | None = None
+        self._source: Any = None
 
     def watch(self, source: Any) -> None:
         """Arm with a KVCacheManager (`stats()`), an engine (`kv_cache_stats()`) or a
@@ -54,6 +56,7 @@ class ReuseWatch:
             raise ValueError(f"reuse_watch.watch: {type(source).__name__} has neither "
                              "stats() nor kv_cache_stats() and is not callable")
         self._read = read
+        self._source = source
         self._before = read()
         dump = getattr(source, "dump_tree", None)  # KVCacheManager.dump_tree()
         self._tree_dump = dump if callable(dump) else None
@@ -72,6 +75,22 @@ class ReuseWatch:
     def tree_dump(self) -> str | None:
         """The watched cache's tree, where it has `dump_tree()`."""
         return self._tree_dump() if self._tree_dump is not None else None
+
+    def repro_context(self, node_id: str) -> ReproContext:
+        """What `kvharness repro` needs to replay the watched cache: its config and its
+        admission log (an engine's `admission_log()`, a manager's recorded `events`)."""
+        source = self._source
+        log = None
+        if callable(getattr(source, "admission_log", None)):
+            log = source.admission_log()
+        elif getattr(source, "events", None) is not None:
+            log = [e.as_dict() for e in source.events]
+        config = getattr(source, "cache_config", None) or getattr(source, "config", None)
+        try:
+            mapping = replay_config(config) if config is not None else {}
+        except ValueError:
+            mapping = {}  # an unknown source: the record says what it can
+        return ReproContext(node_id, config=mapping, admission_log=log)
 
 
 def _marker_expectations(item: pytest.Item) -> dict[str, Bounds] | None:
@@ -95,7 +114,8 @@ def _marker_expectations(item: pytest.Item) -> dict[str, Bounds] | None:
 
 
 def _check(item: pytest.Item, spec: dict[str, Bounds], before: StatsLike | None,
-           after: StatsLike, tree_dump: str | None) -> dict[str, Number]:
+           after: StatsLike, tree_dump: str | None,
+           context: ReproContext | None = None) -> dict[str, Number]:
     __tracebackhide__ = True
     exact = {k: b.at_least for k, b in spec.items()
              if b.at_least is not None and b.at_least == b.at_most}
@@ -103,7 +123,7 @@ def _check(item: pytest.Item, spec: dict[str, Bounds], before: StatsLike | None,
              if b.at_least is not None and k not in exact}
     upper = {k: b.at_most for k, b in spec.items() if b.at_most is not None and k not in exact}
     return expect_reuse(before, after, exact=exact, at_least=lower, at_most=upper,
-                        context=ReproContext(item.nodeid), tree_dump=tree_dump)
+                        context=context or ReproContext(item.nodeid), tree_dump=tree_dump)
 
 
 def check_marker_expectations(item: pytest.Item, before: StatsLike | None,
@@ -138,7 +158,7 @@ def run_marker_check(item: pytest.Item, report: ReuseReport | None = None) -> No
     before, after = watch.snapshots()
     passed = False
     try:
-        _check(item, spec, before, after, watch.tree_dump())
+        _check(item, spec, before, after, watch.tree_dump(), watch.repro_context(item.nodeid))
         passed = True
     finally:
         if report is not None:

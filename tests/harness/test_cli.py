@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,11 @@ def test_detect(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "detect", "--json")
     data = json.loads(out)
     assert code == 0 and data["cuda"] is torch.cuda.is_available()
-    assert set(data) == {"gpu", "gpu_count", "cuda", "flashinfer", "cpu_arch", "backends"}
+    assert set(data) == {"gpu", "gpu_count", "cuda", "flashinfer", "cpu_arch", "backends",
+                         "distribution", "compute_capability", "supports_int8",
+                         "supports_tf32", "supports_bf16", "supports_fp8", "supports_fp4"}
+    if not data["cuda"]:
+        assert data["compute_capability"] is None and data["supports_fp8"] is False
     code, out, _ = run(capsys, "detect")
     assert code == 0 and f"gpu: {data['gpu']}\n" in out and "backends: torch" in out
 
@@ -80,7 +85,7 @@ def test_list_explain_says_why(capsys: pytest.CaptureFixture[str], test_db: Path
                        "--gpu-count", "1", "--backend", "torch", "--explain")
     assert code == 0
     assert out.splitlines() == [
-        "machine: stage=pre_merge gpu='NVIDIA H100' gpu_count=1 backends=torch "
+        "machine: stage=pre_merge gpu='NVIDIA H100' (pretended) gpu_count=1 cc=9.0 backends=torch "
         f"cuda={'yes' if torch.cuda.is_available() else 'no'}",
         f"l0_cpu[0] ({test_db}/l0_cpu.yml:3): not selected",
         "  [ok] stage pre_merge",
@@ -116,7 +121,7 @@ def test_validate_reports_problems_and_exit_code(
     assert code == 1
     assert out.splitlines() == [
         f"{test_db}/l0_cpu.yml:12: entry 'tests/test_b.py::test_b': no such file or folder "
-        f"'tests/test_b.py' under {tmp_path}",
+        f"'tests/test_b.py' under {tmp_path}; closest: tests/test_a.py::test_x",
         f"{test_db}/l0_cpu.yml:20: entry 'tests/gpu': no such file or folder 'tests/gpu' under "
         f"{tmp_path}",
         "2 problems: 2 blocks, 3 entries, 0 waives, 1 collected tests",
@@ -171,3 +176,25 @@ def test_console_script_is_installed() -> None:
     assert exe is not None, "kvharness is not on PATH: pip install -e ."
     done = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True)
     assert "detect" in done.stdout and "validate" in done.stdout
+
+
+def test_list_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    db = tmp_path / "test-db"
+    db.mkdir()
+    entries = "".join(f"  - tests/test_{i:05d}.py::test_with_a_long_enough_name\n"
+                      for i in range(4000))  # far more than a pipe's buffer
+    (db / "l0_cpu.yml").write_text("version: 0.0.1\nl0_cpu:\n- condition: {terms: "
+                                   "{stage: pre_merge}}\n  tests:\n" + entries)
+    done = subprocess.run(f"{sys.executable} -m harness.cli list --test-db {db} | head -n 2",
+                          shell=True, capture_output=True, text=True, check=True)
+    assert len(done.stdout.splitlines()) == 2
+    assert done.stderr == ""
+
+
+def test_list_reads_one_context(capsys: pytest.CaptureFixture[str], test_db: Path) -> None:
+    code, out, _ = run(capsys, "list", "--test-db", str(test_db), "--context", "l0_cpu",
+                       "--gpu", "cpu")
+    assert code == 0 and out.splitlines()[0].startswith("tests/test_a.py  (timeout 120 s)")
+    code, _, err = run(capsys, "list", "--test-db", str(test_db), "--context", "l0_x")
+    assert code == 1
+    assert err == f"kvharness list: {test_db}: no context 'l0_x'; this test-db holds l0_cpu\n"

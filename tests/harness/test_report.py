@@ -108,6 +108,15 @@ def test_summarize_everything(tmp_path: Path) -> None:
 | `tests/unit/test_pool.py` | 1 | 1 | 1 | 0 |
 | **total** | 2 | 1 | 1 | 1 |
 
+## Outcomes
+
+### Failing (2)
+
+| test | first line |
+|---|---|
+| `tests/unit/test_pool.py::TestEvict::test_b` | boom |
+| `tests/harness/test_report.py::test_d` | fixture |
+
 ## Reuse
 
 | scenario | runs | failed | reused | missed | hit rate |

@@ -9,8 +9,9 @@ import pytest
 
 from harness.hardware import Machine
 from harness.lists.db import covers, load_test_db, load_test_list, resolve
+from harness.lists.entry import parse_entry_text
 from harness.lists.errors import ListError
-from harness.lists.schema import parse_entry_text
+from harness.lists.keywords import KeywordExpr
 
 GOOD = """\
 version: 0.0.1
@@ -130,14 +131,53 @@ def test_resolve_prefers_the_most_specific_entry(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("tests/a.py", ("tests/a.py", None, False)),
-        ("tests/a.py::t[x y] ISOLATION", ("tests/a.py::t[x y]", None, True)),
-        ("tests/a.py  ISOLATION TIMEOUT ( 90 )", ("tests/a.py", 5400, True)),
-        ("tests/a.py TIMEOUT(1)", ("tests/a.py", 60, False)),
+        ("tests/a.py", ("tests/a.py", None, False, None)),
+        ("tests/a.py::t[x y] ISOLATION", ("tests/a.py::t[x y]", None, True, None)),
+        ("tests/a.py  ISOLATION TIMEOUT ( 90 )", ("tests/a.py", 5400, True, None)),
+        ("tests/a.py TIMEOUT(1)", ("tests/a.py", 60, False, None)),
+        # TensorRT-LLM's spellings: comma-joined markers in either order, an explicit
+        # default, and `-k` narrowing a path.
+        ("tests/a.py::t TIMEOUT (90), ISOLATION", ("tests/a.py::t", 5400, True, None)),
+        ("tests/a.py::t ISOLATION, TIMEOUT (90)", ("tests/a.py::t", 5400, True, None)),
+        ("tests/a.py TIMEOUT (60)", ("tests/a.py", 3600, False, None)),
+        ("tests/unit -k \"partition0\"", ("tests/unit", None, False, "partition0")),
+        ("tests/unit -k 'not (slow or gpu)' TIMEOUT (5)", ("tests/unit", 300, False,
+                                                           "not (slow or gpu)")),
+        ("tests/unit -k manager ISOLATION", ("tests/unit", None, True, "manager")),
     ],
 )
-def test_entry_grammar(text: str, expected: tuple[str, int | None, bool]) -> None:
-    assert tuple(parse_entry_text(text)) == expected
+def test_entry_grammar(text: str, expected: tuple[str, int | None, bool, str | None]) -> None:
+    spec = parse_entry_text(text)
+    keyword = None if spec.keyword is None else spec.keyword.text
+    assert (spec.test, spec.timeout_seconds, spec.isolation, keyword) == expected
+
+
+@pytest.mark.parametrize(
+    ("expr", "node_id", "expected"),
+    [
+        ("partition0", "tests/unit/test_attn.py::test_x[partition0-fp16]", True),
+        ("partition0", "tests/unit/test_attn.py::test_x[partition1-fp16]", False),
+        ("not slow", "tests/unit/test_slow_path.py::test_a", False),
+        ("manager and not stateful", "tests/unit/test_manager_api.py::test_a", True),
+        ("manager and not stateful", "tests/unit/test_manager_stateful.py::test_a", False),
+        ("(eviction or reuse) and B4", "tests/s/test_reuse.py::test_a[copy-B4]", True),
+        ("TestGroup", "tests/a.py::TestGroup::test_m", True),
+        ("UNIT", "tests/unit/test_a.py::test_b", True),
+    ],
+)
+def test_keyword_expressions_match_like_pytest_k(expr: str, node_id: str, expected: bool) -> None:
+    assert KeywordExpr.parse(expr).matches(node_id) is expected
+
+
+def test_keyword_entries_select_part_of_a_prefix(tmp_path: Path) -> None:
+    plain = tmp_path / "qa.txt"
+    plain.write_text('tests/a.py -k "x and not p2"  # TensorRT-LLM style comment\n'
+                     'tests/a.py -k test_y\n')
+    entries = load_test_list(plain)
+    res = resolve(entries, ["tests/a.py::test_x[p1]", "tests/a.py::test_x[p2]",
+                            "tests/a.py::test_y", "tests/a.py::test_z"])
+    assert {n: e.location.line for n, e in res.chosen.items()} == {
+        "tests/a.py::test_x[p1]": 1, "tests/a.py::test_y": 2}
 
 
 def _good(old: str, new: str) -> str:
@@ -186,17 +226,29 @@ BROKEN = {
     "empty-tests": ({"l0_cpu.yml": _good("  tests:\n  - tests/gpu\n", "  tests: [] #<-\n")},
                     "l0_cpu[1].tests: List should have at least 1 item"),
     "bad-suffix": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - tests/unit TIMEOUT 90 #<-\n")},
-                   "unexpected 'TIMEOUT 90' after the node id"),
-    "default-timeout-text": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - tests/unit TIMEOUT (60) #<-\n")},
-                             "TIMEOUT (60) is the default; remove it"),
-    "default-timeout-mapping": ({"l0_cpu.yml": _good("timeout_seconds: 30}", "timeout_seconds: 3600} #<-")},
-                                "timeout_seconds 3600 is the default; remove it"),
+                   "unexpected 'TIMEOUT 90'; an entry is"),
+    "timeout-over-a-day": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - tests/unit TIMEOUT (1441) #<-\n")},
+                           "TIMEOUT (1441) is not a whole number of minutes in 1..1440 (24 hours)"),
+    "timeout-30-digits": ({"l0_cpu.yml": _good("  - tests/unit\n",
+                                               f"  - tests/unit TIMEOUT ({'9' * 30}) #<-\n")},
+                          "TIMEOUT (99999999999999999999... (30 characters)) is not a whole"),
+    "timeout-mapping-over-a-day": ({"l0_cpu.yml": _good("timeout_seconds: 30}",
+                                                        "timeout_seconds: 86401} #<-")},
+                                   "timeout 86401 s is outside 1 s .. 86400 s (24 hours)"),
     "zero-timeout": ({"l0_cpu.yml": _good("TIMEOUT (5)", "TIMEOUT (0) #<-")},
-                     "TIMEOUT (0) is not a positive whole number of minutes"),
+                     "TIMEOUT (0) is not a whole number of minutes in 1..1440"),
+    "skip-in-a-list": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - tests/unit SKIP (x) #<-\n")},
+                       "SKIP belongs in the waives file, not in a list"),
+    "bad-keyword": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - tests/unit -k 'a and' #<-\n")},
+                    "-k 'a and': ends early; expected a name, 'not' or '('"),
+    "keyword-unclosed-quote": ({"l0_cpu.yml": _good("  - tests/unit\n",
+                                                    "  - tests/unit -k \"a #<-\n")},
+                               "-k: the quote \" is never closed"),
     "timeout-twice": ({"l0_cpu.yml": _good("TIMEOUT (5)", "TIMEOUT (5) TIMEOUT (6) #<-")},
                       "TIMEOUT given twice"),
     "mapping-unknown-key": ({"l0_cpu.yml": _good("timeout_seconds: 30}", "timout_seconds: 30} #<-")},
-                            "unknown key 'timout_seconds'; allowed: test, timeout_seconds, isolation"),
+                            "unknown key 'timout_seconds'; allowed: test, timeout_seconds, "
+                            "isolation, keyword"),
     "mapping-string-bool": ({"l0_cpu.yml": _good("timeout_seconds: 30}", "isolation: 'yes'} #<-")},
                             "isolation: Input should be a valid boolean (got 'yes')"),
     "entry-not-text": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - 42 #<-\n")},
@@ -249,7 +301,7 @@ def test_every_problem_of_every_file_is_reported(tmp_path: Path) -> None:
     [
         pytest.param("tests/a.py\ntests/a.py\n", "duplicate entry 'tests/a.py' (first at line 1)", 2,
                      id="duplicate"),
-        pytest.param("tests/a.py # why\n", "unexpected '# why'", 1, id="inline-comment"),
+        pytest.param("tests/a.py EXTRA  # why\n", "unexpected 'EXTRA'", 1, id="unknown-marker"),
         pytest.param("# only a comment\n", "test list holds no entry", None, id="empty"),
     ],
 )

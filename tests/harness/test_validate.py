@@ -1,5 +1,5 @@
 """Validation across lists, waives and the collected suite: duplicates, entries and waives
-that select nothing, orphans, and the waives file format."""
+that select nothing, orphans (the waives format: test_waives.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from harness.lists.checks import (
     validate,
 )
 from harness.lists.db import load_test_db
-from harness.lists.errors import ListError
-from harness.lists.waives import load_waives, waive_for
 
 HEAD = "version: 0.0.1\nl0_cpu:\n"
 
@@ -75,69 +73,39 @@ def test_same_entry_in_two_contexts_is_no_duplicate(tmp_path: Path) -> None:
     assert duplicate_problems(db) == []
 
 
-def test_unmatched_entries_say_whether_the_file_exists(tmp_path: Path) -> None:
+def test_unmatched_entries_say_whether_the_file_exists_and_what_is_close(tmp_path: Path) -> None:
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "a.py").write_text("")
-    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", ["tests/a.py::gone", "tests/zz.py"])))
-    messages = [p.message for p in unmatched_problems(db.entries, tmp_path)]
+    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", [
+        "tests/a.py::gone", "tests/zz.py", "tests/a.py::test_x[p16-fi]", "tests/b.py::test_q"])))
+    collected = ["tests/a.py::gane", "tests/a.py::test_x[p16-fa]", "tests/a.py::test_x[p32-fi]",
+                 "tests/a.py::test_y[p16-fi]", "tests/a.py::unrelated_name", "tests/za.py::t"]
+    messages = [p.message for p in unmatched_problems(db.entries, tmp_path, collected)]
     assert messages == [
-        "entry 'tests/a.py::gone' matches no collected test",
-        f"entry 'tests/zz.py': no such file or folder 'tests/zz.py' under {tmp_path}",
+        "entry 'tests/a.py::gone' matches no collected test; closest: tests/a.py::gane",
+        f"entry 'tests/zz.py': no such file or folder 'tests/zz.py' under {tmp_path}; "
+        "closest: tests/za.py, tests/a.py",
+        "entry 'tests/a.py::test_x[p16-fi]' matches no collected test; closest: "
+        "tests/a.py::test_x[p16-fa], tests/a.py::test_x[p32-fi], tests/a.py::test_y[p16-fi]",
+        f"entry 'tests/b.py::test_q': no such file or folder 'tests/b.py' under {tmp_path}; "
+        "closest: tests/a.py::test_x, tests/a.py::test_y",
     ]
 
 
-def test_orphans_are_grouped_by_file(tmp_path: Path) -> None:
-    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", ["tests/a.py::t1"])))
-    ids = ["tests/a.py::t1", "tests/a.py::t2"] + [f"tests/b.py::t[{i}]" for i in range(7)]
-    found = [(str(p.location), p.message) for p in orphan_problems(db.entries, ids)]
+def test_orphans_are_grouped_by_file_with_their_likely_block(tmp_path: Path) -> None:
+    db = load_test_db(load(tmp_path, HEAD + block("pre_merge", ["tests/a.py::t1"])
+                           + block("post_merge", ["other/c.py"])))
+    ids = ["tests/a.py::t1", "tests/a.py::t2", "lone/d.py::t"] + [
+        f"tests/b.py::t[{i}]" for i in range(7)]
+    found = [(str(p.location), p.message) for p in orphan_problems(db, ids)]
+    where = f"{db.directory / 'l0_cpu.yml'}:3"
     assert found == [
-        ("tests/a.py", "1 collected tests are in no list: t2"),
-        ("tests/b.py", "7 collected tests are in no list: t[0], t[1], t[2], t[3], t[4], ..."),
+        ("lone/d.py", "1 collected tests are in no list: t"),
+        ("tests/a.py", "1 collected tests are in no list: t2; add 'tests/a.py' to l0_cpu[0] "
+         f"({where}), next to 'tests/a.py::t1'"),
+        ("tests/b.py", "7 collected tests are in no list: t[0], t[1], t[2], t[3], t[4], ...; add "
+         f"'tests/b.py' to l0_cpu[0] ({where}), next to 'tests/a.py::t1'"),
     ]
-
-
-WAIVES = """\
-# known failures
-tests/a.py::t[p1] SKIP (fails on (some) inputs) https://github.com/o/r/issues/1
-
-tests/b.py SKIP (slow) https://example.com/b
-"""
-
-
-def test_waives_parse_and_cover(tmp_path: Path) -> None:
-    path = tmp_path / "waives.txt"
-    path.write_text(WAIVES)
-    waives = load_waives(path)
-    assert [(w.test, w.reason, w.location.line) for w in waives] == [
-        ("tests/a.py::t[p1]", "fails on (some) inputs", 2), ("tests/b.py", "slow", 4)]
-    hit = waive_for(waives, "tests/b.py::Test::x")
-    assert hit is not None and hit.skip_reason == "waived: slow (https://example.com/b)"
-    assert waive_for(waives, "tests/a.py::t[p2]") is None
-
-
-@pytest.mark.parametrize(
-    ("text", "fragment"),
-    [
-        pytest.param("tests/a.py skip (x) https://e.com\n", "is not '<node id> SKIP (<reason>) <link>'",
-                     id="lower-case-skip"),
-        pytest.param("tests/a.py SKIP (x)\n", "is not '<node id> SKIP", id="no-link"),
-        pytest.param("tests/a.py SKIP ( ) https://e.com\n", "has an empty reason", id="no-reason"),
-        pytest.param("tests/a.py SKIP (x) nvbugs/123\n", "link 'nvbugs/123' is not an http(s) URL",
-                     id="bad-link"),
-        pytest.param("/abs/a.py SKIP (x) https://e.com\n", "relative to the repository root",
-                     id="absolute"),
-        pytest.param("tests/a.py SKIP (x) https://e.com\ntests/a.py SKIP (y) https://e.com\n",
-                     "'tests/a.py' is waived twice (first at line 1)", id="twice"),
-    ],
-)
-def test_broken_waives(tmp_path: Path, text: str, fragment: str) -> None:
-    path = tmp_path / "waives.txt"
-    path.write_text(text)
-    with pytest.raises(ListError) as caught:
-        load_waives(path)
-    [problem] = caught.value.problems
-    assert fragment in problem.message
-    assert problem.location == (path, len(text.splitlines()))
 
 
 def test_validate_against_a_real_collection(tmp_path: Path) -> None:
@@ -156,12 +124,22 @@ def test_validate_against_a_real_collection(tmp_path: Path) -> None:
     db = load(tmp_path, HEAD + block("pre_merge", ["tests/test_a.py::test_par", "tests/test_a.py::gone"])
               + block("post_merge", ["tests/test_a.py::test_plain"]))
     waives = tmp_path / "waives.txt"
-    waives.write_text("tests/test_a.py::test_par[p2] SKIP (x) https://e.com/1\n"
-                      "tests/test_a.py::test_par[p3] SKIP (x) https://e.com/2\n")
+    waives.write_text("tests/test_a.py::test_par[p2] SKIP (x)\n"
+                      "tests/test_a.py::test_par[p3] SKIP (https://nvbugs/2)\n"
+                      "tests/test_a.py::test_plain SKIP x\n")
     result = validate(db, waives, tmp_path)
     assert [str(p).replace(str(tmp_path) + "/", "") for p in result.problems] == [
+        "waives.txt:3: waive of 'tests/test_a.py::test_plain': unexpected 'x' after SKIP; a "
+        "waive is '<node id> SKIP [(<reason>)] [<link>]' (line ignored)",
         "test-db/l0_cpu.yml:10: entry 'tests/test_a.py::gone' matches no collected test",
-        "waives.txt:2: waive 'tests/test_a.py::test_par[p3]' matches no collected test",
-        "tests/test_orphan.py: 1 collected tests are in no list: test_lonely",
+        "waives.txt:2: waive 'tests/test_a.py::test_par[p3]' matches no collected test; "
+        "closest: tests/test_a.py::test_par[p1], tests/test_a.py::test_par[p2]",
+        "tests/test_orphan.py: 1 collected tests are in no list: test_lonely; add "
+        "'tests/test_orphan.py' to l0_cpu[0] (test-db/l0_cpu.yml:3), next to "
+        "'tests/test_a.py::test_par'",
     ]
-    assert result.summary() == "3 problems: 2 blocks, 3 entries, 2 waives, 4 collected tests"
+    assert [str(p).replace(str(tmp_path) + "/", "") for p in result.warnings] == [
+        "waives.txt:1: waive 'tests/test_a.py::test_par[p2]' has no link to an issue; write "
+        "SKIP (https://...)"]
+    assert result.summary() == ("4 problems, 1 warnings: 2 blocks, 3 entries, 2 waives, "
+                                "4 collected tests")

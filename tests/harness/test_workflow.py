@@ -70,7 +70,15 @@ def test_gpu_jobs_run_on_labelled_runners_with_a_list_per_kind() -> None:
         assert job["runs-on"] == ["self-hosted", "linux", "gpu", "${{ matrix.gpu }}"]
         assert {f"l0_{gpu}" for gpu in job["strategy"]["matrix"]["gpu"]} <= contexts
     shards = gpu_jobs["gpu-postmerge"]["strategy"]["matrix"]
-    assert shards["group"] == list(range(1, shards["splits"][0] + 1))
+    assert shards["shard"] == list(range(1, shards["shards"][0] + 1))
+
+
+def test_lists_lint_and_summary_run_even_when_tests_failed() -> None:
+    steps = _jobs()["cpu"]["steps"]
+    after_tests = steps[[s.get("run") for s in steps].index("ci/cpu.sh premerge") + 1:]
+    runs = [s["run"] for s in after_tests if "run" in s]
+    assert runs == ["nox -s lists", "nox -s lint", "ci/job_summary.sh results/premerge"]
+    assert all(s.get("if") == "always()" for s in after_tests)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
@@ -84,7 +92,7 @@ def test_scripts_are_executable_bash(script: Path) -> None:
     ("argv", "code", "message"),
     [
         pytest.param(["ci/cpu.sh", "nightly"], 2, "unknown session 'nightly'", id="cpu-session"),
-        pytest.param(["ci/gpu_postmerge.sh", "1"], 2, "usage: ci/gpu_postmerge.sh GROUP SPLITS",
+        pytest.param(["ci/gpu_postmerge.sh", "1"], 2, "usage: ci/gpu_postmerge.sh SHARD SHARDS",
                      id="postmerge-usage"),
     ],
 )
@@ -114,7 +122,7 @@ def test_nox_sessions() -> None:
     sessions = {line[2:].split(" -> ")[0]: line[0] for line in listing.splitlines()
                 if line[:2] in ("* ", "- ")}
     assert sessions == {"premerge": "*", "postmerge": "-", "lists": "-", "lint": "-", "bench": "-",
-                        "gpu": "-"}
+                        "gpu": "-", "repro": "-"}
 
 
 def test_noxfile_needs_the_nox_the_dev_extra_installs() -> None:

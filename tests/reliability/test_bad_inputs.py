@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from harness.cli import main as kvharness
 from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
+from harness.lists.waives import default_waives, load_waives
 from kvcache import Engine, KvCacheConfig, KVCacheManager
 from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
@@ -240,6 +241,12 @@ def test_bad_engine_options(kwargs: dict[str, Any], message: str) -> None:
 
 HEAD = "version: 0.0.1\nl0_cpu:\n- condition:\n    terms:\n      stage: pre_merge\n"
 GOOD_TESTS = "  tests:\n  - tests/unit/test_engine.py\n"
+# A "billion laughs" list: 8 levels of aliases, 9 each, in ~1 kB (9**8 strings expanded).
+ALIAS_BOMB = "version: 0.0.1\nx0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 9)}]\n" for i in range(1, 9)) + HEAD + GOOD_TESTS
+# Flat: 20,000 aliases of one 100 kB string.
+FLAT_ALIASES = (f"version: 0.0.1\nbig: &big {'x' * 100_000}\nmany: [" + ", ".join(["*big"] * 20_000)
+                + "]\n" + HEAD + GOOD_TESTS)
 
 
 @pytest.mark.parametrize(("name", "text", "line", "message"), cases(
@@ -250,7 +257,7 @@ GOOD_TESTS = "  tests:\n  - tests/unit/test_engine.py\n"
     pytest.param("l0_cpu.yml", HEAD.replace("pre_merge", "nightly") + GOOD_TESTS, 5,
                  r"stage.*'nightly'", id="yaml-bad-stage"),
     pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py::t TIMEOUT (soon)\n", 7,
-                 r"TIMEOUT \(soon\) is not a positive whole number of minutes",
+                 r"TIMEOUT \(soon\) is not a whole number of minutes in 1\.\.1440",
                  id="yaml-bad-timeout"),
     pytest.param("l0_cpu.yml", HEAD + "    terms:\n      stage: post_merge\n" + GOOD_TESTS, 6,
                  r"duplicate key 'terms' \(first at line 4\)", id="yaml-duplicate-key"),
@@ -268,6 +275,18 @@ GOOD_TESTS = "  tests:\n  - tests/unit/test_engine.py\n"
                  r"unknown key 'timout_seconds'", id="yaml-unknown-entry-key"),
     pytest.param("l0_cpu.yml", HEAD.replace("0.0.1", "9") + GOOD_TESTS, 1, r"version",
                  id="yaml-version"),
+    pytest.param("l0_cpu.yml", ALIAS_BOMB, 3,
+                 r"YAML: aliases \(\*x0\) are not allowed in list files; write the value out",
+                 id="yaml-alias-bomb"),
+    pytest.param("l0_cpu.yml", FLAT_ALIASES, 3, r"YAML: aliases \(\*big\) are not allowed",
+                 id="yaml-flat-aliases"),
+    pytest.param("l0_cpu.yml", HEAD + f"  tests:\n  - tests/x.py::t TIMEOUT ({'9' * 30})\n", 7,
+                 r"TIMEOUT \(9{20}\.\.\. \(30 characters\)\) is not a whole number of "
+                 r"minutes in 1\.\.1440 \(24 hours\)", id="yaml-timeout-overflow"),
+    pytest.param("l0_cpu.yml", HEAD + "    ranges:\n      system_gpu_count: {gte: 1"
+                 + "0" * 5000 + "}\n" + GOOD_TESTS, 7,
+                 r"YAML: integer of 5001 digits; list numbers have at most 18",
+                 id="yaml-long-int"),
 ))
 def test_broken_test_list(tmp_path: Path, name: str, text: str, line: int | None,
                           message: str) -> None:
@@ -276,6 +295,66 @@ def test_broken_test_list(tmp_path: Path, name: str, text: str, line: int | None
         load_test_db(tmp_path)
     where = f"{tmp_path / name}" + ("" if line is None else f":{line}:")
     assert where in str(info.value), f"the message does not point at {where}: {info.value}"
+
+
+def _symlink_loop(path: Path) -> None:
+    path.symlink_to(path.name)
+
+
+@pytest.mark.parametrize(("name", "make", "line", "message"), cases(
+    pytest.param("l0_cpu.yml", lambda p: p.write_bytes(HEAD.encode() + b"  tests: [caf\xe9]\n"),
+                 6, r"list file is not UTF-8 text: byte 0xe9 at offset 83",
+                 id="list-not-utf8"),
+    pytest.param("l0_cpu.yml", Path.mkdir, None, r"list file is a directory, not a file",
+                 id="list-directory"),
+    pytest.param("l0_cpu.yml", _symlink_loop, None,
+                 r"list file is a dangling symlink or a symlink loop", id="list-symlink-loop"),
+    pytest.param("l0_cpu.yaml", lambda p: p.write_text(HEAD + GOOD_TESTS), None,
+                 r"list files end in \.yml; rename it to l0_cpu\.yml \(a \.yaml file would be "
+                 r"ignored\)", id="list-yaml-suffix"),
+    pytest.param("l0_cpu.yml", lambda p: p.write_text(HEAD + GOOD_TESTS + "#" * 2_000_000), None,
+                 r"list file is larger than 1048576 bytes", id="list-too-large"),
+))
+def test_unreadable_test_list(tmp_path: Path, name: str, make: Callable[[Path], object],
+                              line: int | None, message: str) -> None:
+    make(tmp_path / name)
+    with pytest.raises(ListError, match=message) as info:
+        load_test_db(tmp_path)
+    where = f"{tmp_path / name}" + ("" if line is None else f":{line}:")
+    assert str(info.value).startswith(where), f"the message does not start with {where}"
+
+
+@pytest.mark.parametrize(("make", "message"), cases(
+    pytest.param(Path.mkdir, r"waives\.txt: waives file is a directory, not a file",
+                 id="waives-directory"),
+    pytest.param(lambda p: p.write_bytes(b"tests/x.py SKIP (\xff)\n"),
+                 r"waives\.txt:1: waives file is not UTF-8 text: byte 0xff at offset 17",
+                 id="waives-not-utf8"),
+))
+def test_unreadable_waives_file(tmp_path: Path, make: Callable[[Path], object],
+                                message: str) -> None:
+    make(tmp_path / "waives.txt")
+    # The default next to a test-db is taken whatever it is, never silently skipped.
+    found = default_waives(tmp_path / "test-db")
+    assert found == tmp_path / "waives.txt"
+    with pytest.raises(ListError) as info:
+        load_waives(found)
+    assert re.search(message, str(info.value)) and str(info.value).startswith(str(found))
+
+
+@pytest.mark.parametrize(("text", "message"), cases(
+    pytest.param("{not json", r"reuse_report\.json: not a readable reuse report: Expecting "
+                 r"property name", id="report-broken-json"),
+    pytest.param('{"records": [{"scenario": "s", "test_id": "t", "params": 3, "stats": {}, '
+                 '"expected": null, "passed": true}]}',
+                 r"reuse_report\.json: malformed reuse record", id="report-bad-record"),
+))
+def test_broken_reuse_report(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                             message: str) -> None:
+    (tmp_path / "reuse_report.json").write_text(text)
+    assert kvharness(["report", "--results-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"kvharness report: {re.escape(str(tmp_path))}/{message}", err), err
 
 
 # -- kvharness flags -----------------------------------------------------------------------
@@ -309,6 +388,8 @@ def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str
                  id="cli-missing-test-db"),
     pytest.param({"l0_cpu.yml": HEAD.replace("pre_merge", "nightly") + GOOD_TESTS},
                  r"kvharness list: .*l0_cpu\.yml:5: .*'nightly'", id="cli-broken-list"),
+    pytest.param({"l0_cpu.yml": ALIAS_BOMB}, r"kvharness list: .*l0_cpu\.yml:3: YAML: aliases",
+                 id="cli-alias-bomb"),
 ))
 def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               files: dict[str, str], message: str) -> None:

@@ -231,7 +231,8 @@ class ScenarioRun:
                     for o in results},
                 actual_requests={o.request_id: o.kv_metrics for o in results
                                  if o.kv_metrics is not None},
-                context=ReproContext(self.node_id, seed, dict(adapter.cache_config)),
+                context=ReproContext(self.node_id, seed, dict(adapter.cache_config),
+                                     adapter.admission_log()),
                 tree_dump=engine.manager.dump_tree)
             engine.manager.check_integrity()
             passed = True

@@ -1,0 +1,120 @@
+"""`-k "expr"` on a list entry, as TensorRT-LLM writes `unittest/... -k "partition0"`.
+
+The grammar is pytest's `-k`: names joined by `and`, `or`, `not` and parentheses; a name
+matches when it is a case-insensitive substring of one of the test's names. The names
+come from the node id alone (its folders, file, classes and function with parameters),
+so `kvharness validate` (which sees only collected ids) and a run agree; unlike pytest's
+`-k`, marker names do not match.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"\s*(?:(?P<paren>[()])|(?P<word>[\w:+\-.\[\]\\/]+))")
+_OPERATORS = ("and", "or", "not")
+MAX_EXPRESSION_CHARS = 1000  # a list entry, not a program: keeps the recursion shallow
+
+Matcher = Callable[[str], bool]
+
+
+def node_names(node_id: str) -> tuple[str, ...]:
+    """The names `-k` matches for `node_id`: each path part, class and function."""
+    path, _, inner = node_id.partition("::")
+    return (*path.split("/"), *(inner.split("::") if inner else ()))
+
+
+class _Parser:
+    """Recursive descent over `or_expr := and_expr (or and_expr)*`,
+    `and_expr := not_expr (and not_expr)*`, `not_expr := not not_expr | ( or_expr ) | name`."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tokens: list[tuple[int, str]] = []
+        pos = 0
+        while text[pos:].strip():
+            match = _TOKEN.match(text, pos)
+            if match is None:
+                bad = text[pos:].strip()[0]
+                raise ValueError(f"-k {text!r}: unexpected character {bad!r} at column "
+                                 f"{text.index(bad, pos) + 1}")
+            self.tokens.append((match.start(match.lastgroup or 0), match[0].strip()))
+            pos = match.end()
+        self.at = 0
+
+    def _peek(self) -> str | None:
+        return self.tokens[self.at][1] if self.at < len(self.tokens) else None
+
+    def _take(self) -> str:
+        token = self._peek()
+        if token is None:
+            raise ValueError(f"-k {self.text!r}: ends early; expected a name, 'not' or '('")
+        self.at += 1
+        return token
+
+    def parse(self) -> Callable[[Matcher], bool]:
+        if not self.tokens:
+            raise ValueError("-k with an empty expression")
+        tree = self._or()
+        if self._peek() is not None:
+            column = self.tokens[self.at][0] + 1
+            raise ValueError(f"-k {self.text!r}: unexpected {self._peek()!r} at column {column}")
+        return tree
+
+    def _or(self) -> Callable[[Matcher], bool]:
+        parts = [self._and()]
+        while self._peek() == "or":
+            self.at += 1
+            parts.append(self._and())
+        return parts[0] if len(parts) == 1 else (lambda m: any(p(m) for p in parts))
+
+    def _and(self) -> Callable[[Matcher], bool]:
+        parts = [self._not()]
+        while self._peek() == "and":
+            self.at += 1
+            parts.append(self._not())
+        return parts[0] if len(parts) == 1 else (lambda m: all(p(m) for p in parts))
+
+    def _not(self) -> Callable[[Matcher], bool]:
+        token = self._take()
+        if token == "not":
+            inner = self._not()
+            return lambda m: not inner(m)
+        if token == "(":
+            inner = self._or()
+            if self._take() != ")":
+                raise ValueError(f"-k {self.text!r}: '(' without its ')'")
+            return inner
+        if token == ")" or token in _OPERATORS:
+            raise ValueError(f"-k {self.text!r}: expected a name, got {token!r}")
+        word = token.lower()
+        return lambda m: m(word)
+
+
+@dataclass(frozen=True)
+class KeywordExpr:
+    """A parsed `-k` expression; `text` is what the list says."""
+
+    text: str
+    _tree: Callable[[Matcher], bool]
+
+    @classmethod
+    def parse(cls, text: str) -> KeywordExpr:
+        """Parse `text`; raises ValueError naming the expression and the bad token."""
+        if len(text) > MAX_EXPRESSION_CHARS:
+            raise ValueError(f"-k expression of {len(text)} characters; at most "
+                             f"{MAX_EXPRESSION_CHARS}")
+        return cls(text, _Parser(text).parse())
+
+    def matches(self, node_id: str) -> bool:
+        """True if the expression holds for the names of `node_id`."""
+        names = [n.lower() for n in node_names(node_id)]
+        return self._tree(lambda word: any(word in n for n in names))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeywordExpr) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)

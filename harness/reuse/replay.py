@@ -1,0 +1,131 @@
+"""Replay a ReproRecord without pytest: rebuild the cache from the record's config, feed
+it the admission log, and check the same counters again.
+
+An `oracle` check is recomputed from the log by the oracle (so a fixed oracle or cache
+shows "did not reproduce"); an `expect_reuse` check uses the bounds the test stated.
+Totals are the cache's stats over the window (minus the record's `before`); a request's
+counters are its metrics at its first admission, as the engine reports them.
+
+This is the one place the harness loads `kvcache` at run time, and only when a record is
+replayed: a repro file is a recording of kvcache's cache (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from harness.oracle.model import replay as oracle_replay
+from harness.oracle.types import OracleConfig
+from harness.reuse.assertions import (
+    Bounds,
+    ReuseMismatch,
+    _oracle_spec,
+    _raise_if_failed,
+    _Row,
+    diff_stats,
+    normalize_stats,
+)
+from harness.reuse.repro import ReproRecord
+
+if TYPE_CHECKING:
+    from kvcache import KVCacheManager
+
+_CACHE_KEYS = ("tokens_per_block", "max_num_blocks", "enable_block_reuse",
+               "enable_partial_reuse", "copy_on_partial_reuse")
+
+
+class Replay(NamedTuple):
+    """What a replay found: whether the failure came back, and the message to show."""
+
+    reproduced: bool
+    message: str
+
+
+def _cache(record: ReproRecord) -> KVCacheManager:
+    from kvcache import KvCacheConfig, KVCacheManager
+
+    missing = [k for k in ("tokens_per_block", "max_num_blocks") if k not in record.config]
+    if missing:
+        raise ValueError(f"{record.node_id}: the record's config lacks {missing}; the cache "
+                         "cannot be rebuilt")
+    config = KvCacheConfig(**{k: record.config[k] for k in _CACHE_KEYS if k in record.config})
+    return KVCacheManager(config)
+
+
+def _snapshot(seq: Any) -> dict[str, Any]:
+    return {**seq.metrics.as_dict(), "numCachedTokens": seq.num_cached_tokens}
+
+
+def _feed(cache: KVCacheManager, log: list[dict[str, Any]]) -> dict[Hashable, dict[str, Any]]:
+    """Apply the log; returns each request's metrics as its first admission ended (when
+    it was freed, or at the end of the log), which is what the engine reports."""
+    from kvcache import ReuseScope
+
+    first: dict[Hashable, dict[str, Any]] = {}
+    live: dict[Hashable, Any] = {}
+    for i, event in enumerate(log):
+        kind, seq_id = event["kind"], event["seq_id"]
+        if kind == "admit":
+            scope = None if event["scope"] is None else ReuseScope(*event["scope"])
+            seq = cache.add_sequence(seq_id, event["tokens"], scope)
+            cache.take_copy_ops()  # the engine performs the copies each step
+            if seq_id not in first:
+                live[seq_id] = seq
+        elif kind == "commit":
+            cache.commit(seq_id, event["num_tokens"])
+        elif kind == "append":
+            cache.append_tokens(seq_id, event["tokens"])
+        elif kind == "free":
+            if seq_id in live:
+                first[seq_id] = _snapshot(live.pop(seq_id))
+            cache.free_sequence(seq_id)
+        else:
+            raise ValueError(f"admission log event {i}: unknown kind {kind!r}")
+    first.update({seq_id: _snapshot(seq) for seq_id, seq in live.items()})
+    return first
+
+
+def _bounds(row: Mapping[str, Any]) -> Bounds | None:
+    if row["at_least"] is None and row["at_most"] is None:
+        return None
+    return Bounds(row["at_least"], row["at_most"])
+
+
+def _actual(where: str, counter: str, totals: Mapping[str, Any],
+            requests: Mapping[str, Mapping[str, Any]]) -> Any:
+    if where == "total":
+        return totals.get(counter)
+    got = requests.get(where)
+    return None if got is None else normalize_stats(got, where).get(counter)
+
+
+def replay(record: ReproRecord) -> Replay:
+    """Replay `record`. Raises ValueError when it cannot be replayed (no admission log,
+    no pool size, a malformed event)."""
+    if record.admission_log is None:
+        raise ValueError(f"{record.node_id}: the record has no admission log; rerun the "
+                         f"test itself: pytest '{record.node_id}'")
+    cache = _cache(record)
+    first = _feed(cache, record.admission_log)
+    totals = diff_stats(record.before, cache.stats())
+    requests = {f"request {seq_id!r}": m for seq_id, m in first.items()}
+    if record.check == "oracle":
+        prediction = oracle_replay(record.admission_log,
+                                   OracleConfig.from_cache_config(record.config, "repro config"))
+        specs = {"total": _oracle_spec(prediction.totals.as_dict(), record.exact)}
+        for seq_id, predicted in prediction.requests.items():
+            expected = {**predicted.as_dict(), "numCachedTokens": predicted.reused_tokens}
+            specs[f"request {seq_id!r}"] = _oracle_spec(expected, record.exact)
+        wanted = {(r["where"], r["counter"]) for r in record.rows}
+        rows = [_Row(where, name, bound, _actual(where, name, totals, requests))
+                for where, spec in specs.items() for name, bound in spec.items()
+                if (where, name) in wanted]
+    else:
+        rows = [_Row(r["where"], r["counter"], _bounds(r),
+                     _actual(r["where"], r["counter"], totals, requests)) for r in record.rows]
+    try:
+        _raise_if_failed(rows, None, cache.dump_tree)
+    except ReuseMismatch as exc:
+        return Replay(True, str(exc))
+    return Replay(False, f"every one of the {len(rows)} checks holds now")

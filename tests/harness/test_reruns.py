@@ -1,0 +1,168 @@
+"""Reruns by TensorRT-LLM's rule: a test that fails once passes on rerun and is reported
+apart; one that always fails is rerun twice and fails; a crash or a timeout is not
+rerun; past five failures nothing is; the policy comes from the list's stage."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from harness.reruns import rerun_budget
+
+pytest_plugins = ["pytester"]
+
+TESTS = """\
+import os
+import pathlib
+import time
+
+import pytest
+
+
+def bump(name):
+    path = pathlib.Path("attempts") / name
+    path.parent.mkdir(exist_ok=True)
+    count = int(path.read_text()) + 1 if path.exists() else 1
+    path.write_text(str(count))
+    return count
+
+
+def test_fails_once():
+    assert bump("once") > 1, "first attempt fails"
+
+def test_always_fails():
+    bump("always")
+    assert False, "broken for good"
+
+def test_crashes():
+    bump("crash")
+    os._exit(3)
+
+@pytest.mark.timeout(0.5)
+def test_hangs():
+    bump("hang")
+    time.sleep(5)
+
+def test_passes():
+    bump("passes")
+
+@pytest.mark.parametrize("n", range(7))
+def test_many(n):
+    bump(f"many{n}")
+    assert False
+"""
+
+DB = """\
+version: 0.0.1
+l0_cpu:
+- condition: {terms: {stage: pre_merge}}
+  tests:
+  - tests/test_r.py::test_fails_once
+- condition: {terms: {stage: post_merge}}
+  tests:
+  - tests/test_r.py::test_fails_once
+- condition: {terms: {stage: post_merge}, wildcards: {gpu: no-such-gpu}}
+  tests:
+  - tests/test_r.py
+"""
+
+
+@pytest.fixture
+def project(quiet_pytester: pytest.Pytester) -> pytest.Pytester:
+    quiet_pytester.mkdir("tests")
+    quiet_pytester.path.joinpath("tests", "test_r.py").write_text(TESTS)
+    quiet_pytester.mkdir("db")
+    quiet_pytester.path.joinpath("db", "l0_cpu.yml").write_text(DB)
+    return quiet_pytester
+
+
+def _attempts(pytester: pytest.Pytester) -> dict[str, int]:
+    folder = pytester.path / "attempts"
+    return {p.name: int(p.read_text()) for p in sorted(folder.iterdir())} if folder.exists() else {}
+
+
+@pytest.mark.parametrize(
+    ("seconds", "crashed", "budget"),
+    [(1.0, False, 2), (299.9, False, 2), (300.0, False, 1), (599.0, False, 1),
+     (600.0, False, 0), (1.0, True, 0)],
+)
+def test_budget_by_duration_and_crash(seconds: float, crashed: bool, budget: int) -> None:
+    assert rerun_budget(seconds, crashed) == budget
+
+
+def test_flaky_passes_on_rerun_and_is_reported_apart(project: pytest.Pytester) -> None:
+    result = project.runpytest("tests/test_r.py::test_fails_once", "tests/test_r.py::test_passes",
+                               "--reruns", "--junitxml", "junit.xml", "-v")
+    assert result.ret == pytest.ExitCode.OK
+    assert _attempts(project) == {"once": 2, "passes": 1}
+    result.stdout.fnmatch_lines([
+        "*test_fails_once PASSED ON RERUN*",
+        "*kvharness: passed on rerun (flaky)*",
+        "tests/test_r.py::test_fails_once: passed on rerun 1 of 2; first failure: "
+        "AssertionError: first attempt fails*",
+        "*= 1 passed, 1 passed on rerun in *",
+    ])
+    case = next(c for c in ET.parse(project.path / "junit.xml").getroot().iter("testcase")
+                if c.get("name") == "test_fails_once")
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props["kvharness_rerun"] == "passed on rerun 1 of 2"
+    assert case.find("failure") is None
+
+
+def test_broken_is_rerun_twice_then_fails(project: pytest.Pytester) -> None:
+    result = project.runpytest("tests/test_r.py::test_always_fails", "--reruns",
+                               "--junitxml", "junit.xml")
+    result.assert_outcomes(failed=1)
+    assert _attempts(project) == {"always": 3}
+    case = next(ET.parse(project.path / "junit.xml").getroot().iter("testcase"))
+    assert case.find("failure") is not None
+    assert {p.get("value") for p in case.iter("property")} == {"failed 2 reruns"}
+
+
+def test_crashes_and_timeouts_are_not_rerun(project: pytest.Pytester) -> None:
+    project.path.joinpath("qa.txt").write_text(
+        "tests/test_r.py::test_crashes ISOLATION\ntests/test_r.py::test_hangs\n")
+    result = project.runpytest("--test-list", "qa.txt", "--reruns")
+    result.assert_outcomes(failed=2)
+    assert _attempts(project) == {"crash": 1, "hang": 1}
+
+
+def test_no_reruns_past_five_failures(project: pytest.Pytester) -> None:
+    result = project.runpytest("tests/test_r.py::test_many", "--reruns")
+    result.assert_outcomes(failed=7)
+    attempts = _attempts(project)
+    assert [attempts[f"many{n}"] for n in range(7)] == [3, 3, 3, 3, 3, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("args", "outcome", "attempts"),
+    [
+        pytest.param(["--stage", "pre_merge"], "failed", 1, id="pre-merge-default-off"),
+        pytest.param(["--stage", "post_merge"], "passed", 2, id="post-merge-default-on"),
+        pytest.param(["--stage", "post_merge", "--no-reruns"], "failed", 1, id="flag-off"),
+        pytest.param(["--stage", "pre_merge", "--reruns"], "passed", 2, id="flag-on"),
+    ],
+)
+def test_policy_comes_from_the_stage_or_the_flag(project: pytest.Pytester, args: list[str],
+                                                  outcome: str, attempts: int) -> None:
+    result = project.runpytest("--test-db", "db", *args)
+    result.assert_outcomes(**{outcome: 1}, deselected=11)
+    assert _attempts(project) == {"once": attempts}
+
+
+def test_block_key_overrides_the_stage_default(project: pytest.Pytester) -> None:
+    db = project.path / "db" / "l0_cpu.yml"
+    db.write_text(DB.replace("- condition: {terms: {stage: pre_merge}}\n",
+                             "- condition: {terms: {stage: pre_merge}}\n  reruns: true\n"))
+    result = project.runpytest("--test-db", "db")
+    assert result.ret == pytest.ExitCode.OK
+    assert _attempts(project) == {"once": 2}
+
+
+def test_an_isolated_flaky_test_is_rerun_in_a_fresh_process(project: pytest.Pytester) -> None:
+    project.path.joinpath("qa.txt").write_text("tests/test_r.py::test_fails_once ISOLATION\n")
+    result = project.runpytest("--test-list", "qa.txt", "--reruns")
+    assert result.ret == pytest.ExitCode.OK
+    assert _attempts(project) == {"once": 2}
+    result.stdout.fnmatch_lines(["*= 11 deselected, 1 passed on rerun in *"])

@@ -1,0 +1,140 @@
+"""Shards by time: LPT against pytest-split's default split on a skewed durations file,
+shard counts from a time budget, and the plugin's --shard/--shards/--shard-time-budget
+with each shard's predicted and actual time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from pytest_split.algorithms import Algorithms
+
+from harness.report import summarize
+from harness.sharding import ShardRun, load_durations, lpt, predict, shards_for_budget
+
+pytest_plugins = ["pytester"]
+
+# Skewed as real suites are: the slow tests sit together (one file of long scenarios).
+IDS = [f"tests/test_fast.py::test_{i}" for i in range(12)] + [
+    f"tests/test_slow.py::test_{i}" for i in range(4)] + [
+    f"tests/test_more.py::test_{i}" for i in range(8)]
+SKEWED = {n: (100.0 if "slow" in n else 1.0) for n in IDS}
+
+
+class _Item(NamedTuple):
+    nodeid: str
+
+
+def _pytest_split_default(count: int) -> list[float]:
+    groups = Algorithms["duration_based_chunks"].value(count, [_Item(n) for n in IDS], SKEWED)
+    return [g.duration for g in groups]
+
+
+def test_lpt_beats_the_default_split_on_skewed_durations() -> None:
+    shards = lpt(IDS, SKEWED, 4)
+    makespan = max(s.predicted for s in shards)
+    best_possible = max(sum(SKEWED.values()) / 4, max(SKEWED.values()))
+    assert makespan == 105.0 <= 4 / 3 * best_possible
+    assert max(_pytest_split_default(4)) >= 1.5 * makespan  # contiguous chunks pile up
+
+
+def test_shards_partition_the_tests_in_collection_order() -> None:
+    shards = lpt(IDS, SKEWED, 3)
+    assert sorted(n for s in shards for n in s.tests) == sorted(IDS)
+    assert all(list(s.tests) == [n for n in IDS if n in s.tests] for s in shards)
+    assert lpt(IDS, SKEWED, 3) == shards  # every process computes the same plan
+    assert [s.number for s in shards] == [1, 2, 3]
+
+
+def test_unknown_tests_are_predicted_at_the_mean() -> None:
+    assert predict(["a::x", "a::y", "a::new"], {"a::x": 2.0, "a::y": 4.0})["a::new"] == 3.0
+    assert predict(["a::new"], {})["a::new"] == 1.0
+
+
+@pytest.mark.parametrize(("budget", "count"), [(110.0, 4), (50.0, 9), (1000.0, 1)])
+def test_a_time_budget_picks_the_shard_count(budget: float, count: int) -> None:
+    assert shards_for_budget(IDS, SKEWED, budget) == count
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("{not json", "not a readable durations file"), ("[1]", "a JSON object"),
+     ('{"t::a": -1}', "duration of 't::a' is -1, not seconds")],
+)
+def test_bad_durations_files(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / ".test_durations"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_durations(path)
+
+
+TESTS = "import pytest\n@pytest.mark.parametrize('n', range(6))\ndef test_n(n): pass\n"
+
+
+@pytest.fixture
+def project(quiet_pytester: pytest.Pytester) -> pytest.Pytester:
+    quiet_pytester.makepyfile(test_s=TESTS)
+    durations = {f"test_s.py::test_n[{n}]": 60.0 * (n + 1) for n in range(6)}
+    quiet_pytester.path.joinpath("durations.json").write_text(json.dumps(durations))
+    return quiet_pytester
+
+
+def _ran(result: pytest.RunResult) -> list[str]:
+    reports = result.reprec.getreports("pytest_runtest_logreport")  # type: ignore[attr-defined]
+    return [r.nodeid.split("[")[1].rstrip("]") for r in reports if r.when == "call"]
+
+
+def test_each_shard_runs_its_part_and_reports_predicted_and_actual(
+        project: pytest.Pytester) -> None:
+    ran = []
+    for shard in (1, 2, 3):
+        result = project.runpytest("--durations-file", "durations.json", "--shard", str(shard),
+                                   "--shards", "3", "--results-dir", f"out{shard}")
+        assert result.ret == pytest.ExitCode.OK
+        ran.append(_ran(result))
+        record = ShardRun.from_json(json.loads((project.path / f"out{shard}" / "shard.json")
+                                               .read_text()), "shard.json")
+        assert (record.shard, record.shards, record.tests) == (shard, 3, len(ran[-1]))
+        assert record.actual is not None and record.actual >= 0
+        result.stdout.fnmatch_lines([f"kvharness shard {shard}/3: *predicted 7.0 min (plan: "
+                                     "7.0, 7.0, 7.0 min), actual *"])
+    # LPT over 1..6 minutes: {6, 1}, {5, 2}, {4, 3}
+    assert ran == [["0", "5"], ["1", "4"], ["2", "3"]]
+
+
+def test_time_budget_sets_the_count_and_extra_shards_run_nothing(project: pytest.Pytester) -> None:
+    result = project.runpytest("--durations-file", "durations.json", "--shard", "2",
+                               "--shard-time-budget", "11")
+    result.stdout.fnmatch_lines(["kvharness shard 2/2: 3 tests, predicted 10.0 min*"])
+    beyond = project.runpytest("--durations-file", "durations.json", "--shard", "3",
+                               "--shard-time-budget", "11")
+    beyond.assert_outcomes(deselected=6)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--shards", "2"], "*--shards/--shard-time-budget need --shard K", id="no-k"),
+        pytest.param(["--shard", "1"], "*--shard K needs one of --shards N or *", id="no-n"),
+        pytest.param(["--shard", "3", "--shards", "2"], "*--shard 3 is outside 1..2", id="k-big"),
+        pytest.param(["--shard", "1", "--shards", "2", "--durations-file", "nope.json"],
+                     "*nope.json: not a readable durations file*", id="no-file"),
+    ],
+)
+def test_bad_shard_options(project: pytest.Pytester, args: list[str], message: str) -> None:
+    result = project.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_the_report_tabulates_every_shard(tmp_path: Path) -> None:
+    for shard, actual in ((1, 430.0), (2, None)):
+        out = tmp_path / f"results-{shard}"
+        out.mkdir()
+        run = ShardRun(shard, 2, 3, 420.0, (420.0, 420.0), actual)
+        (out / "shard.json").write_text(json.dumps(run.to_json()))
+    text = summarize(tmp_path)
+    assert ("## Shards\n\n| shard | tests | predicted | actual |\n|---|---|---|---|\n"
+            "| 1/2 | 3 | 7.0 min | 7.2 min |\n| 2/2 | 3 | 7.0 min | - |") in text
