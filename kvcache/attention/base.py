@@ -9,7 +9,7 @@ from typing import ClassVar, NamedTuple, Required, TypedDict
 import torch
 
 from kvcache.attention.metadata import PagedMetadata
-from kvcache.storage.kv_storage import KvStorage
+from kvcache.storage.kv_storage import KvStorage, PageViews
 
 
 class AttentionOutput(NamedTuple):
@@ -85,9 +85,14 @@ class AttentionBackend(ABC):
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         self.window_left = window_left
         self.logits_soft_cap = logits_soft_cap
-        self.pages = [storage.page_view(layer, self.page_size)
-                      for layer in range(storage.num_layers)]
         self._md: PagedMetadata | None = None
+
+    @property
+    def pages(self) -> PageViews:
+        """Every layer's (k, v) page views at this backend's page size. Read from the
+        storage on each use and never kept here, so releasing the storage frees its
+        memory while the backend lives; RuntimeError after that release."""
+        return self.storage.page_views(self.page_size)
 
     def plan(self, md: PagedMetadata) -> None:
         """Prepare this step's metadata for every layer's forward. Raises ValueError if

@@ -107,7 +107,9 @@ class FlashInferBackend(AttentionBackend):
     kernels lack (fp16/bf16 only), bad graph options, or a kernel family this FlashInfer
     or GPU cannot run. graph_max_pages caps the pages one graph step may reference
     (default: batch size times the storage's pages, which holds even when every request
-    shares every page).
+    shares every page). Packed (BLHNC) storage reaches FlashInfer as HND page views whose
+    page stride steps over heads and layers: its kernels (FA2, FA3) and append read each
+    view's strides, so nothing is copied.
     """
 
     name: ClassVar[str] = "flashinfer"
@@ -136,7 +138,7 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"FlashInferBackend: graph_batch_sizes={graph_batch_sizes} must be "
                              f"distinct positive ints")
         self._fi = _import_flashinfer()
-        device, layout = storage.device, storage.layout
+        device, layout = storage.device, storage.page_layout
         self.kernel_family = check_kernel_family(
             kernel_family, flashinfer_version=flashinfer_version(self._fi),
             capability=torch.cuda.get_device_capability(device), cuda_version=torch.version.cuda,
@@ -246,7 +248,7 @@ class FlashInferBackend(AttentionBackend):
             k, v = k.index_select(0, step.append_src), v.index_select(0, step.append_src)
         else:
             k, v = k[: md.num_append_tokens], v[: md.num_append_tokens]
-        call = append_call(k, v, step.buffers, self.pages[layer], self.storage.layout)
+        call = append_call(k, v, step.buffers, self.pages[layer], self.storage.page_layout)
         self._fi.page.append_paged_kv_cache(*call.args, **call.kwargs)
 
     def _attend(self, layer: int, md: PagedMetadata, q: torch.Tensor,

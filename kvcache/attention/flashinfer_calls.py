@@ -22,7 +22,7 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 
 from kvcache.attention.metadata import PagedMetadata
-from kvcache.storage.kv_storage import KvLayout
+from kvcache.storage.layouts import PageLayout
 
 KernelFamily = Literal["auto", "fa2", "fa3"]
 KERNEL_FAMILIES: tuple[KernelFamily, ...] = get_args(KernelFamily)
@@ -127,13 +127,13 @@ class StepBuffers(NamedTuple):
     append_pos: torch.Tensor     # [rows]: its position in that request
 
 
-def prefill_wrapper_call(workspace: torch.Tensor, layout: KvLayout,
+def prefill_wrapper_call(workspace: torch.Tensor, layout: PageLayout,
                          family: KernelFamily) -> Call:
     """BatchPrefillWithPagedKVCacheWrapper(...) over the shared float workspace."""
     return Call((workspace,), {"kv_layout": layout, "backend": family})
 
 
-def decode_wrapper_call(workspace: torch.Tensor, layout: KvLayout, use_tensor_cores: bool,
+def decode_wrapper_call(workspace: torch.Tensor, layout: PageLayout, use_tensor_cores: bool,
                         family: KernelFamily,
                         graph: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                         ) -> Call:
@@ -174,7 +174,7 @@ def run_call(q: torch.Tensor, kv_pages: tuple[torch.Tensor, torch.Tensor],
 
 
 def append_call(k: torch.Tensor, v: torch.Tensor, buffers: StepBuffers,
-                kv_pages: tuple[torch.Tensor, torch.Tensor], layout: KvLayout) -> Call:
+                kv_pages: tuple[torch.Tensor, torch.Tensor], layout: PageLayout) -> Call:
     """flashinfer.page.append_paged_kv_cache(...): row i of k/v goes to request
     append_batch[i] at position append_pos[i], through the step's device CSR."""
     return Call((k, v, buffers.append_batch, buffers.append_pos, kv_pages, buffers.kv_indices,

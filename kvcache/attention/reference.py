@@ -37,9 +37,9 @@ class ReferenceBackend(AttentionBackend):
         pages, slots = self._append_index
         n = md.num_append_tokens
         for view, new in zip(self.pages[layer], (k, v), strict=True):
-            if self.storage.layout == "NHD":   # view [pages, P, H, D]
+            if self.storage.page_layout == "NHD":  # view [pages, P, H, D]
                 view[pages, slots] = new[:n]
-            else:                              # view [pages, H, P, D]
+            else:                                   # view [pages, H, P, D]
                 view[pages, :, slots] = new[:n]
 
     def gather_kv(self, layer: int, request: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +49,7 @@ class ReferenceBackend(AttentionBackend):
         out = []
         for view in self.pages[layer]:
             chunk = view[pages]
-            if self.storage.layout == "HND":
+            if self.storage.page_layout == "HND":
                 chunk = chunk.transpose(1, 2)  # [n, H, P, D] -> [n, P, H, D]
             out.append(chunk.reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len])
         return out[0], out[1]

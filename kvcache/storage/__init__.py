@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
-from kvcache.storage.kv_storage import LAYOUTS, KvLayout, KvStorage
+from kvcache.storage.kv_storage import KvStorage
+from kvcache.storage.layouts import LAYOUTS, KvLayout, PageLayout
+from kvcache.storage.paging import PageGeometry
 
-__all__ = ["LAYOUTS", "KvLayout", "KvStorage"]
+__all__ = ["LAYOUTS", "KvLayout", "KvStorage", "PageGeometry", "PageLayout"]

@@ -1,35 +1,42 @@
-"""KV tensors: separate K and V block pools per layer, block copies and kernel page views.
+"""KV tensors in one of three layouts, block copies and the kernels' page views.
 
-A manager block holds `block_size` tokens. Attention kernels read the pools as *pages* of
-`page_size` tokens (block_size a multiple of page_size); because K and V are separate
-tensors, seeing a block as k = block_size // page_size pages is a strided view, never a
-copy. Page j of block b has index b * m + j in that view, m = page_index_multiplier:
+The layouts (per-layer NHD and HND pools, or one packed BLHNC allocation for all layers)
+are drawn in `kvcache.storage.layouts`; how a block reads as k kernel pages, and the page
+index multiplier that numbers them, in `kvcache.storage.paging`.
 
-    NHD pool [num_blocks, block_size, H, D]       HND pool [num_blocks, H, block_size, D]
-    block b = | page b*k | ... | page b*k+k-1 |     block b = head 0: | pg b*m | .. | pg b*m+k-1 |
-    (pages are contiguous slices: m = k)                    head 1: | ...  pages of head 1   ... |
-                                                  (page stride = page_size * D, so m = H * k)
+The storage owns every view of its memory. Backends read page views through
+`page_views()` on each use and keep none, so `release()` frees the memory even while a
+backend that read it lives, and a rebuilt storage (`release()`, then `allocate()`) is
+what the next read sees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from kvcache.core.ops import BlockCopy
 from kvcache.core.validate import check_positive_int
+from kvcache.storage.layouts import (
+    LAYOUTS,
+    PAGE_LAYOUT,
+    Allocation,
+    KvLayout,
+    PageLayout,
+    allocate,
+)
+from kvcache.storage.paging import PageGeometry, page_geometry
 
-KvLayout = Literal["NHD", "HND"]
-LAYOUTS: tuple[KvLayout, ...] = ("NHD", "HND")
+PageViews = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 class KvStorage:
-    """Per-layer K and V pools of `num_blocks` blocks, zero-initialised.
+    """K and V blocks of `num_layers` layers, `num_blocks` blocks each, zero-initialised.
 
-    `k[layer]` and `v[layer]` have shape [num_blocks, block_size, H, D] (NHD) or
-    [num_blocks, H, block_size, D] (HND). Raises ValueError naming the bad argument.
+    `k[layer]` and `v[layer]` are the layer's blocks, [num_blocks, block_size, H, D] when
+    `page_layout` is NHD and [num_blocks, H, block_size, D] when it is HND (layouts HND
+    and BLHNC). Raises ValueError naming the bad argument.
     """
 
     def __init__(
@@ -60,12 +67,59 @@ class KvStorage:
         self.dtype = dtype
         self.device = torch.device(device)
         self.layout: KvLayout = layout
-        shape = ((num_blocks, block_size, num_kv_heads, head_dim) if layout == "NHD"
-                 else (num_blocks, num_kv_heads, block_size, head_dim))
-        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device)
-                                      for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device)
-                                      for _ in range(num_layers)]
+        self.page_layout: PageLayout = PAGE_LAYOUT[layout]
+        self._alloc: Allocation | None = None
+        self._views: dict[int, PageViews] = {}  # page views by page size
+        self.allocate()
+
+    # ------------------------------------------------------------------ memory
+    def allocate(self) -> None:
+        """Allocate zeroed tensors: at construction, or to rebuild after `release()`.
+
+        CUDA graphs captured over the old memory still read it: capture them again.
+        Raises RuntimeError when the storage already holds memory.
+        """
+        if self._alloc is not None:
+            raise RuntimeError("KvStorage.allocate: the storage is allocated; release() first")
+        self._alloc = allocate(self.layout, num_layers=self.num_layers,
+                               num_blocks=self.num_blocks, block_size=self.block_size,
+                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                               dtype=self.dtype, device=self.device)
+
+    def release(self) -> None:
+        """Drop the tensors and every view the storage made of them; idempotent.
+
+        The memory is freed unless a caller still holds a tensor it took from `k`, `v`
+        or `page_views()`. Until `allocate()`, reads raise RuntimeError.
+        """
+        self._views.clear()
+        self._alloc = None
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the storage holds memory (False between release() and allocate())."""
+        return self._alloc is not None
+
+    def _allocation(self) -> Allocation:
+        if self._alloc is None:
+            raise RuntimeError("KvStorage was released: allocate() before reading or writing it")
+        return self._alloc
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Every layer's K blocks (views of the storage; see the class docstring)."""
+        return self._allocation().k
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        """Every layer's V blocks."""
+        return self._allocation().v
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors that own the memory: 2 for BLHNC (K, V), 2 * num_layers otherwise.
+        A block copy slices each once."""
+        return self._allocation().tensors
 
     @property
     def nbytes_per_token(self) -> int:
@@ -73,11 +127,12 @@ class KvStorage:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
+    # ------------------------------------------------------------------ copies
     def apply_copies(self, ops: Sequence[BlockCopy]) -> None:
         """Copy the first `num_tokens` slots of `src` into `dst`, every layer, in list order.
 
-        Mutates the pools. Every op is validated before any is applied, so a bad op leaves
-        the storage untouched; raises ValueError naming the op and field.
+        Mutates the storage. Every op is validated before any is applied, so a bad op
+        leaves the storage untouched; raises ValueError naming the op and field.
         """
         for i, op in enumerate(ops):
             for field in ("src", "dst"):
@@ -88,62 +143,91 @@ class KvStorage:
             if not 1 <= op.num_tokens <= self.block_size:
                 raise ValueError(f"apply_copies: ops[{i}].num_tokens={op.num_tokens} is outside "
                                  f"[1, {self.block_size}]")
-        # Op-major order: a later op may read a block an earlier op just wrote.
-        for op in ops:
-            n = op.num_tokens
-            for pool in (*self.k, *self.v):
-                if self.layout == "NHD":
-                    pool[op.dst, :n] = pool[op.src, :n]
-                else:
-                    pool[op.dst, :, :n] = pool[op.src, :, :n]
+        alloc = self._allocation()
+        for wave in _waves(ops):
+            src, dst = _wave_index(wave, alloc.token_dim, self.device)
+            for tensor in alloc.tensors:  # 2 for BLHNC, 2 * num_layers otherwise
+                tensor[dst] = tensor[src]
 
-    def _pages_per_block(self, page_size: int) -> int:
-        if not isinstance(page_size, int) or page_size < 1 or self.block_size % page_size:
-            raise ValueError(f"page_size={page_size!r} must be a positive divisor of "
-                             f"block_size={self.block_size}")
-        return self.block_size // page_size
+    # ------------------------------------------------------------------ page views
+    def geometry(self, page_size: int) -> PageGeometry:
+        """How every layer's blocks read as pages of `page_size` tokens.
+
+        Raises ValueError when page_size does not divide block_size or page ids would
+        overflow int32; RuntimeError after release().
+        """
+        block = self.k[0]
+        return page_geometry(self.page_layout, tuple(block.shape), tuple(block.stride()),
+                             page_size, f"KvStorage({self.layout})")
 
     def page_index_multiplier(self, page_size: int) -> int:
-        """m such that page j < k of block b is page b * m + j of `page_view(., page_size)`.
+        """m such that page j < k of block b is page b * m + j of every layer's page view.
 
-        m = 1 without re-paging (page_size == block_size: the pool itself is the view);
-        otherwise m = k for NHD and num_kv_heads * k for HND, where k = block_size //
-        page_size. HND needs the larger m because one page stride must step through the
-        k pages of head 0 of a block, so pages b*m + k .. b*m + m - 1 start inside the
-        other heads' rows: they exist in the view, overlap real pages, and are never
-        referenced. Raises ValueError when page_size does not divide block_size.
+        1 without re-paging (page_size == block_size); with k = block_size // page_size
+        pages a block: k for NHD, num_kv_heads * k for HND, num_layers * num_kv_heads * k
+        for BLHNC (pictures in kvcache.storage.paging). Ids b * m + k .. b * m + m - 1
+        exist in the views, overlap real pages and are never referenced. Raises as
+        `geometry`.
         """
-        k = self._pages_per_block(page_size)
-        if k == 1:
-            return 1
-        return k if self.layout == "NHD" else self.num_kv_heads * k
+        return self.geometry(page_size).multiplier
 
     def num_pages(self, page_size: int) -> int:
-        """Number of pages in `page_view(., page_size)` (referenced or not)."""
-        k = self._pages_per_block(page_size)
-        m = self.page_index_multiplier(page_size)
-        return (self.num_blocks - 1) * m + k
+        """Number of pages in each layer's page view (referenced or not)."""
+        return self.geometry(page_size).num_pages
+
+    def page_views(self, page_size: int) -> PageViews:
+        """(k_view, v_view) of every layer: its blocks as pages of `page_size` tokens.
+
+        Shapes [num_pages, page_size, H, D] (page layout NHD) or [num_pages, H,
+        page_size, D] (HND); writes through a view land in the storage. Made once per
+        page size and kept here (release() drops them). Raises as `geometry`.
+        """
+        views = self._views.get(page_size) if type(page_size) is int else None
+        if views is None:
+            g = self.geometry(page_size)
+            views = self._views[page_size] = tuple(
+                (k.as_strided(g.size, g.stride, k.storage_offset()),
+                 v.as_strided(g.size, g.stride, v.storage_offset()))
+                for k, v in zip(self.k, self.v, strict=True))
+        return views
 
     def page_view(self, layer: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_view, v_view) of `layer`: the same memory as pages of `page_size` tokens.
-
-        Shapes [num_pages, page_size, H, D] (NHD) or [num_pages, H, page_size, D] (HND);
-        writes through a view land in the pools. Raises ValueError for a bad layer or a
-        page_size that does not divide block_size.
-        """
+        """(k_view, v_view) of `layer` (see page_views). Raises ValueError for a bad layer
+        or page_size."""
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"page_view: layer={layer!r} is outside [0, {self.num_layers})")
-        k = self._pages_per_block(page_size)
-        if k == 1:
-            return self.k[layer], self.v[layer]
-        H, D = self.num_kv_heads, self.head_dim
-        if self.layout == "NHD":
-            # A block is k consecutive contiguous pages: a plain reshape.
-            shape = (self.num_blocks * k, page_size, H, D)
-            return self.k[layer].view(shape), self.v[layer].view(shape)
-        # HND: page stride = page_size * D inside a head row; head stride stays the
-        # block's (block_size * D). The last page ends exactly at the end of the pool.
-        size = (self.num_pages(page_size), H, page_size, D)
-        stride = (page_size * D, self.block_size * D, D, 1)
-        return (self.k[layer].as_strided(size, stride),
-                self.v[layer].as_strided(size, stride))
+        return self.page_views(page_size)[layer]
+
+
+Index = tuple[int | slice | torch.Tensor, ...]
+
+
+def _wave_index(wave: Sequence[BlockCopy], token_dim: int, device: torch.device
+                ) -> tuple[Index, Index]:
+    """(src, dst) indexes of a wave's slots in a tensor with blocks on axis 0 and tokens
+    on `token_dim`: slices for one op, else (block, slot) pairs for one gather/scatter."""
+    lead = (slice(None),) * (token_dim - 1)  # the axes between block and token
+    if len(wave) == 1:
+        op = wave[0]
+        return ((op.src, *lead, slice(0, op.num_tokens)),
+                (op.dst, *lead, slice(0, op.num_tokens)))
+    n = torch.tensor([op.num_tokens for op in wave])
+    slots = torch.cat([torch.arange(op.num_tokens) for op in wave]).to(device)
+    src = torch.tensor([op.src for op in wave]).repeat_interleave(n).to(device)
+    dst = torch.tensor([op.dst for op in wave]).repeat_interleave(n).to(device)
+    return (src, *lead, slots), (dst, *lead, slots)
+
+
+def _waves(ops: Sequence[BlockCopy]) -> Iterator[Sequence[BlockCopy]]:
+    """Consecutive runs of ops that one gather-then-scatter applies as list order would:
+    a run ends before an op that reads or rewrites a block the run has written. (A run
+    may overwrite a block it read earlier: the gather has read it by then.)"""
+    start = 0
+    written: set[int] = set()
+    for i, op in enumerate(ops):
+        if op.src in written or op.dst in written:
+            yield ops[start:i]
+            start, written = i, set()
+        written.add(op.dst)
+    if start < len(ops):
+        yield ops[start:]

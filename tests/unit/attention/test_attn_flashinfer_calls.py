@@ -116,6 +116,26 @@ def test_run_and_append_calls_bind(fi: ModuleType, layout: KvLayout) -> None:
     assert call.kwargs["kv_layout"] == layout
 
 
+@pytest.mark.parametrize("layout", [*LAYOUTS, pytest.param("BLHNC", id="blhnc")])
+@pytest.mark.parametrize("page_size", [pytest.param(8, id="p8"), pytest.param(2, id="b8p2")])
+def test_page_views_meet_flashinfer_stride_rules(layout: KvLayout, page_size: int) -> None:
+    """What the backend hands FlashInfer: kv_layout NHD or HND (packed storage reads as
+    HND pages), K and V views with identical strides (its decode kernel checks this), a
+    unit channel stride, and strides that fit its uint32 fields."""
+    sc = Scenario([(5, 6), (13, 1)], page_size=page_size, layout=layout, dtype=torch.float16)
+    assert sc.storage.page_layout == ("NHD" if layout == "NHD" else "HND")
+    for layer in range(sc.num_layers):
+        k_view, v_view = sc.storage.page_view(layer, page_size)
+        assert k_view.stride() == v_view.stride(), f"layer {layer}"
+        assert k_view.stride(-1) == 1 and max(k_view.stride()) < 2**32
+        token_dim = 1 if sc.storage.page_layout == "NHD" else 2
+        assert k_view.shape[token_dim] == page_size
+        call = append_call(sc.k_new[layer], sc.v_new[layer], _buffers(sc), (k_view, v_view),
+                           sc.storage.page_layout)
+        assert call.kwargs["kv_layout"] == sc.storage.page_layout
+        assert call.args[4][0] is k_view  # the view itself, no contiguous copy
+
+
 # FlashInfer 0.6.0 signatures, from its flashinfer/{prefill,decode,page}.py:
 # (required positional names, optional names).
 V060: dict[str, tuple[list[str], list[str]]] = {

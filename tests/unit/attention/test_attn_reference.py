@@ -29,7 +29,8 @@ CASES = [
 ]
 PAGING = [pytest.param(8, None, id="p8"), pytest.param(8, 4, id="b8p4"),
           pytest.param(8, 2, id="b8p2"), pytest.param(16, 16, id="p16")]
-LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
+LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd"),
+           pytest.param("BLHNC", id="blhnc")]
 
 
 def _run(sc: Scenario, options: dict[str, float], layer: int,

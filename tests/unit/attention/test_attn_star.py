@@ -34,7 +34,8 @@ def _outputs(sc: Scenario, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return outs[0], outs[1]
 
 
-@pytest.mark.parametrize("layout", [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")])
+@pytest.mark.parametrize("layout", [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd"),
+                                    pytest.param("BLHNC", id="blhnc")])
 def test_context_phase_matches_star_mask(layout: KvLayout) -> None:
     # A fresh prompt, a chunk after a non-aligned cached prefix, and a one-token request.
     sc = Scenario([(0, 13), (6, 9), (10, 1)], block_size=8, page_size=4, layout=layout)

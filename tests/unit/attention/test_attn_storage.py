@@ -1,4 +1,4 @@
-"""KV storage: validation, block copies, page views that share memory."""
+"""KV storage: validation, block copies, page views that share memory, every layout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from kvcache.core.ops import BlockCopy
 from kvcache.storage.kv_storage import KvLayout, KvStorage
 
-LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
+LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd"),
+           pytest.param("BLHNC", id="blhnc")]
 
 
 def _storage(layout: KvLayout = "NHD", **kwargs: object) -> KvStorage:
@@ -22,7 +23,7 @@ def _storage(layout: KvLayout = "NHD", **kwargs: object) -> KvStorage:
 
 
 def _token(storage: KvStorage, pool: torch.Tensor, block: int, slot: int) -> torch.Tensor:
-    return pool[block, slot] if storage.layout == "NHD" else pool[block, :, slot]
+    return pool[block, slot] if storage.page_layout == "NHD" else pool[block, :, slot]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -90,7 +91,8 @@ def test_page_view_is_the_same_memory(layout: KvLayout, page_size: int) -> None:
     storage = _storage(layout)
     k = 8 // page_size
     m = storage.page_index_multiplier(page_size)
-    assert m == (1 if k == 1 else k if layout == "NHD" else 3 * k)
+    heads_and_layers = {"NHD": 1, "HND": 3, "BLHNC": 2 * 3}[layout]
+    assert m == (1 if k == 1 else heads_and_layers * k)
     k_view, v_view = storage.page_view(1, page_size)
     assert k_view.data_ptr() == storage.k[1].data_ptr()
     assert v_view.data_ptr() == storage.v[1].data_ptr()
@@ -117,3 +119,19 @@ def test_page_view_rejects_bad_arguments() -> None:
         storage.page_index_multiplier(16)
     with pytest.raises(ValueError, match="layer=2"):
         storage.page_view(2, 4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batch_of_copies_equals_applying_them_one_by_one(layout: KvLayout, seed: int) -> None:
+    """Batches are gathered and scattered in runs; chains (a copy reading an earlier
+    copy's destination), rewrites and overwrites of a read block must keep list order."""
+    rng = torch.Generator().manual_seed(seed)
+    ops = [BlockCopy(*torch.randint(0, 5, (2,), generator=rng).tolist(),
+                     int(torch.randint(1, 9, (1,), generator=rng))) for _ in range(12)]
+    batched, single = _storage(layout), _storage(layout)
+    batched.apply_copies(ops)
+    for op in ops:
+        single.apply_copies([op])
+    for a, b in zip((*batched.k, *batched.v), (*single.k, *single.v), strict=True):
+        assert torch.equal(a, b), ops
