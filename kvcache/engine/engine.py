@@ -60,7 +60,8 @@ class Engine:
     `model` is a Transformer or a preset name (weights from `seed`). `max_num_tokens` is
     the per-step token budget, `max_batch_size` the running requests. `pad_decode` pads
     decode batches to `graph_batch_sizes` as CUDA-graph replay does (`cuda_graph=True`
-    captures them; it needs CUDA and the flashinfer backend). `layout` ("NHD"/"HND") and
+    captures them; it needs CUDA and the flashinfer backend). `layout` ("NHD"/"HND": a K
+    and a V pool per layer; "BLHNC": one packed K and V for all layers, block-major) and
     `page_size` (a divisor of the block size: re-paging) shape the KV storage the backend
     reads. `record_events` keeps the cache's admission log for the reuse oracle.
     `share_prefixes` holds a request back while a running one of the same scope still

@@ -227,6 +227,10 @@ IDS.add("abort-finished")
     pytest.param({"model": "hybrid-tiny", "state_snapshot_interval": 0},
                  r"Engine: state_snapshot_interval must be an int >= 1, got 0",
                  id="eng-snapshot-interval"),
+    pytest.param({"layout": "BLNHC"}, r"KvStorage: layout must be one of \('NHD', 'HND', "
+                 r"'BLHNC'\), got 'BLNHC'", id="eng-layout"),
+    pytest.param({"layout": "BLHNC", "page_size": 3}, r"KvStorage\(BLHNC\): page_size=3 must "
+                 r"be a positive divisor of block_size=4", id="eng-packed-page-size"),
 ))
 def test_bad_engine_options(kwargs: dict[str, Any], message: str) -> None:
     if kwargs.get("cuda_graph") and torch.cuda.is_available():

@@ -97,7 +97,7 @@ def test_one_token_prefill_chunks_that_sample_nothing() -> None:
     assert engine.num_steps == 6 + 2  # five steps sampled nothing
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("layout", ["NHD", "HND", "BLHNC"])
 @pytest.mark.parametrize("page_size", [2, 4])
 def test_repaged_kernel_pages_equal_direct_paging(layout: str, page_size: int) -> None:
     ps = prompts(2, 21, seed=3)
