@@ -31,7 +31,8 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SOFT_CAP_TOL_SCALE = 2.5
 BLOCK = 16
 FAMILIES = [pytest.param(f, id=f) for f in KERNEL_FAMILIES]
-LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
+LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd"),
+           pytest.param("BLHNC", id="blhnc")]
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 PAGES = [pytest.param(16, id="p16"), pytest.param(4, id="b16p4")]
 # Query heads per KV head: 2 takes FlashInfer's CUDA-core decode kernel, 4 its
