@@ -12,7 +12,7 @@ what the next read sees.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -144,10 +144,13 @@ class KvStorage:
                 raise ValueError(f"apply_copies: ops[{i}].num_tokens={op.num_tokens} is outside "
                                  f"[1, {self.block_size}]")
         alloc = self._allocation()
-        for wave in _waves(ops):
-            src, dst = _wave_index(wave, alloc.token_dim, self.device)
+        dim = alloc.token_dim - 1  # the token axis of one block
+        # Op-major: a later op may read a block an earlier op just wrote. One slice copy
+        # per op and tensor beat a gather/scatter of (block, slot) pairs by 8-17x on CPU.
+        for op in ops:
+            n = op.num_tokens
             for tensor in alloc.tensors:  # 2 for BLHNC, 2 * num_layers otherwise
-                tensor[dst] = tensor[src]
+                tensor[op.dst].narrow(dim, 0, n).copy_(tensor[op.src].narrow(dim, 0, n))
 
     # ------------------------------------------------------------------ page views
     def geometry(self, page_size: int) -> PageGeometry:
@@ -197,37 +200,3 @@ class KvStorage:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"page_view: layer={layer!r} is outside [0, {self.num_layers})")
         return self.page_views(page_size)[layer]
-
-
-Index = tuple[int | slice | torch.Tensor, ...]
-
-
-def _wave_index(wave: Sequence[BlockCopy], token_dim: int, device: torch.device
-                ) -> tuple[Index, Index]:
-    """(src, dst) indexes of a wave's slots in a tensor with blocks on axis 0 and tokens
-    on `token_dim`: slices for one op, else (block, slot) pairs for one gather/scatter."""
-    lead = (slice(None),) * (token_dim - 1)  # the axes between block and token
-    if len(wave) == 1:
-        op = wave[0]
-        return ((op.src, *lead, slice(0, op.num_tokens)),
-                (op.dst, *lead, slice(0, op.num_tokens)))
-    n = torch.tensor([op.num_tokens for op in wave])
-    slots = torch.cat([torch.arange(op.num_tokens) for op in wave]).to(device)
-    src = torch.tensor([op.src for op in wave]).repeat_interleave(n).to(device)
-    dst = torch.tensor([op.dst for op in wave]).repeat_interleave(n).to(device)
-    return (src, *lead, slots), (dst, *lead, slots)
-
-
-def _waves(ops: Sequence[BlockCopy]) -> Iterator[Sequence[BlockCopy]]:
-    """Consecutive runs of ops that one gather-then-scatter applies as list order would:
-    a run ends before an op that reads or rewrites a block the run has written. (A run
-    may overwrite a block it read earlier: the gather has read it by then.)"""
-    start = 0
-    written: set[int] = set()
-    for i, op in enumerate(ops):
-        if op.src in written or op.dst in written:
-            yield ops[start:i]
-            start, written = i, set()
-        written.add(op.dst)
-    if start < len(ops):
-        yield ops[start:]

@@ -124,8 +124,8 @@ def test_page_view_rejects_bad_arguments() -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_batch_of_copies_equals_applying_them_one_by_one(layout: KvLayout, seed: int) -> None:
-    """Batches are gathered and scattered in runs; chains (a copy reading an earlier
-    copy's destination), rewrites and overwrites of a read block must keep list order."""
+    """Chains (a copy reading an earlier copy's destination), rewrites and overwrites of
+    a block read earlier keep list order in one batch."""
     rng = torch.Generator().manual_seed(seed)
     ops = [BlockCopy(*torch.randint(0, 5, (2,), generator=rng).tolist(),
                      int(torch.randint(1, 9, (1,), generator=rng))) for _ in range(12)]
