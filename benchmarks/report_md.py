@@ -122,6 +122,39 @@ def _metadata(benches: Sequence[Benchmark]) -> list[str]:
             *table(["batch", "ragged", "context", "build", "copy_", "build / copy_"], rows)]
 
 
+def _layouts(benches: Sequence[Benchmark]) -> list[str]:
+    by = {(b.extra["kind"], b.extra["layout"], int(b.extra["batch"])): b for b in benches}
+    e = benches[0].extra
+    lines = [f"## Storage layouts: metadata build and block copies ({e['layers']} layers, "
+             f"blocks of {e['block_size']} read as pages of {e['page_size']}, "
+             f"{e['context']}-token decode)", "",
+             "Best of rounds (on a shared machine the least disturbed figure), against the "
+             "best of one copy_ of the step's kv_indices (metadata, copies) and of one copy_ "
+             "of the bytes the copies move (memcpy), timed in the same run.", ""]
+    order = {"NHD": 0, "HND": 1, "BLHNC": 2}
+    rows = []
+    for layout, batch in sorted({k[1:] for k in by}, key=lambda k: (k[1], order.get(k[0], 3))):
+        meta, copies = by.get(("metadata", layout, batch)), by.get(("copies", layout, batch))
+        row: list[Any] = [layout, batch]
+        row += ([meta.extra.get("multiplier", "?"), duration(meta.min),
+                 ratio(meta.extra.get("ratio_to_index_copy"))] if meta else ["n/a"] * 3)
+        row += ([copies.extra.get("tensors", "?"), duration(copies.min),
+                 ratio(copies.extra.get("ratio_to_index_copy")),
+                 ratio(copies.extra.get("ratio_to_memcpy"))] if copies else ["n/a"] * 4)
+        rows.append(row)
+    lines += table(["layout", "batch", "page multiplier", "metadata build", "build / copy_",
+                    "tensors copied", "block copies", "copies / copy_", "copies / memcpy"],
+                   rows)
+    for batch in sorted({k[2] for k in by}):
+        packed = by.get(("copies", "BLHNC", batch))
+        per_layer = [b.min for b in (by.get(("copies", layout, batch)) for layout in
+                                     ("NHD", "HND")) if b is not None]
+        if packed is not None and per_layer:
+            lines.append(f"- batch {batch}: packed block copies {ratio(min(per_layer) / packed.min)}"
+                         f" faster than the fastest per-layer layout")
+    return [*lines, ""]
+
+
 def _attention(benches: Sequence[Benchmark]) -> list[str]:
     rows = [[b.name, duration(b.median), ratio(b.extra.get("ratio"))]
             for b in benches if b.base == "test_reference_attention"]
@@ -290,6 +323,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("Decode metadata build", _bases("test_build_decode_metadata",
                                             "test_build_decode_metadata_ragged",
                                             "test_copy_kv_indices_baseline"), _metadata),
+    Section("Storage layouts", _suite("layouts"), _layouts),
     Section("Reference paged attention", _bases("test_reference_attention",
                                                 "test_dense_attention_baseline"), _attention),
     Section("Time to first token", _suite("ttft"), _ttft),

@@ -77,7 +77,25 @@ def suite_benches() -> list[dict[str, Any]]:
                                                    "batch": 8, "device": "NVIDIA H200"}),
         bench("test_decode_step[graph-b8]", 1e-3, {"suite": "gpu_decode_step", "mode": "graph",
                                                    "batch": 8, "device": "NVIDIA H200"}),
+        *layouts(),
         bench("test_something_new", 0.25, {}),
+    ]
+
+
+def layouts() -> list[dict[str, Any]]:
+    """The layouts suite at batch 64: BLHNC's metadata build, its copies and NHD's."""
+    common = {"suite": "layouts", "batch": 64, "layers": 16, "block_size": 64,
+              "page_size": 16, "context": 4096}
+    return [
+        bench("test_layout_metadata_build[blhnc-b64]", 60e-6, common | {
+            "kind": "metadata", "layout": "BLHNC", "multiplier": 128,
+            "ratio_to_index_copy": 20.0}, minimum=50e-6),
+        bench("test_layout_block_copies[blhnc-b64]", 3e-3, common | {
+            "kind": "copies", "layout": "BLHNC", "tensors": 2, "ratio_to_index_copy": 500.0,
+            "ratio_to_memcpy": 8.0}, minimum=2e-3),
+        bench("test_layout_block_copies[nhd-b64]", 40e-3, common | {
+            "kind": "copies", "layout": "NHD", "tensors": 32, "ratio_to_index_copy": 8000.0,
+            "ratio_to_memcpy": 120.0}, minimum=30e-3),
     ]
 
 
@@ -109,6 +127,9 @@ def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
                  "| 0.3156 |", "| 23552 |", "| 89.08 |", "| float16 | 2048.0 |",
                  "| 8 | 2 ms | 1 ms | 2.00x |", "NVIDIA H200",  # GPU decode step
                  "| decode | 64 x (4095 + 1) | fa2 (fa2) | 100 us |",  # GPU attention
+                 "| BLHNC | 64 | 128 | 50 us | 20.00x | 2 | 2 ms | 500.00x | 8.00x |",
+                 "| NHD | 64 | n/a | n/a | n/a | 32 | 30 ms | 8000.00x | 120.00x |",
+                 "batch 64: packed block copies 15.00x faster",  # storage layouts
                  "test_something_new", "torch 9.9.9-synthetic", "commit abcdef123456"):
         assert text in md, f"{text!r} missing from summary.md:\n{md}"
     for png in ("ttft_vs_cached_fraction.png", "hit_rate_vs_pool_size.png",
