@@ -9,13 +9,14 @@ copy-on-partial-reuse emits them. Both are compared with one copy_ of the step's
 finished int32 kv_indices, timed in the same run; copies also with one copy_ of as many
 contiguous bytes as they move (the memcpy floor). Ratios divide best times (the fastest
 round against the fastest baseline run): on a shared machine the minimum is the figure
-that load disturbs least.
+that load disturbs least. One intra-op thread throughout: a copy_ split over two threads
+waits milliseconds for the second whenever the other core is busy.
 """
 
 from __future__ import annotations
 
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,15 @@ LAYERS, HEADS, HEAD_DIM, DTYPE = 16, 2, 32, torch.float16
 BLOCK, PAGE, CONTEXT, COPY_TOKENS = 64, 16, 4096, 32
 BATCHES = [pytest.param(b, id=f"b{b}") for b in (1, 64, 256)]
 LAYOUT_PARAMS = [pytest.param(layout, id=layout.lower()) for layout in LAYOUTS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Run this module with one intra-op thread, then restore the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _best_us(fn: Callable[[], Any], number: int = 100, repeat: int = 15) -> float:
@@ -64,7 +74,8 @@ def _index_copy_us(kv_indices: torch.Tensor) -> float:
 def _record(benchmark: Any, layout: str, batch: int, baselines: dict[str, float],
             **extra: Any) -> None:
     benchmark.extra_info.update(suite="layouts", layout=layout, batch=batch, layers=LAYERS,
-                                block_size=BLOCK, page_size=PAGE, context=CONTEXT, **extra)
+                                block_size=BLOCK, page_size=PAGE, context=CONTEXT,
+                                torch_num_threads=torch.get_num_threads(), **extra)
     for name, us in baselines.items():
         benchmark.extra_info[f"{name}_us"] = round(us, 3)
         if benchmark.stats is not None:  # absent under --benchmark-disable

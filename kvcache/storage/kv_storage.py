@@ -95,11 +95,6 @@ class KvStorage:
         self._views.clear()
         self._alloc = None
 
-    @property
-    def allocated(self) -> bool:
-        """Whether the storage holds memory (False between release() and allocate())."""
-        return self._alloc is not None
-
     def _allocation(self) -> Allocation:
         if self._alloc is None:
             raise RuntimeError("KvStorage was released: allocate() before reading or writing it")
