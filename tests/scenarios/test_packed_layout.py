@@ -19,14 +19,13 @@ import torch
 
 from harness.workloads import shared_system_prompt
 from kvcache import Engine, GenerationOutput, ReuseScope
-
-from .conftest import EngineFactory
-from .support import (
+from tests.scenarios.support import (
     ALL_BACKENDS,
     COPY,
     NO_PARTIAL,
     VOCAB,
     BackendSpec,
+    EngineFactory,
     ReuseMode,
     ScenarioRun,
     assert_same_outputs,

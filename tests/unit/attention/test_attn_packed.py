@@ -8,12 +8,12 @@ import weakref
 
 import pytest
 import torch
-from attn_testlib import Scenario
 
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.core.ops import BlockCopy
 from kvcache.storage.kv_storage import KvStorage
 from kvcache.storage.paging import page_geometry
+from tests.unit.attention.support import Scenario
 
 L, NB, BS, H, D = 3, 5, 8, 2, 4
 
