@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from harness.flakes import fold, markdown
+from harness.ci.flakes import fold, markdown
 from harness.gpus import features_of
 from harness.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.checks import CollectError, validate

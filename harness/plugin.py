@@ -21,21 +21,21 @@ from typing import Any
 import pytest
 from _pytest.runner import runtestprotocol  # the one entry point for running an item again
 
-from harness.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
+from harness.ci.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
+from harness.ci.reruns import RerunLedger, passed_on_rerun
+from harness.ci.run_record import FIRST_FAILURE_PROPERTY, RERUN_PROPERTY, write_run_record
+from harness.ci.shard_selection import apply_shard, check_shard_options
+from harness.ci.sharding import SHARD_JSON, ShardRun
 from harness.hardware import Machine, MachineFlags, detect, machine_from_options
 from harness.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.lists.errors import Problem
 from harness.options import add_options
 from harness.report import ReuseReport
-from harness.reruns import RerunLedger, passed_on_rerun
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
 from harness.reuse.repro import ReproRecord
-from harness.run_record import FIRST_FAILURE_PROPERTY, RERUN_PROPERTY, write_run_record
 from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
-from harness.shard_selection import apply_shard, check_shard_options
-from harness.sharding import SHARD_JSON, ShardRun
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.bench_results import find_bench_json
+from harness.ci.run_record import outcome_sections
+from harness.ci.sharding import SHARD_JSON, ShardRun
 from harness.oracle.types import hit_rate
-from harness.run_record import outcome_sections
-from harness.sharding import SHARD_JSON, ShardRun
 
 REPORT_JSON = "reuse_report.json"
 REPORT_MD = "reuse_report.md"

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness.reruns import rerun_budget
+from harness.ci.reruns import rerun_budget
 
 pytest_plugins = ["pytester"]
 

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import pytest
 from pytest_split.algorithms import Algorithms
 
+from harness.ci.sharding import ShardRun, load_durations, lpt, predict, shards_for_budget
 from harness.report import summarize
-from harness.sharding import ShardRun, load_durations, lpt, predict, shards_for_budget
 
 pytest_plugins = ["pytester"]
 

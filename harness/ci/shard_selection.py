@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.sharding import ShardRun, load_durations, lpt, shards_for_budget
+from harness.ci.sharding import ShardRun, load_durations, lpt, shards_for_budget
 
 DURATIONS_NAME = ".test_durations"
 

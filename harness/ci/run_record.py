@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 RUN_JSON = "run.json"
-# junit properties harness.reruns writes and the ledger and summary read
+# junit properties harness.ci.reruns writes and the ledger and summary read
 RERUN_PROPERTY = "kvharness_rerun"
 FIRST_FAILURE_PROPERTY = "kvharness_first_failure"
 PASSED_ON_RERUN = "passed on rerun"
