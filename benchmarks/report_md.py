@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 METADATA_TARGET = 4.0  # issue 3: a decode metadata build costs at most 4 copy_'s
 WARM_TARGET = 1.05  # issue 3: warm TTFT within 5% of the ideal
+STEP_PHASES = ("schedule", "metadata", "plan", "forward", "sample", "commit")
 
 
 class Section(NamedTuple):
@@ -275,6 +276,24 @@ def _memory(benches: Sequence[Benchmark]) -> list[str]:
     return lines
 
 
+def _step(benches: Sequence[Benchmark]) -> list[str]:
+    rows, lines = [], []
+    for b in sorted(benches, key=lambda b: (b.extra["kind"] != "decode", b.extra["batch"])):
+        e = b.extra
+        phases = e["phase_us"]
+        size = (f"{e['context']}-token contexts" if e["kind"] == "decode"
+                else f"{e['prompt_tokens']}-token prompts, {e['budget']} a step")
+        rows.append([e["kind"], e["batch"], size, duration(e["step_us"] / 1e6),
+                     *(duration(phases[p] / 1e6) for p in STEP_PHASES),
+                     f"{e['overhead_fraction']:.1%}"])
+        if e.get("target") is not None:
+            lines.append(f"Not forward at decode batch {e['batch']}: **{e['overhead_fraction']:.1%}** "
+                         f"of the step (target <= {e['target']:.0%}).")
+    return ["## Step overhead: one engine step of the tiny model by phase (medians)", "",
+            *table(["step", "batch", "size", "step", *STEP_PHASES, "not forward"], rows),
+            *lines, ""]
+
+
 def _gpu(benches: Sequence[Benchmark]) -> list[str]:
     groups: dict[str, list[Benchmark]] = defaultdict(list)
     for b in benches:
@@ -327,6 +346,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("Reference paged attention", _bases("test_reference_attention",
                                                 "test_dense_attention_baseline"), _attention),
     Section("Time to first token", _suite("ttft"), _ttft),
+    Section("Step overhead", _suite("step"), _step),
     Section("Hit rate against pool size", _suite("hit_rate"), _hit_rate),
     Section("Hybrid model TTFT", _suite("hybrid_ttft"), _hybrid),
     Section("In-batch prefix sharing", _suite("in_batch"), _in_batch),

@@ -5,7 +5,7 @@
 
 One step = schedule (admit with reuse, chunk prefills under the token budget), apply the
 manager's block copies, build paged metadata, plan the backend once, run the model (the
-backend appends and attends per layer), commit what was computed, sample greedily.
+backend appends and attends per layer), sample greedily, commit what was computed.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from kvcache.engine.reuse_policy import resolve_reuse
 from kvcache.engine.scheduler import Chunk, Scheduler
 from kvcache.engine.state_snapshots import StateSnapshots
 from kvcache.engine.step_context import StepContext, sampled_rows
+from kvcache.engine.step_timer import StepTimer
 from kvcache.model.config import get_preset
 from kvcache.model.transformer import Transformer
 from kvcache.storage.kv_storage import KvLayout, KvStorage
@@ -68,7 +69,8 @@ class Engine:
     computes the full blocks their prompts share, then admits it with reuse (in-batch
     prefix sharing; see kvcache/engine/prefix_sharing.py). `kv_events` records KV-cache
     events for routers (`engine.manager.take_kv_events()`).
-    Raises ValueError naming the bad option.
+    Raises ValueError naming the bad option. Set `step_timer` to a StepTimer to time
+    every step's phases (schedule, metadata, plan, forward, sample, commit).
 
     Thread-safe: add_request, step, abort and generate take one fair lock (`FairLock`),
     so requests may arrive from other threads while one thread runs the step loop; such
@@ -149,6 +151,7 @@ class Engine:
         self.idle = False  # the last step scheduled nothing
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens the model ran on (padding excluded)
+        self.step_timer: StepTimer | None = None  # set one to time each step's phases
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig, *,
@@ -243,6 +246,9 @@ class Engine:
 
     def _step(self) -> list[GenerationOutput]:
         """One step; outputs some generate() awaits are parked for it, the rest returned."""
+        timer = self.step_timer
+        if timer is not None:
+            timer.start()
         chunks = self.scheduler.schedule()
         self.idle = not chunks
         if not chunks:
@@ -252,22 +258,31 @@ class Engine:
             self.storage.apply_copies(ops)
         if self.snapshots is not None:
             self.snapshots.restore(chunks, self.cache_config.tokens_per_block)
+        if timer is not None:
+            timer.lap("schedule")
         logits, snapshot_states = self._forward(chunks)
         if self.snapshots is not None:
             for block, states in snapshot_states.items():
                 self.snapshots.save(block, states)  # before the commit makes it matchable
         self.num_steps += 1
+        tokens = self._sample(chunks, logits)
+        if timer is not None:
+            timer.lap("sample")
         finished = []
-        for out in self._advance(chunks, logits):
+        for out in self._commit(chunks, tokens):
             if out.request_id in self._awaited:
                 self._outputs[out.request_id] = out
             else:
                 finished.append(out)
+        if timer is not None:
+            timer.lap("commit")
+            timer.finish()
         return finished
 
     def _forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
         """Logits of the sampling rows, and the recurrent-state snapshots taken (block id
         -> state per recurrent layer)."""
+        timer = self.step_timer
         decode = all(c.num_new == 1 and c.samples for c in chunks)
         pad_to = None
         if decode and self.graph_batch_sizes and len(chunks) <= self.graph_batch_sizes[-1]:
@@ -292,16 +307,42 @@ class Engine:
                          if self.snapshots is not None else None)
         ctx = StepContext(self.backend, self._attn_layer, md, [c.req for c in chunks],
                           self.model.config.hidden_size, self.device, snapshot_rows)
+        if timer is not None:
+            timer.lap("metadata")
         with torch.inference_mode():
             if self.graphs is not None and md.is_decode and md.batch_size in self.graphs.sizes:
                 logits = self.graphs.run(md, input_ids, positions, ctx).index_select(0, rows)
-                return logits, ctx.snapshot_states
-            self.backend.plan(md)
-            return self.model(input_ids, positions, ctx, rows), ctx.snapshot_states
+            else:
+                self.backend.plan(md)
+                if timer is not None:
+                    timer.lap("plan")
+                logits = self.model(input_ids, positions, ctx, rows)
+        if timer is not None:
+            timer.lap("forward")
+        return logits, ctx.snapshot_states
 
-    def _advance(self, chunks: list[Chunk], logits: torch.Tensor) -> list[GenerationOutput]:
-        finished = []
+    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[int]:
+        """The next token of every chunk that samples, in order (greedy, or forced); keeps
+        the logits of requests that return them."""
+        tokens = []
         row = 0
+        for c in chunks:
+            if not c.samples:
+                continue
+            req = c.req
+            lg = logits[row]
+            row += 1
+            tokens.append(req.forced[len(req.generated)] if req.forced is not None
+                          else int(lg.argmax()))
+            if req.return_logits:
+                req.logits.append(lg.detach().to("cpu", torch.float32).clone())
+        return tokens
+
+    def _commit(self, chunks: list[Chunk], tokens: list[int]) -> list[GenerationOutput]:
+        """Commit what the step computed, append the sampled tokens, release finished
+        requests and preempt those that get no block for their next token."""
+        finished = []
+        sampled = iter(tokens)
         for c in chunks:
             req = c.req
             req.num_computed += c.num_new
@@ -311,12 +352,7 @@ class Engine:
                 self.snapshots.drop(req.seq.holdings.shadow)
             if not c.samples:
                 continue
-            lg = logits[row]
-            row += 1
-            n = len(req.generated)
-            tok = req.forced[n] if req.forced is not None else int(lg.argmax())
-            if req.return_logits:
-                req.logits.append(lg.detach().to("cpu", torch.float32).clone())
+            tok = next(sampled)
             req.generated.append(tok)
             req.tokens.append(tok)
             if len(req.generated) >= req.max_new_tokens:

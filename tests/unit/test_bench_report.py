@@ -78,6 +78,17 @@ def suite_benches() -> list[dict[str, Any]]:
         bench("test_decode_step[graph-b8]", 1e-3, {"suite": "gpu_decode_step", "mode": "graph",
                                                    "batch": 8, "device": "NVIDIA H200"}),
         *layouts(),
+        bench("test_decode_step[b64]", 0.1, {
+            "suite": "step", "kind": "decode", "batch": 64, "context": 128, "step_us": 100000.0,
+            "phase_us": {"schedule": 50.0, "metadata": 250.0, "plan": 60.0,
+                         "forward": 99300.0, "sample": 240.0, "commit": 100.0},
+            "overhead_fraction": 0.007, "target": 0.1}),
+        bench("test_prefill_step", 0.03, {
+            "suite": "step", "kind": "prefill", "batch": 4, "prompt_tokens": 768,
+            "budget": 512, "step_us": 30000.0,
+            "phase_us": {"schedule": 90.0, "metadata": 300.0, "plan": 50.0,
+                         "forward": 29400.0, "sample": 60.0, "commit": 100.0},
+            "overhead_fraction": 0.02, "target": None}),
         bench("test_something_new", 0.25, {}),
     ]
 
@@ -130,6 +141,9 @@ def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
                  "| BLHNC | 64 | 128 | 50 us | 20.00x | 2 | 2 ms | 500.00x | 8.00x |",
                  "| NHD | 64 | n/a | n/a | n/a | 32 | 30 ms | 8000.00x | 120.00x |",
                  "batch 64: packed block copies 15.00x faster",  # storage layouts
+                 "| decode | 64 | 128-token contexts | 100 ms | 50 us | 250 us | 60 us | 99.3 ms "
+                 "| 240 us | 100 us | 0.7% |", "decode batch 64: **0.7%** of the step (target <= 10%)",
+                 "| prefill | 4 | 768-token prompts, 512 a step | 30 ms |",  # step overhead
                  "test_something_new", "torch 9.9.9-synthetic", "commit abcdef123456"):
         assert text in md, f"{text!r} missing from summary.md:\n{md}"
     for png in ("ttft_vs_cached_fraction.png", "hit_rate_vs_pool_size.png",

@@ -1,0 +1,136 @@
+"""Step-overhead budget: one step of the real engine on the tiny model (CPU), phase by phase.
+
+A StepTimer attached to the Engine splits every timed step into schedule, metadata, plan,
+forward, sample and commit (see kvcache.engine.step_timer); pytest-benchmark times the
+same `Engine.step` calls. The overhead is everything but the forward, as a fraction of
+the step (per-phase medians, so one slow forward on a busy VM does not hide it). Target
+(issue 17): at most 10% at decode batch 64.
+
+Decode: `batch` requests with distinct CONTEXT-token prompts, prefilled and warmed up
+untimed, then every timed step decodes one token for each of them. Prefill with
+chunking: prompts of PREFILL_LEN tokens under a per-step budget of PREFILL_BUDGET, one
+token generated each, so every timed step computes a full budget of prompt chunks
+(one or two requests); fresh prompts are queued untimed when the last ones finish.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvcache import Engine, KvCacheConfig
+from kvcache.engine.step_timer import PHASES, StepTimer
+from kvcache.model import get_preset
+
+PRESET, BLOCK, SEED = "tiny", 16, 0
+TORCH_THREADS = 1  # as the engine suite: one intra-op thread keeps rounds comparable
+OVERHEAD_TARGET = 0.10  # issue 17: at decode batch 64, at most 10% of the step
+TARGET_BATCH = 64
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Sizes and rounds of one run mode."""
+
+    context: int  # decode: prompt tokens of each request
+    decode_rounds: int
+    prefill_len: int
+    prefill_budget: int
+    prefill_rounds: int
+
+
+FULL = StepPlan(context=128, decode_rounds=9, prefill_len=768, prefill_budget=512,
+                prefill_rounds=12)
+QUICK = StepPlan(context=32, decode_rounds=3, prefill_len=192, prefill_budget=128,
+                 prefill_rounds=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads() -> Iterator[int]:
+    """Run this module's measurements with TORCH_THREADS intra-op threads, then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    yield TORCH_THREADS
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def plan(bench_quick: bool) -> StepPlan:
+    return QUICK if bench_quick else FULL
+
+
+def prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    """`n` random prompts that share no block (so nothing is reused)."""
+    vocab = get_preset(PRESET).vocab_size
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def engine_for(batch: int, tokens_per_request: int, budget: int) -> Engine:
+    blocks = batch * (-(-tokens_per_request // BLOCK) + 1) + 8
+    cfg = KvCacheConfig(tokens_per_block=BLOCK, max_num_blocks=blocks)
+    return Engine(PRESET, cfg, max_num_tokens=budget, max_batch_size=batch, seed=SEED,
+                  record_events=False)
+
+
+def record(benchmark: Any, timer: StepTimer, **info: Any) -> None:
+    """Per-phase medians (us) and their fractions of the step, into extra_info."""
+    medians = {p: statistics.median(getattr(s, p) for s in timer.steps) for p in PHASES}
+    step = sum(medians.values())
+    benchmark.extra_info.update(
+        suite="step", model=PRESET, block_size=BLOCK, steps=len(timer.steps),
+        torch_num_threads=torch.get_num_threads(),
+        phase_us={p: round(t * 1e6, 2) for p, t in medians.items()},
+        phase_fraction={p: round(t / step, 5) for p, t in medians.items()},
+        step_us=round(step * 1e6, 2), overhead_fraction=round(1 - medians["forward"] / step, 5),
+        **info)
+
+
+@pytest.mark.parametrize("batch", [pytest.param(b, id=f"b{b}") for b in (1, 64, 256)])
+def test_decode_step(benchmark: Any, plan: StepPlan, batch: int) -> None:
+    """One decode token for each of `batch` running requests."""
+    rounds, warmup = plan.decode_rounds, 2
+    new_tokens = 1 + warmup + rounds + 1  # prefill, warm-up, timed; none finishes in a round
+    engine = engine_for(batch, plan.context + new_tokens, budget=max(batch * plan.context, 512))
+    for p in prompts(random.Random(SEED), batch, plan.context):
+        engine.add_request(p, max_new_tokens=new_tokens, return_logits=False)
+    for _ in range(warmup + 1):  # the prefill, then decodes to warm up
+        engine.step()
+    timer = StepTimer()
+    engine.step_timer = timer
+    before = engine.num_computed_tokens
+    benchmark.pedantic(engine.step, rounds=rounds, iterations=1)
+    assert len(timer.steps) == rounds
+    assert engine.num_computed_tokens - before == batch * rounds, "a timed step was not a decode"
+    assert len(engine.scheduler.running) == batch
+    record(benchmark, timer, kind="decode", batch=batch, context=plan.context,
+           target=OVERHEAD_TARGET if batch == TARGET_BATCH else None)
+
+
+def test_prefill_step(benchmark: Any, plan: StepPlan) -> None:
+    """Chunked prefill: every step computes a full budget of prompt chunks."""
+    L, budget = plan.prefill_len, plan.prefill_budget
+    n = 4  # requests queued at a time; they span 4L / budget steps
+    engine = engine_for(n, L + 1, budget)
+    rng = random.Random(SEED)
+
+    def refill() -> None:
+        if not engine.has_unfinished():
+            for p in prompts(rng, n, L):
+                engine.add_request(p, max_new_tokens=1, return_logits=False)
+
+    refill()
+    engine.step()  # warm-up
+    timer = StepTimer()
+    engine.step_timer = timer
+    before = engine.num_computed_tokens
+    benchmark.pedantic(engine.step, setup=refill, rounds=plan.prefill_rounds, iterations=1)
+    assert len(timer.steps) == plan.prefill_rounds
+    assert engine.num_computed_tokens - before == budget * plan.prefill_rounds, \
+        "a timed step computed less than a full budget"
+    record(benchmark, timer, kind="prefill", batch=n, prompt_tokens=L, budget=budget)
