@@ -16,7 +16,7 @@ import numpy.typing as npt
 import torch
 
 from kvcache.attention.block_table import BlockTable
-from kvcache.attention.metadata_decode import IntArray, decode_arrays, gather_pages
+from kvcache.attention.metadata_decode import Int32Array, IntArray, decode_arrays, gather_pages
 
 _ONE = np.array(1)
 
@@ -102,16 +102,21 @@ def _pad(values: IntArray, num_padded: int, fill: int) -> IntArray:
     return np.concatenate([values, np.full(num_padded, fill, dtype=values.dtype)])
 
 
-def _resolve_paging(block_size: int, page_size: int | None,
-                    page_index_multiplier: int | None) -> tuple[int, int, int]:
+def resolve_paging(block_size: int, page_size: int | None, page_index_multiplier: int | None,
+                   where: str = "build_metadata") -> tuple[int, int, int]:
+    """(page_size, pages per block, page_index_multiplier), defaults filled in.
+
+    Raises ValueError for a page size that does not divide the block size or a
+    multiplier too small for the pages per block (required when there are several).
+    """
     P = block_size if page_size is None else page_size
     if block_size < 1 or P < 1 or block_size % P:
-        raise ValueError(f"build_metadata: page_size={page_size} must be a positive divisor of "
+        raise ValueError(f"{where}: page_size={page_size} must be a positive divisor of "
                          f"block_size={block_size}")
     k = block_size // P
     m = page_index_multiplier if page_index_multiplier is not None else (1 if k == 1 else None)
     if m is None or m < k:
-        raise ValueError(f"build_metadata: page_index_multiplier={page_index_multiplier} is "
+        raise ValueError(f"{where}: page_index_multiplier={page_index_multiplier} is "
                          f"invalid for {k} pages per block (take it from "
                          f"KvStorage.page_index_multiplier({P}))")
     return P, k, m
@@ -138,7 +143,7 @@ def build_metadata(
     Raises ValueError naming the bad argument (and request index) for bad input or a
     slot with fewer blocks than its kv_len needs.
     """
-    P, k, m = _resolve_paging(block_size, page_size, page_index_multiplier)
+    P, k, m = resolve_paging(block_size, page_size, page_index_multiplier)
     slot_arr = _as_index_array("slots", slots)
     cached = _as_index_array("num_cached", num_cached)
     new = _as_index_array("num_new", num_new)
@@ -163,21 +168,31 @@ def _build_general(table: BlockTable, slots: IntArray, cached: IntArray, new: In
                    m: int) -> PagedMetadata:
     """Any mix of prefill and decode requests; explains every bad count."""
     _check_counts(cached, new)
-    B = len(slots)
     kv_len = cached + new
-    # Position of each request's last token, split once into (page - 1, slot - 1) terms.
     last_pos = kv_len - 1
-    last_page, last_slot = np.divmod(last_pos, P)
-    num_pages = last_page + 1
+    num_pages = last_pos // P + 1
     num_blocks = num_pages if k == 1 else last_pos // block_size + 1
     _check_capacity(slots, kv_len, num_blocks, held)
     max_pages = int(num_pages.max())
     kv_indices = gather_pages(table, slots, num_blocks, num_pages, max_pages,
                               int(num_pages.min()) == max_pages, k, m)
+    return assemble_metadata(kv_indices, cached, new, Bt, P)
 
+
+def assemble_metadata(kv_indices: Int32Array, cached: IntArray, new: IntArray, Bt: int,
+                      P: int) -> PagedMetadata:
+    """PagedMetadata of requests (cached[i], new[i] >= 1) whose pages, ceil((cached[i] +
+    new[i]) / P) each, are concatenated in `kv_indices`, padded to Bt requests.
+
+    The result wraps kv_indices without copying it; every other array is fresh.
+    """
+    B = len(cached)
+    kv_len = cached + new
+    # Position of each request's last token, split once into (page - 1, slot - 1) terms.
+    last_page, last_slot = np.divmod(kv_len - 1, P)
     npad = Bt - B
     kv_indptr = np.zeros(Bt + 1, dtype=np.int32)
-    np.add.accumulate(num_pages, out=kv_indptr[1 : B + 1])
+    np.add.accumulate(last_page + 1, out=kv_indptr[1 : B + 1])
     if npad:
         kv_indptr[B + 1 :] = kv_indptr[B]
     qo_indptr = np.zeros(Bt + 1, dtype=np.int32)
