@@ -1,4 +1,5 @@
-"""Paged attention: the block table, per-step metadata, backends and their registry.
+"""Paged attention: the block table, per-step metadata (built, or kept across steps by a
+PersistentBatch), backends and their registry.
 
 Names are exported lazily: `kvcache.attention.block_table` needs numpy alone, and
 nothing here imports flashinfer until a FlashInfer backend is constructed, so CPU-only
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from kvcache.attention.block_table import BlockTable
     from kvcache.attention.flashinfer import FlashInferBackend
     from kvcache.attention.metadata import PagedMetadata, build_metadata
+    from kvcache.attention.persistent_batch import PersistentBatch
     from kvcache.attention.reference import ReferenceBackend
     from kvcache.attention.registry import backend_names, get_backend
     from kvcache.attention.star import StarAttentionBackend
@@ -27,6 +29,7 @@ _EXPORTS = {
     "FlashInferBackend": "kvcache.attention.flashinfer",
     "PagedMetadata": "kvcache.attention.metadata",
     "build_metadata": "kvcache.attention.metadata",
+    "PersistentBatch": "kvcache.attention.persistent_batch",
     "ReferenceBackend": "kvcache.attention.reference",
     "StarAttentionBackend": "kvcache.attention.star",
     "backend_names": "kvcache.attention.registry",
@@ -38,6 +41,7 @@ __all__ = [
     "BlockTable",
     "FlashInferBackend",
     "PagedMetadata",
+    "PersistentBatch",
     "ReferenceBackend",
     "StarAttentionBackend",
     "backend_names",

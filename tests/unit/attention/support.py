@@ -1,4 +1,5 @@
-"""Test helpers: paged scenarios with known dense K/V, and a dense attention oracle.
+"""Test helpers: paged scenarios with known dense K/V, a dense attention oracle, and a
+field-by-field comparison of two PagedMetadata.
 
 The oracle shares no code with kvcache.attention: it reads the storage through block
 arithmetic (block_ids[p // block_size], slot p % block_size), builds masks with Python
@@ -132,3 +133,14 @@ class Scenario:
             lse[start:start + n] = (torch.logsumexp(logits, -1) / math.log(2)).T
             start += n
         return o, lse
+
+
+def assert_same_metadata(got: PagedMetadata, want: PagedMetadata, where: str = "") -> None:
+    """Every field equal: values, dtypes and shapes of the tensors, and the scalars."""
+    for name, expected in want._asdict().items():
+        actual = getattr(got, name)
+        if isinstance(expected, torch.Tensor):
+            assert actual.dtype == expected.dtype, f"{where}{name}: {actual.dtype}"
+            assert actual.tolist() == expected.tolist(), f"{where}{name}"
+        else:
+            assert actual == expected, f"{where}{name}: {actual} != {expected}"

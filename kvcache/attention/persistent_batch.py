@@ -1,0 +1,197 @@
+"""PersistentBatch: paged metadata kept across steps, changed only where the batch changed.
+
+Its rows are the running requests, in admission order. The scheduler reports what
+happens to them (`add` on admission, `remove` when a request finishes, is aborted or is
+preempted) and the engine asks for each step's metadata (`step`). Where build_metadata
+gathers every page from the block table each step, here:
+
+- a decode step in which no row starts a new page bumps the per-row counters (position,
+  append slot, last-page length, kv length) in two numpy calls and returns the previous
+  step's PagedMetadata object, whose tensors view the counters (see DecodeLayout);
+- a row whose next token starts a page gets that page spliced into kv_indices;
+- leaving rows are compacted away before the next step, admitted rows append their pages;
+- a step with prefill chunks takes kv_indices from the kept pages (grown by its chunks).
+
+The result equals build_metadata's for the same requests (a property test drives both
+over random step sequences); build_metadata stays the reference. It is valid until the
+next call that changes the batch: its tensors view buffers that call rewrites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcache.attention.block_table import BlockTable
+from kvcache.attention.decode_layout import DecodeLayout
+from kvcache.attention.metadata import PagedMetadata, assemble_metadata, resolve_paging
+from kvcache.attention.page_rows import PageRows
+
+_ONE64 = np.array(1, dtype=np.int64)
+
+
+class PersistentBatch:
+    """The running requests' paged metadata; rows are slots of `table`.
+
+    Paging arguments as build_metadata's. `max_padded` is the largest `pad_to` a step may
+    ask for (default: the table's slots). Not thread-safe (the engine holds its lock).
+    Invariant: a row's slot only gains blocks in the table while the row lives.
+    """
+
+    def __init__(self, table: BlockTable, *, block_size: int, page_size: int | None = None,
+                 page_index_multiplier: int | None = None, max_padded: int | None = None) -> None:
+        P, _, m = resolve_paging(block_size, page_size, page_index_multiplier, "PersistentBatch")
+        cap = max(table.max_slots, max_padded or 0)
+        self.table = table
+        self.page_size = P
+        self.capacity = cap
+        self._pages = PageRows(table, block_size, P, m, cap)
+        self._decode = DecodeLayout(self._pages, cap)
+        self._slots: list[int] = []  # row order, including dropped rows not yet compacted
+        self._row_of: dict[int, int] = {}  # live rows only
+        self._slot_arr = np.zeros(cap, dtype=np.int64)
+        self._dropped: list[int] = []
+        # Tokens in each row's pages; while a decode layout is live, its own counters
+        # hold them instead (see _leave_decode).
+        self._kv = np.zeros(cap, dtype=np.int64)
+
+    # ------------------------------------------------------------------ rows
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    @property
+    def slots(self) -> list[int]:
+        """The rows' slots, in row order."""
+        return sorted(self._row_of, key=self._row_of.__getitem__)
+
+    def kv_len(self, slot: int) -> int:
+        """Tokens in the pages of `slot`'s row after the last step. Raises ValueError
+        when the slot has no row."""
+        row = self._row(slot, "kv_len")
+        if self._decode.md is not None:
+            return int(self._decode.kv_after()[row])
+        return int(self._kv[row])
+
+    def _row(self, slot: int, where: str) -> int:
+        row = self._row_of.get(slot)
+        if row is None:
+            raise ValueError(f"PersistentBatch.{where}: slot {slot!r} has no row "
+                             f"(rows: {self.slots})")
+        return row
+
+    def _leave_decode(self) -> None:
+        """Rows are about to change: take the kv lengths back from the decode layout."""
+        decode = self._decode
+        if decode.md is not None:
+            kv = decode.kv_after()
+            self._kv[: len(kv)] = kv
+            decode.md = None
+
+    def add(self, slot: int, num_cached: int) -> None:
+        """A request joins as the last row: `slot`'s first num_cached tokens are in its
+        blocks already. Raises ValueError (batch unchanged) for a slot outside the table,
+        one that has a row, a negative count or too few blocks in the table."""
+        if not 0 <= slot < self.table.max_slots or slot in self._row_of:
+            raise ValueError(f"PersistentBatch.add: slot {slot!r} is outside [0, "
+                             f"{self.table.max_slots}) or has a row already")
+        if num_cached < 0:
+            raise ValueError(f"PersistentBatch.add: num_cached={num_cached} is negative")
+        self._leave_decode()
+        if self._dropped:
+            self._compact()
+        self._pages.append(slot, -(-num_cached // self.page_size))
+        row = len(self._slots)
+        self._slots.append(slot)
+        self._row_of[slot] = row
+        self._slot_arr[row] = slot
+        self._kv[row] = num_cached
+
+    def remove(self, slot: int) -> None:
+        """The request of `slot` leaves; its row is compacted away before the next step
+        or admission. Raises ValueError when the slot has no row."""
+        row = self._row(slot, "remove")
+        self._leave_decode()
+        self._dropped.append(row)
+        del self._row_of[slot]
+
+    def _compact(self) -> None:
+        n = len(self._slots)
+        keep = np.ones(n, dtype=np.bool_)
+        keep[self._dropped] = False
+        slots = self._slot_arr[:n][keep]
+        self._pages.update(slots, self._pages.num_pages()[keep], keep)
+        live = len(slots)
+        self._slot_arr[:live] = slots
+        self._kv[:live] = self._kv[:n][keep]
+        self._slots = slots.tolist()
+        self._row_of = {s: i for i, s in enumerate(self._slots)}
+        self._dropped.clear()
+
+    # ------------------------------------------------------------------ steps
+    def step(self, num_new: Sequence[int] | npt.NDArray[np.integer] | None = None, *,
+             pad_to: int | None = None) -> PagedMetadata:
+        """This step's PagedMetadata; the rows' kv lengths then include its tokens.
+
+        num_new: new tokens per row, in row order; a row with 0 sits the step out. None:
+        one token for every row (decode). pad_to as in build_metadata. Equals
+        build_metadata over the rows that take part. Raises ValueError (batch unchanged)
+        for an empty batch, bad counts or pad_to, or a row whose slot holds too few blocks.
+        """
+        if self._dropped:
+            self._compact()
+        n = len(self._slots)
+        if not n:
+            raise ValueError("PersistentBatch.step: the batch has no rows")
+        if num_new is not None:
+            new = self._check_counts(num_new, n)
+            if np.count_nonzero(new != _ONE64):
+                return self._general(new, n, self._padded(int(np.count_nonzero(new)), pad_to))
+        Bt = n if pad_to is None else self._padded(n, pad_to)
+        decode = self._decode
+        md = decode.md
+        if md is not None and md.num_padded == Bt - n:
+            return decode.advance(self._slot_arr, self._slots)
+        self._leave_decode()
+        md = decode.build(self._kv[:n], self._slot_arr[:n], Bt)
+        return md
+
+    def _check_counts(self, num_new: Sequence[int] | npt.NDArray[np.integer],
+                      n: int) -> npt.NDArray[np.int64]:
+        new = np.asarray(num_new)
+        if new.shape != (n,) or (new.dtype.kind not in "iu" and new.size):
+            raise ValueError(f"PersistentBatch.step: num_new must hold one int per row ({n}), "
+                             f"got shape {new.shape} dtype {new.dtype}")
+        new = new.astype(np.int64, copy=False)
+        if np.count_nonzero(new < 0) or not np.count_nonzero(new):
+            raise ValueError(f"PersistentBatch.step: num_new={new.tolist()} must be >= 0 with "
+                             f"at least one row > 0")
+        return new
+
+    def _padded(self, requests: int, pad_to: int | None) -> int:
+        if pad_to is None:
+            return requests
+        if not requests <= pad_to <= self.capacity:
+            raise ValueError(f"PersistentBatch.step: pad_to={pad_to} is outside [{requests} "
+                             f"(the step's requests), {self.capacity} (max_padded)]")
+        return pad_to
+
+    def _general(self, new: npt.NDArray[np.int64], n: int, Bt: int) -> PagedMetadata:
+        """A step with prefill chunks or rows that sit out: kept pages, fresh token arrays."""
+        P, pages = self.page_size, self._pages
+        self._leave_decode()
+        kv = self._kv[:n]
+        pages.update(self._slot_arr[:n], (kv + new + (P - 1)) // P)  # may raise: first
+        taking = new > 0
+        B = int(np.count_nonzero(taking))
+        flat = pages.flat
+        if n == B:
+            kv_indices = flat[: pages.nnz]
+        elif taking[:B].all():  # the rows that sit out are the last ones
+            kv_indices = flat[: pages.indptr[B]]
+        else:
+            kv_indices = flat[: pages.nnz][np.repeat(taking, pages.num_pages())]
+        md = assemble_metadata(kv_indices, kv[taking], new[taking], Bt, P)
+        kv += new
+        return md

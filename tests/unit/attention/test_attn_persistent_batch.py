@@ -1,0 +1,231 @@
+"""PersistentBatch: equal to a full rebuild over random step sequences, decode steps that
+touch only per-row counters, bad input that changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from attn_testlib import assert_same_metadata
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.attention import page_rows
+from kvcache.attention.block_table import BlockTable
+from kvcache.attention.metadata import PagedMetadata, build_metadata
+from kvcache.attention.persistent_batch import PersistentBatch
+
+BLOCK, SLOTS, WIDTH = 8, 6, 12  # a slot holds up to 96 tokens
+
+
+class Mirror:
+    """A PersistentBatch next to what it should hold, kept by hand: each row's slot and
+    kv length, in row order. Every step is checked against build_metadata."""
+
+    def __init__(self, k: int, heads: int, max_padded: int | None = None) -> None:
+        self.P = BLOCK // k
+        self.m = 1 if k == 1 else k * heads
+        self.table = BlockTable(SLOTS, WIDTH)
+        self.batch = PersistentBatch(self.table, block_size=BLOCK, page_size=self.P,
+                                     page_index_multiplier=self.m, max_padded=max_padded)
+        self.rows: list[int] = []
+        self.kv: dict[int, int] = {}
+        self.steps = 0
+
+    def admit(self, slot: int, cached: int, ids: list[int]) -> None:
+        self.table.assign(slot, ids)
+        self.batch.add(slot, cached)
+        self.rows.append(slot)
+        self.kv[slot] = cached
+
+    def leave(self, slot: int) -> None:
+        self.batch.remove(slot)
+        self.table.release(slot)
+        self.rows.remove(slot)
+        del self.kv[slot]
+
+    def step(self, counts: list[int] | None, pad: int, ids: list[int]) -> PagedMetadata:
+        """One step (counts None: a decode), the table first extended as the engine does
+        (blocks for every new token, drawn from `ids`, which may hold some ahead)."""
+        per_row = counts or [1] * len(self.rows)
+        for slot, n in zip(self.rows, per_row, strict=True):
+            short = -(-(self.kv[slot] + n) // BLOCK) - int(self.table.lengths[slot])
+            if short > 0:
+                self.table.extend(slot, ids[:short])
+        taking = [(s, n) for s, n in zip(self.rows, per_row, strict=True) if n]
+        pad_to = len(taking) + pad if pad else None
+        md = self.batch.step(counts, pad_to=pad_to)
+        want = build_metadata(self.table, [s for s, _ in taking], [self.kv[s] for s, _ in taking],
+                              [n for _, n in taking], block_size=BLOCK, page_size=self.P,
+                              page_index_multiplier=self.m, pad_to=pad_to)
+        assert_same_metadata(md, want, f"step {self.steps}: ")
+        for slot, n in taking:
+            self.kv[slot] += n
+        self.steps += 1
+        assert self.batch.slots == self.rows
+        return md
+
+
+ids_st = st.lists(st.integers(0, 999), min_size=WIDTH, max_size=WIDTH)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), k=st.sampled_from([1, 2, 4]), heads=st.sampled_from([1, 3]),
+       limit=st.sampled_from([0, 2, page_rows.SPLICE_LIMIT]))
+def test_random_steps_equal_a_full_rebuild(data: st.DataObject, k: int, heads: int,
+                                           limit: int) -> None:
+    """Admissions (with cached prefixes), finishes, aborts, preemptions (a leave, then
+    the slot admitted again), chunked prefills, rows that sit out, decode runs across
+    page boundaries, padding; every step equals build_metadata over the same requests.
+    `limit` moves the splice/regather switch so both paths run."""
+    mirror = Mirror(k, heads, max_padded=SLOTS + 2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(page_rows, "SPLICE_LIMIT", limit)
+        for _ in range(data.draw(st.integers(1, 14), label="events")):
+            free = [s for s in range(SLOTS) if s not in mirror.kv]
+            event = data.draw(st.sampled_from(["admit", "leave", "preempt", "decode", "chunks"]))
+            if event == "admit" and free:
+                cached = data.draw(st.integers(0, 40))
+                mirror.admit(data.draw(st.sampled_from(free)), cached,
+                             data.draw(ids_st)[: -(-cached // BLOCK) + data.draw(st.integers(0, 1))])
+            elif event in ("leave", "preempt") and mirror.rows:
+                slot = data.draw(st.sampled_from(mirror.rows))
+                mirror.leave(slot)
+                if event == "preempt":  # recomputed later from what survived
+                    cached = data.draw(st.integers(0, 16))
+                    mirror.admit(slot, cached, data.draw(ids_st)[: -(-cached // BLOCK)])
+            elif event == "decode" and mirror.rows:
+                for _ in range(data.draw(st.integers(1, 2 * BLOCK))):
+                    if max(mirror.kv.values()) >= WIDTH * BLOCK - 1:
+                        break
+                    mirror.step(None, data.draw(st.integers(0, 2)), data.draw(ids_st))
+            elif event == "chunks" and mirror.rows:
+                room = [min(5, WIDTH * BLOCK - mirror.kv[s]) for s in mirror.rows]
+                counts = [data.draw(st.integers(0, r)) for r in room]
+                if any(counts):
+                    mirror.step(counts, data.draw(st.integers(0, 2)), data.draw(ids_st))
+
+
+def _decoding(k: int = 1, contexts: tuple[int, ...] = (9, 20, 30)) -> Mirror:
+    mirror = Mirror(k, heads=1)
+    rng = np.random.default_rng(0)
+    for slot, c in enumerate(contexts):
+        mirror.admit(slot, c, rng.integers(0, 999, WIDTH).tolist())
+    return mirror
+
+
+@pytest.mark.parametrize("limit", [0, page_rows.SPLICE_LIMIT], ids=["regather", "splice"])
+def test_decode_without_a_new_page_only_bumps_counters(monkeypatch: pytest.MonkeyPatch,
+                                                       limit: int) -> None:
+    """Contexts 9, 20, 30, page 8. The first decode writes positions 9, 20, 30; the second,
+    10, 21, 31, all in pages the rows hold; the third starts row 2's fifth page."""
+    monkeypatch.setattr(page_rows, "SPLICE_LIMIT", limit)
+    mirror = _decoding()
+    first = mirror.step(None, 0, [])
+    pages = first.kv_indices.data_ptr()
+    second = mirror.step(None, 0, [])
+    assert second is first, "a quiet decode step returns the same metadata object"
+    assert second.kv_indices.data_ptr() == pages, "and moves no page"
+    assert second.positions.tolist() == [10, 21, 31]
+    third = mirror.step(None, 0, [])  # row 2 starts page 4: one page spliced in
+    assert third.kv_indptr.tolist() == [0, 2, 5, 10]
+    assert third.kv_last_page_len.tolist() == [4, 7, 1]
+
+
+@pytest.mark.parametrize("limit", [0, page_rows.SPLICE_LIMIT], ids=["regather", "splice"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_rows_that_start_pages_together(monkeypatch: pytest.MonkeyPatch, limit: int,
+                                        k: int) -> None:
+    """Contexts 8, 16, 24 (and 5): three rows start a page at the same steps."""
+    monkeypatch.setattr(page_rows, "SPLICE_LIMIT", limit)
+    mirror = _decoding(k, contexts=(8, 5, 16, 24))
+    for _ in range(2 * BLOCK + 1):
+        mirror.step(None, 0, [])
+
+
+@pytest.mark.parametrize("counts", [
+    pytest.param([2, 1, 0], id="last-sits-out"),
+    pytest.param([0, 3, 1], id="first-sits-out"),
+    pytest.param([5, 0, 0], id="one-takes-part"),
+    pytest.param([0, 1, 1], id="decode-subset"),
+])
+def test_rows_that_sit_out_are_left_out(counts: list[int]) -> None:
+    mirror = _decoding()
+    mirror.step(None, 0, [])
+    md = mirror.step(counts, 1, [])
+    assert md.num_requests == sum(1 for c in counts if c)
+    mirror.step(None, 0, [])  # and the decode layout comes back
+
+
+def test_padding_rows_stay_empty_across_decode_steps() -> None:
+    mirror = _decoding()
+    for _ in range(2 * BLOCK):  # every row crosses pages, padding must not move
+        md = mirror.step(None, 2, [int(i) for i in range(WIDTH)])
+    assert md.kv_lens.tolist()[3:] == [0, 0] and md.positions.tolist()[3:] == [0, 0]
+
+
+def test_a_row_without_its_next_block_is_refused_and_nothing_changes() -> None:
+    mirror = _decoding(contexts=(15,))  # position 15 fills block 1; position 16 needs block 2
+    mirror.table.assign(0, mirror.table.block_ids(0)[:2])
+    mirror.step(None, 0, [])
+    with pytest.raises(ValueError, match="slot 0 holds 2 blocks, but its page 2 is in block 2"):
+        mirror.batch.step()
+    mirror.step(None, 0, [77])  # the block arrives: the step goes through as if never refused
+    assert mirror.batch.kv_len(0) == 17
+
+
+@pytest.mark.parametrize("limit", [0, page_rows.SPLICE_LIMIT], ids=["regather", "splice"])
+def test_a_chunk_past_the_blocks_is_refused_and_nothing_changes(
+        monkeypatch: pytest.MonkeyPatch, limit: int) -> None:
+    monkeypatch.setattr(page_rows, "SPLICE_LIMIT", limit)
+    mirror = _decoding(contexts=(15, 3))
+    mirror.table.assign(0, mirror.table.block_ids(0)[:2])  # room for 16 tokens
+    mirror.step(None, 0, [])
+    with pytest.raises(ValueError, match="slot 0 holds 2 blocks"):
+        mirror.batch.step([2, 1])
+    mirror.step([2, 1], 0, [41, 42])
+
+
+def test_a_page_id_past_int32_is_refused() -> None:
+    table = BlockTable(1, 2)
+    table.assign(0, [1, 2])
+    batch = PersistentBatch(table, block_size=BLOCK, page_size=4, page_index_multiplier=2**30)
+    with pytest.raises(ValueError, match="page id 2147483648 overflows int32"):
+        batch.add(0, 9)  # block 2's first page: 2 * 2**30
+    assert len(batch) == 0
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    pytest.param(lambda b: b.add(SLOTS, 0), f"slot {SLOTS} is outside", id="add-slot-high"),
+    pytest.param(lambda b: b.add(-1, 0), "slot -1 is outside", id="add-slot-negative"),
+    pytest.param(lambda b: b.add(0, 0), "slot 0 .* has a row already", id="add-twice"),
+    pytest.param(lambda b: b.add(4, -1), "num_cached=-1", id="add-negative"),
+    pytest.param(lambda b: b.add(4, 9), "slot 4 holds 0 blocks", id="add-without-blocks"),
+    pytest.param(lambda b: b.remove(4), r"slot 4 has no row \(rows: \[0, 1, 2\]\)", id="remove"),
+    pytest.param(lambda b: b.kv_len(5), "slot 5 has no row", id="kv-len"),
+    pytest.param(lambda b: b.step([1, 1]), r"one int per row \(3\)", id="counts-length"),
+    pytest.param(lambda b: b.step([1.0, 1.0, 1.0]), "dtype float64", id="counts-float"),
+    pytest.param(lambda b: b.step([1, -1, 1]), r"num_new=\[1, -1, 1\]", id="counts-negative"),
+    pytest.param(lambda b: b.step([0, 0, 0]), "at least one row", id="counts-zero"),
+    pytest.param(lambda b: b.step(pad_to=2), "pad_to=2 is outside", id="pad-small"),
+    pytest.param(lambda b: b.step([2, 0, 0], pad_to=SLOTS + 1), "pad_to=7", id="pad-large"),
+])
+def test_bad_input_changes_nothing(call, match: str) -> None:  # type: ignore[no-untyped-def]
+    mirror = _decoding()
+    mirror.step([3, 1, 2], 0, [5, 6])
+    with pytest.raises(ValueError, match=match):
+        call(mirror.batch)
+    for _ in range(BLOCK + 1):
+        mirror.step(None, 0, [5, 6])  # the batch carries on exactly as the mirror says
+
+
+def test_an_empty_batch_has_no_step() -> None:
+    mirror = _decoding(contexts=(3,))
+    mirror.leave(0)
+    assert len(mirror.batch) == 0
+    with pytest.raises(ValueError, match="the batch has no rows"):
+        mirror.batch.step()
+
+
+def test_bad_paging_is_refused() -> None:
+    with pytest.raises(ValueError, match="PersistentBatch: page_size=3"):
+        PersistentBatch(BlockTable(1, 1), block_size=BLOCK, page_size=3)
