@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvcache.attention.block_table import BlockTable
-from kvcache.attention.metadata import build_metadata
+from kvcache.attention.persistent_batch import PersistentBatch
 from kvcache.attention.registry import get_backend
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
@@ -136,11 +136,14 @@ class Engine:
         # the table is sized by the pool, never by the model's maximum length alone.
         self.table = BlockTable(max_batch_size, min(-(-self.max_model_len // B),
                                                     cache_config.max_num_blocks))
+        self.batch = PersistentBatch(self.table, block_size=B, page_size=self.backend.page_size,
+                                     page_index_multiplier=self.backend.page_index_multiplier,
+                                     max_padded=max(self.graph_batch_sizes, default=None))
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
-        self.scheduler = Scheduler(self.manager, self.table, max_num_tokens=max_num_tokens,
-                                   max_batch_size=max_batch_size, chunked=enable_chunked_prefill,
-                                   share_prefixes=share_prefixes)
+        self.scheduler = Scheduler(self.manager, self.table, self.batch,
+                                   max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
+                                   chunked=enable_chunked_prefill, share_prefixes=share_prefixes)
         self.graphs = DecodeGraphs(self.model, self.backend, self.graph_batch_sizes,
                                    self.device) if cuda_graph else None
         self._lock = FairLock()
@@ -249,7 +252,7 @@ class Engine:
         timer = self.step_timer
         if timer is not None:
             timer.start()
-        chunks = self.scheduler.schedule()
+        chunks, row_tokens = self.scheduler.schedule()
         self.idle = not chunks
         if not chunks:
             return []  # waiting requests wait for blocks, slots or budget
@@ -260,7 +263,7 @@ class Engine:
             self.snapshots.restore(chunks, self.cache_config.tokens_per_block)
         if timer is not None:
             timer.lap("schedule")
-        logits, snapshot_states = self._forward(chunks)
+        logits, snapshot_states = self._forward(chunks, row_tokens)
         if self.snapshots is not None:
             for block, states in snapshot_states.items():
                 self.snapshots.save(block, states)  # before the commit makes it matchable
@@ -279,21 +282,17 @@ class Engine:
             timer.finish()
         return finished
 
-    def _forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
+    def _forward(self, chunks: list[Chunk], row_tokens: list[int] | None
+                 ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
         """Logits of the sampling rows, and the recurrent-state snapshots taken (block id
-        -> state per recurrent layer)."""
+        -> state per recurrent layer). row_tokens: the schedule's, for the batch."""
         timer = self.step_timer
-        decode = all(c.num_new == 1 and c.samples for c in chunks)
         pad_to = None
-        if decode and self.graph_batch_sizes and len(chunks) <= self.graph_batch_sizes[-1]:
+        if self.graph_batch_sizes and len(chunks) <= self.graph_batch_sizes[-1] and all(
+                c.num_new == 1 and c.samples for c in chunks):
             pad_to = next(s for s in self.graph_batch_sizes if s >= len(chunks))
-        slots = np.fromiter((c.req.slot for c in chunks), dtype=np.int64, count=len(chunks))
-        md = build_metadata(self.table, slots,
-                            [c.req.num_computed for c in chunks], [c.num_new for c in chunks],
-                            block_size=self.cache_config.tokens_per_block,
-                            page_size=self.backend.page_size,
-                            page_index_multiplier=self.backend.page_index_multiplier,
-                            pad_to=pad_to)
+        # The batch's metadata views its buffers: valid until the next step changes them.
+        md = self.batch.step(row_tokens, pad_to=pad_to)
         ids: list[int] = []
         for c in chunks:
             req = c.req

@@ -1,10 +1,14 @@
 """Scheduler: a per-step token budget over admission with reuse and chunked prefill.
 
-Each step, running requests come first (decodes before prefill chunks, in admission
-order), then waiting requests are admitted in arrival order while a batch slot, token
-budget and blocks remain. Admission is one walk of the cache: the manager plans it
-(what the prompt reuses, what it needs, whether that fits) and the scheduler admits that
-plan or, when it does not fit, leaves the request waiting; nothing is half-admitted.
+Each step, running requests take the budget first (decodes before prefill chunks, in
+admission order), then waiting requests are admitted in arrival order while a batch
+slot, token budget and blocks remain. Admission is one walk of the cache: the manager
+plans it (what the prompt reuses, what it needs, whether that fits) and the scheduler
+admits that plan or, when it does not fit, leaves the request waiting; nothing is
+half-admitted.
+
+The running requests are the rows of a PersistentBatch, in admission order: the
+scheduler tells it who joins and who leaves, and a step's chunks come in row order.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from kvcache.attention.block_table import BlockTable
 from kvcache.core.manager import KVCacheManager
 from kvcache.engine.prefix_sharing import leader_of
 
-if TYPE_CHECKING:  # request.py needs torch; the scheduler does not
+if TYPE_CHECKING:  # request.py and the batch's metadata need torch; the scheduler does not
+    from kvcache.attention.persistent_batch import PersistentBatch
     from kvcache.engine.request import Request
 
 
@@ -28,13 +33,24 @@ class Chunk(NamedTuple):
     samples: bool
 
 
-class Scheduler:
-    """Owns the waiting queue, the running set and their batch slots."""
+class Schedule(NamedTuple):
+    """One step's work: `chunks` in row order (the running order), and `row_tokens`, the
+    new tokens of every running request (0: it sits the step out), or None when each
+    computes exactly one (a decode step; PersistentBatch.step's fast path)."""
 
-    def __init__(self, manager: KVCacheManager, table: BlockTable, *, max_num_tokens: int,
-                 max_batch_size: int, chunked: bool, share_prefixes: bool = True) -> None:
+    chunks: list[Chunk]
+    row_tokens: list[int] | None
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set, their batch slots and batch rows."""
+
+    def __init__(self, manager: KVCacheManager, table: BlockTable, batch: PersistentBatch, *,
+                 max_num_tokens: int, max_batch_size: int, chunked: bool,
+                 share_prefixes: bool = True) -> None:
         self.manager = manager
         self.table = table
+        self.batch = batch
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
         # hold siblings back until a running request commits their common prefix
@@ -46,15 +62,19 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> list[Chunk]:
-        """This step's chunks; admits waiting requests (mutating the cache) as they fit."""
+    def schedule(self) -> Schedule:
+        """This step's work; admits waiting requests (mutating the cache) as they fit."""
         budget = self.max_num_tokens
-        chunks: list[Chunk] = []
-        for req in sorted(self.running, key=lambda r: r.num_uncomputed > 1):
-            n = self._take(req.num_uncomputed, budget)
-            if n:
-                chunks.append(Chunk(req, n, n == req.num_uncomputed))
-                budget -= n
+        todo = [req.num_uncomputed for req in self.running]
+        counts = [0] * len(todo)
+        for i, n in enumerate(todo):  # decodes first
+            if n == 1 and budget:
+                counts[i] = 1
+                budget -= 1
+        for i, n in enumerate(todo):  # then prefill chunks
+            if n > 1:
+                counts[i] = self._take(n, budget)
+                budget -= counts[i]
         held: list[Request] = []  # siblings waiting for a leader's prefix, in order
         while self.waiting and budget and self._free_slots:
             req = self.waiting[0]
@@ -79,13 +99,15 @@ class Scheduler:
             req.slot = self._free_slots.pop()
             self.table.assign(req.slot, seq.block_ids)
             req.table_len = len(seq.block_ids)
+            self.batch.add(req.slot, req.num_computed)
             self.running.append(req)
-            n = self._take(req.num_uncomputed, budget)
-            if n:
-                chunks.append(Chunk(req, n, n == req.num_uncomputed))
-                budget -= n
+            todo.append(req.num_uncomputed)
+            counts.append(self._take(todo[-1], budget))
+            budget -= counts[-1]
         self.waiting.extendleft(reversed(held))  # they keep their place in the queue
-        return chunks
+        chunks = [Chunk(req, n, n == t)
+                  for req, n, t in zip(self.running, counts, todo, strict=True) if n]
+        return Schedule(chunks, None if counts.count(1) == len(counts) else counts)
 
     def _take(self, todo: int, budget: int) -> int:
         if self.chunked:
@@ -104,6 +126,7 @@ class Scheduler:
         """Free `req`'s blocks (committed ones stay cached) and its slot."""
         assert req.slot is not None
         self.manager.free_sequence(req.rid)
+        self.batch.remove(req.slot)
         self.table.release(req.slot)
         self._free_slots.append(req.slot)
         self.running.remove(req)

@@ -24,8 +24,11 @@ class StepContext:
                  device: torch.device, snapshot_rows: dict[int, int] | None = None) -> None:
         self.backend = backend
         self.attn_layer = attn_layer
-        qo = md.qo_indptr.tolist()
-        self.seq_lens = [qo[i + 1] - qo[i] for i in range(len(qo) - 1)]
+        if md.is_decode:  # one token each, padding included: no host copy of qo_indptr
+            self.seq_lens = [1] * md.batch_size
+        else:
+            qo = md.qo_indptr.tolist()
+            self.seq_lens = [qo[i + 1] - qo[i] for i in range(len(qo) - 1)]
         self.requests = requests
         self.hidden = hidden
         self.device = device

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attn_testlib import assert_same_metadata
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +12,8 @@ from kvcache.attention import page_rows
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.metadata import PagedMetadata, build_metadata
 from kvcache.attention.persistent_batch import PersistentBatch
+
+from .support import assert_same_metadata
 
 BLOCK, SLOTS, WIDTH = 8, 6, 12  # a slot holds up to 96 tokens
 
