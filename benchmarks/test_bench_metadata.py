@@ -1,30 +1,48 @@
-"""Paged metadata build and reference attention, each next to its ideal.
+"""Paged decode metadata and reference attention, each next to its ideal.
 
-Metadata: decode batches at a 4k-token context, block 16, from a persistent block table;
-the ideal is one torch copy_ of the finished int32 kv_indices (the least any build must
-touch). Attention: the torch reference backend against dense masked attention over the
-same K/V without paging. Each measured test also times its baseline in-process and
-records the ratio in extra_info.
+Metadata: decode batches at a 4k-token context (uniform, or ragged over [3.5k, 4k)), block
+16. `test_decode_step_metadata` times what the engine does each decode step: a
+PersistentBatch advancing its requests by one token; each round is one page cycle (16
+steps, in which every request starts exactly one new page), timed after an untimed
+admission and first step, and reported per step. `test_build_decode_metadata` times the
+full rebuild from the block table (build_metadata, the reference). The ideal is one torch
+copy_ of the final int32 kv_indices (the least any step must touch), timed in the same
+run. Attention: the torch reference backend against dense masked attention over the
+same K/V without paging. Each measured test records its baseline and ratio in
+extra_info. One torch thread, as in the other CPU suites: on a shared 2-core VM a
+two-thread copy_ of a few hundred KB stalls on the other thread for 10x its median.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from kvcache.attention import BlockTable, build_metadata
+from kvcache.attention import BlockTable, PersistentBatch, build_metadata
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.storage.kv_storage import KvStorage
 
 CONTEXT, BLOCK = 4096, 16
 BATCHES = [pytest.param(b, id=f"b{b}") for b in (1, 8, 64, 256)]
+STEPS_PER_ROUND = BLOCK  # one page cycle: every request starts one new page
+TORCH_THREADS = 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads() -> Iterator[int]:
+    """Run this module's measurements with TORCH_THREADS intra-op threads, then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    yield TORCH_THREADS
+    torch.set_num_threads(before)
 
 
 def _median_us(fn: Callable[[], Any], number: int = 200, repeat: int = 15) -> float:
@@ -41,7 +59,7 @@ def _record_ratio(benchmark: Any, baseline_us: float) -> None:
 
 def _decode_batch(batch: int, ragged: bool) -> tuple[BlockTable, np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
-    width = CONTEXT // BLOCK + 1
+    width = CONTEXT // BLOCK + 3  # room for two page cycles of decode steps
     table = BlockTable(batch * 2, width)
     slots = rng.permutation(batch * 2)[:batch]
     for slot in slots.tolist():
@@ -74,6 +92,59 @@ def test_build_decode_metadata(benchmark: Any, batch: int) -> None:
 def test_build_decode_metadata_ragged(benchmark: Any, batch: int) -> None:
     """Contexts spread over [3.5k, 4k): kv_indices needs a ragged gather."""
     _bench_build(benchmark, batch, ragged=True)
+
+
+def _admitted(table: BlockTable, slots: np.ndarray, cached: np.ndarray,
+              rebuilds: list[float]) -> PersistentBatch:
+    """A batch of the requests after one page cycle of decode steps: its first step (a
+    full build, timed into `rebuilds`) and one in which every request starts a page (so
+    the batch knows which requests start a page at which step)."""
+    batch = PersistentBatch(table, block_size=BLOCK)
+    for slot, c in zip(slots.tolist(), cached.tolist(), strict=True):
+        batch.add(slot, c)
+    start = time.perf_counter()
+    batch.step()
+    rebuilds.append(time.perf_counter() - start)
+    for _ in range(STEPS_PER_ROUND):
+        batch.step()
+    return batch
+
+
+@pytest.mark.parametrize(("batch", "ragged"), [
+    *(pytest.param(b, False, id=f"b{b}") for b in (1, 8, 64, 256)),
+    *(pytest.param(b, True, id=f"b{b}-ragged") for b in (8, 64, 256)),
+])
+def test_decode_step_metadata(benchmark: Any, bench_quick: bool, batch: int,
+                              ragged: bool) -> None:
+    """Per step: a PersistentBatch's decode metadata, page starts included."""
+    table, slots, cached, _ = _decode_batch(batch, ragged)
+    last: list[PersistentBatch] = []
+    rebuilds: list[float] = []
+
+    def fresh() -> tuple[tuple[PersistentBatch], dict[str, Any]]:
+        last[:] = [_admitted(table, slots, cached, rebuilds)]
+        return (last[0],), {}
+
+    def page_cycle(pb: PersistentBatch) -> None:
+        for _ in range(STEPS_PER_ROUND):
+            pb.step()
+
+    benchmark.pedantic(page_cycle, setup=fresh, rounds=10 if bench_quick else 200)
+    md = last[0].step()  # the state the last round left, one step on
+    want = build_metadata(table, slots, cached + 2 * STEPS_PER_ROUND + 1,
+                          np.ones(batch, np.int64), block_size=BLOCK)
+    assert md.kv_indices.tolist() == want.kv_indices.tolist()
+    assert md.positions.tolist() == want.positions.tolist()
+    final = md.kv_indices.clone()
+    dst = torch.empty_like(final)
+    baseline_us = _median_us(lambda: dst.copy_(final))
+    benchmark.extra_info.update(batch=batch, context=CONTEXT, block_size=BLOCK, ragged=ragged,
+                                nnz_pages=final.numel(), steps_per_round=STEPS_PER_ROUND,
+                                baseline_us=round(baseline_us, 3),
+                                rebuild_us=round(statistics.median(rebuilds) * 1e6, 2))
+    if benchmark.stats is not None:  # absent under --benchmark-disable
+        step_us = benchmark.stats.stats.median * 1e6 / STEPS_PER_ROUND
+        benchmark.extra_info.update(step_us=round(step_us, 3), ratio=round(step_us / baseline_us, 2))
 
 
 @pytest.mark.parametrize("batch", BATCHES)
