@@ -44,6 +44,8 @@ class DecodeLayout:
         self._t_indptr = t(pages.indptr)
         self.md: PagedMetadata | None = None  # None: no layout (rows changed since)
         self._n = self._Bt = 0
+        # The layout's tensor views depend on (n, Bt) alone: made once per pair.
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._bump64 = self._i64[:0]
         self._bump32 = self._i32[:0]
         # Steps since build, mod page_size; _due[phase]: rows that start a page then.
@@ -84,15 +86,21 @@ class DecodeLayout:
         self._starts = [None] * P
         self._phase = 0
         self._n, self._Bt = n, Bt
-        t64, t32 = self._t64, self._t32
-        self.md = PagedMetadata(
-            qo_indptr=self._t_arange[: Bt + 1], kv_indptr=self._t_indptr[: Bt + 1],
-            kv_indices=pages.indices(), kv_last_page_len=t32[:Bt], kv_lens=t32[Bt : 2 * Bt],
-            positions=t64[n : n + Bt], batch_indices=self._t_arange[:Bt],
-            append_pages=self._t_append_pages[:n], append_slots=t64[:n], page_size=P,
-            num_requests=n, num_padded=Bt - n, is_decode=True, num_tokens=Bt,
-            num_append_tokens=n)
+        v = self._views.get((n, Bt)) or self._make_views(n, Bt)
+        self.md = PagedMetadata(v[0], v[1], pages.indices(), v[2], v[3], v[4], v[5], v[6], v[7],
+                                page_size=P, num_requests=n, num_padded=Bt - n,
+                                is_decode=True, num_tokens=Bt, num_append_tokens=n)
         return self.md
+
+    def _make_views(self, n: int, Bt: int) -> tuple[torch.Tensor, ...]:
+        """PagedMetadata's tensors but kv_indices, in field order, for the (n, Bt) layout."""
+        t64, t32, arange = self._t64, self._t32, self._t_arange
+        views = (arange[: Bt + 1], self._t_indptr[: Bt + 1], t32[:Bt], t32[Bt : 2 * Bt],
+                 t64[n : n + Bt], arange[:Bt], self._t_append_pages[:n], t64[:n])
+        if len(self._views) >= 1024:  # bounded: batch sizes times paddings seen
+            self._views.clear()
+        self._views[n, Bt] = views
+        return views
 
     def advance(self, slots: IntArray, slot_list: list[int]) -> PagedMetadata:
         """The next decode step of the same rows (slots: theirs, as an array and a list).
@@ -117,7 +125,7 @@ class DecodeLayout:
         n, Bt, pages = self._n, self._Bt, self.pages
         if Bt > n:
             pages.indptr[n + 1 : Bt + 1] = pages.nnz
-        self.md = md = PagedMetadata(md[0], md[1], pages.indices(), *md[3:])
+        self.md = md = md._replace(kv_indices=pages.indices())
         return md
 
     def _start_pages(self, starts: PageStarts, slots: IntArray, slot_list: list[int]) -> None:

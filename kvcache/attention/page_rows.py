@@ -25,7 +25,6 @@ import torch
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.metadata_decode import INT32_LIMIT, Int32Array, IntArray, gather_pages
 
-BoolArray = npt.NDArray[np.bool_]
 # Changed rows past which one gather from the table beats a memmove per unchanged run
 # (at batch 256, 4k contexts: a run costs ~0.4 us, a uniform gather ~6 us).
 SPLICE_LIMIT = 32
@@ -40,14 +39,6 @@ class PageStarts(NamedTuple):
     slots: IntArray       # theirs
     next_page: IntArray   # the index (within its slot) of the page each starts next
     shift: Int32Array     # [num rows]: how many of `rows` are <= each row (indptr's bump)
-
-
-class _Change(NamedTuple):
-    """One old row that a splice does not copy as it is."""
-
-    row: int
-    grow: int  # pages appended to it (0 when dropped)
-    dropped: bool
 
 
 class PageRows:
@@ -83,7 +74,8 @@ class PageRows:
 
     def num_pages(self) -> IntArray:
         """Pages per row (a fresh array)."""
-        return np.diff(self.indptr[: self.rows + 1]).astype(np.int64)
+        n = self.rows
+        return (self.indptr[1 : n + 1] - self.indptr[:n]).astype(np.int64)
 
     def pages_of(self, slots: IntArray, first: IntArray,
                  count: IntArray) -> npt.NDArray[np.integer]:
@@ -115,8 +107,18 @@ class PageRows:
     def append(self, slot: int, num_pages: int) -> None:
         """A row joins at the end holding the first num_pages pages of `slot` (written in
         place: nothing moves). Raises ValueError as pages_of, changing nothing."""
-        ids = self.pages_of(np.array([slot]), np.zeros(1, dtype=np.int64),
-                            np.array([num_pages]))
+        blocks = -(-num_pages // self.k)
+        held = int(self.table.lengths[slot])
+        if blocks > held:
+            raise ValueError(f"PersistentBatch: slot {slot} holds {held} blocks, but "
+                             f"{num_pages} pages need {blocks}")
+        ids = self.table.blocks[slot, :blocks]
+        if self.k > 1:
+            wide = (ids.astype(np.int64)[:, None] * self.m + np.arange(self.k)).reshape(-1)
+            ids = wide[:num_pages]
+            if num_pages and int(ids.max()) >= INT32_LIMIT:
+                raise ValueError(f"PersistentBatch: page id {int(ids.max())} overflows int32 "
+                                 f"(page_index_multiplier={self.m})")
         self.flat[self.nnz : self.nnz + num_pages] = ids
         self.nnz += num_pages
         self.rows += 1
@@ -186,28 +188,39 @@ class PageRows:
         return page
 
     # ------------------------------------------------------------------ any change
-    def update(self, slots: IntArray, pages: IntArray, keep: BoolArray | None = None) -> None:
-        """Keep the rows `keep` selects (all when None), in order; the i-th kept row, of
-        slot slots[i], now holds pages[i] pages, at least as many as before (the new ones
-        come from the table). Raises ValueError as pages_of, changing nothing."""
-        old = self.num_pages()
-        kept = old if keep is None else old[keep]
-        growth = pages - kept
-        assert np.count_nonzero(growth < 0) == 0, "rows only gain pages"
-        grow = np.flatnonzero(growth)
-        dropped = [] if keep is None else np.flatnonzero(~keep).tolist()
-        if len(grow) + len(dropped) > SPLICE_LIMIT:
+    def drop(self, rows: list[int], slots: IntArray) -> None:
+        """Remove `rows` (ascending); slots: the remaining rows' slots, in order."""
+        keep = np.ones(self.rows, dtype=np.bool_)
+        keep[rows] = False
+        pages = self.num_pages()[keep]
+        if len(rows) > SPLICE_LIMIT:
             self._regather(slots, pages)
             return
-        if not len(grow) and not dropped:
-            return
-        values = self.pages_of(slots[grow], kept[grow], growth[grow])
-        old_rows = grow if keep is None else np.flatnonzero(keep)[grow]
-        changes = [_Change(r, g, False)
-                   for r, g in zip(old_rows.tolist(), growth[grow].tolist(), strict=True)]
-        changes += [_Change(r, 0, True) for r in dropped]
-        self._splice(sorted(changes), values)
+        src, dst = self.flat, self._bufs[1 - self._live]
+        read = wrote = 0
+        for start, end in zip(self.indptr[rows].tolist(), self.indptr[[r + 1 for r in rows]].tolist(),
+                              strict=True):
+            dst[wrote : wrote + start - read] = src[read:start]
+            wrote += start - read
+            read = end
+        dst[wrote : wrote + self.nnz - read] = src[read : self.nnz]
+        self._live = 1 - self._live
         self._set_rows(pages)
+
+    def update(self, slots: IntArray, pages: IntArray) -> None:
+        """Row i, of slot slots[i], now holds pages[i] pages, at least as many as before
+        (the new ones come from the table). Raises ValueError as pages_of, changing
+        nothing."""
+        growth = pages - self.num_pages()
+        assert np.count_nonzero(growth < 0) == 0, "rows only gain pages"
+        grow = np.flatnonzero(growth)
+        if len(grow) > SPLICE_LIMIT:
+            self._regather(slots, pages)
+        elif len(grow):
+            counts = growth[grow]
+            values = self.pages_of(slots[grow], pages[grow] - counts, counts)
+            self._splice(grow.tolist(), counts.tolist(), values)
+            self._set_rows(pages)
 
     def _set_rows(self, pages: IntArray) -> None:
         n = len(pages)
@@ -215,21 +228,19 @@ class PageRows:
         self.rows = n
         self.nnz = int(self.indptr[n])
 
-    def _splice(self, changes: list[_Change], values: npt.NDArray[np.integer]) -> None:
-        """Copy the old rows into the spare buffer, dropping and growing as `changes` say
-        (sorted by row); `values` are the appended pages, in row order."""
+    def _splice(self, rows: list[int], counts: list[int],
+                values: npt.NDArray[np.integer]) -> None:
+        """Copy the rows into the spare buffer, rows[i] (ascending) followed by counts[i]
+        new pages; `values` are the new pages, in row order."""
         src, dst = self.flat, self._bufs[1 - self._live]
-        rows = np.array([c.row for c in changes])
-        starts, ends = self.indptr[rows].tolist(), self.indptr[rows + 1].tolist()
         read = wrote = used = 0
-        for change, start, end in zip(changes, starts, ends, strict=True):
-            stop = start if change.dropped else end  # copy up to the row, or through it
-            dst[wrote : wrote + stop - read] = src[read:stop]
-            wrote += stop - read
+        for end, count in zip(self.indptr[[r + 1 for r in rows]].tolist(), counts, strict=True):
+            dst[wrote : wrote + end - read] = src[read:end]
+            wrote += end - read
             read = end
-            dst[wrote : wrote + change.grow] = values[used : used + change.grow]
-            wrote += change.grow
-            used += change.grow
+            dst[wrote : wrote + count] = values[used : used + count]
+            wrote += count
+            used += count
         dst[wrote : wrote + self.nnz - read] = src[read : self.nnz]
         self._live = 1 - self._live
 

@@ -121,7 +121,7 @@ class PersistentBatch:
         keep = np.ones(n, dtype=np.bool_)
         keep[self._dropped] = False
         slots = self._slot_arr[:n][keep]
-        self._pages.update(slots, self._pages.num_pages()[keep], keep)
+        self._pages.drop(sorted(self._dropped), slots)
         live = len(slots)
         self._slot_arr[:live] = slots
         self._kv[:live] = self._kv[:n][keep]
