@@ -322,19 +322,18 @@ class Engine:
 
     def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[int]:
         """The next token of every chunk that samples, in order (greedy, or forced); keeps
-        the logits of requests that return them."""
+        the logits of requests that return them. One argmax for the batch: per row it
+        cost ~5 us a request."""
+        greedy = logits.argmax(-1).tolist()
+        host = None
         tokens = []
-        row = 0
-        for c in chunks:
-            if not c.samples:
-                continue
-            req = c.req
-            lg = logits[row]
-            row += 1
+        for row, req in enumerate(c.req for c in chunks if c.samples):
             tokens.append(req.forced[len(req.generated)] if req.forced is not None
-                          else int(lg.argmax()))
+                          else greedy[row])
             if req.return_logits:
-                req.logits.append(lg.detach().to("cpu", torch.float32).clone())
+                if host is None:
+                    host = logits.detach().to("cpu", torch.float32)
+                req.logits.append(host[row].clone())
         return tokens
 
     def _commit(self, chunks: list[Chunk], tokens: list[int]) -> list[GenerationOutput]:
