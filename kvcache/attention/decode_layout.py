@@ -125,7 +125,9 @@ class DecodeLayout:
         n, Bt, pages = self._n, self._Bt, self.pages
         if Bt > n:
             pages.indptr[n + 1 : Bt + 1] = pages.nnz
-        self.md = md = md._replace(kv_indices=pages.indices())
+        # Positional, not md._replace: half the cost.
+        self.md = md = PagedMetadata(md[0], md[1], pages.indices(), md[3], md[4], md[5], md[6],
+                                     md[7], md[8], md[9], md[10], md[11], md[12], md[13], md[14])
         return md
 
     def _start_pages(self, starts: PageStarts, slots: IntArray, slot_list: list[int]) -> None:
