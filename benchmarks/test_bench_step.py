@@ -39,16 +39,17 @@ class StepPlan:
     """Sizes and rounds of one run mode."""
 
     context: int  # decode: prompt tokens of each request
+    decode_warmup: int
     decode_rounds: int
     prefill_len: int
     prefill_budget: int
     prefill_rounds: int
 
 
-FULL = StepPlan(context=128, decode_rounds=9, prefill_len=768, prefill_budget=512,
-                prefill_rounds=12)
-QUICK = StepPlan(context=32, decode_rounds=3, prefill_len=192, prefill_budget=128,
-                 prefill_rounds=3)
+FULL = StepPlan(context=128, decode_warmup=2, decode_rounds=9, prefill_len=768,
+                prefill_budget=512, prefill_rounds=12)
+QUICK = StepPlan(context=32, decode_warmup=1, decode_rounds=2, prefill_len=192,
+                 prefill_budget=128, prefill_rounds=3)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -94,7 +95,7 @@ def record(benchmark: Any, timer: StepTimer, **info: Any) -> None:
 @pytest.mark.parametrize("batch", [pytest.param(b, id=f"b{b}") for b in (1, 64, 256)])
 def test_decode_step(benchmark: Any, plan: StepPlan, batch: int) -> None:
     """One decode token for each of `batch` running requests."""
-    rounds, warmup = plan.decode_rounds, 2
+    rounds, warmup = plan.decode_rounds, plan.decode_warmup
     new_tokens = 1 + warmup + rounds + 1  # prefill, warm-up, timed; none finishes in a round
     engine = engine_for(batch, plan.context + new_tokens, budget=max(batch * plan.context, 512))
     for p in prompts(random.Random(SEED), batch, plan.context):

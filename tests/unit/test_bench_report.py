@@ -55,7 +55,7 @@ def suite_benches() -> list[dict[str, Any]]:
         bench("test_copy_kv_indices_baseline[b256]", 4e-6, {"batch": 256}),
         bench("test_decode_step_metadata[b64-ragged]", 160e-6, {
             "batch": 64, "ragged": True, "context": 4096, "steps_per_round": 16,
-            "baseline_us": 2.0, "step_us": 10.0, "ratio": 5.0}),
+            "baseline_us": 2.0, "step_us": 10.0, "ratio": 5.0, "rebuild_us": 30.0}),
         bench("test_reference_attention", 0.02, {"ratio": 1.7}),
         ttft(0, 0.42, 0.40, False), ttft(1536, 0.105, 0.1, True),
         bench("test_hit_rate_curve[multi_turn]", 0.01, {
@@ -136,8 +136,8 @@ def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
     md = (out / "summary.md").read_text()
     for text in ("200.0 Mtok/s", "50.0 Mtok/s", "| 4.00x |", "| 2.00x |",  # cache core
                  "Largest tree / smallest: 1.50x",
-                 "| rebuild | 256 | no | 4096 | 12 us | 4 us | 3.00x |",  # metadata
-                 "| step | 64 | yes | 4096 | 10 us | 2 us | 5.00x |",
+                 "| rebuild | 256 | no | 4096 | 12 us | 4 us | 3.00x |  |",  # metadata
+                 "| step | 64 | yes | 4096 | 10 us | 2 us | 5.00x | 30 us |",
                  "warm / ideal: **1.05x**", "cold / warm: **4.00x**", "new tokens: 4.00x",
                  "| 0.3156 |", "| 23552 |", "| 89.08 |", "| float16 | 2048.0 |",
                  "| 8 | 2 ms | 1 ms | 2.00x |", "NVIDIA H200",  # GPU decode step
@@ -211,7 +211,8 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     out.mkdir()
     suites = ["benchmarks/test_bench_engine.py", "benchmarks/test_bench_hit_rate.py",
-              "benchmarks/test_bench_memory.py", "benchmarks/test_bench_routing.py"]
+              "benchmarks/test_bench_memory.py", "benchmarks/test_bench_routing.py",
+              "benchmarks/test_bench_step.py", "benchmarks/test_bench_metadata.py"]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *suites, "--bench-quick", "-q", "-p",
          "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"],
@@ -222,7 +223,8 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     assert report(out).returncode == 0
     md = (out / "summary.md").read_text()
     for title in ("## Time to first token", "## Hit rate against pool size", "## Memory",
-                  "## Cache-aware routing", "quick mode: True"):
+                  "## Cache-aware routing", "## Step overhead", "## Decode metadata",
+                  "quick mode: True"):
         assert title in md, f"{title!r} missing from summary.md:\n{md}"
     assert "Not rendered" not in md and "not drawn" not in md, md
     assert (out / "hit_rate_vs_pool_size.png").read_bytes()[:8] == PNG_MAGIC
