@@ -197,9 +197,9 @@ class PageRows:
             self._regather(slots, pages)
             return
         src, dst = self.flat, self._bufs[1 - self._live]
+        starts, ends = self.indptr[rows].tolist(), self.indptr[[r + 1 for r in rows]].tolist()
         read = wrote = 0
-        for start, end in zip(self.indptr[rows].tolist(), self.indptr[[r + 1 for r in rows]].tolist(),
-                              strict=True):
+        for start, end in zip(starts, ends, strict=True):
             dst[wrote : wrote + start - read] = src[read:start]
             wrote += start - read
             read = end
