@@ -72,6 +72,10 @@ class PageRows:
         """kv_indices as a tensor viewing the live buffer (valid until the next change)."""
         return self._tensors[self._live][: self.nnz]
 
+    def clear(self) -> None:
+        """No rows."""
+        self.rows = self.nnz = 0
+
     def num_pages(self) -> IntArray:
         """Pages per row (a fresh array)."""
         n = self.rows

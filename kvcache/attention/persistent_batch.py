@@ -116,6 +116,16 @@ class PersistentBatch:
         self._dropped.append(row)
         del self._row_of[slot]
 
+    def reset(self, rows: Sequence[tuple[int, int]]) -> None:
+        """Forget every row, then add `rows` ((slot, tokens in its blocks), in order): for
+        a caller whose step failed after `step` counted its tokens. Raises ValueError as
+        add does (the rows before the bad one are added)."""
+        self._decode.md = None
+        self._slots, self._row_of, self._dropped = [], {}, []
+        self._pages.clear()
+        for slot, num_cached in rows:
+            self.add(slot, num_cached)
+
     def _compact(self) -> None:
         n = len(self._slots)
         keep = np.ones(n, dtype=np.bool_)

@@ -263,7 +263,11 @@ class Engine:
             self.snapshots.restore(chunks, self.cache_config.tokens_per_block)
         if timer is not None:
             timer.lap("schedule")
-        logits, snapshot_states = self._forward(chunks, row_tokens)
+        try:
+            logits, snapshot_states = self._forward(chunks, row_tokens)
+        except BaseException:
+            self.scheduler.recount_batch()  # the step did not happen; it runs again next time
+            raise
         if self.snapshots is not None:
             for block, states in snapshot_states.items():
                 self.snapshots.save(block, states)  # before the commit makes it matchable

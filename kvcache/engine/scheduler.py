@@ -114,6 +114,15 @@ class Scheduler:
             return min(todo, budget)
         return todo if todo <= budget else 0
 
+    def recount_batch(self) -> None:
+        """Set the batch's rows from the running requests: after a step whose forward
+        failed, the batch counted tokens the requests never computed."""
+        rows = []
+        for req in self.running:
+            assert req.slot is not None
+            rows.append((req.slot, req.num_computed))
+        self.batch.reset(rows)
+
     def sync_table(self, req: Request) -> None:
         """Copy blocks the manager appended to `req` into the block table."""
         assert req.seq is not None and req.slot is not None

@@ -96,3 +96,34 @@ def test_every_step_equals_a_full_rebuild(options: dict[str, Any], pool: tuple[i
         assert check.kinds["padded"] > 0, check.kinds
     if blocks < 64:
         assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force preemption"
+
+
+def test_a_failed_forward_leaves_the_batch_right_for_the_retry() -> None:
+    """The batch counts a step's tokens when it hands out its metadata; a forward that
+    then fails must not leave them counted (the scheduler runs the same step again)."""
+    prompts = [[7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21]]
+    cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=32)
+    clean = Engine("tiny", cfg, max_num_tokens=6, max_batch_size=4).generate(prompts, 6)
+    engine = Engine("tiny", cfg, max_num_tokens=6, max_batch_size=4)
+    check = RebuildCheck(engine)
+    forward = engine.model.forward
+    calls = 0
+
+    def fails_twice(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls in (3, 7):  # a chunked prefill step, then a decode step
+            raise RuntimeError("injected forward failure")
+        return forward(*args, **kwargs)
+
+    engine.model.forward = fails_twice  # type: ignore[method-assign]
+    rids = [engine.add_request(p, 6) for p in prompts]
+    outs: dict[int, GenerationOutput] = {}
+    failures = 0
+    while engine.has_unfinished():
+        try:
+            outs.update((o.request_id, o) for o in engine.step())
+        except RuntimeError:
+            failures += 1
+    assert failures == 2 and check.kinds["decode"] and check.kinds["mixed"]
+    assert [outs[r].token_ids for r in rids] == [o.token_ids for o in clean]

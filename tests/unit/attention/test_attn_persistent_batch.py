@@ -219,6 +219,17 @@ def test_bad_input_changes_nothing(call, match: str) -> None:  # type: ignore[no
         mirror.step(None, 0, [5, 6])  # the batch carries on exactly as the mirror says
 
 
+def test_reset_recounts_the_rows() -> None:
+    """A caller whose step failed recounts the rows: the batch then follows them again."""
+    mirror = _decoding(contexts=(15, 20))
+    before = dict(mirror.kv)
+    mirror.batch.step([2, 1])  # handed out, never run
+    mirror.batch.reset([(0, before[0]), (1, before[1])])
+    assert mirror.batch.kv_len(0) == 15 and mirror.batch.slots == [0, 1]
+    for counts in ([2, 1], None, None, [0, 3]):
+        mirror.step(counts, 0, [])
+
+
 def test_an_empty_batch_has_no_step() -> None:
     mirror = _decoding(contexts=(3,))
     mirror.leave(0)
