@@ -4,8 +4,9 @@
     outs = engine.generate(prompts, max_new_tokens=8)
 
 One step = schedule (admit with reuse, chunk prefills under the token budget), apply the
-manager's block copies, build paged metadata, plan the backend once, run the model (the
-backend appends and attends per layer), sample greedily, commit what was computed.
+manager's block copies, take the paged metadata from the persistent batch (kept across
+steps), plan the backend once, run the model (the backend appends and attends per
+layer), sample greedily, commit what was computed.
 """
 
 from __future__ import annotations
