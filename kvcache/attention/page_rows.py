@@ -22,8 +22,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcache.attention.block_table import BlockTable
-from kvcache.attention.metadata_decode import INT32_LIMIT, Int32Array, IntArray, gather_pages
+from kvcache.attention.block_table import INT32_LIMIT, BlockTable
+from kvcache.attention.metadata_decode import Int32Array, IntArray, gather_pages
 
 # Changed rows past which one gather from the table beats a memmove per unchanged run
 # (at batch 256, 4k contexts: a run costs ~0.4 us, a uniform gather ~6 us).
