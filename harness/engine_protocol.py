@@ -65,11 +65,16 @@ class EngineUnderTest(Protocol):
     `generate` runs prompts to completion and mutates the cache; the other members only
     read. `admission_log()` lists, since the engine was built, every cache operation in
     the order the cache saw it, as mappings with keys kind ("admit" | "commit" |
-    "append" | "free"), seq_id, tokens (admit: the prompt; append: the new tokens),
-    num_tokens (commit: tokens whose KV is now valid, counted from the sequence's start)
-    and scope (None, or a hashable key such as (salt, lora_id)); replaying it through
-    `harness.oracle.model.replay` predicts reuse under any batching or chunking.
-    `kv_cache_stats()` is cumulative since the engine was built.
+    "append" | "free", and optionally "copy"), seq_id, tokens (admit: the prompt; append:
+    the new tokens), num_tokens (commit: tokens whose KV is now valid, counted from the
+    sequence's start) and scope (None, or a hashable key such as (salt, lora_id));
+    replaying it through `harness.oracle.model.replay` predicts reuse under any batching
+    or chunking. A log that also records block_ids (admit: the sequence's blocks, with
+    num_tokens the tokens reused; append: the blocks allocated; commit: the blocks after
+    a switch to equal cached blocks; copy: (src, dst) of each copy applied before the
+    next forward pass, num_tokens slots) can be replayed by the provenance oracle
+    (`harness.oracle.ShadowStore`) too. `kv_cache_stats()` is cumulative since the
+    engine was built.
     """
 
     @property
@@ -90,5 +95,6 @@ class EngineUnderTest(Protocol):
         ...
 
     def admission_log(self) -> Sequence[Mapping[str, Any]]:
-        """Every admit/commit/append/free so far, in the order the cache saw them."""
+        """Every admit/commit/append/free (and copy) so far, in the order the cache saw
+        them."""
         ...

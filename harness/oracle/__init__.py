@@ -1,12 +1,19 @@
-"""The independent reuse oracle: replays the cache's admission log and predicts reuse.
+"""The independent oracles: reuse counts, KV provenance and block capacity.
 
-It imports nothing from `kvcache`; see `harness.oracle.model` for the rules it follows.
+The reuse oracle replays the cache's admission log and predicts reuse
+(`harness.oracle.model`); the provenance oracle keeps a shadow KV store and checks that
+every reuse reads the reader's own KV (`harness.oracle.provenance`); the capacity oracle
+counts the blocks live sequences need (`harness.oracle.capacity`). None imports anything
+from `kvcache`: they read the events and the public API's numbers only.
 """
 
 from __future__ import annotations
 
+from harness.oracle.capacity import CapacityError, CapacityOracle
 from harness.oracle.model import ReuseOracle, predict_sequential, replay
+from harness.oracle.provenance import ProvenanceError, ShadowStore
 from harness.oracle.types import Event, OracleConfig, OraclePrediction, RequestReuse, hit_rate
 
-__all__ = ["Event", "OracleConfig", "OraclePrediction", "RequestReuse", "ReuseOracle",
-           "hit_rate", "predict_sequential", "replay"]
+__all__ = ["CapacityError", "CapacityOracle", "Event", "OracleConfig", "OraclePrediction",
+           "ProvenanceError", "RequestReuse", "ReuseOracle", "ShadowStore", "hit_rate",
+           "predict_sequential", "replay"]

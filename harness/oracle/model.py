@@ -11,6 +11,8 @@ evicting a block's followers makes it an unused leaf, so a request may *claim* i
 the model (which evicts nothing) says the block is not claimable. With
 copy_on_partial_reuse off that happens readily (the model predicts no partial hit at
 all; e.g. B=3, a pool of 4 blocks); with it on only through rare ties between candidates.
+Under pool pressure the cache also serves a hit the model predicts as a copy by claiming
+the source once its followers are evicted (the same tokens reused, counted as a claim).
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ class ReuseOracle:
 
     def __init__(self, cfg: OracleConfig) -> None:
         self.cfg = cfg
-        # every cached block -> when it was cached (ties between claimable blocks go to the
-        # most recently cached one, as in the cache; docs/design.md#choosing-the-partial-block)
+        # every cached block -> when it was cached (ties between equally short claimable
+        # blocks go to the most recently cached one, as in the cache;
+        # docs/design.md#choosing-the-partial-block)
         self._cached: dict[FullKey | PartialKey, int] = {}
         self._clock = 0
         # children of a prefix: the cached full blocks and partial leaves right after it
@@ -90,6 +93,8 @@ class ReuseOracle:
         commit that goes backwards or past the sequence's tokens.
         """
         ev = normalize_event(event)
+        if ev.kind == "copy":
+            return None  # KV movement: no effect on what is cached or reused
         if ev.kind == "admit":
             return self._admit(ev.seq_id, ev.tokens, ev.scope)
         seq = self._seqs.get(ev.seq_id)
@@ -131,7 +136,8 @@ class ReuseOracle:
         if not self.cfg.enable_partial_reuse or remaining == 0:
             return _Match(tuple(hits), 0, None, False)
         wanted = prompt[start : start + min(remaining, B)]
-        best: tuple[int, bool, int] | None = None  # (shared, claimable, stamp): max wins
+        # (shared, claimable, -tokens a claim takes out of the cache, stamp): max wins
+        best: tuple[int, bool, int, int] | None = None
         source: FullKey | PartialKey | None = None
         for cand in self._children.get((scope, prompt[:start]), ()):
             block = cand[1][start:] if len(cand) == 2 else cand[2]
@@ -139,7 +145,7 @@ class ReuseOracle:
             if not (claimable or self.cfg.copy_on_partial_reuse):
                 continue
             shared = _common_prefix(block, wanted)
-            rank = (shared, claimable, self._cached[cand])
+            rank = (shared, claimable, -len(block) if claimable else 0, self._cached[cand])
             if shared >= 1 and (best is None or rank > best):
                 best, source = rank, cand
         if best is None:
@@ -193,8 +199,9 @@ class ReuseOracle:
             if self._users[key] == 0:
                 del self._users[key]
         B = self.cfg.tokens_per_block
-        if not self.cfg.enable_block_reuse or seq.committed % B == 0:
-            return
+        partial = self.cfg.enable_block_reuse and self.cfg.enable_partial_reuse
+        if not partial or seq.committed % B == 0:
+            return  # without partial reuse a tail could never be matched: not cached
         start = seq.committed // B * B
         parent = (seq.scope, tuple(seq.tokens[:start]))
         tail = tuple(seq.tokens[start : seq.committed])

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
-EventKind = Literal["admit", "commit", "append", "free"]
-_KINDS: tuple[EventKind, ...] = ("admit", "commit", "append", "free")
+EventKind = Literal["admit", "commit", "append", "free", "copy"]
+_KINDS: tuple[EventKind, ...] = ("admit", "commit", "append", "free", "copy")
 
 
 def hit_rate(reused_blocks: int | float, missed_blocks: int | float) -> float:
@@ -104,13 +104,23 @@ class OracleConfig:
 
 
 class Event(NamedTuple):
-    """One cache operation, as the oracle reads it (scope already normalized)."""
+    """One cache operation, as the oracles read it (scope already normalized).
+
+    admit: `tokens` the prompt, `scope`; `num_tokens` the tokens reused and `block_ids`
+    the sequence's blocks, where the log records them. commit: `num_tokens` tokens valid
+    from the start; `block_ids` the sequence's blocks when the commit switched some (a
+    deduplicated commit), else empty. append: `tokens` the new tokens, `block_ids` the
+    blocks allocated for them. free. copy: a copy the engine applied before its next
+    forward pass, `block_ids` = (src, dst) and `num_tokens` slots. The reuse oracle reads
+    kinds, tokens, counts and scopes only; the provenance oracle also the block ids.
+    """
 
     kind: EventKind
     seq_id: Hashable
     tokens: tuple[int, ...] = ()
     num_tokens: int = 0
     scope: Hashable = None
+    block_ids: tuple[int, ...] = ()
 
 
 def normalize_scope(scope: Any, where: str) -> Hashable:
@@ -133,11 +143,11 @@ def normalize_scope(scope: Any, where: str) -> Hashable:
     return scope
 
 
-def _tokens(value: Any, where: str) -> tuple[int, ...]:
+def _ints(value: Any, where: str, what: str) -> tuple[int, ...]:
     out = tuple(value or ())
     for t in out:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"{where}: token {t!r} is not a non-negative int")
+            raise ValueError(f"{where}: {what} {t!r} is not a non-negative int")
     return out
 
 
@@ -145,7 +155,7 @@ def normalize_event(raw: Event | Mapping[str, Any] | Any) -> Event:
     """Read an event from a mapping or any object with the fields (e.g. CacheEvent).
 
     Raises ValueError for an unknown kind, a missing field, an empty admit prompt, bad
-    tokens or a negative commit count.
+    tokens or block ids, a negative count, or a copy without exactly (src, dst).
     """
     get = raw.get if isinstance(raw, Mapping) else lambda k, d=None: getattr(raw, k, d)
     kind, seq_id = get("kind"), get("seq_id")
@@ -154,13 +164,16 @@ def normalize_event(raw: Event | Mapping[str, Any] | Any) -> Event:
     if seq_id is None or not isinstance(seq_id, Hashable):
         raise ValueError(f"event {raw!r}: seq_id must be a hashable value, got {seq_id!r}")
     where = f"{kind} event for seq_id {seq_id!r}"
-    tokens = _tokens(get("tokens"), where)
+    tokens = _ints(get("tokens"), where, "token")
     if kind == "admit" and not tokens:
         raise ValueError(f"{where}: the prompt is empty (a prompt needs at least one token)")
     num = get("num_tokens", 0) or 0
-    if kind == "commit" and (isinstance(num, bool) or not isinstance(num, int) or num < 0):
+    if isinstance(num, bool) or not isinstance(num, int) or num < 0:
         raise ValueError(f"{where}: num_tokens must be an int >= 0, got {num!r}")
-    return Event(kind, seq_id, tokens, num, normalize_scope(get("scope"), where))
+    blocks = _ints(get("block_ids"), where, "block id")
+    if kind == "copy" and len(blocks) != 2:
+        raise ValueError(f"{where}: block_ids must be (src, dst), got {blocks!r}")
+    return Event(kind, seq_id, tokens, num, normalize_scope(get("scope"), where), blocks)
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,21 @@ def test_tie_between_unused_leaves_claims_the_newest() -> None:
     assert oracle.probe([*seq(5), 7, 0]) == 5
 
 
+def test_tie_between_unused_leaves_claims_the_one_that_loses_least() -> None:
+    # B=4. Leaves [1] (older) and [1, 0, 1] (newer), both from prompts admitted before
+    # either was cached. Wanting [1, 7] shares 1 token with both: claiming [1] takes 1
+    # cached token out, claiming [1, 0, 1] would take 3. [1] goes; [1, 0, 1] still gives 2.
+    oracle = ReuseOracle(ON)
+    for sid, prompt in ((0, [1, 0, 1]), (1, [1])):
+        oracle.apply(admit(sid, prompt))
+        oracle.apply({"kind": "commit", "seq_id": sid, "num_tokens": len(prompt)})
+    oracle.apply({"kind": "free", "seq_id": 1})
+    oracle.apply({"kind": "free", "seq_id": 0})
+    r = oracle.apply(admit(2, [1, 7]))
+    assert r is not None and (r.reused_tokens, r.partial_action) == (1, "claim")
+    assert oracle.probe([1, 0, 1]) == 2
+
+
 def test_commit_deduplicates_and_holds_the_cached_block() -> None:
     # B=4. Seqs 0 and 1 admit [1..8] cold and both commit 8: seq 1's blocks dedup onto
     # seq 0's and seq 1 holds them. After seq 0 is freed, [5..8] is still in use (by 1):
@@ -270,7 +285,8 @@ def test_replay_accepts_event_objects_and_mappings() -> None:
         scope: Any = None
 
     events = [Ev("admit", 7, tuple(seq(5))), Ev("commit", 7, num_tokens=5),
-              {"kind": "free", "seq_id": 7}, admit(8, seq(5))]
+              {"kind": "free", "seq_id": 7}, admit(8, seq(5)),
+              {"kind": "copy", "seq_id": 8, "num_tokens": 2, "block_ids": [0, 3]}]
     pred = replay(events, ON)
     assert pred.requests[8].reused_tokens == 4 and 7 in pred.requests
     # seq 7 again (a preempted request recomputed): requests keeps its first admission
