@@ -241,7 +241,11 @@ class BlockRadixTree:
             if not (claim or copy_on_partial):
                 continue
             n = common_prefix_bytes(kb, off, c.key, min(rem, len(c.key))) // TOKEN_BYTES
-            if best is None or n > best.num_tokens or (n == best.num_tokens and claim):
+            if (best is None or n > best.num_tokens
+                    or (n == best.num_tokens and claim and (
+                        not best.claim or len(c.key) <= len(best.node.key)))):
+                # a tie goes to a claim, then to the claim that takes the fewest cached
+                # tokens out of the tree, then to the leaf attached last
                 best = PartialHit(c, 0, n, claim)
         return best if best is not None and best.num_tokens else None
 
