@@ -80,6 +80,8 @@ def _feed(cache: KVCacheManager, log: list[dict[str, Any]]) -> dict[Hashable, di
             if seq_id in live:
                 first[seq_id] = _snapshot(live.pop(seq_id))
             cache.free_sequence(seq_id)
+        elif kind == "copy":
+            pass  # taken right after its admission above
         else:
             raise ValueError(f"admission log event {i}: unknown kind {kind!r}")
     first.update({seq_id: _snapshot(seq) for seq_id, seq in live.items()})

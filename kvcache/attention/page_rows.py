@@ -128,6 +128,15 @@ class PageRows:
         self.rows += 1
         self.indptr[self.rows] = self.nnz
 
+    def rewrite(self, row: int, slot: int) -> None:
+        """Row `row` (of `slot`) keeps its number of pages, their ids read again from the
+        table (a block of the slot was replaced by one holding the same KV). In place.
+        Raises ValueError as pages_of, changing nothing."""
+        start, end = int(self.indptr[row]), int(self.indptr[row + 1])
+        n = end - start
+        if n:
+            self.flat[start:end] = self._ids(np.full(n, slot), np.arange(n))
+
     # ------------------------------------------------------------------ decode
     def starts(self, rows: IntArray, slots: IntArray) -> PageStarts:
         """PageStarts of `rows` (ascending; slots: every row's), whose next page is the one

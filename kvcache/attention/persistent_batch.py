@@ -37,7 +37,9 @@ class PersistentBatch:
 
     Paging arguments as build_metadata's. `max_padded` is the largest `pad_to` a step may
     ask for (default: the table's slots). Not thread-safe (the engine holds its lock).
-    Invariant: a row's slot only gains blocks in the table while the row lives.
+    Invariant: a row's slot only gains blocks in the table while the row lives, except
+    that a block may be replaced by one holding the same KV, after which the caller calls
+    `rewrite`.
     """
 
     def __init__(self, table: BlockTable, *, block_size: int, page_size: int | None = None,
@@ -115,6 +117,14 @@ class PersistentBatch:
         self._leave_decode()
         self._dropped.append(row)
         del self._row_of[slot]
+
+    def rewrite(self, slot: int) -> None:
+        """Read the pages of `slot`'s row again from the table: the cache switched some
+        of its blocks to equal cached ones (a deduplicated commit). Raises ValueError when
+        the slot has no row."""
+        row = self._row(slot, "rewrite")
+        self._leave_decode()  # a kept decode layout may hold the old page ids
+        self._pages.rewrite(row, slot)
 
     def reset(self, rows: Sequence[tuple[int, int]]) -> None:
         """Forget every row, then add `rows` ((slot, tokens in its blocks), in order): for

@@ -1,7 +1,9 @@
-"""The order in which the cache saw admissions, commits, appends and frees.
+"""The order in which the cache saw admissions, commits, appends, frees and copies.
 
-Recorded when `KVCacheManager(record_events=True)`; an independent oracle replays it to
-predict reuse under any batching or chunking.
+Recorded when `KVCacheManager(record_events=True)`. An independent oracle replays it to
+predict reuse under any batching or chunking (the tokens and counts); the harness's
+provenance oracle replays it to follow which tokens' KV each physical block holds (the
+block ids).
 """
 
 from __future__ import annotations
@@ -9,19 +11,33 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Literal, NamedTuple
 
-EventKind = Literal["admit", "commit", "append", "free"]
+EventKind = Literal["admit", "commit", "append", "free", "copy"]
 
 
 class CacheEvent(NamedTuple):
-    """One cache operation: admit (tokens, scope), commit (num_tokens), append (tokens), free."""
+    """One cache operation, by kind:
+
+    - admit: `tokens` the prompt, `scope`, `num_tokens` the tokens reused, `block_ids`
+      every block of the sequence;
+    - commit: `num_tokens` the tokens whose KV is now valid; `block_ids` the sequence's
+      blocks when a deduplicated commit switched some of them to equal cached blocks,
+      else empty;
+    - append: `tokens` the new tokens, `block_ids` the blocks allocated for them;
+    - free: nothing more;
+    - copy: a `BlockCopy` taken by the engine (`take_copy_ops`) to apply before its next
+      forward pass: `block_ids` (src, dst), `num_tokens` the slots copied; `seq_id` the
+      sequence whose admission queued it.
+    """
 
     kind: EventKind
     seq_id: Hashable
     tokens: tuple[int, ...] = ()
     num_tokens: int = 0
     scope: Hashable | None = None
+    block_ids: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly form."""
         return {"kind": self.kind, "seq_id": self.seq_id, "tokens": list(self.tokens),
-                "num_tokens": self.num_tokens, "scope": self.scope}
+                "num_tokens": self.num_tokens, "scope": self.scope,
+                "block_ids": list(self.block_ids)}

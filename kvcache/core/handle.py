@@ -15,13 +15,11 @@ class Holdings(NamedTuple):
     """How a sequence is tied to the tree (for integrity checks and failure messages).
 
     `last` ends the chain of tree nodes it references (None: it holds nothing cached);
-    block positions [0, tree_blocks) are cached along that chain, except that `shadow`
-    lists the sequence's private duplicates of blocks someone else committed first.
+    block positions [0, tree_blocks) are the blocks along that chain.
     """
 
     last: Node | None
     tree_blocks: int
-    shadow: tuple[int, ...]
 
 
 class Sequence:
@@ -30,14 +28,12 @@ class Sequence:
     Block positions, by index into `block_ids`:
 
         [0, tree_blocks)            cached in the tree along the chain ending at `last`
-                                    (ids in `shadow` are private duplicates of blocks
-                                    someone else committed first)
         [tree_blocks, len)          private: reused partial block, fresh and decode blocks
     """
 
-    __slots__ = ("_alloc_new", "_alloc_total", "_block_ids", "_committed", "_full_reused",
-                 "_last", "_missed", "_num_cached", "_partial_reused", "_priority", "_scope",
-                 "_seq_id", "_shadow", "_tokens", "_tree_blocks")
+    __slots__ = ("_alloc_new", "_alloc_total", "_block_ids", "_block_ids_version", "_committed",
+                 "_full_reused", "_last", "_missed", "_num_cached", "_partial_reused",
+                 "_priority", "_scope", "_seq_id", "_tokens", "_tree_blocks")
 
     def __init__(self, seq_id: Hashable, tokens: array, scope: ScopeKey, priority: int,
                  block_ids: list[int], num_cached_tokens: int, last: Node | None,
@@ -51,7 +47,7 @@ class Sequence:
         self._committed = num_cached_tokens
         self._last = last
         self._tree_blocks = tree_blocks
-        self._shadow: list[int] = []
+        self._block_ids_version = 0
         self._alloc_total = 0
         self._alloc_new = 0
         self._full_reused = 0
@@ -80,6 +76,14 @@ class Sequence:
         return self._block_ids
 
     @property
+    def block_ids_version(self) -> int:
+        """Bumped whenever a position already in `block_ids` changes block: a commit
+        deduplicated against an equal cached block switches to that block and frees its
+        own. A copy of the ids (an engine's block table) taken at another version is stale
+        and must be re-read before the next forward pass. Appends do not bump it."""
+        return self._block_ids_version
+
+    @property
     def tokens(self) -> Seq[int]:
         """Prompt plus appended tokens (a live view; do not mutate it)."""
         return self._tokens
@@ -102,12 +106,12 @@ class Sequence:
     @property
     def num_private_blocks(self) -> int:
         """Blocks this sequence owns outside the tree (returned to the pool on free)."""
-        return len(self._block_ids) - self._tree_blocks + len(self._shadow)
+        return len(self._block_ids) - self._tree_blocks
 
     @property
     def holdings(self) -> Holdings:
         """Its ties to the tree, for integrity checks (a snapshot)."""
-        return Holdings(self._last, self._tree_blocks, tuple(self._shadow))
+        return Holdings(self._last, self._tree_blocks)
 
     @property
     def metrics(self) -> RequestKvMetrics:

@@ -109,8 +109,12 @@ def check_manager(mgr: CheckedCache) -> None:
     if missing:
         _fail(f"blocks {sorted(missing)[:10]} are owned by nobody (leaked)")
     for seq_id, op in mgr.pending_copies:
-        if seq_id not in mgr.sequences:
+        holder = mgr.sequences.get(seq_id)
+        if holder is None:
             _fail(f"copy op {op} belongs to freed sequence {seq_id!r}")
+        elif op.dst not in holder.block_ids[holder.holdings.tree_blocks:]:
+            _fail(f"copy op {op} of sequence {seq_id!r} targets block {op.dst}, not one of "
+                  "its private blocks")
 
 
 def _check_child_index(node: Node, bb: int, where: str) -> None:
@@ -131,7 +135,7 @@ def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int]
     if not seq.num_cached_tokens <= seq.num_committed_tokens <= ntok:
         _fail(f"{where}: cached {seq.num_cached_tokens} <= committed "
               f"{seq.num_committed_tokens} <= tokens {ntok} does not hold")
-    last, tree_blocks, shadow_ids = seq.holdings
+    last, tree_blocks = seq.holdings
     if mgr.reuse and tree_blocks != seq.num_committed_tokens // B:
         _fail(f"{where}: {tree_blocks} blocks in the tree, committed "
               f"{seq.num_committed_tokens} tokens")
@@ -146,12 +150,9 @@ def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int]
     top = chain[-1].parent if chain else None
     if chain and top is not scope_root:
         _fail(f"{where}: holds a path outside its scope {seq.scope!r}")
-    shadow = set(shadow_ids)
     path_blocks = [b for n in reversed(chain) for b in n.blocks]
     for i, block in enumerate(seq.block_ids):
         if i < tree_blocks and block != path_blocks[i]:
-            if block not in shadow:
-                _fail(f"{where}: block {i} is {block}, the tree holds {path_blocks[i]}")
-            own(block, f"{where} shadow block {i}")
+            _fail(f"{where}: block {i} is {block}, the tree holds {path_blocks[i]}")
         elif i >= tree_blocks:
             own(block, f"{where} private block {i}")

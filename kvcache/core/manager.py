@@ -73,7 +73,8 @@ class KVCacheManager:
         # KV-cache events for routers (blocks stored and removed), see kv_events.py
         self._kv = KvEventLog(self._B) if kv_events else None
         # Told the ids of cached blocks that left the tree (evicted, or claimed by an
-        # admission), after the fact: the engine drops what it keeps per block.
+        # admission), and of a sequence's own blocks given back when its commit switched
+        # to equal cached ones, after the fact: the engine drops what it keeps per block.
         self.on_blocks_removed: Callable[[list[int]], None] | None = None
         # Test seam for fault injection: called as (operation, blocks needed) before any
         # allocation; returning True refuses it (a plan that does not fit, or
@@ -128,9 +129,13 @@ class KVCacheManager:
             deep = tree.split(last, nb) if nb < len(last.blocks) else last
             pool.acquire(deep, None, priority)
         src = None
+        followers: list[int] = []
         if ph is not None:
             node = ph.node  # after the split above it starts at the candidate block
             if ph.claim:
+                if node.children or len(node.blocks) > 1:  # see _plan: a copy did not fit
+                    followers = pool.evict_below(node)
+                    self._removed(followers)
                 pool.forget_cached(node)
                 tree.detach(node)
                 self._removed(node.blocks)
@@ -138,9 +143,10 @@ class KVCacheManager:
             else:
                 src = tree.split(node, 1) if len(node.blocks) > 1 else node
                 pool.acquire(src, src.parent, priority)
-        new, fresh = pool.allocate(need)
-        if fresh < need:
+        new, fresh = pool.allocate(need - len(followers))
+        if fresh < len(new):
             self._removed(new[fresh:])
+        new += followers
         if src is not None and ph is not None:
             self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0], ph.num_tokens)))
             pool.release(src, src.parent)
@@ -173,8 +179,10 @@ class KVCacheManager:
     def _plan(self, arr: array, skey: ScopeKey) -> AdmissionPlan:
         """The admission plan of token array `arr` in scope `skey` now. Pure.
 
-        The partial hit is forgone when protecting its copy source would take the very
-        block the admission needs, so that a prompt that fits is never refused.
+        When protecting an unreferenced copy source would take the very block the
+        admission needs, the admission takes every available block either way: it claims
+        the source instead, evicting what follows it. A prompt that fits is never refused;
+        the partial hit is forgone only by a plan that does not fit.
         """
         length = len(arr)
         nblocks = (length + self._B - 1) // self._B
@@ -198,6 +206,10 @@ class KVCacheManager:
         if ph is not None and not ph.node.ref:
             if ph.claim or need < avail:
                 avail -= 1  # claimed, or a copy source protected during the admission
+            elif need == avail:  # a copy does not fit: claim the source (see above)
+                ph = ph._replace(claim=True)
+                need -= 1
+                avail -= 1
             else:
                 ph, ntok = None, nfull * self._B
         return AdmissionPlan(arr, skey, self._version, nblocks, hits, nfull, ph, ntok, need,
@@ -243,17 +255,21 @@ class KVCacheManager:
         seq._alloc_total, seq._alloc_new = alloc, fresh
         self.sequences[seq._seq_id] = seq
         if self.events is not None:
-            self.events.append(CacheEvent("admit", seq._seq_id, tuple(seq._tokens), 0,
-                                          seq._scope))
+            self.events.append(CacheEvent("admit", seq._seq_id, tuple(seq._tokens),
+                                          seq._num_cached, seq._scope, tuple(seq._block_ids)))
         return seq
 
     # ------------------------------------------------------------------ progress
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         """Mark the KV of tokens [0, num_tokens) valid; its full blocks become reusable.
 
-        A full block equal to one already cached is deduplicated (the sequence keeps its
-        private copy until freed). Raises ValueError for an unknown `seq_id`, a count
-        beyond the sequence or below an earlier commit.
+        A full block equal to one already cached is deduplicated: the sequence switches to
+        the cached block and its own returns to the pool, so `block_ids` changes in place
+        and `block_ids_version` is bumped (re-read the ids before the next forward pass).
+        Committing past the admission says a forward pass ran, so the sequence's queued
+        copies ran before it (they are dropped from the queue if the caller never took
+        them). Raises ValueError for an unknown `seq_id`, a count beyond the sequence or
+        below an earlier commit.
         """
         seq = self._get(seq_id, "commit")
         n = check_int(num_tokens, f"commit({seq_id!r}): num_tokens")
@@ -264,12 +280,16 @@ class KVCacheManager:
             raise ValueError(f"commit({seq_id!r}, {n}): goes backwards; "
                              f"{seq._committed} tokens are already committed")
         self._version += 1
+        if self._copy_ops and n > seq._committed:
+            self._drop_copies(seq_id)
         seq._committed = n
-        if self.events is not None:
-            self.events.append(CacheEvent("commit", seq_id, (), n, None))
         nfull = n // self._B
+        switched = seq._block_ids_version
         if self.reuse and nfull > seq._tree_blocks:
             self._insert(seq, nfull)
+        if self.events is not None:
+            ids = tuple(seq._block_ids) if seq._block_ids_version != switched else ()
+            self.events.append(CacheEvent("commit", seq_id, (), n, None, ids))
 
     def _insert(self, seq: Sequence, nfull: int) -> None:
         B = self._B
@@ -289,12 +309,18 @@ class KVCacheManager:
         kb = seq._tokens[t * B:nfull * B].tobytes()
         if parent.full:
             m = tree.match(parent, kb, len(kb), partial=False, copy_on_partial=False)
-            if m.hits:  # someone committed the same blocks first: hold theirs
+            if m.hits:  # someone committed the same blocks first: switch to theirs
+                cached = [b for node, nb in m.hits for b in node.blocks[:nb]]
                 last, nb = m.hits[-1]
                 top = tree.split(last, nb) if nb < len(last.blocks) else last
                 self.pool.acquire(top, parent, seq._priority)
-                k = m.num_full_blocks
-                seq._shadow += seq._block_ids[t:t + k]
+                k = len(cached)
+                own = seq._block_ids[t:t + k]
+                seq._block_ids[t:t + k] = cached
+                seq._block_ids_version += 1
+                self.pool.give_back(own)
+                if self.on_blocks_removed is not None:
+                    self.on_blocks_removed(own)
                 t += k
                 kb = kb[k * tree.block_bytes:]
                 parent = top
@@ -338,32 +364,34 @@ class KVCacheManager:
             c.alloc_new += fresh
         seq._tokens.extend(arr)
         if self.events is not None:
-            self.events.append(CacheEvent("append", seq_id, tuple(arr), 0, None))
+            added = tuple(seq._block_ids[len(seq._block_ids) - max(need, 0):])
+            self.events.append(CacheEvent("append", seq_id, tuple(arr), 0, None, added))
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Release a sequence: its committed blocks stay cached, the rest return to the pool.
 
-        A committed partial tail is cached as a partial leaf unless an existing block
-        already starts with it. Pending copy ops of this sequence are dropped.
+        With partial reuse on, a committed partial tail is cached as a partial leaf unless
+        an existing block already starts with it (with it off, a tail could never be
+        matched). A copy of this sequence still queued never ran: it is dropped, and the
+        tokens it was to write are not cached (its tail is cached only from written KV).
         """
         seq = self._get(seq_id, "free_sequence")
         self._version += 1
         del self.sequences[seq_id]
+        unwritten = bool(self._copy_ops) and self._drop_copies(seq_id)
         if self._kv is not None:
             self._kv.freed(seq_id)
         if self.events is not None:
             self.events.append(CacheEvent("free", seq_id, (), 0, None))
-        if self._copy_ops:
-            self._copy_ops = [op for op in self._copy_ops if op[0] != seq_id]
         pool = self.pool
         pool.tick()
         keep = seq._tree_blocks
         if self.reuse:
-            if seq._committed % self._B and self._cache_tail(seq):
+            if (self._partial and seq._committed % self._B and not unwritten
+                    and self._cache_tail(seq)):
                 keep += 1
             if seq._last is not None:
                 pool.release(seq._last)
-        pool.give_back(seq._shadow)
         pool.give_back(seq._block_ids[keep:])
 
     def _cache_tail(self, seq: Sequence) -> bool:
@@ -390,6 +418,13 @@ class KVCacheManager:
             return 0
         return self._plan(arr, scope_key(scope, "probe_reuse"))._cached
 
+    def _drop_copies(self, seq_id: Hashable) -> bool:
+        """Forget the queued copies of `seq_id`; returns whether there were any."""
+        kept = [e for e in self._copy_ops if e[0] != seq_id]
+        dropped = len(kept) != len(self._copy_ops)
+        self._copy_ops = kept
+        return dropped
+
     @property
     def pending_copy_ops(self) -> list[BlockCopy]:
         """Copies queued and not yet taken (a copy of the queue; read-only view)."""
@@ -401,10 +436,17 @@ class KVCacheManager:
         return list(self._copy_ops)
 
     def take_copy_ops(self) -> list[BlockCopy]:
-        """Pending copies, in the order they must be applied; the queue is emptied."""
-        ops = [op for _, op in self._copy_ops]
+        """Pending copies, in the order they must be applied; the queue is emptied.
+
+        The caller applies them all before its next forward pass (a commit past a
+        sequence's admission says that pass ran, copies first).
+        """
+        queued = self._copy_ops
         self._copy_ops = []
-        return ops
+        if self.events is not None:
+            self.events += [CacheEvent("copy", sid, (), op.num_tokens, None, (op.src, op.dst))
+                            for sid, op in queued]
+        return [op for _, op in queued]
 
     def take_kv_events(self) -> list[KvCacheEvent]:
         """KV-cache events since the last call, oldest first (BlockStored, BlockRemoved,

@@ -166,6 +166,28 @@ class BlockPool:
         ids += self._evict(n - fresh)
         return ids, fresh
 
+    def evict_below(self, node: Node) -> list[int]:
+        """Evict what follows the first block of unreferenced `node`: the rest of its edge
+        and every node below it (unreferenced too, as `node` is). Returns their ids;
+        `node` is left an unreferenced single-block leaf (its heap entries go stale)."""
+        assert node.ref == 0, node
+        tree = self.tree
+        below: list[Node] = []  # parents before children
+        stack = [c for cs in node.children.values() for c in cs]
+        while stack:
+            c = stack.pop()
+            below.append(c)
+            stack += [g for gs in c.children.values() for g in gs]
+        out: list[int] = []
+        for c in reversed(below):  # children before parents: detach takes leaves only
+            out += c.blocks
+            tree.detach(c)
+        if len(node.blocks) > 1:
+            out += tree.trim(node, len(node.blocks) - 1)
+        self.num_evictable -= len(out)
+        self.num_evicted += len(out)
+        return out
+
     def _evict(self, need: int) -> list[int]:
         heap = self.heap
         tree = self.tree

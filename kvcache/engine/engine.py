@@ -350,9 +350,9 @@ class Engine:
             req = c.req
             req.num_computed += c.num_new
             self.manager.commit(req.rid, req.num_computed)
-            if self.snapshots is not None and req.seq is not None:
-                # a duplicate of a block someone committed first never enters the tree
-                self.snapshots.drop(req.seq.holdings.shadow)
+            # a deduplicated commit switches blocks (the snapshots of those it gives back
+            # go through the manager's on_blocks_removed)
+            self.scheduler.sync_table(req)
             if not c.samples:
                 continue
             tok = next(sampled)

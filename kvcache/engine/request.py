@@ -71,6 +71,7 @@ class Request:
     seq: CacheSequence | None = None
     slot: int | None = None
     table_len: int = 0
+    table_version: int = 0  # seq.block_ids_version when its table row was last written
     num_computed: int = 0
     num_cached_tokens: int | None = None
     kv_metrics: RequestKvMetrics | None = None

@@ -99,6 +99,7 @@ class Scheduler:
             req.slot = self._free_slots.pop()
             self.table.assign(req.slot, seq.block_ids)
             req.table_len = len(seq.block_ids)
+            req.table_version = seq.block_ids_version
             self.batch.add(req.slot, req.num_computed)
             self.running.append(req)
             todo.append(req.num_uncomputed)
@@ -124,10 +125,19 @@ class Scheduler:
         self.batch.reset(rows)
 
     def sync_table(self, req: Request) -> None:
-        """Copy blocks the manager appended to `req` into the block table."""
+        """Bring `req`'s row of the block table up to date with its cache handle: blocks
+        appended, or (after a deduplicated commit) the whole row. Call it after every
+        commit and append, before the next forward pass: a block the manager took back
+        may be handed to another request and overwritten in that very pass."""
         assert req.seq is not None and req.slot is not None
-        ids = req.seq.block_ids
-        if len(ids) > req.table_len:
+        seq = req.seq
+        ids = seq.block_ids
+        if seq.block_ids_version != req.table_version:
+            self.table.assign(req.slot, ids)
+            self.batch.rewrite(req.slot)  # its kept pages name the blocks given back
+            req.table_len = len(ids)
+            req.table_version = seq.block_ids_version
+        elif len(ids) > req.table_len:
             self.table.extend(req.slot, ids[req.table_len:])
             req.table_len = len(ids)
 
@@ -139,7 +149,7 @@ class Scheduler:
         self.table.release(req.slot)
         self._free_slots.append(req.slot)
         self.running.remove(req)
-        req.seq, req.slot, req.table_len = None, None, 0
+        req.seq, req.slot, req.table_len, req.table_version = None, None, 0, 0
 
     def preempt(self, req: Request) -> None:
         """Release `req` and queue it first, to be recomputed (reusing what survives)."""

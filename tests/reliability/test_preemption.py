@@ -137,22 +137,24 @@ def test_hybrid_model_recomputes_recurrent_state_after_preemption() -> None:
 
 # -- an admission the pool can hold must not be refused ---------------------------------
 # A partial hit needing a copy holds its source while it allocates; when that takes the
-# block the admission needs, the manager must admit without the partial hit instead.
+# block the admission needs, the admission takes every available block either way, so
+# the manager claims the source (evicting what follows it) instead of copying it.
 
 
-def test_manager_admits_a_prompt_that_fits_without_its_partial_copy() -> None:
+def test_manager_admits_a_prompt_that_fits_claiming_its_copy_source() -> None:
     mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=2))
     mgr.add_sequence("a", [1, 2, 3, 4, 5, 6, 7])
     mgr.commit("a", 7)
     mgr.free_sequence("a")  # cached: [1 2 3 4] -> [5 6 7]; [1 2 3 4] is interior
     # 2 blocks wanted, the pool has 2 free or evictable; a copy of [1 2 3] would need 3
     seq = mgr.add_sequence("b", [1, 2, 3, 9, 9, 9, 9])
-    assert (seq.num_cached_tokens, mgr.pending_copy_ops) == (0, [])
+    assert (seq.num_cached_tokens, mgr.pending_copy_ops) == (3, [])
+    assert (mgr.stats().claimed_blocks, mgr.stats().evicted_blocks) == (1, 1)
     mgr.free_sequence("b")
     assert_clean(mgr, "after b")
 
 
-def test_engine_runs_a_prompt_that_fits_without_its_partial_copy(
+def test_engine_runs_a_prompt_that_fits_claiming_its_copy_source(
         tiny_model: Transformer) -> None:
     engine = EngineSpec(4, 2).build(tiny_model)
     engine.generate([[1, 2, 3, 4, 5, 6, 7]], max_new_tokens=1)

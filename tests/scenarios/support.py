@@ -158,8 +158,9 @@ def assert_probe_matches_admissions(engine: Engine) -> None:
             replica.commit(sid, ev["num_tokens"])
         elif kind == "append":
             replica.append_tokens(sid, ev["tokens"])
-        else:
+        elif kind == "free":
             replica.free_sequence(sid)
+        # "copy": the replica took its copies right after the admission
 
 
 class ColdWarm(NamedTuple):

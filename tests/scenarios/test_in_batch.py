@@ -35,10 +35,12 @@ def siblings(seed: int) -> list[list[int]]:
     return shared_system_prompt(N, PREFIX, SUFFIX, vocab=VOCAB, seed=seed)
 
 
-def distinct_blocks(B: int, tokens_each: int) -> int:
+def distinct_blocks(B: int, tokens_each: int, tails: bool = True) -> int:
     """Blocks the tree holds once siblings committed `tokens_each` tokens: the prefix's
-    once, every block past it (full or a partial tail) once per sibling."""
-    return PREFIX // B + N * (-(-tokens_each // B) - PREFIX // B)
+    once, every block past it once per sibling, a partial tail only with `tails` (partial
+    reuse on)."""
+    per_sibling = -(-tokens_each // B) if tails else tokens_each // B
+    return PREFIX // B + N * (per_sibling - PREFIX // B)
 
 
 @pytest.mark.parametrize("B", BLOCKS)
@@ -63,7 +65,7 @@ def test_siblings_in_one_step_are_correct_and_deduplicated(
     cold = [done[r] for r in rids]
     assert_same_outputs(reference, cold, backend, "siblings vs no reuse")
     assert engine.kv_cache_stats().cached_num_blocks == distinct_blocks(
-        B, PREFIX + SUFFIX + NEW_TOKENS - 1)
+        B, PREFIX + SUFFIX + NEW_TOKENS - 1, tails=mode.partial)
     warm = engine.generate(prompts, NEW_TOKENS, force_tokens=force)
     assert_same_outputs(reference, warm, backend, "warm siblings vs no reuse")
     scenario.expect_oracle(engine, cold + warm, seed=B)

@@ -100,18 +100,26 @@ def test_step_stats_are_deltas(make_manager) -> None:
 
 def test_events_record_the_order_the_cache_saw(make_manager) -> None:
     mgr = make_manager(4, 16, record_events=True)
-    mgr.add_sequence("a", [1, 2, 3], scope=ReuseScope(salt=0))
-    mgr.commit("a", 3)
-    mgr.append_tokens("a", [9])
+    salt0 = ReuseScope(salt=0)
+    mgr.add_sequence("a", [1, 2, 3, 4, 5], scope=salt0)
+    mgr.commit("a", 5)
+    mgr.append_tokens("a", [9, 9, 9, 9])
+    mgr.add_sequence("b", [1, 2, 7], scope=salt0)  # copies [1, 2] from a's first block
+    mgr.take_copy_ops()
     mgr.free_sequence("a")
+    mgr.free_sequence("b")
     assert mgr.events == [
-        CacheEvent("admit", "a", (1, 2, 3), 0, (0, None)),
-        CacheEvent("commit", "a", (), 3, None),
-        CacheEvent("append", "a", (9,), 0, None),
+        CacheEvent("admit", "a", (1, 2, 3, 4, 5), 0, (0, None), (1, 0)),
+        CacheEvent("commit", "a", (), 5, None),
+        CacheEvent("append", "a", (9, 9, 9, 9), 0, None, (2,)),
+        CacheEvent("admit", "b", (1, 2, 7), 2, (0, None), (3,)),
+        CacheEvent("copy", "b", (), 2, None, (1, 3)),
         CacheEvent("free", "a", (), 0, None),
+        CacheEvent("free", "b", (), 0, None),
     ]
-    assert mgr.events[0].as_dict() == {"kind": "admit", "seq_id": "a", "tokens": [1, 2, 3],
-                                       "num_tokens": 0, "scope": (0, None)}
+    assert mgr.events[0].as_dict() == {"kind": "admit", "seq_id": "a",
+                                       "tokens": [1, 2, 3, 4, 5], "num_tokens": 0,
+                                       "scope": (0, None), "block_ids": [1, 0]}
     assert make_manager().events is None
 
 

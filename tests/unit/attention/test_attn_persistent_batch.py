@@ -203,6 +203,7 @@ def test_a_page_id_past_int32_is_refused() -> None:
     pytest.param(lambda b: b.add(4, 9), "slot 4 holds 0 blocks", id="add-without-blocks"),
     pytest.param(lambda b: b.remove(4), r"slot 4 has no row \(rows: \[0, 1, 2\]\)", id="remove"),
     pytest.param(lambda b: b.kv_len(5), "slot 5 has no row", id="kv-len"),
+    pytest.param(lambda b: b.rewrite(5), "slot 5 has no row", id="rewrite"),
     pytest.param(lambda b: b.step([1, 1]), r"one int per row \(3\)", id="counts-length"),
     pytest.param(lambda b: b.step([1.0, 1.0, 1.0]), "dtype float64", id="counts-float"),
     pytest.param(lambda b: b.step([1, -1, 1]), r"num_new=\[1, -1, 1\]", id="counts-negative"),
@@ -217,6 +218,19 @@ def test_bad_input_changes_nothing(call, match: str) -> None:  # type: ignore[no
         call(mirror.batch)
     for _ in range(BLOCK + 1):
         mirror.step(None, 0, [5, 6])  # the batch carries on exactly as the mirror says
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_rewrite_rereads_a_row_whose_blocks_were_switched(k: int) -> None:
+    """A commit deduplicated against an equal cached block switches blocks of a live row
+    in the table; after `rewrite` every step equals the rebuild again, decode layout
+    included (without it the kept pages would still name the blocks given back)."""
+    mirror = _decoding(k)
+    mirror.step(None, 0, [])  # a decode layout is kept
+    mirror.table.assign(1, [900, 901, *mirror.table.block_ids(1)[2:]])
+    mirror.batch.rewrite(1)
+    for counts in (None, None, [2, 1, 0], None):
+        mirror.step(counts, 0, [5, 6])
 
 
 def test_reset_recounts_the_rows() -> None:
