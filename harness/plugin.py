@@ -1,6 +1,6 @@
 """pytest plugin `kvharness`: markers, GPU skips, list-driven selection, per-entry timeouts,
-waives, ISOLATION, reruns, shards, leak checks after cache-owning tests, and the run's
-reuse report.
+waives, ISOLATION, reruns, shards, leak and oracle checks after cache-owning tests, and
+the run's reuse report.
 
 Without --test-db/--test-list it only registers markers, skips `gpu` tests where CUDA is
 absent, checks caches after tests and keeps the reuse report. With a list, every
@@ -31,6 +31,7 @@ from harness.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.lists.errors import Problem
 from harness.options import add_options
+from harness.oracle_checks import oracle_problems
 from harness.report import ReuseReport
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
@@ -328,7 +329,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     problems: list[str] = []
     if item.stash.get(CALL_PASSED, False):
         try:
-            problems = leak_problems(find_cache_owners(getattr(item, "funcargs", None) or {}))
+            owners = find_cache_owners(getattr(item, "funcargs", None) or {})
+            problems = leak_problems(owners) + oracle_problems(owners)
         except TypeError as exc:
             problems = [str(exc)]
     yield

@@ -6,13 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.reuse.assertions import ReproContext
 from tests.unit.support import ManagerFactory
 
 
 @pytest.fixture
-def make_manager() -> Iterator[ManagerFactory]:
+def make_manager(request: pytest.FixtureRequest) -> Iterator[ManagerFactory]:
     """A factory of managers whose leaks and integrity the harness checks after the test."""
-    factory = ManagerFactory()
+    factory = ManagerFactory(ReproContext(request.node.nodeid).line())
     yield factory
     for mgr in factory.created:
         mgr.check_integrity()

@@ -1,0 +1,244 @@
+"""CheckedManager: a KVCacheManager run under the provenance and capacity oracles.
+
+Every call is forwarded to the manager and then checked. The oracles are fed events
+built from the manager's public API (each handle's block ids and reused count, the copy
+queue), not from its event log; when the manager keeps a log, the log must say the same,
+since engines are checked by replaying theirs. After every call: every live sequence's
+valid KV is its own (or arrives with a queued copy), usedNumBlocks is what the live
+sequences need, and a call that raised left the manager exactly as it was and, if it
+was refused for want of blocks, the blocks really were not there.
+
+`commit` first takes and applies the queued copies, as an engine does before the forward
+pass whose tokens it commits. Fuzzers and stateful tests drive this instead of a bare
+manager; anything not wrapped (stats, probe_reuse, sequences, ...) is forwarded as is.
+Like the rest of the harness it imports `kvcache` for type checking only: a refusal is
+any exception with `needed`, `available` and `capacity` (`OutOfBlocksError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from harness.oracle.capacity import CapacityOracle
+from harness.oracle.provenance import Copy, ShadowStore
+from harness.oracle.types import Event, normalize_event
+
+if TYPE_CHECKING:
+    from kvcache import AdmissionPlan, BlockCopy, KVCacheManager, ReuseScope
+    from kvcache import Sequence as CacheSequence
+
+T = TypeVar("T")
+
+
+class ManagerContractError(AssertionError):
+    """The manager broke its API contract: a failed call changed it, its handles changed
+    block ids without saying so, or its event log disagrees with its API."""
+
+
+class CheckedManager:
+    """Forwards to `manager` (which must be fresh) and checks every call; see the module."""
+
+    def __init__(self, manager: KVCacheManager, *, repro: str = "") -> None:
+        if manager.sequences or manager.stats().alloc_total_blocks:
+            raise ValueError("CheckedManager: the manager must be fresh (nothing admitted "
+                             "yet): the oracles must see every operation")
+        cfg = manager.config
+        self.manager = manager
+        self.shadow = ShadowStore(cfg.tokens_per_block, repro=repro)
+        self.capacity = CapacityOracle(cfg.tokens_per_block, cfg.max_num_blocks,
+                                       block_reuse=cfg.block_reuse, repro=repro)
+        self.num_operations = 0
+        self._ids: dict[Hashable, tuple[list[int], int]] = {}  # block ids, version last seen
+        self._log_seen = 0
+        self._plans: dict[int, tuple[AdmissionPlan, list[int], ReuseScope | None]] = {}
+        self._queued: list[Copy] = []  # the copy queue after the last call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.manager, name)
+
+    @property
+    def allocation_fault(self) -> Callable[[str, int], bool] | None:
+        """The manager's fault-injection seam (read and set through)."""
+        return self.manager.allocation_fault
+
+    @allocation_fault.setter
+    def allocation_fault(self, fault: Callable[[str, int], bool] | None) -> None:
+        self.manager.allocation_fault = fault
+
+    # -- the checked calls -------------------------------------------------------------
+
+    def plan_admission(self, tokens: Sequence[int], scope: ReuseScope | None = None
+                       ) -> AdmissionPlan:
+        """`KVCacheManager.plan_admission`; a plan that does not fit must be fair."""
+        plan = self.manager.plan_admission(tokens, scope)
+        toks = list(tokens)
+        self._plans[id(plan)] = (plan, toks, scope)
+        if not plan.fits and not plan.injected_fault:
+            self.capacity.check_refusal(self.capacity.admission_need(toks, scope),
+                                        f"plan_admission({toks})")
+        return plan
+
+    def admit(self, seq_id: Hashable, plan: AdmissionPlan,
+              priority: int | None = None) -> CacheSequence:
+        """`KVCacheManager.admit` (the manager's default priority unless given), checked."""
+        known = self._plans.get(id(plan))
+        need = None
+        if known is not None and known[0] is plan:
+            need = self._admission_need(known[1], known[2])
+        kw = {} if priority is None else {"priority": priority}
+        return self._admitted(seq_id, f"admit({seq_id!r})",
+                              lambda: self.manager.admit(seq_id, plan, **kw), need)
+
+    def add_sequence(self, seq_id: Hashable, tokens: Sequence[int],
+                     scope: ReuseScope | None = None,
+                     priority: int | None = None) -> CacheSequence:
+        """`KVCacheManager.add_sequence` (the manager's default priority unless given),
+        checked."""
+        toks = list(tokens) if not isinstance(tokens, list) else tokens
+        kw = {} if priority is None else {"priority": priority}
+        return self._admitted(seq_id, f"add_sequence({seq_id!r}, {toks})",
+                              lambda: self.manager.add_sequence(seq_id, toks, scope, **kw),
+                              self._admission_need(toks, scope))
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Take and apply the queued copies (the forward pass comes after them), then
+        `KVCacheManager.commit`, checked. The copies are taken for a live `seq_id` even
+        when the commit itself is then refused as bad input."""
+        if self.manager.pending_copies and seq_id in self.manager.sequences:
+            self.take_copy_ops()
+        where = f"commit({seq_id!r}, {num_tokens})"
+        self._call(where, lambda: self.manager.commit(seq_id, num_tokens))
+        seq = self.manager.get_sequence(seq_id)
+        old, version = self._ids[seq_id]
+        ids = list(seq.block_ids)
+        if (ids != old) != (seq.block_ids_version != version):
+            raise ManagerContractError(
+                f"{where}: block ids went from {old} to {ids} while block_ids_version went "
+                f"from {version} to {seq.block_ids_version}: an engine's block table would "
+                "go stale unnoticed")
+        self._ids[seq_id] = (ids, seq.block_ids_version)
+        switched = tuple(ids) if ids != old else ()
+        self._after(where, [Event("commit", seq_id, (), seq.num_committed_tokens, None,
+                                  switched)])
+
+    def append_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """`KVCacheManager.append_tokens`, checked (a refusal must be fair)."""
+        where = f"append_tokens({seq_id!r}, {list(tokens)})"
+        seq = self.manager.sequences.get(seq_id)
+        need = None
+        if seq is not None:
+            B = self.manager.config.tokens_per_block
+            need = -(-(seq.num_tokens + len(tokens)) // B) - len(seq.block_ids)
+        start = seq.num_tokens if seq is not None else 0
+        self._call(where, lambda: self.manager.append_tokens(seq_id, tokens), need)
+        seq = self.manager.get_sequence(seq_id)
+        old, version = self._ids[seq_id]
+        ids = list(seq.block_ids)
+        if ids[:len(old)] != old or seq.block_ids_version != version:
+            raise ManagerContractError(f"{where}: block ids went from {old} to {ids}; an "
+                                       "append may only add blocks")
+        self._ids[seq_id] = (ids, version)
+        self._after(where, [Event("append", seq_id, tuple(seq.tokens[start:]), 0, None,
+                                  tuple(ids[len(old):]))])
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """`KVCacheManager.free_sequence`, checked."""
+        where = f"free_sequence({seq_id!r})"
+        self._call(where, lambda: self.manager.free_sequence(seq_id))
+        del self._ids[seq_id]
+        self._after(where, [Event("free", seq_id)])
+
+    def take_copy_ops(self) -> list[BlockCopy]:
+        """`KVCacheManager.take_copy_ops`; the copies are applied to the shadow store."""
+        queued = self.manager.pending_copies
+        ops = self.manager.take_copy_ops()
+        if ops != [op for _, op in queued]:
+            raise ManagerContractError(f"take_copy_ops() returned {ops}, the queue held "
+                                       f"{queued}")
+        self._after("take_copy_ops()", [Event("copy", sid, (), op.num_tokens, None,
+                                              (op.src, op.dst)) for sid, op in queued])
+        return ops
+
+    # -- whole-state checks ------------------------------------------------------------
+
+    def check_oracles(self) -> None:
+        """Both oracles on the state now (they already ran after every call)."""
+        self.shadow.check_live(self._pending())
+        self.capacity.check_used(self.manager.stats().used_num_blocks, "the last call")
+
+    def check_integrity(self) -> None:
+        """`KVCacheManager.check_integrity`."""
+        self.manager.check_integrity()
+
+    def leak_report(self) -> list[str]:
+        """`KVCacheManager.leak_report`."""
+        return self.manager.leak_report()
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _admission_need(self, tokens: list[int], scope: ReuseScope | None) -> int | None:
+        try:
+            return self.capacity.admission_need(tokens, scope)
+        except ValueError:
+            return None  # bad input: the manager rejects it with its own message
+
+    def _admitted(self, seq_id: Hashable, where: str, call: Callable[[], CacheSequence],
+                  need: int | None) -> CacheSequence:
+        seq = self._call(where, call, need)
+        ids = list(seq.block_ids)
+        self._ids[seq_id] = (ids, seq.block_ids_version)
+        self._after(where, [Event("admit", seq_id, tuple(seq.tokens), seq.num_cached_tokens,
+                                  seq.scope, tuple(ids))])
+        return seq
+
+    def _call(self, where: str, call: Callable[[], T], need: int | None = None) -> T:
+        self._plans.clear()  # any change makes every plan stale
+        before = self._snapshot()
+        try:
+            return call()
+        except Exception as exc:
+            after = self._snapshot()
+            if after != before:
+                raise ManagerContractError(f"{where} raised {type(exc).__name__} ({exc}) "
+                                           "and changed the cache") from exc
+            refused = all(hasattr(exc, a) for a in ("needed", "available", "capacity"))
+            if refused and need is not None and self.manager.allocation_fault is None:
+                self.capacity.check_refusal(need, where)
+            raise
+
+    def _snapshot(self) -> tuple[object, ...]:
+        m = self.manager
+        return (m.stats(), m.dump_tree(), m.pending_copies,
+                [(sid, list(s.block_ids), s.num_tokens, s.num_committed_tokens)
+                 for sid, s in m.sequences.items()])
+
+    def _pending(self) -> list[Copy]:
+        return [(op.src, op.dst, op.num_tokens) for op in self.manager.pending_copy_ops]
+
+    def _after(self, where: str, events: list[Event]) -> None:
+        events = [normalize_event(ev) for ev in events]
+        pending = self._pending()
+        taken = {ev.block_ids for ev in events if ev.kind == "copy"}
+        for src, dst, n in self._queued:
+            if (src, dst, n) not in pending and (src, dst) not in taken:
+                self.shadow.note(dst, f"{where}: queued copy of slots [0, {n}) from block "
+                                 f"{src} dropped, never applied")
+        self._queued = pending
+        for ev in events:
+            self.shadow.apply(ev, pending if ev.kind == "admit" else None)
+            self.capacity.apply(ev)
+        self.shadow.check_live(pending)
+        self.capacity.check_used(self.manager.stats().used_num_blocks, where)
+        self._check_log(where, events)
+        self.num_operations += 1
+
+    def _check_log(self, where: str, events: list[Event]) -> None:
+        log = self.manager.events
+        if log is None:
+            return
+        recorded = [normalize_event(e) for e in log[self._log_seen:]]
+        self._log_seen = len(log)
+        if recorded != events:
+            raise ManagerContractError(f"{where}: the manager's event log recorded "
+                                       f"{recorded}, its API says {events}")

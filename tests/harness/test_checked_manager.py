@@ -1,0 +1,145 @@
+"""CheckedManager: the real manager forwards unchanged; managers with a bug put back
+(subclasses that redo what the cache once did wrong) fail the call that shows it."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import pytest
+
+from harness.checked_manager import CheckedManager, ManagerContractError
+from harness.oracle import CapacityError, ProvenanceError
+from kvcache import (
+    DEFAULT_PRIORITY,
+    AdmissionPlan,
+    KvCacheConfig,
+    KVCacheManager,
+    OutOfBlocksError,
+    Sequence,
+)
+
+
+def config(B: int = 4, blocks: int = 4) -> KvCacheConfig:
+    return KvCacheConfig(tokens_per_block=B, max_num_blocks=blocks, enable_block_reuse=True)
+
+
+def issue_example(mgr: CheckedManager) -> None:
+    """A cached, B copies 3 of its tokens, C evicts the source, B is freed with its copy
+    never taken, D matches what B left."""
+    mgr.add_sequence("A", [1, 2, 2, 2, 0])
+    mgr.commit("A", 5)
+    mgr.free_sequence("A")
+    mgr.add_sequence("B", [1, 2, 2, 0, 1])
+    mgr.add_sequence("C", [7] * 5)
+    mgr.free_sequence("B")
+    mgr.add_sequence("D", [1, 2, 2, 9])
+
+
+def test_the_real_manager_passes_and_is_forwarded() -> None:
+    mgr = CheckedManager(KVCacheManager(config(), record_events=True))
+    issue_example(mgr)
+    assert mgr.get_sequence("D").num_cached_tokens == 0  # via __getattr__
+    mgr.commit("D", 4)
+    mgr.add_sequence("E", [1, 2, 2, 5])  # copies 3 tokens of D's block
+    mgr.commit("E", 4)  # takes the queued copy first, as an engine's step does
+    assert mgr.pending_copy_ops == [] and mgr.events[-2].kind == "copy"
+    for sid in ("C", "D", "E"):
+        mgr.free_sequence(sid)
+    mgr.check_oracles()
+    assert mgr.num_operations == 14 and mgr.leak_report() == []  # the take included
+    mgr.allocation_fault = lambda op, n: True
+    assert mgr.manager.allocation_fault is mgr.allocation_fault
+
+
+def test_only_a_fresh_manager_can_be_checked() -> None:
+    used = KVCacheManager(config())
+    used.add_sequence("x", [1, 2])
+    with pytest.raises(ValueError, match="must be fresh"):
+        CheckedManager(used)
+
+
+class DropsCopiesWithTheirSequence(KVCacheManager):
+    """The cache before the fix: a freed sequence's queued copies were dropped, while
+    the tokens they were to write stayed cached as its tail."""
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        self._copy_ops = [e for e in self._copy_ops if e[0] != seq_id]
+        super().free_sequence(seq_id)
+
+
+def test_reused_kv_that_was_never_written_is_caught_at_admission() -> None:
+    mgr = CheckedManager(DropsCopiesWithTheirSequence(config(), record_events=True),
+                         repro="reproduce: pytest 'here'")
+    with pytest.raises(ProvenanceError) as err:
+        issue_example(mgr)
+    text = str(err.value)
+    assert "admission of 'D' reuses KV that is not its own: 3 of 3 slots differ" in text
+    assert "free_sequence('B'): queued copy of slots [0, 3) from block 1 dropped" in text
+    assert "reproduce: pytest 'here'" in text
+
+
+class RefusesEarly(KVCacheManager):
+    """Refuses any admission once a block is in use, whatever is free."""
+
+    def admit(self, seq_id: Hashable, plan: AdmissionPlan,
+              priority: int = DEFAULT_PRIORITY) -> Sequence:
+        if self.stats().used_num_blocks:
+            raise OutOfBlocksError(f"admit({seq_id!r})", plan.num_new_blocks, 0, 8)
+        return super().admit(seq_id, plan, priority)
+
+
+def test_a_refusal_with_the_blocks_there_is_caught() -> None:
+    mgr = CheckedManager(RefusesEarly(config(blocks=8)))
+    mgr.add_sequence("a", [1, 2, 3])
+    with pytest.raises(CapacityError, match=r"add_sequence\('b', \[4, 5\]\) was refused "
+                                            r"although its blocks are there"):
+        mgr.add_sequence("b", [4, 5])
+
+
+class ChangesOnRefusal(KVCacheManager):
+    """Appends, then claims it could not."""
+
+    def append_tokens(self, seq_id: Hashable, tokens: list[int]) -> None:
+        super().append_tokens(seq_id, tokens)
+        raise OutOfBlocksError(f"append_tokens({seq_id!r})", 1, 0, 4)
+
+
+def test_a_refused_call_that_changed_the_cache_is_caught() -> None:
+    mgr = CheckedManager(ChangesOnRefusal(config()))
+    mgr.add_sequence("a", [1, 2, 3])
+    with pytest.raises(ManagerContractError, match=r"raised OutOfBlocksError .* and changed "
+                                                   r"the cache"):
+        mgr.append_tokens("a", [4, 5])
+
+
+class ForgetsTheVersion(KVCacheManager):
+    """Switches a deduplicated block but leaves block_ids_version as it was."""
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        super().commit(seq_id, num_tokens)
+        self.sequences[seq_id]._block_ids_version = 0
+
+
+def test_block_ids_that_change_silently_are_caught() -> None:
+    mgr = CheckedManager(ForgetsTheVersion(config(2, 8)))
+    mgr.add_sequence("x", [1, 1, 2])
+    mgr.add_sequence("y", [1, 1, 3])
+    mgr.commit("x", 2)
+    with pytest.raises(ManagerContractError, match="block_ids_version went from 0 to 0"):
+        mgr.commit("y", 2)  # deduplicated against x's [1, 1]
+
+
+class LogsWrongCounts(KVCacheManager):
+    """Logs every commit as committing nothing."""
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        super().commit(seq_id, num_tokens)
+        assert self.events is not None
+        self.events[-1] = self.events[-1]._replace(num_tokens=0)
+
+
+def test_a_log_that_disagrees_with_the_api_is_caught() -> None:
+    mgr = CheckedManager(LogsWrongCounts(config(), record_events=True))
+    mgr.add_sequence("x", [1, 2, 3])
+    with pytest.raises(ManagerContractError, match="the manager's event log recorded"):
+        mgr.commit("x", 3)
