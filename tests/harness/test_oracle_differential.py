@@ -1,7 +1,9 @@
 """The oracle against the real KVCacheManager on random event sequences (unbounded pool).
 
 Tokens come from a tiny alphabet so prompts share prefixes, partial tails and leaves all
-the time; every admission's reuse, every probe and the totals must agree exactly.
+the time; every admission's reuse, every probe and the totals must agree exactly. The
+manager runs under the provenance and capacity oracles as well (`CheckedManager`); small
+pools, where no count is exact, are fuzzed in tests/reliability/test_cache_fuzz.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.checked_manager import CheckedManager
 from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KVCacheManager, ReuseScope
 
@@ -32,7 +35,7 @@ def configs(draw: st.DrawFn) -> KvCacheConfig:
                          copy_on_partial_reuse=copy)
 
 
-def _prompts(mgr: KVCacheManager) -> st.SearchStrategy[list[int]]:
+def _prompts(mgr: CheckedManager) -> st.SearchStrategy[list[int]]:
     """Fresh tokens, or a cut of an earlier sequence (appended tokens included) plus a few."""
     seen = [list(e.tokens) for e in mgr.events or () if e.kind == "admit"]
     seen += [list(s.tokens) for s in mgr.sequences.values()]
@@ -44,7 +47,7 @@ def _prompts(mgr: KVCacheManager) -> st.SearchStrategy[list[int]]:
     return derived | tokens_st
 
 
-def _step(data: st.DataObject, mgr: KVCacheManager, oracle: ReuseOracle,
+def _step(data: st.DataObject, mgr: CheckedManager, oracle: ReuseOracle,
           next_id: int) -> tuple[str, Any]:
     """One random operation on the manager, mirrored to the oracle from the event log."""
     live = sorted(mgr.sequences)
@@ -57,7 +60,7 @@ def _step(data: st.DataObject, mgr: KVCacheManager, oracle: ReuseOracle,
     if kind == "admit":
         toks, scope = data.draw(_prompts(mgr)), data.draw(st.sampled_from(SCOPES))
         seq = mgr.add_sequence(next_id, toks, scope)
-        predicted = oracle.apply(mgr.events[-1])  # type: ignore[index]
+        predicted = oracle.apply(mgr.events[-1])
         return kind, (seq.metrics, seq.num_cached_tokens, predicted)
     sid = data.draw(st.sampled_from(live))
     seq = mgr.get_sequence(sid)
@@ -69,7 +72,7 @@ def _step(data: st.DataObject, mgr: KVCacheManager, oracle: ReuseOracle,
         mgr.append_tokens(sid, data.draw(tokens_st))
     else:
         mgr.free_sequence(sid)
-    oracle.apply(mgr.events[-1])  # type: ignore[index]
+    oracle.apply(mgr.events[-1])
     return kind, None
 
 
@@ -77,7 +80,7 @@ def _step(data: st.DataObject, mgr: KVCacheManager, oracle: ReuseOracle,
 @given(data=st.data())
 def test_oracle_agrees_with_manager(data: st.DataObject) -> None:
     cfg = data.draw(configs())
-    mgr = KVCacheManager(cfg, record_events=True)
+    mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
     oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
     admitted = 0
     for _ in range(data.draw(st.integers(1, 25))):
@@ -103,8 +106,8 @@ def test_oracle_agrees_with_manager(data: st.DataObject) -> None:
 
 
 # Hand scripts for rare situations random sequences seldom reach: "a" admit, "g" append,
-# "c" commit (None: every token), "f" free, "p" probe. Ties between claimable leaves are
-# left open by the semantics; both sides claim the most recently cached one.
+# "c" commit (None: every token), "f" free, "p" probe. A tie between claimable leaves
+# goes to the shortest, then to the most recently cached one (docs/design.md).
 S = list(range(1, 11))
 SCRIPTS = {
     "tie-newest-leaf": [("a", 0, S[:5]), ("g", 0, [6]), ("c", 0, None), ("f", 0),
@@ -119,6 +122,8 @@ SCRIPTS = {
                        ("a", 2, S), ("c", 2, None), ("f", 2), ("f", 1), ("p", S), ("a", 3, S)],
     "claim-full-block": [("a", 0, S[:8]), ("c", 0, None), ("f", 0), ("a", 1, S[:8]),
                          ("c", 1, 7), ("a", 2, S[:9]), ("p", S[:9])],
+    "tie-shorter-leaf": [("a", 0, [1, 0, 1]), ("a", 1, [1]), ("c", 0, None), ("c", 1, None),
+                         ("f", 1), ("f", 0), ("a", 2, [1, 7]), ("p", [1, 0, 1])],
 }
 
 
@@ -127,7 +132,7 @@ SCRIPTS = {
 def test_hand_scripts_agree(name: str, copy: bool) -> None:
     cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=64, enable_block_reuse=True,
                         enable_partial_reuse=True, copy_on_partial_reuse=copy)
-    mgr = KVCacheManager(cfg, record_events=True)
+    mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
     oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
     for i, (op, *args) in enumerate(SCRIPTS[name]):
         if op == "p":
@@ -142,7 +147,7 @@ def test_hand_scripts_agree(name: str, copy: bool) -> None:
             mgr.commit(args[0], n)
         else:
             mgr.free_sequence(args[0])
-        predicted = oracle.apply(mgr.events[-1])  # type: ignore[index]
+        predicted = oracle.apply(mgr.events[-1])
         if predicted is not None:
             m = seq.metrics
             assert (m.num_full_reused_blocks, m.num_partial_reused_blocks,
@@ -158,7 +163,7 @@ def test_bounded_pool_claim_can_beat_the_oracle() -> None:
     still has a follower, is not claimable, and it predicts 0."""
     cfg = KvCacheConfig(tokens_per_block=3, max_num_blocks=4, enable_partial_reuse=True,
                         copy_on_partial_reuse=False)
-    mgr = KVCacheManager(cfg, record_events=True)
+    mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
     mgr.add_sequence(0, [2, 1, 2, 1])
     mgr.commit(0, 4)
     mgr.free_sequence(0)

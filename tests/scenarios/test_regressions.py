@@ -1,8 +1,11 @@
-"""Proves bugs other engines shipped stay fixed: boundary over-credit, chunk token counts, aliasing.
+"""Proves bugs other engines shipped, and ours, stay fixed: boundary over-credit, chunk
+token counts, aliasing, unwritten and stale KV.
 
 A prompt ending exactly on a block boundary never has its last token credited as reused,
-chunked prefill with reuse stores blocks holding exactly their tokens, and a partially
-reused block never aliases a page that another live request writes.
+chunked prefill with reuse stores blocks holding exactly their tokens, a partially
+reused block never aliases a page that another live request writes, reused tokens are
+written before they are read, and a commit that switches a request to an equal cached
+block rewrites its block table before the block it gave back is written again.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import random
 
 import pytest
 
+from harness.oracle import ShadowStore
 from kvcache import Engine, GenerationOutput, KVCacheManager
 from kvcache.core.radix import TOKEN_BYTES
 from tests.scenarios.support import (
@@ -135,3 +139,60 @@ def test_partial_copy_never_aliases_a_live_block(make_engine: EngineFactory,
     outs = [done[r] for r in (ra, *rq)]
     assert_same_outputs(reference, outs, TORCH, "A, Q1, Q2 vs reference")
     scenario.expect_oracle(engine, outs, seed=B)
+
+
+def test_reused_tokens_of_an_aborted_copy_are_written_before_read(
+        make_engine: EngineFactory, scenario: ScenarioRun) -> None:
+    """The cache-level example of a sequence freed with its copy pending, through the
+    engine: 4 tokens a block, 4 blocks. B copies 3 tokens of A's block, C's admission
+    evicts the source, B is aborted, D reuses what B left. The engine applies each copy
+    before the forward pass of the step that queued it, so whatever D reuses was written:
+    warm equals cold, and the provenance oracle replaying the log finds every read right."""
+    prompts = {"A": [1, 2, 2, 2, 0], "B": [1, 2, 2, 0, 1], "C": [7] * 5, "D": [1, 2, 2, 9]}
+    engine = make_engine(4, mode=COPY, max_num_blocks=4)
+    outs = engine.generate([prompts["A"]], 1)
+    rb = engine.add_request(prompts["B"], 3)
+    engine.step()  # B admitted: copies 3 tokens of [1, 2, 2, 2]
+    assert engine.kv_cache_stats().copied_blocks == 1
+    rc = engine.add_request(prompts["C"], 1)
+    done = {o.request_id: o for o in engine.step()}  # C evicts the copy source
+    assert engine.kv_cache_stats().evicted_blocks >= 2
+    engine.abort(rb)
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step()}
+    outs += [done[rc], *engine.generate([prompts["D"]], 1)]
+    assert outs[-1].num_cached_tokens == 3
+    reference = make_engine.cold_reference(4, [prompts[k] for k in "ACD"], 1)
+    assert_same_outputs(reference, outs, TORCH, "A, C, D vs reference")
+    shadow = ShadowStore(4)
+    shadow.replay(engine.manager.events or ())
+    assert shadow.num_slots_checked > 0
+    scenario.expect_oracle(engine, outs, exact=False)
+
+
+def test_a_deduplicated_commit_rewrites_the_block_table(make_engine: EngineFactory,
+                                                        scenario: ScenarioRun) -> None:
+    """X and Y compute the same prompt in one step (in-batch prefix sharing off), Y in a
+    chunk that stops after one block (no token sampled). X commits that block first, so Y's commit switches Y to
+    X's block and gives its own back; in the next step Z is admitted into the block Y
+    gave back and writes it while Y reads its first block. Y's row of the block table
+    must point at X's block by then, or Y attends over Z's KV."""
+    rng = random.Random(5)
+    p, z = tokens(rng, 6), tokens(rng, 8)
+    engine = make_engine(4, mode=COPY, max_num_tokens=10, max_batch_size=3,
+                         share_prefixes=False)  # both compute the prompt: a dedup
+    rx, ry, rz = (engine.add_request(q, 4) for q in (p, p, z))
+    done = {o.request_id: o for o in engine.step()}  # X: 6 tokens, Y: 4 (budget 10)
+    y = engine.manager.get_sequence(ry)
+    x_blocks = list(engine.manager.get_sequence(rx).block_ids)
+    assert (y.num_committed_tokens, y.block_ids_version) == (4, 1)
+    assert y.block_ids[0] == x_blocks[0] and rz not in engine.manager.sequences
+    given_back = engine.manager.pool.free[-1]
+    done |= {o.request_id: o for o in engine.step()}  # Z takes the block Y gave back
+    assert given_back in engine.manager.get_sequence(rz).block_ids
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step()}
+    outs = [done[r] for r in (rx, ry, rz)]
+    reference = make_engine.cold_reference(4, [p, p, z], 4)
+    assert_same_outputs(reference, outs, TORCH, "X, Y, Z vs reference")
+    scenario.expect_oracle(engine, outs)

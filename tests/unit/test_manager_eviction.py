@@ -95,18 +95,57 @@ def test_admission_never_evicts_what_it_just_matched(make_manager) -> None:
 def test_copy_source_is_protected_during_its_admission(make_manager) -> None:
     mgr = make_manager(2, 3)
     cached(mgr, "a", [1, 2, 3, 4, 5])  # [1,2] [3,4] + tail [5]: all 3 blocks cached
-    # [3,4] is interior: a partial match copies from it, so it must survive the eviction
-    # that provides the copy's destination. b needs 2 new blocks but protecting the source
-    # leaves only 1 evictable (the tail): b is admitted without its partial hit instead.
-    b = mgr.add_sequence("b", [1, 2, 3, 9, 9])
-    assert b.num_cached_tokens == 2 and mgr.take_copy_ops() == []
-    mgr.free_sequence("b")
-    cached(mgr, "a", [1, 2, 3, 4, 5])
     seq = mgr.add_sequence("c", [1, 2, 3, 0])  # needs 1: evicts the tail [5], copies [3]
     (op,) = mgr.take_copy_ops()
     assert op.src not in (op.dst, *seq.block_ids[:1])
     assert op.dst == seq.block_ids[1] and op.num_tokens == 1
     mgr.free_sequence("c")
+
+
+def test_a_copy_that_would_not_fit_claims_its_source(make_manager) -> None:
+    """4 tokens a block, 4 blocks: A's 16 tokens are one cached edge of 4 blocks. P shares
+    A's first 10 tokens, 2 blocks and 2 tokens of the third, which has a follower. A copy
+    needs its source protected plus 2 new blocks, 3 of the 2 available; P takes every
+    available block either way, so it claims the source, evicting the follower, and
+    reuses 10 tokens, not 8."""
+    mgr = make_manager(4, 4, checked=True)
+    a = list(range(1, 17))
+    cached(mgr, "A", a)
+    p = mgr.add_sequence("P", [*a[:10], 90, 91, 92, 93])
+    assert p.num_cached_tokens == 10 and mgr.take_copy_ops() == []
+    s = mgr.stats()
+    assert (s.claimed_blocks, s.copied_blocks, s.evicted_blocks) == (1, 0, 1)
+    mgr.free_sequence("P")
+
+
+def test_a_copy_source_with_a_child_node_is_claimed_too(make_manager) -> None:
+    """As above with the follower in a node of its own: [1,2] [3,4] + tail [5], 3 blocks;
+    [1, 2, 3, 9, 9] claims [3, 4] after evicting [5]."""
+    mgr = make_manager(2, 3, checked=True)
+    cached(mgr, "a", [1, 2, 3, 4, 5])
+    b = mgr.add_sequence("b", [1, 2, 3, 9, 9])
+    assert b.num_cached_tokens == 3 and mgr.take_copy_ops() == []
+    s = mgr.stats()
+    assert (s.claimed_blocks, s.copied_blocks, s.evicted_blocks) == (1, 0, 1)
+    mgr.free_sequence("b")
+
+
+def test_a_deduplicated_commit_releases_its_duplicate(make_manager) -> None:
+    """2 tokens a block, 3 blocks, partial reuse off. X and Y both compute [1, 1]; X
+    commits first. Y's commit switches Y to X's cached block and gives its own back: 2
+    blocks are in use, not 3, and [5, 5] is admitted."""
+    mgr = make_manager(2, 3, partial=False, checked=True)
+    x = mgr.add_sequence("X", [1, 1])
+    y = mgr.add_sequence("Y", [1, 1, 8])
+    cached_block = x.block_ids[0]
+    mgr.commit("X", 2)
+    mgr.free_sequence("X")
+    mgr.commit("Y", 3)
+    assert mgr.stats().used_num_blocks == 2
+    assert (y.block_ids[0], y.block_ids_version) == (cached_block, 1)
+    mgr.add_sequence("Z", [5, 5])
+    mgr.free_sequence("Y")
+    mgr.free_sequence("Z")
 
 
 @pytest.mark.parametrize("where", ["add", "append"])

@@ -186,17 +186,20 @@ def test_duplicate_full_blocks_are_deduplicated(make_manager) -> None:
     a = mgr.add_sequence("a", prompt(9))
     b = mgr.add_sequence("b", prompt(9))  # admitted before a committed: no reuse
     assert b.num_cached_tokens == 0
+    own = list(b.block_ids[:2])
     mgr.commit("a", 9)
-    mgr.commit("b", 9)
-    mgr.check_integrity()  # one node holds [1-8]; b's own blocks are shadows
+    mgr.commit("b", 9)  # b switches to a's [1-4] [5-8] and gives its own two back
+    mgr.check_integrity()
     nodes = list(mgr.tree.walk())
     assert sum(len(n.blocks) for _, n in nodes) == 2
     assert nodes[0][1].ref == 2
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids_version == 1
+    assert mgr.stats().used_num_blocks == 4  # the shared two, a's [9] and b's [9]
+    assert set(own) <= set(mgr.pool.free)
     mgr.free_sequence("a")
     mgr.free_sequence("b")
     assert mgr.stats().free_num_blocks == 32
     assert mgr.stats().cached_num_blocks == 3  # [1-4] [5-8] and a's tail [9]
-    assert a.block_ids[:2] != b.block_ids[:2]
 
 
 def test_partial_tail_committed_only_for_computed_tokens(make_manager) -> None:
@@ -257,3 +260,74 @@ def test_probe_touches_no_lru_and_no_stats(make_manager) -> None:
     assert mgr.probe_reuse(prompt(5, 100)) == 0
     assert mgr.probe_reuse([200, 201, 0]) == 2
     mgr.free_sequence("x")
+
+
+# --- found by the provenance and capacity oracles (docs/design.md#reuse-semantics) ------
+# Each manager here runs under both oracles (`checked=True`): a reuse of KV that is not
+# the reader's own, or a block count off by one, fails the call that caused it.
+
+
+@pytest.mark.parametrize("copied", [False, True], ids=["copy-never-ran", "copy-ran"])
+def test_a_freed_sequence_leaves_only_written_kv_to_reuse(make_manager, copied: bool) -> None:
+    """4 tokens a block, 4 blocks. B copies 3 tokens of A's block; C evicts that source
+    (allowed: copies run before any forward pass writes C's blocks); B is freed. If its
+    copy was never taken, its reused tokens were never written, so they must not be
+    cached as B's tail: D reuses nothing. If the copy ran, D reuses those 3 tokens."""
+    mgr = make_manager(4, 4, checked=True)
+    run_request(mgr, "A", [1, 2, 2, 2, 0])
+    b = mgr.add_sequence("B", [1, 2, 2, 0, 1])
+    (op,) = mgr.pending_copy_ops
+    assert (op.dst, op.num_tokens) == (b.block_ids[0], 3)
+    c = mgr.add_sequence("C", [7] * 5)
+    assert op.src in c.block_ids  # the source was evicted and handed to C
+    if copied:
+        assert mgr.take_copy_ops() == [op]
+    mgr.free_sequence("B")
+    assert mgr.pending_copy_ops == []
+    d = mgr.add_sequence("D", [1, 2, 2, 9])
+    assert d.num_cached_tokens == (3 if copied else 0)
+    mgr.commit("D", 4)  # the forward pass reads D's reused tokens: the oracle checks them
+    mgr.commit("C", 5)
+    mgr.free_sequence("D")
+    mgr.free_sequence("C")
+
+
+def test_a_commit_past_the_admission_means_its_copy_ran(make_manager) -> None:
+    """A commit of computed tokens says a forward pass ran, which applies every queued
+    copy first: the copy leaves the queue (for a caller that never takes it) and the
+    sequence's tail, committed from written KV, is cached at free."""
+    mgr = make_manager(4, 8)
+    run_request(mgr, "A", [1, 2, 2, 2, 0])
+    mgr.add_sequence("B", [1, 2, 2, 0, 1])  # copies 3 tokens of [1, 2, 2, 2]
+    mgr.commit("B", 3)  # no progress: no forward pass, the copy stays queued
+    assert len(mgr.pending_copy_ops) == 1
+    mgr.commit("B", 5)
+    assert mgr.pending_copy_ops == []
+    mgr.free_sequence("B")
+    assert mgr.probe_reuse([1, 2, 2, 0, 1, 9]) == 5
+
+
+def test_partial_reuse_off_caches_no_partial_tails(make_manager) -> None:
+    """4 tokens a block, 3 blocks, partial reuse off: a partial tail can never be matched,
+    so it must not push out the full block [1, 1, 1, 1] that can."""
+    mgr = make_manager(4, 3, partial=False, checked=True)
+    for seq_id, tokens in (("A", [1, 1, 1, 1]), ("B", [2] * 5), ("C", [3])):
+        run_request(mgr, seq_id, tokens)
+    assert mgr.probe_reuse([1, 1, 1, 1, 5]) == 4
+    assert mgr.stats().cached_num_blocks == 2  # [1, 1, 1, 1] and [2, 2, 2, 2]
+
+
+def test_a_tie_between_unused_leaves_claims_the_one_that_loses_least(make_manager) -> None:
+    """Leaves [1] and [1, 0, 1] both share 1 token with [1, 7]: claiming [1] keeps [1, 0, 1]
+    (a later [1, 0, 1] reuses 2 tokens), claiming [1, 0, 1] would keep only [1] (1 token)."""
+    mgr = make_manager(4, 16, checked=True)
+    mgr.add_sequence("S1", [1, 0, 1])
+    mgr.add_sequence("S2", [1])
+    mgr.commit("S1", 3)
+    mgr.commit("S2", 1)
+    mgr.free_sequence("S2")  # leaf [1]
+    mgr.free_sequence("S1")  # leaf [1, 0, 1], cached last
+    r = mgr.add_sequence("R", [1, 7])
+    assert (r.num_cached_tokens, mgr.stats().claimed_blocks) == (1, 1)
+    assert mgr.probe_reuse([1, 0, 1]) == 2
+    mgr.free_sequence("R")
