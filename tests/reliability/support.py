@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.oracle import ShadowStore
+from harness.oracle_checks import capacity_of
 from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
@@ -88,3 +90,29 @@ def assert_clean(manager: KVCacheManager, where: str) -> None:
 def scope_name(scope: ReuseScope | None) -> str:
     """Short text for ids and messages."""
     return "default" if scope is None else f"salt={scope.salt!r},lora={scope.lora_id!r}"
+
+
+def generate_checked(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     scopes: Sequence[ReuseScope | None] | None = None
+                     ) -> tuple[list[GenerationOutput], int]:
+    """`engine.generate`, a step at a time, with the capacity oracle after every step:
+    usedNumBlocks must equal what the live requests need. Returns the outputs in prompt
+    order and the number of steps."""
+    rids = [engine.add_request(p, max_new_tokens, scopes[i] if scopes else None)
+            for i, p in enumerate(prompts)]
+    done: dict[int, GenerationOutput] = {}
+    steps = 0
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step()}
+        steps += 1
+        mgr = engine.manager
+        capacity_of(mgr).check_used(mgr.stats().used_num_blocks, f"step {steps}")
+    return [done[r] for r in rids], steps
+
+
+def assert_provenance(engine: Engine) -> ShadowStore:
+    """Replay `engine`'s cache log through the provenance oracle: every read of every
+    forward pass must find the reader's own KV. Returns the oracle (for its counts)."""
+    shadow = ShadowStore(engine.cache_config.tokens_per_block)
+    shadow.replay(engine.manager.events or ())
+    return shadow

@@ -3,8 +3,10 @@
 A seed draws a prompt tree (prompts extend cut-off prefixes of earlier ones), a block
 size, a token budget, a pool from barely-enough to roomy, batch size, reuse flags and
 scopes, then runs the prompts in waves on one engine. Every output must equal a cold run
-(reuse off, nothing preempted), nothing may leak, and where nothing was evicted the
-reuse counters must equal the oracle's. The test id is the seed; a failure prints the
+(reuse off, nothing preempted), nothing may leak, after every step usedNumBlocks must be
+what the live requests need (capacity oracle), every read of every forward pass must find
+the reader's own KV (provenance oracle, replaying the log), and where nothing was evicted
+the reuse counters must equal the oracle's. The test id is the seed; a failure prints the
 workload and the command that replays it.
 
 `test_warm_equals_cold_quick` (10 seeds) is for pre-merge; `test_warm_equals_cold_full`
@@ -15,13 +17,21 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pytest
 
 from harness.reuse.assertions import predict_from_engine
 from kvcache import ReuseScope
 from kvcache.model import Transformer
-from tests.reliability.support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs
+from tests.reliability.support import (
+    EngineSpec,
+    assert_clean,
+    assert_provenance,
+    assert_same_outputs,
+    cold_outputs,
+    generate_checked,
+)
 
 Prompt = tuple[int, ...]
 QUICK_SEEDS = range(10)
@@ -82,21 +92,34 @@ def make_case(seed: int) -> FuzzCase:
     return FuzzCase(seed, spec, waves, new)
 
 
-def check_case(model: Transformer, case: FuzzCase) -> None:
+class CaseCounts(NamedTuple):
+    """What one case put through the oracles: engine steps (each followed by the capacity
+    check), cache events and KV slots the provenance oracle checked."""
+
+    steps: int
+    events: int
+    slots_checked: int
+
+
+def check_case(model: Transformer, case: FuzzCase) -> CaseCounts:
     distinct = sorted({p for wave in case.waves for p, _ in wave})
     cold = dict(zip(distinct, cold_outputs(model, [list(p) for p in distinct],
                                            case.max_new_tokens), strict=True))
     engine = case.spec.build(model)
+    steps = 0
     for i, wave in enumerate(case.waves):
-        outs = engine.generate([list(p) for p, _ in wave], case.max_new_tokens,
-                               [s for _, s in wave])
+        outs, n = generate_checked(engine, [list(p) for p, _ in wave], case.max_new_tokens,
+                                   [s for _, s in wave])
+        steps += n
         assert_same_outputs([cold[p] for p, _ in wave], outs, f"wave {i}")
         assert_clean(engine.manager, f"after wave {i}")
+    shadow = assert_provenance(engine)
     stats = engine.kv_cache_stats()
     if stats.evicted_blocks == 0:  # the oracle is exact when nothing was evicted
         predicted = predict_from_engine(engine)
         assert (predicted.totals.reused_blocks, predicted.totals.missed_blocks) == (
             stats.reused_blocks, stats.missed_blocks), "reuse counters differ from the oracle"
+    return CaseCounts(steps, shadow.num_events, shadow.num_slots_checked)
 
 
 def run_seed(model: Transformer, seed: int, node_id: str) -> None:

@@ -4,7 +4,9 @@ Random interleavings of admissions, commits, appends, frees and probes from seve
 scopes run on one KVCacheManager. Each scope has its own oracle, fed only that scope's
 events; every admission's metrics and every probe must equal what that oracle predicts,
 so nothing another scope did can show in them. Live sequences of different scopes never
-share a block, and a reused block or copy source was last held by the same scope.
+share a block, and a reused block or copy source was last held by the same scope. The
+provenance oracle (`CheckedManager`) checks every reused slot holds KV of the reader's
+own scope, and the capacity oracle every block count.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.checked_manager import CheckedManager
 from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.engine import GenerationOutput
@@ -48,7 +51,7 @@ def key(scope: ReuseScope | None) -> Hashable:
 class World:
     """One manager, one oracle per scope, and who last held each block."""
 
-    mgr: KVCacheManager
+    mgr: CheckedManager
     cfg: OracleConfig
     exact: bool  # pool large enough that nothing is evicted
     oracles: dict[Hashable, ReuseOracle] = field(default_factory=dict)
@@ -148,7 +151,7 @@ def run_world(block: int, pool: int, partial: bool, copy: bool,
               script: list[tuple[str, int, Any]]) -> None:
     cfg = KvCacheConfig(tokens_per_block=block, max_num_blocks=pool, enable_block_reuse=True,
                         enable_partial_reuse=partial, copy_on_partial_reuse=copy)
-    w = World(KVCacheManager(cfg, record_events=True),
+    w = World(CheckedManager(KVCacheManager(cfg, record_events=True)),
               OracleConfig.from_cache_config(cfg), exact=pool >= 10_000)
     for op in script:
         step(w, op)

@@ -1,10 +1,11 @@
-"""Stateful property test: random add / commit / append / free / probe against the oracle.
+"""Stateful property test: random add / commit / append / free / probe against the oracles.
 
-The model is `harness.oracle.model`, a deliberately naive reuse model written without any code
-from `kvcache`. With a pool too large to evict, every admission and probe must equal its
-prediction exactly, claim-or-copy included; with small pools the manager must keep every
-invariant, never fail an admission that fits, and leave the cache untouched when one
-does not.
+The reuse model is `harness.oracle.model`, a deliberately naive model written without any
+code from `kvcache`. With a pool too large to evict, every admission and probe must equal
+its prediction exactly, claim-or-copy included; with small pools the manager must keep
+every invariant, never fail an admission that fits, and leave the cache untouched when one
+does not. Every step runs under the provenance and capacity oracles too (`CheckedManager`):
+every reuse reads the reader's own KV, and usedNumBlocks is what the live sequences need.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from harness.checked_manager import CheckedManager
 from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 
@@ -34,7 +36,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr: KVCacheManager
+        self.mgr: CheckedManager
         self.oracle: ReuseOracle
         self.next_id = 0
         self.seen = 0
@@ -45,7 +47,7 @@ class CacheMachine(RuleBasedStateMachine):
         cfg = KvCacheConfig(tokens_per_block=block, max_num_blocks=self.pool_blocks,
                             enable_block_reuse=reuse, enable_partial_reuse=partial,
                             copy_on_partial_reuse=copy)
-        self.mgr = KVCacheManager(cfg, record_events=True)
+        self.mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
         self.oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
 
     @property
@@ -76,10 +78,17 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert seq.num_cached_tokens == probed
         if self.exact:
-            (predicted,) = self.sync()
+            (predicted,) = [p for p in self.sync() if p is not None]
             assert seq.num_cached_tokens == predicted.reused_tokens, self.mgr.dump_tree()
             assert seq.metrics.num_full_reused_blocks == predicted.full_reused_blocks
+
+    @rule()
+    def take_copies(self) -> None:
+        """The engine takes queued copies before its next forward pass (a commit takes
+        them too); whatever came in between, frees and evictions included, no reuse may
+        read KV that was never written."""
         self.mgr.take_copy_ops()
+        self.sync()
 
     @precondition(lambda self: self.mgr.sequences)
     @rule(data=st.data())
