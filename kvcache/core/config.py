@@ -27,6 +27,13 @@ class KvCacheConfig:
     rules out partial reuse (auto resolves it off; True is a ValueError). Hybrid models
     need it: their recurrent state can only be restored where a snapshot was taken, at
     the end of every k-th block.
+
+    `sliding_window` = W says every attention layer lets the token at position p see only
+    keys p - W < j <= p (the model's `sliding_window`; a larger W is safe, a smaller one
+    is not). The cache then releases a running sequence's blocks that lie wholly outside
+    the window of its next token, allocates prompt blocks as chunks need them, and a
+    match needs only the cached blocks inside the window of the first new token
+    (kvcache/core/window.py). None: full attention.
     """
 
     tokens_per_block: int = 16
@@ -35,11 +42,15 @@ class KvCacheConfig:
     enable_partial_reuse: bool | None = None
     copy_on_partial_reuse: bool | None = None
     reuse_alignment_blocks: int = 1
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "max_num_blocks", "reuse_alignment_blocks"):
             value = check_positive_int(getattr(self, name), f"KvCacheConfig.{name}")
             object.__setattr__(self, name, value)  # a numpy integer becomes an int
+        if self.sliding_window is not None:
+            object.__setattr__(self, "sliding_window", check_positive_int(
+                self.sliding_window, "KvCacheConfig.sliding_window"))
         for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
             _check_flag(name, getattr(self, name))
         if self.enable_partial_reuse and self.reuse_alignment_blocks > 1:

@@ -18,11 +18,13 @@ class CacheEvent(NamedTuple):
     """One cache operation, by kind:
 
     - admit: `tokens` the prompt, `scope`, `num_tokens` the tokens reused, `block_ids`
-      every block of the sequence;
+      every block of the sequence (under a sliding window: None for positions its match
+      skipped, and only the blocks of its first chunk);
     - commit: `num_tokens` the tokens whose KV is now valid; `block_ids` the sequence's
       blocks when a deduplicated commit switched some of them to equal cached blocks,
       else empty;
-    - append: `tokens` the new tokens, `block_ids` the blocks allocated for them;
+    - append: `tokens` the new tokens, `block_ids` the blocks allocated for them (no
+      tokens: blocks reserved for tokens it already has, under a sliding window);
     - free: nothing more;
     - copy: a `BlockCopy` taken by the engine (`take_copy_ops`) to apply before its next
       forward pass: `block_ids` (src, dst), `num_tokens` the slots copied; `seq_id` the
@@ -34,7 +36,7 @@ class CacheEvent(NamedTuple):
     tokens: tuple[int, ...] = ()
     num_tokens: int = 0
     scope: Hashable | None = None
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int | None, ...] = ()  # None: released by a sliding window
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly form."""

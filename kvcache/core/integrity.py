@@ -2,6 +2,12 @@
 
 Slow on purpose (it recomputes everything the hot path keeps incrementally); tests call
 it after mutations and the harness plugin after every test that owns a cache.
+
+Under full attention a holder holds a whole chain from its scope root, so a referenced
+node's parent is referenced and only leaves are evictable. Under a sliding window
+(`KvCacheConfig.sliding_window`) a sequence holds the segment of its chain from its first
+unreleased block down, every unreferenced node with blocks is evictable, and evicted
+interior nodes stay as hollow path nodes: blockless, unreferenced, never leaves.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from kvcache.core.radix import TOKEN_BYTES, Node
+from kvcache.core.window import first_held_block
 
 if TYPE_CHECKING:
     from kvcache.core.config import KvCacheConfig
@@ -71,6 +78,10 @@ def check_manager(mgr: CheckedCache) -> None:
     for seq in mgr.sequences.values():
         _check_sequence(mgr, seq, expected_ref, own)
 
+    windowed = mgr.config.sliding_window is not None
+    if windowed != pool.windowed:
+        _fail(f"the pool's windowed={pool.windowed} disagrees with sliding_window="
+              f"{mgr.config.sliding_window}")
     live_heap = {id(e[3]) for e in pool.heap if e[3].stamp == e[2]}
     evictable = 0
     nodes = 0
@@ -82,7 +93,11 @@ def check_manager(mgr: CheckedCache) -> None:
             _fail(f"{where} is not indexed under its parent by its first token")
         if node.first != node.key[:TOKEN_BYTES] or not node.key:
             _fail(f"{where}: first-token index key does not match its tokens")
-        if len(node.key) < bb:
+        if not node.blocks:
+            if not windowed or node.ref or not node.children or len(node.key) % bb:
+                _fail(f"{where}: a hollow node must be an unreferenced run of full blocks with "
+                      f"children, under a sliding window (windowed={windowed})")
+        elif len(node.key) < bb:
             if len(node.blocks) != 1 or node.children or len(node.key) % TOKEN_BYTES:
                 _fail(f"{where}: a partial block must be a single-block leaf")
         elif len(node.key) != len(node.blocks) * bb:
@@ -90,13 +105,15 @@ def check_manager(mgr: CheckedCache) -> None:
                   f"{len(node.blocks)} full blocks")
         if node.ref != expected_ref[id(node)]:
             _fail(f"{where}: ref {node.ref} but {expected_ref[id(node)]} holders")
-        if node.ref and parent.parent is not None and not parent.ref:
+        if node.ref and parent.parent is not None and not parent.ref and not windowed:
             _fail(f"{where} is referenced but its parent {parent!r} is not")
         _check_child_index(node, bb, where)
         if not node.ref:
             evictable += len(node.blocks)
-            if not node.children and id(node) not in live_heap:
-                _fail(f"{where} is an unreferenced leaf missing from the eviction heap")
+            if (node.blocks and (windowed or not node.children)
+                    and id(node) not in live_heap):
+                _fail(f"{where} is an unreferenced evictable node missing from the eviction "
+                      "heap")
         for i, block in enumerate(node.blocks):
             own(block, f"{where} block {i}")
     for key, root in tree.roots.items():
@@ -128,20 +145,30 @@ def _check_child_index(node: Node, bb: int, where: str) -> None:
 def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int],
                     own: Callable[[int, str], None]) -> None:
     B = mgr.config.tokens_per_block
+    window = mgr.config.sliding_window
     where = f"sequence {seq.seq_id!r}"
     ntok = len(seq.tokens)
-    if len(seq.block_ids) != (ntok + B - 1) // B:
-        _fail(f"{where}: {len(seq.block_ids)} blocks for {ntok} tokens")
-    if not seq.num_cached_tokens <= seq.num_committed_tokens <= ntok:
+    committed = seq.num_committed_tokens
+    nblocks = len(seq.block_ids)
+    # Under a sliding window prompt blocks come as chunks reserve them.
+    low = (committed + B - 1) // B if window is not None else (ntok + B - 1) // B
+    if not low <= nblocks <= (ntok + B - 1) // B:
+        _fail(f"{where}: {nblocks} blocks for {ntok} tokens ({committed} committed)")
+    if not seq.num_cached_tokens <= committed <= ntok:
         _fail(f"{where}: cached {seq.num_cached_tokens} <= committed "
-              f"{seq.num_committed_tokens} <= tokens {ntok} does not hold")
-    last, tree_blocks = seq.holdings
-    if mgr.reuse and tree_blocks != seq.num_committed_tokens // B:
-        _fail(f"{where}: {tree_blocks} blocks in the tree, committed "
-              f"{seq.num_committed_tokens} tokens")
+              f"{committed} <= tokens {ntok} does not hold")
+    last, tree_blocks, first = seq.holdings
+    if mgr.reuse and tree_blocks != committed // B:
+        _fail(f"{where}: {tree_blocks} blocks in the tree, committed {committed} tokens")
+    expected_first = 0 if window is None else first_held_block(
+        committed, window - 1, B, tree_blocks if mgr.reuse else None)
+    if first != expected_first:
+        _fail(f"{where}: {first} blocks released, the window of position {committed} "
+              f"releases {expected_first}")
+    if any(b is not None for b in seq.block_ids[:first]) or None in seq.block_ids[first:]:
+        _fail(f"{where}: block ids {list(seq.block_ids)} are not None exactly before "
+              f"position {first}")
     chain = _chain(last)
-    for node in chain:
-        expected_ref[id(node)] += 1
     keys = b"".join(n.key for n in reversed(chain))
     if keys != array("I", seq.tokens[:tree_blocks * B]).tobytes():
         _fail(f"{where}: the tree path it holds does not spell its first "
@@ -150,8 +177,22 @@ def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int]
     top = chain[-1].parent if chain else None
     if chain and top is not scope_root:
         _fail(f"{where}: holds a path outside its scope {seq.scope!r}")
-    path_blocks = [b for n in reversed(chain) for b in n.blocks]
+    path_blocks: list[int | None] = []
+    for node in reversed(chain):
+        path_blocks += node.blocks or [None] * (len(node.key) // mgr.tree.block_bytes)
+    end = tree_blocks
+    for node in chain:  # the held segment: from `last` up to the node starting at `first`
+        if end <= first:
+            if end < first:
+                _fail(f"{where}: no node boundary at its first held block {first}")
+            break
+        if not node.blocks:
+            _fail(f"{where}: holds hollow node {node!r}")
+        expected_ref[id(node)] += 1
+        end -= len(node.blocks)
     for i, block in enumerate(seq.block_ids):
+        if block is None:
+            continue
         if i < tree_blocks and block != path_blocks[i]:
             _fail(f"{where}: block {i} is {block}, the tree holds {path_blocks[i]}")
         elif i >= tree_blocks:

@@ -5,6 +5,11 @@ applies to storage before its next forward pass. It changes the tree and the poo
 through their methods. Every public mutator either succeeds or raises before changing
 anything (bad input: ValueError; no room: OutOfBlocksError). Admission is one walk:
 `plan_admission` works out what a prompt would reuse and need, `admit` carries it out.
+
+With `KvCacheConfig.sliding_window` set, a sequence holds only the blocks some later
+token's window can reach (kvcache/core/window.py): `commit` releases the rest, prompt
+blocks are allocated as the engine reserves them chunk by chunk, and a match needs only
+the cached blocks inside the window of its first new token.
 """
 
 from __future__ import annotations
@@ -33,7 +38,16 @@ from kvcache.core.radix import (
     to_token_array,
 )
 from kvcache.core.stats import KvCacheStats
-from kvcache.core.validate import check_int, check_priority
+from kvcache.core.validate import check_int, check_positive_int, check_priority
+from kvcache.core.window import first_held_block
+from kvcache.core.window_holds import (
+    cut_hits,
+    cut_to_window,
+    held_ids,
+    release_front,
+    segment_stop,
+    take_path,
+)
 
 DEFAULT_PRIORITY = 35
 
@@ -58,8 +72,10 @@ class KVCacheManager:
             raise ValueError(f"KVCacheManager: expected a KvCacheConfig, got {config!r}")
         self.config = config
         self._B = config.tokens_per_block
+        # window_left of the sliding window the cache exploits (None: full attention)
+        self._wl = None if config.sliding_window is None else config.sliding_window - 1
         self.tree = BlockRadixTree(self._B)
-        self.pool = BlockPool(config.max_num_blocks, self.tree)
+        self.pool = BlockPool(config.max_num_blocks, self.tree, windowed=self._wl is not None)
         self.reuse = config.block_reuse
         self._partial = config.partial_reuse
         self._copy = config.copy_on_partial
@@ -82,18 +98,24 @@ class KVCacheManager:
         self.allocation_fault: Callable[[str, int], bool] | None = None
 
     # ------------------------------------------------------------------ admission
-    def plan_admission(self, tokens: Seq[int], scope: ReuseScope | None = None) -> AdmissionPlan:
+    def plan_admission(self, tokens: Seq[int], scope: ReuseScope | None = None, *,
+                       first_chunk: int | None = None) -> AdmissionPlan:
         """What admitting `tokens` in `scope` would reuse and need now. Changes nothing.
 
         Pass the plan to `admit` before the cache changes again. A plan that does not
-        fit says so (`fits` is False); it is not an error. Raises ValueError for an
-        empty prompt, bad tokens or a bad scope.
+        fit says so (`fits` is False); it is not an error. Under a sliding window,
+        `first_chunk` caps the tokens the first step computes: only their blocks are
+        allocated, later ones come from `reserve` (None: the whole prompt's, as always
+        under full attention). Raises ValueError for an empty prompt, bad tokens, a bad
+        scope or a `first_chunk` that is not a positive int.
         """
         skey = None if scope is None else scope_key(scope, "plan_admission")
         arr = to_token_array(tokens, "plan_admission", None)
         if not arr:
             raise ValueError("plan_admission: empty prompt")
-        plan = self._plan(arr, skey)
+        if first_chunk is not None:
+            first_chunk = check_positive_int(first_chunk, "plan_admission: first_chunk")
+        plan = self._plan(arr, skey, first_chunk)
         fault = self.allocation_fault
         if fault is not None and fault("add_sequence", plan.num_blocks):
             plan._fault = True
@@ -121,13 +143,16 @@ class KVCacheManager:
             raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}", plan._need,
                                    0 if plan._fault else plan._available, pool.num_blocks)
         self._version += 1
-        hits, ph, need, ids = plan._hits, plan._partial, plan._need, plan._block_ids[:]
+        hits, ph, need, first = plan._hits, plan._partial, plan._need, plan._first
+        ids: list[int | None] = [None] * first
+        ids += plan._block_ids
         tree = self.tree
         deep = None
         if hits:
             last, nb = hits[-1]
-            deep = tree.split(last, nb) if nb < len(last.blocks) else last
-            pool.acquire(deep, None, priority)
+            deep = pool.split(last, nb) if nb < len(last.blocks) else last
+            stop = segment_stop(pool, deep, plan._full, first) if first else None
+            pool.acquire(deep, stop, priority)
         src = None
         followers: list[int] = []
         if ph is not None:
@@ -137,11 +162,11 @@ class KVCacheManager:
                     followers = pool.evict_below(node)
                     self._removed(followers)
                 pool.forget_cached(node)
-                tree.detach(node)
+                tree.prune(node)
                 self._removed(node.blocks)
                 ids.append(node.blocks[0])
             else:
-                src = tree.split(node, 1) if len(node.blocks) > 1 else node
+                src = pool.split(node, 1) if len(node.blocks) > 1 else node
                 pool.acquire(src, src.parent, priority)
         new, fresh = pool.allocate(need - len(followers))
         if fresh < len(new):
@@ -152,7 +177,7 @@ class KVCacheManager:
             pool.release(src, src.parent)
         ids += new
         seq = Sequence(seq_id, plan._tokens, plan._scope, priority, ids, plan._cached, deep,
-                       plan._full)
+                       plan._full, first)
         return self._admitted(seq, plan._num_blocks, plan._full, ph, need, fresh)
 
     def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
@@ -176,7 +201,8 @@ class KVCacheManager:
             plan._fault = True
         return self.admit(seq_id, plan, priority)
 
-    def _plan(self, arr: array, skey: ScopeKey) -> AdmissionPlan:
+    def _plan(self, arr: array, skey: ScopeKey, first_chunk: int | None = None
+              ) -> AdmissionPlan:
         """The admission plan of token array `arr` in scope `skey` now. Pure.
 
         When protecting an unreferenced copy source would take the very block the
@@ -189,20 +215,22 @@ class KVCacheManager:
         pool = self.pool
         root = self.tree.roots.get(skey) if self.reuse and length > 1 else None
         if root is None or not root.children:
-            return AdmissionPlan(arr, skey, self._version, nblocks, [], 0, None, 0, nblocks,
+            need = self._end_block(length, 0, first_chunk)
+            return AdmissionPlan(arr, skey, self._version, nblocks, [], 0, None, 0, need,
                                  pool.num_available, [])
-        hits, nfull, ph, ntok = self.tree.match(
+        match = self.tree.match(
             root, arr.tobytes(), (length - 1) * TOKEN_BYTES, partial=self._partial,
             copy_on_partial=self._copy)
+        hits, nfull, ph, ntok = match
         if nfull % self._align:
             hits, nfull, ntok = self._aligned(hits, nfull)
-        avail = pool.num_available
-        ids: list[int] = []
-        for node, nb in hits:
-            ids += node.blocks[:nb]
-            if not node.ref:
-                avail -= nb  # about to be referenced
-        need = nblocks - nfull - (ph is not None and ph.claim)
+            ph = None  # alignment rules partial reuse out
+        first = 0
+        if self._wl is not None:
+            hits, nfull, ph, ntok, first = cut_to_window(hits, nfull, ph, self._wl, self._B,
+                                                         self._align)
+        ids, avail = held_ids(hits, first, pool.num_available)
+        need = self._end_block(length, ntok, first_chunk) - nfull - (ph is not None and ph.claim)
         if ph is not None and not ph.node.ref:
             if ph.claim or need < avail:
                 avail -= 1  # claimed, or a copy source protected during the admission
@@ -212,8 +240,20 @@ class KVCacheManager:
                 avail -= 1
             else:
                 ph, ntok = None, nfull * self._B
+                if self._wl is not None:  # without the partial block the window reaches further
+                    hits, nfull, ph, ntok, first = cut_to_window(hits, nfull, None, self._wl,
+                                                                 self._B, self._align)
+                    ids, avail = held_ids(hits, first, pool.num_available)
+                need = self._end_block(length, ntok, first_chunk) - nfull
         return AdmissionPlan(arr, skey, self._version, nblocks, hits, nfull, ph, ntok, need,
-                             avail, ids)
+                             avail, ids, first_block=first)
+
+    def _end_block(self, length: int, num_cached: int, first_chunk: int | None) -> int:
+        """Blocks an admission covers: every prompt block, or under a sliding window with
+        a `first_chunk`, those of the tokens up to the end of that chunk."""
+        if first_chunk is None or self._wl is None:
+            return (length + self._B - 1) // self._B
+        return (min(length, num_cached + first_chunk) + self._B - 1) // self._B
 
     def _removed(self, block_ids: list[int]) -> None:
         if self._kv is not None:
@@ -226,14 +266,7 @@ class KVCacheManager:
         """The hits cut back to a multiple of `reuse_alignment_blocks` full blocks (the
         blocks whose recurrent-state snapshot a hybrid model can restore from)."""
         keep = nfull - nfull % self._align
-        out: list[tuple[Node, int]] = []
-        left = keep
-        for node, nb in hits:
-            if not left:
-                break
-            out.append((node, min(nb, left)))
-            left -= out[-1][1]
-        return out, keep, keep * self._B
+        return cut_hits(hits, keep), keep, keep * self._B
 
     def _admitted(self, seq: Sequence, nblocks: int, nfull: int, ph: PartialHit | None,
                   alloc: int, fresh: int) -> Sequence:
@@ -290,6 +323,16 @@ class KVCacheManager:
         if self.events is not None:
             ids = tuple(seq._block_ids) if seq._block_ids_version != switched else ()
             self.events.append(CacheEvent("commit", seq_id, (), n, None, ids))
+        if self._wl is not None:
+            self._slide(seq)
+
+    def _slide(self, seq: Sequence) -> None:
+        """Release the blocks no token from `num_committed_tokens` on can see."""
+        assert self._wl is not None
+        new = first_held_block(seq._committed, self._wl, self._B,
+                               seq._tree_blocks if self.reuse else None)
+        if new > seq._first:
+            release_front(self.pool, seq, new, self.reuse)
 
     def _insert(self, seq: Sequence, nfull: int) -> None:
         B = self._B
@@ -299,10 +342,10 @@ class KVCacheManager:
         if deep is not None and deep.ref == 1 and not deep.children:
             # a leaf only this sequence holds: grow it in place, the tree stays compressed
             tree.extend_leaf(deep, seq._tokens[t * B:nfull * B].tobytes(),
-                             seq._block_ids[t:nfull])
+                             seq.live_block_ids(t, nfull))
             if self._kv is not None:
                 self._kv.stored(seq._seq_id, seq._tokens, seq._scope, t,
-                                seq._block_ids[t:nfull])
+                                seq.live_block_ids(t, nfull))
             seq._tree_blocks = nfull
             return
         parent = deep if deep is not None else tree.root(seq._scope)
@@ -310,29 +353,60 @@ class KVCacheManager:
         if parent.full:
             m = tree.match(parent, kb, len(kb), partial=False, copy_on_partial=False)
             if m.hits:  # someone committed the same blocks first: switch to theirs
-                cached = [b for node, nb in m.hits for b in node.blocks[:nb]]
                 last, nb = m.hits[-1]
-                top = tree.split(last, nb) if nb < len(last.blocks) else last
+                top = self.pool.split(last, nb) if nb * tree.block_bytes < len(last.key) else last
                 self.pool.acquire(top, parent, seq._priority)
-                k = len(cached)
-                own = seq._block_ids[t:t + k]
-                seq._block_ids[t:t + k] = cached
-                seq._block_ids_version += 1
-                self.pool.give_back(own)
-                if self.on_blocks_removed is not None:
-                    self.on_blocks_removed(own)
+                k = m.num_full_blocks
+                own = take_path(seq, [*(n for n, _ in m.hits[:-1]), top], t,
+                                tree.block_bytes, self._kv)
+                if own:
+                    seq._block_ids_version += 1
+                    self.pool.give_back(own)
+                    if self.on_blocks_removed is not None:
+                        self.on_blocks_removed(own)
                 t += k
                 kb = kb[k * tree.block_bytes:]
                 parent = top
         if t < nfull:
-            node = tree.add_child(parent, kb, seq._block_ids[t:nfull])
+            node = tree.add_child(parent, kb, seq.live_block_ids(t, nfull))
             if self._kv is not None:
                 self._kv.stored(seq._seq_id, seq._tokens, seq._scope, t,
-                                seq._block_ids[t:nfull])
+                                seq.live_block_ids(t, nfull))
             self.pool.hold_new(node, seq._priority)
             parent = node
         seq._last = parent
         seq._tree_blocks = nfull
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Allocate blocks for tokens [0, num_tokens) of `seq_id`, as many as the pool
+        can give; returns how many of those tokens its blocks now cover.
+
+        Under a sliding window prompt blocks are allocated as chunks need them; under
+        full attention admission allocated them all and this only checks. Never raises
+        for lack of room (the caller computes fewer tokens, or preempts). Raises
+        ValueError for an unknown `seq_id` or a count outside [0, tokens of the sequence].
+        """
+        seq = self._get(seq_id, "reserve")
+        n = check_int(num_tokens, f"reserve({seq_id!r}): num_tokens", 0, len(seq._tokens))
+        need = (n + self._B - 1) // self._B - len(seq._block_ids)
+        if need > 0:
+            pool = self.pool
+            fault = self.allocation_fault
+            take = 0 if fault is not None and fault("reserve", need) else min(
+                need, pool.num_available)
+            if take:
+                self._version += 1
+                new, fresh = pool.allocate(take)
+                if fresh < take:
+                    self._removed(new[fresh:])
+                seq._block_ids += new
+                seq._alloc_total += take
+                seq._alloc_new += fresh
+                self._c.alloc_total += take
+                self._c.alloc_new += fresh
+                if self.events is not None:  # an append of no tokens: blocks ahead
+                    self.events.append(CacheEvent("append", seq_id, (), 0, None, tuple(new)))
+        return min(n, len(seq._block_ids) * self._B)
 
     def append_tokens(self, seq_id: Hashable, tokens: Seq[int]) -> None:
         """Append generated tokens, allocating blocks as needed.
@@ -390,9 +464,12 @@ class KVCacheManager:
             if (self._partial and seq._committed % self._B and not unwritten
                     and self._cache_tail(seq)):
                 keep += 1
-            if seq._last is not None:
-                pool.release(seq._last)
-        pool.give_back(seq._block_ids[keep:])
+            last = seq._last
+            if last is not None:
+                first = seq._first
+                pool.release(last, segment_stop(pool, last, seq._tree_blocks, first)
+                             if first else None)
+        pool.give_back(seq.live_block_ids(keep))
 
     def _cache_tail(self, seq: Sequence) -> bool:
         n = seq._committed
@@ -403,6 +480,7 @@ class KVCacheManager:
             if c.key.startswith(tail):
                 return False
         block = seq._block_ids[start // self._B]
+        assert block is not None  # the window always reaches the block of the next token
         node = self.tree.add_child(parent, tail, [block])
         if self._kv is not None:
             self._kv.stored_partial(seq._seq_id, seq._tokens, seq._scope, start // self._B,
@@ -513,7 +591,7 @@ class KVCacheManager:
 
     def leak_report(self) -> list[str]:
         """One line per leak: live sequences, pending copies, stray references."""
-        lines = [f"sequence {s.seq_id!r} is still live, holding {len(s.block_ids)} blocks"
+        lines = [f"sequence {s.seq_id!r} is still live, holding {len(s.live_block_ids())} blocks"
                  for s in self.sequences.values()]
         if self._copy_ops:
             lines.append(f"{len(self._copy_ops)} copy ops were never taken")

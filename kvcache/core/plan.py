@@ -23,13 +23,14 @@ class AdmissionPlan:
     is set when the manager's fault-injection seam refused it.
     """
 
-    __slots__ = ("_available", "_block_ids", "_cached", "_fault", "_full", "_hits", "_need",
-                 "_num_blocks", "_partial", "_scope", "_tokens", "_version")
+    __slots__ = ("_available", "_block_ids", "_cached", "_fault", "_first", "_full", "_hits",
+                 "_need", "_num_blocks", "_partial", "_scope", "_tokens", "_version")
 
     def __init__(self, tokens: array, scope: ScopeKey, version: int, num_blocks: int,
                  hits: list[tuple[Node, int]], num_full_blocks: int, partial: PartialHit | None,
                  num_cached_tokens: int, num_new_blocks: int, num_available: int,
-                 block_ids: list[int], injected_fault: bool = False) -> None:
+                 block_ids: list[int], injected_fault: bool = False,
+                 first_block: int = 0) -> None:
         self._tokens = tokens
         self._scope = scope
         self._version = version
@@ -42,6 +43,7 @@ class AdmissionPlan:
         self._need = num_new_blocks
         self._available = num_available
         self._fault = injected_fault
+        self._first = first_block  # sliding window: block positions before it are skipped
 
     @property
     def fits(self) -> bool:

@@ -3,8 +3,10 @@
 Every block id is in exactly one place: the free stack (no cached content), a tree node
 (cached; evictable when unreferenced) or a sequence's private list. The pool keeps a
 running count of unreferenced cached blocks, so "how many blocks could I get" is O(1),
-and a heap of evictable leaves ordered by (priority, time of last release) with lazy
-invalidation, so eviction never scans the pool.
+and a heap of evictable nodes ordered by (priority, time of last release) with lazy
+invalidation, so eviction never scans the pool. Under full attention only leaves are
+evictable; under a sliding window (`windowed`) every unreferenced node with blocks is,
+and evicting an interior one leaves it hollow (see `Node`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ class OutOfBlocksError(RuntimeError):
 class BlockPool:
     """Owns block ids and the eviction order; the tree owns the structure."""
 
-    def __init__(self, num_blocks: int, tree: BlockRadixTree) -> None:
+    def __init__(self, num_blocks: int, tree: BlockRadixTree, windowed: bool = False) -> None:
         self.num_blocks = num_blocks
         self.tree = tree
+        self.windowed = windowed
         # Popped from the end: low ids first, which keeps small tests readable.
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.num_evictable = 0  # blocks in unreferenced tree nodes
@@ -86,15 +89,17 @@ class BlockPool:
 
         After a whole-chain release, edges that admissions split are merged back wherever
         parent and only child are alike again in holders, time and priority, so later
-        walks stay short.
+        walks stay short. (Under a sliding window equal counts need not mean the same
+        holders, as holders hold segments: only unreferenced edges merge there.)
         """
+        windowed = self.windowed
         node: Node | None = deep
         while node is not stop and node is not None and node.parent is not None:
             node.ref -= 1
             if node.ref == 0:
                 node.last_used = self.clock
                 self.num_evictable += len(node.blocks)
-                if not node.children:
+                if windowed or not node.children:
                     self.push(node)
             node = node.parent
         if stop is not None:
@@ -107,13 +112,22 @@ class BlockPool:
                 return
             if (len(top.children) == 1 and top.ref == node.ref
                     and top.last_used == node.last_used and top.priority == node.priority
-                    and len(node.key) >= bb and len(top.children[node.first]) == 1):
+                    and len(node.key) >= bb and len(top.children[node.first]) == 1
+                    and (not windowed or (node.ref == 0 and top.blocks))):
                 self.tree.merge(top, node)
             else:
                 node = top
 
+    def split(self, node: Node, nblocks: int) -> Node:
+        """`tree.split(node, nblocks)`; under a sliding window an unreferenced upper part
+        is registered as evictable (the lower part keeps the node's heap entries)."""
+        top = self.tree.split(node, nblocks)
+        if self.windowed and not top.ref and top.blocks:
+            self.push(top)
+        return top
+
     def push(self, node: Node) -> None:
-        """Register unreferenced leaf `node` as evictable (older entries go stale)."""
+        """Register unreferenced `node` as evictable (older entries go stale)."""
         self._stamp += 1
         node.stamp = self._stamp
         heapq.heappush(self.heap, (node.priority, node.last_used, self._stamp, node))
@@ -195,10 +209,21 @@ class BlockPool:
         while need:
             assert heap, f"eviction ran dry with {need} blocks still needed"
             _, _, stamp, node = heap[0]
-            if (node.stamp != stamp or node.ref or node.children or node.parent is None):
+            if not self._evictable(node, stamp):
                 heapq.heappop(heap)
                 continue
             nb = len(node.blocks)
+            if node.children:  # windowed: the blocks go, the path stays (hollow)
+                if nb > need:  # the front of the edge; the rest keeps its heap entry
+                    node = tree.split(node, need)
+                else:
+                    heapq.heappop(heap)
+                out += tree.hollow(node)
+                taken = min(nb, need)
+                need -= taken
+                self.num_evictable -= taken
+                self.num_evicted += taken
+                continue
             if nb > need:  # evict the tail of the edge; its entry stays valid
                 out += tree.trim(node, need)
                 self.num_evictable -= need
@@ -209,14 +234,21 @@ class BlockPool:
             need -= nb
             self.num_evictable -= nb
             self.num_evicted += nb
-            parent = tree.detach(node)
-            if parent.parent is not None and parent.ref == 0 and not parent.children:
+            parent = node.parent
+            assert parent is not None
+            tree.prune(node)
+            if (not self.windowed and parent.parent is not None and parent.ref == 0
+                    and not parent.children):
                 self.push(parent)
         return out
 
+    def _evictable(self, node: Node, stamp: int) -> bool:
+        """Whether heap entry (`node`, `stamp`) is live: the node's latest entry, still in
+        the tree, unreferenced, with blocks, and a leaf unless windowed."""
+        return (node.stamp == stamp and not node.ref and node.parent is not None
+                and bool(node.blocks) and (self.windowed or not node.children))
+
     def _compact(self) -> None:
         # in place: _evict may be iterating over this very list
-        self.heap[:] = [e for e in self.heap
-                        if e[3].stamp == e[2] and not e[3].ref and not e[3].children
-                        and e[3].parent is not None]
+        self.heap[:] = [e for e in self.heap if self._evictable(e[3], e[2])]
         heapq.heapify(self.heap)

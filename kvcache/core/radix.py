@@ -109,9 +109,12 @@ class Node:
     """One edge of the tree: a run of full blocks, or a single partial leaf block.
 
     `ref` counts the holders (live sequences, or an admission protecting a copy source)
-    whose path runs through this edge; a holder always holds the whole chain up to the
-    root, so a referenced node's ancestors are referenced too and every unreferenced node
-    is evictable once its (unreferenced) descendants are gone.
+    whose path runs through this edge. Under full attention a holder holds the whole
+    chain up to the root, so a referenced node's ancestors are referenced too and every
+    unreferenced node is evictable once its (unreferenced) descendants are gone. Under a
+    sliding window a holder holds a segment of the chain (the blocks in its window), and
+    an unreferenced interior node can lose its blocks: it stays as a *hollow* node (key
+    kept, `blocks` empty) so the blocks below it keep their identity, their whole prefix.
     """
 
     __slots__ = ("blocks", "children", "first", "full", "key", "last_used", "parent",
@@ -206,7 +209,7 @@ class BlockRadixTree:
             key = c.key
             end = off + len(key)
             if end <= full_end and startswith(key, off):
-                hits.append((c, len(c.blocks)))
+                hits.append((c, len(key) // bb))  # not len(blocks): a hollow node has none
                 off = end
                 node = c
                 continue
@@ -228,6 +231,8 @@ class BlockRadixTree:
         bb = self.block_bytes
         rem = min(limit - off, bb)
         if mid is not None:  # the only candidate is the next block inside `mid`
+            if not mid.blocks:
+                return None  # hollow: no KV to claim or copy
             index = hits[-1][1]
             claim = mid.ref == 0 and not mid.children and index == len(mid.blocks) - 1
             if not (claim or copy_on_partial):
@@ -238,7 +243,7 @@ class BlockRadixTree:
         best: PartialHit | None = None
         for c in node.children.get(kb[off:off + TOKEN_BYTES], ()):
             claim = c.ref == 0 and not c.children and len(c.blocks) == 1
-            if not (claim or copy_on_partial):
+            if not (claim or copy_on_partial) or not c.blocks:
                 continue
             n = common_prefix_bytes(kb, off, c.key, min(rem, len(c.key))) // TOKEN_BYTES
             if (best is None or n > best.num_tokens
@@ -271,12 +276,13 @@ class BlockRadixTree:
 
         `node` keeps the lower part (and its children, heap entries and the holders that
         end in it), so holders' chains stay valid; the upper part copies ref, time and
-        priority, as every holder of `node` holds both parts.
+        priority, as every holder of `node` holds both parts. A hollow node splits into
+        two hollow ones.
         """
-        assert 0 < nblocks < len(node.blocks), (nblocks, node)
+        cut = nblocks * self.block_bytes
+        assert 0 < cut < len(node.key), (nblocks, node)
         parent = node.parent
         assert parent is not None
-        cut = nblocks * self.block_bytes
         top = Node(node.key[:cut], node.blocks[:nblocks], parent)
         top.ref, top.last_used, top.priority = node.ref, node.last_used, node.priority
         siblings = parent.children[node.first]
@@ -310,6 +316,33 @@ class BlockRadixTree:
         top.children = {}
         top.full = {}
         self.num_nodes -= 1
+
+    def hollow(self, node: Node) -> list[int]:
+        """Take every block of interior `node`, leaving its key as a hollow path to its
+        children; returns the ids. A hollow parent or only child is merged into it, so
+        a run of hollow blocks stays one edge."""
+        assert node.children and node.blocks and node.parent is not None, node
+        ids = node.blocks
+        node.blocks = []
+        if len(node.children) == 1:
+            (siblings,) = node.children.values()
+            if len(siblings) == 1 and not siblings[0].blocks:  # fold into a hollow child
+                child = siblings[0]
+                self.merge(node, child)
+                node = child
+        parent = node.parent
+        assert parent is not None
+        if (parent.parent is not None and not parent.blocks and len(parent.children) == 1
+                and len(parent.children[node.first]) == 1):
+            self.merge(parent, node)
+        return ids
+
+    def prune(self, node: Node) -> None:
+        """Detach `node` and then every hollow ancestor left without children: a hollow
+        path that leads to no block identifies nothing."""
+        parent = self.detach(node)
+        while parent.parent is not None and not parent.blocks and not parent.children:
+            parent = self.detach(parent)
 
     def detach(self, node: Node) -> Node:
         """Remove leaf `node` from the tree; returns its former parent."""

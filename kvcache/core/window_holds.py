@@ -1,0 +1,131 @@
+"""What a sequence holds under a sliding window: a segment of its tree chain.
+
+The manager's helpers for `KvCacheConfig.sliding_window` (the arithmetic is in
+`window.py`). A sequence references the chain from the node holding its first unreleased
+block position down to `last`:
+
+    root ── [b0 b1 b2] ── [b3 b4] ── [b5 b6 b7]        blocks 0..7 in the tree
+                 released    │ held segment, first = 3 │
+                             └──────── ref +1 ─────────┘
+
+The segment starts on a node boundary (split there when it is set) and is found again by
+walking up from `last`, so a split elsewhere never moves it. Callers are the manager's
+mutators; these functions change the tree, the pool and the sequence as documented.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcache.core.radix import Node, PartialHit
+from kvcache.core.window import window_hit
+
+if TYPE_CHECKING:
+    from kvcache.core.handle import Sequence
+    from kvcache.core.kv_event_log import KvEventLog
+    from kvcache.core.pool import BlockPool
+
+Hits = list[tuple[Node, int]]
+
+
+def cut_hits(hits: Hits, keep: int) -> Hits:
+    """The first `keep` blocks of `hits` (pairs of node, blocks matched from its start)."""
+    out: Hits = []
+    left = keep
+    for node, nb in hits:
+        if not left:
+            break
+        out.append((node, min(nb, left)))
+        left -= out[-1][1]
+    return out
+
+
+def held_ids(hits: Hits, first: int, available: int) -> tuple[list[int], int]:
+    """Ids of the matched blocks from position `first` on, and the blocks available once
+    they are held (`available` less the unreferenced ones among them)."""
+    ids: list[int] = []
+    pos = 0
+    for node, nb in hits:
+        lo = first - pos if first > pos else 0
+        if lo < nb:
+            ids += node.blocks[lo:nb]
+            if not node.ref:
+                available -= nb - lo  # about to be referenced
+        pos += nb
+    return ids, available
+
+
+def cut_to_window(hits: Hits, nfull: int, ph: PartialHit | None, window_left: int,
+                  block_size: int, align: int
+                  ) -> tuple[Hits, int, PartialHit | None, int, int]:
+    """A match cut to the sliding-window rule: (hits, full blocks, partial hit, tokens,
+    first held block). Hollow nodes on the path are its missing blocks."""
+    holes = []
+    pos = 0
+    for node, nb in hits:
+        if not node.blocks:
+            holes.append((pos, pos + nb))
+        pos += nb
+    cut = window_hit(holes, nfull, ph.num_tokens if ph is not None else 0, window_left,
+                     block_size, align)
+    k = cut.num_full_blocks
+    if k < nfull:
+        hits = cut_hits(hits, k)
+    if not cut.keep_partial:
+        ph = None
+    ntok = k * block_size + (ph.num_tokens if ph is not None else 0)
+    return hits, k, ph, ntok, cut.first_block
+
+
+def segment_stop(pool: BlockPool, deep: Node, end: int, first: int) -> Node:
+    """The node just above the segment from block position `first` to `deep` (which ends
+    at position `end`); splits the node holding `first` there if it starts before it
+    (`pool.split`). Every node of the segment has blocks."""
+    node = deep
+    start = end - len(node.blocks)
+    while start > first:
+        parent = node.parent
+        assert parent is not None and parent.blocks, (node, start, first)
+        node = parent
+        start -= len(node.blocks)
+    if start < first:
+        return pool.split(node, first - start)
+    assert node.parent is not None
+    return node.parent
+
+
+def release_front(pool: BlockPool, seq: Sequence, new: int, reuse: bool) -> None:
+    """Release block positions [seq.num_released_blocks, new) of `seq`: its references
+    to cached ones (they stay in the tree, evictable), or with reuse off its private
+    ones (back to the free list). Their positions become None."""
+    old = seq._first
+    if reuse:
+        last = seq._last
+        assert last is not None
+        upper = segment_stop(pool, last, seq._tree_blocks, new)  # the node ending at `new`
+        pool.release(upper, segment_stop(pool, upper, new, old) if old else None)
+    else:
+        pool.give_back(seq.live_block_ids(old, new))
+    seq._block_ids[old:new] = [None] * (new - old)
+    seq._first = new
+
+
+def take_path(seq: Sequence, nodes: list[Node], t: int, block_bytes: int,
+              kv: KvEventLog | None) -> list[int]:
+    """`seq` now holds `nodes`, the tree's copies of its blocks from position `t` on: it
+    switches to their blocks and returns its own there (for the caller to give back),
+    except where a node is hollow (its blocks evicted under a sliding window): that node
+    takes the sequence's blocks (a BlockStored event) and nothing switches."""
+    own: list[int] = []
+    for node in nodes:
+        n = len(node.key) // block_bytes
+        if node.blocks:
+            own += seq.live_block_ids(t, t + n)
+            seq._block_ids[t:t + n] = node.blocks
+        else:
+            mine = seq.live_block_ids(t, t + n)
+            node.blocks = mine  # referenced already, so not evictable: no count changes
+            if kv is not None:
+                kv.stored(seq._seq_id, seq._tokens, seq._scope, t, mine)
+        t += n
+    return own

@@ -1,0 +1,154 @@
+"""The manager under a sliding window: release at commit, blocks reserved chunk by chunk,
+hollow path nodes after eviction, and the window hit rule."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Sequence
+
+import pytest
+
+from kvcache import KvCacheConfig, KVCacheManager
+from kvcache.core.handle import Sequence as CacheSequence
+from kvcache.core.integrity import IntegrityError
+from kvcache.core.window import peak_blocks
+
+W, B, CHUNK = 8, 4, 8  # window 8 (window_left 7), blocks of 4 tokens
+
+
+def _manager(blocks: int = 64, **options: object) -> KVCacheManager:
+    return KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=blocks,
+                                        sliding_window=W, **options))  # type: ignore[arg-type]
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    return random.Random(seed).choices(range(1, 100), k=n)
+
+
+def _run(mgr: KVCacheManager, sid: Hashable, tokens: Sequence[int],
+         chunk: int = CHUNK) -> CacheSequence:
+    """Admit `tokens` and compute them chunk by chunk, as the engine does."""
+    seq = mgr.admit(sid, mgr.plan_admission(tokens, first_chunk=chunk))
+    done = seq.num_cached_tokens
+    while done < len(tokens):
+        done = mgr.reserve(sid, min(len(tokens), done + chunk))
+        mgr.commit(sid, done)
+        mgr.check_integrity()
+    return seq
+
+
+def _hollow_tokens(mgr: KVCacheManager) -> int:
+    return sum(len(node.key) // 4 for _, node in mgr.tree.walk() if not node.blocks)
+
+
+def test_commit_releases_blocks_outside_the_window_and_they_stay_cached() -> None:
+    mgr = _manager()
+    seq = mgr.add_sequence("a", _prompt(40))
+    mgr.commit("a", 16)  # position 16 sees 9..16: blocks 0 and 1 are out of reach
+    assert seq.num_released_blocks == 2 and list(seq.block_ids[:3])[:2] == [None, None]
+    assert mgr.stats().used_num_blocks == 8  # the released two are cached and evictable
+    mgr.commit("a", 40)
+    assert seq.num_released_blocks == 8 and seq.live_block_ids() == list(seq.block_ids[8:])
+    mgr.check_integrity()
+    mgr.free_sequence("a")
+    stats = mgr.stats()
+    assert (stats.used_num_blocks, stats.cached_num_blocks) == (0, 10)
+
+
+def test_without_reuse_released_blocks_go_back_to_the_free_list() -> None:
+    mgr = _manager(enable_block_reuse=False)
+    seq = mgr.add_sequence("a", _prompt(40))
+    free = mgr.pool.num_free
+    mgr.commit("a", 24)  # blocks 0..3 out of reach
+    assert seq.num_released_blocks == 4 and mgr.pool.num_free == free + 4
+    mgr.check_integrity()
+    mgr.free_sequence("a")
+    assert mgr.pool.num_free == 64
+
+
+def test_a_window_inside_a_block_keeps_the_deepest_cached_block() -> None:
+    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=16, sliding_window=1))
+    seq = mgr.add_sequence("a", _prompt(20))
+    mgr.commit("a", 16)  # position 16 sees only itself, yet block 3 is where commits hang
+    assert seq.num_released_blocks == 3 and seq.holdings.last is not None
+    assert seq.holdings.last.ref == 1
+    mgr.check_integrity()
+    mgr.free_sequence("a")
+
+
+def test_prompt_blocks_are_reserved_chunk_by_chunk() -> None:
+    mgr = _manager(blocks=6)
+    plan = mgr.plan_admission(_prompt(40), first_chunk=CHUNK)
+    assert (plan.num_new_blocks, plan.fits) == (2, True)
+    assert mgr.plan_admission(_prompt(40)).fits is False  # all ten blocks at once: no
+    seq = mgr.admit("a", plan)
+    assert mgr.reserve("a", 20) == 20 and len(seq.block_ids) == 5
+    assert mgr.reserve("a", 40) == 24  # one block left in the pool
+    mgr.commit("a", 24)  # releases blocks 0..3, so the rest fits
+    assert mgr.reserve("a", 40) == 40 and seq.num_released_blocks == 4
+    mgr.check_integrity()
+    with pytest.raises(ValueError, match=r"reserve\('a'\): num_tokens must be an int in "
+                                         r"\[0, 40\], got 41"):
+        mgr.reserve("a", 41)
+    with pytest.raises(ValueError, match="reserve: unknown seq_id 'b'"):
+        mgr.reserve("b", 1)
+    mgr.free_sequence("a")
+
+
+def test_a_warm_prompt_needs_only_its_window_however_much_was_evicted() -> None:
+    prompt = _prompt(40)
+    pool = peak_blocks(40, 40, CHUNK, W - 1, B, reuse=True)
+    mgr = _manager(blocks=pool)
+    _run(mgr, "cold", prompt)
+    mgr.free_sequence("cold")
+    assert mgr.stats().evicted_blocks == 5 and _hollow_tokens(mgr) == 20  # blocks 0..4
+    assert mgr.probe_reuse(prompt) == 39
+    assert mgr.probe_reuse(prompt[:32] + [1] * 10) == 32  # needs blocks 6, 7: cached
+    assert mgr.probe_reuse(prompt[:20] + [1] * 10) == 0   # needs blocks 3, 4: evicted
+    warm = _run(mgr, "warm", prompt)
+    assert warm.num_cached_tokens == 39 and warm.num_released_blocks == 8
+    mgr.free_sequence("warm")
+    mgr.check_integrity()
+
+
+def test_recomputed_blocks_fill_the_hollow_path() -> None:
+    prompt = _prompt(40)
+    mgr = _manager(blocks=peak_blocks(40, 40, CHUNK, W - 1, B, reuse=True))
+    _run(mgr, "cold", prompt)
+    mgr.free_sequence("cold")
+    other = prompt[:20] + [1] * 4
+    _run(mgr, "again", other)  # recomputes blocks 0..4 and commits them under their path
+    assert _hollow_tokens(mgr) < 20
+    mgr.free_sequence("again")
+    mgr.check_integrity()
+    assert mgr.probe_reuse(prompt[:20] + [2] * 4) == 20
+
+
+def test_a_deduplicated_commit_switches_then_releases() -> None:
+    mgr = _manager(blocks=32)
+    prompt = _prompt(24)
+    a = mgr.add_sequence("a", prompt)
+    b = mgr.add_sequence("b", prompt)  # admitted before a committed: computes its own
+    mgr.commit("a", 16)
+    own = list(b.block_ids[:4])
+    mgr.commit("b", 16)  # switches to a's blocks 0..3, gives its own back, releases 0, 1
+    assert b.num_released_blocks == 2 and b.block_ids_version == 1
+    assert list(b.block_ids[2:4]) == list(a.block_ids[2:4]) != own[2:4]
+    assert set(own) <= set(mgr.pool.free)
+    mgr.check_integrity()
+    for sid in ("a", "b"):
+        mgr.free_sequence(sid)
+    mgr.check_integrity()
+    assert mgr.pool.num_available == 32
+
+
+def test_integrity_names_a_sequence_holding_what_its_window_released() -> None:
+    mgr = _manager()
+    seq = mgr.add_sequence("a", _prompt(40))
+    mgr.commit("a", 24)
+    seq._first = 3  # as if the commit had released one block too few
+    with pytest.raises(IntegrityError, match="3 blocks released, the window of position 24 "
+                                             "releases 4"):
+        mgr.check_integrity()
+    seq._first = 4
+    mgr.free_sequence("a")
