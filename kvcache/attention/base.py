@@ -45,10 +45,17 @@ class AttentionBackend(ABC):
     output and lse rows are undefined: nothing may read them. (FlashInfer's CUDA-core
     decode planner can drop padding rows' work items under CUDA graphs, leaving garbage
     there; the torch reference happens to return zeros, lse -inf.)
+
+    A request whose leading blocks were released (sliding window; `md.kv_start`) lists
+    its keys from position kv_start: kv_len, the pages and the masks count from there.
+    Backends whose masks are relative to the listed keys declare
+    `supports_sliding_window`; `plan` refuses released blocks on the others, and on any
+    request whose first query's window would reach before its first listed key.
     """
 
     name: ClassVar[str]
     supports_block_reuse: ClassVar[bool]
+    supports_sliding_window: ClassVar[bool]
 
     def __init__(
         self,
@@ -100,8 +107,34 @@ class AttentionBackend(ABC):
         if md.page_size != self.page_size:
             raise ValueError(f"{type(self).__name__}.plan: metadata page_size={md.page_size} "
                              f"but the backend reads pages of {self.page_size}")
+        if md.kv_start is not None:
+            self._check_released(md)
         self._md = md
         self._plan(md)
+
+    def _check_released(self, md: PagedMetadata) -> None:
+        """Raise ValueError if a request listing its keys from kv_start > 0 has a query
+        whose window reaches before that key (or attends without a window)."""
+        assert md.kv_start is not None
+        B = md.num_requests
+        start = md.kv_start[:B]
+        if not bool((start > 0).any()):
+            return
+        where = f"{type(self).__name__}.plan"
+        b = int(torch.nonzero(start > 0)[0])
+        if not self.supports_sliding_window or self.window_left < 0:
+            why = ("the backend does not support released blocks" if self.window_left >= 0
+                   else "it attends without a window (window_left=-1)")
+            raise ValueError(f"{where}: request {b} lists its keys from position "
+                             f"{int(start[b])} (earlier blocks released), but {why}")
+        qo_len = md.qo_indptr[1:B + 1] - md.qo_indptr[:B]
+        reach = md.kv_lens[:B] - qo_len - self.window_left  # first query's first key
+        bad = (start > 0) & (reach < 0)
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0])
+            raise ValueError(f"{where}: request {b}'s first new token sees keys from "
+                             f"{-int(reach[b])} positions before its first listed key "
+                             f"(position {int(start[b])}): blocks it needs were released")
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:

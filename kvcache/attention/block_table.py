@@ -22,6 +22,9 @@ class BlockTable:
 
     `blocks[slot, :lengths[slot]]` are the slot's blocks in order; the rest of the row is
     stale and never read. Updated incrementally so a step's metadata build only gathers.
+    Under a sliding window a request releases its leading blocks: `drop_front` shifts
+    them out of the row and `starts[slot]` counts the block positions before column 0,
+    so the kernels never see a released block (its id may already be someone else's).
     """
 
     def __init__(self, max_slots: int, max_blocks_per_slot: int) -> None:
@@ -32,6 +35,8 @@ class BlockTable:
         self.max_blocks_per_slot = max_blocks_per_slot
         self.blocks = np.zeros((max_slots, max_blocks_per_slot), dtype=np.int32)
         self.lengths = np.zeros(max_slots, dtype=np.int64)
+        self.starts = np.zeros(max_slots, dtype=np.int64)
+        self.num_started = 0  # slots with starts > 0: the metadata build skips offsets at 0
         self._prefixes: dict[int, npt.NDArray[np.void]] = {}
         # copied for qo_indptr and batch_indices of decode steps (cheaper than np.arange)
         self.arange32 = np.arange(max_slots + 1, dtype=np.int32)
@@ -52,10 +57,14 @@ class BlockTable:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"BlockTable: slot {slot} is outside [0, {self.max_slots})")
 
-    def assign(self, slot: int, block_ids: Sequence[int]) -> None:
-        """Replace the slot's blocks with `block_ids`. Raises ValueError (table unchanged)
-        for a bad slot, a bad id or more than max_blocks_per_slot blocks."""
+    def assign(self, slot: int, block_ids: Sequence[int], start: int = 0) -> None:
+        """Replace the slot's blocks with `block_ids`, the blocks of positions start,
+        start + 1, ... Raises ValueError (table unchanged) for a bad slot, a bad id, a
+        negative start or more than max_blocks_per_slot blocks."""
+        if start < 0:
+            raise ValueError(f"BlockTable: start={start} for slot {slot} is negative")
         self._write(slot, 0, block_ids)
+        self._set_start(slot, start)
 
     def extend(self, slot: int, block_ids: Sequence[int]) -> None:
         """Append `block_ids` to the slot's blocks. Raises ValueError as assign does."""
@@ -75,12 +84,31 @@ class BlockTable:
         self.blocks[slot, start:end] = ids
         self.lengths[slot] = end
 
+    def drop_front(self, slot: int, count: int) -> None:
+        """Forget the slot's first `count` blocks (released): the rest move to column 0
+        and starts[slot] grows by `count`. Raises ValueError (table unchanged) for a bad
+        slot or a count outside [0, lengths[slot]]."""
+        self._check_slot(slot)
+        held = int(self.lengths[slot])
+        if not 0 <= count <= held:
+            raise ValueError(f"BlockTable: cannot drop {count} of slot {slot}'s {held} blocks")
+        if count:
+            row = self.blocks[slot]
+            row[: held - count] = row[count:held].copy()
+            self.lengths[slot] = held - count
+            self._set_start(slot, int(self.starts[slot]) + count)
+
+    def _set_start(self, slot: int, start: int) -> None:
+        self.num_started += (start > 0) - (int(self.starts[slot]) > 0)
+        self.starts[slot] = start
+
     def release(self, slot: int) -> None:
         """Forget the slot's blocks (the slot becomes empty)."""
         self._check_slot(slot)
         self.lengths[slot] = 0
+        self._set_start(slot, 0)
 
     def block_ids(self, slot: int) -> list[int]:
-        """The slot's blocks, in order (a copy)."""
+        """The slot's blocks, in order, from position starts[slot] on (a copy)."""
         self._check_slot(slot)
         return self.blocks[slot, : int(self.lengths[slot])].tolist()

@@ -114,6 +114,7 @@ class FlashInferBackend(AttentionBackend):
 
     name: ClassVar[str] = "flashinfer"
     supports_block_reuse: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -209,7 +210,7 @@ class FlashInferBackend(AttentionBackend):
     def _plan_eager(self, md: PagedMetadata) -> _Step:
         n = md.num_append_tokens
         staged = self._staging.stage([md.qo_indptr, md.kv_indptr, md.kv_last_page_len,
-                                      md.kv_indices, md.batch_indices[:n], md.positions[:n]])
+                                      md.kv_indices, md.batch_indices[:n], md.kv_positions[:n]])
         qo_h, indptr_h, last_h = staged.host[:3]
         _, indptr_d, last_d, indices_d, batch_d, pos_d = staged.device
         inputs = PlanInputs(qo_h, indptr_h, indices_d, last_h)

@@ -183,7 +183,7 @@ def append_call(k: torch.Tensor, v: torch.Tensor, buffers: StepBuffers,
 
 def graph_append_rows(md: PagedMetadata) -> torch.Tensor:
     """int32 [3, B]: for each request of a decode batch, the k/v row it appends (src),
-    the request (batch) and the position (pos).
+    the request (batch) and the position among its listed keys (pos).
 
     Real rows append their own token; padding rows repeat row 0's write exactly (same
     source, same destination), because a captured append has a fixed shape.
@@ -192,6 +192,6 @@ def graph_append_rows(md: PagedMetadata) -> torch.Tensor:
     if not md.is_decode:
         raise ValueError("graph_append_rows: CUDA-graph append needs a decode-only batch")
     rows = torch.stack([torch.arange(md.batch_size, dtype=torch.int32),
-                        md.batch_indices.to(torch.int32), md.positions.to(torch.int32)])
+                        md.batch_indices.to(torch.int32), md.kv_positions.to(torch.int32)])
     rows[:, md.num_append_tokens:] = rows[:, :1]
     return rows

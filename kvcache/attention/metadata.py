@@ -4,6 +4,12 @@ For a request with c cached and n new tokens, kv_len = c + n, pages = ceil(kv_le
 last_page_len = kv_len - (pages - 1) * P; page counts come from token counts, never from
 how many blocks a slot holds (blocks are allocated ahead). The new token at absolute
 position p is written to page kv_indices[kv_indptr[b] + p // P], slot p % P.
+
+Under a sliding window a request's leading blocks may be released (the block table
+starts its row at position s = starts[slot] * block_size): its pages then begin at s,
+kv_len and the kernels' positions count from s, `positions` stay absolute (RoPE) and
+`kv_start` holds s. Causal and window masks are relative, so they are unchanged as long
+as no query's window reaches before s (AttentionBackend.plan checks it).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ class PagedMetadata(NamedTuple):
     Per new token (padding tokens included, last): positions (int64 [T]; 0 for padding)
     and batch_indices (int32 [T]). Per token that appends (the first num_append_tokens;
     padding appends nowhere): append_pages, append_slots (int64 [num_append_tokens]).
+    kv_start (int64 [B]) is the absolute position of each request's first listed key,
+    None when every request lists its keys from position 0 (no released blocks): kv_len,
+    kv_indices and the masks count from there, `positions` do not.
     A NamedTuple: building one costs a fifth of a 15-field frozen dataclass.
     """
 
@@ -47,6 +56,15 @@ class PagedMetadata(NamedTuple):
     is_decode: bool
     num_tokens: int
     num_append_tokens: int
+    kv_start: torch.Tensor | None = None
+
+    @property
+    def kv_positions(self) -> torch.Tensor:
+        """Each new token's position counted from its request's first listed key (what
+        FlashInfer's append takes): `positions` less `kv_start` (a fresh tensor then)."""
+        if self.kv_start is None:
+            return self.positions
+        return self.positions - self.kv_start[self.batch_indices.long()]
 
     @property
     def batch_size(self) -> int:
@@ -153,6 +171,17 @@ def build_metadata(
     if Bt < B:
         raise ValueError(f"build_metadata: pad_to={pad_to} is smaller than the batch ({B})")
     held = table.lengths[slot_arr]
+    if table.num_started:
+        start = table.starts[slot_arr]
+        if np.count_nonzero(start):
+            return _build_shifted(table, slot_arr, cached, new, held, start * block_size, Bt,
+                                  block_size, P, k, m)
+    return _build(table, slot_arr, cached, new, held, Bt, block_size, P, k, m)
+
+
+def _build(table: BlockTable, slot_arr: IntArray, cached: IntArray, new: IntArray,
+           held: IntArray, Bt: int, block_size: int, P: int, k: int, m: int) -> PagedMetadata:
+    B = len(slot_arr)
     if not np.count_nonzero(new != _ONE):
         arrays = decode_arrays(table, held, slot_arr, cached, Bt, block_size, P, m)
         if arrays is not None:
@@ -161,6 +190,24 @@ def build_metadata(
                                  t(arrays[4]), t(arrays[5]), t(arrays[6]), t(arrays[7]),
                                  t(arrays[8]), P, B, Bt - B, True, Bt, B)
     return _build_general(table, slot_arr, cached, new, held, Bt, block_size, P, k, m)
+
+
+def _build_shifted(table: BlockTable, slots: IntArray, cached: IntArray, new: IntArray,
+                   held: IntArray, start: IntArray, Bt: int, block_size: int, P: int, k: int,
+                   m: int) -> PagedMetadata:
+    """Requests whose rows start at absolute positions `start`: built over the positions
+    relative to it, then `positions` made absolute again and `kv_start` set."""
+    rel = cached - start
+    if np.count_nonzero(rel < 0):
+        bad = int(np.flatnonzero(rel < 0)[0])
+        raise ValueError(f"build_metadata: request {bad} (slot {slots[bad]}) has "
+                         f"num_cached={cached[bad]}, but the table lists its blocks from "
+                         f"position {start[bad]} on (the ones before were released)")
+    md = _build(table, slots, rel, new, held, Bt, block_size, P, k, m)
+    npad = Bt - len(slots)
+    shift = np.concatenate([np.repeat(start, new), np.zeros(npad, dtype=np.int64)])
+    return md._replace(positions=md.positions + torch.from_numpy(shift),
+                       kv_start=torch.from_numpy(_pad(start, npad, 0)))
 
 
 def _build_general(table: BlockTable, slots: IntArray, cached: IntArray, new: IntArray,

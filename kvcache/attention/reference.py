@@ -23,6 +23,7 @@ class ReferenceBackend(AttentionBackend):
 
     name: ClassVar[str] = "torch"
     supports_block_reuse: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = True
 
     def _plan(self, md: PagedMetadata) -> None:
         # Host lists once per step: per-request slicing reads them for every layer.

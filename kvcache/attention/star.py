@@ -27,6 +27,7 @@ class StarAttentionBackend(ReferenceBackend):
 
     name: ClassVar[str] = "star"
     supports_block_reuse: ClassVar[bool] = False
+    supports_sliding_window: ClassVar[bool] = False
 
     def __init__(self, *, star_block_size: int = 64, **options: Unpack[BackendOptions]) -> None:
         if star_block_size < 1:

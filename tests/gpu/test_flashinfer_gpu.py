@@ -18,6 +18,7 @@ from kvcache.attention.flashinfer import FlashInferBackend
 from kvcache.attention.flashinfer_calls import KernelFamily
 from kvcache.storage.kv_storage import KvLayout
 from tests.gpu.support import (
+    BLOCK,
     DECODE_PATHS,
     DTYPES,
     FAMILIES,
@@ -150,3 +151,23 @@ def test_plans_run_the_pinned_kernel_family(measure: Measure, family: KernelFami
             assert num_qo_heads == 8 or fi.kernels.decode == "cuda-cores"
         else:
             assert fi.kernels == (family, decode_family)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_released_blocks_match_reference(measure: Measure, layout: KvLayout) -> None:
+    """Requests whose leading blocks a window released: FlashInfer reads the same pages
+    as the reference, appends at kv_positions, and never touches a released block."""
+    window_left = 7
+    requests = [(21, 100), (37, 65), (40, 30), (150, 1), (97, 1)]
+    pair = make_pair([c + n for c, n in requests], layout, torch.float16)
+    for slot, (cached, _) in zip(pair.slots, requests, strict=False):
+        pair.table.drop_front(slot, max(0, cached - window_left) // BLOCK)
+    md = pair.metadata(requests, 8)
+    assert md.kv_start is not None and int(md.kv_start.count_nonzero()) == 4
+    for num_qo_heads in (4, 8):  # decode rows on CUDA cores, then on tensor cores
+        fi, ref = backends(pair, 8, num_qo_heads, window_left=window_left)
+        compare_step(measure, pair, md, fi, ref, layer=0, dtype=torch.float16, seed=9,
+                     what=f"released h{num_qo_heads}")
+        decode = [(c + n, 1) for c, n in requests]
+        compare_step(measure, pair, pair.metadata(decode, 8), fi, ref, layer=1,
+                     dtype=torch.float16, seed=10, what=f"released decode h{num_qo_heads}")
