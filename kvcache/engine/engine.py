@@ -5,8 +5,9 @@
 
 One step = schedule (admit with reuse, chunk prefills under the token budget), apply the
 manager's block copies, take the paged metadata from the persistent batch (kept across
-steps), plan the backend once, run the model (the backend appends and attends per
-layer), sample greedily, commit what was computed.
+steps; under a sliding window built from the block table, whose rows lose released
+blocks at the front), plan the backend once, run the model (the backend appends and
+attends per layer), sample greedily, commit what was computed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from kvcache.attention.block_table import BlockTable
+from kvcache.attention.metadata import PagedMetadata, build_metadata
 from kvcache.attention.persistent_batch import PersistentBatch
 from kvcache.attention.registry import get_backend
 from kvcache.core.config import KvCacheConfig
@@ -29,6 +31,7 @@ from kvcache.core.pool import OutOfBlocksError
 from kvcache.core.radix import ReuseScope
 from kvcache.core.stats import KvCacheStats
 from kvcache.core.validate import check_positive_int, check_priority
+from kvcache.core.window import peak_blocks
 from kvcache.engine.cuda_graphs import DecodeGraphs
 from kvcache.engine.fair_lock import FairLock
 from kvcache.engine.request import (
@@ -39,7 +42,7 @@ from kvcache.engine.request import (
     check_prompts,
     check_tokens,
 )
-from kvcache.engine.reuse_policy import resolve_reuse
+from kvcache.engine.reuse_policy import resolve_reuse, resolve_window
 from kvcache.engine.scheduler import Chunk, Scheduler
 from kvcache.engine.state_snapshots import StateSnapshots
 from kvcache.engine.step_context import StepContext, sampled_rows
@@ -69,7 +72,10 @@ class Engine:
     `share_prefixes` holds a request back while a running one of the same scope still
     computes the full blocks their prompts share, then admits it with reuse (in-batch
     prefix sharing; see kvcache/engine/prefix_sharing.py). `kv_events` records KV-cache
-    events for routers (`engine.manager.take_kv_events()`).
+    events for routers (`engine.manager.take_kv_events()`). For a model whose attention
+    layers use a sliding window, `release_outside_window` lets the cache release a
+    running request's blocks no later token can see and match warm prompts by the
+    window (see `resolve_window`); False keeps full-attention bookkeeping.
     Raises ValueError naming the bad option. Set `step_timer` to a StepTimer to time
     every step's phases (schedule, metadata, plan, forward, sample, commit).
 
@@ -82,7 +88,7 @@ class Engine:
                  attn_backend: str = "torch", max_num_tokens: int = 512,
                  max_batch_size: int = 16, enable_chunked_prefill: bool = True,
                  share_prefixes: bool = True, kv_events: bool = False,
-                 state_snapshot_interval: int = 1,
+                 state_snapshot_interval: int = 1, release_outside_window: bool = True,
                  cuda_graph: bool = False, pad_decode: bool | None = None,
                  graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -110,8 +116,9 @@ class Engine:
         backend_cls = get_backend(attn_backend)
         interval = check_positive_int(state_snapshot_interval,
                                       "Engine: state_snapshot_interval")
+        windowed = resolve_window(cache_config, backend_cls, model, release_outside_window)
         self.cache_config, self.reuse_disabled_reason = resolve_reuse(
-            cache_config, backend_cls, model, interval)
+            windowed, backend_cls, model, interval)
         B = cache_config.tokens_per_block
         self.manager = KVCacheManager(self.cache_config, record_events=record_events,
                                       kv_events=kv_events)
@@ -137,9 +144,11 @@ class Engine:
         # the table is sized by the pool, never by the model's maximum length alone.
         self.table = BlockTable(max_batch_size, min(-(-self.max_model_len // B),
                                                     cache_config.max_num_blocks))
+        # A persistent batch's rows only grow; a sliding window shrinks them from the front.
         self.batch = PersistentBatch(self.table, block_size=B, page_size=self.backend.page_size,
                                      page_index_multiplier=self.backend.page_index_multiplier,
-                                     max_padded=max(self.graph_batch_sizes, default=None))
+                                     max_padded=max(self.graph_batch_sizes, default=None)
+                                     ) if self.cache_config.sliding_window is None else None
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
         self.scheduler = Scheduler(self.manager, self.table, self.batch,
@@ -191,7 +200,7 @@ class Engine:
             if total > self.max_model_len:
                 raise ValueError(f"{where}: prompt of {len(tokens)} tokens + {max_new_tokens} "
                                  f"new exceeds the model's maximum of {self.max_model_len}")
-            blocks = -(-total // self.cache_config.tokens_per_block)
+            blocks = self._blocks_needed(len(tokens), total)
             if blocks > self.cache_config.max_num_blocks:
                 raise ValueError(f"{where}: needs {blocks} blocks, the pool has only "
                                  f"{self.cache_config.max_num_blocks}: it can never fit")
@@ -211,6 +220,16 @@ class Engine:
             self.scheduler.waiting.append(Request(rid, tokens, max_new_tokens, scope, priority,
                                                   forced, return_logits))
             return rid
+
+    def _blocks_needed(self, prompt_len: int, total: int) -> int:
+        """The most blocks a request holds at once: all of them under full attention;
+        under a sliding window its window and one step's chunk (kvcache/core/window.py)."""
+        cfg = self.cache_config
+        B = cfg.tokens_per_block
+        if cfg.sliding_window is None:
+            return -(-total // B)
+        chunk = self.max_num_tokens if self.chunked else prompt_len
+        return peak_blocks(prompt_len, total, chunk, cfg.sliding_window - 1, B, cfg.block_reuse)
 
     def abort(self, rid: int) -> GenerationOutput:
         """Cancel request `rid`; its blocks are released, what it committed stays cached.
@@ -297,7 +316,8 @@ class Engine:
                 c.num_new == 1 and c.samples for c in chunks):
             pad_to = next(s for s in self.graph_batch_sizes if s >= len(chunks))
         # The batch's metadata views its buffers: valid until the next step changes them.
-        md = self.batch.step(row_tokens, pad_to=pad_to)
+        md = (self.batch.step(row_tokens, pad_to=pad_to) if self.batch is not None
+              else self._table_metadata(chunks, pad_to))
         ids: list[int] = []
         for c in chunks:
             req = c.req
@@ -324,6 +344,16 @@ class Engine:
         if timer is not None:
             timer.lap("forward")
         return logits, ctx.snapshot_states
+
+    def _table_metadata(self, chunks: list[Chunk], pad_to: int | None) -> PagedMetadata:
+        """This step's metadata gathered from the block table (no persistent batch)."""
+        slots = np.fromiter((c.req.slot for c in chunks), dtype=np.int64, count=len(chunks))
+        return build_metadata(self.table, slots, [c.req.num_computed for c in chunks],
+                              [c.num_new for c in chunks],
+                              block_size=self.cache_config.tokens_per_block,
+                              page_size=self.backend.page_size,
+                              page_index_multiplier=self.backend.page_index_multiplier,
+                              pad_to=pad_to)
 
     def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[int]:
         """The next token of every chunk that samples, in order (greedy, or forced); keeps
@@ -354,6 +384,7 @@ class Engine:
             # go through the manager's on_blocks_removed)
             self.scheduler.sync_table(req)
             if not c.samples:
+                self.scheduler.sync_table(req)  # the commit may have released blocks
                 continue
             tok = next(sampled)
             req.generated.append(tok)

@@ -48,3 +48,38 @@ def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend], model: Tr
     if cfg.block_reuse:
         log.warning("block reuse disabled: %s", reason)
     return cfg.without_reuse(), reason
+
+
+def resolve_window(cfg: KvCacheConfig, backend: type[AttentionBackend], model: Transformer,
+                   release: bool = True) -> KvCacheConfig:
+    """The cache config with the sliding window the cache may exploit.
+
+    A model whose attention layers all use a window W gets `sliding_window` = W (or the
+    config's own, if at least W) unless `release` is False, the backend cannot read
+    requests with released blocks, or recurrent layers need state snapshots at the
+    blocks a window would release; the cache then keeps full-attention bookkeeping,
+    which is always correct, only larger. Raises ValueError for a window on a model
+    without one, one shorter than the model's, and for block reuse asked for
+    explicitly with a window model on a backend without window support.
+    """
+    window = model.config.sliding_window
+    asked = cfg.sliding_window
+    if window is None:
+        if asked is not None:
+            raise ValueError(f"KvCacheConfig.sliding_window={asked}, but the model attends "
+                             "without a window: its tokens see every earlier block")
+        return cfg
+    if asked is not None and asked < window:
+        raise ValueError(f"KvCacheConfig.sliding_window={asked} is shorter than the model's "
+                         f"window of {window}: blocks its tokens still see would be released")
+    if not backend.supports_sliding_window:
+        if cfg.enable_block_reuse:
+            raise ValueError(
+                f"enable_block_reuse=True with a sliding-window model (window {window}) on "
+                f"attention backend {backend.name!r}, which does not support sliding "
+                "windows; use a backend that does (torch, flashinfer) or "
+                "enable_block_reuse=None/False")
+        return replace(cfg, sliding_window=None)
+    if not release or model.config.has_recurrent_layers:
+        return replace(cfg, sliding_window=None)
+    return replace(cfg, sliding_window=asked or window)

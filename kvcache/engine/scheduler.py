@@ -9,6 +9,13 @@ half-admitted.
 
 The running requests are the rows of a PersistentBatch, in admission order: the
 scheduler tells it who joins and who leaves, and a step's chunks come in row order.
+
+Under a sliding window the cache allocates prompt blocks chunk by chunk: admission gets
+the blocks of the first chunk, and each later chunk reserves its own, computing fewer
+tokens when the pool is short. A step in which no running request can get a block
+preempts the last of them, so the others can go on. Released blocks leave the front of
+a request's table row; the engine then builds each step's metadata from the table
+(there is no persistent batch: its rows only ever grow).
 """
 
 from __future__ import annotations
@@ -45,12 +52,13 @@ class Schedule(NamedTuple):
 class Scheduler:
     """Owns the waiting queue, the running set, their batch slots and batch rows."""
 
-    def __init__(self, manager: KVCacheManager, table: BlockTable, batch: PersistentBatch, *,
-                 max_num_tokens: int, max_batch_size: int, chunked: bool,
-                 share_prefixes: bool = True) -> None:
+    def __init__(self, manager: KVCacheManager, table: BlockTable,
+                 batch: PersistentBatch | None, *, max_num_tokens: int, max_batch_size: int,
+                 chunked: bool, share_prefixes: bool = True) -> None:
         self.manager = manager
         self.table = table
-        self.batch = batch
+        self.batch = batch  # None under a sliding window (see the module docstring)
+        self.windowed = manager.config.sliding_window is not None
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
         # hold siblings back until a running request commits their common prefix
@@ -75,10 +83,16 @@ class Scheduler:
             if n > 1:
                 counts[i] = self._take(n, budget)
                 budget -= counts[i]
+        if self.windowed:
+            budget += self._reserve_rows(counts)
+            if self.running and not any(counts):  # no block for anyone's next tokens
+                self.preempt(self.running[-1])
+                return Schedule([], None)  # admit nothing: the freed blocks go to the others
         held: list[Request] = []  # siblings waiting for a leader's prefix, in order
         while self.waiting and budget and self._free_slots:
             req = self.waiting[0]
-            plan = self.manager.plan_admission(req.tokens, req.scope)
+            plan = self.manager.plan_admission(req.tokens, req.scope,
+                                               first_chunk=budget if self.chunked else None)
             cfg = self.manager.config
             if self.share_prefixes and leader_of(req, plan.num_full_blocks, self.running,
                                                  cfg.tokens_per_block,
@@ -97,10 +111,11 @@ class Scheduler:
                 req.num_cached_tokens = seq.num_cached_tokens
                 req.kv_metrics = seq.metrics
             req.slot = self._free_slots.pop()
-            self.table.assign(req.slot, seq.block_ids)
+            self.table.assign(req.slot, seq.live_block_ids(), seq.num_released_blocks)
             req.table_len = len(seq.block_ids)
             req.table_version = seq.block_ids_version
-            self.batch.add(req.slot, req.num_computed)
+            if self.batch is not None:
+                self.batch.add(req.slot, req.num_computed)
             self.running.append(req)
             todo.append(req.num_uncomputed)
             counts.append(self._take(todo[-1], budget))
@@ -115,9 +130,24 @@ class Scheduler:
             return min(todo, budget)
         return todo if todo <= budget else 0
 
+    def _reserve_rows(self, counts: list[int]) -> int:
+        """Reserve the blocks of every running request's tokens this step, cutting its
+        count to what the pool covers; returns the tokens cut (budget given back)."""
+        cut = 0
+        for i, req in enumerate(self.running):
+            if counts[i]:
+                covered = self.manager.reserve(req.rid, req.num_computed + counts[i])
+                self.sync_table(req)
+                got = covered - req.num_computed
+                cut += counts[i] - got
+                counts[i] = got
+        return cut
+
     def recount_batch(self) -> None:
         """Set the batch's rows from the running requests: after a step whose forward
         failed, the batch counted tokens the requests never computed."""
+        if self.batch is None:
+            return
         rows = []
         for req in self.running:
             assert req.slot is not None
@@ -126,26 +156,32 @@ class Scheduler:
 
     def sync_table(self, req: Request) -> None:
         """Bring `req`'s row of the block table up to date with its cache handle: blocks
-        appended, or (after a deduplicated commit) the whole row. Call it after every
-        commit and append, before the next forward pass: a block the manager took back
-        may be handed to another request and overwritten in that very pass."""
-        assert req.seq is not None and req.slot is not None
-        seq = req.seq
-        ids = seq.block_ids
+        appended, blocks released at the front (sliding window), or (after a
+        deduplicated commit) the whole row. Call it after every commit and append, before
+        the next forward pass: a block the manager took back may be handed to another
+        request and overwritten in that very pass."""
+        seq, slot = req.seq, req.slot
+        assert seq is not None and slot is not None
         if seq.block_ids_version != req.table_version:
-            self.table.assign(req.slot, ids)
-            self.batch.rewrite(req.slot)  # its kept pages name the blocks given back
-            req.table_len = len(ids)
+            self.table.assign(slot, seq.live_block_ids(), seq.num_released_blocks)
+            if self.batch is not None:
+                self.batch.rewrite(slot)  # its kept pages name the blocks given back
+            req.table_len = len(seq.block_ids)
             req.table_version = seq.block_ids_version
-        elif len(ids) > req.table_len:
-            self.table.extend(req.slot, ids[req.table_len:])
-            req.table_len = len(ids)
+            return
+        released = seq.num_released_blocks - int(self.table.starts[slot])
+        if released > 0:
+            self.table.drop_front(slot, released)
+        if len(seq.block_ids) > req.table_len:
+            self.table.extend(slot, seq.live_block_ids(req.table_len))
+            req.table_len = len(seq.block_ids)
 
     def release(self, req: Request) -> None:
         """Free `req`'s blocks (committed ones stay cached) and its slot."""
         assert req.slot is not None
         self.manager.free_sequence(req.rid)
-        self.batch.remove(req.slot)
+        if self.batch is not None:
+            self.batch.remove(req.slot)
         self.table.release(req.slot)
         self._free_slots.append(req.slot)
         self.running.remove(req)

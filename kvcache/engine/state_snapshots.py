@@ -50,7 +50,7 @@ class StateSnapshots:
         for c in chunks:
             req = c.req
             if req.num_computed and not req.state and req.seq is not None:
-                req.state = self.load(req.seq.block_ids[req.num_computed // block_size - 1])
+                req.state = self.load(req.seq.block_id(req.num_computed // block_size - 1))
 
     def rows(self, chunks: Sequence[Chunk], block_size: int) -> dict[int, int]:
         """Block id -> the token row of this step whose recurrent state is its snapshot:
@@ -62,7 +62,7 @@ class StateSnapshots:
             assert req.seq is not None
             start = req.num_computed
             for end in self.positions(start, start + c.num_new, block_size):
-                rows[req.seq.block_ids[end // block_size - 1]] = offset + end - start - 1
+                rows[req.seq.block_id(end // block_size - 1)] = offset + end - start - 1
             offset += c.num_new
         return rows
 

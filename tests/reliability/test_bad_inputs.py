@@ -61,6 +61,8 @@ def cases(*params: Any) -> list[Any]:
     pytest.param({"reuse_alignment_blocks": 2, "enable_partial_reuse": True},
                  r"enable_partial_reuse=True cannot start reuse inside a block, but "
                  r"reuse_alignment_blocks=2", id="cfg-align-partial"),
+    pytest.param({"sliding_window": 0}, r"KvCacheConfig\.sliding_window must be an int >= 1, "
+                 r"got 0", id="cfg-window-zero"),
 ))
 def test_bad_cache_config(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -101,6 +103,10 @@ ManagerCall = Callable[[KVCacheManager], object]
                  r"are already committed", id="mgr-commit-backwards"),
     pytest.param(lambda m: m.append_tokens("gone", [1]), r"append_tokens: unknown seq_id 'gone'",
                  id="mgr-unknown-seq"),
+    pytest.param(lambda m: m.reserve("live", 7), r"reserve\('live'\): num_tokens must be an "
+                 r"int in \[0, 6\], got 7", id="mgr-reserve-beyond"),
+    pytest.param(lambda m: m.plan_admission([1, 2], first_chunk=0), r"plan_admission: "
+                 r"first_chunk must be an int >= 1, got 0", id="mgr-first-chunk"),
     pytest.param(lambda m: m.probe_reuse([3, None]),
                  r"probe_reuse: token 1 is None", id="mgr-probe-token"),
     pytest.param(lambda m: KVCacheManager({"tokens_per_block": 4}),  # type: ignore[arg-type]
@@ -231,6 +237,18 @@ IDS.add("abort-finished")
                  r"'BLHNC'\), got 'BLNHC'", id="eng-layout"),
     pytest.param({"layout": "BLHNC", "page_size": 3}, r"KvStorage\(BLHNC\): page_size=3 must "
                  r"be a positive divisor of block_size=4", id="eng-packed-page-size"),
+    pytest.param({"model": "tiny-swa", "attn_backend": "star", "cache_config": KvCacheConfig(
+        tokens_per_block=4, max_num_blocks=16, enable_block_reuse=True)},
+        r"enable_block_reuse=True with a sliding-window model \(window 32\) on attention "
+        r"backend 'star', which does not support sliding windows", id="eng-window-star-reuse"),
+    pytest.param({"cache_config": KvCacheConfig(tokens_per_block=4, max_num_blocks=16,
+                                                sliding_window=8)},
+                 r"KvCacheConfig\.sliding_window=8, but the model attends without a window",
+                 id="eng-window-full-model"),
+    pytest.param({"model": "tiny-swa", "cache_config": KvCacheConfig(
+        tokens_per_block=4, max_num_blocks=16, sliding_window=16)},
+        r"KvCacheConfig\.sliding_window=16 is shorter than the model's window of 32",
+        id="eng-window-short"),
 ))
 def test_bad_engine_options(kwargs: dict[str, Any], message: str) -> None:
     if kwargs.get("cuda_graph") and torch.cuda.is_available():

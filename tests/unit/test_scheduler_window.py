@@ -1,0 +1,61 @@
+"""The scheduler under a sliding window: chunks reserve their blocks, a short pool shrinks
+a chunk, and a step where no running request can get a block preempts one."""
+
+from __future__ import annotations
+
+from kvcache import KvCacheConfig, KVCacheManager
+from kvcache.attention import BlockTable
+from kvcache.engine.request import Request
+from kvcache.engine.scheduler import Chunk, Scheduler
+
+
+def _setup(pool: int, budget: int = 8) -> tuple[KVCacheManager, Scheduler]:
+    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=pool,
+                                       sliding_window=8))
+    return mgr, Scheduler(mgr, BlockTable(2, pool), None, max_num_tokens=budget,
+                          max_batch_size=2, chunked=True)
+
+
+def _compute(mgr: KVCacheManager, sched: Scheduler, chunks: list[Chunk]) -> None:
+    """What the engine does after a forward: count, commit, sync the table."""
+    for c in chunks:
+        c.req.num_computed += c.num_new
+        mgr.commit(c.req.rid, c.req.num_computed)
+        sched.sync_table(c.req)
+
+
+def test_chunks_reserve_their_blocks_and_the_table_follows_the_window() -> None:
+    mgr, sched = _setup(pool=5)
+    req = Request(0, list(range(1, 41)), 1, None, 35, None, False)
+    sched.waiting.append(req)
+    for _ in range(5):
+        chunks = sched.schedule().chunks
+        assert [c.num_new for c in chunks] == [8]
+        _compute(mgr, sched, chunks)
+        assert req.seq is not None and req.slot is not None
+        first = req.seq.num_released_blocks
+        assert int(sched.table.starts[req.slot]) == first
+        assert sched.table.block_ids(req.slot) == req.seq.live_block_ids()
+        mgr.check_integrity()
+    assert req.num_computed == 40 and mgr.stats().evicted_blocks > 0
+    sched.release(req)
+
+
+def test_a_short_pool_shrinks_the_chunk_and_a_stuck_step_preempts() -> None:
+    mgr, sched = _setup(pool=4)
+    mgr.add_sequence("other", list(range(50, 58)))  # holds two of the four blocks
+    req = Request(0, list(range(1, 41)), 1, None, 35, None, False)
+    sched.waiting.append(req)
+    _compute(mgr, sched, sched.schedule().chunks)  # admitted with the two blocks left
+    assert req.num_computed == 8
+    assert sched.schedule().chunks == []  # no block for its next chunk, and nobody else runs
+    assert (req.num_preemptions, req.seq, list(sched.waiting)) == (1, None, [req])
+    mgr.check_integrity()
+    assert sched.schedule().chunks == []  # waits: the other sequence still holds its blocks
+    mgr.free_sequence("other")
+    chunks = sched.schedule().chunks
+    assert req.num_cached_tokens == 0 and req.num_computed == 8  # its 8 tokens were cached
+    assert [c.num_new for c in chunks] == [8]
+    _compute(mgr, sched, chunks)
+    sched.release(req)
+    mgr.check_integrity()
