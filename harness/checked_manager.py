@@ -12,7 +12,9 @@ was refused for want of blocks, the blocks really were not there.
 pass whose tokens it commits. Fuzzers and stateful tests drive this instead of a bare
 manager; anything not wrapped (stats, probe_reuse, sequences, ...) is forwarded as is.
 Like the rest of the harness it imports `kvcache` for type checking only: a refusal is
-any exception with `needed`, `available` and `capacity` (`OutOfBlocksError`).
+any exception with `needed`, `available` and `capacity` (`OutOfBlocksError`). The
+capacity oracle counts blocks as full attention holds them, so a manager under a sliding
+window is refused here (its logs still replay through the provenance oracle).
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ class CheckedManager:
             raise ValueError("CheckedManager: the manager must be fresh (nothing admitted "
                              "yet): the oracles must see every operation")
         cfg = manager.config
+        if getattr(cfg, "sliding_window", None) is not None:
+            raise ValueError(f"CheckedManager: sliding_window={cfg.sliding_window}: the "
+                             "capacity oracle models full attention only")
         self.manager = manager
         self.shadow = ShadowStore(cfg.tokens_per_block, repro=repro)
         self.capacity = CapacityOracle(cfg.tokens_per_block, cfg.max_num_blocks,
                                        block_reuse=cfg.block_reuse, repro=repro)
         self.num_operations = 0
-        self._ids: dict[Hashable, tuple[list[int], int]] = {}  # block ids, version last seen
+        self._ids: dict[Hashable, tuple[list[int | None], int]] = {}  # block ids, version last seen
         self._log_seen = 0
         self._plans: dict[int, tuple[AdmissionPlan, list[int], ReuseScope | None]] = {}
         self._queued: list[Copy] = []  # the copy queue after the last call

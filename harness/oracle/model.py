@@ -5,6 +5,15 @@ full block is a dict key `(scope, every token of the prefix through the block)`,
 partial leaf is `(scope, prefix tokens, tail tokens)`, and "in use" is a count of live
 sequences per full-block key. It follows the reuse rules of docs/design.md to the letter.
 
+Sliding window (`OracleConfig.sliding_window` = W): a live sequence about to compute
+position p holds only its blocks from (p - W + 1) // B on (and always its deepest
+cached one); a commit releases the rest. A match needs only the blocks in the window of
+its first new token. Nothing is evicted here, so a cached block's whole prefix is cached
+and the longest match is the walk's: the window decides which blocks a sequence holds,
+and so which leaves are unused (claimable). With a bounded pool the cache matches the
+same as long as the blocks inside that window survive, however much of the prefix was
+evicted.
+
 Exact with an unbounded pool. With a bounded pool it is an upper bound when partial
 reuse is off: eviction only removes blocks. With partial reuse on it is not strictly one:
 evicting a block's followers makes it an unused leaf, so a request may *claim* it where
@@ -39,12 +48,13 @@ ParentKey = tuple[Hashable, Tokens]           # (scope, tokens [0, i * B))
 
 @dataclass
 class _Seq:
-    """A live sequence: its tokens, committed count and the cached blocks it holds."""
+    """A live sequence: its tokens, committed count and its cached blocks."""
 
     scope: Hashable
     tokens: list[int]
     committed: int
-    held: list[FullKey]  # held[i] is the cached block at position i; contiguous from 0
+    keys: list[FullKey]  # keys[i] is its cached block at position i; contiguous from 0
+    first: int = 0  # it holds keys[first:]; the window released the ones before
 
 
 @dataclass(frozen=True)
@@ -163,10 +173,12 @@ class ReuseOracle:
         match = self._match(prompt, scope)
         if match.source is not None and match.claim:
             self._uncache(match.source)
-        for key in match.full_keys:
-            self._users[key] += 1
         reused = len(match.full_keys) * self.cfg.tokens_per_block + match.partial_tokens
-        self._seqs[seq_id] = _Seq(scope, list(prompt), reused, list(match.full_keys))
+        seq = _Seq(scope, list(prompt), reused, list(match.full_keys))
+        seq.first = self._first_held(seq)
+        for key in seq.keys[seq.first:]:
+            self._users[key] += 1
+        self._seqs[seq_id] = seq
         action: Literal["claim", "copy"] | None = None
         if match.partial_tokens:
             action = "claim" if match.claim else "copy"
@@ -185,19 +197,33 @@ class ReuseOracle:
         if not self.cfg.enable_block_reuse:
             return
         B = self.cfg.tokens_per_block
-        for i in range(len(seq.held), n // B):
+        for i in range(len(seq.keys), n // B):
             key = (seq.scope, tuple(seq.tokens[: (i + 1) * B]))
             if key not in self._cached:  # else deduplicated: hold the cached one
                 self._cache(key)
             self._users[key] += 1
-            seq.held.append(key)
+            seq.keys.append(key)
+        first = self._first_held(seq)
+        self._unuse(seq.keys[seq.first:first])
+        seq.first = max(first, seq.first)
 
-    def _free(self, seq_id: Hashable, seq: _Seq) -> None:
-        del self._seqs[seq_id]
-        for key in seq.held:
+    def _first_held(self, seq: _Seq) -> int:
+        """The first block `seq` holds before computing from `seq.committed`."""
+        window = self.cfg.sliding_window
+        if window is None:
+            return 0
+        first = max(0, seq.committed - window + 1) // self.cfg.tokens_per_block
+        return min(first, max(len(seq.keys) - 1, 0))
+
+    def _unuse(self, keys: Sequence[FullKey]) -> None:
+        for key in keys:
             self._users[key] -= 1
             if self._users[key] == 0:
                 del self._users[key]
+
+    def _free(self, seq_id: Hashable, seq: _Seq) -> None:
+        del self._seqs[seq_id]
+        self._unuse(seq.keys[seq.first:])
         B = self.cfg.tokens_per_block
         partial = self.cfg.enable_block_reuse and self.cfg.enable_partial_reuse
         if not partial or seq.committed % B == 0:

@@ -18,6 +18,9 @@ written into it, whoever holds it now.
   since queued copies are applied before the next forward pass; `check_live` checks every
   live sequence so. Replaying a log without that queue, the first read catches the same
   faults.
+- Under a sliding window of W tokens a forward pass from position p reads only
+  positions p - W + 1 on: the blocks before may be released (None in the log) and hold
+  anything. Blocks then come as chunks need them (appends of no tokens).
 """
 
 from __future__ import annotations
@@ -46,19 +49,22 @@ class _Live:
 
     scope: Hashable
     prefix: list[int]  # the prefix id of every token
-    blocks: list[int]
+    blocks: list[int | None]  # None: released by a sliding window
     valid: int  # positions whose KV is valid: reused at admission, then committed
 
 
 class ShadowStore:
     """The shadow KV store and its checks. `apply` mutates it; the checks only read."""
 
-    def __init__(self, tokens_per_block: int, *, repro: str = "") -> None:
+    def __init__(self, tokens_per_block: int, *, repro: str = "",
+                 sliding_window: int | None = None) -> None:
         if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) \
                 or tokens_per_block < 1:
             raise ValueError(f"ShadowStore: tokens_per_block must be an int >= 1, "
                              f"got {tokens_per_block!r}")
         self.tokens_per_block = tokens_per_block
+        # window_left: a pass from position p reads p - window_left on (None: from 0)
+        self.window_left = None if sliding_window is None else sliding_window - 1
         self.prefixes = Prefixes()
         self.repro = repro  # a line that reproduces the run, appended to every violation
         self.num_events = 0
@@ -113,8 +119,9 @@ class ShadowStore:
         B = self.tokens_per_block
         for i, block in enumerate(seq.blocks):
             reused = min(max(seq.valid - i * B, 0), B)
-            self.note(block, f"admit {sid!r}: position {i}"
-                       + (f", reuses slots [0, {reused})" if reused else ""))
+            if block is not None:
+                self.note(block, f"admit {sid!r}: position {i}"
+                          + (f", reuses slots [0, {reused})" if reused else ""))
         if pending is not None:
             for src, dst, n in pending:
                 if dst in seq.blocks:
@@ -130,7 +137,10 @@ class ShadowStore:
         B = self.tokens_per_block
         for i in range(seq.valid // B, -(-n // B)):
             lo, hi = max(seq.valid, i * B), min(n, (i + 1) * B)
-            block = seq.blocks[i]
+            block = seq.blocks[i] if i < len(seq.blocks) else None
+            if block is None:
+                raise ValueError(f"commit event of {n} tokens for seq_id {sid!r}: no block "
+                                 f"recorded for position {i}, which it writes")
             slots = self._slots.setdefault(block, [None] * B)
             slots[lo - i * B:hi - i * B] = seq.prefix[lo:hi]
             self.note(block, f"commit {sid!r}: writes slots [{lo - i * B}, {hi - i * B}) "
@@ -144,7 +154,7 @@ class ShadowStore:
             raise ValueError(f"commit event for seq_id {ev.seq_id!r}: {len(ev.block_ids)} "
                              f"block ids for a sequence of {len(seq.blocks)} blocks")
         for i, (old, new) in enumerate(zip(seq.blocks, ev.block_ids, strict=True)):
-            if old != new:
+            if old != new and old is not None and new is not None:
                 self.note(old, f"commit {ev.seq_id!r}: position {i} leaves for block {new}")
                 self.note(new, f"commit {ev.seq_id!r}: position {i} switches here from "
                            f"block {old}")
@@ -156,17 +166,20 @@ class ShadowStore:
         last = seq.prefix[-1] if seq.prefix else self.prefixes.root(seq.scope)
         seq.prefix += self.prefixes.extend(last, ev.tokens)
         for block in ev.block_ids:
-            self.note(block, f"append {ev.seq_id!r}: position {len(seq.blocks)}")
+            if block is not None:
+                self.note(block, f"append {ev.seq_id!r}: position {len(seq.blocks)}")
             seq.blocks.append(block)
         self._check_blocks(ev, len(seq.prefix), len(seq.blocks))
 
     def _free(self, ev: Event, seq: _Live) -> None:
         for i, block in enumerate(seq.blocks):
-            self.note(block, f"free {ev.seq_id!r} (position {i})")
+            if block is not None:
+                self.note(block, f"free {ev.seq_id!r} (position {i})")
         del self._live[ev.seq_id]
 
     def _copy(self, ev: Event) -> None:
         src, dst = ev.block_ids
+        assert src is not None and dst is not None  # normalize_event checked it
         n = ev.num_tokens
         B = self.tokens_per_block
         if not 0 < n <= B or src == dst:
@@ -177,7 +190,9 @@ class ShadowStore:
         self.note(dst, f"copy of slots [0, {n}) from block {src} (queued by {ev.seq_id!r})")
 
     def _check_blocks(self, ev: Event, num_tokens: int, num_blocks: int) -> None:
-        if num_blocks != -(-num_tokens // self.tokens_per_block):
+        need = -(-num_tokens // self.tokens_per_block)
+        # under a sliding window blocks come as chunks need them: fewer is fine
+        if num_blocks > need or (num_blocks < need and self.window_left is None):
             raise ValueError(f"{ev.kind} event for seq_id {ev.seq_id!r}: {num_blocks} blocks "
                              f"for {num_tokens} tokens of {self.tokens_per_block} a block "
                              "(does this log record block ids?)")
@@ -208,17 +223,22 @@ class ShadowStore:
         B = self.tokens_per_block
         over = self._overlay(pending) if pending else {}
         bad: list[tuple[int, int, int, int | None]] = []  # position, block, slot, held
-        for i in range(-(-end // B)):
-            hi = min(end, (i + 1) * B) - i * B
+        start = 0 if self.window_left is None else max(0, end - self.window_left)
+        for i in range(start // B, -(-end // B)):
+            lo, hi = max(start - i * B, 0), min(end, (i + 1) * B) - i * B
             block = seq.blocks[i]
-            want = seq.prefix[i * B:i * B + hi]
+            if block is None:
+                raise ValueError(f"{what}: position {i} of {sid!r} is released, yet its "
+                                 f"window (from position {start}) reads it")
+            want = seq.prefix[i * B + lo:i * B + hi]
             held = self._slots.get(block)
-            have = held[:hi] if held is not None else [None] * hi
+            have = held[lo:hi] if held is not None else [None] * (hi - lo)
             if over:
-                have = [over.get((block, s), h) for s, h in enumerate(have)]
+                have = [over.get((block, lo + s), h) for s, h in enumerate(have)]
             if have != want:
-                bad += [(i * B + s, block, s, h) for s, h in enumerate(have) if h != want[s]]
-        self.num_slots_checked += end
+                bad += [(i * B + lo + s, block, lo + s, h) for s, h in enumerate(have)
+                        if h != want[s]]
+        self.num_slots_checked += end - start
         if bad:
             raise ProvenanceError(self._message(sid, seq, bad, what, bool(pending)))
 

@@ -46,10 +46,13 @@ class OracleConfig:
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True
     reuse_alignment_blocks: int = 1  # matches cut back to a multiple of this many blocks
+    sliding_window: int | None = None  # tokens a query sees, itself included; None: all
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_block", "reuse_alignment_blocks"):
+        for name in ("tokens_per_block", "reuse_alignment_blocks", "sliding_window"):
             n = getattr(self, name)
+            if n is None and name == "sliding_window":
+                continue
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"OracleConfig.{name} must be an int >= 1, got {n!r}")
         for name in _FLAG_PROPERTIES:
@@ -67,7 +70,8 @@ class OracleConfig:
         copy_on_partial_reuse; a missing flag is True, extra keys such as the pool size
         are ignored) or an object with `tokens_per_block` and the resolved properties
         `block_reuse`, `partial_reuse`, `copy_on_partial` (kvcache.KvCacheConfig, whose
-        own fields may say None for "auto"). Raises ValueError naming `where` when
+        own fields may say None for "auto"). `reuse_alignment_blocks` and
+        `sliding_window` are read when present. Raises ValueError naming `where` when
         `tokens_per_block` is missing or not an int >= 1, or a flag is not a resolved
         True/False.
         """
@@ -76,6 +80,7 @@ class OracleConfig:
                 raise ValueError(f"{where} has no 'tokens_per_block' (keys: {sorted(config)})")
             block = config["tokens_per_block"]
             align = config.get("reuse_alignment_blocks", 1)
+            window = config.get("sliding_window")
             flags = {k: (config.get(k, True), f"{where}[{k!r}]") for k in _FLAG_PROPERTIES}
         else:
             names = ("tokens_per_block", *_FLAG_PROPERTIES.values())
@@ -84,6 +89,7 @@ class OracleConfig:
                                  f"{', '.join(names)}")
             block = config.tokens_per_block
             align = getattr(config, "reuse_alignment_blocks", 1)
+            window = getattr(config, "sliding_window", None)
             flags = {k: (getattr(config, prop), f"{where}.{prop}")
                      for k, prop in _FLAG_PROPERTIES.items()}
         for value, spelled in flags.values():
@@ -91,16 +97,17 @@ class OracleConfig:
                 raise ValueError(f"{spelled} must be the effective True/False, got {value!r}")
         try:
             return cls(block, **{k: value for k, (value, _) in flags.items()},
-                       reuse_alignment_blocks=align)
+                       reuse_alignment_blocks=align, sliding_window=window)
         except ValueError as exc:  # a bad tokens_per_block: say where it came from
             raise ValueError(f"{where}: {exc}") from None
 
-    def as_dict(self) -> dict[str, int | bool]:
-        """The `EngineUnderTest.cache_config` mapping: tokens_per_block, the flags and
-        the reuse alignment."""
+    def as_dict(self) -> dict[str, int | bool | None]:
+        """The `EngineUnderTest.cache_config` mapping: tokens_per_block, the flags, the
+        reuse alignment and the sliding window."""
         return {"tokens_per_block": self.tokens_per_block,
                 **{name: getattr(self, name) for name in _FLAG_PROPERTIES},
-                "reuse_alignment_blocks": self.reuse_alignment_blocks}
+                "reuse_alignment_blocks": self.reuse_alignment_blocks,
+                "sliding_window": self.sliding_window}
 
 
 class Event(NamedTuple):
@@ -109,8 +116,9 @@ class Event(NamedTuple):
     admit: `tokens` the prompt, `scope`; `num_tokens` the tokens reused and `block_ids`
     the sequence's blocks, where the log records them. commit: `num_tokens` tokens valid
     from the start; `block_ids` the sequence's blocks when the commit switched some (a
-    deduplicated commit), else empty. append: `tokens` the new tokens, `block_ids` the
-    blocks allocated for them. free. copy: a copy the engine applied before its next
+    deduplicated commit), else empty; None marks a position a sliding window released or
+    skipped. append: `tokens` the new tokens, `block_ids` the blocks allocated for them
+    (no tokens: blocks reserved ahead, under a sliding window). free. copy: a copy the engine applied before its next
     forward pass, `block_ids` = (src, dst) and `num_tokens` slots. The reuse oracle reads
     kinds, tokens, counts and scopes only; the provenance oracle also the block ids.
     """
@@ -120,7 +128,7 @@ class Event(NamedTuple):
     tokens: tuple[int, ...] = ()
     num_tokens: int = 0
     scope: Hashable = None
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int | None, ...] = ()
 
 
 def normalize_scope(scope: Any, where: str) -> Hashable:
@@ -170,8 +178,10 @@ def normalize_event(raw: Event | Mapping[str, Any] | Any) -> Event:
     num = get("num_tokens", 0) or 0
     if isinstance(num, bool) or not isinstance(num, int) or num < 0:
         raise ValueError(f"{where}: num_tokens must be an int >= 0, got {num!r}")
-    blocks = _ints(get("block_ids"), where, "block id")
-    if kind == "copy" and len(blocks) != 2:
+    raw_blocks = tuple(get("block_ids") or ())
+    blocks = tuple(None if b is None else _ints((b,), where, "block id")[0]
+                   for b in raw_blocks)
+    if kind == "copy" and (len(blocks) != 2 or None in blocks):
         raise ValueError(f"{where}: block_ids must be (src, dst), got {blocks!r}")
     return Event(kind, seq_id, tokens, num, normalize_scope(get("scope"), where), blocks)
 

@@ -56,6 +56,11 @@ def test_only_a_fresh_manager_can_be_checked() -> None:
     used.add_sequence("x", [1, 2])
     with pytest.raises(ValueError, match="must be fresh"):
         CheckedManager(used)
+    windowed = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8,
+                                            sliding_window=8))
+    with pytest.raises(ValueError, match="sliding_window=8: the capacity oracle models "
+                                         "full attention only"):
+        CheckedManager(windowed)
 
 
 class DropsCopiesWithTheirSequence(KVCacheManager):

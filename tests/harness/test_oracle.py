@@ -323,6 +323,7 @@ def test_commit_cannot_go_backwards() -> None:
                  id="align0"),
     pytest.param({"tokens_per_block": 4, "enable_block_reuse": None}, "True or False",
                  id="auto"),
+    pytest.param({"tokens_per_block": 4, "sliding_window": 0}, "sliding_window", id="window0"),
 ])
 def test_config_validation(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -336,10 +337,12 @@ def test_config_from_engine_mapping() -> None:
     assert cfg == OracleConfig(8, True, False, False)
     assert cfg.as_dict() == {"tokens_per_block": 8, "enable_block_reuse": True,
                              "enable_partial_reuse": False, "copy_on_partial_reuse": False,
-                             "reuse_alignment_blocks": 1}
+                             "reuse_alignment_blocks": 1, "sliding_window": None}
     assert OracleConfig.from_cache_config(cfg.as_dict()) == cfg
     hybrid = OracleConfig.from_cache_config({**cfg.as_dict(), "reuse_alignment_blocks": 3})
     assert hybrid.reuse_alignment_blocks == 3
+    windowed = OracleConfig.from_cache_config({**cfg.as_dict(), "sliding_window": 32})
+    assert windowed.sliding_window == 32
     with pytest.raises(ValueError, match=r"enable_partial_reuse.*effective"):
         OracleConfig.from_cache_config({"tokens_per_block": 8, "enable_partial_reuse": None})
 
@@ -383,3 +386,17 @@ def test_alignment_cuts_matches_back_to_snapshot_blocks() -> None:
     assert oracle.probe(range(1, 16)) == 12
     assert oracle.probe([*range(1, 10), 50]) == 6  # 4 shared blocks -> 3
     assert oracle.probe([1, 2, 3, 4, 50]) == 0  # 2 shared blocks -> none
+
+
+def test_a_window_releases_what_no_later_token_sees() -> None:
+    """Window 6, blocks of 4: committing 16 tokens releases blocks 0 and 1 (position 16
+    sees 11..16); the sequence keeps using blocks 2 and 3, and frees only those."""
+    oracle = ReuseOracle(OracleConfig(4, sliding_window=6))
+    oracle.apply(Event("admit", 0, tuple(range(1, 21))))
+    oracle.apply(Event("commit", 0, (), 16))
+    in_use = [k for k, n in oracle._users.items() if n]
+    assert sorted(len(k[1]) for k in in_use) == [12, 16]
+    oracle.apply(Event("free", 0))
+    assert not oracle._users
+    warm = oracle.apply(Event("admit", 1, tuple(range(1, 21))))
+    assert warm is not None and warm.reused_tokens == 16

@@ -1,4 +1,5 @@
-"""The oracle against the real KVCacheManager on random event sequences (unbounded pool).
+"""The oracle against the real KVCacheManager on random event sequences (unbounded pool),
+with and without a sliding window.
 
 Tokens come from a tiny alphabet so prompts share prefixes, partial tails and leaves all
 the time; every admission's reuse, every probe and the totals must agree exactly. The
@@ -29,13 +30,15 @@ def configs(draw: st.DrawFn) -> KvCacheConfig:
     reuse = draw(st.sampled_from([True, True, True, False]))  # weighted: mostly on
     partial = draw(st.sampled_from([True, True, False])) if reuse else None
     copy = draw(st.booleans()) if partial else None
+    # a sliding window releases blocks at commit: which leaves are unused changes
+    window = draw(st.sampled_from([None, None, None, 1, 2, 3, 5]))
     # <= 25 operations of <= 10 tokens each: 512 blocks never need an eviction
     return KvCacheConfig(tokens_per_block=B, max_num_blocks=512,
                          enable_block_reuse=reuse, enable_partial_reuse=partial,
-                         copy_on_partial_reuse=copy)
+                         copy_on_partial_reuse=copy, sliding_window=window)
 
 
-def _prompts(mgr: CheckedManager) -> st.SearchStrategy[list[int]]:
+def _prompts(mgr: CheckedManager | KVCacheManager) -> st.SearchStrategy[list[int]]:
     """Fresh tokens, or a cut of an earlier sequence (appended tokens included) plus a few."""
     seen = [list(e.tokens) for e in mgr.events or () if e.kind == "admit"]
     seen += [list(s.tokens) for s in mgr.sequences.values()]
@@ -47,7 +50,7 @@ def _prompts(mgr: CheckedManager) -> st.SearchStrategy[list[int]]:
     return derived | tokens_st
 
 
-def _step(data: st.DataObject, mgr: CheckedManager, oracle: ReuseOracle,
+def _step(data: st.DataObject, mgr: CheckedManager | KVCacheManager, oracle: ReuseOracle,
           next_id: int) -> tuple[str, Any]:
     """One random operation on the manager, mirrored to the oracle from the event log."""
     live = sorted(mgr.sequences)
@@ -80,7 +83,9 @@ def _step(data: st.DataObject, mgr: CheckedManager, oracle: ReuseOracle,
 @given(data=st.data())
 def test_oracle_agrees_with_manager(data: st.DataObject) -> None:
     cfg = data.draw(configs())
-    mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
+    bare = KVCacheManager(cfg, record_events=True)
+    # a windowed manager runs bare: the capacity oracle models full attention only
+    mgr = CheckedManager(bare) if cfg.sliding_window is None else bare
     oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
     admitted = 0
     for _ in range(data.draw(st.integers(1, 25))):

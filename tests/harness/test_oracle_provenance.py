@@ -103,3 +103,27 @@ def test_a_log_without_block_ids_is_refused() -> None:
         ShadowStore(4).apply({"kind": "admit", "seq_id": 0, "tokens": [1, 2, 3]})
     with pytest.raises(ValueError, match=r"block_ids must be \(src, dst\)"):
         ShadowStore(4).apply({"kind": "copy", "seq_id": 0, "num_tokens": 2})
+
+
+def test_a_window_reads_only_what_it_sees() -> None:
+    """Window 4 (reads from p - 3): A releases block 0 after committing 8 tokens, and B
+    overwrites it. A's next pass reads positions 5..7 only, so the replay passes; without
+    the window the oracle would see A read B's KV in block 0."""
+    log = [admit("A", list(range(1, 13)), 0, [0, 1, 2]), commit("A", 8),
+           admit("B", [9, 9, 9, 9], 0, [0]), commit("B", 4),
+           commit("A", 12)]
+    ShadowStore(4, sliding_window=4).replay(log)
+    lazy = [admit("A", list(range(1, 13)), 0, [0, 1]), commit("A", 8),
+            Event("append", "A", (), 0, None, (2,)),  # blocks reserved for a later chunk
+            *log[2:]]
+    ShadowStore(4, sliding_window=4).replay(lazy)
+    with pytest.raises(ProvenanceError, match="KV that is not its own"):
+        ShadowStore(4).replay(log)
+
+
+def test_a_window_that_reads_a_released_block_is_an_error() -> None:
+    log = [admit("A", list(range(1, 13)), 0, [0, 1, 2]),
+           commit("A", 4, (None, 1, 2)),  # logged as released though the window needs it
+           commit("A", 8)]
+    with pytest.raises(ValueError, match="position 0 of 'A' is released, yet its window"):
+        ShadowStore(4, sliding_window=4).replay(log)
