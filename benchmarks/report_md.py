@@ -265,6 +265,24 @@ def _in_batch(benches: Sequence[Benchmark]) -> list[str]:
                           "tokens computed shared / separate"], rows)
 
 
+def _window(benches: Sequence[Benchmark]) -> list[str]:
+    lines = ["## Sliding window: a long prompt with and without early release", ""]
+    for b in benches:
+        e = b.extra
+        mib = 1 << 20
+        rows = [["release", e["pool_blocks_release"], f"{e['kv_bytes_release'] / mib:.2f}",
+                 e["most_used_release"], duration(b.median)],
+                ["keep all", e["pool_blocks_keep"], f"{e['kv_bytes_keep'] / mib:.2f}",
+                 e["most_used_keep"], duration(e["keep_median_s"])]]
+        lines += [f"{e['model']} (window {e['window']}), {e['prompt_tokens']}-token prompt in "
+                  f"{e['chunk_tokens']}-token chunks, blocks of {e['block_size']}:", "",
+                  *table(["blocks", "pool (KV blocks)", "KV MiB", "most used", "TTFT"], rows),
+                  f"KV memory: {ratio(_div(e['kv_bytes_keep'], e['kv_bytes_release']))} less "
+                  f"with release; TTFT keep / release: {ratio(e.get('keep_over_release'))}.",
+                  ""]
+    return lines
+
+
 def _memory(benches: Sequence[Benchmark]) -> list[str]:
     heap = [b.extra for b in benches if b.extra.get("kind") == "heap"]
     kv = [b.extra for b in benches if b.extra.get("kind") == "kv"]
@@ -362,6 +380,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("Hybrid model TTFT", _suite("hybrid_ttft"), _hybrid),
     Section("In-batch prefix sharing", _suite("in_batch"), _in_batch),
     Section("Cache-aware routing", _suite("routing"), _routing),
+    Section("Sliding window", _suite("window"), _window),
     Section("Memory", _suite("memory"), _memory),
     Section("GPU", _suite("gpu_"), _gpu),
 )

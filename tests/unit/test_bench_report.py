@@ -92,6 +92,12 @@ def suite_benches() -> list[dict[str, Any]]:
             "phase_us": {"schedule": 90.0, "metadata": 300.0, "plan": 50.0,
                          "forward": 29400.0, "sample": 60.0, "commit": 100.0},
             "overhead_fraction": 0.02, "target": None}),
+        bench("test_window_long_prompt", 0.2, {
+            "suite": "window", "model": "tiny-swa", "window": 32, "prompt_tokens": 2048,
+            "chunk_tokens": 256, "block_size": 16, "pool_blocks_release": 19,
+            "pool_blocks_keep": 129, "kv_bytes_release": 19 << 16, "kv_bytes_keep": 129 << 16,
+            "most_used_release": 18, "most_used_keep": 128, "keep_median_s": 0.5,
+            "keep_over_release": 2.5}),
         bench("test_something_new", 0.25, {}),
     ]
 
@@ -148,6 +154,7 @@ def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
                  "| decode | 64 | 128-token contexts | 100 ms | 50 us | 250 us | 60 us | 99.3 ms "
                  "| 240 us | 100 us | 0.7% |", "decode batch 64: **0.7%** of the step (target <= 10%)",
                  "| prefill | 4 | 768-token prompts, 512 a step | 30 ms |",  # step overhead
+                 "| release | 19 | 1.19 | 18 | 200 ms |", "6.79x less with release",
                  "test_something_new", "torch 9.9.9-synthetic", "commit abcdef123456"):
         assert text in md, f"{text!r} missing from summary.md:\n{md}"
     for png in ("ttft_vs_cached_fraction.png", "hit_rate_vs_pool_size.png",
@@ -212,7 +219,8 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     out.mkdir()
     suites = ["benchmarks/test_bench_engine.py", "benchmarks/test_bench_hit_rate.py",
               "benchmarks/test_bench_memory.py", "benchmarks/test_bench_routing.py",
-              "benchmarks/test_bench_step.py", "benchmarks/test_bench_metadata.py"]
+              "benchmarks/test_bench_step.py", "benchmarks/test_bench_metadata.py",
+              "benchmarks/test_bench_window.py"]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *suites, "--bench-quick", "-q", "-p",
          "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"],
@@ -224,7 +232,7 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     md = (out / "summary.md").read_text()
     for title in ("## Time to first token", "## Hit rate against pool size", "## Memory",
                   "## Cache-aware routing", "## Step overhead", "## Decode metadata",
-                  "quick mode: True"):
+                  "## Sliding window", "quick mode: True"):
         assert title in md, f"{title!r} missing from summary.md:\n{md}"
     assert "Not rendered" not in md and "not drawn" not in md, md
     assert (out / "hit_rate_vs_pool_size.png").read_bytes()[:8] == PNG_MAGIC
