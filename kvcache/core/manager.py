@@ -47,6 +47,7 @@ from kvcache.core.window_holds import (
     release_front,
     segment_stop,
     take_path,
+    unheld_below,
 )
 
 DEFAULT_PRIORITY = 35
@@ -234,7 +235,9 @@ class KVCacheManager:
         if ph is not None and not ph.node.ref:
             if ph.claim or need < avail:
                 avail -= 1  # claimed, or a copy source protected during the admission
-            elif need == avail:  # a copy does not fit: claim the source (see above)
+            elif need == avail and (self._wl is None or unheld_below(ph.node)):
+                # a copy does not fit: claim the source (see above); under a window the
+                # blocks below an unreferenced node may still be held, and then it cannot
                 ph = ph._replace(claim=True)
                 need -= 1
                 avail -= 1

@@ -110,6 +110,18 @@ def release_front(pool: BlockPool, seq: Sequence, new: int, reuse: bool) -> None
     seq._first = new
 
 
+def unheld_below(node: Node) -> bool:
+    """Whether no node below `node` is referenced: under full attention always true of
+    an unreferenced node, under a window not (a held segment can hang below)."""
+    stack = [c for cs in node.children.values() for c in cs]
+    while stack:
+        c = stack.pop()
+        if c.ref:
+            return False
+        stack += [g for gs in c.children.values() for g in gs]
+    return True
+
+
 def take_path(seq: Sequence, nodes: list[Node], t: int, block_bytes: int,
               kv: KvEventLog | None) -> list[int]:
     """`seq` now holds `nodes`, the tree's copies of its blocks from position `t` on: it
