@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvcache.core.validate import check_positive_int
+from kvcache.core.validate import check_int, check_positive_int
 
 
 def _check_flag(name: str, value: object) -> None:
@@ -34,6 +34,12 @@ class KvCacheConfig:
     the window of its next token, allocates prompt blocks as chunks need them, and a
     match needs only the cached blocks inside the window of the first new token
     (kvcache/core/window.py). None: full attention.
+
+    `host_cache_blocks` = N > 0 adds a host tier of N blocks (TensorRT-LLM's secondary
+    pool): a full cached block evicted from the device pool is offloaded there and stays
+    matchable; a hit onboards it back. 0 (the default) keeps no host tier. It caches
+    only what block reuse caches, so N > 0 with `enable_block_reuse=False` is a
+    ValueError, and it is not supported with `sliding_window` (a ValueError too).
     """
 
     tokens_per_block: int = 16
@@ -43,6 +49,7 @@ class KvCacheConfig:
     copy_on_partial_reuse: bool | None = None
     reuse_alignment_blocks: int = 1
     sliding_window: int | None = None
+    host_cache_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "max_num_blocks", "reuse_alignment_blocks"):
@@ -51,6 +58,9 @@ class KvCacheConfig:
         if self.sliding_window is not None:
             object.__setattr__(self, "sliding_window", check_positive_int(
                 self.sliding_window, "KvCacheConfig.sliding_window"))
+        object.__setattr__(self, "host_cache_blocks",
+                           check_int(self.host_cache_blocks, "KvCacheConfig.host_cache_blocks",
+                                     0))
         for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
             _check_flag(name, getattr(self, name))
         if self.enable_partial_reuse and self.reuse_alignment_blocks > 1:
@@ -60,6 +70,15 @@ class KvCacheConfig:
         if self.enable_partial_reuse and self.enable_block_reuse is False:
             raise ValueError("KvCacheConfig.enable_partial_reuse=True needs block reuse, "
                              "but enable_block_reuse=False")
+        if self.host_cache_blocks and self.enable_block_reuse is False:
+            raise ValueError(f"KvCacheConfig.host_cache_blocks={self.host_cache_blocks} keeps "
+                             "evicted cached blocks for reuse, but enable_block_reuse=False "
+                             "caches nothing; set host_cache_blocks=0")
+        if self.host_cache_blocks and self.sliding_window is not None:
+            raise ValueError(f"KvCacheConfig.host_cache_blocks={self.host_cache_blocks} is "
+                             f"unsupported with sliding_window={self.sliding_window}: windowed "
+                             "eviction hollows interior blocks, and the host tier offloads "
+                             "leaves only; set host_cache_blocks=0")
         if self.copy_on_partial_reuse and not self.partial_reuse:
             raise ValueError("KvCacheConfig.copy_on_partial_reuse=True needs partial reuse, "
                              f"but enable_partial_reuse={self.enable_partial_reuse!r} with "
@@ -85,9 +104,10 @@ class KvCacheConfig:
         return self.copy_on_partial_reuse and self.partial_reuse
 
     def without_reuse(self) -> KvCacheConfig:
-        """This configuration with block reuse switched off (auto resolved to off)."""
+        """This configuration with block reuse switched off (auto resolved to off) and,
+        as nothing is cached then, no host tier."""
         return replace(self, enable_block_reuse=False, enable_partial_reuse=None,
-                       copy_on_partial_reuse=None)
+                       copy_on_partial_reuse=None, host_cache_blocks=0)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> KvCacheConfig:

@@ -1,4 +1,4 @@
-"""The order in which the cache saw admissions, commits, appends, frees and copies.
+"""The order in which the cache saw admissions, commits, appends, frees and block moves.
 
 Recorded when `KVCacheManager(record_events=True)`. An independent oracle replays it to
 predict reuse under any batching or chunking (the tokens and counts); the harness's
@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Literal, NamedTuple
 
-EventKind = Literal["admit", "commit", "append", "free", "copy"]
+from kvcache.core.ops import CACHE, BlockCopy, BlockOffload, KvOp
+
+EventKind = Literal["admit", "commit", "append", "free", "copy", "offload", "onboard"]
 
 
 class CacheEvent(NamedTuple):
@@ -28,7 +30,11 @@ class CacheEvent(NamedTuple):
     - free: nothing more;
     - copy: a `BlockCopy` taken by the engine (`take_copy_ops`) to apply before its next
       forward pass: `block_ids` (src, dst), `num_tokens` the slots copied; `seq_id` the
-      sequence whose admission queued it.
+      sequence whose admission queued it;
+    - offload, onboard: a `BlockOffload` (device block src to host slot dst, all
+      `num_tokens` = tokens_per_block slots) or `BlockOnboard` (host slot src's first
+      `num_tokens` slots to device block dst) taken likewise; `seq_id` is "CACHE" for
+      a move of a cached block, the sequence for a partial hit copied from the host.
     """
 
     kind: EventKind
@@ -43,3 +49,12 @@ class CacheEvent(NamedTuple):
         return {"kind": self.kind, "seq_id": self.seq_id, "tokens": list(self.tokens),
                 "num_tokens": self.num_tokens, "scope": self.scope,
                 "block_ids": list(self.block_ids)}
+
+
+def op_event(owner: Hashable, op: KvOp, tokens_per_block: int) -> CacheEvent:
+    """The log's record of `op` (queued for `owner`), taken for the engine to apply."""
+    who = "CACHE" if owner is CACHE else owner
+    if type(op) is BlockOffload:
+        return CacheEvent("offload", who, (), tokens_per_block, None, (op.src, op.dst))
+    kind: EventKind = "copy" if type(op) is BlockCopy else "onboard"
+    return CacheEvent(kind, who, (), op.num_tokens, None, (op.src, op.dst))

@@ -40,8 +40,9 @@ class Sequence:
     """
 
     __slots__ = ("_alloc_new", "_alloc_total", "_block_ids", "_block_ids_version", "_committed",
-                 "_first", "_full_reused", "_last", "_missed", "_num_cached", "_partial_reused",
-                 "_priority", "_scope", "_seq_id", "_tokens", "_tree_blocks")
+                 "_dropped", "_first", "_full_reused", "_last", "_missed", "_num_cached",
+                 "_offloaded", "_onboarded", "_partial_reused", "_priority", "_scope",
+                 "_seq_id", "_tokens", "_tree_blocks")
 
     def __init__(self, seq_id: Hashable, tokens: array, scope: ScopeKey, priority: int,
                  block_ids: list[int | None], num_cached_tokens: int, last: Node | None,
@@ -62,6 +63,7 @@ class Sequence:
         self._full_reused = 0
         self._partial_reused = 0
         self._missed = 0
+        self._onboarded = self._offloaded = self._dropped = 0  # host tier
 
     @property
     def seq_id(self) -> Hashable:
@@ -146,7 +148,8 @@ class Sequence:
         """Per-request KV metrics (TensorRT-LLM's names)."""
         reused = self._full_reused + self._partial_reused
         return RequestKvMetrics(self._alloc_total, self._alloc_new, reused, self._missed,
-                                self._full_reused, self._partial_reused, self._num_cached)
+                                self._full_reused, self._partial_reused, self._num_cached,
+                                self._onboarded, self._offloaded, self._dropped)
 
     def __repr__(self) -> str:
         return (f"Sequence({self._seq_id!r}, tokens={len(self._tokens)}, "

@@ -17,13 +17,15 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
+from kvcache.core.ops import CACHE
 from kvcache.core.radix import TOKEN_BYTES, Node
 from kvcache.core.window import first_held_block
 
 if TYPE_CHECKING:
     from kvcache.core.config import KvCacheConfig
     from kvcache.core.handle import Sequence
-    from kvcache.core.ops import BlockCopy
+    from kvcache.core.host_tier import HostTier
+    from kvcache.core.ops import KvOp
     from kvcache.core.pool import BlockPool
     from kvcache.core.radix import BlockRadixTree
 
@@ -38,8 +40,8 @@ class CheckedCache(Protocol):
     sequences: dict[Hashable, Sequence]
 
     @property
-    def pending_copies(self) -> list[tuple[Hashable, BlockCopy]]:
-        """(seq_id, copy) for every queued copy."""
+    def pending_copies(self) -> list[tuple[Hashable, KvOp]]:
+        """(owner, op) for every queued op."""
         ...
 
 
@@ -83,6 +85,10 @@ def check_manager(mgr: CheckedCache) -> None:
         _fail(f"the pool's windowed={pool.windowed} disagrees with sliding_window="
               f"{mgr.config.sliding_window}")
     live_heap = {id(e[3]) for e in pool.heap if e[3].stamp == e[2]}
+    host = pool.host
+    host_heap = {id(e[3]) for e in host.heap if e[3].stamp == e[2]} if host is not None else set()
+    slots: dict[int, str] = {}
+    droppable = 0
     evictable = 0
     nodes = 0
     for key, node in tree.walk():
@@ -108,9 +114,15 @@ def check_manager(mgr: CheckedCache) -> None:
         if node.ref and parent.parent is not None and not parent.ref and not windowed:
             _fail(f"{where} is referenced but its parent {parent!r} is not")
         _check_child_index(node, bb, where)
+        if node.host:
+            droppable += _check_host_node(node, where, host, host_heap, slots)
+            continue
+        if parent.host:
+            _fail(f"{where} is on the device under host edge {parent!r}")
         if not node.ref:
             evictable += len(node.blocks)
-            if (node.blocks and (windowed or not node.children)
+            device_leaf = not any(not c.host for cs in node.children.values() for c in cs)
+            if (node.blocks and (windowed or device_leaf)
                     and id(node) not in live_heap):
                 _fail(f"{where} is an unreferenced evictable node missing from the eviction "
                       "heap")
@@ -125,13 +137,52 @@ def check_manager(mgr: CheckedCache) -> None:
     missing = set(range(pool.num_blocks)) - owner.keys()
     if missing:
         _fail(f"blocks {sorted(missing)[:10]} are owned by nobody (leaked)")
+    if host is not None:
+        _check_host_slots(host, slots, droppable)
     for seq_id, op in mgr.pending_copies:
+        if seq_id is CACHE:
+            continue  # a move of a cached block between tiers
         holder = mgr.sequences.get(seq_id)
         if holder is None:
             _fail(f"copy op {op} belongs to freed sequence {seq_id!r}")
         elif op.dst not in holder.block_ids[holder.holdings.tree_blocks:]:
             _fail(f"copy op {op} of sequence {seq_id!r} targets block {op.dst}, not one of "
                   "its private blocks")
+
+
+def _check_host_node(node: Node, where: str, host: HostTier | None, heap: set[int],
+                     slots: dict[int, str]) -> int:
+    """Check host edge `node`, claim its slots; returns its droppable slots."""
+    if host is None:
+        _fail(f"{where} is on the host, but the manager has no host tier")
+    if node.ref:
+        _fail(f"{where} is a host edge with holders: only device blocks are held")
+    if len(node.key) < host.tree.block_bytes:
+        _fail(f"{where} is a partial block on the host: only full blocks are offloaded")
+    if not node.children and id(node) not in heap:
+        _fail(f"{where} is an unreferenced host leaf missing from the host drop heap")
+    for i, slot in enumerate(node.blocks):
+        if not 0 <= slot < host.num_slots:
+            _fail(f"host slot {slot} ({where} block {i}) is outside [0, {host.num_slots})")
+        if slot in slots:
+            _fail(f"host slot {slot} is owned twice: by {slots[slot]} and by {where}")
+        slots[slot] = f"{where} block {i}"
+    return len(node.blocks)
+
+
+def _check_host_slots(host: HostTier, slots: dict[int, str], droppable: int) -> None:
+    for slot in host.free:
+        if slot in slots:
+            _fail(f"host slot {slot} is free and owned by {slots[slot]}")
+        slots[slot] = "the host free list"
+    if len(host.free) != len(set(host.free)):
+        _fail("a host slot is on the free list twice")
+    missing = set(range(host.num_slots)) - slots.keys()
+    if missing:
+        _fail(f"host slots {sorted(missing)[:10]} are owned by nobody (leaked)")
+    if droppable != host.num_droppable:
+        _fail(f"host tier counts {host.num_droppable} droppable slots, the tree has "
+              f"{droppable}")
 
 
 def _check_child_index(node: Node, bb: int, where: str) -> None:

@@ -1,9 +1,10 @@
 """KVCacheManager: admit sequences with reuse, commit, append, free, probe, stats.
 
-The manager touches no tensors: it hands out block ids and `BlockCopy` ops that the engine
-applies to storage before its next forward pass. It changes the tree and the pool only
-through their methods. Every public mutator either succeeds or raises before changing
-anything (bad input: ValueError; no room: OutOfBlocksError). Admission is one walk:
+The manager touches no tensors: it hands out block ids and ops (`BlockCopy`, and with a
+host tier `BlockOffload` and `BlockOnboard`) that the engine applies to storage, in queue
+order, before its next forward pass. It changes the tree and the pools only through their
+methods. Every public mutator either succeeds or raises before changing anything (bad
+input: ValueError; no room: OutOfBlocksError). Admission is one walk:
 `plan_admission` works out what a prompt would reuse and need, `admit` carries it out.
 
 With `KvCacheConfig.sliding_window` set, a sequence holds only the blocks some later
@@ -19,12 +20,13 @@ from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 
 from kvcache.core.config import KvCacheConfig
-from kvcache.core.events import CacheEvent
+from kvcache.core.events import CacheEvent, op_event
 from kvcache.core.handle import Sequence
+from kvcache.core.host_tier import HostTier
 from kvcache.core.integrity import check_manager
 from kvcache.core.kv_event_log import KvEventLog
 from kvcache.core.kv_events import KvCacheEvent
-from kvcache.core.ops import BlockCopy
+from kvcache.core.ops import CACHE, BlockCopy, BlockOnboard, KvOp
 from kvcache.core.plan import AdmissionPlan
 from kvcache.core.pool import BlockPool, OutOfBlocksError
 from kvcache.core.radix import (
@@ -77,18 +79,24 @@ class KVCacheManager:
         self._wl = None if config.sliding_window is None else config.sliding_window - 1
         self.tree = BlockRadixTree(self._B)
         self.pool = BlockPool(config.max_num_blocks, self.tree, windowed=self._wl is not None)
+        # KV-cache events for routers (blocks stored and removed), see kv_events.py
+        self._kv = KvEventLog(self._B) if kv_events else None
+        # the host tier (TensorRT-LLM's secondary pool; never with a window), host_tier.py
+        self._host: HostTier | None = None
+        if config.host_cache_blocks:
+            self._host = self.pool.host = HostTier(config.host_cache_blocks, self.pool,
+                                                   self._queue, self._kv)
         self.reuse = config.block_reuse
         self._partial = config.partial_reuse
         self._copy = config.copy_on_partial
         self._align = config.reuse_alignment_blocks
         self.sequences: dict[Hashable, Sequence] = {}
-        self._copy_ops: list[tuple[Hashable, BlockCopy]] = []
+        # (owner, op): a sequence's copies die with it; CACHE's moves of tree blocks never
+        self._copy_ops: list[tuple[Hashable, KvOp]] = []
         self._c = _Counters()
         self._step_base: KvCacheStats | None = None
         self._version = 0  # bumped by every mutation: plans made before it are stale
         self.events: list[CacheEvent] | None = [] if record_events else None
-        # KV-cache events for routers (blocks stored and removed), see kv_events.py
-        self._kv = KvEventLog(self._B) if kv_events else None
         # Told the ids of cached blocks that left the tree (evicted, or claimed by an
         # admission), and of a sequence's own blocks given back when its commit switched
         # to equal cached ones, after the fact: the engine drops what it keeps per block.
@@ -128,9 +136,13 @@ class KVCacheManager:
 
         `num_cached_tokens` tokens (any alignment) need no compute. A partial hit on an
         unused leaf claims that block (it leaves the tree); otherwise it queues a
-        `BlockCopy` for `take_copy_ops()`. Raises ValueError for a live `seq_id`, a bad
-        priority or a stale plan (the cache changed since it was made), and
-        OutOfBlocksError for a plan that does not fit; either way nothing changes.
+        `BlockCopy` for `take_copy_ops()` (a `BlockOnboard` from a host block). Full
+        blocks reused from the host tier are onboarded: device blocks are allocated for
+        them, with the admission's own, and a `BlockOnboard` is queued for each; the
+        evictions that allocation makes queue their offloads first. Raises ValueError for
+        a live `seq_id`, a bad priority or a stale plan (the cache changed since it was
+        made), and OutOfBlocksError for a plan that does not fit; either way nothing
+        changes.
         """
         if seq_id in self.sequences:
             raise ValueError(f"admit({seq_id!r}): seq_id is already live")
@@ -141,19 +153,29 @@ class KVCacheManager:
         pool = self.pool
         if not plan.fits:
             fault = " [injected fault]" if plan._fault else ""
-            raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}", plan._need,
+            raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}",
+                                   plan._need + plan._onboard,
                                    0 if plan._fault else plan._available, pool.num_blocks)
         self._version += 1
         hits, ph, need, first = plan._hits, plan._partial, plan._need, plan._first
         ids: list[int | None] = [None] * first
         ids += plan._block_ids
+        onboard = plan._onboard
         tree = self.tree
+        host = self._host
         deep = None
+        chain: list[Node] = []  # the host edges it reuses, pinned until onboarded
         if hits:
             last, nb = hits[-1]
             deep = pool.split(last, nb) if nb < len(last.blocks) else last
-            stop = segment_stop(pool, deep, plan._full, first) if first else None
-            pool.acquire(deep, stop, priority)
+            if onboard and host is not None:
+                chain = host.pin_chain(deep, priority)
+                above = chain[0].parent
+                if above is not None and above.parent is not None:
+                    pool.acquire(above, None, priority)
+            else:
+                stop = segment_stop(pool, deep, plan._full, first) if first else None
+                pool.acquire(deep, stop, priority)
         src = None
         followers: list[int] = []
         if ph is not None:
@@ -168,18 +190,38 @@ class KVCacheManager:
                 ids.append(node.blocks[0])
             else:
                 src = pool.split(node, 1) if len(node.blocks) > 1 else node
-                pool.acquire(src, src.parent, priority)
-        new, fresh = pool.allocate(need - len(followers))
+                if src.host and host is not None:
+                    host.pin(src, priority)
+                else:
+                    pool.acquire(src, src.parent, priority)
+        moved = (host.num_offloaded, host.num_dropped) if host is not None else (0, 0)
+        new, fresh = pool.allocate(need - len(followers) + onboard)
         if fresh < len(new):
             self._removed(new[fresh:])
+        if chain and host is not None:  # the host slots of its hits become device blocks
+            ids[plan._full - onboard:plan._full] = host.onboard(chain, new[len(new) - onboard:])
+            del new[len(new) - onboard:]
         new += followers
         if src is not None and ph is not None:
-            self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0], ph.num_tokens)))
-            pool.release(src, src.parent)
+            if src.host and host is not None:
+                self._copy_ops.append((seq_id, BlockOnboard(src.blocks[0], new[0],
+                                                            ph.num_tokens)))
+                host.num_onboarded += 1
+                onboard += 1
+                host.unpin(src, pool.clock)
+            else:
+                self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0],
+                                                         ph.num_tokens)))
+                pool.release(src, src.parent)
         ids += new
         seq = Sequence(seq_id, plan._tokens, plan._scope, priority, ids, plan._cached, deep,
                        plan._full, first)
-        return self._admitted(seq, plan._num_blocks, plan._full, ph, need, fresh)
+        if host is not None:
+            seq._onboarded = onboard
+            seq._offloaded = host.num_offloaded - moved[0]
+            seq._dropped = host.num_dropped - moved[1]
+        return self._admitted(seq, plan._num_blocks, plan._full, ph, need,
+                              min(fresh, need - len(followers)))
 
     def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
                      priority: int = DEFAULT_PRIORITY) -> Sequence:
@@ -231,11 +273,15 @@ class KVCacheManager:
             hits, nfull, ph, ntok, first = cut_to_window(hits, nfull, ph, self._wl, self._B,
                                                          self._align)
         ids, avail = held_ids(hits, first, pool.num_available)
+        onboard = 0
+        if self._host is not None:  # (never windowed: first is 0)
+            onboard = sum(nb for node, nb in hits if node.host)  # a device block each,
+            avail += onboard  # and none of the evictable ones held_ids counted off
         need = self._end_block(length, ntok, first_chunk) - nfull - (ph is not None and ph.claim)
-        if ph is not None and not ph.node.ref:
-            if ph.claim or need < avail:
+        if ph is not None and not ph.node.ref and not ph.node.host:
+            if ph.claim or need + onboard < avail:
                 avail -= 1  # claimed, or a copy source protected during the admission
-            elif need == avail and (self._wl is None or unheld_below(ph.node)):
+            elif need + onboard == avail and (self._wl is None or unheld_below(ph.node)):
                 # a copy does not fit: claim the source (see above); under a window the
                 # blocks below an unreferenced node may still be held, and then it cannot
                 ph = ph._replace(claim=True)
@@ -249,7 +295,10 @@ class KVCacheManager:
                     ids, avail = held_ids(hits, first, pool.num_available)
                 need = self._end_block(length, ntok, first_chunk) - nfull
         return AdmissionPlan(arr, skey, self._version, nblocks, hits, nfull, ph, ntok, need,
-                             avail, ids, first_block=first)
+                             avail, ids, first_block=first, num_onboard_blocks=onboard)
+
+    def _queue(self, owner: Hashable, op: KvOp) -> None:
+        self._copy_ops.append((owner, op))
 
     def _end_block(self, length: int, num_cached: int, first_chunk: int | None) -> int:
         """Blocks an admission covers: every prompt block, or under a sliding window with
@@ -358,6 +407,8 @@ class KVCacheManager:
             if m.hits:  # someone committed the same blocks first: switch to theirs
                 last, nb = m.hits[-1]
                 top = self.pool.split(last, nb) if nb * tree.block_bytes < len(last.key) else last
+                if top.host:  # those on the host take this sequence's own blocks, no copy
+                    self._adopt(top, seq.live_block_ids(t, t + m.num_full_blocks))
                 self.pool.acquire(top, parent, seq._priority)
                 k = m.num_full_blocks
                 own = take_path(seq, [*(n for n, _ in m.hits[:-1]), top], t,
@@ -379,6 +430,26 @@ class KVCacheManager:
             parent = node
         seq._last = parent
         seq._tree_blocks = nfull
+
+    def _adopt(self, deep: Node, own: list[int]) -> None:
+        """Move the host edges from `deep` up to the first device edge back to the
+        device, onto the last of `own` (the committing sequence's blocks, which hold the
+        same KV): no copy, their slots are freed; the sequence then holds them as its own
+        (`take_path` switches nothing there)."""
+        host = self._host
+        assert host is not None
+        chain: list[Node] = []
+        node: Node | None = deep
+        while node is not None and node.host:
+            chain.append(node)
+            node = node.parent
+        at = len(own) - sum(len(n.blocks) for n in chain)
+        for node in reversed(chain):
+            k = len(node.blocks)
+            host.num_droppable -= k
+            host.move_to_device(node, own[at:at + k])
+            self.pool.num_evictable += k  # an unreferenced device edge, until acquired
+            at += k
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
         """Allocate blocks for tokens [0, num_tokens) of `seq_id`, as many as the pool
@@ -429,9 +500,14 @@ class KVCacheManager:
                 raise OutOfBlocksError(f"append_tokens({seq_id!r})", need, pool.num_available,
                                        pool.num_blocks)
             self._version += 1
+            host = self._host
+            moved = (host.num_offloaded, host.num_dropped) if host is not None else (0, 0)
             new, fresh = pool.allocate(need)
             if fresh < need:
                 self._removed(new[fresh:])
+            if host is not None:
+                seq._offloaded += host.num_offloaded - moved[0]
+                seq._dropped += host.num_dropped - moved[1]
             seq._block_ids += new
             seq._alloc_total += need
             seq._alloc_new += fresh
@@ -500,33 +576,37 @@ class KVCacheManager:
         return self._plan(arr, scope_key(scope, "probe_reuse"))._cached
 
     def _drop_copies(self, seq_id: Hashable) -> bool:
-        """Forget the queued copies of `seq_id`; returns whether there were any."""
+        """Forget the queued copies of `seq_id` (never the moves of cached blocks between
+        tiers, owned by CACHE: the tree depends on them); returns whether there were any."""
         kept = [e for e in self._copy_ops if e[0] != seq_id]
         dropped = len(kept) != len(self._copy_ops)
         self._copy_ops = kept
         return dropped
 
     @property
-    def pending_copy_ops(self) -> list[BlockCopy]:
-        """Copies queued and not yet taken (a copy of the queue; read-only view)."""
+    def pending_copy_ops(self) -> list[KvOp]:
+        """Ops queued and not yet taken (a copy of the queue; read-only view)."""
         return [op for _, op in self._copy_ops]
 
     @property
-    def pending_copies(self) -> list[tuple[Hashable, BlockCopy]]:
-        """(seq_id, copy) for every queued copy, in order (a copy of the queue)."""
+    def pending_copies(self) -> list[tuple[Hashable, KvOp]]:
+        """(owner, op) for every queued op, in order (a copy of the queue): the owner is
+        the sequence whose admission queued a copy, or `CACHE` for a move of a cached
+        block between tiers."""
         return list(self._copy_ops)
 
-    def take_copy_ops(self) -> list[BlockCopy]:
-        """Pending copies, in the order they must be applied; the queue is emptied.
+    def take_copy_ops(self) -> list[KvOp]:
+        """Pending ops, in the order they must be applied; the queue is emptied.
 
         The caller applies them all before its next forward pass (a commit past a
-        sequence's admission says that pass ran, copies first).
+        sequence's admission says that pass ran, copies first): `BlockCopy`, and with a
+        host tier `BlockOffload` and `BlockOnboard`. The event log records each as a
+        "copy", "offload" or "onboard" event (block_ids = (src, dst)).
         """
         queued = self._copy_ops
         self._copy_ops = []
         if self.events is not None:
-            self.events += [CacheEvent("copy", sid, (), op.num_tokens, None, (op.src, op.dst))
-                            for sid, op in queued]
+            self.events += [op_event(owner, op, self._B) for owner, op in queued]
         return [op for _, op in queued]
 
     def take_kv_events(self) -> list[KvCacheEvent]:
@@ -545,7 +625,7 @@ class KVCacheManager:
             raise ValueError(f"reset_cache: {len(self.sequences)} sequences are live; "
                              "free them first")
         self._version += 1
-        cached = [b for _, node in self.tree.walk() for b in node.blocks]
+        cached = [b for _, node in self.tree.walk() if not node.host for b in node.blocks]
         self.tree = BlockRadixTree(self._B)
         self.pool.reset(self.tree)
         if self._kv is not None:
@@ -569,6 +649,7 @@ class KVCacheManager:
         c = self._c
         free = pool.num_available
         private = sum(s.num_private_blocks for s in self.sequences.values())
+        host = self._host
         return KvCacheStats(
             max_num_blocks=pool.num_blocks, free_num_blocks=free,
             used_num_blocks=pool.num_blocks - free, tokens_per_block=self._B,
@@ -577,7 +658,11 @@ class KVCacheManager:
             full_reused_blocks=c.full_reused, partial_reused_blocks=c.partial_reused,
             reused_tokens=c.reused_tokens, decode_alloc_blocks=c.decode_alloc,
             copied_blocks=c.copied, claimed_blocks=c.claimed, evicted_blocks=pool.num_evicted,
-            cached_num_blocks=pool.num_blocks - pool.num_free - private)
+            cached_num_blocks=pool.num_blocks - pool.num_free - private,
+            **({} if host is None else {
+                "offloaded_blocks": host.num_offloaded, "onboarded_blocks": host.num_onboarded,
+                "dropped_blocks": host.num_dropped, "max_num_host_blocks": host.num_slots,
+                "cached_num_host_blocks": host.num_cached}))
 
     def step_stats(self) -> KvCacheStats:
         """Counters since the previous `step_stats()` call (since start for the first)."""
@@ -596,14 +681,21 @@ class KVCacheManager:
         """One line per leak: live sequences, pending copies, stray references."""
         lines = [f"sequence {s.seq_id!r} is still live, holding {len(s.live_block_ids())} blocks"
                  for s in self.sequences.values()]
-        if self._copy_ops:
-            lines.append(f"{len(self._copy_ops)} copy ops were never taken")
+        # a sequence's copies die with it; moves of cached blocks (CACHE's) wait for the
+        # next step's take, whenever it comes: pending, not leaked
+        copies = sum(owner is not CACHE for owner, _ in self._copy_ops)
+        if copies:
+            lines.append(f"{copies} copy ops were never taken")
         if not self.sequences:
             lines += [f"node {node!r} in scope {key!r} has ref {node.ref} with no live sequence"
                       for key, node in self.tree.walk() if node.ref]
         free = self.pool.num_available
         if not self.sequences and free != self.pool.num_blocks:
             lines.append(f"{self.pool.num_blocks - free} blocks are neither free nor evictable")
+        host = self._host
+        if not self.sequences and host is not None and host.num_available != host.num_slots:
+            lines.append(f"{host.num_slots - host.num_available} host slots are neither free "
+                         "nor droppable")
         return lines
 
     def dump_tree(self) -> str:

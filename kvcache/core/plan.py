@@ -18,19 +18,21 @@ class AdmissionPlan:
 
     Read-only. `num_cached_tokens` tokens would be reused (`num_full_blocks` full blocks
     and, with `partial`, one partial block: claimed without a copy when `claim`, else
-    copied); `num_new_blocks` blocks must be allocated, `num_available` can be had once
-    the reused blocks are held, and `fits` says whether that is enough. `injected_fault`
-    is set when the manager's fault-injection seam refused it.
+    copied); `num_new_blocks` blocks must be allocated, plus `num_onboard_blocks` for
+    the full blocks it reuses from the host tier; `num_available` can be had once the
+    reused blocks are held, and `fits` says whether that is enough. `injected_fault` is
+    set when the manager's fault-injection seam refused it.
     """
 
     __slots__ = ("_available", "_block_ids", "_cached", "_fault", "_first", "_full", "_hits",
-                 "_need", "_num_blocks", "_partial", "_scope", "_tokens", "_version")
+                 "_need", "_num_blocks", "_onboard", "_partial", "_scope", "_tokens",
+                 "_version")
 
     def __init__(self, tokens: array, scope: ScopeKey, version: int, num_blocks: int,
                  hits: list[tuple[Node, int]], num_full_blocks: int, partial: PartialHit | None,
                  num_cached_tokens: int, num_new_blocks: int, num_available: int,
                  block_ids: list[int], injected_fault: bool = False,
-                 first_block: int = 0) -> None:
+                 first_block: int = 0, num_onboard_blocks: int = 0) -> None:
         self._tokens = tokens
         self._scope = scope
         self._version = version
@@ -44,11 +46,12 @@ class AdmissionPlan:
         self._available = num_available
         self._fault = injected_fault
         self._first = first_block  # sliding window: block positions before it are skipped
+        self._onboard = num_onboard_blocks
 
     @property
     def fits(self) -> bool:
         """True when `admit` would succeed now."""
-        return self._need <= self._available and not self._fault
+        return self._need + self._onboard <= self._available and not self._fault
 
     @property
     def num_cached_tokens(self) -> int:
@@ -69,6 +72,11 @@ class AdmissionPlan:
     def num_new_blocks(self) -> int:
         """Blocks it would allocate (copy target, fresh blocks)."""
         return self._need
+
+    @property
+    def num_onboard_blocks(self) -> int:
+        """Full blocks it reuses from the host tier: each takes a device block too."""
+        return self._onboard
 
     @property
     def num_available(self) -> int:
@@ -98,4 +106,5 @@ class AdmissionPlan:
     def __repr__(self) -> str:
         return (f"AdmissionPlan(tokens={len(self._tokens)}, cached={self._cached}, "
                 f"full={self._full}, partial={self.partial}, claim={self.claim}, "
-                f"new={self._need}, available={self._available}, fits={self.fits})")
+                f"new={self._need}, onboard={self._onboard}, available={self._available}, "
+                f"fits={self.fits})")

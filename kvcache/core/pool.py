@@ -6,7 +6,10 @@ running count of unreferenced cached blocks, so "how many blocks could I get" is
 and a heap of evictable nodes ordered by (priority, time of last release) with lazy
 invalidation, so eviction never scans the pool. Under full attention only leaves are
 evictable; under a sliding window (`windowed`) every unreferenced node with blocks is,
-and evicting an interior one leaves it hollow (see `Node`).
+and evicting an interior one leaves it hollow (see `Node`). With a host tier (`host`;
+never under a sliding window), an evicted full block is offloaded there rather than
+dropped (kvcache/core/host_tier.py), and an edge whose children are all on the host is a
+leaf of the device pool.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+from kvcache.core.host_tier import HostTier, has_device_child
 from kvcache.core.radix import BlockRadixTree, Node
 
 
@@ -48,6 +52,7 @@ class BlockPool:
         self._stamp = 0
         self.clock = 0  # logical time: advanced once per release of a holder
         self.num_evicted = 0
+        self.host: HostTier | None = None  # the host tier, when there is one
 
     def reset(self, tree: BlockRadixTree) -> None:
         """Forget every cached block: all blocks become free, `tree` (empty) replaces the
@@ -57,6 +62,17 @@ class BlockPool:
         self.free = list(range(self.num_blocks - 1, -1, -1))
         self.num_evictable = 0
         self.heap = []
+        if self.host is not None:
+            self.host.reset()
+
+    def next_stamp(self) -> int:
+        """A fresh heap stamp (shared with the host tier's heap)."""
+        self._stamp += 1
+        return self._stamp
+
+    def device_leaf(self, node: Node) -> bool:
+        """True when `node` has no children on the device (its eviction order matters)."""
+        return not node.children or (self.host is not None and not has_device_child(node))
 
     @property
     def num_available(self) -> int:
@@ -99,7 +115,8 @@ class BlockPool:
             if node.ref == 0:
                 node.last_used = self.clock
                 self.num_evictable += len(node.blocks)
-                if windowed or not node.children:
+                if windowed or not node.children or (self.host is not None
+                                                     and not has_device_child(node)):
                     self.push(node)
             node = node.parent
         if stop is not None:
@@ -182,8 +199,9 @@ class BlockPool:
 
     def evict_below(self, node: Node) -> list[int]:
         """Evict what follows the first block of unreferenced `node`: the rest of its edge
-        and every node below it (unreferenced too, as `node` is). Returns their ids;
-        `node` is left an unreferenced single-block leaf (its heap entries go stale)."""
+        and every node below it (unreferenced too, as `node` is). Returns their device
+        ids (edges below on the host tier are dropped); `node` is left an unreferenced
+        single-block leaf (its heap entries go stale)."""
         assert node.ref == 0, node
         tree = self.tree
         below: list[Node] = []  # parents before children
@@ -194,8 +212,11 @@ class BlockPool:
             stack += [g for gs in c.children.values() for g in gs]
         out: list[int] = []
         for c in reversed(below):  # children before parents: detach takes leaves only
-            out += c.blocks
             tree.detach(c)
+            if c.host and self.host is not None:
+                self.host.forget(c)
+            else:
+                out += c.blocks
         if len(node.blocks) > 1:
             out += tree.trim(node, len(node.blocks) - 1)
         self.num_evictable -= len(out)
@@ -205,6 +226,7 @@ class BlockPool:
     def _evict(self, need: int) -> list[int]:
         heap = self.heap
         tree = self.tree
+        host = self.host
         out: list[int] = []
         while need:
             assert heap, f"eviction ran dry with {need} blocks still needed"
@@ -213,6 +235,19 @@ class BlockPool:
                 heapq.heappop(heap)
                 continue
             nb = len(node.blocks)
+            if host is not None:
+                n = min(nb, need)
+                moved = host.offload(node, n)
+                if moved is not None:
+                    out += moved[0]
+                    need -= n
+                    self.num_evictable -= n
+                    self.num_evicted += n
+                    heapq.heappop(heap)  # `node` is a host edge now
+                    self._after_offload(node, moved[1])
+                    continue
+                if node.children:  # no room on the host: its host subtree goes first
+                    host.drop_subtree(node)
             if node.children:  # windowed: the blocks go, the path stays (hollow)
                 if nb > need:  # the front of the edge; the rest keeps its heap entry
                     node = tree.split(node, need)
@@ -238,15 +273,25 @@ class BlockPool:
             assert parent is not None
             tree.prune(node)
             if (not self.windowed and parent.parent is not None and parent.ref == 0
-                    and not parent.children):
+                    and self.device_leaf(parent)):
                 self.push(parent)
         return out
 
+    def _after_offload(self, node: Node, top: Node | None) -> None:
+        # the device edge left above the offloaded blocks is a leaf of the device pool now:
+        # the rest of a split edge, or the parent whose last device child this was
+        above = top if top is not None else node.parent
+        assert above is not None
+        if above.parent is not None and above.ref == 0 and self.device_leaf(above):
+            self.push(above)
+
     def _evictable(self, node: Node, stamp: int) -> bool:
         """Whether heap entry (`node`, `stamp`) is live: the node's latest entry, still in
-        the tree, unreferenced, with blocks, and a leaf unless windowed."""
+        the tree, unreferenced, with device blocks, and a leaf of the device pool unless
+        windowed."""
         return (node.stamp == stamp and not node.ref and node.parent is not None
-                and bool(node.blocks) and (self.windowed or not node.children))
+                and bool(node.blocks) and not node.host
+                and (self.windowed or self.device_leaf(node)))
 
     def _compact(self) -> None:
         # in place: _evict may be iterating over this very list

@@ -115,9 +115,12 @@ class Node:
     sliding window a holder holds a segment of the chain (the blocks in its window), and
     an unreferenced interior node can lose its blocks: it stays as a *hollow* node (key
     kept, `blocks` empty) so the blocks below it keep their identity, their whole prefix.
+
+    `host` is True when the edge lives in the host tier: `blocks` are then host slots.
+    Every descendant of a host edge is a host edge too (see kvcache/core/host_tier.py).
     """
 
-    __slots__ = ("blocks", "children", "first", "full", "key", "last_used", "parent",
+    __slots__ = ("blocks", "children", "first", "full", "host", "key", "last_used", "parent",
                  "priority", "ref", "stamp")
 
     def __init__(self, key: bytes, blocks: list[int], parent: Node | None) -> None:
@@ -135,9 +138,12 @@ class Node:
         self.last_used = 0
         self.priority = 0
         self.stamp = 0
+        self.host = False
 
     def __repr__(self) -> str:
-        return f"Node(tokens={len(self.key) // TOKEN_BYTES}, blocks={self.blocks}, ref={self.ref})"
+        where = ", host" if self.host else ""
+        return (f"Node(tokens={len(self.key) // TOKEN_BYTES}, blocks={self.blocks}, "
+                f"ref={self.ref}{where})")
 
 
 class PartialHit(NamedTuple):
@@ -230,11 +236,13 @@ class BlockRadixTree:
                  off: int, limit: int, copy_on_partial: bool) -> PartialHit | None:
         bb = self.block_bytes
         rem = min(limit - off, bb)
+        # a host block is never claimed: a sequence's blocks are device blocks
         if mid is not None:  # the only candidate is the next block inside `mid`
             if not mid.blocks:
                 return None  # hollow: no KV to claim or copy
             index = hits[-1][1]
-            claim = mid.ref == 0 and not mid.children and index == len(mid.blocks) - 1
+            claim = (mid.ref == 0 and not mid.children and index == len(mid.blocks) - 1
+                     and not mid.host)
             if not (claim or copy_on_partial):
                 return None
             block = mid.key[index * bb:(index + 1) * bb]
@@ -242,7 +250,7 @@ class BlockRadixTree:
             return PartialHit(mid, index, n, claim) if n else None
         best: PartialHit | None = None
         for c in node.children.get(kb[off:off + TOKEN_BYTES], ()):
-            claim = c.ref == 0 and not c.children and len(c.blocks) == 1
+            claim = c.ref == 0 and not c.children and len(c.blocks) == 1 and not c.host
             if not (claim or copy_on_partial) or not c.blocks:
                 continue
             n = common_prefix_bytes(kb, off, c.key, min(rem, len(c.key))) // TOKEN_BYTES
@@ -285,6 +293,7 @@ class BlockRadixTree:
         assert parent is not None
         top = Node(node.key[:cut], node.blocks[:nblocks], parent)
         top.ref, top.last_used, top.priority = node.ref, node.last_used, node.priority
+        top.host = node.host
         siblings = parent.children[node.first]
         siblings[siblings.index(node)] = top
         parent.full[top.key[:self.block_bytes]] = top
@@ -393,7 +402,8 @@ class BlockRadixTree:
                         head = toks[:8]
                         more = "..." if len(toks) > 8 else ""
                         lines.append(f"{'  ' * depth}{head}{more} tokens={len(toks)} "
-                                     f"blocks={child.blocks} ref={child.ref} "
-                                     f"prio={child.priority} t={child.last_used}")
+                                     f"{'slots' if child.host else 'blocks'}={child.blocks} "
+                                     f"ref={child.ref} prio={child.priority} "
+                                     f"t={child.last_used}")
                         stack.append((child, depth + 1))
         return "\n".join(lines)

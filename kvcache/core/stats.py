@@ -24,9 +24,15 @@ _CAMEL = {
     "evicted_blocks": "evictedBlocks",
     "cached_num_blocks": "cachedNumBlocks",
     "state_snapshot_bytes": "stateSnapshotBytes",
+    "offloaded_blocks": "numOffloadedBlocks",
+    "onboarded_blocks": "numOnboardedBlocks",
+    "dropped_blocks": "numDroppedBlocks",
+    "max_num_host_blocks": "maxNumHostBlocks",
+    "cached_num_host_blocks": "cachedNumHostBlocks",
 }
 GAUGES = frozenset({"max_num_blocks", "free_num_blocks", "used_num_blocks", "tokens_per_block",
-                    "cached_num_blocks", "state_snapshot_bytes"})
+                    "cached_num_blocks", "state_snapshot_bytes", "max_num_host_blocks",
+                    "cached_num_host_blocks"})
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,12 @@ class KvCacheStats:
     `alloc_new_blocks` those of them obtained without evicting cached content.
     `state_snapshot_bytes` is the memory of the recurrent-state snapshots a hybrid model's
     engine keeps with cached blocks (0 for the manager alone).
+
+    With a host tier: `offloaded_blocks` of the evicted blocks moved to the host,
+    `onboarded_blocks` came back from it (each also a reuse hit: full hits, and partial
+    hits copied from a host block), `dropped_blocks` were evicted from the host (their
+    KV is gone); `max_num_host_blocks` and `cached_num_host_blocks` are the host pool's
+    size and occupancy (all 0 without a host tier).
     """
 
     max_num_blocks: int
@@ -61,6 +73,11 @@ class KvCacheStats:
     evicted_blocks: int = 0
     cached_num_blocks: int = 0
     state_snapshot_bytes: int = 0
+    offloaded_blocks: int = 0
+    onboarded_blocks: int = 0
+    dropped_blocks: int = 0
+    max_num_host_blocks: int = 0
+    cached_num_host_blocks: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
@@ -83,7 +100,12 @@ class KvCacheStats:
 
 
 class RequestKvMetrics(NamedTuple):
-    """Per-request KV metrics, named as TensorRT-LLM names them."""
+    """Per-request KV metrics, named as TensorRT-LLM names them.
+
+    With a host tier, `num_onboarded_blocks` of the reused blocks came from the host;
+    `num_offloaded_blocks` and `num_dropped_blocks` count the offloads and host drops its
+    own allocations (admission and decode) caused.
+    """
 
     num_total_allocated_blocks: int
     num_new_allocated_blocks: int
@@ -92,6 +114,9 @@ class RequestKvMetrics(NamedTuple):
     num_full_reused_blocks: int
     num_partial_reused_blocks: int
     num_reused_tokens: int
+    num_onboarded_blocks: int = 0
+    num_offloaded_blocks: int = 0
+    num_dropped_blocks: int = 0
 
     @property
     def kv_cache_hit_rate(self) -> float:

@@ -127,13 +127,17 @@ def take_path(seq: Sequence, nodes: list[Node], t: int, block_bytes: int,
     """`seq` now holds `nodes`, the tree's copies of its blocks from position `t` on: it
     switches to their blocks and returns its own there (for the caller to give back),
     except where a node is hollow (its blocks evicted under a sliding window): that node
-    takes the sequence's blocks (a BlockStored event) and nothing switches."""
+    takes the sequence's blocks (a BlockStored event) and nothing switches; nor does it
+    where a node holds the sequence's own blocks already (taken back from the host
+    tier)."""
     own: list[int] = []
     for node in nodes:
         n = len(node.key) // block_bytes
         if node.blocks:
-            own += seq.live_block_ids(t, t + n)
-            seq._block_ids[t:t + n] = node.blocks
+            mine = seq.live_block_ids(t, t + n)
+            if node.blocks != mine:
+                own += mine
+                seq._block_ids[t:t + n] = node.blocks
         else:
             mine = seq.live_block_ids(t, t + n)
             node.blocks = mine  # referenced already, so not evictable: no count changes

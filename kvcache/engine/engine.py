@@ -130,7 +130,8 @@ class Engine:
         self.storage = KvStorage(num_layers=max(1, len(mc.attention_layers)),
                                  num_blocks=cache_config.max_num_blocks, block_size=B,
                                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                 dtype=dtype, device=self.device, layout=layout)
+                                 dtype=dtype, device=self.device, layout=layout,
+                                 host_num_blocks=self.cache_config.host_cache_blocks)
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes)) if (
             cuda_graph or pad_decode) else ()
         options = dict(backend_options or {})
@@ -276,6 +277,8 @@ class Engine:
         self.idle = not chunks
         if not chunks:
             return []  # waiting requests wait for blocks, slots or budget
+        # copies, offloads and onboards, in queue order, before the forward writes or
+        # reads any block they touch (an evicted block's new owner writes it this step)
         ops = self.manager.take_copy_ops()
         if ops:
             self.storage.apply_copies(ops)

@@ -4,6 +4,9 @@ The layouts (per-layer NHD and HND pools, or one packed BLHNC allocation for all
 are drawn in `kvcache.storage.layouts`; how a block reads as k kernel pages, and the page
 index multiplier that numbers them, in `kvcache.storage.paging`.
 
+With a host tier (`host_num_blocks` > 0) the storage also holds host mirrors of its
+tensors (`kvcache.storage.host_blocks`), and `apply_copies` moves blocks both ways.
+
 The storage owns every view of its memory. Backends read page views through
 `page_views()` on each use and keep none, so `release()` frees the memory even while a
 backend that read it lives, and a rebuilt storage (`release()`, then `allocate()`) is
@@ -16,8 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcache.core.ops import BlockCopy
-from kvcache.core.validate import check_positive_int
+from kvcache.core.ops import KvOp
+from kvcache.core.validate import check_int, check_positive_int
+from kvcache.storage.host_blocks import HostBlocks, apply_ops, check_ops
 from kvcache.storage.layouts import (
     LAYOUTS,
     PAGE_LAYOUT,
@@ -36,7 +40,9 @@ class KvStorage:
 
     `k[layer]` and `v[layer]` are the layer's blocks, [num_blocks, block_size, H, D] when
     `page_layout` is NHD and [num_blocks, H, block_size, D] when it is HND (layouts HND
-    and BLHNC). Raises ValueError naming the bad argument.
+    and BLHNC). `host_num_blocks` > 0 adds the host tier's mirrors (`host`: pinned CPU
+    memory when `device` is CUDA, plain memory otherwise). Raises ValueError naming the
+    bad argument.
     """
 
     def __init__(
@@ -50,6 +56,7 @@ class KvStorage:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         layout: KvLayout = "NHD",
+        host_num_blocks: int = 0,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
@@ -68,6 +75,8 @@ class KvStorage:
         self.device = torch.device(device)
         self.layout: KvLayout = layout
         self.page_layout: PageLayout = PAGE_LAYOUT[layout]
+        self.host_num_blocks = check_int(host_num_blocks, "KvStorage: host_num_blocks", 0)
+        self.host: HostBlocks | None = None
         self._alloc: Allocation | None = None
         self._views: dict[int, PageViews] = {}  # page views by page size
         self.allocate()
@@ -85,6 +94,8 @@ class KvStorage:
                                num_blocks=self.num_blocks, block_size=self.block_size,
                                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                dtype=self.dtype, device=self.device)
+        if self.host_num_blocks:
+            self.host = HostBlocks(self._alloc.tensors, self.host_num_blocks)
 
     def release(self) -> None:
         """Drop the tensors and every view the storage made of them; idempotent.
@@ -94,6 +105,7 @@ class KvStorage:
         """
         self._views.clear()
         self._alloc = None
+        self.host = None
 
     def _allocation(self) -> Allocation:
         if self._alloc is None:
@@ -123,29 +135,20 @@ class KvStorage:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
     # ------------------------------------------------------------------ copies
-    def apply_copies(self, ops: Sequence[BlockCopy]) -> None:
-        """Copy the first `num_tokens` slots of `src` into `dst`, every layer, in list order.
+    def apply_copies(self, ops: Sequence[KvOp]) -> None:
+        """Apply the manager's ops in list order, every layer: `BlockCopy` (the first
+        `num_tokens` slots of device block `src` into `dst`), `BlockOffload` (device
+        block to host slot) and `BlockOnboard` (host slot's first `num_tokens` slots to a
+        device block).
 
         Mutates the storage. Every op is validated before any is applied, so a bad op
         leaves the storage untouched; raises ValueError naming the op and field.
         """
-        for i, op in enumerate(ops):
-            for field in ("src", "dst"):
-                block = getattr(op, field)
-                if not 0 <= block < self.num_blocks:
-                    raise ValueError(f"apply_copies: ops[{i}].{field}={block} is outside "
-                                     f"[0, {self.num_blocks})")
-            if not 1 <= op.num_tokens <= self.block_size:
-                raise ValueError(f"apply_copies: ops[{i}].num_tokens={op.num_tokens} is outside "
-                                 f"[1, {self.block_size}]")
+        check_ops(ops, self.num_blocks, self.host_num_blocks, self.block_size)
         alloc = self._allocation()
-        dim = alloc.token_dim - 1  # the token axis of one block
-        # Op-major: a later op may read a block an earlier op just wrote. One slice copy
-        # per op and tensor beat a gather/scatter of (block, slot) pairs by 8-17x on CPU.
-        for op in ops:
-            n = op.num_tokens
-            for tensor in alloc.tensors:  # 2 for BLHNC, 2 * num_layers otherwise
-                tensor[op.dst].narrow(dim, 0, n).copy_(tensor[op.src].narrow(dim, 0, n))
+        # one slice copy per op and tensor (2 for BLHNC, 2 * num_layers otherwise): it
+        # beat a gather/scatter of (block, slot) pairs by 8-17x on CPU
+        apply_ops(ops, alloc.tensors, self.host, alloc.token_dim - 1)
 
     # ------------------------------------------------------------------ page views
     def geometry(self, page_size: int) -> PageGeometry:

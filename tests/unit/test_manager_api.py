@@ -70,7 +70,8 @@ def test_stats_by_hand(make_manager) -> None:
     assert b.metrics.as_dict() == {
         "num_total_allocated_blocks": 0, "num_new_allocated_blocks": 0,
         "num_reused_blocks": 3, "num_missed_blocks": 0, "num_full_reused_blocks": 2,
-        "num_partial_reused_blocks": 1, "num_reused_tokens": 10, "kv_cache_hit_rate": 1.0}
+        "num_partial_reused_blocks": 1, "num_reused_tokens": 10, "num_onboarded_blocks": 0,
+        "num_offloaded_blocks": 0, "num_dropped_blocks": 0, "kv_cache_hit_rate": 1.0}
     d = mgr.stats().as_dict()
     assert (d["reusedBlocks"], d["missedBlocks"], d["fullReusedBlocks"]) == (3, 3, 2)
     assert (d["partialReusedBlocks"], d["claimedBlocks"], d["tokensPerBlock"]) == (1, 1, 4)
