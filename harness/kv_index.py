@@ -2,7 +2,9 @@
 
 It folds the replica's KV-cache events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`,
 as objects or as the dicts of their JSON lines) into a multiset of cached blocks keyed by
-hash, and predicts how many prompt tokens the replica would reuse. It imports nothing
+medium and hash ("GPU" for the device pool, "CPU" for the host tier: a block offloaded
+to the host is removed from one and stored on the other), and predicts how many prompt
+tokens the replica would reuse (a block on either medium is a hit). It imports nothing
 from `kvcache`: the block hash is re-derived here from its published definition (the
 first 8 bytes of BLAKE2b over the parent's hash or a root tag, the block's tokens as
 little-endian uint32, and the repr of the scope key), as a router in another process or
@@ -52,14 +54,19 @@ def _field(event: Any, name: str) -> Any:
     return event[name] if isinstance(event, Mapping) else getattr(event, name)
 
 
+Key = tuple[str, int]  # (medium, hash)
+
+
 class EventIndex:
     """Cached blocks of one replica, rebuilt from its events alone. Mutates only itself."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.blocks: dict[int, CachedBlock] = {}
-        self.counts: Counter[int] = Counter()  # a hash stored twice must be removed twice
-        self._children: dict[tuple[int | None, Hashable], set[int]] = {}
+        self.blocks: dict[Key, CachedBlock] = {}
+        self.counts: Counter[Key] = Counter()  # a hash stored twice must be removed twice
+        self._present: Counter[int] = Counter()  # hash -> media holding it
+        self._tokens: dict[int, tuple[int, ...]] = {}  # hash -> its tokens, on any medium
+        self._children: dict[tuple[int | None, Hashable], Counter[int]] = {}
         self.num_events = 0
 
     def apply(self, event: Any) -> None:
@@ -70,11 +77,14 @@ class EventIndex:
         if kind == "BlockStored":
             self._stored(event)
         elif kind == "BlockRemoved":
+            medium = _field(event, "medium")
             for h in _field(event, "block_hashes"):
-                self._remove(h)
+                self._remove((medium, h))
         elif kind == "AllBlocksCleared":
             self.blocks.clear()
             self.counts.clear()
+            self._present.clear()
+            self._tokens.clear()
             self._children.clear()
         else:
             raise ValueError(f"EventIndex: unknown event type {kind!r}")
@@ -99,28 +109,46 @@ class EventIndex:
         B = self.block_size
         for i, h in enumerate(hashes):
             block = CachedBlock(parent, tuple(tokens[i * B:(i + 1) * B]), scope, medium)
-            if self.counts[h] and self.blocks[h] != block:
+            key = (medium, h)
+            if self.counts[key] and self.blocks[key] != block:
                 raise ValueError(f"EventIndex: hash {h} stored for two different blocks")
-            self.blocks[h] = block
-            self.counts[h] += 1
-            self._children.setdefault((parent, scope), set()).add(h)
+            if not self.counts[key]:
+                self.blocks[key] = block
+                self._tokens[h] = block.tokens
+                self._present[h] += 1
+                self._children.setdefault((parent, scope), Counter())[h] += 1
+            self.counts[key] += 1
             parent = h
 
-    def _remove(self, h: int) -> None:
-        if not self.counts[h]:
-            raise ValueError(f"EventIndex: BlockRemoved names hash {h}, which is not cached")
-        self.counts[h] -= 1
-        if not self.counts[h]:
-            del self.counts[h]
-            block = self.blocks.pop(h)
-            siblings = self._children[(block.parent, block.scope)]
-            siblings.discard(h)
-            if not siblings:
-                del self._children[(block.parent, block.scope)]
+    def _remove(self, key: Key) -> None:
+        if not self.counts[key]:
+            del self.counts[key]
+            raise ValueError(f"EventIndex: BlockRemoved names hash {key[1]}, which is not "
+                             f"cached on {key[0]}")
+        self.counts[key] -= 1
+        if self.counts[key]:
+            return
+        del self.counts[key]
+        h = key[1]
+        block = self.blocks.pop(key)
+        self._present[h] -= 1
+        if not self._present[h]:
+            del self._present[h]
+            del self._tokens[h]
+        siblings = self._children[(block.parent, block.scope)]
+        siblings[h] -= 1
+        if not siblings[h]:
+            del siblings[h]
+        if not siblings:
+            del self._children[(block.parent, block.scope)]
 
-    def cached(self) -> Counter[int]:
-        """The multiset of cached block hashes."""
-        return Counter(self.counts)
+    def cached(self, medium: str | None = None) -> Counter[int]:
+        """The multiset of cached block hashes on `medium` ("GPU", "CPU"), or on all."""
+        out: Counter[int] = Counter()
+        for (m, h), n in self.counts.items():
+            if medium is None or m == medium:
+                out[h] += n
+        return out
 
     def probe(self, tokens: Sequence[int], salt: Any = None, lora_id: Any = None, *,
               partial_reuse: bool = True) -> int:
@@ -132,7 +160,7 @@ class EventIndex:
         n = 0
         while n + B <= limit:
             h = block_hash(parent, tokens[n:n + B], scope)
-            if h not in self.counts:
+            if h not in self._present:
                 break
             parent, n = h, n + B
         if not partial_reuse or n >= limit:
@@ -140,7 +168,7 @@ class EventIndex:
         rest = tokens[n:min(limit, n + B)]
         best = 0
         for h in self._children.get((parent, scope), ()):
-            have = self.blocks[h].tokens
+            have = self._tokens[h]
             k = 0
             while k < len(rest) and k < len(have) and have[k] == rest[k]:
                 k += 1

@@ -6,6 +6,8 @@ its prediction exactly, claim-or-copy included; with small pools the manager mus
 every invariant, never fail an admission that fits, and leave the cache untouched when one
 does not. Every step runs under the provenance and capacity oracles too (`CheckedManager`):
 every reuse reads the reader's own KV, and usedNumBlocks is what the live sequences need.
+A small device pool behind a host tier that never drops loses no full block, so with
+partial reuse off it must match the unbounded oracle exactly too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from harness.checked_manager import CheckedManager
 from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from kvcache.core.ops import BlockOnboard
 
 # A few stems so that prompts share prefixes, plus random suffixes over a tiny alphabet so
 # that partial matches and sibling candidates are common.
@@ -33,6 +36,7 @@ class CacheMachine(RuleBasedStateMachine):
     """Drives one manager and the oracle through the same operations."""
 
     pool_blocks = 10_000
+    host_blocks = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,13 +50,15 @@ class CacheMachine(RuleBasedStateMachine):
         reuse, partial, copy = policy
         cfg = KvCacheConfig(tokens_per_block=block, max_num_blocks=self.pool_blocks,
                             enable_block_reuse=reuse, enable_partial_reuse=partial,
-                            copy_on_partial_reuse=copy)
+                            copy_on_partial_reuse=copy,
+                            host_cache_blocks=self.host_blocks if reuse else 0)
         self.mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
         self.oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
 
     @property
     def exact(self) -> bool:
-        return self.pool_blocks >= 10_000
+        lossless = self.host_blocks >= 10_000 and not self.mgr.config.partial_reuse
+        return self.pool_blocks >= 10_000 or lossless
 
     def sync(self) -> list[object]:
         """Feed the oracle the events the manager recorded since the last sync.
@@ -70,12 +76,15 @@ class CacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         probed = self.mgr.probe_reuse(tokens, scope)
         before = (self.mgr.stats(), self.mgr.tree.dump(), list(self.mgr.pool.free))
+        queued = len(self.mgr.pending_copy_ops)
         try:
             seq = self.mgr.add_sequence(seq_id, tokens, scope=scope)
         except OutOfBlocksError as err:
             assert err.needed > err.available
             assert (self.mgr.stats(), self.mgr.tree.dump(), list(self.mgr.pool.free)) == before
             return
+        onboards = [op for op in self.mgr.pending_copy_ops[queued:] if type(op) is BlockOnboard]
+        assert len(onboards) == seq.metrics.num_onboarded_blocks
         assert seq.num_cached_tokens == probed
         if self.exact:
             (predicted,) = [p for p in self.sync() if p is not None]
@@ -89,6 +98,17 @@ class CacheMachine(RuleBasedStateMachine):
         read KV that was never written."""
         self.mgr.take_copy_ops()
         self.sync()
+
+    @rule(tokens=prompts, scope=scopes)
+    def request(self, tokens: list[int], scope: ReuseScope | None) -> None:
+        """A whole request: admitted, its prompt computed, freed (blocks cycle through the
+        cache, and through the host tier when there is one)."""
+        seq_id = self.next_id
+        self.add(tokens, scope)
+        if seq_id in self.mgr.sequences:
+            self.mgr.commit(seq_id, len(tokens))
+            self.mgr.free_sequence(seq_id)
+            self.sync()
 
     @precondition(lambda self: self.mgr.sequences)
     @rule(data=st.data())
@@ -107,6 +127,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.mgr.append_tokens(seq_id, tokens)
         except OutOfBlocksError:
             return
+        self.mgr.take_copy_ops()  # its evictions' offloads, as an engine's next step would
         self.sync()
 
     @precondition(lambda self: self.mgr.sequences)
@@ -137,9 +158,33 @@ class SmallPoolMachine(CacheMachine):
     pool_blocks = 6
 
 
+class LosslessHostTierMachine(CacheMachine):
+    """A pool of 6 blocks behind a host tier that never drops: every eviction of a full
+    block offloads it, every hit on the host onboards it."""
+
+    pool_blocks = 6
+    host_blocks = 10_000
+
+    @initialize(block=st.sampled_from([1, 2, 3]),
+                policy=st.sampled_from([(True, False, False), (True, True, True)]))
+    def setup(self, block: int, policy: tuple[bool, bool, bool]) -> None:
+        super().setup(block, policy)
+
+
+class SmallTiersMachine(CacheMachine):
+    """6 device blocks and 4 host slots: offloads, onboards and drops on most steps."""
+
+    pool_blocks = 6
+    host_blocks = 4
+
+
 _settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestUnboundedPool = CacheMachine.TestCase
 TestUnboundedPool.settings = _settings
 TestSmallPool = SmallPoolMachine.TestCase
 TestSmallPool.settings = _settings
+TestLosslessHostTier = LosslessHostTierMachine.TestCase
+TestLosslessHostTier.settings = _settings
+TestSmallTiers = SmallTiersMachine.TestCase
+TestSmallTiers.settings = _settings
