@@ -17,13 +17,15 @@ class ManagerFactory:
     def __call__(self, tokens_per_block: int = 4, max_num_blocks: int = 64, *,
                  reuse: bool | None = True, partial: bool | None = None,
                  copy: bool | None = None, record_events: bool = False,
-                 checked: bool = False) -> KVCacheManager:
-        """A fresh manager; `checked=True` runs it under the provenance and capacity
-        oracles (`CheckedManager`, which forwards the manager's whole API)."""
+                 checked: bool = False, host: int = 0,
+                 kv_events: bool = False) -> KVCacheManager:
+        """A fresh manager (with a host tier of `host` blocks); `checked=True` runs it
+        under the provenance and capacity oracles (`CheckedManager`, which forwards the
+        manager's whole API)."""
         cfg = KvCacheConfig(tokens_per_block=tokens_per_block, max_num_blocks=max_num_blocks,
                             enable_block_reuse=reuse, enable_partial_reuse=partial,
-                            copy_on_partial_reuse=copy)
-        mgr = KVCacheManager(cfg, record_events=record_events or checked)
+                            copy_on_partial_reuse=copy, host_cache_blocks=host)
+        mgr = KVCacheManager(cfg, record_events=record_events or checked, kv_events=kv_events)
         owner = CheckedManager(mgr, repro=self.repro) if checked else mgr
         self.created.append(owner)
         return owner  # type: ignore[return-value]  # a CheckedManager forwards every call

@@ -24,6 +24,12 @@ from kvcache.core.radix import scope_key
                      "copy_on_partial_reuse=True needs partial reuse", id="copy-no-partial"),
         pytest.param({"enable_block_reuse": False, "copy_on_partial_reuse": True},
                      "copy_on_partial_reuse=True needs partial reuse", id="copy-no-reuse"),
+        pytest.param({"host_cache_blocks": -1}, "host_cache_blocks must be an int >= 0, got -1",
+                     id="host-neg"),
+        pytest.param({"host_cache_blocks": 2.0}, "host_cache_blocks must be an int", id="host-float"),
+        pytest.param({"enable_block_reuse": False, "host_cache_blocks": 8},
+                     "host_cache_blocks=8 keeps evicted cached blocks for reuse, but "
+                     "enable_block_reuse=False caches nothing", id="host-no-reuse"),
     ],
 )
 def test_invalid_config_names_field_and_value(kwargs: dict[str, object], message: str) -> None:
@@ -41,6 +47,8 @@ def test_auto_flags_resolve() -> None:
     resolved = KvCacheConfig(enable_block_reuse=True, enable_partial_reuse=True,
                              copy_on_partial_reuse=True).without_reuse()
     assert not resolved.block_reuse and not resolved.partial_reuse
+    hosted = KvCacheConfig(host_cache_blocks=64)
+    assert hosted.host_cache_blocks == 64 and hosted.without_reuse().host_cache_blocks == 0
 
 
 def test_from_dict_rejects_unknown_keys() -> None:

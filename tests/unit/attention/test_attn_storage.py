@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.core.ops import BlockCopy
+from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard
 from kvcache.storage.kv_storage import KvLayout, KvStorage
 
 LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd"),
@@ -135,3 +135,52 @@ def test_a_batch_of_copies_equals_applying_them_one_by_one(layout: KvLayout, see
         single.apply_copies([op])
     for a, b in zip((*batched.k, *batched.v), (*single.k, *single.v), strict=True):
         assert torch.equal(a, b), ops
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_offload_and_onboard_move_whole_blocks_through_the_host(layout: KvLayout) -> None:
+    storage = _storage(layout, host_num_blocks=3)
+    assert storage.host is not None and not storage.host.pinned  # pinned only for CUDA
+    assert [t.shape for t in storage.host.tensors] == [(3, *t.shape[1:])
+                                                       for t in storage.tensors]
+    old = [pool.clone() for pool in (*storage.k, *storage.v)]
+    # block 1 to slot 2; block 1 is overwritten by a copy; slot 2 back into blocks 0 and 3
+    # (5 tokens of it into 3): each op sees what the ops before it wrote
+    storage.apply_copies([BlockOffload(1, 2), BlockCopy(4, 1, 8), BlockOnboard(2, 0, 8),
+                          BlockOnboard(2, 3, 5)])
+    for pool, before in zip((*storage.k, *storage.v), old, strict=True):
+        assert torch.equal(pool[0], before[1])
+        assert torch.equal(pool[1], before[4])
+        for slot in range(8):
+            assert torch.equal(_token(storage, pool, 3, slot),
+                               _token(storage, before, 1 if slot < 5 else 3, slot))
+
+
+@pytest.mark.parametrize(("op", "match"), [
+    pytest.param(BlockOffload(0, 2), r"ops\[1\].dst=2 is outside \[0, 2\) of the host slots",
+                 id="offload-slot"),
+    pytest.param(BlockOffload(5, 0), r"ops\[1\].src=5 is outside \[0, 5\) of the device",
+                 id="offload-block"),
+    pytest.param(BlockOnboard(2, 0, 8), r"ops\[1\].src=2 is outside \[0, 2\) of the host",
+                 id="onboard-slot"),
+    pytest.param(BlockOnboard(0, 0, 9), r"ops\[1\].num_tokens=9", id="onboard-tokens"),
+    pytest.param((0, 1, 4), r"ops\[1\] is \(0, 1, 4\), not a BlockCopy", id="tuple"),
+])
+def test_host_ops_are_validated_before_any_is_applied(op: object, match: str) -> None:
+    storage = _storage(host_num_blocks=2)
+    assert storage.host is not None
+    before = (storage.k[0].clone(), storage.host.tensors[0].clone())
+    with pytest.raises(ValueError, match=match):
+        storage.apply_copies([BlockOffload(1, 0), op])  # type: ignore[list-item]
+    assert torch.equal(storage.k[0], before[0])
+    assert torch.equal(storage.host.tensors[0], before[1]), "a rejected batch moved a block"
+
+
+def test_a_storage_without_a_host_tier_refuses_host_ops() -> None:
+    storage = _storage()
+    assert storage.host is None
+    with pytest.raises(ValueError, match=r"outside \[0, 0\) of the host slots \(the storage "
+                                         r"has no host tier\)"):
+        storage.apply_copies([BlockOffload(0, 0)])
+    with pytest.raises(ValueError, match="host_num_blocks must be an int >= 0, got -1"):
+        _storage(host_num_blocks=-1)
