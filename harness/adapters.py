@@ -40,10 +40,12 @@ class KvcacheEngineAdapter:
 
     @property
     def cache_config(self) -> Mapping[str, Any]:
-        """The effective settings, every flag resolved, and the pool size (max_num_blocks)."""
+        """The effective settings, every flag resolved, and the pool sizes (max_num_blocks,
+        host_cache_blocks)."""
         c = self.engine.cache_config
         effective = OracleConfig.from_cache_config(c, "engine.cache_config")
-        return {**effective.as_dict(), "max_num_blocks": c.max_num_blocks}
+        return {**effective.as_dict(), "max_num_blocks": c.max_num_blocks,
+                "host_cache_blocks": c.host_cache_blocks}
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  scopes: Sequence[ReuseScope | None] | None = None,

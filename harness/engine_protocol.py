@@ -80,8 +80,9 @@ class EngineUnderTest(Protocol):
     @property
     def cache_config(self) -> Mapping[str, Any] | Any:
         """Effective settings: tokens_per_block (int), enable_block_reuse,
-        enable_partial_reuse, copy_on_partial_reuse (resolved bools, never "auto").
-        A kvcache.KvCacheConfig is accepted too (both are read by
+        enable_partial_reuse, copy_on_partial_reuse (resolved bools, never "auto"), and
+        for a bounded oracle the pool sizes max_num_blocks and host_cache_blocks (0: no
+        host tier). A kvcache.KvCacheConfig is accepted too (both are read by
         `harness.oracle.types.OracleConfig.from_cache_config`)."""
         ...
 

@@ -14,8 +14,11 @@ and so which leaves are unused (claimable). With a bounded pool the cache matche
 same as long as the blocks inside that window survive, however much of the prefix was
 evicted.
 
-Exact with an unbounded pool. With a bounded pool it is an upper bound when partial
-reuse is off: eviction only removes blocks. With partial reuse on it is not strictly one:
+Exact with an unbounded pool. Given the pool sizes (`OracleConfig.max_num_blocks`, and
+`host_cache_blocks` for a host tier; full attention only) it also models eviction,
+offload, onboard and drop, block by block (`harness.oracle.tiers`, which says when that is
+exact). Without them, a bounded pool makes it an upper bound when partial reuse is off:
+eviction only removes blocks. With partial reuse on it is not strictly one:
 evicting a block's followers makes it an unused leaf, so a request may *claim* it where
 the model (which evicts nothing) says the block is not claimable. With
 copy_on_partial_reuse off that happens readily (the model predicts no partial hit at
@@ -31,6 +34,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from harness.oracle.tiers import Tiers
 from harness.oracle.types import (
     Event,
     OracleConfig,
@@ -82,6 +86,11 @@ class ReuseOracle:
         self._users: Counter[FullKey] = Counter()
         self._seqs: dict[Hashable, _Seq] = {}
         self._admissions: list[RequestReuse] = []
+        self._tiers: Tiers | None = None  # bounded pools, when their sizes are known
+        if cfg.max_num_blocks is not None:
+            self._tiers = Tiers(cfg.max_num_blocks, cfg.host_cache_blocks,
+                                lambda k: self._children.get(k, ()),
+                                lambda k: self._users[k] > 0, self._uncache)
 
     # -- queries -----------------------------------------------------------------------
 
@@ -91,8 +100,11 @@ class ReuseOracle:
         return len(match.full_keys) * self.cfg.tokens_per_block + match.partial_tokens
 
     def prediction(self) -> OraclePrediction:
-        """Every admission so far, per request and in total."""
-        return OraclePrediction.from_admissions(self._admissions)
+        """Every admission so far, per request and in total (with the moves between
+        tiers when the pools are modelled)."""
+        t = self._tiers
+        moves = None if t is None else (t.evicted, t.offloaded, t.onboarded, t.dropped)
+        return OraclePrediction.from_admissions(self._admissions, moves)
 
     # -- events ------------------------------------------------------------------------
 
@@ -111,7 +123,10 @@ class ReuseOracle:
         if seq is None:
             raise ValueError(f"{ev.kind} event for seq_id {ev.seq_id!r}, which is not live")
         if ev.kind == "append":
+            before = self._blocks(seq)
             seq.tokens.extend(ev.tokens)
+            if self._tiers is not None:
+                self._tiers.allocate(self._blocks(seq) - before)
         elif ev.kind == "commit":
             self._commit(ev.seq_id, seq, ev.num_tokens)
         else:
@@ -165,6 +180,8 @@ class ReuseOracle:
     def _unused_leaf(self, key: FullKey | PartialKey) -> bool:
         if len(key) == 3:
             return True  # partial leaves are never held and nothing can follow them
+        if self._tiers is not None and key in self._tiers.host:
+            return False  # a sequence's blocks are device blocks: a host block is copied
         return self._users[key] == 0 and not self._children.get(key)
 
     def _admit(self, seq_id: Hashable, prompt: Tokens, scope: Hashable) -> RequestReuse:
@@ -173,6 +190,8 @@ class ReuseOracle:
         match = self._match(prompt, scope)
         if match.source is not None and match.claim:
             self._uncache(match.source)
+            if self._tiers is not None:
+                self._tiers.claimed(match.source)
         reused = len(match.full_keys) * self.cfg.tokens_per_block + match.partial_tokens
         seq = _Seq(scope, list(prompt), reused, list(match.full_keys))
         seq.first = self._first_held(seq)
@@ -182,9 +201,15 @@ class ReuseOracle:
         action: Literal["claim", "copy"] | None = None
         if match.partial_tokens:
             action = "claim" if match.claim else "copy"
+        onboarded = None
+        if self._tiers is not None:
+            new = self._blocks(seq) - len(match.full_keys) - (action == "claim")
+            copy = match.source if action == "copy" else None
+            onboarded = self._tiers.admit(match.full_keys, new, copy)
+            onboarded += copy is not None and self._tiers.copy_from_host(copy)
         result = RequestReuse.for_prompt(
             seq_id, len(prompt), self.cfg.tokens_per_block, len(match.full_keys),
-            match.partial_tokens, action)
+            match.partial_tokens, action, onboarded)
         self._admissions.append(result)
         return result
 
@@ -197,10 +222,17 @@ class ReuseOracle:
         if not self.cfg.enable_block_reuse:
             return
         B = self.cfg.tokens_per_block
+        tiers = self._tiers
         for i in range(len(seq.keys), n // B):
             key = (seq.scope, tuple(seq.tokens[: (i + 1) * B]))
-            if key not in self._cached:  # else deduplicated: hold the cached one
+            if key not in self._cached:
                 self._cache(key)
+                if tiers is not None:
+                    tiers.cached(key)
+            elif tiers is not None and key in tiers.host:
+                tiers.cached(key)  # the host's copy gives way to this sequence's
+            elif tiers is not None:  # deduplicated: it holds the cached one, frees its own
+                tiers.freed(1)
             self._users[key] += 1
             seq.keys.append(key)
         first = self._first_held(seq)
@@ -220,22 +252,43 @@ class ReuseOracle:
             self._users[key] -= 1
             if self._users[key] == 0:
                 del self._users[key]
+                if self._tiers is not None:
+                    self._tiers.released(key)
 
     def _free(self, seq_id: Hashable, seq: _Seq) -> None:
         del self._seqs[seq_id]
+        tiers = self._tiers
+        if tiers is not None:
+            tiers.tick()
         self._unuse(seq.keys[seq.first:])
+        tail = self._cache_tail(seq)
+        if tiers is not None:
+            private = self._blocks(seq) - len(seq.keys)
+            if tail is not None:  # its block joins the cache
+                tiers.cached(tail)
+                private -= 1
+            tiers.freed(private)
+
+    def _cache_tail(self, seq: _Seq) -> PartialKey | None:
+        """Cache the committed partial tail of a freed sequence; returns its key when it
+        was cached."""
         B = self.cfg.tokens_per_block
         partial = self.cfg.enable_block_reuse and self.cfg.enable_partial_reuse
         if not partial or seq.committed % B == 0:
-            return  # without partial reuse a tail could never be matched: not cached
+            return None  # without partial reuse a tail could never be matched: not cached
         start = seq.committed // B * B
         parent = (seq.scope, tuple(seq.tokens[:start]))
         tail = tuple(seq.tokens[start : seq.committed])
         for cand in self._children.get(parent, ()):
             block = cand[1][start:] if len(cand) == 2 else cand[2]
             if block[: len(tail)] == tail:
-                return  # an existing block already starts with this tail
-        self._cache((parent[0], parent[1], tail))
+                return None  # an existing block already starts with this tail
+        key = (parent[0], parent[1], tail)
+        self._cache(key)
+        return key
+
+    def _blocks(self, seq: _Seq) -> int:
+        return -(-len(seq.tokens) // self.cfg.tokens_per_block)
 
     def _cache(self, key: FullKey | PartialKey) -> None:
         self._clock += 1

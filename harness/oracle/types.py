@@ -47,6 +47,8 @@ class OracleConfig:
     copy_on_partial_reuse: bool = True
     reuse_alignment_blocks: int = 1  # matches cut back to a multiple of this many blocks
     sliding_window: int | None = None  # tokens a query sees, itself included; None: all
+    max_num_blocks: int | None = None  # the device pool, when eviction is modelled
+    host_cache_blocks: int = 0  # the host tier behind it (0: none)
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "reuse_alignment_blocks", "sliding_window"):
@@ -55,14 +57,26 @@ class OracleConfig:
                 continue
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"OracleConfig.{name} must be an int >= 1, got {n!r}")
+        for name, low in (("max_num_blocks", 1), ("host_cache_blocks", 0)):
+            n = getattr(self, name)
+            if n is None and name == "max_num_blocks":
+                continue
+            if isinstance(n, bool) or not isinstance(n, int) or n < low:
+                raise ValueError(f"OracleConfig.{name} must be an int >= {low}, got {n!r}")
+        if self.host_cache_blocks and self.max_num_blocks is None:
+            raise ValueError("OracleConfig.host_cache_blocks needs max_num_blocks: a host "
+                             "tier is modelled behind a bounded device pool")
+        if self.max_num_blocks is not None and self.sliding_window is not None:
+            raise ValueError("OracleConfig.max_num_blocks: the pools are modelled under full "
+                             f"attention only, not with sliding_window={self.sliding_window}")
         for name in _FLAG_PROPERTIES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OracleConfig.{name} must be True or False, "
                                  f"got {getattr(self, name)!r}")
 
     @classmethod
-    def from_cache_config(cls, config: Mapping[str, Any] | Any, where: str = "cache_config"
-                          ) -> OracleConfig:
+    def from_cache_config(cls, config: Mapping[str, Any] | Any, where: str = "cache_config",
+                          *, bounded: bool = False) -> OracleConfig:
         """The effective policy of an engine's cache config.
 
         `config` is either the `EngineUnderTest.cache_config` mapping (tokens_per_block
@@ -71,9 +85,11 @@ class OracleConfig:
         are ignored) or an object with `tokens_per_block` and the resolved properties
         `block_reuse`, `partial_reuse`, `copy_on_partial` (kvcache.KvCacheConfig, whose
         own fields may say None for "auto"). `reuse_alignment_blocks` and
-        `sliding_window` are read when present. Raises ValueError naming `where` when
-        `tokens_per_block` is missing or not an int >= 1, or a flag is not a resolved
-        True/False.
+        `sliding_window` are read when present. With `bounded`, the pool sizes are read
+        too (`max_num_blocks`, and `host_cache_blocks` if present), so that the oracle
+        models eviction and the host tier. Raises ValueError naming `where` when
+        `tokens_per_block` is missing or not an int >= 1, a flag is not a resolved
+        True/False, or (bounded) a pool size is missing or bad.
         """
         if isinstance(config, Mapping):
             if "tokens_per_block" not in config:
@@ -95,9 +111,18 @@ class OracleConfig:
         for value, spelled in flags.values():
             if not isinstance(value, bool):
                 raise ValueError(f"{spelled} must be the effective True/False, got {value!r}")
+        pools: dict[str, Any] = {}
+        if bounded:
+            get = config.get if isinstance(config, Mapping) else (
+                lambda k, d=None: getattr(config, k, d))
+            if get("max_num_blocks") is None:
+                raise ValueError(f"{where} has no max_num_blocks: a bounded oracle needs "
+                                 "the pool size")
+            pools = {"max_num_blocks": get("max_num_blocks"),
+                     "host_cache_blocks": get("host_cache_blocks", 0)}
         try:
             return cls(block, **{k: value for k, (value, _) in flags.items()},
-                       reuse_alignment_blocks=align, sliding_window=window)
+                       reuse_alignment_blocks=align, sliding_window=window, **pools)
         except ValueError as exc:  # a bad tokens_per_block: say where it came from
             raise ValueError(f"{where}: {exc}") from None
 
@@ -197,14 +222,17 @@ class RequestReuse:
     missed_blocks: int
     reused_tokens: int
     partial_action: Literal["claim", "copy"] | None = None
+    onboarded_blocks: int | None = None  # reused blocks from the host (None: not modelled)
 
     @classmethod
     def for_prompt(cls, seq_id: Hashable, prompt_len: int, B: int, full: int, partial_tokens: int,
-                   action: Literal["claim", "copy"] | None) -> RequestReuse:
-        """The record for `full` full hits plus a partial hit of `partial_tokens` tokens."""
+                   action: Literal["claim", "copy"] | None,
+                   onboarded: int | None = None) -> RequestReuse:
+        """The record for `full` full hits plus a partial hit of `partial_tokens` tokens,
+        `onboarded` of them from the host tier."""
         reused = full + (1 if partial_tokens else 0)
         return cls(seq_id, prompt_len, full, reused - full, -(-prompt_len // B) - reused,
-                   full * B + partial_tokens, action)
+                   full * B + partial_tokens, action, onboarded)
 
     @property
     def reused_blocks(self) -> int:
@@ -212,11 +240,15 @@ class RequestReuse:
         return self.full_reused_blocks + self.partial_reused_blocks
 
     def as_dict(self) -> dict[str, int]:
-        """TensorRT-LLM-style camelCase names (reusedBlocks, missedBlocks, ...)."""
-        return {"reusedBlocks": self.reused_blocks, "missedBlocks": self.missed_blocks,
-                "fullReusedBlocks": self.full_reused_blocks,
-                "partialReusedBlocks": self.partial_reused_blocks,
-                "reusedTokens": self.reused_tokens}
+        """TensorRT-LLM-style camelCase names (reusedBlocks, missedBlocks, ...), with
+        numOnboardedBlocks when the tiers are modelled."""
+        out = {"reusedBlocks": self.reused_blocks, "missedBlocks": self.missed_blocks,
+               "fullReusedBlocks": self.full_reused_blocks,
+               "partialReusedBlocks": self.partial_reused_blocks,
+               "reusedTokens": self.reused_tokens}
+        if self.onboarded_blocks is not None:
+            out["numOnboardedBlocks"] = self.onboarded_blocks
+        return out
 
 
 @dataclass(frozen=True)
@@ -230,6 +262,11 @@ class ReuseTotals:
     reused_tokens: int = 0
     claimed_blocks: int = 0
     copied_blocks: int = 0
+    # the pools' moves, when they are modelled (None: not)
+    evicted_blocks: int | None = None
+    offloaded_blocks: int | None = None
+    onboarded_blocks: int | None = None
+    dropped_blocks: int | None = None
 
     @property
     def cache_hit_rate(self) -> float:
@@ -238,12 +275,20 @@ class ReuseTotals:
 
     def as_dict(self) -> dict[str, int | float]:
         """reusedBlocks, missedBlocks, fullReusedBlocks, partialReusedBlocks, reusedTokens,
-        claimedBlocks, copiedBlocks and cacheHitRate."""
-        return {"reusedBlocks": self.reused_blocks, "missedBlocks": self.missed_blocks,
-                "fullReusedBlocks": self.full_reused_blocks,
-                "partialReusedBlocks": self.partial_reused_blocks,
-                "reusedTokens": self.reused_tokens, "claimedBlocks": self.claimed_blocks,
-                "copiedBlocks": self.copied_blocks, "cacheHitRate": self.cache_hit_rate}
+        claimedBlocks, copiedBlocks and cacheHitRate; with the pools modelled also
+        evictedBlocks, numOffloadedBlocks, numOnboardedBlocks and numDroppedBlocks."""
+        out: dict[str, int | float] = {
+            "reusedBlocks": self.reused_blocks, "missedBlocks": self.missed_blocks,
+            "fullReusedBlocks": self.full_reused_blocks,
+            "partialReusedBlocks": self.partial_reused_blocks,
+            "reusedTokens": self.reused_tokens, "claimedBlocks": self.claimed_blocks,
+            "copiedBlocks": self.copied_blocks, "cacheHitRate": self.cache_hit_rate}
+        moves = {"evictedBlocks": self.evicted_blocks,
+                 "numOffloadedBlocks": self.offloaded_blocks,
+                 "numOnboardedBlocks": self.onboarded_blocks,
+                 "numDroppedBlocks": self.dropped_blocks}
+        out.update({k: v for k, v in moves.items() if v is not None})
+        return out
 
 
 @dataclass(frozen=True)
@@ -260,8 +305,11 @@ class OraclePrediction:
     requests: Mapping[Hashable, RequestReuse] = field(default_factory=dict)
 
     @classmethod
-    def from_admissions(cls, admissions: Sequence[RequestReuse]) -> OraclePrediction:
-        """Sum `admissions`; a seq_id admitted twice maps to its first admission."""
+    def from_admissions(cls, admissions: Sequence[RequestReuse],
+                        moves: tuple[int, int, int, int] | None = None) -> OraclePrediction:
+        """Sum `admissions`; a seq_id admitted twice maps to its first admission. `moves`
+        are the pools' (evicted, offloaded, onboarded, dropped) blocks, when modelled."""
+        evicted, offloaded, onboarded, dropped = moves if moves is not None else (None,) * 4
         totals = ReuseTotals(
             reused_blocks=sum(a.reused_blocks for a in admissions),
             missed_blocks=sum(a.missed_blocks for a in admissions),
@@ -269,7 +317,9 @@ class OraclePrediction:
             partial_reused_blocks=sum(a.partial_reused_blocks for a in admissions),
             reused_tokens=sum(a.reused_tokens for a in admissions),
             claimed_blocks=sum(a.partial_action == "claim" for a in admissions),
-            copied_blocks=sum(a.partial_action == "copy" for a in admissions))
+            copied_blocks=sum(a.partial_action == "copy" for a in admissions),
+            evicted_blocks=evicted, offloaded_blocks=offloaded, onboarded_blocks=onboarded,
+            dropped_blocks=dropped)
         first: dict[Hashable, RequestReuse] = {}
         for a in admissions:
             first.setdefault(a.seq_id, a)

@@ -21,7 +21,8 @@ from harness.oracle.types import hit_rate
 from harness.reuse.repro import Check, ReproRecord, plain, replay_config, row_dicts
 
 GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
-                    "cachedNumBlocks", "stateSnapshotBytes"})
+                    "cachedNumBlocks", "stateSnapshotBytes", "maxNumHostBlocks",
+                    "cachedNumHostBlocks"})
 # per-request spellings (TensorRT-LLM's RequestPerfMetrics) -> the cache counter names
 _ALIASES = {"numReusedBlocks": "reusedBlocks", "numMissedBlocks": "missedBlocks",
             "numTotalAllocatedBlocks": "allocTotalBlocks",
@@ -267,9 +268,12 @@ def expect_reuse(before: StatsLike | None, after: StatsLike, *,
     return window
 
 
-def predict_from_engine(engine: EngineUnderTest) -> OraclePrediction:
-    """The oracle's prediction for everything in `engine.admission_log()` so far."""
-    cfg = OracleConfig.from_cache_config(engine.cache_config, "engine.cache_config")
+def predict_from_engine(engine: EngineUnderTest, *, bounded: bool = False) -> OraclePrediction:
+    """The oracle's prediction for everything in `engine.admission_log()` so far; with
+    `bounded`, modelling the engine's pool sizes (eviction and the host tier: exact only
+    where `harness.oracle.tiers` says so)."""
+    cfg = OracleConfig.from_cache_config(engine.cache_config, "engine.cache_config",
+                                         bounded=bounded)
     return replay(engine.admission_log(), cfg)
 
 

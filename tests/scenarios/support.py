@@ -191,16 +191,19 @@ class ScenarioRun:
 
     def expect_oracle(self, engine: Engine, results: Sequence[GenerationOutput] = (), *,
                       exact: bool = True, seed: int | None = None,
-                      probe_replica: bool = True) -> dict[str, int | float]:
+                      probe_replica: bool = True, bounded: bool = False
+                      ) -> dict[str, int | float]:
         """Reuse since the engine started equals the oracle's replay of its admission
         log, in total and for each of `results` (exact=False: reuse at most, misses at
-        least, the bound a bounded pool allows with partial reuse off). Then probe_reuse
-        must have matched every admission (on a replica) and the tree must be intact.
-        Records the run in the reuse report, passed or not. Returns the stats window.
+        least, the bound a bounded pool allows with partial reuse off; `bounded`: the
+        oracle models the pool and host tier sizes, so evictions, offloads, onboards and
+        drops are predicted too). Then probe_reuse must have matched every admission (on
+        a replica) and the tree must be intact. Records the run in the reuse report,
+        passed or not. Returns the stats window.
         """
         __tracebackhide__ = True
         adapter = KvcacheEngineAdapter(engine)
-        prediction = predict_from_engine(adapter)
+        prediction = predict_from_engine(adapter, bounded=bounded)
         config = {**adapter.cache_config, "backend": engine.backend.name,
                   "max_num_tokens": engine.max_num_tokens}
         passed = False
@@ -314,16 +317,18 @@ class EngineFactory:
 
     def __call__(self, tokens_per_block: int, *, backend: BackendSpec = TORCH,
                  mode: ReuseMode | None = None, reuse: bool | None = None,
-                 max_num_blocks: int | None = None, preset: str = "tiny",
-                 **engine_options: Any) -> Engine:
+                 max_num_blocks: int | None = None, host_cache_blocks: int = 0,
+                 preset: str = "tiny", **engine_options: Any) -> Engine:
         """A fresh engine. `mode` sets the partial-reuse flags (None: the defaults);
         `reuse` is enable_block_reuse; `max_num_blocks` defaults to POOL_TOKENS worth;
-        `engine_options` go to `Engine` (max_num_tokens, page_size, ...)."""
+        `host_cache_blocks` adds a host tier; `engine_options` go to `Engine`
+        (max_num_tokens, page_size, ...)."""
         blocks = max_num_blocks or -(-POOL_TOKENS // tokens_per_block)
         cfg = KvCacheConfig(
             tokens_per_block=tokens_per_block, max_num_blocks=blocks, enable_block_reuse=reuse,
             enable_partial_reuse=None if mode is None else mode.partial,
-            copy_on_partial_reuse=mode.copy if mode is not None and mode.partial else None)
+            copy_on_partial_reuse=mode.copy if mode is not None and mode.partial else None,
+            host_cache_blocks=host_cache_blocks)
         model = self.models.get(preset, backend.device, backend.dtype)
         engine = Engine(model, cfg, attn_backend=backend.attn, device=backend.device,
                         dtype=backend.dtype, **engine_options)

@@ -1,0 +1,130 @@
+"""The oracle's bounded pools against the real KVCacheManager: eviction, offload, onboard
+and drop, block by block, on random event sequences where the oracle claims exactness
+(partial reuse off, one retention priority, a host tier of 0 or at least twice the
+device pool), and the cases where it does not."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness.oracle import OracleConfig, ReuseOracle
+from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+
+SCOPES = [None, None, ReuseScope(salt=0)]
+STEMS = [[1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 2, 2, 3, 3], [3, 1, 3, 1, 3]]
+prompts = st.builds(lambda stem, cut, tail: stem[:cut] + tail, st.sampled_from(STEMS),
+                    st.integers(0, 8), st.lists(st.integers(1, 3), max_size=4)).filter(bool)
+MOVES = ("evictedBlocks", "numOffloadedBlocks", "numOnboardedBlocks", "numDroppedBlocks")
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> KvCacheConfig:
+    B = draw(st.sampled_from([1, 2, 3]))
+    device = draw(st.integers(4, 9))
+    host = draw(st.sampled_from([0, 2 * device, 4 * device]))
+    return KvCacheConfig(tokens_per_block=B, max_num_blocks=device, enable_block_reuse=True,
+                         enable_partial_reuse=False, host_cache_blocks=host)
+
+
+def _apply(mgr: KVCacheManager, oracle: ReuseOracle, seen: int) -> int:
+    """Feed the oracle the manager's events since `seen`, checking every admission."""
+    events = mgr.events or []
+    for ev in events[seen:]:
+        predicted = oracle.apply(ev)
+        if predicted is None:
+            continue
+        m = mgr.get_sequence(ev.seq_id).metrics
+        got = (m.num_full_reused_blocks, m.num_missed_blocks, m.num_onboarded_blocks)
+        want = (predicted.full_reused_blocks, predicted.missed_blocks,
+                predicted.onboarded_blocks)
+        assert got == want, f"admission of {ev.seq_id!r}: manager {got}, oracle {want}"
+    return len(events)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), data=st.data())
+def test_bounded_oracle_agrees_with_manager(cfg: KvCacheConfig, data: st.DataObject) -> None:
+    mgr = KVCacheManager(cfg, record_events=True)
+    oracle = ReuseOracle(OracleConfig.from_cache_config(cfg, bounded=True))
+    seen = 0
+    for n in range(data.draw(st.integers(10, 40))):
+        live = sorted(mgr.sequences)
+        kind = data.draw(st.sampled_from(["request"] * 3 + ["admit"]
+                                         + (["commit", "append", "free", "free"] if live
+                                            else [])))
+        if kind in ("request", "admit"):
+            tokens, scope = data.draw(prompts), data.draw(st.sampled_from(SCOPES))
+            with contextlib.suppress(OutOfBlocksError):
+                mgr.add_sequence(n, tokens, scope)
+                seen = _apply(mgr, oracle, seen)
+                if kind == "request":
+                    mgr.commit(n, len(tokens))
+                    mgr.free_sequence(n)
+        else:
+            sid = data.draw(st.sampled_from(live))
+            seq = mgr.get_sequence(sid)
+            if kind == "commit":
+                mgr.commit(sid, data.draw(st.integers(seq.num_committed_tokens,
+                                                      seq.num_tokens)))
+            elif kind == "append":
+                with contextlib.suppress(OutOfBlocksError):
+                    mgr.append_tokens(sid, data.draw(st.lists(st.integers(1, 3), min_size=1,
+                                                              max_size=4)))
+            else:
+                mgr.free_sequence(sid)
+        mgr.take_copy_ops()
+        seen = _apply(mgr, oracle, seen)
+        for tokens in STEMS:
+            assert mgr.probe_reuse(tokens) == oracle.probe(tokens), (n, tokens)
+    totals = oracle.prediction().totals.as_dict()
+    stats = mgr.stats().as_dict()
+    for name in ("reusedBlocks", "missedBlocks", *MOVES):
+        assert stats[name] == totals[name], (name, stats[name], totals[name])
+
+
+def test_bounded_oracle_follows_offload_onboard_and_drop() -> None:
+    """Device 2 blocks, host 4: four one-block prompts cycle through both tiers; the
+    fifth drops the oldest from the host; then the first comes back from the host."""
+    cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=2, enable_partial_reuse=False,
+                        host_cache_blocks=4)
+    mgr = KVCacheManager(cfg, record_events=True)
+    for i, t in enumerate([1, 2, 3, 4, 5, 6, 2]):
+        mgr.add_sequence(i, [t, t, 9])
+        mgr.take_copy_ops()
+        mgr.commit(i, 2)
+        mgr.free_sequence(i)
+    prediction = ReuseOracle(OracleConfig.from_cache_config(cfg, bounded=True)).replay(
+        mgr.events or ())
+    totals = prediction.totals.as_dict()
+    assert {k: totals[k] for k in MOVES} == {
+        "evictedBlocks": 6, "numOffloadedBlocks": 6, "numOnboardedBlocks": 1,
+        "numDroppedBlocks": 2}
+    assert prediction.requests[6].onboarded_blocks == 1
+    assert prediction.requests[6].full_reused_blocks == 1
+    stats = mgr.stats().as_dict()
+    assert {k: stats[k] for k in MOVES} == {k: totals[k] for k in MOVES}
+
+
+def test_the_unbounded_oracle_does_not_model_tiers() -> None:
+    cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=2, host_cache_blocks=4)
+    totals = ReuseOracle(OracleConfig.from_cache_config(cfg)).prediction().totals.as_dict()
+    assert not set(MOVES) & set(totals)
+    assert OracleConfig.from_cache_config(cfg).max_num_blocks is None
+
+
+@pytest.mark.parametrize(("config", "match"), [
+    pytest.param({"tokens_per_block": 2}, "has no max_num_blocks", id="no-pool"),
+    pytest.param({"tokens_per_block": 2, "max_num_blocks": 0},
+                 "max_num_blocks must be an int >= 1, got 0", id="pool-zero"),
+    pytest.param({"tokens_per_block": 2, "max_num_blocks": 4, "host_cache_blocks": -1},
+                 "host_cache_blocks must be an int >= 0, got -1", id="host-negative"),
+])
+def test_a_bounded_oracle_needs_good_pool_sizes(config: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OracleConfig.from_cache_config(config, "cfg", bounded=True)
+    with pytest.raises(ValueError, match="host_cache_blocks needs max_num_blocks"):
+        OracleConfig(tokens_per_block=2, host_cache_blocks=4)
