@@ -86,20 +86,24 @@ def _blocks(req: Request) -> int:
     return -(-(len(req.prompt) + len(req.generated)) // B)
 
 
-def replay(requests: list[Request], pool_blocks: int) -> KVCacheManager:
-    """Run `requests` in steps of BATCH through a fresh manager; returns it, all freed."""
+def replay(requests: list[Request], pool_blocks: int, host_blocks: int = 0) -> KVCacheManager:
+    """Run `requests` in steps of BATCH through a fresh manager (with a host tier of
+    `host_blocks`); returns it, all freed. The ops an engine would apply are taken after
+    each phase, as its steps would."""
     mgr = KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=pool_blocks,
-                                       enable_block_reuse=True))
+                                       enable_block_reuse=True, host_cache_blocks=host_blocks))
     for start in range(0, len(requests), BATCH):
         step = list(enumerate(requests[start:start + BATCH], start))
         for rid, req in step:
             mgr.add_sequence(rid, req.prompt)
+        mgr.take_copy_ops()
         for rid, req in step:
             mgr.commit(rid, len(req.prompt))
         for rid, req in step:
             mgr.append_tokens(rid, req.generated[:-1])
             mgr.commit(rid, len(req.prompt) + len(req.generated) - 1)
             mgr.free_sequence(rid)
+        mgr.take_copy_ops()
     return mgr
 
 

@@ -98,7 +98,29 @@ def suite_benches() -> list[dict[str, Any]]:
             "pool_blocks_keep": 129, "kv_bytes_release": 19 << 16, "kv_bytes_keep": 129 << 16,
             "most_used_release": 18, "most_used_keep": 128, "keep_median_s": 0.5,
             "keep_over_release": 2.5}),
+        *host_tier(),
         bench("test_something_new", 0.25, {}),
+    ]
+
+
+def host_tier() -> list[dict[str, Any]]:
+    """One benchmark of each host-tier suite."""
+    return [
+        bench("test_hit_rate_with_a_host_tier[multi_turn]", 0.03, {
+            "suite": "host_tier_hit_rate", "workload": "multi_turn", "requests": 144,
+            "batch": 8, "host_factor": 4, "pool_blocks": [704, 1800],
+            "pool_fraction": [0.3911, 1.0], "block_hit_rate": [0.3689, 0.9022],
+            "block_hit_rate_host": [0.89, 0.9022], "onboarded_blocks": [3752, 0],
+            "offloaded_blocks": [4824, 0], "dropped_blocks": [17, 0]}),
+        bench("test_ttft_with_a_host_tier[pool0.25]", 0.7, {
+            "suite": "host_tier_ttft", "model": "tiny", "host_factor": 4, "chats": 6,
+            "turns": 4, "pool_blocks": 13, "pool_fraction": 0.27, "mean_ttft_s": 0.02,
+            "mean_ttft_host_s": 0.015, "hit_rate": 0.3, "hit_rate_host": 0.6,
+            "onboarded_blocks": 33}),
+        bench("test_onboard_against_recompute[32]", 0.025, {
+            "suite": "host_tier_onboard", "host_factor": 4, "blocks": 32, "tokens": 512,
+            "device_ttft_s": 0.015, "cold_ttft_s": 0.165, "onboard_s": 0.01,
+            "recompute_s": 0.15, "recompute_over_onboard": 15.0, "copy_s": 0.002}),
     ]
 
 
@@ -155,6 +177,9 @@ def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
                  "| 240 us | 100 us | 0.7% |", "decode batch 64: **0.7%** of the step (target <= 10%)",
                  "| prefill | 4 | 768-token prompts, 512 a step | 30 ms |",  # step overhead
                  "| release | 19 | 1.19 | 18 | 200 ms |", "6.79x less with release",
+                 "## Host tier (4x the device pool)", "| 704 | 0.3911 | 0.3689 | 0.89 | 3752 | "
+                 "4824 | 17 |", "| 13 | 0.27 | 20 ms | 15 ms | 0.75x | 0.3 | 0.6 | 33 |",
+                 "| 32 | 512 | 15 ms | 25 ms | 165 ms | 10 ms | 150 ms | 15.00x | 2 ms |",
                  "test_something_new", "torch 9.9.9-synthetic", "commit abcdef123456"):
         assert text in md, f"{text!r} missing from summary.md:\n{md}"
     for png in ("ttft_vs_cached_fraction.png", "hit_rate_vs_pool_size.png",
@@ -220,7 +245,7 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     suites = ["benchmarks/test_bench_engine.py", "benchmarks/test_bench_hit_rate.py",
               "benchmarks/test_bench_memory.py", "benchmarks/test_bench_routing.py",
               "benchmarks/test_bench_step.py", "benchmarks/test_bench_metadata.py",
-              "benchmarks/test_bench_window.py"]
+              "benchmarks/test_bench_window.py", "benchmarks/test_bench_host_tier.py"]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *suites, "--bench-quick", "-q", "-p",
          "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"],
@@ -232,7 +257,7 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     md = (out / "summary.md").read_text()
     for title in ("## Time to first token", "## Hit rate against pool size", "## Memory",
                   "## Cache-aware routing", "## Step overhead", "## Decode metadata",
-                  "## Sliding window", "quick mode: True"):
+                  "## Sliding window", "## Host tier", "quick mode: True"):
         assert title in md, f"{title!r} missing from summary.md:\n{md}"
     assert "Not rendered" not in md and "not drawn" not in md, md
     assert (out / "hit_rate_vs_pool_size.png").read_bytes()[:8] == PNG_MAGIC
