@@ -63,6 +63,12 @@ def cases(*params: Any) -> list[Any]:
                  r"reuse_alignment_blocks=2", id="cfg-align-partial"),
     pytest.param({"sliding_window": 0}, r"KvCacheConfig\.sliding_window must be an int >= 1, "
                  r"got 0", id="cfg-window-zero"),
+    pytest.param({"host_cache_blocks": -8}, r"KvCacheConfig\.host_cache_blocks must be an int "
+                 r">= 0, got -8", id="cfg-host-negative"),
+    pytest.param({"enable_block_reuse": False, "host_cache_blocks": 64},
+                 r"KvCacheConfig\.host_cache_blocks=64 keeps evicted cached blocks for reuse, "
+                 r"but enable_block_reuse=False caches nothing; set host_cache_blocks=0",
+                 id="cfg-host-without-reuse"),
 ))
 def test_bad_cache_config(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -230,6 +236,10 @@ IDS.add("abort-finished")
         tokens_per_block=4, max_num_blocks=16, enable_partial_reuse=True)},
         r"enable_partial_reuse=True is unsupported for a model with recurrent layers "
         r"\(layers \[", id="eng-hybrid-partial"),
+    pytest.param({"model": "hybrid-tiny", "cache_config": KvCacheConfig(
+        tokens_per_block=4, max_num_blocks=16, host_cache_blocks=64)},
+        r"host_cache_blocks=64 is unsupported for a model with recurrent layers \(layers "
+        r"\[1\]\): their state snapshots stay with device blocks", id="eng-hybrid-host"),
     pytest.param({"model": "hybrid-tiny", "state_snapshot_interval": 0},
                  r"Engine: state_snapshot_interval must be an int >= 1, got 0",
                  id="eng-snapshot-interval"),
