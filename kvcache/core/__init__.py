@@ -1,7 +1,8 @@
 """The cache core: block radix tree, block pool, manager, statistics. Pure Python.
 
 Nothing here imports torch or numpy (tests/unit/test_core_boundaries.py checks it): the
-manager hands out block ids and `BlockCopy` ops, and the engine applies them to tensors.
+manager hands out block ids and ops (`BlockCopy`, and with a host tier `BlockOffload` and
+`BlockOnboard`), and the engine applies them to tensors.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from kvcache.core.events import CacheEvent
 from kvcache.core.handle import Sequence
 from kvcache.core.integrity import IntegrityError
 from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
-from kvcache.core.ops import BlockCopy
+from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.core.plan import AdmissionPlan
 from kvcache.core.pool import OutOfBlocksError
 from kvcache.core.radix import ReuseMatch, ReuseScope
@@ -21,11 +22,14 @@ __all__ = [
     "DEFAULT_PRIORITY",
     "AdmissionPlan",
     "BlockCopy",
+    "BlockOffload",
+    "BlockOnboard",
     "CacheEvent",
     "IntegrityError",
     "KVCacheManager",
     "KvCacheConfig",
     "KvCacheStats",
+    "KvOp",
     "OutOfBlocksError",
     "RequestKvMetrics",
     "ReuseMatch",
