@@ -255,8 +255,12 @@ def test_every_reader_of_an_engine_config_agrees(flags: dict[str, bool],
     expected = OracleConfig(4, *effective)
     assert OracleConfig.from_cache_config(engine.cache_config) == expected
     adapter = KvcacheEngineAdapter(engine)
-    assert adapter.cache_config == {**expected.as_dict(), "max_num_blocks": 32}
+    assert adapter.cache_config == {**expected.as_dict(), "max_num_blocks": 32,
+                                    "host_cache_blocks": 0}
     assert OracleConfig.from_cache_config(adapter.cache_config) == expected
+    bounded = OracleConfig.from_cache_config(adapter.cache_config, bounded=True)
+    assert bounded == OracleConfig.from_cache_config(engine.cache_config, bounded=True)
+    assert (bounded.max_num_blocks, bounded.host_cache_blocks) == (32, 0)
     # the oracle replaying the engine reads the same policy: a repeated 9-token prompt
     # reuses its first 8 tokens (the last is always recomputed), 2 blocks, with reuse on
     for _ in range(2):
