@@ -23,14 +23,23 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from harness.oracle.capacity import CapacityOracle
-from harness.oracle.provenance import Copy, ShadowStore
-from harness.oracle.types import Event, normalize_event
+from harness.oracle.provenance import Move, ShadowStore
+from harness.oracle.types import MOVES, Event, normalize_event
 
 if TYPE_CHECKING:
-    from kvcache import AdmissionPlan, BlockCopy, KVCacheManager, ReuseScope
+    from kvcache import AdmissionPlan, KVCacheManager, ReuseScope
     from kvcache import Sequence as CacheSequence
+    from kvcache.core.ops import KvOp
 
 T = TypeVar("T")
+# the op classes of kvcache.core.ops, by name -> the event kind the log records
+_KINDS = {"BlockCopy": "copy", "BlockOffload": "offload", "BlockOnboard": "onboard"}
+
+
+def _owner(owner: Hashable) -> Hashable:
+    """The seq_id a move is logged under: "CACHE" for kvcache's CACHE owner (a move of a
+    cached block between tiers), else the sequence that queued it."""
+    return "CACHE" if type(owner).__name__ == "CacheOwner" else owner
 
 
 class ManagerContractError(AssertionError):
@@ -57,7 +66,7 @@ class CheckedManager:
         self._ids: dict[Hashable, tuple[list[int | None], int]] = {}  # block ids, version last seen
         self._log_seen = 0
         self._plans: dict[int, tuple[AdmissionPlan, list[int], ReuseScope | None]] = {}
-        self._queued: list[Copy] = []  # the copy queue after the last call
+        self._queued: list[Move] = []  # the op queue after the last call
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.manager, name)
@@ -154,15 +163,19 @@ class CheckedManager:
         del self._ids[seq_id]
         self._after(where, [Event("free", seq_id)])
 
-    def take_copy_ops(self) -> list[BlockCopy]:
-        """`KVCacheManager.take_copy_ops`; the copies are applied to the shadow store."""
+    def take_copy_ops(self) -> list[KvOp]:
+        """`KVCacheManager.take_copy_ops`; the copies, offloads and onboards are applied
+        to the shadow store."""
         queued = self.manager.pending_copies
         ops = self.manager.take_copy_ops()
         if ops != [op for _, op in queued]:
             raise ManagerContractError(f"take_copy_ops() returned {ops}, the queue held "
                                        f"{queued}")
-        self._after("take_copy_ops()", [Event("copy", sid, (), op.num_tokens, None,
-                                              (op.src, op.dst)) for sid, op in queued])
+        events = []
+        for owner, op in queued:
+            kind, src, dst, n = self._move(op)
+            events.append(Event(kind, _owner(owner), (), n, None, (src, dst)))  # type: ignore[arg-type]
+        self._after("take_copy_ops()", events)
         return ops
 
     # -- whole-state checks ------------------------------------------------------------
@@ -218,17 +231,26 @@ class CheckedManager:
                 [(sid, list(s.block_ids), s.num_tokens, s.num_committed_tokens)
                  for sid, s in m.sequences.items()])
 
-    def _pending(self) -> list[Copy]:
-        return [(op.src, op.dst, op.num_tokens) for op in self.manager.pending_copy_ops]
+    def _pending(self) -> list[Move]:
+        return [self._move(op) for op in self.manager.pending_copy_ops]
+
+    def _move(self, op: Any) -> Move:
+        """A queued op as (kind, src, dst, num_tokens), read by its class name (the
+        harness does not import kvcache): an offload moves a whole block."""
+        kind = _KINDS[type(op).__name__]
+        n = getattr(op, "num_tokens", self.manager.config.tokens_per_block)
+        return (kind, op.src, op.dst, n)
 
     def _after(self, where: str, events: list[Event]) -> None:
         events = [normalize_event(ev) for ev in events]
         pending = self._pending()
-        taken = {ev.block_ids for ev in events if ev.kind == "copy"}
-        for src, dst, n in self._queued:
-            if (src, dst, n) not in pending and (src, dst) not in taken:
-                self.shadow.note(dst, f"{where}: queued copy of slots [0, {n}) from block "
-                                 f"{src} dropped, never applied")
+        taken = {(ev.kind, *ev.block_ids) for ev in events if ev.kind in MOVES}
+        for kind, src, dst, n in self._queued:
+            if (kind, src, dst, n) not in pending and (kind, src, dst) not in taken:
+                self.shadow.note(("host", dst) if kind == "offload" else dst,
+                                 f"{where}: queued {kind} of slots [0, {n}) from "
+                                 f"{'host slot' if kind == 'onboard' else 'block'} {src} "
+                                 "dropped, never applied")
         self._queued = pending
         for ev in events:
             self.shadow.apply(ev, pending if ev.kind == "admit" else None)

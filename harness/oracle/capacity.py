@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.oracle.prefixes import Prefixes
-from harness.oracle.types import Event, normalize_event, normalize_scope
+from harness.oracle.types import MOVES, Event, normalize_event, normalize_scope
 
 
 class CapacityError(AssertionError):
@@ -62,7 +62,7 @@ class CapacityOracle:
         """Apply one event. Raises ValueError for a malformed event, an unknown or
         duplicate seq_id, or a count outside the sequence."""
         ev = normalize_event(event)
-        if ev.kind == "copy":
+        if ev.kind in MOVES:
             return
         sid = ev.seq_id
         if ev.kind == "admit":

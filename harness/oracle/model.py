@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from harness.oracle.tiers import Tiers
 from harness.oracle.types import (
+    MOVES,
     Event,
     OracleConfig,
     OraclePrediction,
@@ -115,7 +116,7 @@ class ReuseOracle:
         commit that goes backwards or past the sequence's tokens.
         """
         ev = normalize_event(event)
-        if ev.kind == "copy":
+        if ev.kind in MOVES:
             return None  # KV movement: no effect on what is cached or reused
         if ev.kind == "admit":
             return self._admit(ev.seq_id, ev.tokens, ev.scope)

@@ -13,11 +13,13 @@ written into it, whoever holds it now.
   own scope; anything else raises `ProvenanceError`, naming the block, what it holds,
   what the request needed and the block's recent history.
 - A copy writes its target's first slots from its source (`KvStorage.apply_copies`).
-- Given the copies queued and not yet applied (`pending`), an admission is checked at
-  once: each reused slot must hold the right KV now or receive it from a queued copy,
-  since queued copies are applied before the next forward pass; `check_live` checks every
-  live sequence so. Replaying a log without that queue, the first read catches the same
-  faults.
+  With a host tier an offload writes a host slot (a store of its own) from a device
+  block, whole, and an onboard a device block's first slots from a host slot.
+- Given the copies queued and not yet applied (`pending`: copies, offloads, onboards, in
+  order), an admission is checked at once: each reused slot must hold the right KV now or
+  receive it from the queue, since the queue is applied before the next forward pass;
+  `check_live` checks every live sequence so. Replaying a log without that queue, the
+  first read catches the same faults.
 - Under a sliding window of W tokens a forward pass from position p reads only
   positions p - W + 1 on: the blocks before may be released (None in the log) and hold
   anything. Blocks then come as chunks need them (appends of no tokens).
@@ -33,7 +35,11 @@ from typing import Any
 from harness.oracle.prefixes import Prefixes
 from harness.oracle.types import Event, normalize_event
 
-Copy = tuple[int, int, int]  # (src, dst, num_tokens) of a queued copy
+Copy = tuple[int, int, int]  # (src, dst, num_tokens) of a queued device copy
+# (kind, src, dst, num_tokens): "copy", "offload" (device block -> host slot) or
+# "onboard" (host slot -> device block); a bare Copy is a "copy"
+Move = tuple[str, int, int, int]
+Queued = Copy | Move
 HISTORY = 16  # events remembered per block
 _ROWS = 8  # differing slots shown per violation
 
@@ -70,13 +76,14 @@ class ShadowStore:
         self.num_events = 0
         self.num_slots_checked = 0
         self._slots: dict[int, list[int | None]] = {}
-        self._history: dict[int, deque[str]] = {}
+        self._host: dict[int, list[int | None]] = {}  # host slot -> its tokens' KV
+        self._history: dict[Hashable, deque[str]] = {}  # block, or ("host", slot)
         self._live: dict[Hashable, _Live] = {}
 
     # -- events ------------------------------------------------------------------------
 
     def apply(self, event: Event | Mapping[str, Any] | Any,
-              pending: Sequence[Copy] | None = None) -> None:
+              pending: Sequence[Queued] | None = None) -> None:
         """Apply one event; with `pending`, the copies queued after it (in order), an
         admission's reuse is checked at once.
 
@@ -88,6 +95,8 @@ class ShadowStore:
         self.num_events += 1
         if ev.kind == "copy":
             self._copy(ev)
+        elif ev.kind in ("offload", "onboard"):
+            self._move(ev)
         elif ev.kind == "admit":
             self._admit(ev, pending)
         else:
@@ -106,7 +115,7 @@ class ShadowStore:
         for event in events:
             self.apply(event)
 
-    def _admit(self, ev: Event, pending: Sequence[Copy] | None) -> None:
+    def _admit(self, ev: Event, pending: Sequence[Queued] | None) -> None:
         sid = ev.seq_id
         if sid in self._live:
             raise ValueError(f"admit event for seq_id {sid!r}, which is already live")
@@ -123,9 +132,10 @@ class ShadowStore:
                 self.note(block, f"admit {sid!r}: position {i}"
                           + (f", reuses slots [0, {reused})" if reused else ""))
         if pending is not None:
-            for src, dst, n in pending:
-                if dst in seq.blocks:
-                    self.note(dst, f"copy of slots [0, {n}) from block {src} queued")
+            for kind, src, dst, n in map(_move, pending):
+                if kind != "offload" and dst in seq.blocks:
+                    origin = f"host slot {src}" if kind == "onboard" else f"block {src}"
+                    self.note(dst, f"{kind} of slots [0, {n}) from {origin} queued")
             self._check(sid, seq, seq.valid, pending, f"admission of {sid!r} reuses")
 
     def _commit(self, ev: Event, seq: _Live) -> None:
@@ -189,6 +199,23 @@ class ShadowStore:
         self.note(src, f"copy of slots [0, {n}) to block {dst} (queued by {ev.seq_id!r})")
         self.note(dst, f"copy of slots [0, {n}) from block {src} (queued by {ev.seq_id!r})")
 
+    def _move(self, ev: Event) -> None:
+        src, dst = ev.block_ids
+        n = ev.num_tokens
+        B = self.tokens_per_block
+        if not 0 < n <= B or (ev.kind == "offload" and n != B):
+            raise ValueError(f"{ev.kind} event {ev}: moves 1 to {B} slots (an offload all {B})")
+        if ev.kind == "offload":
+            self._host[dst] = self._slots.get(src, [None] * B)[:]
+            self.note(src, f"offload to host slot {dst} (by {ev.seq_id!r})")
+            self.note(("host", dst), f"offload from block {src} (by {ev.seq_id!r})")
+        else:
+            self._slots.setdefault(dst, [None] * B)[:n] = self._host.get(src, [None] * B)[:n]
+            self.note(("host", src), f"onboard of slots [0, {n}) to block {dst} "
+                      f"(by {ev.seq_id!r})")
+            self.note(dst, f"onboard of slots [0, {n}) from host slot {src} "
+                      f"(by {ev.seq_id!r})")
+
     def _check_blocks(self, ev: Event, num_tokens: int, num_blocks: int) -> None:
         need = -(-num_tokens // self.tokens_per_block)
         # under a sliding window blocks come as chunks need them: fewer is fine
@@ -197,9 +224,10 @@ class ShadowStore:
                              f"for {num_tokens} tokens of {self.tokens_per_block} a block "
                              "(does this log record block ids?)")
 
-    def note(self, block: int, text: str) -> None:
-        """Add `text` to `block`'s history, under the latest event (a caller that sees
-        more than the events, such as a copy dropped from the queue, says so here)."""
+    def note(self, block: Hashable, text: str) -> None:
+        """Add `text` to `block`'s history (a device block id, or ("host", slot)), under
+        the latest event (a caller that sees more than the events, such as a copy
+        dropped from the queue, says so here)."""
         hist = self._history.get(block)
         if hist is None:
             hist = self._history[block] = deque(maxlen=HISTORY)
@@ -207,7 +235,7 @@ class ShadowStore:
 
     # -- checks ------------------------------------------------------------------------
 
-    def check_live(self, pending: Sequence[Copy] = ()) -> None:
+    def check_live(self, pending: Sequence[Queued] = ()) -> None:
         """Every live sequence's valid positions hold its own KV, or will once the queued
         copies `pending` are applied. Raises ProvenanceError otherwise; changes nothing."""
         for sid, seq in self._live.items():
@@ -218,7 +246,7 @@ class ShadowStore:
         slots = self._slots.get(block)
         return self.prefixes.describe(slots[slot] if slots else None)
 
-    def _check(self, sid: Hashable, seq: _Live, end: int, pending: Sequence[Copy],
+    def _check(self, sid: Hashable, seq: _Live, end: int, pending: Sequence[Queued],
                what: str) -> None:
         B = self.tokens_per_block
         over = self._overlay(pending) if pending else {}
@@ -242,13 +270,21 @@ class ShadowStore:
         if bad:
             raise ProvenanceError(self._message(sid, seq, bad, what, bool(pending)))
 
-    def _overlay(self, pending: Sequence[Copy]) -> dict[tuple[int, int], int | None]:
-        """(block, slot) -> content once the queued copies are applied, in order."""
+    def _overlay(self, pending: Sequence[Queued]) -> dict[tuple[int, int], int | None]:
+        """(block, slot) -> content once the queue is applied, in order (through the host
+        slots its offloads write and its onboards read)."""
         over: dict[tuple[int, int], int | None] = {}
-        for src, dst, n in pending:
+        host: dict[tuple[int, int], int | None] = {}
+        for kind, src, dst, n in map(_move, pending):
+            if kind == "onboard":
+                held = self._host.get(src)
+                for s in range(n):
+                    over[(dst, s)] = host.get((src, s), held[s] if held is not None else None)
+                continue
             held = self._slots.get(src)
-            for s in range(n):
-                over[(dst, s)] = over.get((src, s), held[s] if held is not None else None)
+            into = host if kind == "offload" else over
+            for s in range(self.tokens_per_block if kind == "offload" else n):
+                into[(dst, s)] = over.get((src, s), held[s] if held is not None else None)
         return over
 
     def _message(self, sid: Hashable, seq: _Live, bad: list[tuple[int, int, int, int | None]],
@@ -270,3 +306,11 @@ class ShadowStore:
             lines.append(f"block {block} history (last {HISTORY} events):")
             lines += [f"  {h}" for h in self._history.get(block, ["(no events)"])]
         return "\n".join(lines)
+
+
+def _move(queued: Queued) -> Move:
+    """A queued entry as (kind, src, dst, num_tokens) (a bare Copy is a "copy")."""
+    if len(queued) == 3:
+        src, dst, n = queued
+        return ("copy", src, dst, n)
+    return queued

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
-EventKind = Literal["admit", "commit", "append", "free", "copy"]
-_KINDS: tuple[EventKind, ...] = ("admit", "commit", "append", "free", "copy")
+EventKind = Literal["admit", "commit", "append", "free", "copy", "offload", "onboard"]
+_KINDS: tuple[EventKind, ...] = ("admit", "commit", "append", "free", "copy", "offload",
+                                 "onboard")
+MOVES: frozenset[str] = frozenset({"copy", "offload", "onboard"})  # KV moves, (src, dst)
 
 
 def hit_rate(reused_blocks: int | float, missed_blocks: int | float) -> float:
@@ -143,9 +145,13 @@ class Event(NamedTuple):
     from the start; `block_ids` the sequence's blocks when the commit switched some (a
     deduplicated commit), else empty; None marks a position a sliding window released or
     skipped. append: `tokens` the new tokens, `block_ids` the blocks allocated for them
-    (no tokens: blocks reserved ahead, under a sliding window). free. copy: a copy the engine applied before its next
-    forward pass, `block_ids` = (src, dst) and `num_tokens` slots. The reuse oracle reads
-    kinds, tokens, counts and scopes only; the provenance oracle also the block ids.
+    (no tokens: blocks reserved ahead, under a sliding window). free. copy: a copy the
+    engine applied before its next forward pass, `block_ids` = (src, dst) and
+    `num_tokens` slots. offload: a device block src moved whole to host slot dst;
+    onboard: host slot src's first `num_tokens` slots to device block dst (host slots are
+    their own id space; `seq_id` "CACHE" for the moves of cached blocks). The reuse
+    oracle reads kinds, tokens, counts and scopes only; the provenance oracle also the
+    block ids.
     """
 
     kind: EventKind
@@ -206,7 +212,7 @@ def normalize_event(raw: Event | Mapping[str, Any] | Any) -> Event:
     raw_blocks = tuple(get("block_ids") or ())
     blocks = tuple(None if b is None else _ints((b,), where, "block id")[0]
                    for b in raw_blocks)
-    if kind == "copy" and (len(blocks) != 2 or None in blocks):
+    if kind in MOVES and (len(blocks) != 2 or None in blocks):
         raise ValueError(f"{where}: block_ids must be (src, dst), got {blocks!r}")
     return Event(kind, seq_id, tokens, num, normalize_scope(get("scope"), where), blocks)
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from kvcache import KVCacheManager
 
 _CACHE_KEYS = ("tokens_per_block", "max_num_blocks", "enable_block_reuse",
-               "enable_partial_reuse", "copy_on_partial_reuse")
+               "enable_partial_reuse", "copy_on_partial_reuse", "host_cache_blocks")
 
 
 class Replay(NamedTuple):
@@ -76,12 +76,13 @@ def _feed(cache: KVCacheManager, log: list[dict[str, Any]]) -> dict[Hashable, di
             cache.commit(seq_id, event["num_tokens"])
         elif kind == "append":
             cache.append_tokens(seq_id, event["tokens"])
+            cache.take_copy_ops()  # its evictions' offloads, as the engine's next step
         elif kind == "free":
             if seq_id in live:
                 first[seq_id] = _snapshot(live.pop(seq_id))
             cache.free_sequence(seq_id)
-        elif kind == "copy":
-            pass  # taken right after its admission above
+        elif kind in ("copy", "offload", "onboard"):
+            pass  # block moves: this replay counts blocks, it holds no KV
         else:
             raise ValueError(f"admission log event {i}: unknown kind {kind!r}")
     first.update({seq_id: _snapshot(seq) for seq_id, seq in live.items()})

@@ -76,14 +76,17 @@ class ReproRecord:
 
 def replay_config(cache_config: Mapping[str, Any] | Any) -> dict[str, Any]:
     """What a replay needs of an engine's (or a manager's) cache config: the effective
-    policy (OracleConfig.from_cache_config) and the pool size, when the config has one.
-    Raises ValueError as `from_cache_config` does."""
+    policy (OracleConfig.from_cache_config) and the pool sizes (max_num_blocks,
+    host_cache_blocks), when the config has them. Raises ValueError as
+    `from_cache_config` does."""
     config: dict[str, Any] = asdict(OracleConfig.from_cache_config(cache_config,
                                                                    "cache_config"))
-    pool = (cache_config.get("max_num_blocks") if isinstance(cache_config, Mapping)
-            else getattr(cache_config, "max_num_blocks", None))
-    if pool is not None:
-        config["max_num_blocks"] = pool  # the replay builds the same pool
+    for key in ("max_num_blocks", "host_cache_blocks"):  # the replay builds the same pools
+        del config[key]
+        size = (cache_config.get(key) if isinstance(cache_config, Mapping)
+                else getattr(cache_config, key, None))
+        if size is not None:
+            config[key] = size
     return config
 
 

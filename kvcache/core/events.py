@@ -54,7 +54,7 @@ class CacheEvent(NamedTuple):
 def op_event(owner: Hashable, op: KvOp, tokens_per_block: int) -> CacheEvent:
     """The log's record of `op` (queued for `owner`), taken for the engine to apply."""
     who = "CACHE" if owner is CACHE else owner
-    if type(op) is BlockOffload:
+    if isinstance(op, BlockOffload):
         return CacheEvent("offload", who, (), tokens_per_block, None, (op.src, op.dst))
-    kind: EventKind = "copy" if type(op) is BlockCopy else "onboard"
+    kind: EventKind = "copy" if isinstance(op, BlockCopy) else "onboard"
     return CacheEvent(kind, who, (), op.num_tokens, None, (op.src, op.dst))

@@ -42,7 +42,7 @@ class BlockOnboard(NamedTuple):
 KvOp = BlockCopy | BlockOffload | BlockOnboard
 
 
-class _CacheOwner:
+class CacheOwner:
     """The owner of a queued op that moves a cached block between tiers: the cache itself,
     not a sequence, so freeing a sequence never drops it."""
 
@@ -50,4 +50,4 @@ class _CacheOwner:
         return "CACHE"
 
 
-CACHE = _CacheOwner()
+CACHE = CacheOwner()  # the one instance

@@ -127,3 +127,43 @@ def test_a_window_that_reads_a_released_block_is_an_error() -> None:
            commit("A", 8)]
     with pytest.raises(ValueError, match="position 0 of 'A' is released, yet its window"):
         ShadowStore(4, sliding_window=4).replay(log)
+
+
+# -- the host tier: offloads write host slots, onboards read them ---------------------------
+
+def move(kind: str, src: int, dst: int, n: int = 4) -> Event:
+    return Event(kind, "CACHE", (), n, None, (src, dst))
+
+
+# A's full block (block 1) goes to host slot 0; C computes its own full block in block 1
+# and it goes to slot 1; B reuses A's block, onboarded from slot 0 into block 1 again.
+BEFORE_B = [*A_RUN, move("offload", 1, 0), admit("C", [7, 7, 7, 7, 0], 0, [1, 2]),
+            commit("C", 5), free("C")]
+B_IN = [admit("B", [1, 2, 2, 2, 3], 4, [1, 3]), move("onboard", 0, 1)]
+D_RUN = [commit("B", 5), free("B"), admit("D", [7, 7, 7, 7, 9], 4, [0, 2]),
+         move("onboard", 1, 0), commit("D", 5)]
+
+
+def test_offloads_and_onboards_carry_kv_through_the_host() -> None:
+    shadow = ShadowStore(4)
+    shadow.replay([*BEFORE_B, move("offload", 1, 1), B_IN[0]])
+    shadow.check_live(pending=[("onboard", 0, 1, 4)])  # B's reuse arrives with the onboard
+    with pytest.raises(ProvenanceError, match="'B' would read KV that is not its own"):
+        shadow.check_live(pending=[])
+    shadow.replay([B_IN[1], *D_RUN])
+    assert shadow.holds(0, 3) == "scope None, tokens [7, 7, 7, 7]"  # D's, from slot 1
+    with pytest.raises(ValueError, match="an offload all 4"):
+        shadow.apply(move("offload", 2, 3, n=2))
+
+
+def test_an_onboard_applied_before_the_offload_it_follows_is_cross_talk() -> None:
+    """TensorRT-LLM issue 8813: C's block is offloaded and B's onboarded into the same
+    device block. Applied out of queue order, the host keeps B's KV in C's place, and
+    D, reusing C's prefix from the host, reads another request's KV."""
+    swapped = ShadowStore(4)
+    swapped.replay([*BEFORE_B, *B_IN, move("offload", 1, 1), *D_RUN[:-1]])
+    with pytest.raises(ProvenanceError) as err:
+        swapped.apply(D_RUN[-1])
+    text = str(err.value)
+    assert "expected" in text and "tokens [1, 2, 2, 2]" in text  # B's (A's) KV
+    assert "onboard of slots [0, 4) from host slot 1" in text  # in block 0's history

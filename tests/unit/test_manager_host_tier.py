@@ -1,5 +1,7 @@
 """The host tier: offload on eviction, onboard on a hit, drop by priority-LRU, op order,
-all-or-nothing admission and the counters, on managers small enough to follow by hand."""
+all-or-nothing admission and the counters, on managers small enough to follow by hand.
+They run under the provenance and capacity oracles (`checked=True`): every read through
+an onboarded block finds its reader's KV, carried through the host slots."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def tokens_of(key: bytes) -> list[int]:
 
 
 def test_an_evicted_full_block_is_offloaded_and_stays_matchable(make_manager) -> None:
-    mgr = make_manager(2, 3, host=4, partial=False)
+    mgr = make_manager(2, 3, host=4, partial=False, checked=True)
     cached(mgr, "a", [1, 2, 3, 4])  # [1,2] [3,4] cached, 1 block free
     ops = cached(mgr, "b", [5, 6, 7, 8, 9])  # 3 blocks: the free one, then a's two
     assert [type(op) for op in ops] == [BlockOffload, BlockOffload]
@@ -53,7 +55,7 @@ def test_an_evicted_full_block_is_offloaded_and_stays_matchable(make_manager) ->
 
 def test_a_hit_on_the_host_onboards_it_before_the_admission_uses_the_block(
         make_manager) -> None:
-    mgr = make_manager(2, 3, host=4, partial=False)
+    mgr = make_manager(2, 3, host=4, partial=False, checked=True)
     cached(mgr, "a", [1, 2, 3, 4])
     cached(mgr, "b", [5, 6, 7, 8, 9])  # offloads [1,2] [3,4]
     plan = mgr.plan_admission([1, 2, 3, 4, 0])
@@ -80,7 +82,7 @@ def test_a_hit_on_the_host_onboards_it_before_the_admission_uses_the_block(
 
 
 def test_an_admission_that_cannot_onboard_and_allocate_fails_atomically(make_manager) -> None:
-    mgr = make_manager(2, 4, host=8, partial=False)
+    mgr = make_manager(2, 4, host=8, partial=False, checked=True)
     cached(mgr, "a", [1, 2, 3, 4, 5, 6])  # 3 blocks, offloaded below
     live = mgr.add_sequence("live", [7, 7, 7, 7, 7, 7])  # 3 blocks: evicts 2 of a's
     mgr.take_copy_ops()
@@ -111,7 +113,7 @@ def test_the_host_drops_by_priority_then_lru(make_manager, b_priority: int,
                                              survivors: str) -> None:
     """One full block per request, a device pool of 2 and a host of 2: each request
     offloads the one before; from the third on, the host drops its least valuable."""
-    mgr = make_manager(2, 2, host=2, partial=False)
+    mgr = make_manager(2, 2, host=2, partial=False, checked=True)
     prompts = {name: [t, t, 9] for name, t in zip("ABCDE", (1, 2, 3, 4, 5), strict=True)}
     for name, prompt in prompts.items():
         cached(mgr, name, prompt, commit=2, priority=b_priority if name == "B" else 35)
@@ -122,7 +124,7 @@ def test_the_host_drops_by_priority_then_lru(make_manager, b_priority: int,
 
 
 def test_a_partial_block_is_dropped_never_offloaded(make_manager) -> None:
-    mgr = make_manager(4, 2, host=4)
+    mgr = make_manager(4, 2, host=4, checked=True)
     cached(mgr, "a", [1, 2, 3, 4, 5, 6])  # [1,2,3,4] + partial tail [5,6]
     ops = cached(mgr, "b", [9, 9, 9, 9, 9])  # both blocks evicted
     assert [type(op) for op in ops] == [BlockOffload]
@@ -132,7 +134,7 @@ def test_a_partial_block_is_dropped_never_offloaded(make_manager) -> None:
 
 
 def test_a_partial_hit_on_a_host_block_is_copied_by_an_onboard(make_manager) -> None:
-    mgr = make_manager(4, 2, host=4)
+    mgr = make_manager(4, 2, host=4, checked=True)
     cached(mgr, "a", [1, 2, 3, 4, 5])
     cached(mgr, "b", [9, 9, 9, 9, 9])  # [1,2,3,4] to the host, [5] dropped
     seq = mgr.add_sequence("c", [1, 2, 3, 7, 7])  # 3 tokens of the host block
@@ -147,7 +149,7 @@ def test_a_partial_hit_on_a_host_block_is_copied_by_an_onboard(make_manager) -> 
 
 
 def test_an_edge_is_offloaded_from_its_tail(make_manager) -> None:
-    mgr = make_manager(2, 4, host=8, partial=False)
+    mgr = make_manager(2, 4, host=8, partial=False, checked=True)
     cached(mgr, "a", [1, 2, 3, 4, 5, 6, 7, 8])  # one edge of 4 blocks
     mgr.add_sequence("x", [9, 9, 9])  # 2 blocks: [5,6] [7,8] go to the host
     assert [type(op) for op in mgr.take_copy_ops()] == [BlockOffload] * 2
@@ -159,17 +161,19 @@ def test_an_edge_is_offloaded_from_its_tail(make_manager) -> None:
 
 
 def test_a_commit_equal_to_a_host_block_takes_the_sequences_copy(make_manager) -> None:
-    mgr = make_manager(2, 6, host=4, partial=False, kv_events=True)
+    mgr = make_manager(2, 6, host=4, partial=False, kv_events=True, checked=True)
     a = mgr.add_sequence("a", [1, 2, 3, 4, 5])
     cached(mgr, "b", [1, 2, 3, 4, 6], commit=4)  # b commits [1,2] [3,4] first
     mgr.add_sequence("c", [9, 9, 9, 9, 9])  # 1 free block + b's two, offloaded
     mgr.take_copy_ops()
     assert host_blocks(mgr) == 2
     mgr.take_kv_events()
+    own, version = list(a.block_ids), a.block_ids_version
     mgr.commit("a", 4)  # equal to the host blocks: they come back as a's own, no copy
     assert mgr.take_copy_ops() == []
     assert host_blocks(mgr) == 0 and mgr.stats().cached_num_host_blocks == 0
-    assert a.holdings.shadow == () and a.holdings.tree_blocks == 2
+    assert (list(a.block_ids), a.block_ids_version) == (own, version)  # no switch
+    assert a.holdings.tree_blocks == 2
     assert mgr.stats().onboarded_blocks == 0
     removed, stored = mgr.take_kv_events()
     assert isinstance(removed, BlockRemoved) and removed.medium == "CPU"
@@ -181,7 +185,7 @@ def test_a_commit_equal_to_a_host_block_takes_the_sequences_copy(make_manager) -
 
 
 def test_no_room_on_the_host_drops_the_edge_and_its_host_subtree(make_manager) -> None:
-    mgr = make_manager(2, 3, host=1, partial=False)
+    mgr = make_manager(2, 3, host=1, partial=False, checked=True)
     cached(mgr, "a", [1, 2, 3, 4, 5, 6])  # one edge of 3 blocks
     mgr.add_sequence("x", [9, 9])  # 1 block: [5,6] to the host
     assert [type(op) for op in mgr.take_copy_ops()] == [BlockOffload]
@@ -196,7 +200,7 @@ def test_no_room_on_the_host_drops_the_edge_and_its_host_subtree(make_manager) -
 
 
 def test_freeing_a_sequence_keeps_the_moves_of_cached_blocks(make_manager) -> None:
-    mgr = make_manager(2, 3, host=4, partial=False)
+    mgr = make_manager(2, 3, host=4, partial=False, checked=True)
     cached(mgr, "a", [1, 2, 3, 4])
     cached(mgr, "b", [5, 6, 7, 8, 9])
     mgr.add_sequence("c", [1, 2, 3, 4, 0])  # offloads b's blocks, onboards a's
@@ -208,7 +212,7 @@ def test_freeing_a_sequence_keeps_the_moves_of_cached_blocks(make_manager) -> No
 
 
 def test_step_stats_count_the_moves_of_each_step(make_manager) -> None:
-    mgr = make_manager(2, 3, host=4, partial=False)
+    mgr = make_manager(2, 3, host=4, partial=False, checked=True)
     cached(mgr, "a", [1, 2, 3, 4])
     mgr.step_stats()
     cached(mgr, "b", [5, 6, 7, 8, 9])
@@ -226,7 +230,7 @@ def test_reset_cache_clears_both_tiers(make_manager) -> None:
     cached(mgr, "a", [1, 2, 3, 4])
     cached(mgr, "b", [5, 6, 7, 8, 9])
     on_device = sorted(b for _, node in mgr.tree.walk() if not node.host for b in node.blocks)
-    assert host_blocks(mgr) == 2 and len(on_device) == 3
+    assert host_blocks(mgr) == 2 and len(on_device) == 2  # no tail without partial reuse
     removed: list[list[int]] = []
     mgr.on_blocks_removed = removed.append
     mgr.reset_cache()
