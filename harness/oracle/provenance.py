@@ -201,6 +201,7 @@ class ShadowStore:
 
     def _move(self, ev: Event) -> None:
         src, dst = ev.block_ids
+        assert src is not None and dst is not None  # normalize_event refuses None here
         n = ev.num_tokens
         B = self.tokens_per_block
         if not 0 < n <= B or (ev.kind == "offload" and n != B):

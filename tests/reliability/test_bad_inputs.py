@@ -69,6 +69,9 @@ def cases(*params: Any) -> list[Any]:
                  r"KvCacheConfig\.host_cache_blocks=64 keeps evicted cached blocks for reuse, "
                  r"but enable_block_reuse=False caches nothing; set host_cache_blocks=0",
                  id="cfg-host-without-reuse"),
+    pytest.param({"sliding_window": 32, "host_cache_blocks": 64},
+                 r"KvCacheConfig\.host_cache_blocks=64 is unsupported with sliding_window=32",
+                 id="cfg-host-window"),
 ))
 def test_bad_cache_config(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -212,3 +212,20 @@ def test_interleaved_offload_and_onboard_never_cross_talk(
                 reused_slot |= any(type(o) is BlockOffload and o.dst == op.src for o in later)
     assert reused_block and reused_slot, "the scenario no longer interleaves the tiers"
     expect_reuse_across_tiers(scenario, engine, outs, NO_PARTIAL)
+
+
+def test_a_window_model_keeps_full_bookkeeping_with_a_host_tier(
+        make_engine: EngineFactory, scenario: ScenarioRun) -> None:
+    """A sliding-window model (tiny-swa) with a host tier: the cache keeps full-attention
+    bookkeeping (the host tier offloads leaves; windowed eviction would hollow interior
+    blocks), and reuse through the host stays right."""
+    B = 4
+    prompts = shared_system_prompt(6, 3 * B, 5, num_groups=3, vocab=VOCAB, seed=4)
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, preset="tiny-swa")
+    engine = make_engine(B, mode=NO_PARTIAL, max_num_blocks=8, host_cache_blocks=32,
+                         preset="tiny-swa")
+    assert engine.cache_config.sliding_window is None
+    assert engine.cache_config.host_cache_blocks == 32
+    outs = engine.generate(prompts, NEW_TOKENS) + engine.generate(prompts, NEW_TOKENS)
+    assert_same_outputs(reference + reference, outs, TORCH, "window model, through the host")
+    expect_reuse_across_tiers(scenario, engine, outs, NO_PARTIAL)
