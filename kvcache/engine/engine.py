@@ -3,16 +3,14 @@
     engine = Engine("tiny", KvCacheConfig(...), attn_backend="torch")
     outs = engine.generate(prompts, max_new_tokens=8)
 
-One step = schedule (admit with reuse, chunk prefills under the token budget), apply the
-manager's block copies, take the paged metadata from the persistent batch (kept across
-steps; under a sliding window built from the block table, whose rows lose released
-blocks at the front), plan the backend once, run the model (the backend appends and
-attends per layer), sample greedily, commit what was computed.
+The Engine builds the parts from its options (model, cache manager, KV storage, backend,
+block table, persistent batch, scheduler, CUDA graphs, snapshots) and is the thread-safe
+request API: add_request, abort, step, generate. What one step does (schedule, apply the
+manager's copies, metadata, plan, forward, sample, commit) is kvcache/engine/step_runner.py.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -22,12 +20,10 @@ import numpy as np
 import torch
 
 from kvcache.attention.block_table import BlockTable
-from kvcache.attention.metadata import PagedMetadata, build_metadata
 from kvcache.attention.persistent_batch import PersistentBatch
 from kvcache.attention.registry import get_backend
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
-from kvcache.core.pool import OutOfBlocksError
 from kvcache.core.radix import ReuseScope
 from kvcache.core.stats import KvCacheStats
 from kvcache.core.validate import check_positive_int, check_priority
@@ -43,15 +39,13 @@ from kvcache.engine.request import (
     check_tokens,
 )
 from kvcache.engine.reuse_policy import resolve_reuse, resolve_window
-from kvcache.engine.scheduler import Chunk, Scheduler
+from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.state_snapshots import StateSnapshots
-from kvcache.engine.step_context import StepContext, sampled_rows
+from kvcache.engine.step_runner import StepRunner
 from kvcache.engine.step_timer import StepTimer
 from kvcache.model.config import get_preset
 from kvcache.model.transformer import Transformer
 from kvcache.storage.kv_storage import KvLayout, KvStorage
-
-log = logging.getLogger(__name__)
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
 # Admission into an idle engine fails only transiently (all blocks are then free or
@@ -126,7 +120,6 @@ class Engine:
         if mc.has_recurrent_layers and self.cache_config.block_reuse:
             self.snapshots = StateSnapshots(mc.recurrent_layers, mc.hidden_size, interval)
             self.manager.on_blocks_removed = self.snapshots.drop
-        self._attn_layer = {layer: i for i, layer in enumerate(mc.attention_layers)}
         self.storage = KvStorage(num_layers=max(1, len(mc.attention_layers)),
                                  num_blocks=cache_config.max_num_blocks, block_size=B,
                                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -157,15 +150,17 @@ class Engine:
                                    chunked=enable_chunked_prefill, share_prefixes=share_prefixes)
         self.graphs = DecodeGraphs(self.model, self.backend, self.graph_batch_sizes,
                                    self.device) if cuda_graph else None
+        self.runner = StepRunner(model=self.model, backend=self.backend, manager=self.manager,
+                                 scheduler=self.scheduler, storage=self.storage,
+                                 table=self.table, batch=self.batch, graphs=self.graphs,
+                                 graph_batch_sizes=self.graph_batch_sizes,
+                                 snapshots=self.snapshots, device=self.device)
         self._lock = FairLock()
         self._next_rid = 0
         self._awaited: set[int] = set()  # requests some generate() call is waiting for
         self._outputs: dict[int, GenerationOutput] = {}  # their outputs, until collected
         self._unclaimed: list[GenerationOutput] = []  # others' outputs, for the next step()
         self.idle = False  # the last step scheduled nothing
-        self.num_steps = 0
-        self.num_computed_tokens = 0  # tokens the model ran on (padding excluded)
-        self.step_timer: StepTimer | None = None  # set one to time each step's phases
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig, *,
@@ -180,6 +175,25 @@ class Engine:
         device = options.get("device", "cpu")
         model = load_pretrained(path, dtype=dtype, device=device, check_finite=check_finite)
         return cls(model, cache_config, **options)
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran the model."""
+        return self.runner.num_steps
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens the model ran on (padding excluded)."""
+        return self.runner.num_computed_tokens
+
+    @property
+    def step_timer(self) -> StepTimer | None:
+        """Times every step's phases when set (None: untimed)."""
+        return self.runner.timer
+
+    @step_timer.setter
+    def step_timer(self, timer: StepTimer | None) -> None:
+        self.runner.timer = timer
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
@@ -270,139 +284,14 @@ class Engine:
 
     def _step(self) -> list[GenerationOutput]:
         """One step; outputs some generate() awaits are parked for it, the rest returned."""
-        timer = self.step_timer
-        if timer is not None:
-            timer.start()
-        chunks, row_tokens = self.scheduler.schedule()
-        self.idle = not chunks
-        if not chunks:
-            return []  # waiting requests wait for blocks, slots or budget
-        # copies, offloads and onboards, in queue order, before the forward writes or
-        # reads any block they touch (an evicted block's new owner writes it this step)
-        ops = self.manager.take_copy_ops()
-        if ops:
-            self.storage.apply_copies(ops)
-        if self.snapshots is not None:
-            self.snapshots.restore(chunks, self.cache_config.tokens_per_block)
-        if timer is not None:
-            timer.lap("schedule")
-        try:
-            logits, snapshot_states = self._forward(chunks, row_tokens)
-        except BaseException:
-            self.scheduler.recount_batch()  # the step did not happen; it runs again next time
-            raise
-        if self.snapshots is not None:
-            for block, states in snapshot_states.items():
-                self.snapshots.save(block, states)  # before the commit makes it matchable
-        self.num_steps += 1
-        tokens = self._sample(chunks, logits)
-        if timer is not None:
-            timer.lap("sample")
+        done = self.runner.run()
+        self.idle = done is None
         finished = []
-        for out in self._commit(chunks, tokens):
+        for out in done or ():
             if out.request_id in self._awaited:
                 self._outputs[out.request_id] = out
             else:
                 finished.append(out)
-        if timer is not None:
-            timer.lap("commit")
-            timer.finish()
-        return finished
-
-    def _forward(self, chunks: list[Chunk], row_tokens: list[int] | None
-                 ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
-        """Logits of the sampling rows, and the recurrent-state snapshots taken (block id
-        -> state per recurrent layer). row_tokens: the schedule's, for the batch."""
-        timer = self.step_timer
-        pad_to = None
-        if self.graph_batch_sizes and len(chunks) <= self.graph_batch_sizes[-1] and all(
-                c.num_new == 1 and c.samples for c in chunks):
-            pad_to = next(s for s in self.graph_batch_sizes if s >= len(chunks))
-        # The batch's metadata views its buffers: valid until the next step changes them.
-        md = (self.batch.step(row_tokens, pad_to=pad_to) if self.batch is not None
-              else self._table_metadata(chunks, pad_to))
-        ids: list[int] = []
-        for c in chunks:
-            req = c.req
-            ids += req.tokens[req.num_computed:req.num_computed + c.num_new]
-        self.num_computed_tokens += len(ids)
-        ids += [0] * md.num_padded
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = md.positions.to(self.device)
-        rows = sampled_rows(chunks, self.device)  # one selection for the eager and graph paths
-        snapshot_rows = (self.snapshots.rows(chunks, self.cache_config.tokens_per_block)
-                         if self.snapshots is not None else None)
-        ctx = StepContext(self.backend, self._attn_layer, md, [c.req for c in chunks],
-                          self.model.config.hidden_size, self.device, snapshot_rows)
-        if timer is not None:
-            timer.lap("metadata")
-        with torch.inference_mode():
-            if self.graphs is not None and md.is_decode and md.batch_size in self.graphs.sizes:
-                logits = self.graphs.run(md, input_ids, positions, ctx).index_select(0, rows)
-            else:
-                self.backend.plan(md)
-                if timer is not None:
-                    timer.lap("plan")
-                logits = self.model(input_ids, positions, ctx, rows)
-        if timer is not None:
-            timer.lap("forward")
-        return logits, ctx.snapshot_states
-
-    def _table_metadata(self, chunks: list[Chunk], pad_to: int | None) -> PagedMetadata:
-        """This step's metadata gathered from the block table (no persistent batch)."""
-        slots = np.fromiter((c.req.slot for c in chunks), dtype=np.int64, count=len(chunks))
-        return build_metadata(self.table, slots, [c.req.num_computed for c in chunks],
-                              [c.num_new for c in chunks],
-                              block_size=self.cache_config.tokens_per_block,
-                              page_size=self.backend.page_size,
-                              page_index_multiplier=self.backend.page_index_multiplier,
-                              pad_to=pad_to)
-
-    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[int]:
-        """The next token of every chunk that samples, in order (greedy, or forced); keeps
-        the logits of requests that return them. One argmax for the batch: per row it
-        cost ~5 us a request."""
-        greedy = logits.argmax(-1).tolist()
-        host = None
-        tokens = []
-        for row, req in enumerate(c.req for c in chunks if c.samples):
-            tokens.append(req.forced[len(req.generated)] if req.forced is not None
-                          else greedy[row])
-            if req.return_logits:
-                if host is None:
-                    host = logits.detach().to("cpu", torch.float32)
-                req.logits.append(host[row].clone())
-        return tokens
-
-    def _commit(self, chunks: list[Chunk], tokens: list[int]) -> list[GenerationOutput]:
-        """Commit what the step computed, append the sampled tokens, release finished
-        requests and preempt those that get no block for their next token."""
-        finished = []
-        sampled = iter(tokens)
-        for c in chunks:
-            req = c.req
-            req.num_computed += c.num_new
-            self.manager.commit(req.rid, req.num_computed)
-            # a deduplicated commit switches blocks (the snapshots of those it gives back
-            # go through the manager's on_blocks_removed)
-            self.scheduler.sync_table(req)
-            if not c.samples:
-                self.scheduler.sync_table(req)  # the commit may have released blocks
-                continue
-            tok = next(sampled)
-            req.generated.append(tok)
-            req.tokens.append(tok)
-            if len(req.generated) >= req.max_new_tokens:
-                self.scheduler.release(req)
-                finished.append(req.output(FinishReason.LENGTH))
-                continue
-            try:
-                self.manager.append_tokens(req.rid, [tok])
-            except OutOfBlocksError:
-                log.info("preempting request %d: no block for its next token", req.rid)
-                self.scheduler.preempt(req)
-                continue
-            self.scheduler.sync_table(req)
         return finished
 
     # ------------------------------------------------------------------ convenience
