@@ -28,16 +28,22 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvcache.core.kv_event_log import KvEventLog
 from kvcache.core.ops import CACHE, BlockOffload, BlockOnboard, KvOp
 from kvcache.core.radix import BlockRadixTree, Node
 
-if TYPE_CHECKING:
-    from kvcache.core.pool import BlockPool
-
 Queue = Callable[[Hashable, KvOp], None]  # (owner, op): the manager's op queue
+
+
+class DevicePool(Protocol):
+    """What the host tier needs of the device pool (kvcache/core/pool.py, which imports
+    this module): its current tree (reset replaces it) and the stamps of its heap."""
+
+    tree: BlockRadixTree
+
+    def next_stamp(self) -> int: ...
 
 
 def has_device_child(node: Node) -> bool:
@@ -54,7 +60,7 @@ class HostTier:
     tree block is never dropped with the sequence that caused it. `log` records KV events.
     """
 
-    def __init__(self, num_slots: int, device: BlockPool, queue: Queue,
+    def __init__(self, num_slots: int, device: DevicePool, queue: Queue,
                  log: KvEventLog | None) -> None:
         self.num_slots = num_slots
         self.device = device
