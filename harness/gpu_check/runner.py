@@ -137,7 +137,7 @@ def run_stage(stage: Stage, results: Path, deadline: float, test_timeout: int,
     missing = [m for m in stage.requires if importlib.util.find_spec(m) is None]
     if missing:
         return StageResult(stage.name, stage.title, "skipped", 0.0,
-                           f"needs {', '.join(missing)} (pip install -e .[bench])", ())
+                           f"needs {', '.join(missing)} (pip install -e .[test])", ())
     left = deadline - time.time()
     if left < min_stage_s:
         return StageResult(stage.name, stage.title, "skipped", 0.0,

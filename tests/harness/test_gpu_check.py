@@ -98,7 +98,7 @@ def test_the_budget_stops_a_running_stage_and_skips_the_rest(tmp_path: Path) -> 
     needs = _stage(tmp_path, "needs", HANGS, requires=("no_such_module_here",))
     skipped = run_stage(needs, tmp_path, time.time() + 600, test_timeout=600)
     assert (skipped.status, skipped.reason) == ("skipped", "needs no_such_module_here (pip "
-                                                           "install -e .[bench])")
+                                                           "install -e .[test])")
 
 
 def test_tests_that_start_after_the_deadline_are_skipped_with_the_reason(tmp_path: Path) -> None:
