@@ -1,151 +1,189 @@
-"""DecodeLayout: a decode step's per-row arrays, laid out so the next step is two bumps.
+"""DecodeLayout: a decode step's per-row arrays, laid out so the next step is two adds.
 
 While the same rows decode one token per step, every per-row value of the metadata moves
-by one: position, append slot, last-page length and kv length. The four live in two
-buffers (int64 and int32, the dtypes PagedMetadata fixes), each laid out per batch size n
-so the rows' values are one contiguous run:
+by one: position, append slot, last-page length and kv length. They live in two buffers
+(int64 and int32, the dtypes PagedMetadata fixes), laid out for n rows padded to Bt so
+that one numpy add moves each:
 
-    int64: [append_slots (n) | positions (n) | 0 padding (Bt - n)]   bump [:2n]
-    int32: [last_page_len (n) | kv_lens (n)] when Bt == n          bump [:2n]
-           [last_page_len (Bt) | kv_lens (Bt)] padded              bump both [:n]
+    int64: [append_slots (n) | positions (Bt)]                        add 1 to [:2n]
+    int32: [kv_indptr (Bt + 1) | last_page_len (Bt) | kv_lens (Bt)]   add a delta vector
 
-Every page_size steps a row's last page is full and its next token starts a page: that
-row's append slot and last-page length restart, and PageRows splices the page in. A row
-does so at a fixed phase of the page cycle, so the rows due at each phase are found once
-per layout (when first due) and a step with none due touches no page at all.
+Padding rows' entries are 0 and stay so (their deltas are 0). Every page_size steps a
+row's last page is full and its next token starts a page: its append slot and last-page
+length restart, PageRows inserts the page, and kv_indptr moves up for every row after it.
+A row does so at a fixed phase of the page cycle, so each phase's rows and the deltas
+that restart them (`_Starts`) are worked out when first due and kept until the rows
+change; a step in which no row is due touches no page at all.
+
+The counters are those of the step before: `lay_out` writes rows holding kv tokens as if
+their last step had written position kv - 1, and `step` moves them on like any other,
+page starts included. Laying out (after an admission, a leave or a prefill step) is a
+dozen numpy calls and reads nothing from the block table.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvcache.attention.metadata import PagedMetadata
-from kvcache.attention.metadata_decode import IntArray
-from kvcache.attention.page_rows import PageRows, PageStarts
+from kvcache.attention.metadata_decode import Int32Array, IntArray
+from kvcache.attention.page_rows import PageRows
 
+# Rows starting a page in one step up to which scalar Python (~1 us a row, memmove
+# included) beats reading their pages with numpy (~3 us, then ~0.6 us a row).
+SCALAR_STARTS = 4
 _ONE64 = np.array(1, dtype=np.int64)  # 0-d operands are cheaper than Python ints
-_ONE32 = np.array(1, dtype=np.int32)
+
+
+class _Starts(NamedTuple):
+    """The rows (ascending) that start a page at one phase of the page cycle."""
+
+    rows: IntArray
+    rows_list: list[int]
+    slots_list: list[int]   # theirs
+    slots: IntArray
+    delta64: IntArray       # added to [append_slots | positions[:n]]: 1, or 1 - P to restart
+    delta32: Int32Array     # added to [kv_indptr | last_page_len | kv_lens]
 
 
 class DecodeLayout:
-    """The decode-step arrays of up to `capacity` rows (padding included) over `pages`."""
+    """The decode-step arrays of up to `capacity` rows (padding included) over `pages`.
 
-    def __init__(self, pages: PageRows, capacity: int) -> None:
+    `ints` is an int32 buffer of 3 * capacity + 1 entries whose first capacity + 1 are
+    pages.indptr. `md` is None while there is no layout (rows changed since).
+    """
+
+    def __init__(self, pages: PageRows, ints: Int32Array, capacity: int) -> None:
+        assert pages.indptr.base is ints, "indptr heads the int32 buffer"
         self.pages = pages
         self.page_size = pages.page_size
+        self._i32 = ints
         self._i64 = np.zeros(2 * capacity, dtype=np.int64)
-        self._i32 = np.zeros(2 * capacity, dtype=np.int32)
         self._append_pages = np.zeros(capacity, dtype=np.int64)
         self._arange = np.arange(capacity + 1, dtype=np.int32)  # qo_indptr, batch_indices
+        self._due = np.zeros(capacity, dtype=np.int64)  # the phase at which each row starts a page
         t = torch.from_numpy
-        self._t64, self._t32 = t(self._i64), t(self._i32)
+        self._t64, self._t32 = t(self._i64), t(ints)
         self._t_append_pages, self._t_arange = t(self._append_pages), t(self._arange)
-        self._t_indptr = t(pages.indptr)
-        self.md: PagedMetadata | None = None  # None: no layout (rows changed since)
+        self.md: PagedMetadata | None = None
         self._n = self._Bt = 0
-        # The layout's tensor views depend on (n, Bt) alone: made once per pair.
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self._bump64 = self._i64[:0]
-        self._bump32 = self._i32[:0]
-        # Steps since build, mod page_size; _due[phase]: rows that start a page then.
-        self._phase = 0
-        self._due: list[int] = []
-        self._due_by_row = np.zeros(capacity, dtype=np.int32)
-        self._starts: list[PageStarts | None] = []
+        # The (n, Bt) layout's tensor views and its quiet int32 delta, made once per pair.
+        self._views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], Int32Array]] = {}
+        self._quiet = np.zeros(0, dtype=np.int32)
+        self._moving = self._i64[:0], ints[:0]  # what a step adds to: [:2n] and [:3Bt + 1]
+        self._phase = 0  # steps taken, mod page_size
+        self._counts: list[int] = []  # rows due at each phase
+        self._starts: list[_Starts | None] = []
 
     def kv_after(self) -> IntArray:
         """Each row's kv length after the last step (a fresh array)."""
         n = self._n
         return self._i64[n : 2 * n] + _ONE64
 
-    def build(self, kv: IntArray, slots: IntArray, Bt: int) -> PagedMetadata:
-        """The decode step of rows holding kv[i] tokens (the new token's position; rows
-        of slots[i]), padded to Bt. Grows the pages as the step needs. Raises ValueError
-        as PageRows.update, changing nothing."""
+    def lay_out(self, kv: IntArray, Bt: int) -> None:
+        """Lay out rows whose pages hold kv[i] tokens (ceil(kv[i] / P) pages each, in
+        `pages`), padded to Bt; `step` then writes position kv[i] of each."""
         P, pages, n = self.page_size, self.pages, len(kv)
-        pages.update(slots, kv // P + _ONE64)
         i64, i32 = self._i64, self._i32
-        append_slots, positions = i64[:n], i64[n : n + Bt]
-        last_page_len, kv_lens = i32[:Bt], i32[Bt : 2 * Bt]
-        np.remainder(kv, P, out=append_slots)
-        positions[:n] = kv
+        pages.pad(Bt)
+        positions = i64[n : n + Bt]
+        np.subtract(kv, _ONE64, out=positions[:n])  # the previous step's
         positions[n:] = 0
-        np.add(append_slots, _ONE64, out=last_page_len[:n])
-        np.add(kv, _ONE64, out=kv_lens[:n])
+        np.remainder(positions[:n], P, out=i64[:n])
+        last_page_len, kv_lens = i32[Bt + 1 : 2 * Bt + 1], i32[2 * Bt + 1 : 3 * Bt + 1]
+        np.add(i64[:n], _ONE64, out=last_page_len[:n])
         last_page_len[n:] = 0
+        kv_lens[:n] = kv
         kv_lens[n:] = 0
-        self._append_pages[:n] = pages.flat[pages.indptr[1 : n + 1] - _ONE32]
-        pages.indptr[n + 1 : Bt + 1] = pages.nnz
-        self._bump64 = i64[: 2 * n]
-        self._bump32 = i32[: 2 * n] if Bt == n else i32[: 2 * Bt].reshape(2, Bt)[:, :n]
-        # A row whose last page holds `last` tokens starts one P + 1 - last steps on.
-        due = self._due_by_row[:n]
-        np.remainder(P + 1 - last_page_len[:n], P, out=due)
-        self._due = np.bincount(due, minlength=P).tolist()
+        # A row's new token goes to its last page unless it starts one (then set there);
+        # a row without pages reads some entry here and always starts one.
+        self._append_pages[:n] = pages.flat[pages.indptr[1 : n + 1] - 1]
+        # Position kv[i] is written phase + 1 steps on; its row starts a page when it is
+        # a multiple of P.
+        due = self._due[:n]
+        np.remainder(self._phase + 1 - kv, P, out=due)
+        self._counts = np.bincount(due, minlength=P).tolist()
         self._starts = [None] * P
-        self._phase = 0
         self._n, self._Bt = n, Bt
-        v = self._views.get((n, Bt)) or self._make_views(n, Bt)
-        self.md = PagedMetadata(v[0], v[1], pages.indices(), v[2], v[3], v[4], v[5], v[6], v[7],
+        self._moving = i64[: 2 * n], i32[: 3 * Bt + 1]
+        views, self._quiet = self._views.get((n, Bt)) or self._make_views(n, Bt)
+        self.md = PagedMetadata(*views[:2], pages.kv_indices, *views[2:],
                                 page_size=P, num_requests=n, num_padded=Bt - n,
                                 is_decode=True, num_tokens=Bt, num_append_tokens=n)
-        return self.md
 
-    def _make_views(self, n: int, Bt: int) -> tuple[torch.Tensor, ...]:
-        """PagedMetadata's tensors but kv_indices, in field order, for the (n, Bt) layout."""
+    def _make_views(self, n: int, Bt: int) -> tuple[tuple[torch.Tensor, ...], Int32Array]:
+        """PagedMetadata's tensors but kv_indices, in field order, for the (n, Bt) layout,
+        and the int32 delta of a step in which no row starts a page."""
         t64, t32, arange = self._t64, self._t32, self._t_arange
-        views = (arange[: Bt + 1], self._t_indptr[: Bt + 1], t32[:Bt], t32[Bt : 2 * Bt],
-                 t64[n : n + Bt], arange[:Bt], self._t_append_pages[:n], t64[:n])
+        views = (arange[: Bt + 1], t32[: Bt + 1], t32[Bt + 1 : 2 * Bt + 1],
+                 t32[2 * Bt + 1 : 3 * Bt + 1], t64[n : n + Bt], arange[:Bt],
+                 self._t_append_pages[:n], t64[:n])
+        quiet = np.zeros(3 * Bt + 1, dtype=np.int32)
+        quiet[Bt + 1 : Bt + 1 + n] = 1
+        quiet[2 * Bt + 1 : 2 * Bt + 1 + n] = 1
         if len(self._views) >= 1024:  # bounded: batch sizes times paddings seen
             self._views.clear()
-        self._views[n, Bt] = views
-        return views
+        self._views[n, Bt] = views, quiet
+        return views, quiet
 
-    def advance(self, slots: IntArray, slot_list: list[int]) -> PagedMetadata:
-        """The next decode step of the same rows (slots: theirs, as an array and a list).
-        Raises ValueError (nothing changed) when a row starting a page has no block for
-        it in the table."""
+    def step(self, slots: IntArray) -> PagedMetadata:
+        """The next decode step of the laid-out rows (slots: theirs), as the PagedMetadata
+        `lay_out` made (the same object every step, kv_indices resized in place). Raises
+        ValueError (nothing changed) when a row starting a page has no block for it in the
+        table."""
         md = self.md
-        assert md is not None, "advance() follows build()"
+        assert md is not None, "step() follows lay_out()"
         phase = self._phase + 1
         if phase == self.page_size:
             phase = 0
-        if not self._due[phase]:
-            self._phase = phase
-            np.add(self._bump64, _ONE64, out=self._bump64)
-            np.add(self._bump32, _ONE32, out=self._bump32)
-            return md
-        starts = self._starts[phase]
-        if starts is None:
-            rows = np.flatnonzero(self._due_by_row[: self._n] == phase)
-            starts = self._starts[phase] = self.pages.starts(rows, slots)
-        self._start_pages(starts, slots, slot_list)
+        i64, i32 = self._moving
+        if not self._counts[phase]:
+            np.add(i64, _ONE64, out=i64)
+            np.add(i32, self._quiet, out=i32)
+        else:
+            starts = self._starts[phase] or self._plan(phase, slots)
+            self._start_pages(starts, slots)  # may raise: first
+            np.add(i64, starts.delta64, out=i64)
+            np.add(i32, starts.delta32, out=i32)
         self._phase = phase
-        n, Bt, pages = self._n, self._Bt, self.pages
-        if Bt > n:
-            pages.indptr[n + 1 : Bt + 1] = pages.nnz
-        # Positional, not md._replace: half the cost.
-        self.md = md = PagedMetadata(md[0], md[1], pages.indices(), md[3], md[4], md[5], md[6],
-                                     md[7], md[8], md[9], md[10], md[11], md[12], md[13], md[14])
         return md
 
-    def _start_pages(self, starts: PageStarts, slots: IntArray, slot_list: list[int]) -> None:
-        """Bump every row, the rows of `starts` into a new page (their append slot and
-        last-page length restart: the first entries of the two buffers)."""
-        rows, i64, i32 = starts.rows, self._i64, self._i32
-        if len(rows) == 1:  # scalar code: a third of the vectorized path's cost
-            row = int(rows[0])
-            page = self.pages.grow_one(row, slot_list[row])  # may raise: first
-            np.add(self._bump64, _ONE64, out=self._bump64)
-            np.add(self._bump32, _ONE32, out=self._bump32)
-            i64[row] = 0
-            i32[row] = 1
-            self._append_pages[row] = page
+    def _plan(self, phase: int, slots: IntArray) -> _Starts:
+        """The rows due at `phase` and the deltas of their step, kept until lay_out."""
+        n, Bt, P = self._n, self._Bt, self.page_size
+        rows = np.flatnonzero(self._due[:n] == phase)
+        delta64 = np.ones(2 * n, dtype=np.int64)
+        delta64[rows] = 1 - P  # append slot P - 1 -> 0
+        delta32 = self._quiet.copy()
+        delta32[Bt + 1 + rows] = 1 - P  # last-page length P -> 1
+        indptr = delta32[: Bt + 1]
+        indptr[rows + 1] = 1
+        np.cumsum(indptr, out=indptr)  # each row's pages start after the new ones before it
+        starts = _Starts(rows, rows.tolist(), slots[rows].tolist(), slots[rows], delta64,
+                         delta32)
+        self._starts[phase] = starts
+        return starts
+
+    def _start_pages(self, starts: _Starts, slots: IntArray) -> None:
+        """The rows of `starts` gain their next page: kv_indices and append_pages (the
+        counters are the caller's). Raises ValueError (nothing changed) as PageRows.page_id."""
+        pages, rows = self.pages, starts.rows_list
+        if len(rows) == 1:
+            row = rows[0]
+            self._append_pages[row] = pages.grow_one(row, starts.slots_list[0])
             return
-        new_pages = self.pages.grow(starts, slots)  # may raise: first
-        np.add(self._bump64, _ONE64, out=self._bump64)
-        np.add(self._bump32, _ONE32, out=self._bump32)
-        i64[rows] = 0
-        i32[rows] = 1
-        self._append_pages[rows] = new_pages
+        if len(rows) <= SCALAR_STARTS:
+            ends, ids = pages.next_ids(rows, starts.slots_list)  # may raise: first
+            pages.insert(ends, ids)
+            append_pages = self._append_pages
+            for r, page in zip(rows, ids, strict=True):
+                append_pages[r] = page
+            return
+        indptr = pages.indptr
+        ends = indptr[starts.rows + 1]
+        ids = pages.ids(starts.slots, ends - indptr[starts.rows])
+        pages.grow(starts.rows, ends, ids, slots)
+        self._append_pages[starts.rows] = ids

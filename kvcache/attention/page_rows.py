@@ -3,20 +3,23 @@
 Kernels read a batch's pages as kv_indices (every row's pages, concatenated in row order)
 and kv_indptr (where each row's pages start). Between steps the rows change little: a
 decoding row gains a page every page_size tokens, a finished row leaves, an admitted one
-joins at the end. PageRows rewrites the CSR for such a change without re-reading the
-block table for rows that did not change.
+joins at the end. PageRows rewrites the CSR for such a change in place, without
+re-reading the block table for rows that did not change.
 
-Rewrites go to the second of two buffers, which then becomes the live one: numpy copies
-an overlapping slice through a temporary, so shifting pages in place would move every
-page twice. A change to a few rows copies the unchanged runs between them (one memmove
-each); a change to more than SPLICE_LIMIT rows gathers every row from the block table
-instead, one call whatever changed. The costs that matter are per numpy call (~0.5 us),
-so the decode path (`grow`, `grow_one`) takes precomputed rows and makes a dozen calls.
+kv_indices lives in one buffer, and one tensor views it, resized in place to the pages in
+use. A row that gains pages moves the pages after it up; the runs of unchanged rows move
+last first, one memmove each. That is `ctypes.memmove`: numpy copies an overlapping slice
+that moves up element by element (4x slower than a memmove at 64k pages) and torch
+refuses overlapping copies. A change to more than SPLICE_LIMIT rows gathers every row
+from the block table instead, a few calls whatever changed. The costs that matter are per
+call (~0.3 us for a memmove or a small numpy call), so a decode step's page starts
+(`page_id`, `insert`) are scalar Python over rows the caller keeps.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -26,19 +29,10 @@ from kvcache.attention.block_table import INT32_LIMIT, BlockTable
 from kvcache.attention.metadata_decode import Int32Array, IntArray, gather_pages
 
 # Changed rows past which one gather from the table beats a memmove per unchanged run
-# (at batch 256, 4k contexts: a run costs ~0.4 us, a uniform gather ~6 us).
+# (at batch 256, 4k contexts: a run costs ~0.5 us, a uniform gather ~10 us).
 SPLICE_LIMIT = 32
-_ONE32 = np.array(1, dtype=np.int32)
-
-
-class PageStarts(NamedTuple):
-    """Rows (ascending) that start their next page in the same decode step, every
-    page_size steps; `grow` advances next_page in place."""
-
-    rows: IntArray
-    slots: IntArray       # theirs
-    next_page: IntArray   # the index (within its slot) of the page each starts next
-    shift: Int32Array     # [num rows]: how many of `rows` are <= each row (indptr's bump)
+_ID_BYTES = 4  # page ids are int32
+_memmove = ctypes.memmove
 
 
 class PageRows:
@@ -46,53 +40,97 @@ class PageRows:
     kernel pages of its slot. Page j of a slot is page j % k of its block j // k, id
     block * multiplier + j % k (k = block_size // page_size).
 
-    `indptr` has room for `capacity` rows; entries past `rows` are the caller's (padding).
+    `indptr` is the caller's int32 array (capacity + 1 entries); rows past `rows` up to
+    `width` are padding, and every method but `insert` keeps their entries at nnz.
+    `kv_indices` is a tensor viewing flat[:nnz], resized in place on every change.
     """
 
     def __init__(self, table: BlockTable, block_size: int, page_size: int, multiplier: int,
-                 capacity: int) -> None:
+                 indptr: Int32Array) -> None:
         self.table = table
         self.page_size = page_size
         self.k = block_size // page_size
         self.m = multiplier
-        size = table.max_slots * table.max_blocks_per_slot * self.k
-        self._bufs = (np.zeros(size, dtype=np.int32), np.zeros(size, dtype=np.int32))
-        self._tensors = (torch.from_numpy(self._bufs[0]), torch.from_numpy(self._bufs[1]))
-        self._live = 0
-        self.indptr = np.zeros(capacity + 1, dtype=np.int32)
-        self.rows = 0
-        self.nnz = 0
-
-    @property
-    def flat(self) -> Int32Array:
-        """The live buffer; its first nnz entries are kv_indices."""
-        return self._bufs[self._live]
-
-    def indices(self) -> torch.Tensor:
-        """kv_indices as a tensor viewing the live buffer (valid until the next change)."""
-        return self._tensors[self._live][: self.nnz]
+        self.flat = np.zeros(table.max_slots * table.max_blocks_per_slot * self.k,
+                             dtype=np.int32)
+        self._addr = self.flat.ctypes.data
+        with torch.inference_mode(False):  # resized in place, whatever mode steps run in
+            self.kv_indices = torch.from_numpy(self.flat)[:0]
+        self.indptr = indptr
+        self.rows = self.nnz = self.width = 0
+        # Scalar readers for the decode path (the arrays never move).
+        self._at, self._held = indptr.item, table.lengths.item
+        self._block_of = table.blocks.item
 
     def clear(self) -> None:
         """No rows."""
-        self.rows = self.nnz = 0
+        self.rows = 0
+        self._set_nnz(0)
+
+    def pad(self, width: int) -> None:
+        """Rows rows..width-1 are padding (no pages) from now on."""
+        self.width = width
+        self.indptr[self.rows + 1 : width + 1] = self.nnz
 
     def num_pages(self) -> IntArray:
         """Pages per row (a fresh array)."""
         n = self.rows
         return (self.indptr[1 : n + 1] - self.indptr[:n]).astype(np.int64)
 
-    def pages_of(self, slots: IntArray, first: IntArray,
-                 count: IntArray) -> npt.NDArray[np.integer]:
-        """Page ids first[i] .. first[i] + count[i] - 1 of each slots[i], concatenated.
-        Raises ValueError naming the slot when it holds fewer blocks than those pages
-        need, or when a page id overflows int32. Pure."""
-        rows = np.repeat(np.arange(len(slots)), count)
-        starts = np.cumsum(count) - count
-        pages = np.arange(len(rows)) - np.repeat(starts - first, count)
-        return self._ids(slots[rows], pages)
+    # ------------------------------------------------------------------ page ids
+    def page_id(self, slot: int, page: int) -> int:
+        """Id of page `page` of `slot`. Raises ValueError naming the slot when it holds no
+        block for that page, or when the id overflows int32. Pure."""
+        block, part = divmod(page, self.k)
+        held = self._held(slot)
+        if block >= held:
+            raise ValueError(f"PersistentBatch: slot {slot} holds {held} blocks, but its page "
+                             f"{page} is in block {block}")
+        pid: int = self._block_of(slot, block) * self.m + part
+        if pid >= INT32_LIMIT:
+            raise ValueError(f"PersistentBatch: page id {pid} overflows int32 "
+                             f"(page_index_multiplier={self.m})")
+        return pid
 
-    def _ids(self, slots: IntArray, pages: IntArray) -> npt.NDArray[np.integer]:
-        """Id of page pages[i] of slots[i] (int32 or int64), checked as pages_of says."""
+    def grow_one(self, row: int, slot: int) -> int:
+        """Row `row` (of `slot`) gains its next page, the one after those it holds,
+        inserted in place as `insert` does; returns its id. Raises ValueError as page_id,
+        changing nothing. Scalar code: the decode path's, where one row at a time starts
+        a page, at a third of the cost of `insert`'s loop."""
+        at = self._at
+        end = at(row + 1)
+        block, part = divmod(end - at(row), self.k)
+        page = (self._block_of(slot, block) * self.m + part if block < self._held(slot)
+                else INT32_LIMIT)
+        if page >= INT32_LIMIT:
+            self.page_id(slot, end - at(row))  # raises, saying why
+        stop = self.nnz
+        if stop > end:
+            _memmove(self._addr + (end + 1) * _ID_BYTES, self._addr + end * _ID_BYTES,
+                     (stop - end) * _ID_BYTES)
+        self.flat[end] = page
+        self.nnz = stop + 1
+        self.kv_indices.resize_(stop + 1)
+        return page
+
+    def next_ids(self, rows: list[int], slots: list[int]) -> tuple[list[int], list[int]]:
+        """(ends, ids): where each of `rows` (slots: theirs) ends in kv_indices, and the
+        id of its next page (the one after those it holds). Raises ValueError as page_id.
+        Pure; scalar code, for a few rows."""
+        at, held, block_of, k, m = self._at, self._held, self._block_of, self.k, self.m
+        ends, ids = [], []
+        for r, slot in zip(rows, slots, strict=True):
+            end = at(r + 1)
+            block, part = divmod(end - at(r), k)
+            page = block_of(slot, block) * m + part if block < held(slot) else INT32_LIMIT
+            if page >= INT32_LIMIT:
+                self.page_id(slot, end - at(r))  # raises, saying why
+            ends.append(end)
+            ids.append(page)
+        return ends, ids
+
+    def ids(self, slots: IntArray, pages: IntArray) -> npt.NDArray[np.integer]:
+        """Id of page pages[i] of slots[i] (int32 or int64), checked as page_id. Pure."""
         block = pages if self.k == 1 else pages // self.k
         held = self.table.lengths[slots]
         if np.count_nonzero(held <= block):
@@ -108,9 +146,10 @@ class PageRows:
                              f"(page_index_multiplier={self.m})")
         return wide
 
+    # ------------------------------------------------------------------ changes
     def append(self, slot: int, num_pages: int) -> None:
         """A row joins at the end holding the first num_pages pages of `slot` (written in
-        place: nothing moves). Raises ValueError as pages_of, changing nothing."""
+        place: nothing moves). Raises ValueError as page_id, changing nothing."""
         blocks = -(-num_pages // self.k)
         held = int(self.table.lengths[slot])
         if blocks > held:
@@ -124,141 +163,88 @@ class PageRows:
                 raise ValueError(f"PersistentBatch: page id {int(ids.max())} overflows int32 "
                                  f"(page_index_multiplier={self.m})")
         self.flat[self.nnz : self.nnz + num_pages] = ids
-        self.nnz += num_pages
         self.rows += 1
-        self.indptr[self.rows] = self.nnz
+        self.indptr[self.rows] = self.nnz + num_pages
+        self._set_nnz(self.nnz + num_pages)
 
     def rewrite(self, row: int, slot: int) -> None:
         """Row `row` (of `slot`) keeps its number of pages, their ids read again from the
         table (a block of the slot was replaced by one holding the same KV). In place.
-        Raises ValueError as pages_of, changing nothing."""
+        Raises ValueError as page_id, changing nothing."""
         start, end = int(self.indptr[row]), int(self.indptr[row + 1])
         n = end - start
         if n:
-            self.flat[start:end] = self._ids(np.full(n, slot), np.arange(n))
+            self.flat[start:end] = self.ids(np.full(n, slot), np.arange(n))
 
-    # ------------------------------------------------------------------ decode
-    def starts(self, rows: IntArray, slots: IntArray) -> PageStarts:
-        """PageStarts of `rows` (ascending; slots: every row's), whose next page is the one
-        after those they hold now."""
-        shift = np.zeros(self.rows, dtype=np.int32)
-        shift[rows] = 1
-        np.cumsum(shift, out=shift)
-        return PageStarts(rows, slots[rows], (self.indptr[rows + 1] - self.indptr[rows]
-                                              ).astype(np.int64), shift)
+    def insert(self, ends: Sequence[int], ids: Sequence[int]) -> None:
+        """Page ids[i] goes in at offset ends[i] of kv_indices (ascending offsets, as they
+        are now; equal ones keep their order). The caller moves indptr (and so decides
+        whether the padding rows' entries follow). The decode path: scalar, in place."""
+        flat, addr, move = self.flat, self._addr, _memmove
+        stop, i = self.nnz, len(ends)
+        self.nnz = nnz = stop + i
+        assert nnz <= len(flat), "kv_indices outgrows its buffer"
+        for end, page in zip(reversed(ends), reversed(ids), strict=True):
+            if stop > end:  # the run end..stop moves up past the i new pages before it
+                move(addr + (end + i) * _ID_BYTES, addr + end * _ID_BYTES,
+                     (stop - end) * _ID_BYTES)
+            i -= 1
+            flat[end + i] = page
+            stop = end
+        self.kv_indices.resize_(nnz)
 
-    def grow(self, starts: PageStarts, slots: IntArray) -> npt.NDArray[np.integer]:
-        """Each of starts.rows gains its next page (slots: every row's); returns the new
-        pages' ids. Raises ValueError as pages_of, changing nothing."""
-        ids = self._ids(starts.slots, starts.next_page)
-        n = self.rows
-        if len(starts.rows) > SPLICE_LIMIT:
+    def grow(self, rows: IntArray, ends: Int32Array, ids: npt.NDArray[np.integer],
+             slots: IntArray) -> None:
+        """Each of `rows` (ascending; ends: their indptr[r + 1]) gains page ids[i] after
+        its last; slots: every row's. indptr is the caller's, as for `insert`."""
+        if len(rows) > SPLICE_LIMIT:
             pages = self.num_pages()
-            pages[starts.rows] += 1
-            self._regather(slots[:n], pages)
+            pages[rows] += 1
+            self.gather(slots[: self.rows], pages)
         else:
-            src, dst = self.flat, self._bufs[1 - self._live]
-            read = wrote = 0
-            for end, page in zip(self.indptr[starts.rows + 1].tolist(), ids.tolist(),
-                                 strict=True):
-                dst[wrote : wrote + end - read] = src[read:end]
-                wrote += end - read
-                read = end
-                dst[wrote] = page
-                wrote += 1
-            dst[wrote : wrote + self.nnz - read] = src[read : self.nnz]
-            self._live = 1 - self._live
-            self.indptr[1 : n + 1] += starts.shift
-            self.nnz += len(starts.rows)
-        starts.next_page[:] += 1
-        return ids
+            self.insert(ends.tolist(), ids.tolist())
 
-    def grow_one(self, row: int, slot: int) -> int:
-        """Row `row` (of `slot`) gains its next page; returns the page's id. In place when
-        it is the last row. Raises ValueError as pages_of, changing nothing. Scalar code:
-        for one row it costs a third of `grow`."""
-        start, end = int(self.indptr[row]), int(self.indptr[row + 1])
-        j = end - start
-        block, part = divmod(j, self.k)
-        held = int(self.table.lengths[slot])
-        if block >= held:
-            raise ValueError(f"PersistentBatch: slot {slot} holds {held} blocks, but its page {j} "
-                             f"is in block {block}")
-        page = int(self.table.blocks[slot, block]) * self.m + part
-        if page >= INT32_LIMIT:
-            raise ValueError(f"PersistentBatch: page id {page} overflows int32 "
-                             f"(page_index_multiplier={self.m})")
-        if row == self.rows - 1:  # its pages end the flat array: nothing moves
-            self.flat[end] = page
-        else:
-            src, dst = self.flat, self._bufs[1 - self._live]
-            dst[:end] = src[:end]
-            dst[end] = page
-            dst[end + 1 : self.nnz + 1] = src[end : self.nnz]
-            self._live = 1 - self._live
-        self.indptr[row + 1 : self.rows + 1] += _ONE32
-        self.nnz += 1
-        return page
-
-    # ------------------------------------------------------------------ any change
     def drop(self, rows: list[int], slots: IntArray) -> None:
         """Remove `rows` (ascending); slots: the remaining rows' slots, in order."""
         keep = np.ones(self.rows, dtype=np.bool_)
         keep[rows] = False
         pages = self.num_pages()[keep]
         if len(rows) > SPLICE_LIMIT:
-            self._regather(slots, pages)
-            return
-        src, dst = self.flat, self._bufs[1 - self._live]
-        starts, ends = self.indptr[rows].tolist(), self.indptr[[r + 1 for r in rows]].tolist()
-        read = wrote = 0
-        for start, end in zip(starts, ends, strict=True):
-            dst[wrote : wrote + start - read] = src[read:start]
-            wrote += start - read
-            read = end
-        dst[wrote : wrote + self.nnz - read] = src[read : self.nnz]
-        self._live = 1 - self._live
+            self.gather(slots, pages)
+        else:
+            addr, move = self._addr, _memmove
+            starts = self.indptr[rows].tolist()
+            ends = self.indptr[[r + 1 for r in rows]].tolist()
+            wrote = starts[0]
+            for i, end in enumerate(ends):  # the run after each dropped row moves down
+                stop = starts[i + 1] if i + 1 < len(rows) else self.nnz
+                move(addr + wrote * _ID_BYTES, addr + end * _ID_BYTES, (stop - end) * _ID_BYTES)
+                wrote += stop - end
         self._set_rows(pages)
 
     def update(self, slots: IntArray, pages: IntArray) -> None:
         """Row i, of slot slots[i], now holds pages[i] pages, at least as many as before
-        (the new ones come from the table). Raises ValueError as pages_of, changing
+        (the new ones come from the table). Raises ValueError as page_id, changing
         nothing."""
         growth = pages - self.num_pages()
         assert np.count_nonzero(growth < 0) == 0, "rows only gain pages"
         grow = np.flatnonzero(growth)
         if len(grow) > SPLICE_LIMIT:
-            self._regather(slots, pages)
+            self.gather(slots, pages)
+            self._set_rows(pages)
         elif len(grow):
             counts = growth[grow]
-            values = self.pages_of(slots[grow], pages[grow] - counts, counts)
-            self._splice(grow.tolist(), counts.tolist(), values)
+            rows = np.repeat(grow, counts)  # one entry per new page, row order
+            first = np.repeat(pages[grow] - counts, counts)
+            new = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts) + first
+            ids = self.ids(slots[rows], new)
+            self.insert(self.indptr[rows + 1].tolist(), ids.tolist())
             self._set_rows(pages)
 
-    def _set_rows(self, pages: IntArray) -> None:
-        n = len(pages)
-        np.add.accumulate(pages, out=self.indptr[1 : n + 1])
-        self.rows = n
-        self.nnz = int(self.indptr[n])
-
-    def _splice(self, rows: list[int], counts: list[int],
-                values: npt.NDArray[np.integer]) -> None:
-        """Copy the rows into the spare buffer, rows[i] (ascending) followed by counts[i]
-        new pages; `values` are the new pages, in row order."""
-        src, dst = self.flat, self._bufs[1 - self._live]
-        read = wrote = used = 0
-        for end, count in zip(self.indptr[[r + 1 for r in rows]].tolist(), counts, strict=True):
-            dst[wrote : wrote + end - read] = src[read:end]
-            wrote += end - read
-            read = end
-            dst[wrote : wrote + count] = values[used : used + count]
-            wrote += count
-            used += count
-        dst[wrote : wrote + self.nnz - read] = src[read : self.nnz]
-        self._live = 1 - self._live
-
-    def _regather(self, slots: IntArray, pages: IntArray) -> None:
-        """Gather every row's pages from the table into the spare buffer; sets the rows."""
+    def gather(self, slots: IntArray, pages: IntArray) -> None:
+        """Rewrite kv_indices from the table: row i holds the first pages[i] pages of
+        slots[i]. indptr is the caller's, as for `insert`. Raises ValueError naming the
+        slot when it holds too few blocks, changing nothing."""
         blocks = (pages - 1) // self.k + 1
         held = self.table.lengths[slots]
         if np.count_nonzero(blocks > held):
@@ -268,7 +254,17 @@ class PageRows:
         top = int(pages.max()) if len(pages) else 0
         flat = gather_pages(self.table, slots, blocks, pages, top, int(pages.min()) == top,
                             self.k, self.m) if top else np.zeros(0, dtype=np.int32)
-        spare = self._bufs[1 - self._live]
-        spare[: len(flat)] = flat
-        self._live = 1 - self._live
-        self._set_rows(pages)
+        self.flat[: len(flat)] = flat
+        self.nnz = len(flat)
+        self.kv_indices.resize_(self.nnz)
+
+    def _set_rows(self, pages: IntArray) -> None:
+        n = len(pages)
+        np.add.accumulate(pages, out=self.indptr[1 : n + 1])
+        self.rows = n
+        self._set_nnz(int(self.indptr[n]))
+
+    def _set_nnz(self, nnz: int) -> None:
+        self.nnz = nnz
+        self.kv_indices.resize_(nnz)
+        self.indptr[self.rows + 1 : self.width + 1] = nnz

@@ -49,8 +49,9 @@ class PersistentBatch:
         self.table = table
         self.page_size = P
         self.capacity = cap
-        self._pages = PageRows(table, block_size, P, m, cap)
-        self._decode = DecodeLayout(self._pages, cap)
+        ints = np.zeros(3 * cap + 1, dtype=np.int32)  # kv_indptr, then the decode counters
+        self._pages = PageRows(table, block_size, P, m, ints[: cap + 1])
+        self._decode = DecodeLayout(self._pages, ints, cap)
         self._slots: list[int] = []  # row order, including dropped rows not yet compacted
         self._row_of: dict[int, int] = {}  # live rows only
         self._slot_arr = np.zeros(cap, dtype=np.int64)
@@ -171,11 +172,10 @@ class PersistentBatch:
         Bt = n if pad_to is None else self._padded(n, pad_to)
         decode = self._decode
         md = decode.md
-        if md is not None and md.num_padded == Bt - n:
-            return decode.advance(self._slot_arr, self._slots)
-        self._leave_decode()
-        md = decode.build(self._kv[:n], self._slot_arr[:n], Bt)
-        return md
+        if md is None or md.num_padded != Bt - n:
+            self._leave_decode()
+            decode.lay_out(self._kv[:n], Bt)
+        return decode.step(self._slot_arr)
 
     def _check_counts(self, num_new: Sequence[int] | npt.NDArray[np.integer],
                       n: int) -> npt.NDArray[np.int64]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.attention import page_rows
+from kvcache.attention import decode_layout, page_rows
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.metadata import PagedMetadata, build_metadata
 from kvcache.attention.persistent_batch import PersistentBatch
@@ -69,18 +69,32 @@ class Mirror:
 ids_st = st.lists(st.integers(0, 999), min_size=WIDTH, max_size=WIDTH)
 
 
-@settings(max_examples=80, deadline=None)
+# How a decode step's page starts are written: (rows up to which scalar code does it,
+# rows past which every page is gathered again from the table).
+PATHS = {"scalar": (99, 99), "splice": (0, page_rows.SPLICE_LIMIT), "regather": (0, 0),
+         "mixed": (1, 2)}
+
+
+def _take_path(mp: pytest.MonkeyPatch, path: str) -> None:
+    scalar, limit = PATHS[path]
+    mp.setattr(decode_layout, "SCALAR_STARTS", scalar)
+    mp.setattr(page_rows, "SPLICE_LIMIT", limit)
+
+
+@settings(max_examples=120, deadline=None)
 @given(data=st.data(), k=st.sampled_from([1, 2, 4]), heads=st.sampled_from([1, 3]),
-       limit=st.sampled_from([0, 2, page_rows.SPLICE_LIMIT]))
+       path=st.sampled_from(sorted(PATHS)))
 def test_random_steps_equal_a_full_rebuild(data: st.DataObject, k: int, heads: int,
-                                           limit: int) -> None:
+                                           path: str) -> None:
     """Admissions (with cached prefixes), finishes, aborts, preemptions (a leave, then
-    the slot admitted again), chunked prefills, rows that sit out, decode runs across
-    page boundaries, padding; every step equals build_metadata over the same requests.
-    `limit` moves the splice/regather switch so both paths run."""
+    the slot admitted again), leaves and joins between two decode steps, chunked
+    prefills, rows that sit out, decode runs across page boundaries (pages of 2 to 8
+    tokens: several rows start one in the same step), padding that changes between
+    steps; every step equals build_metadata over the same requests. `path` moves the
+    scalar/splice/regather switches so every path runs."""
     mirror = Mirror(k, heads, max_padded=SLOTS + 2)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(page_rows, "SPLICE_LIMIT", limit)
+        _take_path(mp, path)
         for _ in range(data.draw(st.integers(1, 14), label="events")):
             free = [s for s in range(SLOTS) if s not in mirror.kv]
             event = data.draw(st.sampled_from(["admit", "leave", "preempt", "decode", "chunks"]))
@@ -114,12 +128,12 @@ def _decoding(k: int = 1, contexts: tuple[int, ...] = (9, 20, 30)) -> Mirror:
     return mirror
 
 
-@pytest.mark.parametrize("limit", [0, page_rows.SPLICE_LIMIT], ids=["regather", "splice"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 def test_decode_without_a_new_page_only_bumps_counters(monkeypatch: pytest.MonkeyPatch,
-                                                       limit: int) -> None:
+                                                       path: str) -> None:
     """Contexts 9, 20, 30, page 8. The first decode writes positions 9, 20, 30; the second,
     10, 21, 31, all in pages the rows hold; the third starts row 2's fifth page."""
-    monkeypatch.setattr(page_rows, "SPLICE_LIMIT", limit)
+    _take_path(monkeypatch, path)
     mirror = _decoding()
     first = mirror.step(None, 0, [])
     pages = first.kv_indices.data_ptr()
@@ -132,12 +146,12 @@ def test_decode_without_a_new_page_only_bumps_counters(monkeypatch: pytest.Monke
     assert third.kv_last_page_len.tolist() == [4, 7, 1]
 
 
-@pytest.mark.parametrize("limit", [0, page_rows.SPLICE_LIMIT], ids=["regather", "splice"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("k", [1, 2])
-def test_rows_that_start_pages_together(monkeypatch: pytest.MonkeyPatch, limit: int,
+def test_rows_that_start_pages_together(monkeypatch: pytest.MonkeyPatch, path: str,
                                         k: int) -> None:
     """Contexts 8, 16, 24 (and 5): three rows start a page at the same steps."""
-    monkeypatch.setattr(page_rows, "SPLICE_LIMIT", limit)
+    _take_path(monkeypatch, path)
     mirror = _decoding(k, contexts=(8, 5, 16, 24))
     for _ in range(2 * BLOCK + 1):
         mirror.step(None, 0, [])
@@ -164,7 +178,10 @@ def test_padding_rows_stay_empty_across_decode_steps() -> None:
     assert md.kv_lens.tolist()[3:] == [0, 0] and md.positions.tolist()[3:] == [0, 0]
 
 
-def test_a_row_without_its_next_block_is_refused_and_nothing_changes() -> None:
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_row_without_its_next_block_is_refused_and_nothing_changes(
+        monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    _take_path(monkeypatch, path)
     mirror = _decoding(contexts=(15,))  # position 15 fills block 1; position 16 needs block 2
     mirror.table.assign(0, mirror.table.block_ids(0)[:2])
     mirror.step(None, 0, [])
@@ -174,10 +191,10 @@ def test_a_row_without_its_next_block_is_refused_and_nothing_changes() -> None:
     assert mirror.batch.kv_len(0) == 17
 
 
-@pytest.mark.parametrize("limit", [0, page_rows.SPLICE_LIMIT], ids=["regather", "splice"])
+@pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_chunk_past_the_blocks_is_refused_and_nothing_changes(
-        monkeypatch: pytest.MonkeyPatch, limit: int) -> None:
-    monkeypatch.setattr(page_rows, "SPLICE_LIMIT", limit)
+        monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    _take_path(monkeypatch, path)
     mirror = _decoding(contexts=(15, 3))
     mirror.table.assign(0, mirror.table.block_ids(0)[:2])  # room for 16 tokens
     mirror.step(None, 0, [])
