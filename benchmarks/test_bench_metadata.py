@@ -107,7 +107,8 @@ def _admitted(table: BlockTable, slots: np.ndarray, cached: np.ndarray) -> Persi
 
 def _rebuild_seconds(pb: PersistentBatch, repeat: int = 9) -> float:
     """Median time of the decode step after a request leaves and another joins (both in
-    the last slot): a full layout of the batch's arrays, compaction included."""
+    the last slot; compaction runs in the join, untimed): the counters laid out again,
+    then the step, its page starts included."""
     slot = pb.slots[-1]
     times = []
     for _ in range(repeat):

@@ -33,8 +33,8 @@ from kvcache.attention.metadata_decode import Int32Array, IntArray
 from kvcache.attention.page_rows import PageRows
 
 # Rows starting a page in one step up to which scalar Python (~1 us a row, memmove
-# included) beats reading their pages with numpy (~3 us, then ~0.6 us a row).
-SCALAR_STARTS = 4
+# included) beats reading their pages with numpy (~5 us, then ~0.6 us a row).
+SCALAR_STARTS = 8
 _ONE64 = np.array(1, dtype=np.int64)  # 0-d operands are cheaper than Python ints
 
 
@@ -110,9 +110,10 @@ class DecodeLayout:
         self._n, self._Bt = n, Bt
         self._moving = i64[: 2 * n], i32[: 3 * Bt + 1]
         views, self._quiet = self._views.get((n, Bt)) or self._make_views(n, Bt)
-        self.md = PagedMetadata(*views[:2], pages.kv_indices, *views[2:],
-                                page_size=P, num_requests=n, num_padded=Bt - n,
-                                is_decode=True, num_tokens=Bt, num_append_tokens=n)
+        self.md = PagedMetadata(views[0], views[1], pages.kv_indices, views[2], views[3],
+                                views[4], views[5], views[6], views[7], page_size=P,
+                                num_requests=n, num_padded=Bt - n, is_decode=True,
+                                num_tokens=Bt, num_append_tokens=n)
 
     def _make_views(self, n: int, Bt: int) -> tuple[tuple[torch.Tensor, ...], Int32Array]:
         """PagedMetadata's tensors but kv_indices, in field order, for the (n, Bt) layout,
@@ -176,14 +177,12 @@ class DecodeLayout:
             self._append_pages[row] = pages.grow_one(row, starts.slots_list[0])
             return
         if len(rows) <= SCALAR_STARTS:
-            ends, ids = pages.next_ids(rows, starts.slots_list)  # may raise: first
-            pages.insert(ends, ids)
             append_pages = self._append_pages
-            for r, page in zip(rows, ids, strict=True):
+            for r, page in zip(rows, pages.grow_rows(rows, starts.slots_list), strict=True):
                 append_pages[r] = page
             return
         indptr = pages.indptr
         ends = indptr[starts.rows + 1]
-        ids = pages.ids(starts.slots, ends - indptr[starts.rows])
-        pages.grow(starts.rows, ends, ids, slots)
-        self._append_pages[starts.rows] = ids
+        new_ids = pages.ids(starts.slots, ends - indptr[starts.rows])  # may raise: first
+        pages.grow(starts.rows, ends, new_ids, slots)
+        self._append_pages[starts.rows] = new_ids

@@ -13,7 +13,7 @@ that moves up element by element (4x slower than a memmove at 64k pages) and tor
 refuses overlapping copies. A change to more than SPLICE_LIMIT rows gathers every row
 from the block table instead, a few calls whatever changed. The costs that matter are per
 call (~0.3 us for a memmove or a small numpy call), so a decode step's page starts
-(`page_id`, `insert`) are scalar Python over rows the caller keeps.
+(`grow_one`, `grow_rows`) are scalar Python over rows the caller keeps.
 """
 
 from __future__ import annotations
@@ -113,13 +113,13 @@ class PageRows:
         self.kv_indices.resize_(stop + 1)
         return page
 
-    def next_ids(self, rows: list[int], slots: list[int]) -> tuple[list[int], list[int]]:
-        """(ends, ids): where each of `rows` (slots: theirs) ends in kv_indices, and the
-        id of its next page (the one after those it holds). Raises ValueError as page_id.
-        Pure; scalar code, for a few rows."""
+    def grow_rows(self, rows: list[int], slots: list[int]) -> list[int]:
+        """Each of `rows` (ascending; slots: theirs) gains its next page, the one after
+        those it holds, inserted as `insert` does; returns the pages' ids. Raises
+        ValueError as page_id, changing nothing. Scalar code, for a few rows."""
         at, held, block_of, k, m = self._at, self._held, self._block_of, self.k, self.m
         ends, ids = [], []
-        for r, slot in zip(rows, slots, strict=True):
+        for r, slot in zip(rows, slots, strict=True):  # every id first: they may raise
             end = at(r + 1)
             block, part = divmod(end - at(r), k)
             page = block_of(slot, block) * m + part if block < held(slot) else INT32_LIMIT
@@ -127,7 +127,8 @@ class PageRows:
                 self.page_id(slot, end - at(r))  # raises, saying why
             ends.append(end)
             ids.append(page)
-        return ends, ids
+        self.insert(ends, ids)
+        return ids
 
     def ids(self, slots: IntArray, pages: IntArray) -> npt.NDArray[np.integer]:
         """Id of page pages[i] of slots[i] (int32 or int64), checked as page_id. Pure."""
@@ -186,8 +187,8 @@ class PageRows:
         assert nnz <= len(flat), "kv_indices outgrows its buffer"
         for end, page in zip(reversed(ends), reversed(ids), strict=True):
             if stop > end:  # the run end..stop moves up past the i new pages before it
-                move(addr + (end + i) * _ID_BYTES, addr + end * _ID_BYTES,
-                     (stop - end) * _ID_BYTES)
+                src = addr + end * _ID_BYTES
+                move(src + i * _ID_BYTES, src, (stop - end) * _ID_BYTES)
             i -= 1
             flat[end + i] = page
             stop = end

@@ -5,11 +5,13 @@ happens to them (`add` on admission, `remove` when a request finishes, is aborte
 preempted) and the engine asks for each step's metadata (`step`). Where build_metadata
 gathers every page from the block table each step, here:
 
-- a decode step in which no row starts a new page bumps the per-row counters (position,
-  append slot, last-page length, kv length) in two numpy calls and returns the previous
-  step's PagedMetadata object, whose tensors view the counters (see DecodeLayout);
-- a row whose next token starts a page gets that page spliced into kv_indices;
-- leaving rows are compacted away before the next step, admitted rows append their pages;
+- a decode step adds a delta to the per-row counters (position, append slot, last-page
+  length, kv length, kv_indptr) in two numpy calls and returns the same PagedMetadata
+  object as the step before, whose tensors view the counters (see DecodeLayout);
+- a row whose next token starts a page gets that page inserted into kv_indices in place
+  (see PageRows);
+- leaving rows are compacted away before the next step, admitted rows append their
+  pages, and the next decode step lays the counters out again from the token counts;
 - a step with prefill chunks takes kv_indices from the kept pages (grown by its chunks).
 
 The result equals build_metadata's for the same requests (a property test drives both
@@ -147,7 +149,8 @@ class PersistentBatch:
         self._slot_arr[:live] = slots
         self._kv[:live] = self._kv[:n][keep]
         self._slots = slots.tolist()
-        self._row_of = {s: i for i, s in enumerate(self._slots)}
+        first = min(self._dropped)  # rows before it keep their index
+        self._row_of.update((s, i) for i, s in enumerate(self._slots[first:], first))
         self._dropped.clear()
 
     # ------------------------------------------------------------------ steps
