@@ -105,6 +105,7 @@ class PageRows:
         if page >= INT32_LIMIT:
             self.page_id(slot, end - at(row))  # raises, saying why
         stop = self.nnz
+        assert stop < len(self.flat), "kv_indices outgrows its buffer"  # a raw memmove next
         if stop > end:
             _memmove(self._addr + (end + 1) * _ID_BYTES, self._addr + end * _ID_BYTES,
                      (stop - end) * _ID_BYTES)
