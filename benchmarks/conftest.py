@@ -30,6 +30,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     f"{QUICK_ENV}=1 does the same")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for a module's measurements, then the count restored. On a
+    shared 2-core VM two OpenMP threads spin against each other and other jobs; one
+    keeps rounds comparable. Modules take it with `pytestmark`."""
+    import torch  # here, not at the top: the cache-core suites load no torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def quick_mode(config: pytest.Config) -> bool:
     """Whether this run is a quick one. Raises pytest.UsageError for a bad KVH_BENCH_QUICK."""
     env = os.environ.get(QUICK_ENV, "")

@@ -41,14 +41,12 @@ from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer, get_preset
 from kvcache.storage.kv_storage import KvStorage
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PRESET, HYBRID, BLOCK, SEED = "tiny", "hybrid-tiny", 16, 0
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 0.875, 0.95)
 HEADLINE = 0.75
 TOL = 1e-5  # float32 warm vs cold, rtol and atol (issue 3)
-# One intra-op thread: on a shared 2-core VM two OpenMP threads spin against the other
-# processes and single rounds stall for 10x their median; one thread keeps rounds
-# comparable (and matches the cache-core benchmarks' one-core measurements).
-TORCH_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -73,15 +71,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         plan = QUICK if quick_mode(metafunc.config) else FULL
         values = [plan.cached(f) for f in plan.fractions]
         metafunc.parametrize("cached", values, ids=[f"c{c}" for c in values])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torch_threads() -> Iterator[int]:
-    """Run this module's measurements with TORCH_THREADS intra-op threads, then restore."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(TORCH_THREADS)
-    yield TORCH_THREADS
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

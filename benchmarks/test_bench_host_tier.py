@@ -19,7 +19,6 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
@@ -32,17 +31,10 @@ from kvcache import Engine, KvCacheConfig
 from kvcache.core.ops import BlockOnboard
 from kvcache.model import get_preset
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 HOST_FACTOR = 4
 PRESET, BLOCK, SEED = "tiny", 16, 0
-TORCH_THREADS = 1  # as the engine suite: one intra-op thread on a shared 2-core VM
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torch_threads() -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(TORCH_THREADS)
-    yield TORCH_THREADS
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------ hit rate

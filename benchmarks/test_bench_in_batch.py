@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from harness.workloads import shared_system_prompt
 from kvcache import Engine, KvCacheConfig
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BLOCK, VOCAB, SEED = 16, 512, 0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread, as the other engine suites measure."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _engine(n: int, prompt_len: int, share: bool) -> Engine:

@@ -16,7 +16,7 @@ waits milliseconds for the second whenever the other core is busy.
 from __future__ import annotations
 
 import timeit
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,19 +27,12 @@ from kvcache.attention import BlockTable, build_metadata
 from kvcache.core.ops import BlockCopy
 from kvcache.storage import LAYOUTS, KvLayout, KvStorage
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 LAYERS, HEADS, HEAD_DIM, DTYPE = 16, 2, 32, torch.float16
 BLOCK, PAGE, CONTEXT, COPY_TOKENS = 64, 16, 4096, 32
 BATCHES = [pytest.param(b, id=f"b{b}") for b in (1, 64, 256)]
 LAYOUT_PARAMS = [pytest.param(layout, id=layout.lower()) for layout in LAYOUTS]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Run this module with one intra-op thread, then restore the count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _best_us(fn: Callable[[], Any], number: int = 100, repeat: int = 15) -> float:

@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 import timeit
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,19 +30,11 @@ from kvcache.attention import BlockTable, PersistentBatch, build_metadata
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.storage.kv_storage import KvStorage
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 CONTEXT, BLOCK = 4096, 16
 BATCHES = [pytest.param(b, id=f"b{b}") for b in (1, 8, 64, 256)]
 STEPS_PER_ROUND = BLOCK  # one page cycle: every request starts one new page
-TORCH_THREADS = 1
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torch_threads() -> Iterator[int]:
-    """Run this module's measurements with TORCH_THREADS intra-op threads, then restore."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(TORCH_THREADS)
-    yield TORCH_THREADS
-    torch.set_num_threads(before)
 
 
 def _median_us(fn: Callable[[], Any], number: int = 200, repeat: int = 15) -> float:

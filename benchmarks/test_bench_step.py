@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +27,9 @@ from kvcache import Engine, KvCacheConfig
 from kvcache.engine.step_timer import PHASES, StepTimer
 from kvcache.model import get_preset
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PRESET, BLOCK, SEED = "tiny", 16, 0
-TORCH_THREADS = 1  # as the engine suite: one intra-op thread keeps rounds comparable
 OVERHEAD_TARGET = 0.10  # issue 17: at decode batch 64, at most 10% of the step
 TARGET_BATCH = 64
 
@@ -50,15 +50,6 @@ FULL = StepPlan(context=128, decode_warmup=2, decode_rounds=9, prefill_len=768,
                 prefill_budget=512, prefill_rounds=12)
 QUICK = StepPlan(context=32, decode_warmup=1, decode_rounds=2, prefill_len=192,
                  prefill_budget=128, prefill_rounds=3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torch_threads() -> Iterator[int]:
-    """Run this module's measurements with TORCH_THREADS intra-op threads, then restore."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(TORCH_THREADS)
-    yield TORCH_THREADS
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,18 +29,10 @@ from kvcache.core.window import peak_blocks
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer, get_preset
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PRESET, BLOCK = "tiny-swa", 16
 TOL = 1e-5
-TORCH_THREADS = 1  # as the TTFT benchmarks: steadier rounds on a shared 2-core VM
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torch_threads() -> Iterator[int]:
-    """Run this module's measurements with TORCH_THREADS intra-op threads, then restore."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(TORCH_THREADS)
-    yield TORCH_THREADS
-    torch.set_num_threads(before)
 
 
 def _engine(model: Transformer, release: bool, pool: int, chunk: int) -> Engine:
