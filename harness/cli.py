@@ -8,8 +8,10 @@
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
 
-Exit codes: 0 fine, 1 problems found (broken lists, failed collection; `repro`: the
-failure came back), 2 bad flags (`repro`: a record that cannot be replayed).
+Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad flags.
+`repro`: 0 the failure did not come back, 1 it did, 2 the file cannot be replayed here
+(the message names the file and the field), 3 the recorded failure is gone but another
+check of the re-run failed.
 """
 
 from __future__ import annotations
@@ -31,11 +33,16 @@ from harness.lists.db import Entry, Verdict, load_test_db
 from harness.lists.errors import ListError
 from harness.lists.waives import default_waives
 from harness.report import summarize
+from harness.repro.fileformat import open_file
+from harness.repro.record import ScenarioRecord
+from harness.repro.rerun import rerun
 from harness.reuse.replay import replay
 from harness.reuse.repro import ReproRecord
 
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")
+# `kvharness repro` exit codes; 0 and 1 fit `git bisect run` (gone = good, back = bad).
+REPRO_GONE, REPRO_REPRODUCED, REPRO_UNUSABLE, REPRO_OTHER = 0, 1, 2, 3
 
 
 def _entry_dict(entry: Entry) -> dict[str, Any]:
@@ -119,19 +126,47 @@ def _report(args: argparse.Namespace) -> int:
 
 def _repro(args: argparse.Namespace) -> int:
     try:
-        record = ReproRecord.load(args.file)
-        print(f"replaying {record.node_id}: {record.check} check, seed {record.seed}, "
-              f"{len(record.admission_log or ())} cache events, config "
-              f"{json.dumps(record.config, sort_keys=True)}")
-        outcome = replay(record)
-    except ValueError as exc:
+        kind, fields = open_file(args.file)
+        if kind == "reuse":
+            return _replay_reuse(ReproRecord.from_fields(fields))
+        return _rerun_scenario(ScenarioRecord.from_fields(fields))
+    except ValueError as exc:  # ReproFormatError: the file, the field, what is wrong
         print(f"kvharness repro: {exc}", file=sys.stderr)
-        return 2
+        return REPRO_UNUSABLE
+
+
+def _replay_reuse(record: ReproRecord) -> int:
+    print(f"replaying {record.node_id}: {record.check} check, seed {record.seed}, "
+          f"{len(record.admission_log or ())} cache events, config "
+          f"{json.dumps(record.config, sort_keys=True)}")
+    outcome = replay(record)
     if outcome.reproduced:
         print(f"reproduced:\n{outcome.message}")
-        return 1
+        return REPRO_REPRODUCED
     print(f"did not reproduce: {outcome.message}")
-    return 0
+    return REPRO_GONE
+
+
+def _rerun_scenario(record: ScenarioRecord) -> int:
+    for i, run in enumerate(record.engines):
+        r = run.recipe
+        phases = " -> ".join(dict.fromkeys(c.phase for c in run.calls)) or "no calls"
+        print(f"engine {i}: {r.preset} (seed {r.model_seed}), {r.backend} {r.dtype} on "
+              f"{r.device}, {len(run.calls)} calls ({phases}), cache "
+              f"{json.dumps(r.cache, sort_keys=True)}")
+    print(f"re-running {record.node_id}: {record.failure.check} check")
+    outcome = rerun(record)
+    for note in outcome.notes:
+        print(f"note: {note}")
+    if outcome.status == "reproduced":
+        print(f"reproduced:\n{outcome.message}")
+        return REPRO_REPRODUCED
+    if outcome.status == "other":
+        print(f"did not reproduce the recorded failure, but another check failed:\n"
+              f"{outcome.message}")
+        return REPRO_OTHER
+    print(f"did not reproduce: {outcome.message}")
+    return REPRO_GONE
 
 
 def _flakes(args: argparse.Namespace) -> int:
@@ -183,8 +218,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write the summary to FILE")
     p.set_defaults(run=_report)
 
-    p = sub.add_parser("repro", help="replay a failed reuse check from its repro file, "
-                       "without pytest")
+    p = sub.add_parser("repro", help="re-run a failed scenario or reuse check from its "
+                       "repro file, without pytest")
     p.add_argument("file", type=Path, metavar="FILE",
                    help="a <results-dir>/repro/<test id>.json a failed run wrote")
     p.set_defaults(run=_repro)

@@ -33,6 +33,7 @@ from harness.lists.errors import Problem
 from harness.options import add_options
 from harness.oracle_checks import oracle_problems
 from harness.report import ReuseReport
+from harness.repro.record import ScenarioRecord
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
 from harness.reuse.repro import ReproRecord
@@ -312,10 +313,12 @@ def pytest_runtest_makereport(
 
 
 def _write_repro(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
-    """A failed reuse check's ReproRecord goes to <results-dir>/repro/<test id>.json."""
+    """A failed check's repro record (a reuse check's ReproRecord, a scenario's
+    ScenarioRecord) goes to <results-dir>/repro/<test id>.json."""
     record = getattr(call.excinfo.value, "repro", None) if call.excinfo is not None else None
     results = item.config.option.results_dir
-    if not report.failed or not isinstance(record, ReproRecord) or results is None:
+    if not report.failed or not isinstance(record, ReproRecord | ScenarioRecord) \
+            or results is None:
         return
     path = record.write(item.config.invocation_params.dir / results)
     report.sections.append(("kvharness repro", f"replay it: nox -s repro -- {path}"))

@@ -4,25 +4,23 @@ When `expect_reuse` or `expect_matches_oracle` fails with a `ReproContext`, the
 `ReuseMismatch` carries a record: the test id, seed, engine and cache config, the
 cache's admission log (the workload as the cache saw it: every admit, commit, append
 and free), the stats before the window, and each checked counter's expected bounds and
-actual value. The plugin writes it to `<results-dir>/repro/<test id>.json`;
+actual value. The plugin writes it, as a `kind: reuse` file of the versioned format
+(harness.repro.fileformat), to `<results-dir>/repro/<test id>.json`;
 `kvharness repro FILE` (`nox -s repro -- FILE`) replays it (harness.reuse.replay).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from harness.oracle.types import OracleConfig
+from harness.repro.fileformat import Fields, envelope, open_file, write_file
 
 Check = Literal["oracle", "expect_reuse"]
-REPRO_DIR = "repro"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
-MAX_NAME = 150  # file names stay well under every filesystem's limit
 
 
 @dataclass(frozen=True)
@@ -41,37 +39,42 @@ class ReproRecord:
     message: str
 
     def to_json(self) -> dict[str, Any]:
-        """The file's content."""
-        return asdict(self)
+        """The file's content: the record under the format header."""
+        return envelope("reuse", asdict(self))
 
     @classmethod
-    def from_json(cls, data: Any, where: str) -> ReproRecord:
-        """Inverse of `to_json`; raises ValueError naming `where` for a malformed record."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: a repro file is a JSON object")
-        missing = sorted(set(cls.__dataclass_fields__) - set(data))
-        if missing:
-            raise ValueError(f"{where}: repro record lacks {missing}")
-        if data["check"] not in ("oracle", "expect_reuse"):
-            raise ValueError(f"{where}: unknown check {data['check']!r}")
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+    def from_fields(cls, f: Fields) -> ReproRecord:
+        """The record in a `kind: reuse` file's fields (harness.repro.fileformat.open_file);
+        raises ReproFormatError naming the file and the bad field."""
+        rows = []
+        for row in f.subs("rows"):
+            rows.append({"where": row.get("where", str), "counter": row.get("counter", str),
+                         **{k: row.get(k, (int, float), optional=True)
+                            for k in ("at_least", "at_most", "actual")}})
+            row.close()
+        log = f.get("admission_log", list, optional=True)
+        for i, event in enumerate(log or ()):
+            if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
+                raise f.error("admission_log", f"event {i} is not an object with a kind")
+        record = cls(f.get("node_id", str), f.choice("check", ("oracle", "expect_reuse")),  # type: ignore[arg-type]
+                     f.get("seed", int, optional=True), f.get("config", dict), log,
+                     f.get("before", dict, optional=True), f.get("exact", bool), rows,
+                     f.get("message", str))
+        f.close()
+        return record
 
     @classmethod
     def load(cls, path: Path) -> ReproRecord:
-        """Read a repro file; raises ValueError naming it when unreadable or malformed."""
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: not a readable repro file: {exc}") from None
-        return cls.from_json(data, str(path))
+        """Read a `kind: reuse` repro file; raises ReproFormatError (a ValueError) naming
+        it when unreadable, of another kind or malformed."""
+        kind, fields = open_file(path)
+        if kind != "reuse":
+            raise fields.error("kind", f"is {kind!r}; this is not a reuse-check record")
+        return cls.from_fields(fields)
 
     def write(self, results_dir: Path) -> Path:
         """Write `<results_dir>/repro/<test id>.json` (the id made file-safe); returns it."""
-        name = _UNSAFE.sub("_", self.node_id).strip("_")[:MAX_NAME] or "test"
-        path = results_dir / REPRO_DIR / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1))
-        return path
+        return write_file(results_dir, self.node_id, self.to_json())
 
 
 def replay_config(cache_config: Mapping[str, Any] | Any) -> dict[str, Any]:

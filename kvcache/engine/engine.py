@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcache.attention.base import AttentionBackend
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.persistent_batch import PersistentBatch
 from kvcache.attention.registry import get_backend
@@ -53,10 +54,22 @@ DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
 MAX_IDLE_STEPS = 8
 
 
+def _backend_class(attn_backend: str | type[AttentionBackend]) -> type[AttentionBackend]:
+    """The class `attn_backend` names, or the class itself; ValueError otherwise."""
+    if not isinstance(attn_backend, type):
+        return get_backend(attn_backend)
+    if not issubclass(attn_backend, AttentionBackend):
+        raise ValueError(f"Engine: attn_backend class {attn_backend.__qualname__} is not an "
+                         "AttentionBackend")
+    return attn_backend
+
+
 class Engine:
     """Greedy generation over a paged KV cache with block reuse.
 
-    `model` is a Transformer or a preset name (weights from `seed`). `max_num_tokens` is
+    `model` is a Transformer or a preset name (weights from `seed`). `attn_backend` is a
+    registered backend's name or an AttentionBackend subclass (a backend outside the
+    registry, e.g. a test's fault-injecting one). `max_num_tokens` is
     the per-step token budget, `max_batch_size` the running requests. `pad_decode` pads
     decode batches to `graph_batch_sizes` as CUDA-graph replay does (`cuda_graph=True`
     captures them; it needs CUDA and the flashinfer backend). `layout` ("NHD"/"HND": a K
@@ -79,7 +92,7 @@ class Engine:
     """
 
     def __init__(self, model: Transformer | str, cache_config: KvCacheConfig, *,
-                 attn_backend: str = "torch", max_num_tokens: int = 512,
+                 attn_backend: str | type[AttentionBackend] = "torch", max_num_tokens: int = 512,
                  max_batch_size: int = 16, enable_chunked_prefill: bool = True,
                  share_prefixes: bool = True, kv_events: bool = False,
                  state_snapshot_interval: int = 1, release_outside_window: bool = True,
@@ -97,7 +110,8 @@ class Engine:
         if cuda_graph and not torch.cuda.is_available():
             raise ValueError("Engine: cuda_graph=True needs CUDA, but torch.cuda.is_available() "
                              "is False on this machine")
-        if cuda_graph and attn_backend != "flashinfer":
+        backend_cls = _backend_class(attn_backend)
+        if cuda_graph and backend_cls.name != "flashinfer":
             raise ValueError(f"Engine: cuda_graph=True needs attn_backend='flashinfer', "
                              f"got {attn_backend!r}")
         if isinstance(model, str):
@@ -107,7 +121,6 @@ class Engine:
         if cuda_graph and mc.has_recurrent_layers:
             raise ValueError("Engine: cuda_graph=True is unsupported for models with "
                              "recurrent layers")
-        backend_cls = get_backend(attn_backend)
         interval = check_positive_int(state_snapshot_interval,
                                       "Engine: state_snapshot_interval")
         windowed = resolve_window(cache_config, backend_cls, model, release_outside_window)

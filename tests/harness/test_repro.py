@@ -120,16 +120,3 @@ def test_a_fixed_expectation_does_not_reproduce(
     path.write_text(json.dumps(data))
     code, out = _repro(capsys, path)
     assert code == 0 and out.splitlines()[-1].startswith("did not reproduce: every one of the")
-
-
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [("{", "not a readable repro file"), ("[]", "a repro file is a JSON object"),
-     ('{"node_id": "x"}', "repro record lacks")],
-)
-def test_an_unusable_file_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                    text: str, message: str) -> None:
-    path = tmp_path / "r.json"
-    path.write_text(text)
-    assert kvharness(["repro", str(path)]) == 2
-    assert message in capsys.readouterr().err

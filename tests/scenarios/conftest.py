@@ -30,9 +30,9 @@ def models() -> Models:
 
 
 @pytest.fixture
-def make_engine(models: Models) -> EngineFactory:
-    """A factory of engines whose caches must be clean after the test."""
-    return EngineFactory(models)
+def make_engine(request: pytest.FixtureRequest, models: Models) -> EngineFactory:
+    """A factory of recorded engines whose caches must be clean after the test."""
+    return EngineFactory(models, request.node.nodeid)
 
 
 @pytest.fixture

@@ -21,25 +21,31 @@ import torch
 
 from harness.adapters import KvcacheEngineAdapter
 from harness.report import ReuseRecord, ReuseReport
+from harness.repro.compare import describe, first_difference
 from harness.reuse.assertions import (
     Bounds,
     ReproContext,
+    ReuseMismatch,
     diff_stats,
     expect_matches_oracle,
     expect_reuse,
     predict_from_engine,
 )
+from harness.reuse.repro import ReproRecord
 from kvcache import Engine, GenerationOutput, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache.attention.base import AttentionBackend
 from kvcache.model import Transformer, get_preset
+from tests.scenarios.recording import OutputMismatch, RecordedEngine, oracle_record, outputs_record
 
 VOCAB = 500  # token ids drawn from [1, VOCAB): inside every preset's vocabulary
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """An attention backend on a device in a dtype, and how closely warm must match cold."""
+    """An attention backend (a registered name, or a class: tests/scenarios/faults.py) on
+    a device in a dtype, and how closely warm must match cold."""
 
-    attn: str
+    attn: str | type[AttentionBackend]
     device: str
     dtype: torch.dtype
     atol: float
@@ -50,7 +56,8 @@ class BackendSpec:
         return self.dtype == torch.float32 and self.device == "cpu"
 
     def __str__(self) -> str:
-        return f"{self.attn}-{str(self.dtype).removeprefix('torch.')}-{self.device}"
+        name = self.attn if isinstance(self.attn, str) else self.attn.name
+        return f"{name}-{str(self.dtype).removeprefix('torch.')}-{self.device}"
 
 
 TORCH = BackendSpec("torch", "cpu", torch.float32, 1e-5)
@@ -113,22 +120,15 @@ def forced(reference: Sequence[GenerationOutput] | None, backend: BackendSpec
 
 def assert_same_outputs(expected: Sequence[GenerationOutput], actual: Sequence[GenerationOutput],
                         backend: BackendSpec, where: str) -> None:
-    """Same generated tokens, logits within the backend's tolerance (pairwise)."""
-    assert len(actual) == len(expected), f"{where}: {len(actual)} outputs, {len(expected)} expected"
-    for exp, act in zip(expected, actual, strict=True):
-        assert act.token_ids == exp.token_ids, (
-            f"{where}: request {act.request_id} (prompt of {len(act.prompt)} tokens) generated "
-            f"{act.token_ids}, the reference {exp.token_ids}")
-        assert exp.logits is not None and act.logits is not None, f"{where}: no logits kept"
-        torch.testing.assert_close(act.logits, exp.logits, atol=backend.atol, rtol=0,
-                                   msg=_logits_message(f"{where}: request {act.request_id}"))
-
-
-def _logits_message(where: str) -> Callable[[str], str]:
-    def message(detail: str) -> str:
-        return f"{where}: logits differ: {detail}"
-
-    return message
+    """Same generated tokens, logits within the backend's tolerance (pairwise). Raises
+    OutputMismatch at the first difference, carrying the repro record when the outputs
+    came from recorded engines (the make_engine fixture's)."""
+    __tracebackhide__ = True
+    difference = first_difference(expected, actual, backend.atol)
+    if difference is not None:
+        message = describe(difference, where)
+        raise OutputMismatch(message, outputs_record(where, backend.atol, expected, actual,
+                                                     difference, message))
 
 
 def scope_from_key(key: Any) -> ReuseScope | None:
@@ -172,6 +172,28 @@ def assert_probe_matches_admissions(engine: Engine) -> None:
         # "copy": the replica took its copies right after the admission
 
 
+def _set_phase(engine: Engine, phase: str) -> None:
+    """Tag `engine`'s next calls with `phase` in its recording (if it records)."""
+    if isinstance(engine, RecordedEngine):
+        engine.phase = phase
+
+
+def _with_scenario_repro(engine: Engine, exact: bool, results: Sequence[GenerationOutput],
+                         check: Callable[[], dict[str, int | float]]
+                         ) -> dict[str, int | float]:
+    """Run an oracle `check`; a ReuseMismatch it raises then carries a scenario record
+    (which re-runs the engine) in place of the bare reuse record, when it can."""
+    __tracebackhide__ = True
+    try:
+        return check()
+    except ReuseMismatch as exc:
+        rows = exc.repro.rows if isinstance(exc.repro, ReproRecord) else []
+        record = oracle_record(engine, exact, False, results, rows, str(exc))
+        if record is not None:
+            exc.repro = record  # type: ignore[assignment]
+        raise
+
+
 class ColdWarm(NamedTuple):
     """Outputs of a cold run and of the warm run that followed it."""
 
@@ -208,10 +230,11 @@ class ScenarioRun:
                   "max_num_tokens": engine.max_num_tokens}
         passed = False
         try:
-            window = expect_matches_oracle(
-                adapter, prediction, exact, results=list(results),
-                context=ReproContext(self.node_id, seed, config),
-                tree_dump=engine.manager.dump_tree)
+            window = _with_scenario_repro(
+                engine, exact, results, lambda: expect_matches_oracle(
+                    adapter, prediction, exact, results=list(results),
+                    context=ReproContext(self.node_id, seed, config),
+                    tree_dump=engine.manager.dump_tree))
             if probe_replica:
                 assert_probe_matches_admissions(engine)
             engine.manager.check_integrity()
@@ -266,8 +289,10 @@ class ScenarioRun:
         `reference` (outputs without reuse), the cold run must equal it too.
         """
         __tracebackhide__ = True
+        _set_phase(engine, "cold")
         cold = engine.generate(prompts, max_new_tokens, scopes,
                                force_tokens=forced(reference, backend))
+        _set_phase(engine, "warm")
         if reference is not None:
             assert_same_outputs(reference, cold, backend, "cold vs reference")
         force = forced(cold, backend)
@@ -289,11 +314,12 @@ class ScenarioRun:
         return ColdWarm(cold, warm)
 
 
+MODEL_SEED = 0  # every scenario model's weights (a repro file records it)
 POOL_TOKENS = 2048  # default pool: far more than any scenario holds, so nothing is evicted
 
 
 class Models:
-    """Presets built once per (name, device, dtype) with seed 0; engines share them (a
+    """Presets built once per (name, device, dtype), weights from MODEL_SEED; engines share them (a
     model holds no per-request state). Mutates only its own cache."""
 
     def __init__(self) -> None:
@@ -303,22 +329,24 @@ class Models:
         """The shared model for this preset, device and dtype."""
         key = (preset, device, dtype)
         if key not in self._built:
-            model = Transformer(get_preset(preset), seed=0)
+            model = Transformer(get_preset(preset), seed=MODEL_SEED)
             self._built[key] = model.to(device=device, dtype=dtype).eval()
         return self._built[key]
 
 
 class EngineFactory:
-    """Builds engines for one test; the harness checks `cache_owners()` for leaks after it."""
+    """Builds recorded engines for test `node_id` (a failed check writes a repro file that
+    re-runs them); the harness checks `cache_owners()` for leaks after it."""
 
-    def __init__(self, models: Models) -> None:
+    def __init__(self, models: Models, node_id: str = "") -> None:
         self.models = models
-        self.created: list[Engine] = []
+        self.node_id = node_id
+        self.created: list[RecordedEngine] = []
 
     def __call__(self, tokens_per_block: int, *, backend: BackendSpec = TORCH,
                  mode: ReuseMode | None = None, reuse: bool | None = None,
                  max_num_blocks: int | None = None, host_cache_blocks: int = 0,
-                 preset: str = "tiny", **engine_options: Any) -> Engine:
+                 preset: str = "tiny", **engine_options: Any) -> RecordedEngine:
         """A fresh engine. `mode` sets the partial-reuse flags (None: the defaults);
         `reuse` is enable_block_reuse; `max_num_blocks` defaults to POOL_TOKENS worth;
         `host_cache_blocks` adds a host tier; `engine_options` go to `Engine`
@@ -330,8 +358,10 @@ class EngineFactory:
             copy_on_partial_reuse=mode.copy if mode is not None and mode.partial else None,
             host_cache_blocks=host_cache_blocks)
         model = self.models.get(preset, backend.device, backend.dtype)
-        engine = Engine(model, cfg, attn_backend=backend.attn, device=backend.device,
-                        dtype=backend.dtype, **engine_options)
+        engine = RecordedEngine(model, cfg, preset=preset, model_seed=MODEL_SEED,
+                                node_id=self.node_id, serial=len(self.created),
+                                attn_backend=backend.attn, device=backend.device,
+                                dtype=backend.dtype, **engine_options)
         self.created.append(engine)
         return engine
 
@@ -345,6 +375,7 @@ class EngineFactory:
         engine = self(tokens_per_block, backend=backend, reuse=False, preset=preset,
                       max_num_tokens=max(total, 1), max_batch_size=len(prompts),
                       max_num_blocks=max(total, 1), enable_chunked_prefill=False)
+        engine.phase = "reference"
         outs = engine.generate(prompts, max_new_tokens)
         assert [o.num_cached_tokens for o in outs] == [0] * len(prompts), "reference reused"
         return outs

@@ -1,0 +1,128 @@
+"""What a scenario ran on one engine, JSON-ready: how to build the engine (`EngineRecipe`),
+each call it made in order (`Call`), and what the cache saw and counted (`EngineRun`).
+
+A recipe names the model by preset and seed, the attention backend by registry name or
+by `module:QualName` (a backend outside the registry, such as a test's fault-injecting
+one, imported by the replay), the device and dtype, the KvCacheConfig as given (None:
+"auto") and every other Engine option resolved to its value (layout, page size,
+chunking, budget, graph and padding flags, ...). Calls are the engine's request API:
+`generate` (a batch run to completion), `add_request`, `step`, `abort`; each keeps the
+phase the scenario was in (cold, warm, reference, ...) and the request ids it returned,
+so a replay can tell a diverging schedule from a diverging output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from harness.repro.fileformat import Fields
+
+Op = Literal["generate", "add_request", "step", "abort"]
+OPS: tuple[Op, ...] = ("generate", "add_request", "step", "abort")
+# A scope as JSON: None (the default scope) or {"salt": str | int | {"hex": ...}, "lora_id"}.
+ScopeJson = dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    """Everything `Engine(...)` was built from."""
+
+    preset: str
+    model_seed: int
+    backend: str
+    device: str
+    dtype: str
+    cache: dict[str, Any]
+    options: dict[str, Any]
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> EngineRecipe:
+        """Parse; raises ReproFormatError naming the field."""
+        recipe = cls(f.get("preset", str), f.get("model_seed", int), f.get("backend", str),
+                     f.get("device", str), f.get("dtype", str), f.get("cache", dict),
+                     f.get("options", dict))
+        f.close()
+        return recipe
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call on the engine. generate: `prompts`, `max_new_tokens`, `scopes`,
+    `force_tokens`; add_request: the same for one prompt, with `priority`; step: none;
+    abort: `rids[0]`. `rids`: the request ids it returned (generate, add_request), or
+    finished (step), or aborted (abort)."""
+
+    op: Op
+    phase: str
+    rids: list[int]
+    prompts: list[list[int]] = field(default_factory=list)
+    max_new_tokens: int | None = None
+    scopes: list[ScopeJson] | None = None
+    force_tokens: list[list[int]] | None = None
+    priority: int | None = None
+    return_logits: bool = True
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> Call:
+        """Parse; raises ReproFormatError naming the field."""
+        op: Op = f.choice("op", OPS)  # type: ignore[assignment]
+        scopes = f.get("scopes", list, optional=True)
+        call = cls(op, f.get("phase", str), f.ints("rids") or [], f.int_lists("prompts") or [],
+                   f.get("max_new_tokens", int, optional=True), scopes,
+                   f.int_lists("force_tokens", optional=True),
+                   f.get("priority", int, optional=True), f.get("return_logits", bool))
+        f.close()
+        if op in ("generate", "add_request") and (not call.prompts or call.max_new_tokens is None):
+            raise f.error("prompts", f"and max_new_tokens are required by a {op} call")
+        if op == "add_request" and len(call.prompts) != 1:
+            raise f.error("prompts", f"holds {len(call.prompts)} prompts; add_request takes one")
+        if op == "abort" and len(call.rids) != 1:
+            raise f.error("rids", "of an abort call must hold the one aborted request id")
+        for i, scope in enumerate(scopes or ()):
+            if scope is not None and (not isinstance(scope, dict)
+                                      or set(scope) != {"salt", "lora_id"}):
+                raise f.error("scopes", f"item {i} must be null or {{salt, lora_id}}, "
+                              f"got {scope!r}")
+        return call
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One engine of the scenario: its recipe, its calls in order, and, when the record
+    was written, its cache's admission log, its cumulative counters and the oracle's
+    prediction of them (None where it could not be computed)."""
+
+    recipe: EngineRecipe
+    calls: list[Call]
+    admission_log: list[dict[str, Any]]
+    counters: dict[str, int | float]
+    predicted: dict[str, int | float] | None
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> EngineRun:
+        """Parse; raises ReproFormatError naming the field."""
+        run = cls(EngineRecipe.from_fields(f.sub("recipe")),
+                  [Call.from_fields(c) for c in f.subs("calls")],
+                  f.get("admission_log", list), f.get("counters", dict),
+                  f.get("predicted", dict, optional=True))
+        f.close()
+        return run
+
+
+def scope_json(salt: Any, lora_id: int | None) -> ScopeJson:
+    """A scope's JSON form (None for the default scope; bytes salts as hex)."""
+    if salt is None and lora_id is None:
+        return None
+    return {"salt": {"hex": salt.hex()} if isinstance(salt, bytes) else salt,
+            "lora_id": lora_id}
+
+
+def scope_args(scope: ScopeJson) -> tuple[Any, int | None] | None:
+    """(salt, lora_id) of a scope's JSON form, None for the default scope."""
+    if scope is None:
+        return None
+    salt = scope["salt"]
+    if isinstance(salt, dict):
+        salt = bytes.fromhex(salt["hex"])
+    return salt, scope["lora_id"]
