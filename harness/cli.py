@@ -129,7 +129,7 @@ def _repro(args: argparse.Namespace) -> int:
         kind, fields = open_file(args.file)
         if kind == "reuse":
             return _replay_reuse(ReproRecord.from_fields(fields))
-        return _rerun_scenario(ScenarioRecord.from_fields(fields))
+        return _rerun_scenario(ScenarioRecord.from_fields(fields), str(args.file))
     except ValueError as exc:  # ReproFormatError: the file, the field, what is wrong
         print(f"kvharness repro: {exc}", file=sys.stderr)
         return REPRO_UNUSABLE
@@ -147,7 +147,7 @@ def _replay_reuse(record: ReproRecord) -> int:
     return REPRO_GONE
 
 
-def _rerun_scenario(record: ScenarioRecord) -> int:
+def _rerun_scenario(record: ScenarioRecord, file: str) -> int:
     for i, run in enumerate(record.engines):
         r = run.recipe
         phases = " -> ".join(dict.fromkeys(c.phase for c in run.calls)) or "no calls"
@@ -155,7 +155,7 @@ def _rerun_scenario(record: ScenarioRecord) -> int:
               f"{r.device}, {len(run.calls)} calls ({phases}), cache "
               f"{json.dumps(r.cache, sort_keys=True)}")
     print(f"re-running {record.node_id}: {record.failure.check} check")
-    outcome = rerun(record)
+    outcome = rerun(record, file)
     for note in outcome.notes:
         print(f"note: {note}")
     if outcome.status == "reproduced":

@@ -80,18 +80,25 @@ class Fields:
         """A list of ints."""
         values = self.get(name, list, optional=optional)
         if values is not None:
-            for i, v in enumerate(values):
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise self.error(name, f"must hold ints; item {i} is {json.dumps(v)[:40]}")
+            self._check_ints(values, self.where(name))
         return values
 
     def int_lists(self, name: str, *, optional: bool = False) -> list[list[int]] | None:
         """A list of lists of ints (prompts, forced tokens)."""
         values = self.get(name, list, optional=optional)
-        if values is None:
-            return None
-        return [Fields({"x": v}, self.file, self.where(name) + f"[{i}]").ints("x") or []
-                for i, v in enumerate(values)]
+        for i, value in enumerate(values or ()):
+            where = f"{self.where(name)}[{i}]"
+            if not isinstance(value, list):
+                raise ReproFormatError(f"{self.file}: field {where!r} must be a list of ints, "
+                                       f"got {json.dumps(value)[:40]}")
+            self._check_ints(value, where)
+        return values
+
+    def _check_ints(self, values: list[Any], where: str) -> None:
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ReproFormatError(f"{self.file}: field {where!r} must hold ints; item {i} "
+                                       f"is {json.dumps(v)[:40]}")
 
     def sub(self, name: str) -> Fields:
         """The object under `name`."""

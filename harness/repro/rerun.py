@@ -74,10 +74,10 @@ def build(recipe: EngineRecipe, where: str) -> Engine:
     if recipe.device.startswith("cuda") and not torch.cuda.is_available():
         raise ReproFormatError(f"{where}.device: the record ran on {recipe.device!r}; this "
                                "machine has no CUDA")
+    backend = _backend(recipe.backend, f"{where}.backend")
     try:
         cache = KvCacheConfig(**recipe.cache)
-        return Engine(recipe.preset, cache, seed=recipe.model_seed,
-                      attn_backend=_backend(recipe.backend, f"{where}.backend"),
+        return Engine(recipe.preset, cache, seed=recipe.model_seed, attn_backend=backend,
                       device=recipe.device, dtype=dtype, **recipe.options)
     except (TypeError, ValueError) as exc:
         raise ReproFormatError(f"{where}: the engine cannot be built: {exc}") from None
@@ -111,12 +111,13 @@ def _call(engine: Engine, call: Call) -> tuple[list[int], list[GenerationOutput]
     return [o.request_id for o in outs], outs
 
 
-def run_engine(index: int, run: EngineRun, notes: list[str]
+def run_engine(index: int, run: EngineRun, notes: list[str], file: str = "record"
                ) -> tuple[Engine, dict[int, GenerationOutput]]:
-    """Build engine `index` and make its calls; returns it and its outputs by request
-    id. A schedule or counters unlike the recording's are added to `notes`."""
+    """Build engine `index` of the record in `file` and make its calls; returns it and
+    its outputs by request id. A schedule or counters unlike the recording's are added
+    to `notes`. Raises ReproFormatError as `build` does."""
     where = f"engines[{index}]"
-    engine = build(run.recipe, f"{where}.recipe")
+    engine = build(run.recipe, f"{file}: {where}.recipe")
     outputs: dict[int, GenerationOutput] = {}
     for k, call in enumerate(run.calls):
         rids, outs = _call(engine, call)
@@ -146,7 +147,8 @@ def _pick(refs: Sequence[OutputRef], outputs: list[dict[int, GenerationOutput]]
           ) -> list[GenerationOutput]:
     missing = [ref for ref in refs if ref[1] not in outputs[ref[0]]]
     if missing:
-        raise ReproFormatError(f"the re-run produced no output for [engine, request] {missing}")
+        raise ReproFormatError(f"the re-run produced no output for [engine, request] {missing} "
+                               "(the engine now schedules differently: see the notes)")
     return [outputs[e][rid] for e, rid in refs]
 
 
@@ -162,11 +164,11 @@ def _oracle(engine: Engine, exact: bool, bounded: bool,
     return None
 
 
-def rerun(record: ScenarioRecord) -> Rerun:
-    """Re-run `record` and check again. Raises ReproFormatError when it cannot be re-run
-    here (see `build`)."""
+def rerun(record: ScenarioRecord, file: str = "record") -> Rerun:
+    """Re-run `record` (read from `file`, which errors name) and check again. Raises
+    ReproFormatError when it cannot be re-run here (see `build`)."""
     notes: list[str] = []
-    built = [run_engine(i, run, notes) for i, run in enumerate(record.engines)]
+    built = [run_engine(i, run, notes, file) for i, run in enumerate(record.engines)]
     engines = [engine for engine, _ in built]
     outputs = [outs for _, outs in built]
     failure = record.failure
