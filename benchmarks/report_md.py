@@ -263,22 +263,24 @@ def _host_tier(benches: Sequence[Benchmark]) -> list[str]:
 
 
 def _routing(benches: Sequence[Benchmark]) -> list[str]:
-    lines = ["## Cache-aware routing (N replicas, event-driven longest prefix vs round-robin)",
-             ""]
+    lines = ["## Cache-aware routing (N replicas; hit rate (prefill tokens saved) per "
+             "router, load imbalance of the prefix routers)", ""]
     for b in sorted(benches, key=lambda b: b.extra.get("workload", "")):
         e = b.extra
-        rows = zip(e.get("replicas", []), e.get("pool_blocks", []),
-                   e.get("round_robin_hit_rate", []), e.get("prefix_hit_rate", []),
-                   e.get("round_robin_saved_tokens", []), e.get("prefix_saved_tokens", []),
-                   e.get("prefix_imbalance", []), strict=False)
+        routers = e.get("routers", [])
+        balancing = [r for r in routers if "prefix" in r]  # the cache-blind ones are even
+        columns = [e.get("replicas", []), e.get("pool_blocks", []),
+                   *([f"{rate:.3f} ({saved / 1e6:.2f} M)" for rate, saved in
+                      zip(e.get(f"{r}_hit_rate", []), e.get(f"{r}_saved_tokens", []),
+                          strict=False)] for r in routers),
+                   *(e.get(f"{r}_imbalance", []) for r in balancing)]
         lines += [f"**{e.get('workload', b.name)}**: {e.get('requests', '?')} requests, "
                   f"{e.get('prompt_tokens', '?')} prompt tokens; each replica's pool holds "
                   f"{e.get('headroom', '?')} / N of the {e.get('footprint_blocks', '?')}-block "
                   "footprint.", "",
-                  *table(["replicas", "pool blocks", "round-robin hit rate",
-                          "prefix hit rate", "round-robin tokens saved",
-                          "prefix tokens saved", "prefix load imbalance"],
-                         [list(r) for r in rows])]
+                  *table(["replicas", "pool blocks", *routers,
+                          *(f"{r} imbalance" for r in balancing)],
+                         [list(r) for r in zip(*columns, strict=False)])]
     return lines
 
 

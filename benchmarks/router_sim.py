@@ -2,21 +2,31 @@
 
 Each replica is a KVCacheManager with KV-cache events on. A request goes to the replica
 the router picks; that replica admits it (reusing what it caches), computes its prompt
-and generated tokens (commit) and frees it. The event-driven router keeps one
-`harness.kv_index.EventIndex` per replica, fed only by that replica's events, and sends
-each request to the replica whose index predicts the longest reused prefix (ties: the
-replica that has served the fewest requests). Round-robin ignores the caches.
+and generated tokens (commit) and frees it. The routers:
+
+- `round_robin` and `random` (seeded) ignore the caches. Round-robin is sticky by
+  accident wherever a workload's period is a multiple of N (turn-major chats whose count
+  N divides return every turn to the same replica); random is not.
+- `prefix` keeps one `harness.kv_index.EventIndex` per replica, fed only by that
+  replica's events, and sends each request to the replica whose index predicts the
+  longest reused prefix (ties: the replica that has served the fewest requests). It
+  ignores load, so popular prefixes pile onto a few replicas, which then evict.
+- `balanced_prefix` does the same among the replicas that have served at most
+  BALANCE_SLACK more than their share so far (the least-served otherwise), as
+  production cache-aware routers bound load imbalance.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from harness.kv_index import EventIndex
 from kvcache import KvCacheConfig, KVCacheManager
 
-ROUTERS = ("round_robin", "prefix")
+ROUTERS = ("round_robin", "random", "prefix", "balanced_prefix")
+BALANCE_SLACK = 0.25  # balanced_prefix: no replica serves over 1.25x its share so far
 
 
 class SimRequest(NamedTuple):
@@ -70,8 +80,7 @@ def _serve(mgr: KVCacheManager, rid: int, r: SimRequest) -> int:
 def simulate(requests: Sequence[SimRequest], replicas: int, router: str, block_size: int,
              pool_blocks: int) -> RoutingResult:
     """Serve `requests` in order on `replicas` replicas of `pool_blocks` blocks each.
-
-    Raises ValueError for an unknown router."""
+    `random` draws from a fixed seed. Raises ValueError for an unknown router."""
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
     cfg = KvCacheConfig(tokens_per_block=block_size, max_num_blocks=pool_blocks)
@@ -79,11 +88,19 @@ def simulate(requests: Sequence[SimRequest], replicas: int, router: str, block_s
     indexes = [EventIndex(block_size) for _ in range(replicas)]
     served = [0] * replicas
     saved = 0
+    rng = random.Random(0)
+    everyone = range(replicas)
     for i, r in enumerate(requests):
         if router == "round_robin":
             pick = i % replicas
+        elif router == "random":
+            pick = rng.randrange(replicas)
         else:
-            pick = max(range(replicas),
+            candidates: Sequence[int] = everyone
+            if router == "balanced_prefix":
+                cap = (i / replicas + 1) * (1 + BALANCE_SLACK)
+                candidates = [k for k in everyone if served[k] < cap] or everyone
+            pick = max(candidates,
                        key=lambda k: (indexes[k].probe(r.prompt), -served[k], -k))
         saved += _serve(mgrs[pick], i, r)
         served[pick] += 1
