@@ -27,7 +27,7 @@ from kvcache.core.integrity import check_manager
 from kvcache.core.kv_event_log import KvEventLog
 from kvcache.core.kv_events import KvCacheEvent
 from kvcache.core.ops import CACHE, BlockCopy, BlockOnboard, KvOp
-from kvcache.core.plan import AdmissionPlan
+from kvcache.core.plan import AdmissionPlan, ReuseMatch
 from kvcache.core.pool import BlockPool, OutOfBlocksError
 from kvcache.core.radix import (
     TOKEN_BYTES,
@@ -568,8 +568,23 @@ class KVCacheManager:
         return True
 
     # ------------------------------------------------------------------ queries
+    def match_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> ReuseMatch:
+        """What an admission of `tokens` in `scope` would reuse now: block ids and counts.
+
+        The lookup of a scheduler, router or benchmark that does not admit: the admission
+        plan's walk (`plan_admission(...).reuse`, claims under pool pressure included), holding
+        and changing nothing, not even LRU times or statistics. An empty prompt reuses
+        nothing. Raises ValueError for bad tokens or a bad scope.
+        """
+        skey = None if scope is None else scope_key(scope, "match_reuse")
+        arr = to_token_array(tokens, "match_reuse", None)
+        if not arr:
+            return ReuseMatch((), 0, 0, None)
+        return self._plan(arr, skey).reuse
+
     def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> int:
-        """Tokens an admission of `tokens` would reuse now. Holds and changes nothing."""
+        """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`).
+        Holds and changes nothing."""
         arr = to_token_array(tokens, "probe_reuse", None)
         if not arr:
             return 0

@@ -1,16 +1,55 @@
-"""AdmissionPlan: what admitting a prompt would reuse and need, before anything changes.
+"""AdmissionPlan and ReuseMatch: what admitting a prompt would reuse and need, before
+anything changes.
 
 `KVCacheManager.plan_admission` walks the tree once and returns a plan; `admit` carries
 that plan out. A scheduler asks whether a request fits and admits it from the same walk
 (nano-vllm's `can_allocate` / `allocate` pair), and "the pool is full" is a plan that
-says so rather than an exception.
+says so rather than an exception. `KVCacheManager.match_reuse` is the same walk reduced
+to its `ReuseMatch` (block ids and counts): the lookup of a router or a benchmark.
 """
 
 from __future__ import annotations
 
 from array import array
+from typing import Literal, NamedTuple
 
 from kvcache.core.radix import Node, PartialHit, ScopeKey
+
+PartialReuse = Literal["claim", "copy", "onboard"]
+
+
+class ReuseMatch(NamedTuple):
+    """What admitting a prompt would reuse now (TensorRT-LLM's v2 `ReuseMatch`).
+
+    A snapshot of ids and counts that holds nothing; valid until the cache next changes.
+    `num_tokens` tokens need no compute (any alignment; never a prompt's last token):
+    `num_full_blocks` full blocks (block positions [0, num_full_blocks)), then with
+    `partial` the leading tokens of one more block. Positions are those of the admitted
+    sequence's `block_ids`:
+
+        positions  0        num_skipped_blocks                  num_full_blocks
+                   | skipped |  on the device: ids listed  | host |  partial
+                              [------- block_ids ---------]        (+ its id if on the device)
+
+    `num_skipped_blocks` leading positions are outside the sliding window of the first
+    token to compute: the admission holds none of them (their blocks may be gone) and
+    the sequence starts with them released (always 0 under full attention). The last
+    `num_onboard_blocks` full blocks are in the host tier: the admission onboards them
+    into new device blocks, so they have no device id yet (always 0 without a host
+    tier). `block_ids` lists the device blocks of the other full positions, in order,
+    then the partially matched block when it is on the device. `partial` says what the
+    admission does with that block: "claim" it (an unused leaf, taken over as is),
+    "copy" its matching tokens into a new block, or "onboard" them from the host tier.
+    So `len(block_ids) == num_full_blocks - num_skipped_blocks - num_onboard_blocks +
+    (partial in ("claim", "copy"))`.
+    """
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    num_full_blocks: int
+    partial: PartialReuse | None
+    num_skipped_blocks: int = 0
+    num_onboard_blocks: int = 0
 
 
 class AdmissionPlan:
@@ -97,6 +136,21 @@ class AdmissionPlan:
     def claim(self) -> bool:
         """True when the partial match takes over an unused leaf block (no copy)."""
         return self._partial is not None and self._partial.claim
+
+    @property
+    def reuse(self) -> ReuseMatch:
+        """The reuse part of the plan as block ids and counts (built on each access)."""
+        ph = self._partial
+        onboard = self._onboard
+        # the plan's ids list the host slots of its host hits last: not device blocks
+        ids = self._block_ids[:len(self._block_ids) - onboard] if onboard else self._block_ids
+        if ph is None:
+            return ReuseMatch(tuple(ids), self._cached, self._full, None, self._first, onboard)
+        if ph.node.host:
+            return ReuseMatch(tuple(ids), self._cached, self._full, "onboard", self._first,
+                              onboard)
+        return ReuseMatch((*ids, ph.node.blocks[ph.at]), self._cached, self._full,
+                          "claim" if ph.claim else "copy", self._first, onboard)
 
     @property
     def num_reused_blocks(self) -> int:

@@ -155,8 +155,8 @@ class PartialHit(NamedTuple):
     claim: bool  # an unused leaf block: taken over without a copy
 
 
-class ReuseMatch(NamedTuple):
-    """What an admission would reuse; valid only until the tree next changes.
+class TreeMatch(NamedTuple):
+    """The tree's match of a prompt (nodes, not ids); valid until the tree next changes.
 
     `hits` lists (node, blocks matched from its start); only the last may stop inside
     its node. `num_tokens` = num_full_blocks * tokens_per_block + partial tokens.
@@ -195,7 +195,7 @@ class BlockRadixTree:
         return node
 
     def match(self, start: Node, kb: bytes, limit: int, *, partial: bool,
-              copy_on_partial: bool) -> ReuseMatch:
+              copy_on_partial: bool) -> TreeMatch:
         """Match token bytes `kb[:limit]` below `start`: full blocks, then one partial.
 
         Pure: mutates nothing. `limit` is in bytes. The partial candidate is taken only
@@ -230,7 +230,7 @@ class BlockRadixTree:
         if partial and limit - off >= TOKEN_BYTES:
             hit = self._partial(node, mid, hits, kb, off, limit, copy_on_partial)
         ntok = off // TOKEN_BYTES + (hit.num_tokens if hit is not None else 0)
-        return ReuseMatch(hits, num_full, hit, ntok)
+        return TreeMatch(hits, num_full, hit, ntok)
 
     def _partial(self, node: Node, mid: Node | None, hits: list[tuple[Node, int]], kb: bytes,
                  off: int, limit: int, copy_on_partial: bool) -> PartialHit | None:

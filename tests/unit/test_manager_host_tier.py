@@ -9,7 +9,7 @@ from array import array
 
 import pytest
 
-from kvcache import KVCacheManager, OutOfBlocksError
+from kvcache import KVCacheManager, OutOfBlocksError, ReuseMatch
 from kvcache.core.kv_events import BlockRemoved, BlockStored
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 
@@ -61,6 +61,9 @@ def test_a_hit_on_the_host_onboards_it_before_the_admission_uses_the_block(
     plan = mgr.plan_admission([1, 2, 3, 4, 0])
     assert (plan.num_full_blocks, plan.num_onboard_blocks, plan.num_new_blocks) == (2, 2, 1)
     assert plan.fits
+    # host blocks have no device id until onboarded: counted, not listed
+    assert mgr.match_reuse([1, 2, 3, 4, 0]) == plan.reuse == ReuseMatch(
+        (), 4, 2, None, num_onboard_blocks=2)
     c = mgr.admit("c", plan)
     ops = mgr.take_copy_ops()
     # b's tail is dropped and its two full blocks go to the host first; a's come back
@@ -137,6 +140,7 @@ def test_a_partial_hit_on_a_host_block_is_copied_by_an_onboard(make_manager) -> 
     mgr = make_manager(4, 2, host=4, checked=True)
     cached(mgr, "a", [1, 2, 3, 4, 5])
     cached(mgr, "b", [9, 9, 9, 9, 9])  # [1,2,3,4] to the host, [5] dropped
+    assert mgr.match_reuse([1, 2, 3, 7, 7]) == ReuseMatch((), 3, 0, "onboard")
     seq = mgr.add_sequence("c", [1, 2, 3, 7, 7])  # 3 tokens of the host block
     (op,) = [op for op in mgr.pending_copy_ops if type(op) is BlockOnboard]
     assert op.num_tokens == 3 and op.dst == seq.block_ids[0]

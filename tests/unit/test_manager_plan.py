@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache import AdmissionPlan, OutOfBlocksError, ReuseScope
+from kvcache import AdmissionPlan, OutOfBlocksError, ReuseMatch, ReuseScope
 
 
 def _cached(mgr, seq_id: str, tokens: list[int]) -> None:
@@ -115,3 +115,67 @@ def test_matches_are_cut_back_to_the_reuse_alignment(make_manager, align: int,
     seq = mgr.add_sequence("warm", probes[0])
     assert seq.num_cached_tokens == expected[0]
     mgr.free_sequence("warm")
+
+
+def test_match_reuse_names_the_blocks_an_admission_would_reuse(make_manager) -> None:
+    mgr = make_manager(4, 16)
+    mgr.add_sequence("x", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    mgr.commit("x", 10)
+    x_blocks = list(mgr.get_sequence("x").block_ids)
+    # x is live: its tail [9, 10] is not cached yet, its full blocks are
+    assert mgr.match_reuse([1, 2, 3, 4, 5, 6, 7, 8, 9]) == ReuseMatch(
+        tuple(x_blocks[:2]), 8, 2, None)
+    # a partial match inside a block x holds: copied
+    assert mgr.match_reuse([1, 2, 3, 4, 5, 6, 9]) == ReuseMatch(
+        tuple(x_blocks[:2]), 6, 1, "copy")
+    mgr.free_sequence("x")
+    # the tail leaf [9, 10] is unused now: claimed
+    match = mgr.match_reuse([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    assert match == ReuseMatch(tuple(x_blocks), 10, 2, "claim")
+    assert match.num_tokens == mgr.probe_reuse([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    seq = mgr.add_sequence("y", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    assert tuple(seq.block_ids[:3]) == match.block_ids
+    mgr.free_sequence("y")
+
+
+def test_match_reuse_is_the_plans_reuse(make_manager) -> None:
+    mgr = make_manager(2, 3)
+    a = list(mgr.add_sequence("a", [1, 2, 3, 4, 5]).block_ids)
+    mgr.commit("a", 5)
+    mgr.free_sequence("a")  # [1, 2] [3, 4] + tail [5] cached: the whole pool
+    # protecting the copy source [3, 4] would take the block the admission needs: the plan
+    # claims the source instead (its follower [5] is evicted), and so does match_reuse
+    plan = mgr.plan_admission([1, 2, 3, 9, 9])
+    assert plan.reuse == mgr.match_reuse([1, 2, 3, 9, 9])
+    assert plan.reuse == ReuseMatch((a[0], a[1]), 3, 1, "claim")
+    assert mgr.match_reuse([7]) == ReuseMatch((), 0, 0, None)
+
+
+def test_match_reuse_changes_nothing_not_even_eviction_order(make_manager) -> None:
+    mgr = make_manager(4, 5)
+    _cached(mgr, "old", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # 3 blocks
+    _cached(mgr, "new", [5, 5, 5, 5, 6])  # 2 blocks, released later
+    before = (mgr.stats(), mgr.dump_tree(), list(mgr.pool.free), mgr.pool.clock)
+    for _ in range(3):
+        assert mgr.match_reuse([1, 2, 3, 4, 5, 6, 7, 8, 9]).num_tokens == 8
+    assert (mgr.stats(), mgr.dump_tree(), list(mgr.pool.free), mgr.pool.clock) == before
+    # "old" is still the least recently used: a prompt needing two blocks evicts its
+    # tail block and its last full block, not "new"
+    mgr.add_sequence("z", [8, 8, 8, 8, 8])
+    assert mgr.match_reuse([5, 5, 5, 5, 6]).num_tokens == 4
+    assert mgr.match_reuse([1, 2, 3, 4, 5, 6, 7, 8, 9]).num_tokens == 4
+    mgr.free_sequence("z")
+
+
+def test_match_reuse_rejects_bad_input_and_keeps_scopes_apart(make_manager) -> None:
+    mgr = make_manager(4, 8)
+    mgr.add_sequence("a", [1, 2, 3, 4, 5], scope=ReuseScope(salt="t1"))
+    mgr.commit("a", 5)
+    mgr.free_sequence("a")
+    assert mgr.match_reuse([1, 2, 3, 4, 5], ReuseScope(salt="t1")).num_tokens == 4
+    assert mgr.match_reuse([1, 2, 3, 4, 5]) == ReuseMatch((), 0, 0, None)
+    assert mgr.match_reuse([]) == ReuseMatch((), 0, 0, None)
+    with pytest.raises(ValueError, match="match_reuse: token 1 is True"):
+        mgr.match_reuse([1, True])
+    with pytest.raises(ValueError, match="match_reuse: expected None or ReuseScope"):
+        mgr.match_reuse([1], scope="tenant")  # type: ignore[arg-type]

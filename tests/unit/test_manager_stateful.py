@@ -4,10 +4,14 @@ The reuse model is `harness.oracle.model`, a deliberately naive model written wi
 code from `kvcache`. With a pool too large to evict, every admission and probe must equal
 its prediction exactly, claim-or-copy included; with small pools the manager must keep
 every invariant, never fail an admission that fits, and leave the cache untouched when one
-does not. Every step runs under the provenance and capacity oracles too (`CheckedManager`):
-every reuse reads the reader's own KV, and usedNumBlocks is what the live sequences need.
+does not. Every step runs under the provenance and capacity oracles too (`CheckedManager`, full
+attention only): every reuse reads the reader's own KV, and usedNumBlocks is what the
+live sequences need.
 A small device pool behind a host tier that never drops loses no full block, so with
 partial reuse off it must match the unbounded oracle exactly too.
+Before every admission `match_reuse` must change nothing and name exactly the blocks,
+tokens and claim, copy or onboard the admission then gets, and agree with `probe_reuse`;
+under a sliding window too, whose small pools leave hollow paths in the tree.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from harness.checked_manager import CheckedManager
 from harness.oracle import OracleConfig, ReuseOracle
-from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
-from kvcache.core.ops import BlockOnboard
+from kvcache import (
+    KvCacheConfig,
+    KVCacheManager,
+    OutOfBlocksError,
+    ReuseMatch,
+    ReuseScope,
+    Sequence,
+)
+from kvcache.core.ops import BlockCopy, BlockOnboard
 
 # A few stems so that prompts share prefixes, plus random suffixes over a tiny alphabet so
 # that partial matches and sibling candidates are common.
@@ -40,19 +51,23 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr: CheckedManager
+        self.mgr: CheckedManager | KVCacheManager
         self.oracle: ReuseOracle
         self.next_id = 0
         self.seen = 0
 
     @initialize(block=st.sampled_from([1, 2, 3, 4]), policy=flags)
-    def setup(self, block: int, policy: tuple[bool, bool, bool]) -> None:
+    def setup(self, block: int, policy: tuple[bool, bool, bool],
+              window: int | None = None) -> None:
         reuse, partial, copy = policy
         cfg = KvCacheConfig(tokens_per_block=block, max_num_blocks=self.pool_blocks,
                             enable_block_reuse=reuse, enable_partial_reuse=partial,
                             copy_on_partial_reuse=copy,
-                            host_cache_blocks=self.host_blocks if reuse else 0)
-        self.mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
+                            host_cache_blocks=self.host_blocks if reuse else 0,
+                            sliding_window=window)
+        mgr = KVCacheManager(cfg, record_events=True)
+        # the capacity oracle counts blocks as full attention holds them: a window runs bare
+        self.mgr = mgr if window is not None else CheckedManager(mgr)
         self.oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
 
     @property
@@ -70,22 +85,59 @@ class CacheMachine(RuleBasedStateMachine):
         self.seen = len(self.mgr.events)
         return [self.oracle.apply(ev.as_dict()) for ev in new] if self.exact else []
 
+    def snapshot(self) -> tuple[object, ...]:
+        """Everything a read-only call must leave alone (the dump shows LRU times)."""
+        pool = self.mgr.pool
+        return (self.mgr.stats(), self.mgr.tree.dump(), list(pool.free), pool.clock,
+                len(pool.heap))
+
+    def check_match(self, match: ReuseMatch, seq: Sequence, queued: int) -> None:
+        """`match` (taken just before admitting `seq`, with `queued` ops pending) names
+        what the admission reused: its held device blocks by position, its host blocks by
+        their onboards, and its partial block by the claim, copy or onboard."""
+        nfull, skip = match.num_full_blocks, match.num_skipped_blocks
+        onboard = match.num_onboard_blocks
+        assert seq.num_cached_tokens == match.num_tokens
+        assert seq.num_released_blocks == skip
+        device = nfull - skip - onboard
+        assert len(match.block_ids) == device + (match.partial in ("claim", "copy"))
+        assert list(seq.block_ids[skip:skip + device]) == list(match.block_ids[:device])
+        metrics = seq.metrics
+        assert metrics.num_full_reused_blocks == nfull
+        assert metrics.num_partial_reused_blocks == (match.partial is not None)
+        assert metrics.num_onboarded_blocks == onboard + (match.partial == "onboard")
+        ops = self.mgr.pending_copy_ops[queued:]
+        whole = [op.dst for op in ops
+                 if type(op) is BlockOnboard and op.num_tokens == self.mgr.config.tokens_per_block]
+        assert whole == list(seq.block_ids[nfull - onboard:nfull])
+        ntok = match.num_tokens - nfull * self.mgr.config.tokens_per_block
+        if match.partial == "claim":
+            assert seq.block_ids[nfull] == match.block_ids[-1]
+        elif match.partial is not None:
+            kind = BlockCopy if match.partial == "copy" else BlockOnboard
+            (op,) = [op for op in ops if type(op) is kind and op.num_tokens == ntok
+                     and op.dst == seq.block_ids[nfull]]
+            if kind is BlockCopy:
+                assert op.src == match.block_ids[-1]
+
     @rule(tokens=prompts, scope=scopes)
     def add(self, tokens: list[int], scope: ReuseScope | None) -> None:
         seq_id = self.next_id
         self.next_id += 1
+        before = self.snapshot()
+        match = self.mgr.match_reuse(tokens, scope)
+        assert self.snapshot() == before, "match_reuse changed the cache"
         probed = self.mgr.probe_reuse(tokens, scope)
-        before = (self.mgr.stats(), self.mgr.tree.dump(), list(self.mgr.pool.free))
         queued = len(self.mgr.pending_copy_ops)
+        assert match.num_tokens == probed
         try:
             seq = self.mgr.add_sequence(seq_id, tokens, scope=scope)
         except OutOfBlocksError as err:
             assert err.needed > err.available
-            assert (self.mgr.stats(), self.mgr.tree.dump(), list(self.mgr.pool.free)) == before
+            assert self.snapshot() == before
             return
-        onboards = [op for op in self.mgr.pending_copy_ops[queued:] if type(op) is BlockOnboard]
-        assert len(onboards) == seq.metrics.num_onboarded_blocks
         assert seq.num_cached_tokens == probed
+        self.check_match(match, seq, queued)
         if self.exact:
             (predicted,) = [p for p in self.sync() if p is not None]
             assert seq.num_cached_tokens == predicted.reused_tokens, self.mgr.dump_tree()
@@ -139,6 +191,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(tokens=prompts, scope=scopes)
     def probe(self, tokens: list[int], scope: ReuseScope | None) -> None:
         got = self.mgr.probe_reuse(tokens, scope)
+        assert self.mgr.match_reuse(tokens, scope).num_tokens == got
         if self.exact:
             assert got == self.oracle.probe(tokens, scope)
 
@@ -178,6 +231,22 @@ class SmallTiersMachine(CacheMachine):
     host_blocks = 4
 
 
+class WindowMachine(CacheMachine):
+    """Under a sliding window of 1 to 6 tokens: commits release the blocks outside it."""
+
+    @initialize(block=st.sampled_from([1, 2, 3, 4]), policy=flags, window=st.integers(1, 6))
+    def setup(self, block: int, policy: tuple[bool, bool, bool],
+              window: int | None = None) -> None:
+        super().setup(block, policy, window)
+
+
+class SmallWindowMachine(WindowMachine):
+    """A window over a pool of 8 blocks: evictions leave hollow paths, and a match needs
+    only the blocks inside the window of its first new token."""
+
+    pool_blocks = 8
+
+
 _settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestUnboundedPool = CacheMachine.TestCase
@@ -188,3 +257,7 @@ TestLosslessHostTier = LosslessHostTierMachine.TestCase
 TestLosslessHostTier.settings = _settings
 TestSmallTiers = SmallTiersMachine.TestCase
 TestSmallTiers.settings = _settings
+TestWindow = WindowMachine.TestCase
+TestWindow.settings = _settings
+TestSmallWindow = SmallWindowMachine.TestCase
+TestSmallWindow.settings = _settings

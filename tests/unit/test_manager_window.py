@@ -111,6 +111,22 @@ def test_a_warm_prompt_needs_only_its_window_however_much_was_evicted() -> None:
     mgr.check_integrity()
 
 
+def test_match_reuse_lists_only_the_blocks_the_window_holds() -> None:
+    prompt = _prompt(40)
+    mgr = _manager(blocks=peak_blocks(40, 40, CHUNK, W - 1, B, reuse=True))
+    _run(mgr, "cold", prompt)
+    mgr.free_sequence("cold")  # blocks 0..4 evicted: a hollow path
+    match = mgr.match_reuse(prompt)
+    # 39 tokens: 9 full blocks and 3 tokens of the last, whose window starts in block 8
+    assert (match.num_tokens, match.num_full_blocks, match.num_skipped_blocks) == (39, 9, 8)
+    assert match.partial == "claim" and len(match.block_ids) == 2  # block 8, then block 9
+    assert mgr.plan_admission(prompt, first_chunk=CHUNK).reuse == match
+    warm = mgr.admit("warm", mgr.plan_admission(prompt, first_chunk=CHUNK))
+    assert warm.num_released_blocks == 8 and tuple(warm.block_ids[8:]) == match.block_ids
+    mgr.free_sequence("warm")
+    mgr.check_integrity()
+
+
 def test_recomputed_blocks_fill_the_hollow_path() -> None:
     prompt = _prompt(40)
     mgr = _manager(blocks=peak_blocks(40, 40, CHUNK, W - 1, B, reuse=True))
