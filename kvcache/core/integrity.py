@@ -99,6 +99,8 @@ def check_manager(mgr: CheckedCache) -> None:
             _fail(f"{where} is not indexed under its parent by its first token")
         if node.first != node.key[:TOKEN_BYTES] or not node.key:
             _fail(f"{where}: first-token index key does not match its tokens")
+        if node.head != (node.key[:bb] if len(node.key) >= bb else None):
+            _fail(f"{where}: first-block index key does not match its tokens")
         if not node.blocks:
             if not windowed or node.ref or not node.children or len(node.key) % bb:
                 _fail(f"{where}: a hollow node must be an unreferenced run of full blocks with "

@@ -38,9 +38,16 @@ from kvcache.core.radix import (
     ScopeKey,
     scope_key,
     to_token_array,
+    token_bytes,
 )
 from kvcache.core.stats import KvCacheStats
-from kvcache.core.validate import check_int, check_positive_int, check_priority
+from kvcache.core.validate import (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    check_int,
+    check_positive_int,
+    check_priority,
+)
 from kvcache.core.window import first_held_block
 from kvcache.core.window_holds import (
     cut_hits,
@@ -53,6 +60,10 @@ from kvcache.core.window_holds import (
 )
 
 DEFAULT_PRIORITY = 35
+
+
+def _unknown(where: str, seq_id: Hashable) -> ValueError:
+    return ValueError(f"{where}: unknown seq_id {seq_id!r} (not admitted, or freed)")
 
 
 class _Counters:
@@ -119,12 +130,12 @@ class KVCacheManager:
         scope or a `first_chunk` that is not a positive int.
         """
         skey = None if scope is None else scope_key(scope, "plan_admission")
-        arr = to_token_array(tokens, "plan_admission", None)
+        arr, kb = token_bytes(tokens, "plan_admission", None)
         if not arr:
             raise ValueError("plan_admission: empty prompt")
         if first_chunk is not None:
             first_chunk = check_positive_int(first_chunk, "plan_admission: first_chunk")
-        plan = self._plan(arr, skey, first_chunk)
+        plan = self._plan(arr, kb, skey, first_chunk)
         fault = self.allocation_fault
         if fault is not None and fault("add_sequence", plan.num_blocks):
             plan._fault = True
@@ -146,12 +157,15 @@ class KVCacheManager:
         """
         if seq_id in self.sequences:
             raise ValueError(f"admit({seq_id!r}): seq_id is already live")
-        priority = check_priority(priority, f"admit({seq_id!r})")
+        # the checks format their messages only on failure: an f-string per call would
+        # cost as much as the rest of the checks
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            priority = check_priority(priority, f"admit({seq_id!r})")
         if plan._version != self._version:
             raise ValueError(f"admit({seq_id!r}): stale plan: the cache changed after "
                              "plan_admission; plan again")
         pool = self.pool
-        if not plan.fits:
+        if plan._need + plan._onboard > plan._available or plan._fault:  # not plan.fits
             fault = " [injected fault]" if plan._fault else ""
             raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}",
                                    plan._need + plan._onboard,
@@ -233,20 +247,21 @@ class KVCacheManager:
         """
         if seq_id in self.sequences:
             raise ValueError(f"add_sequence({seq_id!r}): seq_id is already live")
-        priority = check_priority(priority, f"add_sequence({seq_id!r})")
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            priority = check_priority(priority, f"add_sequence({seq_id!r})")
         skey = None if scope is None else scope_key(scope, f"add_sequence({seq_id!r})")
-        arr = to_token_array(tokens, "add_sequence", seq_id)
+        arr, kb = token_bytes(tokens, "add_sequence", seq_id)
         if not arr:
             raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
-        plan = self._plan(arr, skey)
+        plan = self._plan(arr, kb, skey)
         fault = self.allocation_fault
         if fault is not None and fault("add_sequence", plan._num_blocks):
             plan._fault = True
         return self.admit(seq_id, plan, priority)
 
-    def _plan(self, arr: array, skey: ScopeKey, first_chunk: int | None = None
+    def _plan(self, arr: array, kb: bytes, skey: ScopeKey, first_chunk: int | None = None
               ) -> AdmissionPlan:
-        """The admission plan of token array `arr` in scope `skey` now. Pure.
+        """The admission plan of token array `arr` (bytes `kb`) in scope `skey` now. Pure.
 
         When protecting an unreferenced copy source would take the very block the
         admission needs, the admission takes every available block either way: it claims
@@ -261,10 +276,8 @@ class KVCacheManager:
             need = self._end_block(length, 0, first_chunk)
             return AdmissionPlan(arr, skey, self._version, nblocks, [], 0, None, 0, need,
                                  pool.num_available, [])
-        match = self.tree.match(
-            root, arr.tobytes(), (length - 1) * TOKEN_BYTES, partial=self._partial,
-            copy_on_partial=self._copy)
-        hits, nfull, ph, ntok = match
+        hits, nfull, ph, ntok = self.tree.match(root, kb, (length - 1) * TOKEN_BYTES,
+                                                self._partial, self._copy)
         if nfull % self._align:
             hits, nfull, ntok = self._aligned(hits, nfull)
             ph = None  # alignment rules partial reuse out
@@ -356,8 +369,12 @@ class KVCacheManager:
         them). Raises ValueError for an unknown `seq_id`, a count beyond the sequence or
         below an earlier commit.
         """
-        seq = self._get(seq_id, "commit")
-        n = check_int(num_tokens, f"commit({seq_id!r}): num_tokens")
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise _unknown("commit", seq_id)
+        n = num_tokens
+        if type(n) is not int:
+            n = check_int(num_tokens, f"commit({seq_id!r}): num_tokens")
         if n > len(seq._tokens):
             raise ValueError(f"commit({seq_id!r}, {n}): beyond the sequence's "
                              f"{len(seq._tokens)} tokens")
@@ -402,25 +419,28 @@ class KVCacheManager:
             return
         parent = deep if deep is not None else tree.root(seq._scope)
         kb = seq._tokens[t * B:nfull * B].tobytes()
-        if parent.full:
-            m = tree.match(parent, kb, len(kb), partial=False, copy_on_partial=False)
-            if m.hits:  # someone committed the same blocks first: switch to theirs
-                last, nb = m.hits[-1]
-                top = self.pool.split(last, nb) if nb * tree.block_bytes < len(last.key) else last
-                if top.host:  # those on the host take this sequence's own blocks, no copy
-                    self._adopt(top, seq.live_block_ids(t, t + m.num_full_blocks))
-                self.pool.acquire(top, parent, seq._priority)
-                k = m.num_full_blocks
-                own = take_path(seq, [*(n for n, _ in m.hits[:-1]), top], t,
-                                tree.block_bytes, self._kv)
-                if own:
-                    seq._block_ids_version += 1
-                    self.pool.give_back(own)
-                    if self.on_blocks_removed is not None:
-                        self.on_blocks_removed(own)
-                t += k
-                kb = kb[k * tree.block_bytes:]
-                parent = top
+        bb = tree.block_bytes
+        first = parent.full.get(kb[:bb])
+        if first is not None:  # someone committed the same blocks first: switch to theirs
+            if len(kb) == bb:  # one block (a decode step's): the index lookup matched it
+                hits, k = [(first, 1)], 1
+            else:
+                m = tree.match(parent, kb, len(kb), False, False)
+                hits, k = m.hits, m.num_full_blocks
+            last, nb = hits[-1]
+            top = self.pool.split(last, nb) if nb * bb < len(last.key) else last
+            if top.host:  # those on the host take this sequence's own blocks, no copy
+                self._adopt(top, seq.live_block_ids(t, t + k))
+            self.pool.acquire(top, parent, seq._priority)
+            own = take_path(seq, [*(n for n, _ in hits[:-1]), top], t, bb, self._kv)
+            if own:
+                seq._block_ids_version += 1
+                self.pool.give_back(own)
+                if self.on_blocks_removed is not None:
+                    self.on_blocks_removed(own)
+            t += k
+            kb = kb[k * bb:]
+            parent = top
         if t < nfull:
             node = tree.add_child(parent, kb, seq.live_block_ids(t, nfull))
             if self._kv is not None:
@@ -528,7 +548,9 @@ class KVCacheManager:
         matched). A copy of this sequence still queued never ran: it is dropped, and the
         tokens it was to write are not cached (its tail is cached only from written KV).
         """
-        seq = self._get(seq_id, "free_sequence")
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise _unknown("free_sequence", seq_id)
         self._version += 1
         del self.sequences[seq_id]
         unwritten = bool(self._copy_ops) and self._drop_copies(seq_id)
@@ -577,18 +599,18 @@ class KVCacheManager:
         nothing. Raises ValueError for bad tokens or a bad scope.
         """
         skey = None if scope is None else scope_key(scope, "match_reuse")
-        arr = to_token_array(tokens, "match_reuse", None)
+        arr, kb = token_bytes(tokens, "match_reuse", None)
         if not arr:
             return ReuseMatch((), 0, 0, None)
-        return self._plan(arr, skey).reuse
+        return self._plan(arr, kb, skey).reuse
 
     def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`).
         Holds and changes nothing."""
-        arr = to_token_array(tokens, "probe_reuse", None)
+        arr, kb = token_bytes(tokens, "probe_reuse", None)
         if not arr:
             return 0
-        return self._plan(arr, scope_key(scope, "probe_reuse"))._cached
+        return self._plan(arr, kb, scope_key(scope, "probe_reuse"))._cached
 
     def _drop_copies(self, seq_id: Hashable) -> bool:
         """Forget the queued copies of `seq_id` (never the moves of cached blocks between
@@ -655,7 +677,7 @@ class KVCacheManager:
     def _get(self, seq_id: Hashable, where: str) -> Sequence:
         seq = self.sequences.get(seq_id)
         if seq is None:
-            raise ValueError(f"{where}: unknown seq_id {seq_id!r} (not admitted, or freed)")
+            raise _unknown(where, seq_id)
         return seq
 
     def stats(self) -> KvCacheStats:

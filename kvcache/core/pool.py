@@ -85,15 +85,17 @@ class BlockPool:
         `stop=None` means up to the root. A node's retention priority is the highest of
         its holders' since it was last unreferenced.
         """
-        node: Node | None = deep
-        while node is not stop and node is not None and node.parent is not None:
+        node = deep
+        parent = node.parent
+        while node is not stop and parent is not None:  # the root has no parent
             if node.ref == 0:
                 self.num_evictable -= len(node.blocks)
                 node.priority = priority
             elif priority > node.priority:
                 node.priority = priority
             node.ref += 1
-            node = node.parent
+            node = parent
+            parent = node.parent
 
     def tick(self) -> None:
         """Advance logical time: releases after this are more recent than those before."""
@@ -109,8 +111,9 @@ class BlockPool:
         holders, as holders hold segments: only unreferenced edges merge there.)
         """
         windowed = self.windowed
-        node: Node | None = deep
-        while node is not stop and node is not None and node.parent is not None:
+        node = deep
+        parent = node.parent
+        while node is not stop and parent is not None:  # the root has no parent
             node.ref -= 1
             if node.ref == 0:
                 node.last_used = self.clock
@@ -118,18 +121,18 @@ class BlockPool:
                 if windowed or not node.children or (self.host is not None
                                                      and not has_device_child(node)):
                     self.push(node)
-            node = node.parent
+            node = parent
+            parent = node.parent
         if stop is not None:
             return
         node = deep
-        bb = self.tree.block_bytes
         while True:
             top = node.parent
             if top is None or top.parent is None:
                 return
             if (len(top.children) == 1 and top.ref == node.ref
                     and top.last_used == node.last_used and top.priority == node.priority
-                    and len(node.key) >= bb and len(top.children[node.first]) == 1
+                    and node.head is not None and len(top.children[node.first]) == 1
                     and (not windowed or (node.ref == 0 and top.blocks))):
                 self.tree.merge(top, node)
             else:

@@ -68,8 +68,14 @@ def scope_key(scope: ReuseScope | None, where: str = "scope") -> ScopeKey:
 def to_token_array(tokens: Sequence[int], op: str, seq_id: Hashable) -> array:
     """Tokens as `array('I')`; raises ValueError naming the call and the first bad token
     (not an integer, a bool, or outside [0, 2**32)), or a value that is not a sequence."""
+    return token_bytes(tokens, op, seq_id)[0]
+
+
+def token_bytes(tokens: Sequence[int], op: str, seq_id: Hashable) -> tuple[array, bytes]:
+    """`to_token_array(tokens, ...)` and its bytes (the tree's key format), converted once."""
     if type(tokens) is array and tokens.typecode == "I":
-        return array("I", tokens)  # already checked by construction: one memcpy
+        arr = array("I", tokens)  # already checked by construction: one memcpy
+        return arr, arr.tobytes()
     try:
         items = tokens if type(tokens) is list else list(tokens)
     except TypeError:
@@ -84,21 +90,31 @@ def to_token_array(tokens: Sequence[int], op: str, seq_id: Hashable) -> array:
                 raise ValueError(f"{_where(op, seq_id)}: token {i} is {tok!r}; tokens must be "
                                  "integers in [0, 2**32)") from None
         raise
-    _reject_bools(arr, items, op, seq_id)
-    return arr
+    kb = arr.tobytes()
+    _reject_bools(kb, items, op, seq_id)
+    return arr, kb
 
 
-def _reject_bools(arr: array, items: list[int], op: str, seq_id: Hashable) -> None:
+_LOW = 0 if _BYTEORDER == "little" else TOKEN_BYTES - 1  # a token's low byte in its 4
+
+
+def _reject_bools(kb: bytes, items: list[int], op: str, seq_id: Hashable) -> None:
     # array('I') takes True and False as 1 and 0. A type check per item would cost twice
-    # the conversion, so type-check only the tokens whose second byte is zero (all those
-    # below 256, a few others): one strided slice and C-level searches find them.
-    second = arr.tobytes()[1::TOKEN_BYTES] if _BYTEORDER == "little" else arr.tobytes()[2::4]
-    i = second.find(0)
-    while i >= 0:
-        if type(items[i]) is bool:
-            raise ValueError(f"{_where(op, seq_id)}: token {i} is {items[i]!r}; tokens must "
-                             "be integers, not bools")
-        i = second.find(0, i + 1)
+    # the conversion, so type-check only the tokens whose low byte is 0 or 1 (1 in 128 of
+    # uniform ids; the single-byte tokens of real vocabularies, frequent in text, are not
+    # among them): one strided slice and C-level searches (memchr) find them.
+    low = kb[_LOW::TOKEN_BYTES]
+    first = len(items)
+    for value in (0, 1):
+        i = low.find(value)
+        while 0 <= i < first:
+            if type(items[i]) is bool:
+                first = i
+                break
+            i = low.find(value, i + 1)
+    if first < len(items):
+        raise ValueError(f"{_where(op, seq_id)}: token {first} is {items[first]!r}; tokens "
+                         "must be integers, not bools")
 
 
 def _where(op: str, seq_id: Hashable) -> str:
@@ -120,14 +136,19 @@ class Node:
     Every descendant of a host edge is a host edge too (see kvcache/core/host_tier.py).
     """
 
-    __slots__ = ("blocks", "children", "first", "full", "host", "key", "last_used", "parent",
-                 "priority", "ref", "stamp")
+    __slots__ = ("blocks", "children", "first", "full", "head", "host", "key", "last_used",
+                 "parent", "priority", "ref", "stamp")
 
-    def __init__(self, key: bytes, blocks: list[int], parent: Node | None) -> None:
+    def __init__(self, key: bytes, blocks: list[int], parent: Node | None, first: bytes,
+                 head: bytes | None) -> None:
         self.key = key
         self.blocks = blocks
         self.parent = parent
-        self.first = key[:TOKEN_BYTES]
+        # `first` (its first token) and `head` (its first block; None for a partial block)
+        # are the very objects the parent's `children` and `full` indexes hold, so a split
+        # or merge re-indexes without slicing or hashing the key again
+        self.first = first
+        self.head = head
         # children by first token: siblings sharing one are the partial-match candidates
         self.children: dict[bytes, list[Node]] = {}
         # full-block children by their first block (unique: shared blocks are one edge),
@@ -169,13 +190,24 @@ class TreeMatch(NamedTuple):
 
 
 def common_prefix_bytes(kb: bytes, off: int, key: bytes, n: int) -> int:
-    """Number of equal leading bytes of kb[off:off+n] and key[:n], in C-level steps."""
-    a = kb[off:off + n]
-    b = key if len(key) == n else key[:n]
-    if a == b:
+    """Number of equal leading bytes of kb[off:off+n] and key[:n] (both at least n long).
+
+    C-level comparisons only: one when they are equal; otherwise a binary search over
+    zero-copy views down to a 64-byte window, whose first difference one XOR finds. (An
+    XOR of the whole range costs ~30 instructions a byte, O(log n) compares far less.)
+    """
+    view = memoryview(key)
+    if kb.startswith(view[:n], off):
         return n
-    x = int.from_bytes(a, "big") ^ int.from_bytes(b, "big")
-    return n - (x.bit_length() + 7) // 8
+    lo, hi = 0, n  # kb[off:off+lo] == key[:lo]; the first difference lies in [lo, hi)
+    while hi - lo > 64:
+        mid = (lo + hi) >> 1
+        if kb.startswith(view[lo:mid], off + lo):
+            lo = mid
+        else:
+            hi = mid
+    x = int.from_bytes(kb[off + lo:off + hi], "big") ^ int.from_bytes(view[lo:hi], "big")
+    return hi - (x.bit_length() + 7) // 8
 
 
 class BlockRadixTree:
@@ -191,10 +223,10 @@ class BlockRadixTree:
         """The root of scope `key`, created on first use (roots hold no blocks)."""
         node = self.roots.get(key)
         if node is None:
-            node = self.roots[key] = Node(b"", [], None)
+            node = self.roots[key] = Node(b"", [], None, b"", None)
         return node
 
-    def match(self, start: Node, kb: bytes, limit: int, *, partial: bool,
+    def match(self, start: Node, kb: bytes, limit: int, partial: bool,
               copy_on_partial: bool) -> TreeMatch:
         """Match token bytes `kb[:limit]` below `start`: full blocks, then one partial.
 
@@ -203,51 +235,59 @@ class BlockRadixTree:
         """
         bb = self.block_bytes
         full_end = limit - limit % bb
-        startswith = kb.startswith
         node = start
         off = 0
         hits: list[tuple[Node, int]] = []
-        mid: Node | None = None  # set when the walk stopped inside `mid`
         while off < full_end:
             c = node.full.get(kb[off:off + bb])
             if c is None:
                 break
             key = c.key
             end = off + len(key)
-            if end <= full_end and startswith(key, off):
+            if end <= full_end and kb.startswith(key, off):
                 hits.append((c, len(key) // bb))  # not len(blocks): a hollow node has none
                 off = end
                 node = c
                 continue
-            # the edge matches part of the way (at least its first block): stop inside it
-            nb = common_prefix_bytes(kb, off, key, min(len(key), full_end - off)) // bb
+            # The edge matches part of the way (at least its first block): the walk stops
+            # inside it, and the only partial candidate is its next block. One comparison
+            # up to `limit` gives both the full blocks and that block's common prefix.
+            n = limit - off
+            same = common_prefix_bytes(kb, off, key, n if n < len(key) else len(key))
+            nb = (same if same < full_end - off else full_end - off) // bb
             hits.append((c, nb))
             off += nb * bb
-            node = mid = c
-            break
-        num_full = off // bb
+            hit = None
+            if partial and limit - off >= TOKEN_BYTES:
+                hit = self._partial_inside(c, nb, (same - nb * bb) // TOKEN_BYTES,
+                                           copy_on_partial)
+            return TreeMatch(hits, off // bb, hit,
+                             off // TOKEN_BYTES + (hit.num_tokens if hit is not None else 0))
         hit = None
-        if partial and limit - off >= TOKEN_BYTES:
-            hit = self._partial(node, mid, hits, kb, off, limit, copy_on_partial)
-        ntok = off // TOKEN_BYTES + (hit.num_tokens if hit is not None else 0)
-        return TreeMatch(hits, num_full, hit, ntok)
+        if partial and limit - off >= TOKEN_BYTES and node.children:
+            hit = self._partial(node, kb, off, limit, copy_on_partial)
+        return TreeMatch(hits, off // bb, hit,
+                         off // TOKEN_BYTES + (hit.num_tokens if hit is not None else 0))
 
-    def _partial(self, node: Node, mid: Node | None, hits: list[tuple[Node, int]], kb: bytes,
-                 off: int, limit: int, copy_on_partial: bool) -> PartialHit | None:
-        bb = self.block_bytes
-        rem = min(limit - off, bb)
+    @staticmethod
+    def _partial_inside(mid: Node, index: int, num_tokens: int,
+                        copy_on_partial: bool) -> PartialHit | None:
+        """Block `index` of `mid`, whose first `num_tokens` tokens match, as a partial hit:
+        claimed when it is the last block of an unused device leaf, else copied (if
+        allowed); none from a hollow node (no KV to claim or copy)."""
+        if not num_tokens or not mid.blocks:
+            return None
         # a host block is never claimed: a sequence's blocks are device blocks
-        if mid is not None:  # the only candidate is the next block inside `mid`
-            if not mid.blocks:
-                return None  # hollow: no KV to claim or copy
-            index = hits[-1][1]
-            claim = (mid.ref == 0 and not mid.children and index == len(mid.blocks) - 1
-                     and not mid.host)
-            if not (claim or copy_on_partial):
-                return None
-            block = mid.key[index * bb:(index + 1) * bb]
-            n = common_prefix_bytes(kb, off, block, rem) // TOKEN_BYTES
-            return PartialHit(mid, index, n, claim) if n else None
+        claim = (mid.ref == 0 and not mid.children and index == len(mid.blocks) - 1
+                 and not mid.host)
+        if not (claim or copy_on_partial):
+            return None
+        return PartialHit(mid, index, num_tokens, claim)
+
+    def _partial(self, node: Node, kb: bytes, off: int, limit: int,
+                 copy_on_partial: bool) -> PartialHit | None:
+        """The best partial hit among the children of `node` for the tokens at `off`."""
+        rem = min(limit - off, self.block_bytes)
         best: PartialHit | None = None
         for c in node.children.get(kb[off:off + TOKEN_BYTES], ()):
             claim = c.ref == 0 and not c.children and len(c.blocks) == 1 and not c.host
@@ -264,11 +304,12 @@ class BlockRadixTree:
 
     def add_child(self, parent: Node, key: bytes, blocks: list[int]) -> Node:
         """Attach a new unreferenced node under `parent` and return it."""
-        node = Node(key, blocks, parent)
-        parent.children.setdefault(node.first, []).append(node)
         bb = self.block_bytes
-        if len(key) >= bb:
-            parent.full[key[:bb]] = node
+        head = key[:bb] if len(key) >= bb else None
+        node = Node(key, blocks, parent, key[:TOKEN_BYTES], head)
+        parent.children.setdefault(node.first, []).append(node)
+        if head is not None:
+            parent.full[head] = node
         self.num_nodes += 1
         return node
 
@@ -290,19 +331,21 @@ class BlockRadixTree:
         cut = nblocks * self.block_bytes
         assert 0 < cut < len(node.key), (nblocks, node)
         parent = node.parent
-        assert parent is not None
-        top = Node(node.key[:cut], node.blocks[:nblocks], parent)
+        assert parent is not None and node.head is not None
+        key = node.key
+        top = Node(key[:cut], node.blocks[:nblocks], parent, node.first, node.head)
         top.ref, top.last_used, top.priority = node.ref, node.last_used, node.priority
         top.host = node.host
         siblings = parent.children[node.first]
         siblings[siblings.index(node)] = top
-        parent.full[top.key[:self.block_bytes]] = top
-        node.key = node.key[cut:]
-        node.first = node.key[:TOKEN_BYTES]
+        parent.full[node.head] = top
+        node.key = key = key[cut:]
+        node.first = first = key[:TOKEN_BYTES]
+        node.head = head = key[:self.block_bytes]
         del node.blocks[:nblocks]
         node.parent = top
-        top.children[node.first] = [node]
-        top.full[node.key[:self.block_bytes]] = node
+        top.children[first] = [node]
+        top.full[head] = node
         self.num_nodes += 1
         return top
 
@@ -314,13 +357,15 @@ class BlockRadixTree:
         """
         parent = top.parent
         assert parent is not None and node.parent is top and len(top.children) == 1
+        assert top.head is not None
         node.key = top.key + node.key
         node.blocks = top.blocks + node.blocks
         node.first = top.first
+        node.head = top.head
         node.parent = parent
         siblings = parent.children[top.first]
         siblings[siblings.index(top)] = node
-        parent.full[top.key[:self.block_bytes]] = node
+        parent.full[top.head] = node
         top.parent = None  # stale heap entries of `top` now fail validation
         top.children = {}
         top.full = {}
@@ -362,8 +407,8 @@ class BlockRadixTree:
         siblings.remove(node)
         if not siblings:
             del parent.children[node.first]
-        if len(node.key) >= self.block_bytes:
-            del parent.full[node.key[:self.block_bytes]]
+        if node.head is not None:
+            del parent.full[node.head]
         node.parent = None
         self.num_nodes -= 1
         return parent
