@@ -3,7 +3,8 @@
 One dict lookup per block, keyed by the block's token tuple, with none of the run-length
 edges, byte comparisons or incremental accounting of `kvcache`. Cache-core benchmarks
 report their throughput as a ratio to this, measured in the same run; it mirrors the
-workload's operations (admit with the L-1 cap, commit full blocks, free) and nothing more.
+workload's operations (admit with the L-1 cap, commit full blocks, free, and a bare lookup)
+and nothing more.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class PlainTrie:
         # seq_id -> (tokens, block ids, duplicate block ids, committed full blocks)
         self.seqs: dict[int, tuple[list[int], list[int], list[int], int]] = {}
 
-    def add_sequence(self, seq_id: int, tokens: list[int]) -> int:
-        """Match full blocks of tokens[:L-1], allocate the rest; returns reused tokens."""
+    def match(self, tokens: list[int]) -> list[int]:
+        """The cached blocks of the full blocks of tokens[:L-1] (a lookup; no changes)."""
         B = self.B
         node = self.root
         blocks: list[int] = []
@@ -38,6 +39,12 @@ class PlainTrie:
                 break
             blocks.append(child.block)
             node = child
+        return blocks
+
+    def add_sequence(self, seq_id: int, tokens: list[int]) -> int:
+        """Match full blocks of tokens[:L-1], allocate the rest; returns reused tokens."""
+        B = self.B
+        blocks = self.match(tokens)
         reused = len(blocks)
         blocks += [self.free.pop() for _ in range(-(-len(tokens) // B) - reused)]
         self.seqs[seq_id] = (list(tokens), blocks, [], reused)
