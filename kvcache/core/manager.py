@@ -33,7 +33,6 @@ from kvcache.core.radix import (
     TOKEN_BYTES,
     BlockRadixTree,
     Node,
-    PartialHit,
     ReuseScope,
     ScopeKey,
     scope_key,
@@ -228,14 +227,36 @@ class KVCacheManager:
                                                          ph.num_tokens)))
                 pool.release(src, src.parent)
         ids += new
-        seq = Sequence(seq_id, plan._tokens, plan._scope, priority, ids, plan._cached, deep,
-                       plan._full, first)
+        nfull, cached = plan._full, plan._cached
+        seq = Sequence(seq_id, plan._tokens, plan._scope, priority, ids, cached, deep, nfull,
+                       first)
         if host is not None:
             seq._onboarded = onboard
             seq._offloaded = host.num_offloaded - moved[0]
             seq._dropped = host.num_dropped - moved[1]
-        return self._admitted(seq, plan._num_blocks, plan._full, ph, need,
-                              min(fresh, need - len(followers)))
+        # its metrics and the counters (inlined: this runs once per request)
+        partial = ph is not None
+        missed = plan._num_blocks - nfull - partial
+        fresh = min(fresh, need - len(followers))
+        seq._full_reused, seq._partial_reused, seq._missed = nfull, int(partial), missed
+        seq._alloc_total, seq._alloc_new = need, fresh
+        c = self._c
+        c.full_reused += nfull
+        c.partial_reused += partial
+        c.missed += missed
+        c.alloc_total += need
+        c.alloc_new += fresh
+        c.reused_tokens += cached
+        if ph is not None:
+            if ph.claim:
+                c.claimed += 1
+            else:
+                c.copied += 1
+        self.sequences[seq_id] = seq
+        if self.events is not None:
+            self.events.append(CacheEvent("admit", seq_id, tuple(seq._tokens), cached,
+                                          seq._scope, tuple(ids)))
+        return seq
 
     def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
                      priority: int = DEFAULT_PRIORITY) -> Sequence:
@@ -273,7 +294,7 @@ class KVCacheManager:
         pool = self.pool
         root = self.tree.roots.get(skey) if self.reuse and length > 1 else None
         if root is None or not root.children:
-            need = self._end_block(length, 0, first_chunk)
+            need = nblocks if first_chunk is None else self._end_block(length, 0, first_chunk)
             return AdmissionPlan(arr, skey, self._version, nblocks, [], 0, None, 0, need,
                                  pool.num_available, [])
         hits, nfull, ph, ntok = self.tree.match(root, kb, (length - 1) * TOKEN_BYTES,
@@ -285,12 +306,21 @@ class KVCacheManager:
         if self._wl is not None:
             hits, nfull, ph, ntok, first = cut_to_window(hits, nfull, ph, self._wl, self._B,
                                                          self._align)
-        ids, avail = held_ids(hits, first, pool.num_available)
+        if first:
+            ids, avail = held_ids(hits, first, pool.num_available)
+        else:  # held_ids(hits, 0, ...) inlined: the walk's hot path
+            ids = []
+            avail = len(pool.free) + pool.num_evictable
+            for node, nb in hits:
+                ids += node.blocks if nb == len(node.blocks) else node.blocks[:nb]
+                if not node.ref:
+                    avail -= nb  # about to be referenced
         onboard = 0
         if self._host is not None:  # (never windowed: first is 0)
             onboard = sum(nb for node, nb in hits if node.host)  # a device block each,
             avail += onboard  # and none of the evictable ones held_ids counted off
-        need = self._end_block(length, ntok, first_chunk) - nfull - (ph is not None and ph.claim)
+        need = (nblocks if first_chunk is None else self._end_block(length, ntok, first_chunk)
+                ) - nfull - (ph is not None and ph.claim)
         if ph is not None and not ph.node.ref and not ph.node.host:
             if ph.claim or need + onboard < avail:
                 avail -= 1  # claimed, or a copy source protected during the admission
@@ -332,30 +362,6 @@ class KVCacheManager:
         blocks whose recurrent-state snapshot a hybrid model can restore from)."""
         keep = nfull - nfull % self._align
         return cut_hits(hits, keep), keep, keep * self._B
-
-    def _admitted(self, seq: Sequence, nblocks: int, nfull: int, ph: PartialHit | None,
-                  alloc: int, fresh: int) -> Sequence:
-        c = self._c
-        partial = ph is not None
-        c.full_reused += nfull
-        c.partial_reused += partial
-        c.missed += nblocks - nfull - partial
-        c.alloc_total += alloc
-        c.alloc_new += fresh
-        c.reused_tokens += seq._num_cached
-        if ph is not None:
-            if ph.claim:
-                c.claimed += 1
-            else:
-                c.copied += 1
-        seq._full_reused, seq._partial_reused = nfull, int(partial)
-        seq._missed = nblocks - nfull - partial
-        seq._alloc_total, seq._alloc_new = alloc, fresh
-        self.sequences[seq._seq_id] = seq
-        if self.events is not None:
-            self.events.append(CacheEvent("admit", seq._seq_id, tuple(seq._tokens),
-                                          seq._num_cached, seq._scope, tuple(seq._block_ids)))
-        return seq
 
     # ------------------------------------------------------------------ progress
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
