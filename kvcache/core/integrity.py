@@ -1,7 +1,8 @@
 """Invariants of the tree, the pool and the sequences, checked from scratch.
 
 Slow on purpose (it recomputes everything the hot path keeps incrementally); tests call
-it after mutations and the harness plugin after every test that owns a cache.
+it after mutations and the harness plugin after every test that owns a cache, with the
+leak report (`leak_report`) once the test is done.
 
 Under full attention a holder holds a whole chain from its scope root, so a referenced
 node's parent is referenced and only leaves are evictable. Under a sliding window
@@ -250,3 +251,26 @@ def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int]
             _fail(f"{where}: block {i} is {block}, the tree holds {path_blocks[i]}")
         elif i >= tree_blocks:
             own(block, f"{where} private block {i}")
+
+
+def leak_report(mgr: CheckedCache) -> list[str]:
+    """One line per leak of `mgr`: live sequences, copies never taken, and with nothing
+    live, stray references and blocks or host slots neither free nor evictable."""
+    lines = [f"sequence {s.seq_id!r} is still live, holding {len(s.live_block_ids())} blocks"
+             for s in mgr.sequences.values()]
+    # a sequence's copies die with it; moves of cached blocks (CACHE's) wait for the
+    # next step's take, whenever it comes: pending, not leaked
+    copies = sum(owner is not CACHE for owner, _ in mgr.pending_copies)
+    if copies:
+        lines.append(f"{copies} copy ops were never taken")
+    if not mgr.sequences:
+        lines += [f"node {node!r} in scope {key!r} has ref {node.ref} with no live sequence"
+                  for key, node in mgr.tree.walk() if node.ref]
+    free = mgr.pool.num_available
+    if not mgr.sequences and free != mgr.pool.num_blocks:
+        lines.append(f"{mgr.pool.num_blocks - free} blocks are neither free nor evictable")
+    host = mgr.pool.host
+    if not mgr.sequences and host is not None and host.num_available != host.num_slots:
+        lines.append(f"{host.num_slots - host.num_available} host slots are neither free "
+                     "nor droppable")
+    return lines

@@ -11,35 +11,33 @@ With `KvCacheConfig.sliding_window` set, a sequence holds only the blocks some l
 token's window can reach (kvcache/core/window.py): `commit` releases the rest, prompt
 blocks are allocated as the engine reserves them chunk by chunk, and a match needs only
 the cached blocks inside the window of its first new token.
+
+This class checks every call and keeps the state; the work lives beside it, one concept
+a module: `admission.py` (the plan's walk and carrying it out), `caching.py` (committed
+blocks and tails into the tree), `growth.py` (blocks after admission), `stats.py` (the
+counters and statistics) and `integrity.py` (invariants and the leak report).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 
+from kvcache.core.admission import carry_out, make_plan
+from kvcache.core.caching import cache_full_blocks, cache_tail
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent, op_event
+from kvcache.core.growth import append_blocks, reserve_blocks
 from kvcache.core.handle import Sequence
 from kvcache.core.host_tier import HostTier
-from kvcache.core.integrity import check_manager
+from kvcache.core.integrity import check_manager, leak_report
 from kvcache.core.kv_event_log import KvEventLog
 from kvcache.core.kv_events import KvCacheEvent
-from kvcache.core.ops import CACHE, BlockCopy, BlockOnboard, KvOp
+from kvcache.core.ops import KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
 from kvcache.core.pool import BlockPool, OutOfBlocksError
-from kvcache.core.radix import (
-    TOKEN_BYTES,
-    BlockRadixTree,
-    Node,
-    ReuseScope,
-    ScopeKey,
-    scope_key,
-    to_token_array,
-    token_bytes,
-)
-from kvcache.core.stats import KvCacheStats
+from kvcache.core.radix import BlockRadixTree, ReuseScope, scope_key, to_token_array, token_bytes
+from kvcache.core.stats import Counters, KvCacheStats, cache_stats
 from kvcache.core.validate import (
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -48,32 +46,13 @@ from kvcache.core.validate import (
     check_priority,
 )
 from kvcache.core.window import first_held_block
-from kvcache.core.window_holds import (
-    cut_hits,
-    cut_to_window,
-    held_ids,
-    release_front,
-    segment_stop,
-    take_path,
-    unheld_below,
-)
+from kvcache.core.window_holds import release_front, segment_stop
 
 DEFAULT_PRIORITY = 35
 
 
 def _unknown(where: str, seq_id: Hashable) -> ValueError:
     return ValueError(f"{where}: unknown seq_id {seq_id!r} (not admitted, or freed)")
-
-
-class _Counters:
-    """Cumulative counters, kept as plain attributes for the hot path."""
-
-    __slots__ = ("alloc_new", "alloc_total", "claimed", "copied", "decode_alloc", "full_reused",
-                 "missed", "partial_reused", "reused_tokens")
-
-    def __init__(self) -> None:
-        self.alloc_total = self.alloc_new = self.full_reused = self.partial_reused = 0
-        self.missed = self.reused_tokens = self.decode_alloc = self.copied = self.claimed = 0
 
 
 class KVCacheManager:
@@ -103,7 +82,7 @@ class KVCacheManager:
         self.sequences: dict[Hashable, Sequence] = {}
         # (owner, op): a sequence's copies die with it; CACHE's moves of tree blocks never
         self._copy_ops: list[tuple[Hashable, KvOp]] = []
-        self._c = _Counters()
+        self._c = Counters()
         self._step_base: KvCacheStats | None = None
         self._version = 0  # bumped by every mutation: plans made before it are stale
         self.events: list[CacheEvent] | None = [] if record_events else None
@@ -134,7 +113,7 @@ class KVCacheManager:
             raise ValueError("plan_admission: empty prompt")
         if first_chunk is not None:
             first_chunk = check_positive_int(first_chunk, "plan_admission: first_chunk")
-        plan = self._plan(arr, kb, skey, first_chunk)
+        plan = make_plan(self, arr, kb, skey, first_chunk)
         fault = self.allocation_fault
         if fault is not None and fault("add_sequence", plan.num_blocks):
             plan._fault = True
@@ -169,94 +148,7 @@ class KVCacheManager:
             raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}",
                                    plan._need + plan._onboard,
                                    0 if plan._fault else plan._available, pool.num_blocks)
-        self._version += 1
-        hits, ph, need, first = plan._hits, plan._partial, plan._need, plan._first
-        ids: list[int | None] = [None] * first
-        ids += plan._block_ids
-        onboard = plan._onboard
-        tree = self.tree
-        host = self._host
-        deep = None
-        chain: list[Node] = []  # the host edges it reuses, pinned until onboarded
-        if hits:
-            last, nb = hits[-1]
-            deep = pool.split(last, nb) if nb < len(last.blocks) else last
-            if onboard and host is not None:
-                chain = host.pin_chain(deep, priority)
-                above = chain[0].parent
-                if above is not None and above.parent is not None:
-                    pool.acquire(above, None, priority)
-            else:
-                stop = segment_stop(pool, deep, plan._full, first) if first else None
-                pool.acquire(deep, stop, priority)
-        src = None
-        followers: list[int] = []
-        if ph is not None:
-            node = ph.node  # after the split above it starts at the candidate block
-            if ph.claim:
-                if node.children or len(node.blocks) > 1:  # see _plan: a copy did not fit
-                    followers = pool.evict_below(node)
-                    self._removed(followers)
-                pool.forget_cached(node)
-                tree.prune(node)
-                self._removed(node.blocks)
-                ids.append(node.blocks[0])
-            else:
-                src = pool.split(node, 1) if len(node.blocks) > 1 else node
-                if src.host and host is not None:
-                    host.pin(src, priority)
-                else:
-                    pool.acquire(src, src.parent, priority)
-        moved = (host.num_offloaded, host.num_dropped) if host is not None else (0, 0)
-        new, fresh = pool.allocate(need - len(followers) + onboard)
-        if fresh < len(new):
-            self._removed(new[fresh:])
-        if chain and host is not None:  # the host slots of its hits become device blocks
-            ids[plan._full - onboard:plan._full] = host.onboard(chain, new[len(new) - onboard:])
-            del new[len(new) - onboard:]
-        new += followers
-        if src is not None and ph is not None:
-            if src.host and host is not None:
-                self._copy_ops.append((seq_id, BlockOnboard(src.blocks[0], new[0],
-                                                            ph.num_tokens)))
-                host.num_onboarded += 1
-                onboard += 1
-                host.unpin(src, pool.clock)
-            else:
-                self._copy_ops.append((seq_id, BlockCopy(src.blocks[0], new[0],
-                                                         ph.num_tokens)))
-                pool.release(src, src.parent)
-        ids += new
-        nfull, cached = plan._full, plan._cached
-        seq = Sequence(seq_id, plan._tokens, plan._scope, priority, ids, cached, deep, nfull,
-                       first)
-        if host is not None:
-            seq._onboarded = onboard
-            seq._offloaded = host.num_offloaded - moved[0]
-            seq._dropped = host.num_dropped - moved[1]
-        # its metrics and the counters (inlined: this runs once per request)
-        partial = ph is not None
-        missed = plan._num_blocks - nfull - partial
-        fresh = min(fresh, need - len(followers))
-        seq._full_reused, seq._partial_reused, seq._missed = nfull, int(partial), missed
-        seq._alloc_total, seq._alloc_new = need, fresh
-        c = self._c
-        c.full_reused += nfull
-        c.partial_reused += partial
-        c.missed += missed
-        c.alloc_total += need
-        c.alloc_new += fresh
-        c.reused_tokens += cached
-        if ph is not None:
-            if ph.claim:
-                c.claimed += 1
-            else:
-                c.copied += 1
-        self.sequences[seq_id] = seq
-        if self.events is not None:
-            self.events.append(CacheEvent("admit", seq_id, tuple(seq._tokens), cached,
-                                          seq._scope, tuple(ids)))
-        return seq
+        return carry_out(self, seq_id, plan, priority)
 
     def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
                      priority: int = DEFAULT_PRIORITY) -> Sequence:
@@ -274,94 +166,20 @@ class KVCacheManager:
         arr, kb = token_bytes(tokens, "add_sequence", seq_id)
         if not arr:
             raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
-        plan = self._plan(arr, kb, skey)
+        plan = make_plan(self, arr, kb, skey)
         fault = self.allocation_fault
         if fault is not None and fault("add_sequence", plan._num_blocks):
             plan._fault = True
         return self.admit(seq_id, plan, priority)
 
-    def _plan(self, arr: array, kb: bytes, skey: ScopeKey, first_chunk: int | None = None
-              ) -> AdmissionPlan:
-        """The admission plan of token array `arr` (bytes `kb`) in scope `skey` now. Pure.
-
-        When protecting an unreferenced copy source would take the very block the
-        admission needs, the admission takes every available block either way: it claims
-        the source instead, evicting what follows it. A prompt that fits is never refused;
-        the partial hit is forgone only by a plan that does not fit.
-        """
-        length = len(arr)
-        nblocks = (length + self._B - 1) // self._B
-        pool = self.pool
-        root = self.tree.roots.get(skey) if self.reuse and length > 1 else None
-        if root is None or not root.children:
-            need = nblocks if first_chunk is None else self._end_block(length, 0, first_chunk)
-            return AdmissionPlan(arr, skey, self._version, nblocks, [], 0, None, 0, need,
-                                 pool.num_available, [])
-        hits, nfull, ph, ntok = self.tree.match(root, kb, (length - 1) * TOKEN_BYTES,
-                                                self._partial, self._copy)
-        if nfull % self._align:
-            hits, nfull, ntok = self._aligned(hits, nfull)
-            ph = None  # alignment rules partial reuse out
-        first = 0
-        if self._wl is not None:
-            hits, nfull, ph, ntok, first = cut_to_window(hits, nfull, ph, self._wl, self._B,
-                                                         self._align)
-        if first:
-            ids, avail = held_ids(hits, first, pool.num_available)
-        else:  # held_ids(hits, 0, ...) inlined: the walk's hot path
-            ids = []
-            avail = len(pool.free) + pool.num_evictable
-            for node, nb in hits:
-                ids += node.blocks if nb == len(node.blocks) else node.blocks[:nb]
-                if not node.ref:
-                    avail -= nb  # about to be referenced
-        onboard = 0
-        if self._host is not None:  # (never windowed: first is 0)
-            onboard = sum(nb for node, nb in hits if node.host)  # a device block each,
-            avail += onboard  # and none of the evictable ones held_ids counted off
-        need = (nblocks if first_chunk is None else self._end_block(length, ntok, first_chunk)
-                ) - nfull - (ph is not None and ph.claim)
-        if ph is not None and not ph.node.ref and not ph.node.host:
-            if ph.claim or need + onboard < avail:
-                avail -= 1  # claimed, or a copy source protected during the admission
-            elif need + onboard == avail and (self._wl is None or unheld_below(ph.node)):
-                # a copy does not fit: claim the source (see above); under a window the
-                # blocks below an unreferenced node may still be held, and then it cannot
-                ph = ph._replace(claim=True)
-                need -= 1
-                avail -= 1
-            else:
-                ph, ntok = None, nfull * self._B
-                if self._wl is not None:  # without the partial block the window reaches further
-                    hits, nfull, ph, ntok, first = cut_to_window(hits, nfull, None, self._wl,
-                                                                 self._B, self._align)
-                    ids, avail = held_ids(hits, first, pool.num_available)
-                need = self._end_block(length, ntok, first_chunk) - nfull
-        return AdmissionPlan(arr, skey, self._version, nblocks, hits, nfull, ph, ntok, need,
-                             avail, ids, first_block=first, num_onboard_blocks=onboard)
-
     def _queue(self, owner: Hashable, op: KvOp) -> None:
         self._copy_ops.append((owner, op))
-
-    def _end_block(self, length: int, num_cached: int, first_chunk: int | None) -> int:
-        """Blocks an admission covers: every prompt block, or under a sliding window with
-        a `first_chunk`, those of the tokens up to the end of that chunk."""
-        if first_chunk is None or self._wl is None:
-            return (length + self._B - 1) // self._B
-        return (min(length, num_cached + first_chunk) + self._B - 1) // self._B
 
     def _removed(self, block_ids: list[int]) -> None:
         if self._kv is not None:
             self._kv.removed(block_ids)
         if self.on_blocks_removed is not None:
             self.on_blocks_removed(block_ids)
-
-    def _aligned(self, hits: list[tuple[Node, int]], nfull: int
-                 ) -> tuple[list[tuple[Node, int]], int, int]:
-        """The hits cut back to a multiple of `reuse_alignment_blocks` full blocks (the
-        blocks whose recurrent-state snapshot a hybrid model can restore from)."""
-        keep = nfull - nfull % self._align
-        return cut_hits(hits, keep), keep, keep * self._B
 
     # ------------------------------------------------------------------ progress
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -394,7 +212,7 @@ class KVCacheManager:
         nfull = n // self._B
         switched = seq._block_ids_version
         if self.reuse and nfull > seq._tree_blocks:
-            self._insert(seq, nfull)
+            cache_full_blocks(self, seq, nfull)
         if self.events is not None:
             ids = tuple(seq._block_ids) if seq._block_ids_version != switched else ()
             self.events.append(CacheEvent("commit", seq_id, (), n, None, ids))
@@ -409,74 +227,6 @@ class KVCacheManager:
         if new > seq._first:
             release_front(self.pool, seq, new, self.reuse)
 
-    def _insert(self, seq: Sequence, nfull: int) -> None:
-        B = self._B
-        t = seq._tree_blocks
-        deep = seq._last
-        tree = self.tree
-        if deep is not None and deep.ref == 1 and not deep.children:
-            # a leaf only this sequence holds: grow it in place, the tree stays compressed
-            tree.extend_leaf(deep, seq._tokens[t * B:nfull * B].tobytes(),
-                             seq.live_block_ids(t, nfull))
-            if self._kv is not None:
-                self._kv.stored(seq._seq_id, seq._tokens, seq._scope, t,
-                                seq.live_block_ids(t, nfull))
-            seq._tree_blocks = nfull
-            return
-        parent = deep if deep is not None else tree.root(seq._scope)
-        kb = seq._tokens[t * B:nfull * B].tobytes()
-        bb = tree.block_bytes
-        first = parent.full.get(kb[:bb])
-        if first is not None:  # someone committed the same blocks first: switch to theirs
-            if len(kb) == bb:  # one block (a decode step's): the index lookup matched it
-                hits, k = [(first, 1)], 1
-            else:
-                m = tree.match(parent, kb, len(kb), False, False)
-                hits, k = m.hits, m.num_full_blocks
-            last, nb = hits[-1]
-            top = self.pool.split(last, nb) if nb * bb < len(last.key) else last
-            if top.host:  # those on the host take this sequence's own blocks, no copy
-                self._adopt(top, seq.live_block_ids(t, t + k))
-            self.pool.acquire(top, parent, seq._priority)
-            own = take_path(seq, [*(n for n, _ in hits[:-1]), top], t, bb, self._kv)
-            if own:
-                seq._block_ids_version += 1
-                self.pool.give_back(own)
-                if self.on_blocks_removed is not None:
-                    self.on_blocks_removed(own)
-            t += k
-            kb = kb[k * bb:]
-            parent = top
-        if t < nfull:
-            node = tree.add_child(parent, kb, seq.live_block_ids(t, nfull))
-            if self._kv is not None:
-                self._kv.stored(seq._seq_id, seq._tokens, seq._scope, t,
-                                seq.live_block_ids(t, nfull))
-            self.pool.hold_new(node, seq._priority)
-            parent = node
-        seq._last = parent
-        seq._tree_blocks = nfull
-
-    def _adopt(self, deep: Node, own: list[int]) -> None:
-        """Move the host edges from `deep` up to the first device edge back to the
-        device, onto the last of `own` (the committing sequence's blocks, which hold the
-        same KV): no copy, their slots are freed; the sequence then holds them as its own
-        (`take_path` switches nothing there)."""
-        host = self._host
-        assert host is not None
-        chain: list[Node] = []
-        node: Node | None = deep
-        while node is not None and node.host:
-            chain.append(node)
-            node = node.parent
-        at = len(own) - sum(len(n.blocks) for n in chain)
-        for node in reversed(chain):
-            k = len(node.blocks)
-            host.num_droppable -= k
-            host.move_to_device(node, own[at:at + k])
-            self.pool.num_evictable += k  # an unreferenced device edge, until acquired
-            at += k
-
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
         """Allocate blocks for tokens [0, num_tokens) of `seq_id`, as many as the pool
         can give; returns how many of those tokens its blocks now cover.
@@ -490,22 +240,7 @@ class KVCacheManager:
         n = check_int(num_tokens, f"reserve({seq_id!r}): num_tokens", 0, len(seq._tokens))
         need = (n + self._B - 1) // self._B - len(seq._block_ids)
         if need > 0:
-            pool = self.pool
-            fault = self.allocation_fault
-            take = 0 if fault is not None and fault("reserve", need) else min(
-                need, pool.num_available)
-            if take:
-                self._version += 1
-                new, fresh = pool.allocate(take)
-                if fresh < take:
-                    self._removed(new[fresh:])
-                seq._block_ids += new
-                seq._alloc_total += take
-                seq._alloc_new += fresh
-                self._c.alloc_total += take
-                self._c.alloc_new += fresh
-                if self.events is not None:  # an append of no tokens: blocks ahead
-                    self.events.append(CacheEvent("append", seq_id, (), 0, None, tuple(new)))
+            reserve_blocks(self, seq, need)
         return min(n, len(seq._block_ids) * self._B)
 
     def append_tokens(self, seq_id: Hashable, tokens: Seq[int]) -> None:
@@ -518,29 +253,7 @@ class KVCacheManager:
         arr = to_token_array(tokens, "append_tokens", seq_id)
         need = (len(seq._tokens) + len(arr) + self._B - 1) // self._B - len(seq._block_ids)
         if need > 0:
-            pool = self.pool
-            if self.allocation_fault is not None and self.allocation_fault("append_tokens", need):
-                raise OutOfBlocksError(f"append_tokens({seq_id!r}) [injected fault]", need, 0,
-                                       pool.num_blocks)
-            if need > pool.num_available:
-                raise OutOfBlocksError(f"append_tokens({seq_id!r})", need, pool.num_available,
-                                       pool.num_blocks)
-            self._version += 1
-            host = self._host
-            moved = (host.num_offloaded, host.num_dropped) if host is not None else (0, 0)
-            new, fresh = pool.allocate(need)
-            if fresh < need:
-                self._removed(new[fresh:])
-            if host is not None:
-                seq._offloaded += host.num_offloaded - moved[0]
-                seq._dropped += host.num_dropped - moved[1]
-            seq._block_ids += new
-            seq._alloc_total += need
-            seq._alloc_new += fresh
-            c = self._c
-            c.decode_alloc += need
-            c.alloc_total += need
-            c.alloc_new += fresh
+            append_blocks(self, seq, need)
         seq._tokens.extend(arr)
         if self.events is not None:
             added = tuple(seq._block_ids[len(seq._block_ids) - max(need, 0):])
@@ -569,7 +282,7 @@ class KVCacheManager:
         keep = seq._tree_blocks
         if self.reuse:
             if (self._partial and seq._committed % self._B and not unwritten
-                    and self._cache_tail(seq)):
+                    and cache_tail(self, seq)):
                 keep += 1
             last = seq._last
             if last is not None:
@@ -577,23 +290,6 @@ class KVCacheManager:
                 pool.release(last, segment_stop(pool, last, seq._tree_blocks, first)
                              if first else None)
         pool.give_back(seq.live_block_ids(keep))
-
-    def _cache_tail(self, seq: Sequence) -> bool:
-        n = seq._committed
-        start = n - n % self._B
-        tail = seq._tokens[start:n].tobytes()
-        parent = seq._last if seq._last is not None else self.tree.root(seq._scope)
-        for c in parent.children.get(tail[:TOKEN_BYTES], ()):
-            if c.key.startswith(tail):
-                return False
-        block = seq._block_ids[start // self._B]
-        assert block is not None  # the window always reaches the block of the next token
-        node = self.tree.add_child(parent, tail, [block])
-        if self._kv is not None:
-            self._kv.stored_partial(seq._seq_id, seq._tokens, seq._scope, start // self._B,
-                                    n - start, block)
-        self.pool.add_cached(node, seq._priority)
-        return True
 
     # ------------------------------------------------------------------ queries
     def match_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> ReuseMatch:
@@ -608,7 +304,7 @@ class KVCacheManager:
         arr, kb = token_bytes(tokens, "match_reuse", None)
         if not arr:
             return ReuseMatch((), 0, 0, None)
-        return self._plan(arr, kb, skey).reuse
+        return make_plan(self, arr, kb, skey).reuse
 
     def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`).
@@ -616,7 +312,7 @@ class KVCacheManager:
         arr, kb = token_bytes(tokens, "probe_reuse", None)
         if not arr:
             return 0
-        return self._plan(arr, kb, scope_key(scope, "probe_reuse"))._cached
+        return make_plan(self, arr, kb, scope_key(scope, "probe_reuse"))._cached
 
     def _drop_copies(self, seq_id: Hashable) -> bool:
         """Forget the queued copies of `seq_id` (never the moves of cached blocks between
@@ -688,24 +384,7 @@ class KVCacheManager:
 
     def stats(self) -> KvCacheStats:
         """Cumulative statistics (gauges are current)."""
-        pool = self.pool
-        c = self._c
-        free = pool.num_available
-        private = sum(s.num_private_blocks for s in self.sequences.values())
-        host = self._host
-        return KvCacheStats(
-            max_num_blocks=pool.num_blocks, free_num_blocks=free,
-            used_num_blocks=pool.num_blocks - free, tokens_per_block=self._B,
-            alloc_total_blocks=c.alloc_total, alloc_new_blocks=c.alloc_new,
-            reused_blocks=c.full_reused + c.partial_reused, missed_blocks=c.missed,
-            full_reused_blocks=c.full_reused, partial_reused_blocks=c.partial_reused,
-            reused_tokens=c.reused_tokens, decode_alloc_blocks=c.decode_alloc,
-            copied_blocks=c.copied, claimed_blocks=c.claimed, evicted_blocks=pool.num_evicted,
-            cached_num_blocks=pool.num_blocks - pool.num_free - private,
-            **({} if host is None else {
-                "offloaded_blocks": host.num_offloaded, "onboarded_blocks": host.num_onboarded,
-                "dropped_blocks": host.num_dropped, "max_num_host_blocks": host.num_slots,
-                "cached_num_host_blocks": host.num_cached}))
+        return cache_stats(self._c, self.pool, self.sequences.values(), self._B)
 
     def step_stats(self) -> KvCacheStats:
         """Counters since the previous `step_stats()` call (since start for the first)."""
@@ -722,24 +401,7 @@ class KVCacheManager:
 
     def leak_report(self) -> list[str]:
         """One line per leak: live sequences, pending copies, stray references."""
-        lines = [f"sequence {s.seq_id!r} is still live, holding {len(s.live_block_ids())} blocks"
-                 for s in self.sequences.values()]
-        # a sequence's copies die with it; moves of cached blocks (CACHE's) wait for the
-        # next step's take, whenever it comes: pending, not leaked
-        copies = sum(owner is not CACHE for owner, _ in self._copy_ops)
-        if copies:
-            lines.append(f"{copies} copy ops were never taken")
-        if not self.sequences:
-            lines += [f"node {node!r} in scope {key!r} has ref {node.ref} with no live sequence"
-                      for key, node in self.tree.walk() if node.ref]
-        free = self.pool.num_available
-        if not self.sequences and free != self.pool.num_blocks:
-            lines.append(f"{self.pool.num_blocks - free} blocks are neither free nor evictable")
-        host = self._host
-        if not self.sequences and host is not None and host.num_available != host.num_slots:
-            lines.append(f"{host.num_slots - host.num_available} host slots are neither free "
-                         "nor droppable")
-        return lines
+        return leak_report(self)
 
     def dump_tree(self) -> str:
         """The cache tree as text, for failure messages."""

@@ -1,9 +1,15 @@
-"""KvCacheStats (cumulative) and per-request KV metrics, with TensorRT-LLM's names."""
+"""KvCacheStats (cumulative) and per-request KV metrics, with TensorRT-LLM's names, and
+the manager's running counters they are built from."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from kvcache.core.handle import Sequence
+    from kvcache.core.pool import BlockPool
 
 # snake_case field -> TensorRT-LLM's camelCase name
 _CAMEL = {
@@ -129,3 +135,36 @@ class RequestKvMetrics(NamedTuple):
         out: dict[str, int | float] = dict(self._asdict())
         out["kv_cache_hit_rate"] = self.kv_cache_hit_rate
         return out
+
+
+class Counters:
+    """The manager's cumulative counters, kept as plain attributes for the hot path."""
+
+    __slots__ = ("alloc_new", "alloc_total", "claimed", "copied", "decode_alloc", "full_reused",
+                 "missed", "partial_reused", "reused_tokens")
+
+    def __init__(self) -> None:
+        self.alloc_total = self.alloc_new = self.full_reused = self.partial_reused = 0
+        self.missed = self.reused_tokens = self.decode_alloc = self.copied = self.claimed = 0
+
+
+def cache_stats(c: Counters, pool: BlockPool, sequences: Iterable[Sequence],
+                tokens_per_block: int) -> KvCacheStats:
+    """The statistics of a cache with counters `c`, `pool` (and its host tier, if any)
+    and live `sequences`; gauges are read now. Pure."""
+    free = pool.num_available
+    private = sum(s.num_private_blocks for s in sequences)
+    host = pool.host
+    return KvCacheStats(
+        max_num_blocks=pool.num_blocks, free_num_blocks=free,
+        used_num_blocks=pool.num_blocks - free, tokens_per_block=tokens_per_block,
+        alloc_total_blocks=c.alloc_total, alloc_new_blocks=c.alloc_new,
+        reused_blocks=c.full_reused + c.partial_reused, missed_blocks=c.missed,
+        full_reused_blocks=c.full_reused, partial_reused_blocks=c.partial_reused,
+        reused_tokens=c.reused_tokens, decode_alloc_blocks=c.decode_alloc,
+        copied_blocks=c.copied, claimed_blocks=c.claimed, evicted_blocks=pool.num_evicted,
+        cached_num_blocks=pool.num_blocks - pool.num_free - private,
+        **({} if host is None else {
+            "offloaded_blocks": host.num_offloaded, "onboarded_blocks": host.num_onboarded,
+            "dropped_blocks": host.num_dropped, "max_num_host_blocks": host.num_slots,
+            "cached_num_host_blocks": host.num_cached}))
