@@ -12,32 +12,30 @@ token's window can reach (kvcache/core/window.py): `commit` releases the rest, p
 blocks are allocated as the engine reserves them chunk by chunk, and a match needs only
 the cached blocks inside the window of its first new token.
 
-This class checks every call and keeps the state; the work lives beside it, one concept
-a module: `admission.py` (the plan's walk and carrying it out), `caching.py` (committed
-blocks and tails into the tree), `growth.py` (blocks after admission), `stats.py` (the
-counters and statistics) and `integrity.py` (invariants and the leak report).
+This class checks every call, then does the work; the work lives beside it, one concept
+a module, as classes over the state it inherits (`cache_state.py`): `admission.py` (the
+plan's walk and carrying it out), `caching.py` (committed blocks and tails into the
+tree), `growth.py` (blocks after admission); `stats.py` (counters and statistics) and
+`integrity.py` (invariants and the leak report) are functions of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 
-from kvcache.core.admission import carry_out, make_plan
-from kvcache.core.caching import cache_full_blocks, cache_tail
-from kvcache.core.config import KvCacheConfig
+from kvcache.core.admission import Admission
+from kvcache.core.caching import Caching
 from kvcache.core.events import CacheEvent, op_event
-from kvcache.core.growth import append_blocks, reserve_blocks
+from kvcache.core.growth import Growth
 from kvcache.core.handle import Sequence
-from kvcache.core.host_tier import HostTier
 from kvcache.core.integrity import check_manager, leak_report
-from kvcache.core.kv_event_log import KvEventLog
 from kvcache.core.kv_events import KvCacheEvent
 from kvcache.core.ops import KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
-from kvcache.core.pool import BlockPool, OutOfBlocksError
+from kvcache.core.pool import OutOfBlocksError
 from kvcache.core.radix import BlockRadixTree, ReuseScope, scope_key, to_token_array, token_bytes
-from kvcache.core.stats import Counters, KvCacheStats, cache_stats
+from kvcache.core.stats import KvCacheStats, cache_stats
 from kvcache.core.validate import (
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -55,45 +53,14 @@ def _unknown(where: str, seq_id: Hashable) -> ValueError:
     return ValueError(f"{where}: unknown seq_id {seq_id!r} (not admitted, or freed)")
 
 
-class KVCacheManager:
-    """A paged KV cache's bookkeeping: a block radix tree over a fixed block pool."""
+class KVCacheManager(Admission, Caching, Growth):
+    """A paged KV cache's bookkeeping: a block radix tree over a fixed block pool.
 
-    def __init__(self, config: KvCacheConfig, *, record_events: bool = False,
-                 kv_events: bool = False) -> None:
-        if not isinstance(config, KvCacheConfig):
-            raise ValueError(f"KVCacheManager: expected a KvCacheConfig, got {config!r}")
-        self.config = config
-        self._B = config.tokens_per_block
-        # window_left of the sliding window the cache exploits (None: full attention)
-        self._wl = None if config.sliding_window is None else config.sliding_window - 1
-        self.tree = BlockRadixTree(self._B)
-        self.pool = BlockPool(config.max_num_blocks, self.tree, windowed=self._wl is not None)
-        # KV-cache events for routers (blocks stored and removed), see kv_events.py
-        self._kv = KvEventLog(self._B) if kv_events else None
-        # the host tier (TensorRT-LLM's secondary pool; never with a window), host_tier.py
-        self._host: HostTier | None = None
-        if config.host_cache_blocks:
-            self._host = self.pool.host = HostTier(config.host_cache_blocks, self.pool,
-                                                   self._queue, self._kv)
-        self.reuse = config.block_reuse
-        self._partial = config.partial_reuse
-        self._copy = config.copy_on_partial
-        self._align = config.reuse_alignment_blocks
-        self.sequences: dict[Hashable, Sequence] = {}
-        # (owner, op): a sequence's copies die with it; CACHE's moves of tree blocks never
-        self._copy_ops: list[tuple[Hashable, KvOp]] = []
-        self._c = Counters()
-        self._step_base: KvCacheStats | None = None
-        self._version = 0  # bumped by every mutation: plans made before it are stale
-        self.events: list[CacheEvent] | None = [] if record_events else None
-        # Told the ids of cached blocks that left the tree (evicted, or claimed by an
-        # admission), and of a sequence's own blocks given back when its commit switched
-        # to equal cached ones, after the fact: the engine drops what it keeps per block.
-        self.on_blocks_removed: Callable[[list[int]], None] | None = None
-        # Test seam for fault injection: called as (operation, blocks needed) before any
-        # allocation; returning True refuses it (a plan that does not fit, or
-        # OutOfBlocksError from append_tokens), nothing changed.
-        self.allocation_fault: Callable[[str, int], bool] | None = None
+    `KVCacheManager(config, record_events=False, kv_events=False)`: `record_events`
+    keeps every operation in `events` (CacheEvent, for the reuse oracle); `kv_events`
+    records KV-cache events for routers (`take_kv_events`). Raises ValueError for a
+    `config` that is not a KvCacheConfig.
+    """
 
     # ------------------------------------------------------------------ admission
     def plan_admission(self, tokens: Seq[int], scope: ReuseScope | None = None, *,
@@ -113,7 +80,7 @@ class KVCacheManager:
             raise ValueError("plan_admission: empty prompt")
         if first_chunk is not None:
             first_chunk = check_positive_int(first_chunk, "plan_admission: first_chunk")
-        plan = make_plan(self, arr, kb, skey, first_chunk)
+        plan = self._make_plan(arr, kb, skey, first_chunk)
         fault = self.allocation_fault
         if fault is not None and fault("add_sequence", plan.num_blocks):
             plan._fault = True
@@ -148,7 +115,7 @@ class KVCacheManager:
             raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}",
                                    plan._need + plan._onboard,
                                    0 if plan._fault else plan._available, pool.num_blocks)
-        return carry_out(self, seq_id, plan, priority)
+        return self._carry_out(seq_id, plan, priority)
 
     def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
                      priority: int = DEFAULT_PRIORITY) -> Sequence:
@@ -166,20 +133,11 @@ class KVCacheManager:
         arr, kb = token_bytes(tokens, "add_sequence", seq_id)
         if not arr:
             raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
-        plan = make_plan(self, arr, kb, skey)
+        plan = self._make_plan(arr, kb, skey)
         fault = self.allocation_fault
         if fault is not None and fault("add_sequence", plan._num_blocks):
             plan._fault = True
         return self.admit(seq_id, plan, priority)
-
-    def _queue(self, owner: Hashable, op: KvOp) -> None:
-        self._copy_ops.append((owner, op))
-
-    def _removed(self, block_ids: list[int]) -> None:
-        if self._kv is not None:
-            self._kv.removed(block_ids)
-        if self.on_blocks_removed is not None:
-            self.on_blocks_removed(block_ids)
 
     # ------------------------------------------------------------------ progress
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -212,7 +170,7 @@ class KVCacheManager:
         nfull = n // self._B
         switched = seq._block_ids_version
         if self.reuse and nfull > seq._tree_blocks:
-            cache_full_blocks(self, seq, nfull)
+            self._cache_full_blocks(seq, nfull)
         if self.events is not None:
             ids = tuple(seq._block_ids) if seq._block_ids_version != switched else ()
             self.events.append(CacheEvent("commit", seq_id, (), n, None, ids))
@@ -240,7 +198,7 @@ class KVCacheManager:
         n = check_int(num_tokens, f"reserve({seq_id!r}): num_tokens", 0, len(seq._tokens))
         need = (n + self._B - 1) // self._B - len(seq._block_ids)
         if need > 0:
-            reserve_blocks(self, seq, need)
+            self._reserve_blocks(seq, need)
         return min(n, len(seq._block_ids) * self._B)
 
     def append_tokens(self, seq_id: Hashable, tokens: Seq[int]) -> None:
@@ -253,7 +211,7 @@ class KVCacheManager:
         arr = to_token_array(tokens, "append_tokens", seq_id)
         need = (len(seq._tokens) + len(arr) + self._B - 1) // self._B - len(seq._block_ids)
         if need > 0:
-            append_blocks(self, seq, need)
+            self._append_blocks(seq, need)
         seq._tokens.extend(arr)
         if self.events is not None:
             added = tuple(seq._block_ids[len(seq._block_ids) - max(need, 0):])
@@ -282,7 +240,7 @@ class KVCacheManager:
         keep = seq._tree_blocks
         if self.reuse:
             if (self._partial and seq._committed % self._B and not unwritten
-                    and cache_tail(self, seq)):
+                    and self._cache_tail(seq)):
                 keep += 1
             last = seq._last
             if last is not None:
@@ -304,7 +262,7 @@ class KVCacheManager:
         arr, kb = token_bytes(tokens, "match_reuse", None)
         if not arr:
             return ReuseMatch((), 0, 0, None)
-        return make_plan(self, arr, kb, skey).reuse
+        return self._make_plan(arr, kb, skey).reuse
 
     def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`).
@@ -312,7 +270,7 @@ class KVCacheManager:
         arr, kb = token_bytes(tokens, "probe_reuse", None)
         if not arr:
             return 0
-        return make_plan(self, arr, kb, scope_key(scope, "probe_reuse"))._cached
+        return self._make_plan(arr, kb, scope_key(scope, "probe_reuse"))._cached
 
     def _drop_copies(self, seq_id: Hashable) -> bool:
         """Forget the queued copies of `seq_id` (never the moves of cached blocks between
@@ -384,7 +342,8 @@ class KVCacheManager:
 
     def stats(self) -> KvCacheStats:
         """Cumulative statistics (gauges are current)."""
-        return cache_stats(self._c, self.pool, self.sequences.values(), self._B)
+        private = sum(s.num_private_blocks for s in self.sequences.values())
+        return cache_stats(self._c, self.pool, private, self._B)
 
     def step_stats(self) -> KvCacheStats:
         """Counters since the previous `step_stats()` call (since start for the first)."""

@@ -3,12 +3,10 @@ the manager's running counters they are built from."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from kvcache.core.handle import Sequence
     from kvcache.core.pool import BlockPool
 
 # snake_case field -> TensorRT-LLM's camelCase name
@@ -148,12 +146,12 @@ class Counters:
         self.missed = self.reused_tokens = self.decode_alloc = self.copied = self.claimed = 0
 
 
-def cache_stats(c: Counters, pool: BlockPool, sequences: Iterable[Sequence],
+def cache_stats(c: Counters, pool: BlockPool, private: int,
                 tokens_per_block: int) -> KvCacheStats:
     """The statistics of a cache with counters `c`, `pool` (and its host tier, if any)
-    and live `sequences`; gauges are read now. Pure."""
+    and `private` blocks that live sequences hold outside the tree; gauges are read now.
+    Pure."""
     free = pool.num_available
-    private = sum(s.num_private_blocks for s in sequences)
     host = pool.host
     return KvCacheStats(
         max_num_blocks=pool.num_blocks, free_num_blocks=free,
