@@ -11,11 +11,11 @@ from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent
 from kvcache.core.handle import Sequence
 from kvcache.core.integrity import IntegrityError
+from kvcache.core.keys import ReuseScope
 from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
 from kvcache.core.pool import OutOfBlocksError
-from kvcache.core.radix import ReuseScope
 from kvcache.core.stats import KvCacheStats, RequestKvMetrics
 
 __all__ = [

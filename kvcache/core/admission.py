@@ -16,9 +16,10 @@ from collections.abc import Hashable
 from kvcache.core.cache_state import CacheState
 from kvcache.core.events import CacheEvent
 from kvcache.core.handle import Sequence
+from kvcache.core.keys import TOKEN_BYTES, ScopeKey
 from kvcache.core.ops import BlockCopy, BlockOnboard
 from kvcache.core.plan import AdmissionPlan
-from kvcache.core.radix import TOKEN_BYTES, Node, ScopeKey
+from kvcache.core.radix import Node
 from kvcache.core.window_holds import (
     Hits,
     cut_hits,

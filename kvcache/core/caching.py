@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from kvcache.core.cache_state import CacheState
 from kvcache.core.handle import Sequence
-from kvcache.core.radix import TOKEN_BYTES, Node
+from kvcache.core.keys import TOKEN_BYTES
+from kvcache.core.radix import Node
 from kvcache.core.window_holds import take_path
 
 

@@ -7,7 +7,8 @@ from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple, cast
 
-from kvcache.core.radix import Node, ScopeKey
+from kvcache.core.keys import ScopeKey
+from kvcache.core.radix import Node
 from kvcache.core.stats import RequestKvMetrics
 
 

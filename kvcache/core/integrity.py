@@ -18,8 +18,9 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
+from kvcache.core.keys import TOKEN_BYTES
 from kvcache.core.ops import CACHE
-from kvcache.core.radix import TOKEN_BYTES, Node
+from kvcache.core.radix import Node
 from kvcache.core.window import first_held_block
 
 if TYPE_CHECKING:

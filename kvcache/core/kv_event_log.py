@@ -15,6 +15,7 @@ import sys
 from array import array
 from collections.abc import Hashable, Iterable
 
+from kvcache.core.keys import ScopeKey
 from kvcache.core.kv_events import (
     MEDIUM_DEVICE,
     MEDIUM_HOST,
@@ -25,7 +26,6 @@ from kvcache.core.kv_events import (
     Medium,
     block_hash,
 )
-from kvcache.core.radix import ScopeKey
 
 _LITTLE = sys.byteorder == "little"
 # what the log keeps per cached block: its hash, its parent's hash and its scope

@@ -30,11 +30,12 @@ from kvcache.core.events import CacheEvent, op_event
 from kvcache.core.growth import Growth
 from kvcache.core.handle import Sequence
 from kvcache.core.integrity import check_manager, leak_report
+from kvcache.core.keys import ReuseScope, scope_key, to_token_array, token_bytes
 from kvcache.core.kv_events import KvCacheEvent
 from kvcache.core.ops import KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
 from kvcache.core.pool import OutOfBlocksError
-from kvcache.core.radix import BlockRadixTree, ReuseScope, scope_key, to_token_array, token_bytes
+from kvcache.core.radix import BlockRadixTree
 from kvcache.core.stats import KvCacheStats, cache_stats
 from kvcache.core.validate import (
     PRIORITY_MAX,

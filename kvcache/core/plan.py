@@ -13,7 +13,8 @@ from __future__ import annotations
 from array import array
 from typing import Literal, NamedTuple
 
-from kvcache.core.radix import Node, PartialHit, ScopeKey
+from kvcache.core.keys import ScopeKey
+from kvcache.core.radix import Node, PartialHit
 
 PartialReuse = Literal["claim", "copy", "onboard"]
 

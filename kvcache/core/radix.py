@@ -1,4 +1,4 @@
-"""Block radix tree: keys, match, insert, split and prune of cached KV blocks.
+"""Block radix tree: match, insert, split and prune of cached KV blocks.
 
 Each reuse scope has its own root. An edge (a `Node`) holds a *run* of full blocks: its
 key is the token bytes of all of them and `blocks` their physical ids, so matching a long
@@ -7,118 +7,16 @@ are split on demand, exactly where a match or a reference starts or stops, so re
 counts, LRU time and priority are uniform within an edge. A partial block (fewer than
 `tokens_per_block` tokens) only ever appears as a leaf of its own.
 
-Tokens are stored as native unsigned 32-bit integers (`array('I')`); converting a list
-once costs about 3 ns a token and rejects negative and non-integer tokens for free.
+Keys are token bytes in the format of kvcache/core/keys.py.
 """
 
 from __future__ import annotations
 
-import sys
 from array import array
-from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import NamedTuple
 
-from kvcache.core.validate import check_int
-
-TOKEN_BYTES = array("I").itemsize
-assert TOKEN_BYTES == 4, "kvcache needs a 4-byte C unsigned int"
-_BYTEORDER = sys.byteorder
-
-ScopeKey = Hashable | None
-
-
-@dataclass(frozen=True)
-class ReuseScope:
-    """Who may share cached blocks: requests reuse only blocks of their own scope.
-
-    `ReuseScope()` is the default scope, the same as passing `None`; `salt=0` is a
-    scope of its own, distinct from `salt=None`. A salt is an int, str or bytes (never a
-    bool or float: `True` and `1.0` would silently share `salt=1`'s cache); a LoRA id is
-    an int >= 0. Anything else is a ValueError naming the field.
-    """
-
-    salt: int | str | bytes | None = None
-    lora_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.salt is not None and not isinstance(self.salt, str | bytes):
-            object.__setattr__(self, "salt", check_int(self.salt, "ReuseScope.salt (an int, "
-                                                       "str or bytes)"))
-        if self.lora_id is not None:
-            object.__setattr__(self, "lora_id", check_int(self.lora_id, "ReuseScope.lora_id", 0))
-
-    @property
-    def key(self) -> ScopeKey:
-        """Hashable key of this scope's tree root (None for the default scope)."""
-        if self.salt is None and self.lora_id is None:
-            return None
-        return (self.salt, self.lora_id)
-
-
-def scope_key(scope: ReuseScope | None, where: str = "scope") -> ScopeKey:
-    """Normalize `scope` to its root key; raises ValueError for anything else."""
-    if scope is None:
-        return None
-    if not isinstance(scope, ReuseScope):
-        raise ValueError(f"{where}: expected None or ReuseScope, got {scope!r}")
-    return scope.key
-
-
-def to_token_array(tokens: Sequence[int], op: str, seq_id: Hashable) -> array:
-    """Tokens as `array('I')`; raises ValueError naming the call and the first bad token
-    (not an integer, a bool, or outside [0, 2**32)), or a value that is not a sequence."""
-    return token_bytes(tokens, op, seq_id)[0]
-
-
-def token_bytes(tokens: Sequence[int], op: str, seq_id: Hashable) -> tuple[array, bytes]:
-    """`to_token_array(tokens, ...)` and its bytes (the tree's key format), converted once."""
-    if type(tokens) is array and tokens.typecode == "I":
-        arr = array("I", tokens)  # already checked by construction: one memcpy
-        return arr, arr.tobytes()
-    try:
-        items = tokens if type(tokens) is list else list(tokens)
-    except TypeError:
-        raise ValueError(f"{_where(op, seq_id)}: tokens must be a sequence of integers, "
-                         f"got {type(tokens).__name__}") from None
-    arr = array("I")
-    try:
-        arr.fromlist(items)
-    except (TypeError, OverflowError):
-        for i, tok in enumerate(items):
-            if isinstance(tok, bool) or not hasattr(tok, "__index__") or not 0 <= tok < 2**32:
-                raise ValueError(f"{_where(op, seq_id)}: token {i} is {tok!r}; tokens must be "
-                                 "integers in [0, 2**32)") from None
-        raise
-    kb = arr.tobytes()
-    _reject_bools(kb, items, op, seq_id)
-    return arr, kb
-
-
-_LOW = 0 if _BYTEORDER == "little" else TOKEN_BYTES - 1  # a token's low byte in its 4
-
-
-def _reject_bools(kb: bytes, items: list[int], op: str, seq_id: Hashable) -> None:
-    # array('I') takes True and False as 1 and 0. A type check per item would cost twice
-    # the conversion, so type-check only the tokens whose low byte is 0 or 1 (1 in 128 of
-    # uniform ids; the single-byte tokens of real vocabularies, frequent in text, are not
-    # among them): one strided slice and C-level searches (memchr) find them.
-    low = kb[_LOW::TOKEN_BYTES]
-    first = len(items)
-    for value in (0, 1):
-        i = low.find(value)
-        while 0 <= i < first:
-            if type(items[i]) is bool:
-                first = i
-                break
-            i = low.find(value, i + 1)
-    if first < len(items):
-        raise ValueError(f"{_where(op, seq_id)}: token {first} is {items[first]!r}; tokens "
-                         "must be integers, not bools")
-
-
-def _where(op: str, seq_id: Hashable) -> str:
-    return op if seq_id is None else f"{op}({seq_id!r})"
+from kvcache.core.keys import TOKEN_BYTES, ScopeKey, common_prefix_bytes
 
 
 class Node:
@@ -187,27 +85,6 @@ class TreeMatch(NamedTuple):
     num_full_blocks: int
     partial: PartialHit | None
     num_tokens: int
-
-
-def common_prefix_bytes(kb: bytes, off: int, key: bytes, n: int) -> int:
-    """Number of equal leading bytes of kb[off:off+n] and key[:n] (both at least n long).
-
-    C-level comparisons only: one when they are equal; otherwise a binary search over
-    zero-copy views down to a 64-byte window, whose first difference one XOR finds. (An
-    XOR of the whole range costs ~30 instructions a byte, O(log n) compares far less.)
-    """
-    view = memoryview(key)
-    if kb.startswith(view[:n], off):
-        return n
-    lo, hi = 0, n  # kb[off:off+lo] == key[:lo]; the first difference lies in [lo, hi)
-    while hi - lo > 64:
-        mid = (lo + hi) >> 1
-        if kb.startswith(view[lo:mid], off + lo):
-            lo = mid
-        else:
-            hi = mid
-    x = int.from_bytes(kb[off + lo:off + hi], "big") ^ int.from_bytes(view[lo:hi], "big")
-    return hi - (x.bit_length() + 7) // 8
 
 
 class BlockRadixTree:

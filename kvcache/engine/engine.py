@@ -24,8 +24,8 @@ from kvcache.attention.block_table import BlockTable
 from kvcache.attention.persistent_batch import PersistentBatch
 from kvcache.attention.registry import get_backend
 from kvcache.core.config import KvCacheConfig
+from kvcache.core.keys import ReuseScope
 from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
-from kvcache.core.radix import ReuseScope
 from kvcache.core.stats import KvCacheStats
 from kvcache.core.validate import check_positive_int, check_priority
 from kvcache.core.window import peak_blocks

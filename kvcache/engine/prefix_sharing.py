@@ -20,7 +20,7 @@ from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvcache.core.radix import TOKEN_BYTES, common_prefix_bytes
+from kvcache.core.keys import TOKEN_BYTES, common_prefix_bytes
 
 if TYPE_CHECKING:  # request.py needs torch; this module does not
     from kvcache.engine.request import Request

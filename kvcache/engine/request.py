@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvcache.core.handle import Sequence as CacheSequence
-from kvcache.core.radix import ReuseScope
+from kvcache.core.keys import ReuseScope
 from kvcache.core.stats import RequestKvMetrics
 
 

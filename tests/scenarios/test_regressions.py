@@ -16,7 +16,7 @@ import pytest
 
 from harness.oracle import ShadowStore
 from kvcache import Engine, GenerationOutput, KVCacheManager
-from kvcache.core.radix import TOKEN_BYTES
+from kvcache.core.keys import TOKEN_BYTES
 from tests.scenarios.support import (
     COPY,
     MODES,

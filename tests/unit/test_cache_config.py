@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache import KvCacheConfig, ReuseScope
-from kvcache.core.radix import scope_key
+from kvcache.core.keys import scope_key
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.core.radix import common_prefix_bytes, to_token_array, token_bytes
+from kvcache.core.keys import common_prefix_bytes, to_token_array, token_bytes
 
 # ids near the values a bool converts to (0 and 1), their low-byte aliases and large ones
 token_ids = st.one_of(st.integers(0, 3), st.sampled_from([255, 256, 257, 512, 65536, 65537]),
