@@ -41,24 +41,23 @@ def _engine(model: Transformer, release: bool, pool: int, chunk: int) -> Engine:
                   release_outside_window=release)
 
 
-class _Watched(Engine):
-    """An engine that notes the blocks in use at every forward pass (its step's peak)."""
-
-    most_used = 0
-
-    def _forward(self, *args: Any) -> Any:
-        self.most_used = max(self.most_used, self.manager.stats().used_num_blocks)
-        return super()._forward(*args)
-
-
 def _most_used(model: Transformer, release: bool, pool: int, chunk: int,
                prompt: list[int]) -> int:
-    """The most blocks in use at any forward pass of one run of `prompt`."""
-    cfg = KvCacheConfig(tokens_per_block=BLOCK, max_num_blocks=pool)
-    engine = _Watched(model, cfg, max_num_tokens=chunk, max_batch_size=1, record_events=False,
-                      release_outside_window=release)
+    """The most blocks in use at any step of one run of `prompt`, read after each
+    schedule (a step's peak: its admission or reservation is done, its forward not)."""
+    engine = _engine(model, release, pool, chunk)
+    most = 0
+    schedule = engine.scheduler.schedule
+
+    def watched() -> Any:
+        nonlocal most
+        scheduled = schedule()
+        most = max(most, engine.manager.stats().used_num_blocks)
+        return scheduled
+
+    engine.scheduler.schedule = watched  # type: ignore[method-assign]
     engine.generate([prompt], 1)
-    return engine.most_used
+    return most
 
 
 def test_window_long_prompt(benchmark: Any, pytestconfig: pytest.Config) -> None:
@@ -72,6 +71,7 @@ def test_window_long_prompt(benchmark: Any, pytestconfig: pytest.Config) -> None
     pools = {True: peak_blocks(L, L + 1, chunk, window - 1, BLOCK, reuse=True),
              False: -(-(L + 1) // BLOCK)}
     most = {r: _most_used(model, r, pools[r], chunk, prompt) for r in pools}
+    assert all(0 < most[r] <= pools[r] for r in pools), (most, pools)
     block_bytes = _engine(model, True, pools[True], chunk).storage.nbytes_per_token * BLOCK
     off_times: list[float] = []
     outs: dict[bool, list[GenerationOutput]] = {True: [], False: []}
