@@ -149,8 +149,8 @@ class KVCacheManager(Admission, Caching, Growth):
         and `block_ids_version` is bumped (re-read the ids before the next forward pass).
         Committing past the admission says a forward pass ran, so the sequence's queued
         copies ran before it (they are dropped from the queue if the caller never took
-        them). Raises ValueError for an unknown `seq_id`, a count beyond the sequence or
-        below an earlier commit.
+        them). Raises ValueError for an unknown `seq_id`, a count beyond the sequence,
+        below an earlier commit, or (sliding window) beyond the blocks reserved so far.
         """
         seq = self.sequences.get(seq_id)
         if seq is None:
@@ -164,6 +164,9 @@ class KVCacheManager(Admission, Caching, Growth):
         if n < seq._committed:
             raise ValueError(f"commit({seq_id!r}, {n}): goes backwards; "
                              f"{seq._committed} tokens are already committed")
+        if n > len(seq._block_ids) * self._B:  # only under a window: tokens not reserved
+            raise ValueError(f"commit({seq_id!r}, {n}): only {len(seq._block_ids) * self._B} "
+                             "tokens have blocks; reserve the rest before computing them")
         self._version += 1
         if self._copy_ops and n > seq._committed:
             self._drop_copies(seq_id)

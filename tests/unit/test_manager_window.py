@@ -170,6 +170,21 @@ def test_integrity_names_a_sequence_holding_what_its_window_released() -> None:
     mgr.free_sequence("a")
 
 
+def test_a_commit_beyond_the_reserved_blocks_is_refused_and_changes_nothing() -> None:
+    """Admitted with a first chunk of 2 tokens (one block of 4), a commit of all 8 tokens
+    used to release 3 positions and cache an 8-token edge holding 1 block; tokens without
+    a block have no KV to commit."""
+    mgr = _manager()
+    seq = mgr.admit("a", mgr.plan_admission(_prompt(8), first_chunk=2))
+    before = (list(seq.block_ids), seq.num_committed_tokens, mgr.dump_tree(), mgr.stats())
+    with pytest.raises(ValueError, match=r"commit\('a', 8\): only 4 tokens have blocks"):
+        mgr.commit("a", 8)
+    assert (list(seq.block_ids), seq.num_committed_tokens, mgr.dump_tree(),
+            mgr.stats()) == before
+    mgr.commit("a", 4)
+    mgr.check_integrity()
+    mgr.free_sequence("a")
+
 @pytest.mark.parametrize("seed", range(24))
 def test_random_operations_on_small_pools_keep_every_invariant(seed: int) -> None:
     """Admissions with a first chunk, reserves, commits, appends and frees over tiny
