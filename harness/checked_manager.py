@@ -12,9 +12,13 @@ was refused for want of blocks, the blocks really were not there.
 pass whose tokens it commits. Fuzzers and stateful tests drive this instead of a bare
 manager; anything not wrapped (stats, probe_reuse, sequences, ...) is forwarded as is.
 Like the rest of the harness it imports `kvcache` for type checking only: a refusal is
-any exception with `needed`, `available` and `capacity` (`OutOfBlocksError`). The
-capacity oracle counts blocks as full attention holds them, so a manager under a sliding
-window is refused here (its logs still replay through the provenance oracle).
+any exception with `needed`, `available` and `capacity` (`OutOfBlocksError`).
+
+Under a sliding window the capacity oracle restates the window rule: each sequence's
+block positions (an admission's up to its first chunk, a `reserve`'s as many as are
+available) and how many of them its commits released are checked after every call, and
+a commit may turn released positions into None without bumping `block_ids_version`
+(nothing there switched block).
 """
 
 from __future__ import annotations
@@ -42,6 +46,18 @@ def _owner(owner: Hashable) -> Hashable:
     return "CACHE" if type(owner).__name__ == "CacheOwner" else owner
 
 
+def _same(logged: Event, api: Event) -> bool:
+    """Whether the log's event says what the API's does. A commit logs its switched ids
+    before its window's release: where the API shows a released position (None), the
+    log may show the block it had."""
+    if logged.kind != "commit" or api.kind != "commit" or None not in api.block_ids:
+        return logged == api
+    return (logged._replace(block_ids=()) == api._replace(block_ids=())
+            and len(logged.block_ids) == len(api.block_ids)
+            and all(b is None or a == b for a, b in zip(logged.block_ids, api.block_ids,
+                                                        strict=True)))
+
+
 class ManagerContractError(AssertionError):
     """The manager broke its API contract: a failed call changed it, its handles changed
     block ids without saying so, or its event log disagrees with its API."""
@@ -55,17 +71,18 @@ class CheckedManager:
             raise ValueError("CheckedManager: the manager must be fresh (nothing admitted "
                              "yet): the oracles must see every operation")
         cfg = manager.config
-        if getattr(cfg, "sliding_window", None) is not None:
-            raise ValueError(f"CheckedManager: sliding_window={cfg.sliding_window}: the "
-                             "capacity oracle models full attention only")
         self.manager = manager
-        self.shadow = ShadowStore(cfg.tokens_per_block, repro=repro)
+        window = cfg.sliding_window
+        self.shadow = ShadowStore(cfg.tokens_per_block, repro=repro, sliding_window=window)
         self.capacity = CapacityOracle(cfg.tokens_per_block, cfg.max_num_blocks,
-                                       block_reuse=cfg.block_reuse, repro=repro)
+                                       block_reuse=cfg.block_reuse, sliding_window=window,
+                                       repro=repro)
         self.num_operations = 0
         self._ids: dict[Hashable, tuple[list[int | None], int]] = {}  # block ids, version last seen
         self._log_seen = 0
-        self._plans: dict[int, tuple[AdmissionPlan, list[int], ReuseScope | None]] = {}
+        # id(plan) -> (plan, tokens, scope, first_chunk)
+        self._plans: dict[int, tuple[AdmissionPlan, list[int], ReuseScope | None,
+                                     int | None]] = {}
         self._queued: list[Move] = []  # the op queue after the last call
 
     def __getattr__(self, name: str) -> Any:
@@ -82,15 +99,17 @@ class CheckedManager:
 
     # -- the checked calls -------------------------------------------------------------
 
-    def plan_admission(self, tokens: Sequence[int], scope: ReuseScope | None = None
-                       ) -> AdmissionPlan:
+    def plan_admission(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
+                       first_chunk: int | None = None) -> AdmissionPlan:
         """`KVCacheManager.plan_admission`; a plan that does not fit must be fair."""
-        plan = self.manager.plan_admission(tokens, scope)
+        plan = self.manager.plan_admission(tokens, scope, first_chunk=first_chunk)
         toks = list(tokens)
-        self._plans[id(plan)] = (plan, toks, scope)
+        self._plans[id(plan)] = (plan, toks, scope, first_chunk)
         if not plan.fits and not plan.injected_fault:
-            self.capacity.check_refusal(self.capacity.admission_need(toks, scope),
-                                        f"plan_admission({toks})")
+            self.capacity.check_refusal(
+                self.capacity.admission_need(toks, scope, num_cached=plan.num_cached_tokens,
+                                             first_chunk=first_chunk),
+                f"plan_admission({toks})")
         return plan
 
     def admit(self, seq_id: Hashable, plan: AdmissionPlan,
@@ -98,11 +117,13 @@ class CheckedManager:
         """`KVCacheManager.admit` (the manager's default priority unless given), checked."""
         known = self._plans.get(id(plan))
         need = None
+        chunk: int | None | bool = False  # False: a plan made elsewhere, chunk unknown
         if known is not None and known[0] is plan:
-            need = self._admission_need(known[1], known[2])
+            _, toks, scope, chunk = known
+            need = self._admission_need(toks, scope, plan.num_cached_tokens, chunk)
         kw = {} if priority is None else {"priority": priority}
         return self._admitted(seq_id, f"admit({seq_id!r})",
-                              lambda: self.manager.admit(seq_id, plan, **kw), need)
+                              lambda: self.manager.admit(seq_id, plan, **kw), need, chunk)
 
     def add_sequence(self, seq_id: Hashable, tokens: Sequence[int],
                      scope: ReuseScope | None = None,
@@ -111,9 +132,15 @@ class CheckedManager:
         checked."""
         toks = list(tokens) if not isinstance(tokens, list) else tokens
         kw = {} if priority is None else {"priority": priority}
+        cached = None
+        if self.capacity.window_left is not None:  # its need depends on the match
+            try:
+                cached = self.manager.match_reuse(toks, scope).num_tokens
+            except ValueError:
+                pass  # bad input: add_sequence rejects it with its own message
         return self._admitted(seq_id, f"add_sequence({seq_id!r}, {toks})",
                               lambda: self.manager.add_sequence(seq_id, toks, scope, **kw),
-                              self._admission_need(toks, scope))
+                              self._admission_need(toks, scope, cached, None), None)
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         """Take and apply the queued copies (the forward pass comes after them), then
@@ -126,13 +153,19 @@ class CheckedManager:
         seq = self.manager.get_sequence(seq_id)
         old, version = self._ids[seq_id]
         ids = list(seq.block_ids)
-        if (ids != old) != (seq.block_ids_version != version):
+        released = seq.num_released_blocks
+        # a window's release turns positions into None: no block switched there, but one
+        # may have switched and then been released in the same commit
+        moved = any(a != b for a, b in zip(old[released:], ids[released:], strict=True))
+        bumped = seq.block_ids_version != version
+        if (len(ids) != len(old) or any(b is not None for b in ids[:released])
+                or moved != bumped and not (bumped and old[:released] != ids[:released])):
             raise ManagerContractError(
-                f"{where}: block ids went from {old} to {ids} while block_ids_version went "
-                f"from {version} to {seq.block_ids_version}: an engine's block table would "
-                "go stale unnoticed")
+                f"{where}: block ids went from {old} to {ids} ({released} released) while "
+                f"block_ids_version went from {version} to {seq.block_ids_version}: an "
+                "engine's block table would go stale unnoticed")
         self._ids[seq_id] = (ids, seq.block_ids_version)
-        switched = tuple(ids) if ids != old else ()
+        switched = tuple(ids) if bumped else ()
         self._after(where, [Event("commit", seq_id, (), seq.num_committed_tokens, None,
                                   switched)])
 
@@ -141,9 +174,8 @@ class CheckedManager:
         where = f"append_tokens({seq_id!r}, {list(tokens)})"
         seq = self.manager.sequences.get(seq_id)
         need = None
-        if seq is not None:
-            B = self.manager.config.tokens_per_block
-            need = -(-(seq.num_tokens + len(tokens)) // B) - len(seq.block_ids)
+        if seq is not None and seq_id in self._ids:
+            need = self.capacity.append_need(seq_id, len(tokens))
         start = seq.num_tokens if seq is not None else 0
         self._call(where, lambda: self.manager.append_tokens(seq_id, tokens), need)
         seq = self.manager.get_sequence(seq_id)
@@ -155,6 +187,32 @@ class CheckedManager:
         self._ids[seq_id] = (ids, version)
         self._after(where, [Event("append", seq_id, tuple(seq.tokens[start:]), 0, None,
                                   tuple(ids[len(old):]))])
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
+        """`KVCacheManager.reserve`, checked: it allocates every block the tokens lack when
+        they are available, else all that are (none when the fault seam refuses), and
+        returns the tokens its blocks cover."""
+        where = f"reserve({seq_id!r}, {num_tokens})"
+        grant = None
+        if seq_id in self._ids and type(num_tokens) is int and num_tokens >= 0:
+            grant = self.capacity.reserve_grant(seq_id, num_tokens)
+        covered = self._call(where, lambda: self.manager.reserve(seq_id, num_tokens))
+        seq = self.manager.get_sequence(seq_id)
+        old, version = self._ids[seq_id]
+        ids = list(seq.block_ids)
+        new = ids[len(old):]
+        faulted = not new and self.manager.allocation_fault is not None
+        if (ids[:len(old)] != old or seq.block_ids_version != version
+                or (len(new) != grant and not faulted)):
+            raise ManagerContractError(f"{where}: block ids went from {old} to {ids}; it "
+                                       f"should have added {grant} blocks")
+        B = self.manager.config.tokens_per_block
+        if covered != min(num_tokens, len(ids) * B):
+            raise ManagerContractError(f"{where} returned {covered}; its {len(ids)} blocks "
+                                       f"cover {min(num_tokens, len(ids) * B)} of those tokens")
+        self._ids[seq_id] = (ids, version)
+        self._after(where, [Event("append", seq_id, (), 0, None, tuple(new))] if new else [])
+        return covered
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """`KVCacheManager.free_sequence`, checked."""
@@ -195,16 +253,25 @@ class CheckedManager:
 
     # -- plumbing ----------------------------------------------------------------------
 
-    def _admission_need(self, tokens: list[int], scope: ReuseScope | None) -> int | None:
+    def _admission_need(self, tokens: list[int], scope: ReuseScope | None,
+                        num_cached: int | None, first_chunk: int | None) -> int | None:
         try:
-            return self.capacity.admission_need(tokens, scope)
+            return self.capacity.admission_need(tokens, scope, num_cached=num_cached,
+                                                first_chunk=first_chunk)
         except ValueError:
             return None  # bad input: the manager rejects it with its own message
 
     def _admitted(self, seq_id: Hashable, where: str, call: Callable[[], CacheSequence],
-                  need: int | None) -> CacheSequence:
+                  need: int | None, first_chunk: int | None | bool) -> CacheSequence:
+        """The admission `call`, checked; `first_chunk` False: not known (its block
+        positions are then read as the manager gives them)."""
         seq = self._call(where, call, need)
         ids = list(seq.block_ids)
+        given = len(ids) if first_chunk is False else self.capacity.admission_blocks(
+            seq.num_tokens, seq.num_cached_tokens, first_chunk)
+        if len(ids) != given:
+            raise ManagerContractError(f"{where}: admitted with {len(ids)} block positions "
+                                       f"{ids}, not {given} (first chunk {first_chunk})")
         self._ids[seq_id] = (ids, seq.block_ids_version)
         self._after(where, [Event("admit", seq_id, tuple(seq.tokens), seq.num_cached_tokens,
                                   seq.scope, tuple(ids))])
@@ -257,6 +324,11 @@ class CheckedManager:
             self.capacity.apply(ev)
         self.shadow.check_live(pending)
         self.capacity.check_used(self.manager.stats().used_num_blocks, where)
+        for sid in {ev.seq_id for ev in events if ev.kind not in MOVES}:
+            seq = self.manager.sequences.get(sid)
+            if seq is not None:
+                self.capacity.check_sequence(sid, len(seq.block_ids), seq.num_released_blocks,
+                                             where)
         self._check_log(where, events)
         self.num_operations += 1
 
@@ -266,6 +338,6 @@ class CheckedManager:
             return
         recorded = [normalize_event(e) for e in log[self._log_seen:]]
         self._log_seen = len(log)
-        if recorded != events:
+        if len(recorded) != len(events) or not all(map(_same, recorded, events)):
             raise ManagerContractError(f"{where}: the manager's event log recorded "
                                        f"{recorded}, its API says {events}")

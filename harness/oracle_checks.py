@@ -31,8 +31,7 @@ def oracle_problems(owners: Iterable[tuple[str, Any]]) -> list[str]:
             if not _looks_like_manager(owner):
                 continue
             window = getattr(owner.config, "sliding_window", None)
-            if window is None or not owner.sequences:  # the capacity formula: no window
-                capacity_of(owner).check_used(owner.stats().used_num_blocks, "the test")
+            capacity_of(owner).check_used(owner.stats().used_num_blocks, "the test")
             events = getattr(owner, "events", None)
             if events and _has_block_ids(events):
                 ShadowStore(owner.config.tokens_per_block, sliding_window=window
@@ -46,13 +45,15 @@ def oracle_problems(owners: Iterable[tuple[str, Any]]) -> list[str]:
 
 def capacity_of(manager: Any) -> CapacityOracle:
     """A capacity oracle holding `manager`'s live sequences as they are now (read through
-    the public handles: tokens, scope, committed count)."""
+    the public handles: tokens, scope, committed count and, under a sliding window, the
+    block positions reserved so far; the released ones follow from the committed count)."""
     cfg = manager.config
     oracle = CapacityOracle(cfg.tokens_per_block, cfg.max_num_blocks,
-                            block_reuse=cfg.block_reuse)
+                            block_reuse=cfg.block_reuse,
+                            sliding_window=getattr(cfg, "sliding_window", None))
     for sid, seq in manager.sequences.items():
         oracle.apply(Event("admit", sid, tuple(seq.tokens), seq.num_committed_tokens,
-                           seq.scope))
+                           seq.scope, tuple(seq.block_ids)))
     return oracle
 
 

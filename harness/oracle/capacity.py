@@ -1,20 +1,44 @@
-"""Capacity oracle: the blocks live sequences need, and whether a refusal was fair.
+"""Capacity oracle: the blocks live sequences hold, and whether a refusal was fair.
 
 From the same events as the other oracles (admit with its reused count, commit, append,
-free; copies change no count) it keeps each live sequence's scope, tokens and valid
-count (reused, then committed). A live sequence needs one block per `tokens_per_block`
-tokens. With block reuse on, a full block whose KV is valid is cached and shared: live
-sequences of one scope whose valid full blocks spell the same prefix hold one block
-between them. So
+free; copies change no count) it keeps each live sequence's scope, tokens, valid count
+(reused, then committed) and the block positions it was given. With block reuse on, a
+full block whose KV is valid is cached and shared: live sequences of one scope holding
+blocks that spell the same prefix hold one block between them. Under full attention a
+sequence holds every position, one per `tokens_per_block` tokens (B), so
 
-    needed = |{(scope, tokens[:(i + 1) * B]) : live s, i < valid_s // B}|
-             + sum over live s of (ceil(len_s / B) - valid_s // B)
+    needed = |{(scope, tokens[:(i + 1) * B]) : live s, first_s <= i < tree_s}|
+             + sum over live s of (blocks_s - max(tree_s, first_s))
 
-and without reuse every block is private. The cache's usedNumBlocks must equal `needed`
-after every operation (`check_used`). A refusal is fair only when the blocks are not
-there: `capacity - needed` blocks are free or evictable, and an admission needs
-ceil(L / B) of them less the leading full blocks of its prompt (within the L - 1 cap)
-that live sequences of its scope already hold; an append needs its new blocks.
+with tree_s = valid_s // B (0 without reuse), blocks_s = ceil(len_s / B) and first_s = 0;
+without reuse every block is private.
+
+Under a sliding window of W tokens (window_left = W - 1) the token at position p sees
+positions p - window_left to p, and no later token sees further back (docs/design.md,
+"Sliding windows"). The rule restated here, not imported:
+- A sequence whose next token is at position v (its valid count) holds positions from
+  first_s = max(0, v - window_left) // B on; with reuse it also keeps its deepest cached
+  block, so first_s = min(that, max(tree_s - 1, 0)). The positions before are released:
+  a private block goes back to the pool, a cached one stays in the tree unreferenced
+  (evictable, or evicted into a hollow node), so neither counts.
+- An admission is given the positions up to the end of its first chunk only
+  (`first_chunk`, counted from its reused tokens); `reserve` adds positions, as many as
+  the pool can give; an append, all the positions its tokens need or none. blocks_s is
+  therefore the count the events report, which `admission_blocks` and `reserve_grant`
+  predict for the caller to check first.
+
+The cache's usedNumBlocks must equal `needed` after every operation (`check_used`). A
+refusal is fair only when the blocks are not there: `capacity - needed` blocks are free
+or evictable. Under full attention an admission needs ceil(L / B) of them less the
+leading full blocks of its prompt (within the L - 1 cap) that live sequences of its scope
+already hold. Under a window the cached blocks nobody holds count too (a match skips the
+positions outside its window, however they were evicted), which this oracle does not
+track: given the match the cache reports (n tokens, k = n // B full blocks), an admission
+needs its new positions, up to the end of its first chunk, from k on, plus the matched
+positions from first(n) to k that no live sequence holds (taking them makes them
+unevictable). That is a lower bound: a copied partial block may also protect its source.
+An append needs its new blocks; a reserve that gives fewer than asked must give all
+`available`.
 """
 
 from __future__ import annotations
@@ -38,29 +62,38 @@ class _Live:
     scope: Hashable
     prefix: list[int]  # prefix id of every token
     valid: int
+    blocks: int  # block positions given to it, released ones included
 
 
 class CapacityOracle:
-    """Counts the blocks live sequences need (mutated by `apply`; checks only read)."""
+    """Counts the blocks live sequences hold (mutated by `apply`; checks only read).
+
+    `sliding_window`: tokens a query sees, itself included (None: full attention).
+    """
 
     def __init__(self, tokens_per_block: int, max_num_blocks: int, *,
-                 block_reuse: bool = True, repro: str = "") -> None:
+                 block_reuse: bool = True, sliding_window: int | None = None,
+                 repro: str = "") -> None:
         for name, value in (("tokens_per_block", tokens_per_block),
-                            ("max_num_blocks", max_num_blocks)):
+                            ("max_num_blocks", max_num_blocks),
+                            ("sliding_window", 1 if sliding_window is None else sliding_window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CapacityOracle: {name} must be an int >= 1, got {value!r}")
         self.tokens_per_block = tokens_per_block
         self.max_num_blocks = max_num_blocks
         self.block_reuse = block_reuse
+        self.window_left = None if sliding_window is None else sliding_window - 1
         self.repro = repro
         self._prefixes = Prefixes()
         self._live: dict[Hashable, _Live] = {}
-        self._shared: Counter[int] = Counter()  # prefix id ending a valid full block -> holders
+        self._shared: Counter[int] = Counter()  # prefix id ending a held cached block -> holders
         self._private = 0  # blocks outside `_shared`, over all live sequences
 
     def apply(self, event: Event | Mapping[str, Any] | Any) -> None:
-        """Apply one event. Raises ValueError for a malformed event, an unknown or
-        duplicate seq_id, or a count outside the sequence."""
+        """Apply one event. Under a window an admit's and a no-token append's (a reserve's)
+        block ids say how many positions it was given. Raises ValueError for a malformed
+        event, an unknown or duplicate seq_id, or a count outside the sequence or (window)
+        beyond its blocks."""
         ev = normalize_event(event)
         if ev.kind in MOVES:
             return
@@ -69,51 +102,106 @@ class CapacityOracle:
             if sid in self._live:
                 raise ValueError(f"admit event for seq_id {sid!r}, which is already live")
             prefix = self._prefixes.extend(self._prefixes.root(ev.scope), ev.tokens)
-            new = self._live[sid] = _Live(ev.scope, prefix, 0)
-            self._private += self._blocks(len(prefix))
-            self._validate(sid, new, ev.num_tokens)
+            blocks = self._blocks(len(prefix))
+            if self.window_left is not None and ev.block_ids:
+                blocks = len(ev.block_ids)
+            seq = self._live[sid] = _Live(ev.scope, prefix, 0, 0)
+            self._update(sid, seq, ev.num_tokens, blocks)
             return
         seq = self._live.get(sid)
         if seq is None:
             raise ValueError(f"{ev.kind} event for seq_id {sid!r}, which is not live")
         if ev.kind == "commit":
-            self._validate(sid, seq, ev.num_tokens)
+            self._update(sid, seq, ev.num_tokens, seq.blocks)
         elif ev.kind == "append":
-            before = self._blocks(len(seq.prefix))
             last = seq.prefix[-1] if seq.prefix else self._prefixes.root(seq.scope)
             seq.prefix += self._prefixes.extend(last, ev.tokens)
-            self._private += self._blocks(len(seq.prefix)) - before
+            if not ev.tokens and self.window_left is not None:
+                blocks = seq.blocks + len(ev.block_ids)  # reserved ahead of their compute
+            else:
+                blocks = max(seq.blocks, self._blocks(len(seq.prefix)))
+            self._update(sid, seq, seq.valid, blocks)
         else:
-            full = seq.valid // self.tokens_per_block if self.block_reuse else 0
-            for i in range(full):
-                self._drop(seq.prefix[(i + 1) * self.tokens_per_block - 1])
-            self._private -= self._blocks(len(seq.prefix)) - full
+            self._update(sid, seq, seq.valid, seq.blocks, freed=True)
             del self._live[sid]
 
-    def _validate(self, sid: Hashable, seq: _Live, n: int) -> None:
-        if not seq.valid <= n <= len(seq.prefix):
-            raise ValueError(f"seq_id {sid!r}: {n} valid tokens must lie in "
+    def _update(self, sid: Hashable, seq: _Live, valid: int, blocks: int, *,
+                freed: bool = False) -> None:
+        """Move `seq` to `valid` tokens and `blocks` positions (or, `freed`, to nothing),
+        adjusting the held cached keys and the private count."""
+        if not seq.valid <= valid <= len(seq.prefix):
+            raise ValueError(f"seq_id {sid!r}: {valid} valid tokens must lie in "
                              f"[{seq.valid}, {len(seq.prefix)}]")
         B = self.tokens_per_block
-        if self.block_reuse:
-            for i in range(seq.valid // B, n // B):  # private blocks join the shared set
-                self._shared[seq.prefix[(i + 1) * B - 1]] += 1
-                self._private -= 1
-        seq.valid = n
+        if self.window_left is not None and valid > blocks * B:
+            raise ValueError(f"seq_id {sid!r}: {valid} valid tokens, but its {blocks} "
+                             f"blocks hold only {blocks * B}")
+        f0, t0 = self._held(seq.valid)
+        self._private -= seq.blocks - max(t0, f0)
+        if freed:
+            f1 = t1 = t0  # nothing held: drop [f0, t0)
+        else:
+            f1, t1 = self._held(valid)
+            self._private += blocks - max(t1, f1)
+        for i in range(f0, min(t0, f1)):  # released (or freed)
+            key = seq.prefix[(i + 1) * B - 1]
+            self._shared[key] -= 1
+            if not self._shared[key]:
+                del self._shared[key]
+        for i in range(max(t0, f1), t1):  # newly cached and held
+            self._shared[seq.prefix[(i + 1) * B - 1]] += 1
+        seq.valid, seq.blocks = valid, blocks
 
-    def _drop(self, key: int) -> None:
-        self._shared[key] -= 1
-        if not self._shared[key]:
-            del self._shared[key]
+    def _held(self, valid: int) -> tuple[int, int]:
+        """[first, tree): the cached positions a sequence with `valid` tokens holds."""
+        tree = valid // self.tokens_per_block if self.block_reuse else 0
+        return self.first_held(valid), tree
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
+
+    # -- the window rule -----------------------------------------------------------------
+
+    def first_held(self, valid: int) -> int:
+        """The first position a sequence with `valid` valid tokens holds (0 under full
+        attention): the window of its next token's, or its deepest cached block if that
+        comes first."""
+        if self.window_left is None:
+            return 0
+        B = self.tokens_per_block
+        first = max(0, valid - self.window_left) // B
+        return min(first, max(valid // B - 1, 0)) if self.block_reuse else first
+
+    def admission_blocks(self, num_tokens: int, num_cached: int,
+                         first_chunk: int | None) -> int:
+        """Positions an admission of `num_tokens` reusing `num_cached` is given: all under
+        full attention or without a first chunk, else to the end of that chunk."""
+        if first_chunk is None or self.window_left is None:
+            return self._blocks(num_tokens)
+        return self._blocks(min(num_tokens, num_cached + first_chunk))
+
+    def reserve_grant(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Blocks `reserve(seq_id, num_tokens)` must allocate: those it lacks, as many as
+        are available. ValueError for a seq_id that is not live."""
+        seq = self._seq(seq_id)
+        return max(0, min(self._blocks(num_tokens) - seq.blocks, self.available))
+
+    def append_need(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """Blocks appending `num_new_tokens` to `seq_id` allocates (all or none)."""
+        seq = self._seq(seq_id)
+        return max(0, self._blocks(len(seq.prefix) + num_new_tokens) - seq.blocks)
+
+    def _seq(self, seq_id: Hashable) -> _Live:
+        seq = self._live.get(seq_id)
+        if seq is None:
+            raise ValueError(f"seq_id {seq_id!r} is not live")
+        return seq
 
     # -- counts and checks ---------------------------------------------------------------
 
     @property
     def needed(self) -> int:
-        """Blocks the live sequences need now."""
+        """Blocks the live sequences hold now."""
         return len(self._shared) + self._private
 
     @property
@@ -121,14 +209,28 @@ class CapacityOracle:
         """Blocks that must be free or evictable now."""
         return self.max_num_blocks - self.needed
 
-    def admission_need(self, tokens: Sequence[int], scope: Any = None) -> int:
-        """Blocks an admission of `tokens` in `scope` takes from the available ones: all it
-        occupies but the leading full blocks live sequences already hold."""
+    def admission_need(self, tokens: Sequence[int], scope: Any = None, *,
+                       num_cached: int | None = None, first_chunk: int | None = None) -> int:
+        """Blocks an admission of `tokens` in `scope` takes from the available ones (at
+        least). Full attention: all it occupies but the leading full blocks live
+        sequences already hold. Sliding window: the positions from its match's k full
+        blocks to the end of `first_chunk`, plus the matched ones inside its window that
+        no live sequence holds; `num_cached` (the match the cache reports) is required."""
         n = len(tokens)
+        B = self.tokens_per_block
+        if self.window_left is not None:
+            if num_cached is None or not 0 <= num_cached < max(n, 1):
+                raise ValueError(f"admission_need under a window: num_cached must lie in "
+                                 f"[0, {n}), got {num_cached!r}")
+            k = num_cached // B if self.block_reuse else 0
+            root = self._prefixes.root(normalize_scope(scope, "scope"))
+            prefix = self._prefixes.extend(root, tokens[:k * B])
+            unheld = sum(prefix[(i + 1) * B - 1] not in self._shared
+                         for i in range(self.first_held(num_cached), k))
+            return self.admission_blocks(n, num_cached, first_chunk) - k + unheld
         need = self._blocks(n)
         if not self.block_reuse or n < 2:
             return need
-        B = self.tokens_per_block
         prefix = self._prefixes.extend(self._prefixes.root(normalize_scope(scope, "scope")),
                                        tokens[:(n - 1) // B * B])
         held = 0
@@ -143,6 +245,18 @@ class CapacityOracle:
                        "sequences need",
                        f"{self.needed} ({len(self._shared)} held in the cache, "
                        f"{self._private} private)", str(used))
+
+    def check_sequence(self, seq_id: Hashable, num_blocks: int, released: int,
+                       where: str) -> None:
+        """Raise CapacityError unless the live `seq_id` has `num_blocks` positions of which
+        the first `released` are released, as the oracle counts them."""
+        seq = self._seq(seq_id)
+        first = self.first_held(seq.valid)
+        if (num_blocks, released) != (seq.blocks, first):
+            self._fail(f"capacity: after {where}, sequence {seq_id!r} (valid {seq.valid} of "
+                       f"{len(seq.prefix)} tokens) has other block positions",
+                       f"{seq.blocks} positions, the first {first} released",
+                       f"{num_blocks} positions, the first {released} released")
 
     def check_refusal(self, need: int, where: str) -> None:
         """Raise CapacityError if a request for `need` blocks was refused although

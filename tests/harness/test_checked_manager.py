@@ -56,11 +56,66 @@ def test_only_a_fresh_manager_can_be_checked() -> None:
     used.add_sequence("x", [1, 2])
     with pytest.raises(ValueError, match="must be fresh"):
         CheckedManager(used)
-    windowed = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8,
-                                            sliding_window=8))
-    with pytest.raises(ValueError, match="sliding_window=8: the capacity oracle models "
-                                         "full attention only"):
-        CheckedManager(windowed)
+
+
+def windowed(cls: type[KVCacheManager] = KVCacheManager, blocks: int = 8,
+             reuse: bool = True) -> CheckedManager:
+    """`cls` under a window of 5 tokens (window_left 4), 4 tokens a block."""
+    return CheckedManager(cls(KvCacheConfig(tokens_per_block=4, max_num_blocks=blocks,
+                                            enable_block_reuse=reuse, sliding_window=5),
+                              record_events=True))
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no-reuse"])
+def test_a_windowed_manager_is_checked_chunk_by_chunk(reuse: bool) -> None:
+    """A 24-token prompt in a pool of 4 blocks, 4 tokens a chunk: every reserve, commit
+    and release is checked, and a commit past the reserved blocks is refused."""
+    mgr = windowed(blocks=4, reuse=reuse)
+    prompt = list(range(1, 25))
+    seq = mgr.admit("a", mgr.plan_admission(prompt, first_chunk=4))
+    with pytest.raises(ValueError, match="reserve the rest"):
+        mgr.commit("a", 5)
+    done = 0
+    while done < len(prompt):
+        done = mgr.reserve("a", min(len(prompt), done + 4))
+        mgr.commit("a", done)
+        assert mgr.stats().used_num_blocks <= 3
+    assert seq.num_released_blocks == 5  # (24 - 4) // 4: the deepest cached block is 5
+    assert not mgr.plan_admission([9] * 24, first_chunk=20).fits  # 5 blocks, 3 there
+    mgr.add_sequence("b", [9] * 9)  # 3 blocks: the last 3 free or evictable
+    assert mgr.reserve("a", 24) == 24
+    mgr.free_sequence("a")
+    mgr.free_sequence("b")
+    mgr.check_oracles()
+    assert mgr.leak_report() == []
+
+
+class KeepsWhatItReleased(KVCacheManager):
+    """Commits without releasing the blocks outside the window."""
+
+    def _slide(self, seq: Sequence) -> None:
+        pass
+
+
+class ReservesOneShort(KVCacheManager):
+    """Reserves one block fewer than it could."""
+
+    def _reserve_blocks(self, seq: Sequence, need: int) -> None:
+        if need > 1:
+            super()._reserve_blocks(seq, need - 1)
+
+
+def test_a_window_that_keeps_blocks_or_reserves_short_is_caught() -> None:
+    mgr = windowed(KeepsWhatItReleased)
+    mgr.add_sequence("a", list(range(16)))
+    with pytest.raises(CapacityError, match=r"after commit\('a', 12\), usedNumBlocks "
+                                            r"differs(.|\n)*expected  2 \(1 held"):
+        mgr.commit("a", 12)
+    mgr = windowed(ReservesOneShort)
+    mgr.admit("a", mgr.plan_admission(list(range(16)), first_chunk=1))
+    with pytest.raises(ManagerContractError, match=r"reserve\('a', 16\): .* it should have "
+                                                   r"added 3 blocks"):
+        mgr.reserve("a", 16)
 
 
 class DropsCopiesWithTheirSequence(KVCacheManager):
@@ -148,3 +203,14 @@ def test_a_log_that_disagrees_with_the_api_is_caught() -> None:
     mgr.add_sequence("x", [1, 2, 3])
     with pytest.raises(ManagerContractError, match="the manager's event log recorded"):
         mgr.commit("x", 3)
+
+
+def test_a_windowed_refusal_is_judged_by_the_match_it_reported() -> None:
+    """'b' reuses all 12 tokens 'a' committed (a holds block 2 of them; 0 and 1 are
+    outside b's window): it needs one new block of the 7 there."""
+    mgr = windowed(RefusesEarly)
+    mgr.add_sequence("a", list(range(12)))
+    mgr.commit("a", 12)
+    with pytest.raises(CapacityError, match=r"was refused although its blocks are there"
+                                            r"\n  expected  admitted: needs 1, 7 of 8"):
+        mgr.add_sequence("b", [*range(12), 5])

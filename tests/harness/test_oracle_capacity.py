@@ -72,3 +72,71 @@ def test_bad_events_are_refused() -> None:
         cap.apply(Event("free", "Q"))
     with pytest.raises(ValueError, match="max_num_blocks must be an int >= 1"):
         CapacityOracle(2, 0)
+
+
+def test_a_window_holds_only_the_blocks_a_later_token_can_see() -> None:
+    """4 tokens a block, a window of 8 (window_left 7). Committed to 16, position 16 sees
+    9..16: blocks 0 and 1 are released (cached, held by nobody), 2 and 3 held, 4..9
+    private. At 40 only the deepest cached block (9) is held."""
+    cap = CapacityOracle(4, 64, sliding_window=8)
+    prompt = tuple(range(1, 41))
+    cap.apply(Event("admit", "X", prompt, 0, None, (0,) * 10))
+    cap.apply(Event("commit", "X", (), 16))
+    assert (cap.first_held(16), cap.needed) == (2, 8)
+    cap.apply(Event("commit", "X", (), 40))
+    assert (cap.first_held(40), cap.needed) == (8, 2)  # (40 - 7) // 4 = 8, tree 10
+    cap.apply(Event("admit", "Y", prompt, 0, None, (0,) * 10))
+    cap.apply(Event("commit", "Y", (), 40))
+    assert cap.needed == 2  # Y's blocks 8 and 9 are X's
+    cap.apply(Event("free", "X"))
+    assert cap.needed == 2
+    with pytest.raises(CapacityError, match=r"sequence 'Y' .* has other block positions"):
+        cap.check_sequence("Y", 10, 7, "commit('Y', 40)")
+    cap.check_sequence("Y", 10, 8, "commit('Y', 40)")
+
+
+def test_a_window_inside_a_block_keeps_the_deepest_cached_block() -> None:
+    """A window of 2 tokens, 4 a block: at 9 the window needs block 1 on, but with reuse
+    the sequence keeps block 1 anyway (its deepest cached one); without reuse it keeps
+    only what the window reaches: at 12, block 2 (positions 11, 12) and block 3."""
+    cap = CapacityOracle(4, 16, sliding_window=2)
+    assert [cap.first_held(n) for n in (0, 4, 5, 8, 9, 12)] == [0, 0, 0, 1, 1, 2]
+    bare = CapacityOracle(4, 16, block_reuse=False, sliding_window=2)
+    assert [bare.first_held(n) for n in (0, 4, 5, 8, 9, 12)] == [0, 0, 1, 1, 2, 2]
+    bare.apply(Event("admit", "X", tuple(range(16)), 0, None, (0,) * 4))
+    bare.apply(Event("commit", "X", (), 12))
+    assert bare.needed == 2
+
+
+def test_reserves_and_chunked_admissions_hold_what_they_were_given() -> None:
+    """An admission given its first chunk's 2 blocks, a reserve granted what the pool
+    has (5 - 2 - 1 = 2 of the 3 it asks for), then a commit within them."""
+    cap = CapacityOracle(4, 5, sliding_window=4)
+    prompt = tuple(range(24))
+    assert cap.admission_blocks(24, 0, 6) == 2
+    assert cap.admission_need(list(prompt), num_cached=0, first_chunk=6) == 2
+    cap.apply(Event("admit", "X", prompt, 0, None, (0, 1)))
+    cap.apply(Event("admit", "Y", (9,), 0, None, (2,)))
+    assert cap.reserve_grant("X", 20) == 2
+    cap.apply(Event("append", "X", (), 0, None, (3, 4)))
+    assert (cap.needed, cap.available, cap.reserve_grant("X", 20)) == (5, 0, 0)
+    with pytest.raises(ValueError, match=r"17 valid tokens, but its 4 blocks hold only 16"):
+        cap.apply(Event("commit", "X", (), 17))
+    cap.apply(Event("commit", "X", (), 16))
+    # (16 - 3) // 4 = 3: X releases 0..2 and holds block 3, now cached; Y its one
+    assert (cap.first_held(16), cap.needed) == (3, 2)
+
+
+def test_a_windowed_admission_needs_its_window_and_its_new_blocks() -> None:
+    """The match the cache reports skips blocks outside the window of its first new
+    token: only the matched blocks inside it that nobody holds cost a block."""
+    cap = CapacityOracle(4, 8, sliding_window=4)
+    prompt = list(range(1, 21))
+    cap.apply(Event("admit", "X", tuple(prompt[:12]), 0, None, (0, 1, 2)))
+    cap.apply(Event("commit", "X", (), 12))  # holds block 2 only (first_held(12) = 2)
+    # 16 reused: first_held(16) = 3, so block 3 (cached, held by nobody) and block 4 new
+    assert cap.admission_need(prompt, num_cached=16) == 1 + 1
+    # 12 reused: block 2 is held by X, so only blocks 3 and 4 are new
+    assert cap.admission_need(prompt, num_cached=12) == 2
+    with pytest.raises(ValueError, match=r"num_cached must lie in \[0, 20\)"):
+        cap.admission_need(prompt)

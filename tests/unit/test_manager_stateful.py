@@ -66,8 +66,7 @@ class CacheMachine(RuleBasedStateMachine):
                             host_cache_blocks=self.host_blocks if reuse else 0,
                             sliding_window=window)
         mgr = KVCacheManager(cfg, record_events=True)
-        # the capacity oracle counts blocks as full attention holds them: a window runs bare
-        self.mgr = mgr if window is not None else CheckedManager(mgr)
+        self.mgr = CheckedManager(mgr)
         self.oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
 
     @property
