@@ -23,6 +23,7 @@ a commit may turn released positions into None without bumping `block_ids_versio
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -116,14 +117,15 @@ class CheckedManager:
               priority: int | None = None) -> CacheSequence:
         """`KVCacheManager.admit` (the manager's default priority unless given), checked."""
         known = self._plans.get(id(plan))
-        need = None
-        chunk: int | None | bool = False  # False: a plan made elsewhere, chunk unknown
-        if known is not None and known[0] is plan:
+        need = chunk = None
+        ours = known is not None and known[0] is plan  # else made elsewhere: chunk unknown
+        if known is not None and ours:
             _, toks, scope, chunk = known
             need = self._admission_need(toks, scope, plan.num_cached_tokens, chunk)
         kw = {} if priority is None else {"priority": priority}
         return self._admitted(seq_id, f"admit({seq_id!r})",
-                              lambda: self.manager.admit(seq_id, plan, **kw), need, chunk)
+                              lambda: self.manager.admit(seq_id, plan, **kw), need, chunk,
+                              check_blocks=ours)
 
     def add_sequence(self, seq_id: Hashable, tokens: Sequence[int],
                      scope: ReuseScope | None = None,
@@ -134,10 +136,8 @@ class CheckedManager:
         kw = {} if priority is None else {"priority": priority}
         cached = None
         if self.capacity.window_left is not None:  # its need depends on the match
-            try:
+            with contextlib.suppress(ValueError):  # bad input: add_sequence rejects it
                 cached = self.manager.match_reuse(toks, scope).num_tokens
-            except ValueError:
-                pass  # bad input: add_sequence rejects it with its own message
         return self._admitted(seq_id, f"add_sequence({seq_id!r}, {toks})",
                               lambda: self.manager.add_sequence(seq_id, toks, scope, **kw),
                               self._admission_need(toks, scope, cached, None), None)
@@ -158,8 +158,9 @@ class CheckedManager:
         # may have switched and then been released in the same commit
         moved = any(a != b for a, b in zip(old[released:], ids[released:], strict=True))
         bumped = seq.block_ids_version != version
+        spurious = bumped and not moved and old[:released] == ids[:released]
         if (len(ids) != len(old) or any(b is not None for b in ids[:released])
-                or moved != bumped and not (bumped and old[:released] != ids[:released])):
+                or (moved and not bumped) or spurious):
             raise ManagerContractError(
                 f"{where}: block ids went from {old} to {ids} ({released} released) while "
                 f"block_ids_version went from {version} to {seq.block_ids_version}: an "
@@ -262,14 +263,15 @@ class CheckedManager:
             return None  # bad input: the manager rejects it with its own message
 
     def _admitted(self, seq_id: Hashable, where: str, call: Callable[[], CacheSequence],
-                  need: int | None, first_chunk: int | None | bool) -> CacheSequence:
-        """The admission `call`, checked; `first_chunk` False: not known (its block
-        positions are then read as the manager gives them)."""
+                  need: int | None, first_chunk: int | None, *,
+                  check_blocks: bool = True) -> CacheSequence:
+        """The admission `call`, checked; unless `check_blocks` (the first chunk is not
+        known), its block positions must be those of `first_chunk`."""
         seq = self._call(where, call, need)
         ids = list(seq.block_ids)
-        given = len(ids) if first_chunk is False else self.capacity.admission_blocks(
-            seq.num_tokens, seq.num_cached_tokens, first_chunk)
-        if len(ids) != given:
+        given = self.capacity.admission_blocks(seq.num_tokens, seq.num_cached_tokens,
+                                               first_chunk)
+        if check_blocks and len(ids) != given:
             raise ManagerContractError(f"{where}: admitted with {len(ids)} block positions "
                                        f"{ids}, not {given} (first chunk {first_chunk})")
         self._ids[seq_id] = (ids, seq.block_ids_version)

@@ -105,8 +105,8 @@ class CapacityOracle:
             blocks = self._blocks(len(prefix))
             if self.window_left is not None and ev.block_ids:
                 blocks = len(ev.block_ids)
-            seq = self._live[sid] = _Live(ev.scope, prefix, 0, 0)
-            self._update(sid, seq, ev.num_tokens, blocks)
+            new = self._live[sid] = _Live(ev.scope, prefix, 0, 0)
+            self._update(sid, new, ev.num_tokens, blocks)
             return
         seq = self._live.get(sid)
         if seq is None:

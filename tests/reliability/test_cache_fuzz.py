@@ -17,9 +17,9 @@ The window seeds add a sliding window of 1 to 8 tokens: admissions plan a first 
 them (and now and then past them, which must be refused), so the capacity oracle checks
 every release, reserve and hollow-path match against its restatement of the window rule.
 
-`test_cache_fuzz_quick` (100 seeds) and `test_cache_fuzz_window_quick` (60) are for
+`test_cache_fuzz_quick` (100 seeds) and `test_cache_fuzz_window_quick` (100) are for
 pre-merge; `test_cache_fuzz_full` (2,000 other seeds) and `test_cache_fuzz_window_full`
-(1,000 other window seeds), marked slow, for post-merge.
+(2,000 other window seeds), marked slow, for post-merge.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 
 QUICK_SEEDS = range(100)
 FULL_SEEDS = range(100, 2100)
-WINDOW_QUICK_SEEDS = range(60)
-WINDOW_FULL_SEEDS = range(60, 1060)
+WINDOW_QUICK_SEEDS = range(100)
+WINDOW_FULL_SEEDS = range(100, 2100)
 NUM_OPS = 60
 SCOPES = [None, None, None, ReuseScope(salt=1)]
 PRIORITIES = [35, 35, 35, 0, 100]
@@ -72,7 +72,9 @@ def draw_prompt(rng: random.Random, seen: list[list[int]]) -> list[int]:
 def admit(mgr: CheckedManager, rng: random.Random, seq_id: int, prompt: list[int],
           chunked: bool) -> bool:
     """Admit `prompt` as `seq_id`, whole or (`chunked`) with a random first chunk;
-    returns whether it was admitted. The probe must equal the admission."""
+    returns whether it was admitted. The probe (of a whole admission) or the plan must
+    equal the admission: a first chunk needs fewer blocks, so under pressure it may keep
+    a partial match the whole prompt would forgo."""
     scope = rng.choice(SCOPES)
     probed = mgr.probe_reuse(prompt, scope)
     priority = rng.choice(PRIORITIES)
@@ -80,6 +82,7 @@ def admit(mgr: CheckedManager, rng: random.Random, seq_id: int, prompt: list[int
         plan = mgr.plan_admission(prompt, scope, first_chunk=rng.randint(1, 6))
         if not plan.fits:
             return False  # CheckedManager checked the plan's refusal was fair
+        probed = plan.num_cached_tokens
         seq = mgr.admit(seq_id, plan, priority)
     else:
         try:

@@ -4,9 +4,9 @@ The reuse model is `harness.oracle.model`, a deliberately naive model written wi
 code from `kvcache`. With a pool too large to evict, every admission and probe must equal
 its prediction exactly, claim-or-copy included; with small pools the manager must keep
 every invariant, never fail an admission that fits, and leave the cache untouched when one
-does not. Every step runs under the provenance and capacity oracles too (`CheckedManager`, full
-attention only): every reuse reads the reader's own KV, and usedNumBlocks is what the
-live sequences need.
+does not. Every step runs under the provenance and capacity oracles too (`CheckedManager`,
+sliding windows included): every reuse reads the reader's own KV, and usedNumBlocks is
+what the live sequences need.
 A small device pool behind a host tier that never drops loses no full block, so with
 partial reuse off it must match the unbounded oracle exactly too.
 Before every admission `match_reuse` must change nothing and name exactly the blocks,
