@@ -254,27 +254,35 @@ class KVCacheManager(Admission, Caching, Growth):
         pool.give_back(seq.live_block_ids(keep))
 
     # ------------------------------------------------------------------ queries
-    def match_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> ReuseMatch:
+    def match_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None, *,
+                    first_chunk: int | None = None) -> ReuseMatch:
         """What an admission of `tokens` in `scope` would reuse now: block ids and counts.
 
         The lookup of a scheduler, router or benchmark that does not admit: the admission
         plan's walk (`plan_admission(...).reuse`, claims under pool pressure included), holding
-        and changing nothing, not even LRU times or statistics. An empty prompt reuses
-        nothing. Raises ValueError for bad tokens or a bad scope.
+        and changing nothing, not even LRU times or statistics. `first_chunk` as
+        `plan_admission`'s: a chunked admission needs fewer blocks, so under pressure it
+        may keep a partial match the whole prompt's would forgo. An empty prompt reuses
+        nothing. Raises ValueError for bad tokens, a bad scope or a bad `first_chunk`.
         """
         skey = None if scope is None else scope_key(scope, "match_reuse")
         arr, kb = token_bytes(tokens, "match_reuse", None)
+        if first_chunk is not None:
+            first_chunk = check_positive_int(first_chunk, "match_reuse: first_chunk")
         if not arr:
             return ReuseMatch((), 0, 0, None)
-        return self._make_plan(arr, kb, skey).reuse
+        return self._make_plan(arr, kb, skey, first_chunk).reuse
 
-    def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None) -> int:
-        """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`).
-        Holds and changes nothing."""
+    def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None, *,
+                    first_chunk: int | None = None) -> int:
+        """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`,
+        `first_chunk` as there). Holds and changes nothing."""
         arr, kb = token_bytes(tokens, "probe_reuse", None)
+        if first_chunk is not None:
+            first_chunk = check_positive_int(first_chunk, "probe_reuse: first_chunk")
         if not arr:
             return 0
-        return self._make_plan(arr, kb, scope_key(scope, "probe_reuse"))._cached
+        return self._make_plan(arr, kb, scope_key(scope, "probe_reuse"), first_chunk)._cached
 
     def _drop_copies(self, seq_id: Hashable) -> bool:
         """Forget the queued copies of `seq_id` (never the moves of cached blocks between

@@ -116,6 +116,8 @@ ManagerCall = Callable[[KVCacheManager], object]
                  r"int in \[0, 6\], got 7", id="mgr-reserve-beyond"),
     pytest.param(lambda m: m.plan_admission([1, 2], first_chunk=0), r"plan_admission: "
                  r"first_chunk must be an int >= 1, got 0", id="mgr-first-chunk"),
+    pytest.param(lambda m: m.match_reuse([1, 2], first_chunk=True), r"match_reuse: "
+                 r"first_chunk must be an int >= 1, got True", id="mgr-match-first-chunk"),
     pytest.param(lambda m: m.probe_reuse([3, None]),
                  r"probe_reuse: token 1 is None", id="mgr-probe-token"),
     pytest.param(lambda m: KVCacheManager({"tokens_per_block": 4}),  # type: ignore[arg-type]

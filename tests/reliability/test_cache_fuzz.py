@@ -72,17 +72,19 @@ def draw_prompt(rng: random.Random, seen: list[list[int]]) -> list[int]:
 def admit(mgr: CheckedManager, rng: random.Random, seq_id: int, prompt: list[int],
           chunked: bool) -> bool:
     """Admit `prompt` as `seq_id`, whole or (`chunked`) with a random first chunk;
-    returns whether it was admitted. The probe (of a whole admission) or the plan must
-    equal the admission: a first chunk needs fewer blocks, so under pressure it may keep
-    a partial match the whole prompt would forgo."""
+    returns whether it was admitted. The probe with the same first chunk must equal the
+    admission (a first chunk needs fewer blocks, so under pressure it may keep a partial
+    match the whole prompt would forgo), and so must the plan."""
     scope = rng.choice(SCOPES)
-    probed = mgr.probe_reuse(prompt, scope)
+    first = rng.randint(1, 6) if chunked else None
+    probed = mgr.probe_reuse(prompt, scope, first_chunk=first)
     priority = rng.choice(PRIORITIES)
     if chunked:
-        plan = mgr.plan_admission(prompt, scope, first_chunk=rng.randint(1, 6))
+        plan = mgr.plan_admission(prompt, scope, first_chunk=first)
         if not plan.fits:
             return False  # CheckedManager checked the plan's refusal was fair
-        probed = plan.num_cached_tokens
+        assert plan.num_cached_tokens == probed
+        assert mgr.match_reuse(prompt, scope, first_chunk=first) == plan.reuse
         seq = mgr.admit(seq_id, plan, priority)
     else:
         try:
