@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.conftest import library_versions
-from benchmarks.report_md import SECTIONS, other_section, render
+from benchmarks.report_format import render
+from benchmarks.report_md import SECTIONS, other_section
 from harness.bench_results import Benchmark, find_bench_json, load_bench_json
 
 SUMMARY = "summary.md"

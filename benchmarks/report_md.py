@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.report_format import (
+    Section,
+    div,
+    duration,
+    rate,
+    ratio,
+    table,
+)
 
 if TYPE_CHECKING:
     from harness.bench_results import Benchmark
@@ -17,28 +26,6 @@ if TYPE_CHECKING:
 METADATA_TARGET = 4.0  # issues 3, 17: decode metadata costs at most 4 copy_'s
 WARM_TARGET = 1.05  # issue 3: warm TTFT within 5% of the ideal
 STEP_PHASES = ("schedule", "metadata", "plan", "forward", "sample", "commit")
-
-
-class Section(NamedTuple):
-    """A summary section: its title, which benchmarks it shows, and how."""
-
-    title: str
-    claims: Callable[[Benchmark], bool]
-    render: Callable[[Sequence[Benchmark]], list[str]]
-
-
-# What a section or plot raises on extra_info it cannot read (JSON from other suites).
-RENDER_ERRORS = (KeyError, TypeError, ValueError, ZeroDivisionError, StopIteration)
-
-
-def render(section: Section, benches: Sequence[Benchmark]) -> list[str]:
-    """The section's lines, or its title and why it could not be rendered."""
-    try:
-        return section.render(benches)
-    except RENDER_ERRORS as exc:
-        names = ", ".join(b.name for b in benches)
-        return [f"## {section.title}", "", f"Not rendered: {type(exc).__name__}: {exc} while "
-                f"reading {names} (JSON from another version of the suites?)", ""]
 
 
 def _bases(*names: str) -> Callable[[Benchmark], bool]:
@@ -49,52 +36,15 @@ def _suite(prefix: str) -> Callable[[Benchmark], bool]:
     return lambda b: str(b.extra.get("suite", "")).startswith(prefix)
 
 
-def rate(value: float | None, unit: str) -> str:
-    """`value` with an SI prefix: 1.23e8 -> '123.0 M<unit>'."""
-    if value is None:
-        return "n/a"
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.1f} {prefix}{unit}"
-    return f"{value:.1f} {unit}"
-
-
-def duration(seconds: float | None) -> str:
-    """Seconds in the unit that reads best: '12.3 ms', '45.6 us'."""
-    if seconds is None:
-        return "n/a"
-    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
-
-
-def ratio(value: float | None) -> str:
-    """'1.23x' (three significant digits below 0.1: '0.00371x'), or 'n/a'."""
-    if value is None:
-        return "n/a"
-    return f"{value:.3g}x" if abs(value) < 0.1 else f"{value:.2f}x"
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    """A markdown table."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
-
-
 def _cache_core(benches: Sequence[Benchmark]) -> list[str]:
     rows = []
     for b in sorted(benches, key=lambda b: (b.extra.get("workload", ""), b.name)):
         e = b.extra
-        ours = e.get("tokens_per_s") or _div(e.get("tokens"), b.min)
+        ours = e.get("tokens_per_s") or div(e.get("tokens"), b.min)
         base, target = e.get("baseline_tokens_per_s"), e.get("target_tokens_per_s")
         rows.append([e.get("workload", b.name), e.get("phase", "?"), rate(ours, "tok/s"),
-                     rate(base, "tok/s"), ratio(_div(ours, base)), rate(target, "tok/s"),
-                     ratio(_div(ours, target))])
+                     rate(base, "tok/s"), ratio(div(ours, base)), rate(target, "tok/s"),
+                     ratio(div(ours, target))])
     return ["## Cache core: design workloads (best round)", "",
             *table(["workload", "phase", "ours", "baseline trie", "ours / baseline", "target",
                     "ours / target"], rows)]
@@ -121,9 +71,9 @@ def _metadata(benches: Sequence[Benchmark]) -> list[str]:
         path = "step" if b.base.startswith("test_decode_step") else "rebuild"
         rows.append([path, e.get("batch", "?"), "yes" if e.get("ragged") else "no",
                      e.get("context", "?"), duration(per_step),
-                     duration(_div(e.get("baseline_us"), 1e6)),
-                     ratio(_div(per_step * 1e6, e.get("baseline_us")) or e.get("ratio")),
-                     duration(_div(e.get("rebuild_us"), 1e6)) if path == "step" else ""])
+                     duration(div(e.get("baseline_us"), 1e6)),
+                     ratio(div(per_step * 1e6, e.get("baseline_us")) or e.get("ratio")),
+                     duration(div(e.get("rebuild_us"), 1e6)) if path == "step" else ""])
     return [f"## Decode metadata against one copy_ of kv_indices (target <= "
             f"{METADATA_TARGET:g}x)", "",
             "step: a PersistentBatch's decode step (what the engine runs; page starts "
@@ -193,7 +143,7 @@ def _ttft(benches: Sequence[Benchmark]) -> list[str]:
                   f"warm (the ratio of work): {ratio(ideal_cold / ideal)}; new tokens: "
                   f"{ratio(L / (L - head))}", ""]
     rows = [[c, f"{c / L:.3f}", duration(b.median), duration(b.extra.get("ideal_median_s")),
-             ratio(_div(b.median, b.extra.get("ideal_median_s")))]
+             ratio(div(b.median, b.extra.get("ideal_median_s")))]
             for c, b in sorted(by.items())]
     return lines + table(["cached tokens", "fraction", "engine", "ideal", "engine / ideal"],
                          rows)
@@ -242,7 +192,7 @@ def _host_tier(benches: Sequence[Benchmark]) -> list[str]:
                          [[b.extra["pool_blocks"], b.extra["pool_fraction"],
                            duration(b.extra["mean_ttft_s"]),
                            duration(b.extra["mean_ttft_host_s"]),
-                           ratio(_div(b.extra["mean_ttft_host_s"], b.extra["mean_ttft_s"])),
+                           ratio(div(b.extra["mean_ttft_host_s"], b.extra["mean_ttft_s"])),
                            b.extra["hit_rate"], b.extra["hit_rate_host"],
                            b.extra["onboarded_blocks"]] for b in ttft])]
     onboard = sorted(by["host_tier_onboard"], key=lambda b: b.extra["blocks"])
@@ -326,7 +276,7 @@ def _window(benches: Sequence[Benchmark]) -> list[str]:
         lines += [f"{e['model']} (window {e['window']}), {e['prompt_tokens']}-token prompt in "
                   f"{e['chunk_tokens']}-token chunks, blocks of {e['block_size']}:", "",
                   *table(["blocks", "pool (KV blocks)", "KV MiB", "most used", "TTFT"], rows),
-                  f"KV memory: {ratio(_div(e['kv_bytes_keep'], e['kv_bytes_release']))} less "
+                  f"KV memory: {ratio(div(e['kv_bytes_keep'], e['kv_bytes_release']))} less "
                   f"with release; TTFT keep / release: {ratio(e.get('keep_over_release'))}.",
                   ""]
     return lines
@@ -400,7 +350,7 @@ def _gpu(benches: Sequence[Benchmark]) -> list[str]:
         lines += table(["batch", "eager step", "graph step", "eager / graph"],
                        [[bs, duration(steps.get((bs, "eager"))),
                          duration(steps.get((bs, "graph"))),
-                         ratio(_div(steps.get((bs, "eager")), steps.get((bs, "graph"))))]
+                         ratio(div(steps.get((bs, "eager")), steps.get((bs, "graph"))))]
                         for bs in sorted({k[0] for k in steps})])
     return lines
 

@@ -13,7 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from benchmarks.report_md import RENDER_ERRORS
+from benchmarks.report_format import RENDER_ERRORS
 
 if TYPE_CHECKING:
     from harness.bench_results import Benchmark

@@ -1,0 +1,70 @@
+"""The benchmark summary's building blocks: a Section, rendering one safely, and the
+formats of its cells (rates, durations, ratios, markdown tables)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from harness.bench_results import Benchmark
+
+
+class Section(NamedTuple):
+    """A summary section: its title, which benchmarks it shows, and how."""
+
+    title: str
+    claims: Callable[[Benchmark], bool]
+    render: Callable[[Sequence[Benchmark]], list[str]]
+
+
+# What a section or plot raises on extra_info it cannot read (JSON from other suites).
+RENDER_ERRORS = (KeyError, TypeError, ValueError, ZeroDivisionError, StopIteration)
+
+
+def render(section: Section, benches: Sequence[Benchmark]) -> list[str]:
+    """The section's lines, or its title and why it could not be rendered."""
+    try:
+        return section.render(benches)
+    except RENDER_ERRORS as exc:
+        names = ", ".join(b.name for b in benches)
+        return [f"## {section.title}", "", f"Not rendered: {type(exc).__name__}: {exc} while "
+                f"reading {names} (JSON from another version of the suites?)", ""]
+
+
+def rate(value: float | None, unit: str) -> str:
+    """`value` with an SI prefix: 1.23e8 -> '123.0 M<unit>'."""
+    if value is None:
+        return "n/a"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f} {prefix}{unit}"
+    return f"{value:.1f} {unit}"
+
+
+def duration(seconds: float | None) -> str:
+    """Seconds in the unit that reads best: '12.3 ms', '45.6 us'."""
+    if seconds is None:
+        return "n/a"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def ratio(value: float | None) -> str:
+    """'1.23x' (three significant digits below 0.1: '0.00371x'), or 'n/a'."""
+    if value is None:
+        return "n/a"
+    return f"{value:.3g}x" if abs(value) < 0.1 else f"{value:.2f}x"
+
+
+def div(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing or b is 0."""
+    return None if a is None or not b else a / b
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A markdown table."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
