@@ -151,7 +151,8 @@ def _rerun_scenario(record: ScenarioRecord, file: str) -> int:
     for i, run in enumerate(record.engines):
         r = run.recipe
         phases = " -> ".join(dict.fromkeys(c.phase for c in run.calls)) or "no calls"
-        print(f"engine {i}: {r.preset} (seed {r.model_seed}), {r.backend} {r.dtype} on "
+        cls = "" if r.engine is None else f", engine class {r.engine}"
+        print(f"engine {i}: {r.preset} (seed {r.model_seed}){cls}, {r.backend} {r.dtype} on "
               f"{r.device}, {len(run.calls)} calls ({phases}), cache "
               f"{json.dumps(r.cache, sort_keys=True)}")
     print(f"re-running {record.node_id}: {record.failure.check} check")

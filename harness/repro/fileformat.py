@@ -2,7 +2,7 @@
 
 Every repro file is one JSON object:
 
-    {"format": "kvharness-repro", "version": 2, "kind": "reuse" | "scenario", ...}
+    {"format": "kvharness-repro", "version": 3, "kind": "reuse" | "scenario", ...}
 
 `kind` says which record follows (harness.reuse.repro.ReproRecord: a reuse check over a
 cache's admission log; harness.repro.record.ScenarioRecord: a scenario's engines and
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 FORMAT = "kvharness-repro"
-VERSION = 2
+VERSION = 3
 Kind = Literal["reuse", "scenario"]
 KINDS: tuple[Kind, ...] = ("reuse", "scenario")
 REPRO_DIR = "repro"

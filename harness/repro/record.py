@@ -9,6 +9,9 @@ admission log, counters, the oracle's prediction) and the check that failed:
   tolerance the scenario used.
 - `OracleFailure`: an engine's reuse differs from the oracle's replay of its admission
   log; the rows are the counters as the test checked them.
+- `FullBlocksFailure`: an engine reused more full blocks (in total or for a request)
+  than the oracle predicts for its log with an unbounded pool (the bound a pool that
+  evicts must respect).
 
 The scenario suites build it (tests/scenarios/recording.py); the plugin writes it to
 `<results-dir>/repro/<test id>.json` as a `kind: scenario` file (harness.repro.fileformat);
@@ -53,7 +56,19 @@ class OracleFailure:
     check: Literal["oracle"] = "oracle"
 
 
-Failure = OutputsFailure | OracleFailure
+@dataclass(frozen=True)
+class FullBlocksFailure:
+    """Engine `engine` reused more full blocks than the unbounded oracle allows, in total
+    or for one of `results`' requests; `rows` as the test checked them."""
+
+    engine: int
+    results: list[OutputRef]
+    rows: list[dict[str, Any]]
+    check: Literal["full_blocks"] = "full_blocks"
+
+
+Failure = OutputsFailure | OracleFailure | FullBlocksFailure
+CHECKS = ("outputs", "oracle", "full_blocks")
 
 
 @dataclass(frozen=True)
@@ -100,18 +115,26 @@ def _refs(f: Fields, name: str, engines: int) -> list[OutputRef]:
     return refs
 
 
+def _engine(f: Fields, engines: int) -> int:
+    engine: int = f.get("engine", int)
+    if not 0 <= engine < engines:
+        raise f.error("engine", f"is {engine}; the record has {engines} engines")
+    return engine
+
+
 def _failure(f: Fields, engines: int) -> Failure:
-    check = f.choice("check", ("outputs", "oracle"))
+    check = f.choice("check", CHECKS)
     failure: Failure
     if check == "outputs":
         failure = OutputsFailure(f.get("where", str), float(f.get("atol", (int, float))),
                                  _refs(f, "expected", engines), _refs(f, "actual", engines),
                                  f.get("difference", dict))
+    elif check == "oracle":
+        failure = OracleFailure(_engine(f, engines), f.get("exact", bool),
+                                f.get("bounded", bool), _refs(f, "results", engines),
+                                f.get("rows", list))
     else:
-        engine = f.get("engine", int)
-        if not 0 <= engine < engines:
-            raise f.error("engine", f"is {engine}; the record has {engines} engines")
-        failure = OracleFailure(engine, f.get("exact", bool), f.get("bounded", bool),
-                                _refs(f, "results", engines), f.get("rows", list))
+        failure = FullBlocksFailure(_engine(f, engines), _refs(f, "results", engines),
+                                    f.get("rows", list))
     f.close()
     return failure

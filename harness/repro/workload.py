@@ -1,9 +1,11 @@
 """What a scenario ran on one engine, JSON-ready: how to build the engine (`EngineRecipe`),
 each call it made in order (`Call`), and what the cache saw and counted (`EngineRun`).
 
-A recipe names the model by preset and seed, the attention backend by registry name or
-by `module:QualName` (a backend outside the registry, such as a test's fault-injecting
-one, imported by the replay), the device and dtype, the KvCacheConfig as given (None:
+A recipe names the model by preset (or by the `module:function` that builds it from the
+seed) and seed, the engine class (None: kvcache's Engine; else `module:QualName` of a
+subclass, such as a test's fault-injecting one), the attention backend by registry name
+or by `module:QualName` (a backend outside the registry, imported by the replay as the
+other references are), the device and dtype, the KvCacheConfig as given (None:
 "auto") and every other Engine option resolved to its value (layout, page size,
 chunking, budget, graph and padding flags, ...). Calls are the engine's request API:
 `generate` (a batch run to completion), `add_request`, `step`, `abort`; each keeps the
@@ -26,10 +28,13 @@ ScopeJson = dict[str, Any] | None
 
 @dataclass(frozen=True)
 class EngineRecipe:
-    """Everything `Engine(...)` was built from."""
+    """Everything `Engine(...)` was built from: `preset` is a preset name or the
+    `module:function` that builds the model from `model_seed`; `engine` is None for
+    kvcache's Engine, else the `module:QualName` of the Engine subclass."""
 
     preset: str
     model_seed: int
+    engine: str | None
     backend: str
     device: str
     dtype: str
@@ -39,7 +44,8 @@ class EngineRecipe:
     @classmethod
     def from_fields(cls, f: Fields) -> EngineRecipe:
         """Parse; raises ReproFormatError naming the field."""
-        recipe = cls(f.get("preset", str), f.get("model_seed", int), f.get("backend", str),
+        recipe = cls(f.get("preset", str), f.get("model_seed", int),
+                     f.get("engine", str, optional=True), f.get("backend", str),
                      f.get("device", str), f.get("dtype", str), f.get("cache", dict),
                      f.get("options", dict))
         f.close()

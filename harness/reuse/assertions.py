@@ -334,3 +334,29 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
     _checked(rows, context, tree_dump, "oracle", before, exact, config,
              engine.admission_log() if context is not None else None)
     return window
+
+
+def expect_full_blocks_bounded(engine: EngineUnderTest, results: Any = (), *,
+                               context: ReproContext | None = None,
+                               tree_dump: TreeDump | None = None) -> dict[str, Number]:
+    """Full blocks reused since the engine started, in total and for each of `results`,
+    at most what the oracle predicts for the engine's admission log with an unbounded
+    pool: eviction only ever removes full blocks from reach (with partial reuse on,
+    partial counts may differ either way, so only full blocks are bounded). Returns the
+    window. Raises ReuseMismatch (carrying a `kind: reuse` record when `context` is given:
+    its admission log is the replay's workload) on a count beyond the bound, KeyError for
+    a result the log never admitted.
+    """
+    __tracebackhide__ = True
+    prediction = predict_from_engine(engine)
+    full = "fullReusedBlocks"
+    rids = [getattr(o, "seq_id", getattr(o, "request_id", None)) for o in results]
+    return expect_reuse(
+        None, engine.kv_cache_stats(),
+        at_most={full: prediction.totals.full_reused_blocks},
+        per_request={rid: {full: Bounds(at_most=prediction.requests[rid].full_reused_blocks)}
+                     for rid in rids},
+        actual_requests={rid: o.kv_metrics for rid, o in zip(rids, results, strict=True)
+                         if o.kv_metrics is not None},
+        context=context,
+        tree_dump=tree_dump)

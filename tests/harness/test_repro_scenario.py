@@ -1,8 +1,9 @@
 """One-command reproduction of failed scenarios: a real scenario fails (a fault-injecting
-attention backend mis-reads reused KV, or an exact oracle check on a pool that evicts),
-writes `<results-dir>/repro/<test id>.json`, and `kvharness repro FILE` in a fresh
-interpreter re-runs the engines on the recorded workload and shows the same failure;
-with the fault removed it says the failure is gone."""
+attention backend mis-reads reused KV, an engine over-counts reuse, or an exact oracle
+check runs on a pool that evicts), writes `<results-dir>/repro/<test id>.json`, and
+`kvharness repro FILE` in a fresh interpreter re-runs the engines on the recorded
+workload and shows the same failure; with the fault removed it says the failure is gone,
+and with one of two faults removed it names the check the other one still fails."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ import pytest
 
 from harness.cli import main as kvharness
 from harness.repro.fileformat import open_file
-from harness.repro.record import OracleFailure, OutputsFailure, ScenarioRecord
+from harness.repro.record import FullBlocksFailure, OracleFailure, OutputsFailure, ScenarioRecord
+from harness.repro.rerun import rerun
+from tests.scenarios.recording import check_record
+from tests.scenarios.support import EngineFactory, Models, prompts_of
 
 ROOT = Path(__file__).resolve().parents[2]  # where `tests.scenarios.faults` imports from
 FAULTY = "tests.scenarios.faults:StalePrefixBackend"
 
 CONFTEST = "from tests.scenarios.conftest import make_engine, models, scenario  # noqa: F401\n"
 TESTS = textwrap.dedent("""\
-    from tests.scenarios.faults import STALE_PREFIX
+    from tests.scenarios.faults import STALE_PREFIX, OverCountingEngine
     from tests.scenarios.support import NO_PARTIAL, TORCH, assert_same_outputs, prompts_of
 
     PROMPTS = prompts_of(3, [14, 10])
@@ -49,9 +53,22 @@ TESTS = textwrap.dedent("""\
         a, b = prompts_of(4, [16, 16])
         outs = engine.generate([a], 2) + engine.generate([b], 2) + engine.generate([a], 2)
         scenario.expect_oracle(engine, outs)
+
+    def test_full_blocks_beyond_the_bound(make_engine, scenario):
+        engine = make_engine(4, mode=NO_PARTIAL, engine_class=OverCountingEngine)
+        (a,) = prompts_of(5, [16])
+        outs = engine.generate([a], 2) + engine.generate([a], 2)
+        scenario.expect_full_blocks_bounded(engine, outs, seed=5)
+
+    def test_stale_prefix_and_over_counted_reuse(make_engine, scenario):
+        engine = make_engine(4, backend=STALE_PREFIX, mode=NO_PARTIAL, page_size=2,
+                             engine_class=OverCountingEngine)
+        scenario.cold_warm(engine, PROMPTS, 4, STALE_PREFIX, seed=3)
     """)
 NAMES = ("test_warm_reads_a_stale_prefix", "test_stepped_warm_vs_a_correct_reference",
-         "test_exact_oracle_on_a_pool_that_evicts")
+         "test_exact_oracle_on_a_pool_that_evicts", "test_full_blocks_beyond_the_bound",
+         "test_stale_prefix_and_over_counted_reuse")
+OVER_COUNTING = "tests.scenarios.faults:OverCountingEngine"
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +82,7 @@ def repro_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
          "-p", "no:benchmark", "-q", "--results-dir", "out", "test_s.py"],
         cwd=here, env=_env(), capture_output=True, text=True, timeout=300, check=False)
-    assert "3 failed" in done.stdout, done.stdout + done.stderr
+    assert f"{len(NAMES)} failed" in done.stdout, done.stdout + done.stderr
     files = {name: here / "out" / "repro" / f"test_s.py_{name}.json" for name in NAMES}
     for path in files.values():
         assert f"replay it: nox -s repro -- {path}" in done.stdout
@@ -146,9 +163,83 @@ def test_an_oracle_failure_reruns_the_engine(repro_files: dict[str, Path]) -> No
     assert [c.rids for c in record.engines[0].calls] == [[0], [1], [2]]
     done = kvharness_repro(path)
     assert done.returncode == 1, done.stdout + done.stderr
-    mismatches = sorted(ln.split() for ln in done.stdout.splitlines() if "<-- mismatch" in ln)
-    assert mismatches and mismatches == sorted(
-        ln.split() for ln in record.message.splitlines() if "<-- mismatch" in ln)
+    mismatches = _mismatches(done.stdout)
+    assert mismatches and mismatches == _mismatches(record.message)
+
+
+def _mismatches(text: str) -> list[list[str]]:
+    """The failing rows of the reuse tables in `text`, each as its words, sorted."""
+    return sorted(ln.split() for ln in text.splitlines() if "<-- mismatch" in ln)
+
+
+def test_a_full_blocks_failure_reruns_the_engine(repro_files: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    path = repro_files["test_full_blocks_beyond_the_bound"]
+    record = load(path)
+    assert isinstance(record.failure, FullBlocksFailure)
+    assert record.failure.results == [(0, 0), (0, 1)]
+    assert record.engines[0].recipe.engine == OVER_COUNTING
+    assert _mismatches(record.message) == [
+        ["total", "fullReusedBlocks", "<=", "3", "4", "<--", "mismatch"]]
+    done = kvharness_repro(path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert _mismatches(done.stdout) == _mismatches(record.message)
+
+    def fix(data: dict[str, Any]) -> None:
+        data["engines"][0]["recipe"]["engine"] = None
+
+    done = kvharness_repro(edit(path, fix, tmp_path / "fixed.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == (
+        "did not reproduce: full_blocks check holds now, and reuse matches the oracle")
+
+
+def test_exit_3_when_the_recorded_failure_is_gone_but_reuse_is_wrong(
+        repro_files: dict[str, Path], tmp_path: Path) -> None:
+    # Two faults: the backend's (warm differs from cold: the recorded failure) and the
+    # engine's (reuse over-counted: the scenario never got to check it). Fixing the
+    # backend alone leaves the second for the re-run to find.
+    path = repro_files["test_stale_prefix_and_over_counted_reuse"]
+    record = load(path)
+    assert isinstance(record.failure, OutputsFailure)
+    assert record.engines[0].recipe.engine == OVER_COUNTING
+
+    def fix_backend(data: dict[str, Any]) -> None:
+        data["engines"][0]["recipe"]["backend"] = "torch"
+
+    done = kvharness_repro(edit(path, fix_backend, tmp_path / "backend_fixed.json"))
+    assert done.returncode == 3, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    head = lines.index("did not reproduce the recorded failure, but another check failed:")
+    assert lines[head + 1].startswith("engines[0]: reuse mismatch: ")
+    failed = [row[:2] for row in _mismatches(done.stdout)]
+    assert failed == [["total", "fullReusedBlocks"], ["total", "reusedBlocks"]]
+
+    def fix_both(data: dict[str, Any]) -> None:
+        fix_backend(data)
+        data["engines"][0]["recipe"]["engine"] = None
+
+    done = kvharness_repro(edit(path, fix_both, tmp_path / "both_fixed.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_request_aborted_while_waiting_is_no_reuse_failure() -> None:
+    # Its output has no admission behind it; the re-run's oracle check must not read it
+    # as "never admitted" and report the record's fixed failure as another one.
+    make_engine = EngineFactory(Models(), "t::abort")
+    engine = make_engine(4, max_batch_size=1)
+    a, b = prompts_of(6, [9, 9])
+    first = engine.add_request(a, 2)
+    engine.abort(engine.add_request(b, 2))
+    done: list[Any] = []
+    while not done:
+        done = engine.step()
+    assert [o.request_id for o in done] == [first]
+    record = check_record(engine, done, "recorded",
+                          lambda i, refs: OracleFailure(i, True, False, refs, []))
+    assert record is not None and [c.op for c in record.engines[0].calls][:3] == [
+        "add_request", "add_request", "abort"]
+    assert rerun(record) == ("gone", "oracle check holds now, and reuse matches the oracle", [])
 
 
 def _set(*path: str | int, value: Any) -> Any:
@@ -160,7 +251,7 @@ def _set(*path: str | int, value: Any) -> Any:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (_set("version", value=1), "field 'version' is 1; this kvharness reads version 2"),
+    (_set("version", value=2), "field 'version' is 2; this kvharness reads version 3"),
     (_set("kind", value="bench"), "field 'kind' is 'bench'; expected one of reuse, scenario"),
     (_set("engines", 0, "calls", 1, "prompts", 0, 3, value="7"),
      "field 'engines[0].calls[1].prompts[0]' must hold ints; item 3 is \"7\""),
@@ -172,6 +263,11 @@ def _set(*path: str | int, value: Any) -> Any:
      "engines[0].recipe: the engine cannot be built:"),
     (_set("engines", 0, "recipe", "backend", value="tests.nowhere:Backend"),
      "engines[0].recipe.backend: backend 'tests.nowhere:Backend' cannot be imported"),
+    (_set("engines", 0, "recipe", "engine", value="kvcache:KvCacheConfig"),
+     "engines[0].recipe.engine: 'kvcache:KvCacheConfig' is not a subclass of kvcache's "
+     "Engine"),
+    (_set("engines", 0, "recipe", "preset", value="tests.nowhere:model"),
+     "engines[0].recipe.preset: model builder 'tests.nowhere:model' cannot be imported"),
 ])
 def test_a_bad_field_is_exit_2_naming_file_and_field(
         repro_files: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path,

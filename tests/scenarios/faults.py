@@ -1,6 +1,6 @@
 """Fault injection for testing the harness itself: an attention backend that reads
-reused KV wrong, so a scenario fails for real (warm differs from cold) without mocking
-anything.
+reused KV wrong and an engine that miscounts reuse, so a scenario fails for real (warm
+differs from cold, reuse differs from the oracle) without mocking anything.
 
 `StalePrefixBackend` is the torch reference backend, except that a prefill chunk reads
 the KV of the tokens before it (a prefix it did not compute in this step) with values
@@ -10,15 +10,23 @@ way, so its logits (and usually its tokens) part from the cold run's. Decode ste
 correctly. It is not in the registry: engines take the class itself, and a repro file
 names it as `tests.scenarios.faults:StalePrefixBackend`, which `kvharness repro` imports
 when run from the repository root.
+
+`OverCountingEngine` is kvcache's Engine, except that its statistics count one reused
+full block twice once anything was reused: a bookkeeping bug (the cache and the outputs
+are right), so `reusedBlocks` and `fullReusedBlocks` run one past the oracle. A test
+builds it with `make_engine(..., engine_class=OverCountingEngine)`; the repro file names
+it as `tests.scenarios.faults:OverCountingEngine`.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
 
+from kvcache import Engine, KvCacheStats
 from kvcache.attention.metadata import PagedMetadata
 from kvcache.attention.reference import ReferenceBackend
 from tests.scenarios.support import BackendSpec
@@ -50,3 +58,15 @@ class StalePrefixBackend(ReferenceBackend):
 
 # float32 on CPU, the exact tolerance: any drift in reused KV fails the comparison.
 STALE_PREFIX = BackendSpec(StalePrefixBackend, "cpu", torch.float32, 1e-5)
+
+
+class OverCountingEngine(Engine):
+    """An Engine whose statistics over-count reuse by one full block (see the module)."""
+
+    def kv_cache_stats(self) -> KvCacheStats:
+        """Engine.kv_cache_stats, with one more reused (full) block once any was reused."""
+        stats = super().kv_cache_stats()
+        if not stats.full_reused_blocks:
+            return stats
+        return replace(stats, reused_blocks=stats.reused_blocks + 1,
+                       full_reused_blocks=stats.full_reused_blocks + 1)

@@ -1,12 +1,13 @@
 """Scenario engines that record what they run, so a failed check writes a repro file
 that `kvharness repro` re-runs without pytest (harness.repro).
 
-`RecordedEngine` is kvcache's Engine, unchanged, that also keeps its recipe (every
-option it was built with) and each call of its request API in order, tagged with the
+`RecordedEngine` is kvcache's Engine (or, through `recorded`, a subclass of it, such as
+a fault-injecting one), unchanged, that also keeps its recipe (every option it was
+built with) and each call of its request API in order, tagged with the
 scenario's phase (cold, warm, reference, ...). Its outputs are `RecordedOutput`s: the
 same GenerationOutput plus the engine that produced it, so a failed comparison of two
 output lists knows which engines and requests to re-run. `outputs_record` and
-`oracle_record` build the ScenarioRecord a failed check carries as `.repro` (the harness
+`check_record` build the ScenarioRecord a failed check carries as `.repro` (the harness
 plugin writes it to `<results-dir>/repro/<test id>.json`).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,8 +23,8 @@ import torch
 
 from harness.adapters import KvcacheEngineAdapter
 from harness.repro.compare import Difference
-from harness.repro.record import OracleFailure, OutputRef, OutputsFailure, ScenarioRecord
-from harness.repro.rerun import backend_ref
+from harness.repro.record import Failure, OutputRef, OutputsFailure, ScenarioRecord
+from harness.repro.rerun import object_ref
 from harness.repro.workload import Call, EngineRecipe, EngineRun, Op, scope_json
 from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, GenerationOutput, KvCacheConfig, ReuseScope
@@ -50,12 +51,16 @@ class RecordedOutput(GenerationOutput):
 
 
 class RecordedEngine(Engine):
-    """An Engine that records its recipe and calls. `phase` tags the calls made until it
-    is changed; `serial` orders the test's engines; `node_id` is the test's id."""
+    """An Engine that records its recipe and calls. `preset` names the model (a preset or
+    the `module:function` that built it from `model_seed`); `phase` tags the calls made
+    until it is changed; `serial` orders the test's engines; `node_id` is the test's id."""
 
     def __init__(self, model: Any, cache_config: KvCacheConfig, *, preset: str,
                  model_seed: int, node_id: str, serial: int, **options: Any) -> None:
         super().__init__(model, cache_config, **options)
+        # the Engine class under the recording: kvcache's, or a subclass (see `recorded`)
+        base = next(c for c in type(self).__mro__
+                    if issubclass(c, Engine) and not issubclass(c, RecordedEngine))
         given = dict(options)
         backend = given.pop("attn_backend", "torch")
         device, dtype = str(given.pop("device", "cpu")), given.pop("dtype", torch.float32)
@@ -63,7 +68,7 @@ class RecordedEngine(Engine):
                     inspect.signature(Engine.__init__).parameters.items()
                     if p.default is not inspect.Parameter.empty and name not in _APART}
         self.recipe = EngineRecipe(
-            preset, model_seed, backend_ref(backend), device, str(dtype).removeprefix("torch."),
+            preset, model_seed, None if base is Engine else object_ref(base), object_ref(backend), device, str(dtype).removeprefix("torch."),
             {f.name: getattr(cache_config, f.name) for f in fields(KvCacheConfig)},
             _plain({**defaults, **given}))
         self.calls: list[Call] = []
@@ -132,6 +137,17 @@ class RecordedEngine(Engine):
                          self.kv_cache_stats().as_dict(), predicted)
 
 
+def recorded(engine_class: type[Engine]) -> type[RecordedEngine]:
+    """The recording engine class over `engine_class` (kvcache's Engine or a subclass,
+    whose `module:QualName` the recipe then names so that a replay builds it too)."""
+    if engine_class is Engine:
+        return RecordedEngine
+    if not issubclass(engine_class, Engine):
+        raise ValueError(f"engine_class must be a subclass of kvcache's Engine, got "
+                         f"{engine_class!r}")
+    return type(f"Recorded{engine_class.__name__}", (RecordedEngine, engine_class), {})
+
+
 def _plain(value: Any) -> Any:
     """`value` as JSON round-trips it (tuples become lists)."""
     return json.loads(json.dumps(value, default=str))
@@ -176,10 +192,11 @@ def outputs_record(where: str, atol: float, expected: Sequence[GenerationOutput]
                           failure)
 
 
-def oracle_record(engine: Engine, exact: bool, bounded: bool,
-                  results: Sequence[GenerationOutput], rows: list[dict[str, Any]],
-                  message: str) -> ScenarioRecord | None:
-    """The record of a failed oracle check on `engine`; None when it is unrecorded."""
+def check_record(engine: Engine, results: Sequence[GenerationOutput], message: str,
+                 failure: Callable[[int, list[OutputRef]], Failure]) -> ScenarioRecord | None:
+    """The record of a failed reuse check on `engine` over `results`; `failure` makes the
+    check's Failure from the engine's index in the record and the results' references.
+    None when the engine or a result's engine is unrecorded."""
     if not isinstance(engine, RecordedEngine):
         return None
     engines = _engines(results) if results else []
@@ -187,5 +204,5 @@ def oracle_record(engine: Engine, exact: bool, bounded: bool,
         return None
     engines = sorted({id(e): e for e in [engine, *engines]}.values(), key=lambda e: e.serial)
     index = {id(e): i for i, e in enumerate(engines)}
-    failure = OracleFailure(index[id(engine)], exact, bounded, _refs(results, index), rows)
-    return ScenarioRecord(engine.node_id, message, [e.run_record() for e in engines], failure)
+    return ScenarioRecord(engine.node_id, message, [e.run_record() for e in engines],
+                          failure(index[id(engine)], _refs(results, index)))

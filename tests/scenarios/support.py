@@ -22,20 +22,28 @@ import torch
 from harness.adapters import KvcacheEngineAdapter
 from harness.report import ReuseRecord, ReuseReport
 from harness.repro.compare import describe, first_difference
+from harness.repro.record import Failure, FullBlocksFailure, OracleFailure, OutputRef
+from harness.repro.rerun import object_ref
 from harness.reuse.assertions import (
-    Bounds,
     ReproContext,
     ReuseMismatch,
     diff_stats,
+    expect_full_blocks_bounded,
     expect_matches_oracle,
-    expect_reuse,
     predict_from_engine,
 )
 from harness.reuse.repro import ReproRecord
 from kvcache import Engine, GenerationOutput, KvCacheConfig, KVCacheManager, ReuseScope
 from kvcache.attention.base import AttentionBackend
 from kvcache.model import Transformer, get_preset
-from tests.scenarios.recording import OutputMismatch, RecordedEngine, oracle_record, outputs_record
+from tests.scenarios.probe_replica import assert_probe_matches_admissions
+from tests.scenarios.recording import (
+    OutputMismatch,
+    RecordedEngine,
+    check_record,
+    outputs_record,
+    recorded,
+)
 
 VOCAB = 500  # token ids drawn from [1, VOCAB): inside every preset's vocabulary
 
@@ -131,64 +139,27 @@ def assert_same_outputs(expected: Sequence[GenerationOutput], actual: Sequence[G
                                                      difference, message))
 
 
-def scope_from_key(key: Any) -> ReuseScope | None:
-    """The ReuseScope whose key an admission-log event carries (None or (salt, lora_id))."""
-    return None if key is None else ReuseScope(*key)
-
-
-def assert_probe_matches_admissions(engine: Engine) -> None:
-    """Replay `engine`'s cache log on a fresh manager of the same config; before every
-    admission, `probe_reuse` must equal the tokens that admission reuses.
-
-    The replica sees the same operations on the same pool, so it passes through exactly
-    the engine's states (default retention priority assumed: the log does not carry it).
-    Under a sliding window the log does not say how many blocks each chunk reserved: the
-    replica reserves only what each commit covers (fewer blocks than the engine held,
-    so it fits wherever the engine did), and checks probe against admission in its own
-    states.
-    """
-    replica = KVCacheManager(engine.cache_config)
-    lazy = engine.cache_config.sliding_window is not None
-    for i, ev in enumerate(engine.admission_log()):
-        kind, sid = ev["kind"], ev["seq_id"]
-        if kind == "admit":
-            scope = scope_from_key(ev["scope"])
-            probed = replica.probe_reuse(ev["tokens"], scope)
-            plan = replica.plan_admission(ev["tokens"], scope, first_chunk=1 if lazy else None)
-            seq = replica.admit(sid, plan)
-            replica.take_copy_ops()
-            assert seq.num_cached_tokens == probed, (
-                f"log event {i}: probe_reuse said {probed} tokens, the admission of request "
-                f"{sid!r} reused {seq.num_cached_tokens}\n{replica.dump_tree()}")
-        elif kind == "commit":
-            if lazy:
-                replica.reserve(sid, ev["num_tokens"])
-            replica.commit(sid, ev["num_tokens"])
-        elif kind == "append":
-            if ev["tokens"]:  # no tokens: blocks the engine reserved; the replica's own
-                replica.append_tokens(sid, ev["tokens"])
-        elif kind == "free":
-            replica.free_sequence(sid)
-        # "copy": the replica took its copies right after the admission
-
-
 def _set_phase(engine: Engine, phase: str) -> None:
     """Tag `engine`'s next calls with `phase` in its recording (if it records)."""
     if isinstance(engine, RecordedEngine):
         engine.phase = phase
 
 
-def _with_scenario_repro(engine: Engine, exact: bool, results: Sequence[GenerationOutput],
-                         check: Callable[[], dict[str, int | float]]
+def _with_scenario_repro(engine: Engine, results: Sequence[GenerationOutput],
+                         check: Callable[[], dict[str, int | float]],
+                         failure: Callable[[int, list[OutputRef], list[dict[str, Any]]], Failure]
                          ) -> dict[str, int | float]:
-    """Run an oracle `check`; a ReuseMismatch it raises then carries a scenario record
-    (which re-runs the engine) in place of the bare reuse record, when it can."""
+    """Run a reuse `check` on `engine`; a ReuseMismatch it raises then carries a scenario
+    record (which re-runs the engine; `failure` makes its Failure from the engine's index,
+    the results' references and the checked rows) in place of the bare reuse record,
+    when the engines are recorded."""
     __tracebackhide__ = True
     try:
         return check()
     except ReuseMismatch as exc:
         rows = exc.repro.rows if isinstance(exc.repro, ReproRecord) else []
-        record = oracle_record(engine, exact, False, results, rows, str(exc))
+        record = check_record(engine, results, str(exc),
+                              lambda index, refs: failure(index, refs, rows))
         if record is not None:
             exc.repro = record  # type: ignore[assignment]
         raise
@@ -231,10 +202,11 @@ class ScenarioRun:
         passed = False
         try:
             window = _with_scenario_repro(
-                engine, exact, results, lambda: expect_matches_oracle(
+                engine, results, lambda: expect_matches_oracle(
                     adapter, prediction, exact, results=list(results),
                     context=ReproContext(self.node_id, seed, config),
-                    tree_dump=engine.manager.dump_tree))
+                    tree_dump=engine.manager.dump_tree),
+                lambda index, refs, rows: OracleFailure(index, exact, False, refs, rows))
             if probe_replica:
                 assert_probe_matches_admissions(engine)
             engine.manager.check_integrity()
@@ -252,24 +224,19 @@ class ScenarioRun:
         """Full blocks reused, per request and in total, at most what the oracle predicts
         for the same log with an unbounded pool (eviction only removes full blocks; with
         partial reuse on, partial counts may differ either way). Recorded like
-        `expect_oracle`. Returns the stats window."""
+        `expect_oracle`; a failure carries a scenario record, so that `kvharness repro`
+        re-runs the engine and checks the bound again. Returns the stats window."""
         __tracebackhide__ = True
         adapter = KvcacheEngineAdapter(engine)
-        prediction = predict_from_engine(adapter)
-        full = "fullReusedBlocks"
         passed = False
         try:
-            window = expect_reuse(
-                None, engine.kv_cache_stats(),
-                at_most={full: prediction.totals.full_reused_blocks},
-                per_request={o.request_id: {full: Bounds(
-                    at_most=prediction.requests[o.request_id].full_reused_blocks)}
-                    for o in results},
-                actual_requests={o.request_id: o.kv_metrics for o in results
-                                 if o.kv_metrics is not None},
-                context=ReproContext(self.node_id, seed, dict(adapter.cache_config),
-                                     adapter.admission_log()),
-                tree_dump=engine.manager.dump_tree)
+            window = _with_scenario_repro(
+                engine, results, lambda: expect_full_blocks_bounded(
+                    adapter, list(results),
+                    context=ReproContext(self.node_id, seed, dict(adapter.cache_config),
+                                         adapter.admission_log()),
+                    tree_dump=engine.manager.dump_tree),
+                FullBlocksFailure)
             engine.manager.check_integrity()
             passed = True
         finally:
@@ -318,18 +285,24 @@ MODEL_SEED = 0  # every scenario model's weights (a repro file records it)
 POOL_TOKENS = 2048  # default pool: far more than any scenario holds, so nothing is evicted
 
 
+# A model: a preset name, or a module-level function building the model from a seed (a
+# variant no preset describes; the repro file names it as `module:function`).
+ModelSpec = str | Callable[[int], Transformer]
+
+
 class Models:
-    """Presets built once per (name, device, dtype), weights from MODEL_SEED; engines share them (a
-    model holds no per-request state). Mutates only its own cache."""
+    """Models built once per (spec, device, dtype), weights from MODEL_SEED; engines share
+    them (a model holds no per-request state). Mutates only its own cache."""
 
     def __init__(self) -> None:
-        self._built: dict[tuple[str, str, torch.dtype], Transformer] = {}
+        self._built: dict[tuple[ModelSpec, str, torch.dtype], Transformer] = {}
 
-    def get(self, preset: str, device: str, dtype: torch.dtype) -> Transformer:
-        """The shared model for this preset, device and dtype."""
+    def get(self, preset: ModelSpec, device: str, dtype: torch.dtype) -> Transformer:
+        """The shared model for this preset (or builder), device and dtype."""
         key = (preset, device, dtype)
         if key not in self._built:
-            model = Transformer(get_preset(preset), seed=MODEL_SEED)
+            model = (Transformer(get_preset(preset), seed=MODEL_SEED) if isinstance(preset, str)
+                     else preset(MODEL_SEED))
             self._built[key] = model.to(device=device, dtype=dtype).eval()
         return self._built[key]
 
@@ -346,11 +319,14 @@ class EngineFactory:
     def __call__(self, tokens_per_block: int, *, backend: BackendSpec = TORCH,
                  mode: ReuseMode | None = None, reuse: bool | None = None,
                  max_num_blocks: int | None = None, host_cache_blocks: int = 0,
-                 preset: str = "tiny", **engine_options: Any) -> RecordedEngine:
+                 preset: ModelSpec = "tiny", engine_class: type[Engine] = Engine,
+                 **engine_options: Any) -> RecordedEngine:
         """A fresh engine. `mode` sets the partial-reuse flags (None: the defaults);
         `reuse` is enable_block_reuse; `max_num_blocks` defaults to POOL_TOKENS worth;
-        `host_cache_blocks` adds a host tier; `engine_options` go to `Engine`
-        (max_num_tokens, page_size, ...)."""
+        `host_cache_blocks` adds a host tier; `engine_class` is kvcache's Engine or a
+        subclass (tests/scenarios/faults.py); `engine_options` go to it (max_num_tokens,
+        page_size, ...). Raises what the engine's constructor raises (then nothing is
+        kept)."""
         blocks = max_num_blocks or -(-POOL_TOKENS // tokens_per_block)
         cfg = KvCacheConfig(
             tokens_per_block=tokens_per_block, max_num_blocks=blocks, enable_block_reuse=reuse,
@@ -358,16 +334,16 @@ class EngineFactory:
             copy_on_partial_reuse=mode.copy if mode is not None and mode.partial else None,
             host_cache_blocks=host_cache_blocks)
         model = self.models.get(preset, backend.device, backend.dtype)
-        engine = RecordedEngine(model, cfg, preset=preset, model_seed=MODEL_SEED,
-                                node_id=self.node_id, serial=len(self.created),
-                                attn_backend=backend.attn, device=backend.device,
-                                dtype=backend.dtype, **engine_options)
+        engine = recorded(engine_class)(
+            model, cfg, preset=object_ref(preset), model_seed=MODEL_SEED, node_id=self.node_id,
+            serial=len(self.created), attn_backend=backend.attn, device=backend.device,
+            dtype=backend.dtype, **engine_options)
         self.created.append(engine)
         return engine
 
     def cold_reference(self, tokens_per_block: int, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int, *, backend: BackendSpec = TORCH,
-                       preset: str = "tiny") -> list[GenerationOutput]:
+                       preset: ModelSpec = "tiny") -> list[GenerationOutput]:
         """Outputs of `prompts` computed with nothing reused: a fresh engine admits them
         all in its first step, before anything is committed (asserted, so the reference
         stays cold whatever the reuse flags do)."""

@@ -14,10 +14,10 @@ import random
 import pytest
 import torch
 
-from kvcache import Engine, KvCacheConfig, ReuseScope
+from kvcache import Engine, ReuseScope
 from kvcache.model import Transformer, get_preset
 from kvcache.model.transformer import Recurrence
-from tests.scenarios.support import TORCH, EngineFactory, ScenarioRun, tokens
+from tests.scenarios.support import CLAIM, TORCH, EngineFactory, ScenarioRun, tokens
 
 PRESET = "hybrid-tiny"
 NEW_TOKENS = 4
@@ -109,16 +109,15 @@ def test_scopes_never_share_snapshots(make_engine: EngineFactory,
     scenario.expect_oracle(engine, outs, seed=3)
 
 
-def test_explicit_reuse_works_and_partial_reuse_is_refused() -> None:
-    cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=64, enable_block_reuse=True)
-    engine = Engine(PRESET, cfg)
+def test_explicit_reuse_works_and_partial_reuse_is_refused(make_engine: EngineFactory) -> None:
+    engine = make_engine(4, preset=PRESET, reuse=True)
     assert engine.cache_config.block_reuse and not engine.cache_config.partial_reuse
     with pytest.raises(ValueError, match=r"enable_partial_reuse=True is unsupported for a "
                                          r"model with recurrent layers \(layers \[1\]\)"):
-        Engine(PRESET, KvCacheConfig(tokens_per_block=4, max_num_blocks=64,
-                                     enable_partial_reuse=True))
+        make_engine(4, preset=PRESET, mode=CLAIM)
     with pytest.raises(ValueError, match="state_snapshot_interval must be an int >= 1"):
-        Engine(PRESET, cfg, state_snapshot_interval=0)
+        make_engine(4, preset=PRESET, reuse=True, state_snapshot_interval=0)
+    assert make_engine.created == [engine]  # a refused engine is not kept
 
 
 class _Opaque(Recurrence):
@@ -127,14 +126,20 @@ class _Opaque(Recurrence):
     supports_snapshots = False
 
 
-def test_a_model_without_snapshots_keeps_reuse_off() -> None:
-    model = Transformer(get_preset(PRESET), seed=0)
+def opaque_hybrid(seed: int) -> Transformer:
+    """The hybrid preset with recurrent layers that cannot be snapshotted (a repro file
+    names this builder, so a replay builds the same model)."""
+    model = Transformer(get_preset(PRESET), seed=seed)
     for block in model.layers:
         if isinstance(block.mixer, Recurrence):
             block.mixer.__class__ = _Opaque
-    engine = Engine(model, KvCacheConfig(tokens_per_block=4, max_num_blocks=64))
+    return model
+
+
+def test_a_model_without_snapshots_keeps_reuse_off(make_engine: EngineFactory) -> None:
+    engine = make_engine(4, preset=opaque_hybrid)
+    assert engine.recipe.preset == "tests.scenarios.test_hybrid:opaque_hybrid"
     assert not engine.cache_config.block_reuse and engine.snapshots is None
     assert "cannot be snapshotted" in (engine.reuse_disabled_reason or "")
     with pytest.raises(ValueError, match="enable_block_reuse=True is unsupported"):
-        Engine(model, KvCacheConfig(tokens_per_block=4, max_num_blocks=64,
-                                    enable_block_reuse=True))
+        make_engine(4, preset=opaque_hybrid, reuse=True)
