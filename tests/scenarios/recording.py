@@ -2,9 +2,9 @@
 that `kvharness repro` re-runs without pytest (harness.repro).
 
 `RecordedEngine` is kvcache's Engine (or, through `recorded`, a subclass of it, such as
-a fault-injecting one), unchanged, that also keeps its recipe (every option it was
-built with) and each call of its request API in order, tagged with the
-scenario's phase (cold, warm, reference, ...). Its outputs are `RecordedOutput`s: the
+a fault-injecting one), unchanged, that also keeps its recipe (every option it was built
+with) and each call of its request API in order, tagged with the scenario's phase (cold,
+warm, reference, ...). Its outputs are `RecordedOutput`s: the
 same GenerationOutput plus the engine that produced it, so a failed comparison of two
 output lists knows which engines and requests to re-run. `outputs_record` and
 `check_record` build the ScenarioRecord a failed check carries as `.repro` (the harness
@@ -68,7 +68,8 @@ class RecordedEngine(Engine):
                     inspect.signature(Engine.__init__).parameters.items()
                     if p.default is not inspect.Parameter.empty and name not in _APART}
         self.recipe = EngineRecipe(
-            preset, model_seed, None if base is Engine else object_ref(base), object_ref(backend), device, str(dtype).removeprefix("torch."),
+            preset, model_seed, None if base is Engine else object_ref(base),
+            object_ref(backend), device, str(dtype).removeprefix("torch."),
             {f.name: getattr(cache_config, f.name) for f in fields(KvCacheConfig)},
             _plain({**defaults, **given}))
         self.calls: list[Call] = []
