@@ -77,7 +77,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_params=VENV_PARAMS, default=False)
 def repro(session: nox.Session) -> None:
-    """Replay a failed reuse check: nox -s repro -- results/<session>/repro/<test>.json."""
+    """Replay a failed scenario or reuse check: nox -s repro -- results/<session>/repro/<test>.json."""
     session.install("-e", ".")
     session.run("python", "-m", "harness.cli", "repro", *session.posargs)
 
