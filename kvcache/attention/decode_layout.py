@@ -15,6 +15,11 @@ A row does so at a fixed phase of the page cycle, so each phase's rows and the d
 that restart them (`_Starts`) are worked out when first due and kept until the rows
 change; a step in which no row is due touches no page at all.
 
+Under a sliding window a row may lose the pages of released blocks at its front
+(`release_front`): its kv length drops by their tokens and `kv_start` (the batch's
+per-row starts, viewed) says where its listed keys begin; positions stay absolute and
+last-page lengths, append slots and phases do not change (a block holds whole pages).
+
 The counters are those of the step before: `lay_out` writes rows holding kv tokens as if
 their last step had written position kv - 1, and `step` moves them on like any other,
 page starts included. Laying out (after an admission, a leave or a prefill step) is a
@@ -53,12 +58,16 @@ class DecodeLayout:
     """The decode-step arrays of up to `capacity` rows (padding included) over `pages`.
 
     `ints` is an int32 buffer of 3 * capacity + 1 entries whose first capacity + 1 are
-    pages.indptr. `md` is None while there is no layout (rows changed since).
+    pages.indptr. `starts` (capacity entries, the caller's) is the absolute position of
+    each row's first listed key, 0 past the rows. `md` is None while there is no layout
+    (rows changed since).
     """
 
-    def __init__(self, pages: PageRows, ints: Int32Array, capacity: int) -> None:
+    def __init__(self, pages: PageRows, ints: Int32Array, starts: IntArray,
+                 capacity: int) -> None:
         assert pages.indptr.base is ints, "indptr heads the int32 buffer"
         self.pages = pages
+        self._starts_of = starts
         self.page_size = pages.page_size
         self._i32 = ints
         self._i64 = np.zeros(2 * capacity, dtype=np.int64)
@@ -66,7 +75,7 @@ class DecodeLayout:
         self._arange = np.arange(capacity + 1, dtype=np.int32)  # qo_indptr, batch_indices
         self._due = np.zeros(capacity, dtype=np.int64)  # the phase at which each row starts a page
         t = torch.from_numpy
-        self._t64, self._t32 = t(self._i64), t(ints)
+        self._t64, self._t32, self._t_starts = t(self._i64), t(ints), t(starts)
         self._t_append_pages, self._t_arange = t(self._append_pages), t(self._arange)
         self.md: PagedMetadata | None = None
         self._n = self._Bt = 0
@@ -83,9 +92,14 @@ class DecodeLayout:
         n = self._n
         return self._i64[n : 2 * n] + _ONE64
 
+    def kv_of(self, row: int) -> int:
+        """Row `row`'s kv length after the last step."""
+        return int(self._i64[self._n + row]) + 1
+
     def lay_out(self, kv: IntArray, Bt: int) -> None:
-        """Lay out rows whose pages hold kv[i] tokens (ceil(kv[i] / P) pages each, in
-        `pages`), padded to Bt; `step` then writes position kv[i] of each."""
+        """Lay out rows holding kv[i] tokens, those from starts[i] on in their pages
+        (ceil((kv[i] - starts[i]) / P) each, in `pages`), padded to Bt; `step` then
+        writes position kv[i] of each."""
         P, pages, n = self.page_size, self.pages, len(kv)
         i64, i32 = self._i64, self._i32
         pages.pad(Bt)
@@ -96,7 +110,9 @@ class DecodeLayout:
         last_page_len, kv_lens = i32[Bt + 1 : 2 * Bt + 1], i32[2 * Bt + 1 : 3 * Bt + 1]
         np.add(i64[:n], _ONE64, out=last_page_len[:n])
         last_page_len[n:] = 0
-        kv_lens[:n] = kv
+        starts = self._starts_of[:n]
+        started = bool(np.count_nonzero(starts))
+        kv_lens[:n] = kv - starts if started else kv  # counted from each row's first key
         kv_lens[n:] = 0
         # A row's new token goes to its last page unless it starts one (then set there);
         # a row without pages reads some entry here and always starts one.
@@ -113,15 +129,17 @@ class DecodeLayout:
         self.md = PagedMetadata(views[0], views[1], pages.kv_indices, views[2], views[3],
                                 views[4], views[5], views[6], views[7], page_size=P,
                                 num_requests=n, num_padded=Bt - n, is_decode=True,
-                                num_tokens=Bt, num_append_tokens=n)
+                                num_tokens=Bt, num_append_tokens=n,
+                                kv_start=views[8] if started else None)
 
     def _make_views(self, n: int, Bt: int) -> tuple[tuple[torch.Tensor, ...], Int32Array]:
-        """PagedMetadata's tensors but kv_indices, in field order, for the (n, Bt) layout,
+        """PagedMetadata's tensors but kv_indices, in field order (kv_start last), for
+        the (n, Bt) layout,
         and the int32 delta of a step in which no row starts a page."""
         t64, t32, arange = self._t64, self._t32, self._t_arange
         views = (arange[: Bt + 1], t32[: Bt + 1], t32[Bt + 1 : 2 * Bt + 1],
                  t32[2 * Bt + 1 : 3 * Bt + 1], t64[n : n + Bt], arange[:Bt],
-                 self._t_append_pages[:n], t64[:n])
+                 self._t_append_pages[:n], t64[:n], self._t_starts[:Bt])
         quiet = np.zeros(3 * Bt + 1, dtype=np.int32)
         quiet[Bt + 1 : Bt + 1 + n] = 1
         quiet[2 * Bt + 1 : 2 * Bt + 1 + n] = 1
@@ -151,6 +169,15 @@ class DecodeLayout:
             np.add(i32, starts.delta32, out=i32)
         self._phase = phase
         return md
+
+    def release_front(self, row: int, tokens: int) -> None:
+        """Row `row` lost the pages of its first `tokens` listed tokens (PageRows and the
+        caller's starts moved already): its kv length follows and kv_start shows."""
+        md = self.md
+        assert md is not None, "release_front() follows lay_out()"
+        self._i32[2 * self._Bt + 1 + row] -= tokens
+        if md.kv_start is None:
+            self.md = md._replace(kv_start=self._t_starts[: self._Bt])
 
     def _plan(self, phase: int, slots: IntArray) -> _Starts:
         """The rows due at `phase` and the deltas of their step, kept until lay_out."""

@@ -203,8 +203,15 @@ def _build_shifted(table: BlockTable, slots: IntArray, cached: IntArray, new: In
         raise ValueError(f"build_metadata: request {bad} (slot {slots[bad]}) has "
                          f"num_cached={cached[bad]}, but the table lists its blocks from "
                          f"position {start[bad]} on (the ones before were released)")
-    md = _build(table, slots, rel, new, held, Bt, block_size, P, k, m)
-    npad = Bt - len(slots)
+    return shift_metadata(_build(table, slots, rel, new, held, Bt, block_size, P, k, m),
+                          start, new)
+
+
+def shift_metadata(md: PagedMetadata, start: IntArray, new: IntArray) -> PagedMetadata:
+    """`md`, built over positions counted from `start` (each request's first listed key,
+    new: its new tokens), with absolute `positions` and `kv_start` set. Pure: the other
+    tensors are md's."""
+    npad = md.num_padded
     shift = np.concatenate([np.repeat(start, new), np.zeros(npad, dtype=np.int64)])
     return md._replace(positions=md.positions + torch.from_numpy(shift),
                        kv_start=torch.from_numpy(_pad(start, npad, 0)))

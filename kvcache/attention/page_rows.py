@@ -3,7 +3,8 @@
 Kernels read a batch's pages as kv_indices (every row's pages, concatenated in row order)
 and kv_indptr (where each row's pages start). Between steps the rows change little: a
 decoding row gains a page every page_size tokens, a finished row leaves, an admitted one
-joins at the end. PageRows rewrites the CSR for such a change in place, without
+joins at the end, and under a sliding window a row loses the pages of released blocks
+at its front. PageRows rewrites the CSR for such a change in place, without
 re-reading the block table for rows that did not change.
 
 kv_indices lives in one buffer, and one tensor views it, resized in place to the pages in
@@ -223,6 +224,16 @@ class PageRows:
                 move(addr + wrote * _ID_BYTES, addr + end * _ID_BYTES, (stop - end) * _ID_BYTES)
                 wrote += stop - end
         self._set_rows(pages)
+
+    def cut_front(self, row: int, count: int) -> None:
+        """Row `row` loses its first `count` pages (a sliding window released their
+        blocks); the pages after them move down, one memmove. In place."""
+        start, end = int(self.indptr[row]), int(self.indptr[row + 1])
+        assert 0 <= count <= end - start, "a row loses only pages it holds"
+        src = self._addr + (start + count) * _ID_BYTES
+        _memmove(src - count * _ID_BYTES, src, (self.nnz - start - count) * _ID_BYTES)
+        self.indptr[row + 1 : self.rows + 1] -= count
+        self._set_nnz(self.nnz - count)
 
     def update(self, slots: IntArray, pages: IntArray) -> None:
         """Row i, of slot slots[i], now holds pages[i] pages, at least as many as before

@@ -12,7 +12,11 @@ gathers every page from the block table each step, here:
   (see PageRows);
 - leaving rows are compacted away before the next step, admitted rows append their
   pages, and the next decode step lays the counters out again from the token counts;
-- a step with prefill chunks takes kv_indices from the kept pages (grown by its chunks).
+- a step with prefill chunks takes kv_indices from the kept pages (grown by its chunks);
+- under a sliding window, a row whose leading blocks were released (`release_front`)
+  has their pages cut out of kv_indices, one memmove, and its counters moved: its pages
+  and kv length then count from its start, as build_metadata's do, and `kv_start` says
+  where that is.
 
 The result equals build_metadata's for the same requests (a property test drives both
 over random step sequences); build_metadata stays the reference. It is valid until the
@@ -28,7 +32,12 @@ import numpy.typing as npt
 
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.decode_layout import DecodeLayout
-from kvcache.attention.metadata import PagedMetadata, assemble_metadata, resolve_paging
+from kvcache.attention.metadata import (
+    PagedMetadata,
+    assemble_metadata,
+    resolve_paging,
+    shift_metadata,
+)
 from kvcache.attention.page_rows import PageRows
 
 _ONE64 = np.array(1, dtype=np.int64)
@@ -40,8 +49,9 @@ class PersistentBatch:
     Paging arguments as build_metadata's. `max_padded` is the largest `pad_to` a step may
     ask for (default: the table's slots). Not thread-safe (the engine holds its lock).
     Invariant: a row's slot only gains blocks in the table while the row lives, except
-    that a block may be replaced by one holding the same KV, after which the caller calls
-    `rewrite`.
+    that its leading blocks may be released (BlockTable.drop_front), after which the
+    caller calls `release_front`, and that a block may be replaced by one holding the
+    same KV, after which the caller calls `rewrite`.
     """
 
     def __init__(self, table: BlockTable, *, block_size: int, page_size: int | None = None,
@@ -49,17 +59,21 @@ class PersistentBatch:
         P, _, m = resolve_paging(block_size, page_size, page_index_multiplier, "PersistentBatch")
         cap = max(table.max_slots, max_padded or 0)
         self.table = table
+        self.block_size = block_size
         self.page_size = P
         self.capacity = cap
         ints = np.zeros(3 * cap + 1, dtype=np.int32)  # kv_indptr, then the decode counters
+        # Absolute position of each row's first listed key (table.starts * block_size);
+        # 0 past the rows, so the decode layout views it as kv_start.
+        self._start = np.zeros(cap, dtype=np.int64)
         self._pages = PageRows(table, block_size, P, m, ints[: cap + 1])
-        self._decode = DecodeLayout(self._pages, ints, cap)
+        self._decode = DecodeLayout(self._pages, ints, self._start, cap)
         self._slots: list[int] = []  # row order, including dropped rows not yet compacted
         self._row_of: dict[int, int] = {}  # live rows only
         self._slot_arr = np.zeros(cap, dtype=np.int64)
         self._dropped: list[int] = []
-        # Tokens in each row's pages; while a decode layout is live, its own counters
-        # hold them instead (see _leave_decode).
+        # Tokens of each row, released ones included (its pages hold those from _start
+        # on); while a decode layout is live, its own counters hold them instead.
         self._kv = np.zeros(cap, dtype=np.int64)
 
     # ------------------------------------------------------------------ rows
@@ -72,11 +86,11 @@ class PersistentBatch:
         return sorted(self._row_of, key=self._row_of.__getitem__)
 
     def kv_len(self, slot: int) -> int:
-        """Tokens in the pages of `slot`'s row after the last step. Raises ValueError
-        when the slot has no row."""
+        """Tokens of `slot`'s row after the last step, released ones included. Raises
+        ValueError when the slot has no row."""
         row = self._row(slot, "kv_len")
         if self._decode.md is not None:
-            return int(self._decode.kv_after()[row])
+            return self._decode.kv_of(row)
         return int(self._kv[row])
 
     def _row(self, slot: int, where: str) -> int:
@@ -96,22 +110,26 @@ class PersistentBatch:
 
     def add(self, slot: int, num_cached: int) -> None:
         """A request joins as the last row: `slot`'s first num_cached tokens are in its
-        blocks already. Raises ValueError (batch unchanged) for a slot outside the table,
-        one that has a row, a negative count or too few blocks in the table."""
+        blocks already (those from the table's start of the slot on). Raises ValueError
+        (batch unchanged) for a slot outside the table, one that has a row, a count
+        negative or before the slot's start, or too few blocks in the table."""
         if not 0 <= slot < self.table.max_slots or slot in self._row_of:
             raise ValueError(f"PersistentBatch.add: slot {slot!r} is outside [0, "
                              f"{self.table.max_slots}) or has a row already")
-        if num_cached < 0:
-            raise ValueError(f"PersistentBatch.add: num_cached={num_cached} is negative")
+        first = int(self.table.starts[slot]) * self.block_size
+        if num_cached < first:
+            raise ValueError(f"PersistentBatch.add: num_cached={num_cached} is negative or "
+                             f"before position {first}, where slot {slot}'s blocks start")
         self._leave_decode()
         if self._dropped:
             self._compact()
-        self._pages.append(slot, -(-num_cached // self.page_size))
+        self._pages.append(slot, -(-(num_cached - first) // self.page_size))
         row = len(self._slots)
         self._slots.append(slot)
         self._row_of[slot] = row
         self._slot_arr[row] = slot
         self._kv[row] = num_cached
+        self._start[row] = first
 
     def remove(self, slot: int) -> None:
         """The request of `slot` leaves; its row is compacted away before the next step
@@ -121,11 +139,36 @@ class PersistentBatch:
         self._dropped.append(row)
         del self._row_of[slot]
 
+    def release_front(self, slot: int) -> None:
+        """The table released leading blocks of `slot` (its start moved on): their pages
+        leave the row, whose kv length then counts from the new start. In place; a decode
+        layout stays. Raises ValueError (batch unchanged) when the slot has no row, or
+        its start moved back or past the row's tokens."""
+        row = self._row(slot, "release_front")
+        self._release(row, slot, "release_front")
+
+    def _release(self, row: int, slot: int, where: str) -> None:
+        first = int(self.table.starts[slot]) * self.block_size
+        cut = first - int(self._start[row])
+        if not cut:
+            return
+        decode = self._decode
+        kv = decode.kv_of(row) if decode.md is not None else int(self._kv[row])
+        if cut < 0 or first > kv:
+            raise ValueError(f"PersistentBatch.{where}: slot {slot}'s blocks start at "
+                             f"position {first}, but its row starts at {self._start[row]} "
+                             f"and holds {kv} tokens")
+        self._pages.cut_front(row, cut // self.page_size)
+        self._start[row] = first
+        if decode.md is not None:
+            decode.release_front(row, cut)
+
     def rewrite(self, slot: int) -> None:
         """Read the pages of `slot`'s row again from the table: the cache switched some
-        of its blocks to equal cached ones (a deduplicated commit). Raises ValueError when
-        the slot has no row."""
+        of its blocks to equal cached ones (a deduplicated commit), and may have released
+        leading ones (as for release_front). Raises ValueError as release_front does."""
         row = self._row(slot, "rewrite")
+        self._release(row, slot, "rewrite")
         self._leave_decode()  # a kept decode layout may hold the old page ids
         self._pages.rewrite(row, slot)
 
@@ -134,6 +177,7 @@ class PersistentBatch:
         a caller whose step failed after `step` counted its tokens. Raises ValueError as
         add does (the rows before the bad one are added)."""
         self._decode.md = None
+        self._start[: len(self._slots)] = 0
         self._slots, self._row_of, self._dropped = [], {}, []
         self._pages.clear()
         for slot, num_cached in rows:
@@ -148,6 +192,8 @@ class PersistentBatch:
         live = len(slots)
         self._slot_arr[:live] = slots
         self._kv[:live] = self._kv[:n][keep]
+        self._start[:live] = self._start[:n][keep]
+        self._start[live:n] = 0
         self._slots = slots.tolist()
         first = min(self._dropped)  # rows before it keep their index
         self._row_of.update((s, i) for i, s in enumerate(self._slots[first:], first))
@@ -204,8 +250,9 @@ class PersistentBatch:
         """A step with prefill chunks or rows that sit out: kept pages, fresh token arrays."""
         P, pages = self.page_size, self._pages
         self._leave_decode()
-        kv = self._kv[:n]
-        pages.update(self._slot_arr[:n], (kv + new + (P - 1)) // P)  # may raise: first
+        kv, start = self._kv[:n], self._start[:n]
+        rel = kv - start if np.count_nonzero(start) else kv  # counted from the first listed key
+        pages.update(self._slot_arr[:n], (rel + new + (P - 1)) // P)  # may raise: first
         taking = new > 0
         B = int(np.count_nonzero(taking))
         flat = pages.flat
@@ -215,6 +262,8 @@ class PersistentBatch:
             kv_indices = flat[: pages.indptr[B]]
         else:
             kv_indices = flat[: pages.nnz][np.repeat(taking, pages.num_pages())]
-        md = assemble_metadata(kv_indices, kv[taking], new[taking], Bt, P)
+        md = assemble_metadata(kv_indices, rel[taking], new[taking], Bt, P)
+        if rel is not kv and np.count_nonzero(start[taking]):
+            md = shift_metadata(md, start[taking], new[taking])
         kv += new
         return md

@@ -151,11 +151,9 @@ class Engine:
         # the table is sized by the pool, never by the model's maximum length alone.
         self.table = BlockTable(max_batch_size, min(-(-self.max_model_len // B),
                                                     cache_config.max_num_blocks))
-        # A persistent batch's rows only grow; a sliding window shrinks them from the front.
         self.batch = PersistentBatch(self.table, block_size=B, page_size=self.backend.page_size,
                                      page_index_multiplier=self.backend.page_index_multiplier,
-                                     max_padded=max(self.graph_batch_sizes, default=None)
-                                     ) if self.cache_config.sliding_window is None else None
+                                     max_padded=max(self.graph_batch_sizes, default=None))
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
         self.scheduler = Scheduler(self.manager, self.table, self.batch,
@@ -165,7 +163,7 @@ class Engine:
                                    self.device) if cuda_graph else None
         self.runner = StepRunner(model=self.model, backend=self.backend, manager=self.manager,
                                  scheduler=self.scheduler, storage=self.storage,
-                                 table=self.table, batch=self.batch, graphs=self.graphs,
+                                 batch=self.batch, graphs=self.graphs,
                                  graph_batch_sizes=self.graph_batch_sizes,
                                  snapshots=self.snapshots, device=self.device)
         self._lock = FairLock()

@@ -14,8 +14,7 @@ Under a sliding window the cache allocates prompt blocks chunk by chunk: admissi
 the blocks of the first chunk, and each later chunk reserves its own, computing fewer
 tokens when the pool is short. A step in which no running request can get a block
 preempts the last of them, so the others can go on. Released blocks leave the front of
-a request's table row; the engine then builds each step's metadata from the table
-(there is no persistent batch: its rows only ever grow).
+a request's table row, and their pages the front of its batch row (release_front).
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ class Scheduler:
                  chunked: bool, share_prefixes: bool = True) -> None:
         self.manager = manager
         self.table = table
-        self.batch = batch  # None under a sliding window (see the module docstring)
+        self.batch = batch  # None: the caller builds metadata from the table
         self.windowed = manager.config.sliding_window is not None
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
@@ -172,6 +171,8 @@ class Scheduler:
         released = seq.num_released_blocks - int(self.table.starts[slot])
         if released > 0:
             self.table.drop_front(slot, released)
+            if self.batch is not None:
+                self.batch.release_front(slot)
         if len(seq.block_ids) > req.table_len:
             self.table.extend(slot, seq.live_block_ids(req.table_len))
             req.table_len = len(seq.block_ids)

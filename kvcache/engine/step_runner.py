@@ -3,8 +3,7 @@
     chunks = schedule()            admit with reuse, chunk prefills under the token budget
     apply the manager's ops        block copies, offloads, onboards, in queue order
     restore snapshots              hybrid models: the recurrent state at the reuse boundary
-    metadata                       from the persistent batch (kept across steps), or from
-                                   the block table under a sliding window
+    metadata                       from the persistent batch (kept across steps)
     plan + forward                 the backend plans once; each layer appends and attends
     save snapshots, sample, commit greedy (or forced) tokens; finished requests released,
                                    those without a block for their next token preempted
@@ -18,12 +17,9 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from kvcache.attention.base import AttentionBackend
-from kvcache.attention.block_table import BlockTable
-from kvcache.attention.metadata import PagedMetadata, build_metadata
 from kvcache.attention.persistent_batch import PersistentBatch
 from kvcache.core.manager import KVCacheManager
 from kvcache.core.pool import OutOfBlocksError
@@ -42,15 +38,14 @@ log = logging.getLogger(__name__)
 class StepRunner:
     """Runs steps over the engine's parts; counts steps and computed tokens.
 
-    `batch` is None where metadata comes from the block table (sliding windows shrink
-    rows from the front, which a persistent batch does not model). `graphs` is None
-    without CUDA graphs; `graph_batch_sizes` (empty: no padding) are the decode batch
-    sizes a step pads to. `snapshots` is None unless a hybrid model reuses blocks.
+    `batch` gives every step's metadata. `graphs` is None without CUDA graphs;
+    `graph_batch_sizes` (empty: no padding) are the decode batch sizes a step pads to.
+    `snapshots` is None unless a hybrid model reuses blocks.
     """
 
     def __init__(self, *, model: Transformer, backend: AttentionBackend,
                  manager: KVCacheManager, scheduler: Scheduler, storage: KvStorage,
-                 table: BlockTable, batch: PersistentBatch | None, graphs: DecodeGraphs | None,
+                 batch: PersistentBatch, graphs: DecodeGraphs | None,
                  graph_batch_sizes: tuple[int, ...], snapshots: StateSnapshots | None,
                  device: torch.device) -> None:
         self.model = model
@@ -58,7 +53,6 @@ class StepRunner:
         self.manager = manager
         self.scheduler = scheduler
         self.storage = storage
-        self.table = table
         self.batch = batch
         self.graphs = graphs
         self.graph_batch_sizes = graph_batch_sizes
@@ -119,8 +113,7 @@ class StepRunner:
                                                        for c in chunks):
             pad_to = next(s for s in sizes if s >= len(chunks))
         # The batch's metadata views its buffers: valid until the next step changes them.
-        md = (self.batch.step(row_tokens, pad_to=pad_to) if self.batch is not None
-              else self._table_metadata(chunks, pad_to))
+        md = self.batch.step(row_tokens, pad_to=pad_to)
         ids: list[int] = []
         for c in chunks:
             req = c.req
@@ -147,15 +140,6 @@ class StepRunner:
         if timer is not None:
             timer.lap("forward")
         return logits, ctx.snapshot_states
-
-    def _table_metadata(self, chunks: list[Chunk], pad_to: int | None) -> PagedMetadata:
-        """This step's metadata gathered from the block table (no persistent batch)."""
-        slots = np.fromiter((c.req.slot for c in chunks), dtype=np.int64, count=len(chunks))
-        return build_metadata(self.table, slots, [c.req.num_computed for c in chunks],
-                              [c.num_new for c in chunks], block_size=self.block_size,
-                              page_size=self.backend.page_size,
-                              page_index_multiplier=self.backend.page_index_multiplier,
-                              pad_to=pad_to)
 
     def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[int]:
         """The next token of every chunk that samples, in order (greedy, or forced); keeps

@@ -1,5 +1,6 @@
-"""PersistentBatch: equal to a full rebuild over random step sequences, decode steps that
-touch only per-row counters, bad input that changes nothing."""
+"""PersistentBatch: equal to a full rebuild over random step sequences (sliding-window
+releases at the rows' fronts included), decode steps that touch only per-row counters,
+bad input that changes nothing."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ class Mirror:
         self.kv: dict[int, int] = {}
         self.steps = 0
 
-    def admit(self, slot: int, cached: int, ids: list[int]) -> None:
-        self.table.assign(slot, ids)
+    def admit(self, slot: int, cached: int, ids: list[int], start: int = 0) -> None:
+        """Admit `slot` with `cached` tokens, its blocks `ids` from block `start` on."""
+        self.table.assign(slot, ids, start)
         self.batch.add(slot, cached)
         self.rows.append(slot)
         self.kv[slot] = cached
@@ -44,12 +46,22 @@ class Mirror:
         self.rows.remove(slot)
         del self.kv[slot]
 
+    def releasable(self, slot: int) -> int:
+        """Blocks `slot` may release: every block before the one of its next token."""
+        return self.kv[slot] // BLOCK - int(self.table.starts[slot])
+
+    def release(self, slot: int, count: int) -> None:
+        """A sliding window released `slot`'s first `count` blocks, as sync_table does."""
+        self.table.drop_front(slot, count)
+        self.batch.release_front(slot)
+
     def step(self, counts: list[int] | None, pad: int, ids: list[int]) -> PagedMetadata:
         """One step (counts None: a decode), the table first extended as the engine does
         (blocks for every new token, drawn from `ids`, which may hold some ahead)."""
         per_row = counts or [1] * len(self.rows)
         for slot, n in zip(self.rows, per_row, strict=True):
-            short = -(-(self.kv[slot] + n) // BLOCK) - int(self.table.lengths[slot])
+            listed = self.kv[slot] - int(self.table.starts[slot]) * BLOCK
+            short = -(-(listed + n) // BLOCK) - int(self.table.lengths[slot])
             if short > 0:
                 self.table.extend(slot, ids[:short])
         taking = [(s, n) for s, n in zip(self.rows, per_row, strict=True) if n]
@@ -81,27 +93,41 @@ def _take_path(mp: pytest.MonkeyPatch, path: str) -> None:
     mp.setattr(page_rows, "SPLICE_LIMIT", limit)
 
 
+def _maybe_release(data: st.DataObject, mirror: Mirror) -> None:
+    """Perhaps release some leading blocks of one row (none when the draw says so)."""
+    slot = data.draw(st.sampled_from(mirror.rows), label="release slot")
+    count = data.draw(st.integers(0, min(2, mirror.releasable(slot))), label="release")
+    if count:
+        mirror.release(slot, count)
+
+
 @settings(max_examples=120, deadline=None)
 @given(data=st.data(), k=st.sampled_from([1, 2, 4]), heads=st.sampled_from([1, 3]),
        path=st.sampled_from(sorted(PATHS)))
 def test_random_steps_equal_a_full_rebuild(data: st.DataObject, k: int, heads: int,
                                            path: str) -> None:
-    """Admissions (with cached prefixes), finishes, aborts, preemptions (a leave, then
-    the slot admitted again), leaves and joins between two decode steps, chunked
-    prefills, rows that sit out, decode runs across page boundaries (pages of 2 to 8
-    tokens: several rows start one in the same step), padding that changes between
-    steps; every step equals build_metadata over the same requests. `path` moves the
-    scalar/splice/regather switches so every path runs."""
+    """Admissions (with cached prefixes, some of whose blocks a window released),
+    finishes, aborts, preemptions (a leave, then the slot admitted again), leaves and
+    joins between two decode steps, chunked prefills, rows that sit out, decode runs
+    across page boundaries (pages of 2 to 8 tokens: several rows start one in the same
+    step), sliding-window releases at the rows' fronts (between decode steps too),
+    padding that changes between steps; every step equals build_metadata over the same
+    requests. `path` moves the scalar/splice/regather switches so every path runs."""
     mirror = Mirror(k, heads, max_padded=SLOTS + 2)
     with pytest.MonkeyPatch.context() as mp:
         _take_path(mp, path)
         for _ in range(data.draw(st.integers(1, 14), label="events")):
             free = [s for s in range(SLOTS) if s not in mirror.kv]
-            event = data.draw(st.sampled_from(["admit", "leave", "preempt", "decode", "chunks"]))
+            event = data.draw(st.sampled_from(["admit", "leave", "preempt", "decode", "chunks",
+                                               "release"]))
             if event == "admit" and free:
                 cached = data.draw(st.integers(0, 40))
+                start = data.draw(st.integers(0, cached // BLOCK), label="start")
+                blocks = -(-cached // BLOCK) - start + data.draw(st.integers(0, 1))
                 mirror.admit(data.draw(st.sampled_from(free)), cached,
-                             data.draw(ids_st)[: -(-cached // BLOCK) + data.draw(st.integers(0, 1))])
+                             data.draw(ids_st)[:blocks], start)
+            elif event == "release" and mirror.rows:
+                _maybe_release(data, mirror)
             elif event in ("leave", "preempt") and mirror.rows:
                 slot = data.draw(st.sampled_from(mirror.rows))
                 mirror.leave(slot)
@@ -110,11 +136,15 @@ def test_random_steps_equal_a_full_rebuild(data: st.DataObject, k: int, heads: i
                     mirror.admit(slot, cached, data.draw(ids_st)[: -(-cached // BLOCK)])
             elif event == "decode" and mirror.rows:
                 for _ in range(data.draw(st.integers(1, 2 * BLOCK))):
-                    if max(mirror.kv.values()) >= WIDTH * BLOCK - 1:
+                    if max(mirror.kv[s] - int(mirror.table.starts[s]) * BLOCK
+                           for s in mirror.rows) >= WIDTH * BLOCK - 1:
                         break
                     mirror.step(None, data.draw(st.integers(0, 2)), data.draw(ids_st))
+                    if data.draw(st.booleans(), label="release between"):
+                        _maybe_release(data, mirror)
             elif event == "chunks" and mirror.rows:
-                room = [min(5, WIDTH * BLOCK - mirror.kv[s]) for s in mirror.rows]
+                room = [min(5, (WIDTH + int(mirror.table.starts[s])) * BLOCK - mirror.kv[s])
+                        for s in mirror.rows]
                 counts = [data.draw(st.integers(0, r)) for r in room]
                 if any(counts):
                     mirror.step(counts, data.draw(st.integers(0, 2)), data.draw(ids_st))
@@ -221,6 +251,7 @@ def test_a_page_id_past_int32_is_refused() -> None:
     pytest.param(lambda b: b.remove(4), r"slot 4 has no row \(rows: \[0, 1, 2\]\)", id="remove"),
     pytest.param(lambda b: b.kv_len(5), "slot 5 has no row", id="kv-len"),
     pytest.param(lambda b: b.rewrite(5), "slot 5 has no row", id="rewrite"),
+    pytest.param(lambda b: b.release_front(5), "slot 5 has no row", id="release-front"),
     pytest.param(lambda b: b.step([1, 1]), r"one int per row \(3\)", id="counts-length"),
     pytest.param(lambda b: b.step([1.0, 1.0, 1.0]), "dtype float64", id="counts-float"),
     pytest.param(lambda b: b.step([1, -1, 1]), r"num_new=\[1, -1, 1\]", id="counts-negative"),
@@ -247,6 +278,71 @@ def test_rewrite_rereads_a_row_whose_blocks_were_switched(k: int) -> None:
     mirror.table.assign(1, [900, 901, *mirror.table.block_ids(1)[2:]])
     mirror.batch.rewrite(1)
     for counts in (None, None, [2, 1, 0], None):
+        mirror.step(counts, 0, [5, 6])
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("k", [1, 2])
+def test_release_front_keeps_the_decode_layout(monkeypatch: pytest.MonkeyPatch, path: str,
+                                               k: int) -> None:
+    """Contexts 20, 30, 9: row 1 releases 2 blocks between decode steps. Its pages leave
+    kv_indices, the rows after it move down, kv_start shows position 16, and the next
+    quiet steps return that metadata object again."""
+    _take_path(monkeypatch, path)
+    mirror = _decoding(k, contexts=(20, 30, 9))
+    first = mirror.step(None, 0, [])
+    assert first.kv_start is None
+    before = first.kv_indptr.tolist()
+    mirror.release(1, 2)
+    second = mirror.step(None, 0, [])  # positions 21, 31, 10: no row starts a page
+    assert second.kv_start is not None and second.kv_start.tolist() == [0, 16, 0]
+    assert second.kv_lens.tolist() == [22, 16, 11]
+    assert second.kv_indptr.tolist() == [before[0], before[1], before[2] - 2 * k,
+                                         before[3] - 2 * k]
+    assert mirror.step(None, 0, []) is second
+    for _ in range(2 * BLOCK):  # across page starts, and a second release
+        mirror.step(None, 0, [3, 4])
+        if mirror.steps == BLOCK:
+            mirror.release(0, 1)
+
+
+def test_release_front_past_the_row_is_refused() -> None:
+    """A table whose start moved past the row's tokens, or back, is refused; the batch
+    goes on once the table is right again."""
+    mirror = _decoding(contexts=(20, 9))
+    mirror.step(None, 0, [])
+    ids = mirror.table.block_ids(0)
+    mirror.table.drop_front(0, 3)  # position 24, past the row's 21 tokens
+    with pytest.raises(ValueError, match="slot 0's blocks start at position 24, but its row "
+                                         "starts at 0 and holds 21 tokens"):
+        mirror.batch.release_front(0)
+    mirror.table.assign(0, ids[1:], 1)
+    mirror.batch.release_front(0)
+    mirror.table.assign(0, ids)  # back to position 0
+    with pytest.raises(ValueError, match="start at position 0, but its row starts at 8"):
+        mirror.batch.rewrite(0)
+    mirror.table.assign(0, ids[1:], 1)
+    for _ in range(BLOCK):
+        mirror.step(None, 0, [])
+
+
+def test_add_before_the_slots_start_is_refused() -> None:
+    mirror = _decoding(contexts=(20,))
+    mirror.table.assign(4, [1, 2], 2)
+    with pytest.raises(ValueError, match="num_cached=9 is negative or before position 16"):
+        mirror.batch.add(4, 9)
+    mirror.admit(4, 17, [1, 2], 2)
+    mirror.step([3, 2], 1, [])
+    mirror.step(None, 1, [5, 6])
+
+
+def test_rewrite_follows_a_release_in_the_same_commit() -> None:
+    """A deduplicated commit may release leading blocks too: rewrite takes both."""
+    mirror = _decoding(contexts=(20, 30))
+    mirror.step(None, 0, [])
+    mirror.table.assign(1, [900, *mirror.table.block_ids(1)[2:]], 1)
+    mirror.batch.rewrite(1)
+    for counts in (None, [2, 1], None):
         mirror.step(counts, 0, [5, 6])
 
 
