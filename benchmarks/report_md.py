@@ -68,17 +68,21 @@ def _metadata(benches: Sequence[Benchmark]) -> list[str]:
             continue
         e = b.extra
         per_step = b.median / e.get("steps_per_round", 1)  # seconds per step (or build)
-        path = "step" if b.base.startswith("test_decode_step") else "rebuild"
+        path = e.get("mode") or ("step" if b.base.startswith("test_decode_step") else "rebuild")
+        if e.get("window"):
+            path += f", window {e['window']}"
         rows.append([path, e.get("batch", "?"), "yes" if e.get("ragged") else "no",
                      e.get("context", "?"), duration(per_step),
                      duration(div(e.get("baseline_us"), 1e6)),
                      ratio(div(per_step * 1e6, e.get("baseline_us")) or e.get("ratio")),
-                     duration(div(e.get("rebuild_us"), 1e6)) if path == "step" else ""])
+                     duration(div(e.get("rebuild_us"), 1e6)) if "rebuild_us" in e else ""])
     return [f"## Decode metadata against one copy_ of kv_indices (target <= "
             f"{METADATA_TARGET:g}x)", "",
             "step: a PersistentBatch's decode step (what the engine runs; page starts "
             "included, per step of a page cycle), and the step after a request leaves and "
-            "another joins; rebuild: build_metadata from the block table (the reference).",
+            "another joins; rebuild: build_metadata from the block table (the reference). "
+            "Window rows: each request also releases its first block once per page cycle "
+            "(the table's drop_front, plus the batch's release_front in step).",
             "", *table(["path", "batch", "ragged", "context", "time", "copy_", "time / copy_",
                         "after leave + join"], rows)]
 
@@ -367,6 +371,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("Per-request cost against cached blocks",
             _bases("test_request_cost_is_flat_in_tree_size"), _tree_size),
     Section("Decode metadata", _bases("test_decode_step_metadata",
+                                      "test_decode_step_metadata_windowed",
                                       "test_build_decode_metadata",
                                       "test_build_decode_metadata_ragged",
                                       "test_copy_kv_indices_baseline"), _metadata),

@@ -5,7 +5,11 @@ Metadata: decode batches at a 4k-token context (uniform, or ragged over [3.5k, 4
 PersistentBatch advancing its requests by one token; each round is one page cycle (16
 steps, in which every request starts exactly one new page), timed after an untimed
 admission and first step, and reported per step. `test_build_decode_metadata` times the
-full rebuild from the block table (build_metadata, the reference). The ideal is one torch
+full rebuild from the block table (build_metadata, the reference).
+`test_decode_step_metadata_windowed` runs the same page cycle under a sliding window of
+half the context (ragged contexts): each request also releases its first block once per
+cycle (BlockTable.drop_front), and the step is either the PersistentBatch's (release_front
+included) or a rebuild from the table, which windowed engines ran before. The ideal is one torch
 copy_ of the final int32 kv_indices (the least any step must touch), timed in the same
 run. Attention: the torch reference backend against dense masked attention over the
 same K/V without paging. Each measured test records its baseline and ratio in
@@ -147,6 +151,86 @@ def test_decode_step_metadata(benchmark: Any, bench_quick: bool, batch: int,
     if benchmark.stats is not None:  # absent under --benchmark-disable
         step_us = benchmark.stats.stats.median * 1e6 / STEPS_PER_ROUND
         benchmark.extra_info.update(step_us=round(step_us, 3), ratio=round(step_us / baseline_us, 2))
+
+
+WINDOW = CONTEXT // 2  # a multiple of BLOCK
+
+
+def _due(slots: np.ndarray, kv: np.ndarray) -> list[list[int]]:
+    """For each step of a page cycle from kv tokens, the slots whose first block leaves
+    the window before it: before position p a row starts at block (p - WINDOW + 1) // BLOCK."""
+    return [slots[(kv + s - WINDOW + 1) % BLOCK == 0].tolist() for s in range(STEPS_PER_ROUND)]
+
+
+def _windowed_round(table: BlockTable, slots: np.ndarray, cached: np.ndarray,
+                    batch_mode: bool) -> tuple[BlockTable, PersistentBatch | None, list[list[int]]]:
+    """A fresh copy of `table` whose rows released every block before the window of
+    their next token, a batch over it (batch_mode) after its first step and an untimed
+    page cycle (as `_admitted`), and the next cycle's releases (see _due). Both modes
+    leave the table at cached + 1 + STEPS_PER_ROUND tokens a row."""
+    fresh = BlockTable(table.max_slots, table.max_blocks_per_slot)
+    fresh.blocks[:] = table.blocks
+    fresh.lengths[:] = table.lengths
+    for slot, n in zip(slots.tolist(), cached.tolist(), strict=True):
+        fresh.drop_front(slot, max(0, n - WINDOW + 1) // BLOCK)
+    pb = PersistentBatch(fresh, block_size=BLOCK) if batch_mode else None
+    if pb is not None:
+        for slot, c in zip(slots.tolist(), cached.tolist(), strict=True):
+            pb.add(slot, c)
+        pb.step()
+    for released in _due(slots, cached + 1):
+        for slot in released:
+            fresh.drop_front(slot, 1)
+            if pb is not None:
+                pb.release_front(slot)
+        if pb is not None:
+            pb.step()
+    return fresh, pb, _due(slots, cached + 1 + STEPS_PER_ROUND)
+
+
+@pytest.mark.parametrize("mode", ["step", "rebuild"])
+@pytest.mark.parametrize("batch", [pytest.param(b, id=f"b{b}") for b in (64, 256)])
+def test_decode_step_metadata_windowed(benchmark: Any, bench_quick: bool, batch: int,
+                                       mode: str) -> None:
+    """Per step under a window: front releases, then the step's decode metadata."""
+    table, slots, cached, ones = _decode_batch(batch, ragged=True)
+    state: list[Any] = []
+
+    def fresh() -> tuple[tuple[()], dict[str, Any]]:
+        state[:] = _windowed_round(table, slots, cached, mode == "step")
+        return (), {}
+
+    def page_cycle_step() -> None:
+        table, pb, due = state
+        assert pb is not None
+        for released in due:
+            for slot in released:
+                table.drop_front(slot, 1)
+                pb.release_front(slot)
+            pb.step()
+
+    def page_cycle_rebuild() -> None:
+        table, _, due = state
+        kv = cached + 1 + STEPS_PER_ROUND
+        for released in due:
+            for slot in released:
+                table.drop_front(slot, 1)
+            build_metadata(table, slots, kv, ones, block_size=BLOCK)
+            kv += 1
+
+    benchmark.pedantic(page_cycle_step if mode == "step" else page_cycle_rebuild,
+                       setup=fresh, rounds=10 if bench_quick else 100)
+    if mode == "step":  # the state the last round left, one step on
+        md = state[1].step()
+        want = build_metadata(state[0], slots, cached + 2 * STEPS_PER_ROUND + 1, ones,
+                              block_size=BLOCK)
+        for name in ("kv_indices", "kv_indptr", "kv_lens", "positions", "kv_start"):
+            assert getattr(md, name).tolist() == getattr(want, name).tolist(), name
+    benchmark.extra_info.update(batch=batch, context=CONTEXT, block_size=BLOCK, ragged=True,
+                                window=WINDOW, mode=mode, steps_per_round=STEPS_PER_ROUND)
+    if benchmark.stats is not None:
+        benchmark.extra_info["step_us"] = round(
+            benchmark.stats.stats.median * 1e6 / STEPS_PER_ROUND, 3)
 
 
 @pytest.mark.parametrize("batch", BATCHES)

@@ -225,15 +225,29 @@ class PageRows:
                 wrote += stop - end
         self._set_rows(pages)
 
-    def cut_front(self, row: int, count: int) -> None:
-        """Row `row` loses its first `count` pages (a sliding window released their
-        blocks); the pages after them move down, one memmove. In place."""
-        start, end = int(self.indptr[row]), int(self.indptr[row + 1])
-        assert 0 <= count <= end - start, "a row loses only pages it holds"
-        src = self._addr + (start + count) * _ID_BYTES
-        _memmove(src - count * _ID_BYTES, src, (self.nnz - start - count) * _ID_BYTES)
-        self.indptr[row + 1 : self.rows + 1] -= count
-        self._set_nnz(self.nnz - count)
+    def cut_fronts(self, rows: list[int], counts: list[int], slots: IntArray) -> None:
+        """Each of `rows` (ascending) loses its first counts[i] pages (a sliding window
+        released their blocks); slots: every row's. The runs between the cuts move down,
+        one memmove each, first to last, so each run moves once whatever the cuts."""
+        if len(rows) > SPLICE_LIMIT:
+            pages = self.num_pages()
+            pages[rows] -= counts
+            self.gather(slots[: self.rows], pages)
+            self._set_rows(pages)
+            return
+        at, addr, nnz = self._at, self._addr, self.nnz
+        cut = 0
+        for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
+            assert 0 <= count <= at(row + 1) - at(row), "a row loses only pages it holds"
+            src = at(row) + count
+            stop = at(rows[i + 1]) if i + 1 < len(rows) else nnz
+            cut += count
+            _memmove(addr + (src - cut) * _ID_BYTES, addr + src * _ID_BYTES,
+                     (stop - src) * _ID_BYTES)
+        lost = np.zeros(self.rows, dtype=np.int32)
+        lost[rows] = counts
+        self.indptr[1 : self.rows + 1] -= np.cumsum(lost, dtype=np.int32)
+        self._set_nnz(nnz - cut)
 
     def update(self, slots: IntArray, pages: IntArray) -> None:
         """Row i, of slot slots[i], now holds pages[i] pages, at least as many as before

@@ -14,9 +14,9 @@ gathers every page from the block table each step, here:
   pages, and the next decode step lays the counters out again from the token counts;
 - a step with prefill chunks takes kv_indices from the kept pages (grown by its chunks);
 - under a sliding window, a row whose leading blocks were released (`release_front`)
-  has their pages cut out of kv_indices, one memmove, and its counters moved: its pages
-  and kv length then count from its start, as build_metadata's do, and `kv_start` says
-  where that is.
+  has its counters moved at once (its kv length then counts from its start, as
+  build_metadata's does, and `kv_start` says where that is) and their pages cut out of
+  kv_indices before the next step, every release since the last step in one pass.
 
 The result equals build_metadata's for the same requests (a property test drives both
 over random step sequences); build_metadata stays the reference. It is valid until the
@@ -72,6 +72,7 @@ class PersistentBatch:
         self._row_of: dict[int, int] = {}  # live rows only
         self._slot_arr = np.zeros(cap, dtype=np.int64)
         self._dropped: list[int] = []
+        self._cuts: dict[int, int] = {}  # row -> leading pages released, not yet cut out
         # Tokens of each row, released ones included (its pages hold those from _start
         # on); while a decode layout is live, its own counters hold them instead.
         self._kv = np.zeros(cap, dtype=np.int64)
@@ -121,6 +122,8 @@ class PersistentBatch:
             raise ValueError(f"PersistentBatch.add: num_cached={num_cached} is negative or "
                              f"before position {first}, where slot {slot}'s blocks start")
         self._leave_decode()
+        if self._cuts:
+            self._cut()
         if self._dropped:
             self._compact()
         self._pages.append(slot, -(-(num_cached - first) // self.page_size))
@@ -135,15 +138,18 @@ class PersistentBatch:
         """The request of `slot` leaves; its row is compacted away before the next step
         or admission. Raises ValueError when the slot has no row."""
         row = self._row(slot, "remove")
+        if self._cuts:
+            self._cut()
         self._leave_decode()
         self._dropped.append(row)
         del self._row_of[slot]
 
     def release_front(self, slot: int) -> None:
         """The table released leading blocks of `slot` (its start moved on): their pages
-        leave the row, whose kv length then counts from the new start. In place; a decode
-        layout stays. Raises ValueError (batch unchanged) when the slot has no row, or
-        its start moved back or past the row's tokens."""
+        leave the row (cut out before the next step), whose kv length then counts from
+        the new start. In place; a decode layout stays. Raises ValueError (batch
+        unchanged) when the slot has no row, or its start moved back or past the row's
+        tokens."""
         row = self._row(slot, "release_front")
         self._release(row, slot, "release_front")
 
@@ -158,7 +164,7 @@ class PersistentBatch:
             raise ValueError(f"PersistentBatch.{where}: slot {slot}'s blocks start at "
                              f"position {first}, but its row starts at {self._start[row]} "
                              f"and holds {kv} tokens")
-        self._pages.cut_front(row, cut // self.page_size)
+        self._cuts[row] = self._cuts.get(row, 0) + cut // self.page_size
         self._start[row] = first
         if decode.md is not None:
             decode.release_front(row, cut)
@@ -169,6 +175,8 @@ class PersistentBatch:
         leading ones (as for release_front). Raises ValueError as release_front does."""
         row = self._row(slot, "rewrite")
         self._release(row, slot, "rewrite")
+        if self._cuts:
+            self._cut()
         self._leave_decode()  # a kept decode layout may hold the old page ids
         self._pages.rewrite(row, slot)
 
@@ -178,10 +186,15 @@ class PersistentBatch:
         add does (the rows before the bad one are added)."""
         self._decode.md = None
         self._start[: len(self._slots)] = 0
-        self._slots, self._row_of, self._dropped = [], {}, []
+        self._slots, self._row_of, self._dropped, self._cuts = [], {}, [], {}
         self._pages.clear()
         for slot, num_cached in rows:
             self.add(slot, num_cached)
+
+    def _cut(self) -> None:
+        rows = sorted(self._cuts)
+        self._pages.cut_fronts(rows, [self._cuts[r] for r in rows], self._slot_arr)
+        self._cuts.clear()
 
     def _compact(self) -> None:
         n = len(self._slots)
@@ -209,6 +222,8 @@ class PersistentBatch:
         build_metadata over the rows that take part. Raises ValueError (batch unchanged)
         for an empty batch, bad counts or pad_to, or a row whose slot holds too few blocks.
         """
+        if self._cuts:
+            self._cut()
         if self._dropped:
             self._compact()
         n = len(self._slots)
