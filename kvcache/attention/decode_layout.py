@@ -67,7 +67,7 @@ class DecodeLayout:
                  capacity: int) -> None:
         assert pages.indptr.base is ints, "indptr heads the int32 buffer"
         self.pages = pages
-        self._starts_of = starts
+        self._kv_start = starts
         self.page_size = pages.page_size
         self._i32 = ints
         self._i64 = np.zeros(2 * capacity, dtype=np.int64)
@@ -75,7 +75,7 @@ class DecodeLayout:
         self._arange = np.arange(capacity + 1, dtype=np.int32)  # qo_indptr, batch_indices
         self._due = np.zeros(capacity, dtype=np.int64)  # the phase at which each row starts a page
         t = torch.from_numpy
-        self._t64, self._t32, self._t_starts = t(self._i64), t(ints), t(starts)
+        self._t64, self._t32, self._t_kv_start = t(self._i64), t(ints), t(starts)
         self._t_append_pages, self._t_arange = t(self._append_pages), t(self._arange)
         self.md: PagedMetadata | None = None
         self._n = self._Bt = 0
@@ -110,7 +110,7 @@ class DecodeLayout:
         last_page_len, kv_lens = i32[Bt + 1 : 2 * Bt + 1], i32[2 * Bt + 1 : 3 * Bt + 1]
         np.add(i64[:n], _ONE64, out=last_page_len[:n])
         last_page_len[n:] = 0
-        starts = self._starts_of[:n]
+        starts = self._kv_start[:n]
         started = bool(np.count_nonzero(starts))
         kv_lens[:n] = kv - starts if started else kv  # counted from each row's first key
         kv_lens[n:] = 0
@@ -134,12 +134,11 @@ class DecodeLayout:
 
     def _make_views(self, n: int, Bt: int) -> tuple[tuple[torch.Tensor, ...], Int32Array]:
         """PagedMetadata's tensors but kv_indices, in field order (kv_start last), for
-        the (n, Bt) layout,
-        and the int32 delta of a step in which no row starts a page."""
+        the (n, Bt) layout, and the int32 delta of a step in which no row starts a page."""
         t64, t32, arange = self._t64, self._t32, self._t_arange
         views = (arange[: Bt + 1], t32[: Bt + 1], t32[Bt + 1 : 2 * Bt + 1],
                  t32[2 * Bt + 1 : 3 * Bt + 1], t64[n : n + Bt], arange[:Bt],
-                 self._t_append_pages[:n], t64[:n], self._t_starts[:Bt])
+                 self._t_append_pages[:n], t64[:n], self._t_kv_start[:Bt])
         quiet = np.zeros(3 * Bt + 1, dtype=np.int32)
         quiet[Bt + 1 : Bt + 1 + n] = 1
         quiet[2 * Bt + 1 : 2 * Bt + 1 + n] = 1
@@ -177,7 +176,7 @@ class DecodeLayout:
         assert md is not None, "release_front() follows lay_out()"
         self._i32[2 * self._Bt + 1 + row] -= tokens
         if md.kv_start is None:
-            self.md = md._replace(kv_start=self._t_starts[: self._Bt])
+            self.md = md._replace(kv_start=self._t_kv_start[: self._Bt])
 
     def _plan(self, phase: int, slots: IntArray) -> _Starts:
         """The rows due at `phase` and the deltas of their step, kept until lay_out."""
