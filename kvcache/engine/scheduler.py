@@ -52,11 +52,11 @@ class Scheduler:
     """Owns the waiting queue, the running set, their batch slots and batch rows."""
 
     def __init__(self, manager: KVCacheManager, table: BlockTable,
-                 batch: PersistentBatch | None, *, max_num_tokens: int, max_batch_size: int,
+                 batch: PersistentBatch, *, max_num_tokens: int, max_batch_size: int,
                  chunked: bool, share_prefixes: bool = True) -> None:
         self.manager = manager
         self.table = table
-        self.batch = batch  # None: the caller builds metadata from the table
+        self.batch = batch
         self.windowed = manager.config.sliding_window is not None
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
@@ -113,8 +113,7 @@ class Scheduler:
             self.table.assign(req.slot, seq.live_block_ids(), seq.num_released_blocks)
             req.table_len = len(seq.block_ids)
             req.table_version = seq.block_ids_version
-            if self.batch is not None:
-                self.batch.add(req.slot, req.num_computed)
+            self.batch.add(req.slot, req.num_computed)
             self.running.append(req)
             todo.append(req.num_uncomputed)
             counts.append(self._take(todo[-1], budget))
@@ -145,8 +144,6 @@ class Scheduler:
     def recount_batch(self) -> None:
         """Set the batch's rows from the running requests: after a step whose forward
         failed, the batch counted tokens the requests never computed."""
-        if self.batch is None:
-            return
         rows = []
         for req in self.running:
             assert req.slot is not None
@@ -163,16 +160,14 @@ class Scheduler:
         assert seq is not None and slot is not None
         if seq.block_ids_version != req.table_version:
             self.table.assign(slot, seq.live_block_ids(), seq.num_released_blocks)
-            if self.batch is not None:
-                self.batch.rewrite(slot)  # its kept pages name the blocks given back
+            self.batch.rewrite(slot)  # its kept pages name the blocks given back
             req.table_len = len(seq.block_ids)
             req.table_version = seq.block_ids_version
             return
         released = seq.num_released_blocks - int(self.table.starts[slot])
         if released > 0:
             self.table.drop_front(slot, released)
-            if self.batch is not None:
-                self.batch.release_front(slot)
+            self.batch.release_front(slot)
         if len(seq.block_ids) > req.table_len:
             self.table.extend(slot, seq.live_block_ids(req.table_len))
             req.table_len = len(seq.block_ids)
@@ -181,8 +176,7 @@ class Scheduler:
         """Free `req`'s blocks (committed ones stay cached) and its slot."""
         assert req.slot is not None
         self.manager.free_sequence(req.rid)
-        if self.batch is not None:
-            self.batch.remove(req.slot)
+        self.batch.remove(req.slot)
         self.table.release(req.slot)
         self._free_slots.append(req.slot)
         self.running.remove(req)

@@ -4,21 +4,24 @@ a chunk, and a step where no running request can get a block preempts one."""
 from __future__ import annotations
 
 from kvcache import KvCacheConfig, KVCacheManager
-from kvcache.attention import BlockTable
+from kvcache.attention import BlockTable, PersistentBatch
 from kvcache.engine.request import Request
-from kvcache.engine.scheduler import Chunk, Scheduler
+from kvcache.engine.scheduler import Schedule, Scheduler
 
 
 def _setup(pool: int, budget: int = 8) -> tuple[KVCacheManager, Scheduler]:
     mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=pool,
                                        sliding_window=8))
-    return mgr, Scheduler(mgr, BlockTable(2, pool), None, max_num_tokens=budget,
-                          max_batch_size=2, chunked=True)
+    table = BlockTable(2, pool)
+    return mgr, Scheduler(mgr, table, PersistentBatch(table, block_size=4),
+                          max_num_tokens=budget, max_batch_size=2, chunked=True)
 
 
-def _compute(mgr: KVCacheManager, sched: Scheduler, chunks: list[Chunk]) -> None:
-    """What the engine does after a forward: count, commit, sync the table."""
-    for c in chunks:
+def _compute(mgr: KVCacheManager, sched: Scheduler, step: Schedule) -> None:
+    """What the engine does around a forward: the step's metadata from the batch, then
+    count, commit and sync the table (and the batch's rows)."""
+    sched.batch.step(step.row_tokens)
+    for c in step.chunks:
         c.req.num_computed += c.num_new
         mgr.commit(c.req.rid, c.req.num_computed)
         sched.sync_table(c.req)
@@ -29,9 +32,9 @@ def test_chunks_reserve_their_blocks_and_the_table_follows_the_window() -> None:
     req = Request(0, list(range(1, 41)), 1, None, 35, None, False)
     sched.waiting.append(req)
     for _ in range(5):
-        chunks = sched.schedule().chunks
-        assert [c.num_new for c in chunks] == [8]
-        _compute(mgr, sched, chunks)
+        step = sched.schedule()
+        assert [c.num_new for c in step.chunks] == [8]
+        _compute(mgr, sched, step)
         assert req.seq is not None and req.slot is not None
         first = req.seq.num_released_blocks
         assert int(sched.table.starts[req.slot]) == first
@@ -46,16 +49,16 @@ def test_a_short_pool_shrinks_the_chunk_and_a_stuck_step_preempts() -> None:
     mgr.add_sequence("other", list(range(50, 58)))  # holds two of the four blocks
     req = Request(0, list(range(1, 41)), 1, None, 35, None, False)
     sched.waiting.append(req)
-    _compute(mgr, sched, sched.schedule().chunks)  # admitted with the two blocks left
+    _compute(mgr, sched, sched.schedule())  # admitted with the two blocks left
     assert req.num_computed == 8
     assert sched.schedule().chunks == []  # no block for its next chunk, and nobody else runs
     assert (req.num_preemptions, req.seq, list(sched.waiting)) == (1, None, [req])
     mgr.check_integrity()
     assert sched.schedule().chunks == []  # waits: the other sequence still holds its blocks
     mgr.free_sequence("other")
-    chunks = sched.schedule().chunks
+    step = sched.schedule()
     assert req.num_cached_tokens == 0 and req.num_computed == 8  # its 8 tokens were cached
-    assert [c.num_new for c in chunks] == [8]
-    _compute(mgr, sched, chunks)
+    assert [c.num_new for c in step.chunks] == [8]
+    _compute(mgr, sched, step)
     sched.release(req)
     mgr.check_integrity()
