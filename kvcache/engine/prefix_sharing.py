@@ -16,7 +16,6 @@ is aborted or preempted), the condition is re-checked against the requests still
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -29,7 +28,7 @@ if TYPE_CHECKING:  # request.py needs torch; this module does not
 def prompt_bytes(req: Request) -> bytes:
     """The request's prompt as uint32 bytes (computed once per request)."""
     if req.prompt_key is None:
-        req.prompt_key = array("I", req.prompt).tobytes()
+        req.prompt_key = req.tokens[:len(req.prompt)].tobytes()
     return req.prompt_key
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,7 +54,10 @@ class GenerationOutput:
 class Request:
     """Mutable engine-side state of one request.
 
-    `tokens` is prompt plus generated; the KV of tokens[:num_computed] is in the cache.
+    `tokens` is prompt plus generated, as the cache's token array (`array('I')`, built
+    from the checked prompt): the cache takes it with one copy, no per-token conversion,
+    however often the scheduler plans its admission. The KV of tokens[:num_computed] is
+    in the cache.
     Every running request has uncomputed tokens: the rest of its prompt, or its last
     sampled token.
     """
@@ -65,7 +69,7 @@ class Request:
     priority: int
     forced: Sequence[int] | None
     return_logits: bool
-    tokens: list[int] = field(default_factory=list)
+    tokens: array = field(default_factory=lambda: array("I"))
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     seq: CacheSequence | None = None
@@ -80,7 +84,7 @@ class Request:
     prompt_key: bytes | None = field(default=None, repr=False)  # prompt as uint32 bytes
 
     def __post_init__(self) -> None:
-        self.tokens = list(self.prompt)
+        self.tokens = array("I", self.prompt)
 
     @property
     def num_uncomputed(self) -> int:

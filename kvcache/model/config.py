@@ -15,10 +15,12 @@ _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers"
                   "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
 # Upper bounds for the fields that size something before any weight is seen: one
 # module and a dozen tensor names per layer; lengths up to this in the int32 kv_lens
-# and indptr arrays of the attention metadata.
+# and indptr arrays of the attention metadata; token ids the cache's uint32 keys hold.
 MAX_LAYERS = 1024  # the deepest published decoders have a few hundred: more is a typo
 MAX_POSITIONS = 2**31 - 1
-_UPPER_BOUNDS = {"num_layers": MAX_LAYERS, "max_position_embeddings": MAX_POSITIONS}
+MAX_VOCAB = 2**32
+_UPPER_BOUNDS = {"num_layers": MAX_LAYERS, "max_position_embeddings": MAX_POSITIONS,
+                 "vocab_size": MAX_VOCAB}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +34,8 @@ class ModelConfig:
 
     Raises:
         ValueError: a field has a bad type or value (a non-finite float, a count above
-            MAX_LAYERS or MAX_POSITIONS); the message names field, value and limit.
+            MAX_LAYERS, MAX_POSITIONS or MAX_VOCAB); the message names field, value and
+            limit.
     """
 
     vocab_size: int
