@@ -37,9 +37,9 @@ from kvcache.attention.metadata import PagedMetadata
 from kvcache.attention.metadata_decode import Int32Array, IntArray
 from kvcache.attention.page_rows import PageRows
 
-# Rows starting a page in one step up to which scalar Python (~1 us a row, memmove
-# included) beats reading their pages with numpy (~5 us, then ~0.6 us a row).
-SCALAR_STARTS = 8
+# Rows starting a page in one step up to which scalar code (~0.5 us a row, moves
+# included) beats gathering every row again from the table (~20 us at batch 64).
+SCALAR_STARTS = 32
 _ONE64 = np.array(1, dtype=np.int64)  # 0-d operands are cheaper than Python ints
 
 
@@ -47,9 +47,8 @@ class _Starts(NamedTuple):
     """The rows (ascending) that start a page at one phase of the page cycle."""
 
     rows: IntArray
-    rows_list: list[int]
-    slots_list: list[int]   # theirs
-    slots: IntArray
+    pairs: list[tuple[int, int]]  # (row, its slot)
+    slots: IntArray  # theirs
     delta64: IntArray       # added to [append_slots | positions[:n]]: 1, or 1 - P to restart
     delta32: Int32Array     # added to [kv_indptr | last_page_len | kv_lens]
 
@@ -72,6 +71,7 @@ class DecodeLayout:
         self._i32 = ints
         self._i64 = np.zeros(2 * capacity, dtype=np.int64)
         self._append_pages = np.zeros(capacity, dtype=np.int64)
+        self._append_out = self._append_pages.data  # its scalar writes
         self._arange = np.arange(capacity + 1, dtype=np.int32)  # qo_indptr, batch_indices
         self._due = np.zeros(capacity, dtype=np.int64)  # the phase at which each row starts a page
         t = torch.from_numpy
@@ -189,26 +189,19 @@ class DecodeLayout:
         indptr = delta32[: Bt + 1]
         indptr[rows + 1] = 1
         np.cumsum(indptr, out=indptr)  # each row's pages start after the new ones before it
-        starts = _Starts(rows, rows.tolist(), slots[rows].tolist(), slots[rows], delta64,
-                         delta32)
+        starts = _Starts(rows, list(zip(rows.tolist(), slots[rows].tolist(), strict=True)),
+                         slots[rows], delta64, delta32)
         self._starts[phase] = starts
         return starts
 
     def _start_pages(self, starts: _Starts, slots: IntArray) -> None:
         """The rows of `starts` gain their next page: kv_indices and append_pages (the
         counters are the caller's). Raises ValueError (nothing changed) as PageRows.page_id."""
-        pages, rows = self.pages, starts.rows_list
-        if len(rows) == 1:
-            row = rows[0]
-            self._append_pages[row] = pages.grow_one(row, starts.slots_list[0])
-            return
-        if len(rows) <= SCALAR_STARTS:
-            append_pages = self._append_pages
-            for r, page in zip(rows, pages.grow_rows(rows, starts.slots_list), strict=True):
-                append_pages[r] = page
+        pages = self.pages
+        if len(starts.pairs) <= SCALAR_STARTS:
+            pages.start_pages(starts.pairs, self._append_out)
             return
         indptr = pages.indptr
-        ends = indptr[starts.rows + 1]
-        new_ids = pages.ids(starts.slots, ends - indptr[starts.rows])  # may raise: first
-        pages.grow(starts.rows, ends, new_ids, slots)
+        new_ids = pages.ids(starts.slots, indptr[starts.rows + 1] - indptr[starts.rows])
+        pages.regrow(starts.rows, slots)  # after the ids: they may raise
         self._append_pages[starts.rows] = new_ids

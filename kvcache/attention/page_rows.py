@@ -9,17 +9,18 @@ re-reading the block table for rows that did not change.
 
 kv_indices lives in one buffer, and one tensor views it, resized in place to the pages in
 use. A row that gains pages moves the pages after it up; the runs of unchanged rows move
-last first, one memmove each. That is `ctypes.memmove`: numpy copies an overlapping slice
-that moves up element by element (4x slower than a memmove at 64k pages) and torch
-refuses overlapping copies. A change to more than SPLICE_LIMIT rows gathers every row
-from the block table instead, a few calls whatever changed. The costs that matter are per
-call (~0.3 us for a memmove or a small numpy call), so a decode step's page starts
-(`grow_one`, `grow_rows`) are scalar Python over rows the caller keeps.
+last first, one memmove each. That is a slice assignment between memoryviews of the
+buffer, which CPython does with one memmove (~0.1 us a call, bounds checked):
+`ctypes.memmove` costs 0.4 us a call, numpy copies an overlapping slice that moves up
+element by element (4x slower than a memmove at 64k pages) and torch refuses overlapping
+copies. A change to more than SPLICE_LIMIT rows gathers every row from the block table
+instead, a few calls whatever changed. The costs that matter are per call (~0.3 us for a
+small numpy call, ~0.04 us to read or write one item through a memoryview), so a decode
+step's page starts (`start_pages`) are scalar Python over rows the caller keeps.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,8 +33,6 @@ from kvcache.attention.metadata_decode import Int32Array, IntArray, gather_pages
 # Changed rows past which one gather from the table beats a memmove per unchanged run
 # (at batch 256, 4k contexts: a run costs ~0.5 us, a uniform gather ~10 us).
 SPLICE_LIMIT = 32
-_ID_BYTES = 4  # page ids are int32
-_memmove = ctypes.memmove
 
 
 class PageRows:
@@ -54,14 +53,14 @@ class PageRows:
         self.m = multiplier
         self.flat = np.zeros(table.max_slots * table.max_blocks_per_slot * self.k,
                              dtype=np.int32)
-        self._addr = self.flat.ctypes.data
+        self._ids = self.flat.data  # the scalar paths' reads, writes and memmoves
         with torch.inference_mode(False):  # resized in place, whatever mode steps run in
             self.kv_indices = torch.from_numpy(self.flat)[:0]
         self.indptr = indptr
         self.rows = self.nnz = self.width = 0
         # Scalar readers for the decode path (the arrays never move).
-        self._at, self._held = indptr.item, table.lengths.item
-        self._block_of = table.blocks.item
+        self._at, self._held = indptr.data, table.lengths.data
+        self._block_of = table.blocks.data
 
     def clear(self) -> None:
         """No rows."""
@@ -83,54 +82,31 @@ class PageRows:
         """Id of page `page` of `slot`. Raises ValueError naming the slot when it holds no
         block for that page, or when the id overflows int32. Pure."""
         block, part = divmod(page, self.k)
-        held = self._held(slot)
+        held = self._held[slot]
         if block >= held:
             raise ValueError(f"PersistentBatch: slot {slot} holds {held} blocks, but its page "
                              f"{page} is in block {block}")
-        pid: int = self._block_of(slot, block) * self.m + part
+        pid: int = self._block_of[slot, block] * self.m + part
         if pid >= INT32_LIMIT:
             raise ValueError(f"PersistentBatch: page id {pid} overflows int32 "
                              f"(page_index_multiplier={self.m})")
         return pid
 
-    def grow_one(self, row: int, slot: int) -> int:
-        """Row `row` (of `slot`) gains its next page, the one after those it holds,
-        inserted in place as `insert` does; returns its id. Raises ValueError as page_id,
-        changing nothing. Scalar code: the decode path's, where one row at a time starts
-        a page, at a third of the cost of `insert`'s loop."""
-        at = self._at
-        end = at(row + 1)
-        block, part = divmod(end - at(row), self.k)
-        page = (self._block_of(slot, block) * self.m + part if block < self._held(slot)
-                else INT32_LIMIT)
-        if page >= INT32_LIMIT:
-            self.page_id(slot, end - at(row))  # raises, saying why
-        stop = self.nnz
-        assert stop < len(self.flat), "kv_indices outgrows its buffer"  # a raw memmove next
-        if stop > end:
-            _memmove(self._addr + (end + 1) * _ID_BYTES, self._addr + end * _ID_BYTES,
-                     (stop - end) * _ID_BYTES)
-        self.flat[end] = page
-        self.nnz = stop + 1
-        self.kv_indices.resize_(stop + 1)
-        return page
-
-    def grow_rows(self, rows: list[int], slots: list[int]) -> list[int]:
-        """Each of `rows` (ascending; slots: theirs) gains its next page, the one after
-        those it holds, inserted as `insert` does; returns the pages' ids. Raises
-        ValueError as page_id, changing nothing. Scalar code, for a few rows."""
-        at, held, block_of, k, m = self._at, self._held, self._block_of, self.k, self.m
-        ends, ids = [], []
-        for r, slot in zip(rows, slots, strict=True):  # every id first: they may raise
-            end = at(r + 1)
-            block, part = divmod(end - at(r), k)
-            page = block_of(slot, block) * m + part if block < held(slot) else INT32_LIMIT
-            if page >= INT32_LIMIT:
-                self.page_id(slot, end - at(r))  # raises, saying why
-            ends.append(end)
-            ids.append(page)
-        self.insert(ends, ids)
-        return ids
+    def start_pages(self, rows: Sequence[tuple[int, int]], out: memoryview) -> None:
+        """Each row of `rows` ((row, its slot), ascending rows) gains its next page, the
+        one after those it holds, inserted as `insert` does; out[row] is set to its id.
+        Raises ValueError as page_id, changing nothing. Scalar code, for the rows that
+        start a page in a decode step: every id first (they may raise), then the moves."""
+        at, held, block_of, k = self._at, self._held, self._block_of, self.k
+        moves = []
+        for r, slot in rows:
+            end = at[r + 1]
+            page = end - at[r]
+            if k == 1 and page < held[slot]:
+                moves.append((end, block_of[slot, page], r))
+            else:  # re-paged (or missing, then it raises, saying why)
+                moves.append((end, self.page_id(slot, page), r))
+        self._splice(moves, out)
 
     def ids(self, slots: IntArray, pages: IntArray) -> npt.NDArray[np.integer]:
         """Id of page pages[i] of slots[i] (int32 or int64), checked as page_id. Pure."""
@@ -182,30 +158,34 @@ class PageRows:
     def insert(self, ends: Sequence[int], ids: Sequence[int]) -> None:
         """Page ids[i] goes in at offset ends[i] of kv_indices (ascending offsets, as they
         are now; equal ones keep their order). The caller moves indptr (and so decides
-        whether the padding rows' entries follow). The decode path: scalar, in place."""
-        flat, addr, move = self.flat, self._addr, _memmove
-        stop, i = self.nnz, len(ends)
+        whether the padding rows' entries follow)."""
+        self._splice(list(zip(ends, ids, range(len(ends)), strict=True)), None)
+
+    def _splice(self, moves: list[tuple[int, int, int]], out: memoryview | None) -> None:
+        """Insert each (offset, id, row) of `moves` as `insert` does, out[row] = id
+        (unless out is None). The runs between the offsets move up last first, one
+        memmove each, so each run moves once whatever the inserts."""
+        flat = self._ids
+        stop, i = self.nnz, len(moves)
         self.nnz = nnz = stop + i
         assert nnz <= len(flat), "kv_indices outgrows its buffer"
-        for end, page in zip(reversed(ends), reversed(ids), strict=True):
+        for end, page, r in reversed(moves):
             if stop > end:  # the run end..stop moves up past the i new pages before it
-                src = addr + end * _ID_BYTES
-                move(src + i * _ID_BYTES, src, (stop - end) * _ID_BYTES)
+                flat[end + i : stop + i] = flat[end:stop]
             i -= 1
             flat[end + i] = page
+            if out is not None:
+                out[r] = page
             stop = end
         self.kv_indices.resize_(nnz)
 
-    def grow(self, rows: IntArray, ends: Int32Array, ids: npt.NDArray[np.integer],
-             slots: IntArray) -> None:
-        """Each of `rows` (ascending; ends: their indptr[r + 1]) gains page ids[i] after
-        its last; slots: every row's. indptr is the caller's, as for `insert`."""
-        if len(rows) > SPLICE_LIMIT:
-            pages = self.num_pages()
-            pages[rows] += 1
-            self.gather(slots[: self.rows], pages)
-        else:
-            self.insert(ends.tolist(), ids.tolist())
+    def regrow(self, rows: IntArray, slots: IntArray) -> None:
+        """Each of `rows` gains its next page, every row gathered again from the table;
+        slots: every row's. indptr is the caller's, as for `insert`. For many rows at
+        once: a few numpy calls whatever changed."""
+        pages = self.num_pages()
+        pages[rows] += 1
+        self.gather(slots[: self.rows], pages)
 
     def drop(self, rows: list[int], slots: IntArray) -> None:
         """Remove `rows` (ascending); slots: the remaining rows' slots, in order."""
@@ -215,13 +195,13 @@ class PageRows:
         if len(rows) > SPLICE_LIMIT:
             self.gather(slots, pages)
         else:
-            addr, move = self._addr, _memmove
+            flat = self._ids
             starts = self.indptr[rows].tolist()
             ends = self.indptr[[r + 1 for r in rows]].tolist()
             wrote = starts[0]
             for i, end in enumerate(ends):  # the run after each dropped row moves down
                 stop = starts[i + 1] if i + 1 < len(rows) else self.nnz
-                move(addr + wrote * _ID_BYTES, addr + end * _ID_BYTES, (stop - end) * _ID_BYTES)
+                flat[wrote : wrote + stop - end] = flat[end:stop]
                 wrote += stop - end
         self._set_rows(pages)
 
@@ -235,15 +215,14 @@ class PageRows:
             self.gather(slots[: self.rows], pages)
             self._set_rows(pages)
             return
-        at, addr, nnz = self._at, self._addr, self.nnz
+        at, flat, nnz = self._at, self._ids, self.nnz
         cut = 0
         for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
-            assert 0 <= count <= at(row + 1) - at(row), "a row loses only pages it holds"
-            src = at(row) + count
-            stop = at(rows[i + 1]) if i + 1 < len(rows) else nnz
+            assert 0 <= count <= at[row + 1] - at[row], "a row loses only pages it holds"
+            src = at[row] + count
+            stop = at[rows[i + 1]] if i + 1 < len(rows) else nnz
             cut += count
-            _memmove(addr + (src - cut) * _ID_BYTES, addr + src * _ID_BYTES,
-                     (stop - src) * _ID_BYTES)
+            flat[src - cut : stop - cut] = flat[src:stop]
         lost = np.zeros(self.rows, dtype=np.int32)
         lost[rows] = counts
         self.indptr[1 : self.rows + 1] -= np.cumsum(lost, dtype=np.int32)

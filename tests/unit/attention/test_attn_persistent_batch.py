@@ -368,3 +368,16 @@ def test_an_empty_batch_has_no_step() -> None:
 def test_bad_paging_is_refused() -> None:
     with pytest.raises(ValueError, match="PersistentBatch: page_size=3"):
         PersistentBatch(BlockTable(1, 1), block_size=BLOCK, page_size=3)
+
+
+def test_a_multiplier_without_repaging_leaves_the_ids_alone() -> None:
+    """With a page per block the ids are the block ids, whatever multiplier is given (as
+    build_metadata's): page starts in decode steps included."""
+    table = BlockTable(2, WIDTH)
+    table.assign(0, list(range(10, 10 + WIDTH)))
+    batch = PersistentBatch(table, block_size=BLOCK, page_index_multiplier=4)
+    batch.add(0, 7)
+    for kv in range(7, 7 + 2 * BLOCK):
+        md = batch.step()
+        want = build_metadata(table, [0], [kv], [1], block_size=BLOCK)
+        assert_same_metadata(md, want, f"kv {kv}: ")
