@@ -40,6 +40,9 @@ from kvcache.attention.page_rows import PageRows
 # Rows starting a page in one step up to which scalar code (~0.5 us a row, moves
 # included) beats gathering every row again from the table (~20 us at batch 64).
 SCALAR_STARTS = 32
+# Rows leaving (or joining) before a step up to which moving the others' counters and
+# writing the joiners' (~1 us a row, scalar) beats laying every row out again (~15 us).
+PATCH_LIMIT = 8
 _ONE64 = np.array(1, dtype=np.int64)  # 0-d operands are cheaper than Python ints
 
 
@@ -83,6 +86,12 @@ class DecodeLayout:
         self._views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], Int32Array]] = {}
         self._quiet = np.zeros(0, dtype=np.int32)
         self._moving = self._i64[:0], ints[:0]  # what a step adds to: [:2n] and [:3Bt + 1]
+        # Per-row counters as memoryviews, for the scalar moves and writes of a patch.
+        self._m64, self._m32 = self._i64.data, ints.data
+        self._m_append, self._m_due = self._append_pages.data, self._due.data
+        # After `suspend`, the layout's md and how many leading rows' counters still hold.
+        self._kept: PagedMetadata | None = None
+        self._valid = 0
         self._phase = 0  # steps taken, mod page_size
         self._counts: list[int] = []  # rows due at each phase
         self._starts: list[_Starts | None] = []
@@ -96,11 +105,47 @@ class DecodeLayout:
         """Row `row`'s kv length after the last step."""
         return int(self._i64[self._n + row]) + 1
 
+    def suspend(self) -> None:
+        """Rows are about to leave or join: no md until `lay_out`, which may then patch
+        the counters kept here (see drop_rows) rather than lay every row out again."""
+        if self.md is not None:
+            self._kept, self.md = self.md, None
+
+    def forget(self) -> None:
+        """No md, and no counters kept: the next `lay_out` lays every row out."""
+        self.md = self._kept = None
+
+    def drop_rows(self, rows: list[int]) -> None:
+        """Rows `rows` (ascending, as numbered since the layout) leave while suspended:
+        the kept counters of the rows after each move down, one memmove per run and
+        counter, as PageRows.drop moves their pages."""
+        if self._kept is None:
+            return
+        valid = self._valid
+        rows = [r for r in rows if r < valid]  # rows joined since have no counters
+        if len(rows) > PATCH_LIMIT:
+            self.forget()
+            return
+        n, Bt, due, counts = self._n, self._Bt, self._m_due, self._counts
+        sections = ((self._m64, 0), (self._m64, n), (self._m32, Bt + 1),
+                    (self._m32, 2 * Bt + 1), (self._m_append, 0), (due, 0))
+        for i, r in enumerate(rows):
+            counts[due[r]] -= 1
+            wrote, stop = r - i, rows[i + 1] if i + 1 < len(rows) else valid
+            for view, at in sections:  # the run r + 1..stop moves down past i + 1 rows
+                view[at + wrote : at + wrote + stop - r - 1] = view[at + r + 1 : at + stop]
+        self._valid = valid - len(rows)
+
     def lay_out(self, kv: IntArray, Bt: int) -> None:
         """Lay out rows holding kv[i] tokens, those from starts[i] on in their pages
         (ceil((kv[i] - starts[i]) / P) each, in `pages`), padded to Bt; `step` then
-        writes position kv[i] of each."""
+        writes position kv[i] of each. After `suspend` with as many rows and padding,
+        the rows kept keep their counters and the rest (joined since) get theirs."""
         P, pages, n = self.page_size, self.pages, len(kv)
+        if (self._kept is not None and n == self._n and Bt == self._Bt
+                and n - self._valid <= PATCH_LIMIT):
+            self._join(kv)
+            return
         i64, i32 = self._i64, self._i32
         pages.pad(Bt)
         positions = i64[n : n + Bt]
@@ -123,7 +168,7 @@ class DecodeLayout:
         np.remainder(self._phase + 1 - kv, P, out=due)
         self._counts = np.bincount(due, minlength=P).tolist()
         self._starts = [None] * P
-        self._n, self._Bt = n, Bt
+        self._n, self._Bt, self._valid, self._kept = n, Bt, n, None
         self._moving = i64[: 2 * n], i32[: 3 * Bt + 1]
         views, self._quiet = self._views.get((n, Bt)) or self._make_views(n, Bt)
         self.md = PagedMetadata(views[0], views[1], pages.kv_indices, views[2], views[3],
@@ -131,6 +176,30 @@ class DecodeLayout:
                                 num_requests=n, num_padded=Bt - n, is_decode=True,
                                 num_tokens=Bt, num_append_tokens=n,
                                 kv_start=views[8] if started else None)
+
+    def _join(self, kv: IntArray) -> None:
+        """Patch the kept layout: rows valid..n - 1 (joined since) get their counters
+        as lay_out writes them, scalar; every phase's rows are planned again."""
+        kept, n, Bt, P = self._kept, self._n, self._Bt, self.page_size
+        assert kept is not None
+        m64, m32, due, counts = self._m64, self._m32, self._m_due, self._counts
+        flat, indptr, starts = self.pages.flat.data, self.pages.indptr.data, self._kv_start.data
+        phase = self._phase + 1
+        for r in range(self._valid, n):
+            tokens = int(kv[r])
+            m64[r] = (tokens - 1) % P
+            m64[n + r] = tokens - 1
+            m32[Bt + 1 + r] = (tokens - 1) % P + 1
+            m32[2 * Bt + 1 + r] = tokens - starts[r]
+            self._m_append[r] = flat[indptr[r + 1] - 1]  # as lay_out's, rows without pages too
+            due[r] = (phase - tokens) % P
+            counts[due[r]] += 1
+        self.pages.pad(Bt)
+        started = bool(np.count_nonzero(self._kv_start[:n]))
+        if started != (kept.kv_start is not None):
+            kept = kept._replace(kv_start=self._t_kv_start[:Bt] if started else None)
+        self._starts = [None] * P
+        self.md, self._kept, self._valid = kept, None, n
 
     def _make_views(self, n: int, Bt: int) -> tuple[tuple[torch.Tensor, ...], Int32Array]:
         """PagedMetadata's tensors but kv_indices, in field order (kv_start last), for

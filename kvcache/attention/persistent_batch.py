@@ -107,7 +107,7 @@ class PersistentBatch:
         if decode.md is not None:
             kv = decode.kv_after()
             self._kv[: len(kv)] = kv
-            decode.md = None
+            decode.suspend()
 
     def add(self, slot: int, num_cached: int) -> None:
         """A request joins as the last row: `slot`'s first num_cached tokens are in its
@@ -168,6 +168,8 @@ class PersistentBatch:
         self._start[row] = first
         if decode.md is not None:
             decode.release_front(row, cut)
+        else:
+            decode.forget()  # a kept kv length of the row would be wrong
 
     def rewrite(self, slot: int) -> None:
         """Read the pages of `slot`'s row again from the table: the cache switched some
@@ -177,14 +179,15 @@ class PersistentBatch:
         self._release(row, slot, "rewrite")
         if self._cuts:
             self._cut()
-        self._leave_decode()  # a kept decode layout may hold the old page ids
+        self._leave_decode()
+        self._decode.forget()  # its append_pages may hold the old page ids
         self._pages.rewrite(row, slot)
 
     def reset(self, rows: Sequence[tuple[int, int]]) -> None:
         """Forget every row, then add `rows` ((slot, tokens in its blocks), in order): for
         a caller whose step failed after `step` counted its tokens. Raises ValueError as
         add does (the rows before the bad one are added)."""
-        self._decode.md = None
+        self._decode.forget()
         self._start[: len(self._slots)] = 0
         self._slots, self._row_of, self._dropped, self._cuts = [], {}, [], {}
         self._pages.clear()
@@ -202,6 +205,7 @@ class PersistentBatch:
         keep[self._dropped] = False
         slots = self._slot_arr[:n][keep]
         self._pages.drop(sorted(self._dropped), slots)
+        self._decode.drop_rows(sorted(self._dropped))
         live = len(slots)
         self._slot_arr[:live] = slots
         self._kv[:live] = self._kv[:n][keep]
@@ -265,6 +269,7 @@ class PersistentBatch:
         """A step with prefill chunks or rows that sit out: kept pages, fresh token arrays."""
         P, pages = self.page_size, self._pages
         self._leave_decode()
+        self._decode.forget()  # the counters fall behind the tokens this step adds
         kv, start = self._kv[:n], self._start[:n]
         rel = kv - start if np.count_nonzero(start) else kv  # counted from the first listed key
         pages.update(self._slot_arr[:n], (rel + new + (P - 1)) // P)  # may raise: first

@@ -81,16 +81,18 @@ class Mirror:
 ids_st = st.lists(st.integers(0, 999), min_size=WIDTH, max_size=WIDTH)
 
 
-# How a decode step's page starts are written: (rows up to which scalar code does it,
-# rows past which every page is gathered again from the table).
-PATHS = {"scalar": (99, 99), "splice": (0, page_rows.SPLICE_LIMIT), "regather": (0, 0),
-         "mixed": (1, 2)}
+# How a decode step's page starts are written and rows leave and join: (rows up to
+# which scalar code starts pages, rows past which every page is gathered again from the
+# table, rows leaving or joining up to which the decode counters are patched).
+PATHS = {"scalar": (99, 99, 99), "splice": (0, page_rows.SPLICE_LIMIT, 1),
+         "regather": (0, 0, 0), "mixed": (1, 2, 2)}
 
 
 def _take_path(mp: pytest.MonkeyPatch, path: str) -> None:
-    scalar, limit = PATHS[path]
+    scalar, limit, patch = PATHS[path]
     mp.setattr(decode_layout, "SCALAR_STARTS", scalar)
     mp.setattr(page_rows, "SPLICE_LIMIT", limit)
+    mp.setattr(decode_layout, "PATCH_LIMIT", patch)
 
 
 def _maybe_release(data: st.DataObject, mirror: Mirror) -> None:
@@ -148,6 +150,62 @@ def test_random_steps_equal_a_full_rebuild(data: st.DataObject, k: int, heads: i
                 counts = [data.draw(st.integers(0, r)) for r in room]
                 if any(counts):
                     mirror.step(counts, data.draw(st.integers(0, 2)), data.draw(ids_st))
+
+
+def _decode_steps(data: st.DataObject, mirror: Mirror, pad: int) -> PagedMetadata | None:
+    """Up to 2 * BLOCK decode steps at padding `pad` (fewer where a row would outgrow
+    its slot); the last step's metadata (None if none ran)."""
+    md = None
+    for _ in range(data.draw(st.integers(1, 2 * BLOCK), label="steps")):
+        if max(mirror.kv[s] - int(mirror.table.starts[s]) * BLOCK
+               for s in mirror.rows) >= WIDTH * BLOCK - 1:
+            break
+        md = mirror.step(None, pad, data.draw(ids_st))
+    return md
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), k=st.sampled_from([1, 2]), path=st.sampled_from(sorted(PATHS)))
+def test_leaves_and_joins_between_decode_steps(data: st.DataObject, k: int,
+                                               path: str) -> None:
+    """A serving steady state: between runs of decode steps at one padding, requests
+    finish and others join (some with a prefix whose leading blocks a window released),
+    or are preempted and come back. Every step equals build_metadata; when as many rows
+    joined as left (no more than PATCH_LIMIT), the step after keeps the metadata object
+    (its counters patched, not laid out again)."""
+    mirror = Mirror(k, heads=1, max_padded=SLOTS + 2)
+    pad = data.draw(st.integers(0, 2), label="pad")
+    with pytest.MonkeyPatch.context() as mp:
+        _take_path(mp, path)
+
+        def admit(slot: int) -> None:
+            cached = data.draw(st.integers(0, 40), label="cached")
+            released = data.draw(st.sampled_from([False, False, False, True]), label="window")
+            start = data.draw(st.integers(0, cached // BLOCK), label="start") if released else 0
+            mirror.admit(slot, cached, data.draw(ids_st)[: -(-cached // BLOCK) - start], start)
+
+        for slot in range(data.draw(st.integers(1, SLOTS), label="rows")):
+            admit(slot)
+        md = _decode_steps(data, mirror, pad)
+        for _ in range(data.draw(st.integers(1, 6), label="rounds")):
+            before = len(mirror.rows)
+            leaving = data.draw(st.lists(st.sampled_from(mirror.rows), unique=True,
+                                         max_size=3), label="leaving")
+            for slot in leaving:
+                mirror.leave(slot)
+            free = [s for s in range(SLOTS) if s not in mirror.kv]
+            joining = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=3,
+                                         min_size=0 if mirror.rows else 1)
+                                if free else st.just([]), label="joining")
+            for slot in joining:
+                admit(slot)
+            last = md
+            md = _decode_steps(data, mirror, pad)
+            patched = len(leaving) <= decode_layout.PATCH_LIMIT and len(joining) <= (
+                decode_layout.PATCH_LIMIT)
+            if (md is not None and last is not None and len(mirror.rows) == before
+                    and patched and (md.kv_start is None) == (last.kv_start is None)):
+                assert md is last, "the layout was patched, not laid out again"
 
 
 def _decoding(k: int = 1, contexts: tuple[int, ...] = (9, 20, 30)) -> Mirror:
