@@ -23,7 +23,10 @@ last-page lengths, append slots and phases do not change (a block holds whole pa
 The counters are those of the step before: `lay_out` writes rows holding kv tokens as if
 their last step had written position kv - 1, and `step` moves them on like any other,
 page starts included. Laying out (after an admission, a leave or a prefill step) is a
-dozen numpy calls and reads nothing from the block table.
+dozen numpy calls and reads nothing from the block table. Rows leaving and joining
+between decode steps `suspend` the layout instead: the kept rows' counters move down
+with their rows (`drop_rows`), and if the next step has as many rows and the same
+padding, `lay_out` only writes the joiners' (scalar) into the same PagedMetadata.
 """
 
 from __future__ import annotations

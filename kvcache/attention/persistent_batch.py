@@ -10,8 +10,10 @@ gathers every page from the block table each step, here:
   object as the step before, whose tensors view the counters (see DecodeLayout);
 - a row whose next token starts a page gets that page inserted into kv_indices in place
   (see PageRows);
-- leaving rows are compacted away before the next step, admitted rows append their
-  pages, and the next decode step lays the counters out again from the token counts;
+- leaving rows are compacted away before the next step (their pages and counters),
+  admitted rows append their pages; the next decode step writes the joiners' counters
+  into the same metadata when it has as many rows and the same padding (few changes),
+  else lays every counter out again from the token counts;
 - a step with prefill chunks takes kv_indices from the kept pages (grown by its chunks);
 - under a sliding window, a row whose leading blocks were released (`release_front`)
   has its counters moved at once (its kv length then counts from its start, as
