@@ -5,12 +5,15 @@ fresh manager), match (the same on a manager that has seen every request once) a
 match_reuse (a bare lookup of every request, block ids included, on such a warm manager).
 Throughput is tokens per second of the phase (best round), recorded absolutely and as a
 ratio to the plain per-block dict trie of `benchmarks/baseline_trie.py` doing the same,
-measured in the same run.
+measured in the same run. Prompts are Python lists, which the manager converts and checks;
+each phase is also timed fed the same prompts as `array('I')` (as the engine's requests
+hold them, taken with one copy): the gap between the two is what conversion costs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,13 +40,16 @@ TARGETS = {("shared_prompt", "insert"): 100e6, ("shared_prompt", "match"): 110e6
 PHASES = ("insert", "match", "match_reuse")
 
 
+Prompts = Sequence[Sequence[int]]  # lists, or array('I') for the manager
+
+
 class _Cache(Protocol):
-    def add_sequence(self, seq_id: int, tokens: list[int]) -> Any: ...
+    def add_sequence(self, seq_id: int, tokens: Any) -> Any: ...
     def commit(self, seq_id: int, num_tokens: int) -> None: ...
     def free_sequence(self, seq_id: int) -> None: ...
 
 
-def run_phase(cache: _Cache, prompts: list[list[int]]) -> None:
+def run_phase(cache: _Cache, prompts: Prompts) -> None:
     """Admit, commit and free each request in order."""
     add, commit, free = cache.add_sequence, cache.commit, cache.free_sequence
     for i, p in enumerate(prompts):
@@ -52,19 +58,19 @@ def run_phase(cache: _Cache, prompts: list[list[int]]) -> None:
         free(i)
 
 
-def run_lookups(lookup: Callable[[list[int]], Any], prompts: list[list[int]]) -> None:
+def run_lookups(lookup: Callable[[Any], Any], prompts: Prompts) -> None:
     """Look every request up without admitting it."""
     for p in prompts:
         lookup(p)
 
 
-def lookup_ids(mgr: KVCacheManager) -> Callable[[list[int]], Any]:
+def lookup_ids(mgr: KVCacheManager) -> Callable[[Sequence[int]], Any]:
     """The manager's bare lookup with its block ids in hand (as a router would use them)."""
     match = mgr.match_reuse
     return lambda p: match(p).block_ids
 
 
-def timed_phase(phase: str, cache: Any, prompts: list[list[int]]) -> None:
+def timed_phase(phase: str, cache: Any, prompts: Prompts) -> None:
     """Run `phase` on a cache prepared for it (warm for match and match_reuse)."""
     if phase == "match_reuse":
         run_lookups(lookup_ids(cache) if isinstance(cache, KVCacheManager) else cache.match,
@@ -107,8 +113,19 @@ def test_cache_core_throughput(benchmark: Any, workload: tuple[str, list[list[in
 
     base = tokens / best_seconds(lambda: timed_phase(phase, trie[0], prompts), fresh_trie,
                                  repeat=5)
+    arrays = [array("I", p) for p in prompts]
+    fed: list[KVCacheManager] = []
+
+    def fresh_fed() -> None:
+        fed[:] = [KVCacheManager(cfg)]
+        if phase != "insert":
+            run_phase(fed[0], arrays)
+
+    fed_arrays = tokens / best_seconds(lambda: timed_phase(phase, fed[0], arrays), fresh_fed,
+                                       repeat=5)
     info: dict[str, Any] = {"workload": name, "phase": phase, "tokens": tokens,
-                            "baseline_tokens_per_s": base}
+                            "baseline_tokens_per_s": base,
+                            "arrays_tokens_per_s": fed_arrays}
     if (name, phase) in TARGETS:
         info["target_tokens_per_s"] = TARGETS[(name, phase)]
     if benchmark.stats is not None:
