@@ -31,8 +31,6 @@ padding, `lay_out` only writes the joiners' (scalar) into the same PagedMetadata
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
@@ -49,30 +47,37 @@ PATCH_LIMIT = 8
 _ONE64 = np.array(1, dtype=np.int64)  # 0-d operands are cheaper than Python ints
 
 
-class _Starts(NamedTuple):
-    """The rows (ascending) that start a page at one phase of the page cycle."""
+class _Starts:
+    """The rows that start a page at one phase of the page cycle and the deltas of that
+    step, patched in place as rows leave and join (see DecodeLayout._patch_*)."""
 
-    rows: IntArray
-    pairs: list[tuple[int, int]]  # (row, its slot)
-    slots: IntArray  # theirs
-    delta64: IntArray       # added to [append_slots | positions[:n]]: 1, or 1 - P to restart
-    delta32: Int32Array     # added to [kv_indptr | last_page_len | kv_lens]
+    __slots__ = ("delta32", "delta64", "m32", "m64", "rows", "slots")
+
+    def __init__(self, slots: list[int], rows: IntArray, delta64: IntArray,
+                 delta32: Int32Array) -> None:
+        self.slots = slots  # theirs, in row order (rows are looked up by slot)
+        self.rows: IntArray | None = rows  # ascending; None since rows left or joined
+        self.delta64 = delta64  # added to [append_slots | positions[:n]]: 1, or 1 - P to restart
+        self.delta32 = delta32  # added to [kv_indptr | last_page_len | kv_lens]
+        self.m64, self.m32 = delta64.data, delta32.data  # the patches' scalar writes and moves
 
 
 class DecodeLayout:
     """The decode-step arrays of up to `capacity` rows (padding included) over `pages`.
 
     `ints` is an int32 buffer of 3 * capacity + 1 entries whose first capacity + 1 are
-    pages.indptr. `starts` (capacity entries, the caller's) is the absolute position of
-    each row's first listed key, 0 past the rows. `md` is None while there is no layout
-    (rows changed since).
+    pages.indptr. The caller's arrays: `starts` (capacity entries) is the absolute position
+    of each row's first listed key, 0 past the rows; `slots` (capacity entries) each row's
+    slot and `rows` (one entry per slot of the table) each live slot's row, both current
+    whenever a method here runs. `md` is None while there is no layout (rows changed since).
     """
 
-    def __init__(self, pages: PageRows, ints: Int32Array, starts: IntArray,
-                 capacity: int) -> None:
+    def __init__(self, pages: PageRows, ints: Int32Array, starts: IntArray, slots: IntArray,
+                 rows: IntArray, capacity: int) -> None:
         assert pages.indptr.base is ints, "indptr heads the int32 buffer"
         self.pages = pages
         self._kv_start = starts
+        self._slots, self._m_slots, self._m_rows = slots, slots.data, rows.data
         self.page_size = pages.page_size
         self._i32 = ints
         self._i64 = np.zeros(2 * capacity, dtype=np.int64)
@@ -130,6 +135,7 @@ class DecodeLayout:
             self.forget()
             return
         n, Bt, due, counts = self._n, self._Bt, self._m_due, self._counts
+        self._patch_leaves(rows)  # reads their phases: first
         sections = ((self._m64, 0), (self._m64, n), (self._m32, Bt + 1),
                     (self._m32, 2 * Bt + 1), (self._m_append, 0), (due, 0))
         for i, r in enumerate(rows):
@@ -138,6 +144,53 @@ class DecodeLayout:
             for view, at in sections:  # the run r + 1..stop moves down past i + 1 rows
                 view[at + wrote : at + wrote + stop - r - 1] = view[at + r + 1 : at + stop]
         self._valid = valid - len(rows)
+
+    def _patch_leaves(self, rows: list[int]) -> None:
+        """Rows `rows` (ascending, below valid) leave every phase plan made: the deltas of
+        the rows after each move down as their counters do, and kv_indptr's, which count
+        the plan's rows before each, lose the plan's rows that left."""
+        valid, Bt, due, slots = self._valid, self._Bt, self._m_due, self._m_slots
+        for phase, plan in enumerate(self._starts):
+            if plan is None:
+                continue
+            m64, m32, d32 = plan.m64, plan.m32, plan.delta32
+            gone = 0  # the plan's rows among rows[:i + 1]
+            for i, r in enumerate(rows):
+                if due[r] == phase:
+                    gone += 1
+                    plan.slots.remove(slots[r])
+                    plan.rows = None
+                wrote, stop = r - i, rows[i + 1] if i + 1 < len(rows) else valid
+                run = stop - r - 1
+                m64[wrote : wrote + run] = m64[r + 1 : stop]
+                m32[Bt + 1 + wrote : Bt + 1 + wrote + run] = m32[Bt + 2 + r : Bt + 1 + stop]
+                # kv_indptr[j] follows row j - 1: entries r + 2..stop move down too.
+                if gone:
+                    np.subtract(d32[r + 2 : stop + 1], gone, out=d32[wrote + 1 : wrote + 1 + run])
+                else:
+                    m32[wrote + 1 : wrote + 1 + run] = m32[r + 2 : stop + 1]
+
+    def _patch_joins(self) -> None:
+        """Rows valid..n - 1 (joined since, their phases set) join every phase plan made:
+        their deltas are written and kv_indptr's after them count the plan's joiners."""
+        valid, n, Bt, P, due = self._valid, self._n, self._Bt, self.page_size, self._m_due
+        slots = self._m_slots
+        for phase, plan in enumerate(self._starts):
+            if plan is None:
+                continue
+            m64, m32 = plan.m64, plan.m32
+            before = last = m32[valid]  # the plan's rows before row valid
+            for r in range(valid, n):
+                if due[r] == phase:
+                    m64[r] = m32[Bt + 1 + r] = 1 - P
+                    last += 1
+                    plan.slots.append(slots[r])  # the last rows: row order holds
+                    plan.rows = None
+                else:
+                    m64[r] = m32[Bt + 1 + r] = 1
+                m32[r + 1] = last
+            if Bt > n and (last != before or m32[n + 1] != last):
+                plan.delta32[n + 1 : Bt + 1] = last  # padding rows follow the last row
 
     def lay_out(self, kv: IntArray, Bt: int) -> None:
         """Lay out rows holding kv[i] tokens, those from starts[i] on in their pages
@@ -182,7 +235,7 @@ class DecodeLayout:
 
     def _join(self, kv: IntArray) -> None:
         """Patch the kept layout: rows valid..n - 1 (joined since) get their counters
-        as lay_out writes them, scalar; every phase's rows are planned again."""
+        as lay_out writes them, scalar, and join the phase plans made."""
         kept, n, Bt, P = self._kept, self._n, self._Bt, self.page_size
         assert kept is not None
         m64, m32, due, counts = self._m64, self._m32, self._m_due, self._counts
@@ -201,7 +254,7 @@ class DecodeLayout:
         started = bool(np.count_nonzero(self._kv_start[:n]))
         if started != (kept.kv_start is not None):
             kept = kept._replace(kv_start=self._t_kv_start[:Bt] if started else None)
-        self._starts = [None] * P
+        self._patch_joins()
         self.md, self._kept, self._valid = kept, None, n
 
     def _make_views(self, n: int, Bt: int) -> tuple[tuple[torch.Tensor, ...], Int32Array]:
@@ -219,8 +272,8 @@ class DecodeLayout:
         self._views[n, Bt] = views, quiet
         return views, quiet
 
-    def step(self, slots: IntArray) -> PagedMetadata:
-        """The next decode step of the laid-out rows (slots: theirs), as the PagedMetadata
+    def step(self) -> PagedMetadata:
+        """The next decode step of the laid-out rows, as the PagedMetadata
         `lay_out` made (the same object every step, kv_indices resized in place). Raises
         ValueError (nothing changed) when a row starting a page has no block for it in the
         table."""
@@ -234,8 +287,8 @@ class DecodeLayout:
             np.add(i64, _ONE64, out=i64)
             np.add(i32, self._quiet, out=i32)
         else:
-            starts = self._starts[phase] or self._plan(phase, slots)
-            self._start_pages(starts, slots)  # may raise: first
+            starts = self._starts[phase] or self._plan(phase)
+            self._start_pages(starts, phase)  # may raise: first
             np.add(i64, starts.delta64, out=i64)
             np.add(i32, starts.delta32, out=i32)
         self._phase = phase
@@ -250,8 +303,9 @@ class DecodeLayout:
         if md.kv_start is None:
             self.md = md._replace(kv_start=self._t_kv_start[: self._Bt])
 
-    def _plan(self, phase: int, slots: IntArray) -> _Starts:
-        """The rows due at `phase` and the deltas of their step, kept until lay_out."""
+    def _plan(self, phase: int) -> _Starts:
+        """The rows due at `phase` and the deltas of their step, kept until lay_out
+        (patched as rows leave and join)."""
         n, Bt, P = self._n, self._Bt, self.page_size
         rows = np.flatnonzero(self._due[:n] == phase)
         delta64 = np.ones(2 * n, dtype=np.int64)
@@ -261,19 +315,22 @@ class DecodeLayout:
         indptr = delta32[: Bt + 1]
         indptr[rows + 1] = 1
         np.cumsum(indptr, out=indptr)  # each row's pages start after the new ones before it
-        starts = _Starts(rows, list(zip(rows.tolist(), slots[rows].tolist(), strict=True)),
-                         slots[rows], delta64, delta32)
+        starts = _Starts(self._slots[rows].tolist(), rows, delta64, delta32)
         self._starts[phase] = starts
         return starts
 
-    def _start_pages(self, starts: _Starts, slots: IntArray) -> None:
-        """The rows of `starts` gain their next page: kv_indices and append_pages (the
-        counters are the caller's). Raises ValueError (nothing changed) as PageRows.page_id."""
+    def _start_pages(self, starts: _Starts, phase: int) -> None:
+        """The rows of `starts` (due at `phase`) gain their next page: kv_indices and
+        append_pages (the counters are the caller's). Raises ValueError (nothing changed)
+        as PageRows.page_id."""
         pages = self.pages
-        if len(starts.pairs) <= SCALAR_STARTS:
-            pages.start_pages(starts.pairs, self._append_out)
+        if len(starts.slots) <= SCALAR_STARTS:
+            pages.start_pages(starts.slots, self._m_rows, self._append_out)
             return
+        rows = starts.rows
+        if rows is None:
+            rows = starts.rows = np.flatnonzero(self._due[: self._n] == phase)
         indptr = pages.indptr
-        new_ids = pages.ids(starts.slots, indptr[starts.rows + 1] - indptr[starts.rows])
-        pages.regrow(starts.rows, slots)  # after the ids: they may raise
-        self._append_pages[starts.rows] = new_ids
+        new_ids = pages.ids(self._slots[rows], indptr[rows + 1] - indptr[rows])
+        pages.regrow(rows, self._slots)  # after the ids: they may raise
+        self._append_pages[rows] = new_ids

@@ -92,14 +92,15 @@ class PageRows:
                              f"(page_index_multiplier={self.m})")
         return pid
 
-    def start_pages(self, rows: Sequence[tuple[int, int]], out: memoryview) -> None:
-        """Each row of `rows` ((row, its slot), ascending rows) gains its next page, the
+    def start_pages(self, slots: Sequence[int], row_of: memoryview, out: memoryview) -> None:
+        """The row of each of `slots` (row_of[slot], ascending) gains its next page, the
         one after those it holds, inserted as `insert` does; out[row] is set to its id.
         Raises ValueError as page_id, changing nothing. Scalar code, for the rows that
         start a page in a decode step: every id first (they may raise), then the moves."""
         at, held, block_of, k = self._at, self._held, self._block_of, self.k
         moves = []
-        for r, slot in rows:
+        for slot in slots:
+            r = row_of[slot]
             end = at[r + 1]
             page = end - at[r]
             if k == 1 and page < held[slot]:

@@ -69,10 +69,12 @@ class PersistentBatch:
         # 0 past the rows, so the decode layout views it as kv_start.
         self._start = np.zeros(cap, dtype=np.int64)
         self._pages = PageRows(table, block_size, P, m, ints[: cap + 1])
-        self._decode = DecodeLayout(self._pages, ints, self._start, cap)
         self._slots: list[int] = []  # row order, including dropped rows not yet compacted
         self._row_of: dict[int, int] = {}  # live rows only
         self._slot_arr = np.zeros(cap, dtype=np.int64)
+        self._row_arr = np.zeros(table.max_slots, dtype=np.int64)  # _row_of, for the layout
+        self._decode = DecodeLayout(self._pages, ints, self._start, self._slot_arr,
+                                    self._row_arr, cap)
         self._dropped: list[int] = []
         self._cuts: dict[int, int] = {}  # row -> leading pages released, not yet cut out
         # Tokens of each row, released ones included (its pages hold those from _start
@@ -131,7 +133,7 @@ class PersistentBatch:
         self._pages.append(slot, -(-(num_cached - first) // self.page_size))
         row = len(self._slots)
         self._slots.append(slot)
-        self._row_of[slot] = row
+        self._row_of[slot] = self._row_arr[slot] = row
         self._slot_arr[row] = slot
         self._kv[row] = num_cached
         self._start[row] = first
@@ -216,6 +218,7 @@ class PersistentBatch:
         self._slots = slots.tolist()
         first = min(self._dropped)  # rows before it keep their index
         self._row_of.update((s, i) for i, s in enumerate(self._slots[first:], first))
+        self._row_arr[slots[first:]] = np.arange(first, live)
         self._dropped.clear()
 
     # ------------------------------------------------------------------ steps
@@ -245,7 +248,7 @@ class PersistentBatch:
         if md is None or md.num_padded != Bt - n:
             self._leave_decode()
             decode.lay_out(self._kv[:n], Bt)
-        return decode.step(self._slot_arr)
+        return decode.step()
 
     def _check_counts(self, num_new: Sequence[int] | npt.NDArray[np.integer],
                       n: int) -> npt.NDArray[np.int64]:
