@@ -170,7 +170,7 @@ def test_leaves_and_joins_between_decode_steps(data: st.DataObject, k: int,
                                                path: str) -> None:
     """A serving steady state: between runs of decode steps at one padding, requests
     finish and others join (some with a prefix whose leading blocks a window released),
-    or are preempted and come back. Every step equals build_metadata; when as many rows
+    or are preempted and come back, all leaves first or each followed by a join. Every step equals build_metadata; when as many rows
     joined as left (no more than PATCH_LIMIT), the step after keeps the metadata object
     (its counters patched, not laid out again)."""
     mirror = Mirror(k, heads=1, max_padded=SLOTS + 2)
@@ -191,21 +191,56 @@ def test_leaves_and_joins_between_decode_steps(data: st.DataObject, k: int,
             before = len(mirror.rows)
             leaving = data.draw(st.lists(st.sampled_from(mirror.rows), unique=True,
                                          max_size=3), label="leaving")
+            free = [s for s in range(SLOTS) if s not in mirror.kv or s in leaving]
+            joining = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=3,
+                                         min_size=0 if len(mirror.rows) > len(leaving) else 1)
+                                if free else st.just([]), label="joining")
+            # Interleaved, each leave is followed by a join (rows compacted each time).
+            interleaved = data.draw(st.booleans(), label="interleaved")
+            joins = len(joining)
             for slot in leaving:
                 mirror.leave(slot)
-            free = [s for s in range(SLOTS) if s not in mirror.kv]
-            joining = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=3,
-                                         min_size=0 if mirror.rows else 1)
-                                if free else st.just([]), label="joining")
+                if interleaved and joining and joining[0] not in mirror.kv:
+                    admit(joining.pop(0))
             for slot in joining:
                 admit(slot)
             last = md
             md = _decode_steps(data, mirror, pad)
-            patched = len(leaving) <= decode_layout.PATCH_LIMIT and len(joining) <= (
+            patched = len(leaving) <= decode_layout.PATCH_LIMIT and joins <= (
                 decode_layout.PATCH_LIMIT)
             if (md is not None and last is not None and len(mirror.rows) == before
                     and patched and (md.kv_start is None) == (last.kv_start is None)):
                 assert md is last, "the layout was patched, not laid out again"
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("pad", [0, 2])
+def test_phase_plans_survive_leaves_and_joins(monkeypatch: pytest.MonkeyPatch, path: str,
+                                              pad: int) -> None:
+    """Five rows at four phases decode a page cycle (each phase planned); two leave and
+    two join, interleaved (rows compacted twice before the next step), one at a leaver's
+    phase and one at a phase none had. The next two page cycles equal
+    build_metadata; where PATCH_LIMIT lets them, on the same metadata object, and the
+    plans made before are the ones used after, patched: none is made again."""
+    _take_path(monkeypatch, path)
+    mirror = Mirror(1, heads=1, max_padded=SLOTS + 2)
+    rng = np.random.default_rng(1)
+    for slot, cached in enumerate((3, 10, 17, 28, 36)):
+        mirror.admit(slot, cached, rng.integers(0, 999, WIDTH).tolist())
+    for _ in range(BLOCK):
+        md = mirror.step(None, pad, rng.integers(0, 999, WIDTH).tolist())
+    plans = list(mirror.batch._decode._starts)
+    assert sum(plan is not None for plan in plans) == 4  # rows 3 and 4 share one
+    mirror.leave(1)
+    mirror.admit(1, 26, rng.integers(0, 999, WIDTH).tolist())  # row 1's phase, last row
+    mirror.leave(3)
+    mirror.admit(5, 13, rng.integers(0, 999, WIDTH).tolist())  # a phase no row had
+    patched = decode_layout.PATCH_LIMIT >= 2  # else two joiners lay every row out again
+    for _ in range(2 * BLOCK):
+        step = mirror.step(None, pad, rng.integers(0, 999, WIDTH).tolist())
+        assert step is md or not patched
+    for before, after in zip(plans, mirror.batch._decode._starts, strict=True):
+        assert before is None or after is before or not patched, "plans were made again"
 
 
 def _decoding(k: int = 1, contexts: tuple[int, ...] = (9, 20, 30)) -> Mirror:
