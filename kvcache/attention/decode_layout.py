@@ -12,8 +12,8 @@ Padding rows' entries are 0 and stay so (their deltas are 0). Every page_size st
 row's last page is full and its next token starts a page: its append slot and last-page
 length restart, PageRows inserts the page, and kv_indptr moves up for every row after it.
 A row does so at a fixed phase of the page cycle, so each phase's rows and the deltas
-that restart them (`_Starts`) are worked out when first due and kept until the rows
-change; a step in which no row is due touches no page at all.
+that restart them (`_Starts`) are worked out when first due and kept until a layout
+(patched as rows leave and join); a step in which no row is due touches no page at all.
 
 Under a sliding window a row may lose the pages of released blocks at its front
 (`release_front`): its kv length drops by their tokens and `kv_start` (the batch's
@@ -24,9 +24,11 @@ The counters are those of the step before: `lay_out` writes rows holding kv toke
 their last step had written position kv - 1, and `step` moves them on like any other,
 page starts included. Laying out (after an admission, a leave or a prefill step) is a
 dozen numpy calls and reads nothing from the block table. Rows leaving and joining
-between decode steps `suspend` the layout instead: the kept rows' counters move down
-with their rows (`drop_rows`), and if the next step has as many rows and the same
-padding, `lay_out` only writes the joiners' (scalar) into the same PagedMetadata.
+between decode steps `suspend` the layout instead: the kept rows' counters and the
+phase plans' deltas move down with their rows (`drop_rows`), and if the next step has
+as many rows and the same padding, `lay_out` only writes the joiners' (scalar) into the
+same PagedMetadata and the plans: a plan keeps its rows' slots, rows are looked up by
+slot when its phase comes, so rows that move down need no change there.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class DecodeLayout:
     def drop_rows(self, rows: list[int]) -> None:
         """Rows `rows` (ascending, as numbered since the layout) leave while suspended:
         the kept counters of the rows after each move down, one memmove per run and
-        counter, as PageRows.drop moves their pages."""
+        counter, as PageRows.drop moves their pages, and so do the phase plans' deltas."""
         if self._kept is None:
             return
         valid = self._valid
@@ -179,7 +181,7 @@ class DecodeLayout:
             if plan is None:
                 continue
             m64, m32 = plan.m64, plan.m32
-            before = last = m32[valid]  # the plan's rows before row valid
+            last = m32[valid]  # the plan's rows before row valid
             for r in range(valid, n):
                 if due[r] == phase:
                     m64[r] = m32[Bt + 1 + r] = 1 - P
@@ -189,8 +191,8 @@ class DecodeLayout:
                 else:
                     m64[r] = m32[Bt + 1 + r] = 1
                 m32[r + 1] = last
-            if Bt > n and (last != before or m32[n + 1] != last):
-                plan.delta32[n + 1 : Bt + 1] = last  # padding rows follow the last row
+            if Bt > n and m32[n + 1] != last:  # padding rows follow the last row, whose
+                plan.delta32[n + 1 : Bt + 1] = last  # entry the moves never wrote past
 
     def lay_out(self, kv: IntArray, Bt: int) -> None:
         """Lay out rows holding kv[i] tokens, those from starts[i] on in their pages
