@@ -125,6 +125,14 @@ class DecodeLayout:
         """No md, and no counters kept: the next `lay_out` lays every row out."""
         self.md = self._kept = None
 
+    def grew(self, rows: int) -> None:
+        """PageRows holds `rows` rows now (one joined while suspended). Past the kept
+        layout's padding their kv_indptr entries overwrote its counters, which follow
+        kv_indptr in the int32 buffer: then none are kept (the next lay_out lays every
+        row out), since the counters moved or patched would be those entries."""
+        if rows > self._Bt:
+            self._kept = None
+
     def drop_rows(self, rows: list[int]) -> None:
         """Rows `rows` (ascending, as numbered since the layout) leave while suspended:
         the kept counters of the rows after each move down, one memmove per run and

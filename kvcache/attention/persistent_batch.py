@@ -131,6 +131,7 @@ class PersistentBatch:
         if self._dropped:
             self._compact()
         self._pages.append(slot, -(-(num_cached - first) // self.page_size))
+        self._decode.grew(self._pages.rows)
         row = len(self._slots)
         self._slots.append(slot)
         self._row_of[slot] = self._row_arr[slot] = row

@@ -243,6 +243,25 @@ def test_phase_plans_survive_leaves_and_joins(monkeypatch: pytest.MonkeyPatch, p
         assert before is None or after is before or not patched, "plans were made again"
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_rows_joining_past_the_padding_then_one_leaving(monkeypatch: pytest.MonkeyPatch,
+                                                        path: str) -> None:
+    """Two rows decode; three join and one leaves before the next step. The joiners'
+    kv_indptr entries run past the last layout's rows into the int32 buffer where its
+    counters were kept: the leave must not move those counters (that is, kv_indptr)."""
+    _take_path(monkeypatch, path)
+    mirror = Mirror(1, heads=1, max_padded=SLOTS + 2)
+    mirror.admit(0, 0, [])
+    mirror.admit(1, 0, [])
+    mirror.step(None, 0, [5] * WIDTH)
+    mirror.admit(2, 0, [])
+    mirror.admit(3, 0, [])
+    mirror.admit(4, 1, [6])
+    mirror.leave(0)
+    for _ in range(BLOCK + 1):
+        mirror.step(None, 0, [7] * WIDTH)
+
+
 def _decoding(k: int = 1, contexts: tuple[int, ...] = (9, 20, 30)) -> Mirror:
     mirror = Mirror(k, heads=1)
     rng = np.random.default_rng(0)
