@@ -164,12 +164,12 @@ class DecodeLayout:
             if plan is None:
                 continue
             m64, m32, d32 = plan.m64, plan.m32, plan.delta32
+            plan.rows = None  # renumbered
             gone = 0  # the plan's rows among rows[:i + 1]
             for i, r in enumerate(rows):
                 if due[r] == phase:
                     gone += 1
                     plan.slots.remove(slots[r])
-                    plan.rows = None
                 wrote, stop = r - i, rows[i + 1] if i + 1 < len(rows) else valid
                 run = stop - r - 1
                 m64[wrote : wrote + run] = m64[r + 1 : stop]

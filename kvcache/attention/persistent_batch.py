@@ -200,6 +200,9 @@ class PersistentBatch:
             self.add(slot, num_cached)
 
     def _cut(self) -> None:
+        if self._dropped:  # cut wholly: a gather would read their slots, perhaps released
+            pages = self._pages.num_pages()
+            self._cuts.update((r, int(pages[r])) for r in self._dropped)
         rows = sorted(self._cuts)
         self._pages.cut_fronts(rows, [self._cuts[r] for r in rows], self._slot_arr)
         self._cuts.clear()

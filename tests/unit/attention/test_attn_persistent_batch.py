@@ -262,6 +262,42 @@ def test_rows_joining_past_the_padding_then_one_leaving(monkeypatch: pytest.Monk
         mirror.step(None, 0, [7] * WIDTH)
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_leave_renumbers_the_rows_of_every_plan(monkeypatch: pytest.MonkeyPatch,
+                                                  path: str) -> None:
+    """Pages of 4 tokens; six rows, two of which start pages at one phase, decode past
+    a page cycle; row 1 leaves and a row joins: every plan's rows after row 1 move down,
+    the plans without row 1 too (those whose rows the gather path reads)."""
+    _take_path(monkeypatch, path)
+    mirror = Mirror(2, heads=1, max_padded=SLOTS + 2)
+    for slot, cached in enumerate((2, 0, 0, 0, 2)):
+        mirror.admit(slot, cached, [0] * -(-cached // BLOCK))
+    for _ in range(8):
+        mirror.step(None, 0, [0] * WIDTH)
+    mirror.admit(5, 0, [])
+    for _ in range(6):
+        mirror.step(None, 0, [0] * WIDTH)
+    mirror.leave(1)
+    mirror.admit(1, 1, [0])
+    for _ in range(BLOCK):
+        mirror.step(None, 0, [0] * WIDTH)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_release_after_a_leave_then_another_leave(monkeypatch: pytest.MonkeyPatch,
+                                                    path: str) -> None:
+    """A row leaves (its blocks released), another releases its first block and then
+    leaves too: the cut, before the second leave, must not read the first's slot."""
+    _take_path(monkeypatch, path)
+    mirror = _decoding()
+    mirror.step(None, 0, [])
+    mirror.leave(0)
+    mirror.release(1, 1)
+    mirror.leave(1)
+    for _ in range(BLOCK):
+        mirror.step(None, 0, list(range(WIDTH)))
+
+
 def _decoding(k: int = 1, contexts: tuple[int, ...] = (9, 20, 30)) -> Mirror:
     mirror = Mirror(k, heads=1)
     rng = np.random.default_rng(0)
