@@ -170,9 +170,10 @@ def test_leaves_and_joins_between_decode_steps(data: st.DataObject, k: int,
                                                path: str) -> None:
     """A serving steady state: between runs of decode steps at one padding, requests
     finish and others join (some with a prefix whose leading blocks a window released),
-    or are preempted and come back, all leaves first or each followed by a join. Every step equals build_metadata; when as many rows
-    joined as left (no more than PATCH_LIMIT), the step after keeps the metadata object
-    (its counters patched, not laid out again)."""
+    or are preempted and come back, all leaves first or each followed by a join. Every
+    step equals build_metadata; when as many rows joined as left (no more than
+    PATCH_LIMIT), the step after keeps the metadata object (its counters patched, not
+    laid out again)."""
     mirror = Mirror(k, heads=1, max_padded=SLOTS + 2)
     pad = data.draw(st.integers(0, 2), label="pad")
     with pytest.MonkeyPatch.context() as mp:
@@ -241,6 +242,60 @@ def test_phase_plans_survive_leaves_and_joins(monkeypatch: pytest.MonkeyPatch, p
         assert step is md or not patched
     for before, after in zip(plans, mirror.batch._decode._starts, strict=True):
         assert before is None or after is before or not patched, "plans were made again"
+
+
+CHURN_ORDERS = ("leaves first", "joins first", "interleaved")
+
+
+def _join(mirror: Mirror, rng: np.random.Generator, slot: int) -> None:
+    """Admit `slot` with a random context of up to 40 tokens and random block ids."""
+    cached = int(rng.integers(0, 40))
+    mirror.admit(slot, cached, rng.integers(0, 999, -(-cached // BLOCK)).tolist())
+
+
+@pytest.mark.parametrize("order", CHURN_ORDERS)
+@pytest.mark.parametrize("pad", [0, 1, 2])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_every_small_churn_around_the_padding(monkeypatch: pytest.MonkeyPatch, path: str,
+                                              pad: int, order: str) -> None:
+    """Every churn of up to three leaves and three joins between page cycles of 1-4
+    decoding rows, in each order, at each padding: joins first take the rows past the
+    last layout's padding before any leave (where the kept counters once broke), leaves
+    first shrink it. Rows sit at distinct phases so the cycle before made several plans;
+    the leavers are taken from the front, the back and the middle. The two page cycles
+    after each churn equal build_metadata at every step (Mirror checks it)."""
+    _take_path(monkeypatch, path)
+    rng = np.random.default_rng(7)
+    for rows in range(1, 5):
+        for leaves in range(min(3, rows) + 1):
+            for joins in range(4):
+                if not 0 < rows - leaves + joins <= SLOTS or rows + joins > SLOTS:
+                    continue
+                mirror = Mirror(1, heads=1, max_padded=SLOTS + 2)
+                for slot in range(rows):
+                    cached = 3 + 9 * slot  # phases 3, 4, 5, 6 of the 8-token cycle
+                    mirror.admit(slot, cached, rng.integers(0, 999, WIDTH).tolist())
+                for _ in range(BLOCK):
+                    mirror.step(None, pad, rng.integers(0, 999, WIDTH).tolist())
+                leaving = [mirror.rows[i] for i in (0, -1, len(mirror.rows) // 2)][:leaves]
+                leaving = list(dict.fromkeys(leaving))
+                leaving += [s for s in mirror.rows if s not in leaving][:leaves - len(leaving)]
+                joining = list(range(rows, rows + joins))
+                if order == "joins first":
+                    for slot in joining:
+                        _join(mirror, rng, slot)
+                for i, slot in enumerate(leaving):
+                    mirror.leave(slot)
+                    if order == "interleaved" and i < len(joining):
+                        _join(mirror, rng, joining[i])
+                if order == "leaves first":
+                    for slot in joining:
+                        _join(mirror, rng, slot)
+                elif order == "interleaved":
+                    for slot in joining[len(leaving):]:
+                        _join(mirror, rng, slot)
+                for _ in range(2 * BLOCK):
+                    mirror.step(None, pad, rng.integers(0, 999, WIDTH).tolist())
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
