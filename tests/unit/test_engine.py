@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import random
+from array import array
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,6 +167,21 @@ def test_abort_releases_blocks_and_keeps_committed_ones() -> None:
         engine.abort(rid)
     assert engine.kv_cache_stats().used_num_blocks == 0
     assert engine.manager.probe_reuse(p) == 8
+
+
+def test_requests_hold_their_tokens_as_the_cache_array() -> None:
+    """A request's tokens are the cache's array('I') from add_request on (numpy ids
+    included), so each plan of its admission takes them with one copy; they grow with
+    what it generates."""
+    engine = Engine("tiny", cfg(4), max_num_tokens=8)
+    p = prompts(1, 10)[0]
+    engine.add_request([np.int64(t) for t in p], 3)
+    req = engine.scheduler.waiting[0]
+    assert type(req.tokens) is array and req.tokens.typecode == "I"
+    assert req.tokens.tolist() == p
+    while engine.scheduler.running or engine.scheduler.waiting:
+        engine.step()
+    assert len(req.generated) == 3 and req.tokens.tolist() == p + req.generated
 
 
 def test_teacher_forcing_feeds_given_tokens() -> None:
