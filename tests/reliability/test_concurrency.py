@@ -283,13 +283,18 @@ def test_a_waiting_call_gets_in_after_one_step(tiny_model: Transformer, call: st
     lock = engine._lock
     done_at: list[int] = []
     added: list[int] = []
+    aborted: list[GenerationOutput] = []
 
     def waiter() -> None:
-        if call == "abort":
-            engine.abort(1)
-        else:
-            added.append(engine.add_request([40, 41, 42], 1))
-        done_at.append(engine.num_steps)
+        # The step count is read in the same critical section as the call (the lock is
+        # reentrant): once the waiter releases it, the generate() thread may run another
+        # step before this thread reads anything.
+        with lock:
+            if call == "abort":
+                aborted.append(engine.abort(1))
+            else:
+                added.append(engine.add_request([40, 41, 42], 1))
+            done_at.append(engine.num_steps)
 
     with lock:
         thread, box = start_generate(engine, [STEMS[0], STEMS[1]], 16)
@@ -304,6 +309,8 @@ def test_a_waiting_call_gets_in_after_one_step(tiny_model: Transformer, call: st
     outs = finish(thread, box)
     assert done_at == [queued_at + 1], "the waiter waited for more than the step in progress"
     assert done_at[0] < engine.num_steps, "the waiter got in only after generate() finished"
+    if call == "abort":  # one token a step since the prefill, so the output counts too
+        assert len(aborted[0].token_ids) == queued_at + 1, "aborted after another step"
     assert [o.finish_reason for o in outs] == [
         FinishReason.LENGTH, FinishReason.ABORTED if call == "abort" else FinishReason.LENGTH]
     if call == "add_request":  # finished by the generate() loop, handed to the next step()
