@@ -61,22 +61,24 @@ def resolve_window(cfg: KvCacheConfig, backend: type[AttentionBackend], model: T
                    release: bool = True) -> KvCacheConfig:
     """The cache config with the sliding window the cache may exploit.
 
-    A model whose attention layers all use a window W gets `sliding_window` = W (or the
-    config's own, if at least W) unless `release` is False, the backend cannot read
-    requests with released blocks, recurrent layers need state snapshots at the blocks
-    a window would release, or the config has a host tier (which offloads leaves only,
-    where windowed eviction hollows interior blocks); the cache then keeps full-attention
-    bookkeeping,
-    which is always correct, only larger. Raises ValueError for a window on a model
+    A model whose attention layers all use a window W (`ModelConfig.shared_window`; one
+    with full-attention layers among windowed ones has none) gets `sliding_window` = W
+    (or the config's own, if at least W) unless `release` is False, the backend cannot
+    read requests with released blocks, recurrent layers need state snapshots at the
+    blocks a window would release, or the config has a host tier (which offloads leaves
+    only, where windowed eviction hollows interior blocks); the cache then keeps
+    full-attention bookkeeping, which is always correct, only larger. Raises ValueError for a window on a model
     without one, one shorter than the model's, and for block reuse asked for
     explicitly with a window model on a backend without window support.
     """
-    window = model.config.sliding_window
+    window = model.config.shared_window
     asked = cfg.sliding_window
     if window is None:
         if asked is not None:
-            raise ValueError(f"KvCacheConfig.sliding_window={asked}, but the model attends "
-                             "without a window: its tokens see every earlier block")
+            which = ("some of its layers attend" if model.config.sliding_window is not None
+                     else "the model attends")
+            raise ValueError(f"KvCacheConfig.sliding_window={asked}, but {which} without a "
+                             "window: their tokens see every earlier block")
         return cfg
     if asked is not None and asked < window:
         raise ValueError(f"KvCacheConfig.sliding_window={asked} is shorter than the model's "

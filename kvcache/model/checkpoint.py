@@ -296,7 +296,7 @@ def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "recurrence.decay": (hidden,),
         },
     }
-    for layer, kind in enumerate(config.layer_types):
+    for layer, kind in enumerate(config.mixer_types):
         layer_shapes = {
             "input_layernorm.weight": (hidden,),
             "post_attention_layernorm.weight": (hidden,),
@@ -312,7 +312,7 @@ def _to_ours(hf: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     ours = {our: hf[name] for name, our in _GLOBAL_RENAMES.items() if name in hf}
     if config.tie_word_embeddings:
         ours["output.weight"] = ours["tok_embeddings.weight"]
-    for layer, kind in enumerate(config.layer_types):
+    for layer, kind in enumerate(config.mixer_types):
         prefix = f"model.layers.{layer}."
         for name, our in (_COMMON_RENAMES | _MIXER_RENAMES[kind]).items():
             ours[f"layers.{layer}.{our}"] = hf[prefix + name]
@@ -331,7 +331,7 @@ def _to_hf(model: Transformer) -> dict[str, Tensor]:
         del hf["lm_head.weight"]  # HF omits the tied head
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
-    for layer, kind in enumerate(config.layer_types):
+    for layer, kind in enumerate(config.mixer_types):
         prefix = f"model.layers.{layer}."
         for name, our in (_COMMON_RENAMES | _MIXER_RENAMES[kind]).items():
             hf[prefix + name] = ours[f"layers.{layer}.{our}"].clone()

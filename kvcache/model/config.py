@@ -8,8 +8,11 @@ from typing import Literal
 
 from kvcache.core.validate import check_int, check_positive_int
 
-LayerType = Literal["attention", "recurrent"]
-LAYER_TYPES: tuple[LayerType, ...] = ("attention", "recurrent")
+LayerType = Literal["attention", "full_attention", "recurrent"]
+LAYER_TYPES: tuple[LayerType, ...] = ("attention", "full_attention", "recurrent")
+# The layer types that attend (and so need KV storage): "attention" within the model's
+# sliding_window if it has one, "full_attention" over every earlier token regardless.
+ATTENTION_TYPES: frozenset[LayerType] = frozenset({"attention", "full_attention"})
 
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
@@ -28,9 +31,11 @@ class ModelConfig:
     """Shape and hyper-parameters of a `Transformer`; validated on construction.
 
     `head_dim` is explicit (it need not equal hidden_size / num_heads). `sliding_window`
-    applies to every attention layer: a query at position i sees keys j with
-    i - sliding_window < j <= i. `layer_types` defaults to all "attention"; a list is
-    accepted and stored as a tuple.
+    applies to every "attention" layer: a query at position i sees keys j with
+    i - sliding_window < j <= i. A "full_attention" layer ignores it and sees every
+    earlier key, as the global layers that models such as Gemma 2/3 and GPT-OSS
+    interleave with their sliding-window layers do. `layer_types` defaults to all
+    "attention"; a list is accepted and stored as a tuple.
 
     Raises:
         ValueError: a field has a bad type or value (a non-finite float, a count above
@@ -102,7 +107,14 @@ class ModelConfig:
     @property
     def attention_layers(self) -> tuple[int, ...]:
         """Indices of the layers that call `ForwardContext.attention` (and need KV storage)."""
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "attention")
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in ATTENTION_TYPES)
+
+    @property
+    def mixer_types(self) -> tuple[Literal["attention", "recurrent"], ...]:
+        """Each layer's mixer: both attention types build the same module and weights
+        (only the window they attend with differs), recurrent layers their own."""
+        return tuple("attention" if kind in ATTENTION_TYPES else "recurrent"
+                     for kind in self.layer_types)
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
@@ -111,11 +123,31 @@ class ModelConfig:
 
     @property
     def window_left(self) -> int:
-        """FlashInfer's `window_left`: -1 for full attention, else sliding_window - 1.
+        """FlashInfer's `window_left` of the "attention" layers: -1 for full attention,
+        else sliding_window - 1 (see `layer_window_left` for any one layer).
 
         The -1 is FlashInfer's own convention, kept so it can be passed straight through.
         """
         return -1 if self.sliding_window is None else self.sliding_window - 1
+
+    def layer_window_left(self, layer: int) -> int:
+        """The `window_left` attention layer `layer` (a model layer index) attends with:
+        -1 for a "full_attention" layer, else the model's. Raises ValueError for a layer
+        that does not attend."""
+        kind = self.layer_types[layer]
+        if kind not in ATTENTION_TYPES:
+            raise ValueError(f"ModelConfig.layer_window_left: layer {layer} is {kind!r}, "
+                             "not an attention layer")
+        return -1 if kind == "full_attention" else self.window_left
+
+    @property
+    def shared_window(self) -> int | None:
+        """The window every attention layer attends within: `sliding_window` unless some
+        layer is "full_attention" (which needs every earlier key), then None. A cache may
+        release blocks outside this window, never outside a narrower one."""
+        if "full_attention" in self.layer_types:
+            return None
+        return self.sliding_window
 
 
 def _is_positive_finite(value: object) -> bool:
@@ -145,6 +177,11 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-swa": dataclasses.replace(_TINY, sliding_window=32),
     "hybrid-tiny": dataclasses.replace(
         _TINY, layer_types=("attention", "recurrent", "attention", "attention")
+    ),
+    # Windowed layers interleaved with full ones, Gemma 2's pattern (window first).
+    "tiny-mixed-swa": dataclasses.replace(
+        _TINY, sliding_window=32,
+        layer_types=("attention", "full_attention", "attention", "full_attention")
     ),
 }
 

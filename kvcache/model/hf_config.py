@@ -1,7 +1,8 @@
 """Hugging Face config.json: parsed into a ModelConfig, and written from one.
 
 Reads model_type "llama" and "mistral" (Llama plus a sliding window) and our own
-"kvcache_hybrid" (the Llama layout plus `layer_types`, for presets with recurrent layers).
+"kvcache_hybrid" (the Llama layout plus `layer_types`, for presets with recurrent layers
+or full-attention layers among windowed ones).
 Keys that would change the math (activation, biases, RoPE scaling, quantisation) are
 checked; the rest of HF's keys (token ids, dtype, architectures) are metadata.
 """
@@ -102,7 +103,7 @@ def parse_config(raw: dict[str, Any], file: Path) -> ModelConfig:
 
 def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json object HF's loaders (and `parse_config`) read back as `config`."""
-    if config.has_recurrent_layers:
+    if set(config.layer_types) != {"attention"}:
         model_type = HYBRID_MODEL_TYPE
     else:
         model_type = "llama" if config.sliding_window is None else "mistral"

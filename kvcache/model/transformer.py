@@ -209,7 +209,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mixer: Attention | Recurrence
-        if config.layer_types[layer] == "attention":
+        if config.mixer_types[layer] == "attention":
             self.mixer = Attention(config, layer)
         else:
             self.mixer = Recurrence(config, layer)

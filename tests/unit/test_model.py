@@ -4,7 +4,6 @@ forwards agree with one-shot prefill; the window and the recurrent state behave.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import pytest
@@ -13,54 +12,9 @@ from torch import Tensor
 
 from kvcache.model import PRESETS, ModelConfig, Transformer, get_preset
 from kvcache.model.transformer import diagonal_scan
+from tests.unit.dense_model import DenseContext
 
 ATOL = 1e-5
-
-
-class DenseContext:
-    """One sequence, no paging: every layer's K and V in a growing tensor, explicit mask.
-
-    Causal with GQA (query head h reads kv head h // group) and, when the config has one,
-    a sliding window in FlashInfer's convention (i - window_left <= j <= i).
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        self.config = config
-        self.keys: dict[int, Tensor] = {}
-        self.values: dict[int, Tensor] = {}
-        self.states: dict[int, Tensor] = {}
-        self.num_tokens = 0
-        self.seq_lens = [0]
-
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        keys = torch.cat([self.keys[layer], k]) if layer in self.keys else k  # [S, Hkv, D]
-        values = torch.cat([self.values[layer], v]) if layer in self.values else v
-        self.keys[layer], self.values[layer] = keys, values
-        kv_len, new = keys.shape[0], q.shape[0]
-        query_pos = torch.arange(kv_len - new, kv_len)[:, None]  # [T, 1]
-        key_pos = torch.arange(kv_len)[None, :]  # [1, S]
-        allowed = key_pos <= query_pos
-        if self.config.window_left >= 0:
-            allowed &= query_pos - key_pos <= self.config.window_left
-        group = q.shape[1] // k.shape[1]
-        keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
-        values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,shd->hts", q, keys) / math.sqrt(q.shape[-1])
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)  # [Hq, T, S]
-        return torch.einsum("hts,shd->thd", probs, values)  # [T, Hq, D]
-
-    def recurrent_state(self, layer: int) -> Tensor:
-        return self.states.get(layer, torch.zeros(1, self.config.hidden_size))
-
-    def set_recurrent_state(self, layer: int, state: Tensor, token_states: Tensor) -> None:
-        self.states[layer] = state
-
-    def step(self, model: Transformer, tokens: list[int]) -> Tensor:
-        """Feed the next chunk of this sequence; returns its logits [len(tokens), vocab]."""
-        self.seq_lens = [len(tokens)]
-        positions = torch.arange(self.num_tokens, self.num_tokens + len(tokens))
-        self.num_tokens += len(tokens)
-        return model(torch.tensor(tokens), positions, self)
 
 
 class BatchContext:
@@ -151,6 +105,42 @@ def test_config_derived_properties() -> None:
     assert (hybrid.attention_layers, hybrid.recurrent_layers) == ((0, 2, 3), (1,))
     listed = ModelConfig(**(TINY_FIELDS | {"layer_types": ["recurrent"] * 4}))
     assert listed.layer_types == ("recurrent",) * 4 and listed.attention_layers == ()
+
+
+def test_mixed_windows_config() -> None:
+    mixed = PRESETS["tiny-mixed-swa"]
+    assert mixed.attention_layers == (0, 1, 2, 3) and mixed.recurrent_layers == ()
+    assert mixed.mixer_types == ("attention",) * 4
+    assert [mixed.layer_window_left(i) for i in range(4)] == [31, -1, 31, -1]
+    assert (mixed.window_left, mixed.shared_window) == (31, None)
+    assert PRESETS["tiny-swa"].shared_window == 32 and PRESETS["tiny"].shared_window is None
+    # full_attention without any window is plain attention: accepted, and it changes nothing
+    plain = ModelConfig(**(TINY_FIELDS | {"layer_types": ["full_attention"] * 4}))
+    assert [plain.layer_window_left(i) for i in range(4)] == [-1] * 4
+    hybrid = PRESETS["hybrid-tiny"]
+    assert hybrid.mixer_types == ("attention", "recurrent", "attention", "attention")
+    with pytest.raises(ValueError, match=r"layer 1 is 'recurrent', not an attention layer"):
+        hybrid.layer_window_left(1)
+
+
+def test_mixed_windows_differ_from_uniform_ones(models: dict[str, Transformer]) -> None:
+    """Same weights (the layer types build the same modules): inside the window the three
+    models agree; past it the mixed one differs from both all-windowed and all-full, so
+    each layer attends with its own window."""
+    prompt = tokens(100, seed=7)
+    mixed = models["tiny-mixed-swa"]
+    out = {}
+    for name in ("tiny-mixed-swa", "tiny-swa", "tiny"):
+        model = build(PRESETS[name], seed=1)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     mixed.state_dict().values(), strict=True))
+        out[name] = DenseContext(model.config).step(model, prompt)
+    window = PRESETS["tiny-swa"].sliding_window
+    assert window is not None
+    for name in ("tiny-swa", "tiny"):
+        torch.testing.assert_close(out["tiny-mixed-swa"][:window], out[name][:window],
+                                   atol=ATOL, rtol=0)
+        assert (out["tiny-mixed-swa"][window:] - out[name][window:]).abs().amax(-1).min() > 1e-4
 
 
 def test_get_preset_lists_names_on_unknown() -> None:
