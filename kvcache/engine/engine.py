@@ -21,6 +21,7 @@ import torch
 
 from kvcache.attention.base import AttentionBackend
 from kvcache.attention.block_table import BlockTable
+from kvcache.attention.layer_windows import backend_for_windows
 from kvcache.attention.persistent_batch import PersistentBatch
 from kvcache.attention.registry import get_backend
 from kvcache.core.config import KvCacheConfig
@@ -82,8 +83,10 @@ class Engine:
     events for routers (`engine.manager.take_kv_events()`). For a model whose attention
     layers use a sliding window, `release_outside_window` lets the cache release a
     running request's blocks no later token can see and match warm prompts by the
-    window (see `resolve_window`); False keeps full-attention bookkeeping.
-    Raises ValueError naming the bad option. Set `step_timer` to a StepTimer to time
+    window (see `resolve_window`); False keeps full-attention bookkeeping. A model that
+    mixes windowed and full-attention layers keeps full-attention bookkeeping, and
+    `backend` is then a LayerWindows, one member backend per window (`attn_backend`
+    keeps the registered name). Raises ValueError naming the bad option. Set `step_timer` to a StepTimer to time
     every step's phases (schedule, metadata, plan, forward, sample, commit).
 
     Thread-safe: add_request, step, abort and generate take one fair lock (`FairLock`),
@@ -143,9 +146,14 @@ class Engine:
         options = dict(backend_options or {})
         if cuda_graph:
             options["graph_batch_sizes"] = self.graph_batch_sizes
-        self.backend = backend_cls(storage=self.storage, num_qo_heads=mc.num_heads,
-                                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                   page_size=page_size, window_left=mc.window_left, **options)
+        self.attn_backend = backend_cls.name
+        # Storage layer i is model layer attention_layers[i]; with no attention layer the
+        # storage still has one (unused), at the model's window.
+        windows = [mc.layer_window_left(i) for i in mc.attention_layers] or [mc.window_left]
+        self.backend = backend_for_windows(backend_cls, windows, storage=self.storage,
+                                           num_qo_heads=mc.num_heads,
+                                           num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                           page_size=page_size, **options)
         self.max_model_len = mc.max_position_embeddings
         # A request never holds more blocks than the pool has (add_request rejects it), so
         # the table is sized by the pool, never by the model's maximum length alone.

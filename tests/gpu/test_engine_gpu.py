@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Hashable
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch
 from kvcache import Engine, GenerationOutput, KvCacheConfig
 from kvcache.attention.flashinfer import FlashInferBackend
 from kvcache.attention.flashinfer_calls import KernelFamily
-from kvcache.attention.flashinfer_layout import PlanLayout
+from kvcache.attention.layer_windows import LayerWindows
 from kvcache.model import Transformer, get_preset
 from tests.gpu.support import FAMILIES, Measure, family_or_skip
 
@@ -35,6 +36,8 @@ NEW = [12, 9, 12, 4, 10]
 TENSOR_CORES = dataclasses.replace(get_preset("tiny"), num_heads=8, head_dim=128)
 MODELS = {"cuda-cores": get_preset("tiny"), "tensor-cores": TENSOR_CORES}
 HEADS = [pytest.param(name, id=name) for name in MODELS]
+# Windowed layers interleaved with full ones: two FlashInfer backends planned per step.
+MODELS["mixed-windows"] = get_preset("tiny-mixed-swa")
 
 
 def make_engine(kernel: str, family: KernelFamily, *, cuda_graph: bool,
@@ -47,21 +50,21 @@ def make_engine(kernel: str, family: KernelFamily, *, cuda_graph: bool,
 
 
 def run(engine: Engine, force: list[list[int]] | None = None
-        ) -> tuple[list[GenerationOutput], dict[int, list[PlanLayout]]]:
+        ) -> tuple[list[GenerationOutput], dict[int, list[Hashable]]]:
     """Outputs in request order, and each graph size's plan layouts in the order they
     changed (read after every step: a size planned under a new layout shows it)."""
     rng = random.Random(0)
     rids = [engine.add_request([rng.randrange(1, 500) for _ in range(n)], new,
                                force_tokens=force[i] if force else None)
             for i, (n, new) in enumerate(zip(PROMPTS, NEW, strict=True))]
-    layouts: dict[int, list[PlanLayout]] = {}
+    layouts: dict[int, list[Hashable]] = {}
     done: dict[int, GenerationOutput] = {}
     while engine.has_unfinished():
         done |= {o.request_id: o for o in engine.step()}
         if engine.graphs is None:
             continue
         backend = engine.backend
-        assert isinstance(backend, FlashInferBackend)
+        assert isinstance(backend, FlashInferBackend | LayerWindows)
         for size in SIZES:
             try:
                 layout = backend.graph_layout(size)
@@ -117,3 +120,22 @@ def test_one_token_chunks_on_the_graph_path(measure: Measure, kernel: str) -> No
     graphed, _ = run(engine, force=[o.token_ids for o in eager])
     assert_graphs_match_eager(measure, eager, graphed)
     assert engine.graphs is not None and engine.graphs.replays == engine.num_steps
+
+
+def test_mixed_windows_graphs_on_equal_graphs_off(measure: Measure) -> None:
+    """A model interleaving 32-token-window layers with full ones: each window has its own
+    FlashInfer backend, both planned every step, and a captured graph replays only while
+    neither member's plan layout changed. Prompts and decodes run past the window."""
+    eager, _ = run(make_engine("mixed-windows", "auto", cuda_graph=False))
+    engine = make_engine("mixed-windows", "auto", cuda_graph=True)
+    backend = engine.backend
+    assert isinstance(backend, LayerWindows)
+    assert sorted(m.window_left for m in backend.members) == [-1, 31]
+    graphed, layouts = run(engine, force=[o.token_ids for o in eager])
+    assert_graphs_match_eager(measure, eager, graphed)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.replays == max(NEW) - 1
+    assert graphs.captures == sum(len(seen) for seen in layouts.values())
+    for member in backend.members:
+        assert isinstance(member, FlashInferBackend)
+        measure.kernels(member)

@@ -197,7 +197,7 @@ class ScenarioRun:
         __tracebackhide__ = True
         adapter = KvcacheEngineAdapter(engine)
         prediction = predict_from_engine(adapter, bounded=bounded)
-        config = {**adapter.cache_config, "backend": engine.backend.name,
+        config = {**adapter.cache_config, "backend": engine.attn_backend,
                   "max_num_tokens": engine.max_num_tokens}
         passed = False
         try:

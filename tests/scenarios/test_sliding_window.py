@@ -1,7 +1,9 @@
 """Proves a sliding window (32) keeps outputs equal to a cold run while the cache releases
 what no later token sees: reuse over blocks stale to the window, whole or chunked, and
 prompts 4x and 16x the window in a pool that holds only the window and one chunk, warm
-after cold, with exactly the oracle's reuse.
+after cold, with exactly the oracle's reuse. A model that interleaves full-attention
+layers with the windowed ones (Gemma 2's pattern) keeps every block and reuses past the
+window, as a full-attention cache would.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tests.scenarios.support import (
 )
 
 PRESET = "tiny-swa"
+MIXED = "tiny-mixed-swa"  # windowed layers 0 and 2, full-attention layers 1 and 3
 WINDOW = get_preset(PRESET).sliding_window
 NEW_TOKENS = 3
 BLOCKS = [pytest.param(B, id=f"B{B}") for B in (4, 16)]
@@ -48,6 +51,25 @@ def test_warm_over_stale_blocks_equals_cold(make_engine: EngineFactory, scenario
     engine = make_engine(B, backend=backend, mode=mode, preset=PRESET)
     run = scenario.cold_warm(engine, prompts, NEW_TOKENS, backend, seed=B, reference=reference)
     assert all(o.num_cached_tokens > WINDOW for o in run.warm)
+
+
+@pytest.mark.parametrize("B", BLOCKS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_mixed_full_and_windowed_layers_warm_equals_cold(
+        make_engine: EngineFactory, scenario: ScenarioRun, backend: BackendSpec,
+        mode: ReuseMode, B: int) -> None:
+    """The full-attention layers read every earlier key, so nothing is released and the
+    warm prompts reuse blocks far outside the window; each layer attends with its own
+    window through its own planned backend, and warm still equals cold."""
+    prompts = prompts_of(B, [50, 65, 80])
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, backend=backend,
+                                           preset=MIXED)
+    engine = make_engine(B, backend=backend, mode=mode, preset=MIXED)
+    assert engine.cache_config.sliding_window is None
+    run = scenario.cold_warm(engine, prompts, NEW_TOKENS, backend, seed=B, reference=reference)
+    assert all(o.num_cached_tokens > WINDOW for o in run.warm)
+    assert engine.kv_cache_stats().evicted_blocks == 0
 
 
 @pytest.mark.parametrize("budget", [pytest.param(n, id=f"T{n}") for n in (7, 13)])
