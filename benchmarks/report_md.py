@@ -311,12 +311,15 @@ def _memory(benches: Sequence[Benchmark]) -> list[str]:
 
 def _step(benches: Sequence[Benchmark]) -> list[str]:
     rows, lines = [], []
-    for b in sorted(benches, key=lambda b: (b.extra["kind"] != "decode", b.extra["batch"])):
+    for b in sorted(benches, key=lambda b: (b.extra["kind"] != "decode", b.extra["batch"],
+                                            b.extra.get("model", ""))):
         e = b.extra
         phases = e["phase_us"]
         size = (f"{e['context']}-token contexts" if e["kind"] == "decode"
                 else f"{e['prompt_tokens']}-token prompts, {e['budget']} a step")
-        rows.append([e["kind"], e["batch"], size, duration(e["step_us"] / 1e6),
+        kind = f"{e['kind']} ({e['model']})" if "model" in e else e["kind"]
+        rows.append([kind, e["batch"], size,
+                     duration(e["step_us"] / 1e6),
                      *(duration(phases[p] / 1e6) for p in STEP_PHASES),
                      f"{e['overhead_fraction']:.1%}"])
         if e.get("target") is not None:

@@ -11,6 +11,8 @@ untimed, then every timed step decodes one token for each of them. Prefill with
 chunking: prompts of PREFILL_LEN tokens under a per-step budget of PREFILL_BUDGET, one
 token generated each, so every timed step computes a full budget of prompt chunks
 (one or two requests); fresh prompts are queued untimed when the last ones finish.
+The decode at batch 64 runs again on `tiny-mixed-swa` (full-attention layers interleaved
+with 32-token-window ones: two backends planned per step) against `tiny`'s, same run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvcache.model import get_preset
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PRESET, BLOCK, SEED = "tiny", 16, 0
+MIXED = "tiny-mixed-swa"
 OVERHEAD_TARGET = 0.10  # issue 17: at decode batch 64, at most 10% of the step
 TARGET_BATCH = 64
 
@@ -63,19 +66,20 @@ def prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def engine_for(batch: int, tokens_per_request: int, budget: int) -> Engine:
+def engine_for(batch: int, tokens_per_request: int, budget: int,
+               preset: str = PRESET) -> Engine:
     blocks = batch * (-(-tokens_per_request // BLOCK) + 1) + 8
     cfg = KvCacheConfig(tokens_per_block=BLOCK, max_num_blocks=blocks)
-    return Engine(PRESET, cfg, max_num_tokens=budget, max_batch_size=batch, seed=SEED,
+    return Engine(preset, cfg, max_num_tokens=budget, max_batch_size=batch, seed=SEED,
                   record_events=False)
 
 
-def record(benchmark: Any, timer: StepTimer, **info: Any) -> None:
+def record(benchmark: Any, timer: StepTimer, model: str = PRESET, **info: Any) -> None:
     """Per-phase medians (us) and their fractions of the step, into extra_info."""
     medians = {p: statistics.median(getattr(s, p) for s in timer.steps) for p in PHASES}
     step = sum(medians.values())
     benchmark.extra_info.update(
-        suite="step", model=PRESET, block_size=BLOCK, steps=len(timer.steps),
+        suite="step", model=model, block_size=BLOCK, steps=len(timer.steps),
         torch_num_threads=torch.get_num_threads(),
         phase_us={p: round(t * 1e6, 2) for p, t in medians.items()},
         phase_fraction={p: round(t / step, 5) for p, t in medians.items()},
@@ -83,12 +87,15 @@ def record(benchmark: Any, timer: StepTimer, **info: Any) -> None:
         **info)
 
 
-@pytest.mark.parametrize("batch", [pytest.param(b, id=f"b{b}") for b in (1, 64, 256)])
-def test_decode_step(benchmark: Any, plan: StepPlan, batch: int) -> None:
+@pytest.mark.parametrize(("preset", "batch"), [
+    *(pytest.param(PRESET, b, id=f"b{b}") for b in (1, 64, 256)),
+    pytest.param(MIXED, TARGET_BATCH, id=f"mixed-windows-b{TARGET_BATCH}")])
+def test_decode_step(benchmark: Any, plan: StepPlan, preset: str, batch: int) -> None:
     """One decode token for each of `batch` running requests."""
     rounds, warmup = plan.decode_rounds, plan.decode_warmup
     new_tokens = 1 + warmup + rounds + 1  # prefill, warm-up, timed; none finishes in a round
-    engine = engine_for(batch, plan.context + new_tokens, budget=max(batch * plan.context, 512))
+    engine = engine_for(batch, plan.context + new_tokens, budget=max(batch * plan.context, 512),
+                        preset=preset)
     for p in prompts(random.Random(SEED), batch, plan.context):
         engine.add_request(p, max_new_tokens=new_tokens, return_logits=False)
     for _ in range(warmup + 1):  # the prefill, then decodes to warm up
@@ -100,8 +107,9 @@ def test_decode_step(benchmark: Any, plan: StepPlan, batch: int) -> None:
     assert len(timer.steps) == rounds
     assert engine.num_computed_tokens - before == batch * rounds, "a timed step was not a decode"
     assert len(engine.scheduler.running) == batch
-    record(benchmark, timer, kind="decode", batch=batch, context=plan.context,
-           target=OVERHEAD_TARGET if batch == TARGET_BATCH else None)
+    target = OVERHEAD_TARGET if batch == TARGET_BATCH and preset == PRESET else None
+    record(benchmark, timer, preset, kind="decode", batch=batch, context=plan.context,
+           target=target)
 
 
 def test_prefill_step(benchmark: Any, plan: StepPlan) -> None:

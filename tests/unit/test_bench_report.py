@@ -83,7 +83,8 @@ def suite_benches() -> list[dict[str, Any]]:
                                                    "batch": 8, "device": "NVIDIA H200"}),
         *layouts(),
         bench("test_decode_step[b64]", 0.1, {
-            "suite": "step", "kind": "decode", "batch": 64, "context": 128, "step_us": 100000.0,
+            "suite": "step", "kind": "decode", "model": "tiny", "batch": 64, "context": 128,
+            "step_us": 100000.0,
             "phase_us": {"schedule": 50.0, "metadata": 250.0, "plan": 60.0,
                          "forward": 99300.0, "sample": 240.0, "commit": 100.0},
             "overhead_fraction": 0.007, "target": 0.1}),
@@ -175,7 +176,7 @@ def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
                  "| BLHNC | 64 | 128 | 50 us | 20.00x | 2 | 2 ms | 500.00x | 8.00x |",
                  "| NHD | 64 | n/a | n/a | n/a | 32 | 30 ms | 8000.00x | 120.00x |",
                  "batch 64: packed block copies 15.00x faster",  # storage layouts
-                 "| decode | 64 | 128-token contexts | 100 ms | 50 us | 250 us | 60 us | 99.3 ms "
+                 "| decode (tiny) | 64 | 128-token contexts | 100 ms | 50 us | 250 us | 60 us | 99.3 ms "
                  "| 240 us | 100 us | 0.7% |", "decode batch 64: **0.7%** of the step (target <= 10%)",
                  "| prefill | 4 | 768-token prompts, 512 a step | 30 ms |",  # step overhead
                  "| release | 19 | 1.19 | 18 | 200 ms |", "6.79x less with release",
