@@ -46,10 +46,13 @@ STAGES: tuple[Stage, ...] = (
     Stage("bf16", "FlashInfer against the reference, bf16; padded eager decode",
           (*REFERENCE_TESTS, f"{FI}::test_padded_eager_decode_matches_reference"),
           keyword="bf16 or padded_eager"),
-    Stage("window-softcap", "sliding window (released blocks too) and logits soft cap "
-          "against the reference",
+    Stage("window-softcap", "sliding window (released blocks too), windowed and full "
+          "layers in one step, and logits soft cap against the reference; the mixed-window "
+          "engine with graphs against without",
           (f"{FI}::test_window_and_soft_cap_match_reference",
-           f"{FI}::test_released_blocks_match_reference")),
+           f"{FI}::test_released_blocks_match_reference",
+           f"{FI}::test_layer_windows_match_reference",
+           "tests/gpu/test_engine_gpu.py::test_mixed_windows_graphs_on_equal_graphs_off")),
     Stage("benchmarks", "GPU benchmarks (quick): attention throughput, TTFT, graph decode",
           ("benchmarks/test_bench_gpu.py",),
           extra_args=("--bench-quick", "--benchmark-json={results}/bench.json"),

@@ -16,6 +16,8 @@ import torch
 
 from kvcache.attention.flashinfer import FlashInferBackend
 from kvcache.attention.flashinfer_calls import KernelFamily
+from kvcache.attention.layer_windows import LayerWindows, backend_for_windows
+from kvcache.attention.reference import ReferenceBackend
 from kvcache.storage.kv_storage import KvLayout
 from tests.gpu.support import (
     BLOCK,
@@ -31,6 +33,7 @@ from tests.gpu.support import (
     compare_step,
     family_or_skip,
     make_pair,
+    random_qkv,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer]
@@ -44,6 +47,7 @@ LONG_PREFILL = [(21, 100), (37, 65), (5, 130), (0, 200), (13, 2)]
 # One request prefilled over four steps beside one that decodes: chunks above and below
 # 64 tokens, each starting where the last one stopped (mid-page).
 CHUNKS = [37, 70, 5, 90]
+WINDOWS = [20, -1]  # storage layer -> window_left: a windowed layer, then a full one
 
 STEPS = [pytest.param(PREFILL, 8, id="prefill"),
          pytest.param(DECODE, 4, id="decode-cuda-cores"),
@@ -120,6 +124,38 @@ def test_window_and_soft_cap_match_reference(measure: Measure, layout: KvLayout,
                      dtype=torch.float16, seed=2, tol=tol, what=f"prefill h{num_qo_heads}")
         compare_step(measure, pair, pair.metadata(decode, 4), fi, ref, layer=1,
                      dtype=torch.float16, seed=3, tol=tol, what=f"decode h{num_qo_heads}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layer_windows_match_reference(measure: Measure, layout: KvLayout) -> None:
+    """A windowed and a full-attention layer in one step, as a mixed-window model runs:
+    one FlashInfer backend per window, both planned with the step's metadata, each
+    layer's output and append against the reference's LayerWindows."""
+    requests = PREFILL + LONG_PREFILL[:2]
+    decode = [(c + n, 1) for c, n in requests]
+    pair = make_pair([c + n for c, n in decode], layout, torch.float16)
+    common = dict(num_qo_heads=4, num_kv_heads=pair.cpu.num_kv_heads,
+                  head_dim=pair.cpu.head_dim, page_size=4)
+    fi = backend_for_windows(FlashInferBackend, WINDOWS, storage=pair.gpu, **common)
+    ref = backend_for_windows(ReferenceBackend, WINDOWS, storage=pair.cpu, **common)
+    assert isinstance(fi, LayerWindows) and isinstance(ref, LayerWindows)
+    for step, (what, reqs) in enumerate((("prefill", requests), ("decode", decode))):
+        md = pair.metadata(reqs, 4)
+        ref.plan(md)
+        fi.plan(md)
+        for layer, window_left in enumerate(WINDOWS):
+            q, k, v = random_qkv(md.num_tokens, 4, ref.num_kv_heads, ref.head_dim,
+                                 torch.float16, seed=30 + 2 * step + layer)
+            want = ref.forward_with_lse(layer, q, k, v)
+            got = fi.forward_with_lse(layer, q.cuda(), k.cuda(), v.cuda())
+            assert got.lse is not None and want.lse is not None
+            name = f"{what} layer {layer} (window_left {window_left})"
+            measure.close(f"{name} o", got.o, want.o, TOL[torch.float16])
+            measure.close(f"{name} lse", got.lse, want.lse, TOL[torch.float16])
+        pair.assert_same_storage()
+    for member in fi.members:
+        assert isinstance(member, FlashInferBackend)
+        measure.kernels(member)
 
 
 @pytest.mark.parametrize("num_qo_heads", DECODE_PATHS)
