@@ -75,10 +75,11 @@ def resolve_window(cfg: KvCacheConfig, backend: type[AttentionBackend], model: T
     asked = cfg.sliding_window
     if window is None:
         if asked is not None:
-            which = ("some of its layers attend" if model.config.sliding_window is not None
-                     else "the model attends")
-            raise ValueError(f"KvCacheConfig.sliding_window={asked}, but {which} without a "
-                             "window: their tokens see every earlier block")
+            which = ("some of the model's layers attend without a window: their tokens"
+                     if model.config.sliding_window is not None
+                     else "the model attends without a window: its tokens")
+            raise ValueError(f"KvCacheConfig.sliding_window={asked}, but {which} see every "
+                             "earlier block")
         return cfg
     if asked is not None and asked < window:
         raise ValueError(f"KvCacheConfig.sliding_window={asked} is shorter than the model's "

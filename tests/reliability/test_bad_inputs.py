@@ -260,6 +260,10 @@ IDS.add("abort-finished")
                                                 sliding_window=8)},
                  r"KvCacheConfig\.sliding_window=8, but the model attends without a window",
                  id="eng-window-full-model"),
+    pytest.param({"model": "tiny-mixed-swa", "cache_config": KvCacheConfig(
+        tokens_per_block=4, max_num_blocks=16, sliding_window=32)},
+        r"KvCacheConfig\.sliding_window=32, but some of the model's layers attend without a "
+        r"window: their tokens see every earlier block", id="eng-window-mixed-model"),
     pytest.param({"model": "tiny-swa", "cache_config": KvCacheConfig(
         tokens_per_block=4, max_num_blocks=16, sliding_window=16)},
         r"KvCacheConfig\.sliding_window=16 is shorter than the model's window of 32",

@@ -123,6 +123,6 @@ def test_engine_over_mixed_layers_equals_the_dense_reference(chunk: int) -> None
 
 
 def test_a_cache_window_is_refused_for_mixed_layers() -> None:
-    with pytest.raises(ValueError, match=r"sliding_window=32, but some of its layers attend "
-                                         r"without a window"):
+    with pytest.raises(ValueError, match=r"sliding_window=32, but some of the model's layers "
+                                         r"attend without a window: their tokens see every"):
         Engine(PRESET, KvCacheConfig(tokens_per_block=4, max_num_blocks=64, sliding_window=32))
