@@ -73,6 +73,34 @@ def test_mixed_full_and_windowed_layers_warm_equals_cold(
 
 
 @pytest.mark.parametrize("budget", [pytest.param(n, id=f"T{n}") for n in (7, 13)])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_mixed_layers_chunked_under_eviction(make_engine: EngineFactory,
+                                             scenario: ScenarioRun, backend: BackendSpec,
+                                             budget: int) -> None:
+    """The mixed-window model, prompts past the window prefilled in chunks one after
+    another, in a pool of 24 blocks of 4 (the longest request needs 20): least recently
+    used blocks are evicted between requests, outputs equal a run without reuse, and no
+    admission reuses more than the unbounded oracle predicts."""
+    B = 4
+    rng = random.Random(budget)
+    base = tokens(rng, 60)
+    prompts = [base, base[:45] + tokens(rng, 30), tokens(rng, 50), base[:45] + tokens(rng, 12),
+               base[:30] + tokens(rng, 40)]
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, backend=backend,
+                                           preset=MIXED)
+    engine = make_engine(B, backend=backend, preset=MIXED, max_num_tokens=budget,
+                         max_num_blocks=24)
+    force = forced(reference, backend)
+    outs = [engine.generate([p], NEW_TOKENS, force_tokens=force and force[i:i + 1])[0]
+            for i, p in enumerate(prompts)]
+    assert_same_outputs(reference, outs, backend, "mixed layers, chunked, evicting")
+    stats = engine.kv_cache_stats()
+    assert stats.evicted_blocks > 0 and stats.reused_blocks > 0
+    assert outs[1].num_cached_tokens >= 44  # the first prompt's blocks, past the window
+    scenario.expect_oracle(engine, outs, exact=False, seed=budget)
+
+
+@pytest.mark.parametrize("budget", [pytest.param(n, id=f"T{n}") for n in (7, 13)])
 @pytest.mark.parametrize("B", BLOCKS)
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_prefix_reused_past_the_window_chunked(make_engine: EngineFactory,
