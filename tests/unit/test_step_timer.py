@@ -17,14 +17,14 @@ def test_times_add_up() -> None:
 def test_laps_charge_the_time_since_the_previous_one() -> None:
     timer = StepTimer()
     timer.start()
-    time.sleep(0.002)
+    time.sleep(0.02)  # long beside the lap between: a loaded machine must not flip them
     timer.lap("metadata")
     timer.lap("forward")
-    time.sleep(0.001)
+    time.sleep(0.01)
     timer.lap("metadata")  # a phase lapped twice sums both
     timer.finish()
     (step,) = timer.steps
-    assert step.metadata >= 0.003
+    assert step.metadata >= 0.03
     assert step.forward < step.metadata
     assert step.schedule == step.plan == step.sample == step.commit == 0.0
     timer.clear()
