@@ -1,8 +1,9 @@
 """Hugging Face config.json: parsed into a ModelConfig, and written from one.
 
-Reads model_type "llama" and "mistral" (Llama plus a sliding window) and our own
-"kvcache_hybrid" (the Llama layout plus `layer_types`, for presets with recurrent layers
-or full-attention layers among windowed ones).
+Reads model_type "llama", "mistral" (Llama plus a sliding window), "ministral" (Mistral
+whose `layer_types` interleave "sliding_attention" and "full_attention" layers) and our own
+"kvcache_hybrid" (the Llama layout plus our `layer_types`, for presets with recurrent
+layers).
 Keys that would change the math (activation, biases, RoPE scaling, quantisation) are
 checked; the rest of HF's keys (token ids, dtype, architectures) are metadata.
 """
@@ -16,14 +17,19 @@ from typing import Any
 
 import torch
 
-from kvcache.model.config import MAX_LAYERS, MAX_POSITIONS, ModelConfig
+from kvcache.model.config import MAX_LAYERS, MAX_POSITIONS, LayerType, ModelConfig
 
 CONFIG_FILE = "config.json"
 HYBRID_MODEL_TYPE = "kvcache_hybrid"
-MODEL_TYPES = ("llama", "mistral", HYBRID_MODEL_TYPE)
+MODEL_TYPES = ("llama", "mistral", "ministral", HYBRID_MODEL_TYPE)
 _DEFAULT_ROPE_THETA = 10000.0  # HF Llama's value when a config names none
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, HYBRID_MODEL_TYPE: 4096}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "ministral": 131072,
+                          HYBRID_MODEL_TYPE: 4096}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "ministral": "MinistralForCausalLM"}
+# Ministral's layer types (HF's names) and ours: a sliding layer uses the model's window.
+_MINISTRAL_LAYER_TYPES: dict[str, LayerType] = {"sliding_attention": "attention",
+                                                "full_attention": "full_attention"}
 # Keys whose value sizes something before any weight is read, and ModelConfig's bounds.
 _BOUNDED_KEYS = {"num_hidden_layers": MAX_LAYERS, "max_position_embeddings": MAX_POSITIONS}
 
@@ -72,9 +78,13 @@ def parse_config(raw: dict[str, Any], file: Path) -> ModelConfig:
         if isinstance(value, int | float) and not isinstance(value, bool) and value > limit:
             raise CheckpointError(f"{file}: {key}={value!r} exceeds the limit of {limit}")
     hidden, heads = _require(raw, "hidden_size", file), _require(raw, "num_attention_heads", file)
-    layer_types = raw.get("layer_types", [])
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # absent or null: every layer is the model type's default
+        layer_types = []
     if not isinstance(layer_types, list):
         raise CheckpointError(f"{file}: layer_types={layer_types!r} must be a list")
+    if model_type == "ministral":
+        layer_types = _ministral_layer_types(layer_types, file)
     # Only an absent (or null) key takes the default: a 0 is an error, not "unset".
     kv_heads, head_dim = raw.get("num_key_value_heads"), raw.get("head_dim")
     try:
@@ -103,8 +113,10 @@ def parse_config(raw: dict[str, Any], file: Path) -> ModelConfig:
 
 def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json object HF's loaders (and `parse_config`) read back as `config`."""
-    if set(config.layer_types) != {"attention"}:
+    if config.has_recurrent_layers:
         model_type = HYBRID_MODEL_TYPE
+    elif "full_attention" in config.layer_types:
+        model_type = "ministral"
     else:
         model_type = "llama" if config.sliding_window is None else "mistral"
     raw: dict[str, Any] = {
@@ -131,7 +143,22 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         raw["sliding_window"] = config.sliding_window
     if model_type == HYBRID_MODEL_TYPE:
         raw["layer_types"] = list(config.layer_types)
+    if model_type == "ministral":
+        hf_names = {ours: hf for hf, ours in _MINISTRAL_LAYER_TYPES.items()}
+        raw["layer_types"] = [hf_names[kind] for kind in config.layer_types]
     return raw
+
+
+def _ministral_layer_types(layer_types: list[Any], file: Path) -> list[LayerType]:
+    """Ministral's `layer_types` (HF's names) as ours; [] keeps the default (every layer
+    uses the model's window, if it has one)."""
+    ours = []
+    for index, kind in enumerate(layer_types):
+        if not isinstance(kind, str) or kind not in _MINISTRAL_LAYER_TYPES:
+            raise CheckpointError(f"{file}: layer_types[{index}]={kind!r}; model_type "
+                                  f"'ministral' takes {tuple(_MINISTRAL_LAYER_TYPES)}")
+        ours.append(_MINISTRAL_LAYER_TYPES[kind])
+    return ours
 
 
 def _require(raw: dict[str, Any], key: str, file: Path) -> Any:
@@ -159,8 +186,9 @@ def _check_supported(raw: dict[str, Any], file: Path, model_type: str) -> None:
             f"{file}: sliding_window={raw['sliding_window']!r} with model_type 'llama' (HF's "
             "Llama ignores it); use model_type 'mistral' for a sliding window"
         )
-    if model_type != HYBRID_MODEL_TYPE and "layer_types" in raw:
-        raise CheckpointError(f"{file}: layer_types is only read for {HYBRID_MODEL_TYPE!r}")
+    if model_type not in (HYBRID_MODEL_TYPE, "ministral") and "layer_types" in raw:
+        raise CheckpointError(f"{file}: layer_types is only read for 'ministral' and "
+                              f"{HYBRID_MODEL_TYPE!r}")
 
 
 def _rope_theta(raw: dict[str, Any], file: Path) -> Any:

@@ -1,5 +1,5 @@
-"""HF-format checkpoints: parity with transformers' Llama/Mistral, our own round trip,
-and clear refusals of checkpoints we cannot load."""
+"""HF-format checkpoints: parity with transformers' Llama/Mistral/Ministral, our own round
+trip, and clear refusals of checkpoints we cannot load."""
 
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MinistralConfig,
+    MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
 )
 
+from kvcache import Engine, KvCacheConfig
+from kvcache.attention.layer_windows import LayerWindows
 from kvcache.model import PRESETS, ModelConfig, Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_config, load_pretrained, save_pretrained
 
@@ -50,8 +54,9 @@ class FullContext:
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         pos = torch.arange(q.shape[0])
         allowed = pos[None, :] <= pos[:, None]  # [T, T]: key j <= query i
-        if self.config.window_left >= 0:
-            allowed &= pos[:, None] - pos[None, :] <= self.config.window_left
+        window_left = self.config.layer_window_left(layer)
+        if window_left >= 0:
+            allowed &= pos[:, None] - pos[None, :] <= window_left
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed, enable_gqa=True
         )  # [Hq, T, D]
@@ -76,7 +81,8 @@ def greedy(model: Transformer, prompt: list[int], steps: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-def random_hf(cls: type[PreTrainedModel], config: LlamaConfig | MistralConfig) -> PreTrainedModel:
+def random_hf(cls: type[PreTrainedModel],
+              config: LlamaConfig | MistralConfig | MinistralConfig) -> PreTrainedModel:
     """An HF model with every weight random, norms included (HF inits them to 1, which would
     hide swapped norms), scaled so the logits spread and ties are unlikely."""
     torch.manual_seed(0)
@@ -143,6 +149,55 @@ def test_mistral_sliding_window_parity(tmp_path: Path) -> None:
     torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
+# Ministral interleaves windowed and full layers; the window is 8 and prompts are 3x it.
+MINISTRAL_LAYERS = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+
+
+def test_ministral_mixed_windows_parity(tmp_path: Path) -> None:
+    """HF's Ministral masks each layer by its own type: our loader maps its layer types,
+    and both the dense forward and the paged engine (one backend per window, warm after
+    cold) give HF's logits."""
+    # head_dim explicit: HF's Ministral attention reads it raw (None when left to derive).
+    config = MinistralConfig(**(HF_SHAPE | {"num_hidden_layers": 4, "head_dim": 16}),
+                             sliding_window=8, layer_types=MINISTRAL_LAYERS)
+    hf = random_hf(MinistralForCausalLM, config)
+    hf.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path).requires_grad_(False)
+    assert model.config.layer_types == ("attention", "full_attention", "full_attention",
+                                        "attention")
+    assert [model.config.layer_window_left(i) for i in range(4)] == [7, -1, -1, 7]
+    ids = prompt(24)
+    expected = hf_logits(hf, ids)
+    torch.testing.assert_close(logits(model, ids), expected, atol=1e-4, rtol=0)
+    engine = Engine(model, KvCacheConfig(tokens_per_block=4, max_num_blocks=32),
+                    max_num_tokens=10)
+    assert isinstance(engine.backend, LayerWindows)
+    for _ in range(2):  # cold, then warm over the cached prefix
+        out = engine.generate([ids[:-1]], 1, force_tokens=[[ids[-1]]])[0]
+        assert out.logits is not None
+        torch.testing.assert_close(out.logits[0], expected[-2], atol=1e-4, rtol=0)
+    assert out.num_cached_tokens == 22
+    raw = json.loads((tmp_path / "config.json").read_text())
+    save_pretrained(model, tmp_path / "ours")
+    ours = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert (ours["model_type"], ours["layer_types"], ours["sliding_window"]) == (
+        "ministral", raw["layer_types"], 8)
+
+
+@pytest.mark.parametrize(("layer_types", "match"), [
+    pytest.param(["sliding_attention", "attention"], r"layer_types\[1\]='attention'; model_type "
+                 r"'ministral' takes \('sliding_attention', 'full_attention'\)", id="our-name"),
+    pytest.param(["full_attention"], r"layer_types has 1 entries, num_layers=2", id="length"),
+])
+def test_ministral_bad_layer_types(llama_dir: Path, layer_types: list[str], match: str) -> None:
+    def edit(raw: dict[str, Any]) -> None:
+        raw.update(model_type="ministral", sliding_window=8, layer_types=layer_types)
+
+    edit_json(llama_dir / "config.json", edit)
+    with pytest.raises(CheckpointError, match=match):
+        load_config(llama_dir)
+
+
 def test_tied_and_sharded_parity(tmp_path: Path) -> None:
     hf = random_hf(LlamaForCausalLM, LlamaConfig(**HF_SHAPE, tie_word_embeddings=True))
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
@@ -167,7 +222,7 @@ def test_save_load_round_trip(tmp_path: Path, name: str) -> None:
     assert torch.equal(logits(loaded, prompt(12, 512)), logits(model, prompt(12, 512)))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "tiny-swa"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "tiny-swa", "tiny-mixed-swa"])
 def test_saved_presets_load_in_transformers(tmp_path: Path, name: str) -> None:
     model = Transformer(PRESETS[name], seed=4).requires_grad_(False)
     save_pretrained(model, tmp_path)
@@ -268,7 +323,7 @@ def set_rope_type(raw: dict[str, Any]) -> None:
         pytest.param(set_key("rms_norm_eps", float("nan")), "rms_norm_eps=nan must be a positive finite", id="eps-nan"),
         pytest.param(set_key("num_hidden_layers", 10**12), "num_hidden_layers=1000000000000 exceeds the limit of 1024", id="layers-limit"),
         pytest.param(set_key("max_position_embeddings", 1e12), r"max_position_embeddings=1000000000000.0 exceeds the limit of 2147483647", id="positions-limit"),
-        pytest.param(set_key("layer_types", "attention"), "layer_types is only read for 'kvcache_hybrid'", id="layer-types-llama"),
+        pytest.param(set_key("layer_types", "attention"), "layer_types is only read for 'ministral' and 'kvcache_hybrid'", id="layer-types-llama"),
     ],
 )  # fmt: skip
 def test_load_config_rejects(
