@@ -96,16 +96,18 @@ def test_forward_before_plan_raises() -> None:
 PRESET = "tiny-mixed-swa"
 
 
-@pytest.mark.parametrize("chunk", [pytest.param(16, id="chunked"), pytest.param(512, id="whole")])
-def test_engine_over_mixed_layers_equals_the_dense_reference(chunk: int) -> None:
-    """Prompts past the 32-token window, prefilled whole or in chunks, then decoded, warm
-    after cold: every logit equals the unpaged reference's, which masks each layer by its
-    own window. The cache keeps full-attention bookkeeping, so warm runs reuse blocks
-    outside the window too."""
+@pytest.mark.parametrize(("chunk", "padded"), [pytest.param(16, False, id="chunked"),
+                                               pytest.param(512, False, id="whole"),
+                                               pytest.param(16, True, id="chunked-padded")])
+def test_engine_over_mixed_layers_equals_the_dense_reference(chunk: int, padded: bool) -> None:
+    """Prompts past the 32-token window, prefilled whole or in chunks, then decoded (also
+    padded to a batch of 4, as CUDA-graph replay is), warm after cold: every logit equals
+    the unpaged reference's, which masks each layer by its own window. The cache keeps
+    full-attention bookkeeping, so warm runs reuse blocks outside the window too."""
     config = get_preset(PRESET)
     model = Transformer(config, seed=5).requires_grad_(False)
     engine = Engine(model, KvCacheConfig(tokens_per_block=4, max_num_blocks=128),
-                    max_num_tokens=chunk)
+                    max_num_tokens=chunk, pad_decode=padded, graph_batch_sizes=(4,))
     assert isinstance(engine.backend, LayerWindows) and engine.attn_backend == "torch"
     assert engine.cache_config.sliding_window is None
     gen = torch.Generator().manual_seed(chunk)
