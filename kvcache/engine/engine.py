@@ -86,8 +86,9 @@ class Engine:
     window (see `resolve_window`); False keeps full-attention bookkeeping. A model that
     mixes windowed and full-attention layers keeps full-attention bookkeeping, and
     `backend` is then a LayerWindows, one member backend per window (`attn_backend`
-    keeps the registered name). Raises ValueError naming the bad option. Set `step_timer` to a StepTimer to time
-    every step's phases (schedule, metadata, plan, forward, sample, commit).
+    keeps the registered name). Raises ValueError naming the bad option. Set
+    `step_timer` to a StepTimer to time every step's phases (schedule, metadata, plan,
+    forward, sample, commit).
 
     Thread-safe: add_request, step, abort and generate take one fair lock (`FairLock`),
     so requests may arrive from other threads while one thread runs the step loop; such

@@ -67,9 +67,10 @@ def resolve_window(cfg: KvCacheConfig, backend: type[AttentionBackend], model: T
     read requests with released blocks, recurrent layers need state snapshots at the
     blocks a window would release, or the config has a host tier (which offloads leaves
     only, where windowed eviction hollows interior blocks); the cache then keeps
-    full-attention bookkeeping, which is always correct, only larger. Raises ValueError for a window on a model
-    without one, one shorter than the model's, and for block reuse asked for
-    explicitly with a window model on a backend without window support.
+    full-attention bookkeeping, which is always correct, only larger. Raises ValueError
+    for a window on a model without one (or with full-attention layers), one shorter
+    than the model's, and for block reuse asked for explicitly with a window model on a
+    backend without window support.
     """
     window = model.config.shared_window
     asked = cfg.sliding_window
