@@ -46,7 +46,8 @@ def test_each_layer_attends_with_its_window(layout: str) -> None:
         for r, (cached, new) in enumerate(REQUESTS):  # the new tokens landed in its pages
             for p in range(cached, cached + new):
                 k, v = sc.read_token(layer, r, p)
-                assert torch.equal(k, sc.keys[layer][r][p]) and torch.equal(v, sc.values[layer][r][p])
+                assert torch.equal(k, sc.keys[layer][r][p])
+                assert torch.equal(v, sc.values[layer][r][p])
 
 
 def test_one_window_builds_a_plain_backend() -> None:
