@@ -56,10 +56,13 @@ def test_one_window_builds_a_plain_backend() -> None:
     assert type(backend) is ReferenceBackend and backend.window_left == 4
 
 
-def test_two_finite_windows_check_released_blocks_by_the_widest() -> None:
+def test_two_finite_windows_take_the_widest_as_their_own() -> None:
+    """Released blocks are checked against the composite's window: the widest reaches
+    furthest back, so what it accepts every member accepts too."""
     sc = Scenario(REQUESTS, num_layers=2)
     backend = backend_for_windows(ReferenceBackend, [8, 3], **_options(sc))
-    assert backend.window_left == 8
+    assert isinstance(backend, LayerWindows)
+    assert backend.window_left == 8 and [m.window_left for m in backend.members] == [8, 3]
 
 
 def _plain(sc: Scenario, window_left: int, cls: type[ReferenceBackend] = ReferenceBackend,
