@@ -34,6 +34,7 @@ class EngineSpec:
     reuse: bool | None = None
     partial: bool | None = None
     copy: bool | None = None
+    release: bool = True  # a windowed model's cache releases what no window reaches
 
     def cache_config(self) -> KvCacheConfig:
         """The KvCacheConfig this spec describes."""
@@ -46,15 +47,16 @@ class EngineSpec:
         """A fresh engine (events recorded, for the oracle) over `model`."""
         return Engine(model, self.cache_config(), max_num_tokens=self.max_num_tokens,
                       max_batch_size=self.max_batch_size,
-                      enable_chunked_prefill=self.chunked)
+                      enable_chunked_prefill=self.chunked, release_outside_window=self.release)
 
 
 def cold_outputs(model: Transformer, prompts: Sequence[Sequence[int]],
                  max_new_tokens: int) -> list[GenerationOutput]:
-    """Outputs of `prompts` on a fresh engine without reuse, nothing preempted."""
+    """Outputs of `prompts` on a fresh engine without reuse, nothing preempted, and
+    nothing released under a sliding window (so no release logic is in the reference)."""
     blocks = sum(len(p) + max_new_tokens for p in prompts)  # tokens_per_block 1: ample
     spec = EngineSpec(tokens_per_block=1, max_num_blocks=max(blocks, 1), max_num_tokens=4096,
-                      max_batch_size=max(len(prompts), 1), reuse=False)
+                      max_batch_size=max(len(prompts), 1), reuse=False, release=False)
     return spec.build(model).generate(prompts, max_new_tokens=max_new_tokens)
 
 
@@ -113,6 +115,7 @@ def generate_checked(engine: Engine, prompts: Sequence[Sequence[int]], max_new_t
 def assert_provenance(engine: Engine) -> ShadowStore:
     """Replay `engine`'s cache log through the provenance oracle: every read of every
     forward pass must find the reader's own KV. Returns the oracle (for its counts)."""
-    shadow = ShadowStore(engine.cache_config.tokens_per_block)
+    shadow = ShadowStore(engine.cache_config.tokens_per_block,
+                         sliding_window=engine.cache_config.sliding_window)
     shadow.replay(engine.manager.events or ())
     return shadow

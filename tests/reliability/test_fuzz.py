@@ -9,12 +9,20 @@ the reader's own KV (provenance oracle, replaying the log), and where nothing wa
 the reuse counters must equal the oracle's. The test id is the seed; a failure prints the
 workload and the command that replays it.
 
-`test_warm_equals_cold_quick` (10 seeds) is for pre-merge; `test_warm_equals_cold_full`
-(500 other seeds, marked slow) for post-merge.
+The window seeds run the same workloads on a model whose attention has a sliding window
+of 2 to 8 tokens, on every layer (the cache releases what no window reaches: early
+release, chunked windowed admissions, the batch cutting released pages) or on some
+layers beside full-attention ones (one backend per window, full bookkeeping). Their cold
+run releases nothing, so no release logic is in the reference.
+
+`test_warm_equals_cold_quick` and `test_warm_equals_cold_window_quick` (10 seeds each)
+are for pre-merge; `test_warm_equals_cold_full` and `test_warm_equals_cold_window_full`
+(500 and 300 other seeds, marked slow) for post-merge.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,7 +31,7 @@ import pytest
 
 from harness.reuse.assertions import predict_from_engine
 from kvcache import ReuseScope
-from kvcache.model import Transformer
+from kvcache.model import ModelConfig, Transformer, get_preset
 from tests.reliability.support import (
     EngineSpec,
     assert_clean,
@@ -36,6 +44,8 @@ from tests.reliability.support import (
 Prompt = tuple[int, ...]
 QUICK_SEEDS = range(10)
 FULL_SEEDS = range(10, 510)
+WINDOW_QUICK_SEEDS = range(10)
+WINDOW_FULL_SEEDS = range(10, 310)
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,33 @@ def run_seed(model: Transformer, seed: int, node_id: str) -> None:
                              f"replay: pytest '{node_id}'") from exc
 
 
+def window_model_of(seed: int, base: ModelConfig) -> ModelConfig:
+    """Window seed `seed`'s model: `base` with a window of 2 to 8 tokens on every layer or,
+    half the time, on a random nonempty subset of the layers, the rest full-attention."""
+    rng = random.Random(-1 - seed)
+    window = rng.randint(2, 8)
+    kinds = ["attention"] * base.num_layers
+    if rng.random() < 0.5:
+        full = rng.sample(range(base.num_layers), rng.randint(1, base.num_layers - 1))
+        kinds = ["full_attention" if i in full else "attention" for i in range(base.num_layers)]
+    return dataclasses.replace(base, sliding_window=window, layer_types=tuple(kinds))
+
+
+def run_window_seed(base: Transformer, seed: int, node_id: str) -> ModelConfig:
+    """The workload of `seed` on window seed `seed`'s model (same weights as `base`)."""
+    config = window_model_of(seed, base.config)
+    model = Transformer(config, seed=0)
+    model.load_state_dict(base.state_dict())
+    case = make_case(seed)
+    try:
+        check_case(model, case)
+    except AssertionError as exc:
+        raise AssertionError(f"window fuzz seed {seed} failed: {exc}\nmodel: window "
+                             f"{config.sliding_window}, layers {config.layer_types}\n"
+                             f"{case.describe()}\nreplay: pytest '{node_id}'") from exc
+    return config
+
+
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"s{s:03d}") for s in QUICK_SEEDS])
 def test_warm_equals_cold_quick(tiny_model: Transformer, seed: int,
                                 request: pytest.FixtureRequest) -> None:
@@ -142,6 +179,34 @@ def test_warm_equals_cold_quick(tiny_model: Transformer, seed: int,
 def test_warm_equals_cold_full(tiny_model: Transformer, seed: int,
                                request: pytest.FixtureRequest) -> None:
     run_seed(tiny_model, seed, request.node.nodeid)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"w{s:03d}") for s in WINDOW_QUICK_SEEDS])
+def test_warm_equals_cold_window_quick(tiny_model: Transformer, seed: int,
+                                       request: pytest.FixtureRequest) -> None:
+    run_window_seed(tiny_model, seed, request.node.nodeid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"w{s:03d}") for s in WINDOW_FULL_SEEDS])
+def test_warm_equals_cold_window_full(tiny_model: Transformer, seed: int,
+                                      request: pytest.FixtureRequest) -> None:
+    run_window_seed(tiny_model, seed, request.node.nodeid)
+
+
+def test_the_window_seeds_cover_both_kinds_of_model() -> None:
+    """The quick slice and the full run each reach all-windowed and mixed models, windows
+    shorter and longer than a block, and prompts longer than their window."""
+    for seeds in (WINDOW_QUICK_SEEDS, WINDOW_FULL_SEEDS):
+        configs = [(window_model_of(s, get_preset("tiny")), make_case(s)) for s in seeds]
+        assert any(c.shared_window is not None for c, _ in configs)
+        assert any(c.shared_window is None for c, _ in configs)
+        assert any(c.sliding_window is not None and c.sliding_window < case.spec.tokens_per_block
+                   for c, case in configs)
+        assert any(c.sliding_window is not None and c.sliding_window > case.spec.tokens_per_block
+                   for c, case in configs)
+        assert any(max(len(p) for w in case.waves for p, _ in w) > 2 * (c.sliding_window or 0)
+                   for c, case in configs)
 
 
 def test_a_seed_always_draws_the_same_workload() -> None:
