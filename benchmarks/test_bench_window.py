@@ -1,7 +1,8 @@
-"""A long prompt on the sliding-window model, with and without early release.
+"""A long prompt on the sliding-window models, with and without early release.
 
-`tiny-swa` (window 32), blocks of 16, a prompt 64 windows long (2,048 tokens; 16 windows,
-512 tokens, in quick mode) prefilled 256 tokens a step (128 quick), one token generated.
+`tiny-swa` (window 32) and `hybrid-tiny-swa` (the same window, layer 1 recurrent), blocks
+of 16, a prompt 64 windows long (2,048 tokens; 16 windows, 512 tokens, in quick mode)
+prefilled 256 tokens a step (128 quick), one token generated.
 With release the engine runs in a pool of exactly the blocks the window and one chunk
 span (`peak_blocks`); without it (`release_outside_window=False`) the pool must hold the
 whole sequence. Each round builds both engines (untimed) and times one cold
@@ -31,7 +32,8 @@ from kvcache.model import Transformer, get_preset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PRESET, BLOCK = "tiny-swa", 16
+PRESETS = ("tiny-swa", "hybrid-tiny-swa")
+BLOCK = 16
 TOL = 1e-5
 
 
@@ -60,10 +62,11 @@ def _most_used(model: Transformer, release: bool, pool: int, chunk: int,
     return most
 
 
-def test_window_long_prompt(benchmark: Any, pytestconfig: pytest.Config) -> None:
+@pytest.mark.parametrize("preset", PRESETS)
+def test_window_long_prompt(benchmark: Any, pytestconfig: pytest.Config, preset: str) -> None:
     quick = quick_mode(pytestconfig)
     windows, chunk, rounds = (16, 128, 2) if quick else (64, 256, 5)
-    model = Transformer(get_preset(PRESET), seed=0).eval()
+    model = Transformer(get_preset(preset), seed=0).eval()
     window = model.config.sliding_window
     assert window is not None
     prompt = random.Random(0).choices(range(1, model.config.vocab_size), k=windows * window)
@@ -93,7 +96,7 @@ def test_window_long_prompt(benchmark: Any, pytestconfig: pytest.Config) -> None
     torch.testing.assert_close(on.logits, off.logits, rtol=TOL, atol=TOL)
     off_median = statistics.median(off_times[1:] or off_times)
     benchmark.extra_info.update(
-        suite="window", model=PRESET, window=window, prompt_tokens=L, chunk_tokens=chunk,
+        suite="window", model=preset, window=window, prompt_tokens=L, chunk_tokens=chunk,
         block_size=BLOCK, pool_blocks_release=pools[True], pool_blocks_keep=pools[False],
         kv_bytes_release=pools[True] * block_bytes, kv_bytes_keep=pools[False] * block_bytes,
         most_used_release=most[True], most_used_keep=most[False],

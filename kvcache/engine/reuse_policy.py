@@ -64,10 +64,12 @@ def resolve_window(cfg: KvCacheConfig, backend: type[AttentionBackend], model: T
     A model whose attention layers all use a window W (`ModelConfig.shared_window`; one
     with full-attention layers among windowed ones has none) gets `sliding_window` = W
     (or the config's own, if at least W) unless `release` is False, the backend cannot
-    read requests with released blocks, recurrent layers need state snapshots at the
-    blocks a window would release, or the config has a host tier (which offloads leaves
-    only, where windowed eviction hollows interior blocks); the cache then keeps
-    full-attention bookkeeping, which is always correct, only larger. Raises ValueError
+    read requests with released blocks, or the config has a host tier (which offloads
+    leaves only, where windowed eviction hollows interior blocks); the cache then keeps
+    full-attention bookkeeping, which is always correct, only larger. Recurrent layers
+    do not stop release: a released block stays cached with its state snapshot until it
+    is evicted, and a windowed match ends on a block inside its window, whose snapshot
+    lives as long as that block. Raises ValueError
     for a window on a model without one (or with full-attention layers), one shorter
     than the model's, and for block reuse asked for explicitly with a window model on a
     backend without window support.
@@ -93,6 +95,6 @@ def resolve_window(cfg: KvCacheConfig, backend: type[AttentionBackend], model: T
                 "windows; use a backend that does (torch, flashinfer) or "
                 "enable_block_reuse=None/False")
         return replace(cfg, sliding_window=None)
-    if not release or model.config.has_recurrent_layers or cfg.host_cache_blocks:
+    if not release or cfg.host_cache_blocks:
         return replace(cfg, sliding_window=None)
     return replace(cfg, sliding_window=asked or window)

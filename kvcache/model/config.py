@@ -178,6 +178,11 @@ PRESETS: dict[str, ModelConfig] = {
     "hybrid-tiny": dataclasses.replace(
         _TINY, layer_types=("attention", "recurrent", "attention", "attention")
     ),
+    # Recurrent layers beside sliding-window attention (RecurrentGemma's kind of model).
+    "hybrid-tiny-swa": dataclasses.replace(
+        _TINY, sliding_window=32,
+        layer_types=("attention", "recurrent", "attention", "attention")
+    ),
     # Windowed layers interleaved with full ones, Gemma 2's pattern (window first).
     "tiny-mixed-swa": dataclasses.replace(
         _TINY, sliding_window=32,

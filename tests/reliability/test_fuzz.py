@@ -11,9 +11,10 @@ workload and the command that replays it.
 
 The window seeds run the same workloads on a model whose attention has a sliding window
 of 2 to 8 tokens, on every layer (the cache releases what no window reaches: early
-release, chunked windowed admissions, the batch cutting released pages) or on some
-layers beside full-attention ones (one backend per window, full bookkeeping). Their cold
-run releases nothing, so no release logic is in the reference.
+release, chunked windowed admissions, the batch cutting released pages), on some layers
+beside full-attention ones (one backend per window, full bookkeeping), or beside a
+recurrent layer (release, and reuse from state snapshots). Their cold run releases
+nothing, so no release logic is in the reference.
 
 `test_warm_equals_cold_quick` and `test_warm_equals_cold_window_quick` (10 seeds each)
 are for pre-merge; `test_warm_equals_cold_full` and `test_warm_equals_cold_window_full`
@@ -141,31 +142,42 @@ def run_seed(model: Transformer, seed: int, node_id: str) -> None:
                              f"replay: pytest '{node_id}'") from exc
 
 
-def window_model_of(seed: int, base: ModelConfig) -> ModelConfig:
-    """Window seed `seed`'s model: `base` with a window of 2 to 8 tokens on every layer or,
-    half the time, on a random nonempty subset of the layers, the rest full-attention."""
+def window_model_of(seed: int) -> ModelConfig:
+    """Window seed `seed`'s model: the tiny shape with a window of 2 to 8 tokens on every
+    attention layer; a third of the seeds make a random nonempty subset of the layers
+    full-attention instead, another third make layer 1 recurrent (hybrid-tiny's layout)."""
     rng = random.Random(-1 - seed)
     window = rng.randint(2, 8)
+    base = get_preset("tiny")
     kinds = ["attention"] * base.num_layers
-    if rng.random() < 0.5:
+    draw = rng.random()
+    if draw < 1 / 3:
         full = rng.sample(range(base.num_layers), rng.randint(1, base.num_layers - 1))
         kinds = ["full_attention" if i in full else "attention" for i in range(base.num_layers)]
+    elif draw < 2 / 3:
+        kinds = list(get_preset("hybrid-tiny").layer_types)
     return dataclasses.replace(base, sliding_window=window, layer_types=tuple(kinds))
 
 
-def run_window_seed(base: Transformer, seed: int, node_id: str) -> ModelConfig:
-    """The workload of `seed` on window seed `seed`'s model (same weights as `base`)."""
-    config = window_model_of(seed, base.config)
-    model = Transformer(config, seed=0)
-    model.load_state_dict(base.state_dict())
+def window_case_of(seed: int, config: ModelConfig) -> FuzzCase:
+    """The workload of `seed`, with partial reuse left to the engine for a recurrent model
+    (which refuses it when asked for explicitly)."""
     case = make_case(seed)
+    if config.has_recurrent_layers and case.spec.partial:
+        case = dataclasses.replace(case, spec=dataclasses.replace(case.spec, partial=None,
+                                                                  copy=None))
+    return case
+
+
+def run_window_seed(seed: int, node_id: str) -> None:
+    config = window_model_of(seed)
+    case = window_case_of(seed, config)
     try:
-        check_case(model, case)
+        check_case(Transformer(config, seed=0), case)
     except AssertionError as exc:
         raise AssertionError(f"window fuzz seed {seed} failed: {exc}\nmodel: window "
                              f"{config.sliding_window}, layers {config.layer_types}\n"
                              f"{case.describe()}\nreplay: pytest '{node_id}'") from exc
-    return config
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"s{s:03d}") for s in QUICK_SEEDS])
@@ -182,25 +194,25 @@ def test_warm_equals_cold_full(tiny_model: Transformer, seed: int,
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"w{s:03d}") for s in WINDOW_QUICK_SEEDS])
-def test_warm_equals_cold_window_quick(tiny_model: Transformer, seed: int,
-                                       request: pytest.FixtureRequest) -> None:
-    run_window_seed(tiny_model, seed, request.node.nodeid)
+def test_warm_equals_cold_window_quick(seed: int, request: pytest.FixtureRequest) -> None:
+    run_window_seed(seed, request.node.nodeid)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"w{s:03d}") for s in WINDOW_FULL_SEEDS])
-def test_warm_equals_cold_window_full(tiny_model: Transformer, seed: int,
-                                      request: pytest.FixtureRequest) -> None:
-    run_window_seed(tiny_model, seed, request.node.nodeid)
+def test_warm_equals_cold_window_full(seed: int, request: pytest.FixtureRequest) -> None:
+    run_window_seed(seed, request.node.nodeid)
 
 
-def test_the_window_seeds_cover_both_kinds_of_model() -> None:
-    """The quick slice and the full run each reach all-windowed and mixed models, windows
-    shorter and longer than a block, and prompts longer than their window."""
+def test_the_window_seeds_cover_every_kind_of_model() -> None:
+    """The quick slice and the full run each reach all-windowed, mixed and hybrid models,
+    windows shorter and longer than a block, and prompts longer than their window."""
     for seeds in (WINDOW_QUICK_SEEDS, WINDOW_FULL_SEEDS):
-        configs = [(window_model_of(s, get_preset("tiny")), make_case(s)) for s in seeds]
-        assert any(c.shared_window is not None for c, _ in configs)
+        configs = [(c := window_model_of(s), window_case_of(s, c)) for s in seeds]
+        assert any(c.shared_window is not None and not c.has_recurrent_layers
+                   for c, _ in configs)
         assert any(c.shared_window is None for c, _ in configs)
+        assert any(c.has_recurrent_layers for c, _ in configs)
         assert any(c.sliding_window is not None and c.sliding_window < case.spec.tokens_per_block
                    for c, case in configs)
         assert any(c.sliding_window is not None and c.sliding_window > case.spec.tokens_per_block

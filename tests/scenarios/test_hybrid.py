@@ -4,7 +4,9 @@ The engine keeps each recurrent layer's state at the end of every k-th committed
 block and the cache aligns every match to those blocks: warm equals cold (tokens exact,
 float32 logits within 1e-5: the recurrence's blocked scan rounds differently when it
 resumes mid-prompt), the oracle predicts the aligned reuse exactly, across block sizes,
-snapshot intervals, chunked prefill that ends chunks mid-block, eviction and scopes.
+snapshot intervals, chunked prefill that ends chunks mid-block, eviction and scopes. With
+a sliding window on the attention layers the cache releases what the window no longer
+reaches, and warm prompts still resume from snapshots with the oracle's reuse.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import random
 import pytest
 import torch
 
-from kvcache import Engine, ReuseScope
+from kvcache import Engine, GenerationOutput, ReuseScope
 from kvcache.model import Transformer, get_preset
 from kvcache.model.transformer import Recurrence
 from tests.scenarios.support import CLAIM, TORCH, EngineFactory, ScenarioRun, tokens
@@ -55,6 +57,54 @@ def test_warm_resumes_from_snapshots(make_engine: EngineFactory, scenario: Scena
         torch.testing.assert_close(out.logits, ref.logits, rtol=TORCH.atol, atol=TORCH.atol)
     base = prompts[0]
     shared = [len(base), B + 1, 5 * B // 2, 3 * B, 0]
+    assert [o.num_cached_tokens for o in warm] == [
+        aligned(s, len(p), B, k) for s, p in zip(shared, prompts, strict=True)]
+    scenario.expect_oracle(engine, warm, seed=B * k)
+
+
+SWA = "hybrid-tiny-swa"  # the same layers, attention within a 32-token window
+
+
+def run_watching_release(engine: Engine, prompts: list[list[int]]
+                         ) -> tuple[list[GenerationOutput], int]:
+    """`generate` a step at a time; returns the outputs and the most blocks any running
+    request had released at once (positions a window no longer reaches)."""
+    rids = [engine.add_request(p, NEW_TOKENS) for p in prompts]
+    done: dict[int, GenerationOutput] = {}
+    most = 0
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step()}
+        for seq in engine.manager.sequences.values():
+            most = max(most, sum(b is None for b in seq.block_ids))
+    return [done[r] for r in rids], most
+
+
+@pytest.mark.parametrize("chunk", [pytest.param(512, id="whole"), pytest.param(7, id="chunk7")])
+@pytest.mark.parametrize("k", [pytest.param(1, id="k1"), pytest.param(2, id="k2")])
+@pytest.mark.parametrize("B", [pytest.param(B, id=f"B{B}") for B in (4, 16)])
+def test_window_releases_and_warm_resumes_from_snapshots(
+        make_engine: EngineFactory, scenario: ScenarioRun, B: int, k: int, chunk: int) -> None:
+    """Recurrent layers beside windowed attention (RecurrentGemma's kind of model): the
+    cache releases what the window no longer reaches while requests run, a released
+    block stays cached with its snapshot, and warm prompts resume from the snapshot at
+    the end of their aligned hit, inside the window: warm equals cold, exactly the
+    oracle's reuse."""
+    window = get_preset(SWA).sliding_window
+    assert window is not None
+    rng = random.Random(B * k + chunk)
+    base = tokens(rng, 3 * window + 5)
+    prompts = [base, base[:2 * window + 3] + tokens(rng, 9),
+               base[:window // 2] + tokens(rng, 40), [*base, *tokens(rng, 3)]]
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, preset=SWA)
+    engine = make_engine(B, preset=SWA, max_num_tokens=chunk, state_snapshot_interval=k)
+    assert engine.cache_config.sliding_window == window and engine.snapshots is not None
+    _, released = run_watching_release(engine, prompts[:1])
+    assert released > 0, "the window released nothing"
+    warm, _ = run_watching_release(engine, prompts)
+    for ref, out in zip(reference, warm, strict=True):
+        assert out.token_ids == ref.token_ids
+        torch.testing.assert_close(out.logits, ref.logits, rtol=TORCH.atol, atol=TORCH.atol)
+    shared = [len(base), 2 * window + 3, window // 2, len(base)]
     assert [o.num_cached_tokens for o in warm] == [
         aligned(s, len(p), B, k) for s, p in zip(shared, prompts, strict=True)]
     scenario.expect_oracle(engine, warm, seed=B * k)
