@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvcache import Engine, GenerationOutput, ReuseScope
+from kvcache.core.window import peak_blocks
 from kvcache.model import Transformer, get_preset
 from kvcache.model.transformer import Recurrence
 from tests.scenarios.support import CLAIM, TORCH, EngineFactory, ScenarioRun, tokens
@@ -108,6 +109,31 @@ def test_window_releases_and_warm_resumes_from_snapshots(
     assert [o.num_cached_tokens for o in warm] == [
         aligned(s, len(p), B, k) for s, p in zip(shared, prompts, strict=True)]
     scenario.expect_oracle(engine, warm, seed=B * k)
+
+
+@pytest.mark.parametrize("k", [pytest.param(1, id="k1"), pytest.param(2, id="k2")])
+@pytest.mark.parametrize("B", [pytest.param(B, id=f"B{B}") for B in (4, 16)])
+def test_window_sized_pool_resumes_past_evicted_blocks(
+        make_engine: EngineFactory, scenario: ScenarioRun, B: int, k: int) -> None:
+    """A prompt four windows long, prefilled 16 tokens a step, in a pool of exactly the
+    blocks the window and one chunk span: its early blocks (and their snapshots) are
+    evicted as it goes. Warm, the same prompt is matched by its window and resumes from
+    the snapshot at the end of the aligned hit, which survived with its block."""
+    window = get_preset(SWA).sliding_window
+    assert window is not None
+    chunk = 16
+    prompt = [tokens(random.Random(B * k), 4 * window + 3)]
+    total = len(prompt[0]) + NEW_TOKENS
+    pool = peak_blocks(len(prompt[0]), total, chunk, window - 1, B, reuse=True)
+    assert 2 * pool <= -(-total // B)  # at most half the blocks the whole sequence spans
+    reference = make_engine.cold_reference(B, prompt, NEW_TOKENS, preset=SWA)
+    engine = make_engine(B, preset=SWA, max_num_blocks=pool, max_num_tokens=chunk,
+                         state_snapshot_interval=k)
+    run = scenario.cold_warm(engine, prompt, NEW_TOKENS, TORCH, seed=B * k,
+                             reference=reference)
+    assert run.warm[0].num_cached_tokens == aligned(len(prompt[0]), len(prompt[0]), B, k)
+    assert run.warm[0].num_cached_tokens > len(prompt[0]) - window
+    assert engine.kv_cache_stats().evicted_blocks >= -(-total // B) - pool
 
 
 @pytest.mark.parametrize("k", [1, 3])
