@@ -89,6 +89,30 @@ def test_offload_onboard_cycles_keep_warm_equal_to_cold(
     expect_reuse_across_tiers(scenario, engine, outs, mode, seed=B)
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_mixed_window_model_through_the_host(make_engine: EngineFactory,
+                                             scenario: ScenarioRun, backend: BackendSpec) -> None:
+    """A model interleaving 32-token-window layers with full ones keeps every block for
+    its full layers, so its blocks go to the host and come back like any model's: prompts
+    past the window, three rounds, warm equals cold and the bounded oracle is exact."""
+    B, blocks, preset = 4, 16, "tiny-mixed-swa"
+    prompts = shared_system_prompt(6, 40, 5, num_groups=3, vocab=VOCAB, seed=11)
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, backend=backend,
+                                           preset=preset)
+    engine = make_engine(B, backend=backend, mode=NO_PARTIAL, preset=preset,
+                         max_num_blocks=blocks, host_cache_blocks=4 * blocks)
+    assert engine.cache_config.sliding_window is None
+    outs: list[GenerationOutput] = []
+    for shift in range(3):
+        ref = reference[shift:] + reference[:shift]
+        got = engine.generate(prompts[shift:] + prompts[:shift], NEW_TOKENS,
+                              force_tokens=forced(ref, backend))
+        assert_same_outputs(ref, got, backend, f"round {shift} vs no reuse")
+        outs += got
+    assert max(o.num_cached_tokens for o in outs) > 32  # reuse reaches past the window
+    expect_reuse_across_tiers(scenario, engine, outs, NO_PARTIAL, seed=11)
+
+
 @pytest.mark.parametrize(("B", "budget"), [pytest.param(4, 3, id="B4-T3"),
                                            pytest.param(4, 7, id="B4-T7"),
                                            pytest.param(16, 7, id="B16-T7")])
