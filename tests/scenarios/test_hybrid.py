@@ -134,6 +134,10 @@ def test_window_sized_pool_resumes_past_evicted_blocks(
     assert run.warm[0].num_cached_tokens == aligned(len(prompt[0]), len(prompt[0]), B, k)
     assert run.warm[0].num_cached_tokens > len(prompt[0]) - window
     assert engine.kv_cache_stats().evicted_blocks >= -(-total // B) - pool
+    # released and evicted blocks took their snapshots with them: none is left behind
+    cached = {b for _, node in engine.manager.tree.walk() for b in node.blocks}
+    assert engine.snapshots is not None and engine.snapshots._by_block
+    assert set(engine.snapshots._by_block) <= cached
 
 
 @pytest.mark.parametrize("k", [1, 3])
