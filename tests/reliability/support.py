@@ -62,14 +62,34 @@ def cold_outputs(model: Transformer, prompts: Sequence[Sequence[int]],
 
 def assert_same_output(expected: GenerationOutput, actual: GenerationOutput,
                        where: str) -> None:
-    """Generated tokens equal and logits within LOGITS_ATOL; the message says where."""
-    assert actual.token_ids == expected.token_ids, (
+    """Generated tokens equal and logits within LOGITS_ATOL; the message says where.
+
+    Greedy decoding may part ways only at a near-tie: where the cold run's logits of its
+    own token and of the warm run's are within 2 * LOGITS_ATOL (rounding can pick either;
+    the recurrence's blocked scan makes such flips real). The logits up to and including
+    that step must still agree; what follows is a different sequence, not compared.
+    """
+    assert expected.logits is not None and actual.logits is not None, f"{where}: no logits"
+    same = 0
+    for want, got in zip(expected.token_ids, actual.token_ids, strict=False):
+        if want != got:
+            break
+        same += 1
+    rows = min(len(expected.token_ids), len(actual.token_ids), same + 1)
+    torch.testing.assert_close(actual.logits[:rows], expected.logits[:rows], atol=LOGITS_ATOL,
+                               rtol=0, msg=lambda m: f"{where}: request {actual.request_id} "
+                                                     f"logits differ from the cold run: {m}")
+    parted = same < len(expected.token_ids) and same < len(actual.token_ids)
+    if parted:
+        cold = expected.logits[same]
+        gap = float(cold[expected.token_ids[same]] - cold[actual.token_ids[same]])
+        parted = gap <= 2 * LOGITS_ATOL
+    assert parted or actual.token_ids == expected.token_ids, (
         f"{where}: request {actual.request_id} (prompt {list(actual.prompt)}) generated "
         f"{actual.token_ids}, the cold run {expected.token_ids}")
-    assert expected.logits is not None and actual.logits is not None, f"{where}: no logits"
-    torch.testing.assert_close(actual.logits, expected.logits, atol=LOGITS_ATOL, rtol=0,
-                               msg=lambda m: f"{where}: request {actual.request_id} logits "
-                                             f"differ from the cold run: {m}")
+    assert len(actual.token_ids) == len(expected.token_ids), (
+        f"{where}: request {actual.request_id} generated {len(actual.token_ids)} tokens, the "
+        f"cold run {len(expected.token_ids)}")
 
 
 def assert_same_outputs(expected: Sequence[GenerationOutput],
