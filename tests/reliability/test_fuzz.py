@@ -18,7 +18,7 @@ nothing, so no release logic is in the reference.
 
 `test_warm_equals_cold_quick` and `test_warm_equals_cold_window_quick` (10 seeds each)
 are for pre-merge; `test_warm_equals_cold_full` and `test_warm_equals_cold_window_full`
-(500 and 300 other seeds, marked slow) for post-merge.
+(500 and 1,000 other seeds, marked slow) for post-merge.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ Prompt = tuple[int, ...]
 QUICK_SEEDS = range(10)
 FULL_SEEDS = range(10, 510)
 WINDOW_QUICK_SEEDS = range(10)
-WINDOW_FULL_SEEDS = range(10, 310)
+WINDOW_FULL_SEEDS = range(10, 1010)
 
 
 @dataclass(frozen=True)
