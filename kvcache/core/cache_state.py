@@ -43,8 +43,9 @@ class CacheState:
         # the host tier (TensorRT-LLM's secondary pool; never with a window), host_tier.py
         self._host: HostTier | None = None
         if config.host_cache_blocks:
-            self._host = self.pool.host = HostTier(config.host_cache_blocks, self.pool,
-                                                   self._queue, self._kv)
+            self._host = self.pool.host = HostTier(
+                config.host_cache_blocks, self.pool, self._queue,
+                [self._kv] if self._kv is not None else [])
         self.reuse = config.block_reuse
         self._partial = config.partial_reuse
         self._copy = config.copy_on_partial

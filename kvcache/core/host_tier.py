@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Protocol
 
-from kvcache.core.kv_event_log import KvEventLog
 from kvcache.core.ops import CACHE, BlockOffload, BlockOnboard, KvOp
 from kvcache.core.radix import BlockRadixTree, Node
 
@@ -46,6 +45,21 @@ class DevicePool(Protocol):
     def next_stamp(self) -> int: ...
 
 
+class TierListener(Protocol):
+    """Told of every move of cached blocks between the tiers, after the fact: the KV event
+    log, and whatever else keeps something per block that must follow it (the engine's
+    recurrent-state snapshots). `tokens` are the moved blocks' token ids."""
+
+    def offloaded(self, block_ids: list[int], slots: list[int], tokens: array) -> None:
+        """Device blocks `block_ids` now live in host `slots` (pairwise)."""
+
+    def onboarded(self, slots: list[int], block_ids: list[int], tokens: array) -> None:
+        """Host `slots` now live in device blocks `block_ids` (pairwise)."""
+
+    def dropped(self, slots: Iterable[int]) -> None:
+        """Host `slots` were dropped: their KV is gone."""
+
+
 def has_device_child(node: Node) -> bool:
     """True when some child of `node` is a device edge (O(children) at worst)."""
     return any(not c.host for cs in node.children.values() for c in cs)
@@ -57,15 +71,16 @@ class HostTier:
     Mutated by the device pool `device` (offloads, while it evicts; the two heaps share
     its stamps, so an entry of one is never mistaken for the other's) and by the manager
     (onboards, pins). `queue` receives every op, owned by `CACHE`: an op that moves a
-    tree block is never dropped with the sequence that caused it. `log` records KV events.
+    tree block is never dropped with the sequence that caused it. `listeners` are told of
+    every offload, onboard and drop, in order (the KV event log first, when on).
     """
 
     def __init__(self, num_slots: int, device: DevicePool, queue: Queue,
-                 log: KvEventLog | None) -> None:
+                 listeners: Iterable[TierListener] = ()) -> None:
         self.num_slots = num_slots
         self.device = device
         self.queue = queue
-        self.log = log
+        self.listeners: list[TierListener] = list(listeners)
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
         self.num_droppable = 0  # slots in unreferenced host edges
         self.heap: list[tuple[int, int, int, Node]] = []
@@ -112,8 +127,10 @@ class HostTier:
         ids = node.blocks
         for block, slot in zip(ids, slots, strict=True):
             self.queue(CACHE, BlockOffload(block, slot))
-        if self.log is not None:
-            self.log.offloaded(ids, slots, array("I", node.key))
+        if self.listeners:
+            tokens = array("I", node.key)
+            for listener in self.listeners:
+                listener.offloaded(ids, slots, tokens)
         node.blocks = slots
         node.host = True
         self.num_droppable += n
@@ -172,8 +189,8 @@ class HostTier:
     def _dropped(self, slots: list[int]) -> None:
         self.num_droppable -= len(slots)
         self.num_dropped += len(slots)
-        if self.log is not None:
-            self.log.dropped(slots)
+        for listener in self.listeners:
+            listener.dropped(slots)
 
     def push(self, node: Node) -> None:
         """Register unreferenced host leaf `node` as droppable (older entries go stale)."""
@@ -236,8 +253,10 @@ class HostTier:
         hold, the same KV) and free its slots; returns the slots. The caller accounts
         for `node` on the device (referenced, or evictable)."""
         slots = node.blocks
-        if self.log is not None:
-            self.log.onboarded(slots, block_ids, array("I", node.key))
+        if self.listeners:
+            tokens = array("I", node.key)
+            for listener in self.listeners:
+                listener.onboarded(slots, block_ids, tokens)
         node.blocks = list(block_ids)
         node.host = False
         self.free += slots

@@ -29,6 +29,7 @@ from kvcache.core.caching import Caching
 from kvcache.core.events import CacheEvent, op_event
 from kvcache.core.growth import Growth
 from kvcache.core.handle import Sequence
+from kvcache.core.host_tier import TierListener
 from kvcache.core.integrity import check_manager, leak_report
 from kvcache.core.keys import ReuseScope, scope_key, to_token_array, token_bytes
 from kvcache.core.kv_events import KvCacheEvent
@@ -326,21 +327,39 @@ class KVCacheManager(Admission, Caching, Growth):
             raise ValueError("take_kv_events: the manager was built with kv_events=False")
         return self._kv.take()
 
+    def add_tier_listener(self, listener: TierListener) -> None:
+        """Tell `listener` of every move of a cached block between the tiers from now on
+        (offloaded, onboarded, dropped; see host_tier.TierListener), after the KV event
+        log: what is kept per block (the engine's recurrent-state snapshots) can follow
+        its block to the host and back. Raises ValueError without a host tier."""
+        if self._host is None:
+            raise ValueError("add_tier_listener: the manager has no host tier "
+                             "(KvCacheConfig.host_cache_blocks=0)")
+        self._host.listeners.append(listener)
+
     def reset_cache(self) -> None:
         """Drop every cached block (vLLM's reset_prefix_cache); with KV events on, records
-        AllBlocksCleared. Raises ValueError while any sequence is live (their blocks are
-        in use), changing nothing."""
+        AllBlocksCleared. `on_blocks_removed` hears of the device blocks and the tier
+        listeners' `dropped` of the host slots. Raises ValueError while any sequence is
+        live (their blocks are in use), changing nothing."""
         if self.sequences:
             raise ValueError(f"reset_cache: {len(self.sequences)} sequences are live; "
                              "free them first")
         self._version += 1
-        cached = [b for _, node in self.tree.walk() if not node.host for b in node.blocks]
+        cached: list[int] = []
+        slots: list[int] = []
+        for _, node in self.tree.walk():
+            (slots if node.host else cached).extend(node.blocks)
         self.tree = BlockRadixTree(self._B)
         self.pool.reset(self.tree)
         if self._kv is not None:
             self._kv.cleared()
         if self.on_blocks_removed is not None and cached:
             self.on_blocks_removed(cached)
+        if self._host is not None and slots:
+            for listener in self._host.listeners:
+                if listener is not self._kv:  # its AllBlocksCleared covers both tiers
+                    listener.dropped(slots)
 
     def get_sequence(self, seq_id: Hashable) -> Sequence:
         """The live handle of `seq_id`; ValueError if it is not live."""

@@ -137,6 +137,8 @@ class Engine:
         if mc.has_recurrent_layers and self.cache_config.block_reuse:
             self.snapshots = StateSnapshots(mc.recurrent_layers, mc.hidden_size, interval)
             self.manager.on_blocks_removed = self.snapshots.drop
+            if self.cache_config.host_cache_blocks:  # snapshots follow blocks to the host
+                self.manager.add_tier_listener(self.snapshots)
         self.storage = KvStorage(num_layers=max(1, len(mc.attention_layers)),
                                  num_blocks=cache_config.max_num_blocks, block_size=B,
                                  num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,

@@ -17,18 +17,12 @@ def resolve_reuse(cfg: KvCacheConfig, backend: type[AttentionBackend], model: Tr
     """The effective cache config and, when reuse had to be switched off, why.
 
     A model with recurrent layers reuses only at recurrent-state snapshots: matches align
-    to every `snapshot_interval`-th block and never start inside a block. Raises
-    ValueError when reuse is explicitly enabled for recurrent layers that cannot be
-    snapshotted, partial reuse for any recurrent model, or a host tier for one (its
-    recurrent-state snapshots live with device blocks and do not follow a block to the
-    host). Reuse switched off takes the host tier with it.
+    to every `snapshot_interval`-th block and never start inside a block (its snapshots
+    follow their blocks to a host tier and back). Raises ValueError when reuse is
+    explicitly enabled for recurrent layers that cannot be snapshotted, and for partial
+    reuse for any recurrent model. Reuse switched off takes the host tier with it.
     """
     layers = list(model.config.recurrent_layers)
-    if layers and cfg.host_cache_blocks:
-        raise ValueError(
-            f"host_cache_blocks={cfg.host_cache_blocks} is unsupported for a model with "
-            f"recurrent layers (layers {layers}): their state snapshots stay with device "
-            "blocks and would not follow a block to the host; use host_cache_blocks=0")
     if layers and not model.supports_state_snapshots:
         if cfg.enable_block_reuse:
             raise ValueError(

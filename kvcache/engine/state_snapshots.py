@@ -9,9 +9,12 @@ snapshot of the last block it reuses.
 
 A snapshot lives with its block: taken before the block is committed (so it exists
 whenever the block can be matched), dropped when the block leaves the tree (the manager's
-`on_blocks_removed`). Memory: one [recurrent layers, hidden] float32 tensor per cached
-block at a snapshot position, about 1/interval of the cached blocks
-(`nbytes`; the stats report it as `stateSnapshotBytes`).
+`on_blocks_removed`). With a host tier it follows its block there and back (a tier
+listener: `offloaded`, `onboarded`, `dropped`), kept by host slot meanwhile; the tensor
+itself stays where it was (a few hundred bytes a block, against kilobytes of KV).
+Memory: one [recurrent layers, hidden] float32 tensor per cached block at a snapshot
+position, about 1/interval of the cached blocks (`nbytes`; the stats report it as
+`stateSnapshotBytes`).
 
     block:      |  b0  |  b1  |  b2  |  b3  |      interval = 2
     snapshot:           ^ s(b1)       ^ s(b3)     state after the block's last token
@@ -19,6 +22,7 @@ block at a snapshot position, about 1/interval of the cached blocks
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -27,13 +31,15 @@ from kvcache.engine.scheduler import Chunk
 
 
 class StateSnapshots:
-    """Snapshots by physical block id. Mutated by the engine only."""
+    """Snapshots by physical block id (and by host slot while a block is offloaded).
+    Mutated by the engine and, as a tier listener, by the manager's host tier."""
 
     def __init__(self, recurrent_layers: Sequence[int], hidden: int, interval: int) -> None:
         self.layers = tuple(recurrent_layers)
         self.hidden = hidden
         self.interval = interval
         self._by_block: dict[int, torch.Tensor] = {}  # block id -> [layers, hidden]
+        self._by_slot: dict[int, torch.Tensor] = {}  # host slot -> the same, offloaded
         self._bytes_each = 4 * len(self.layers) * hidden
 
     def positions(self, start: int, end: int, block_size: int) -> range:
@@ -82,10 +88,34 @@ class StateSnapshots:
         for block in block_ids:
             self._by_block.pop(block, None)
 
+    def offloaded(self, block_ids: list[int], slots: list[int], tokens: array) -> None:
+        """Tier listener: blocks moved to the host; their snapshots go with them."""
+        for block, slot in zip(block_ids, slots, strict=True):
+            snap = self._by_block.pop(block, None)
+            if snap is not None:
+                self._by_slot[slot] = snap
+
+    def onboarded(self, slots: list[int], block_ids: list[int], tokens: array) -> None:
+        """Tier listener: host slots moved back to device blocks, snapshots with them."""
+        for slot, block in zip(slots, block_ids, strict=True):
+            snap = self._by_slot.pop(slot, None)
+            if snap is not None:
+                self._by_block[block] = snap
+
+    def dropped(self, slots: Iterable[int]) -> None:
+        """Tier listener: host slots dropped; their snapshots are forgotten."""
+        for slot in slots:
+            self._by_slot.pop(slot, None)
+
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._by_block
 
     @property
+    def offloaded_slots(self) -> set[int]:
+        """Host slots holding a snapshot (their blocks are offloaded)."""
+        return set(self._by_slot)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes the kept snapshots occupy."""
-        return len(self._by_block) * self._bytes_each
+        """Bytes the kept snapshots occupy (both tiers' blocks)."""
+        return (len(self._by_block) + len(self._by_slot)) * self._bytes_each

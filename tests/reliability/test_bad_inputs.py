@@ -241,10 +241,6 @@ IDS.add("abort-finished")
         tokens_per_block=4, max_num_blocks=16, enable_partial_reuse=True)},
         r"enable_partial_reuse=True is unsupported for a model with recurrent layers "
         r"\(layers \[", id="eng-hybrid-partial"),
-    pytest.param({"model": "hybrid-tiny", "cache_config": KvCacheConfig(
-        tokens_per_block=4, max_num_blocks=16, host_cache_blocks=64)},
-        r"host_cache_blocks=64 is unsupported for a model with recurrent layers \(layers "
-        r"\[1\]\): their state snapshots stay with device blocks", id="eng-hybrid-host"),
     pytest.param({"model": "hybrid-tiny", "state_snapshot_interval": 0},
                  r"Engine: state_snapshot_interval must be an int >= 1, got 0",
                  id="eng-snapshot-interval"),

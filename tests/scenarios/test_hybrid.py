@@ -140,6 +140,41 @@ def test_window_sized_pool_resumes_past_evicted_blocks(
     assert set(engine.snapshots._by_block) <= cached
 
 
+@pytest.mark.parametrize("k", [pytest.param(1, id="k1"), pytest.param(2, id="k2")])
+@pytest.mark.parametrize("B", [pytest.param(B, id=f"B{B}") for B in (4, 16)])
+def test_snapshots_follow_their_blocks_to_the_host(make_engine: EngineFactory,
+                                                   scenario: ScenarioRun, B: int,
+                                                   k: int) -> None:
+    """A device pool of about one request, a host tier 8x it: between the rounds every
+    family's prefix goes to the host with its snapshots and comes back for the next warm
+    prompt, which resumes from the onboarded snapshot. Warm equals cold, offloads and
+    onboards happen, the bounded oracle predicts every count, and every snapshot is kept
+    for a block of the tree (on the device, or by its host slot)."""
+    prompts = family(B * k + 1, B) + family(B * k + 2, B)
+    per_request = -(-(max(map(len, prompts)) + NEW_TOKENS) // B)
+    reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, preset=PRESET)
+    engine = make_engine(B, preset=PRESET, max_num_blocks=per_request + 1,
+                         host_cache_blocks=8 * (per_request + 1), state_snapshot_interval=k,
+                         max_batch_size=1)
+    outs: list[GenerationOutput] = []
+    for _ in range(2):
+        got = [engine.generate([p], NEW_TOKENS)[0] for p in prompts]
+        for ref, out in zip(reference, got, strict=True):
+            assert out.token_ids == ref.token_ids
+            torch.testing.assert_close(out.logits, ref.logits, rtol=TORCH.atol, atol=TORCH.atol)
+        outs += got
+    stats = engine.kv_cache_stats()
+    assert stats.offloaded_blocks > 0 and stats.onboarded_blocks > 0, stats
+    assert sum(o.num_cached_tokens for o in outs[len(prompts):]) > 0
+    snapshots = engine.snapshots
+    assert snapshots is not None and snapshots.offloaded_slots
+    device, host = set(), set()
+    for _, node in engine.manager.tree.walk():
+        (host if node.host else device).update(node.blocks)
+    assert set(snapshots._by_block) <= device and snapshots.offloaded_slots <= host
+    scenario.expect_oracle(engine, outs, seed=B * k, bounded=True)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_snapshots_live_and_die_with_their_blocks(make_engine: EngineFactory,
                                                   scenario: ScenarioRun, k: int) -> None:

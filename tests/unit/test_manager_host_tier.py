@@ -252,3 +252,42 @@ def test_without_a_host_tier_nothing_moves(make_manager) -> None:
     assert (s.offloaded_blocks, s.max_num_host_blocks, s.evicted_blocks) == (0, 0, 2)
     assert mgr.pool.host is None
     assert all(type(op) is BlockCopy for op in mgr.pending_copy_ops)
+
+
+class Heard:
+    """A tier listener that writes down what it is told."""
+
+    def __init__(self) -> None:
+        self.moves: list[tuple[str, list[int], list[int]]] = []
+
+    def offloaded(self, block_ids: list[int], slots: list[int], tokens: array) -> None:
+        self.moves.append(("offloaded", list(block_ids), list(slots)))
+
+    def onboarded(self, slots: list[int], block_ids: list[int], tokens: array) -> None:
+        self.moves.append(("onboarded", list(slots), list(block_ids)))
+
+    def dropped(self, slots: list[int]) -> None:
+        self.moves.append(("dropped", list(slots), []))
+
+
+def test_tier_listeners_hear_every_move_as_the_ops_make_it(make_manager) -> None:
+    """What the engine's recurrent-state snapshots follow: each offload (device ids to
+    host slots), onboard (slots back to device ids) and drop, paired exactly as the ops
+    move the KV, and a reset's host slots as dropped."""
+    mgr = make_manager(2, 3, host=4, partial=False)
+    heard = Heard()
+    mgr.add_tier_listener(heard)
+    cached(mgr, "a", [1, 2, 3, 4])
+    ops = cached(mgr, "b", [5, 6, 7, 8, 9])  # offloads a's two blocks
+    ops += cached(mgr, "c", [1, 2, 3, 4, 0])  # offloads b's, then onboards a's
+    moved = [(op.src, op.dst) for op in ops if isinstance(op, BlockOffload | BlockOnboard)]
+    told = [pair for _, src, dst in heard.moves for pair in zip(src, dst, strict=True)]
+    assert told == moved and len(told) == 6  # in op order, pair by pair
+    assert [kind for kind, _, _ in heard.moves] == ["offloaded", "offloaded", "onboarded"]
+    on_host = sorted(b for _, node in mgr.tree.walk() if node.host for b in node.blocks)
+    assert len(on_host) == 2  # b's blocks
+    heard.moves.clear()
+    mgr.reset_cache()
+    assert [(kind, sorted(slots)) for kind, slots, _ in heard.moves] == [("dropped", on_host)]
+    with pytest.raises(ValueError, match="add_tier_listener: the manager has no host tier"):
+        make_manager(2, 3).add_tier_listener(Heard())
