@@ -35,13 +35,14 @@ class EngineSpec:
     partial: bool | None = None
     copy: bool | None = None
     release: bool = True  # a windowed model's cache releases what no window reaches
+    host: int = 0  # host tier blocks
 
     def cache_config(self) -> KvCacheConfig:
         """The KvCacheConfig this spec describes."""
         return KvCacheConfig(tokens_per_block=self.tokens_per_block,
                              max_num_blocks=self.max_num_blocks,
                              enable_block_reuse=self.reuse, enable_partial_reuse=self.partial,
-                             copy_on_partial_reuse=self.copy)
+                             copy_on_partial_reuse=self.copy, host_cache_blocks=self.host)
 
     def build(self, model: Transformer) -> Engine:
         """A fresh engine (events recorded, for the oracle) over `model`."""

@@ -16,9 +16,13 @@ beside full-attention ones (one backend per window, full bookkeeping), or beside
 recurrent layer (release, and reuse from state snapshots). Their cold run releases
 nothing, so no release logic is in the reference.
 
-`test_warm_equals_cold_quick` and `test_warm_equals_cold_window_quick` (10 seeds each)
-are for pre-merge; `test_warm_equals_cold_full` and `test_warm_equals_cold_window_full`
-(500 and 1,000 other seeds, marked slow) for post-merge.
+The host seeds run the same workloads with a host tier of 1 to 4x the device pool behind
+it, on the tiny model or on the hybrid one (whose state snapshots must follow their
+blocks to the host and back).
+
+`test_warm_equals_cold_quick`, `..._window_quick` and `..._host_quick` (10 seeds each) are
+for pre-merge; `test_warm_equals_cold_full`, `..._window_full` and `..._host_full` (500,
+1,000 and 500 other seeds, marked slow) for post-merge.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ QUICK_SEEDS = range(10)
 FULL_SEEDS = range(10, 510)
 WINDOW_QUICK_SEEDS = range(10)
 WINDOW_FULL_SEEDS = range(10, 1010)
+HOST_QUICK_SEEDS = range(10)
+HOST_FULL_SEEDS = range(10, 510)
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,32 @@ def run_window_seed(seed: int, node_id: str) -> None:
                              f"{case.describe()}\nreplay: pytest '{node_id}'") from exc
 
 
+def host_case_of(seed: int) -> tuple[ModelConfig, FuzzCase]:
+    """Host seed `seed`: the tiny or the hybrid model, and the workload of `seed` with a
+    host tier of 1 block to 4x the device pool (reuse on: the host caches what reuse
+    caches; partial reuse left to the engine, which a hybrid model needs)."""
+    rng = random.Random(10_000 + seed)
+    config = get_preset(rng.choice(["tiny", "hybrid-tiny"]))
+    case = make_case(seed)
+    spec = case.spec
+    host = rng.choice([1, spec.max_num_blocks, 2 * spec.max_num_blocks,
+                       4 * spec.max_num_blocks])
+    spec = dataclasses.replace(spec, host=host, reuse=None if spec.reuse is False else spec.reuse)
+    if config.has_recurrent_layers and spec.partial:
+        spec = dataclasses.replace(spec, partial=None, copy=None)
+    return config, dataclasses.replace(case, spec=spec)
+
+
+def run_host_seed(seed: int, node_id: str) -> None:
+    config, case = host_case_of(seed)
+    try:
+        check_case(Transformer(config, seed=0), case)
+    except AssertionError as exc:
+        raise AssertionError(f"host fuzz seed {seed} failed: {exc}\nmodel: "
+                             f"{config.layer_types}\n{case.describe()}\n"
+                             f"replay: pytest '{node_id}'") from exc
+
+
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"s{s:03d}") for s in QUICK_SEEDS])
 def test_warm_equals_cold_quick(tiny_model: Transformer, seed: int,
                                 request: pytest.FixtureRequest) -> None:
@@ -206,6 +238,27 @@ def test_warm_equals_cold_window_quick(seed: int, request: pytest.FixtureRequest
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"w{s:03d}") for s in WINDOW_FULL_SEEDS])
 def test_warm_equals_cold_window_full(seed: int, request: pytest.FixtureRequest) -> None:
     run_window_seed(seed, request.node.nodeid)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"h{s:03d}") for s in HOST_QUICK_SEEDS])
+def test_warm_equals_cold_host_quick(seed: int, request: pytest.FixtureRequest) -> None:
+    run_host_seed(seed, request.node.nodeid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"h{s:03d}") for s in HOST_FULL_SEEDS])
+def test_warm_equals_cold_host_full(seed: int, request: pytest.FixtureRequest) -> None:
+    run_host_seed(seed, request.node.nodeid)
+
+
+def test_the_host_seeds_cover_both_models_and_tight_hosts() -> None:
+    """Each slice reaches the tiny and the hybrid model, a one-block host and one 4x the
+    device pool."""
+    for seeds in (HOST_QUICK_SEEDS, HOST_FULL_SEEDS):
+        cases = [host_case_of(s) for s in seeds]
+        assert {c.has_recurrent_layers for c, _ in cases} == {False, True}
+        assert any(case.spec.host == 1 for _, case in cases)
+        assert any(case.spec.host == 4 * case.spec.max_num_blocks for _, case in cases)
 
 
 def test_the_window_seeds_cover_every_kind_of_model() -> None:
