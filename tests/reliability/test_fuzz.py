@@ -17,8 +17,8 @@ recurrent layer (release, and reuse from state snapshots). Their cold run releas
 nothing, so no release logic is in the reference.
 
 The host seeds run the same workloads with a host tier of 1 to 4x the device pool behind
-it, on the tiny model or on the hybrid one (whose state snapshots must follow their
-blocks to the host and back).
+it, on the tiny model, on the hybrid one (whose state snapshots must follow their blocks
+to the host and back) or on a window seed's model (full bookkeeping beside a host tier).
 
 `test_warm_equals_cold_quick`, `..._window_quick` and `..._host_quick` (10 seeds each) are
 for pre-merge; `test_warm_equals_cold_full`, `..._window_full` and `..._host_full` (500,
@@ -191,11 +191,13 @@ def run_window_seed(seed: int, node_id: str) -> None:
 
 
 def host_case_of(seed: int) -> tuple[ModelConfig, FuzzCase]:
-    """Host seed `seed`: the tiny or the hybrid model, and the workload of `seed` with a
-    host tier of 1 block to 4x the device pool (reuse on: the host caches what reuse
-    caches; partial reuse left to the engine, which a hybrid model needs)."""
+    """Host seed `seed`: the tiny model, the hybrid one or a window seed's model (whose
+    cache keeps full-attention bookkeeping beside a host tier), and the workload of
+    `seed` with a host tier of 1 block to 4x the device pool (reuse on: the host caches
+    what reuse caches; partial reuse left to the engine, which a hybrid model needs)."""
     rng = random.Random(10_000 + seed)
-    config = get_preset(rng.choice(["tiny", "hybrid-tiny"]))
+    kind = rng.choice(["tiny", "hybrid-tiny", "window"])
+    config = window_model_of(seed) if kind == "window" else get_preset(kind)
     case = make_case(seed)
     spec = case.spec
     host = rng.choice([1, spec.max_num_blocks, 2 * spec.max_num_blocks,
@@ -251,12 +253,13 @@ def test_warm_equals_cold_host_full(seed: int, request: pytest.FixtureRequest) -
     run_host_seed(seed, request.node.nodeid)
 
 
-def test_the_host_seeds_cover_both_models_and_tight_hosts() -> None:
-    """Each slice reaches the tiny and the hybrid model, a one-block host and one 4x the
-    device pool."""
+def test_the_host_seeds_cover_every_model_and_tight_hosts() -> None:
+    """Each slice reaches the tiny, the hybrid and a windowed model, a one-block host and
+    one 4x the device pool."""
     for seeds in (HOST_QUICK_SEEDS, HOST_FULL_SEEDS):
         cases = [host_case_of(s) for s in seeds]
         assert {c.has_recurrent_layers for c, _ in cases} == {False, True}
+        assert {c.sliding_window is None for c, _ in cases} == {False, True}
         assert any(case.spec.host == 1 for _, case in cases)
         assert any(case.spec.host == 4 * case.spec.max_num_blocks for _, case in cases)
 
