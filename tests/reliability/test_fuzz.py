@@ -143,13 +143,26 @@ def check_case(model: Transformer, case: FuzzCase) -> CaseCounts:
     return CaseCounts(steps, shadow.num_events, shadow.num_slots_checked)
 
 
-def run_seed(model: Transformer, seed: int, node_id: str) -> None:
-    case = make_case(seed)
+def run_case(model: Transformer, case: FuzzCase, what: str, node_id: str) -> None:
+    """`check_case`; a failure names `what` ran, the workload and the replay command."""
     try:
         check_case(model, case)
     except AssertionError as exc:
-        raise AssertionError(f"fuzz seed {seed} failed: {exc}\n{case.describe()}\n"
+        raise AssertionError(f"{what} failed: {exc}\n{case.describe()}\n"
                              f"replay: pytest '{node_id}'") from exc
+
+
+def run_seed(model: Transformer, seed: int, node_id: str) -> None:
+    run_case(model, make_case(seed), f"fuzz seed {seed}", node_id)
+
+
+def for_model(case: FuzzCase, config: ModelConfig) -> FuzzCase:
+    """`case`, with partial reuse left to the engine for a recurrent model (which refuses
+    it when asked for explicitly)."""
+    if not (config.has_recurrent_layers and case.spec.partial):
+        return case
+    return dataclasses.replace(case, spec=dataclasses.replace(case.spec, partial=None,
+                                                              copy=None))
 
 
 def window_model_of(seed: int) -> ModelConfig:
@@ -169,25 +182,11 @@ def window_model_of(seed: int) -> ModelConfig:
     return dataclasses.replace(base, sliding_window=window, layer_types=tuple(kinds))
 
 
-def window_case_of(seed: int, config: ModelConfig) -> FuzzCase:
-    """The workload of `seed`, with partial reuse left to the engine for a recurrent model
-    (which refuses it when asked for explicitly)."""
-    case = make_case(seed)
-    if config.has_recurrent_layers and case.spec.partial:
-        case = dataclasses.replace(case, spec=dataclasses.replace(case.spec, partial=None,
-                                                                  copy=None))
-    return case
-
-
 def run_window_seed(seed: int, node_id: str) -> None:
     config = window_model_of(seed)
-    case = window_case_of(seed, config)
-    try:
-        check_case(Transformer(config, seed=0), case)
-    except AssertionError as exc:
-        raise AssertionError(f"window fuzz seed {seed} failed: {exc}\nmodel: window "
-                             f"{config.sliding_window}, layers {config.layer_types}\n"
-                             f"{case.describe()}\nreplay: pytest '{node_id}'") from exc
+    run_case(Transformer(config, seed=0), for_model(make_case(seed), config),
+             f"window fuzz seed {seed} (window {config.sliding_window}, layers "
+             f"{config.layer_types})", node_id)
 
 
 def host_case_of(seed: int) -> tuple[ModelConfig, FuzzCase]:
@@ -203,19 +202,13 @@ def host_case_of(seed: int) -> tuple[ModelConfig, FuzzCase]:
     host = rng.choice([1, spec.max_num_blocks, 2 * spec.max_num_blocks,
                        4 * spec.max_num_blocks])
     spec = dataclasses.replace(spec, host=host, reuse=None if spec.reuse is False else spec.reuse)
-    if config.has_recurrent_layers and spec.partial:
-        spec = dataclasses.replace(spec, partial=None, copy=None)
-    return config, dataclasses.replace(case, spec=spec)
+    return config, for_model(dataclasses.replace(case, spec=spec), config)
 
 
 def run_host_seed(seed: int, node_id: str) -> None:
     config, case = host_case_of(seed)
-    try:
-        check_case(Transformer(config, seed=0), case)
-    except AssertionError as exc:
-        raise AssertionError(f"host fuzz seed {seed} failed: {exc}\nmodel: "
-                             f"{config.layer_types}\n{case.describe()}\n"
-                             f"replay: pytest '{node_id}'") from exc
+    run_case(Transformer(config, seed=0), case, f"host fuzz seed {seed} (window "
+             f"{config.sliding_window}, layers {config.layer_types})", node_id)
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"s{s:03d}") for s in QUICK_SEEDS])
@@ -268,7 +261,7 @@ def test_the_window_seeds_cover_every_kind_of_model() -> None:
     """The quick slice and the full run each reach all-windowed, mixed and hybrid models,
     windows shorter and longer than a block, and prompts longer than their window."""
     for seeds in (WINDOW_QUICK_SEEDS, WINDOW_FULL_SEEDS):
-        configs = [(c := window_model_of(s), window_case_of(s, c)) for s in seeds]
+        configs = [(c := window_model_of(s), for_model(make_case(s), c)) for s in seeds]
         assert any(c.shared_window is not None and not c.has_recurrent_layers
                    for c, _ in configs)
         assert any(c.shared_window is None for c, _ in configs)
