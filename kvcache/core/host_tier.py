@@ -59,6 +59,9 @@ class TierListener(Protocol):
     def dropped(self, slots: Iterable[int]) -> None:
         """Host `slots` were dropped: their KV is gone."""
 
+    def cleared(self) -> None:
+        """Every cached block was dropped, in both tiers (the manager's reset_cache)."""
+
 
 def has_device_child(node: Node) -> bool:
     """True when some child of `node` is a device edge (O(children) at worst)."""

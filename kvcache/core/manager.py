@@ -339,27 +339,23 @@ class KVCacheManager(Admission, Caching, Growth):
 
     def reset_cache(self) -> None:
         """Drop every cached block (vLLM's reset_prefix_cache); with KV events on, records
-        AllBlocksCleared. `on_blocks_removed` hears of the device blocks and the tier
-        listeners' `dropped` of the host slots. Raises ValueError while any sequence is
-        live (their blocks are in use), changing nothing."""
+        AllBlocksCleared. `on_blocks_removed` hears of the device blocks, every tier
+        listener `cleared`. Raises ValueError while any sequence is live (their blocks are
+        in use), changing nothing."""
         if self.sequences:
             raise ValueError(f"reset_cache: {len(self.sequences)} sequences are live; "
                              "free them first")
         self._version += 1
-        cached: list[int] = []
-        slots: list[int] = []
-        for _, node in self.tree.walk():
-            (slots if node.host else cached).extend(node.blocks)
+        cached = [b for _, node in self.tree.walk() if not node.host for b in node.blocks]
         self.tree = BlockRadixTree(self._B)
         self.pool.reset(self.tree)
-        if self._kv is not None:
-            self._kv.cleared()
+        # the KV event log listens to the host tier when there is one, else only here
+        listeners = self._host.listeners if self._host is not None else [self._kv] \
+            if self._kv is not None else []
+        for listener in listeners:
+            listener.cleared()
         if self.on_blocks_removed is not None and cached:
             self.on_blocks_removed(cached)
-        if self._host is not None and slots:
-            for listener in self._host.listeners:
-                if listener is not self._kv:  # its AllBlocksCleared covers both tiers
-                    listener.dropped(slots)
 
     def get_sequence(self, seq_id: Hashable) -> Sequence:
         """The live handle of `seq_id`; ValueError if it is not live."""

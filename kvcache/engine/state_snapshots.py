@@ -10,8 +10,9 @@ snapshot of the last block it reuses.
 A snapshot lives with its block: taken before the block is committed (so it exists
 whenever the block can be matched), dropped when the block leaves the tree (the manager's
 `on_blocks_removed`). With a host tier it follows its block there and back (a tier
-listener: `offloaded`, `onboarded`, `dropped`), kept by host slot meanwhile; the tensor
-itself stays where it was (a few hundred bytes a block, against kilobytes of KV).
+listener: `offloaded`, `onboarded`, `dropped`, `cleared`), kept by host slot meanwhile;
+the tensor itself stays where it was (a few hundred bytes a block, against kilobytes of
+KV).
 Memory: one [recurrent layers, hidden] float32 tensor per cached block at a snapshot
 position, about 1/interval of the cached blocks (`nbytes`; the stats report it as
 `stateSnapshotBytes`).
@@ -106,6 +107,11 @@ class StateSnapshots:
         """Tier listener: host slots dropped; their snapshots are forgotten."""
         for slot in slots:
             self._by_slot.pop(slot, None)
+
+    def cleared(self) -> None:
+        """Tier listener: every cached block was dropped; so is every snapshot."""
+        self._by_block.clear()
+        self._by_slot.clear()
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._by_block

@@ -8,10 +8,12 @@ from __future__ import annotations
 from array import array
 
 import pytest
+import torch
 
 from kvcache import KVCacheManager, OutOfBlocksError, ReuseMatch
 from kvcache.core.kv_events import BlockRemoved, BlockStored
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
+from kvcache.engine.state_snapshots import StateSnapshots
 
 
 def cached(mgr: KVCacheManager, seq_id: str, tokens: list[int], commit: int | None = None,
@@ -269,14 +271,20 @@ class Heard:
     def dropped(self, slots: list[int]) -> None:
         self.moves.append(("dropped", list(slots), []))
 
+    def cleared(self) -> None:
+        self.moves.append(("cleared", [], []))
+
 
 def test_tier_listeners_hear_every_move_as_the_ops_make_it(make_manager) -> None:
     """What the engine's recurrent-state snapshots follow: each offload (device ids to
     host slots), onboard (slots back to device ids) and drop, paired exactly as the ops
-    move the KV, and a reset's host slots as dropped."""
+    move the KV, and a reset, after which no snapshot of an offloaded block is left."""
     mgr = make_manager(2, 3, host=4, partial=False)
     heard = Heard()
     mgr.add_tier_listener(heard)
+    snapshots = StateSnapshots([1], hidden=2, interval=1)
+    mgr.add_tier_listener(snapshots)
+    snapshots.save(1, [torch.ones(2)])  # a's second block, offloaded by b below
     cached(mgr, "a", [1, 2, 3, 4])
     ops = cached(mgr, "b", [5, 6, 7, 8, 9])  # offloads a's two blocks
     ops += cached(mgr, "c", [1, 2, 3, 4, 0])  # offloads b's, then onboards a's
@@ -286,8 +294,13 @@ def test_tier_listeners_hear_every_move_as_the_ops_make_it(make_manager) -> None
     assert [kind for kind, _, _ in heard.moves] == ["offloaded", "offloaded", "onboarded"]
     on_host = sorted(b for _, node in mgr.tree.walk() if node.host for b in node.blocks)
     assert len(on_host) == 2  # b's blocks
+    assert 2 in snapshots  # block 1's snapshot went to slot 1 and came back in block 2
+    snapshots.save(0, [torch.ones(2)])
+    cached(mgr, "d", [9, 8, 7, 6, 5])  # offloads c's blocks: the snapshot goes by slot
+    assert snapshots.offloaded_slots and snapshots.nbytes > 0
     heard.moves.clear()
     mgr.reset_cache()
-    assert [(kind, sorted(slots)) for kind, slots, _ in heard.moves] == [("dropped", on_host)]
+    assert heard.moves == [("cleared", [], [])]
+    assert snapshots.nbytes == 0 and not snapshots.offloaded_slots
     with pytest.raises(ValueError, match="add_tier_listener: the manager has no host tier"):
         make_manager(2, 3).add_tier_listener(Heard())
