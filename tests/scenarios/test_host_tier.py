@@ -68,6 +68,21 @@ def expect_reuse_across_tiers(scenario: ScenarioRun, engine: Engine,
         scenario.expect_full_blocks_bounded(engine, outs, seed=seed)
 
 
+def three_rounds(engine: Engine, prompts: list[list[int]],
+                 reference: list[GenerationOutput], backend: BackendSpec
+                 ) -> list[GenerationOutput]:
+    """Run `prompts` three times, each round rotated one further; every round's outputs
+    must equal the reference without reuse. Returns them all."""
+    outs: list[GenerationOutput] = []
+    for shift in range(3):
+        ref = reference[shift:] + reference[:shift]
+        got = engine.generate(prompts[shift:] + prompts[:shift], NEW_TOKENS,
+                              force_tokens=forced(ref, backend))
+        assert_same_outputs(ref, got, backend, f"round {shift} vs no reuse")
+        outs += got
+    return outs
+
+
 @pytest.mark.parametrize(("B", "blocks", "system"), POOLS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -78,13 +93,7 @@ def test_offload_onboard_cycles_keep_warm_equal_to_cold(
     reference = make_engine.cold_reference(B, prompts, NEW_TOKENS, backend=backend)
     engine = make_engine(B, backend=backend, mode=mode, max_num_blocks=blocks,
                          host_cache_blocks=4 * blocks)
-    outs: list[GenerationOutput] = []
-    for shift in range(3):  # three rounds, each in another order
-        ref = reference[shift:] + reference[:shift]
-        got = engine.generate(prompts[shift:] + prompts[:shift], NEW_TOKENS,
-                              force_tokens=forced(ref, backend))
-        assert_same_outputs(ref, got, backend, f"round {shift} vs no reuse")
-        outs += got
+    outs = three_rounds(engine, prompts, reference, backend)
     assert engine.kv_cache_stats().evicted_blocks > 0
     expect_reuse_across_tiers(scenario, engine, outs, mode, seed=B)
 
@@ -102,13 +111,7 @@ def test_mixed_window_model_through_the_host(make_engine: EngineFactory,
     engine = make_engine(B, backend=backend, mode=NO_PARTIAL, preset=preset,
                          max_num_blocks=blocks, host_cache_blocks=4 * blocks)
     assert engine.cache_config.sliding_window is None
-    outs: list[GenerationOutput] = []
-    for shift in range(3):
-        ref = reference[shift:] + reference[:shift]
-        got = engine.generate(prompts[shift:] + prompts[:shift], NEW_TOKENS,
-                              force_tokens=forced(ref, backend))
-        assert_same_outputs(ref, got, backend, f"round {shift} vs no reuse")
-        outs += got
+    outs = three_rounds(engine, prompts, reference, backend)
     assert max(o.num_cached_tokens for o in outs) > 32  # reuse reaches past the window
     expect_reuse_across_tiers(scenario, engine, outs, NO_PARTIAL, seed=11)
 
