@@ -20,7 +20,14 @@ from kvcache import Engine, GenerationOutput, ReuseScope
 from kvcache.core.window import peak_blocks
 from kvcache.model import Transformer, get_preset
 from kvcache.model.transformer import Recurrence
-from tests.scenarios.support import CLAIM, TORCH, EngineFactory, ScenarioRun, tokens
+from tests.scenarios.support import (
+    CLAIM,
+    TORCH,
+    EngineFactory,
+    ScenarioRun,
+    assert_same_outputs,
+    tokens,
+)
 
 PRESET = "hybrid-tiny"
 NEW_TOKENS = 4
@@ -102,9 +109,7 @@ def test_window_releases_and_warm_resumes_from_snapshots(
     _, released = run_watching_release(engine, prompts[:1])
     assert released > 0, "the window released nothing"
     warm, _ = run_watching_release(engine, prompts)
-    for ref, out in zip(reference, warm, strict=True):
-        assert out.token_ids == ref.token_ids
-        torch.testing.assert_close(out.logits, ref.logits, rtol=TORCH.atol, atol=TORCH.atol)
+    assert_same_outputs(reference, warm, TORCH, "warm past the window vs reference")
     shared = [len(base), 2 * window + 3, window // 2, len(base)]
     assert [o.num_cached_tokens for o in warm] == [
         aligned(s, len(p), B, k) for s, p in zip(shared, prompts, strict=True)]
@@ -157,11 +162,9 @@ def test_snapshots_follow_their_blocks_to_the_host(make_engine: EngineFactory,
                          host_cache_blocks=8 * (per_request + 1), state_snapshot_interval=k,
                          max_batch_size=1)
     outs: list[GenerationOutput] = []
-    for _ in range(2):
+    for round_ in range(2):
         got = [engine.generate([p], NEW_TOKENS)[0] for p in prompts]
-        for ref, out in zip(reference, got, strict=True):
-            assert out.token_ids == ref.token_ids
-            torch.testing.assert_close(out.logits, ref.logits, rtol=TORCH.atol, atol=TORCH.atol)
+        assert_same_outputs(reference, got, TORCH, f"round {round_} through the host")
         outs += got
     stats = engine.kv_cache_stats()
     assert stats.offloaded_blocks > 0 and stats.onboarded_blocks > 0, stats
