@@ -63,10 +63,9 @@ def resolve_window(cfg: KvCacheConfig, backend: type[AttentionBackend], model: T
     full-attention bookkeeping, which is always correct, only larger. Recurrent layers
     do not stop release: a released block stays cached with its state snapshot until it
     is evicted, and a windowed match ends on a block inside its window, whose snapshot
-    lives as long as that block. Raises ValueError
-    for a window on a model without one (or with full-attention layers), one shorter
-    than the model's, and for block reuse asked for explicitly with a window model on a
-    backend without window support.
+    lives as long as that block. Raises ValueError for a window on a model without one
+    (or with full-attention layers), one shorter than the model's, and for block reuse
+    asked for explicitly with a window model on a backend without window support.
     """
     window = model.config.shared_window
     asked = cfg.sliding_window
