@@ -33,10 +33,28 @@ def _git(rootdir: Path, *args: str) -> str:
     return done.stdout
 
 
+def resolve_commit(rootdir: Path, ref: str) -> str:
+    """The id of the commit `ref` names (a branch, tag, commit id or any revision that
+    ends at a commit). Raises GitError naming `ref` when it starts with `-` (git would
+    read it as one of its options: `--octopus` once meant "since HEAD") or names no
+    commit here (an unknown name, a range, a tree)."""
+    if ref.startswith("-"):
+        raise GitError("a ref cannot start with '-' (git would read it as an option); "
+                       "give a branch, tag or commit id")
+    try:
+        return _git(rootdir, "rev-parse", "--verify", "--quiet", "--end-of-options",
+                    f"{ref}^{{commit}}").strip()
+    except GitError:
+        raise GitError(f"{ref!r} names no commit in this repository; give a branch, tag or "
+                       "commit id (fetch it first if it is remote)") from None
+
+
 def changed_files(rootdir: Path, ref: str) -> tuple[str, ...]:
     """Repository-relative paths changed on this branch since it left `ref` (committed,
-    staged, unstaged, and untracked files), sorted. Raises GitError naming the ref."""
-    base = _git(rootdir, "merge-base", ref, "HEAD").strip()
+    staged, unstaged, and untracked files), sorted. Raises GitError naming the ref (see
+    `resolve_commit`) or git's own words."""
+    base = _git(rootdir, "merge-base", "--end-of-options", resolve_commit(rootdir, ref),
+                "HEAD").strip()
     diff = _git(rootdir, "diff", "--name-only", base, "--")
     untracked = _git(rootdir, "ls-files", "--others", "--exclude-standard")
     return tuple(sorted({line for line in (diff + untracked).splitlines() if line}))

@@ -136,7 +136,33 @@ def test_a_committed_change_on_a_branch_counts(repo: pytest.Pytester) -> None:
     assert _passed(result) == ["test_a", "test_core"]
 
 
-def test_a_bad_ref_is_a_usage_error(repo: pytest.Pytester) -> None:
-    result = repo.runpytest("--test-db", "lists/test-db", "--changed-since", "no-such-ref")
+@pytest.mark.parametrize(("ref", "message"), [
+    pytest.param("no-such-ref", "*--changed-since no-such-ref: 'no-such-ref' names no commit "
+                 "in this repository; give a branch, tag or commit id*", id="unknown"),
+    # A tree is an object git resolves, but no commit a branch could have left.
+    pytest.param("HEAD^{tree}", "*--changed-since HEAD^{tree}: 'HEAD^{tree}' names no commit*",
+                 id="tree"),
+    pytest.param("main..HEAD", "*--changed-since main..HEAD: 'main..HEAD' names no commit*",
+                 id="range"),
+    # git merge-base would read these as its own options: --octopus silently meant HEAD.
+    pytest.param("--octopus", "*--changed-since --octopus: a ref cannot start with '-' (git "
+                 "would read it as an option); give a branch, tag or commit id*", id="option"),
+    pytest.param("-", "*--changed-since -: a ref cannot start with '-'*", id="dash"),
+])
+def test_a_bad_ref_is_a_usage_error(repo: pytest.Pytester, ref: str, message: str) -> None:
+    result = repo.runpytest("--test-db", "lists/test-db", f"--changed-since={ref}",
+                            "--results-dir", "out")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--changed-since no-such-ref: git merge-base no-such-ref HEAD:*"])
+    result.stderr.fnmatch_lines([message])
+    assert not (repo.path / "out" / "not_run.json").exists(), "the run went ahead"
+
+
+def test_a_ref_may_be_a_tag_or_a_commit_id(repo: pytest.Pytester) -> None:
+    _git(repo.path, "tag", "base")
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo.path, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (repo.path / "mylib" / "a.py").write_text("def a(): return 1  # edited\n")
+    for ref in ("base", base[:12], f"{base}^{{commit}}"):
+        result = repo.runpytest("--test-db", "lists/test-db", f"--changed-since={ref}")
+        assert result.ret == pytest.ExitCode.OK, ref
+        assert _passed(result) == ["test_a", "test_core"], ref
