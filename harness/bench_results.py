@@ -12,11 +12,12 @@ partly. Standard library only.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness.data_files import load_json
 
 # Timing statistics (seconds per round) every pytest-benchmark version writes; with
 # "rounds", the stats this reader requires.
@@ -114,10 +115,7 @@ def parse_bench_json(data: Any, source: Path) -> BenchRun:
 
 
 def _read(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BenchJsonError(f"{path}: cannot read benchmark JSON ({exc})") from None
+    return load_json(path, "benchmark JSON", BenchJsonError)
 
 
 def load_bench_json(path: Path) -> BenchRun:

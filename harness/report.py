@@ -20,6 +20,7 @@ from typing import Any
 from harness.bench_results import find_bench_json
 from harness.ci.run_record import outcome_sections
 from harness.ci.sharding import SHARD_JSON, ShardRun
+from harness.data_files import load_json
 from harness.oracle.types import hit_rate
 
 REPORT_JSON = "reuse_report.json"
@@ -78,11 +79,9 @@ class ReuseReport:
 
     @classmethod
     def load(cls, path: Path) -> ReuseReport:
-        """Read a report JSON (`write`'s or `write_part`'s). Raises ValueError if malformed."""
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: not a readable reuse report: {exc}") from None
+        """Read a report JSON (`write`'s or `write_part`'s). Raises ValueError naming the
+        file if it is malformed (see `harness.data_files.load_json`)."""
+        data = load_json(path, "reuse report")
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise ValueError(f"{path}: not a reuse report (no 'records' list)")
         try:
@@ -240,11 +239,7 @@ def _bench_section(results_dir: Path) -> list[str]:
 def _shard_section(results_dir: Path) -> list[str]:
     runs = []
     for path in sorted(results_dir.rglob(SHARD_JSON)):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: not a readable shard record: {exc}") from None
-        runs.append(ShardRun.from_json(data, str(path)))
+        runs.append(ShardRun.from_json(load_json(path, "shard record"), str(path)))
     if not runs:
         return []
     lines = ["## Shards", "", "| shard | tests | predicted | actual |", "|---|---|---|---|"]

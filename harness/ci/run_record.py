@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.data_files import json_int, load_json
+
 RUN_JSON = "run.json"
 # junit properties harness.ci.reruns writes and the ledger and summary read
 RERUN_PROPERTY = "kvharness_rerun"
@@ -80,11 +82,11 @@ def _outcomes(paths: Sequence[Path]) -> tuple[list[str], list[str], list[str]]:
 def _selection_line(results_dir: Path) -> list[str]:
     lines = []
     for path in sorted(results_dir.rglob(RUN_JSON)):
+        data: Any = load_json(path, "run record")
         try:
-            data: Any = json.loads(path.read_text(encoding="utf-8"))
             counts = data["counts"]
-            text = ", ".join(f"{int(v)} {k}" for k, v in counts.items())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            text = ", ".join(f"{json_int(v, k)} {k}" for k, v in counts.items())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path}: not a readable run record: {exc!r}") from None
         lines.append(f"- `{path.parent.name}`: {text}")
         lines += [f"  - in no list: `{t}`" for t in data.get("in_no_list", [])[:MAX_LISTED]]

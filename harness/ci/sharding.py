@@ -13,12 +13,13 @@ the same plan (xdist workers rely on it).
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from harness.data_files import json_int, json_number, load_json
 
 SHARD_JSON = "shard.json"  # a shard's ShardRun, in its --results-dir
 DEFAULT_SECONDS = 1.0  # prediction for every test when no duration is known at all
@@ -34,11 +35,9 @@ class Shard(NamedTuple):
 
 def load_durations(path: Path) -> dict[str, float]:
     """Read a pytest-split durations file; raises ValueError naming the file when it is
-    missing, not JSON, or not an object of node id -> non-negative seconds."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable durations file: {exc}") from None
+    missing, not JSON, nested too deep, or not an object of node id -> non-negative
+    seconds."""
+    data = load_json(path, "durations file")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a durations file is a JSON object of node id -> seconds")
     bad = next((k for k, v in data.items() if isinstance(v, bool)
@@ -123,12 +122,14 @@ class ShardRun:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> ShardRun:
-        """Inverse of `to_json`; raises ValueError naming `where` for a malformed record."""
+        """Inverse of `to_json`; raises ValueError naming `where` for a malformed record
+        (a number that is not a JSON number, "3" or "٣", included)."""
         try:
             actual = data["actual_seconds"]
-            return cls(int(data["shard"]), int(data["shards"]), int(data["tests"]),
-                       float(data["predicted_seconds"]),
-                       tuple(float(s) for s in data["plan_seconds"]),
-                       None if actual is None else float(actual))
+            return cls(json_int(data["shard"], "shard"), json_int(data["shards"], "shards"),
+                       json_int(data["tests"], "tests"),
+                       json_number(data["predicted_seconds"], "predicted_seconds"),
+                       tuple(json_number(s, "plan_seconds") for s in data["plan_seconds"]),
+                       None if actual is None else json_number(actual, "actual_seconds"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a shard record: {exc!r}") from None

@@ -13,9 +13,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness.data_files import MAX_NESTING, too_deep
+
 _TOKEN = re.compile(r"\s*(?:(?P<paren>[()])|(?P<word>[\w:+\-.\[\]\\/]+))")
 _OPERATORS = ("and", "or", "not")
-MAX_EXPRESSION_CHARS = 1000  # a list entry, not a program: keeps the recursion shallow
+_NESTS = "parentheses and 'not'"
+MAX_EXPRESSION_CHARS = 1000  # a list entry, not a program
 
 Matcher = Callable[[str], bool]
 
@@ -28,10 +31,14 @@ def node_names(node_id: str) -> tuple[str, ...]:
 
 class _Parser:
     """Recursive descent over `or_expr := and_expr (or and_expr)*`,
-    `and_expr := not_expr (and not_expr)*`, `not_expr := not not_expr | ( or_expr ) | name`."""
+    `and_expr := not_expr (and not_expr)*`, `not_expr := not not_expr | ( or_expr ) | name`.
+    It recurses once for each `(` and `not` it is inside, so it refuses more than
+    MAX_NESTING of them around a name (within 1,000 characters, 497 parentheses would
+    exhaust Python's recursion limit)."""
 
     def __init__(self, text: str) -> None:
         self.text = text
+        self.depth = 0
         self.tokens: list[tuple[int, str]] = []
         pos = 0
         while text[pos:].strip():
@@ -77,13 +84,24 @@ class _Parser:
             parts.append(self._not())
         return parts[0] if len(parts) == 1 else (lambda m: all(p(m) for p in parts))
 
+    def _nested(self, parse: Callable[[], Callable[[Matcher], bool]]) -> Callable[[Matcher], bool]:
+        """`parse()` one level deeper; raises ValueError past MAX_NESTING levels."""
+        if self.depth == MAX_NESTING:
+            column = self.tokens[self.at - 1][0] + 1
+            raise ValueError(f"-k {self.text!r}: {too_deep(_NESTS)} (column {column})")
+        self.depth += 1
+        try:
+            return parse()
+        finally:
+            self.depth -= 1
+
     def _not(self) -> Callable[[Matcher], bool]:
         token = self._take()
         if token == "not":
-            inner = self._not()
+            inner = self._nested(self._not)
             return lambda m: not inner(m)
         if token == "(":
-            inner = self._or()
+            inner = self._nested(self._or)
             if self._take() != ")":
                 raise ValueError(f"-k {self.text!r}: '(' without its ')'")
             return inner

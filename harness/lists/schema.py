@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from harness.data_files import MAX_NESTING, too_deep
 from harness.gpus import FEATURES
 from harness.hardware import Backend, Orchestrator, Stage
 from harness.lists.entry import (
@@ -227,8 +228,13 @@ class ListFileDoc(NamedTuple):
 
 class ListLoader(yaml.SafeLoader):
     """SafeLoader for lists: rejects duplicate mapping keys (PyYAML keeps the last one
-    silently), aliases (`*name`: nested ones expand exponentially, a YAML bomb), and
-    integers too long to be anything but a mistake."""
+    silently), aliases (`*name`: nested ones expand exponentially, a YAML bomb),
+    sequences and mappings nested deeper than MAX_NESTING (the composer recurses a level
+    at a time), and integers too long to be anything but a mistake."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0  # sequences and mappings open around the node being composed
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         if self.check_event(yaml.AliasEvent):
@@ -236,7 +242,15 @@ class ListLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(
                 None, None, f"aliases (*{event.anchor}) are not allowed in list files; write "
                 "the value out", event.start_mark)
-        node: yaml.Node | None = super().compose_node(parent, index)
+        opens = self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent)
+        if opens and self.depth == MAX_NESTING:
+            raise yaml.composer.ComposerError(
+                None, None, too_deep("sequences and mappings"), self.peek_event().start_mark)
+        self.depth += opens
+        try:
+            node: yaml.Node | None = super().compose_node(parent, index)
+        finally:
+            self.depth -= opens
         assert node is not None, "compose_node returns None only at the end of the stream"
         return node
 

@@ -87,9 +87,9 @@ def test_the_wrong_shape_is_an_error_naming_file_and_entry(
 def test_not_json_is_an_error_naming_the_file(tmp_path: Path, text: str) -> None:
     path = tmp_path / "bench.json"
     path.write_text(text)
-    with pytest.raises(BenchJsonError, match=f"^{re.escape(str(path))}: cannot read benchmark"):
+    with pytest.raises(BenchJsonError, match=f"^{re.escape(str(path))}: not a readable benchmark JSON"):
         load_bench_json(path)
-    with pytest.raises(BenchJsonError, match=f"^{re.escape(str(path))}: cannot read benchmark"):
+    with pytest.raises(BenchJsonError, match=f"^{re.escape(str(path))}: not a readable benchmark JSON"):
         find_bench_json(tmp_path)
 
 

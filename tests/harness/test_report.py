@@ -141,7 +141,7 @@ def test_a_benchmark_json_of_the_wrong_shape_is_an_error_naming_it(tmp_path: Pat
                                              r"\(test_x\): stats lack \['min', 'max'"):
         summarize(tmp_path)
     broken.write_text('{"benchmarks": [')  # a run killed while writing
-    with pytest.raises(BenchJsonError, match=rf"^{re.escape(str(broken))}: cannot read"):
+    with pytest.raises(BenchJsonError, match=rf"^{re.escape(str(broken))}: not a readable benchmark JSON"):
         summarize(tmp_path)
 
 

@@ -169,6 +169,28 @@ def test_keyword_expressions_match_like_pytest_k(expr: str, node_id: str, expect
     assert KeywordExpr.parse(expr).matches(node_id) is expected
 
 
+@pytest.mark.parametrize(("expr", "column"), [
+    pytest.param("(" * 33 + "x" + ")" * 33, 33, id="parentheses"),
+    pytest.param("not " * 33 + "x", 129, id="nots"),
+    # parentheses and `not` count alike: the 17th `(` opens level 33
+    pytest.param("(not " * 17 + "x" + ")" * 17, 81, id="mixed"),
+    # 995 characters, within the 1,000 allowed: was a RecursionError
+    pytest.param("(" * 497 + "x" + ")" * 497, 33, id="497-parentheses"),
+])
+def test_keyword_nesting_is_bounded(expr: str, column: int) -> None:
+    with pytest.raises(ValueError) as info:
+        KeywordExpr.parse(expr)
+    assert str(info.value).endswith(": parentheses and 'not' nested more than 32 levels deep; "
+                                    f"at most 32 are read (column {column})")
+
+
+def test_keyword_nesting_up_to_the_bound_matches() -> None:
+    deepest = KeywordExpr.parse("(" * 32 + "test_x" + ")" * 32)
+    assert deepest.matches("tests/a.py::test_x") and not deepest.matches("tests/a.py::test_y")
+    negated = KeywordExpr.parse("not " * 31 + "test_x")  # odd: one `not`
+    assert negated.matches("tests/a.py::test_y") and not negated.matches("tests/a.py::test_x")
+
+
 def test_keyword_entries_select_part_of_a_prefix(tmp_path: Path) -> None:
     plain = tmp_path / "qa.txt"
     plain.write_text('tests/a.py -k "x and not p2"  # TensorRT-LLM style comment\n'
@@ -303,6 +325,8 @@ def test_every_problem_of_every_file_is_reported(tmp_path: Path) -> None:
                      id="duplicate"),
         pytest.param("tests/a.py EXTRA  # why\n", "unexpected 'EXTRA'", 1, id="unknown-marker"),
         pytest.param("# only a comment\n", "test list holds no entry", None, id="empty"),
+        pytest.param("tests/a.py\ntests/b.py -k '" + "(" * 497 + "x" + ")" * 497 + "'\n",
+                     "parentheses and 'not' nested more than 32 levels deep", 2, id="deep-keyword"),
     ],
 )
 def test_broken_plain_list(tmp_path: Path, text: str, fragment: str, line: int | None) -> None:

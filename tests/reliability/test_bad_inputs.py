@@ -284,6 +284,12 @@ ALIAS_BOMB = "version: 0.0.1\nx0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, l
 # Flat: 20,000 aliases of one 100 kB string.
 FLAT_ALIASES = (f"version: 0.0.1\nbig: &big {'x' * 100_000}\nmany: [" + ", ".join(["*big"] * 20_000)
                 + "]\n" + HEAD + GOOD_TESTS)
+# Nesting far beyond any list's (and Python's recursion limit): a flow sequence 400 deep,
+# block sequences 400 deep on one line, and a `-k` of 497 nested parentheses (995 of the
+# 1,000 characters an expression may have).
+DEEP_FLOW = HEAD + "  tests: " + "[" * 400 + "tests/x.py" + "]" * 400 + "\n"
+DEEP_BLOCK = HEAD + "  tests:\n  - " + "- " * 400 + "tests/x.py\n"
+DEEP_KEYWORD = HEAD + '  tests:\n  - tests/x.py -k "' + "(" * 497 + "t" + ")" * 497 + '"\n'
 
 
 @pytest.mark.parametrize(("name", "text", "line", "message"), cases(
@@ -324,6 +330,13 @@ FLAT_ALIASES = (f"version: 0.0.1\nbig: &big {'x' * 100_000}\nmany: [" + ", ".joi
                  + "0" * 5000 + "}\n" + GOOD_TESTS, 7,
                  r"YAML: integer of 5001 digits; list numbers have at most 18",
                  id="yaml-long-int"),
+    pytest.param("l0_cpu.yml", DEEP_FLOW, 6, r"YAML: sequences and mappings nested more than "
+                 r"32 levels deep; at most 32 are read", id="yaml-deep-flow"),
+    pytest.param("l0_cpu.yml", DEEP_BLOCK, 7, r"YAML: sequences and mappings nested more than "
+                 r"32 levels deep", id="yaml-deep-block"),
+    pytest.param("l0_cpu.yml", DEEP_KEYWORD, 7, r"-k '\(\(\(.*: parentheses and 'not' nested "
+                 r"more than 32 levels deep; at most 32 are read \(column 33\)",
+                 id="yaml-deep-keyword"),
 ))
 def test_broken_test_list(tmp_path: Path, name: str, text: str, line: int | None,
                           message: str) -> None:
@@ -385,6 +398,9 @@ def test_unreadable_waives_file(tmp_path: Path, make: Callable[[Path], object],
     pytest.param('{"records": [{"scenario": "s", "test_id": "t", "params": 3, "stats": {}, '
                  '"expected": null, "passed": true}]}',
                  r"reuse_report\.json: malformed reuse record", id="report-bad-record"),
+    pytest.param('{"records":\n' + "[" * 100_000, r"reuse_report\.json:2: not a readable reuse "
+                 r"report: arrays and objects nested more than 32 levels deep; at most 32 are "
+                 r"read", id="report-deep-json"),
 ))
 def test_broken_reuse_report(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
                              message: str) -> None:
@@ -427,6 +443,8 @@ def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str
                  r"kvharness list: .*l0_cpu\.yml:5: .*'nightly'", id="cli-broken-list"),
     pytest.param({"l0_cpu.yml": ALIAS_BOMB}, r"kvharness list: .*l0_cpu\.yml:3: YAML: aliases",
                  id="cli-alias-bomb"),
+    pytest.param({"l0_cpu.yml": DEEP_FLOW}, r"kvharness list: .*l0_cpu\.yml:6: YAML: sequences "
+                 r"and mappings nested more than 32 levels deep", id="cli-deep-list"),
 ))
 def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               files: dict[str, str], message: str) -> None:
