@@ -52,7 +52,7 @@ def features_of(capability: str | None) -> dict[str, bool]:
     """
     if capability is None:
         return dict.fromkeys(FEATURES, False)
-    match = re.fullmatch(r"(\d{1,2})\.(\d)", capability)
+    match = re.fullmatch(r"([0-9]{1,2})\.([0-9])", capability)  # ASCII: \d reads any script
     if match is None:
         raise ValueError(f"compute capability {capability!r} is not <major>.<minor>, e.g. 9.0")
     sm = int(match[1]) * 10 + int(match[2])

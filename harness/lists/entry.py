@@ -3,8 +3,8 @@
     <node id or prefix> [-k "<expr>"] [TIMEOUT (<minutes>)] [ISOLATION]
 
 The markers may come in either order, separated by spaces or commas
-(`TIMEOUT (90), ISOLATION`). TIMEOUT is in minutes, 1 to 24 hours. Parse errors are
-ValueErrors naming the entry; callers add the file and line.
+(`TIMEOUT (90), ISOLATION`). TIMEOUT is in minutes, 1 to 24 hours, in ASCII digits.
+Parse errors are ValueErrors naming the entry; callers add the file and line.
 """
 
 from __future__ import annotations
@@ -92,8 +92,12 @@ def _keyword(text: str, rest: str) -> tuple[KeywordExpr | None, str]:
 
 def _minutes(text: str, value: str) -> int:
     value = value.strip()
-    if not re.fullmatch(r"\d{1,9}", value) or not 0 < int(value) <= MAX_TIMEOUT_MINUTES:
-        shown = value if len(value) <= 20 else f"{value[:20]}... ({len(value)} characters)"
+    shown = value if len(value) <= 20 else f"{value[:20]}... ({len(value)} characters)"
+    if not value.isascii() and any(ch.isdigit() for ch in value):
+        # `\d` and int() read every script's digits: ٣ and ３ would be 3 minutes.
+        raise ValueError(f"entry {text!r}: TIMEOUT ({shown}): minutes are written in ASCII "
+                         "digits 0-9, as TensorRT-LLM's tools read them")
+    if not re.fullmatch(r"[0-9]{1,9}", value) or not 0 < int(value) <= MAX_TIMEOUT_MINUTES:
         raise ValueError(f"entry {text!r}: TIMEOUT ({shown}) is not a whole number of minutes "
                          f"in 1..{MAX_TIMEOUT_MINUTES} (24 hours)")
     return int(value)

@@ -42,7 +42,7 @@ from harness.lists.keywords import KeywordExpr
 
 Version = Literal["0.0.1"]
 SUPPORTED_VERSIONS: tuple[str, ...] = get_args(Version)
-CONTEXT_NAME = re.compile(r"l\d+_[a-z0-9_]+")
+CONTEXT_NAME = re.compile(r"l[0-9]+_[a-z0-9_]+")  # ASCII digits: \d reads every script's
 # YAML integers longer than this are refused before Python parses them (past ~4300
 # digits int() raises; long before that they are nonsense in a list).
 MAX_INT_DIGITS = 18
@@ -342,7 +342,8 @@ def read_list_file(path: Path) -> ListFileDoc:
     context = path.stem
     if CONTEXT_NAME.fullmatch(context) is None:
         raise ListError([Problem(Location(path, None), f"file name {path.name!r}: a list file is "
-                                 "named after its context, e.g. l0_h100.yml")])
+                                 "named after its context: 'l', a level in ASCII digits, '_', "
+                                 "the machine kind in [a-z0-9_], e.g. l0_h100.yml")])
     data, root = load_yaml(path)
     if root is None or not isinstance(data, dict):
         line = None if root is None else root.start_mark.line + 1

@@ -110,6 +110,9 @@ def test_machine_flags_repeat_what_was_given() -> None:
         pytest.param({"gpu": " "}, "gpu name is empty", id="gpu"),
         pytest.param({"gpu_count": -2}, "gpu count -2 is negative", id="count"),
         pytest.param({"backends": ("cuda",)}, "backends ('cuda',): expected some of", id="backend"),
+        # Arabic-Indic digits: `\d` would have read SM 90 and every feature.
+        pytest.param({"compute_capability": "\u0669.\u0660"},
+                     "compute capability '\u0669.\u0660' is not <major>.<minor>", id="capability-digits"),
     ],
 )
 def test_bad_machine_is_a_value_error(fields: dict[str, object], message: str) -> None:

@@ -327,6 +327,8 @@ def test_every_problem_of_every_file_is_reported(tmp_path: Path) -> None:
         pytest.param("# only a comment\n", "test list holds no entry", None, id="empty"),
         pytest.param("tests/a.py\ntests/b.py -k '" + "(" * 497 + "x" + ")" * 497 + "'\n",
                      "parentheses and 'not' nested more than 32 levels deep", 2, id="deep-keyword"),
+        pytest.param("tests/a.py TIMEOUT (\uff15)\n", "TIMEOUT (\uff15): minutes are written in "
+                     "ASCII digits 0-9", 1, id="fullwidth-timeout"),
     ],
 )
 def test_broken_plain_list(tmp_path: Path, text: str, fragment: str, line: int | None) -> None:

@@ -337,6 +337,16 @@ DEEP_KEYWORD = HEAD + '  tests:\n  - tests/x.py -k "' + "(" * 497 + "t" + ")" * 
     pytest.param("l0_cpu.yml", DEEP_KEYWORD, 7, r"-k '\(\(\(.*: parentheses and 'not' nested "
                  r"more than 32 levels deep; at most 32 are read \(column 33\)",
                  id="yaml-deep-keyword"),
+    # \d matches every script's digits: ٣ (Arabic-Indic) and ３ (full width) read as 3.
+    pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py::t TIMEOUT (\u0663)\n", 7,
+                 r"TIMEOUT \(\u0663\): minutes are written in ASCII digits 0-9",
+                 id="yaml-timeout-arabic-digits"),
+    pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py::t TIMEOUT (\uff13\uff10)\n", 7,
+                 r"TIMEOUT \(\uff13\uff10\): minutes are written in ASCII digits 0-9",
+                 id="yaml-timeout-fullwidth-digits"),
+    pytest.param("l\u0663_cpu.yml", HEAD.replace("l0_cpu", "l\u0663_cpu") + GOOD_TESTS, None,
+                 r"file name 'l\u0663_cpu\.yml': a list file is named after its context: 'l', "
+                 r"a level in ASCII digits", id="yaml-context-digits"),
 ))
 def test_broken_test_list(tmp_path: Path, name: str, text: str, line: int | None,
                           message: str) -> None:
