@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from harness.markdown import table as markdown_table
+
 if TYPE_CHECKING:
     from harness.bench_results import Benchmark
 
@@ -65,6 +67,6 @@ def div(a: float | None, b: float | None) -> float | None:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    """A markdown table."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+    """A markdown table and a blank line after it; cells are escaped as every table the
+    harness writes (`harness.markdown.table`)."""
+    return [*markdown_table(header, rows), ""]

@@ -21,6 +21,7 @@ from harness.bench_results import find_bench_json
 from harness.ci.run_record import outcome_sections
 from harness.ci.sharding import SHARD_JSON, ShardRun
 from harness.data_files import load_json
+from harness.markdown import bold, code, table
 from harness.oracle.types import hit_rate
 
 REPORT_JSON = "reuse_report.json"
@@ -126,10 +127,9 @@ class ReuseReport:
                  f"{len(self._records)} runs in {len(by_scenario)} scenarios, {failed} failed."]
         for scenario in sorted(by_scenario):
             lines += ["", f"## {scenario}", "",
-                      "| test | params | reused | missed | hit rate | expected | mismatches "
-                      "| result |", "|---|---|---|---|---|---|---|---|"]
-            for r in by_scenario[scenario]:
-                lines.append("| " + " | ".join(_record_cells(r)) + " |")
+                      *table(["test", "params", "reused", "missed", "hit rate", "expected",
+                              "mismatches", "result"],
+                             [_record_cells(r) for r in by_scenario[scenario]])]
         return "\n".join(lines) + "\n"
 
 
@@ -146,10 +146,9 @@ def _record_cells(r: ReuseRecord) -> list[str]:
     expected = ", ".join(f"{k}={v}" for k, v in (r.expected or {}).items()) or "-"
     wrong = ", ".join(f"{k}: {e} expected, {_num(a)} actual"
                       for k, (e, a) in r.mismatches().items()) or "-"
-    test = r.test_id.replace("|", "\\|")
-    return [f"`{test}`", params, _num(r.stats.get("reusedBlocks")),
+    return [code(r.test_id), params, _num(r.stats.get("reusedBlocks")),
             _num(r.stats.get("missedBlocks")), _num(r.stats.get("cacheHitRate")),
-            expected, wrong, "pass" if r.passed else "**FAIL**"]
+            expected, wrong, "pass" if r.passed else bold("FAIL")]
 
 
 # -- summary of a results folder --------------------------------------------------------
@@ -181,17 +180,11 @@ def _junit_section(results_dir: Path) -> list[str]:
             counts[_test_file(case)][status] += 1
     if not counts and not notes:
         return ["## Tests", "", "No junit XML found."]
-    lines = ["## Tests", "", "| file | passed | failed | skipped | errors |",
-             "|---|---|---|---|---|"]
-    total: Counter[str] = Counter()
-    for name in sorted(counts):
-        c = counts[name]
-        total.update(c)
-        lines.append(f"| `{name}` | {c['passed']} | {c['failed']} | {c['skipped']} "
-                     f"| {c['errors']} |")
-    lines.append(f"| **total** | {total['passed']} | {total['failed']} | "
-                 f"{total['skipped']} | {total['errors']} |")
-    return lines + (["", *notes] if notes else [])
+    columns = ("passed", "failed", "skipped", "errors")
+    total: Counter[str] = sum(counts.values(), Counter())
+    rows = [[code(name), *(counts[name][k] for k in columns)] for name in sorted(counts)]
+    rows.append([bold("total"), *(total[k] for k in columns)])
+    return ["## Tests", "", *table(["file", *columns], rows)] + (["", *notes] if notes else [])
 
 
 def _reuse_section(results_dir: Path) -> list[str]:
@@ -204,15 +197,15 @@ def _reuse_section(results_dir: Path) -> list[str]:
     by: dict[str, list[ReuseRecord]] = defaultdict(list)
     for r in records:
         by[r.scenario].append(r)
-    lines = ["## Reuse", "", "| scenario | runs | failed | reused | missed | hit rate |",
-             "|---|---|---|---|---|---|"]
+    rows = []
     for scenario in sorted(by):
         rs = by[scenario]
         reused = sum(r.stats.get("reusedBlocks", 0) for r in rs)
         missed = sum(r.stats.get("missedBlocks", 0) for r in rs)
-        lines.append(f"| {scenario} | {len(rs)} | {sum(not r.passed for r in rs)} | "
-                     f"{_num(reused)} | {_num(missed)} | {hit_rate(reused, missed):.3f} |")
-    return lines
+        rows.append([scenario, len(rs), sum(not r.passed for r in rs), _num(reused),
+                     _num(missed), f"{hit_rate(reused, missed):.3f}"])
+    return ["## Reuse", "", *table(["scenario", "runs", "failed", "reused", "missed",
+                                    "hit rate"], rows)]
 
 
 def _seconds(value: float) -> str:
@@ -223,17 +216,16 @@ def _seconds(value: float) -> str:
 
 
 def _bench_section(results_dir: Path) -> list[str]:
-    rows: list[str] = []
+    rows: list[list[str]] = []
     for run in find_bench_json(results_dir, recursive=True):
         for bench in run.benchmarks:
             extra = ", ".join(f"{k}={_num(v)}" for k, v in bench.extra.items()
                               if isinstance(v, int | float | str) and not isinstance(v, bool))
-            rows.append(f"| `{bench.name}` | {_seconds(bench.mean)} | {bench.ops:,.1f} | "
-                        f"{extra or '-'} |")
+            rows.append([code(bench.name), _seconds(bench.mean), f"{bench.ops:,.1f}",
+                         extra or "-"])
     if not rows:
         return ["## Benchmarks", "", "No benchmark JSON found."]
-    return ["## Benchmarks", "", "| benchmark | mean | ops/s | headline |",
-            "|---|---|---|---|", *rows]
+    return ["## Benchmarks", "", *table(["benchmark", "mean", "ops/s", "headline"], rows)]
 
 
 def _shard_section(results_dir: Path) -> list[str]:
@@ -242,12 +234,10 @@ def _shard_section(results_dir: Path) -> list[str]:
         runs.append(ShardRun.from_json(load_json(path, "shard record"), str(path)))
     if not runs:
         return []
-    lines = ["## Shards", "", "| shard | tests | predicted | actual |", "|---|---|---|---|"]
-    for run in sorted(runs, key=lambda r: (r.shards, r.shard)):
-        actual = "-" if run.actual is None else f"{run.actual / 60:.1f} min"
-        lines.append(f"| {run.shard}/{run.shards} | {run.tests} | {run.predicted / 60:.1f} min "
-                     f"| {actual} |")
-    return lines
+    rows = [[f"{run.shard}/{run.shards}", run.tests, f"{run.predicted / 60:.1f} min",
+             "-" if run.actual is None else f"{run.actual / 60:.1f} min"]
+            for run in sorted(runs, key=lambda r: (r.shards, r.shard))]
+    return ["## Shards", "", *table(["shard", "tests", "predicted", "actual"], rows)]
 
 
 def summarize(results_dir: Path) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness.ci.run_record import PASSED_ON_RERUN, RERUN_PROPERTY, case_id
+from harness.markdown import code, table
 
 
 class FlakeRow(NamedTuple):
@@ -85,9 +86,8 @@ def markdown(ledger: Ledger) -> str:
     lines = ["# Flake ledger", "", f"{ledger.runs} runs, {len(ledger.rows)} tests failed or "
              "passed only on rerun."]
     if ledger.rows:
-        lines += ["", "| test | runs | failures | failure rate | passed on rerun |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| `{r.test}` | {r.runs} | {r.failures} | {r.failure_rate:.0%} | "
-                  f"{r.rerun_passes} |" for r in ledger.rows]
+        lines += ["", *table(["test", "runs", "failures", "failure rate", "passed on rerun"],
+                             [[code(r.test), r.runs, r.failures, f"{r.failure_rate:.0%}",
+                               r.rerun_passes] for r in ledger.rows])]
     lines += [f"- unreadable: {note}" for note in ledger.unreadable]
     return "\n".join(lines) + "\n"

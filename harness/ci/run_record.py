@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.data_files import json_int, load_json
+from harness.markdown import code, table
 
 RUN_JSON = "run.json"
 # junit properties harness.ci.reruns writes and the ledger and summary read
@@ -45,37 +46,41 @@ def case_id(case: ET.Element) -> str:
     return "::".join([path, *classes, case.get("name") or "?"])
 
 
-def _cell(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line.replace("|", "\\|")[:200]
+Row = list[str]
 
 
-def _listed(title: str, rows: list[str], header: str) -> list[str]:
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines()[0] if text.strip() else "")[:200]
+
+
+def _listed(title: str, rows: list[Row], header: Row) -> list[str]:
     if not rows:
         return []
     more = ["", f"... and {len(rows) - MAX_LISTED} more"] if len(rows) > MAX_LISTED else []
-    return ["", f"### {title} ({len(rows)})", "", header, "|---|---|", *rows[:MAX_LISTED], *more]
+    return ["", f"### {title} ({len(rows)})", "", *table(header, rows[:MAX_LISTED]), *more]
 
 
-def _outcomes(paths: Sequence[Path]) -> tuple[list[str], list[str], list[str]]:
-    failing, waived, flaky = [], [], []
+def _outcomes(paths: Sequence[Path]) -> tuple[list[Row], list[Row], list[Row]]:
+    failing: list[Row] = []
+    waived: list[Row] = []
+    flaky: list[Row] = []
     for path in paths:
         try:
             root = ET.parse(path).getroot()
         except (ET.ParseError, OSError):
             continue  # the Tests section already names an unreadable file
         for case in root.iter("testcase"):
-            name = case_id(case).replace("|", "\\|")
+            name = code(case_id(case))
             bad = case.find("failure") if case.find("failure") is not None else case.find("error")
             skipped = case.find("skipped")
             notes = [p.get("value") or "" for p in case.iter("property")
                      if p.get("name") == RERUN_PROPERTY]
             if bad is not None:
-                failing.append(f"| `{name}` | {_cell(bad.get('message') or bad.text or '')} |")
+                failing.append([name, _first_line(bad.get("message") or bad.text or "")])
             elif skipped is not None and (skipped.get("message") or "").startswith(WAIVED_PREFIX):
-                waived.append(f"| `{name}` | {_cell(skipped.get('message') or '')} |")
+                waived.append([name, _first_line(skipped.get("message") or "")])
             elif any(n.startswith(PASSED_ON_RERUN) for n in notes):
-                flaky.append(f"| `{name}` | {_cell(notes[0])} |")
+                flaky.append([name, _first_line(notes[0])])
     return failing, waived, flaky
 
 
@@ -99,9 +104,9 @@ def outcome_sections(results_dir: Path) -> list[str]:
     Raises ValueError naming a run.json that cannot be read."""
     failing, waived, flaky = _outcomes(sorted(results_dir.rglob("*.xml")))
     lines = _selection_line(results_dir)
-    named = (_listed("Failing", failing, "| test | first line |")
-             + _listed("Waived", waived, "| test | reason |")
-             + _listed("Passed on rerun", flaky, "| test | rerun |"))
+    named = (_listed("Failing", failing, ["test", "first line"])
+             + _listed("Waived", waived, ["test", "reason"])
+             + _listed("Passed on rerun", flaky, ["test", "rerun"]))
     if named:
         lines += ["", "## Outcomes"] if lines else ["## Outcomes"]
         lines += named

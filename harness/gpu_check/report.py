@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from harness.markdown import code, table
+
 # stopped: killed at the time budget while it ran; crashed: its process ended while it
 # ran (pytest-timeout, a CUDA fault); not run: never started (budget, crash, skip).
 Outcome = Literal["passed", "failed", "error", "skipped", "stopped", "crashed", "not run"]
@@ -134,25 +136,23 @@ class Report:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items())) or "no checks"
         lines = [f"# GPU check: {'PASSED' if self.passed else 'FAILED'} ({counts}) in "
                  f"{self.elapsed_s:.0f} s of a {self.budget_s:.0f} s budget", ""]
-        lines += ["| " + " | ".join(self.environment) + " |",
-                  "|" + "---|" * len(self.environment),
-                  "| " + " | ".join(str(v) for v in self.environment.values()) + " |", ""]
+        lines += [*table(list(self.environment), [list(self.environment.values())]), ""]
         lines += ["Kernel families that ran: "
                   + ("; ".join(f"`{k}`" for k in self.kernels) or "none recorded"), ""]
-        lines += ["## Stages", "", "| stage | status | checks | s | note |", "|---|---|---|---|---|"]
+        stages = []
         for s in self.stages:
             tally = ", ".join(f"{n} {k}" for k, n in sorted(Counter(
                 c.outcome for c in s.checks).items())) or "-"
-            lines.append(f"| {s.name} | {s.status} | {tally} | {s.seconds:.1f} | {s.reason} |")
+            stages.append([s.name, s.status, tally, f"{s.seconds:.1f}", s.reason])
+        lines += ["## Stages", "", *table(["stage", "status", "checks", "s", "note"], stages)]
+        checks = [[c.stage, code(c.test.split("::", 1)[-1]), c.outcome,
+                   "" if c.max_abs_err is None else f"{c.max_abs_err:.3g}",
+                   "" if c.tol is None else f"{c.tol:.3g}", c.worst or "", "; ".join(c.kernels),
+                   f"{c.seconds:.2f}"] for c in self.checks]
         lines += ["", "## Checks", "", "max abs err and tol: the test's worst comparison "
                   "(by err / tol) against the float32 torch reference or the eager run.", "",
-                  "| stage | check | result | max abs err | tol | worst comparison | kernels | s |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for c in self.checks:
-            err = "" if c.max_abs_err is None else f"{c.max_abs_err:.3g}"
-            tol = "" if c.tol is None else f"{c.tol:.3g}"
-            lines.append(f"| {c.stage} | `{c.test.split('::', 1)[-1]}` | {c.outcome} | {err} | "
-                         f"{tol} | {c.worst or ''} | {'; '.join(c.kernels)} | {c.seconds:.2f} |")
+                  *table(["stage", "check", "result", "max abs err", "tol", "worst comparison",
+                          "kernels", "s"], checks)]
         problems = [c for c in self.checks if c.outcome != "passed"]
         if problems:
             lines += ["", "## Not passed", ""]

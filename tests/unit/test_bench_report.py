@@ -240,6 +240,14 @@ def test_unreadable_extra_info_is_reported_not_raised(tmp_path: Path) -> None:
     assert "libraries (read when the report was written)" in md
 
 
+def test_table_cells_are_escaped(tmp_path: Path) -> None:
+    """A name with `|` or a backtick stays in its cell (the tables went unescaped)."""
+    write_json(tmp_path / "bench.json", [bench("test_other[a|b-`c`]", 0.002, {})])
+    assert report(tmp_path).returncode == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "| test_other[a\\|b-\\`c\\`] | 2 ms | 5 |" in md.splitlines()
+
+
 @pytest.mark.slow
 def test_quick_suites_end_to_end(tmp_path: Path) -> None:
     """The quick suites run under pytest-benchmark and the report reads what they wrote."""
