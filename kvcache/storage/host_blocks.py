@@ -37,9 +37,11 @@ class HostBlocks:
 
 
 def check_ops(ops: Sequence[KvOp], num_blocks: int, num_slots: int, block_size: int) -> None:
-    """Raise ValueError naming the first bad op and field: an id outside its pool (device
-    blocks [0, num_blocks), host slots [0, num_slots)), a token count outside
-    [1, block_size], or something that is not an op. Changes nothing."""
+    """Raise ValueError naming the first bad op and field: an id or token count that is
+    not an int (a bool, a float: torch would index with it, or fail, only once the ops
+    before it were applied), an id outside its pool (device blocks [0, num_blocks), host
+    slots [0, num_slots)), a token count outside [1, block_size], or something that is
+    not an op. Changes nothing."""
     for i, op in enumerate(ops):
         kind = type(op)
         if kind is BlockCopy:
@@ -53,35 +55,42 @@ def check_ops(ops: Sequence[KvOp], num_blocks: int, num_slots: int, block_size: 
                              "BlockOffload or BlockOnboard")
         for field, size, pool in ranges:
             value = getattr(op, field)
+            if type(value) is not int:
+                raise ValueError(f"apply_copies: ops[{i}].{field}={value!r} is a "
+                                 f"{type(value).__name__}, not an int")
             if not 0 <= value < size:
                 none = " (the storage has no host tier)" if size == 0 else ""
                 raise ValueError(f"apply_copies: ops[{i}].{field}={value} is outside "
                                  f"[0, {size}) of the {pool}{none}")
         n = getattr(op, "num_tokens", block_size)
+        if type(n) is not int:
+            raise ValueError(f"apply_copies: ops[{i}].num_tokens={n!r} is a "
+                             f"{type(n).__name__}, not an int")
         if not 1 <= n <= block_size:
             raise ValueError(f"apply_copies: ops[{i}].num_tokens={n} is outside "
                              f"[1, {block_size}]")
 
 
-def apply_ops(ops: Sequence[KvOp], device: Sequence[torch.Tensor], host: HostBlocks | None,
-              token_dim: int) -> None:
-    """Apply checked `ops` in list order to the `device` tensors and their `host` mirrors.
+def apply_op(op: KvOp, device: Sequence[torch.Tensor], host: HostBlocks | None,
+             token_dim: int) -> None:
+    """Apply one checked `op` to the `device` tensors and their `host` mirrors.
 
-    `token_dim` is the token axis of one block (a view of axis 0). Op-major order: a
-    later op may read a block or slot an earlier op just wrote.
+    `token_dim` is the token axis of one block (a view of axis 0). Ops go one at a time
+    (op-major) so that a later op may read a block or slot an earlier one just wrote, and
+    so that a caller knows how many of a batch were applied when one fails.
     """
-    mirrors = host.tensors if host is not None else ()
-    for op in ops:
-        kind = type(op)
-        if kind is BlockCopy:
-            n = op.num_tokens  # type: ignore[union-attr]
-            for t in device:
-                t[op.dst].narrow(token_dim, 0, n).copy_(t[op.src].narrow(token_dim, 0, n))
-        elif kind is BlockOffload:
-            for t, h in zip(device, mirrors, strict=True):
-                h[op.dst].copy_(t[op.src], non_blocking=True)
-        else:
-            n = op.num_tokens  # type: ignore[union-attr]
-            for t, h in zip(device, mirrors, strict=True):
-                t[op.dst].narrow(token_dim, 0, n).copy_(h[op.src].narrow(token_dim, 0, n),
-                                                       non_blocking=True)
+    kind = type(op)
+    if kind is BlockCopy:
+        n = op.num_tokens  # type: ignore[union-attr]
+        for t in device:
+            t[op.dst].narrow(token_dim, 0, n).copy_(t[op.src].narrow(token_dim, 0, n))
+        return
+    assert host is not None  # check_ops refused host ops without a host tier
+    if kind is BlockOffload:
+        for t, h in zip(device, host.tensors, strict=True):
+            h[op.dst].copy_(t[op.src], non_blocking=True)
+    else:
+        n = op.num_tokens  # type: ignore[union-attr]
+        for t, h in zip(device, host.tensors, strict=True):
+            t[op.dst].narrow(token_dim, 0, n).copy_(h[op.src].narrow(token_dim, 0, n),
+                                                   non_blocking=True)

@@ -21,7 +21,7 @@ import torch
 
 from kvcache.core.ops import KvOp
 from kvcache.core.validate import check_int, check_positive_int
-from kvcache.storage.host_blocks import HostBlocks, apply_ops, check_ops
+from kvcache.storage.host_blocks import HostBlocks, apply_op, check_ops
 from kvcache.storage.layouts import (
     LAYOUTS,
     PAGE_LAYOUT,
@@ -79,6 +79,8 @@ class KvStorage:
         self.host: HostBlocks | None = None
         self._alloc: Allocation | None = None
         self._views: dict[int, PageViews] = {}  # page views by page size
+        # ops the latest apply_copies call applied, in order (all of them once it returned)
+        self.num_applied = 0
         self.allocate()
 
     # ------------------------------------------------------------------ memory
@@ -142,13 +144,22 @@ class KvStorage:
         device block).
 
         Mutates the storage. Every op is validated before any is applied, so a bad op
-        leaves the storage untouched; raises ValueError naming the op and field.
+        leaves the storage untouched; raises ValueError naming the op and field. Any
+        other failure (CUDA out of memory, an interrupt) is raised as it came, and
+        `num_applied` says how many ops, in order, were applied before it: re-running
+        those is not safe (an offload of block X re-run after an onboard into X would
+        copy the wrong KV to the host), so the caller acknowledges exactly those to the
+        manager and retries from the first one not applied.
         """
+        self.num_applied = 0
         check_ops(ops, self.num_blocks, self.host_num_blocks, self.block_size)
         alloc = self._allocation()
+        tensors, host, token_dim = alloc.tensors, self.host, alloc.token_dim - 1
         # one slice copy per op and tensor (2 for BLHNC, 2 * num_layers otherwise): it
         # beat a gather/scatter of (block, slot) pairs by 8-17x on CPU
-        apply_ops(ops, alloc.tensors, self.host, alloc.token_dim - 1)
+        for op in ops:
+            apply_op(op, tensors, host, token_dim)
+            self.num_applied += 1
 
     # ------------------------------------------------------------------ page views
     def geometry(self, page_size: int) -> PageGeometry:

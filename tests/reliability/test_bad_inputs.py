@@ -25,9 +25,11 @@ from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
 from harness.lists.waives import default_waives, load_waives
 from kvcache import Engine, KvCacheConfig, KVCacheManager
+from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from kvcache.storage.kv_storage import KvStorage
 from tests.reliability.support import EngineSpec, assert_clean
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
@@ -136,6 +138,30 @@ def test_bad_manager_call_changes_nothing(call: ManagerCall, message: str) -> No
     mgr.free_sequence("live")
     assert mgr.probe_reuse([1, 2, 3, 4, 5]) == 4, "what was committed stays reusable"
     assert_clean(mgr, "after the bad call")
+
+
+# -- KvStorage.apply_copies ---------------------------------------------------------------
+
+@pytest.mark.parametrize(("op", "message"), cases(
+    pytest.param(BlockOffload(True, 0), r"apply_copies: ops\[1\]\.src=True is a bool, not an "
+                 r"int", id="storage-op-bool"),
+    pytest.param(BlockOnboard(0, 1, 2.0), r"apply_copies: ops\[1\]\.num_tokens=2\.0 is a "
+                 r"float, not an int", id="storage-op-tokens-float"),
+))
+def test_a_bad_op_is_refused_before_any_is_applied(op: KvOp, message: str) -> None:
+    storage = KvStorage(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=2,
+                        host_num_blocks=2)
+    assert storage.host is not None
+    for t in (*storage.tensors, *storage.host.tensors):
+        t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
+    before = [t.clone() for t in (*storage.tensors, *storage.host.tensors)]
+    with pytest.raises(ValueError, match=message):
+        storage.apply_copies([BlockCopy(1, 2, 4), op])  # the copy before it is not applied
+    after = (*storage.tensors, *storage.host.tensors)
+    assert all(map(torch.equal, after, before)), "a refused batch changed the storage"
+    assert storage.num_applied == 0
+    storage.apply_copies([BlockCopy(1, 2, 4)])
+    assert storage.num_applied == 1 and torch.equal(storage.k[0][2], storage.k[0][1])
 
 
 # -- Engine.add_request / generate ---------------------------------------------------------
