@@ -9,7 +9,8 @@ sequences need, and a call that raised left the manager exactly as it was and, i
 was refused for want of blocks, the blocks really were not there.
 
 `commit` first takes and applies the queued copies, as an engine does before the forward
-pass whose tokens it commits. Fuzzers and stateful tests drive this instead of a bare
+pass whose tokens it commits; `ack_copy_ops` applies only those acknowledged, as an engine
+whose storage failed part-way does. Fuzzers and stateful tests drive this instead of a bare
 manager; anything not wrapped (stats, probe_reuse, sequences, ...) is forwarded as is.
 Like the rest of the harness it imports `kvcache` for type checking only: a refusal is
 any exception with `needed`, `available` and `capacity` (`OutOfBlocksError`).
@@ -230,12 +231,36 @@ class CheckedManager:
         if ops != [op for _, op in queued]:
             raise ManagerContractError(f"take_copy_ops() returned {ops}, the queue held "
                                        f"{queued}")
+        self._applied("take_copy_ops()", queued)
+        return ops
+
+    def ack_copy_ops(self, num_applied: int) -> None:
+        """`KVCacheManager.ack_copy_ops`: the first `num_applied` pending ops are applied
+        to the shadow store; the rest must stay queued, in order. A refused count must
+        change nothing."""
+        where = f"ack_copy_ops({num_applied!r})"
+        queued = self.manager.pending_copies
+        try:
+            self.manager.ack_copy_ops(num_applied)
+        except Exception as exc:
+            if self.manager.pending_copies != queued:
+                raise ManagerContractError(f"{where} raised {type(exc).__name__} ({exc}) "
+                                           "and changed the op queue") from exc
+            raise
+        left = self.manager.pending_copies
+        done = len(queued) - len(left)
+        if done != num_applied or left != queued[done:]:
+            raise ManagerContractError(f"{where}: the queue went from {queued} to {left}; "
+                                       f"only its first {num_applied} ops may leave it")
+        self._applied(where, queued[:done])
+
+    def _applied(self, where: str, moved: list[tuple[Hashable, KvOp]]) -> None:
+        """Check and apply the call that took `moved` ((owner, op), in order) off the queue."""
         events = []
-        for owner, op in queued:
+        for owner, op in moved:
             kind, src, dst, n = self._move(op)
             events.append(Event(kind, _owner(owner), (), n, None, (src, dst)))  # type: ignore[arg-type]
-        self._after("take_copy_ops()", events)
-        return ops
+        self._after(where, events)
 
     # -- whole-state checks ------------------------------------------------------------
 

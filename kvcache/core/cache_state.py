@@ -67,7 +67,8 @@ class CacheState:
         self.allocation_fault: Callable[[str, int], bool] | None = None
 
     def _queue(self, owner: Hashable, op: KvOp) -> None:
-        """Queue `op` for take_copy_ops; it is dropped with `owner` (CACHE: never)."""
+        """Queue `op` for the engine to apply (`pending_copy_ops`); it is dropped with
+        `owner` (CACHE: never)."""
         self._copy_ops.append((owner, op))
 
     def _removed(self, block_ids: list[int]) -> None:

@@ -28,12 +28,12 @@ class CacheEvent(NamedTuple):
     - append: `tokens` the new tokens, `block_ids` the blocks allocated for them (no
       tokens: blocks reserved for tokens it already has, under a sliding window);
     - free: nothing more;
-    - copy: a `BlockCopy` taken by the engine (`take_copy_ops`) to apply before its next
-      forward pass: `block_ids` (src, dst), `num_tokens` the slots copied; `seq_id` the
+    - copy: a `BlockCopy` the engine applied before its next forward pass (logged when
+      acknowledged: `ack_copy_ops`, `take_copy_ops`): `block_ids` (src, dst), `num_tokens` the slots copied; `seq_id` the
       sequence whose admission queued it;
     - offload, onboard: a `BlockOffload` (device block src to host slot dst, all
       `num_tokens` = tokens_per_block slots) or `BlockOnboard` (host slot src's first
-      `num_tokens` slots to device block dst) taken likewise; `seq_id` is "CACHE" for
+      `num_tokens` slots to device block dst) applied likewise; `seq_id` is "CACHE" for
       a move of a cached block, the sequence for a partial hit copied from the host.
     """
 
@@ -52,7 +52,7 @@ class CacheEvent(NamedTuple):
 
 
 def op_event(owner: Hashable, op: KvOp, tokens_per_block: int) -> CacheEvent:
-    """The log's record of `op` (queued for `owner`), taken for the engine to apply."""
+    """The log's record of `op` (queued for `owner`), applied by the engine."""
     who = "CACHE" if owner is CACHE else owner
     if isinstance(op, BlockOffload):
         return CacheEvent("offload", who, (), tokens_per_block, None, (op.src, op.dst))

@@ -295,7 +295,9 @@ class KVCacheManager(Admission, Caching, Growth):
 
     @property
     def pending_copy_ops(self) -> list[KvOp]:
-        """Ops queued and not yet taken (a copy of the queue; read-only view)."""
+        """Ops queued and not yet applied, in the order they must be applied (a copy of
+        the queue; taking it changes nothing): what an engine hands its storage, then
+        acknowledges with `ack_copy_ops`."""
         return [op for _, op in self._copy_ops]
 
     @property
@@ -305,19 +307,38 @@ class KVCacheManager(Admission, Caching, Growth):
         block between tiers."""
         return list(self._copy_ops)
 
-    def take_copy_ops(self) -> list[KvOp]:
-        """Pending ops, in the order they must be applied; the queue is emptied.
+    def ack_copy_ops(self, num_applied: int) -> None:
+        """The first `num_applied` ops of `pending_copy_ops` were applied to storage: they
+        leave the queue (the rest stay queued, in order, to be applied next).
 
-        The caller applies them all before its next forward pass (a commit past a
+        The engine applies the pending ops before its next forward pass (a commit past a
         sequence's admission says that pass ran, copies first): `BlockCopy`, and with a
-        host tier `BlockOffload` and `BlockOnboard`. The event log records each as a
-        "copy", "offload" or "onboard" event (block_ids = (src, dst)).
+        host tier `BlockOffload` and `BlockOnboard`. It acknowledges only what was
+        applied, so an apply that fails part-way is retried from the first op it did
+        not apply, and an applied op is never re-run (that is not safe: an offload of
+        block X re-run after an onboard into X copies the wrong KV to the host). The
+        event log records each acknowledged op as a "copy", "offload" or "onboard"
+        event (block_ids = (src, dst)). Raises ValueError for a count that is not an int
+        in [0, number pending], changing nothing.
         """
         queued = self._copy_ops
-        self._copy_ops = []
+        n = num_applied
+        if type(n) is not int or not 0 <= n <= len(queued):
+            n = check_int(num_applied, "ack_copy_ops: num_applied", 0, len(queued))
+        if not n:
+            return
+        self._copy_ops = queued[n:]
         if self.events is not None:
-            self.events += [op_event(owner, op, self._B) for owner, op in queued]
-        return [op for _, op in queued]
+            self.events += [op_event(owner, op, self._B) for owner, op in queued[:n]]
+
+    def take_copy_ops(self) -> list[KvOp]:
+        """Pending ops, in the order they must be applied; the queue is emptied, as if
+        all of them were applied (`pending_copy_ops`, then `ack_copy_ops` of them all).
+        For a caller with no storage to fail (the harness's replays, tests); an engine
+        acknowledges only what its storage applied."""
+        ops = self.pending_copy_ops
+        self.ack_copy_ops(len(ops))
+        return ops
 
     def take_kv_events(self) -> list[KvCacheEvent]:
         """KV-cache events since the last call, oldest first (BlockStored, BlockRemoved,

@@ -1,11 +1,12 @@
 """Operations the cache manager asks the engine to apply to KV storage.
 
 Block ids name device blocks, slots name host blocks (their own id space,
-0..host_cache_blocks-1). The engine takes the queue (`take_copy_ops()`) and applies it
-with `KvStorage.apply_copies`, in list order, before its next forward pass. List order is
-the manager's order of events, and it is what makes reuse safe: a device block evicted
-and handed to a new owner is offloaded by an op queued before anything the new owner
-does, and a host slot is read by an onboard queued before the slot is reused.
+0..host_cache_blocks-1). The engine reads the queue (`pending_copy_ops`), applies it
+with `KvStorage.apply_copies`, in list order, before its next forward pass, and
+acknowledges what was applied (`ack_copy_ops`): an op leaves the queue only once it ran.
+List order is the manager's order of events, and it is what makes reuse safe: a device
+block evicted and handed to a new owner is offloaded by an op queued before anything the
+new owner does, and a host slot is read by an onboard queued before the slot is reused.
 """
 
 from __future__ import annotations

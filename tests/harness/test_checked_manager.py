@@ -138,6 +138,26 @@ def test_reused_kv_that_was_never_written_is_caught_at_admission() -> None:
     assert "reproduce: pytest 'here'" in text
 
 
+class AcksTheWholeQueue(KVCacheManager):
+    """The engine's step before the fix: the whole queue left the manager when the step
+    took it, applied or not."""
+
+    def ack_copy_ops(self, num_applied: int) -> None:
+        super().ack_copy_ops(len(self._copy_ops))
+
+
+def test_an_ack_that_drops_unapplied_ops_is_caught() -> None:
+    mgr = CheckedManager(AcksTheWholeQueue(config(), record_events=True))
+    mgr.add_sequence("A", [1, 2, 2, 2, 0])
+    mgr.commit("A", 5)
+    mgr.add_sequence("B", [1, 2, 2, 0, 1])  # copies 3 slots of A's first block
+    assert len(mgr.pending_copy_ops) == 1
+    with pytest.raises(ManagerContractError, match=r"ack_copy_ops\(0\): the queue went from "
+                                                   r".* to \[\]; only its first 0 ops may "
+                                                   r"leave it"):
+        mgr.ack_copy_ops(0)
+
+
 class RefusesEarly(KVCacheManager):
     """Refuses any admission once a block is in use, whatever is free."""
 

@@ -116,6 +116,8 @@ ManagerCall = Callable[[KVCacheManager], object]
                  id="mgr-unknown-seq"),
     pytest.param(lambda m: m.reserve("live", 7), r"reserve\('live'\): num_tokens must be an "
                  r"int in \[0, 6\], got 7", id="mgr-reserve-beyond"),
+    pytest.param(lambda m: m.ack_copy_ops(1), r"ack_copy_ops: num_applied must be an int in "
+                 r"\[0, 0\], got 1", id="mgr-ack-beyond"),
     pytest.param(lambda m: m.plan_admission([1, 2], first_chunk=0), r"plan_admission: "
                  r"first_chunk must be an int >= 1, got 0", id="mgr-first-chunk"),
     pytest.param(lambda m: m.match_reuse([1, 2], first_chunk=True), r"match_reuse: "

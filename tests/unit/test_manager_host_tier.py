@@ -217,6 +217,35 @@ def test_freeing_a_sequence_keeps_the_moves_of_cached_blocks(make_manager) -> No
     assert mgr.probe_reuse([1, 2, 3, 4, 0]) == 4
 
 
+def test_only_the_acknowledged_ops_leave_the_queue(make_manager) -> None:
+    """An engine whose storage applied the first op of an offload-then-onboard queue and
+    then failed acknowledges that one: the rest stay queued in order for the retry, and
+    the log records only what was applied (re-running the offload after the onboard into
+    its block would copy the wrong KV to the host)."""
+    mgr = make_manager(2, 3, host=4, partial=False, checked=True)
+    cached(mgr, "a", [1, 2, 3, 4])
+    cached(mgr, "b", [5, 6, 7, 8, 9])
+    mgr.add_sequence("c", [1, 2, 3, 4, 0])  # offloads b's blocks, onboards a's into them
+    queued = mgr.pending_copy_ops
+    assert [type(op) for op in queued] == [BlockOffload] * 2 + [BlockOnboard] * 2
+    logged = len(mgr.events)
+    mgr.ack_copy_ops(0)
+    assert mgr.pending_copy_ops == queued and len(mgr.events) == logged
+    mgr.ack_copy_ops(1)
+    assert mgr.pending_copy_ops == queued[1:]
+    assert [(e.kind, e.block_ids) for e in mgr.events[logged:]] == [
+        ("offload", (queued[0].src, queued[0].dst))]
+    with pytest.raises(ValueError, match=r"ack_copy_ops: num_applied must be an int in "
+                                         r"\[0, 3\], got 4"):
+        mgr.ack_copy_ops(4)
+    assert mgr.pending_copy_ops == queued[1:] and len(mgr.events) == logged + 1
+    assert mgr.take_copy_ops() == queued[1:]  # the retry applies the rest, in order
+    assert [e.kind for e in mgr.events[logged:]] == ["offload"] * 2 + ["onboard"] * 2
+    mgr.commit("c", 5)
+    mgr.free_sequence("c")
+    assert mgr.probe_reuse([1, 2, 3, 4, 0]) == 4 and mgr.leak_report() == []
+
+
 def test_step_stats_count_the_moves_of_each_step(make_manager) -> None:
     mgr = make_manager(2, 3, host=4, partial=False, checked=True)
     cached(mgr, "a", [1, 2, 3, 4])
