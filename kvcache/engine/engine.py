@@ -298,7 +298,12 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[GenerationOutput]:
         """Run one step; returns the requests that finished in it, and any that finished
-        earlier inside some generate() call that was not waiting for them."""
+        earlier inside some generate() call that was not waiting for them.
+
+        A step whose copies or forward raise (CUDA out of memory, an interrupt) did not
+        happen: the error propagates, every request keeps what it had (KV, recurrent
+        state, tokens, counts), the copies not applied stay queued, and the next step()
+        runs the same work again (kvcache/engine/step_runner.py)."""
         with self._lock:
             finished = self._unclaimed + self._step()
             self._unclaimed = []

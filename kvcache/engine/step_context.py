@@ -16,7 +16,12 @@ class StepContext:
     """Routes attention layers to the planned backend and keeps recurrent state per request.
 
     Requests are the step's real ones in batch order; padding requests (CUDA-graph decode)
-    follow them, start from zero state and keep none.
+    follow them, start from zero state and keep none. The states a recurrent layer hands
+    back stay here until `commit_states`, which the engine calls once the whole forward
+    succeeded: a forward that raises in a later layer leaves every request at the state
+    the step started from, so the retried step applies its tokens once. (Holding them
+    here costs nothing: the same per-request writes happen, only later; restoring the
+    old states on failure would instead copy every request's states every step.)
     """
 
     def __init__(self, backend: AttentionBackend, attn_layer: dict[int, int],
@@ -35,6 +40,7 @@ class StepContext:
         # block id -> the step's token row whose state is that block's snapshot
         self.snapshot_rows = snapshot_rows or {}
         self.snapshot_states: dict[int, list[torch.Tensor]] = {}  # block id -> per layer
+        self.new_states: dict[int, torch.Tensor] = {}  # layer -> [batch, hidden] after the step
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:
@@ -50,12 +56,19 @@ class StepContext:
 
     def set_recurrent_state(self, layer: int, state: torch.Tensor,
                             token_states: torch.Tensor) -> None:
-        """Keep each real request's state after this step, and the states at the token
-        rows due for a snapshot (collected per block, in layer order)."""
-        for i, req in enumerate(self.requests):
-            req.state[layer] = state[i].detach()
+        """Keep this layer's states after the step (the requests get them at
+        `commit_states`), and the states at the token rows due for a snapshot (collected
+        per block, in layer order)."""
+        self.new_states[layer] = state
         for block, row in self.snapshot_rows.items():
             self.snapshot_states.setdefault(block, []).append(token_states[row].detach())
+
+    def commit_states(self) -> None:
+        """The forward succeeded: each real request's recurrent state becomes its state
+        after this step (mutates the requests' `state`)."""
+        for layer, state in self.new_states.items():
+            for i, req in enumerate(self.requests):
+                req.state[layer] = state[i].detach()
 
 
 def sampled_rows(chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:

@@ -1,10 +1,13 @@
 """StepRunner: one engine step, from the schedule to the commit.
 
     chunks = schedule()            admit with reuse, chunk prefills under the token budget
-    apply the manager's ops        block copies, offloads, onboards, in queue order
+    apply the manager's ops        block copies, offloads, onboards, in queue order; those
+                                   applied are acknowledged (leave the queue)
     restore snapshots              hybrid models: the recurrent state at the reuse boundary
     metadata                       from the persistent batch (kept across steps)
     plan + forward                 the backend plans once; each layer appends and attends
+                                   (a failure up to here: the step did not happen, see run)
+    keep recurrent states          hybrid models: the requests' states after the step
     save snapshots, sample, commit greedy (or forced) tokens; finished requests released,
                                    those without a block for their next token preempted
 
@@ -67,30 +70,43 @@ class StepRunner:
 
     def run(self) -> list[GenerationOutput] | None:
         """One step; returns the requests that finished in it, or None when nothing was
-        scheduled (waiting requests wait for blocks, slots or budget). If the forward
-        raises, the step did not happen: the batch is recounted and it runs again."""
+        scheduled (waiting requests wait for blocks, slots or budget).
+
+        If applying the manager's ops or the forward raises (CUDA out of memory, an
+        interrupt), the step did not happen and the error propagates: the ops not applied
+        stay queued, in order (those applied left the queue), the batch is recounted,
+        every request keeps the recurrent state, tokens and counts it had, and so does
+        the runner; the next call schedules the same work (with whatever arrived
+        meanwhile) and runs it again. What the schedule admitted stays admitted.
+        """
         timer = self.timer
         if timer is not None:
             timer.start()
         chunks, row_tokens = self.scheduler.schedule()
         if not chunks:
             return None
-        # copies, offloads and onboards, in queue order, before the forward writes or
-        # reads any block they touch (an evicted block's new owner writes it this step)
-        ops = self.manager.take_copy_ops()
-        if ops:
-            self.storage.apply_copies(ops)
-        if self.snapshots is not None:
-            self.snapshots.restore(chunks, self.block_size)
-        if timer is not None:
-            timer.lap("schedule")
         try:
-            logits, snapshot_states = self._forward(chunks, row_tokens)
+            # copies, offloads and onboards, in queue order, before the forward writes or
+            # reads any block they touch (an evicted block's new owner writes it this
+            # step). Only the ops applied leave the queue: a failed apply is retried from
+            # the first op it did not apply, and an applied op never runs twice.
+            ops = self.manager.pending_copy_ops
+            if ops:
+                try:
+                    self.storage.apply_copies(ops)
+                finally:
+                    self.manager.ack_copy_ops(self.storage.num_applied)
+            if self.snapshots is not None:
+                self.snapshots.restore(chunks, self.block_size)
+            if timer is not None:
+                timer.lap("schedule")
+            logits, ctx = self._forward(chunks, row_tokens)
         except BaseException:
             self.scheduler.recount_batch()
             raise
+        ctx.commit_states()  # the recurrent layers' states, kept aside until now
         if self.snapshots is not None:
-            for block, states in snapshot_states.items():
+            for block, states in ctx.snapshot_states.items():
                 self.snapshots.save(block, states)  # before the commit makes it matchable
         self.num_steps += 1
         tokens = self._sample(chunks, logits)
@@ -103,8 +119,9 @@ class StepRunner:
         return finished
 
     def _forward(self, chunks: list[Chunk], row_tokens: list[int] | None
-                 ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
-        """Logits of the sampling rows, and the recurrent-state snapshots taken (block id
+                 ) -> tuple[torch.Tensor, StepContext]:
+        """Logits of the sampling rows, and the step's context: the recurrent layers'
+        states after the step (not yet the requests') and the snapshots taken (block id
         -> state per recurrent layer). row_tokens: the schedule's, for the batch."""
         timer = self.timer
         pad_to = None
@@ -118,7 +135,7 @@ class StepRunner:
         for c in chunks:
             req = c.req
             ids += req.tokens[req.num_computed:req.num_computed + c.num_new]
-        self.num_computed_tokens += len(ids)
+        num_tokens = len(ids)
         ids += [0] * md.num_padded
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = md.positions.to(self.device)
@@ -139,7 +156,8 @@ class StepRunner:
                 logits = self.model(input_ids, positions, ctx, rows)
         if timer is not None:
             timer.lap("forward")
-        return logits, ctx.snapshot_states
+        self.num_computed_tokens += num_tokens  # counted once the forward succeeded
+        return logits, ctx
 
     def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> list[int]:
         """The next token of every chunk that samples, in order (greedy, or forced); keeps
