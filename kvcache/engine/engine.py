@@ -331,6 +331,11 @@ class Engine:
         A request another thread aborts meanwhile is returned as aborted (its partial
         output, finish reason ABORTED). Raises ValueError naming the bad value for bad
         input (nothing is queued then), RuntimeError if its requests stay unadmittable.
+        Whatever a step raises (a forward or a copy that failed) propagates, after the
+        call aborted every request it added that is still queued or running: their
+        blocks are freed (what they committed stays cached), none is left to come out
+        of another caller's step(), and the engine stays usable (a step that raised did
+        not happen; see `step`).
         """
         check_prompts(prompts)
         if scopes is not None and len(scopes) != len(prompts):
@@ -355,6 +360,12 @@ class Engine:
             self._awaited.update(rids)
         try:
             return self._wait_for(rids)
+        except BaseException:
+            with self._lock:
+                for rid in rids:  # what has no output yet is still queued or running
+                    if rid not in self._outputs:
+                        self.scheduler.remove(rid)
+            raise
         finally:
             with self._lock:
                 self._awaited.difference_update(rids)
@@ -370,10 +381,9 @@ class Engine:
                 self._unclaimed += self._step()  # a step-loop caller's outputs wait for it
                 stalls = stalls + 1 if self.idle and not self.scheduler.running else 0
                 if stalls > MAX_IDLE_STEPS:
-                    # Aborted requests have outputs by now: what is left is still waiting.
+                    # Aborted requests have outputs by now: what is left is still waiting
+                    # (generate removes it).
                     stalled = [r.rid for r in self.scheduler.waiting if r.rid in rids]
-                    for rid in stalled:
-                        self.scheduler.remove(rid)
                     raise RuntimeError(f"generate: no progress in {stalls} steps with nothing "
                                        f"running; {len(stalled)} of its requests could not "
                                        f"be admitted (allocation kept failing): {stalled}")
