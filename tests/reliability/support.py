@@ -14,6 +14,7 @@ import torch
 from harness.oracle import ShadowStore
 from harness.oracle_checks import capacity_of
 from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache.attention.base import AttentionBackend
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
 
@@ -36,6 +37,7 @@ class EngineSpec:
     copy: bool | None = None
     release: bool = True  # a windowed model's cache releases what no window reaches
     host: int = 0  # host tier blocks
+    attn_backend: str | type[AttentionBackend] = "torch"  # a name, or a test's own class
 
     def cache_config(self) -> KvCacheConfig:
         """The KvCacheConfig this spec describes."""
@@ -48,7 +50,8 @@ class EngineSpec:
         """A fresh engine (events recorded, for the oracle) over `model`."""
         return Engine(model, self.cache_config(), max_num_tokens=self.max_num_tokens,
                       max_batch_size=self.max_batch_size,
-                      enable_chunked_prefill=self.chunked, release_outside_window=self.release)
+                      enable_chunked_prefill=self.chunked, release_outside_window=self.release,
+                      attn_backend=self.attn_backend)
 
 
 def cold_outputs(model: Transformer, prompts: Sequence[Sequence[int]],
