@@ -92,7 +92,12 @@ class Engine:
 
     Thread-safe: add_request, step, abort and generate take one fair lock (`FairLock`),
     so requests may arrive from other threads while one thread runs the step loop; such
-    a call waits for at most the step in progress, never for the work to drain.
+    a call waits for at most the step in progress, never for the work to drain. Every
+    public read is safe from any thread too: has_unfinished, kv_cache_stats and
+    admission_log take the lock (a metrics thread polling them waits for at most one
+    step, and reads no half-made step); num_steps, num_computed_tokens, step_timer and
+    idle read one value, without the lock. The parts (manager, scheduler, storage, ...)
+    are not thread-safe: read them only from the thread that steps, or under the lock.
     """
 
     def __init__(self, model: Transformer | str, cache_config: KvCacheConfig, *,
@@ -200,22 +205,26 @@ class Engine:
 
     @property
     def num_steps(self) -> int:
-        """Steps that ran the model."""
+        """Steps that ran the model (a step that raised did not). Safe from any thread:
+        one int, read without the lock."""
         return self.runner.num_steps
 
     @property
     def num_computed_tokens(self) -> int:
-        """Tokens the model ran on (padding excluded)."""
+        """Tokens the model ran on (padding excluded; a step that raised ran none). Safe
+        from any thread: one int, read without the lock."""
         return self.runner.num_computed_tokens
 
     @property
     def step_timer(self) -> StepTimer | None:
-        """Times every step's phases when set (None: untimed)."""
+        """Times every step's phases when set (None: untimed). Read from any thread
+        without the lock; setting it takes the lock (it applies from the next step)."""
         return self.runner.timer
 
     @step_timer.setter
     def step_timer(self, timer: StepTimer | None) -> None:
-        self.runner.timer = timer
+        with self._lock:
+            self.runner.timer = timer
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
@@ -292,8 +301,10 @@ class Engine:
             return out
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return len(self.scheduler) > 0
+        """True while any request waits or runs. Takes the lock (safe from any thread: a
+        request moving from waiting to running is never missed)."""
+        with self._lock:
+            return len(self.scheduler) > 0
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[GenerationOutput]:
@@ -389,14 +400,20 @@ class Engine:
                                        f"be admitted (allocation kept failing): {stalled}")
 
     def kv_cache_stats(self) -> KvCacheStats:
-        """The manager's cumulative statistics, with the recurrent-state snapshots' memory."""
-        stats = self.manager.stats()
-        if self.snapshots is None:
-            return stats
-        return replace(stats, state_snapshot_bytes=self.snapshots.nbytes)
+        """The manager's cumulative statistics, with the recurrent-state snapshots' memory.
+        Takes the lock: safe from any thread (a metrics poller waits for at most the step
+        in progress, and sees the cache between steps)."""
+        with self._lock:
+            stats = self.manager.stats()
+            if self.snapshots is None:
+                return stats
+            return replace(stats, state_snapshot_bytes=self.snapshots.nbytes)
 
     def admission_log(self) -> list[dict[str, Any]]:
-        """Every cache operation in the order the cache saw it (for the reuse oracle)."""
+        """Every cache operation in the order the cache saw it (for the reuse oracle), as
+        plain dicts (a copy). Takes the lock: safe from any thread. Raises ValueError
+        for an engine built with record_events=False."""
         if self.manager.events is None:
             raise ValueError("admission_log: the engine was built with record_events=False")
-        return [e.as_dict() for e in self.manager.events]
+        with self._lock:
+            return [e.as_dict() for e in self.manager.events]

@@ -316,3 +316,102 @@ def test_a_waiting_call_gets_in_after_one_step(tiny_model: Transformer, call: st
     if call == "add_request":  # finished by the generate() loop, handed to the next step()
         assert [o.request_id for o in engine.step()] == added
     assert_clean(engine.manager, f"after the {call}")
+
+
+# -- reads from other threads ----------------------------------------------------------------
+
+# Every public read of the engine, as a metrics thread would poll it: those that take the
+# lock, then those that read one value without it.
+LOCKED_READS: dict[str, Callable[[Engine], object]] = {
+    "kv_cache_stats": Engine.kv_cache_stats,
+    "admission_log": Engine.admission_log,
+    "has_unfinished": Engine.has_unfinished,
+}
+READS: dict[str, Callable[[Engine], object]] = {
+    **LOCKED_READS,
+    "num_steps": lambda e: e.num_steps,
+    "num_computed_tokens": lambda e: e.num_computed_tokens,
+    "step_timer": lambda e: e.step_timer,
+    "idle": lambda e: e.idle,
+}
+
+
+def test_every_read_is_safe_while_another_thread_generates(tiny_model: Transformer) -> None:
+    """A poller reads everything, over and over, while a generate() thread runs waves
+    over a host tier (offloads and onboards every wave): no read raises, and what they
+    report only moves forward (counters, steps, the log, of which each read is a prefix of
+    the last). The lock is fair, so the poller gets in between steps and sees the engine
+    part-way through."""
+    engine = EngineSpec(2, 12, max_num_tokens=16, host=24).build(tiny_model)
+    waves = [[[*STEMS[(w + i) % 3], 50 + i] for i in range(3)] for w in range(6)]
+    lock = engine._lock
+    box: dict[str, BaseException | None] = {}
+
+    def generate() -> None:
+        try:
+            for prompts in waves:
+                engine.generate(prompts, max_new_tokens=3)
+            box["result"] = None
+        except BaseException as exc:  # reported below
+            box["result"] = exc
+
+    seen: dict[str, list[object]] = {name: [] for name in READS}
+    errors: list[str] = []
+    with lock:  # the poller is polling before the first wave is queued
+        thread = threading.Thread(target=generate, daemon=True)
+        thread.start()
+        wait_until(lambda: lock.num_waiting == 1, "the generate() thread queued")
+    while thread.is_alive():
+        for name, read in READS.items():
+            try:
+                seen[name].append(read(engine))
+            except Exception as exc:  # the bug this test is for: reported all at once
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    thread.join(JOIN_SECONDS)
+    assert box["result"] is None, f"generate() raised {box['result']!r}"
+    assert not errors, "reads raised while another thread generated:\n" + "\n".join(errors)
+    final = engine.num_steps
+    steps = seen["num_steps"]
+    assert steps == sorted(steps) and any(0 < s < final for s in steps), (
+        f"the poller never saw the engine between its first and last step: {steps}")
+    tokens = seen["num_computed_tokens"]
+    assert tokens == sorted(tokens)
+    log = engine.admission_log()
+    assert all(got == log[:len(got)] for got in seen["admission_log"]), \
+        "a read of the log is not a prefix of the final log"
+    stats = seen["kv_cache_stats"]
+    for field in ("alloc_total_blocks", "reused_blocks", "offloaded_blocks", "onboarded_blocks"):
+        values = [getattr(s, field) for s in stats]
+        assert values == sorted(values), f"{field} went backwards: {values}"
+    last = engine.kv_cache_stats()
+    assert last.offloaded_blocks > 0 and last.onboarded_blocks > 0, last
+    assert_clean(engine.manager, "after the poller")
+
+
+@pytest.mark.parametrize("read", list(LOCKED_READS))
+def test_a_read_from_another_thread_waits_for_the_step_in_progress(
+        tiny_model: Transformer, read: str) -> None:
+    """Called from another thread while a step is inside the model, the read waits for
+    the lock: it never looks at the cache or the queues half-way through a step."""
+    engine = EngineSpec(4, 64, host=16).build(tiny_model)
+    lock = engine._lock
+    result: list[object] = []
+    reader = threading.Thread(target=lambda: result.append(LOCKED_READS[read](engine)),
+                              daemon=True)
+    waited: list[bool] = []
+
+    def mid_step(module: object, args: object) -> None:
+        if reader.ident is None:  # the first step only
+            reader.start()
+            wait_until(lambda: lock.num_waiting == 1 or not reader.is_alive(),
+                       "the reader queued or finished")
+            waited.append(reader.is_alive())
+
+    handle = tiny_model.layers[1].register_forward_pre_hook(mid_step)
+    try:
+        engine.generate([STEMS[0], STEMS[2]], max_new_tokens=2)
+    finally:
+        handle.remove()
+    reader.join(JOIN_SECONDS)
+    assert waited == [True], f"{read}() ran in the middle of a step, without the lock"
+    assert len(result) == 1, f"{read}() never returned"
