@@ -8,13 +8,16 @@ the oracle (exact where its pool evicted nothing, else the full-blocks bound).
 Differences from the recording that are not failures (another schedule, other counters:
 a fix may change both) are reported as notes.
 
+A recipe's model, backend and engine class are looked up in harness.repro.registry,
+every engine's before the first is built: a file selects among the harness's names and
+never names code to import.
+
 Like harness.reuse.replay, this loads `kvcache` (and torch) inside its functions only: a
 scenario record is a recording of kvcache's Engine (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -23,6 +26,7 @@ from harness.adapters import KvcacheEngineAdapter
 from harness.repro.compare import describe, first_difference
 from harness.repro.fileformat import ReproFormatError
 from harness.repro.record import FullBlocksFailure, OracleFailure, OutputRef, ScenarioRecord
+from harness.repro.registry import Resolved, resolve
 from harness.repro.workload import Call, EngineRecipe, EngineRun, scope_args
 from harness.reuse.assertions import (
     ReuseMismatch,
@@ -46,57 +50,20 @@ class Rerun(NamedTuple):
     notes: list[str]
 
 
-def object_ref(obj: Any) -> str:
-    """A recipe's reference to a backend, model builder or engine class: a name as given
-    (a registry name, a preset), or `module:QualName` for a class or function."""
-    if isinstance(obj, str):
-        return obj
-    return f"{obj.__module__}:{obj.__qualname__}"
+def build(recipe: EngineRecipe, resolved: Resolved, where: str) -> Engine:
+    """The engine `recipe` describes, from what its names stand for (`resolved`, from
+    harness.repro.registry.resolve). Raises ReproFormatError naming `where` when it
+    cannot be built here (a bad option or cache field)."""
+    from kvcache import KvCacheConfig
 
-
-def _resolve(ref: str, where: str, what: str) -> Any:
-    """The object a `module:QualName` reference names; a plain name is returned as is
-    (Engine() checks registry names and presets and lists the known ones)."""
-    if ":" not in ref:
-        return ref
-    module, _, name = ref.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ReproFormatError(f"{where}: {what} {ref!r} cannot be imported ({exc}); run "
-                               "from the repository that defines it") from None
-    return obj
-
-
-def build(recipe: EngineRecipe, where: str) -> Engine:
-    """The engine `recipe` describes. Raises ReproFormatError naming `where` when it
-    cannot be built here (bad option, unknown backend or dtype, no CUDA)."""
-    import torch
-
-    from kvcache import Engine, KvCacheConfig
-
-    dtype = getattr(torch, recipe.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ReproFormatError(f"{where}.dtype: {recipe.dtype!r} is not a torch dtype")
-    if recipe.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ReproFormatError(f"{where}.device: the record ran on {recipe.device!r}; this "
-                               "machine has no CUDA")
-    backend = _resolve(recipe.backend, f"{where}.backend", "backend")
-    engine_class = Engine
-    if recipe.engine is not None:
-        engine_class = _resolve(recipe.engine, f"{where}.engine", "engine class")
-        if not (isinstance(engine_class, type) and issubclass(engine_class, Engine)):
-            raise ReproFormatError(f"{where}.engine: {recipe.engine!r} is not a subclass of "
-                                   "kvcache's Engine")
-    model = _resolve(recipe.preset, f"{where}.preset", "model builder")
     try:
         cache = KvCacheConfig(**recipe.cache)
+        model = resolved.model
         if not isinstance(model, str):
             model = model(recipe.model_seed)
-        return engine_class(model, cache, seed=recipe.model_seed, attn_backend=backend,
-                            device=recipe.device, dtype=dtype, **recipe.options)
+        return resolved.engine_class(model, cache, seed=recipe.model_seed,
+                                     attn_backend=resolved.backend, device=resolved.device,
+                                     dtype=resolved.dtype, **recipe.options)
     except (TypeError, ValueError) as exc:
         raise ReproFormatError(f"{where}: the engine cannot be built: {exc}") from None
 
@@ -129,16 +96,29 @@ def _call(engine: Engine, call: Call) -> tuple[list[int], list[GenerationOutput]
     return [o.request_id for o in outs], outs
 
 
-def run_engine(index: int, run: EngineRun, notes: list[str], file: str = "record"
-               ) -> tuple[Engine, dict[int, GenerationOutput]]:
-    """Build engine `index` of the record in `file` and make its calls; returns it and
-    its outputs by request id. A schedule or counters unlike the recording's are added
-    to `notes`. Raises ReproFormatError as `build` does."""
+def resolve_recipe(recipe: EngineRecipe, where: str) -> Resolved:
+    """What `recipe`'s names stand for (harness.repro.registry.resolve); raises
+    ReproFormatError naming `where` and the field for a name outside the registry."""
+    return resolve(recipe.preset, recipe.engine, recipe.backend, recipe.device, recipe.dtype,
+                   where)
+
+
+def run_engine(index: int, run: EngineRun, resolved: Resolved, notes: list[str],
+               file: str = "record") -> tuple[Engine, dict[int, GenerationOutput]]:
+    """Build engine `index` of the record in `file` from `resolved` (its recipe's names,
+    see `resolve_recipe`) and make its calls; returns it and its outputs by request id.
+    A schedule or counters unlike the recording's are added to `notes`. Raises
+    ReproFormatError as `build` does, and for a call the engine refuses (a ValueError:
+    the error names the call)."""
     where = f"engines[{index}]"
-    engine = build(run.recipe, f"{file}: {where}.recipe")
+    engine = build(run.recipe, resolved, f"{file}: {where}.recipe")
     outputs: dict[int, GenerationOutput] = {}
     for k, call in enumerate(run.calls):
-        rids, outs = _call(engine, call)
+        try:
+            rids, outs = _call(engine, call)
+        except ValueError as exc:
+            raise ReproFormatError(f"{file}: {where}.calls[{k}] ({call.op}, {call.phase}): "
+                                   f"the engine refused it: {exc}") from None
         outputs.update((o.request_id, o) for o in outs)
         if rids != call.rids:
             notes.append(f"{where}.calls[{k}] ({call.op}, {call.phase}): request ids {rids}, "
@@ -221,10 +201,15 @@ def _recorded_check(record: ScenarioRecord, engines: list[Engine],
 
 
 def rerun(record: ScenarioRecord, file: str = "record") -> Rerun:
-    """Re-run `record` (read from `file`, which errors name) and check again. Raises
-    ReproFormatError when it cannot be re-run here (see `build`)."""
+    """Re-run `record` (read from `file`, which errors name) and check again. Every
+    engine's names are resolved before any engine is built. Raises ReproFormatError
+    when it cannot be re-run here (see `run_engine`); anything the engine raises on the
+    way (a RuntimeError, a MemoryError) propagates."""
     notes: list[str] = []
-    built = [run_engine(i, run, notes, file) for i, run in enumerate(record.engines)]
+    resolved = [resolve_recipe(run.recipe, f"{file}: engines[{i}].recipe")
+                for i, run in enumerate(record.engines)]
+    built = [run_engine(i, run, names, notes, file)
+             for i, (run, names) in enumerate(zip(record.engines, resolved, strict=True))]
     engines = [engine for engine, _ in built]
     outputs = [outs for _, outs in built]
     message = _recorded_check(record, engines, outputs, notes)

@@ -262,12 +262,14 @@ def _set(*path: str | int, value: Any) -> Any:
     (_set("engines", 0, "recipe", "options", "layout", value="XYZ"),
      "engines[0].recipe: the engine cannot be built:"),
     (_set("engines", 0, "recipe", "backend", value="tests.nowhere:Backend"),
-     "engines[0].recipe.backend: backend 'tests.nowhere:Backend' cannot be imported"),
+     "engines[0].recipe.backend: 'tests.nowhere:Backend' is not an attention backend "
+     "kvharness repro can build; it builds flashinfer, star, torch, " + FAULTY),
     (_set("engines", 0, "recipe", "engine", value="kvcache:KvCacheConfig"),
-     "engines[0].recipe.engine: 'kvcache:KvCacheConfig' is not a subclass of kvcache's "
-     "Engine"),
+     "engines[0].recipe.engine: 'kvcache:KvCacheConfig' is not an engine class kvharness "
+     "repro can build; it builds null (kvcache's Engine), " + OVER_COUNTING),
     (_set("engines", 0, "recipe", "preset", value="tests.nowhere:model"),
-     "engines[0].recipe.preset: model builder 'tests.nowhere:model' cannot be imported"),
+     "engines[0].recipe.preset: 'tests.nowhere:model' is not a model preset or builder "
+     "kvharness repro can build"),
 ])
 def test_a_bad_field_is_exit_2_naming_file_and_field(
         repro_files: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path,

@@ -23,7 +23,7 @@ from harness.adapters import KvcacheEngineAdapter
 from harness.report import ReuseRecord, ReuseReport
 from harness.repro.compare import describe, first_difference
 from harness.repro.record import Failure, FullBlocksFailure, OracleFailure, OutputRef
-from harness.repro.rerun import object_ref
+from harness.repro.registry import object_ref
 from harness.reuse.assertions import (
     ReproContext,
     ReuseMismatch,
