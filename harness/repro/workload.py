@@ -4,10 +4,11 @@ each call it made in order (`Call`), and what the cache saw and counted (`Engine
 A recipe names the model by preset (or by the `module:function` that builds it from the
 seed) and seed, the engine class (None: kvcache's Engine; else `module:QualName` of a
 subclass, such as a test's fault-injecting one), the attention backend by registry name
-or by `module:QualName` (a backend outside the registry, imported by the replay as the
-other references are), the device and dtype, the KvCacheConfig as given (None:
-"auto") and every other Engine option resolved to its value (layout, page size,
-chunking, budget, graph and padding flags, ...). Calls are the engine's request API:
+or by `module:QualName` (a test's backend outside kvcache's registry), the device and
+dtype, the KvCacheConfig as given (None: "auto") and every other Engine option resolved
+to its value (layout, page size, chunking, budget, graph and padding flags, ...). Every
+name is looked up in harness.repro.registry, never imported from the file; the sizes a
+recipe and its calls ask for are bounded (harness.repro.fileformat's limits). Calls are the engine's request API:
 `generate` (a batch run to completion), `add_request`, `step`, `abort`; each keeps the
 phase the scenario was in (cold, warm, reference, ...) and the request ids it returned,
 so a replay can tell a diverging schedule from a diverging output.
@@ -15,10 +16,16 @@ so a replay can tell a diverging schedule from a diverging output.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from harness.repro.fileformat import Fields
+from harness.repro.fileformat import (
+    LIMITS,
+    MAX_BATCH,
+    MAX_POOL_TOKENS,
+    Fields,
+)
 
 Op = Literal["generate", "add_request", "step", "abort"]
 OPS: tuple[Op, ...] = ("generate", "add_request", "step", "abort")
@@ -43,13 +50,30 @@ class EngineRecipe:
 
     @classmethod
     def from_fields(cls, f: Fields) -> EngineRecipe:
-        """Parse; raises ReproFormatError naming the field."""
-        recipe = cls(f.get("preset", str), f.get("model_seed", int),
+        """Parse; raises ReproFormatError naming the field (a pool or a batch beyond the
+        limits of harness.repro.fileformat included)."""
+        cache, options = f.sub("cache"), f.sub("options")
+        cache.pools(required=True)
+        _check_sizes(options)
+        recipe = cls(f.get("preset", str), f.bounded("model_seed", 0, 2**63 - 1),
                      f.get("engine", str, optional=True), f.get("backend", str),
-                     f.get("device", str), f.get("dtype", str), f.get("cache", dict),
-                     f.get("options", dict))
+                     f.get("device", str), f.get("dtype", str), cache.data, options.data)
         f.close()
         return recipe
+
+
+def _check_sizes(options: Fields) -> None:
+    """Bound the Engine options that size what the engine allocates (the others Engine()
+    checks)."""
+    for name, high in (("max_num_tokens", LIMITS["tokens"]), ("max_batch_size", MAX_BATCH),
+                       ("page_size", MAX_POOL_TOKENS)):
+        if name in options.data:
+            options.bounded(name, 1, high, optional=name == "page_size")
+    if "graph_batch_sizes" in options.data:
+        sizes = options.ints("graph_batch_sizes") or []
+        if len(sizes) > MAX_BATCH or any(not 1 <= n <= MAX_BATCH for n in sizes):
+            raise options.error("graph_batch_sizes", f"must hold at most {MAX_BATCH} sizes, "
+                                f"each in [1, {MAX_BATCH}]")
 
 
 @dataclass(frozen=True)
@@ -74,23 +98,53 @@ class Call:
         """Parse; raises ReproFormatError naming the field."""
         op: Op = f.choice("op", OPS)  # type: ignore[assignment]
         scopes = f.get("scopes", list, optional=True)
-        call = cls(op, f.get("phase", str), f.ints("rids") or [], f.int_lists("prompts") or [],
-                   f.get("max_new_tokens", int, optional=True), scopes,
-                   f.int_lists("force_tokens", optional=True),
+        call = cls(op, f.get("phase", str), f.ints("rids") or [],
+                   f.token_lists("prompts") or [],
+                   f.bounded("max_new_tokens", 0, LIMITS["new tokens"], optional=True), scopes,
+                   f.token_lists("force_tokens", optional=True),
                    f.get("priority", int, optional=True), f.get("return_logits", bool))
         f.close()
         if op in ("generate", "add_request") and (not call.prompts or call.max_new_tokens is None):
             raise f.error("prompts", f"and max_new_tokens are required by a {op} call")
         if op == "add_request" and len(call.prompts) != 1:
             raise f.error("prompts", f"holds {len(call.prompts)} prompts; add_request takes one")
+        if len(call.prompts) > MAX_BATCH:
+            raise f.error("prompts", f"holds {len(call.prompts)} prompts; a re-run allows "
+                          f"{MAX_BATCH} in one call")
         if op == "abort" and len(call.rids) != 1:
             raise f.error("rids", "of an abort call must hold the one aborted request id")
+        f.spend("max_new_tokens", "new tokens", len(call.prompts) * (call.max_new_tokens or 0))
         for i, scope in enumerate(scopes or ()):
-            if scope is not None and (not isinstance(scope, dict)
-                                      or set(scope) != {"salt", "lora_id"}):
-                raise f.error("scopes", f"item {i} must be null or {{salt, lora_id}}, "
-                              f"got {scope!r}")
+            if not _is_scope(scope):
+                raise f.error("scopes", f"item {i} must be null or {{salt, lora_id}} (salt "
+                              "null, a str, an int or {hex: str}; lora_id null or an int "
+                              f">= 0), got {json.dumps(scope)[:80]}")
         return call
+
+
+def _is_scope(scope: Any) -> bool:
+    """Whether `scope` is a scope's JSON form (see `scope_json`)."""
+    if scope is None:
+        return True
+    if not isinstance(scope, dict) or set(scope) != {"salt", "lora_id"}:
+        return False
+    salt, lora = scope["salt"], scope["lora_id"]
+    if isinstance(salt, dict):
+        salt_ok = set(salt) == {"hex"} and isinstance(salt["hex"], str) and _is_hex(salt["hex"])
+    else:
+        salt_ok = salt is None or isinstance(salt, str) or (
+            isinstance(salt, int) and not isinstance(salt, bool))
+    lora_ok = lora is None or (isinstance(lora, int) and not isinstance(lora, bool)
+                               and lora >= 0)
+    return salt_ok and lora_ok
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -109,8 +163,8 @@ class EngineRun:
     def from_fields(cls, f: Fields) -> EngineRun:
         """Parse; raises ReproFormatError naming the field."""
         run = cls(EngineRecipe.from_fields(f.sub("recipe")),
-                  [Call.from_fields(c) for c in f.subs("calls")],
-                  f.get("admission_log", list), f.get("counters", dict),
+                  [Call.from_fields(c) for c in f.subs("calls", "calls")],
+                  f.admission_log("admission_log") or [], f.get("counters", dict),
                   f.get("predicted", dict, optional=True))
         f.close()
         return run

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from harness.oracle.model import replay as oracle_replay
 from harness.oracle.types import OracleConfig
+from harness.repro.fileformat import ReproFormatError
 from harness.reuse.assertions import (
     Bounds,
     ReuseMismatch,
@@ -42,14 +43,18 @@ class Replay(NamedTuple):
     message: str
 
 
-def _cache(record: ReproRecord) -> KVCacheManager:
+def _cache(record: ReproRecord, file: str) -> KVCacheManager:
     from kvcache import KvCacheConfig, KVCacheManager
 
     missing = [k for k in ("tokens_per_block", "max_num_blocks") if k not in record.config]
     if missing:
-        raise ValueError(f"{record.node_id}: the record's config lacks {missing}; the cache "
-                         "cannot be rebuilt")
-    config = KvCacheConfig(**{k: record.config[k] for k in _CACHE_KEYS if k in record.config})
+        raise ReproFormatError(f"{file}: field 'config' lacks {missing}; the cache cannot be "
+                               "rebuilt")
+    try:
+        config = KvCacheConfig(**{k: record.config[k] for k in _CACHE_KEYS
+                                  if k in record.config})
+    except ValueError as exc:
+        raise ReproFormatError(f"{file}: field 'config': {exc}") from None
     return KVCacheManager(config)
 
 
@@ -57,36 +62,58 @@ def _snapshot(seq: Any) -> dict[str, Any]:
     return {**seq.metrics.as_dict(), "numCachedTokens": seq.num_cached_tokens}
 
 
-def _feed(cache: KVCacheManager, log: list[dict[str, Any]]) -> dict[Hashable, dict[str, Any]]:
+def _feed(cache: KVCacheManager, log: list[dict[str, Any]], file: str
+          ) -> dict[Hashable, dict[str, Any]]:
     """Apply the log; returns each request's metrics as its first admission ended (when
-    it was freed, or at the end of the log), which is what the engine reports."""
-    from kvcache import ReuseScope
+    it was freed, or at the end of the log), which is what the engine reports. Raises
+    ReproFormatError naming the event (its index, kind and seq_id) that the cache
+    refuses: one that does not fit the recorded pool, or one out of order (a commit of a
+    sequence never admitted, a second admit of a live one, ...)."""
+    from kvcache.core.pool import OutOfBlocksError
 
     first: dict[Hashable, dict[str, Any]] = {}
     live: dict[Hashable, Any] = {}
     for i, event in enumerate(log):
-        kind, seq_id = event["kind"], event["seq_id"]
-        if kind == "admit":
-            scope = None if event["scope"] is None else ReuseScope(*event["scope"])
-            seq = cache.add_sequence(seq_id, event["tokens"], scope)
-            cache.take_copy_ops()  # the engine performs the copies each step
-            if seq_id not in first:
-                live[seq_id] = seq
-        elif kind == "commit":
-            cache.commit(seq_id, event["num_tokens"])
-        elif kind == "append":
-            cache.append_tokens(seq_id, event["tokens"])
-            cache.take_copy_ops()  # its evictions' offloads, as the engine's next step
-        elif kind == "free":
-            if seq_id in live:
-                first[seq_id] = _snapshot(live.pop(seq_id))
-            cache.free_sequence(seq_id)
-        elif kind in ("copy", "offload", "onboard"):
-            pass  # block moves: this replay counts blocks, it holds no KV
-        else:
-            raise ValueError(f"admission log event {i}: unknown kind {kind!r}")
+        try:
+            _apply(cache, event, first, live)
+        except OutOfBlocksError as exc:
+            field = "tokens" if event["kind"] in ("admit", "append") else "kind"
+            raise ReproFormatError(
+                f"{file}: field 'admission_log[{i}].{field}' ({event['kind']} of seq_id "
+                f"{event['seq_id']!r}) does not fit the recorded pool (config.max_num_blocks"
+                f"={cache.config.max_num_blocks}): {exc}") from None
+        except ValueError as exc:
+            raise ReproFormatError(f"{file}: field 'admission_log[{i}]' ({event['kind']} of "
+                                   f"seq_id {event['seq_id']!r}) cannot be replayed: {exc}"
+                                   ) from None
     first.update({seq_id: _snapshot(seq) for seq_id, seq in live.items()})
     return first
+
+
+def _apply(cache: KVCacheManager, event: dict[str, Any], first: dict[Hashable, Any],
+           live: dict[Hashable, Any]) -> None:
+    """Apply one event (checked by the reader: harness.repro.fileformat) to `cache`;
+    a freed sequence's metrics go to `first`. Raises what the cache raises."""
+    from kvcache import ReuseScope
+
+    kind, seq_id = event["kind"], event["seq_id"]
+    if kind == "admit":
+        scope = event.get("scope")
+        seq = cache.add_sequence(seq_id, event["tokens"],
+                                 None if scope is None else ReuseScope(*scope))
+        cache.take_copy_ops()  # the engine performs the copies each step
+        if seq_id not in first:
+            live[seq_id] = seq
+    elif kind == "commit":
+        cache.commit(seq_id, event["num_tokens"])
+    elif kind == "append":
+        cache.append_tokens(seq_id, event["tokens"])
+        cache.take_copy_ops()  # its evictions' offloads, as the engine's next step
+    elif kind == "free":
+        if seq_id in live:
+            first[seq_id] = _snapshot(live.pop(seq_id))
+        cache.free_sequence(seq_id)
+    # copy, offload, onboard: block moves; this replay counts blocks, it holds no KV
 
 
 def _bounds(row: Mapping[str, Any]) -> Bounds | None:
@@ -103,14 +130,15 @@ def _actual(where: str, counter: str, totals: Mapping[str, Any],
     return None if got is None else normalize_stats(got, where).get(counter)
 
 
-def replay(record: ReproRecord) -> Replay:
-    """Replay `record`. Raises ValueError when it cannot be replayed (no admission log,
-    no pool size, a malformed event)."""
+def replay(record: ReproRecord, file: str = "record") -> Replay:
+    """Replay `record` (read from `file`, which errors name). Raises ReproFormatError (a
+    ValueError) when it cannot be replayed: no admission log, no pool size, an event
+    the cache refuses (see `_feed`)."""
     if record.admission_log is None:
-        raise ValueError(f"{record.node_id}: the record has no admission log; rerun the "
-                         f"test itself: pytest '{record.node_id}'")
-    cache = _cache(record)
-    first = _feed(cache, record.admission_log)
+        raise ReproFormatError(f"{file}: field 'admission_log' is null; rerun the test "
+                               f"itself: pytest '{record.node_id}'")
+    cache = _cache(record, file)
+    first = _feed(cache, record.admission_log, file)
     totals = diff_stats(record.before, cache.stats())
     requests = {f"request {seq_id!r}": m for seq_id, m in first.items()}
     if record.check == "oracle":

@@ -45,19 +45,20 @@ class ReproRecord:
     @classmethod
     def from_fields(cls, f: Fields) -> ReproRecord:
         """The record in a `kind: reuse` file's fields (harness.repro.fileformat.open_file);
-        raises ReproFormatError naming the file and the bad field."""
+        raises ReproFormatError naming the file and the bad field: a malformed event of
+        the admission log (the event's index and field), a pool or a log beyond the
+        format's limits."""
         rows = []
         for row in f.subs("rows"):
             rows.append({"where": row.get("where", str), "counter": row.get("counter", str),
                          **{k: row.get(k, (int, float), optional=True)
                             for k in ("at_least", "at_most", "actual")}})
             row.close()
-        log = f.get("admission_log", list, optional=True)
-        for i, event in enumerate(log or ()):
-            if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
-                raise f.error("admission_log", f"event {i} is not an object with a kind")
+        config = f.sub("config")
+        config.pools(required=False)
+        log = f.admission_log("admission_log", optional=True)
         record = cls(f.get("node_id", str), f.choice("check", ("oracle", "expect_reuse")),  # type: ignore[arg-type]
-                     f.get("seed", int, optional=True), f.get("config", dict), log,
+                     f.get("seed", int, optional=True), config.data, log,
                      f.get("before", dict, optional=True), f.get("exact", bool), rows,
                      f.get("message", str))
         f.close()
