@@ -9,9 +9,7 @@
     kvharness flakes [--json] PATH ...
 
 Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad flags.
-`repro`: 0 the failure did not come back, 1 it did, 2 the file cannot be replayed here
-(the message names the file and the field), 3 the recorded failure is gone but another
-check of the re-run failed.
+`repro` has its own (REPRO_EXIT_CODES, shown by `kvharness repro --help`).
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -33,7 +32,7 @@ from harness.lists.db import Entry, Verdict, load_test_db
 from harness.lists.errors import ListError
 from harness.lists.waives import default_waives
 from harness.report import summarize
-from harness.repro.fileformat import open_file
+from harness.repro.fileformat import ReproFormatError, open_file
 from harness.repro.record import ScenarioRecord
 from harness.repro.rerun import rerun
 from harness.reuse.replay import replay
@@ -43,6 +42,14 @@ DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")
 # `kvharness repro` exit codes; 0 and 1 fit `git bisect run` (gone = good, back = bad).
 REPRO_GONE, REPRO_REPRODUCED, REPRO_UNUSABLE, REPRO_OTHER = 0, 1, 2, 3
+REPRO_EXIT_CODES = f"""\
+exit codes:
+  {REPRO_GONE}  the recorded failure did not come back, and every later check passed
+  {REPRO_REPRODUCED}  it came back (`git bisect run kvharness repro FILE` finds the commit)
+  {REPRO_UNUSABLE}  the file cannot be re-run here: unreadable or malformed, a name outside
+     the registry (harness/repro/registry.py), a size beyond the format's limits, or
+     the re-run itself failed (an engine error, out of memory); the message says which
+  {REPRO_OTHER}  the recorded failure is gone, but another check of the re-run failed"""
 
 
 def _entry_dict(entry: Entry) -> dict[str, Any]:
@@ -125,21 +132,36 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
+    file = str(args.file)
     try:
         kind, fields = open_file(args.file)
         if kind == "reuse":
-            return _replay_reuse(ReproRecord.from_fields(fields))
-        return _rerun_scenario(ScenarioRecord.from_fields(fields), str(args.file))
-    except ValueError as exc:  # ReproFormatError: the file, the field, what is wrong
+            return _replay_reuse(ReproRecord.from_fields(fields), file)
+        return _rerun_scenario(ScenarioRecord.from_fields(fields), file)
+    except ReproFormatError as exc:  # the file, the field, what is wrong
         print(f"kvharness repro: {exc}", file=sys.stderr)
-        return REPRO_UNUSABLE
+    except Exception as exc:
+        # Any other failure of the re-run: uncaught, it would exit 1, which reads as
+        # "reproduced" (to git bisect too).
+        print(f"kvharness repro: {file}: cannot be re-run here: {type(exc).__name__}: {exc}"
+              f"{_raised_at(exc)}", file=sys.stderr)
+    return REPRO_UNUSABLE
 
 
-def _replay_reuse(record: ReproRecord) -> int:
+def _raised_at(exc: BaseException) -> str:
+    """` (raised at FILE:LINE in FUNCTION)`: the innermost frame of `exc`'s traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (raised at {last.filename}:{last.lineno} in {last.name})"
+
+
+def _replay_reuse(record: ReproRecord, file: str) -> int:
     print(f"replaying {record.node_id}: {record.check} check, seed {record.seed}, "
           f"{len(record.admission_log or ())} cache events, config "
           f"{json.dumps(record.config, sort_keys=True)}")
-    outcome = replay(record)
+    outcome = replay(record, file)
     if outcome.reproduced:
         print(f"reproduced:\n{outcome.message}")
         return REPRO_REPRODUCED
@@ -220,7 +242,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_report)
 
     p = sub.add_parser("repro", help="re-run a failed scenario or reuse check from its "
-                       "repro file, without pytest")
+                       "repro file, without pytest",
+                       description="Re-run a failed scenario or reuse check from the repro "
+                       "file its run wrote,\nwithout pytest, and check again.",
+                       epilog=REPRO_EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", type=Path, metavar="FILE",
                    help="a <results-dir>/repro/<test id>.json a failed run wrote")
     p.set_defaults(run=_repro)
