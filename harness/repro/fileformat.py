@@ -112,7 +112,7 @@ class Fields:
         total = self.spent[what] = self.spent.get(what, 0) + amount
         if total > LIMITS[what]:
             raise self.error(name, f"takes the record past {LIMITS[what]} {what} in all, the "
-                             "most a re-run on this machine takes")
+                             "most a re-run takes")
 
     def choice(self, name: str, choices: tuple[str, ...]) -> str:
         """A string field that must be one of `choices`."""

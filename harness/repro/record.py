@@ -20,11 +20,12 @@ The scenario suites build it (tests/scenarios/recording.py); the plugin writes i
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.repro.fileformat import Fields, envelope, write_file
+from harness.repro.fileformat import MAX_ENGINES, Fields, envelope, write_file
 from harness.repro.workload import EngineRun
 
 OutputRef = tuple[int, int]  # (engine index in the record, request id on that engine)
@@ -92,10 +93,12 @@ class ScenarioRecord:
     @classmethod
     def from_fields(cls, f: Fields) -> ScenarioRecord:
         """The record in a `kind: scenario` file's fields (fileformat.open_file); raises
-        ReproFormatError naming the file and the bad field."""
+        ReproFormatError naming the file and the bad field (limits included: at most
+        MAX_ENGINES engines, a finite atol >= 0)."""
+        count = len(f.get("engines", list))
+        if not 0 < count <= MAX_ENGINES:
+            raise f.error("engines", f"holds {count} engines; a re-run builds 1 to {MAX_ENGINES}")
         engines = [EngineRun.from_fields(e) for e in f.subs("engines")]
-        if not engines:
-            raise f.error("engines", "is empty: there is nothing to re-run")
         failure = _failure(f.sub("failure"), len(engines))
         record = cls(f.get("node_id", str), f.get("message", str), engines, failure)
         f.close()
@@ -126,7 +129,10 @@ def _failure(f: Fields, engines: int) -> Failure:
     check = f.choice("check", CHECKS)
     failure: Failure
     if check == "outputs":
-        failure = OutputsFailure(f.get("where", str), float(f.get("atol", (int, float))),
+        atol = float(f.get("atol", (int, float)))
+        if not 0 <= atol < math.inf:  # NaN too: a NaN atol would fail every comparison
+            raise f.error("atol", f"is {atol}; a tolerance is a finite number >= 0")
+        failure = OutputsFailure(f.get("where", str), atol,
                                  _refs(f, "expected", engines), _refs(f, "actual", engines),
                                  f.get("difference", dict))
     elif check == "oracle":

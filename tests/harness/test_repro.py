@@ -120,3 +120,14 @@ def test_a_fixed_expectation_does_not_reproduce(
     path.write_text(json.dumps(data))
     code, out = _repro(capsys, path)
     assert code == 0 and out.splitlines()[-1].startswith("did not reproduce: every one of the")
+
+
+def test_repro_help_lists_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        kvharness(["repro", "--help"])
+    assert info.value.code == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    exits = lines[lines.index("exit codes:") + 1:]
+    assert [line[:3] for line in exits if line[:1].isdigit()] == ["0  ", "1  ", "2  ", "3  "]
+    assert exits[0].startswith("0  the recorded failure did not come back")
+    assert any(line.startswith("2  the file cannot be re-run here") for line in exits)

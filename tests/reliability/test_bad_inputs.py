@@ -31,6 +31,7 @@ from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from kvcache.storage.kv_storage import KvStorage
 from tests.reliability.support import EngineSpec, assert_clean
+from tests.reliability.test_hostile_repro import REPRO_IDS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 IDS: set[str] = set()  # every case id below, checked against the document
@@ -686,6 +687,7 @@ IDS.add("ck-int-dtype")
 
 def test_catalogue_is_documented() -> None:
     documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", DOC.read_text(), re.MULTILINE))
-    assert len(IDS) >= 30
-    assert IDS - documented == set(), f"cases missing from {DOC}"
-    assert documented - IDS == set(), f"{DOC} documents cases that no test checks"
+    assert len(IDS) >= 30 and len(REPRO_IDS) >= 25
+    checked = IDS | REPRO_IDS  # the repro files' cases: tests/reliability/test_hostile_repro.py
+    assert checked - documented == set(), f"cases missing from {DOC}"
+    assert documented - checked == set(), f"{DOC} documents cases that no test checks"

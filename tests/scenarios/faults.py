@@ -7,15 +7,17 @@ the KV of the tokens before it (a prefix it did not compute in this step) with v
 shifted by `DRIFT`: what a backend that mis-reads copied or cached pages would do. An
 unchunked cold run never reads such a prefix; a warm run reads its reused prefix that
 way, so its logits (and usually its tokens) part from the cold run's. Decode steps read
-correctly. It is not in the registry: engines take the class itself, and a repro file
-names it as `tests.scenarios.faults:StalePrefixBackend`, which `kvharness repro` imports
-when run from the repository root.
+correctly. It is not in kvcache's registry: engines take the class itself, and a repro
+file names it as `tests.scenarios.faults:StalePrefixBackend`, a name the harness's repro
+registry (harness/repro/registry.py) lists, so `kvharness repro` run from the repository
+root builds it.
 
 `OverCountingEngine` is kvcache's Engine, except that its statistics count one reused
 full block twice once anything was reused: a bookkeeping bug (the cache and the outputs
 are right), so `reusedBlocks` and `fullReusedBlocks` run one past the oracle. A test
 builds it with `make_engine(..., engine_class=OverCountingEngine)`; the repro file names
-it as `tests.scenarios.faults:OverCountingEngine`.
+it as `tests.scenarios.faults:OverCountingEngine` (listed there too). A new object a
+recorded engine takes must be listed there for its repro files to re-run.
 """
 
 from __future__ import annotations

@@ -286,7 +286,8 @@ POOL_TOKENS = 2048  # default pool: far more than any scenario holds, so nothing
 
 
 # A model: a preset name, or a module-level function building the model from a seed (a
-# variant no preset describes; the repro file names it as `module:function`).
+# variant no preset describes; the repro file names it as `module:function`, which
+# harness/repro/registry.py must list for `kvharness repro` to build it).
 ModelSpec = str | Callable[[int], Transformer]
 
 
