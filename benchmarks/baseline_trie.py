@@ -3,8 +3,8 @@
 One dict lookup per block, keyed by the block's token tuple, with none of the run-length
 edges, byte comparisons or incremental accounting of `kvcache`. Cache-core benchmarks
 report their throughput as a ratio to this, measured in the same run; it mirrors the
-workload's operations (admit with the L-1 cap, commit full blocks, free, and a bare lookup)
-and nothing more.
+workload's operations (admit with the L-1 cap, take the copies an engine applies before
+its forward pass (none here), commit full blocks, free, and a bare lookup) and nothing more.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class PlainTrie:
         blocks += [self.free.pop() for _ in range(-(-len(tokens) // B) - reused)]
         self.seqs[seq_id] = (list(tokens), blocks, [], reused)
         return reused * B
+
+    def take_copy_ops(self) -> list[object]:
+        """No partial reuse, so no copies: what the manager's queue would hold, empty."""
+        return []
 
     def commit(self, seq_id: int, num_tokens: int) -> None:
         """Insert the sequence's full blocks; a duplicate keeps the cached block."""

@@ -68,6 +68,7 @@ def footprint_blocks(requests: Sequence[SimRequest], block_size: int) -> int:
 
 def _serve(mgr: KVCacheManager, rid: int, r: SimRequest) -> int:
     seq = mgr.add_sequence(rid, r.prompt)
+    mgr.take_copy_ops()  # an engine applies them before the forward pass it commits
     mgr.commit(rid, len(r.prompt))
     if r.generated:
         # the last generated token's KV is never computed

@@ -62,6 +62,7 @@ def traced_fill(prompts: list[list[int]]) -> HeapUse:
         empty = tracemalloc.get_traced_memory()[0] - base
         for i, p in enumerate(prompts):
             mgr.add_sequence(i, p)
+            mgr.take_copy_ops()  # an engine applies them before the forward pass it commits
             mgr.commit(i, len(p))
             mgr.free_sequence(i)
         gc.collect()

@@ -48,8 +48,8 @@ class Admission(CacheState):
         root = self.tree.roots.get(skey) if self.reuse and length > 1 else None
         if root is None or not root.children:
             need = nblocks if first_chunk is None else self._end_block(length, 0, first_chunk)
-            return AdmissionPlan(arr, skey, self._version, nblocks, [], 0, None, 0, need,
-                                 pool.num_available, [])
+            return AdmissionPlan(self, arr, skey, self._version, nblocks, [], 0, None, 0,
+                                 need, pool.num_available, [])
         hits, nfull, ph, ntok = self.tree.match(root, kb, (length - 1) * TOKEN_BYTES,
                                                self._partial, self._copy)
         if nfull % self._align:
@@ -90,8 +90,9 @@ class Admission(CacheState):
                                                                  self._B, self._align)
                     ids, avail = held_ids(hits, first, pool.num_available)
                 need = self._end_block(length, ntok, first_chunk) - nfull
-        return AdmissionPlan(arr, skey, self._version, nblocks, hits, nfull, ph, ntok, need,
-                             avail, ids, first_block=first, num_onboard_blocks=onboard)
+        return AdmissionPlan(self, arr, skey, self._version, nblocks, hits, nfull, ph, ntok,
+                             need, avail, ids, first_block=first,
+                             num_onboard_blocks=onboard)
 
 
     def _carry_out(self, seq_id: Hashable, plan: AdmissionPlan,

@@ -98,9 +98,9 @@ class KVCacheManager(Admission, Caching, Growth):
         blocks reused from the host tier are onboarded: device blocks are allocated for
         them, with the admission's own, and a `BlockOnboard` is queued for each; the
         evictions that allocation makes queue their offloads first. Raises ValueError for
-        a live `seq_id`, a bad priority or a stale plan (the cache changed since it was
-        made), and OutOfBlocksError for a plan that does not fit; either way nothing
-        changes.
+        a live `seq_id`, a bad priority, a plan another manager made (its tree nodes are
+        that manager's) or a stale plan (the cache changed since it was made), and
+        OutOfBlocksError for a plan that does not fit; either way nothing changes.
         """
         if seq_id in self.sequences:
             raise ValueError(f"admit({seq_id!r}): seq_id is already live")
@@ -108,6 +108,10 @@ class KVCacheManager(Admission, Caching, Growth):
         # cost as much as the rest of the checks
         if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             priority = check_priority(priority, f"admit({seq_id!r})")
+        if plan._maker is not self:  # its nodes are another tree's, whatever its version
+            raise ValueError(f"admit({seq_id!r}): {plan!r} was made by another "
+                             "KVCacheManager, not this one; plan with this manager's "
+                             "plan_admission")
         if plan._version != self._version:
             raise ValueError(f"admit({seq_id!r}): stale plan: the cache changed after "
                              "plan_admission; plan again")
@@ -148,10 +152,12 @@ class KVCacheManager(Admission, Caching, Growth):
         A full block equal to one already cached is deduplicated: the sequence switches to
         the cached block and its own returns to the pool, so `block_ids` changes in place
         and `block_ids_version` is bumped (re-read the ids before the next forward pass).
-        Committing past the admission says a forward pass ran, so the sequence's queued
-        copies ran before it (they are dropped from the queue if the caller never took
-        them). Raises ValueError for an unknown `seq_id`, a count beyond the sequence,
-        below an earlier commit, or (sliding window) beyond the blocks reserved so far.
+        Committing past the admission says a forward pass ran, and copies are applied
+        before every forward pass: take the queue (`take_copy_ops`) and apply it first.
+        Raises ValueError for an unknown `seq_id`, a count beyond the sequence, below an
+        earlier commit, (sliding window) beyond the blocks reserved so far, or past the
+        admission while the sequence's copy is still queued (its tokens were never
+        written); nothing changes then.
         """
         seq = self.sequences.get(seq_id)
         if seq is None:
@@ -168,9 +174,9 @@ class KVCacheManager(Admission, Caching, Growth):
         if n > len(seq._block_ids) * self._B:  # only under a window: tokens not reserved
             raise ValueError(f"commit({seq_id!r}, {n}): only {len(seq._block_ids) * self._B} "
                              "tokens have blocks; reserve the rest before computing them")
-        self._version += 1
         if self._copy_ops and n > seq._committed:
-            self._drop_copies(seq_id)
+            self._check_copied(seq_id, n)
+        self._version += 1
         seq._committed = n
         nfull = n // self._B
         switched = seq._block_ids_version
@@ -285,6 +291,16 @@ class KVCacheManager(Admission, Caching, Growth):
             return 0
         return self._make_plan(arr, kb, scope_key(scope, "probe_reuse"), first_chunk)._cached
 
+    def _check_copied(self, seq_id: Hashable, n: int) -> None:
+        """Raise ValueError if an op of `seq_id` is still queued: a commit of `n` tokens
+        past its admission would count the slots its copy was to fill as written KV."""
+        for owner, op in self._copy_ops:
+            if owner == seq_id:
+                raise ValueError(f"commit({seq_id!r}, {n}): its {op} is still queued, so "
+                                 "the forward pass that computed these tokens did not "
+                                 "read the copied KV; take_copy_ops() and apply the ops "
+                                 "before the forward pass, then commit")
+
     def _drop_copies(self, seq_id: Hashable) -> bool:
         """Forget the queued copies of `seq_id` (never the moves of cached blocks between
         tiers, owned by CACHE: the tree depends on them); returns whether there were any."""
@@ -312,7 +328,8 @@ class KVCacheManager(Admission, Caching, Growth):
         leave the queue (the rest stay queued, in order, to be applied next).
 
         The engine applies the pending ops before its next forward pass (a commit past a
-        sequence's admission says that pass ran, copies first): `BlockCopy`, and with a
+        sequence's admission says that pass ran, so it is refused while the sequence's
+        copy is queued): `BlockCopy`, and with a
         host tier `BlockOffload` and `BlockOnboard`. It acknowledges only what was
         applied, so an apply that fails part-way is retried from the first op it did
         not apply, and an applied op is never re-run (that is not safe: an offload of

@@ -54,7 +54,8 @@ class ReuseMatch(NamedTuple):
 
 
 class AdmissionPlan:
-    """A planned admission; valid until the cache next changes.
+    """A planned admission; valid for the manager that made it until its cache next
+    changes.
 
     Read-only. `num_cached_tokens` tokens would be reused (`num_full_blocks` full blocks
     and, with `partial`, one partial block: claimed without a copy when `claim`, else
@@ -65,14 +66,16 @@ class AdmissionPlan:
     """
 
     __slots__ = ("_available", "_block_ids", "_cached", "_fault", "_first", "_full", "_hits",
-                 "_need", "_num_blocks", "_onboard", "_partial", "_scope", "_tokens",
-                 "_version")
+                 "_maker", "_need", "_num_blocks", "_onboard", "_partial", "_scope",
+                 "_tokens", "_version")
 
-    def __init__(self, tokens: array, scope: ScopeKey, version: int, num_blocks: int,
-                 hits: list[tuple[Node, int]], num_full_blocks: int, partial: PartialHit | None,
-                 num_cached_tokens: int, num_new_blocks: int, num_available: int,
+    def __init__(self, maker: object, tokens: array, scope: ScopeKey, version: int,
+                 num_blocks: int, hits: list[tuple[Node, int]], num_full_blocks: int,
+                 partial: PartialHit | None, num_cached_tokens: int, num_new_blocks: int,
+                 num_available: int,
                  block_ids: list[int], injected_fault: bool = False,
                  first_block: int = 0, num_onboard_blocks: int = 0) -> None:
+        self._maker = maker  # the manager that made it: its nodes are that tree's
         self._tokens = tokens
         self._scope = scope
         self._version = version

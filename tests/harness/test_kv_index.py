@@ -64,6 +64,7 @@ def _drive(mgr: KVCacheManager, ops: list[tuple[str, list[int], int, int]],
         if kind == "cycle":
             with contextlib.suppress(OutOfBlocksError):
                 mgr.add_sequence(f"s{n}", tokens, SCOPES[scope_i])
+                mgr.take_copy_ops()  # applied before the forward pass the commit reports
                 mgr.commit(f"s{n}", len(tokens))
                 mgr.free_sequence(f"s{n}")
         elif kind == "admit" or not live:
@@ -186,6 +187,7 @@ def test_json_lines_replay_equals_live_folding() -> None:
     mgr = KVCacheManager(KvCacheConfig(tokens_per_block=2, max_num_blocks=6), kv_events=True)
     for i, prompt in enumerate([[1, 2, 3, 4, 5], [1, 2, 3, 9], [5] * 11]):
         mgr.add_sequence(i, prompt, ReuseScope(salt=b"\x00"))
+        mgr.take_copy_ops()  # applied before the forward pass the commit reports
         mgr.commit(i, len(prompt))
         mgr.free_sequence(i)
     events = mgr.take_kv_events()

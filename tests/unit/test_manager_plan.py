@@ -64,6 +64,29 @@ def test_a_stale_plan_is_refused(make_manager) -> None:
     mgr.free_sequence("other")
 
 
+def test_a_plan_is_refused_by_a_manager_that_did_not_make_it(make_manager) -> None:
+    """Issue 22, finding 5. Managers a and b go through the same number of changes, so
+    their version numbers match, but only a cached [1 .. 10]. A plan a made reuses 9
+    tokens of a's tree nodes; b must refuse it (ValueError naming the plan, nothing
+    changed), not carry it out with a's nodes ("reusing" blocks that never held those
+    tokens and breaking both managers' integrity). a still admits it."""
+    a, b = make_manager(4, 8), make_manager(4, 8)
+    _cached(a, "x", list(range(1, 11)))
+    _cached(b, "x", list(range(21, 31)))
+    plan = a.plan_admission([*range(1, 10), 99])
+    assert plan.num_cached_tokens == 9 and b.probe_reuse([*range(1, 10), 99]) == 0
+    before = (b.stats(), b.dump_tree(), list(b.pool.free), b.pending_copies)
+    with pytest.raises(ValueError, match=r"admit\('y'\): AdmissionPlan\(tokens=10, cached=9"
+                                         r".* was made by another KVCacheManager"):
+        b.admit("y", plan)
+    assert (b.stats(), b.dump_tree(), list(b.pool.free), b.pending_copies) == before
+    assert "y" not in b.sequences
+    b.check_integrity()
+    a.check_integrity()
+    assert a.admit("y", plan).num_cached_tokens == 9
+    a.free_sequence("y")
+
+
 def test_plans_are_per_scope(make_manager) -> None:
     mgr = make_manager(4, 8)
     mgr.add_sequence("a", [1, 2, 3, 4, 5], scope=ReuseScope(salt="t1"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable, Sequence
 
 import pytest
@@ -292,19 +293,46 @@ def test_a_freed_sequence_leaves_only_written_kv_to_reuse(make_manager, copied: 
     mgr.free_sequence("C")
 
 
-def test_a_commit_past_the_admission_means_its_copy_ran(make_manager) -> None:
-    """A commit of computed tokens says a forward pass ran, which applies every queued
-    copy first: the copy leaves the queue (for a caller that never takes it) and the
-    sequence's tail, committed from written KV, is cached at free."""
-    mgr = make_manager(4, 8)
+def _held(mgr: KVCacheManager, seq_id: str) -> tuple[object, ...]:
+    """Everything a refused call must leave as it was."""
+    seq = mgr.get_sequence(seq_id)
+    return (mgr.dump_tree(), mgr.stats(), mgr.pending_copies, list(mgr.pool.free),
+            seq.num_committed_tokens, list(seq.block_ids), seq.block_ids_version)
+
+
+@pytest.mark.parametrize("host", [0, 4], ids=["device-copy", "host-onboard"])
+def test_a_commit_past_the_admission_is_refused_while_its_copy_is_queued(
+        make_manager, host: int) -> None:
+    """Issue 22, finding 4. B reuses 3 tokens of a cached block by a copy (a BlockCopy
+    from a device block, or a BlockOnboard from a host block). A commit of computed
+    tokens says a forward pass ran, and copies are applied before every pass: while B's
+    copy is still queued (never taken, so never applied) no pass read it. The commit is
+    refused naming the copy and changes nothing (a plan made before it stays valid); it
+    never drops the copy and counts the slots it was to fill as written. A commit with
+    no progress is no forward pass and stays allowed. Once the copy is taken, the same
+    commit succeeds and B's tail, committed from written KV, is cached at free."""
+    mgr = make_manager(4, 4 if host else 8, host=host)
     run_request(mgr, "A", [1, 2, 2, 2, 0])
-    mgr.add_sequence("B", [1, 2, 2, 0, 1])  # copies 3 tokens of [1, 2, 2, 2]
+    if host:
+        run_request(mgr, "X", [9] * 13)  # [1, 2, 2, 2] to the host, [0] dropped
+    b = mgr.add_sequence("B", [1, 2, 2, 0, 1])  # 3 tokens of [1, 2, 2, 2]
+    (op,) = [op for owner, op in mgr.pending_copies if owner == "B"]
+    assert type(op).__name__ == ("BlockOnboard" if host else "BlockCopy")
+    assert (op.dst, op.num_tokens, b.num_cached_tokens) == (b.block_ids[0], 3, 3)
     mgr.commit("B", 3)  # no progress: no forward pass, the copy stays queued
-    assert len(mgr.pending_copy_ops) == 1
+    before = _held(mgr, "B")
+    plan = mgr.plan_admission([1, 2, 2, 0, 7])
+    with pytest.raises(ValueError, match=re.escape(f"commit('B', 5): its {op!r} is still "
+                                                   "queued")):
+        mgr.commit("B", 5)
+    assert _held(mgr, "B") == before
+    mgr.admit("C", plan)  # the refused commit did not make it stale
+    mgr.free_sequence("C")
+    assert op in mgr.take_copy_ops()
     mgr.commit("B", 5)
-    assert mgr.pending_copy_ops == []
     mgr.free_sequence("B")
     assert mgr.probe_reuse([1, 2, 2, 0, 1, 9]) == 5
+    mgr.check_integrity()
 
 
 def test_partial_reuse_off_caches_no_partial_tails(make_manager) -> None:
