@@ -23,10 +23,16 @@ from kvcache.core.radix import BlockRadixTree
 from kvcache.core.stats import Counters, KvCacheStats
 
 
+def _out_of_memory(config: KvCacheConfig, field: str) -> ValueError:
+    return ValueError(f"KVCacheManager: out of memory building the free list of "
+                      f"KvCacheConfig.{field}={getattr(config, field)} blocks; lower it")
+
+
 class CacheState:
     """A paged KV cache's bookkeeping state: a block radix tree over a fixed block pool,
     the live sequences, queued ops, counters and event logs. Raises ValueError for a
-    `config` that is not a KvCacheConfig."""
+    `config` that is not a KvCacheConfig, or one whose pools' free lists do not fit in
+    memory (naming the field)."""
 
     def __init__(self, config: KvCacheConfig, *, record_events: bool = False,
                  kv_events: bool = False) -> None:
@@ -37,15 +43,22 @@ class CacheState:
         # window_left of the sliding window the cache exploits (None: full attention)
         self._wl = None if config.sliding_window is None else config.sliding_window - 1
         self.tree = BlockRadixTree(self._B)
-        self.pool = BlockPool(config.max_num_blocks, self.tree, windowed=self._wl is not None)
+        try:  # the free lists hold one Python int a block: a pool may not fit in memory
+            self.pool = BlockPool(config.max_num_blocks, self.tree,
+                                  windowed=self._wl is not None)
+        except MemoryError:
+            raise _out_of_memory(config, "max_num_blocks") from None
         # KV-cache events for routers (blocks stored and removed), see kv_events.py
         self._kv = KvEventLog(self._B) if kv_events else None
         # the host tier (TensorRT-LLM's secondary pool; never with a window), host_tier.py
         self._host: HostTier | None = None
         if config.host_cache_blocks:
-            self._host = self.pool.host = HostTier(
-                config.host_cache_blocks, self.pool, self._queue,
-                [self._kv] if self._kv is not None else [])
+            try:
+                self._host = self.pool.host = HostTier(
+                    config.host_cache_blocks, self.pool, self._queue,
+                    [self._kv] if self._kv is not None else [])
+            except MemoryError:
+                raise _out_of_memory(config, "host_cache_blocks") from None
         self.reuse = config.block_reuse
         self._partial = config.partial_reuse
         self._copy = config.copy_on_partial

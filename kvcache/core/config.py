@@ -6,7 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvcache.core.validate import check_int, check_positive_int
+from kvcache.core.validate import check_int
+
+# The most blocks a pool or the host tier may have. A block id is a page index, and the
+# attention metadata (the block table, FlashInfer's kv_indices) and the host tier's slot
+# indices hold them as int32; far beyond it a pool's free list (one Python int a block)
+# could not even be built: list() raises OverflowError past sys.maxsize.
+MAX_BLOCKS = 2**31 - 1
 
 
 def _check_flag(name: str, value: object) -> None:
@@ -40,6 +46,8 @@ class KvCacheConfig:
     matchable; a hit onboards it back. 0 (the default) keeps no host tier. It caches
     only what block reuse caches, so N > 0 with `enable_block_reuse=False` is a
     ValueError, and it is not supported with `sliding_window` (a ValueError too).
+    `max_num_blocks` and `host_cache_blocks` are at most `MAX_BLOCKS` (2**31 - 1: block
+    ids are int32 page indices).
     """
 
     tokens_per_block: int = 16
@@ -52,15 +60,14 @@ class KvCacheConfig:
     host_cache_blocks: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_block", "max_num_blocks", "reuse_alignment_blocks"):
-            value = check_positive_int(getattr(self, name), f"KvCacheConfig.{name}")
+        for name, low, high in (("tokens_per_block", 1, None), ("max_num_blocks", 1, MAX_BLOCKS),
+                                ("reuse_alignment_blocks", 1, None),
+                                ("host_cache_blocks", 0, MAX_BLOCKS)):
+            value = check_int(getattr(self, name), f"KvCacheConfig.{name}", low, high)
             object.__setattr__(self, name, value)  # a numpy integer becomes an int
         if self.sliding_window is not None:
-            object.__setattr__(self, "sliding_window", check_positive_int(
-                self.sliding_window, "KvCacheConfig.sliding_window"))
-        object.__setattr__(self, "host_cache_blocks",
-                           check_int(self.host_cache_blocks, "KvCacheConfig.host_cache_blocks",
-                                     0))
+            object.__setattr__(self, "sliding_window", check_int(
+                self.sliding_window, "KvCacheConfig.sliding_window", 1))
         for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
             _check_flag(name, getattr(self, name))
         if self.enable_partial_reuse and self.reuse_alignment_blocks > 1:

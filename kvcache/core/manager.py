@@ -61,7 +61,8 @@ class KVCacheManager(Admission, Caching, Growth):
     `KVCacheManager(config, record_events=False, kv_events=False)`: `record_events`
     keeps every operation in `events` (CacheEvent, for the reuse oracle); `kv_events`
     records KV-cache events for routers (`take_kv_events`). Raises ValueError for a
-    `config` that is not a KvCacheConfig.
+    `config` that is not a KvCacheConfig, or one whose pools' free lists do not fit in
+    memory (naming `max_num_blocks` or `host_cache_blocks`).
     """
 
     # ------------------------------------------------------------------ admission

@@ -65,6 +65,28 @@ def _backend_class(attn_backend: str | type[AttentionBackend]) -> type[Attention
     return attn_backend
 
 
+def _kv_storage(cfg: KvCacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device, layout: KvLayout) -> KvStorage:
+    """The engine's KV storage for `cfg`'s pools. Raises ValueError naming
+    `KvCacheConfig.max_num_blocks` and `host_cache_blocks` and the bytes they ask for
+    when torch cannot allocate it (out of memory: RuntimeError or MemoryError)."""
+    try:
+        return KvStorage(num_layers=num_layers, num_blocks=cfg.max_num_blocks,
+                         block_size=cfg.tokens_per_block, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, dtype=dtype, device=device, layout=layout,
+                         host_num_blocks=cfg.host_cache_blocks)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        per_block = (2 * num_layers * cfg.tokens_per_block * num_kv_heads * head_dim
+                     * dtype.itemsize)
+        host = (f" and KvCacheConfig.host_cache_blocks={cfg.host_cache_blocks} host blocks "
+                f"({cfg.host_cache_blocks * per_block} bytes)" if cfg.host_cache_blocks else "")
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"Engine: cannot allocate the KV storage on {device}: "
+                         f"KvCacheConfig.max_num_blocks={cfg.max_num_blocks} device blocks "
+                         f"({cfg.max_num_blocks * per_block} bytes){host}, {per_block} bytes "
+                         f"a block; lower them (torch: {reason})") from e
+
+
 class Engine:
     """Greedy generation over a paged KV cache with block reuse.
 
@@ -86,7 +108,8 @@ class Engine:
     window (see `resolve_window`); False keeps full-attention bookkeeping. A model that
     mixes windowed and full-attention layers keeps full-attention bookkeeping, and
     `backend` is then a LayerWindows, one member backend per window (`attn_backend`
-    keeps the registered name). Raises ValueError naming the bad option. Set
+    keeps the registered name). Raises ValueError naming the bad option (and for a KV
+    storage torch cannot allocate, the `KvCacheConfig` sizes and the bytes). Set
     `step_timer` to a StepTimer to time every step's phases (schedule, metadata, plan,
     forward, sample, commit).
 
@@ -144,11 +167,8 @@ class Engine:
             self.manager.on_blocks_removed = self.snapshots.drop
             if self.cache_config.host_cache_blocks:  # snapshots follow blocks to the host
                 self.manager.add_tier_listener(self.snapshots)
-        self.storage = KvStorage(num_layers=max(1, len(mc.attention_layers)),
-                                 num_blocks=cache_config.max_num_blocks, block_size=B,
-                                 num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                 dtype=dtype, device=self.device, layout=layout,
-                                 host_num_blocks=self.cache_config.host_cache_blocks)
+        self.storage = _kv_storage(self.cache_config, max(1, len(mc.attention_layers)),
+                                   mc.num_kv_heads, mc.head_dim, dtype, self.device, layout)
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes)) if (
             cuda_graph or pad_decode) else ()
         options = dict(backend_options or {})

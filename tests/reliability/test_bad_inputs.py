@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -49,10 +51,12 @@ def cases(*params: Any) -> list[Any]:
                  id="cfg-block-zero"),
     pytest.param({"tokens_per_block": "16"}, r"KvCacheConfig\.tokens_per_block must be an int >= 1, "
                  r"got '16'", id="cfg-block-str"),
-    pytest.param({"max_num_blocks": -3}, r"KvCacheConfig\.max_num_blocks must be an int >= 1, got -3",
-                 id="cfg-pool-negative"),
-    pytest.param({"max_num_blocks": True}, r"KvCacheConfig\.max_num_blocks must be an int >= 1, "
-                 r"got True", id="cfg-pool-bool"),
+    pytest.param({"max_num_blocks": -3}, r"KvCacheConfig\.max_num_blocks must be an int in "
+                 r"\[1, 2147483647\], got -3", id="cfg-pool-negative"),
+    pytest.param({"max_num_blocks": True}, r"KvCacheConfig\.max_num_blocks must be an int in "
+                 r"\[1, 2147483647\], got True", id="cfg-pool-bool"),
+    pytest.param({"max_num_blocks": 10**30}, r"KvCacheConfig\.max_num_blocks must be an int in "
+                 r"\[1, 2147483647\], got 1000000000000000000000000000000", id="cfg-pool-huge"),
     pytest.param({"enable_block_reuse": "yes"}, r"KvCacheConfig\.enable_block_reuse must be "
                  r"True, False or None, got 'yes'", id="cfg-flag-str"),
     pytest.param({"enable_block_reuse": False, "enable_partial_reuse": True},
@@ -67,7 +71,10 @@ def cases(*params: Any) -> list[Any]:
     pytest.param({"sliding_window": 0}, r"KvCacheConfig\.sliding_window must be an int >= 1, "
                  r"got 0", id="cfg-window-zero"),
     pytest.param({"host_cache_blocks": -8}, r"KvCacheConfig\.host_cache_blocks must be an int "
-                 r">= 0, got -8", id="cfg-host-negative"),
+                 r"in \[0, 2147483647\], got -8", id="cfg-host-negative"),
+    pytest.param({"host_cache_blocks": 10**30}, r"KvCacheConfig\.host_cache_blocks must be an "
+                 r"int in \[0, 2147483647\], got 1000000000000000000000000000000",
+                 id="cfg-host-huge"),
     pytest.param({"enable_block_reuse": False, "host_cache_blocks": 64},
                  r"KvCacheConfig\.host_cache_blocks=64 keeps evicted cached blocks for reuse, "
                  r"but enable_block_reuse=False caches nothing; set host_cache_blocks=0",
@@ -165,6 +172,83 @@ def test_a_bad_op_is_refused_before_any_is_applied(op: KvOp, message: str) -> No
     assert storage.num_applied == 0
     storage.apply_copies([BlockCopy(1, 2, 4)])
     assert storage.num_applied == 1 and torch.equal(storage.k[0][2], storage.k[0][1])
+
+
+@pytest.mark.parametrize("field", cases(
+    pytest.param("max_num_blocks", id="mgr-pool-memory"),
+    pytest.param("host_cache_blocks", id="mgr-host-memory"),
+))
+def test_a_pool_that_does_not_fit_in_memory_names_its_field(field: str) -> None:
+    """A pool within KvCacheConfig's bound whose free list (one int a block) cannot be
+    built: in a child process whose address space is capped at 1 GiB, the 2**31 - 1
+    blocks' list (16 GiB of pointers) fails at once, and the manager names the field."""
+    pytest.importorskip("resource", reason="RLIMIT_AS needs a POSIX system")
+    sizes = {"max_num_blocks": 8, field: 2**31 - 1}
+    code = ("import resource\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))\n"
+            "from kvcache import KvCacheConfig, KVCacheManager\n"
+            f"KVCacheManager(KvCacheConfig(**{sizes!r}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], check=False)
+    assert done.returncode == 1, done.stderr
+    assert (f"ValueError: KVCacheManager: out of memory building the free list of "
+            f"KvCacheConfig.{field}=2147483647 blocks; lower it") in done.stderr
+
+
+def _manager_state(mgr: KVCacheManager) -> tuple[object, ...]:
+    return (mgr.dump_tree(), mgr.stats(), mgr.pending_copies, list(mgr.pool.free),
+            {sid: (s.num_committed_tokens, list(s.block_ids), s.block_ids_version)
+             for sid, s in mgr.sequences.items()})
+
+
+def test_a_commit_while_its_copy_is_queued_changes_nothing() -> None:
+    """B reuses 3 tokens of [1, 2, 2, 2] by a queued BlockCopy nobody took: a commit of
+    computed tokens is refused naming the copy (no forward pass read it), changing
+    nothing; once the copy is taken the commit goes through."""
+    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+    mgr.add_sequence("A", [1, 2, 2, 2, 0])
+    mgr.commit("A", 5)
+    mgr.free_sequence("A")
+    mgr.add_sequence("B", [1, 2, 2, 0, 1])
+    before = _manager_state(mgr)
+    with pytest.raises(ValueError, match=r"commit\('B', 5\): its BlockCopy\(src=1, dst=3, "
+                                         r"num_tokens=3\) is still queued"):
+        mgr.commit("B", 5)
+    assert _manager_state(mgr) == before
+    mgr.take_copy_ops()
+    mgr.commit("B", 5)
+    mgr.free_sequence("B")
+    assert mgr.probe_reuse([1, 2, 2, 0, 1, 9]) == 5
+    assert_clean(mgr, "after the refused commit")
+
+
+IDS.add("mgr-commit-copy-queued")
+
+
+def test_a_plan_from_another_manager_changes_nothing() -> None:
+    """A plan is bound to the manager that made it, even when the other's version number
+    matches (both made the same number of changes)."""
+    a, b = (KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+            for _ in range(2))
+    for mgr, tokens in ((a, [1, 2, 3, 4, 5]), (b, [6, 7, 8, 9, 10])):
+        mgr.add_sequence("x", tokens)
+        mgr.commit("x", 5)
+        mgr.free_sequence("x")
+    plan = a.plan_admission([1, 2, 3, 4, 5, 6])
+    before = _manager_state(b)
+    with pytest.raises(ValueError, match=r"admit\('y'\): AdmissionPlan\(tokens=6, cached=5, "
+                                         r".*\) was made by another KVCacheManager, not this "
+                                         r"one"):
+        b.admit("y", plan)
+    assert _manager_state(b) == before
+    b.check_integrity()
+    a.admit("y", plan)
+    a.free_sequence("y")
+    for mgr in (a, b):
+        assert_clean(mgr, "after the refused admission")
+
+
+IDS.add("mgr-plan-foreign")
 
 
 # -- Engine.add_request / generate ---------------------------------------------------------
@@ -293,6 +377,13 @@ IDS.add("abort-finished")
         tokens_per_block=4, max_num_blocks=16, sliding_window=16)},
         r"KvCacheConfig\.sliding_window=16 is shorter than the model's window of 32",
         id="eng-window-short"),
+    # 2**49 bytes a layer: more than any 64-bit machine can map, so torch always refuses
+    pytest.param({"cache_config": KvCacheConfig(tokens_per_block=2**20, max_num_blocks=10**6,
+                                                host_cache_blocks=8)},
+                 r"Engine: cannot allocate the KV storage on cpu: KvCacheConfig\.max_num_blocks"
+                 r"=1000000 device blocks \(4294967296000000 bytes\) and KvCacheConfig\."
+                 r"host_cache_blocks=8 host blocks \(34359738368 bytes\), 4294967296 bytes a "
+                 r"block; lower them \(torch: .*allocate", id="eng-storage-memory"),
 ))
 def test_bad_engine_options(kwargs: dict[str, Any], message: str) -> None:
     if kwargs.get("cuda_graph") and torch.cuda.is_available():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvcache import KvCacheConfig, ReuseScope
@@ -15,7 +17,8 @@ from kvcache.core.keys import scope_key
         pytest.param({"tokens_per_block": -4}, "tokens_per_block must be an int >= 1", id="tpb-neg"),
         pytest.param({"tokens_per_block": True}, "tokens_per_block must be an int", id="tpb-bool"),
         pytest.param({"tokens_per_block": 16.0}, "tokens_per_block must be an int", id="tpb-float"),
-        pytest.param({"max_num_blocks": 0}, "max_num_blocks must be an int >= 1, got 0", id="blocks-0"),
+        pytest.param({"max_num_blocks": 0}, "max_num_blocks must be an int in [1, 2147483647], got 0",
+                     id="blocks-0"),
         pytest.param({"enable_block_reuse": 1}, "enable_block_reuse must be True, False or None",
                      id="reuse-int"),
         pytest.param({"enable_block_reuse": False, "enable_partial_reuse": True},
@@ -24,7 +27,7 @@ from kvcache.core.keys import scope_key
                      "copy_on_partial_reuse=True needs partial reuse", id="copy-no-partial"),
         pytest.param({"enable_block_reuse": False, "copy_on_partial_reuse": True},
                      "copy_on_partial_reuse=True needs partial reuse", id="copy-no-reuse"),
-        pytest.param({"host_cache_blocks": -1}, "host_cache_blocks must be an int >= 0, got -1",
+        pytest.param({"host_cache_blocks": -1}, "host_cache_blocks must be an int in [0, 2147483647], got -1",
                      id="host-neg"),
         pytest.param({"host_cache_blocks": 2.0}, "host_cache_blocks must be an int", id="host-float"),
         pytest.param({"enable_block_reuse": False, "host_cache_blocks": 8},
@@ -33,8 +36,19 @@ from kvcache.core.keys import scope_key
     ],
 )
 def test_invalid_config_names_field_and_value(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         KvCacheConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_pool_sizes_are_bounded_by_an_int32_block_id() -> None:
+    """Issue 22: a size past 2**31 - 1 (an int32 page index) is refused naming its field,
+    never handed to the pool to die in an OverflowError; the bound itself is accepted."""
+    top = KvCacheConfig(max_num_blocks=2**31 - 1, host_cache_blocks=2**31 - 1)
+    assert (top.max_num_blocks, top.host_cache_blocks) == (2**31 - 1, 2**31 - 1)
+    for field in ("max_num_blocks", "host_cache_blocks"):
+        with pytest.raises(ValueError, match=rf"KvCacheConfig\.{field} must be an int in "
+                                             rf"\[\d, 2147483647\], got 2147483648$"):
+            KvCacheConfig(**{field: 2**31})
 
 
 def test_auto_flags_resolve() -> None:
