@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvcache.core.validate import check_int
 from kvcache.model.config import MAX_LAYERS, MAX_POSITIONS, LayerType, ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -32,6 +33,11 @@ _MINISTRAL_LAYER_TYPES: dict[str, LayerType] = {"sliding_attention": "attention"
                                                 "full_attention": "full_attention"}
 # Keys whose value sizes something before any weight is read, and ModelConfig's bounds.
 _BOUNDED_KEYS = {"num_hidden_layers": MAX_LAYERS, "max_position_embeddings": MAX_POSITIONS}
+# The keys of ModelConfig's positive int fields, checked here under config.json's names
+# (num_key_value_heads, not num_kv_heads): the error names what to edit in the file.
+_POSITIVE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings")
 
 
 class CheckpointError(ValueError):
@@ -88,6 +94,13 @@ def parse_config(raw: dict[str, Any], file: Path) -> ModelConfig:
     # Only an absent (or null) key takes the default: a 0 is an error, not "unset".
     kv_heads, head_dim = raw.get("num_key_value_heads"), raw.get("head_dim")
     try:
+        for key in _POSITIVE_KEYS:
+            if raw.get(key) is not None:
+                check_int(raw[key], key, 1)
+        if kv_heads is not None and heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv_heads} (grouped-query attention "
+                             "needs it)")
         return ModelConfig(
             vocab_size=_require(raw, "vocab_size", file),
             hidden_size=hidden,

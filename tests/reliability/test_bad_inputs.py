@@ -686,10 +686,10 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> None:
                  r"config\.json: ModelConfig\.rms_norm_eps=inf must be a positive finite "
                  r"number", id="ck-rms-eps-inf"),
     pytest.param(edit_config(num_key_value_heads=0), CheckpointError,
-                 r"config\.json: ModelConfig\.num_kv_heads must be an int >= 1, got 0",
+                 r"config\.json: num_key_value_heads must be an int >= 1, got 0",
                  id="ck-kv-heads-zero"),
     pytest.param(edit_config(head_dim=0), CheckpointError,
-                 r"config\.json: ModelConfig\.head_dim must be an int >= 1, got 0",
+                 r"config\.json: head_dim must be an int >= 1, got 0",
                  id="ck-head-dim-zero"),
     pytest.param(edit_config(model_type="kvcache_hybrid", layer_types=4), CheckpointError,
                  r"config\.json: layer_types=4 must be a list", id="ck-layer-types-int"),
@@ -719,7 +719,8 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> None:
                  r"mlp\.gate_proj\.weight' in .*: expected shape \[200, 128\], got \[256, 128\]",
                  id="ck-config-shapes"),
     pytest.param(edit_config(num_attention_heads=3), CheckpointError,
-                 r"config\.json: ModelConfig\.num_heads=3 is not a multiple of num_kv_heads=2",
+                 r"config\.json: num_attention_heads=3 is not a multiple of "
+                 r"num_key_value_heads=2",
                  id="ck-config-heads"),
     pytest.param(edit_config(model_type="gpt2"), CheckpointError,
                  r"config\.json: model_type='gpt2' is not supported", id="ck-model-type"),
