@@ -2,7 +2,9 @@
 
 Reads exactly the metadata FlashInfer reads (CSR kv_indptr / kv_indices /
 kv_last_page_len at kernel-page granularity) through the storage's page views, so a bug
-in the metadata or the page views shows up here as well. Computes in float32.
+in the metadata or the page views shows up here as well: each request's kv_len is
+derived from its page count and last page's length, as FlashInfer derives it, and
+`plan` refuses metadata whose `kv_lens` or page list says otherwise. Computes in float32.
 """
 
 from __future__ import annotations
@@ -18,6 +20,31 @@ from kvcache.attention.metadata import PagedMetadata
 _LN2 = math.log(2.0)
 
 
+def paged_kv_lens(md: PagedMetadata, where: str) -> torch.Tensor:
+    """Each request's kv_len as FlashInfer reads it from the page list: (pages - 1) *
+    page_size + kv_last_page_len, 0 for a request with no pages (padding). Pure.
+
+    Raises ValueError naming the request when a last page's length is outside [1,
+    page_size] (0 without pages), when the result disagrees with `kv_lens`, or when
+    kv_indptr lists more pages than kv_indices holds: a metadata bug, caught at plan.
+    """
+    P = md.page_size
+    indptr, last = md.kv_indptr.long(), md.kv_last_page_len.long()
+    pages = indptr[1:] - indptr[:-1]
+    kv_len = torch.where(pages > 0, (pages - 1) * P + last, 0)
+    bad = torch.where(pages > 0, (last < 1) | (last > P), last != 0) | (kv_len != md.kv_lens)
+    if bool(bad.any()):
+        b = int(torch.nonzero(bad)[0])
+        raise ValueError(f"{where}.plan: request {b} lists {int(pages[b])} pages of {P} "
+                         f"tokens with kv_last_page_len={int(last[b])}, which makes kv_len "
+                         f"{int(kv_len[b])}, but kv_lens says {int(md.kv_lens[b])} (a last "
+                         f"page holds 1 to {P} tokens; none without pages)")
+    if int(indptr[-1]) > md.kv_indices.numel():
+        raise ValueError(f"{where}.plan: kv_indptr lists {int(indptr[-1])} pages, but "
+                         f"kv_indices holds {md.kv_indices.numel()}")
+    return kv_len
+
+
 class ReferenceBackend(AttentionBackend):
     """Torch reference backend ("torch"): a Python loop over requests, none over tokens."""
 
@@ -29,7 +56,7 @@ class ReferenceBackend(AttentionBackend):
         # Host lists once per step: per-request slicing reads them for every layer.
         self._qo_indptr = md.qo_indptr.tolist()
         self._kv_indptr = md.kv_indptr.tolist()
-        self._kv_lens = md.kv_lens.tolist()
+        self._kv_lens = paged_kv_lens(md, type(self).__name__).tolist()
         self._append_index = (md.append_pages.to(self.storage.device),
                               md.append_slots.to(self.storage.device))
         self._kv_indices = md.kv_indices.to(device=self.storage.device, dtype=torch.int64)

@@ -146,3 +146,40 @@ def test_backend_rejects_bad_options(kwargs: dict, match: str) -> None:
     args = dict(storage=sc.storage, num_qo_heads=4, num_kv_heads=2, head_dim=16) | kwargs
     with pytest.raises(ValueError, match=match):
         ReferenceBackend(**args)  # type: ignore[arg-type]
+
+
+
+@pytest.mark.parametrize(("field", "request_index", "value", "match"), [
+    pytest.param("kv_last_page_len", 1, 4, r"request 1 lists 2 pages of 8 tokens with "
+                 r"kv_last_page_len=4, which makes kv_len 12, but kv_lens says 11",
+                 id="last-page-long"),
+    pytest.param("kv_last_page_len", 0, 0, r"request 0 lists 1 pages of 8 tokens with "
+                 r"kv_last_page_len=0", id="last-page-0"),
+    pytest.param("kv_last_page_len", 2, 9, r"request 2 lists 2 pages of 8 tokens with "
+                 r"kv_last_page_len=9", id="last-page-over"),
+    pytest.param("kv_lens", 3, 24, r"request 3 lists 4 pages .* which makes kv_len 25, but "
+                 r"kv_lens says 24", id="kv-lens"),
+    pytest.param("kv_last_page_len", 5, 1, r"request 5 lists 0 pages of 8 tokens with "
+                 r"kv_last_page_len=1", id="padding-with-a-last-page"),
+])
+def test_plan_derives_kv_len_from_the_pages_as_flashinfer_does(
+        field: str, request_index: int, value: int, match: str) -> None:
+    """Issue 22: the reference read `kv_lens` and ignored `kv_last_page_len`, which
+    FlashInfer reads, so a wrong last-page length failed only a by-hand metadata test.
+    It now derives kv_len from the page count and last page, as FlashInfer does, and
+    refuses metadata that disagrees with itself at plan, before any layer runs."""
+    sc = Scenario(MIXED, pad_to=7)  # 8-token pages; kv_lens 7, 11, 14, 25, 4, then padding
+    backend = ReferenceBackend(storage=sc.storage, num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    backend.plan(sc.md)  # the builder's own metadata agrees with itself
+    bad = getattr(sc.md, field).clone()
+    bad[request_index] = value
+    with pytest.raises(ValueError, match=r"ReferenceBackend\.plan: " + match):
+        backend.plan(sc.md._replace(**{field: bad}))
+
+
+def test_plan_refuses_a_page_list_longer_than_its_indices() -> None:
+    sc = Scenario(MIXED)
+    backend = ReferenceBackend(storage=sc.storage, num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=r"ReferenceBackend\.plan: kv_indptr lists 10 pages, "
+                                         r"but kv_indices holds 9"):
+        backend.plan(sc.md._replace(kv_indices=sc.md.kv_indices[:-1]))
