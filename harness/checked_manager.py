@@ -301,7 +301,7 @@ class CheckedManager:
                                        f"{ids}, not {given} (first chunk {first_chunk})")
         self._ids[seq_id] = (ids, seq.block_ids_version)
         self._after(where, [Event("admit", seq_id, tuple(seq.tokens), seq.num_cached_tokens,
-                                  seq.scope, tuple(ids))])
+                                  seq.scope, tuple(ids), seq.priority)])
         return seq
 
     def _call(self, where: str, call: Callable[[], T], need: int | None = None) -> T:

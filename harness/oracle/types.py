@@ -15,6 +15,10 @@ EventKind = Literal["admit", "commit", "append", "free", "copy", "offload", "onb
 _KINDS: tuple[EventKind, ...] = ("admit", "commit", "append", "free", "copy", "offload",
                                  "onboard")
 MOVES: frozenset[str] = frozenset({"copy", "offload", "onboard"})  # KV moves, (src, dst)
+# An admission's retention priority when its event has none (a log recorded before the
+# log carried priorities): the cache's default, which such a replay has always used
+DEFAULT_PRIORITY = 35
+PRIORITY_RANGE = (0, 100)
 
 
 def hit_rate(reused_blocks: int | float, missed_blocks: int | float) -> float:
@@ -141,7 +145,9 @@ class Event(NamedTuple):
     """One cache operation, as the oracles read it (scope already normalized).
 
     admit: `tokens` the prompt, `scope`; `num_tokens` the tokens reused and `block_ids`
-    the sequence's blocks, where the log records them. commit: `num_tokens` tokens valid
+    the sequence's blocks, where the log records them; `priority` its retention priority
+    (None on every other kind; `normalize_event` gives an admit without one
+    DEFAULT_PRIORITY). commit: `num_tokens` tokens valid
     from the start; `block_ids` the sequence's blocks when the commit switched some (a
     deduplicated commit), else empty; None marks a position a sliding window released or
     skipped. append: `tokens` the new tokens, `block_ids` the blocks allocated for them
@@ -150,8 +156,8 @@ class Event(NamedTuple):
     `num_tokens` slots. offload: a device block src moved whole to host slot dst;
     onboard: host slot src's first `num_tokens` slots to device block dst (host slots are
     their own id space; `seq_id` "CACHE" for the moves of cached blocks). The reuse
-    oracle reads kinds, tokens, counts and scopes only; the provenance oracle also the
-    block ids.
+    oracle reads kinds, tokens, counts, scopes and priorities only; the provenance oracle
+    also the block ids.
     """
 
     kind: EventKind
@@ -160,6 +166,15 @@ class Event(NamedTuple):
     num_tokens: int = 0
     scope: Hashable = None
     block_ids: tuple[int | None, ...] = ()
+    priority: int | None = None
+
+
+class CachedBlock(NamedTuple):
+    """A cached block as the bounded oracle sees it (`ReuseOracle.cached_blocks`)."""
+
+    tier: Literal["device", "host"]
+    priority: int  # its retention priority: the highest of its holders' since last unheld
+    released_at: int | None  # logical time of its last release (one tick a free); None: held
 
 
 def normalize_scope(scope: Any, where: str) -> Hashable:
@@ -193,8 +208,11 @@ def _ints(value: Any, where: str, what: str) -> tuple[int, ...]:
 def normalize_event(raw: Event | Mapping[str, Any] | Any) -> Event:
     """Read an event from a mapping or any object with the fields (e.g. CacheEvent).
 
-    Raises ValueError for an unknown kind, a missing field, an empty admit prompt, bad
-    tokens or block ids, a negative count, or a copy without exactly (src, dst).
+    An admit's `priority` defaults to DEFAULT_PRIORITY when absent or None (logs recorded
+    before admissions carried it); other kinds have None. Raises ValueError for an
+    unknown kind, a missing field, an empty admit prompt, bad tokens or block ids, a
+    negative count, an admit priority that is not an int in [0, 100], or a copy without
+    exactly (src, dst).
     """
     get = raw.get if isinstance(raw, Mapping) else lambda k, d=None: getattr(raw, k, d)
     kind, seq_id = get("kind"), get("seq_id")
@@ -214,7 +232,18 @@ def normalize_event(raw: Event | Mapping[str, Any] | Any) -> Event:
                    for b in raw_blocks)
     if kind in MOVES and (len(blocks) != 2 or None in blocks):
         raise ValueError(f"{where}: block_ids must be (src, dst), got {blocks!r}")
-    return Event(kind, seq_id, tokens, num, normalize_scope(get("scope"), where), blocks)
+    priority = None
+    if kind == "admit":
+        priority = get("priority")
+        if priority is None:
+            priority = DEFAULT_PRIORITY
+        low, high = PRIORITY_RANGE
+        if isinstance(priority, bool) or not isinstance(priority, int) or not (
+                low <= priority <= high):
+            raise ValueError(f"{where}: priority must be an int in [{low}, {high}], "
+                             f"got {priority!r}")
+    return Event(kind, seq_id, tokens, num, normalize_scope(get("scope"), where), blocks,
+                 priority)
 
 
 @dataclass(frozen=True)

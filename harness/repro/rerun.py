@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from harness.adapters import KvcacheEngineAdapter
+from harness.oracle.types import DEFAULT_PRIORITY
 from harness.repro.compare import describe, first_difference
 from harness.repro.fileformat import ReproFormatError
 from harness.repro.record import FullBlocksFailure, OracleFailure, OutputRef, ScenarioRecord
@@ -124,11 +125,12 @@ def run_engine(index: int, run: EngineRun, resolved: Resolved, notes: list[str],
             notes.append(f"{where}.calls[{k}] ({call.op}, {call.phase}): request ids {rids}, "
                          f"recorded {call.rids}")
     log = [_plain(e) for e in engine.admission_log()]
-    if log != run.admission_log:
-        at = next((i for i, (a, b) in enumerate(zip(log, run.admission_log, strict=False))
-                   if a != b), min(len(log), len(run.admission_log)))
+    recorded = [_with_priority(e) for e in run.admission_log]
+    if log != recorded:
+        at = next((i for i, (a, b) in enumerate(zip(log, recorded, strict=False))
+                   if a != b), min(len(log), len(recorded)))
         notes.append(f"{where}: the cache saw another sequence of operations from event {at} "
-                     f"({len(log)} events, {len(run.admission_log)} recorded)")
+                     f"({len(log)} events, {len(recorded)} recorded)")
     counters = engine.kv_cache_stats().as_dict()
     changed = sorted(k for k, v in run.counters.items() if counters.get(k) != v)
     if changed:
@@ -139,6 +141,15 @@ def run_engine(index: int, run: EngineRun, resolved: Resolved, notes: list[str],
 
 def _plain(event: dict[str, Any]) -> Any:
     return json.loads(json.dumps(event))
+
+
+def _with_priority(event: Any) -> Any:
+    """A recorded event as the log writes it now: an admit recorded before the log
+    carried priorities gets the default one, which is what those runs used unless a
+    call said otherwise."""
+    if isinstance(event, dict) and event.get("kind") == "admit" and "priority" not in event:
+        return {**event, "priority": DEFAULT_PRIORITY}
+    return event
 
 
 def _pick(refs: Sequence[OutputRef], outputs: list[dict[int, GenerationOutput]]

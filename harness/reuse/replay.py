@@ -16,7 +16,7 @@ from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from harness.oracle.model import replay as oracle_replay
-from harness.oracle.types import OracleConfig
+from harness.oracle.types import DEFAULT_PRIORITY, OracleConfig
 from harness.repro.fileformat import ReproFormatError
 from harness.reuse.assertions import (
     Bounds,
@@ -99,8 +99,10 @@ def _apply(cache: KVCacheManager, event: dict[str, Any], first: dict[Hashable, A
     kind, seq_id = event["kind"], event["seq_id"]
     if kind == "admit":
         scope = event.get("scope")
+        priority = event.get("priority")  # absent before logs carried it
         seq = cache.add_sequence(seq_id, event["tokens"],
-                                 None if scope is None else ReuseScope(*scope))
+                                 None if scope is None else ReuseScope(*scope),
+                                 DEFAULT_PRIORITY if priority is None else priority)
         cache.take_copy_ops()  # the engine performs the copies each step
         if seq_id not in first:
             live[seq_id] = seq

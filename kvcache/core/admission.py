@@ -187,7 +187,7 @@ class Admission(CacheState):
         self.sequences[seq_id] = seq
         if self.events is not None:
             self.events.append(CacheEvent("admit", seq_id, tuple(seq._tokens), cached,
-                                         seq._scope, tuple(ids)))
+                                         seq._scope, tuple(ids), priority))
         return seq
 
 

@@ -21,7 +21,8 @@ class CacheEvent(NamedTuple):
 
     - admit: `tokens` the prompt, `scope`, `num_tokens` the tokens reused, `block_ids`
       every block of the sequence (under a sliding window: None for positions its match
-      skipped, and only the blocks of its first chunk);
+      skipped, and only the blocks of its first chunk), `priority` its retention
+      priority (None on every other kind);
     - commit: `num_tokens` the tokens whose KV is now valid; `block_ids` the sequence's
       blocks when a deduplicated commit switched some of them to equal cached blocks,
       else empty;
@@ -43,12 +44,16 @@ class CacheEvent(NamedTuple):
     num_tokens: int = 0
     scope: Hashable | None = None
     block_ids: tuple[int | None, ...] = ()  # None: released by a sliding window
+    priority: int | None = None  # an admission's retention priority
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-friendly form."""
-        return {"kind": self.kind, "seq_id": self.seq_id, "tokens": list(self.tokens),
-                "num_tokens": self.num_tokens, "scope": self.scope,
-                "block_ids": list(self.block_ids)}
+        """Plain JSON-friendly form; an admit also has its "priority"."""
+        out: dict[str, Any] = {"kind": self.kind, "seq_id": self.seq_id,
+                               "tokens": list(self.tokens), "num_tokens": self.num_tokens,
+                               "scope": self.scope, "block_ids": list(self.block_ids)}
+        if self.priority is not None:
+            out["priority"] = self.priority
+        return out
 
 
 def op_event(owner: Hashable, op: KvOp, tokens_per_block: int) -> CacheEvent:
