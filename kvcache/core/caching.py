@@ -20,15 +20,18 @@ class Caching(CacheState):
 
     def _cache_full_blocks(self, seq: Sequence, nfull: int) -> None:
         """Put the committed full blocks of `seq` from its `tree_blocks` up to `nfull` into
-        the tree: a leaf only it holds grows in place; otherwise blocks equal to cached ones
+        the tree: a leaf only it holds, at its priority, grows in place; otherwise blocks equal to cached ones
         switch to those (its own go back to the pool, `block_ids_version` is bumped; a host
         copy takes its blocks instead) and the rest become a new edge it holds."""
         B = self._B
         t = seq._tree_blocks
         deep = seq._last
         tree = self.tree
-        if deep is not None and deep.ref == 1 and not deep.children:
+        if (deep is not None and deep.ref == 1 and not deep.children
+                and deep.priority == seq._priority):
             # a leaf only this sequence holds: grow it in place, the tree stays compressed
+            # (not when a holder gone since raised its priority: the new blocks have only
+            # this sequence's, so they become an edge of their own)
             tree.extend_leaf(deep, seq._tokens[t * B:nfull * B].tobytes(),
                              seq.live_block_ids(t, nfull))
             if self._kv is not None:
