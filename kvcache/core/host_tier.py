@@ -87,6 +87,9 @@ class HostTier:
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
         self.num_droppable = 0  # slots in unreferenced host edges
         self.heap: list[tuple[int, int, int, Node]] = []
+        # edges offloaded by the allocation under way: droppable only once it ends, so
+        # that an eviction never drops what it has just moved (`settle`)
+        self.arriving: list[Node] = []
         self.num_offloaded = self.num_onboarded = self.num_dropped = 0
 
     @property
@@ -99,6 +102,7 @@ class HostTier:
         self.free = list(range(self.num_slots - 1, -1, -1))
         self.num_droppable = 0
         self.heap = []
+        self.arriving = []
 
     @property
     def num_available(self) -> int:
@@ -118,7 +122,8 @@ class HostTier:
         Returns (the device ids freed, the device edge left above them when only part of
         `node` moved, else None), or None, changing nothing, when `node` is a partial
         block or the host cannot make room for `n` blocks. Makes room by dropping the
-        least valuable host leaves (never a referenced edge).
+        least valuable host leaves (never a referenced edge, nor one the same allocation
+        offloaded: the moved edge is droppable only after `settle`).
         """
         bb = self.tree.block_bytes
         if len(node.key) < bb or n > self.num_available:
@@ -136,11 +141,19 @@ class HostTier:
                 listener.offloaded(ids, slots, tokens)
         node.blocks = slots
         node.host = True
-        self.num_droppable += n
         self.num_offloaded += n
-        if not node.children:
-            self.push(node)
+        self.arriving.append(node)
         return ids, top
+
+    def settle(self) -> None:
+        """The allocation that offloaded `arriving` is over: those edges still on the host
+        become droppable."""
+        for node in self.arriving:
+            if node.host and node.parent is not None:
+                self.num_droppable += len(node.blocks)
+                if not node.children and not node.ref:
+                    self.push(node)
+        self.arriving = []
 
     def _take(self, n: int) -> list[int]:
         """`n` free slots, dropping host leaves by priority, then LRU, as needed (the
@@ -160,7 +173,8 @@ class HostTier:
                 heapq.heappop(heap)
                 gone = node.blocks
                 parent = tree.detach(node)
-                if parent.host and not parent.ref and not parent.children:
+                if (parent.host and not parent.ref and not parent.children
+                        and not any(n is parent for n in self.arriving)):
                     self.push(parent)
             self._dropped(gone)
             free += gone
@@ -186,6 +200,9 @@ class HostTier:
         """Host edge `node` left the tree (detached by the caller): its slots are free,
         its blocks dropped."""
         assert node.host and not node.ref, node
+        if any(n is node for n in self.arriving):  # not counted droppable yet
+            self.arriving = [n for n in self.arriving if n is not node]
+            self.num_droppable += len(node.blocks)
         self._dropped(node.blocks)
         self.free += node.blocks
 

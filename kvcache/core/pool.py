@@ -278,6 +278,8 @@ class BlockPool:
             if (not self.windowed and parent.parent is not None and parent.ref == 0
                     and self.device_leaf(parent)):
                 self.push(parent)
+        if host is not None:
+            host.settle()
         return out
 
     def _after_offload(self, node: Node, top: Node | None) -> None:
