@@ -12,8 +12,15 @@ from __future__ import annotations
 from harness.oracle.capacity import CapacityError, CapacityOracle
 from harness.oracle.model import ReuseOracle, predict_sequential, replay
 from harness.oracle.provenance import ProvenanceError, ShadowStore
-from harness.oracle.types import Event, OracleConfig, OraclePrediction, RequestReuse, hit_rate
+from harness.oracle.types import (
+    CachedBlock,
+    Event,
+    OracleConfig,
+    OraclePrediction,
+    RequestReuse,
+    hit_rate,
+)
 
-__all__ = ["CapacityError", "CapacityOracle", "Event", "OracleConfig", "OraclePrediction",
-           "ProvenanceError", "RequestReuse", "ReuseOracle", "ShadowStore", "hit_rate",
-           "predict_sequential", "replay"]
+__all__ = ["CachedBlock", "CapacityError", "CapacityOracle", "Event", "OracleConfig",
+           "OraclePrediction", "ProvenanceError", "RequestReuse", "ReuseOracle",
+           "ShadowStore", "hit_rate", "predict_sequential", "replay"]

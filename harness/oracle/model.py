@@ -37,6 +37,7 @@ from typing import Any, Literal
 from harness.oracle.tiers import Tiers
 from harness.oracle.types import (
     MOVES,
+    CachedBlock,
     Event,
     OracleConfig,
     OraclePrediction,
@@ -53,12 +54,13 @@ ParentKey = tuple[Hashable, Tokens]           # (scope, tokens [0, i * B))
 
 @dataclass
 class _Seq:
-    """A live sequence: its tokens, committed count and its cached blocks."""
+    """A live sequence: its tokens, committed count, cached blocks and retention priority."""
 
     scope: Hashable
     tokens: list[int]
     committed: int
     keys: list[FullKey]  # keys[i] is its cached block at position i; contiguous from 0
+    priority: int
     first: int = 0  # it holds keys[first:]; the window released the ones before
 
 
@@ -100,6 +102,25 @@ class ReuseOracle:
         match = self._match(tuple(tokens), normalize_scope(scope, "probe"))
         return len(match.full_keys) * self.cfg.tokens_per_block + match.partial_tokens
 
+    def cached_blocks(self) -> dict[tuple[Hashable, Tokens], CachedBlock]:
+        """Every cached block, keyed by (scope, the tokens from the sequence's start to
+        the block's end: a partial leaf's end where its tail does), with its tier, its
+        retention priority and, unless a live sequence holds it, when it was last
+        released: what decides the next eviction. A new dict; changes nothing. Raises
+        ValueError unless the pools are modelled (`OracleConfig.max_num_blocks`)."""
+        tiers = self._tiers
+        if tiers is None:
+            raise ValueError("cached_blocks: the oracle models no pools (give "
+                             "OracleConfig.max_num_blocks)")
+        out: dict[tuple[Hashable, Tokens], CachedBlock] = {}
+        for name, tier in (("device", tiers.device), ("host", tiers.host)):
+            for key, (priority, time) in tier.items():
+                held = len(key) == 2 and self._users[key] > 0
+                tokens = key[1] if len(key) == 2 else key[1] + key[2]
+                out[(key[0], tokens)] = CachedBlock(name, priority,  # type: ignore[arg-type]
+                                                    None if held else time)
+        return out
+
     def prediction(self) -> OraclePrediction:
         """Every admission so far, per request and in total (with the moves between
         tiers when the pools are modelled)."""
@@ -119,7 +140,8 @@ class ReuseOracle:
         if ev.kind in MOVES:
             return None  # KV movement: no effect on what is cached or reused
         if ev.kind == "admit":
-            return self._admit(ev.seq_id, ev.tokens, ev.scope)
+            assert ev.priority is not None  # normalize_event gives every admit one
+            return self._admit(ev.seq_id, ev.tokens, ev.scope, ev.priority)
         seq = self._seqs.get(ev.seq_id)
         if seq is None:
             raise ValueError(f"{ev.kind} event for seq_id {ev.seq_id!r}, which is not live")
@@ -185,7 +207,8 @@ class ReuseOracle:
             return False  # a sequence's blocks are device blocks: a host block is copied
         return self._users[key] == 0 and not self._children.get(key)
 
-    def _admit(self, seq_id: Hashable, prompt: Tokens, scope: Hashable) -> RequestReuse:
+    def _admit(self, seq_id: Hashable, prompt: Tokens, scope: Hashable, priority: int
+               ) -> RequestReuse:
         if seq_id in self._seqs:
             raise ValueError(f"admit event for seq_id {seq_id!r}, which is already live")
         match = self._match(prompt, scope)
@@ -194,10 +217,10 @@ class ReuseOracle:
             if self._tiers is not None:
                 self._tiers.claimed(match.source)
         reused = len(match.full_keys) * self.cfg.tokens_per_block + match.partial_tokens
-        seq = _Seq(scope, list(prompt), reused, list(match.full_keys))
+        seq = _Seq(scope, list(prompt), reused, list(match.full_keys), priority)
         seq.first = self._first_held(seq)
         for key in seq.keys[seq.first:]:
-            self._users[key] += 1
+            self._hold(key, seq)
         self._seqs[seq_id] = seq
         action: Literal["claim", "copy"] | None = None
         if match.partial_tokens:
@@ -206,8 +229,8 @@ class ReuseOracle:
         if self._tiers is not None:
             new = self._blocks(seq) - len(match.full_keys) - (action == "claim")
             copy = match.source if action == "copy" else None
-            onboarded = self._tiers.admit(match.full_keys, new, copy)
-            onboarded += copy is not None and self._tiers.copy_from_host(copy)
+            onboarded = self._tiers.admit(match.full_keys, new, priority, copy)
+            onboarded += copy is not None and self._tiers.copy_from_host(copy, priority)
         result = RequestReuse.for_prompt(
             seq_id, len(prompt), self.cfg.tokens_per_block, len(match.full_keys),
             match.partial_tokens, action, onboarded)
@@ -229,12 +252,12 @@ class ReuseOracle:
             if key not in self._cached:
                 self._cache(key)
                 if tiers is not None:
-                    tiers.cached(key)
+                    tiers.cached(key, seq.priority)
             elif tiers is not None and key in tiers.host:
-                tiers.cached(key)  # the host's copy gives way to this sequence's
+                tiers.cached(key, seq.priority)  # the host's copy gives way to this one's
             elif tiers is not None:  # deduplicated: it holds the cached one, frees its own
                 tiers.freed(1)
-            self._users[key] += 1
+            self._hold(key, seq)
             seq.keys.append(key)
         first = self._first_held(seq)
         self._unuse(seq.keys[seq.first:first])
@@ -247,6 +270,12 @@ class ReuseOracle:
             return 0
         first = max(0, seq.committed - window + 1) // self.cfg.tokens_per_block
         return min(first, max(len(seq.keys) - 1, 0))
+
+    def _hold(self, key: FullKey, seq: _Seq) -> None:
+        """`seq` holds cached block `key` from now (the pools see its priority first)."""
+        if self._tiers is not None:
+            self._tiers.hold(key, seq.priority)
+        self._users[key] += 1
 
     def _unuse(self, keys: Sequence[FullKey]) -> None:
         for key in keys:
@@ -266,7 +295,7 @@ class ReuseOracle:
         if tiers is not None:
             private = self._blocks(seq) - len(seq.keys)
             if tail is not None:  # its block joins the cache
-                tiers.cached(tail)
+                tiers.cached(tail, seq.priority)
                 private -= 1
             tiers.freed(private)
 

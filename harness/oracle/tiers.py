@@ -7,21 +7,29 @@ for a full block, (scope, prefix, tail) for a partial leaf.
 
 - The device holds cached blocks (held by live sequences or not) and each live
   sequence's private blocks (those not in the tree: new, decode, duplicates).
+- Every cached block has a retention priority: the highest of its holders' since it was
+  last unheld (a block a commit or a freed tail adds: its sequence's). A holder arriving
+  while nobody holds the block sets it afresh; one arriving while others hold it can
+  only raise it.
 - An allocation takes free device blocks first, then evicts, one block at a time, the
-  unheld device block with no device child whose last release is oldest. A full block is
-  offloaded to the host, a partial one dropped.
-- The host drops, one block at a time, the unpinned block with no child whose last
-  release is oldest (a block keeps its time when it moves), whenever an offload needs
-  its slot.
+  unheld device block with no device child of the lowest priority, the one whose last
+  release is oldest among those. A full block is offloaded to the host, a partial one
+  dropped.
+- The host drops, one block at a time, the unpinned block with no child of the lowest
+  priority, then oldest release (a block keeps its priority and time when it moves),
+  whenever an offload needs its slot; never a block the same allocation offloaded (an
+  eviction does not undo itself, however low the block ranks).
 - An admission holds its device hits and pins its host hits, allocates its new blocks
-  and one per host hit (the onboards), then moves the host hits to the device.
+  and one per host hit (the onboards), then moves the host hits to the device. A copy
+  source counts as held by the admission and released at once.
 - A commit of a block cached on the host moves it to the device (the sequence's copy).
 
-Exact for the cache when every evictable block has one priority (the log does not carry
-priorities), partial reuse is off, and the host can always take a whole eviction
-(host >= 2 x device is enough): ties of release time then never arise between two
-candidates, and the cache's edge-at-a-time moves equal these block-at-a-time ones. With
-partial reuse on it does not model the protected copy sources and forgone partial hits.
+Exact for the cache, with any mix of priorities, when partial reuse is off and the host
+can always take a whole eviction (host >= 2 x device is enough): two candidates then
+never tie (a tie of release time means one sequence's path, where only the deepest
+block is a candidate), and the cache's edge-at-a-time moves equal these block-at-a-time
+ones. With partial reuse on it does not model the protected copy sources and forgone
+partial hits.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 Key = tuple  # a cached block's key (see the module docstring)
+Rank = tuple[int, int]  # a cached block's (retention priority, time of last release)
 
 
 class Tiers:
@@ -42,9 +51,12 @@ class Tiers:
         self._children = children  # cached keys that follow a key (either tier)
         self._held = held  # whether a live sequence holds a key
         self._uncache = uncache  # forget a key the host dropped (or no tier could keep)
-        self.device: dict[Key, int] = {}  # cached on the device -> time of last release
-        self.host: dict[Key, int] = {}  # cached on the host -> time of last release
+        # cached on the device, on the host -> (priority, time of last release); a held
+        # block's time is set again when it is released
+        self.device: dict[Key, Rank] = {}
+        self.host: dict[Key, Rank] = {}
         self.pinned: set[Key] = set()
+        self._arriving: set[Key] = set()  # offloaded by the allocation under way
         self.private = 0  # device blocks of live sequences outside the tree
         self.clock = 0  # advanced once per free, as the cache's
         self.evicted = self.offloaded = self.onboarded = self.dropped = 0
@@ -60,6 +72,7 @@ class Tiers:
         """`n` private device blocks: free ones first, then evicted ones."""
         for _ in range(n - self.free):
             self._evict_one()
+        self._arriving.clear()
         assert self.free >= n, f"oracle: {n} blocks cannot be had ({self.free} free)"
         self.private += n
 
@@ -67,12 +80,14 @@ class Tiers:
         candidates = [k for k in self.device if not self._held(k) and k not in self.pinned
                       and not any(c in self.device for c in self._children(k))]
         assert candidates, "oracle: nothing to evict (the cache admitted what cannot fit)"
-        # oldest release first; the deeper block breaks a tie (a leaf before its parent)
-        key = min(candidates, key=lambda k: (self.device[k], -_depth(k)))
-        time = self.device.pop(key)
+        # lowest priority, then oldest release; the deeper block breaks a tie (a leaf
+        # before its parent)
+        key = min(candidates, key=lambda k: (*self.device[k], -_depth(k)))
+        rank = self.device.pop(key)
         self.evicted += 1
         if len(key) == 2 and self.host_blocks and self._room():
-            self.host[key] = time
+            self.host[key] = rank
+            self._arriving.add(key)
             self.offloaded += 1
         else:
             self._drop_below(key)
@@ -81,11 +96,11 @@ class Tiers:
     def _room(self) -> bool:
         if len(self.host) < self.host_blocks:
             return True
-        droppable = [k for k in self.host if k not in self.pinned and not any(
-            True for _ in self._children(k))]
+        droppable = [k for k in self.host if k not in self.pinned and k not in self._arriving
+                     and not any(True for _ in self._children(k))]
         if not droppable:
             return False
-        victim = min(droppable, key=lambda k: (self.host[k], -_depth(k)))
+        victim = min(droppable, key=lambda k: (*self.host[k], -_depth(k)))
         del self.host[victim]
         self.dropped += 1
         self._uncache(victim)
@@ -102,10 +117,20 @@ class Tiers:
 
     # -- the cache's operations ----------------------------------------------------------
 
-    def admit(self, hits: Iterable[Key], new_blocks: int, source: Key | None = None) -> int:
-        """An admission reusing `hits` (held by now) and needing `new_blocks` more, with
-        a partial hit copied from `source` (protected meanwhile); returns how many hits
-        it onboards from the host."""
+    def hold(self, key: Key, priority: int) -> None:
+        """A live sequence of retention `priority` starts holding cached block `key`
+        (called before the oracle counts it as a holder): unheld until now, the block
+        takes `priority`; held by others, it keeps the higher of the two."""
+        tier = self.device if key in self.device else self.host
+        old, time = tier[key]
+        tier[key] = (max(old, priority) if self._held(key) else priority, time)
+
+    def admit(self, hits: Iterable[Key], new_blocks: int, priority: int,
+              source: Key | None = None) -> int:
+        """An admission of retention `priority` reusing `hits` (held by now) and needing
+        `new_blocks` more, with a partial hit copied from `source` (protected meanwhile,
+        then released as a holder of `priority` would be); returns how many hits it
+        onboards from the host."""
         on_host = [k for k in hits if k in self.host]
         self.pinned.update(on_host)
         if source is not None:
@@ -113,26 +138,33 @@ class Tiers:
         self.allocate(new_blocks + len(on_host))
         self.pinned.clear()
         for key in on_host:
-            del self.host[key]
-            self.device[key] = self.clock  # held: its time is set again at release
+            self.device[key] = self.host.pop(key)  # held: its time is set at release
         self.private -= len(on_host)
         self.onboarded += len(on_host)
+        if source is not None and source in self.device:
+            self._touch(self.device, source, priority)
         return len(on_host)
 
-    def copy_from_host(self, key: Key) -> bool:
-        """A partial hit copied from `key`: True when the copy is an onboard (the source is
-        on the host, and counts as used now there)."""
+    def copy_from_host(self, key: Key, priority: int) -> bool:
+        """A partial hit copied from `key` by an admission of `priority`: True when the
+        copy is an onboard (the source is on the host, and counts as used now there)."""
         if key not in self.host:
             return False
-        self.host[key] = self.clock
+        self._touch(self.host, key, priority)
         self.onboarded += 1
         return True
 
-    def cached(self, key: Key) -> None:
-        """A private block of a committing sequence became cached block `key`, or (`key`
-        on the host) replaced the host's copy of it."""
+    def _touch(self, tier: dict[Key, Rank], key: Key, priority: int) -> None:
+        """`key` held by an admission of `priority` and released at once (a copy source)."""
+        old, time = tier[key]
+        tier[key] = (max(old, priority), time) if self._held(key) else (priority, self.clock)
+
+    def cached(self, key: Key, priority: int) -> None:
+        """A private block of a committing sequence of `priority` became cached block
+        `key`, or (`key` on the host) replaced the host's copy of it; a freed sequence's
+        tail joins the cache likewise."""
         self.host.pop(key, None)
-        self.device[key] = self.clock
+        self.device[key] = (priority, self.clock)
         self.private -= 1
 
     def claimed(self, key: Key) -> None:
@@ -145,8 +177,9 @@ class Tiers:
         self.clock += 1
 
     def released(self, key: Key) -> None:
-        """No live sequence holds `key` any more: it is evictable from now."""
-        self.device[key] = self.clock
+        """No live sequence holds `key` any more: it is evictable from now, at the
+        priority its holders gave it."""
+        self.device[key] = (self.device[key][0], self.clock)
 
     def freed(self, private_blocks: int) -> None:
         """A sequence's private blocks went back to the free list."""

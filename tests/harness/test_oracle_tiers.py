@@ -1,7 +1,8 @@
 """The oracle's bounded pools against the real KVCacheManager: eviction, offload, onboard
 and drop, block by block, on random event sequences where the oracle claims exactness
-(partial reuse off, one retention priority, a host tier of 0 or at least twice the
-device pool), and the cases where it does not."""
+(partial reuse off, a host tier of 0 or at least twice the device pool; retention
+priorities mixed at random, so prefixes are held and re-held at several), and the cases
+where it does not."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from hypothesis import strategies as st
 
 from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from tests.unit.support import tree_blocks
 
 SCOPES = [None, None, ReuseScope(salt=0)]
 STEMS = [[1, 2, 3, 1, 2, 3, 1, 2], [2, 2, 2, 2, 3, 3], [3, 1, 3, 1, 3]]
 prompts = st.builds(lambda stem, cut, tail: stem[:cut] + tail, st.sampled_from(STEMS),
                     st.integers(0, 8), st.lists(st.integers(1, 3), max_size=4)).filter(bool)
 MOVES = ("evictedBlocks", "numOffloadedBlocks", "numOnboardedBlocks", "numDroppedBlocks")
+PRIORITIES = st.sampled_from([10, 35, 35, 80])
 
 
 @st.composite
@@ -59,7 +62,7 @@ def test_bounded_oracle_agrees_with_manager(cfg: KvCacheConfig, data: st.DataObj
         if kind in ("request", "admit"):
             tokens, scope = data.draw(prompts), data.draw(st.sampled_from(SCOPES))
             with contextlib.suppress(OutOfBlocksError):
-                mgr.add_sequence(n, tokens, scope)
+                mgr.add_sequence(n, tokens, scope, priority=data.draw(PRIORITIES))
                 seen = _apply(mgr, oracle, seen)
                 if kind == "request":
                     mgr.commit(n, len(tokens))
@@ -80,6 +83,9 @@ def test_bounded_oracle_agrees_with_manager(cfg: KvCacheConfig, data: st.DataObj
         seen = _apply(mgr, oracle, seen)
         for tokens in STEMS:
             assert mgr.probe_reuse(tokens) == oracle.probe(tokens), (n, tokens)
+        # every block where the oracle has it, at its priority and release time: what
+        # decides the next eviction, checked before it happens
+        assert tree_blocks(mgr) == oracle.cached_blocks(), (n, mgr.dump_tree())
     totals = oracle.prediction().totals.as_dict()
     stats = mgr.stats().as_dict()
     for name in ("reusedBlocks", "missedBlocks", *MOVES):

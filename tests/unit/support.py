@@ -1,8 +1,13 @@
-"""Helpers of the cache-core unit tests: the manager factory behind `make_manager`."""
+"""Helpers of the cache-core unit tests: the manager factory behind `make_manager`, and
+the manager's cached blocks as the bounded oracle states them."""
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Hashable
+
 from harness.checked_manager import CheckedManager
+from harness.oracle import CachedBlock
 from kvcache import KvCacheConfig, KVCacheManager
 
 
@@ -32,3 +37,23 @@ class ManagerFactory:
 
     def cache_owners(self) -> list[KVCacheManager | CheckedManager]:
         return self.created
+
+
+def tree_blocks(mgr: KVCacheManager) -> dict[tuple[Hashable, tuple[int, ...]], CachedBlock]:
+    """Every block of `mgr`'s tree as `ReuseOracle.cached_blocks` keys and states it:
+    (scope, tokens from the start through the block) -> tier, retention priority and,
+    for a block no one references, its last release time. Read from the tree's edges."""
+    B = mgr.config.tokens_per_block
+    out: dict[tuple[Hashable, tuple[int, ...]], CachedBlock] = {}
+    prefix: dict[int, tuple[int, ...]] = {}  # id(node) -> tokens through its edge
+    for scope, node in mgr.tree.walk():  # parents before children
+        parent = node.parent
+        above = prefix.get(id(parent), ()) if parent is not None else ()
+        own = tuple(array("I", node.key).tolist())
+        prefix[id(node)] = above + own
+        state = CachedBlock("host" if node.host else "device", node.priority,
+                            None if node.ref else node.last_used)
+        ends = range(B, len(own) + 1, B) if len(own) >= B else [len(own)]
+        for end in ends:
+            out[(scope, above + own[:end])] = state
+    return out
