@@ -145,3 +145,50 @@ def test_lru_and_retention_priority_choose_the_victim(
                                                                        strict=True)}
     assert probes == {n: 2 * B if n in survivors else B for n in "XYZ"}
     scenario.expect_oracle(engine, outs, exact=False, probe_replica=False)
+
+
+def run_together(engine: Engine, requests: list[tuple[list[int], int, int]]
+                 ) -> list[GenerationOutput]:
+    """Queue every (prompt, max new tokens, priority) at once and step to completion;
+    outputs in request order."""
+    rids = [engine.add_request(p, n, priority=prio) for p, n, prio in requests]
+    done: dict[int, GenerationOutput] = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step()}
+    return [done[r] for r in rids]
+
+
+@pytest.mark.parametrize("overlap", ["while-held", "after-release"])
+def test_a_prefix_re_held_at_a_lower_priority_under_pressure(
+        make_engine: EngineFactory, scenario: ScenarioRun, overlap: str) -> None:
+    """A (priority 80) computes prefix P; B (10) reuses P and adds a block of its own;
+    F (35) is cached after them; then W needs four blocks the free list cannot give.
+
+    - while-held: B is admitted while A still runs, so P's priority is the higher of
+      theirs, 80: W evicts B's block and F's three, and P survives.
+    - after-release: A has left before B re-holds P, so P starts again from B's 10: W
+      evicts B's block and P, then one of F's blocks, although F is younger.
+
+    Outputs equal a run without reuse, and the bounded oracle, which models retention
+    priority, predicts every count exactly (evictions included)."""
+    B = 4
+    rng = random.Random(22)
+    p = tokens(rng, 2 * B)
+    a, b = [*p, *tokens(rng, 1)], [*p, *tokens(rng, B + 1)]
+    f, w = tokens(rng, 3 * B + 1), tokens(rng, 5 * B + 1)
+    engine = make_engine(B, mode=NO_PARTIAL, max_num_blocks=8)
+    first, second = (a, 2, 80), (b, 1, 10)
+    if overlap == "while-held":  # B waits for A to commit P, then joins it
+        outs = run_together(engine, [first, second])
+    else:
+        outs = run_together(engine, [first]) + run_together(engine, [second])
+    assert [o.num_cached_tokens for o in outs] == [0, 2 * B]
+    outs += [run_one(engine, f), run_one(engine, w)]
+    assert outs[3].num_cached_tokens == 0
+    assert engine.kv_cache_stats().evicted_blocks == 4
+    probes = [engine.manager.probe_reuse(x) for x in (a, b, f)]
+    assert probes == ([2 * B, 2 * B, 0] if overlap == "while-held" else [0, 0, 2 * B])
+    reference = (make_engine.cold_reference(B, [a], 2)
+                 + make_engine.cold_reference(B, [b, f, w], 1))
+    assert_same_outputs(reference, outs, TORCH, "re-held prefix vs no reuse")
+    scenario.expect_oracle(engine, outs, bounded=True)

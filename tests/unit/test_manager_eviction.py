@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from harness.oracle import OracleConfig, ReuseOracle
 from kvcache import KVCacheManager, OutOfBlocksError
+from tests.unit.support import tree_blocks
 
 
 def cached(mgr: KVCacheManager, seq_id: str, tokens: list[int], priority: int = 35) -> None:
@@ -194,3 +196,153 @@ def test_injected_allocation_fault_changes_nothing(make_manager) -> None:
     assert snapshot(mgr)[1:] == before[1:]
     mgr.allocation_fault = None
     mgr.free_sequence("a")
+
+
+# -- retention priority with several holders (docs/design.md, Eviction): a block's priority
+# is the highest of its holders' since it was last unreferenced. Each test checks the
+# eviction order by hand and the whole cache, block by block, against the bounded oracle.
+
+def assert_oracle_agrees(mgr: KVCacheManager) -> None:
+    """Every cached block where the bounded oracle, replaying the log, has it: tier,
+    priority and release time; and the same number of evictions, offloads and drops."""
+    oracle = ReuseOracle(OracleConfig.from_cache_config(mgr.config, bounded=True))
+    totals = oracle.replay(mgr.events or ()).totals.as_dict()
+    assert tree_blocks(mgr) == oracle.cached_blocks(), mgr.dump_tree()
+    stats = mgr.stats().as_dict()
+    for name in ("evictedBlocks", "numOffloadedBlocks", "numDroppedBlocks"):
+        assert stats[name] == totals[name], (name, stats[name], totals[name])
+
+
+P = [1, 1, 2, 2]  # the shared prefix: 2 blocks of 2 tokens
+FILLER = [5, 5, 6, 6]  # cached at the default priority after the prefix
+
+
+def evict(mgr: KVCacheManager, seq_id: str, nblocks: int) -> None:
+    """Admit a prompt of fresh blocks that takes every free block and evicts `nblocks`."""
+    mgr.add_sequence(seq_id, [7] * (2 * (mgr.pool.num_free + nblocks) - 1))
+    assert mgr.get_sequence(seq_id).metrics.num_new_allocated_blocks < len(
+        mgr.get_sequence(seq_id).block_ids)
+
+
+def test_a_prefix_re_held_lower_while_held_keeps_the_higher_priority(make_manager) -> None:
+    """A holds P at 80; B re-holds it at 10 while A still does, then A leaves, then B: P
+    keeps 80 (B's own block has 10). Under pressure B's block goes first, then the
+    filler at 35, and P last; a cache taking the latest holder's priority (10) would give
+    up P before the filler."""
+    mgr = make_manager(2, 6, partial=False, record_events=True)
+    mgr.add_sequence("A", [*P, 9], priority=80)
+    mgr.commit("A", 4)
+    mgr.add_sequence("B", [*P, 3, 3, 9], priority=10)
+    mgr.free_sequence("A")
+    mgr.commit("B", 6)
+    mgr.free_sequence("B")
+    cached(mgr, "F", [*FILLER, 9])
+    assert_oracle_agrees(mgr)
+    evict(mgr, "X", 1)  # B's [3, 3]: priority 10
+    assert (mgr.probe_reuse([*P, 3, 3, 9]), mgr.probe_reuse([*FILLER, 9])) == (4, 4)
+    assert_oracle_agrees(mgr)
+    evict(mgr, "Y", 2)  # the filler (35), deepest block first; P (80) stays
+    assert (mgr.probe_reuse([*P, 9]), mgr.probe_reuse([*FILLER, 9])) == (4, 0)
+    assert_oracle_agrees(mgr)
+    mgr.free_sequence("X")
+    mgr.free_sequence("Y")
+
+
+def test_a_prefix_released_then_re_held_lower_takes_the_lower_priority(make_manager) -> None:
+    """A holds P at 80 and leaves; B re-holds P at 10: P was unreferenced in between, so
+    its priority starts again from B's. Under pressure P (10) goes before the filler
+    (35), although the filler was released later; a cache keeping the highest priority
+    a block ever had would keep P."""
+    mgr = make_manager(2, 6, partial=False, record_events=True)
+    cached(mgr, "A", [*P, 9], priority=80)
+    mgr.add_sequence("B", [*P, 3, 3, 9], priority=10)
+    mgr.commit("B", 6)
+    mgr.free_sequence("B")
+    cached(mgr, "F", [*FILLER, 9])
+    evict(mgr, "X", 3)  # [3, 3], then P's two blocks, all at 10
+    assert (mgr.probe_reuse([*P, 9]), mgr.probe_reuse([*FILLER, 9])) == (0, 4)
+    assert_oracle_agrees(mgr)
+    mgr.free_sequence("X")
+
+
+def test_blocks_a_commit_adds_take_only_the_committers_priority(make_manager) -> None:
+    """A (80) and B (10) hold P; A leaves, so B alone holds P (still at 80) when it commits
+    two blocks more. Those blocks never had a holder but B: they take 10, not the 80 of
+    the edge they hang from, and go before the filler (35) while P stays."""
+    mgr = make_manager(2, 7, partial=False, record_events=True)
+    mgr.add_sequence("A", [*P, 9], priority=80)
+    mgr.commit("A", 4)
+    mgr.add_sequence("B", [*P, 3, 3, 4, 4, 9], priority=10)
+    mgr.free_sequence("A")
+    mgr.commit("B", 8)
+    mgr.free_sequence("B")
+    cached(mgr, "F", [*FILLER, 9])
+    assert_oracle_agrees(mgr)
+    evict(mgr, "X", 2)  # B's [4, 4] and [3, 3]
+    assert (mgr.probe_reuse([*P, 3, 3, 4, 4, 9]), mgr.probe_reuse([*FILLER, 9])) == (4, 4)
+    assert_oracle_agrees(mgr)
+    mgr.free_sequence("X")
+
+
+def test_a_deduplicated_commit_keeps_the_higher_priority_of_a_held_block(make_manager
+                                                                        ) -> None:
+    """A (80) and B (10) compute P side by side; A commits first, B's commit switches to
+    A's blocks while A holds them: they keep the higher priority, 80, though B holds
+    them last, and outlive the filler (35)."""
+    mgr = make_manager(2, 6, partial=False, record_events=True)
+    mgr.add_sequence("A", [*P, 9], priority=80)
+    mgr.add_sequence("B", [*P, 8], priority=10)
+    mgr.commit("A", 4)
+    mgr.commit("B", 4)  # deduplicated: B gives its two blocks back
+    mgr.free_sequence("A")
+    mgr.free_sequence("B")
+    cached(mgr, "F", [*FILLER, 9])
+    evict(mgr, "X", 2)  # the filler's two blocks
+    assert (mgr.probe_reuse([*P, 9]), mgr.probe_reuse([*FILLER, 9])) == (4, 0)
+    assert_oracle_agrees(mgr)
+    mgr.free_sequence("X")
+
+
+def test_the_host_tier_drops_by_priority_and_blocks_keep_theirs(make_manager) -> None:
+    """Device 2 blocks, host 4. H (80) is cached first, L (10) next, then five one-block
+    prompts at 35 push everything to the host and beyond: the host drops L first, then
+    the oldest at 35, and keeps H, the oldest of all, at its priority."""
+    mgr = make_manager(2, 2, partial=False, host=4, record_events=True)
+    cached(mgr, "H", [1, 1, 9], priority=80)
+    cached(mgr, "L", [2, 2, 9], priority=10)
+    for t in range(3, 8):
+        cached(mgr, f"M{t}", [t, t, 9])
+        mgr.take_copy_ops()
+    blocks = tree_blocks(mgr)
+    on_host = {k[1][0]: v.priority for k, v in blocks.items() if v.tier == "host"}
+    assert on_host == {1: 80, 4: 35, 5: 35, 6: 35}
+    assert [k[1][0] for k, v in blocks.items() if v.tier == "device"] == [7]
+    assert_oracle_agrees(mgr)
+
+
+def test_an_eviction_never_drops_what_it_just_offloaded(make_manager) -> None:
+    """Device 5 blocks, host 10, full of blocks at 80. One admission evicts B's block Q
+    (10) and then the prefix P (35) it hangs from: Q reaches the host first and ranks
+    lowest there, but the same eviction does not drop it again to make room for P (a
+    copy for nothing): P and Q all land on the host, three blocks at 80 are dropped."""
+    mgr = make_manager(2, 5, partial=False, host=10, record_events=True)
+    for t in range(10, 22):
+        cached(mgr, f"H{t}", [t, t, 9], priority=80)
+        mgr.take_copy_ops()
+    mgr.add_sequence("A", [*P, 9])
+    mgr.commit("A", 4)
+    mgr.add_sequence("B", [*P, 3, 3, 9], priority=10)
+    mgr.commit("B", 6)
+    mgr.free_sequence("A")
+    mgr.free_sequence("B")
+    mgr.take_copy_ops()
+    s = mgr.stats()
+    assert (s.cached_num_host_blocks, s.cached_num_blocks, s.free_num_blocks) == (10, 3, 5)
+    dropped = s.dropped_blocks
+    evict(mgr, "X", 3)  # Q (10), then P (35), to the host
+    mgr.take_copy_ops()
+    assert mgr.stats().dropped_blocks - dropped == 3
+    on_host = {k[1]: v.priority for k, v in tree_blocks(mgr).items() if v.tier == "host"}
+    assert {tuple(P[:2]): 35, tuple(P): 35, (*P, 3, 3): 10}.items() <= on_host.items()
+    assert_oracle_agrees(mgr)
+    mgr.free_sequence("X")
