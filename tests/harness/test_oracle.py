@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from harness.oracle import Event, OracleConfig, ReuseOracle, predict_sequential, replay
+from harness.oracle.types import DEFAULT_PRIORITY, normalize_event
+from kvcache import DEFAULT_PRIORITY as CACHE_DEFAULT
 
 ON = OracleConfig(4)
 NO_COPY = OracleConfig(4, copy_on_partial_reuse=False)
@@ -303,10 +305,25 @@ def test_replay_accepts_event_objects_and_mappings() -> None:
     pytest.param([{"kind": "evict", "seq_id": 1}], "kind must be one of", id="kind"),
     pytest.param([admit(1, [])], "prompt is empty", id="empty"),
     pytest.param([admit(1, [1, -2])], "token -2", id="negative-token"),
+    pytest.param([{**admit(1, [1]), "priority": 101}], r"priority must be an int in \[0, 100\], "
+                 "got 101", id="priority-high"),
+    pytest.param([{**admit(1, [1]), "priority": True}], "priority .* got True",
+                 id="priority-bool"),
+    pytest.param([{**admit(1, [1]), "priority": "80"}], "priority .* got '80'",
+                 id="priority-str"),
 ])
 def test_bad_events(events: list[dict[str, Any]], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         replay(events, ON)
+
+
+def test_an_admit_without_a_priority_has_the_default_one() -> None:
+    """Logs recorded before admissions carried a priority replay as they always did, at
+    the cache's default; only an admission has one."""
+    assert normalize_event(admit(1, [1])).priority == DEFAULT_PRIORITY == CACHE_DEFAULT
+    assert normalize_event({**admit(1, [1]), "priority": None}).priority == DEFAULT_PRIORITY
+    assert normalize_event({**admit(1, [1]), "priority": 0}).priority == 0
+    assert normalize_event({"kind": "free", "seq_id": 1, "priority": 80}).priority is None
 
 
 def test_commit_cannot_go_backwards() -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main as kvharness
+from harness.reuse.replay import replay as replay_record
 from harness.reuse.repro import ReproRecord
+from kvcache import KvCacheConfig, KVCacheManager
 
 pytest_plugins = ["pytester"]
 
@@ -131,3 +133,35 @@ def test_repro_help_lists_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> 
     assert [line[:3] for line in exits if line[:1].isdigit()] == ["0  ", "1  ", "2  ", "3  "]
     assert exits[0].startswith("0  the recorded failure did not come back")
     assert any(line.startswith("2  the file cannot be re-run here") for line in exits)
+
+
+def _priority_record(strip: bool) -> ReproRecord:
+    """A reuse record whose counters depend on retention priority: H (80) outlives L (10)
+    and N (35) when X evicts two blocks, so H again reuses its block. With `strip`, the
+    log is as recorded before admissions carried a priority."""
+    manager = KVCacheManager(KvCacheConfig(tokens_per_block=2, max_num_blocks=4,
+                                           enable_partial_reuse=False), record_events=True)
+    for seq_id, tokens, priority in (("H", [1, 1, 9], 80), ("L", [2, 2, 9], 10),
+                                     ("N", [3, 3, 9], 35), ("X", [8, 8, 8, 8, 9], 35),
+                                     ("H2", [1, 1, 9], 35)):
+        manager.add_sequence(seq_id, tokens, priority=priority)
+        manager.commit(seq_id, len(tokens))
+        manager.free_sequence(seq_id)
+    assert manager.stats().reused_blocks == 1
+    log = [e.as_dict() for e in manager.events or ()]
+    if strip:
+        log = [{k: v for k, v in e.items() if k != "priority"} for e in log]
+    return ReproRecord("test_p.py::test_priority", "expect_reuse", None,
+                       {"tokens_per_block": 2, "max_num_blocks": 4,
+                        "enable_partial_reuse": False}, log, None, True,
+                       [{"where": "total", "counter": "reusedBlocks", "at_least": 1,
+                         "at_most": 1, "actual": 1}], "")
+
+
+def test_a_replay_evicts_at_the_logged_priorities() -> None:
+    """The replay admits at each event's priority; a log without them (recorded before
+    they were logged) still loads, every admission at the default 35, as such replays
+    always ran: then H, the oldest, is evicted and the same counters differ."""
+    assert not replay_record(_priority_record(strip=False)).reproduced
+    old = replay_record(_priority_record(strip=True))
+    assert old.reproduced and "reusedBlocks" in old.message

@@ -105,22 +105,24 @@ def test_events_record_the_order_the_cache_saw(make_manager) -> None:
     mgr.add_sequence("a", [1, 2, 3, 4, 5], scope=salt0)
     mgr.commit("a", 5)
     mgr.append_tokens("a", [9, 9, 9, 9])
-    mgr.add_sequence("b", [1, 2, 7], scope=salt0)  # copies [1, 2] from a's first block
+    mgr.add_sequence("b", [1, 2, 7], scope=salt0, priority=80)  # copies [1, 2] of a's
     mgr.take_copy_ops()
     mgr.free_sequence("a")
     mgr.free_sequence("b")
     assert mgr.events == [
-        CacheEvent("admit", "a", (1, 2, 3, 4, 5), 0, (0, None), (1, 0)),
+        CacheEvent("admit", "a", (1, 2, 3, 4, 5), 0, (0, None), (1, 0), 35),
         CacheEvent("commit", "a", (), 5, None),
         CacheEvent("append", "a", (9, 9, 9, 9), 0, None, (2,)),
-        CacheEvent("admit", "b", (1, 2, 7), 2, (0, None), (3,)),
+        CacheEvent("admit", "b", (1, 2, 7), 2, (0, None), (3,), 80),
         CacheEvent("copy", "b", (), 2, None, (1, 3)),
         CacheEvent("free", "a", (), 0, None),
         CacheEvent("free", "b", (), 0, None),
     ]
     assert mgr.events[0].as_dict() == {"kind": "admit", "seq_id": "a",
                                        "tokens": [1, 2, 3, 4, 5], "num_tokens": 0,
-                                       "scope": (0, None), "block_ids": [1, 0]}
+                                       "scope": (0, None), "block_ids": [1, 0],
+                                       "priority": 35}
+    assert "priority" not in mgr.events[1].as_dict()  # only an admission has one
     assert make_manager().events is None
 
 
