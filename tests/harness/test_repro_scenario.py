@@ -18,11 +18,14 @@ from typing import Any
 import pytest
 
 from harness.cli import main as kvharness
+from harness.report import ReuseReport
 from harness.repro.fileformat import open_file
 from harness.repro.record import FullBlocksFailure, OracleFailure, OutputsFailure, ScenarioRecord
 from harness.repro.rerun import rerun
+from harness.reuse.assertions import ReuseMismatch
+from tests.scenarios.faults import OverCountingEngine
 from tests.scenarios.recording import check_record
-from tests.scenarios.support import EngineFactory, Models, prompts_of
+from tests.scenarios.support import NO_PARTIAL, EngineFactory, Models, ScenarioRun, prompts_of
 
 ROOT = Path(__file__).resolve().parents[2]  # where `tests.scenarios.faults` imports from
 FAULTY = "tests.scenarios.faults:StalePrefixBackend"
@@ -292,3 +295,22 @@ def test_an_unusable_file_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     path.write_text(text)
     assert kvharness(["repro", str(path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bounded_oracle_failure_reruns_with_the_bounded_oracle() -> None:
+    # A failed expect_oracle(..., bounded=True) recorded bounded=False, so the re-run
+    # checked against the unbounded oracle: another check than the one that failed.
+    make_engine = EngineFactory(Models(), "t::bounded")
+    engine = make_engine(4, mode=NO_PARTIAL, max_num_blocks=5,
+                         engine_class=OverCountingEngine)
+    a, b = prompts_of(4, [16, 16])
+    outs = engine.generate([a], 2) + engine.generate([b], 2) + engine.generate([a], 2)
+    outs += engine.generate([a], 2)  # reused, so the engine over-counts
+    with pytest.raises(ReuseMismatch) as err:
+        ScenarioRun("repro", "t::bounded", {}, ReuseReport()).expect_oracle(
+            engine, outs, bounded=True)
+    record = err.value.repro
+    assert isinstance(record, ScenarioRecord) and isinstance(record.failure, OracleFailure)
+    assert record.failure.bounded and record.failure.exact
+    status, message, _ = rerun(record)
+    assert status == "reproduced" and "reusedBlocks" in message

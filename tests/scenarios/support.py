@@ -206,7 +206,7 @@ class ScenarioRun:
                     adapter, prediction, exact, results=list(results),
                     context=ReproContext(self.node_id, seed, config),
                     tree_dump=engine.manager.dump_tree),
-                lambda index, refs, rows: OracleFailure(index, exact, False, refs, rows))
+                lambda index, refs, rows: OracleFailure(index, exact, bounded, refs, rows))
             if probe_replica:
                 assert_probe_matches_admissions(engine)
             engine.manager.check_integrity()
