@@ -2,7 +2,10 @@
 
 With a pool smaller than the working set outputs equal a run without reuse, blocks a live
 request references are never evicted, the least recently used idle prefix of the lowest
-retention priority goes first, and full-block reuse never exceeds the unbounded oracle.
+retention priority goes first (a prefix several requests held at several priorities has
+the highest of theirs since it was last unreferenced), and full-block reuse never exceeds
+the unbounded oracle. With partial reuse off the bounded oracle, which models the pool
+and retention priority, predicts every count exactly, evictions included.
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ def test_pool_smaller_than_working_set(make_engine: EngineFactory, scenario: Sce
         outs += got
     stats = engine.kv_cache_stats()
     assert stats.evicted_blocks > 0 and stats.reused_blocks > 0
-    if mode == NO_PARTIAL:
-        scenario.expect_oracle(engine, outs, exact=False, seed=B)
+    if mode == NO_PARTIAL:  # the bounded oracle models the pool: exact
+        scenario.expect_oracle(engine, outs, seed=B, bounded=True)
     else:
         scenario.expect_full_blocks_bounded(engine, outs, seed=B)
 
@@ -144,7 +147,7 @@ def test_lru_and_retention_priority_choose_the_victim(
     probes = {name: engine.manager.probe_reuse(p) for name, p in zip("XYZ", (x, y, z),
                                                                        strict=True)}
     assert probes == {n: 2 * B if n in survivors else B for n in "XYZ"}
-    scenario.expect_oracle(engine, outs, exact=False, probe_replica=False)
+    scenario.expect_oracle(engine, outs, bounded=True)
 
 
 def run_together(engine: Engine, requests: list[tuple[list[int], int, int]]
