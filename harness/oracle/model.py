@@ -225,15 +225,18 @@ class ReuseOracle:
         action: Literal["claim", "copy"] | None = None
         if match.partial_tokens:
             action = "claim" if match.claim else "copy"
-        onboarded = None
-        if self._tiers is not None:
+        moves = None
+        tiers = self._tiers
+        if tiers is not None:
             new = self._blocks(seq) - len(match.full_keys) - (action == "claim")
             copy = match.source if action == "copy" else None
-            onboarded = self._tiers.admit(match.full_keys, new, priority, copy)
-            onboarded += copy is not None and self._tiers.copy_from_host(copy, priority)
+            before = (tiers.offloaded, tiers.dropped)
+            onboarded = tiers.admit(match.full_keys, new, priority, copy)
+            onboarded += copy is not None and tiers.copy_from_host(copy, priority)
+            moves = (onboarded, tiers.offloaded - before[0], tiers.dropped - before[1])
         result = RequestReuse.for_prompt(
             seq_id, len(prompt), self.cfg.tokens_per_block, len(match.full_keys),
-            match.partial_tokens, action, onboarded)
+            match.partial_tokens, action, moves)
         self._admissions.append(result)
         return result
 

@@ -258,16 +258,21 @@ class RequestReuse:
     reused_tokens: int
     partial_action: Literal["claim", "copy"] | None = None
     onboarded_blocks: int | None = None  # reused blocks from the host (None: not modelled)
+    # the moves its own allocation caused: blocks offloaded, dropped from the host
+    offloaded_blocks: int | None = None
+    dropped_blocks: int | None = None
 
     @classmethod
     def for_prompt(cls, seq_id: Hashable, prompt_len: int, B: int, full: int, partial_tokens: int,
                    action: Literal["claim", "copy"] | None,
-                   onboarded: int | None = None) -> RequestReuse:
-        """The record for `full` full hits plus a partial hit of `partial_tokens` tokens,
-        `onboarded` of them from the host tier."""
+                   moves: tuple[int, int, int] | None = None) -> RequestReuse:
+        """The record for `full` full hits plus a partial hit of `partial_tokens` tokens;
+        `moves`, when the pools are modelled: (hits onboarded from the host tier, blocks
+        its allocation offloaded, blocks it dropped from the host)."""
         reused = full + (1 if partial_tokens else 0)
+        onboarded, offloaded, dropped = moves if moves is not None else (None, None, None)
         return cls(seq_id, prompt_len, full, reused - full, -(-prompt_len // B) - reused,
-                   full * B + partial_tokens, action, onboarded)
+                   full * B + partial_tokens, action, onboarded, offloaded, dropped)
 
     @property
     def reused_blocks(self) -> int:
@@ -276,13 +281,16 @@ class RequestReuse:
 
     def as_dict(self) -> dict[str, int]:
         """TensorRT-LLM-style camelCase names (reusedBlocks, missedBlocks, ...), with
-        numOnboardedBlocks when the tiers are modelled."""
+        numOnboardedBlocks, numOffloadedBlocks and numDroppedBlocks when the tiers are
+        modelled."""
         out = {"reusedBlocks": self.reused_blocks, "missedBlocks": self.missed_blocks,
                "fullReusedBlocks": self.full_reused_blocks,
                "partialReusedBlocks": self.partial_reused_blocks,
                "reusedTokens": self.reused_tokens}
-        if self.onboarded_blocks is not None:
-            out["numOnboardedBlocks"] = self.onboarded_blocks
+        moves = {"numOnboardedBlocks": self.onboarded_blocks,
+                 "numOffloadedBlocks": self.offloaded_blocks,
+                 "numDroppedBlocks": self.dropped_blocks}
+        out.update({k: v for k, v in moves.items() if v is not None})
         return out
 
 

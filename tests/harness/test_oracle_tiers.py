@@ -41,9 +41,11 @@ def _apply(mgr: KVCacheManager, oracle: ReuseOracle, seen: int) -> int:
         if predicted is None:
             continue
         m = mgr.get_sequence(ev.seq_id).metrics
-        got = (m.num_full_reused_blocks, m.num_missed_blocks, m.num_onboarded_blocks)
+        got = (m.num_full_reused_blocks, m.num_missed_blocks, m.num_onboarded_blocks,
+               m.num_offloaded_blocks, m.num_dropped_blocks)
         want = (predicted.full_reused_blocks, predicted.missed_blocks,
-                predicted.onboarded_blocks)
+                predicted.onboarded_blocks, predicted.offloaded_blocks,
+                predicted.dropped_blocks)
         assert got == want, f"admission of {ev.seq_id!r}: manager {got}, oracle {want}"
     return len(events)
 
@@ -98,8 +100,9 @@ def test_bounded_oracle_follows_offload_onboard_and_drop() -> None:
     cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=2, enable_partial_reuse=False,
                         host_cache_blocks=4)
     mgr = KVCacheManager(cfg, record_events=True)
+    metrics = []
     for i, t in enumerate([1, 2, 3, 4, 5, 6, 2]):
-        mgr.add_sequence(i, [t, t, 9])
+        metrics.append(mgr.add_sequence(i, [t, t, 9]).metrics)
         mgr.take_copy_ops()
         mgr.commit(i, 2)
         mgr.free_sequence(i)
@@ -110,6 +113,12 @@ def test_bounded_oracle_follows_offload_onboard_and_drop() -> None:
         "evictedBlocks": 6, "numOffloadedBlocks": 6, "numOnboardedBlocks": 1,
         "numDroppedBlocks": 2}
     assert prediction.requests[6].onboarded_blocks == 1
+    # each admission's own moves: the fifth drops the first block from the host
+    assert [(r.offloaded_blocks, r.dropped_blocks) for r in prediction.admissions] == [
+        (0, 0), (1, 0), (1, 0), (1, 0), (1, 0), (1, 1), (1, 1)]
+    assert [(mgr_seq.num_offloaded_blocks, mgr_seq.num_dropped_blocks)
+            for mgr_seq in metrics] == [(r.offloaded_blocks, r.dropped_blocks)
+                                        for r in prediction.admissions]
     assert prediction.requests[6].full_reused_blocks == 1
     stats = mgr.stats().as_dict()
     assert {k: stats[k] for k in MOVES} == {k: totals[k] for k in MOVES}
