@@ -169,6 +169,22 @@ def test_tie_prefers_block_that_needs_no_copy(make_manager) -> None:
     mgr.free_sequence("c")
 
 
+def test_a_tie_between_copy_sources_copies_the_one_attached_first(make_manager) -> None:
+    """Held blocks [1, 2, 3, 4] (cached first) and [1, 2, 5, 6] both share 2 tokens with
+    [1, 2, 7]: it copies from the first (docs/design.md, Choosing the partial block). The
+    reuse oracle picks another source, as no count depends on which."""
+    mgr = make_manager(4, 16)
+    first = mgr.add_sequence("a", [1, 2, 3, 4, 9])
+    mgr.add_sequence("b", [1, 2, 5, 6, 9])
+    mgr.commit("a", 4)
+    mgr.commit("b", 4)
+    c = mgr.add_sequence("c", [1, 2, 7])
+    (op,) = mgr.take_copy_ops()
+    assert (c.num_cached_tokens, op.src, op.num_tokens) == (2, first.block_ids[0], 2)
+    for sid in "abc":
+        mgr.free_sequence(sid)
+
+
 # --- commit, dedup, tails -----------------------------------------------------------------
 def test_commit_per_chunk_makes_blocks_reusable_at_once(make_manager) -> None:
     mgr = make_manager(4, 32)
