@@ -122,11 +122,14 @@ class ReuseOracle:
         return out
 
     def prediction(self) -> OraclePrediction:
-        """Every admission so far, per request and in total (with the moves between
-        tiers when the pools are modelled)."""
+        """Every admission so far, per request and in total (with the allocations and
+        the moves between tiers when the pools are modelled)."""
         t = self._tiers
-        moves = None if t is None else (t.evicted, t.offloaded, t.onboarded, t.dropped)
-        return OraclePrediction.from_admissions(self._admissions, moves)
+        if t is None:
+            return OraclePrediction.from_admissions(self._admissions)
+        return OraclePrediction.from_admissions(
+            self._admissions, (t.evicted, t.offloaded, t.onboarded, t.dropped),
+            (t.alloc_total, t.alloc_new, t.decode_alloc))
 
     # -- events ------------------------------------------------------------------------
 
@@ -149,7 +152,7 @@ class ReuseOracle:
             before = self._blocks(seq)
             seq.tokens.extend(ev.tokens)
             if self._tiers is not None:
-                self._tiers.allocate(self._blocks(seq) - before)
+                self._tiers.append(self._blocks(seq) - before)
         elif ev.kind == "commit":
             self._commit(ev.seq_id, seq, ev.num_tokens)
         else:

@@ -60,6 +60,9 @@ class Tiers:
         self.private = 0  # device blocks of live sequences outside the tree
         self.clock = 0  # advanced once per free, as the cache's
         self.evicted = self.offloaded = self.onboarded = self.dropped = 0
+        # blocks handed out other than reuse hits (onboards excluded), those of them that
+        # came from the free list, those allocated for appended tokens
+        self.alloc_total = self.alloc_new = self.decode_alloc = 0
 
     # -- occupancy ---------------------------------------------------------------------
 
@@ -68,13 +71,23 @@ class Tiers:
         """Device blocks holding nothing."""
         return self.device_blocks - len(self.device) - self.private
 
-    def allocate(self, n: int) -> None:
-        """`n` private device blocks: free ones first, then evicted ones."""
+    def allocate(self, n: int) -> int:
+        """`n` private device blocks: free ones first, then evicted ones; returns how many
+        were free."""
+        fresh = min(n, self.free)
         for _ in range(n - self.free):
             self._evict_one()
         self._arriving.clear()
         assert self.free >= n, f"oracle: {n} blocks cannot be had ({self.free} free)"
         self.private += n
+        return fresh
+
+    def append(self, n: int) -> None:
+        """`n` blocks for a sequence's appended tokens (counted as decode blocks)."""
+        fresh = self.allocate(n)
+        self.alloc_total += n
+        self.alloc_new += fresh
+        self.decode_alloc += n
 
     def _evict_one(self) -> None:
         candidates = [k for k in self.device if not self._held(k) and k not in self.pinned
@@ -135,8 +148,10 @@ class Tiers:
         self.pinned.update(on_host)
         if source is not None:
             self.pinned.add(source)
-        self.allocate(new_blocks + len(on_host))
+        fresh = self.allocate(new_blocks + len(on_host))
         self.pinned.clear()
+        self.alloc_total += new_blocks  # the onboards' blocks are reuse hits
+        self.alloc_new += min(fresh, new_blocks)
         for key in on_host:
             self.device[key] = self.host.pop(key)  # held: its time is set at release
         self.private -= len(on_host)

@@ -310,6 +310,10 @@ class ReuseTotals:
     offloaded_blocks: int | None = None
     onboarded_blocks: int | None = None
     dropped_blocks: int | None = None
+    # the pools' allocations, when they are modelled (None: not)
+    alloc_total_blocks: int | None = None
+    alloc_new_blocks: int | None = None
+    decode_alloc_blocks: int | None = None
 
     @property
     def cache_hit_rate(self) -> float:
@@ -319,7 +323,8 @@ class ReuseTotals:
     def as_dict(self) -> dict[str, int | float]:
         """reusedBlocks, missedBlocks, fullReusedBlocks, partialReusedBlocks, reusedTokens,
         claimedBlocks, copiedBlocks and cacheHitRate; with the pools modelled also
-        evictedBlocks, numOffloadedBlocks, numOnboardedBlocks and numDroppedBlocks."""
+        evictedBlocks, numOffloadedBlocks, numOnboardedBlocks, numDroppedBlocks,
+        allocTotalBlocks, allocNewBlocks and decodeAllocBlocks."""
         out: dict[str, int | float] = {
             "reusedBlocks": self.reused_blocks, "missedBlocks": self.missed_blocks,
             "fullReusedBlocks": self.full_reused_blocks,
@@ -329,7 +334,10 @@ class ReuseTotals:
         moves = {"evictedBlocks": self.evicted_blocks,
                  "numOffloadedBlocks": self.offloaded_blocks,
                  "numOnboardedBlocks": self.onboarded_blocks,
-                 "numDroppedBlocks": self.dropped_blocks}
+                 "numDroppedBlocks": self.dropped_blocks,
+                 "allocTotalBlocks": self.alloc_total_blocks,
+                 "allocNewBlocks": self.alloc_new_blocks,
+                 "decodeAllocBlocks": self.decode_alloc_blocks}
         out.update({k: v for k, v in moves.items() if v is not None})
         return out
 
@@ -349,10 +357,13 @@ class OraclePrediction:
 
     @classmethod
     def from_admissions(cls, admissions: Sequence[RequestReuse],
-                        moves: tuple[int, int, int, int] | None = None) -> OraclePrediction:
+                        moves: tuple[int, int, int, int] | None = None,
+                        allocs: tuple[int, int, int] | None = None) -> OraclePrediction:
         """Sum `admissions`; a seq_id admitted twice maps to its first admission. `moves`
-        are the pools' (evicted, offloaded, onboarded, dropped) blocks, when modelled."""
+        are the pools' (evicted, offloaded, onboarded, dropped) blocks and `allocs` their
+        (total, new, decode) allocations, when modelled."""
         evicted, offloaded, onboarded, dropped = moves if moves is not None else (None,) * 4
+        total, new, decode = allocs if allocs is not None else (None,) * 3
         totals = ReuseTotals(
             reused_blocks=sum(a.reused_blocks for a in admissions),
             missed_blocks=sum(a.missed_blocks for a in admissions),
@@ -362,7 +373,8 @@ class OraclePrediction:
             claimed_blocks=sum(a.partial_action == "claim" for a in admissions),
             copied_blocks=sum(a.partial_action == "copy" for a in admissions),
             evicted_blocks=evicted, offloaded_blocks=offloaded, onboarded_blocks=onboarded,
-            dropped_blocks=dropped)
+            dropped_blocks=dropped, alloc_total_blocks=total, alloc_new_blocks=new,
+            decode_alloc_blocks=decode)
         first: dict[Hashable, RequestReuse] = {}
         for a in admissions:
             first.setdefault(a.seq_id, a)

@@ -22,6 +22,7 @@ prompts = st.builds(lambda stem, cut, tail: stem[:cut] + tail, st.sampled_from(S
                     st.integers(0, 8), st.lists(st.integers(1, 3), max_size=4)).filter(bool)
 MOVES = ("evictedBlocks", "numOffloadedBlocks", "numOnboardedBlocks", "numDroppedBlocks")
 PRIORITIES = st.sampled_from([10, 35, 35, 80])
+ALLOCS = ("allocTotalBlocks", "allocNewBlocks", "decodeAllocBlocks")
 
 
 @st.composite
@@ -87,10 +88,15 @@ def test_bounded_oracle_agrees_with_manager(cfg: KvCacheConfig, data: st.DataObj
             assert mgr.probe_reuse(tokens) == oracle.probe(tokens), (n, tokens)
         # every block where the oracle has it, at its priority and release time: what
         # decides the next eviction, checked before it happens
-        assert tree_blocks(mgr) == oracle.cached_blocks(), (n, mgr.dump_tree())
+        blocks = oracle.cached_blocks()
+        assert tree_blocks(mgr) == blocks, (n, mgr.dump_tree())
+        gauges = mgr.stats()
+        assert (gauges.cached_num_blocks, gauges.cached_num_host_blocks) == (
+            sum(b.tier == "device" for b in blocks.values()),
+            sum(b.tier == "host" for b in blocks.values())), n
     totals = oracle.prediction().totals.as_dict()
     stats = mgr.stats().as_dict()
-    for name in ("reusedBlocks", "missedBlocks", *MOVES):
+    for name in ("reusedBlocks", "missedBlocks", *MOVES, *ALLOCS):
         assert stats[name] == totals[name], (name, stats[name], totals[name])
 
 
@@ -127,7 +133,7 @@ def test_bounded_oracle_follows_offload_onboard_and_drop() -> None:
 def test_the_unbounded_oracle_does_not_model_tiers() -> None:
     cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=2, host_cache_blocks=4)
     totals = ReuseOracle(OracleConfig.from_cache_config(cfg)).prediction().totals.as_dict()
-    assert not set(MOVES) & set(totals)
+    assert not set(MOVES) & set(totals) and not set(ALLOCS) & set(totals)
     assert OracleConfig.from_cache_config(cfg).max_num_blocks is None
 
 
