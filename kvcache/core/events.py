@@ -1,7 +1,8 @@
 """The order in which the cache saw admissions, commits, appends, frees and block moves.
 
 Recorded when `KVCacheManager(record_events=True)`. An independent oracle replays it to
-predict reuse under any batching or chunking (the tokens and counts); the harness's
+predict reuse under any batching or chunking (the tokens and counts) and, given the pool
+sizes, eviction (the admissions' retention priorities); the harness's
 provenance oracle replays it to follow which tokens' KV each physical block holds (the
 block ids).
 """
