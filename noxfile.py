@@ -68,11 +68,18 @@ def lists(session: nox.Session) -> None:
 
 @nox.session(venv_params=VENV_PARAMS)
 def lint(session: nox.Session) -> None:
-    """Ruff on the code, tests and benchmarks; mypy on kvcache/ and harness/."""
+    """Ruff on the code, tests, benchmarks and tools; mypy on kvcache/, harness/ and tools/."""
     _setup(session, "dev")
     session.run("python", "-m", "ruff", "check", "kvcache", "harness", "tests", "benchmarks",
-                "noxfile.py")
+                "tools", "noxfile.py")
     session.run("python", "-m", "mypy")
+    session.run("python", "-m", "mypy", "tools")
+
+
+@nox.session(venv_params=VENV_PARAMS, default=False)
+def structure(session: nox.Session) -> None:
+    """The code's structure in numbers: files, long functions, foreign underscores, imports."""
+    session.run("python", "tools/structure.py", *session.posargs)
 
 
 @nox.session(venv_params=VENV_PARAMS, default=False)

@@ -1,0 +1,96 @@
+"""tools/structure.py measures what it says, on a small tree written for it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "structure.py"
+
+
+@pytest.fixture(scope="module")
+def structure() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("structure_tool", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+LONG = "def long():\n" + "".join(f"    x{i} = {i}\n" for i in range(61))
+
+TREE = {
+    "pkg/__init__.py": "",
+    "pkg/a.py": """\
+        from pkg.b import helper, _private
+        from pkg.sub import c
+
+
+        class A:
+            def own(self):
+                return self._x
+
+            def other(self, b):
+                b._y = 1
+                return b._z, b.__dict__
+        """,
+    "pkg/b.py": """\
+        import pkg.a
+
+
+        def helper():
+            return 1
+
+
+        def _private():
+            return 2
+        """,
+    "pkg/sub/__init__.py": "",
+    "pkg/sub/c.py": "from . import d\n",
+    "pkg/sub/d.py": LONG,
+    "pkg/e.py": "from .a import A\n",
+}
+
+
+def test_figures_per_package(structure: ModuleType, tmp_path: Path) -> None:
+    _write(tmp_path, TREE)
+    figures = structure.measure(("pkg",), tmp_path)
+    assert sorted(figures) == ["pkg", "pkg.sub"]
+    top, sub = figures["pkg"], figures["pkg.sub"]
+    assert (top.files, sub.files) == (4, 3)
+    # b._y and b._z are another object's fields; self._x and b.__dict__ are not
+    assert [f.what for f in top.foreign_underscores] == ["b._y", "b._z"]
+    assert [str(f) for f in top.private_imports] == ["pkg/a.py:1: from pkg.b import _private"]
+    assert [f.what for f in sub.long_functions] == ["long: 62 lines"]
+    assert not top.long_functions and not sub.private_imports
+    # a limit above the function's length counts nothing
+    assert not structure.measure(("pkg",), tmp_path, max_lines=62)["pkg.sub"].long_functions
+
+
+def test_import_picture(structure: ModuleType, tmp_path: Path) -> None:
+    _write(tmp_path, TREE)
+    picture = structure.import_picture("pkg", tmp_path)
+    assert picture.rooms == ("a", "b", "e", "sub")
+    # a relative import resolves to its room; inside a subpackage arrows are not between rooms
+    assert picture.arrows == (("a", "b"), ("a", "sub"), ("b", "a"), ("e", "a"))
+    assert picture.loops == (("a", "b"),)
+
+
+def test_the_command_prints_the_table(structure: ModuleType, capsys: pytest.CaptureFixture[str]
+                                      ) -> None:
+    assert structure.main([]) == 0
+    out = capsys.readouterr().out
+    assert "| kvcache.core |" in out and "harness:" in out and "rooms" in out
