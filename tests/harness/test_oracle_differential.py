@@ -70,6 +70,9 @@ def _step(data: st.DataObject, mgr: CheckedManager | KVCacheManager, oracle: Reu
     if kind == "commit":
         n = data.draw(st.just(seq.num_tokens)
                       | st.integers(seq.num_committed_tokens, seq.num_tokens))
+        # the forward pass that computed the tokens ran after the queued copies (a
+        # CheckedManager takes them itself; a bare, windowed manager is told here)
+        mgr.take_copy_ops()
         mgr.commit(sid, n)
     elif kind == "append":
         mgr.append_tokens(sid, data.draw(tokens_st))
