@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.ci.flakes import fold, markdown
-from harness.gpus import features_of
-from harness.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.checks import CollectError, validate
 from harness.lists.db import Entry, Verdict, load_test_db
 from harness.lists.errors import ListError
+from harness.lists.gpus import features_of
+from harness.lists.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.waives import default_waives
 from harness.report import summarize
 from harness.repro.fileformat import ReproFormatError, open_file

@@ -10,8 +10,8 @@ import argparse
 
 import pytest
 
-from harness.hardware import add_machine_options
 from harness.isolation import REPORT_OPTION
+from harness.lists.hardware import add_machine_options
 
 
 def add_options(parser: pytest.Parser) -> None:

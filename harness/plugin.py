@@ -26,10 +26,10 @@ from harness.ci.reruns import RerunLedger, passed_on_rerun
 from harness.ci.run_record import FIRST_FAILURE_PROPERTY, RERUN_PROPERTY, write_run_record
 from harness.ci.shard_selection import apply_shard, check_shard_options
 from harness.ci.sharding import SHARD_JSON, ShardRun
-from harness.hardware import Machine, MachineFlags, detect, machine_from_options
 from harness.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.lists.errors import Problem
+from harness.lists.hardware import Machine, MachineFlags, detect, machine_from_options
 from harness.options import add_options
 from harness.oracle_checks import oracle_problems
 from harness.report import ReuseReport

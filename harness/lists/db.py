@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.hardware import Machine
 from harness.lists.conditions import Check, Condition
 from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, EntrySpec, parse_entry_text
 from harness.lists.errors import ListError, Location, Problem
 from harness.lists.files import content_lines
+from harness.lists.hardware import Machine
 from harness.lists.keywords import KeywordExpr
 from harness.lists.schema import BlockPolicy, ListFileDoc, read_list_file
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple, cast, get_args
 
-from harness.gpus import capability_of, features_of
+from harness.lists.gpus import capability_of, features_of
 
 Stage = Literal["pre_merge", "post_merge"]
 Backend = Literal["torch", "flashinfer"]

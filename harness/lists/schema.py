@@ -28,8 +28,6 @@ from pydantic import (
 )
 
 from harness.data_files import MAX_NESTING, too_deep
-from harness.gpus import FEATURES
-from harness.hardware import Backend, Orchestrator, Stage
 from harness.lists.entry import (
     EntrySpec,
     check_node_id,
@@ -38,6 +36,8 @@ from harness.lists.entry import (
 )
 from harness.lists.errors import ListError, Location, Problem
 from harness.lists.files import read_list_text
+from harness.lists.gpus import FEATURES
+from harness.lists.hardware import Backend, Orchestrator, Stage
 from harness.lists.keywords import KeywordExpr
 
 Version = Literal["0.0.1"]

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from harness.hardware import Machine
 from harness.lists.db import load_test_db
+from harness.lists.hardware import Machine
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"

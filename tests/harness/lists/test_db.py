@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.hardware import Machine
 from harness.lists.db import covers, load_test_db, load_test_list, resolve
 from harness.lists.entry import parse_entry_text
 from harness.lists.errors import ListError
+from harness.lists.hardware import Machine
 from harness.lists.keywords import KeywordExpr
 
 GOOD = """\

@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from harness.gpus import FEATURES, capability_of, features_of
-from harness.hardware import (
+from harness.lists.gpus import FEATURES, capability_of, features_of
+from harness.lists.hardware import (
     Hardware,
     Machine,
     MachineFlags,
