@@ -31,7 +31,7 @@ from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.lists.errors import Problem
 from harness.lists.hardware import Machine, MachineFlags, detect, machine_from_options
 from harness.options import add_options
-from harness.oracle_checks import oracle_problems
+from harness.oracle.checks import oracle_problems
 from harness.report import ReuseReport
 from harness.repro.record import ScenarioRecord
 from harness.reuse import marker as reuse_marker

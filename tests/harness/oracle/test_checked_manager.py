@@ -7,8 +7,8 @@ from collections.abc import Hashable
 
 import pytest
 
-from harness.checked_manager import CheckedManager, ManagerContractError
 from harness.oracle import CapacityError, ProvenanceError
+from harness.oracle.checked_manager import CheckedManager, ManagerContractError
 from kvcache import (
     DEFAULT_PRIORITY,
     AdmissionPlan,

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from harness.checked_manager import CheckedManager
-from harness.oracle_checks import capacity_of, oracle_problems
+from harness.oracle.checked_manager import CheckedManager
+from harness.oracle.checks import capacity_of, oracle_problems
 from kvcache import KvCacheConfig, KVCacheManager, KvCacheStats
 
 pytest_plugins = ["pytester"]

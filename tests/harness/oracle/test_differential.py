@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.checked_manager import CheckedManager
 from harness.oracle import OracleConfig, ReuseOracle
+from harness.oracle.checked_manager import CheckedManager
 from kvcache import KvCacheConfig, KVCacheManager, ReuseScope
 
 SCOPES = [None, None, None, ReuseScope(salt=0), ReuseScope(lora_id=1)]

@@ -12,7 +12,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.kv_index import EventIndex, block_hash
+from harness.oracle.kv_index import EventIndex, block_hash
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.core.kv_events import event_to_dict, read_jsonl, write_jsonl
 
