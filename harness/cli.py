@@ -35,8 +35,8 @@ from harness.report import summarize
 from harness.repro.fileformat import ReproFormatError, open_file
 from harness.repro.record import ScenarioRecord
 from harness.repro.rerun import rerun
-from harness.reuse.replay import replay
-from harness.reuse.repro import ReproRecord
+from harness.repro.reuse_record import ReproRecord
+from harness.repro.reuse_replay import replay
 
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")

@@ -34,9 +34,9 @@ from harness.options import add_options
 from harness.oracle.checks import oracle_problems
 from harness.report import ReuseReport
 from harness.repro.record import ScenarioRecord
+from harness.repro.reuse_record import ReproRecord
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
-from harness.reuse.repro import ReproRecord
 from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 
 MARKERS = {

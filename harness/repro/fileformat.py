@@ -4,7 +4,7 @@ Every repro file is one JSON object:
 
     {"format": "kvharness-repro", "version": 3, "kind": "reuse" | "scenario", ...}
 
-`kind` says which record follows (harness.reuse.repro.ReproRecord: a reuse check over a
+`kind` says which record follows (harness.repro.reuse_record.ReproRecord: a reuse check over a
 cache's admission log; harness.repro.record.ScenarioRecord: a scenario's engines and
 workload). A reader rejects another format, another version or kind, a missing or
 mistyped field and an unknown key with a `ReproFormatError` that names the file and the

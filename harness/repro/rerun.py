@@ -12,7 +12,7 @@ A recipe's model, backend and engine class are looked up in harness.repro.regist
 every engine's before the first is built: a file selects among the harness's names and
 never names code to import.
 
-Like harness.reuse.replay, this loads `kvcache` (and torch) inside its functions only: a
+Like harness.repro.reuse_replay, this loads `kvcache` (and torch) inside its functions only: a
 scenario record is a recording of kvcache's Engine (docs/architecture.md).
 """
 
@@ -22,13 +22,13 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from harness.adapters import KvcacheEngineAdapter
 from harness.oracle.types import DEFAULT_PRIORITY
 from harness.repro.compare import describe, first_difference
 from harness.repro.fileformat import ReproFormatError
 from harness.repro.record import FullBlocksFailure, OracleFailure, OutputRef, ScenarioRecord
 from harness.repro.registry import Resolved, resolve
 from harness.repro.workload import Call, EngineRecipe, EngineRun, scope_args
+from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import (
     ReuseMismatch,
     expect_full_blocks_bounded,

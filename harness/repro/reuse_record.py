@@ -6,7 +6,7 @@ cache's admission log (the workload as the cache saw it: every admit, commit, ap
 and free), the stats before the window, and each checked counter's expected bounds and
 actual value. The plugin writes it, as a `kind: reuse` file of the versioned format
 (harness.repro.fileformat), to `<results-dir>/repro/<test id>.json`;
-`kvharness repro FILE` (`nox -s repro -- FILE`) replays it (harness.reuse.replay).
+`kvharness repro FILE` (`nox -s repro -- FILE`) replays it (harness.repro.reuse_replay).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from harness.oracle.model import replay as oracle_replay
 from harness.oracle.types import DEFAULT_PRIORITY, OracleConfig
 from harness.repro.fileformat import ReproFormatError
+from harness.repro.reuse_record import ReproRecord
 from harness.reuse.assertions import (
     Bounds,
     ReuseMismatch,
@@ -27,7 +28,6 @@ from harness.reuse.assertions import (
     diff_stats,
     normalize_stats,
 )
-from harness.reuse.repro import ReproRecord
 
 if TYPE_CHECKING:
     from kvcache import KVCacheManager

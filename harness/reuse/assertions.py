@@ -15,10 +15,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.engine_protocol import EngineUnderTest, StatsLike
 from harness.oracle.model import OracleConfig, OraclePrediction, replay
 from harness.oracle.types import hit_rate
-from harness.reuse.repro import Check, ReproRecord, plain, replay_config, row_dicts
+from harness.repro.reuse_record import Check, ReproRecord, plain, replay_config, row_dicts
+from harness.reuse.engine_protocol import EngineUnderTest, StatsLike
 
 GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
                     "cachedNumBlocks", "stateSnapshotBytes", "maxNumHostBlocks",

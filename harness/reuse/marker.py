@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from harness.engine_protocol import StatsLike
 from harness.report import ReuseRecord, ReuseReport
+from harness.repro.reuse_record import replay_config
 from harness.reuse.assertions import (
     Bounds,
     Number,
@@ -21,7 +21,7 @@ from harness.reuse.assertions import (
     diff_stats,
     expect_reuse,
 )
-from harness.reuse.repro import replay_config
+from harness.reuse.engine_protocol import StatsLike
 
 if TYPE_CHECKING:
     import pytest

@@ -10,8 +10,8 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from harness.adapters import KvcacheEngineAdapter
 from harness.leaks import CacheOwner, find_cache_owners, is_cache_owner, leak_problems
+from harness.reuse.adapters import KvcacheEngineAdapter
 from kvcache import Engine, KvCacheConfig, KVCacheManager
 
 pytest_plugins = ["pytester"]

@@ -29,7 +29,7 @@ import pytest
 from harness.cli import main as kvharness
 from harness.repro.record import OracleFailure
 from harness.repro.registry import TEST_OBJECTS, object_ref
-from harness.reuse.repro import ReproRecord, plain, replay_config
+from harness.repro.reuse_record import ReproRecord, plain, replay_config
 from kvcache import Engine, KvCacheConfig, KVCacheManager
 from kvcache.attention.base import AttentionBackend
 from tests.scenarios.recording import check_record

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from harness.adapters import KvcacheEngineAdapter
 from harness.repro.compare import Difference
 from harness.repro.record import Failure, OutputRef, OutputsFailure, ScenarioRecord
 from harness.repro.registry import object_ref
 from harness.repro.workload import Call, EngineRecipe, EngineRun, Op, scope_json
+from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, GenerationOutput, KvCacheConfig, ReuseScope
 

@@ -19,11 +19,12 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from harness.adapters import KvcacheEngineAdapter
 from harness.report import ReuseRecord, ReuseReport
 from harness.repro.compare import describe, first_difference
 from harness.repro.record import Failure, FullBlocksFailure, OracleFailure, OutputRef
 from harness.repro.registry import object_ref
+from harness.repro.reuse_record import ReproRecord
+from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import (
     ReproContext,
     ReuseMismatch,
@@ -32,7 +33,6 @@ from harness.reuse.assertions import (
     expect_matches_oracle,
     predict_from_engine,
 )
-from harness.reuse.repro import ReproRecord
 from kvcache import Engine, GenerationOutput, KvCacheConfig, KVCacheManager, ReuseScope
 from kvcache.attention.base import AttentionBackend
 from kvcache.model import Transformer, get_preset

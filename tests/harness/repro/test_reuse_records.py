@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main as kvharness
-from harness.reuse.replay import replay as replay_record
-from harness.reuse.repro import ReproRecord
+from harness.repro.reuse_record import ReproRecord
+from harness.repro.reuse_replay import replay as replay_record
 from kvcache import KvCacheConfig, KVCacheManager
 
 pytest_plugins = ["pytester"]

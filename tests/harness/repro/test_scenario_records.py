@@ -27,7 +27,7 @@ from tests.scenarios.faults import OverCountingEngine
 from tests.scenarios.recording import check_record
 from tests.scenarios.support import NO_PARTIAL, EngineFactory, Models, ScenarioRun, prompts_of
 
-ROOT = Path(__file__).resolve().parents[2]  # where `tests.scenarios.faults` imports from
+ROOT = Path(__file__).resolve().parents[3]  # where `tests.scenarios.faults` imports from
 FAULTY = "tests.scenarios.faults:StalePrefixBackend"
 
 CONFTEST = "from tests.scenarios.conftest import make_engine, models, scenario  # noqa: F401\n"

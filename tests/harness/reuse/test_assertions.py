@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from harness.adapters import KvcacheEngineAdapter
-from harness.engine_protocol import EngineUnderTest
 from harness.oracle import OracleConfig, predict_sequential, replay
+from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import (
     Bounds,
     ReproContext,
@@ -21,6 +20,7 @@ from harness.reuse.assertions import (
     expect_reuse,
     predict_from_engine,
 )
+from harness.reuse.engine_protocol import EngineUnderTest
 from harness.workloads import multi_turn_conversations, shared_system_prompt
 from kvcache import Engine, KvCacheConfig, KVCacheManager, KvCacheStats
 
