@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -32,16 +31,21 @@ from harness.lists.gpus import features_of
 from harness.lists.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.waives import default_waives
 from harness.report import summarize
-from harness.repro.fileformat import ReproFormatError, open_file
-from harness.repro.record import ScenarioRecord
-from harness.repro.rerun import rerun
-from harness.repro.reuse_record import ReproRecord
-from harness.repro.reuse_replay import replay
+from harness.repro.outcome import Status
+from harness.repro.replay import replay_file
 
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")
 # `kvharness repro` exit codes; 0 and 1 fit `git bisect run` (gone = good, back = bad).
 REPRO_GONE, REPRO_REPRODUCED, REPRO_UNUSABLE, REPRO_OTHER = 0, 1, 2, 3
+REPRO_EXIT: dict[Status, int] = {"not reproduced": REPRO_GONE, "reproduced": REPRO_REPRODUCED,
+                                 "cannot run": REPRO_UNUSABLE,
+                                 "another check failed": REPRO_OTHER}
+# What `kvharness repro` prints before an outcome's message, by status.
+REPRO_HEADS: dict[Status, str] = {
+    "reproduced": "reproduced:\n", "not reproduced": "did not reproduce: ",
+    "another check failed": "did not reproduce the recorded failure, but another check "
+                            "failed:\n"}
 REPRO_EXIT_CODES = f"""\
 exit codes:
   {REPRO_GONE}  the recorded failure did not come back, and every later check passed
@@ -132,64 +136,14 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
-    file = str(args.file)
-    try:
-        kind, fields = open_file(args.file)
-        if kind == "reuse":
-            return _replay_reuse(ReproRecord.from_fields(fields), file)
-        return _rerun_scenario(ScenarioRecord.from_fields(fields), file)
-    except ReproFormatError as exc:  # the file, the field, what is wrong
-        print(f"kvharness repro: {exc}", file=sys.stderr)
-    except Exception as exc:
-        # Any other failure of the re-run: uncaught, it would exit 1, which reads as
-        # "reproduced" (to git bisect too).
-        print(f"kvharness repro: {file}: cannot be re-run here: {type(exc).__name__}: {exc}"
-              f"{_raised_at(exc)}", file=sys.stderr)
-    return REPRO_UNUSABLE
-
-
-def _raised_at(exc: BaseException) -> str:
-    """` (raised at FILE:LINE in FUNCTION)`: the innermost frame of `exc`'s traceback."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f" (raised at {last.filename}:{last.lineno} in {last.name})"
-
-
-def _replay_reuse(record: ReproRecord, file: str) -> int:
-    print(f"replaying {record.node_id}: {record.check} check, seed {record.seed}, "
-          f"{len(record.admission_log or ())} cache events, config "
-          f"{json.dumps(record.config, sort_keys=True)}")
-    outcome = replay(record, file)
-    if outcome.reproduced:
-        print(f"reproduced:\n{outcome.message}")
-        return REPRO_REPRODUCED
-    print(f"did not reproduce: {outcome.message}")
-    return REPRO_GONE
-
-
-def _rerun_scenario(record: ScenarioRecord, file: str) -> int:
-    for i, run in enumerate(record.engines):
-        r = run.recipe
-        phases = " -> ".join(dict.fromkeys(c.phase for c in run.calls)) or "no calls"
-        cls = "" if r.engine is None else f", engine class {r.engine}"
-        print(f"engine {i}: {r.preset} (seed {r.model_seed}){cls}, {r.backend} {r.dtype} on "
-              f"{r.device}, {len(run.calls)} calls ({phases}), cache "
-              f"{json.dumps(r.cache, sort_keys=True)}")
-    print(f"re-running {record.node_id}: {record.failure.check} check")
-    outcome = rerun(record, file)
+    outcome = replay_file(args.file, print)
     for note in outcome.notes:
         print(f"note: {note}")
-    if outcome.status == "reproduced":
-        print(f"reproduced:\n{outcome.message}")
-        return REPRO_REPRODUCED
-    if outcome.status == "other":
-        print(f"did not reproduce the recorded failure, but another check failed:\n"
-              f"{outcome.message}")
-        return REPRO_OTHER
-    print(f"did not reproduce: {outcome.message}")
-    return REPRO_GONE
+    if outcome.status == "cannot run":  # the file, the field, what is wrong
+        print(f"kvharness repro: {outcome.message}", file=sys.stderr)
+    else:
+        print(f"{REPRO_HEADS[outcome.status]}{outcome.message}")
+    return REPRO_EXIT[outcome.status]
 
 
 def _flakes(args: argparse.Namespace) -> int:

@@ -33,8 +33,7 @@ from harness.lists.hardware import Machine, MachineFlags, detect, machine_from_o
 from harness.options import add_options
 from harness.oracle.checks import oracle_problems
 from harness.report import ReuseReport
-from harness.repro.record import ScenarioRecord
-from harness.repro.reuse_record import ReproRecord
+from harness.repro.replay import record_of
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
 from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
@@ -313,12 +312,11 @@ def pytest_runtest_makereport(
 
 
 def _write_repro(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
-    """A failed check's repro record (a reuse check's ReproRecord, a scenario's
-    ScenarioRecord) goes to <results-dir>/repro/<test id>.json."""
-    record = getattr(call.excinfo.value, "repro", None) if call.excinfo is not None else None
+    """A failed check's repro record (a reuse check's, a scenario's: harness.repro.replay's
+    `record_of`) goes to <results-dir>/repro/<test id>.json."""
+    record = record_of(call.excinfo.value) if call.excinfo is not None else None
     results = item.config.option.results_dir
-    if not report.failed or not isinstance(record, ReproRecord | ScenarioRecord) \
-            or results is None:
+    if not report.failed or record is None or results is None:
         return
     path = record.write(item.config.invocation_params.dir / results)
     report.sections.append(("kvharness repro", f"replay it: nox -s repro -- {path}"))

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from harness.oracle.types import DEFAULT_PRIORITY
 from harness.repro.compare import describe, first_difference
 from harness.repro.fileformat import ReproFormatError
+from harness.repro.outcome import Outcome
 from harness.repro.record import FullBlocksFailure, OracleFailure, OutputRef, ScenarioRecord
 from harness.repro.registry import Resolved, resolve
 from harness.repro.workload import Call, EngineRecipe, EngineRun, scope_args
@@ -38,18 +39,6 @@ from harness.reuse.assertions import (
 
 if TYPE_CHECKING:
     from kvcache import Engine, GenerationOutput
-
-Status = Literal["reproduced", "gone", "other"]
-
-
-class Rerun(NamedTuple):
-    """What the re-run found: the recorded failure came back (`reproduced`), it and every
-    later check passed (`gone`), or it is gone but another check failed (`other`)."""
-
-    status: Status
-    message: str
-    notes: list[str]
-
 
 def build(recipe: EngineRecipe, resolved: Resolved, where: str) -> Engine:
     """The engine `recipe` describes, from what its names stand for (`resolved`, from
@@ -211,8 +200,10 @@ def _recorded_check(record: ScenarioRecord, engines: list[Engine],
     return describe(diff, failure.where)
 
 
-def rerun(record: ScenarioRecord, file: str = "record") -> Rerun:
-    """Re-run `record` (read from `file`, which errors name) and check again. Every
+def rerun(record: ScenarioRecord, file: str = "record") -> Outcome:
+    """Re-run `record` (read from `file`, which errors name) and check again: the
+    recorded failure came back (`reproduced`), it and every later check passed (`not
+    reproduced`), or it is gone but another check failed (`another check failed`). Every
     engine's names are resolved before any engine is built. Raises ReproFormatError
     when it cannot be re-run here (see `run_engine`); anything the engine raises on the
     way (a RuntimeError, a MemoryError) propagates."""
@@ -225,7 +216,7 @@ def rerun(record: ScenarioRecord, file: str = "record") -> Rerun:
     outputs = [outs for _, outs in built]
     message = _recorded_check(record, engines, outputs, notes)
     if message is not None:
-        return Rerun("reproduced", message, notes)
+        return Outcome("reproduced", message, tuple(notes))
     for i, engine in enumerate(engines):
         results = _admitted(engine, outputs[i])
         evicted = engine.kv_cache_stats().evicted_blocks
@@ -236,9 +227,9 @@ def rerun(record: ScenarioRecord, file: str = "record") -> Rerun:
         else:
             message = _oracle(engine, True, False, results)
         if message is not None:
-            return Rerun("other", f"engines[{i}]: {message}", notes)
-    return Rerun("gone", f"{record.failure.check} check holds now, and reuse matches the "
-                 "oracle", notes)
+            return Outcome("another check failed", f"engines[{i}]: {message}", tuple(notes))
+    return Outcome("not reproduced", f"{record.failure.check} check holds now, and reuse "
+                   "matches the oracle", tuple(notes))
 
 
 def describe_json(difference: dict[str, Any], where: str) -> str:

@@ -1,4 +1,4 @@
-"""A failed reuse check, written down so one command can replay it: `ReproRecord`.
+"""A failed reuse check, written down so one command can replay it: `ReuseCheckRecord`.
 
 When `expect_reuse` or `expect_matches_oracle` fails with a `ReproContext`, the
 `ReuseMismatch` carries a record: the test id, seed, engine and cache config, the
@@ -15,16 +15,14 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from harness.oracle.types import OracleConfig
 from harness.repro.fileformat import Fields, envelope, open_file, write_file
-
-Check = Literal["oracle", "expect_reuse"]
+from harness.reuse.assertions import Check, ReuseFailure, Row
 
 
 @dataclass(frozen=True)
-class ReproRecord:
+class ReuseCheckRecord:
     """Everything a replay needs, JSON-ready. `rows` are the checked counters:
     `{where, counter, at_least, at_most, actual}` (None: unbounded / missing)."""
 
@@ -38,12 +36,20 @@ class ReproRecord:
     rows: list[dict[str, Any]]
     message: str
 
+    @classmethod
+    def of(cls, failure: ReuseFailure, message: str) -> ReuseCheckRecord:
+        """The record of a failed check: what it saw (`failure`) and its message."""
+        return cls(failure.context.node_id, failure.check, failure.context.seed,
+                   dict(failure.config), plain(failure.admission_log),
+                   None if failure.before is None else dict(failure.before), failure.exact,
+                   row_dicts(failure.rows), message)
+
     def to_json(self) -> dict[str, Any]:
         """The file's content: the record under the format header."""
         return envelope("reuse", asdict(self))
 
     @classmethod
-    def from_fields(cls, f: Fields) -> ReproRecord:
+    def from_fields(cls, f: Fields) -> ReuseCheckRecord:
         """The record in a `kind: reuse` file's fields (harness.repro.fileformat.open_file);
         raises ReproFormatError naming the file and the bad field: a malformed event of
         the admission log (the event's index and field), a pool or a log beyond the
@@ -65,7 +71,7 @@ class ReproRecord:
         return record
 
     @classmethod
-    def load(cls, path: Path) -> ReproRecord:
+    def load(cls, path: Path) -> ReuseCheckRecord:
         """Read a `kind: reuse` repro file; raises ReproFormatError (a ValueError) naming
         it when unreadable, of another kind or malformed."""
         kind, fields = open_file(path)
@@ -78,23 +84,7 @@ class ReproRecord:
         return write_file(results_dir, self.node_id, self.to_json())
 
 
-def replay_config(cache_config: Mapping[str, Any] | Any) -> dict[str, Any]:
-    """What a replay needs of an engine's (or a manager's) cache config: the effective
-    policy (OracleConfig.from_cache_config) and the pool sizes (max_num_blocks,
-    host_cache_blocks), when the config has them. Raises ValueError as
-    `from_cache_config` does."""
-    config: dict[str, Any] = asdict(OracleConfig.from_cache_config(cache_config,
-                                                                   "cache_config"))
-    for key in ("max_num_blocks", "host_cache_blocks"):  # the replay builds the same pools
-        del config[key]
-        size = (cache_config.get(key) if isinstance(cache_config, Mapping)
-                else getattr(cache_config, key, None))
-        if size is not None:
-            config[key] = size
-    return config
-
-
-def row_dicts(rows: Sequence[Any]) -> list[dict[str, Any]]:
+def row_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """Assertion rows (where, counter, expected Bounds | None, actual) as JSON dicts."""
     return [{"where": r.where, "counter": r.counter,
              "at_least": None if r.expected is None else r.expected.at_least,

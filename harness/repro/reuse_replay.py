@@ -1,4 +1,4 @@
-"""Replay a ReproRecord without pytest: rebuild the cache from the record's config, feed
+"""Replay a ReuseCheckRecord without pytest: rebuild the cache from the record's config, feed
 it the admission log, and check the same counters again.
 
 An `oracle` check is recomputed from the log by the oracle (so a fixed oracle or cache
@@ -13,20 +13,21 @@ replayed: a repro file is a recording of kvcache's cache (docs/architecture.md).
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from harness.oracle.model import replay as oracle_replay
 from harness.oracle.types import DEFAULT_PRIORITY, OracleConfig
 from harness.repro.fileformat import ReproFormatError
-from harness.repro.reuse_record import ReproRecord
+from harness.repro.outcome import Outcome
+from harness.repro.reuse_record import ReuseCheckRecord
 from harness.reuse.assertions import (
     Bounds,
     ReuseMismatch,
-    _oracle_spec,
-    _raise_if_failed,
-    _Row,
+    Row,
+    check_rows,
     diff_stats,
     normalize_stats,
+    oracle_bounds,
 )
 
 if TYPE_CHECKING:
@@ -36,14 +37,7 @@ _CACHE_KEYS = ("tokens_per_block", "max_num_blocks", "enable_block_reuse",
                "enable_partial_reuse", "copy_on_partial_reuse", "host_cache_blocks")
 
 
-class Replay(NamedTuple):
-    """What a replay found: whether the failure came back, and the message to show."""
-
-    reproduced: bool
-    message: str
-
-
-def _cache(record: ReproRecord, file: str) -> KVCacheManager:
+def _cache(record: ReuseCheckRecord, file: str) -> KVCacheManager:
     from kvcache import KvCacheConfig, KVCacheManager
 
     missing = [k for k in ("tokens_per_block", "max_num_blocks") if k not in record.config]
@@ -132,10 +126,11 @@ def _actual(where: str, counter: str, totals: Mapping[str, Any],
     return None if got is None else normalize_stats(got, where).get(counter)
 
 
-def replay(record: ReproRecord, file: str = "record") -> Replay:
-    """Replay `record` (read from `file`, which errors name). Raises ReproFormatError (a
-    ValueError) when it cannot be replayed: no admission log, no pool size, an event
-    the cache refuses (see `_feed`)."""
+def replay(record: ReuseCheckRecord, file: str = "record") -> Outcome:
+    """Replay `record` (read from `file`, which errors name): `reproduced` with the
+    mismatch's message, or `not reproduced` when every check holds now. Raises
+    ReproFormatError (a ValueError) when it cannot be replayed: no admission log, no
+    pool size, an event the cache refuses (see `_feed`)."""
     if record.admission_log is None:
         raise ReproFormatError(f"{file}: field 'admission_log' is null; rerun the test "
                                f"itself: pytest '{record.node_id}'")
@@ -146,19 +141,19 @@ def replay(record: ReproRecord, file: str = "record") -> Replay:
     if record.check == "oracle":
         prediction = oracle_replay(record.admission_log,
                                    OracleConfig.from_cache_config(record.config, "repro config"))
-        specs = {"total": _oracle_spec(prediction.totals.as_dict(), record.exact)}
+        specs = {"total": oracle_bounds(prediction.totals.as_dict(), record.exact)}
         for seq_id, predicted in prediction.requests.items():
             expected = {**predicted.as_dict(), "numCachedTokens": predicted.reused_tokens}
-            specs[f"request {seq_id!r}"] = _oracle_spec(expected, record.exact)
+            specs[f"request {seq_id!r}"] = oracle_bounds(expected, record.exact)
         wanted = {(r["where"], r["counter"]) for r in record.rows}
-        rows = [_Row(where, name, bound, _actual(where, name, totals, requests))
+        rows = [Row(where, name, bound, _actual(where, name, totals, requests))
                 for where, spec in specs.items() for name, bound in spec.items()
                 if (where, name) in wanted]
     else:
-        rows = [_Row(r["where"], r["counter"], _bounds(r),
+        rows = [Row(r["where"], r["counter"], _bounds(r),
                      _actual(r["where"], r["counter"], totals, requests)) for r in record.rows]
     try:
-        _raise_if_failed(rows, None, cache.dump_tree)
+        check_rows(rows, None, cache.dump_tree)
     except ReuseMismatch as exc:
-        return Replay(True, str(exc))
-    return Replay(False, f"every one of the {len(rows)} checks holds now")
+        return Outcome("reproduced", str(exc))
+    return Outcome("not reproduced", f"every one of the {len(rows)} checks holds now")

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from harness.report import ReuseRecord, ReuseReport
-from harness.repro.reuse_record import replay_config
 from harness.reuse.assertions import (
     Bounds,
     Number,
@@ -20,6 +19,7 @@ from harness.reuse.assertions import (
     canonical_name,
     diff_stats,
     expect_reuse,
+    replay_config,
 )
 from harness.reuse.engine_protocol import StatsLike
 

@@ -29,7 +29,8 @@ import pytest
 from harness.cli import main as kvharness
 from harness.repro.record import OracleFailure
 from harness.repro.registry import TEST_OBJECTS, object_ref
-from harness.repro.reuse_record import ReproRecord, plain, replay_config
+from harness.repro.reuse_record import ReuseCheckRecord, plain
+from harness.reuse.assertions import replay_config
 from kvcache import Engine, KvCacheConfig, KVCacheManager
 from kvcache.attention.base import AttentionBackend
 from tests.scenarios.recording import check_record
@@ -72,8 +73,9 @@ def reuse_json() -> dict[str, Any]:
         manager.free_sequence(seq_id)
     rows = [{"where": "total", "counter": "reusedBlocks", "at_least": 1, "at_most": None,
              "actual": None}]
-    record = ReproRecord("t::reuse", "expect_reuse", None, replay_config(manager.config),
-                         plain([e.as_dict() for e in manager.events]), None, False, rows, "m")
+    record = ReuseCheckRecord("t::reuse", "expect_reuse", None, replay_config(manager.config),
+                              plain([e.as_dict() for e in manager.events]), None, False, rows,
+                              "m")
     return record.to_json()
 
 

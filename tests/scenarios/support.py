@@ -23,7 +23,7 @@ from harness.report import ReuseRecord, ReuseReport
 from harness.repro.compare import describe, first_difference
 from harness.repro.record import Failure, FullBlocksFailure, OracleFailure, OutputRef
 from harness.repro.registry import object_ref
-from harness.repro.reuse_record import ReproRecord
+from harness.repro.reuse_record import row_dicts
 from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import (
     ReproContext,
@@ -157,11 +157,11 @@ def _with_scenario_repro(engine: Engine, results: Sequence[GenerationOutput],
     try:
         return check()
     except ReuseMismatch as exc:
-        rows = exc.repro.rows if isinstance(exc.repro, ReproRecord) else []
+        rows = [] if exc.failure is None else row_dicts(exc.failure.rows)
         record = check_record(engine, results, str(exc),
                               lambda index, refs: failure(index, refs, rows))
         if record is not None:
-            exc.repro = record  # type: ignore[assignment]
+            exc.repro = record  # type: ignore[attr-defined]
         raise
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main as kvharness
-from harness.repro.reuse_record import ReproRecord
+from harness.repro.reuse_record import ReuseCheckRecord
 from harness.repro.reuse_replay import replay as replay_record
 from kvcache import KvCacheConfig, KVCacheManager
 
@@ -87,7 +87,7 @@ def test_a_marker_failure_writes_a_file_that_replays_the_same_failure(
     pytester, result = failed_run
     path = pytester.path / "out" / "repro" / "test_r.py_test_marker_expects_too_much.json"
     result.stdout.fnmatch_lines([f"replay it: nox -s repro -- {path}"])
-    record = ReproRecord.load(path)
+    record = ReuseCheckRecord.load(path)
     assert record.check == "expect_reuse" and len(record.admission_log or ()) == 6
     assert record.config["tokens_per_block"] == 4
     code, out = _repro(capsys, path)
@@ -102,7 +102,7 @@ def test_an_oracle_failure_replays_from_the_admission_log(
         capsys: pytest.CaptureFixture[str]) -> None:
     pytester, _ = failed_run
     path = pytester.path / "out" / "repro" / "test_r.py_test_oracle_exact.json"
-    record = ReproRecord.load(path)
+    record = ReuseCheckRecord.load(path)
     assert (record.check, record.seed, record.exact) == ("oracle", 7, True)
     code, out = _repro(capsys, path)
     assert code == 1
@@ -135,7 +135,7 @@ def test_repro_help_lists_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> 
     assert any(line.startswith("2  the file cannot be re-run here") for line in exits)
 
 
-def _priority_record(strip: bool) -> ReproRecord:
+def _priority_record(strip: bool) -> ReuseCheckRecord:
     """A reuse record whose counters depend on retention priority: H (80) outlives L (10)
     and N (35) when X evicts two blocks, so H again reuses its block. With `strip`, the
     log is as recorded before admissions carried a priority."""
@@ -151,11 +151,11 @@ def _priority_record(strip: bool) -> ReproRecord:
     log = [e.as_dict() for e in manager.events or ()]
     if strip:
         log = [{k: v for k, v in e.items() if k != "priority"} for e in log]
-    return ReproRecord("test_p.py::test_priority", "expect_reuse", None,
-                       {"tokens_per_block": 2, "max_num_blocks": 4,
-                        "enable_partial_reuse": False}, log, None, True,
-                       [{"where": "total", "counter": "reusedBlocks", "at_least": 1,
-                         "at_most": 1, "actual": 1}], "")
+    return ReuseCheckRecord("test_p.py::test_priority", "expect_reuse", None,
+                            {"tokens_per_block": 2, "max_num_blocks": 4,
+                             "enable_partial_reuse": False}, log, None, True,
+                            [{"where": "total", "counter": "reusedBlocks", "at_least": 1,
+                              "at_most": 1, "actual": 1}], "")
 
 
 def test_a_replay_evicts_at_the_logged_priorities() -> None:
