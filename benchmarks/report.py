@@ -1,7 +1,7 @@
 """Benchmark summary: `python -m benchmarks.report RESULTS_DIR [--json FILE ...]`.
 
 Reads pytest-benchmark JSON (every *.json in RESULTS_DIR that is one, or the --json
-files) through `harness.bench_results`, the reader `kvharness report` uses too, and
+files) through `harness.reports.bench_results`, the reader `kvharness report` uses too, and
 writes RESULTS_DIR/summary.md with the headline numbers and ratios (cache-core tokens/s
 against the baseline trie and docs/design.md's targets, metadata build against one
 copy_, TTFT warm / cold / ideal, hit-rate curves, memory, GPU figures) and PNG plots
@@ -20,7 +20,7 @@ from typing import Any
 from benchmarks.conftest import library_versions
 from benchmarks.report_format import render
 from benchmarks.report_md import SECTIONS, other_section
-from harness.bench_results import Benchmark, find_bench_json, load_bench_json
+from harness.reports.bench_results import Benchmark, find_bench_json, load_bench_json
 
 SUMMARY = "summary.md"
 
@@ -41,7 +41,7 @@ def load(results_dir: Path, files: Sequence[Path] = ()) -> Results:
 
     Raises ValueError naming the file when a given file is unreadable or not
     pytest-benchmark JSON, when a JSON file in `results_dir` is not JSON or a benchmark
-    JSON there is of the wrong shape (see `harness.bench_results`), or when no benchmark
+    JSON there is of the wrong shape (see `harness.reports.bench_results`), or when no benchmark
     JSON is found at all.
     """
     runs = [load_bench_json(p) for p in files] if files else find_bench_json(results_dir)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from harness.markdown import table as markdown_table
+from harness.reports.markdown import table as markdown_table
 
 if TYPE_CHECKING:
-    from harness.bench_results import Benchmark
+    from harness.reports.bench_results import Benchmark
 
 
 class Section(NamedTuple):
@@ -68,5 +68,5 @@ def div(a: float | None, b: float | None) -> float | None:
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     """A markdown table and a blank line after it; cells are escaped as every table the
-    harness writes (`harness.markdown.table`)."""
+    harness writes (`harness.reports.markdown.table`)."""
     return [*markdown_table(header, rows), ""]

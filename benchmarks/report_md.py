@@ -21,7 +21,7 @@ from benchmarks.report_format import (
 )
 
 if TYPE_CHECKING:
-    from harness.bench_results import Benchmark
+    from harness.reports.bench_results import Benchmark
 
 METADATA_TARGET = 4.0  # issues 3, 17: decode metadata costs at most 4 copy_'s
 WARM_TARGET = 1.05  # issue 3: warm TTFT within 5% of the ideal

@@ -23,14 +23,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from harness.ci.flakes import fold, markdown
 from harness.lists.checks import CollectError, validate
 from harness.lists.db import Entry, Verdict, load_test_db
 from harness.lists.errors import ListError
 from harness.lists.gpus import features_of
 from harness.lists.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.waives import default_waives
-from harness.report import summarize
+from harness.reports.flakes import fold, markdown
+from harness.reports.summary import summarize
 from harness.repro.outcome import Status
 from harness.repro.replay import replay_file
 

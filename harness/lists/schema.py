@@ -184,7 +184,7 @@ EntryField = Annotated[
 
 
 class BlockPolicy(NamedTuple):
-    """A block's run policy for its entries: rerun failures (harness.ci.reruns), always run
+    """A block's run policy for its entries: rerun failures (harness.plugin.reruns), always run
     under --changed-since, and globs of files whose change runs the block."""
 
     reruns: bool = False

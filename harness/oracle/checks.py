@@ -1,6 +1,6 @@
 """The oracles after a test, on the caches found among its fixture values.
 
-The plugin calls `oracle_problems` on the cache owners `harness.leaks.find_cache_owners`
+The plugin calls `oracle_problems` on the cache owners `harness.plugin.leaks.find_cache_owners`
 finds, next to the leak check. A `CheckedManager` checked every call already: its final
 state is checked once more. Any other owner that looks like a `KVCacheManager` (`config`,
 `sequences`, `stats()`) gets the capacity check on its state now, and, when it recorded

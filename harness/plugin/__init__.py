@@ -6,6 +6,13 @@ Without --test-db/--test-list it only registers markers, skips `gpu` tests where
 absent, checks caches after tests and keeps the reuse report. With a list, every
 collected test no entry selects is deselected through `pytest_deselected` (as pytest's
 own --deselect does), so the counts pytest prints are honest.
+
+This module holds the hooks (pyproject's entry point `kvharness = "harness.plugin"`);
+what they do is beside it: `options` (the command line), `selection` (lists and waives
+applied to the collection), `isolation` (ISOLATION in a child process), `leaks` (the
+leak check after cache-owning tests), `changes` and `change_selection`
+(--changed-since), `sharding` and `shard_selection` (--shard), `reruns` (TensorRT-LLM's
+rerun rule). Oracle checks, repro records and reports are their packages' own.
 """
 
 from __future__ import annotations
@@ -21,22 +28,27 @@ from typing import Any
 import pytest
 from _pytest.runner import runtestprotocol  # the one entry point for running an item again
 
-from harness.ci.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
-from harness.ci.reruns import RerunLedger, passed_on_rerun
-from harness.ci.run_record import FIRST_FAILURE_PROPERTY, RERUN_PROPERTY, write_run_record
-from harness.ci.shard_selection import apply_shard, check_shard_options
-from harness.ci.sharding import SHARD_JSON, ShardRun
-from harness.isolation import ReportWriter, isolated_reports, run_isolated
-from harness.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.lists.errors import Problem
 from harness.lists.hardware import Machine, MachineFlags, detect, machine_from_options
-from harness.options import add_options
 from harness.oracle.checks import oracle_problems
-from harness.report import ReuseReport
+from harness.plugin.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
+from harness.plugin.isolation import ReportWriter, isolated_reports, run_isolated
+from harness.plugin.leaks import CacheLeakError, find_cache_owners, leak_problems
+from harness.plugin.options import add_options
+from harness.plugin.reruns import RerunLedger, passed_on_rerun
+from harness.plugin.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
+from harness.plugin.shard_selection import apply_shard, check_shard_options
+from harness.reports.run_record import (
+    FIRST_FAILURE_PROPERTY,
+    RERUN_PROPERTY,
+    SHARD_JSON,
+    ShardRun,
+    write_run_record,
+)
+from harness.reports.summary import ReuseReport
 from harness.repro.replay import record_of
 from harness.reuse import marker as reuse_marker
 from harness.reuse.marker import ReuseWatch
-from harness.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 
 MARKERS = {
     "gpu": "needs a CUDA device; skipped with a reason where there is none",

@@ -2,7 +2,7 @@
 tests a change can affect, always the blocks marked `always_run`, and record every test
 left out, with why, so nothing is skipped unseen.
 
-A test runs when its file, a file its imports reach (harness.ci.changes), or a file
+A test runs when its file, a file its imports reach (harness.plugin.changes), or a file
 matching its block's `source_file_dependencies` globs changed. A changed file that is
 neither Python, nor documentation (`*.md`, `*.rst`, `docs/`), nor claimed by some
 block's globs (a list, a CI script, pyproject.toml) may affect anything: then every
@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from harness.ci.changes import GitError, ImportGraph, changed_files, dependencies
 from harness.lists.db import DEFAULT_POLICY
-from harness.selection import ENTRY
+from harness.plugin.changes import GitError, ImportGraph, changed_files, dependencies
+from harness.plugin.selection import ENTRY
 
 NOT_RUN_JSON = "not_run.json"
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
-PLUGIN = "harness/plugin.py"
+PLUGIN = "harness/plugin/__init__.py"
 
 
 class GitError(ValueError):

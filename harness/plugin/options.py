@@ -10,8 +10,8 @@ import argparse
 
 import pytest
 
-from harness.isolation import REPORT_OPTION
 from harness.lists.hardware import add_machine_options
+from harness.plugin.isolation import REPORT_OPTION
 
 
 def add_options(parser: pytest.Parser) -> None:

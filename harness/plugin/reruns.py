@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.ci.run_record import FIRST_FAILURE_PROPERTY, PASSED_ON_RERUN, RERUN_PROPERTY
-from harness.isolation import CRASH_PROPERTY
+from harness.plugin.isolation import CRASH_PROPERTY
+from harness.reports.run_record import FIRST_FAILURE_PROPERTY, PASSED_ON_RERUN, RERUN_PROPERTY
 
 MAX_FAILED = 5
 

@@ -6,7 +6,7 @@ line, with the closest real ids) when they lie inside what this run collects; ou
 (a run of one folder) they are out of scope, unless their file does not exist at all.
 Waives that select nothing are warnings. With a test-db, a collected test that no block
 of any context selects is an *orphan*: the run reports it with the block it probably
-belongs to, and fails (plugin.py).
+belongs to, and fails (harness.plugin).
 """
 
 from __future__ import annotations

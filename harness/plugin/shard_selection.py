@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.ci.sharding import ShardRun, load_durations, lpt, shards_for_budget
+from harness.plugin.sharding import load_durations, lpt, shards_for_budget
+from harness.reports.run_record import ShardRun
 
 DURATIONS_NAME = ".test_durations"
 

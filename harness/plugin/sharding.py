@@ -7,7 +7,8 @@ next longest, and so on, which keeps shards within 4/3 of the best possible make
 pytest-split's default (contiguous chunks in collection order) can leave one shard with
 most of the time when slow tests cluster. `shards_for_budget()` picks how many shards a
 time budget needs. Every process that sees the same collection and durations computes
-the same plan (xdist workers rely on it).
+the same plan (xdist workers rely on it). What a shard was (`ShardRun`, its shard.json)
+is a record of the run: harness.reports.run_record.
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from harness.data_files import json_int, json_number, load_json
+from harness.data_files import load_json
 
-SHARD_JSON = "shard.json"  # a shard's ShardRun, in its --results-dir
 DEFAULT_SECONDS = 1.0  # prediction for every test when no duration is known at all
 
 
@@ -93,43 +92,3 @@ def shards_for_budget(node_ids: Sequence[str], durations: Mapping[str, float],
     while count < len(node_ids) and max(s.predicted for s in lpt(node_ids, durations, count)) > floor:
         count += 1
     return count
-
-
-@dataclass(frozen=True)
-class ShardRun:
-    """What one shard of a run was: its place in the plan, tests, predicted and (once the
-    run ends) actual wall-clock seconds. Written as `shard.json` into --results-dir."""
-
-    shard: int
-    shards: int
-    tests: int
-    predicted: float
-    plan: tuple[float, ...]  # every shard's predicted seconds
-    actual: float | None = None
-
-    def describe(self) -> str:
-        """One line: `shard 2/4: 37 tests, predicted 8.5 min (plan ...), actual 9.1 min`."""
-        plan = ", ".join(f"{s / 60:.1f}" for s in self.plan)
-        actual = "" if self.actual is None else f", actual {self.actual / 60:.1f} min"
-        return (f"shard {self.shard}/{self.shards}: {self.tests} tests, predicted "
-                f"{self.predicted / 60:.1f} min (plan: {plan} min){actual}")
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready form (shard.json)."""
-        return {"shard": self.shard, "shards": self.shards, "tests": self.tests,
-                "predicted_seconds": self.predicted, "plan_seconds": list(self.plan),
-                "actual_seconds": self.actual}
-
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> ShardRun:
-        """Inverse of `to_json`; raises ValueError naming `where` for a malformed record
-        (a number that is not a JSON number, "3" or "٣", included)."""
-        try:
-            actual = data["actual_seconds"]
-            return cls(json_int(data["shard"], "shard"), json_int(data["shards"], "shards"),
-                       json_int(data["tests"], "tests"),
-                       json_number(data["predicted_seconds"], "predicted_seconds"),
-                       tuple(json_number(s, "plan_seconds") for s in data["plan_seconds"]),
-                       None if actual is None else json_number(actual, "actual_seconds"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: not a shard record: {exc!r}") from None

@@ -1,6 +1,6 @@
 """pytest-benchmark results (`--benchmark-json` files): the one reader both reports use.
 
-`kvharness report` (`harness.report.summarize`) and `python -m benchmarks.report` read
+`kvharness report` (`harness.reports.summary.summarize`) and `python -m benchmarks.report` read
 benchmark JSON only through this module, so a file either report accepts the other
 accepts too. The shape checked is what pytest-benchmark writes: an object whose
 "benchmarks" is a list of objects, each with a "name" string, a "stats" object holding

@@ -3,7 +3,7 @@ rate and passes on rerun (`kvharness flakes`).
 
 Each junit file is one run. A test's *runs* are the runs that executed it (skips do not
 count), its *failures* the runs that ended failed or errored, its *rerun passes* the runs
-it passed only on a rerun (the `kvharness_rerun` property harness.ci.reruns writes). Tests
+it passed only on a rerun (the `kvharness_rerun` property harness.plugin.reruns writes). Tests
 that never failed nor needed a rerun are left out: the ledger lists suspects.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.ci.run_record import PASSED_ON_RERUN, RERUN_PROPERTY, case_id
-from harness.markdown import code, table
+from harness.reports.markdown import code, table
+from harness.reports.run_record import PASSED_ON_RERUN, RERUN_PROPERTY, case_id
 
 
 class FlakeRow(NamedTuple):

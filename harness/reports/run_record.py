@@ -2,7 +2,8 @@
 only: `kvharness report` and `kvharness flakes` run without pytest).
 
 The plugin writes `run.json` into --results-dir: the selection counts (selected,
-deselected, waived, isolated, in no list) and the tests in no list. `outcome_sections`
+deselected, waived, isolated, in no list) and the tests in no list; a shard of a run
+also writes `shard.json` (`ShardRun`: its plan, predicted and actual time). `outcome_sections`
 reads that and the run's junit XML and names names: the failing tests with their first
 line, the waived tests with their reasons, the tests that passed only on rerun, and the
 deselected count, so a reader of the job summary needs no log.
@@ -13,14 +14,16 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.data_files import json_int, load_json
-from harness.markdown import code, table
+from harness.data_files import json_int, json_number, load_json
+from harness.reports.markdown import code, table
 
 RUN_JSON = "run.json"
-# junit properties harness.ci.reruns writes and the ledger and summary read
+SHARD_JSON = "shard.json"  # a shard's ShardRun, in its --results-dir
+# junit properties harness.plugin.reruns writes and the ledger and summary read
 RERUN_PROPERTY = "kvharness_rerun"
 FIRST_FAILURE_PROPERTY = "kvharness_first_failure"
 PASSED_ON_RERUN = "passed on rerun"
@@ -111,3 +114,43 @@ def outcome_sections(results_dir: Path) -> list[str]:
         lines += ["", "## Outcomes"] if lines else ["## Outcomes"]
         lines += named
     return lines
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    """What one shard of a run was: its place in the plan, tests, predicted and (once the
+    run ends) actual wall-clock seconds. Written as `shard.json` into --results-dir."""
+
+    shard: int
+    shards: int
+    tests: int
+    predicted: float
+    plan: tuple[float, ...]  # every shard's predicted seconds
+    actual: float | None = None
+
+    def describe(self) -> str:
+        """One line: `shard 2/4: 37 tests, predicted 8.5 min (plan ...), actual 9.1 min`."""
+        plan = ", ".join(f"{s / 60:.1f}" for s in self.plan)
+        actual = "" if self.actual is None else f", actual {self.actual / 60:.1f} min"
+        return (f"shard {self.shard}/{self.shards}: {self.tests} tests, predicted "
+                f"{self.predicted / 60:.1f} min (plan: {plan} min){actual}")
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready form (shard.json)."""
+        return {"shard": self.shard, "shards": self.shards, "tests": self.tests,
+                "predicted_seconds": self.predicted, "plan_seconds": list(self.plan),
+                "actual_seconds": self.actual}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> ShardRun:
+        """Inverse of `to_json`; raises ValueError naming `where` for a malformed record
+        (a number that is not a JSON number, "3" or "٣", included)."""
+        try:
+            actual = data["actual_seconds"]
+            return cls(json_int(data["shard"], "shard"), json_int(data["shards"], "shards"),
+                       json_int(data["tests"], "tests"),
+                       json_number(data["predicted_seconds"], "predicted_seconds"),
+                       tuple(json_number(s, "plan_seconds") for s in data["plan_seconds"]),
+                       None if actual is None else json_number(actual, "actual_seconds"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: not a shard record: {exc!r}") from None

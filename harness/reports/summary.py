@@ -2,7 +2,7 @@
 
 `ReuseReport` collects one `ReuseRecord` per checked scenario run. `summarize` folds
 whatever a results folder holds (the run's selection and named outcomes, junit XML,
-reuse_report.json, pytest-benchmark JSON read through `harness.bench_results`, the
+reuse_report.json, pytest-benchmark JSON read through `harness.reports.bench_results`, the
 shard.json of each shard) into one markdown page; any of them may be missing.
 Standard library only.
 """
@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.bench_results import find_bench_json
-from harness.ci.run_record import outcome_sections
-from harness.ci.sharding import SHARD_JSON, ShardRun
 from harness.data_files import load_json
-from harness.markdown import bold, code, table
 from harness.oracle.types import hit_rate
+from harness.reports.bench_results import find_bench_json
+from harness.reports.markdown import bold, code, table
+from harness.reports.run_record import SHARD_JSON, ShardRun, outcome_sections
 
 REPORT_JSON = "reuse_report.json"
 REPORT_MD = "reuse_report.md"
@@ -246,7 +245,7 @@ def summarize(results_dir: Path) -> str:
     Searches recursively; a missing kind gets a "none found" line. Raises ValueError
     when `results_dir` is not a directory, or a reuse report in it is malformed; raises
     BenchJsonError (a ValueError) naming the file when a *.json in it is not JSON or a
-    benchmark JSON is not pytest-benchmark's shape (see `harness.bench_results`).
+    benchmark JSON is not pytest-benchmark's shape (see `harness.reports.bench_results`).
     """
     if not results_dir.is_dir():
         raise ValueError(f"summarize: {results_dir} is not a directory")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from harness.report import ReuseRecord, ReuseReport
+from harness.reports.summary import ReuseRecord, ReuseReport
 from harness.reuse.assertions import (
     Bounds,
     Number,

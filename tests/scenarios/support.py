@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from harness.report import ReuseRecord, ReuseReport
+from harness.reports.summary import ReuseRecord, ReuseReport
 from harness.repro.compare import describe, first_difference
 from harness.repro.record import Failure, FullBlocksFailure, OracleFailure, OutputRef
 from harness.repro.registry import object_ref

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.ci.changes import ImportGraph, dependencies
+from harness.plugin.changes import ImportGraph, dependencies
 
 pytest_plugins = ["pytester"]
 

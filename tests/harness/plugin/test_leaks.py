@@ -10,7 +10,7 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from harness.leaks import CacheOwner, find_cache_owners, is_cache_owner, leak_problems
+from harness.plugin.leaks import CacheOwner, find_cache_owners, is_cache_owner, leak_problems
 from harness.reuse.adapters import KvcacheEngineAdapter
 from kvcache import Engine, KvCacheConfig, KVCacheManager
 

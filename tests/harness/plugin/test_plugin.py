@@ -297,7 +297,7 @@ def test_reuse_report_gathers_isolated_records_into_results_dir(
     pytester = quiet_pytester
     pytester.makepyfile(test_r=textwrap.dedent("""\
         import pytest
-        from harness.report import ReuseRecord
+        from harness.reports.summary import ReuseRecord
         @pytest.mark.parametrize("where", ["here", "isolated"])
         def test_records(reuse_report, where):
             reuse_report.add(ReuseRecord(f"prompt-{where}", "test_r.py::test_records", {},

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness.ci.reruns import rerun_budget
+from harness.plugin.reruns import rerun_budget
 
 pytest_plugins = ["pytester"]
 

@@ -11,8 +11,9 @@ from typing import NamedTuple
 import pytest
 from pytest_split.algorithms import Algorithms
 
-from harness.ci.sharding import ShardRun, load_durations, lpt, predict, shards_for_budget
-from harness.report import summarize
+from harness.plugin.sharding import load_durations, lpt, predict, shards_for_budget
+from harness.reports.run_record import ShardRun
+from harness.reports.summary import summarize
 
 pytest_plugins = ["pytester"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from harness.bench_results import BenchJsonError, find_bench_json, load_bench_json
+from harness.reports.bench_results import BenchJsonError, find_bench_json, load_bench_json
 
 STATS = {"min": 0.5, "max": 2.0, "mean": 1.25, "median": 1.0, "rounds": 4, "stddev": 0.1,
          "outliers": "0;1", "ops": 0.8, "iterations": 1}  # the last four as written, unread

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.report import summarize
+from harness.reports.summary import summarize
 
 pytest_plugins = ["pytester"]
 

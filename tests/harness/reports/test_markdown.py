@@ -11,8 +11,8 @@ import pytest
 
 from harness.cli import main as kvharness
 from harness.gpu_check.report import CheckResult, Report, StageResult
-from harness.markdown import Markdown, cell, code, table
-from harness.report import ReuseRecord, ReuseReport, summarize
+from harness.reports.markdown import Markdown, cell, code, table
+from harness.reports.summary import ReuseRecord, ReuseReport, summarize
 
 # Each breaks a row its own way: a cell separator, a line break, a code span's fence.
 HOSTILE_ID = "tests/test_m.py::test_x[a|b-`q`-c\\|d]"

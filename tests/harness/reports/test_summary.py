@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.bench_results import BenchJsonError
 from harness.oracle.types import ReuseTotals
-from harness.report import ReuseRecord, ReuseReport, summarize
+from harness.reports.bench_results import BenchJsonError
+from harness.reports.summary import ReuseRecord, ReuseReport, summarize
 from harness.reuse.assertions import diff_stats
 
 OK = ReuseRecord("shared_prefix", "tests/scenarios/test_shared.py::test_a[p16]",

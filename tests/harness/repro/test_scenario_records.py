@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from harness.cli import main as kvharness
-from harness.report import ReuseReport
+from harness.reports.summary import ReuseReport
 from harness.repro.fileformat import open_file
 from harness.repro.record import FullBlocksFailure, OracleFailure, OutputsFailure, ScenarioRecord
 from harness.repro.rerun import rerun
