@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.lists.checks import CollectError, validate
-from harness.lists.db import Entry, Verdict, load_test_db
+from harness.lists.db import Verdict, load_test_db
+from harness.lists.entry import Entry
 from harness.lists.errors import ListError
 from harness.lists.gpus import features_of
 from harness.lists.hardware import MachineFlags, add_machine_options, detect, machine_from_options

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from harness.lists.db import DEFAULT_POLICY
+from harness.lists.entry import DEFAULT_POLICY
 from harness.plugin.changes import GitError, ImportGraph, changed_files, dependencies
 from harness.plugin.selection import ENTRY
 

@@ -20,8 +20,8 @@ from typing import NamedTuple
 import pytest
 
 from harness.lists.checks import home_of, unmatched_problems
-from harness.lists.db import Entry, ListDb, covers, load_test_db, load_test_list, resolve
-from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS
+from harness.lists.db import ListDb, load_test_db, load_test_list, resolve
+from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, Entry, covers
 from harness.lists.errors import ListError, Problem
 from harness.lists.hardware import Machine, MachineFlags
 from harness.lists.suggest import Home

@@ -3,12 +3,13 @@ messages and lines. A line ending in `#<-` is where the problem must be reported
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from harness.lists.db import covers, load_test_db, load_test_list, resolve
-from harness.lists.entry import parse_entry_text
+from harness.lists.db import load_test_db, load_test_list, resolve
+from harness.lists.entry import covers, parse_entry_text
 from harness.lists.errors import ListError
 from harness.lists.hardware import Machine
 from harness.lists.keywords import KeywordExpr
@@ -189,6 +190,26 @@ def test_keyword_nesting_up_to_the_bound_matches() -> None:
     assert deepest.matches("tests/a.py::test_x") and not deepest.matches("tests/a.py::test_y")
     negated = KeywordExpr.parse("not " * 31 + "test_x")  # odd: one `not`
     assert negated.matches("tests/a.py::test_y") and not negated.matches("tests/a.py::test_x")
+
+
+def test_both_forms_of_an_entry_are_one_entry_parsed_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A text entry and a mapping entry saying the same thing read as equal Entries (but
+    for their lines), each `-k` parsed once: the schema's check is the parse the reader
+    keeps (it parsed each twice, the mapping's through a second type)."""
+    parsed: list[str] = []
+    parse = KeywordExpr.parse.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(KeywordExpr, "parse",
+                        classmethod(lambda cls, text: parsed.append(text) or parse(cls, text)))
+    db = load_test_db(write_db(tmp_path, {"l0_cpu.yml": _good(
+        "  - tests/unit\n", "  - tests/unit -k 'not slow' TIMEOUT (5) ISOLATION\n"
+        "  - {test: tests/unit, keyword: 'not slow', timeout_seconds: 300, isolation: true}\n")}))
+    text, mapping = db.blocks[0].entries[:2]
+    assert parsed == ["not slow", "not slow"]
+    assert (text.location.line, mapping.location.line) == (11, 12)
+    assert replace(text, location=mapping.location) == mapping
+    assert mapping.covers("tests/unit/test_a.py::test_fast")
+    assert not mapping.covers("tests/unit/test_slow.py::test_a")
 
 
 def test_keyword_entries_select_part_of_a_prefix(tmp_path: Path) -> None:
