@@ -9,8 +9,8 @@ underscore fields (`other._x`: an object's underscore fields are its own), impor
 another module's private names (`from a import _x`), and for each top-level package
 the import picture of its rooms (a room is a module or a subpackage directly inside
 it): how many rooms, how many arrows between them (room A imports room B), and the
-loops (rooms that import each other in a cycle). tests/unit/test_structure.py holds the
-rules the numbers stand for.
+loops (rooms that import each other in a cycle). tests/harness/test_rooms.py holds
+the harness to the rules the numbers stand for.
 """
 
 from __future__ import annotations
