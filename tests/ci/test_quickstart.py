@@ -35,7 +35,7 @@ def test_a_session_venv_imports_torch_from_where_nox_runs(tmp_path: Path) -> Non
     torch, not even the base interpreter's, until share_torch names torch's folder."""
     torch_folder = _folder_of("torch")
     _folder_of("nox")
-    probe = ("import importlib.util as u, sys; s = u.find_spec('torch'); "
+    probe = ("import importlib.util as u; s = u.find_spec('torch'); "
              "print('TORCH', s.origin if s else None)")
     noxfile = tmp_path / "probe_noxfile.py"
     noxfile.write_text(textwrap.dedent(f"""\
