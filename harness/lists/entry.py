@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 from harness.lists.errors import KeyProblem, KeyProblems, Location
 from harness.lists.keywords import KeywordExpr
@@ -32,13 +32,20 @@ MAPPING_KEYS = ("test", "timeout_seconds", "isolation", "keyword")
 UNPLACED = Location(Path(), None)  # an entry parsed from its text or mapping alone
 
 
+# How a block's tests are ordered (harness.plugin.ordering): fail-first, or as collected.
+Order = Literal["fail-first", "collection"]
+ORDERS: tuple[str, ...] = get_args(Order)
+
+
 class BlockPolicy(NamedTuple):
     """A block's run policy for its entries: rerun failures (harness.plugin.reruns), always
-    run under --changed-since, and globs of files whose change runs the block."""
+    run under --changed-since, globs of files whose change runs the block, and the order
+    its tests run in (None: as collected, unless the command line says otherwise)."""
 
     reruns: bool = False
     always_run: bool = False
     depends_on: tuple[str, ...] = ()
+    order: Order | None = None
 
 
 DEFAULT_POLICY = BlockPolicy()

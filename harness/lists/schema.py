@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from harness.data_files import MAX_NESTING, too_deep
-from harness.lists.entry import BlockPolicy, Entry, parse_entry_mapping, parse_entry_text
+from harness.lists.entry import BlockPolicy, Entry, Order, parse_entry_mapping, parse_entry_text
 from harness.lists.errors import KeyProblem, KeyProblems, ListError, Location, Problem
 from harness.lists.files import read_list_text
 from harness.lists.gpus import FEATURES
@@ -155,11 +155,13 @@ class BlockModel(_Strict):
     reruns: bool | None = None  # None: rerun failures in post_merge blocks only
     always_run: bool = False  # run even when --changed-since finds nothing it depends on
     source_file_dependencies: Globs | None = None  # changes that must run this block
+    order: Order | None = None  # fail-first: cheap bug-revealing tests first (the plugin's)
 
     def policy(self) -> BlockPolicy:
         """What the block says about its tests beyond selecting them."""
         reruns = self.condition.terms.stage == "post_merge" if self.reruns is None else self.reruns
-        return BlockPolicy(reruns, self.always_run, tuple(self.source_file_dependencies or ()))
+        return BlockPolicy(reruns, self.always_run, tuple(self.source_file_dependencies or ()),
+                           self.order)
 
 
 class _FileBase(_Strict):

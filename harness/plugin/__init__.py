@@ -11,8 +11,9 @@ This module holds the hooks (pyproject's entry point `kvharness = "harness.plugi
 what they do is beside it: `options` (the command line), `selection` (lists and waives
 applied to the collection), `isolation` (ISOLATION in a child process), `leaks` (the
 leak check after cache-owning tests), `changes` and `change_selection`
-(--changed-since), `sharding` and `shard_selection` (--shard), `reruns` (TensorRT-LLM's
-rerun rule). Oracle checks, repro records and reports are their packages' own.
+(--changed-since), `sharding` and `shard_selection` (--shard), `ordering` and
+`order_selection` (--kvh-order, the lists' `order:`), `reruns` (TensorRT-LLM's rerun
+rule). Oracle checks, repro records and reports are their packages' own.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from harness.plugin.change_selection import NOT_RUN_JSON, ChangeRun, apply_chang
 from harness.plugin.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.plugin.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.plugin.options import add_options
+from harness.plugin.order_selection import OrderRun, apply_order
 from harness.plugin.reruns import RerunLedger, passed_on_rerun
 from harness.plugin.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 from harness.plugin.shard_selection import apply_shard, check_shard_options
@@ -74,6 +76,7 @@ class HarnessState:
     flaky: list[pytest.TestReport] = field(default_factory=list)  # passed on rerun
     changes: ChangeRun | None = None  # --changed-since: what changed, what did not run
     shard: ShardRun | None = None  # --shard: this shard's plan (and, at the end, actual)
+    order: OrderRun | None = None  # fail-first ordering: how many tests, from which files
     started: float = field(default_factory=time.monotonic)
 
 
@@ -137,6 +140,8 @@ class XdistHooks:
             state.changes = None if changes is None else ChangeRun.from_json(changes)
             shard = output.get("kvharness_shard")
             state.shard = None if shard is None else ShardRun.from_json(shard, "xdist worker")
+            order = output.get("kvharness_order")
+            state.order = None if order is None else OrderRun.from_json(order)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -190,12 +195,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         state.orphans = applied.orphans
     state.changes = apply_changes(config, items)
     state.shard = apply_shard(config, items)
+    state.order = apply_order(config, items)
     worker_output = getattr(config, "workeroutput", None)
     if worker_output is not None:
         worker_output["kvharness_counts"] = state.counts
         worker_output["kvharness_orphans"] = [o.to_json() for o in state.orphans]
         worker_output["kvharness_shard"] = state.shard and state.shard.to_json()
         worker_output["kvharness_changes"] = state.changes and state.changes.to_json()
+        worker_output["kvharness_order"] = state.order and state.order.to_json()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -235,6 +242,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         terminalreporter.write_line(f"kvharness {state.changes.describe()}")
     if state.shard is not None and not state.child:
         terminalreporter.write_line(f"kvharness {state.shard.describe()}")
+    if state.order is not None and not state.child:
+        terminalreporter.write_line(f"kvharness {state.order.describe()}")
 
 
 class TestPrefix:

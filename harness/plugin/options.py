@@ -10,8 +10,10 @@ import argparse
 
 import pytest
 
+from harness.lists.entry import ORDERS
 from harness.lists.hardware import add_machine_options
 from harness.plugin.isolation import REPORT_OPTION
+from harness.plugin.ordering import KILLS_NAME
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -48,8 +50,15 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--shard-time-budget", type=float, default=None, metavar="MINUTES",
                     help="with --shard: as many shards as keep each within MINUTES")
     group.addoption("--durations-file", metavar="FILE", default=None,
-                    help="durations for --shard (pytest-split JSON; default with --test-db: "
-                    "DIR/../.test_durations)")
+                    help="durations for --shard and --kvh-order (pytest-split JSON; default "
+                    "with --test-db: DIR/../.test_durations)")
+    group.addoption("--kvh-order", choices=ORDERS, default=None,
+                    help="fail-first: run the selected tests cheapest-to-fail first, by kills "
+                    "per second (kill record and durations); collection: as collected "
+                    "(default: as each list block's `order:` says)")
+    group.addoption("--kvh-kill-record", metavar="FILE", default=None,
+                    help="which tests killed which mutants, for --kvh-order (default with "
+                    f"--test-db: DIR/../{KILLS_NAME} when it exists)")
     add_machine_options(group.addoption)
     group.addoption("--results-dir", metavar="DIR", default=None,
                     help="write the reuse report, repro files and run record into DIR")

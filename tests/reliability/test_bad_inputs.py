@@ -26,6 +26,7 @@ from harness.cli import main as kvharness
 from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
 from harness.lists.waives import default_waives, load_waives
+from harness.plugin.ordering import load_kills
 from kvcache import Engine, KvCacheConfig, KVCacheManager
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.engine import RequestFinishedError
@@ -438,6 +439,9 @@ DEEP_KEYWORD = HEAD + '  tests:\n  - tests/x.py -k "' + "(" * 497 + "t" + ")" * 
                  r"unknown key 'timout_seconds'", id="yaml-unknown-entry-key"),
     pytest.param("l0_cpu.yml", HEAD.replace("0.0.1", "9") + GOOD_TESTS, 1, r"version",
                  id="yaml-version"),
+    pytest.param("l0_cpu.yml", HEAD + "  order: fastest\n" + GOOD_TESTS, 6,
+                 r"l0_cpu\[0\]\.order: Input should be 'fail-first' or 'collection' "
+                 r"\(got 'fastest'\)", id="yaml-bad-order"),
     pytest.param("l0_cpu.yml", ALIAS_BOMB, 3,
                  r"YAML: aliases \(\*x0\) are not allowed in list files; write the value out",
                  id="yaml-alias-bomb"),
@@ -538,6 +542,19 @@ def test_broken_reuse_report(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert kvharness(["report", "--results-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert re.search(rf"kvharness report: {re.escape(str(tmp_path))}/{message}", err), err
+
+
+@pytest.mark.parametrize(("text", "message"), cases(
+    pytest.param('{"m1": ["tests/x.py::t"]}', r'a kill record is \{"mutants": ',
+                 id="kills-no-mutants"),
+    pytest.param('{"mutants": {"m1": "tests/x.py::t"}}', r"mutant 'm1': the tests that killed "
+                 r"it are a list of node ids \(got 'tests/x\.py::t'\)", id="kills-not-a-list"),
+))
+def test_broken_kill_record(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / ".test_kills.json").write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        load_kills(tmp_path / ".test_kills.json")
+    assert str(info.value).startswith(f"{tmp_path / '.test_kills.json'}: ")
 
 
 # -- kvharness flags -----------------------------------------------------------------------

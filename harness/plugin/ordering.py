@@ -1,0 +1,130 @@
+"""Fail-first order: the selected tests ranked so that cheap tests with the most
+bug-revealing power run first, derived from the data the harness keeps.
+
+Two files say what a test is worth: the durations (`test_lists/.test_durations`, seconds
+per test, as `--shard` reads them) and the kill record (`test_lists/.test_kills.json`,
+`{"mutants": {"<mutant id>": ["<node id of each test that killed it>", ...]}}`, written by
+the mutation run). With a kill record, `fail_first` orders greedily by *new mutants
+killed per second*: first the test that kills the most mutants per second of its own, then
+the one that kills the most of those still alive per second, and so on (the "additional
+greedy" order of test prioritization: each pick is the cheapest way to catch one more
+known bug). Once no test kills a mutant still alive, the rest follow by kills per second,
+then by the prior below per second.
+
+Until a kill record exists (and for tests it names no kill for) the prior stands in:
+a test's weight is 0 when its file's imports never reach the cache (`kvcache/`; a test of
+the lists or the CLI cannot see a reuse bug), else 1 plus the number of oracle modules
+(`harness/oracle/`) its own code imports, directly or through the test support modules it
+imports (the checked manager, the event index, the oracle checks). So the stateful oracle
+checks and the fuzzers, which check every step against an oracle, weigh more than a
+by-hand unit test, and every cache test more than a harness test. Imports are read with
+`ast` (harness.plugin.changes), never executed.
+
+Seconds come from the durations file; a test it lacks (a new test, a renamed one) is
+predicted at the mean of the known (harness.plugin.sharding's `predict`), and a node id
+the files name that is not collected is ignored. Every ranking breaks ties by node id, so
+the order depends only on the collected ids and the two files: every xdist worker computes
+the same one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cache
+from pathlib import Path
+
+from harness.data_files import load_json
+from harness.lists.entry import ORDERS
+from harness.plugin.changes import ImportGraph, conftests
+from harness.plugin.sharding import predict
+
+FAIL_FIRST, COLLECTION = ORDERS
+KILLS_NAME = ".test_kills.json"
+# pytest's own cost per test (setup, reports) on a 2-core machine: a test recorded at
+# 0.1 ms is not 50 times cheaper than one at 5 ms once it runs.
+MIN_SECONDS = 0.005
+SUBJECT = "kvcache/"
+ORACLE = "harness/oracle/"
+TEST_CODE = "tests/"
+
+
+def load_kills(path: Path) -> dict[str, frozenset[str]]:
+    """Read a kill record: mutant id -> the node ids of the tests that killed it.
+
+    Raises ValueError naming the file when it is missing, not JSON, nested too deep, or
+    not `{"mutants": {"<id>": ["<node id>", ...]}}`; an empty list (a surviving mutant) is
+    allowed. Mutates nothing.
+    """
+    data = load_json(path, "kill record")
+    mutants = data.get("mutants") if isinstance(data, dict) else None
+    if not isinstance(mutants, dict):
+        raise ValueError(f'{path}: a kill record is {{"mutants": {{"<mutant id>": ["<node id>", '
+                         f"...]}}}} (got {type(data).__name__} without a 'mutants' object)")
+    for mutant, killers in mutants.items():
+        if not isinstance(killers, list) or not all(isinstance(k, str) for k in killers):
+            raise ValueError(f"{path}: mutant {mutant!r}: the tests that killed it are a list of "
+                             f"node ids (got {killers!r})")
+    return {str(m): frozenset(k) for m, k in mutants.items()}
+
+
+class PriorWeights:
+    """The prior's weight of each test file (see the module docstring); cached per file."""
+
+    def __init__(self, rootdir: Path) -> None:
+        self._rootdir = rootdir
+        self._graph = ImportGraph(rootdir)
+        self.of_file = cache(self._weight)
+
+    def _oracles(self, path: str) -> set[str]:
+        seen, todo, found = {path}, [path], set()
+        while todo:
+            for dep in self._graph.imports(todo.pop()):
+                if dep.startswith(ORACLE) and not dep.endswith("__init__.py"):
+                    found.add(dep)
+                if dep.startswith(TEST_CODE) and dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return found
+
+    def _weight(self, test_file: str) -> int:
+        roots = [test_file, *conftests(self._rootdir, test_file)]
+        if not any(f.startswith(SUBJECT) for r in roots for f in self._graph.closure(r)):
+            return 0
+        return 1 + len(self._oracles(test_file))
+
+    def of(self, node_id: str) -> int:
+        """The weight of the test `node_id` (that of its file)."""
+        return self.of_file(node_id.partition("::")[0])
+
+
+def fail_first(node_ids: Sequence[str], durations: Mapping[str, float],
+               kills: Mapping[str, Iterable[str]] | None,
+               prior: Mapping[str, int]) -> list[str]:
+    """`node_ids` in fail-first order (module docstring): greedy by new kills per second
+    over `kills` (mutant id -> killing node ids; None without a kill record), then by
+    kills per second, `prior` weight per second and node id.
+
+    Pure: the same arguments give the same list, a permutation of `node_ids` (which must
+    be distinct). Ids in `durations` or `kills` that are not in `node_ids` are ignored.
+    """
+    wanted = set(node_ids)
+    seconds = {n: max(s, MIN_SECONDS) for n, s in predict(node_ids, durations).items()}
+    killed_by: dict[str, set[str]] = {n: set() for n in node_ids}
+    for mutant, killers in (kills or {}).items():
+        for node_id in set(killers) & wanted:
+            killed_by[node_id].add(mutant)
+    order: list[str] = []
+    alive = set().union(*killed_by.values())
+    candidates = sorted(n for n in node_ids if killed_by[n])
+    while alive and candidates:
+        best = min(candidates, key=lambda n: (-len(killed_by[n] & alive) / seconds[n], n))
+        if not killed_by[best] & alive:
+            break
+        order.append(best)
+        candidates.remove(best)
+        alive -= killed_by[best]
+    rest = wanted - set(order)
+    order += sorted(rest, key=lambda n: (-len(killed_by[n]) / seconds[n],
+                                         -prior.get(n, 0) / seconds[n], n))
+    return order
+

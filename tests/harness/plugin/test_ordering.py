@@ -1,0 +1,243 @@
+"""Fail-first order (issue 26): the ranking from durations and a kill record, the prior
+without one, and the plugin's --kvh-order and the lists' `order:` in real pytest
+processes, serial and under pytest-xdist with the pre-merge session's flags: the order is
+the derived one, every selected test runs once, and the leak check reports the same."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness.plugin.ordering import MIN_SECONDS, PriorWeights, fail_first, load_kills
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[3]
+IDS = [f"t.py::test_{c}" for c in "abcdef"]
+DURATIONS = {"t.py::test_a": 1.0, "t.py::test_b": 0.1, "t.py::test_c": 2.0,
+             "t.py::test_d": 0.5, "t.py::test_e": 0.5}  # test_f: no duration
+KILLS = {"m1": ["t.py::test_a", "t.py::test_c"], "m2": ["t.py::test_c"],
+         "m3": ["t.py::test_a", "t.py::test_b"], "m4": [], "m5": ["t.py::gone"]}
+
+
+def test_greedy_by_new_kills_per_second_then_the_rest() -> None:
+    order = fail_first(IDS, DURATIONS, KILLS, {})
+    # b kills m3 in 0.1 s (10/s); then a adds m1 (1/s) and c adds m2 (0.5/s); d, e and f
+    # kill nothing: f (no duration: the mean, 0.82 s) ties with d and e at zero, by id.
+    assert order == ["t.py::test_b", "t.py::test_a", "t.py::test_c",
+                     "t.py::test_d", "t.py::test_e", "t.py::test_f"]
+
+
+def test_a_test_that_adds_nothing_waits_for_the_rest() -> None:
+    # a kills only what b already killed: after b it adds nothing, so c (m2) goes first,
+    # and a follows among the rest by its total kills per second.
+    kills = {"m1": ["t.py::test_a", "t.py::test_b"], "m2": ["t.py::test_c"]}
+    assert fail_first(IDS, DURATIONS, kills, {})[:3] == [
+        "t.py::test_b", "t.py::test_c", "t.py::test_a"]
+
+
+def test_the_order_depends_on_the_files_only() -> None:
+    first = fail_first(IDS, DURATIONS, KILLS, {"t.py::test_d": 1})
+    for shuffled in itertools.islice(itertools.permutations(IDS), 0, 720, 97):
+        assert fail_first(list(shuffled), DURATIONS, KILLS, {"t.py::test_d": 1}) == first
+    assert sorted(first) == sorted(IDS)
+
+
+def test_stale_ids_in_the_files_are_ignored() -> None:
+    stale = {**DURATIONS, "gone.py::test_x": 0.001}
+    assert fail_first(IDS, stale, {**KILLS, "m6": ["gone.py::test_x"]}, {}) == fail_first(
+        IDS, DURATIONS, KILLS, {})
+
+
+def test_without_a_kill_record_the_prior_weighs_per_second() -> None:
+    prior = {"t.py::test_a": 3, "t.py::test_c": 3, "t.py::test_d": 1, "t.py::test_f": 0}
+    # a 3/s, c 1.5/s, d 2/s; b and e weigh 0 (tests that cannot see a cache bug): last,
+    # by id with f.
+    assert fail_first(IDS, DURATIONS, None, prior) == [
+        "t.py::test_a", "t.py::test_d", "t.py::test_c",
+        "t.py::test_b", "t.py::test_e", "t.py::test_f"]
+
+
+def test_recorded_times_below_pytests_own_cost_count_as_that_cost() -> None:
+    durations = {"t.py::test_a": 0.0001, "t.py::test_b": MIN_SECONDS}
+    # 50 times cheaper on paper, equal in a run: the higher weight goes first.
+    assert fail_first(IDS[:2], durations, None, {"t.py::test_a": 1, "t.py::test_b": 2}) == [
+        "t.py::test_b", "t.py::test_a"]
+
+
+def test_the_prior_weighs_oracle_imports_of_cache_tests(tmp_path: Path) -> None:
+    files = {
+        "kvcache/__init__.py": "",
+        "harness/__init__.py": "",
+        "harness/oracle/__init__.py": "",
+        "harness/oracle/checked.py": "",
+        "harness/oracle/index.py": "import kvcache\n",
+        "harness/lists.py": "",
+        "tests/support.py": "from harness.oracle import index\n",
+        "tests/test_oracle.py": "import kvcache\nfrom harness.oracle import checked\n"
+                                "from tests import support\n",
+        "tests/test_unit.py": "import kvcache\n",
+        "tests/test_lists.py": "from harness import lists\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    prior = PriorWeights(tmp_path)
+    assert prior.of("tests/test_oracle.py::test_x[1]") == 3  # checked, and index via support
+    assert prior.of("tests/test_unit.py::test_y") == 1
+    assert prior.of("tests/test_lists.py::test_z") == 0  # never reaches the cache
+
+
+def test_the_prior_puts_oracle_and_fuzz_tests_above_harness_tests() -> None:
+    prior = PriorWeights(ROOT)
+    oracle = prior.of("tests/harness/oracle/test_checked_manager.py::t")
+    fuzz = prior.of("tests/reliability/test_cache_fuzz.py::test_cache_fuzz_quick")
+    unit = prior.of("tests/unit/test_radix_keys.py::t")
+    assert oracle > unit and fuzz > unit > prior.of("tests/harness/lists/test_db.py::t") == 0
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[]", r"a kill record is \{\"mutants\""),
+    ('{"mutants": {"m1": "t.py::test_a"}}', r"mutant 'm1': the tests that killed it are a list"),
+    ('{"mutants": {"m1": [3]}}', r"mutant 'm1'"),
+    ("{not json", r"not a readable kill record"),
+])
+def test_bad_kill_records(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / ".test_kills.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        load_kills(path)
+    assert str(info.value).startswith(str(path))
+
+
+def test_a_kill_record_reads_back(tmp_path: Path) -> None:
+    path = _write_kills(tmp_path, {"m1": ["t.py::test_a", "t.py::test_a"], "m2": []})
+    assert load_kills(path) == {"m1": frozenset({"t.py::test_a"}), "m2": frozenset()}
+
+
+# -- the plugin, in real pytest processes -------------------------------------------------
+
+TESTS = textwrap.dedent("""\
+    import os
+    import pytest
+    from kvcache import KVCacheManager, KvCacheConfig
+
+    def _log(request):
+        with open(os.environ["ORDER_LOG"], "a") as out:
+            out.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {request.node.nodeid}\\n")
+
+    @pytest.fixture
+    def mgr():
+        return KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+
+    @pytest.mark.parametrize("n", range(12))
+    def test_n(n, request):
+        _log(request)
+
+    def test_leaky(mgr, request):
+        _log(request)
+        mgr.add_sequence(1, list(range(1, 10)))
+
+    def test_clean(mgr, request):
+        _log(request)
+        mgr.add_sequence(1, list(range(1, 10)))
+        mgr.free_sequence(1)
+    """)
+NODE_IDS = [f"tests/test_o.py::test_n[{n}]" for n in range(12)] + [
+    "tests/test_o.py::test_leaky", "tests/test_o.py::test_clean"]
+# A slow test that kills much and cheap ones that kill little, so the derived order is far
+# from collection order; test_n[11] is in neither file (a new test).
+RUN_DURATIONS = {n: 0.01 * (i % 5 + 1) for i, n in enumerate(NODE_IDS[:11])} | {
+    NODE_IDS[12]: 0.5, NODE_IDS[13]: 0.02, "tests/test_gone.py::test_x": 0.001}
+RUN_KILLS = {f"m{k}": [NODE_IDS[(3 * k + 7) % 11], NODE_IDS[12]] for k in range(6)} | {
+    "m-stale": ["tests/test_gone.py::test_x"], "m-survived": []}
+LIST = textwrap.dedent("""\
+    version: 0.0.1
+    l0_cpu:
+    - condition:
+        terms:
+          stage: pre_merge
+      order: fail-first
+      tests:
+      - tests/test_o.py
+    """)
+
+
+def _write_kills(where: Path, kills: dict[str, list[str]]) -> Path:
+    path = where / ".test_kills.json"
+    path.write_text(json.dumps({"mutants": kills}))
+    return path
+
+
+@pytest.fixture
+def project(quiet_pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester = quiet_pytester
+    pytester.mkdir("tests")
+    (pytester.path / "tests" / "test_o.py").write_text(TESTS)
+    (pytester.path / "lists" / "test-db").mkdir(parents=True)
+    (pytester.path / "lists" / "test-db" / "l0_cpu.yml").write_text(LIST)
+    (pytester.path / "lists" / ".test_durations").write_text(json.dumps(RUN_DURATIONS))
+    _write_kills(pytester.path / "lists", RUN_KILLS)
+    return pytester
+
+
+def _run(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str
+         ) -> tuple[pytest.RunResult, list[tuple[str, str]]]:
+    log = project.path / f"order-{len(list(project.path.glob('order-*')))}.log"
+    monkeypatch.setenv("ORDER_LOG", str(log))
+    # This checkout's kvcache and plugin, not the installed ones (pytester puts its own
+    # folder first).
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = project.runpytest_subprocess("--test-db", "lists/test-db", "-p", "no:randomly",
+                                          *args)
+    lines = log.read_text().splitlines() if log.exists() else []
+    return result, [(w, n) for w, n in (line.split(" ", 1) for line in lines)]
+
+
+def _derived() -> list[str]:
+    return fail_first(NODE_IDS, RUN_DURATIONS, {k: set(v) for k, v in RUN_KILLS.items()}, {})
+
+
+def test_a_serial_run_keeps_the_derived_order(
+        project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    derived = _derived()
+    # The six cheap killers of one mutant each first, then the slow one that kills all six
+    # (12 kills/s), then the rest by node id: far from collection order.
+    assert derived.index("tests/test_o.py::test_leaky") == 6 and derived[1] != NODE_IDS[1]
+    serial, ran = _run(project, monkeypatch, "-n", "0")
+    assert [n for _, n in ran] == derived  # each test once, in the derived order
+    serial.assert_outcomes(passed=14, errors=1)
+    serial.stdout.fnmatch_lines(["*kvharness order: fail-first over 14 of 14 tests, by new "
+                                 "kills per second of lists/.test_kills.json (8 mutants); "
+                                 "durations from lists/.test_durations"])
+
+def test_the_command_line_overrides_the_lists(
+        project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    result, ran = _run(project, monkeypatch, "--kvh-order", "collection")
+    assert [n for _, n in ran] == NODE_IDS
+    assert "kvharness order" not in result.stdout.str()
+    listed, ran = _run(project, monkeypatch, "--list-order")
+    assert [n for _, n in ran] == NODE_IDS  # --list-order keeps the list's order
+    assert "kvharness order" not in listed.stdout.str()
+
+
+def test_without_a_kill_record_the_prior_orders(
+        project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    (project.path / "lists" / ".test_kills.json").unlink()
+    result, ran = _run(project, monkeypatch)
+    # Outside this repository nothing reaches kvcache/ by its files: weight 0 for all,
+    # so the prior leaves node id order.
+    assert [n for _, n in ran] == sorted(NODE_IDS)
+    result.stdout.fnmatch_lines(["*by the prior (no kill record)*"])
+
+
+def test_an_unreadable_kill_record_stops_the_run(
+        project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    (project.path / "bad.json").write_text('{"mutants": []}')
+    result, ran = _run(project, monkeypatch, "--kvh-kill-record", "bad.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR and ran == []
+    result.stderr.fnmatch_lines(["*kvharness: --kvh-order: *bad.json: a kill record is*"])
