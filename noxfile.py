@@ -3,7 +3,9 @@
 
 premerge/postmerge run the test-db lists (test_lists/test-db) for the detected hardware;
 anything after `--` goes to pytest and wins over the defaults (`-- --gpu h100
---gpu-count 1`, `-- -n 8 --gpu-per-worker`, `-- tests/unit`). Results (junit XML, the
+--gpu-count 1`, `-- -n 8 --gpu-per-worker`, `-- tests/unit`). premerge runs a
+pytest-xdist worker per CPU (`-- -n 0` runs it serially, `-- -x` stops at the first
+failure). Results (junit XML, the
 reuse report, benchmark JSON) land in results/<session>/.
 """
 
@@ -30,6 +32,12 @@ nox.options.default_venv_backend = "venv"
 # runner whose image installed everything there, which is what sessions saw before.
 # Tools run as `python -m` so they use the session's interpreter and its install.
 TEST_DB = "test_lists/test-db"
+# The pre-merge run is parallel by default: a pytest-xdist worker per CPU. `load` with
+# chunks of one hands the next test of the fail-first order (the lists' `order:`) to
+# whichever worker is free, so the cheapest bug-revealing tests run first on every
+# worker and each worker's queue keeps that order (docs/design.md, "Scale-out").
+# `-- -n 0` after the session runs it serially.
+PARALLEL = ("-n", "auto", "--dist", "load", "--maxschedchunk", "1")
 TORCH_PTH = "nox-torch.pth"
 CPU_TORCH = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 _PURELIB = "import sysconfig; print(sysconfig.get_path('purelib'))"
@@ -85,18 +93,19 @@ def _setup(session: nox.Session, extras: str) -> Path:
     return results
 
 
-def _run_lists(session: nox.Session, stage: str) -> None:
-    """Run the test-db lists of `stage` for this machine; posargs go to pytest last."""
+def _run_lists(session: nox.Session, stage: str, *flags: str) -> None:
+    """Run the test-db lists of `stage` for this machine with pytest `flags`; posargs go
+    to pytest last, so they win."""
     results = _setup(session, "test,bench")
     session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", f"--stage={stage}",
                 f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
-                *session.posargs)
+                *flags, *session.posargs)
 
 
 @nox.session
 def premerge(session: nox.Session) -> None:
-    """Run the pre-merge lists for this machine."""
-    _run_lists(session, "pre_merge")
+    """Run the pre-merge lists for this machine, in parallel (`-- -n 0`: serially)."""
+    _run_lists(session, "pre_merge", *PARALLEL)
 
 
 @nox.session

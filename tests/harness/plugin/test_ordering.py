@@ -5,6 +5,7 @@ the derived one, every selected test runs once, and the leak check reports the s
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import textwrap
@@ -214,6 +215,45 @@ def test_a_serial_run_keeps_the_derived_order(
     serial.stdout.fnmatch_lines(["*kvharness order: fail-first over 14 of 14 tests, by new "
                                  "kills per second of lists/.test_kills.json (8 mutants); "
                                  "durations from lists/.test_durations"])
+
+def _nox_parallel_flags() -> list[str]:
+    """The pytest-xdist flags `nox -s premerge` runs with (noxfile.py's PARALLEL), read
+    without importing nox."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    values = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+              and ast.unparse(node.targets[0]) == "PARALLEL"]
+    assert len(values) == 1, "noxfile.py defines PARALLEL once"
+    return list(values[0])
+
+
+def test_premerge_flags_keep_the_order_in_each_worker(
+        project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = _nox_parallel_flags()
+    assert flags[:2] == ["-n", "auto"]
+    derived = _derived()
+    serial, ran = _run(project, monkeypatch, *flags, "-n", "0")  # `nox -s premerge -- -n 0`
+    assert [n for _, n in ran] == derived and {w for w, _ in ran} == {"main"}
+    parallel, ran_n2 = _run(project, monkeypatch, *flags[2:], "-n", "2")
+    workers = {w for w, _ in ran_n2}
+    assert workers == {"gw0", "gw1"}
+    # Each worker runs a subsequence of the derived order; together, each test once.
+    for worker in workers:
+        mine = [n for w, n in ran_n2 if w == worker]
+        assert mine == [n for n in derived if n in mine], worker
+    assert sorted(n for _, n in ran_n2) == sorted(NODE_IDS)
+    # xdist hands each worker two tests to start with (`load` never sends fewer): the
+    # first test of each worker is among the first four of the derived order, the very
+    # first among them.
+    firsts = {next(n for w, n in ran_n2 if w == worker) for worker in workers}
+    assert derived[0] in firsts and firsts <= set(derived[:4])
+    for result in (serial, parallel):  # the leak check reports the same in each worker
+        result.assert_outcomes(passed=14, errors=1)
+        result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaky*",
+                                     "*mgr (KVCacheManager): leaked: sequence 1 is still live, "
+                                     "holding 3 blocks*"])
+    parallel.stdout.fnmatch_lines(["*kvharness order: fail-first over 14 of 14 tests, by new "
+                                   "kills per second of lists/.test_kills.json (8 mutants)*"])
+
 
 def test_the_command_line_overrides_the_lists(
         project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
