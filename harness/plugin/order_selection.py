@@ -97,10 +97,10 @@ def apply_order(config: pytest.Config, items: list[pytest.Item]) -> OrderRun | N
         kills = None if kills_path is None else load_kills(kills_path)
     except ValueError as exc:
         raise pytest.UsageError(f"kvharness: --kvh-order: {exc}") from None
-    prior = PriorWeights(config.rootpath)
-    ids = [item.nodeid for item in ranked]
+    prior = PriorWeights()
+    weights = {item.nodeid: prior.of(getattr(item, "module", None)) for item in ranked}
     by_id = {item.nodeid: item for item in ranked}
-    first = [by_id[n] for n in fail_first(ids, durations, kills, {n: prior.of(n) for n in ids})]
+    first = [by_id[n] for n in fail_first(list(by_id), durations, kills, weights)]
     chosen = set(by_id)
     items[:] = first + [item for item in items if item.nodeid not in chosen]
     return OrderRun(len(first), len(items), _shown(config, durations_path),

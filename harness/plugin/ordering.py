@@ -11,14 +11,17 @@ greedy" order of test prioritization: each pick is the cheapest way to catch one
 known bug). Once no test kills a mutant still alive, the rest follow by kills per second,
 then by the prior below per second.
 
-Until a kill record exists (and for tests it names no kill for) the prior stands in:
-a test's weight is 0 when its file's imports never reach the cache (`kvcache/`; a test of
-the lists or the CLI cannot see a reuse bug), else 1 plus the number of oracle modules
-(`harness/oracle/`) its own code imports, directly or through the test support modules it
-imports (the checked manager, the event index, the oracle checks). So the stateful oracle
-checks and the fuzzers, which check every step against an oracle, weigh more than a
-by-hand unit test, and every cache test more than a harness test. Imports are read with
-`ast` (harness.plugin.changes), never executed.
+Until a kill record exists (and for tests it names no kill for) the prior stands in,
+read from what each test module binds once pytest has imported it (its globals: modules,
+classes, functions, constants, each by the module it comes from), and from the test
+support modules (`tests.*`) it binds, followed the same way: a module that binds nothing
+from the cache (`kvcache`) weighs 0 (a test of the lists or the CLI cannot see a reuse
+bug), any other 1 plus the number of oracle modules (`harness.oracle.*`) it binds (the
+checked manager, the event index, the oracle checks). So the stateful oracle checks and
+the fuzzers, which check every step against an oracle, weigh more than a by-hand unit
+test, and every cache test more than a harness test. Nothing is parsed or imported for
+it: collection has imported the modules already. (Imports made inside a test function
+are not seen.)
 
 Seconds come from the durations file; a test it lacks (a new test, a renamed one) is
 predicted at the mean of the known (harness.plugin.sharding's `predict`), and a node id
@@ -29,13 +32,13 @@ the same one.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping, Sequence
-from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 from harness.data_files import load_json
 from harness.lists.entry import ORDERS
-from harness.plugin.changes import ImportGraph, conftests
 from harness.plugin.sharding import predict
 
 FAIL_FIRST, COLLECTION = ORDERS
@@ -43,9 +46,9 @@ KILLS_NAME = ".test_kills.json"
 # pytest's own cost per test (setup, reports) on a 2-core machine: a test recorded at
 # 0.1 ms is not 50 times cheaper than one at 5 ms once it runs.
 MIN_SECONDS = 0.005
-SUBJECT = "kvcache/"
-ORACLE = "harness/oracle/"
-TEST_CODE = "tests/"
+SUBJECT = "kvcache"
+ORACLE = "harness.oracle."
+TEST_CODE = "tests."
 
 
 def load_kills(path: Path) -> dict[str, frozenset[str]]:
@@ -68,33 +71,41 @@ def load_kills(path: Path) -> dict[str, frozenset[str]]:
 
 
 class PriorWeights:
-    """The prior's weight of each test file (see the module docstring); cached per file."""
+    """The prior's weight of each test module (see the module docstring), read from the
+    names the imported module binds; cached per module. Mutates nothing."""
 
-    def __init__(self, rootdir: Path) -> None:
-        self._rootdir = rootdir
-        self._graph = ImportGraph(rootdir)
-        self.of_file = cache(self._weight)
+    def __init__(self) -> None:
+        self._weights: dict[str, int] = {}
 
-    def _oracles(self, path: str) -> set[str]:
-        seen, todo, found = {path}, [path], set()
-        while todo:
-            for dep in self._graph.imports(todo.pop()):
-                if dep.startswith(ORACLE) and not dep.endswith("__init__.py"):
-                    found.add(dep)
-                if dep.startswith(TEST_CODE) and dep not in seen:
-                    seen.add(dep)
-                    todo.append(dep)
-        return found
-
-    def _weight(self, test_file: str) -> int:
-        roots = [test_file, *conftests(self._rootdir, test_file)]
-        if not any(f.startswith(SUBJECT) for r in roots for f in self._graph.closure(r)):
+    def of(self, module: ModuleType | None) -> int:
+        """The weight of the tests in `module` (0 for None: an item without a module)."""
+        if module is None:
             return 0
-        return 1 + len(self._oracles(test_file))
+        if module.__name__ not in self._weights:
+            self._weights[module.__name__] = _weight(module)
+        return self._weights[module.__name__]
 
-    def of(self, node_id: str) -> int:
-        """The weight of the test `node_id` (that of its file)."""
-        return self.of_file(node_id.partition("::")[0])
+
+def _origin(value: object) -> str:
+    """The module a bound name comes from: a module's own name, else its `__module__`."""
+    name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", "")
+    return name if isinstance(name, str) else ""
+
+
+def _weight(module: ModuleType) -> int:
+    seen, todo = {module.__name__}, [module]
+    reaches, oracles = False, set()
+    while todo:
+        for value in list(vars(todo.pop()).values()):
+            origin = _origin(value)
+            if origin == SUBJECT or origin.startswith(SUBJECT + "."):
+                reaches = True
+            elif origin.startswith(ORACLE):
+                oracles.add(origin)
+            elif origin.startswith(TEST_CODE) and origin not in seen and origin in sys.modules:
+                seen.add(origin)
+                todo.append(sys.modules[origin])
+    return 1 + len(oracles) if reaches else 0
 
 
 def fail_first(node_ids: Sequence[str], durations: Mapping[str, float],

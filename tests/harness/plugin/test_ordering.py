@@ -8,8 +8,10 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+import sys
 import textwrap
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -70,35 +72,40 @@ def test_recorded_times_below_pytests_own_cost_count_as_that_cost() -> None:
         "t.py::test_b", "t.py::test_a"]
 
 
-def test_the_prior_weighs_oracle_imports_of_cache_tests(tmp_path: Path) -> None:
-    files = {
-        "kvcache/__init__.py": "",
-        "harness/__init__.py": "",
-        "harness/oracle/__init__.py": "",
-        "harness/oracle/checked.py": "",
-        "harness/oracle/index.py": "import kvcache\n",
-        "harness/lists.py": "",
-        "tests/support.py": "from harness.oracle import index\n",
-        "tests/test_oracle.py": "import kvcache\nfrom harness.oracle import checked\n"
-                                "from tests import support\n",
-        "tests/test_unit.py": "import kvcache\n",
-        "tests/test_lists.py": "from harness import lists\n",
-    }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    prior = PriorWeights(tmp_path)
-    assert prior.of("tests/test_oracle.py::test_x[1]") == 3  # checked, and index via support
-    assert prior.of("tests/test_unit.py::test_y") == 1
-    assert prior.of("tests/test_lists.py::test_z") == 0  # never reaches the cache
+def test_the_prior_weighs_oracles_bound_by_cache_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    def module(name: str, **names: object) -> ModuleType:
+        made = ModuleType(name)
+        vars(made).update(names)
+        monkeypatch.setitem(sys.modules, name, made)
+        return made
+
+    def from_module(origin: str) -> object:
+        return type("Bound", (), {"__module__": origin})
+
+    support = module("tests.support", index=from_module("harness.oracle.kv_index"))
+    oracle_test = module("tests.test_oracle", KVCacheManager=from_module("kvcache.core.manager"),
+                         checked=module("harness.oracle.checked_manager"),
+                         run_steps=from_module("tests.support"), again=support)
+    unit_test = module("tests.test_unit", kvcache=module("kvcache"))
+    lists_test = module("tests.test_lists", db=module("harness.lists.db"),
+                        oracle=from_module("harness.oracle.checks"))
+    prior = PriorWeights()
+    assert prior.of(oracle_test) == 3  # the cache, the checked manager, the index via support
+    assert prior.of(unit_test) == 1
+    assert prior.of(lists_test) == 0  # binds nothing from the cache: cannot see its bugs
+    assert prior.of(None) == 0
 
 
-def test_the_prior_puts_oracle_and_fuzz_tests_above_harness_tests() -> None:
-    prior = PriorWeights(ROOT)
-    oracle = prior.of("tests/harness/oracle/test_checked_manager.py::t")
-    fuzz = prior.of("tests/reliability/test_cache_fuzz.py::test_cache_fuzz_quick")
-    unit = prior.of("tests/unit/test_radix_keys.py::t")
-    assert oracle > unit and fuzz > unit > prior.of("tests/harness/lists/test_db.py::t") == 0
+def test_the_prior_puts_oracle_and_fuzz_tests_above_unit_and_harness_tests() -> None:
+    from tests.harness.lists import test_db
+    from tests.harness.oracle import test_checked_manager
+    from tests.reliability import test_cache_fuzz
+    from tests.unit import test_radix_keys
+
+    prior = PriorWeights()
+    unit = prior.of(test_radix_keys)
+    assert prior.of(test_checked_manager) > unit and prior.of(test_cache_fuzz) > unit
+    assert unit > prior.of(test_db) == 0
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -200,7 +207,9 @@ def _run(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str
 
 
 def _derived() -> list[str]:
-    return fail_first(NODE_IDS, RUN_DURATIONS, {k: set(v) for k, v in RUN_KILLS.items()}, {})
+    # test_o.py binds KVCacheManager and no oracle: a prior weight of 1 for every test.
+    return fail_first(NODE_IDS, RUN_DURATIONS, {k: set(v) for k, v in RUN_KILLS.items()},
+                      dict.fromkeys(NODE_IDS, 1))
 
 
 def test_a_serial_run_keeps_the_derived_order(
@@ -269,9 +278,11 @@ def test_without_a_kill_record_the_prior_orders(
         project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     (project.path / "lists" / ".test_kills.json").unlink()
     result, ran = _run(project, monkeypatch)
-    # Outside this repository nothing reaches kvcache/ by its files: weight 0 for all,
-    # so the prior leaves node id order.
-    assert [n for _, n in ran] == sorted(NODE_IDS)
+    # test_o.py binds KVCacheManager and no oracle: weight 1 for each test, so the cheap
+    # ones go first.
+    assert [n for _, n in ran] == fail_first(NODE_IDS, RUN_DURATIONS, None,
+                                             dict.fromkeys(NODE_IDS, 1))
+    assert [n for _, n in ran] != NODE_IDS
     result.stdout.fnmatch_lines(["*by the prior (no kill record)*"])
 
 
