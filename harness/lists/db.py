@@ -8,7 +8,8 @@ line. `ListDb.select(machine)` returns the entries whose block conditions hold, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -148,15 +149,43 @@ class Resolution(NamedTuple):
     unmatched: tuple[Entry, ...]
 
 
+_CUT = re.compile(r"::|/|\[")  # where an entry's text may end inside a node id
+
+
+def _prefixes(node_id: str) -> Iterator[str]:
+    """Every entry text that can cover `node_id` by its path (entry.covers): the id, then
+    each shorter prefix that ends before a "::", "/" or "[", longest first."""
+    yield node_id
+    for cut in reversed([m.start() for m in _CUT.finditer(node_id, 1)]):
+        yield node_id[:cut]
+
+
+class EntryIndex:
+    """Entries by their test text, so the entries covering a node id are found by its
+    few prefixes instead of by trying every entry (9,000 collected tests times 300
+    entries was seconds of every collection)."""
+
+    def __init__(self, entries: Iterable[Entry]) -> None:
+        self._by_test: dict[str, list[Entry]] = {}
+        for entry in entries:
+            self._by_test.setdefault(entry.test, []).append(entry)
+
+    def covering(self, node_id: str) -> list[Entry]:
+        """The entries that select `node_id` (`Entry.covers`), the longest (most specific)
+        first, then in list order."""
+        return [e for prefix in _prefixes(node_id) for e in self._by_test.get(prefix, ())
+                if e.covers(node_id)]
+
+
 def resolve(entries: Iterable[Entry], node_ids: Iterable[str]) -> Resolution:
     """Map node ids to covering entries; the longest (most specific) entry wins, then the
     first in list order. Unmatched entries come back in list order."""
     given = list(entries)
-    by_length = sorted(given, key=lambda e: -len(e.test))  # stable: list order among equals
+    index = EntryIndex(given)
     chosen: dict[str, Entry] = {}
     used: set[int] = set()
     for node_id in node_ids:
-        covering = [e for e in by_length if e.covers(node_id)]
+        covering = index.covering(node_id)
         if covering:
             chosen[node_id] = covering[0]
             used.update(id(e) for e in covering)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import pytest
 
 from harness.lists.checks import home_of, unmatched_problems
-from harness.lists.db import ListDb, load_test_db, load_test_list, resolve
+from harness.lists.db import EntryIndex, ListDb, load_test_db, load_test_list, resolve
 from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, Entry, covers
 from harness.lists.errors import ListError, Problem
 from harness.lists.hardware import Machine, MachineFlags
@@ -195,9 +195,8 @@ class Applied(NamedTuple):
 def _orphans(db: ListDb | None, node_ids: Sequence[str]) -> tuple[Orphan, ...]:
     if db is None:
         return ()  # a plain list is a subset by design: the rest are not orphans
-    entries = db.entries
-    return tuple(Orphan(n, home_of(n, db.blocks)) for n in node_ids
-                 if not any(e.covers(n) for e in entries))
+    index = EntryIndex(db.entries)
+    return tuple(Orphan(n, home_of(n, db.blocks)) for n in node_ids if not index.covering(n))
 
 
 def _in_list_order(items: list[pytest.Item], entries: Sequence[Entry],

@@ -6,27 +6,29 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MinistralConfig,
-    MinistralForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedModel,
-)
 
 from kvcache import Engine, KvCacheConfig
 from kvcache.attention.layer_windows import LayerWindows
 from kvcache.model import PRESETS, ModelConfig, Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_config, load_pretrained, save_pretrained
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, MinistralConfig, MistralConfig, PreTrainedModel
+
+
+def hf_lib() -> ModuleType:
+    """transformers, imported when a test first needs it: importing it takes seconds, which
+    every collection of this file (each pre-merge run, each xdist worker) would pay."""
+    import transformers
+
+    return transformers
 
 HF_SHAPE: dict[str, Any] = {
     "hidden_size": 64,
@@ -110,7 +112,7 @@ def edit_json(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
 
 @pytest.fixture(scope="module")
 def hf_llama() -> PreTrainedModel:
-    return random_hf(LlamaForCausalLM, LlamaConfig(**HF_SHAPE))
+    return random_hf(hf_lib().LlamaForCausalLM, hf_lib().LlamaConfig(**HF_SHAPE))
 
 
 @pytest.fixture
@@ -141,7 +143,7 @@ def test_llama_parity(
 
 
 def test_mistral_sliding_window_parity(tmp_path: Path) -> None:
-    hf = random_hf(MistralForCausalLM, MistralConfig(**HF_SHAPE, sliding_window=8))
+    hf = random_hf(hf_lib().MistralForCausalLM, hf_lib().MistralConfig(**HF_SHAPE, sliding_window=8))
     hf.save_pretrained(tmp_path)
     model = load_pretrained(tmp_path).requires_grad_(False)
     assert (model.config.sliding_window, model.config.window_left) == (8, 7)
@@ -158,9 +160,9 @@ def test_ministral_mixed_windows_parity(tmp_path: Path) -> None:
     and both the dense forward and the paged engine (one backend per window, warm after
     cold) give HF's logits."""
     # head_dim explicit: HF's Ministral attention reads it raw (None when left to derive).
-    config = MinistralConfig(**(HF_SHAPE | {"num_hidden_layers": 4, "head_dim": 16}),
+    config = hf_lib().MinistralConfig(**(HF_SHAPE | {"num_hidden_layers": 4, "head_dim": 16}),
                              sliding_window=8, layer_types=MINISTRAL_LAYERS)
-    hf = random_hf(MinistralForCausalLM, config)
+    hf = random_hf(hf_lib().MinistralForCausalLM, config)
     hf.save_pretrained(tmp_path)
     model = load_pretrained(tmp_path).requires_grad_(False)
     assert model.config.layer_types == ("attention", "full_attention", "full_attention",
@@ -199,7 +201,7 @@ def test_ministral_bad_layer_types(llama_dir: Path, layer_types: list[str], matc
 
 
 def test_tied_and_sharded_parity(tmp_path: Path) -> None:
-    hf = random_hf(LlamaForCausalLM, LlamaConfig(**HF_SHAPE, tie_word_embeddings=True))
+    hf = random_hf(hf_lib().LlamaForCausalLM, hf_lib().LlamaConfig(**HF_SHAPE, tie_word_embeddings=True))
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     # A stray file outside the index (repositories ship such) must not be read.
@@ -226,7 +228,7 @@ def test_save_load_round_trip(tmp_path: Path, name: str) -> None:
 def test_saved_presets_load_in_transformers(tmp_path: Path, name: str) -> None:
     model = Transformer(PRESETS[name], seed=4).requires_grad_(False)
     save_pretrained(model, tmp_path)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    hf = hf_lib().AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids = prompt(40, 512)
     torch.testing.assert_close(logits(model, ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
 
