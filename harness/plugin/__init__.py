@@ -77,6 +77,7 @@ class HarnessState:
     changes: ChangeRun | None = None  # --changed-since: what changed, what did not run
     shard: ShardRun | None = None  # --shard: this shard's plan (and, at the end, actual)
     order: OrderRun | None = None  # fail-first ordering: how many tests, from which files
+    first_failure: str | None = None  # the first failed report's test id, once logged
     started: float = field(default_factory=time.monotonic)
 
 
@@ -170,6 +171,8 @@ def pytest_configure(config: pytest.Config) -> None:
     state = HarnessState(machine=machine, selection=load_lists(config, machine), child=child)
     config.stash[STATE] = state
     config.pluginmanager.register(RerunRecorder(state), "kvharness-reruns")
+    if not child and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(FirstFailure(config, state), "kvharness-first-failure")
 
 
 def _cuda_available() -> bool:
@@ -305,6 +308,29 @@ class RerunRecorder:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if passed_on_rerun(report):
             self._state.flaky.append(report)
+
+
+class FirstFailure:
+    """In the process that owns the run's terminal (plain pytest, the xdist controller):
+    say the first failure the moment it is logged, with the seconds since the plugin
+    started, so a run that goes on to report every failure still says within seconds of
+    the failing test that the change is broken (with -x the run stops there)."""
+
+    def __init__(self, config: pytest.Config, state: HarnessState) -> None:
+        self._config = config
+        self._state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.failed or self._state.first_failure is not None:
+            return
+        self._state.first_failure = report.nodeid
+        seconds = time.monotonic() - self._state.started
+        reporter = self._config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            if self._config.pluginmanager.has_plugin("dsession"):
+                reporter.write("\n")  # xdist's progress letters do not end their line
+            reporter.write_line(f"kvharness: first failure {seconds:.1f} s into the run: "
+                                f"{report.nodeid} ({report.when})", red=True, bold=True)
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config

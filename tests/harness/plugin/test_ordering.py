@@ -206,6 +206,9 @@ def _run(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str
     return result, [(w, n) for w, n in (line.split(" ", 1) for line in lines)]
 
 
+FIRST_FAILURE = "kvharness: first failure * s into the run: tests/test_o.py::test_leaky (teardown)"
+
+
 def _derived() -> list[str]:
     # test_o.py binds KVCacheManager and no oracle: a prior weight of 1 for every test.
     return fail_first(NODE_IDS, RUN_DURATIONS, {k: set(v) for k, v in RUN_KILLS.items()},
@@ -221,6 +224,7 @@ def test_a_serial_run_keeps_the_derived_order(
     serial, ran = _run(project, monkeypatch, "-n", "0")
     assert [n for _, n in ran] == derived  # each test once, in the derived order
     serial.assert_outcomes(passed=14, errors=1)
+    serial.stdout.fnmatch_lines([FIRST_FAILURE, "*= ERRORS =*"])  # said at once, not at the end
     serial.stdout.fnmatch_lines(["*kvharness order: fail-first over 14 of 14 tests, by new "
                                  "kills per second of lists/.test_kills.json (8 mutants); "
                                  "durations from lists/.test_durations"])
@@ -262,6 +266,21 @@ def test_premerge_flags_keep_the_order_in_each_worker(
                                      "holding 3 blocks*"])
     parallel.stdout.fnmatch_lines(["*kvharness order: fail-first over 14 of 14 tests, by new "
                                    "kills per second of lists/.test_kills.json (8 mutants)*"])
+    parallel.stdout.fnmatch_lines([FIRST_FAILURE, "*= ERRORS =*"])
+
+
+def test_x_stops_at_the_first_failure_serial_and_parallel(
+        project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    derived = _derived()
+    serial, ran = _run(project, monkeypatch, "-x", "-n", "0")
+    assert [n for _, n in ran] == derived[:7]  # up to test_leaky, the first to fail
+    parallel, ran_n2 = _run(project, monkeypatch, *_nox_parallel_flags()[2:], "-n", "2", "-x")
+    names = [n for _, n in ran_n2]
+    # The controller stops handing out tests at the first failure (each worker has at
+    # most two queued); tests of a few milliseconds may all have run by then.
+    assert "tests/test_o.py::test_leaky" in names and len(set(names)) == len(names)
+    for result in (serial, parallel):
+        result.stdout.fnmatch_lines([FIRST_FAILURE, "*stopping after 1 failures*"])
 
 
 def test_the_command_line_overrides_the_lists(
