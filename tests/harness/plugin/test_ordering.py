@@ -200,6 +200,8 @@ def _run(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str
     # This checkout's kvcache and plugin, not the installed ones (pytester puts its own
     # folder first).
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)  # when this test runs in an xdist worker
     result = project.runpytest_subprocess("--test-db", "lists/test-db", "-p", "no:randomly",
                                           *args)
     lines = log.read_text().splitlines() if log.exists() else []
