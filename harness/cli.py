@@ -7,9 +7,10 @@
     kvharness report [--results-dir DIR] [--output FILE]
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
+    kvharness conform SPEC [--report DIR] [--seeds N] [--bench] [--check NAME] [--replay FILE]
 
 Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad flags.
-`repro` has its own (REPRO_EXIT_CODES, shown by `kvharness repro --help`).
+`repro` and `conform` have their own (shown by their --help).
 """
 
 from __future__ import annotations
@@ -158,6 +159,36 @@ def _flakes(args: argparse.Namespace) -> int:
     return 1 if ledger.unreadable else 0
 
 
+CONFORM_EXIT_CODES = """\
+exit codes:
+  0  every check passed
+  1  a check found a violation (report.md lists each finding with its op list)
+  2  it could not run: an unsupported version (the supported ones are named), a failed
+     install, a self-test that refused a stubbed or mocked engine function, a worker
+     that died; the report says why"""
+
+
+def _conform(args: argparse.Namespace) -> int:
+    from harness.conform.runner import conform, replay_file  # loads nothing at startup
+
+    if args.replay is not None:
+        return replay_file(args.spec, args.replay)
+    folder = args.report or DEFAULT_RESULTS / "conform" / args.spec.replace("==", "-")
+    report = conform(args.spec, folder, seeds=args.seeds, bench=args.bench,
+                     bench_quick=args.bench_quick, only=args.check)
+    return report.exit_code
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvharness", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -211,6 +242,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="junit XML files, or folders searched for *.xml (one file = one run)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_flakes)
+
+    p = sub.add_parser("conform", help="run the harness's checks against an engine's own "
+                       "prefix cache (vLLM, SGLang, kvcache)",
+                       description="Install an engine without its GPU stack (its own cached "
+                       "venv), self-test the adapter,\nrun every scenario family and a "
+                       "shrinking fuzz under the oracles, and write report.md/json.",
+                       epilog=CONFORM_EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", metavar="SPEC",
+                   help="vllm==0.33.0, sglang==0.5.23, kvcache, or a bare name for the "
+                   "version installed here")
+    p.add_argument("--report", type=Path, default=None, metavar="DIR",
+                   help=f"where report.md and report.json go (default: "
+                   f"{DEFAULT_RESULTS}/conform/SPEC)")
+    p.add_argument("--seeds", type=_count, default=8, metavar="N",
+                   help="fuzz seeds to run (default: 8)")
+    p.add_argument("--bench", action="store_true",
+                   help="also time the cache-core workloads through each adapter")
+    p.add_argument("--bench-quick", action="store_true",
+                   help="the same, on the first 100 prompts of each workload")
+    p.add_argument("--check", action="append", default=None, metavar="NAME",
+                   help="run only this check (repeatable)")
+    p.add_argument("--replay", type=Path, default=None, metavar="FILE",
+                   help="re-run one op list ({num_blocks, ops}: a check of report.json)")
+    p.set_defaults(run=_conform)
     return parser
 
 
