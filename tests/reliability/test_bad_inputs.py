@@ -775,6 +775,75 @@ def test_checkpoint_load_with_integer_dtype(pristine: Path) -> None:
 IDS.add("ck-int-dtype")
 
 
+# -- kvharness conform ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("spec", "message"), cases(
+    pytest.param("vllm>=0.30", r"engine spec 'vllm>=0\.30': expected NAME or NAME==VERSION",
+                 id="conform-spec-range"),
+    pytest.param("vllm==0.30.0", r"vllm 0\.30\.0 is not supported; supported: 0\.10\.2, "
+                 r".*0\.33\.0", id="conform-version-unsupported"),
+    pytest.param("tensorrt_llm==1.2.1", r"no adapter for 'tensorrt_llm'; engines: sglang, "
+                 r"vllm, kvcache", id="conform-engine-unknown"),
+))
+def test_conform_that_cannot_run_is_exit_2(tmp_path: Path, spec: str, message: str) -> None:
+    assert kvharness(["conform", spec, "--report", str(tmp_path), "--seeds", "0"]) == 2
+    reason = json.loads((tmp_path / "report.json").read_text())["reason"]
+    assert re.match(message, reason), reason
+    assert reason in (tmp_path / "report.md").read_text()
+
+
+def test_conform_seeds_must_be_a_count(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        kvharness(["conform", "kvcache", "--seeds", "-1"])
+    assert info.value.code == 2
+    assert "argument --seeds: expected an int >= 0, got '-1'" in capsys.readouterr().err
+
+
+IDS.add("conform-seeds-negative")
+
+
+def test_conform_replay_names_the_bad_op(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "check.json"
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [
+        {"kind": "free", "seq": "A", "tokens": [1]}]}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: ops[0]: a free op takes no ['tokens'] (it takes seq)" in \
+        capsys.readouterr().out
+
+
+IDS.add("conform-replay-bad-op")
+
+
+def test_conform_lock_pinning_torch_is_refused(tmp_path: Path) -> None:
+    from harness.conform.locks import LOCK_DIR, LockError, parse_lock
+
+    good = json.loads((LOCK_DIR / "sglang-0.5.23.json").read_text())
+    with pytest.raises(LockError, match=r"sglang-0\.5\.23\.json: deps: 'torch==2\.14\.1': "
+                                        r"torch comes from the harness's interpreter"):
+        parse_lock({**good, "deps": ["torch==2.14.1"]}, LOCK_DIR / "sglang-0.5.23.json")
+
+
+IDS.add("conform-lock-torch")
+
+
+def test_conform_worker_imports_no_named_module() -> None:
+    import io
+
+    from harness.conform.worker import serve
+
+    out = io.StringIO()
+    serve(io.StringIO(json.dumps({"cmd": "load", "engine": "harness.conform.kvcache_adapter"})
+                      + "\n"), out)
+    reply = json.loads(out.getvalue())
+    assert reply["ok"] is False
+    assert reply["error"] == ("ValueError: no adapter for engine "
+                              "'harness.conform.kvcache_adapter'; known: ['sglang', 'vllm']")
+
+
+IDS.add("conform-worker-module")
+
+
 # -- the document --------------------------------------------------------------------------
 
 def test_catalogue_is_documented() -> None:
