@@ -183,6 +183,7 @@ class _Seq:
     node: Any  # the tree node it locks
     locked: int  # tokens of the locked tree prefix
     committed: int
+    scheduled: int  # tokens whose slots are allocated for computing (slots go by pages)
     ids: list[int] = field(default_factory=list)  # page ids, as logged
 
 
@@ -322,7 +323,7 @@ class SglangCache:
         left = len(tokens) - hit
         scheduled = hit + (left if first_chunk is None else min(left, first_chunk))
         self.tree.inc_lock_ref(node)  # eviction for its chunk must not take its hit
-        seq = _Seq(tokens, scope, list(slots), node, hit, hit)
+        seq = _Seq(tokens, scope, list(slots), node, hit, hit, scheduled)
         if not self._grow(seq, scheduled):
             self.tree.dec_lock_ref(node)
             return None
@@ -340,24 +341,24 @@ class SglangCache:
         """Pages for the next chunk; None if refused."""
         seq = self._seqs[seq_id]
         target = min(num_tokens, len(seq.tokens))
+        if target <= seq.scheduled:
+            return seq.scheduled
         before = len(seq.ids)
         if not self._grow(seq, target):
             return None
+        seq.scheduled = target
         seq.ids = self._pages(seq.slots)
         if len(seq.ids) > before:
             self._write({"kind": "append", "seq_id": seq_id, "tokens": [],
                          "block_ids": seq.ids[before:]})
-        return max(target, self._scheduled(seq))
-
-    def _scheduled(self, seq: _Seq) -> int:
-        return min(len(seq.slots), len(seq.tokens))
+        return target
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         """Insert the page-aligned computed prefix; ValueError past the slots given."""
         seq = self._seqs[seq_id]
-        if num_tokens > len(seq.slots):
-            raise ValueError(f"commit({seq_id!r}, {num_tokens}): only {len(seq.slots)} "
-                             "slots were allocated")
+        if num_tokens > seq.scheduled:
+            raise ValueError(f"commit({seq_id!r}, {num_tokens}): only {seq.scheduled} "
+                             "tokens were scheduled")
         seq.committed = max(seq.committed, num_tokens)
         switched = self._insert_committed(seq)
         event: dict[str, Any] = {"kind": "commit", "seq_id": seq_id, "num_tokens": num_tokens}
@@ -395,6 +396,7 @@ class SglangCache:
         if not self._grow(seq, len(seq.tokens) + len(tokens)):
             return None
         seq.tokens.extend(tokens)
+        seq.scheduled = len(seq.tokens)
         seq.ids = self._pages(seq.slots)
         added = seq.ids[before:]
         self._write({"kind": "append", "seq_id": seq_id, "tokens": list(tokens),
