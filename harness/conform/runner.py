@@ -146,7 +146,11 @@ def _result(target: Target, name: str, family: str, about: str, num_blocks: int,
     if violations:
         first = violations[0]
         shown = shrink(target, ops[:first.step + 1], num_blocks, first.oracle)
-        return CheckResult(status="fail", oracle=first.oracle, message=first.message,
+        # the message the shrunk op list gives (its op numbers and sizes), else the first
+        again = [v for v in replay(target, shown, num_blocks, families.B)
+                 if v.oracle == first.oracle]
+        message = again[0].message if again else first.message
+        return CheckResult(status="fail", oracle=first.oracle, message=message,
                            ops=tuple(ops_to_json(shown)),
                            ops_text=tuple(op.describe() for op in shown),
                            also=tuple(also),
