@@ -234,6 +234,24 @@ def decode_growth(run: Run) -> None:
     run.free("B")
 
 
+def repeated_blocks(run: Run) -> None:
+    """Blocks whose tokens repeat, at other positions and after other prefixes: each is a
+    block of its own, in the tree and in the router events (a block's hash chains its
+    prefix, or a router conflates them)."""
+    block = toks(7, B)
+    a = toks(20, B) + block + block + [1]
+    b = toks(50, B) + block + [2]
+    for seq, prompt in (("A", a), ("B", b)):
+        run.admit(seq, prompt)
+        run.commit(seq, len(prompt))
+        run.free(seq)
+    run.expect("A again reuses its blocks", run.admit("A2", a), run.cap(len(a)))
+    run.free("A2")
+    run.expect("a prompt starting with the repeated block reuses", run.admit("C", [*block, 3]),
+               0)
+    run.free("C")
+
+
 SCOPES: dict[str, Scope | None] = {
     "default": None,
     "salt 'x'": Scope(salt="x"),
@@ -316,6 +334,8 @@ CHECKS: tuple[Check, ...] = (
           "concurrent reader of its first chunk", 32, chunked_admission),
     Check("decode_growth", "decode growth", "one block per B decoded tokens; decoded blocks "
           "reused", 32, decode_growth),
+    Check("repeated_blocks", "router events", "equal blocks at other positions and after "
+          "other prefixes stay distinct", 32, repeated_blocks),
     Check("scope_isolation", "scope isolation", "salts, LoRA names, ids and files, equal "
           "values in different fields; event hashes", 64, scope_isolation),
 )
