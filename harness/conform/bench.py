@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from harness.conform.protocol import CacheUnderTest, LoadedEngine
-from harness.markdown import table
+from harness.reports.markdown import table
 from harness.workloads import bench_multi_turn_chat, bench_shared_prompt, random_prompt_tree
 
 BLOCK = 16

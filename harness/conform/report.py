@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.markdown import code, table
+from harness.reports.markdown import code, table
 
 Status = Literal["pass", "fail", "skip"]
 EXIT_PASSED, EXIT_VIOLATION, EXIT_CANNOT_RUN = 0, 1, 2
