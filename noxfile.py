@@ -151,14 +151,14 @@ def bench(session: nox.Session) -> None:
                 *(["--quick"] if quick else []))
 
 
-@nox.session(venv_params=VENV_PARAMS, default=False)
+@nox.session(default=False)
 def conformance(session: nox.Session) -> None:
     """Conformance of an engine's prefix cache: nox -s conformance -- vllm==0.33.0 [--bench]."""
     if not session.posargs:
         session.error("name an engine: nox -s conformance -- vllm==0.33.0 (or sglang==0.5.23, "
                       "kvcache; more flags: kvharness conform --help)")
     spec, *flags = session.posargs
-    session.install("-e", ".")
+    _install(session, ".")  # the engine's venv links this session's torch
     session.run("python", "-m", "harness.cli", "conform", spec, "--report",
                 str(Path("results") / "conformance" / spec.replace("==", "-")), *flags)
 

@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, CounterMeaning
 from harness.conform.session import StepReport
-from harness.oracle.kv_index import EventIndex
 from harness.oracle.capacity import CapacityError, CapacityOracle
+from harness.oracle.kv_index import EventIndex
 from harness.oracle.model import ReuseOracle
 from harness.oracle.provenance import ProvenanceError, ShadowStore
 from harness.oracle.types import OracleConfig, normalize_event
