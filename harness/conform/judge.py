@@ -8,20 +8,24 @@ After every op (`Judge.observe`):
   contract says it models the engine's eviction (kvcache), so after the first block
   leaves the cache (a BlockRemoved event) a prediction is an upper bound. Whole-block
   contracts reuse whole blocks, and never the last prompt token.
-- provenance: the shadow KV store (`ShadowStore`) follows which tokens' KV each block
-  holds: no read of KV that is not the reader's own, in its own scope. A contract whose
-  blocks are matchable at allocation logs an implied commit there, which is how reading
-  them is allowed.
-- capacity: the blocks live sequences hold (`CapacityOracle`) equal the engine's count
-  (with duplicates a non-deduplicating engine keeps: at least that many, and exactly
-  the distinct blocks its sequences were given); a refusal was fair (the blocks were not
-  there) and changed nothing (state, counters, events, log).
+- provenance and capacity: the checked manager's own per-call checks
+  (`harness.oracle.checked_manager.CallOracles`) over each op's logged events. The
+  shadow KV store follows which tokens' KV each block holds: no read of KV that is not
+  the reader's own, in its own scope (a contract whose blocks are matchable at
+  allocation logs an implied commit there, which is how reading them is allowed). The
+  blocks live sequences hold equal the engine's count (with duplicates a
+  non-deduplicating engine keeps: at least that many, and exactly the distinct blocks
+  its sequences were given); a refusal was fair (`CapacityOracle.check_refusal`, the
+  duplicates such an engine keeps counted as unavailable) and changed nothing (state,
+  counters, events, log).
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
   blocks the cache holds (`cached_hashes`), and no op removes a block it keeps.
 - stats: each engine counter the contract lists equals what the admissions add up to;
   the harness-named gauges agree with the state.
-- leaks, integrity: the engine's own reports are empty; the api oracle flags anything
-  the engine raised.
+- leaks: the plugin's leak check (`harness.oracle.leaks.leak_problems`) over the
+  engine's own integrity and leak reports whenever nothing is live; integrity: the
+  engine's own invariants after every op; the api oracle flags anything the engine
+  raised.
 
 Both the shadow store and the capacity oracle run with a window wider than any context:
 their mode in which a sequence's positions are the blocks its events name (a chunked
@@ -37,11 +41,13 @@ from typing import Any, NamedTuple
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, CounterMeaning
 from harness.conform.session import StepReport
-from harness.oracle.capacity import CapacityError, CapacityOracle
+from harness.oracle.capacity import CapacityError
+from harness.oracle.checked_manager import CallOracles
 from harness.oracle.kv_index import EventIndex
+from harness.oracle.leaks import leak_problems
 from harness.oracle.model import ReuseOracle
-from harness.oracle.provenance import ProvenanceError, ShadowStore
-from harness.oracle.types import OracleConfig, normalize_event
+from harness.oracle.provenance import ProvenanceError
+from harness.oracle.types import Event, OracleConfig, normalize_event
 
 ORACLES = ("api", "refusal", "count", "provenance", "capacity", "events", "stats", "leaks",
            "integrity", "log")
@@ -67,6 +73,23 @@ def _blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class _EngineReports:
+    """A `CacheOwner` view of one step report: the engine's own integrity and leak
+    reports as they came back from wherever it runs (the leak check's input)."""
+
+    def __init__(self, report: StepReport) -> None:
+        self._report = report
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming what the engine's integrity check found."""
+        if self._report.integrity:
+            raise AssertionError("; ".join(self._report.integrity))
+
+    def leak_report(self) -> list[str]:
+        """The engine's leak report (taken when nothing was live)."""
+        return list(self._report.leaks or ())
+
+
 class Judge:
     """The oracles for one fresh cache of `num_blocks` blocks (mutates only itself).
 
@@ -79,9 +102,9 @@ class Judge:
         self.contract = contract
         self.num_blocks = num_blocks
         self.reuse = ReuseOracle(oracle_config(contract, num_blocks))
-        self.shadow = ShadowStore(B, sliding_window=_EVERY_POSITION)
-        self.capacity = CapacityOracle(B, num_blocks, block_reuse=True,
-                                       sliding_window=_EVERY_POSITION)
+        self.calls = CallOracles(B, num_blocks, block_reuse=True,
+                                 sliding_window=_EVERY_POSITION)
+        self.capacity = self.calls.capacity
         self.index = EventIndex(B)
         self.exact = True
         self.broken: set[str] = set()
@@ -109,8 +132,10 @@ class Judge:
         self._check_stats(report, say)
         if report.integrity:
             say("integrity", f"after {op.describe()}: {'; '.join(report.integrity)}")
-        if report.leaks:
-            say("leaks", f"nothing is live, yet: {'; '.join(report.leaks)}")
+        if report.leaks is not None:
+            problems = leak_problems([(self.contract.engine, _EngineReports(report))])
+            if problems:
+                say("leaks", f"nothing is live, yet: {'; '.join(problems)}")
         self._last = report
         self.step += 1
         return out
@@ -146,11 +171,13 @@ class Judge:
             say("refusal", f"{op.describe()} was refused but changed the cache: "
                            f"{'; '.join(changed)}")
         need = self._need(op)
-        available = self.num_blocks - r.used_blocks
-        if need is not None and need <= available:
-            say("capacity", f"{op.describe()} was refused although its blocks were there: "
-                            f"it needs {need}, {available} of {self.num_blocks} are free "
-                            "or evictable")
+        if need is not None and "capacity" not in self.broken:
+            kept = max(0, r.used_blocks - self.capacity.needed)  # a duplicate a
+            # non-deduplicating engine keeps is not available either (0 when deduplicated)
+            try:
+                self.calls.capacity.check_refusal(need + kept, op.describe())
+            except CapacityError as exc:
+                say("capacity", str(exc))
 
     def _need(self, op: Op) -> int | None:
         """Blocks `op` needs at least (None: not an allocation, or not known)."""
@@ -176,12 +203,14 @@ class Judge:
 
     def _replay_log(self, r: StepReport, say: Any) -> None:
         admits = 0
+        events: list[Event] = []
         for raw in r.log:
             try:
                 ev = normalize_event(raw)
             except ValueError as exc:
                 say("log", f"the adapter logged {raw!r}: {exc}")
                 continue
+            events.append(ev)
             if ev.kind == "admit":
                 admits += 1
                 self._admitted(r, ev, say)
@@ -190,17 +219,16 @@ class Judge:
                 # engine found: it holds those tokens computed already, so a commit
                 # below them tells it nothing
                 self._feed("count", say, self.reuse.apply, ev)
-            self._feed("provenance", say, self.shadow.apply, ev)
-            self._feed("capacity", say, self.capacity.apply, ev)
             self._track(ev)
         wanted = 1 if r.op.kind == "admit" and r.status == "done" else 0
         if admits != wanted:
             say("log", f"{r.op.describe()} ({r.status}) logged {admits} admissions")
-        if "provenance" not in self.broken:
-            try:
-                self.shadow.check_live()
-            except ProvenanceError as exc:
-                say("provenance", str(exc))
+        where = r.op.describe()
+        self._feed("provenance", say, lambda evs: self.calls.provenance(evs, []), events)
+        # a deduplicating engine's count is exact; otherwise `_check_capacity` bounds it
+        used = r.used_blocks if self.contract.dedup_on_commit else None
+        self._feed("capacity", say,
+                   lambda evs: self.calls.capacity_after(where, evs, used), events)
 
     def _feed(self, oracle: str, say: Any, apply: Any, ev: Any) -> Any:
         if oracle in self.broken:
@@ -256,11 +284,7 @@ class Judge:
             return
         where = r.op.describe()
         if self.contract.dedup_on_commit:
-            try:
-                self.capacity.check_used(r.used_blocks, where)
-            except CapacityError as exc:
-                say("capacity", str(exc))
-            return
+            return  # checked exactly with the events (`_replay_log`)
         distinct = len({b for ids in self._ids.values() for b in ids if b is not None})
         if not self.capacity.needed <= r.used_blocks == distinct:
             say("capacity", f"after {where}: the engine counts {r.used_blocks} used blocks; "
