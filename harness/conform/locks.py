@@ -25,6 +25,14 @@ from harness.data_files import load_json
 LOCK_DIR = Path(__file__).parent / "locks"
 # engine -> the adapter module its worker loads (the only code a lock can lead to)
 ADAPTERS = {"vllm": "harness.conform.vllm_adapter", "sglang": "harness.conform.sglang_adapter"}
+# engines with a slot in the registry but no adapter that can run on this machine, and
+# why: `kvharness conform` says so (exit 2). docs/conformance.md, "TensorRT-LLM", says
+# what the adapter would wrap; it moves to ADAPTERS once a CUDA runner can host it.
+NOT_RUNNABLE_HERE = {
+    "tensorrt_llm": "TensorRT-LLM's wheels are not on the package registry (its sdist "
+                    "fetches them from NVIDIA's index at build time) and its KVCacheManager "
+                    "builds CUDA objects (a stream, device pools) when constructed; "
+                    "docs/conformance.md says what its adapter would wrap"}
 _KEYS = {"engine", "version", "python", "wheel", "deps", "stubs", "notes"}
 _VERSION = re.compile(r"[0-9]+(\.[0-9]+){1,2}")
 _PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[0-9A-Za-z.+!-]+")

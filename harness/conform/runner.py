@@ -34,7 +34,14 @@ from harness.conform.kvcache_adapter import (
     kvcache_version,
     package_dir,
 )
-from harness.conform.locks import ADAPTERS, Lock, LockError, UnsupportedVersion, find_lock
+from harness.conform.locks import (
+    ADAPTERS,
+    NOT_RUNNABLE_HERE,
+    Lock,
+    LockError,
+    UnsupportedVersion,
+    find_lock,
+)
 from harness.conform.ops import Op, ops_from_json, ops_to_json
 from harness.conform.remote import WorkerError, WorkerTarget
 from harness.conform.report import (
@@ -85,6 +92,9 @@ def _kvcache_target(report: Report) -> LocalTarget:
 
 def _engine_lock(spec: EngineSpec) -> tuple[Lock, Path | None]:
     """The lock, and the interpreter when the engine is the one installed here."""
+    if spec.engine in NOT_RUNNABLE_HERE:
+        raise CannotRun(f"{spec.engine} cannot run on this machine: "
+                        f"{NOT_RUNNABLE_HERE[spec.engine]}")
     if spec.engine not in ADAPTERS:
         raise CannotRun(f"no adapter for {spec.engine!r}; engines: "
                         f"{', '.join([*sorted(ADAPTERS), 'kvcache'])}")
@@ -231,7 +241,11 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
 def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
     """Re-run one op list ({"num_blocks": N, "ops": [...]}: a check of report.json) on a
     fresh cache; prints the violations. Exit 0 none, 1 some, 2 could not run."""
-    data = load_json(path, "op list")
+    try:
+        data = load_json(path, "op list")
+    except ValueError as exc:  # unreadable, not JSON, too deep or too large: exit 2 too
+        say(str(exc))
+        return EXIT_CANNOT_RUN
     if not isinstance(data, dict) or not isinstance(data.get("num_blocks"), int):
         say(f"{path}: expected an object with num_blocks and ops (a check of report.json)")
         return EXIT_CANNOT_RUN

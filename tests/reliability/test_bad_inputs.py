@@ -782,8 +782,11 @@ IDS.add("ck-int-dtype")
                  id="conform-spec-range"),
     pytest.param("vllm==0.30.0", r"vllm 0\.30\.0 is not supported; supported: 0\.10\.2, "
                  r".*0\.33\.0", id="conform-version-unsupported"),
-    pytest.param("tensorrt_llm==1.2.1", r"no adapter for 'tensorrt_llm'; engines: sglang, "
+    pytest.param("lmdeploy==0.9.0", r"no adapter for 'lmdeploy'; engines: sglang, "
                  r"vllm, kvcache", id="conform-engine-unknown"),
+    pytest.param("tensorrt_llm==1.2.1", r"tensorrt_llm cannot run on this machine: "
+                 r"TensorRT-LLM's wheels are not on the package registry .* builds CUDA "
+                 r"objects", id="conform-engine-not-runnable-here"),
 ))
 def test_conform_that_cannot_run_is_exit_2(tmp_path: Path, spec: str, message: str) -> None:
     assert kvharness(["conform", spec, "--report", str(tmp_path), "--seeds", "0"]) == 2
@@ -825,6 +828,58 @@ def test_conform_lock_pinning_torch_is_refused(tmp_path: Path) -> None:
 
 
 IDS.add("conform-lock-torch")
+
+
+def _lock_with(**changes: object) -> dict[str, object]:
+    from harness.conform.locks import LOCK_DIR
+
+    return {**json.loads((LOCK_DIR / "sglang-0.5.23.json").read_text()), **changes}
+
+
+@pytest.mark.parametrize(("change", "message"), cases(
+    pytest.param({"extra": 1}, r"unknown keys \['extra'\], missing keys \[\]",
+                 id="conform-lock-unknown-key"),
+    pytest.param({"engine": "tensorrt_llm"}, r"engine: 'tensorrt_llm' has no adapter; "
+                 r"known: \['sglang', 'vllm'\]", id="conform-lock-engine"),
+    pytest.param({"version": "0.5.22"}, r"file name: should be sglang-0\.5\.22\.json",
+                 id="conform-lock-file-name"),
+    pytest.param({"wheel": {"file": "sglang-0.5.23-py3-none-any.whl", "sha256": "ABC",
+                            "bytes": 1}},
+                 r"wheel\.sha256: expected 64 lowercase hex digits", id="conform-lock-sha256"),
+    pytest.param({"deps": ["requests>=2"]}, r"deps: 'requests>=2' is not a name==version pin",
+                 id="conform-lock-pin"),
+    pytest.param({"deps": ["idna==3.10", "idna==3.11"]}, r"deps: a package is pinned twice",
+                 id="conform-lock-pinned-twice"),
+    pytest.param({"stubs": {"absent": {}, "magic": {}}}, r"stubs: unknown keys \['magic'\]",
+                 id="conform-lock-stubs-key"),
+))
+def test_conform_lock_fields_are_checked(change: dict[str, object], message: str) -> None:
+    from harness.conform.locks import LOCK_DIR, LockError, parse_lock
+
+    path = LOCK_DIR / "sglang-0.5.23.json"
+    with pytest.raises(LockError, match=re.escape(str(path)) + ": " + message):
+        parse_lock(_lock_with(**change), path)
+
+
+def test_conform_unknown_check_is_exit_2(tmp_path: Path) -> None:
+    assert kvharness(["conform", "kvcache", "--check", "nosuch", "--report",
+                      str(tmp_path)]) == 2
+    reason = json.loads((tmp_path / "report.json").read_text())["reason"]
+    assert reason.startswith("unknown check 'nosuch'; known: ['cold_then_warm', ")
+
+
+IDS.add("conform-check-unknown")
+
+
+def test_conform_replay_of_a_missing_file_is_exit_2(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "gone.json"
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: not a readable op list: [Errno 2] No such file or directory" in \
+        capsys.readouterr().out
+
+
+IDS.add("conform-replay-missing")
 
 
 def test_conform_worker_imports_no_named_module() -> None:
