@@ -24,14 +24,18 @@ def test_the_pinned_release_passes_the_whole_run(spec: str, tmp_path: Path) -> N
     assert engines == {"kvcache", spec.split("==")[0]}
 
 
-# docs/conformance.md, "Findings": (release, the check that shows it, the oracle)
+# docs/conformance.md, "Findings" 1-7: (release, the check that shows it, the oracle)
 FINDINGS = [
     pytest.param("vllm==0.28.0", "scope_isolation", "count", id="vllm-0.28-salt-is-lora-name"),
     pytest.param("vllm==0.26.0", "refused_then_retried", "refusal",
                  id="vllm-0.26-refused-lookup-counted"),
     pytest.param("vllm==0.10.2", "scope_isolation", "api", id="vllm-0.10-lora-events-raise"),
     pytest.param("sglang==0.5.12", "scope_isolation", "count", id="sglang-0.5.12-salt-is-lora-id"),
+    pytest.param("sglang==0.5.12", "scope_event_hashes", "scenario",
+                 id="sglang-0.5.12-events-carry-no-scope"),
     pytest.param("sglang==0.5.5", "cold_then_warm", "events", id="sglang-0.5.5-lookup-churn"),
+    pytest.param("sglang==0.5.5", "repeated_blocks", "events",
+                 id="sglang-0.5.5-position-blind-hashes"),
 ]
 
 
