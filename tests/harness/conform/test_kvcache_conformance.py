@@ -48,7 +48,9 @@ def test_the_command_line_writes_the_report_and_replays_a_check(tmp_path: Path) 
 
 @pytest.mark.parametrize(("spec", "reason"), [
     pytest.param("vllm==0.30.0", "vllm 0.30.0 is not supported; supported: 0.10.2", id="old"),
-    pytest.param("tensorrt_llm==1.2.1", "no adapter for 'tensorrt_llm'", id="trtllm"),
+    pytest.param("tensorrt_llm==1.2.1", "tensorrt_llm cannot run on this machine: "
+                 "TensorRT-LLM's wheels are not on the package registry", id="trtllm"),
+    pytest.param("lmdeploy==0.9.0", "no adapter for 'lmdeploy'", id="unknown"),
     pytest.param("vllm>=0.30", "engine spec 'vllm>=0.30': expected NAME or NAME==VERSION",
                  id="range"),
 ])
