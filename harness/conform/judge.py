@@ -172,8 +172,9 @@ class Judge:
                            f"{'; '.join(changed)}")
         need = self._need(op)
         if need is not None and "capacity" not in self.broken:
-            kept = max(0, r.used_blocks - self.capacity.needed)  # a duplicate a
-            # non-deduplicating engine keeps is not available either (0 when deduplicated)
+            # the duplicates a non-deduplicating engine keeps are not available either
+            # (none where it deduplicates: there the engine's count is the oracle's)
+            kept = max(0, r.used_blocks - self.capacity.needed)
             try:
                 self.calls.capacity.check_refusal(need + kept, op.describe())
             except CapacityError as exc:
