@@ -180,10 +180,10 @@ def _wheel(lock: Lock, base: Path, log: Path, say: Callable[[str], None]) -> Pat
     if not path.exists():
         say(f"  downloading {lock.wheel.file} ({lock.wheel.bytes / 1e6:.0f} MB)")
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-              "--disable-pip-version-check", "--dest", str(folder), lock.spec], log,
+              "--disable-pip-version-check", "--dest", str(folder), lock.requirement], log,
              "download")
     if not path.exists():
-        raise InstallError(f"pip download of {lock.spec} did not produce {lock.wheel.file} "
+        raise InstallError(f"pip download of {lock.requirement} did not produce {lock.wheel.file} "
                            f"(see {log})")
     got = _sha256(path)
     if got != lock.wheel.sha256:

@@ -24,7 +24,11 @@ from harness.data_files import load_json
 
 LOCK_DIR = Path(__file__).parent / "locks"
 # engine -> the adapter module its worker loads (the only code a lock can lead to)
-ADAPTERS = {"vllm": "harness.conform.vllm_adapter", "sglang": "harness.conform.sglang_adapter"}
+ADAPTERS = {"vllm": "harness.conform.vllm_adapter", "sglang": "harness.conform.sglang_adapter",
+            "sglang_unified": "harness.conform.sglang_unified_adapter"}
+# an engine whose adapter drives another cache class of the same package: its wheel and
+# `pip download` name the package (every other engine is its own package)
+DISTRIBUTIONS = {"sglang_unified": "sglang"}
 # engines with a slot in the registry but no adapter that can run on this machine, and
 # why: `kvharness conform` says so (exit 2). docs/conformance.md, "TensorRT-LLM", says
 # what the adapter would wrap; it moves to ADAPTERS once a CUDA runner can host it.
@@ -40,6 +44,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 # never pinned: the harness's interpreter provides torch; these are CUDA builds
 _NEVER = re.compile(r"(torch|torchvision|torchaudio|nvidia-[a-z0-9-]+|flashinfer-python)$",
                     re.IGNORECASE)
+
+
+def distribution(engine: str) -> str:
+    """The package `engine` is installed from (its own name but for DISTRIBUTIONS)."""
+    return DISTRIBUTIONS.get(engine, engine)
 
 
 class LockError(ValueError):
@@ -78,6 +87,11 @@ class Lock:
         return f"{self.engine}=={self.version}"
 
     @property
+    def requirement(self) -> str:
+        """`package==version`: what pip downloads (`distribution`)."""
+        return f"{distribution(self.engine)}=={self.version}"
+
+    @property
     def key(self) -> str:
         """`engine-version` (the lock file's and the cache folder's name)."""
         return f"{self.engine}-{self.version}"
@@ -108,10 +122,10 @@ def parse_lock(data: Any, path: Path) -> Lock:
     wheel = data["wheel"]
     if not isinstance(wheel, dict) or set(wheel) != {"file", "sha256", "bytes"}:
         raise bad("wheel", "expected {file, sha256, bytes}")
-    name = wheel["file"]
-    if not isinstance(name, str) or not name.startswith(f"{engine}-{version}-") \
+    name, package = wheel["file"], distribution(engine)
+    if not isinstance(name, str) or not name.startswith(f"{package}-{version}-") \
             or not name.endswith(".whl") or "/" in name:
-        raise bad("wheel.file", f"{name!r} is not {engine}-{version}-*.whl")
+        raise bad("wheel.file", f"{name!r} is not {package}-{version}-*.whl")
     if not isinstance(wheel["sha256"], str) or not _SHA256.fullmatch(wheel["sha256"]):
         raise bad("wheel.sha256", "expected 64 lowercase hex digits")
     size = wheel["bytes"]

@@ -40,6 +40,7 @@ from harness.conform.locks import (
     Lock,
     LockError,
     UnsupportedVersion,
+    distribution,
     find_lock,
 )
 from harness.conform.ops import Op, ops_from_json, ops_to_json
@@ -101,7 +102,7 @@ def _engine_lock(spec: EngineSpec) -> tuple[Lock, Path | None]:
     if spec.version is not None:
         return find_lock(spec.engine, spec.version), None
     try:
-        version = importlib.metadata.version(spec.engine)
+        version = importlib.metadata.version(distribution(spec.engine))
     except importlib.metadata.PackageNotFoundError:
         raise CannotRun(f"{spec.engine} is not installed in this environment "
                         f"({sys.executable}); name a version ({spec.engine}==VERSION) to "

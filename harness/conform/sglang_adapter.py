@@ -83,7 +83,9 @@ def contract(version: str, block_size: int) -> Contract:
         chunked_allocation=True, citations=tuple(citations), notes=tuple(notes))
 
 
-def _prime(stubs: StubSpec) -> None:
+def prime_probes(stubs: StubSpec) -> None:
+    """Ask each probe in `stubs.prime` once, before its stub exists (it caches the true
+    answer); ValueError for an unknown probe, RuntimeError when the package is there."""
     for package in stubs.prime:
         if package not in PROBES:
             raise ValueError(f"stubs.prime: no known probe for {package!r}; known: "
@@ -98,13 +100,13 @@ def load(stubs: StubSpec) -> LoadedEngine:
     """Prime the probes, install `stubs`, import SGLang's RadixCache and return the
     engine. Raises ImportError when it does not import, RuntimeError when a package to
     stub is installed."""
-    _prime(stubs)
+    prime_probes(stubs)
     finder = install(stubs)
     sglang = importlib.import_module("sglang")
     for name in MODULES:
         importlib.import_module(name)
     version = importlib.metadata.version("sglang")
-    engine = _Sglang()
+    engine = SglangNames()
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
         return SglangCache(engine, version, num_blocks, block_size, record)
@@ -113,7 +115,7 @@ def load(stubs: StubSpec) -> LoadedEngine:
                         MODULES, tuple(finder.served))
 
 
-class _Sglang:
+class SglangNames:
     """The SGLang names the adapter uses, imported once (after the stubs)."""
 
     def __init__(self) -> None:
@@ -180,7 +182,7 @@ class _Seq:
     tokens: list[int]
     scope: Scope | None
     slots: list[int]  # its slots in order; [0, locked) are the tree's
-    node: Any  # the tree node it locks
+    hold: Any  # its lock on the tree node ending its locked prefix (`_lock`)
     locked: int  # tokens of the locked tree prefix
     committed: int
     scheduled: int  # tokens whose slots are allocated for computing (slots go by pages)
@@ -190,22 +192,43 @@ class _Seq:
 class SglangCache:
     """`CacheUnderTest` over one fresh `RadixCache` with page_size = block_size."""
 
-    def __init__(self, s: _Sglang, version: str, num_blocks: int, block_size: int,
+    def __init__(self, s: SglangNames, version: str, num_blocks: int, block_size: int,
                  record: bool) -> None:
         self.s = s
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.record = record
         self.alloc = PageAllocator(num_blocks, block_size)
-        if hasattr(s.RadixCache, "create_simulated"):
-            self.tree = s.RadixCache.create_simulated(
-                mock_allocator=self.alloc, page_size=block_size, enable_kv_cache_events=record)
-        else:  # 0.5.5
-            self.tree = s.RadixCache(None, self.alloc, block_size,
-                                     enable_kv_cache_events=record)
-        self._contract = contract(version, block_size)
+        self.tree = self._build_tree()
+        self._contract = self._make_contract(version)
         self._seqs: dict[Hashable, _Seq] = {}
         self._log: list[dict[str, Any]] = []
+
+    def _build_tree(self) -> Any:
+        s, P = self.s, self.block_size
+        if hasattr(s.RadixCache, "create_simulated"):
+            return s.RadixCache.create_simulated(
+                mock_allocator=self.alloc, page_size=P, enable_kv_cache_events=self.record)
+        return s.RadixCache(None, self.alloc, P, enable_kv_cache_events=self.record)  # 0.5.5
+
+    def _make_contract(self, version: str) -> Contract:
+        return contract(version, self.block_size)
+
+    def _lock(self, node: Any) -> Any:
+        """Lock `node` (and its path) against eviction; returns what `_unlock` takes."""
+        self.tree.inc_lock_ref(node)
+        return node
+
+    def _unlock(self, hold: Any) -> None:
+        self.tree.dec_lock_ref(hold)
+
+    def _free_duplicates(self, slots: list[int]) -> None:
+        """RadixCache leaves a caller's duplicate slots to the caller (`_insert_cache`)."""
+        self.alloc.free(slots)
+
+    def _total(self) -> int:
+        """Tokens in the tree."""
+        return int(self.tree.total_size())
 
     @property
     def contract(self) -> Contract:
@@ -275,7 +298,9 @@ class SglangCache:
             return self.tree.insert(self.s.InsertParams(key=key, value=value))
         return self.tree.insert(key, value)
 
-    def _insert(self, key: Any, value: Any) -> int:
+    def _insert(self, key: Any, value: Any, protected: int) -> int:
+        """Insert; returns the length already cached. `protected`: the tokens the caller
+        holds locked in the tree (RadixCache does not ask)."""
         got = self._insert_raw(key, value)
         return int(got.prefix_len) if hasattr(got, "prefix_len") else int(got)
 
@@ -322,10 +347,10 @@ class SglangCache:
         hit = len(slots)
         left = len(tokens) - hit
         scheduled = hit + (left if first_chunk is None else min(left, first_chunk))
-        self.tree.inc_lock_ref(node)  # eviction for its chunk must not take its hit
-        seq = _Seq(tokens, scope, list(slots), node, hit, hit, scheduled)
+        hold = self._lock(node)  # eviction for its chunk must not take its hit
+        seq = _Seq(tokens, scope, list(slots), hold, hit, hit, scheduled)
         if not self._grow(seq, scheduled):
-            self.tree.dec_lock_ref(node)
+            self._unlock(hold)
             return None
         self._seqs[seq_id] = seq
         seq.ids = self._pages(seq.slots)
@@ -374,18 +399,19 @@ class SglangCache:
         if n <= seq.locked:
             return False
         key = self._key(seq.tokens[:n], seq.scope)
-        prefix_len = self._insert(key, self.s.torch.tensor(seq.slots[:n], dtype=self.s.torch.int64))
+        prefix_len = self._insert(key, self.s.torch.tensor(seq.slots[:n], dtype=self.s.torch.int64),
+                                  seq.locked)
         #   [0, locked)            the tree's already (our hit, or our earlier insert)
         #   [locked, prefix_len)   inserted by another request first: ours are duplicates
         #   [prefix_len, n)        ours, now the tree's
         if prefix_len > seq.locked:
-            self.alloc.free(seq.slots[seq.locked:prefix_len])
+            self._free_duplicates(seq.slots[seq.locked:prefix_len])
         node, slots = self._match(key)
         assert len(slots) == n, (len(slots), n)
         seq.slots[:n] = slots
-        self.tree.inc_lock_ref(node)
-        self.tree.dec_lock_ref(seq.node)
-        seq.node, seq.locked = node, n
+        hold = self._lock(node)
+        self._unlock(seq.hold)
+        seq.hold, seq.locked = hold, n
         old, seq.ids = seq.ids, self._pages(seq.slots)
         return old != seq.ids
 
@@ -408,7 +434,7 @@ class SglangCache:
         seq = self._seqs.pop(seq_id)
         self._insert_committed(seq)
         self.alloc.free(seq.slots[seq.locked:])
-        self.tree.dec_lock_ref(seq.node)
+        self._unlock(seq.hold)
         self._write({"kind": "free", "seq_id": seq_id})
 
     def evict(self, num_blocks: int) -> int:
@@ -420,11 +446,11 @@ class SglangCache:
         t, P = self.tree, self.block_size
         engine: dict[str, int | float] = {
             "evictable_size": t.evictable_size(), "protected_size": t.protected_size(),
-            "total_size": t.total_size()}
+            "total_size": self._total()}
         used = self.used_blocks()
         harness: dict[str, int | float] = {
             "maxNumBlocks": self.num_blocks, "usedNumBlocks": used,
-            "freeNumBlocks": self.num_blocks - used, "cachedNumBlocks": t.total_size() // P,
+            "freeNumBlocks": self.num_blocks - used, "cachedNumBlocks": self._total() // P,
             "tokensPerBlock": P}
         return Stats(engine, harness)
 
@@ -471,9 +497,9 @@ class SglangCache:
         if self.alloc.double_frees:
             out.append(f"pages freed twice: {self.alloc.double_frees}")
         t = self.tree
-        if t.evictable_size() + t.protected_size() != t.total_size():
+        if t.evictable_size() + t.protected_size() != self._total():
             out.append(f"evictable {t.evictable_size()} + protected {t.protected_size()} "
-                       f"!= total {t.total_size()}")
+                       f"!= total {self._total()}")
         return out
 
     def _tree_pages(self) -> set[int]:

@@ -15,7 +15,8 @@ from harness.conform.runner import conform
 SEEDS = 8
 
 
-@pytest.mark.parametrize("spec", ["vllm==0.33.0", "sglang==0.5.23"], ids=["vllm", "sglang"])
+@pytest.mark.parametrize("spec", ["vllm==0.33.0", "sglang==0.5.23", "sglang_unified==0.5.23"],
+                         ids=["vllm", "sglang", "sglang-unified"])
 def test_the_pinned_release_passes_the_whole_run(spec: str, tmp_path: Path) -> None:
     report = conform(spec, tmp_path, seeds=SEEDS, bench_quick=True, say=print)
     assert report.exit_code == 0, report.reason or [(c.name, c.message) for c in report.failed]

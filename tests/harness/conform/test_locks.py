@@ -27,7 +27,7 @@ def test_every_lock_validates(path: Path) -> None:
     lock = load_lock(path)
     assert lock.key == path.stem and lock.deps
     assert not any(d.lower().startswith(("torch==", "nvidia")) for d in lock.deps)
-    if lock.engine == "sglang":  # the CUDA torchvision build never goes in
+    if lock.engine.startswith("sglang"):  # the CUDA torchvision build never goes in
         assert "torchvision" in {*lock.stubs.absent, *lock.stubs.raising}
 
 
@@ -70,3 +70,16 @@ def test_an_unsupported_version_names_the_supported_ones() -> None:
         find_lock("vllm", "0.30.0")
     with pytest.raises(UnsupportedVersion, match=r"no adapter for 'trtllm'"):
         find_lock("trtllm", "1.2.1")
+
+
+def test_the_unified_tree_installs_sglangs_own_wheel_with_its_pools_real() -> None:
+    """sglang_unified drives UnifiedRadixCache: the same wheel as sglang's lock, pip asked
+    for `sglang==`, its own venv, and the device pools and metrics real (never stubbed:
+    the tree's import chain needs them), only torchvision raising and primed."""
+    unified, radix = find_lock("sglang_unified", "0.5.23"), find_lock("sglang", "0.5.23")
+    assert unified.wheel == radix.wheel
+    assert (unified.requirement, unified.spec) == ("sglang==0.5.23", "sglang_unified==0.5.23")
+    assert unified.key != radix.key  # a venv of its own: its pins differ
+    assert set(radix.deps) < set(unified.deps)
+    assert set(unified.stubs.raising) == {"torchvision"} and unified.stubs.prime == ("torchvision",)
+    assert not unified.stubs.absent

@@ -102,3 +102,16 @@ def test_ops_round_trip_and_describe_themselves() -> None:
     assert Op("admit", "B", (5, 9, 2, 7, 1)).describe() == \
         "admit(B, 5 tokens [5, 9, ..., 1])"
     assert ops.evict(2).describe() == "evict(2)"
+
+
+def test_the_unified_contract_is_radix_caches_but_for_who_frees_duplicates() -> None:
+    """UnifiedRadixCache keeps RadixCache's semantics; its insert frees the caller's
+    duplicate slots itself, and its contract says where (the adapter then frees none)."""
+    from harness.conform import sglang_adapter, sglang_unified_adapter
+
+    unified = sglang_unified_adapter.contract("0.5.23", 4)
+    radix = sglang_adapter.contract("0.5.23", 4)
+    assert unified.engine == "sglang_unified" and radix.engine == "sglang"
+    same = {f for f in radix.as_dict() if f not in ("engine", "citations", "notes")}
+    assert {f: unified.as_dict()[f] for f in same} == {f: radix.as_dict()[f] for f in same}
+    assert any(k == "dedup_on_commit" and "FreeDeviceKV" in v for k, v in unified.citations)
