@@ -28,7 +28,13 @@ from harness.lists.db import Verdict, load_test_db
 from harness.lists.entry import Entry
 from harness.lists.errors import ListError
 from harness.lists.gpus import features_of
-from harness.lists.hardware import MachineFlags, add_machine_options, detect, machine_from_options
+from harness.lists.hardware import (
+    MachineFlags,
+    add_job_options,
+    add_machine_options,
+    detect,
+    machine_from_options,
+)
 from harness.lists.waives import default_waives
 from harness.reports.flakes import fold, markdown
 from harness.reports.summary import summarize
@@ -172,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context", default=None, metavar="NAME",
                    help="only the blocks of context NAME (trt-test-db --context)")
     add_machine_options(p.add_argument)
+    add_job_options(p.add_argument)
     p.add_argument("--explain", action="store_true",
                    help="say for every block which condition matched or failed")
     p.add_argument("--json", action="store_true", help="print JSON (blocks included)")

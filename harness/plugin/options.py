@@ -10,7 +10,7 @@ import argparse
 
 import pytest
 
-from harness.lists.hardware import add_machine_options
+from harness.lists.hardware import add_job_options, add_machine_options
 from harness.plugin.isolation import REPORT_OPTION
 
 
@@ -51,6 +51,7 @@ def add_options(parser: pytest.Parser) -> None:
                     help="durations for --shard (pytest-split JSON; default with --test-db: "
                     "DIR/../.test_durations)")
     add_machine_options(group.addoption)
+    add_job_options(group.addoption, prefix="kvh-")
     group.addoption("--results-dir", metavar="DIR", default=None,
                     help="write the reuse report, repro files and run record into DIR")
     group.addoption("--gpu-per-worker", action="store_true", default=False,

@@ -21,7 +21,7 @@ import pytest
 
 from harness.lists.checks import home_of, unmatched_problems
 from harness.lists.db import ListDb, load_test_db, load_test_list, resolve
-from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, Entry, covers
+from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, Entry, Outcome, covers
 from harness.lists.errors import ListError, Problem
 from harness.lists.hardware import Machine, MachineFlags
 from harness.lists.suggest import Home
@@ -44,6 +44,7 @@ class Selection:
     source: str
     waives_source: str | None
     warnings: tuple[Problem, ...] = ()
+    context: str | None = None  # --context: the other contexts were not read
 
     def describe(self) -> str:
         """One header line: sources and counts."""
@@ -67,9 +68,8 @@ def explain_hint(test_db: str, flags: MachineFlags, context: str | None) -> str:
 
 def _select(config: pytest.Config, machine: Machine) -> tuple[tuple[Entry, ...], ListDb]:
     opt = config.option
-    db = load_test_db(_path(config, opt.test_db))
-    chosen = db if opt.context is None else db.only(opt.context)
-    entries = chosen.select(machine)
+    db = load_test_db(_path(config, opt.test_db), opt.context)
+    entries = db.select(machine)
     if not entries:
         where = opt.test_db if opt.context is None else f"context {opt.context} of {opt.test_db}"
         hint = explain_hint(opt.test_db, MachineFlags.of(opt), opt.context)
@@ -109,10 +109,11 @@ def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | No
         read = None if waives_path is None else load_waives(waives_path)
     except ListError as exc:
         raise pytest.UsageError(f"kvharness: broken test list or waives:\n{exc}") from None
-    waives = () if read is None else read.on(machine.gpu, opt.test_prefix)
+    waives = () if read is None else read.on(machine.gpu, opt.test_prefix,
+                                              machine.compute_capability)
     return Selection(entries, db, waives, source,
                      None if waives_path is None else str(waives_path),
-                     () if read is None else read.problems)
+                     () if read is None else read.problems, opt.context)
 
 
 def _scope(config: pytest.Config) -> list[str] | None:
@@ -217,13 +218,15 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
     waive must not stop every run (`kvharness validate` reports them as errors).
     """
     node_ids = [item.nodeid for item in items]
-    stale = _in_scope(config, [w for w in selection.waives
-                               if not any(w.covers(n) for n in node_ids)])
+    marks = {item.nodeid: [m.name for m in item.iter_markers()] for item in items}
+    texts = {e.text for e in selection.entries or ()}
+    stale = _in_scope(config, [w for w in selection.waives if w.selector not in texts
+                               and not any(w.covers(n, marks[n]) for n in node_ids)])
     warnings = tuple(unmatched_problems(stale, config.rootpath))
     counts: dict[str, int] = {}
     orphans: tuple[Orphan, ...] = ()
     if selection.entries is not None:
-        resolution = resolve(selection.entries, node_ids)
+        resolution = resolve(selection.entries, node_ids, marks)
         _check_unmatched(config, resolution.unmatched, node_ids)
         keep = [item for item in items if item.nodeid in resolution.chosen]
         drop = [item for item in items if item.nodeid not in resolution.chosen]
@@ -235,10 +238,12 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
         for item in items:
             item.stash[ENTRY] = resolution.chosen[item.nodeid]
         counts["selected"], counts["deselected"] = len(keep), len(drop)
-        orphans = _orphans(selection.db, node_ids)
+        orphans = () if selection.context is not None else _orphans(selection.db, node_ids)
     waived = 0
     for item in items:
-        waive = waive_for(selection.waives, item.nodeid)
+        entry = item.stash.get(ENTRY, None)
+        waive = waive_for(selection.waives, item.nodeid, marks[item.nodeid],
+                          None if entry is None else entry.text)
         if waive is not None:
             item.add_marker(pytest.mark.skip(reason=waive.skip_reason))
             waived += 1
@@ -250,6 +255,16 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
     return Applied(counts, warnings, orphans)
 
 
+def _outcome_marker(outcome: Outcome) -> pytest.MarkDecorator:
+    """The pytest marker of an entry's SKIP, XFAIL or UNSTABLE, as TensorRT-LLM's parser
+    marks them: skip, and for XFAIL and UNSTABLE a (non-strict) xfail: the test runs, a
+    failure counts as expected, a pass as a pass."""
+    reason = f"listed {outcome.kind}" + ("" if outcome.reason is None else f": {outcome.reason}")
+    if outcome.kind == "SKIP":
+        return pytest.mark.skip(reason=reason)
+    return pytest.mark.xfail(reason=reason, strict=False)
+
+
 def _apply_entries(config: pytest.Config, selection: Selection, items: list[pytest.Item],
                    chosen: dict[str, Entry], isolate: bool) -> int:
     assert selection.entries is not None
@@ -257,6 +272,8 @@ def _apply_entries(config: pytest.Config, selection: Selection, items: list[pyte
     isolated = 0
     for item in items:
         entry = chosen[item.nodeid]
+        if entry.outcome is not None:
+            item.add_marker(_outcome_marker(entry.outcome))
         if entry.timeout_seconds is not None:
             # The list is the CI contract: its timeout wins over the test's own marker.
             item.add_marker(pytest.mark.timeout(entry.timeout_seconds), append=False)

@@ -464,6 +464,16 @@ DEEP_KEYWORD = HEAD + '  tests:\n  - tests/x.py -k "' + "(" * 497 + "t" + ")" * 
     pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py::t TIMEOUT (\uff13\uff10)\n", 7,
                  r"TIMEOUT \(\uff13\uff10\): minutes are written in ASCII digits 0-9",
                  id="yaml-timeout-fullwidth-digits"),
+    pytest.param("l0_cpu.yml", HEAD + "      backend: torch\n" + GOOD_TESTS, 6,
+                 r"terms\.backend: 'torch' is an attention backend; 'backend' is the job's "
+                 r"\(TensorRT-LLM's runtime: .*\): write 'attention_backend: torch'",
+                 id="yaml-attention-backend-as-backend"),
+    pytest.param("l0_cpu.yml", HEAD + "      auto_trigger: [others]\n" + GOOD_TESTS, 6,
+                 r"terms\.auto_trigger: a term is one string, number or boolean",
+                 id="yaml-term-not-scalar"),
+    pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py -m 'gpu and'\n", 7,
+                 r"-m 'gpu and': ends early; expected a name, 'not' or '\('",
+                 id="yaml-bad-marker-expression"),
     pytest.param("l\u0663_cpu.yml", HEAD.replace("l0_cpu", "l\u0663_cpu") + GOOD_TESTS, None,
                  r"file name 'l\u0663_cpu\.yml': a list file is named after its context: 'l', "
                  r"a level in ASCII digits", id="yaml-context-digits"),
