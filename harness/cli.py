@@ -3,7 +3,8 @@
     kvharness detect [--json]
     kvharness list [--test-db DIR] [--context NAME] [--stage S] [--gpu NAME] [--gpu-count N]
                    [--backend B] [--orchestrator O] [--explain] [--json]
-    kvharness validate [--test-db DIR] [--waives FILE] [--rootdir DIR] [PATH ...]
+    kvharness validate [-d DIR] [--context NAME] [--waives FILE] [--syntax-only]
+                       [--rootdir DIR] [PATH ...]
     kvharness report [--results-dir DIR] [--output FILE]
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
@@ -21,9 +22,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harness.lists.checks import CollectError, validate
+from harness.lists.checks import CollectError, validate, validate_syntax
 from harness.lists.db import Verdict, load_test_db
 from harness.lists.entry import Entry
 from harness.lists.errors import ListError
@@ -36,10 +37,9 @@ from harness.lists.hardware import (
     machine_from_options,
 )
 from harness.lists.waives import default_waives
-from harness.reports.flakes import fold, markdown
-from harness.reports.summary import summarize
-from harness.repro.outcome import Status
-from harness.repro.replay import replay_file
+
+if TYPE_CHECKING:
+    from harness.repro.outcome import Status
 
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")
@@ -95,9 +95,7 @@ def _detect(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    db = load_test_db(args.test_db)
-    if args.context is not None:
-        db = db.only(args.context)
+    db = load_test_db(args.test_db, args.context)
     machine = machine_from_options(MachineFlags.of(args), detect())
     verdicts = db.explain(machine)
     selected = db.select(machine)
@@ -124,7 +122,12 @@ def _list(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     waives = args.waives if args.waives is not None else default_waives(args.test_db)
-    result = validate(args.test_db, waives, args.rootdir, args.paths or None)
+    if args.syntax_only:
+        if args.paths:
+            raise ValueError("--syntax-only collects nothing; it takes no PATH")
+        result = validate_syntax(args.test_db, waives, args.context)
+    else:
+        result = validate(args.test_db, waives, args.rootdir, args.paths or None, args.context)
     for problem in result.problems:
         print(problem)
     for warning in result.warnings:
@@ -133,7 +136,13 @@ def _validate(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+# The reports and the repro replayer are imported by their commands only: `validate
+# --syntax-only` and `test-db` run as pre-commit hooks and should start at once.
+
+
 def _report(args: argparse.Namespace) -> int:
+    from harness.reports.summary import summarize
+
     text = summarize(args.results_dir)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +152,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
+    from harness.repro.replay import replay_file
+
     outcome = replay_file(args.file, print)
     for note in outcome.notes:
         print(f"note: {note}")
@@ -154,6 +165,8 @@ def _repro(args: argparse.Namespace) -> int:
 
 
 def _flakes(args: argparse.Namespace) -> int:
+    from harness.reports.flakes import fold, markdown
+
     ledger = fold(args.paths)
     if args.json:
         print(json.dumps({"runs": ledger.runs, "unreadable": list(ledger.unreadable),
@@ -185,8 +198,13 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_list)
 
     p = sub.add_parser("validate", help="check lists and waives against the collected tests")
-    p.add_argument("--test-db", type=Path, default=DEFAULT_TEST_DB, metavar="DIR",
-                   help=f"test-db folder (default: {DEFAULT_TEST_DB})")
+    p.add_argument("-d", "--test-db", dest="test_db", type=Path, default=DEFAULT_TEST_DB,
+                   metavar="DIR", help=f"test-db folder (default: {DEFAULT_TEST_DB})")
+    p.add_argument("--context", default=None, metavar="NAME",
+                   help="read only context NAME's file (tests in no list are then not looked for)")
+    p.add_argument("--syntax-only", action="store_true",
+                   help="the pre-commit check: schema, entries, markers, conditions and waive "
+                   "lines, without collecting (or importing) any test")
     p.add_argument("--waives", "--waives-file", dest="waives", type=Path, default=None,
                    metavar="FILE",
                    help="waives file (default: DIR/../waives.txt when it exists)")
