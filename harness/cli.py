@@ -5,6 +5,9 @@
                    [--backend B] [--orchestrator O] [--explain] [--json]
     kvharness validate [-d DIR] [--context NAME] [--waives FILE] [--syntax-only]
                        [--rootdir DIR] [PATH ...]
+    kvharness test-db -d DIR [--context CTX] [--test-names] [--output FILE]
+                      [--match JSON | --match-exact JSON]
+    kvharness sysinfo [--json] [--stage S] [--gpu NAME] ... [--distribution ID] [--job K=V]
     kvharness report [--results-dir DIR] [--output FILE]
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
@@ -30,12 +33,14 @@ from harness.lists.entry import Entry
 from harness.lists.errors import ListError
 from harness.lists.gpus import features_of
 from harness.lists.hardware import (
+    Machine,
     MachineFlags,
     add_job_options,
     add_machine_options,
     detect,
     machine_from_options,
 )
+from harness.lists.testdb import mako_lines, parse_description, render, sysinfo
 from harness.lists.waives import default_waives
 
 if TYPE_CHECKING:
@@ -96,7 +101,7 @@ def _detect(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     db = load_test_db(args.test_db, args.context)
-    machine = machine_from_options(MachineFlags.of(args), detect())
+    machine = _machine(args)
     verdicts = db.explain(machine)
     selected = db.select(machine)
     if args.json:
@@ -138,6 +143,31 @@ def _validate(args: argparse.Namespace) -> int:
 
 # The reports and the repro replayer are imported by their commands only: `validate
 # --syntax-only` and `test-db` run as pre-commit hooks and should start at once.
+
+
+def _machine(args: argparse.Namespace) -> Machine:
+    return machine_from_options(MachineFlags.of(args), detect())
+
+
+def _sysinfo(args: argparse.Namespace) -> int:
+    info = sysinfo(_machine(args))
+    print(json.dumps(info) if args.json else "\n".join(mako_lines(info)))
+    return 0
+
+
+def _test_db(args: argparse.Namespace) -> int:
+    flag, text = (("--match-exact", args.match_exact) if args.match_exact is not None
+                  else ("--match", args.match))
+    description = None if text is None else parse_description(text, flag)
+    lines = render(load_test_db(args.directory, args.context), description,
+                   exact=flag == "--match-exact")
+    out = "".join(f"{line}\n" for line in lines)
+    if args.output is None:
+        print(out, end="")
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(out, encoding="utf-8")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -213,6 +243,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="*", metavar="PATH",
                    help="paths to collect (default: tests plus every folder entries name)")
     p.set_defaults(run=_validate)
+
+    p = sub.add_parser("sysinfo", help="this machine and job as TensorRT-LLM's get_sysinfo.py "
+                       "prints them (Mako options), or as JSON for test-db --match-exact")
+    add_machine_options(p.add_argument)
+    add_job_options(p.add_argument)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_sysinfo)
+
+    p = sub.add_parser("test-db", help="render a context's list for a machine and job "
+                       "description, as TensorRT-LLM's trt-test-db does")
+    p.add_argument("-d", dest="directory", type=Path, required=True, metavar="DIR",
+                   help="the test-db folder")
+    p.add_argument("--context", default=None, metavar="CTX",
+                   help="only context CTX's file (default: every file)")
+    p.add_argument("--test-names", action="store_true",
+                   help="write test names, one a line (trt-test-db's flag; the only output)")
+    p.add_argument("--output", type=Path, default=None, metavar="FILE",
+                   help="write the list to FILE (default: stdout)")
+    match = p.add_mutually_exclusive_group()
+    match.add_argument("--match", default=None, metavar="JSON",
+                       help="blocks whose conditions hold for this description; a key it "
+                       "lacks is ignored (TensorRT-LLM's CI)")
+    match.add_argument("--match-exact", default=None, metavar="JSON",
+                       help="the same, but a key the description lacks fails the block")
+    p.set_defaults(run=_test_db)
 
     p = sub.add_parser("report", help="markdown summary of junit, reuse and benchmark results")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, metavar="DIR",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -84,6 +84,19 @@ class Entry:
     policy: BlockPolicy = DEFAULT_POLICY
     marker: KeywordExpr | None = None
     outcome: Outcome | None = None
+    written: str = field(default="", compare=False)  # the text form as the list wrote it
+
+    @property
+    def line(self) -> str:
+        """The entry as one line of a rendered list (`trt-test-db --test-names`): the
+        text the list wrote, markers and all; a mapping entry in the text form (its
+        timeout in whole minutes, rounded up)."""
+        if self.written:
+            return self.written
+        out = [self.text]
+        out += [f"TIMEOUT ({-(-self.timeout_seconds // 60)})"] if self.timeout_seconds else []
+        out += ["ISOLATION"] if self.isolation else []
+        return " ".join(out)
 
     @property
     def text(self) -> str:
@@ -256,7 +269,7 @@ def parse_entry_text(text: str) -> Entry:
             raise ValueError(f"entry {text!r}: TIMEOUT given twice")
         minutes = _minutes(text, match["minutes"])
     return Entry(node_id, None if minutes is None else minutes * 60, isolation, keyword,
-                 marker=marker, outcome=outcome)
+                 marker=marker, outcome=outcome, written=text)
 
 
 def parse_entry_mapping(data: Mapping[Any, Any]) -> Entry:

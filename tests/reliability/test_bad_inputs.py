@@ -566,6 +566,15 @@ def test_broken_reuse_report(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                  id="cli-bad-backend"),
     pytest.param(["list", "--frobnicate"], r"unrecognized arguments: --frobnicate",
                  id="cli-unknown-flag"),
+    pytest.param(["list", "--job", "backend"], r"argument --job: job term 'backend' is not "
+                 r"KEY=VALUE", id="cli-job-not-key-value"),
+    pytest.param(["sysinfo", "--job", "stage=post_merge"], r"argument --job: job term 'stage' "
+                 r"is the machine's; its flag sets it \(--stage\)", id="cli-job-machine-key"),
+    pytest.param(["list", "--distribution", "red hat"], r"argument --distribution: distribution "
+                 r"'red hat': one word", id="cli-distribution-words"),
+    pytest.param(["test-db", "-d", "x", "--match", "{}", "--match-exact", "{}"],
+                 r"argument --match-exact: not allowed with argument --match",
+                 id="cli-test-db-both-matches"),
 ))
 def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],
                               message: str) -> None:
@@ -594,6 +603,25 @@ def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.Cap
     assert kvharness(["list", "--test-db", str(folder)]) == 1
     err = capsys.readouterr().err
     assert re.search(message, err), f"stderr lacks {message!r}:\n{err}"
+
+
+@pytest.mark.parametrize(("match", "message"), cases(
+    pytest.param('{"gpu": "H100"', r"kvharness test-db: --match: not JSON: Expecting ',' "
+                 r"delimiter", id="cli-test-db-not-json"),
+    pytest.param('["H100"]', r"kvharness test-db: --match: the description is a JSON object of "
+                 r"key: value, got list", id="cli-test-db-not-an-object"),
+    pytest.param('{"gpu": ["H100"]}', r"kvharness test-db: --match: 'gpu' is \[\"H100\"\]; a "
+                 r"description's values are strings, numbers, booleans or null",
+                 id="cli-test-db-nested-value"),
+))
+def test_test_db_refuses_a_bad_description_with_exit_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], match: str, message: str) -> None:
+    (tmp_path / "l0_cpu.yml").write_text(HEAD + GOOD_TESTS)
+    out = tmp_path / "out.txt"
+    assert kvharness(["test-db", "-d", str(tmp_path), "--output", str(out), "--match", match]) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err), f"stderr lacks {message!r}:\n{err}"
+    assert not out.exists()  # nothing written
 
 
 # -- checkpoints ---------------------------------------------------------------------------
