@@ -52,6 +52,10 @@ def add_options(parser: pytest.Parser) -> None:
                     "DIR/../.test_durations)")
     add_machine_options(group.addoption)
     add_job_options(group.addoption, prefix="kvh-")
+    group.addoption("--kvh-foreign-lists", action="store_true", default=False,
+                    help="the lists and waives name another repository's tests (implied by "
+                    "--test-prefix): entries and waives that match nothing are counted in the "
+                    "summary line, not errors or warnings, and tests in no list are not sought")
     group.addoption("--results-dir", metavar="DIR", default=None,
                     help="write the reuse report, repro files and run record into DIR")
     group.addoption("--gpu-per-worker", action="store_true", default=False,

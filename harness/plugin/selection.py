@@ -45,6 +45,7 @@ class Selection:
     waives_source: str | None
     warnings: tuple[Problem, ...] = ()
     context: str | None = None  # --context: the other contexts were not read
+    foreign: bool = False  # another repository's ids: what matches nothing is only counted
 
     def describe(self) -> str:
         """One header line: sources and counts."""
@@ -113,7 +114,8 @@ def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | No
                                               machine.compute_capability)
     return Selection(entries, db, waives, source,
                      None if waives_path is None else str(waives_path),
-                     () if read is None else read.problems, opt.context)
+                     () if read is None else read.problems, opt.context,
+                     foreign=opt.test_prefix is not None or opt.kvh_foreign_lists)
 
 
 def _scope(config: pytest.Config) -> list[str] | None:
@@ -215,19 +217,23 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
 
     Raises pytest.UsageError for entries in scope that select nothing, or for list
     timeouts without pytest-timeout. Waives that select nothing are warnings: a stale
-    waive must not stop every run (`kvharness validate` reports them as errors).
+    waive must not stop every run (`kvharness validate` reports them as errors). For
+    foreign lists (`selection.foreign`: another repository's ids, as TensorRT-LLM's) both
+    are only counted, in the summary line's counts, and tests in no list are not looked for.
     """
     node_ids = [item.nodeid for item in items]
     marks = {item.nodeid: [m.name for m in item.iter_markers()] for item in items}
     texts = {e.text for e in selection.entries or ()}
-    stale = _in_scope(config, [w for w in selection.waives if w.selector not in texts
-                               and not any(w.covers(n, marks[n]) for n in node_ids)])
-    warnings = tuple(unmatched_problems(stale, config.rootpath))
+    unused = [w for w in selection.waives if w.selector not in texts
+              and not any(w.covers(n, marks[n]) for n in node_ids)]
+    warnings = () if selection.foreign else tuple(
+        unmatched_problems(_in_scope(config, unused), config.rootpath))
     counts: dict[str, int] = {}
     orphans: tuple[Orphan, ...] = ()
     if selection.entries is not None:
         resolution = resolve(selection.entries, node_ids, marks)
-        _check_unmatched(config, resolution.unmatched, node_ids)
+        if not selection.foreign:
+            _check_unmatched(config, resolution.unmatched, node_ids)
         keep = [item for item in items if item.nodeid in resolution.chosen]
         drop = [item for item in items if item.nodeid not in resolution.chosen]
         if config.option.list_order:
@@ -238,7 +244,10 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
         for item in items:
             item.stash[ENTRY] = resolution.chosen[item.nodeid]
         counts["selected"], counts["deselected"] = len(keep), len(drop)
-        orphans = () if selection.context is not None else _orphans(selection.db, node_ids)
+        if selection.foreign:
+            counts["entries matching nothing"] = len(resolution.unmatched)
+        elif selection.context is None:
+            orphans = _orphans(selection.db, node_ids)
     waived = 0
     for item in items:
         entry = item.stash.get(ENTRY, None)
@@ -248,9 +257,11 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
             item.add_marker(pytest.mark.skip(reason=waive.skip_reason))
             waived += 1
     counts["waived"] = waived
+    if selection.foreign:
+        counts["waives matching nothing"] = len(unused)
     if selection.entries is not None:
         counts["isolated"] = _apply_entries(config, selection, items, resolution.chosen, isolate)
-        if selection.db is not None:
+        if selection.db is not None and not selection.foreign and selection.context is None:
             counts["in no list"] = len(orphans)
     return Applied(counts, warnings, orphans)
 

@@ -203,3 +203,42 @@ def test_a_plugin_run_of_a_tensorrt_llm_style_block(quiet_pytester: pytest.Pytes
     debian = quiet_pytester.runpytest(*flags, *job, "--kvh-distribution", "debian")
     assert debian.ret == pytest.ExitCode.USAGE_ERROR
     debian.stderr.fnmatch_lines(["*no block of context l0_h100 of test-db applies to*"])
+
+
+FOREIGN_LIST = """\
+accuracy/test_llm_api_pytorch.py::TestLlama3_1_8B::test_nvfp4
+unittest/_torch/attention -k "not fp8"
+tests/test_t.py::test_a
+"""
+
+
+@pytest.mark.parametrize(("how", "scoped"), [
+    # 388 waives hold everywhere; full:H100_PCIe/ holds under its stage's prefix too.
+    (["--test-prefix", "H100_PCIe-PyTorch-1"], 389), (["--kvh-foreign-lists"], 388)],
+    ids=["test-prefix", "flag"])
+def test_foreign_ids_are_counted_in_one_line(quiet_pytester: pytest.Pytester,
+                                             how: list[str], scoped: int) -> None:
+    """Issue bullet 3's last part: TensorRT-LLM's waives (and list entries) that match
+    nothing here are one count in the summary line, not a warning each, not an error."""
+    quiet_pytester.mkdir("tests")
+    quiet_pytester.path.joinpath("tests", "test_t.py").write_text(TESTS)
+    quiet_pytester.path.joinpath("pytest.ini").write_text("[pytest]\nmarkers =\n    part0: x\n")
+    quiet_pytester.path.joinpath("l0_h100.txt").write_text(FOREIGN_LIST)
+    result = quiet_pytester.runpytest("--test-list", "l0_h100.txt", "--waives-file",
+                                      str(FIXTURES / "waives.txt"), *how)
+    result.assert_outcomes(passed=1, deselected=3)
+    assert not [line for line in result.stdout.lines + result.stderr.lines
+                if "kvharness warning" in line]
+    result.stdout.fnmatch_lines([f"kvharness: 1 selected, 3 deselected, 2 entries matching "
+                                 f"nothing, 0 waived, {scoped} waives matching nothing, "
+                                 "0 isolated"])
+
+
+def test_this_repositorys_lists_stay_strict(quiet_pytester: pytest.Pytester) -> None:
+    quiet_pytester.mkdir("tests")
+    quiet_pytester.path.joinpath("tests", "test_t.py").write_text(TESTS)
+    quiet_pytester.path.joinpath("l0_h100.txt").write_text(FOREIGN_LIST)
+    result = quiet_pytester.runpytest("--test-list", "l0_h100.txt")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*list entries select no collected test:*",
+                                 "*entry 'accuracy/test_llm_api_pytorch.py::*: no such file*"])
