@@ -168,7 +168,33 @@ class ListFileDoc(NamedTuple):
         return node_line(self.root, loc)
 
 
-class ListLoader(yaml.SafeLoader):
+class _ConstructChecks(yaml.constructor.SafeConstructor):
+    """The construction checks of every list loader: duplicate keys, bounded integers."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Hashable, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeConstructor reports unhashable keys itself, with the line.
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
+        digits = sum(ch.isdigit() for ch in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"integer of {digits} digits; list numbers have at most "
+                f"{MAX_INT_DIGITS}", node.start_mark)
+        value: int = super().construct_yaml_int(node)
+        return value
+
+
+class ListLoader(_ConstructChecks, yaml.SafeLoader):
     """SafeLoader for lists: rejects duplicate mapping keys (PyYAML keeps the last one
     silently), aliases (`*name`: nested ones expand exponentially, a YAML bomb),
     sequences and mappings nested deeper than MAX_NESTING (the composer recurses a level
@@ -196,30 +222,21 @@ class ListLoader(yaml.SafeLoader):
         assert node is not None, "compose_node returns None only at the end of the stream"
         return node
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Hashable, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, Hashable):
-                continue  # SafeConstructor reports unhashable keys itself, with the line.
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {seen[key]})",
-                    key_node.start_mark)
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
 
-    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
-        digits = sum(ch.isdigit() for ch in str(node.value))
-        if digits > MAX_INT_DIGITS:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"integer of {digits} digits; list numbers have at most "
-                f"{MAX_INT_DIGITS}", node.start_mark)
-        value: int = super().construct_yaml_int(node)
-        return value
+def _bounded_int(loader: Any, node: yaml.ScalarNode) -> int:
+    value: int = loader.construct_bounded_int(node)
+    return value
 
 
-ListLoader.add_constructor("tag:yaml.org,2002:int", ListLoader.construct_bounded_int)
+ListLoader.add_constructor("tag:yaml.org,2002:int", _bounded_int)
+
+_CListLoader: type | None = None
+if getattr(yaml, "__with_libyaml__", False):
+    class _CLoader(_ConstructChecks, yaml.CSafeLoader):
+        """libyaml's parser and composer with ListLoader's construction checks."""
+
+    _CLoader.add_constructor("tag:yaml.org,2002:int", _bounded_int)
+    _CListLoader = _CLoader
 
 
 def node_line(root: yaml.Node, loc: tuple[str | int, ...]) -> int:
@@ -237,21 +254,54 @@ def node_line(root: yaml.Node, loc: tuple[str | int, ...]) -> int:
     return line
 
 
-def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
-    """Safely load one YAML document and its node tree; raises ListError on YAML errors
-    and on files `read_list_text` refuses."""
-    loader = ListLoader(read_list_text(path, "list file"))
+def _check_events(text: str) -> None:
+    """ListLoader's refusals (aliases, nesting deeper than MAX_NESTING) over libyaml's
+    event stream, before libyaml composes anything. Raises yaml.MarkedYAMLError."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*{event.anchor}) are not allowed in list files; write "
+                "the value out", event.start_mark)  # type: ignore[arg-type]
+        if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise yaml.composer.ComposerError(
+                    None, None, too_deep("sequences and mappings"),
+                    event.start_mark)  # type: ignore[arg-type]
+        elif isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
+            depth -= 1
+
+
+def _compose(text: str) -> tuple[Any, yaml.Node | None]:
+    """The document and its node tree: with libyaml (ten times faster, for pre-commit
+    runs) after `_check_events`, else with ListLoader; both construct through
+    ListLoader's duplicate-key and integer checks."""
+    loader: Any
+    if _CListLoader is not None:
+        _check_events(text)
+        loader = _CListLoader(text)
+    else:
+        loader = ListLoader(text)
     try:
         root = loader.get_single_node()
         return (None if root is None else loader.construct_document(root)), root
+    finally:
+        loader.dispose()
+
+
+def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
+    """Safely load one YAML document and its node tree; raises ListError on YAML errors
+    and on files `read_list_text` refuses."""
+    text = read_list_text(path, "list file")
+    try:
+        return _compose(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = None if mark is None else mark.line + 1
         raise ListError([Problem(Location(path, line), f"YAML: {exc.problem}")]) from None
     except yaml.YAMLError as exc:
         raise ListError([Problem(Location(path, None), f"YAML: {exc}")]) from None
-    finally:
-        loader.dispose()
 
 
 def _path_text(loc: tuple[str | int, ...]) -> str:

@@ -242,3 +242,34 @@ def test_this_repositorys_lists_stay_strict(quiet_pytester: pytest.Pytester) -> 
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*list entries select no collected test:*",
                                  "*entry 'accuracy/test_llm_api_pytorch.py::*: no such file*"])
+
+
+@pytest.mark.parametrize("refusal", [
+    pytest.param(("version: 0.0.1\nx: &a [1]\nl0_h100: *a\n", 3, "YAML: aliases (*a) are not "
+                  "allowed in list files; write the value out"), id="alias"),
+    pytest.param(("version: 0.0.1\nl0_h100: " + "[" * 40 + "]" * 40 + "\n", 2, "YAML: "
+                  "sequences and mappings nested more than 32 levels deep; at most 32 are read"),
+                 id="deep"),
+    pytest.param(("version: 0.0.1\nversion: 0.0.1\n", 2, "YAML: duplicate key 'version' "
+                  "(first at line 1)"), id="duplicate-key"),
+])
+def test_libyaml_and_the_python_loader_read_alike(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: tuple[str, int, str]) -> None:
+    """Lists are composed by libyaml when PyYAML has it (the fixtures in a tenth of the
+    time) and by the pure-Python ListLoader otherwise: the same blocks, the same refusals
+    at the same lines."""
+    from harness.lists import schema
+
+    text, line, message = refusal
+    (tmp_path / "l0_h100.yml").write_text(text)
+    results = []
+    for loader in (schema._CListLoader, None):
+        monkeypatch.setattr(schema, "_CListLoader", loader)
+        db = load_test_db(FIXTURES)
+        with pytest.raises(ListError) as caught:
+            load_test_db(tmp_path)
+        [problem] = caught.value.problems
+        results.append(([(b.name, b.condition, [e.line for e in b.entries]) for b in db.blocks],
+                        problem.location.line, problem.message))
+    assert results[0] == results[1]
+    assert results[0][1:] == (line, message)
