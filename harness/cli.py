@@ -70,6 +70,8 @@ exit codes:
 
 def _entry_dict(entry: Entry) -> dict[str, Any]:
     return {"test": entry.test, "keyword": entry.keyword and entry.keyword.text,
+            "marker": entry.marker and entry.marker.text,
+            "outcome": entry.outcome and entry.outcome._asdict(),
             "timeout_seconds": entry.effective_timeout, "isolation": entry.isolation, "context": entry.source, "location": str(entry.location)}
 
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from harness.lists.hardware import HARNESS_KEYS
 from harness.lists.schema import ATTENTION_BACKEND, ConditionModel
 
 Scalar = str | bool | int | float
@@ -42,7 +43,9 @@ class Check(NamedTuple):
 
 def _absent(key: str, what: str, exact: bool) -> Check:
     if exact:
-        return Check(key, False, f"the {what} has no {key!r}")
+        hint = f" (a job term: --job {key}=VALUE)" if what == "machine" and (
+            key not in HARNESS_KEYS) else ""
+        return Check(key, False, f"the {what} has no {key!r}{hint}")
     return Check(key, True, f"the {what} has no {key!r}: ignored (--match)")
 
 

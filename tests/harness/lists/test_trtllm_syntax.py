@@ -54,7 +54,8 @@ def test_backend_is_the_jobs_term() -> None:
               if v.selected}
     assert chosen == {2}
     verdict = db.explain(machine())[2]
-    assert ("backend", False, "the machine has no 'backend'") in verdict.checks
+    assert ("backend", False, "the machine has no 'backend' (a job term: --job backend=VALUE)") \
+        in verdict.checks
 
 
 def test_the_distribution_override_satisfies_ubuntu() -> None:
@@ -273,3 +274,25 @@ def test_libyaml_and_the_python_loader_read_alike(
                         problem.location.line, problem.message))
     assert results[0] == results[1]
     assert results[0][1:] == (line, message)
+
+
+def test_list_selects_a_real_block_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue bullet 4: with a pretended distribution and the job's terms, `kvharness list`
+    selects TensorRT-LLM's H100 pre-merge PyTorch block on any runner, Debian included."""
+    from harness.cli import main
+
+    flags = ["list", "--test-db", str(FIXTURES), "--context", "l0_h100", "--gpu",
+             "NVIDIA H100 PCIe", "--gpu-count", "1", "--job", "backend=pytorch",
+             "--job", "auto_trigger=others"]
+    assert main([*flags, "--distribution", "ubuntu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 92 and out[0].startswith("unittest/_torch/attention  [")
+    main([*flags, "--distribution", "debian", "--explain"])  # no block: its exit code is list's
+    explained = capsys.readouterr().out
+    assert "[no] linux_distribution_name 'debian' matches none of ['ubuntu*']" in explained
+
+
+def test_the_job_reaches_xdist_workers() -> None:
+    """The controller hands workers the machine as a dict: the job terms travel with it."""
+    mach = machine((("backend", "cpp"), ("auto_trigger", "others")), "ubuntu")
+    assert Machine.from_dict(mach.as_dict()) == mach
