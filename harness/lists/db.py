@@ -60,16 +60,6 @@ class ListDb:
         """Context names in file order."""
         return tuple(dict.fromkeys(b.context for b in self.blocks))
 
-    def only(self, context: str) -> ListDb:
-        """The blocks of one context, as `trt-test-db --context` reads them.
-
-        Raises ListError naming the folder and the contexts it holds.
-        """
-        if context not in self.contexts:
-            raise ListError([Problem(Location(self.directory, None), f"no context {context!r}; "
-                                     f"this test-db holds {', '.join(self.contexts)}")])
-        return ListDb(self.directory, tuple(b for b in self.blocks if b.context == context))
-
     def explain(self, target: Machine | Description, exact: bool = True) -> tuple[Verdict, ...]:
         """Each block's verdict for a machine or a description (a key the description
         lacks: see harness.lists.conditions; a machine's are always exact)."""
