@@ -88,6 +88,12 @@ class Waive:
             return False
         return self.marker is None or marks is None or self.marker.matches_marks(marks)
 
+    def names(self, node_id: str) -> bool:
+        """True if the waive is exactly `node_id` (TensorRT-LLM's matching: no prefix, no
+        `-k`/`-m` of its own)."""
+        return not self.more and self.keyword is None and self.marker is None and (
+            self.test == node_id)
+
     def waives_entry(self, entry_text: str) -> bool:
         """True if the waive is written as the list entry `entry_text` is (TensorRT-LLM
         matches a waive to the entry's wrapper test this way): it waives all the entry's
@@ -206,13 +212,16 @@ def default_waives(test_db: Path) -> Path | None:
 
 
 def waive_for(waives: tuple[Waive, ...], node_id: str, marks: Iterable[str] | None = None,
-              entry_text: str | None = None) -> Waive | None:
+              entry_text: str | None = None, exact: bool = False) -> Waive | None:
     """The waive of `node_id` (carrying `marks`, selected by the list entry written
     `entry_text`) among `waives`: one written as that entry, else the most specific one
-    covering it; None when none does."""
+    covering it (`exact`, TensorRT-LLM's matching for its own lists: one naming it
+    exactly); None when none does."""
     if entry_text is not None:
         same = next((w for w in waives if w.waives_entry(entry_text)), None)
         if same is not None:
             return same
+    if exact:
+        return next((w for w in waives if w.names(node_id)), None)
     hits = [w for w in waives if w.covers(node_id, marks)]
     return max(hits, key=lambda w: len(w.test)) if hits else None

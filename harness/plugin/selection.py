@@ -219,13 +219,15 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
     timeouts without pytest-timeout. Waives that select nothing are warnings: a stale
     waive must not stop every run (`kvharness validate` reports them as errors). For
     foreign lists (`selection.foreign`: another repository's ids, as TensorRT-LLM's) both
-    are only counted, in the summary line's counts, and tests in no list are not looked for.
+    are only counted, in the summary line's counts, tests in no list are not looked for,
+    and a waive applies as TensorRT-LLM applies it: to the test it names exactly, or to
+    the tests of the entry written as it is.
     """
     node_ids = [item.nodeid for item in items]
     marks = {item.nodeid: [m.name for m in item.iter_markers()] for item in items}
     texts = {e.text for e in selection.entries or ()}
-    unused = [w for w in selection.waives if w.selector not in texts
-              and not any(w.covers(n, marks[n]) for n in node_ids)]
+    unused = [w for w in selection.waives if w.selector not in texts and not any(
+        w.names(n) if selection.foreign else w.covers(n, marks[n]) for n in node_ids)]
     warnings = () if selection.foreign else tuple(
         unmatched_problems(_in_scope(config, unused), config.rootpath))
     counts: dict[str, int] = {}
@@ -252,7 +254,7 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
     for item in items:
         entry = item.stash.get(ENTRY, None)
         waive = waive_for(selection.waives, item.nodeid, marks[item.nodeid],
-                          None if entry is None else entry.text)
+                          None if entry is None else entry.text, exact=selection.foreign)
         if waive is not None:
             item.add_marker(pytest.mark.skip(reason=waive.skip_reason))
             waived += 1

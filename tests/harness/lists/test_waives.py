@@ -183,3 +183,18 @@ def test_full_prefix_is_case_sensitive_as_in_tensorrt_llm(waives_file: Path) -> 
     scoped = load_waives(waives_file).waives[2]  # full:H100_PCIe/
     assert scoped.applies_on("cpu", "H100_PCIe-PyTorch-1")
     assert not scoped.applies_on("cpu", "h100_pcie-PyTorch-1")
+
+
+def test_foreign_lists_waive_exact_ids_only(tmp_path: Path) -> None:
+    """TensorRT-LLM matches waives to exact node ids (or to the entry written the same):
+    with its lists a folder waive must not skip a test by prefix (REPORT ambiguity 2)."""
+    path = tmp_path / "waives.txt"
+    path.write_text("full:sm100/unittest/trt/functional SKIP (Disable for Blackwell)\n"
+                    "unittest/a.py::test_x SKIP (https://nvbugs/1)\n")
+    here = load_waives(path).on("NVIDIA B200", None, "10.0")
+    fp4 = "unittest/trt/functional/test_fp4_gemm.py::test_fp4"
+    assert waive_for(here, fp4) is not None  # this harness's prefix rule
+    assert waive_for(here, fp4, exact=True) is None
+    assert waive_for(here, "unittest/a.py::test_x", exact=True) is here[1]
+    assert waive_for(here, "unittest/a.py::test_x[p]", exact=True) is None
+    assert waive_for(here, fp4, entry_text="unittest/trt/functional", exact=True) is here[0]
