@@ -64,7 +64,7 @@ def _number(value: Any) -> float | None:
 
 def _text(value: Any) -> str:
     """A scalar as terms and wildcards compare it: booleans as true/false (also when
-    written "True"), whole floats as their int text when the other side is an int."""
+    written "True"), anything else as its text."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -172,17 +172,6 @@ class Condition:
     def term(self, key: str) -> Scalar | None:
         """The value the block's `terms.<key>` states, or None."""
         return next((t.value for t in self.terms if t.key == key), None)
-
-    @property
-    def stage(self) -> str | None:
-        """`terms.stage` (None: every stage)."""
-        value = self.term("stage")
-        return None if value is None else str(value)
-
-    @property
-    def gpu_count(self) -> Range | None:
-        """`ranges.system_gpu_count`, or None."""
-        return next((r for r in self.ranges if r.key == "system_gpu_count"), None)
 
     def checks(self, description: Description, exact: bool = True,
                what: str = "machine") -> tuple[Check, ...]:

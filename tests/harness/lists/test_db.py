@@ -67,7 +67,8 @@ def test_good_list_parses_into_blocks_and_entries(tmp_path: Path) -> None:
     assert (a.timeout_seconds, a.isolation, a.location.line) == (300, True, 12)
     assert (b.timeout_seconds, b.isolation, b.location.line) == (30, False, 13)
     assert second.condition.term("attention_backend") == "flashinfer"
-    assert second.condition.gpu_count is not None and second.condition.gpu_count.lte is None
+    [gpus] = second.condition.ranges
+    assert (gpus.key, gpus.gte, gpus.lte) == ("system_gpu_count", 1, None)
 
 
 @pytest.mark.parametrize(

@@ -296,3 +296,37 @@ def test_the_job_reaches_xdist_workers() -> None:
     """The controller hands workers the machine as a dict: the job terms travel with it."""
     mach = machine((("backend", "cpp"), ("auto_trigger", "others")), "ubuntu")
     assert Machine.from_dict(mach.as_dict()) == mach
+
+
+@pytest.mark.parametrize(
+    ("description", "exact", "expected"),
+    [
+        pytest.param({"system_gpu_count": "4", "gpu": "DGX_H100", "supports_fp8": True,
+                      "backend": "cpp"}, True, True, id="numbers-as-text"),
+        pytest.param({"system_gpu_count": 4.0, "gpu": "NVIDIA H100 80GB HBM3",
+                      "supports_fp8": "True", "backend": "cpp"}, True, True, id="typed"),
+        pytest.param({"system_gpu_count": "5", "gpu": "H100", "supports_fp8": True,
+                      "backend": "cpp"}, True, False, id="outside-range"),
+        pytest.param({"system_gpu_count": "4", "gpu": "GB200", "supports_fp8": True,
+                      "backend": "cpp"}, True, False, id="no-glob-matches"),
+        pytest.param({"system_gpu_count": "4", "gpu": "H100", "supports_fp8": False,
+                      "backend": "cpp"}, True, False, id="bool-term"),
+        pytest.param({"system_gpu_count": "4", "gpu": "H100", "supports_fp8": True,
+                      "backend": None}, False, True, id="null-ignored-by-match"),
+        pytest.param({"system_gpu_count": "4", "gpu": "H100", "supports_fp8": True,
+                      "backend": None}, True, False, id="null-fails-match-exact"),
+        pytest.param({"system_gpu_count": "four", "gpu": "H100", "supports_fp8": True,
+                      "backend": "cpp"}, False, False, id="not-a-number"),
+    ],
+)
+def test_a_condition_against_a_description(tmp_path: Path, description: dict[str, object],
+                                           exact: bool, expected: bool) -> None:
+    """trt-test-db's reading of a condition: inclusive ranges over numbers or their text,
+    case-insensitive globs (a list: any), terms equal (true and "True" alike), null as
+    absent (ignored by --match, failing under --match-exact)."""
+    (tmp_path / "l0_x.yml").write_text(
+        "version: 0.0.1\nl0_x:\n- condition:\n    ranges:\n      system_gpu_count: {gte: 4, lte: 4}"
+        "\n    wildcards:\n      gpu: ['*h100*', '*h200*']\n    terms:\n      supports_fp8: true"
+        "\n      backend: cpp\n  tests:\n  - a.py\n")
+    [verdict] = load_test_db(tmp_path).explain(description, exact)
+    assert verdict.selected is expected
