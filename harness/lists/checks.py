@@ -205,8 +205,9 @@ def validate(test_db: Path, waives_path: Path | None, rootdir: Path,
     entries = db.entries
     node_ids = collect_node_ids(rootdir, default_paths(rootdir, entries) if paths is None else paths)
     problems.extend(duplicate_problems(db))
-    problems.extend(unmatched_problems(resolve(entries, node_ids).unmatched, rootdir, node_ids))
-    texts = {e.text for e in entries}
+    resolution = resolve(entries, node_ids)
+    problems.extend(unmatched_problems(resolution.unmatched, rootdir, node_ids))
+    texts = {e.text for e in resolution.chosen.values()}  # a waive written as one waives it
     problems.extend(unmatched_problems(
         [w for w in waives if w.selector not in texts and not any(w.covers(n) for n in node_ids)],
         rootdir, node_ids))

@@ -220,10 +220,12 @@ class MachineFlags(NamedTuple):
 
     @classmethod
     def of(cls, namespace: Any) -> MachineFlags:
-        """Read the flags from an argparse namespace or pytest's `config.option` (a flag
-        the namespace lacks keeps its default)."""
-        values: dict[str, Any] = {name: getattr(namespace, name, cls._field_defaults.get(name))
-                                  for name in cls._fields}
+        """Read the flags from an argparse namespace or pytest's `config.option` (where
+        the plugin's own are `kvh_<name>`; a flag the namespace lacks keeps its default)."""
+        values: dict[str, Any] = {
+            name: getattr(namespace, name, getattr(namespace, f"kvh_{name}",
+                                                   cls._field_defaults.get(name)))
+            for name in cls._fields}
         values["job"] = tuple(values["job"] or ())
         return cls(**values)
 
@@ -285,11 +287,14 @@ def _job_text(text: str) -> str:
 
 def add_job_options(add: Callable[..., Any], prefix: str = "") -> None:
     """Declare the distribution override and the job terms through `add` (argparse, or
-    pytest with `prefix="kvh-"`), into MachineFlags' `distribution` and `job`."""
-    add(f"--{prefix}distribution", dest="distribution", type=_distribution_name, default=None,
+    pytest with `prefix="kvh-"`), into MachineFlags' `distribution` and `job` (with the
+    prefix: `kvh_distribution`, `kvh_job`)."""
+    dest = prefix.replace("-", "_")
+    add(f"--{prefix}distribution", dest=f"{dest}distribution", type=_distribution_name,
+        default=None,
         metavar="ID", help="Linux distribution matched by linux_distribution_name wildcards "
         "(default: /etc/os-release's ID), e.g. ubuntu to run TensorRT-LLM's lists elsewhere")
-    add(f"--{prefix}job", dest="job", type=_job_text, action="append", default=None,
+    add(f"--{prefix}job", dest=f"{dest}job", type=_job_text, action="append", default=None,
         metavar="KEY=VALUE", help="a term of the job that blocks' terms of that name match "
         "(TensorRT-LLM's backend=pytorch, auto_trigger=others); repeatable")
 

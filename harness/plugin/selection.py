@@ -225,15 +225,12 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
     """
     node_ids = [item.nodeid for item in items]
     marks = {item.nodeid: [m.name for m in item.iter_markers()] for item in items}
-    texts = {e.text for e in selection.entries or ()}
-    unused = [w for w in selection.waives if w.selector not in texts and not any(
-        w.names(n) if selection.foreign else w.covers(n, marks[n]) for n in node_ids)]
-    warnings = () if selection.foreign else tuple(
-        unmatched_problems(_in_scope(config, unused), config.rootpath))
     counts: dict[str, int] = {}
     orphans: tuple[Orphan, ...] = ()
+    texts: set[str] = set()  # entries that select a collected test
     if selection.entries is not None:
         resolution = resolve(selection.entries, node_ids, marks)
+        texts = {e.text for e in resolution.chosen.values()}
         if not selection.foreign:
             _check_unmatched(config, resolution.unmatched, node_ids)
         keep = [item for item in items if item.nodeid in resolution.chosen]
@@ -250,6 +247,10 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
             counts["entries matching nothing"] = len(resolution.unmatched)
         elif selection.context is None:
             orphans = _orphans(selection.db, node_ids)
+    unused = [w for w in selection.waives if w.selector not in texts and not any(
+        w.names(n) if selection.foreign else w.covers(n, marks[n]) for n in node_ids)]
+    warnings = () if selection.foreign else tuple(
+        unmatched_problems(_in_scope(config, unused), config.rootpath))
     waived = 0
     for item in items:
         entry = item.stash.get(ENTRY, None)

@@ -330,3 +330,23 @@ def test_a_condition_against_a_description(tmp_path: Path, description: dict[str
         "\n      backend: cpp\n  tests:\n  - a.py\n")
     [verdict] = load_test_db(tmp_path).explain(description, exact)
     assert verdict.selected is expected
+
+
+def test_a_plugin_run_on_the_real_test_db(quiet_pytester: pytest.Pytester) -> None:
+    """TensorRT-LLM's own l0_h100 and waives.txt in a pytest run here, as its H100_PCIe
+    pre-merge PyTorch stage: the block applies, its 92 entries and the waives match no test
+    of this project, and that is one summary line, no warning, no error."""
+    quiet_pytester.mkdir("tests")
+    quiet_pytester.path.joinpath("tests", "test_t.py").write_text("def test_here(): pass\n")
+    result = quiet_pytester.runpytest(
+        "--test-db", str(FIXTURES), "--context", "l0_h100", "--waives-file",
+        str(FIXTURES / "waives.txt"), "--gpu", "NVIDIA H100 PCIe", "--gpu-count", "1",
+        "--kvh-distribution", "ubuntu", "--kvh-job", "backend=pytorch", "--kvh-job",
+        "auto_trigger=others", "--kvh-foreign-lists", "--rootdir", str(quiet_pytester.path))
+    assert not [line for line in result.stdout.lines if "kvharness warning" in line]
+    # 388 waives hold everywhere; without a prefix full:H100/ and full:H100_PCIe/ hold on
+    # "NVIDIA H100 PCIe" too (this harness's rule: a whole word of the GPU name).
+    result.stdout.fnmatch_lines([
+        "kvharness lists: 92 entries from * (l0_h100); 390 waives from *waives.txt",
+        "kvharness: 0 selected, 1 deselected, 92 entries matching nothing, 0 waived, "
+        "390 waives matching nothing, 0 isolated"])
