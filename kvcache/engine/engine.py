@@ -22,7 +22,7 @@ import torch
 from kvcache.attention.base import AttentionBackend
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.layer_windows import backend_for_windows
-from kvcache.attention.persistent_batch import PersistentBatch
+from kvcache.attention.persistent.batch import PersistentBatch
 from kvcache.attention.registry import get_backend
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.keys import ReuseScope

@@ -27,7 +27,7 @@ from kvcache.core.manager import KVCacheManager
 from kvcache.engine.prefix_sharing import leader_of
 
 if TYPE_CHECKING:  # request.py and the batch's metadata need torch; the scheduler does not
-    from kvcache.attention.persistent_batch import PersistentBatch
+    from kvcache.attention.persistent.batch import PersistentBatch
     from kvcache.engine.request import Request
 
 

@@ -23,7 +23,7 @@ import logging
 import torch
 
 from kvcache.attention.base import AttentionBackend
-from kvcache.attention.persistent_batch import PersistentBatch
+from kvcache.attention.persistent.batch import PersistentBatch
 from kvcache.core.manager import KVCacheManager
 from kvcache.core.pool import OutOfBlocksError
 from kvcache.engine.cuda_graphs import DecodeGraphs

@@ -397,7 +397,7 @@ def test_bad_engine_options(kwargs: dict[str, Any], message: str) -> None:
 # -- test lists (YAML) ---------------------------------------------------------------------
 
 HEAD = "version: 0.0.1\nl0_cpu:\n- condition:\n    terms:\n      stage: pre_merge\n"
-GOOD_TESTS = "  tests:\n  - tests/unit/test_engine.py\n"
+GOOD_TESTS = "  tests:\n  - tests/unit/engine/test_engine.py\n"
 # A "billion laughs" list: 8 levels of aliases, 9 each, in ~1 kB (9**8 strings expanded).
 ALIAS_BOMB = "version: 0.0.1\nx0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 9)}]\n" for i in range(1, 9)) + HEAD + GOOD_TESTS

@@ -38,7 +38,7 @@ import torch
 
 from kvcache.attention.metadata import PagedMetadata
 from kvcache.attention.metadata_decode import Int32Array, IntArray
-from kvcache.attention.page_rows import PageRows
+from kvcache.attention.persistent.page_rows import PageRows
 
 # Rows starting a page in one step up to which scalar code (~0.5 us a row, moves
 # included) beats gathering every row again from the table (~20 us at batch 64).

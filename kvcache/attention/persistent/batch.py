@@ -33,14 +33,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache.attention.block_table import BlockTable
-from kvcache.attention.decode_layout import DecodeLayout
 from kvcache.attention.metadata import (
     PagedMetadata,
     assemble_metadata,
     resolve_paging,
     shift_metadata,
 )
-from kvcache.attention.page_rows import PageRows
+from kvcache.attention.persistent.decode_layout import DecodeLayout
+from kvcache.attention.persistent.page_rows import PageRows
 
 _ONE64 = np.array(1, dtype=np.int64)
 

@@ -1,18 +1,18 @@
 """FlashInfer paged attention (GPU), with CUDA-graph buffers for padded decode batches.
 
 flashinfer is imported when the backend is constructed, never at module import; the
-arguments of every call into it come from kvcache.attention.flashinfer_calls. The
+arguments of every call into it come from kvcache.attention.flashinfer.calls. The
 kernel family ("auto", "fa2", "fa3") is the wrappers' `backend=`; `kernels` reports
 what the plans resolved it to.
 
 Per step, the plan's index arrays reach the device through one pinned staging buffer
-(kvcache.attention.staging): one asynchronous copy instead of several blocking ones.
+(kvcache.attention.flashinfer.staging): one asynchronous copy instead of several blocking ones.
 
 CUDA-graph decode: for each size in graph_batch_sizes a decode wrapper is created with
 use_cuda_graph=True over views of shared device buffers (one step uses one size, so
 the sizes can share them). plan() runs outside capture and refreshes the buffers; the
 captured forward reads them. After each such plan, `graph_layout(size)` holds what the
-captured launch depends on (kvcache.attention.flashinfer_layout); the graph runner
+captured launch depends on (kvcache.attention.flashinfer.plan_layout); the graph runner
 compares it with the layout seen at capture. Padding rows must append nowhere, but a
 graph needs a fixed-shape append, so each padding row repeats the write of the first
 real token (same source row, same destination): a duplicate of an identical write.
@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple, Unpack
 import torch
 
 from kvcache.attention.base import AttentionBackend, AttentionOutput, BackendOptions
-from kvcache.attention.flashinfer_calls import (
+from kvcache.attention.flashinfer.calls import (
     Call,
     KernelFamily,
     KernelParams,
@@ -46,9 +46,9 @@ from kvcache.attention.flashinfer_calls import (
     prefill_wrapper_call,
     run_call,
 )
-from kvcache.attention.flashinfer_layout import PlanLayout, resolved_family
+from kvcache.attention.flashinfer.plan_layout import PlanLayout, resolved_family
+from kvcache.attention.flashinfer.staging import PlanStaging
 from kvcache.attention.metadata import PagedMetadata
-from kvcache.attention.staging import PlanStaging
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
