@@ -305,7 +305,8 @@ class Engine:
             issued = self._next_request_id
             if isinstance(request_id, bool) or not isinstance(request_id, int | np.integer) \
                     or not 0 <= request_id < issued:
-                which = f"ids 0 to {issued - 1} were issued" if issued else "no request was added yet"
+                which = (f"ids 0 to {issued - 1} were issued" if issued
+                         else "no request was added yet")
                 raise ValueError(f"abort({request_id!r}): no such request; {which}")
             req = self.scheduler.remove(int(request_id))
             if req is None:
