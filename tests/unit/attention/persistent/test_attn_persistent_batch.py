@@ -50,7 +50,7 @@ class Mirror:
         return self.kv[slot] // BLOCK - int(self.table.starts[slot])
 
     def release(self, slot: int, count: int) -> None:
-        """A sliding window released `slot`'s first `count` blocks, as sync_table does."""
+        """A sliding window released `slot`'s first `count` blocks, as the scheduler's row sync does."""
         self.table.drop_front(slot, count)
         self.batch.release_front(slot)
 
