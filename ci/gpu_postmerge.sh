@@ -14,4 +14,4 @@ shard=$1
 shards=$2
 shift 2
 gpus=$(ci/gpus.sh)
-exec nox -s postmerge -- -n "$gpus" --gpu-per-worker --shard "$shard" --shards "$shards" "$@"
+exec nox -s postmerge -- -n "$gpus" --kvh-gpu-per-worker --kvh-shard "$shard" --kvh-shards "$shards" "$@"

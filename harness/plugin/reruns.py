@@ -7,7 +7,7 @@ failures mean a broken build, not flakes. A test that passes on a rerun is *pass
 rerun*: its report carries the user property `kvharness_rerun` (junit XML shows it),
 pytest counts it apart ("1 passed on rerun"), and the terminal lists it with its first
 failure. Whether a test may be rerun at all is its list block's `reruns` (default: off
-for pre_merge blocks, on for post_merge ones), or `--reruns` / `--no-reruns`.
+for pre_merge blocks, on for post_merge ones), or `--kvh-reruns` / `--kvh-no-reruns`.
 
 Unlike TensorRT-LLM, which reruns failed tests in a second session after the run, the
 harness reruns a test right after it fails (so under pytest-xdist each worker counts its

@@ -93,7 +93,7 @@ def test_budget_by_duration_and_crash(seconds: float, crashed: bool, budget: int
 
 def test_flaky_passes_on_rerun_and_is_reported_apart(project: pytest.Pytester) -> None:
     result = project.runpytest("tests/test_r.py::test_fails_once", "tests/test_r.py::test_passes",
-                               "--reruns", "--junitxml", "junit.xml", "-v")
+                               "--kvh-reruns", "--junitxml", "junit.xml", "-v")
     assert result.ret == pytest.ExitCode.OK
     assert _attempts(project) == {"once": 2, "passes": 1}
     result.stdout.fnmatch_lines([
@@ -111,7 +111,7 @@ def test_flaky_passes_on_rerun_and_is_reported_apart(project: pytest.Pytester) -
 
 
 def test_broken_is_rerun_twice_then_fails(project: pytest.Pytester) -> None:
-    result = project.runpytest("tests/test_r.py::test_always_fails", "--reruns",
+    result = project.runpytest("tests/test_r.py::test_always_fails", "--kvh-reruns",
                                "--junitxml", "junit.xml")
     result.assert_outcomes(failed=1)
     assert _attempts(project) == {"always": 3}
@@ -123,13 +123,13 @@ def test_broken_is_rerun_twice_then_fails(project: pytest.Pytester) -> None:
 def test_crashes_and_timeouts_are_not_rerun(project: pytest.Pytester) -> None:
     project.path.joinpath("qa.txt").write_text(
         "tests/test_r.py::test_crashes ISOLATION\ntests/test_r.py::test_hangs\n")
-    result = project.runpytest("--test-list", "qa.txt", "--reruns")
+    result = project.runpytest("--test-list", "qa.txt", "--kvh-reruns")
     result.assert_outcomes(failed=2)
     assert _attempts(project) == {"crash": 1, "hang": 1}
 
 
 def test_no_reruns_past_five_failures(project: pytest.Pytester) -> None:
-    result = project.runpytest("tests/test_r.py::test_many", "--reruns")
+    result = project.runpytest("tests/test_r.py::test_many", "--kvh-reruns")
     result.assert_outcomes(failed=7)
     attempts = _attempts(project)
     assert [attempts[f"many{n}"] for n in range(7)] == [3, 3, 3, 3, 3, 1, 1]
@@ -138,15 +138,15 @@ def test_no_reruns_past_five_failures(project: pytest.Pytester) -> None:
 @pytest.mark.parametrize(
     ("args", "outcome", "attempts"),
     [
-        pytest.param(["--stage", "pre_merge"], "failed", 1, id="pre-merge-default-off"),
-        pytest.param(["--stage", "post_merge"], "passed", 2, id="post-merge-default-on"),
-        pytest.param(["--stage", "post_merge", "--no-reruns"], "failed", 1, id="flag-off"),
-        pytest.param(["--stage", "pre_merge", "--reruns"], "passed", 2, id="flag-on"),
+        pytest.param(["--kvh-stage", "pre_merge"], "failed", 1, id="pre-merge-default-off"),
+        pytest.param(["--kvh-stage", "post_merge"], "passed", 2, id="post-merge-default-on"),
+        pytest.param(["--kvh-stage", "post_merge", "--kvh-no-reruns"], "failed", 1, id="flag-off"),
+        pytest.param(["--kvh-stage", "pre_merge", "--kvh-reruns"], "passed", 2, id="flag-on"),
     ],
 )
 def test_policy_comes_from_the_stage_or_the_flag(project: pytest.Pytester, args: list[str],
                                                   outcome: str, attempts: int) -> None:
-    result = project.runpytest("--test-db", "db", *args)
+    result = project.runpytest("--kvh-test-db", "db", *args)
     result.assert_outcomes(**{outcome: 1}, deselected=11)
     assert _attempts(project) == {"once": attempts}
 
@@ -155,14 +155,14 @@ def test_block_key_overrides_the_stage_default(project: pytest.Pytester) -> None
     db = project.path / "db" / "l0_cpu.yml"
     db.write_text(DB.replace("- condition: {terms: {stage: pre_merge}}\n",
                              "- condition: {terms: {stage: pre_merge}}\n  reruns: true\n"))
-    result = project.runpytest("--test-db", "db")
+    result = project.runpytest("--kvh-test-db", "db")
     assert result.ret == pytest.ExitCode.OK
     assert _attempts(project) == {"once": 2}
 
 
 def test_an_isolated_flaky_test_is_rerun_in_a_fresh_process(project: pytest.Pytester) -> None:
     project.path.joinpath("qa.txt").write_text("tests/test_r.py::test_fails_once ISOLATION\n")
-    result = project.runpytest("--test-list", "qa.txt", "--reruns")
+    result = project.runpytest("--test-list", "qa.txt", "--kvh-reruns")
     assert result.ret == pytest.ExitCode.OK
     assert _attempts(project) == {"once": 2}
     result.stdout.fnmatch_lines(["*= 11 deselected, 1 passed on rerun in *"])

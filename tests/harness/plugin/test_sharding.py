@@ -1,5 +1,5 @@
 """Shards by time: LPT against pytest-split's default split on a skewed durations file,
-shard counts from a time budget, and the plugin's --shard/--shards/--shard-time-budget
+shard counts from a time budget, and the plugin's --kvh-shard/--kvh-shards/--kvh-shard-time-budget
 with each shard's predicted and actual time."""
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def test_each_shard_runs_its_part_and_reports_predicted_and_actual(
         project: pytest.Pytester) -> None:
     ran = []
     for shard in (1, 2, 3):
-        result = project.runpytest("--durations-file", "durations.json", "--shard", str(shard),
-                                   "--shards", "3", "--results-dir", f"out{shard}")
+        result = project.runpytest("--kvh-durations-file", "durations.json", "--kvh-shard", str(shard),
+                                   "--kvh-shards", "3", "--kvh-results-dir", f"out{shard}")
         assert result.ret == pytest.ExitCode.OK
         ran.append(_ran(result))
         record = ShardRun.from_json(json.loads((project.path / f"out{shard}" / "shard.json")
@@ -106,21 +106,21 @@ def test_each_shard_runs_its_part_and_reports_predicted_and_actual(
 
 
 def test_time_budget_sets_the_count_and_extra_shards_run_nothing(project: pytest.Pytester) -> None:
-    result = project.runpytest("--durations-file", "durations.json", "--shard", "2",
-                               "--shard-time-budget", "11")
+    result = project.runpytest("--kvh-durations-file", "durations.json", "--kvh-shard", "2",
+                               "--kvh-shard-time-budget", "11")
     result.stdout.fnmatch_lines(["kvharness shard 2/2: 3 tests, predicted 10.0 min*"])
-    beyond = project.runpytest("--durations-file", "durations.json", "--shard", "3",
-                               "--shard-time-budget", "11")
+    beyond = project.runpytest("--kvh-durations-file", "durations.json", "--kvh-shard", "3",
+                               "--kvh-shard-time-budget", "11")
     beyond.assert_outcomes(deselected=6)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        pytest.param(["--shards", "2"], "*--shards/--shard-time-budget need --shard K", id="no-k"),
-        pytest.param(["--shard", "1"], "*--shard K needs one of --shards N or *", id="no-n"),
-        pytest.param(["--shard", "3", "--shards", "2"], "*--shard 3 is outside 1..2", id="k-big"),
-        pytest.param(["--shard", "1", "--shards", "2", "--durations-file", "nope.json"],
+        pytest.param(["--kvh-shards", "2"], "*--kvh-shards/--kvh-shard-time-budget need --kvh-shard K", id="no-k"),
+        pytest.param(["--kvh-shard", "1"], "*--kvh-shard K needs one of --kvh-shards N or *", id="no-n"),
+        pytest.param(["--kvh-shard", "3", "--kvh-shards", "2"], "*--kvh-shard 3 is outside 1..2", id="k-big"),
+        pytest.param(["--kvh-shard", "1", "--kvh-shards", "2", "--kvh-durations-file", "nope.json"],
                      "*nope.json: not a readable durations file*", id="no-file"),
     ],
 )
