@@ -35,7 +35,7 @@ from harness.plugin.change_selection import NOT_RUN_JSON, ChangeRun, apply_chang
 from harness.plugin.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.plugin.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.plugin.options import add_options, add_trtllm_options, machine_flags, yielded_options
-from harness.plugin.reruns import RerunLedger, passed_on_rerun
+from harness.plugin.reruns import JunitReruns, RerunLedger, passed_on_rerun
 from harness.plugin.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 from harness.plugin.shard_selection import apply_shard, check_shard_options
 from harness.reports.run_record import (
@@ -180,6 +180,7 @@ def pytest_configure(config: pytest.Config) -> None:
     state = HarnessState(machine=machine, selection=load_lists(config, machine), child=child)
     config.stash[STATE] = state
     config.pluginmanager.register(RerunRecorder(state), "kvharness-reruns")
+    config.pluginmanager.register(JunitReruns(config), "kvharness-junit-reruns")
 
 
 def _cuda_available() -> bool:

@@ -128,7 +128,10 @@ def isolated_reports(item: pytest.Item, nextitem: pytest.Item | None,
     child_teardown = next((r for r in reports if r.when == "teardown"), None)
     body = [r for r in reports if r.when != "teardown"]
     if call.excinfo is not None or child_teardown is None:
-        return [*body, item.ihook.pytest_runtest_makereport(item=item, call=call)]
+        # Made directly, not through pytest_runtest_makereport: its wrappers in other
+        # plugins expect the setup phase to have gone through it in this process
+        # (pytest-rerunfailures' fails with an AttributeError otherwise).
+        return [*body, pytest.TestReport.from_item_and_call(item, call)]
     return [*body, child_teardown]
 
 

@@ -125,3 +125,17 @@ def test_loaded_by_a_conftest_it_declares_the_trtllm_spellings(
     quiet_pytester.path.joinpath("qa.txt").write_text("test_a.py::test_a\n")
     result = quiet_pytester.runpytest("-p", "no:kvharness", "--test-list", "qa.txt")
     result.assert_outcomes(passed=1, deselected=1)
+
+
+def test_a_crashed_isolated_test_fails_beside_rerunfailures(tmp_path: Path) -> None:
+    pytest.importorskip("pytest_rerunfailures", reason="pytest-rerunfailures (the test "
+                        "extra) is not installed")
+    (tmp_path / "test_crash.py").write_text("import os\n\n\ndef test_crash():\n    os._exit(3)\n")
+    (tmp_path / "qa.txt").write_text("test_crash.py::test_crash ISOLATION\n")
+    # The parent makes the dead child's teardown report itself: that report must not go
+    # through pytest-rerunfailures' makereport wrapper, which wants a setup it never saw.
+    done = _pytest(tmp_path, "--test-list", "qa.txt")
+    output = done.stdout + done.stderr
+    assert "INTERNALERROR" not in output, output
+    assert "isolated process exited with code 3" in output, output
+    assert re.search(r"=+ 1 failed in [\d.]+s", output), output
