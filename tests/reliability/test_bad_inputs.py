@@ -644,6 +644,11 @@ def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str
                  id="cli-alias-bomb"),
     pytest.param({"l0_cpu.yml": DEEP_FLOW}, r"kvharness list: .*l0_cpu\.yml:6: YAML: sequences "
                  r"and mappings nested more than 32 levels deep", id="cli-deep-list"),
+    # The run's stage is pre_merge: a list of post_merge blocks selects nothing for it.
+    pytest.param({"l0_cpu.yml": HEAD.replace("pre_merge", "post_merge") + GOOD_TESTS},
+                 r"kvharness list: no block of .* applies to stage=pre_merge .*\n  l0_cpu\[0\] "
+                 r"\(.*l0_cpu\.yml:3\): stage pre_merge, block wants post_merge\n",
+                 id="cli-list-nothing-applies"),
 ))
 def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               files: dict[str, str], message: str) -> None:
