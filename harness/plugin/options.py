@@ -78,7 +78,7 @@ def add_options(parser: pytest.Parser) -> None:
                     "(and always_run blocks); the rest go to the not-run manifest")
     group.addoption("--kvh-shard", type=int, default=None, metavar="K",
                     help="run shard K (1-based) of a plan that spreads the selected tests "
-                    "over shards by recorded durations, longest first (LPT)")
+                    "over shards by recorded durations: pytest-split's least_duration")
     group.addoption("--kvh-shards", type=int, default=None, metavar="N",
                     help="with --kvh-shard: split into N shards")
     group.addoption("--kvh-shard-time-budget", type=float, default=None, metavar="MINUTES",

@@ -51,19 +51,19 @@ def apply_shard(config: pytest.Config, items: list[pytest.Item]) -> ShardRun | N
     """Keep this shard's items (in place; the rest through pytest_deselected).
 
     Returns the shard's plan, or None without --kvh-shard. A shard beyond the count a time
-    budget needs keeps nothing. Raises pytest.UsageError for an unreadable durations file.
+    budget needs keeps nothing. Raises pytest.UsageError for an unreadable durations file,
+    or where pytest-split is not installed.
     """
     opt = config.option
     if opt.kvh_shard is None:
         return None
     try:
         durations = load_durations(_durations_path(config))
+        count = opt.kvh_shards or shards_for_budget(items, durations,
+                                                    opt.kvh_shard_time_budget * 60)
+        plan = lpt(items, durations, count)
     except ValueError as exc:
         raise pytest.UsageError(f"kvharness: {exc}") from None
-    node_ids = [item.nodeid for item in items]
-    count = opt.kvh_shards or shards_for_budget(node_ids, durations,
-                                                opt.kvh_shard_time_budget * 60)
-    plan = lpt(node_ids, durations, count)
     mine = set(plan[opt.kvh_shard - 1].tests) if opt.kvh_shard <= count else set()
     drop = [item for item in items if item.nodeid not in mine]
     if drop:
