@@ -106,7 +106,8 @@ def add_trtllm_options(config: pytest.Config | None, parser: pytest.Parser) -> N
     """Declare each of TRTLLM_OPTIONS that no conftest or plugin of `config` has declared
     (with a default, as TensorRT-LLM's conftest does) yet; the others are left to their
     owner, read as not given here and named by `yielded_options`. Without a config (the
-    plugin loaded by a conftest, after the initial ones), declare them all."""
+    plugin loaded by a conftest, after the initial ones), declare them all. Mutates
+    `parser`, and `config.option` and `config.stash` for those left."""
     group = _group(parser)
     yielded = []
     for option, (dest, attrs) in TRTLLM_OPTIONS.items():
