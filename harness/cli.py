@@ -12,13 +12,17 @@
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
 
-Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad flags.
+    kvharness --version
+
+Exit codes: 0 fine, 1 problems found (broken lists, failed collection, `list` with no block
+that applies), 2 bad flags.
 `repro` has its own (REPRO_EXIT_CODES, shown by `kvharness repro --help`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -46,6 +50,7 @@ from harness.lists.waives import default_waives
 if TYPE_CHECKING:
     from harness.repro.outcome import Status
 
+DISTRIBUTION = "kvcache-harness"  # pyproject's name: where --version reads the version
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")
 # `kvharness repro` exit codes; 0 and 1 fit `git bisect run` (gone = good, back = bad).
@@ -110,21 +115,28 @@ def _list(args: argparse.Namespace) -> int:
         print(json.dumps({"machine": machine.as_dict(),
                           "selected": [_entry_dict(e) for e in selected],
                           "blocks": [_verdict_dict(v) for v in verdicts]}, indent=2))
-        return 0
-    if not args.explain:
+    elif not args.explain:
         for entry in selected:
             print(_entry_line(entry))
+    else:
+        print(f"machine: {machine.describe()}")
+        for verdict in verdicts:
+            word = "selected" if verdict.selected else "not selected"
+            print(f"{verdict.block.name} ({verdict.block.location}): {word}")
+            for check in verdict.checks:
+                print(f"  [{'ok' if check.passed else 'no'}] {check.detail}")
+            for entry in verdict.block.entries if verdict.selected else ():
+                print(f"    {_entry_line(entry)}")
+        print(f"{len(selected)} entries selected")
+    if selected:
         return 0
-    print(f"machine: {machine.describe()}")
-    for verdict in verdicts:
-        word = "selected" if verdict.selected else "not selected"
-        print(f"{verdict.block.name} ({verdict.block.location}): {word}")
-        for check in verdict.checks:
-            print(f"  [{'ok' if check.passed else 'no'}] {check.detail}")
-        for entry in verdict.block.entries if verdict.selected else ():
-            print(f"    {_entry_line(entry)}")
-    print(f"{len(selected)} entries selected")
-    return 0
+    # Nothing to run is not an empty answer: a runner that gets it would run nothing.
+    where = args.test_db if args.context is None else f"context {args.context} of {args.test_db}"
+    print(f"kvharness list: no block of {where} applies to {machine.describe()}", file=sys.stderr)
+    for verdict in () if args.explain else verdicts:
+        failed = "; ".join(c.detail for c in verdict.checks if not c.passed)
+        print(f"  {verdict.block.name} ({verdict.block.location}): {failed}", file=sys.stderr)
+    return 1
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -209,8 +221,17 @@ def _flakes(args: argparse.Namespace) -> int:
     return 1 if ledger.unreadable else 0
 
 
+def _version() -> str:
+    """The installed kvcache-harness distribution's version, or why there is none."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return f"(not installed: {DISTRIBUTION} has no distribution metadata here)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvharness", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvharness {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("detect", help="describe this machine (GPU, CUDA, FlashInfer)")

@@ -48,7 +48,7 @@ UNPLACED = Location(Path(), None)  # an entry parsed from its text or mapping al
 
 class BlockPolicy(NamedTuple):
     """A block's run policy for its entries: rerun failures (harness.plugin.reruns), always
-    run under --changed-since, and globs of files whose change runs the block."""
+    run under --kvh-changed-since, and globs of files whose change runs the block."""
 
     reruns: bool = False
     always_run: bool = False

@@ -145,7 +145,7 @@ class BlockModel(_Strict):
     condition: ConditionModel
     tests: Annotated[list[EntryField], Field(min_length=1)]  # parsed, placed by the reader
     reruns: bool | None = None  # None: rerun failures in post_merge blocks only
-    always_run: bool = False  # run even when --changed-since finds nothing it depends on
+    always_run: bool = False  # run even when --kvh-changed-since finds nothing it depends on
     source_file_dependencies: Globs | None = None  # changes that must run this block
 
     def policy(self) -> BlockPolicy:

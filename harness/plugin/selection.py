@@ -26,6 +26,7 @@ from harness.lists.errors import ListError, Problem
 from harness.lists.hardware import Machine, MachineFlags
 from harness.lists.suggest import Home
 from harness.lists.waives import Waive, default_waives, load_waives, waive_for
+from harness.plugin.options import machine_flags
 
 ISOLATE = pytest.StashKey[int | None]()  # on an item: run it in a child, with this timeout
 ENTRY = pytest.StashKey[Entry]()  # on a selected item: the entry that selected it
@@ -69,53 +70,56 @@ def explain_hint(test_db: str, flags: MachineFlags, context: str | None) -> str:
 
 def _select(config: pytest.Config, machine: Machine) -> tuple[tuple[Entry, ...], ListDb]:
     opt = config.option
-    db = load_test_db(_path(config, opt.test_db), opt.context)
+    db = load_test_db(_path(config, opt.kvh_test_db), opt.kvh_context)
     entries = db.select(machine)
     if not entries:
-        where = opt.test_db if opt.context is None else f"context {opt.context} of {opt.test_db}"
-        hint = explain_hint(opt.test_db, MachineFlags.of(opt), opt.context)
+        where = (opt.kvh_test_db if opt.kvh_context is None
+                 else f"context {opt.kvh_context} of {opt.kvh_test_db}")
+        hint = explain_hint(opt.kvh_test_db, machine_flags(config), opt.kvh_context)
         raise pytest.UsageError(f"kvharness: no block of {where} applies to "
                                 f"{machine.describe()}; `{hint}` says why")
     return entries, db
 
 
 def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | None:
-    """Read --test-db (with --context)/--test-list/--waives; None when none is given.
+    """Read --kvh-test-db (with --kvh-context)/--test-list/--waives-file; None when none
+    is given.
 
     Raises pytest.UsageError for conflicting flags, broken lists, an unknown context, or
     a test-db of which no block applies to `machine`.
     """
     opt = config.option
-    if opt.test_db is not None and opt.test_list is not None:
-        raise pytest.UsageError("kvharness: --test-db and --test-list exclude each other")
-    if opt.context is not None and opt.test_db is None:
-        raise pytest.UsageError("kvharness: --context names a context of --test-db")
-    waives_path = None if opt.waives is None else _path(config, opt.waives)
-    if waives_path is None and opt.test_db is not None:
-        waives_path = default_waives(_path(config, opt.test_db))
-    if opt.test_db is None and opt.test_list is None and waives_path is None:
+    if opt.kvh_test_db is not None and opt.kvh_test_list is not None:
+        raise pytest.UsageError("kvharness: --kvh-test-db and --test-list exclude each other")
+    if opt.kvh_context is not None and opt.kvh_test_db is None:
+        raise pytest.UsageError("kvharness: --kvh-context names a context of --kvh-test-db")
+    waives_path = None if opt.kvh_waives is None else _path(config, opt.kvh_waives)
+    if waives_path is None and opt.kvh_test_db is not None:
+        waives_path = default_waives(_path(config, opt.kvh_test_db))
+    if opt.kvh_test_db is None and opt.kvh_test_list is None and waives_path is None:
         return None
     assert machine is not None, "the plugin detects the machine whenever a list is given"
     entries: tuple[Entry, ...] | None = None
     db: ListDb | None = None
     try:
-        if opt.test_db is not None:
+        if opt.kvh_test_db is not None:
             entries, db = _select(config, machine)
-            source = opt.test_db if opt.context is None else f"{opt.test_db} ({opt.context})"
-        elif opt.test_list is not None:
-            entries = load_test_list(_path(config, opt.test_list))
-            source = opt.test_list
+            source = (opt.kvh_test_db if opt.kvh_context is None
+                      else f"{opt.kvh_test_db} ({opt.kvh_context})")
+        elif opt.kvh_test_list is not None:
+            entries = load_test_list(_path(config, opt.kvh_test_list))
+            source = opt.kvh_test_list
         else:
             source = "no list"
         read = None if waives_path is None else load_waives(waives_path)
     except ListError as exc:
         raise pytest.UsageError(f"kvharness: broken test list or waives:\n{exc}") from None
-    waives = () if read is None else read.on(machine.gpu, opt.test_prefix,
+    waives = () if read is None else read.on(machine.gpu, opt.kvh_test_prefix,
                                               machine.compute_capability)
     return Selection(entries, db, waives, source,
                      None if waives_path is None else str(waives_path),
-                     () if read is None else read.problems, opt.context,
-                     foreign=opt.test_prefix is not None or opt.kvh_foreign_lists)
+                     () if read is None else read.problems, opt.kvh_context,
+                     foreign=opt.kvh_test_prefix is not None or opt.kvh_foreign_lists)
 
 
 def _scope(config: pytest.Config) -> list[str] | None:
@@ -212,7 +216,7 @@ def _in_list_order(items: list[pytest.Item], entries: Sequence[Entry],
 
 def apply_selection(config: pytest.Config, selection: Selection, items: list[pytest.Item],
                     isolate: bool) -> Applied:
-    """Deselect (through pytest_deselected), order (--list-order), time out, waive and
+    """Deselect (through pytest_deselected), order (--kvh-list-order), time out, waive and
     isolate `items` in place; each selected item gets its entry in `item.stash[ENTRY]`.
 
     Raises pytest.UsageError for entries in scope that select nothing, or for list
@@ -235,7 +239,7 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
             _check_unmatched(config, resolution.unmatched, node_ids)
         keep = [item for item in items if item.nodeid in resolution.chosen]
         drop = [item for item in items if item.nodeid not in resolution.chosen]
-        if config.option.list_order:
+        if config.option.kvh_list_order:
             keep = _in_list_order(keep, selection.entries, resolution.chosen)
         if drop:
             config.hook.pytest_deselected(items=drop)

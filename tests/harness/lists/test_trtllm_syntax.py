@@ -196,7 +196,7 @@ def test_a_plugin_run_of_a_tensorrt_llm_style_block(quiet_pytester: pytest.Pytes
     quiet_pytester.path.joinpath("pytest.ini").write_text("[pytest]\nmarkers =\n    part0: x\n")
     db = quiet_pytester.mkdir("test-db")
     db.joinpath("l0_h100.yml").write_text(LIST)
-    flags = ["--test-db", "test-db", "--context", "l0_h100", "--gpu", "NVIDIA H100"]
+    flags = ["--kvh-test-db", "test-db", "--kvh-context", "l0_h100", "--kvh-gpu", "NVIDIA H100"]
     job = ["--kvh-job", "backend=pytorch", "--kvh-job", "auto_trigger=others"]
     result = quiet_pytester.runpytest(*flags, *job, "--kvh-distribution", "ubuntu", "-rsx")
     result.assert_outcomes(passed=1, skipped=1, xfailed=2)
@@ -339,8 +339,8 @@ def test_a_plugin_run_on_the_real_test_db(quiet_pytester: pytest.Pytester) -> No
     quiet_pytester.mkdir("tests")
     quiet_pytester.path.joinpath("tests", "test_t.py").write_text("def test_here(): pass\n")
     result = quiet_pytester.runpytest(
-        "--test-db", str(FIXTURES), "--context", "l0_h100", "--waives-file",
-        str(FIXTURES / "waives.txt"), "--gpu", "NVIDIA H100 PCIe", "--gpu-count", "1",
+        "--kvh-test-db", str(FIXTURES), "--kvh-context", "l0_h100", "--waives-file",
+        str(FIXTURES / "waives.txt"), "--kvh-gpu", "NVIDIA H100 PCIe", "--kvh-gpu-count", "1",
         "--kvh-distribution", "ubuntu", "--kvh-job", "backend=pytorch", "--kvh-job",
         "auto_trigger=others", "--kvh-foreign-lists", "--rootdir", str(quiet_pytester.path))
     assert not [line for line in result.stdout.lines if "kvharness warning" in line]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.attention.flashinfer_layout import CUDA_CORES, PlanLayout
+from kvcache.attention.flashinfer.plan_layout import CUDA_CORES, PlanLayout
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.engine.cuda_graphs import DecodeGraphs, GraphLayouts, replay_blocker
 from kvcache.model import Transformer, get_preset

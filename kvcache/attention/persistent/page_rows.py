@@ -10,13 +10,14 @@ re-reading the block table for rows that did not change.
 kv_indices lives in one buffer, and one tensor views it, resized in place to the pages in
 use. A row that gains pages moves the pages after it up; the runs of unchanged rows move
 last first, one memmove each. That is a slice assignment between memoryviews of the
-buffer, which CPython does with one memmove (~0.1 us a call, bounds checked):
-`ctypes.memmove` costs 0.4 us a call, numpy copies an overlapping slice that moves up
-element by element (4x slower than a memmove at 64k pages) and torch refuses overlapping
-copies. A change to more than SPLICE_LIMIT rows gathers every row from the block table
-instead, a few calls whatever changed. The costs that matter are per call (~0.3 us for a
-small numpy call, ~0.04 us to read or write one item through a memoryview), so a decode
-step's page starts (`start_pages`) are scalar Python over rows the caller keeps.
+buffer, which CPython does with one memmove, bounds checked (`ctypes.memmove` costs more
+a call, numpy copies an overlapping slice that moves up element by element, and torch
+refuses overlapping copies). A change to more than SPLICE_LIMIT rows gathers every row
+from the block table instead, a few calls whatever changed. The costs that matter are
+per call (a small numpy call costs several reads or writes of one item through a
+memoryview), so a decode step's page starts (`start_pages`) are scalar Python over rows
+the caller keeps. The measurements behind these choices: docs/design.md, "Speed of the
+metadata".
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvcache.attention.block_table import INT32_LIMIT, BlockTable
 from kvcache.attention.metadata_decode import Int32Array, IntArray, gather_pages
 
 # Changed rows past which one gather from the table beats a memmove per unchanged run
-# (at batch 256, 4k contexts: a run costs ~0.5 us, a uniform gather ~10 us).
+# (measured at batch 256, 4k contexts: docs/design.md).
 SPLICE_LIMIT = 32
 
 

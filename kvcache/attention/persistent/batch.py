@@ -33,14 +33,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcache.attention.block_table import BlockTable
-from kvcache.attention.decode_layout import DecodeLayout
 from kvcache.attention.metadata import (
     PagedMetadata,
     assemble_metadata,
     resolve_paging,
     shift_metadata,
 )
-from kvcache.attention.page_rows import PageRows
+from kvcache.attention.persistent.decode_layout import DecodeLayout
+from kvcache.attention.persistent.page_rows import PageRows
 
 _ONE64 = np.array(1, dtype=np.int64)
 
@@ -246,12 +246,12 @@ class PersistentBatch:
             new = self._check_counts(num_new, n)
             if np.count_nonzero(new != _ONE64):
                 return self._general(new, n, self._padded(int(np.count_nonzero(new)), pad_to))
-        Bt = n if pad_to is None else self._padded(n, pad_to)
+        batch_size = n if pad_to is None else self._padded(n, pad_to)
         decode = self._decode
         md = decode.md
-        if md is None or md.num_padded != Bt - n:
+        if md is None or md.num_padded != batch_size - n:
             self._leave_decode()
-            decode.lay_out(self._kv[:n], Bt)
+            decode.lay_out(self._kv[:n], batch_size)
         return decode.step()
 
     def _check_counts(self, num_new: Sequence[int] | npt.NDArray[np.integer],
@@ -274,7 +274,7 @@ class PersistentBatch:
                              f"(the step's requests), {self.capacity} (max_padded)]")
         return pad_to
 
-    def _general(self, new: npt.NDArray[np.int64], n: int, Bt: int) -> PagedMetadata:
+    def _general(self, new: npt.NDArray[np.int64], n: int, batch_size: int) -> PagedMetadata:
         """A step with prefill chunks or rows that sit out: kept pages, fresh token arrays."""
         P, pages = self.page_size, self._pages
         self._leave_decode()
@@ -283,15 +283,15 @@ class PersistentBatch:
         rel = kv - start if np.count_nonzero(start) else kv  # counted from the first listed key
         pages.update(self._slot_arr[:n], (rel + new + (P - 1)) // P)  # may raise: first
         taking = new > 0
-        B = int(np.count_nonzero(taking))
+        num_taking = int(np.count_nonzero(taking))
         flat = pages.flat
-        if n == B:
+        if n == num_taking:
             kv_indices = flat[: pages.nnz]
-        elif taking[:B].all():  # the rows that sit out are the last ones
-            kv_indices = flat[: pages.indptr[B]]
+        elif taking[:num_taking].all():  # the rows that sit out are the last ones
+            kv_indices = flat[: pages.indptr[num_taking]]
         else:
             kv_indices = flat[: pages.nnz][np.repeat(taking, pages.num_pages())]
-        md = assemble_metadata(kv_indices, rel[taking], new[taking], Bt, P)
+        md = assemble_metadata(kv_indices, rel[taking], new[taking], batch_size, P)
         if rel is not kv and np.count_nonzero(start[taking]):
             md = shift_metadata(md, start[taking], new[taking])
         kv += new

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcache.attention.flashinfer_layout import (
+from kvcache.attention.flashinfer.plan_layout import (
     CUDA_CORES,
     PLAN_INFO_FIELDS,
     PlanLayout,

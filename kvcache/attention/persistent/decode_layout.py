@@ -2,11 +2,11 @@
 
 While the same rows decode one token per step, every per-row value of the metadata moves
 by one: position, append slot, last-page length and kv length. They live in two buffers
-(int64 and int32, the dtypes PagedMetadata fixes), laid out for n rows padded to Bt so
+(int64 and int32, the dtypes PagedMetadata fixes), laid out for n rows padded to width so
 that one numpy add moves each:
 
-    int64: [append_slots (n) | positions (Bt)]                        add 1 to [:2n]
-    int32: [kv_indptr (Bt + 1) | last_page_len (Bt) | kv_lens (Bt)]   add a delta vector
+    int64: [append_slots (n) | positions (width)]                        add 1 to [:2n]
+    int32: [kv_indptr (width + 1) | last_page_len (width) | kv_lens (width)]   add a delta vector
 
 Padding rows' entries are 0 and stay so (their deltas are 0). Every page_size steps a
 row's last page is full and its next token starts a page: its append slot and last-page
@@ -38,13 +38,13 @@ import torch
 
 from kvcache.attention.metadata import PagedMetadata
 from kvcache.attention.metadata_decode import Int32Array, IntArray
-from kvcache.attention.page_rows import PageRows
+from kvcache.attention.persistent.page_rows import PageRows
 
-# Rows starting a page in one step up to which scalar code (~0.5 us a row, moves
-# included) beats gathering every row again from the table (~20 us at batch 64).
+# Rows starting a page in one step up to which scalar code (moves included) beats
+# gathering every row again from the table (measured: docs/design.md).
 SCALAR_STARTS = 32
 # Rows leaving (or joining) before a step up to which moving the others' counters and
-# writing the joiners' (~1 us a row, scalar) beats laying every row out again (~15 us).
+# writing the joiners' (scalar) beats laying every row out again (docs/design.md).
 PATCH_LIMIT = 8
 _ONE64 = np.array(1, dtype=np.int64)  # 0-d operands are cheaper than Python ints
 
@@ -91,8 +91,8 @@ class DecodeLayout:
         self._t64, self._t32, self._t_kv_start = t(self._i64), t(ints), t(starts)
         self._t_append_pages, self._t_arange = t(self._append_pages), t(self._arange)
         self.md: PagedMetadata | None = None
-        self._n = self._Bt = 0
-        # The (n, Bt) layout's tensor views and its quiet int32 delta, made once per pair.
+        self._n = self._width = 0
+        # The (n, width) layout's tensor views and its quiet int32 delta, made once per pair.
         self._views: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], Int32Array]] = {}
         self._quiet = np.zeros(0, dtype=np.int32)
         self._moving = self._i64[:0], ints[:0]  # what a step adds to: [:2n] and [:3Bt + 1]
@@ -130,7 +130,7 @@ class DecodeLayout:
         layout's padding their kv_indptr entries overwrote its counters, which follow
         kv_indptr in the int32 buffer: then none are kept (the next lay_out lays every
         row out), since the counters moved or patched would be those entries."""
-        if rows > self._Bt:
+        if rows > self._width:
             self._kept = None
 
     def drop_rows(self, rows: list[int]) -> None:
@@ -144,10 +144,10 @@ class DecodeLayout:
         if len(rows) > PATCH_LIMIT:
             self.forget()
             return
-        n, Bt, due, counts = self._n, self._Bt, self._m_due, self._counts
+        n, width, due, counts = self._n, self._width, self._m_due, self._counts
         self._patch_leaves(rows)  # reads their phases: first
-        sections = ((self._m64, 0), (self._m64, n), (self._m32, Bt + 1),
-                    (self._m32, 2 * Bt + 1), (self._m_append, 0), (due, 0))
+        sections = ((self._m64, 0), (self._m64, n), (self._m32, width + 1),
+                    (self._m32, 2 * width + 1), (self._m_append, 0), (due, 0))
         for i, r in enumerate(rows):
             counts[due[r]] -= 1
             wrote, stop = r - i, rows[i + 1] if i + 1 < len(rows) else valid
@@ -159,7 +159,7 @@ class DecodeLayout:
         """Rows `rows` (ascending, below valid) leave every phase plan made: the deltas of
         the rows after each move down as their counters do, and kv_indptr's, which count
         the plan's rows before each, lose the plan's rows that left."""
-        valid, Bt, due, slots = self._valid, self._Bt, self._m_due, self._m_slots
+        valid, width, due, slots = self._valid, self._width, self._m_due, self._m_slots
         for phase, plan in enumerate(self._starts):
             if plan is None:
                 continue
@@ -173,7 +173,8 @@ class DecodeLayout:
                 wrote, stop = r - i, rows[i + 1] if i + 1 < len(rows) else valid
                 run = stop - r - 1
                 m64[wrote : wrote + run] = m64[r + 1 : stop]
-                m32[Bt + 1 + wrote : Bt + 1 + wrote + run] = m32[Bt + 2 + r : Bt + 1 + stop]
+                into, at = width + 1 + wrote, width + 2 + r
+                m32[into : into + run] = m32[at : width + 1 + stop]
                 # kv_indptr[j] follows row j - 1: entries r + 2..stop move down too.
                 if gone:
                     np.subtract(d32[r + 2 : stop + 1], gone, out=d32[wrote + 1 : wrote + 1 + run])
@@ -183,7 +184,7 @@ class DecodeLayout:
     def _patch_joins(self) -> None:
         """Rows valid..n - 1 (joined since, their phases set) join every phase plan made:
         their deltas are written and kv_indptr's after them count the plan's joiners."""
-        valid, n, Bt, P, due = self._valid, self._n, self._Bt, self.page_size, self._m_due
+        valid, n, width, P, due = self._valid, self._n, self._width, self.page_size, self._m_due
         slots = self._m_slots
         for phase, plan in enumerate(self._starts):
             if plan is None:
@@ -192,33 +193,33 @@ class DecodeLayout:
             last = m32[valid]  # the plan's rows before row valid
             for r in range(valid, n):
                 if due[r] == phase:
-                    m64[r] = m32[Bt + 1 + r] = 1 - P
+                    m64[r] = m32[width + 1 + r] = 1 - P
                     last += 1
                     plan.slots.append(slots[r])  # the last rows: row order holds
                     plan.rows = None
                 else:
-                    m64[r] = m32[Bt + 1 + r] = 1
+                    m64[r] = m32[width + 1 + r] = 1
                 m32[r + 1] = last
-            if Bt > n and m32[n + 1] != last:  # padding rows follow the last row, whose
-                plan.delta32[n + 1 : Bt + 1] = last  # entry the moves never wrote past
+            if width > n and m32[n + 1] != last:  # padding rows follow the last row, whose
+                plan.delta32[n + 1 : width + 1] = last  # entry the moves never wrote past
 
-    def lay_out(self, kv: IntArray, Bt: int) -> None:
+    def lay_out(self, kv: IntArray, width: int) -> None:
         """Lay out rows holding kv[i] tokens, those from starts[i] on in their pages
-        (ceil((kv[i] - starts[i]) / P) each, in `pages`), padded to Bt; `step` then
+        (ceil((kv[i] - starts[i]) / P) each, in `pages`), padded to width; `step` then
         writes position kv[i] of each. After `suspend` with as many rows and padding,
         the rows kept keep their counters and the rest (joined since) get theirs."""
         P, pages, n = self.page_size, self.pages, len(kv)
-        if (self._kept is not None and n == self._n and Bt == self._Bt
+        if (self._kept is not None and n == self._n and width == self._width
                 and n - self._valid <= PATCH_LIMIT):
             self._join(kv)
             return
         i64, i32 = self._i64, self._i32
-        pages.pad(Bt)
-        positions = i64[n : n + Bt]
+        pages.pad(width)
+        positions = i64[n : n + width]
         np.subtract(kv, _ONE64, out=positions[:n])  # the previous step's
         positions[n:] = 0
         np.remainder(positions[:n], P, out=i64[:n])
-        last_page_len, kv_lens = i32[Bt + 1 : 2 * Bt + 1], i32[2 * Bt + 1 : 3 * Bt + 1]
+        last_page_len, kv_lens = i32[width + 1 : 2 * width + 1], i32[2 * width + 1 : 3 * width + 1]
         np.add(i64[:n], _ONE64, out=last_page_len[:n])
         last_page_len[n:] = 0
         starts = self._kv_start[:n]
@@ -234,19 +235,19 @@ class DecodeLayout:
         np.remainder(self._phase + 1 - kv, P, out=due)
         self._counts = np.bincount(due, minlength=P).tolist()
         self._starts = [None] * P
-        self._n, self._Bt, self._valid, self._kept = n, Bt, n, None
-        self._moving = i64[: 2 * n], i32[: 3 * Bt + 1]
-        views, self._quiet = self._views.get((n, Bt)) or self._make_views(n, Bt)
+        self._n, self._width, self._valid, self._kept = n, width, n, None
+        self._moving = i64[: 2 * n], i32[: 3 * width + 1]
+        views, self._quiet = self._views.get((n, width)) or self._make_views(n, width)
         self.md = PagedMetadata(views[0], views[1], pages.kv_indices, views[2], views[3],
                                 views[4], views[5], views[6], views[7], page_size=P,
-                                num_requests=n, num_padded=Bt - n, is_decode=True,
-                                num_tokens=Bt, num_append_tokens=n,
+                                num_requests=n, num_padded=width - n, is_decode=True,
+                                num_tokens=width, num_append_tokens=n,
                                 kv_start=views[8] if started else None)
 
     def _join(self, kv: IntArray) -> None:
         """Patch the kept layout: rows valid..n - 1 (joined since) get their counters
         as lay_out writes them, scalar, and join the phase plans made."""
-        kept, n, Bt, P = self._kept, self._n, self._Bt, self.page_size
+        kept, n, width, P = self._kept, self._n, self._width, self.page_size
         assert kept is not None
         m64, m32, due, counts = self._m64, self._m32, self._m_due, self._counts
         flat, indptr, starts = self.pages.flat.data, self.pages.indptr.data, self._kv_start.data
@@ -255,31 +256,31 @@ class DecodeLayout:
             tokens = int(kv[r])
             m64[r] = (tokens - 1) % P
             m64[n + r] = tokens - 1
-            m32[Bt + 1 + r] = (tokens - 1) % P + 1
-            m32[2 * Bt + 1 + r] = tokens - starts[r]
+            m32[width + 1 + r] = (tokens - 1) % P + 1
+            m32[2 * width + 1 + r] = tokens - starts[r]
             self._m_append[r] = flat[indptr[r + 1] - 1]  # as lay_out's, rows without pages too
             due[r] = (phase - tokens) % P
             counts[due[r]] += 1
-        self.pages.pad(Bt)
+        self.pages.pad(width)
         started = bool(np.count_nonzero(self._kv_start[:n]))
         if started != (kept.kv_start is not None):
-            kept = kept._replace(kv_start=self._t_kv_start[:Bt] if started else None)
+            kept = kept._replace(kv_start=self._t_kv_start[:width] if started else None)
         self._patch_joins()
         self.md, self._kept, self._valid = kept, None, n
 
-    def _make_views(self, n: int, Bt: int) -> tuple[tuple[torch.Tensor, ...], Int32Array]:
+    def _make_views(self, n: int, width: int) -> tuple[tuple[torch.Tensor, ...], Int32Array]:
         """PagedMetadata's tensors but kv_indices, in field order (kv_start last), for
-        the (n, Bt) layout, and the int32 delta of a step in which no row starts a page."""
+        the (n, width) layout, and the int32 delta of a step in which no row starts a page."""
         t64, t32, arange = self._t64, self._t32, self._t_arange
-        views = (arange[: Bt + 1], t32[: Bt + 1], t32[Bt + 1 : 2 * Bt + 1],
-                 t32[2 * Bt + 1 : 3 * Bt + 1], t64[n : n + Bt], arange[:Bt],
-                 self._t_append_pages[:n], t64[:n], self._t_kv_start[:Bt])
-        quiet = np.zeros(3 * Bt + 1, dtype=np.int32)
-        quiet[Bt + 1 : Bt + 1 + n] = 1
-        quiet[2 * Bt + 1 : 2 * Bt + 1 + n] = 1
+        views = (arange[: width + 1], t32[: width + 1], t32[width + 1 : 2 * width + 1],
+                 t32[2 * width + 1 : 3 * width + 1], t64[n : n + width], arange[:width],
+                 self._t_append_pages[:n], t64[:n], self._t_kv_start[:width])
+        quiet = np.zeros(3 * width + 1, dtype=np.int32)
+        quiet[width + 1 : width + 1 + n] = 1
+        quiet[2 * width + 1 : 2 * width + 1 + n] = 1
         if len(self._views) >= 1024:  # bounded: batch sizes times paddings seen
             self._views.clear()
-        self._views[n, Bt] = views, quiet
+        self._views[n, width] = views, quiet
         return views, quiet
 
     def step(self) -> PagedMetadata:
@@ -309,20 +310,20 @@ class DecodeLayout:
         caller's starts moved already): its kv length follows and kv_start shows."""
         md = self.md
         assert md is not None, "release_front() follows lay_out()"
-        self._i32[2 * self._Bt + 1 + row] -= tokens
+        self._i32[2 * self._width + 1 + row] -= tokens
         if md.kv_start is None:
-            self.md = md._replace(kv_start=self._t_kv_start[: self._Bt])
+            self.md = md._replace(kv_start=self._t_kv_start[: self._width])
 
     def _plan(self, phase: int) -> _Starts:
         """The rows due at `phase` and the deltas of their step, kept until lay_out
         (patched as rows leave and join)."""
-        n, Bt, P = self._n, self._Bt, self.page_size
+        n, width, P = self._n, self._width, self.page_size
         rows = np.flatnonzero(self._due[:n] == phase)
         delta64 = np.ones(2 * n, dtype=np.int64)
         delta64[rows] = 1 - P  # append slot P - 1 -> 0
         delta32 = self._quiet.copy()
-        delta32[Bt + 1 + rows] = 1 - P  # last-page length P -> 1
-        indptr = delta32[: Bt + 1]
+        delta32[width + 1 + rows] = 1 - P  # last-page length P -> 1
+        indptr = delta32[: width + 1]
         indptr[rows + 1] = 1
         np.cumsum(indptr, out=indptr)  # each row's pages start after the new ones before it
         starts = _Starts(self._slots[rows].tolist(), rows, delta64, delta32)

@@ -9,12 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.attention import decode_layout, page_rows
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.metadata import PagedMetadata, build_metadata
-from kvcache.attention.persistent_batch import PersistentBatch
-
-from .support import assert_same_metadata
+from kvcache.attention.persistent import decode_layout, page_rows
+from kvcache.attention.persistent.batch import PersistentBatch
+from tests.unit.attention.support import assert_same_metadata
 
 BLOCK, SLOTS, WIDTH = 8, 6, 12  # a slot holds up to 96 tokens
 
@@ -51,7 +50,7 @@ class Mirror:
         return self.kv[slot] // BLOCK - int(self.table.starts[slot])
 
     def release(self, slot: int, count: int) -> None:
-        """A sliding window released `slot`'s first `count` blocks, as sync_table does."""
+        """A sliding window released `slot`'s first `count` blocks, as the scheduler's row sync does."""
         self.table.drop_front(slot, count)
         self.batch.release_front(slot)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from kvcache import KvCacheConfig, KVCacheManager
 from kvcache.attention import BlockTable, PersistentBatch
 from kvcache.engine.request import Request
-from kvcache.engine.scheduler import Schedule, Scheduler
+from kvcache.engine.scheduler import Chunk, Schedule, Scheduler
+from kvcache.engine.step_runner import Sampled
 
 
 def _setup(pool: int, budget: int = 8) -> tuple[KVCacheManager, Scheduler]:
@@ -17,14 +18,13 @@ def _setup(pool: int, budget: int = 8) -> tuple[KVCacheManager, Scheduler]:
                           max_num_tokens=budget, max_batch_size=2, chunked=True)
 
 
-def _compute(mgr: KVCacheManager, sched: Scheduler, step: Schedule) -> None:
+def _compute(sched: Scheduler, step: Schedule) -> None:
     """What the engine does around a forward: the step's metadata from the batch, then
-    count, commit and sync the table (and the batch's rows)."""
+    the scheduler's postprocess, here of the chunks alone (nothing sampled, so the
+    request stays running): count, commit and sync the table (and the batch's rows)."""
     sched.batch.step(step.row_tokens)
-    for c in step.chunks:
-        c.req.num_computed += c.num_new
-        mgr.commit(c.req.rid, c.req.num_computed)
-        sched.sync_table(c.req)
+    sched.postprocess([Chunk(c.req, c.num_new, False) for c in step.chunks],
+                      Sampled([], None))
 
 
 def test_chunks_reserve_their_blocks_and_the_table_follows_the_window() -> None:
@@ -34,7 +34,7 @@ def test_chunks_reserve_their_blocks_and_the_table_follows_the_window() -> None:
     for _ in range(5):
         step = sched.schedule()
         assert [c.num_new for c in step.chunks] == [8]
-        _compute(mgr, sched, step)
+        _compute(sched, step)
         assert req.seq is not None and req.slot is not None
         first = req.seq.num_released_blocks
         assert int(sched.table.starts[req.slot]) == first
@@ -49,7 +49,7 @@ def test_a_short_pool_shrinks_the_chunk_and_a_stuck_step_preempts() -> None:
     mgr.add_sequence("other", list(range(50, 58)))  # holds two of the four blocks
     req = Request(0, list(range(1, 41)), 1, None, 35, None, False)
     sched.waiting.append(req)
-    _compute(mgr, sched, sched.schedule())  # admitted with the two blocks left
+    _compute(sched, sched.schedule())  # admitted with the two blocks left
     assert req.num_computed == 8
     assert sched.schedule().chunks == []  # no block for its next chunk, and nobody else runs
     assert (req.num_preemptions, req.seq, list(sched.waiting)) == (1, None, [req])
@@ -59,6 +59,6 @@ def test_a_short_pool_shrinks_the_chunk_and_a_stuck_step_preempts() -> None:
     step = sched.schedule()
     assert req.num_cached_tokens == 0 and req.num_computed == 8  # its 8 tokens were cached
     assert [c.num_new for c in step.chunks] == [8]
-    _compute(mgr, sched, step)
+    _compute(sched, step)
     sched.release(req)
     mgr.check_integrity()

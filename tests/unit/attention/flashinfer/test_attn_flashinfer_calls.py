@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import (
+from kvcache.attention.flashinfer.backend import FlashInferBackend
+from kvcache.attention.flashinfer.calls import (
     KERNEL_FAMILIES,
     Call,
     KernelFamily,

@@ -14,8 +14,7 @@ from kvcache import Engine, KvCacheConfig
 from kvcache.attention.metadata import PagedMetadata, build_metadata
 from kvcache.engine import GenerationOutput
 from kvcache.engine.scheduler import Schedule
-
-from .support import assert_same_metadata
+from tests.unit.attention.support import assert_same_metadata
 
 
 class RebuildCheck:

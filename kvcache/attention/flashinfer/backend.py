@@ -1,18 +1,18 @@
 """FlashInfer paged attention (GPU), with CUDA-graph buffers for padded decode batches.
 
 flashinfer is imported when the backend is constructed, never at module import; the
-arguments of every call into it come from kvcache.attention.flashinfer_calls. The
+arguments of every call into it come from kvcache.attention.flashinfer.calls. The
 kernel family ("auto", "fa2", "fa3") is the wrappers' `backend=`; `kernels` reports
 what the plans resolved it to.
 
 Per step, the plan's index arrays reach the device through one pinned staging buffer
-(kvcache.attention.staging): one asynchronous copy instead of several blocking ones.
+(kvcache.attention.flashinfer.staging): one asynchronous copy instead of several blocking ones.
 
 CUDA-graph decode: for each size in graph_batch_sizes a decode wrapper is created with
 use_cuda_graph=True over views of shared device buffers (one step uses one size, so
 the sizes can share them). plan() runs outside capture and refreshes the buffers; the
 captured forward reads them. After each such plan, `graph_layout(size)` holds what the
-captured launch depends on (kvcache.attention.flashinfer_layout); the graph runner
+captured launch depends on (kvcache.attention.flashinfer.plan_layout); the graph runner
 compares it with the layout seen at capture. Padding rows must append nowhere, but a
 graph needs a fixed-shape append, so each padding row repeats the write of the first
 real token (same source row, same destination): a duplicate of an identical write.
@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple, Unpack
 import torch
 
 from kvcache.attention.base import AttentionBackend, AttentionOutput, BackendOptions
-from kvcache.attention.flashinfer_calls import (
+from kvcache.attention.flashinfer.calls import (
     Call,
     KernelFamily,
     KernelParams,
@@ -46,9 +46,10 @@ from kvcache.attention.flashinfer_calls import (
     prefill_wrapper_call,
     run_call,
 )
-from kvcache.attention.flashinfer_layout import PlanLayout, resolved_family
+from kvcache.attention.flashinfer.plan_layout import PlanLayout, resolved_family
+from kvcache.attention.flashinfer.staging import PlanStaging
 from kvcache.attention.metadata import PagedMetadata
-from kvcache.attention.staging import PlanStaging
+from kvcache.storage.kv_storage import KvStorage
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -75,6 +76,21 @@ def flashinfer_version(fi: ModuleType) -> str:
         return importlib.metadata.version("flashinfer-python")
     except importlib.metadata.PackageNotFoundError:
         return str(getattr(fi, "__version__", "unknown"))
+
+
+def _check_can_run(storage: KvStorage, graph_batch_sizes: tuple[int, ...]) -> None:
+    """Raise RuntimeError unless `storage` is on a CUDA device, ValueError for a storage
+    dtype the kernels lack or graph batch sizes that are not distinct positive ints."""
+    if storage.device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"FlashInferBackend needs CUDA: storage is on {storage.device}, "
+                           f"torch.cuda.is_available()={torch.cuda.is_available()}")
+    if storage.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"FlashInferBackend: storage dtype {storage.dtype} is not one of "
+                         f"{KERNEL_DTYPES}")
+    if any(b < 1 for b in graph_batch_sizes) or len(set(graph_batch_sizes)) != len(
+            graph_batch_sizes):
+        raise ValueError(f"FlashInferBackend: graph_batch_sizes={graph_batch_sizes} must be "
+                         f"distinct positive ints")
 
 
 @dataclass(frozen=True)
@@ -127,26 +143,16 @@ class FlashInferBackend(AttentionBackend):
     ) -> None:
         super().__init__(**options)
         parse_kernel_family(kernel_family)  # a bad name fails here, even without CUDA
-        storage = self.storage
-        if storage.device.type != "cuda" or not torch.cuda.is_available():
-            raise RuntimeError(f"FlashInferBackend needs CUDA: storage is on {storage.device}, "
-                               f"torch.cuda.is_available()={torch.cuda.is_available()}")
-        if storage.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"FlashInferBackend: storage dtype {storage.dtype} is not one of "
-                             f"{KERNEL_DTYPES}")
-        if any(b < 1 for b in graph_batch_sizes) or len(set(graph_batch_sizes)) != len(
-                graph_batch_sizes):
-            raise ValueError(f"FlashInferBackend: graph_batch_sizes={graph_batch_sizes} must be "
-                             f"distinct positive ints")
+        _check_can_run(self.storage, graph_batch_sizes)
         self._fi = _import_flashinfer()
-        device, layout = storage.device, storage.page_layout
+        device, layout = self.storage.device, self.storage.page_layout
         self.kernel_family = check_kernel_family(
             kernel_family, flashinfer_version=flashinfer_version(self._fi),
             capability=torch.cuda.get_device_capability(device), cuda_version=torch.version.cuda,
             device_name=torch.cuda.get_device_name(device))
         self._params = KernelParams(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                     self.page_size, self.sm_scale, self.window_left,
-                                    self.logits_soft_cap, storage.dtype)
+                                    self.logits_soft_cap, self.storage.dtype)
         # FlashInfer asks for a zeroed float workspace before its first use.
         workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
         tensor_cores = self._params.decode_uses_tensor_cores
@@ -156,27 +162,38 @@ class FlashInferBackend(AttentionBackend):
         self._decode = self._wrapper("BatchDecodeWithPagedKVCacheWrapper",
                                      decode_wrapper_call(workspace, layout, tensor_cores, family))
         self._staging = PlanStaging(device)
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs = self._graph_wrappers(workspace, graph_batch_sizes, graph_max_pages)
         self._layouts: dict[int, PlanLayout] = {}
-        if graph_batch_sizes:
-            pages_per_block = storage.block_size // self.page_size
-            max_batch = max(graph_batch_sizes)
-            capacity = (max_batch * storage.num_blocks * pages_per_block
-                        if graph_max_pages is None else graph_max_pages)
-
-            def i32(*shape: int) -> torch.Tensor:
-                return torch.zeros(shape, dtype=torch.int32, device=device)
-
-            indptr, indices, last = i32(max_batch + 1), i32(capacity), i32(max_batch)
-            rows = i32(3, max_batch)
-            for size in graph_batch_sizes:
-                csr = (indptr[: size + 1], indices, last[:size])
-                wrapper = self._wrapper("BatchDecodeWithPagedKVCacheWrapper", decode_wrapper_call(
-                    workspace, layout, tensor_cores, family, graph=csr))
-                self._graphs[size] = _Graph(wrapper, StepBuffers(*csr, rows[1, :size],
-                                                                 rows[2, :size]), rows[:, :size])
         self._kernels = Kernels(None, None)
         self._step: _Step | None = None
+
+    def _graph_wrappers(self, workspace: torch.Tensor, sizes: tuple[int, ...],
+                        max_pages: int | None) -> dict[int, _Graph]:
+        """A CUDA-graph decode wrapper per batch size in `sizes`, over views of one set of
+        device buffers (one step uses one size, so the sizes share them); `max_pages`
+        caps the pages a step may reference (None: the largest size times the storage's
+        pages)."""
+        if not sizes:
+            return {}
+        storage, device = self.storage, self.storage.device
+        max_batch = max(sizes)
+        capacity = (max_batch * storage.num_blocks * (storage.block_size // self.page_size)
+                    if max_pages is None else max_pages)
+
+        def i32(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int32, device=device)
+
+        indptr, indices, last = i32(max_batch + 1), i32(capacity), i32(max_batch)
+        rows = i32(3, max_batch)
+        graphs = {}
+        for size in sizes:
+            csr = (indptr[: size + 1], indices, last[:size])
+            wrapper = self._wrapper("BatchDecodeWithPagedKVCacheWrapper", decode_wrapper_call(
+                workspace, storage.page_layout, self._params.decode_uses_tensor_cores,
+                self.kernel_family, graph=csr))
+            graphs[size] = _Graph(wrapper, StepBuffers(*csr, rows[1, :size], rows[2, :size]),
+                                  rows[:, :size])
+        return graphs
 
     def _wrapper(self, cls_name: str, call: Call) -> Any:
         return getattr(self._fi, cls_name)(*call.args, **call.kwargs)
@@ -204,8 +221,9 @@ class FlashInferBackend(AttentionBackend):
         graph = self._graphs.get(md.batch_size) if md.is_decode else None
         self._step = self._plan_graph(md, graph) if graph is not None else self._plan_eager(md)
         family = resolved_family(self._step.wrapper)
-        self._kernels = (self._kernels._replace(decode=family) if md.is_decode
-                         else self._kernels._replace(prefill=family))
+        kept = self._kernels
+        self._kernels = (Kernels(kept.prefill, family) if md.is_decode
+                         else Kernels(family, kept.decode))
 
     def _plan_eager(self, md: PagedMetadata) -> _Step:
         n = md.num_append_tokens

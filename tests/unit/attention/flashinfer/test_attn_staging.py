@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.attention.staging import ALIGN, PlanStaging
+from kvcache.attention.flashinfer.staging import ALIGN, PlanStaging
 
 
 def test_arrays_are_packed_aligned_and_copied_once() -> None:

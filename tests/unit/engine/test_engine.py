@@ -233,7 +233,8 @@ def test_bad_requests_are_rejected_and_the_engine_stays_usable(call, message) ->
         pytest.param({"attn_backend": "nope"}, "unknown attention backend 'nope'; supported: "
                      "flashinfer, star, torch", id="backend"),
         pytest.param({"max_num_tokens": 0}, "max_num_tokens must be an int >= 1", id="budget"),
-        pytest.param({"cuda_graph": True}, "cuda_graph=True needs CUDA", id="graph-no-cuda"),
+        pytest.param({"cuda_graph": True, "attn_backend": "flashinfer", "device": "cuda"},
+                     "cuda_graph=True needs CUDA", id="graph-no-cuda"),
     ],
 )
 def test_bad_engine_options(kwargs: dict[str, object], message: str) -> None:
