@@ -220,12 +220,11 @@ class MachineFlags(NamedTuple):
 
     @classmethod
     def of(cls, namespace: Any) -> MachineFlags:
-        """Read the flags from an argparse namespace or pytest's `config.option` (where
-        the plugin's own are `kvh_<name>`; a flag the namespace lacks keeps its default)."""
-        values: dict[str, Any] = {
-            name: getattr(namespace, name, getattr(namespace, f"kvh_{name}",
-                                                   cls._field_defaults.get(name)))
-            for name in cls._fields}
+        """Read the flags from the `kvharness` command's argparse namespace (a flag the
+        namespace lacks keeps its default; pytest's are read by the plugin's
+        `machine_flags`, from their `kvh_` dests)."""
+        values: dict[str, Any] = {name: getattr(namespace, name, cls._field_defaults.get(name))
+                                  for name in cls._fields}
         values["job"] = tuple(values["job"] or ())
         return cls(**values)
 

@@ -133,4 +133,6 @@ def yielded_options(config: pytest.Config) -> tuple[str, ...]:
 def machine_flags(config: pytest.Config) -> MachineFlags:
     """The machine flags' values, read from their `kvh_` dests."""
     opt = config.option
-    return MachineFlags(*(getattr(opt, "kvh_" + name) for name in MachineFlags._fields))
+    values = {name: getattr(opt, "kvh_" + name) for name in MachineFlags._fields}
+    values["job"] = tuple(values["job"] or ())  # an append option left unset is None
+    return MachineFlags(**values)
