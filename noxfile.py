@@ -2,8 +2,8 @@
 `nox -s gpu` (the GPU check; `python -m harness.gpu_check` without nox).
 
 premerge/postmerge run the test-db lists (test_lists/test-db) for the detected hardware;
-anything after `--` goes to pytest and wins over the defaults (`-- --gpu h100
---gpu-count 1`, `-- -n 8 --gpu-per-worker`, `-- tests/unit`). Results (junit XML, the
+anything after `--` goes to pytest and wins over the defaults (`-- --kvh-gpu h100
+--kvh-gpu-count 1`, `-- -n 8 --kvh-gpu-per-worker`, `-- tests/unit`). Results (junit XML, the
 reuse report, benchmark JSON) land in results/<session>/.
 """
 
@@ -89,8 +89,8 @@ def _setup(session: nox.Session, extras: str) -> Path:
 def _run_lists(session: nox.Session, stage: str) -> None:
     """Run the test-db lists of `stage` for this machine; posargs go to pytest last."""
     results = _setup(session, "test,bench")
-    session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", f"--stage={stage}",
-                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
+    session.run("python", "-m", "pytest", f"--kvh-test-db={TEST_DB}", f"--kvh-stage={stage}",
+                f"--kvh-results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *session.posargs)
 
 
