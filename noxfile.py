@@ -2,8 +2,8 @@
 `nox -s gpu` (the GPU check; `python -m harness.gpu_check` without nox).
 
 premerge/postmerge run the test-db lists (test_lists/test-db) for the detected hardware;
-anything after `--` goes to pytest and wins over the defaults (`-- --gpu h100
---gpu-count 1`, `-- -n 8 --gpu-per-worker`, `-- tests/unit`). premerge runs a
+anything after `--` goes to pytest and wins over the defaults (`-- --kvh-gpu h100
+--kvh-gpu-count 1`, `-- -n 8 --kvh-gpu-per-worker`, `-- tests/unit`). premerge runs a
 pytest-xdist worker per CPU (`-- -n 0` runs it serially, `-- -x` stops at the first
 failure). Results (junit XML, the
 reuse report, benchmark JSON) land in results/<session>/.
@@ -12,6 +12,7 @@ reuse report, benchmark JSON) land in results/<session>/.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -97,8 +98,8 @@ def _run_lists(session: nox.Session, stage: str, *flags: str) -> None:
     """Run the test-db lists of `stage` for this machine with pytest `flags`; posargs go
     to pytest last, so they win."""
     results = _setup(session, "test,bench")
-    session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", f"--stage={stage}",
-                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
+    session.run("python", "-m", "pytest", f"--kvh-test-db={TEST_DB}", f"--kvh-stage={stage}",
+                f"--kvh-results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *flags, *session.posargs)
 
 
@@ -153,6 +154,22 @@ def bench(session: nox.Session) -> None:
                 f"--benchmark-json={results / 'bench.json'}", "--benchmark-sort=fullname",
                 f"--junitxml={results / 'junit.xml'}", *session.posargs)
     session.run("python", "-m", "benchmarks.report", str(results))
+    # vLLM's and SGLang's caches beside kvcache's, where an engine is installed
+    quick = "--bench-quick" in session.posargs or os.environ.get("KVH_BENCH_QUICK") == "1"
+    session.run("python", "-m", "harness.conform.bench", str(results),
+                *(["--quick"] if quick else []))
+
+
+@nox.session(default=False)
+def conformance(session: nox.Session) -> None:
+    """Conformance of an engine's prefix cache: nox -s conformance -- vllm==0.33.0 [--bench]."""
+    if not session.posargs:
+        session.error("name an engine: nox -s conformance -- vllm==0.33.0 (or sglang==0.5.23, "
+                      "kvcache; more flags: kvharness conform --help)")
+    spec, *flags = session.posargs
+    _install(session, ".")  # the engine's venv links this session's torch
+    session.run("python", "-m", "harness.cli", "conform", spec, "--report",
+                str(Path("results") / "conformance" / spec.replace("==", "-")), *flags)
 
 
 # What the GPU check imports besides torch and flashinfer; it runs the project from this

@@ -30,8 +30,8 @@ from benchmarks.test_bench_engine import HEADLINE, round_prompts, seeded_prompt
 from harness.reports.bench_results import Benchmark
 from kvcache import Engine, KvCacheConfig
 from kvcache.attention import BlockTable, build_metadata
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import KERNEL_FAMILIES, KernelFamily
+from kvcache.attention.flashinfer.backend import FlashInferBackend
+from kvcache.attention.flashinfer.calls import KERNEL_FAMILIES, KernelFamily
 from kvcache.engine import GenerationOutput
 from kvcache.storage.kv_storage import KvStorage
 

@@ -2,7 +2,7 @@
 waives, ISOLATION, reruns, shards, leak and oracle checks after cache-owning tests, and
 the run's reuse report.
 
-Without --test-db/--test-list it only registers markers, skips `gpu` tests where CUDA is
+Without --kvh-test-db/--test-list it only registers markers, skips `gpu` tests where CUDA is
 absent, checks caches after tests and keeps the reuse report. With a list, every
 collected test no entry selects is deselected through `pytest_deselected` (as pytest's
 own --deselect does), so the counts pytest prints are honest.
@@ -11,7 +11,7 @@ This module holds the hooks (pyproject's entry point `kvharness = "harness.plugi
 what they do is beside it: `options` (the command line), `selection` (lists and waives
 applied to the collection), `isolation` (ISOLATION in a child process), `leaks` (the
 leak check after cache-owning tests), `changes` and `change_selection`
-(--changed-since), `sharding` and `shard_selection` (--shard), `ordering` and
+(--kvh-changed-since), `sharding` and `shard_selection` (--kvh-shard), `ordering` and
 `order_selection` (--kvh-order, the lists' `order:`), `reruns` (TensorRT-LLM's rerun
 rule). Oracle checks, repro records and reports are their packages' own.
 """
@@ -30,14 +30,14 @@ import pytest
 from _pytest.runner import runtestprotocol  # the one entry point for running an item again
 
 from harness.lists.errors import Problem
-from harness.lists.hardware import Machine, MachineFlags, detect, machine_from_options
+from harness.lists.hardware import Machine, detect, machine_from_options
 from harness.oracle.checks import oracle_problems
 from harness.plugin.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
 from harness.plugin.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.plugin.leaks import CacheLeakError, find_cache_owners, leak_problems
-from harness.plugin.options import add_options
+from harness.plugin.options import add_options, add_trtllm_options, machine_flags, yielded_options
 from harness.plugin.order_selection import OrderRun, apply_order
-from harness.plugin.reruns import RerunLedger, passed_on_rerun
+from harness.plugin.reruns import JunitReruns, RerunLedger, passed_on_rerun
 from harness.plugin.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 from harness.plugin.shard_selection import apply_shard, check_shard_options
 from harness.reports.run_record import (
@@ -74,8 +74,8 @@ class HarnessState:
     orphans: tuple[Orphan, ...] = ()  # collected tests in no list: they fail the run
     ledger: RerunLedger = field(default_factory=RerunLedger)  # this process's reruns
     flaky: list[pytest.TestReport] = field(default_factory=list)  # passed on rerun
-    changes: ChangeRun | None = None  # --changed-since: what changed, what did not run
-    shard: ShardRun | None = None  # --shard: this shard's plan (and, at the end, actual)
+    changes: ChangeRun | None = None  # --kvh-changed-since: what changed, what did not run
+    shard: ShardRun | None = None  # --kvh-shard: this shard's plan (and, at the end, actual)
     order: OrderRun | None = None  # fail-first ordering: how many tests, from which files
     first_failure: str | None = None  # the first failed report's test id, once logged
     started: float = field(default_factory=time.monotonic)
@@ -85,8 +85,23 @@ STATE = pytest.StashKey[HarnessState]()
 CALL_PASSED = pytest.StashKey[bool]()
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     add_options(parser)
+    if any(str(getattr(p, "__file__", "")).endswith("conftest.py")
+           for p in pluginmanager.get_plugins()):
+        # Loaded by a conftest's `pytest_plugins`: the initial conftests are in, and the
+        # hook below has run without this plugin.
+        add_trtllm_options(None, parser)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser
+                                  ) -> Generator[None, None, None]:
+    # After the initial conftests declared their options: TensorRT-LLM's spellings go
+    # to its conftest where it declared them (harness.plugin.options).
+    result = yield
+    add_trtllm_options(early_config, parser)
+    return result
 
 
 def _machine(config: pytest.Config) -> Machine:
@@ -94,7 +109,7 @@ def _machine(config: pytest.Config) -> Machine:
     if worker is not None and "kvharness_machine" in worker:
         return Machine.from_dict(worker["kvharness_machine"])
     try:
-        return machine_from_options(MachineFlags.of(config.option), detect())
+        return machine_from_options(machine_flags(config), detect())
     except ValueError as exc:
         raise pytest.UsageError(f"kvharness: {exc}") from None
 
@@ -107,12 +122,12 @@ def _check_gpu_per_worker(config: pytest.Config, machine: Machine) -> None:
     if worker is None:
         count = getattr(config.option, "numprocesses", None)
         if isinstance(count, int) and count > len(devices):
-            raise pytest.UsageError(f"--gpu-per-worker: -n {count} workers but only "
+            raise pytest.UsageError(f"--kvh-gpu-per-worker: -n {count} workers but only "
                                     f"{len(devices)} GPUs ({', '.join(devices) or 'none'})")
         return
     index = int(str(worker["workerid"]).removeprefix("gw"))
     if index >= len(devices):
-        raise pytest.UsageError(f"--gpu-per-worker: worker {worker['workerid']} has no GPU "
+        raise pytest.UsageError(f"--kvh-gpu-per-worker: worker {worker['workerid']} has no GPU "
                                 f"among {devices}")
     # Before any test initializes CUDA in this worker: afterwards the variable is ignored.
     os.environ["CUDA_VISIBLE_DEVICES"] = devices[index]
@@ -156,21 +171,22 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(
             ReportWriter(config, Path(opt.kvharness_report_to)), "kvharness-isolation-writer")
     # Waives may be scoped to a GPU kind (`full:H100/`), so they need the machine too.
-    uses_machine = (opt.test_db is not None or opt.gpu_per_worker or opt.test_list is not None
-                    or opt.waives is not None)
+    uses_machine = (opt.kvh_test_db is not None or opt.kvh_gpu_per_worker
+                    or opt.kvh_test_list is not None or opt.kvh_waives is not None)
     machine = _machine(config) if uses_machine else None
     check_shard_options(config)
-    if machine is not None and opt.gpu_per_worker:
+    if machine is not None and opt.kvh_gpu_per_worker:
         _check_gpu_per_worker(config, machine)
-    if opt.test_prefix and not hasattr(config, "workerinput"):
+    if opt.kvh_test_prefix and not hasattr(config, "workerinput"):
         # On the xdist controller, not the workers: a worker must send reports under the
         # ids it collected (xdist checks), and the controller logs them all again.
-        config.pluginmanager.register(TestPrefix(opt.test_prefix), "kvharness-test-prefix")
+        config.pluginmanager.register(TestPrefix(opt.kvh_test_prefix), "kvharness-test-prefix")
     if machine is not None and config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(config, machine), "kvharness-xdist")
     state = HarnessState(machine=machine, selection=load_lists(config, machine), child=child)
     config.stash[STATE] = state
     config.pluginmanager.register(RerunRecorder(state), "kvharness-reruns")
+    config.pluginmanager.register(JunitReruns(config), "kvharness-junit-reruns")
     if not child and not hasattr(config, "workerinput"):
         config.pluginmanager.register(FirstFailure(config, state), "kvharness-first-failure")
 
@@ -213,6 +229,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = []
     if state.machine is not None:
         lines.append(f"kvharness machine: {state.machine.describe()}")
+    yielded = yielded_options(config)
+    if yielded:
+        lines.append(f"kvharness: {', '.join(yielded)} belong to a conftest or plugin of this "
+                     "run (TensorRT-LLM's conftest declares them): the harness leaves them to it")
     if state.selection is not None:
         lines.append(f"kvharness lists: {state.selection.describe()}")
         lines.extend(f"kvharness warning: {p}" for p in state.selection.warnings)
@@ -228,7 +248,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         for orphan in state.orphans:
             terminalreporter.write_line(str(orphan))
         terminalreporter.write_line(
-            f"{len(state.orphans)} collected tests are in no list of {config.option.test_db}: "
+            f"{len(state.orphans)} collected tests are in no list of {config.option.kvh_test_db}: "
             "they never run in CI. Add each to a block (see test_lists/SCHEMA.md).")
         # Counted in pytest's last line too ("1 passed, 1 in no list"), which is red-flagged.
         terminalreporter.stats.setdefault("in no list", []).extend(state.orphans)
@@ -268,7 +288,11 @@ class TestPrefix:
 
 
 def _may_rerun(item: pytest.Item) -> bool:
-    flag: bool | None = item.config.option.reruns
+    rerunfailures = item.config.pluginmanager.get_plugin("rerunfailures")
+    count = getattr(rerunfailures, "get_reruns_count", None)
+    if count is not None and count(item) is not None:
+        return False  # pytest-rerunfailures reruns it (--reruns, @flaky): one rerunner a test
+    flag: bool | None = item.config.option.kvh_reruns
     if flag is not None:
         return flag
     entry = item.stash.get(ENTRY, None)
@@ -362,7 +386,7 @@ def _write_repro(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.
     """A failed check's repro record (a reuse check's, a scenario's: harness.repro.replay's
     `record_of`) goes to <results-dir>/repro/<test id>.json."""
     record = record_of(call.excinfo.value) if call.excinfo is not None else None
-    results = item.config.option.results_dir
+    results = item.config.option.kvh_results_dir
     if not report.failed or record is None or results is None:
         return
     path = record.write(item.config.invocation_params.dir / results)
@@ -388,7 +412,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 
 @pytest.fixture(scope="session")
 def reuse_report(request: pytest.FixtureRequest) -> ReuseReport:
-    """The run's reuse report: add records; written at session end into --results-dir
+    """The run's reuse report: add records; written at session end into --kvh-results-dir
     (if given)."""
     return request.config.stash[STATE].report
 
@@ -408,7 +432,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if owner and state is not None and state.shard is not None:
         state.shard = replace(state.shard, actual=time.monotonic() - state.started)
-    results = config.option.results_dir
+    results = config.option.kvh_results_dir
     if state is None or results is None:
         return
     out = config.invocation_params.dir / results

@@ -1,4 +1,4 @@
-"""The plugin's changed-file selection (`--changed-since REF`): run only the selected
+"""The plugin's changed-file selection (`--kvh-changed-since REF`): run only the selected
 tests a change can affect, always the blocks marked `always_run`, and record every test
 left out, with why, so nothing is skipped unseen.
 
@@ -32,7 +32,7 @@ class NotRun(NamedTuple):
 
 
 class ChangeRun(NamedTuple):
-    """What --changed-since decided: the changed files, whether everything ran (and why),
+    """What --kvh-changed-since decided: the changed files, whether everything ran (and why),
     and the tests left out."""
 
     ref: str
@@ -70,15 +70,15 @@ def _matches(path: str, globs: Sequence[str]) -> str | None:
 
 def apply_changes(config: pytest.Config, items: list[pytest.Item]) -> ChangeRun | None:
     """Keep the items the change can affect (in place; the rest through
-    pytest_deselected). Returns None without --changed-since. Raises pytest.UsageError
+    pytest_deselected). Returns None without --kvh-changed-since. Raises pytest.UsageError
     when git cannot say what changed."""
-    ref = config.option.changed_since
+    ref = config.option.kvh_changed_since
     if ref is None:
         return None
     try:
         changed = changed_files(config.rootpath, ref)
     except GitError as exc:
-        raise pytest.UsageError(f"kvharness: --changed-since {ref}: {exc}") from None
+        raise pytest.UsageError(f"kvharness: --kvh-changed-since {ref}: {exc}") from None
     policies = {item.nodeid: item.stash.get(ENTRY, None) for item in items}
     globs = sorted({g for e in policies.values() if e is not None for g in e.policy.depends_on})
     unclaimed = [f for f in changed if not f.endswith(".py") and not _is_doc(f)

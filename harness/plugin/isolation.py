@@ -60,9 +60,10 @@ def _command(item: pytest.Item, report_to: Path, timeout: int | None) -> list[st
     name = config.pluginmanager.get_name(sys.modules["harness.plugin"])
     if name is not None and name != ENTRY_POINT_NAME:
         cmd += ["-p", name]
-    if config.option.results_dir is not None:
+    if config.option.kvh_results_dir is not None:
         # The child adds its reuse records as a part that the run's report merges.
-        cmd += ["--results-dir", str(config.invocation_params.dir / config.option.results_dir)]
+        results = config.invocation_params.dir / config.option.kvh_results_dir
+        cmd += ["--kvh-results-dir", str(results)]
     if timeout is not None and config.pluginmanager.hasplugin("timeout"):
         cmd += ["--timeout", str(timeout)]
     return cmd
@@ -127,7 +128,10 @@ def isolated_reports(item: pytest.Item, nextitem: pytest.Item | None,
     child_teardown = next((r for r in reports if r.when == "teardown"), None)
     body = [r for r in reports if r.when != "teardown"]
     if call.excinfo is not None or child_teardown is None:
-        return [*body, item.ihook.pytest_runtest_makereport(item=item, call=call)]
+        # Made directly, not through pytest_runtest_makereport: its wrappers in other
+        # plugins expect the setup phase to have gone through it in this process
+        # (pytest-rerunfailures' fails with an AttributeError otherwise).
+        return [*body, pytest.TestReport.from_item_and_call(item, call)]
     return [*body, child_teardown]
 
 

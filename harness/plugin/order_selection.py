@@ -2,9 +2,9 @@
 block's `order:` key), from which files, and what was done, for the run's summary.
 
 The fail-first tests run first, in the order harness.plugin.ordering derives; the others
-follow in the order they had (collection order, or `--list-order`'s). `--kvh-order
+follow in the order they had (collection order, or `--kvh-list-order`'s). `--kvh-order
 fail-first` ranks every selected test, `--kvh-order collection` none; without it a
-test ranks when the block that selected it says `order: fail-first` and `--list-order`
+test ranks when the block that selected it says `order: fail-first` and `--kvh-list-order`
 is not given. Runs after selection, --changed-since and --shard, on every process that
 collects (each xdist worker derives the same order from the same files).
 """
@@ -74,7 +74,7 @@ def _ranks(config: pytest.Config, item: pytest.Item) -> bool:
     if wanted is not None:
         return bool(wanted == FAIL_FIRST)
     entry = item.stash.get(ENTRY, None)
-    return entry is not None and entry.policy.order == FAIL_FIRST and not config.option.list_order
+    return entry is not None and entry.policy.order == FAIL_FIRST and not config.option.kvh_list_order
 
 
 def apply_order(config: pytest.Config, items: list[pytest.Item]) -> OrderRun | None:
@@ -90,7 +90,7 @@ def apply_order(config: pytest.Config, items: list[pytest.Item]) -> OrderRun | N
     ranked = [item for item in items if _ranks(config, item)]
     if not ranked:
         return None
-    durations_path = _data_file(config, config.option.durations_file, DURATIONS_NAME)
+    durations_path = _data_file(config, config.option.kvh_durations_file, DURATIONS_NAME)
     kills_path = _data_file(config, config.option.kvh_kill_record, KILLS_NAME)
     try:
         durations = {} if durations_path is None else load_durations(durations_path)

@@ -1,23 +1,30 @@
-"""Shards sized by time: least-duration (LPT) assignment over recorded test durations.
+"""Shards sized by time: pytest-split's least-duration plan over recorded test durations.
 
 Durations come from `test_lists/.test_durations` (pytest-split's JSON: node id -> seconds,
 refreshed by ci/update_durations.sh); a test without one is predicted at the mean of
-those that have one. `lpt()` hands the longest test to the least-loaded shard, then the
-next longest, and so on, which keeps shards within 4/3 of the best possible makespan;
-pytest-split's default (contiguous chunks in collection order) can leave one shard with
-most of the time when slow tests cluster. `shards_for_budget()` picks how many shards a
-time budget needs. Every process that sees the same collection and durations computes
-the same plan (xdist workers rely on it). What a shard was (`ShardRun`, its shard.json)
-is a record of the run: harness.reports.run_record.
+those that have one. `lpt()` is pytest-split's `least_duration` algorithm itself
+(`pytest_split.algorithms.Algorithms.least_duration`): the longest test goes to the
+least-loaded shard, then the next longest, and so on, which keeps shards within 4/3 of
+the best possible makespan; equal durations are ordered by the item's `str()` (its name),
+and equal loads go to the lower shard. So `--kvh-shard K --kvh-shards N` runs what
+`pytest --splits N --group K --splitting-algorithm least_duration` runs on the same
+items, as TensorRT-LLM's CI splits its stages. pytest-split's default
+(`duration_based_chunks`: contiguous chunks in collection order) can leave one shard with
+most of the time when slow tests cluster. What the harness adds: `shards_for_budget()`
+picks how many shards a time budget needs, the shard applies after the lists and
+--kvh-changed-since, and what a shard was (`ShardRun`, its shard.json) is a record of the
+run: harness.reports.run_record. Every process that sees the same collection and
+durations computes the same plan (xdist workers rely on it).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+import pytest
 
 from harness.data_files import load_json
 
@@ -53,42 +60,41 @@ def predict(node_ids: Sequence[str], durations: Mapping[str, float]) -> dict[str
     return {n: durations.get(n, fallback) for n in node_ids}
 
 
-def lpt(node_ids: Sequence[str], durations: Mapping[str, float], count: int) -> list[Shard]:
-    """Split `node_ids` into `count` shards by least-duration assignment.
+def lpt(items: Sequence[pytest.Item], durations: Mapping[str, float],
+        count: int) -> list[Shard]:
+    """Split `items` into `count` shards by pytest-split's least-duration plan: each
+    shard's node ids in collection order and its predicted seconds.
 
-    Ties go to the lower shard and, among equal tests, collection order decides, so the
-    plan is deterministic. Raises ValueError for a count below 1.
+    Raises ValueError for a count below 1, or where pytest-split is not installed.
     """
     if count < 1:
         raise ValueError(f"shard count {count} is below 1")
-    seconds = predict(node_ids, durations)
-    order = {n: i for i, n in enumerate(node_ids)}
-    loads = [0.0] * count
-    members: list[list[str]] = [[] for _ in range(count)]
-    heap = [(0.0, k) for k in range(count)]  # (load, shard): the least loaded on top
-    for node_id in sorted(node_ids, key=lambda n: (-seconds[n], order[n])):
-        load, target = heapq.heappop(heap)
-        loads[target] = load + seconds[node_id]
-        members[target].append(node_id)
-        heapq.heappush(heap, (loads[target], target))
-    return [Shard(k + 1, tuple(sorted(members[k], key=order.__getitem__)), loads[k])
-            for k in range(count)]
+    try:
+        # Here, not at the top: the plugin loads in every pytest run of the environment,
+        # and pytest-split (the test extra) need not be installed for the others.
+        from pytest_split.algorithms import Algorithms
+    except ImportError:
+        raise ValueError("sharding needs pytest-split, whose least_duration plan it runs: "
+                         "pip install pytest-split (or kvcache-harness[test])") from None
+    groups = Algorithms.least_duration.value(count, list(items), dict(durations))
+    return [Shard(k + 1, tuple(item.nodeid for item in group.selected), group.duration)
+            for k, group in enumerate(groups)]
 
 
-def shards_for_budget(node_ids: Sequence[str], durations: Mapping[str, float],
+def shards_for_budget(items: Sequence[pytest.Item], durations: Mapping[str, float],
                       budget_seconds: float) -> int:
-    """The fewest shards whose LPT plan keeps every shard within `budget_seconds`, or,
-    when one test alone exceeds it, the fewest that leave that test alone the longest.
+    """The fewest shards whose plan keeps every shard within `budget_seconds`, or, when
+    one test alone exceeds it, the fewest that leave that test alone the longest.
 
     Raises ValueError for a budget that is not positive.
     """
     if budget_seconds <= 0:
         raise ValueError(f"shard time budget {budget_seconds} s is not positive")
-    if not node_ids:
+    if not items:
         return 1
-    seconds = predict(node_ids, durations)
+    seconds = predict([item.nodeid for item in items], durations)
     floor = max(budget_seconds, max(seconds.values()))
     count = max(1, math.ceil(sum(seconds.values()) / budget_seconds))
-    while count < len(node_ids) and max(s.predicted for s in lpt(node_ids, durations, count)) > floor:
+    while count < len(items) and max(s.predicted for s in lpt(items, durations, count)) > floor:
         count += 1
     return count

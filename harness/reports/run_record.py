@@ -1,7 +1,7 @@
 """What a run decided and how its tests ended, for the job summary (standard library
 only: `kvharness report` and `kvharness flakes` run without pytest).
 
-The plugin writes `run.json` into --results-dir: the selection counts (selected,
+The plugin writes `run.json` into --kvh-results-dir: the selection counts (selected,
 deselected, waived, isolated, in no list) and the tests in no list; a shard of a run
 also writes `shard.json` (`ShardRun`: its plan, predicted and actual time). `outcome_sections`
 reads that and the run's junit XML and names names: the failing tests with their first
@@ -22,7 +22,7 @@ from harness.data_files import json_int, json_number, load_json
 from harness.reports.markdown import code, table
 
 RUN_JSON = "run.json"
-SHARD_JSON = "shard.json"  # a shard's ShardRun, in its --results-dir
+SHARD_JSON = "shard.json"  # a shard's ShardRun, in its --kvh-results-dir
 # junit properties harness.plugin.reruns writes and the ledger and summary read
 RERUN_PROPERTY = "kvharness_rerun"
 FIRST_FAILURE_PROPERTY = "kvharness_first_failure"
@@ -119,7 +119,7 @@ def outcome_sections(results_dir: Path) -> list[str]:
 @dataclass(frozen=True)
 class ShardRun:
     """What one shard of a run was: its place in the plan, tests, predicted and (once the
-    run ends) actual wall-clock seconds. Written as `shard.json` into --results-dir."""
+    run ends) actual wall-clock seconds. Written as `shard.json` into --kvh-results-dir."""
 
     shard: int
     shards: int

@@ -42,18 +42,24 @@ if TYPE_CHECKING:
 
 def build(recipe: EngineRecipe, resolved: Resolved, where: str) -> Engine:
     """The engine `recipe` describes, from what its names stand for (`resolved`, from
-    harness.repro.registry.resolve). Raises ReproFormatError naming `where` when it
-    cannot be built here (a bad option or cache field)."""
-    from kvcache import KvCacheConfig
+    harness.repro.registry.resolve); its options are an EngineConfig's dict form, rebuilt
+    with `EngineConfig.from_dict`. Raises ReproFormatError naming `where` when it cannot
+    be built here (an unknown or bad option, a bad cache field)."""
+    from kvcache import EngineConfig, KvCacheConfig
 
     try:
         cache = KvCacheConfig(**recipe.cache)
+        doubled = sorted(set(recipe.options) & {"seed", "attn_backend", "device", "dtype"})
+        if doubled:
+            raise ValueError(f"options: {doubled} belong in the recipe's own fields "
+                             "(model_seed, backend, device, dtype)")
+        config = EngineConfig.from_dict(
+            {**recipe.options, "seed": recipe.model_seed, "attn_backend": resolved.backend,
+             "device": resolved.device, "dtype": resolved.dtype}, "options")
         model = resolved.model
         if not isinstance(model, str):
             model = model(recipe.model_seed)
-        return resolved.engine_class(model, cache, seed=recipe.model_seed,
-                                     attn_backend=resolved.backend, device=resolved.device,
-                                     dtype=resolved.dtype, **recipe.options)
+        return resolved.engine_class(model, cache, config)
     except (TypeError, ValueError) as exc:
         raise ReproFormatError(f"{where}: the engine cannot be built: {exc}") from None
 

@@ -27,7 +27,7 @@ from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
 from harness.lists.waives import default_waives, load_waives
 from harness.plugin.ordering import load_kills
-from kvcache import Engine, KvCacheConfig, KVCacheManager
+from kvcache import Engine, EngineConfig, KvCacheConfig, KVCacheManager
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
@@ -342,12 +342,13 @@ IDS.add("abort-finished")
 @pytest.mark.parametrize(("kwargs", "message"), cases(
     pytest.param({"attn_backend": "nope"}, r"unknown attention backend 'nope'; supported: "
                  r"flashinfer, star, torch", id="eng-backend"),
-    pytest.param({"cuda_graph": True}, r"Engine: cuda_graph=True needs CUDA, but "
-                 r"torch\.cuda\.is_available\(\) is False", id="eng-graph-no-cuda"),
-    pytest.param({"max_num_tokens": 0}, r"Engine: max_num_tokens must be an int >= 1, got 0",
-                 id="eng-budget"),
-    pytest.param({"max_batch_size": True}, r"Engine: max_batch_size must be an int >= 1, "
-                 r"got True", id="eng-batch-bool"),
+    pytest.param({"cuda_graph": True, "attn_backend": "flashinfer", "device": "cuda"},
+                 r"Engine: cuda_graph=True needs CUDA, but torch\.cuda\.is_available\(\) is "
+                 r"False", id="eng-graph-no-cuda"),
+    pytest.param({"max_num_tokens": 0}, r"EngineConfig\.max_num_tokens must be an int >= 1, "
+                 r"got 0", id="eng-budget"),
+    pytest.param({"max_batch_size": True}, r"EngineConfig\.max_batch_size must be an int "
+                 r">= 1, got True", id="eng-batch-bool"),
     pytest.param({"model": "huge"}, r"unknown model preset 'huge'; known: tiny", id="eng-preset"),
     pytest.param({"cache_config": {"tokens_per_block": 4}}, r"Engine: cache_config must be a "
                  r"KvCacheConfig, got \{'tokens_per_block': 4\}", id="eng-config-dict"),
@@ -356,9 +357,9 @@ IDS.add("abort-finished")
         r"enable_partial_reuse=True is unsupported for a model with recurrent layers "
         r"\(layers \[", id="eng-hybrid-partial"),
     pytest.param({"model": "hybrid-tiny", "state_snapshot_interval": 0},
-                 r"Engine: state_snapshot_interval must be an int >= 1, got 0",
+                 r"EngineConfig\.state_snapshot_interval must be an int >= 1, got 0",
                  id="eng-snapshot-interval"),
-    pytest.param({"layout": "BLNHC"}, r"KvStorage: layout must be one of \('NHD', 'HND', "
+    pytest.param({"layout": "BLNHC"}, r"EngineConfig\.layout must be one of \('NHD', 'HND', "
                  r"'BLHNC'\), got 'BLNHC'", id="eng-layout"),
     pytest.param({"layout": "BLHNC", "page_size": 3}, r"KvStorage\(BLHNC\): page_size=3 must "
                  r"be a positive divisor of block_size=4", id="eng-packed-page-size"),
@@ -395,10 +396,78 @@ def test_bad_engine_options(kwargs: dict[str, Any], message: str) -> None:
         Engine(options.pop("model"), options.pop("cache_config"), **options)
 
 
+
+def test_an_unknown_engine_option_is_a_type_error_naming_it() -> None:
+    cache = KvCacheConfig(tokens_per_block=4, max_num_blocks=16)
+    with pytest.raises(TypeError, match=r"Engine\(\) got unknown options \['max_num_tokenz'\]; "
+                                        r"the options are EngineConfig's fields: \['attn_backend'"):
+        Engine("tiny", cache, max_num_tokenz=64)
+    with pytest.raises(TypeError, match=r"Engine\.from_pretrained\(\) got unknown options "
+                                        r"\['dtypes'\]"):
+        Engine.from_pretrained("nowhere", cache, dtypes="bfloat16")
+    with pytest.raises(ValueError, match=r"Engine: engine_config must be an EngineConfig, got "
+                                         r"\{'max_num_tokens': 64\}"):
+        Engine("tiny", cache, {"max_num_tokens": 64})  # type: ignore[arg-type]
+
+
+IDS.update({"eng-unknown-option", "eng-engine-config-dict"})
+
+
+# -- EngineConfig --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kwargs", "message"), cases(
+    pytest.param({"cuda_graph": True}, r"EngineConfig\.cuda_graph=True needs "
+                 r"attn_backend='flashinfer', got 'torch'", id="ecfg-graph-backend"),
+    pytest.param({"cuda_graph": True, "attn_backend": "flashinfer"},
+                 r"EngineConfig\.cuda_graph=True needs a CUDA device, got device='cpu'",
+                 id="ecfg-graph-device"),
+    pytest.param({"cuda_graph": True, "attn_backend": "flashinfer", "device": "cuda",
+                  "pad_decode": False}, r"EngineConfig\.cuda_graph=True replays decode batches "
+                 r"padded to graph_batch_sizes, but pad_decode=False", id="ecfg-graph-no-pad"),
+    pytest.param({"pad_decode": True, "graph_batch_sizes": ()}, r"EngineConfig\."
+                 r"graph_batch_sizes is empty, but decode batches are padded to its sizes",
+                 id="ecfg-graph-sizes-empty"),
+    pytest.param({"graph_batch_sizes": (4, 2, 4)}, r"EngineConfig\.graph_batch_sizes must be "
+                 r"distinct ints >= 1, got \(4, 2, 4\)", id="ecfg-graph-sizes-repeated"),
+    pytest.param({"enable_chunked_prefill": 1}, r"EngineConfig\.enable_chunked_prefill must "
+                 r"be True or False, got 1", id="ecfg-flag-int"),
+    pytest.param({"pad_decode": "yes"}, r"EngineConfig\.pad_decode must be True, False or "
+                 r"None, got 'yes'", id="ecfg-pad-str"),
+    pytest.param({"dtype": torch.int8}, r"EngineConfig\.dtype must be one of float32, float16, "
+                 r"bfloat16, float64 \(a torch dtype or its name\), got torch\.int8",
+                 id="ecfg-dtype-int"),
+    pytest.param({"device": "gpu"}, r"EngineConfig\.device='gpu' is not a torch device",
+                 id="ecfg-device"),
+    pytest.param({"seed": -1}, r"EngineConfig\.seed must be an int in "
+                 r"\[0, 18446744073709551615\], got -1", id="ecfg-seed-negative"),
+    pytest.param({"page_size": 0}, r"EngineConfig\.page_size must be an int >= 1, got 0",
+                 id="ecfg-page-size-zero"),
+    pytest.param({"backend_options": {"page_size": 4}}, r"EngineConfig\.backend_options sets "
+                 r"\['page_size'\], which the engine passes itself", id="ecfg-backend-option-taken"),
+    pytest.param({"backend_options": [("kernel_family", "fa2")]}, r"EngineConfig\."
+                 r"backend_options must be a mapping of str keys", id="ecfg-backend-options-list"),
+    pytest.param({"attn_backend": int}, r"EngineConfig\.attn_backend class int is not an "
+                 r"AttentionBackend", id="ecfg-backend-class"),
+))
+def test_bad_engine_config(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_from_dict_names_unknown_keys_and_source() -> None:
+    with pytest.raises(ValueError, match=r"recipe\.json: unknown EngineConfig keys "
+                                         r"\['budget'\]; known keys are \['attn_backend'"):
+        EngineConfig.from_dict({"budget": 64}, where="recipe.json")
+    with pytest.raises(ValueError, match=r"EngineConfig\.dtype must be one of"):
+        EngineConfig.from_dict({"dtype": "int8"})
+
+
+IDS.add("ecfg-unknown-key")
+
 # -- test lists (YAML) ---------------------------------------------------------------------
 
 HEAD = "version: 0.0.1\nl0_cpu:\n- condition:\n    terms:\n      stage: pre_merge\n"
-GOOD_TESTS = "  tests:\n  - tests/unit/test_engine.py\n"
+GOOD_TESTS = "  tests:\n  - tests/unit/engine/test_engine.py\n"
 # A "billion laughs" list: 8 levels of aliases, 9 each, in ~1 kB (9**8 strings expanded).
 ALIAS_BOMB = "version: 0.0.1\nx0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 9)}]\n" for i in range(1, 9)) + HEAD + GOOD_TESTS
@@ -468,6 +537,16 @@ DEEP_KEYWORD = HEAD + '  tests:\n  - tests/x.py -k "' + "(" * 497 + "t" + ")" * 
     pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py::t TIMEOUT (\uff13\uff10)\n", 7,
                  r"TIMEOUT \(\uff13\uff10\): minutes are written in ASCII digits 0-9",
                  id="yaml-timeout-fullwidth-digits"),
+    pytest.param("l0_cpu.yml", HEAD + "      backend: torch\n" + GOOD_TESTS, 6,
+                 r"terms\.backend: 'torch' is an attention backend; 'backend' is the job's "
+                 r"\(TensorRT-LLM's runtime: .*\): write 'attention_backend: torch'",
+                 id="yaml-attention-backend-as-backend"),
+    pytest.param("l0_cpu.yml", HEAD + "      auto_trigger: [others]\n" + GOOD_TESTS, 6,
+                 r"terms\.auto_trigger: a term is one string, number or boolean",
+                 id="yaml-term-not-scalar"),
+    pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py -m 'gpu and'\n", 7,
+                 r"-m 'gpu and': ends early; expected a name, 'not' or '\('",
+                 id="yaml-bad-marker-expression"),
     pytest.param("l\u0663_cpu.yml", HEAD.replace("l0_cpu", "l\u0663_cpu") + GOOD_TESTS, None,
                  r"file name 'l\u0663_cpu\.yml': a list file is named after its context: 'l', "
                  r"a level in ASCII digits", id="yaml-context-digits"),
@@ -573,6 +652,15 @@ def test_broken_kill_record(tmp_path: Path, text: str, message: str) -> None:
                  id="cli-bad-backend"),
     pytest.param(["list", "--frobnicate"], r"unrecognized arguments: --frobnicate",
                  id="cli-unknown-flag"),
+    pytest.param(["list", "--job", "backend"], r"argument --job: job term 'backend' is not "
+                 r"KEY=VALUE", id="cli-job-not-key-value"),
+    pytest.param(["sysinfo", "--job", "stage=post_merge"], r"argument --job: job term 'stage' "
+                 r"is the machine's; its flag sets it \(--stage\)", id="cli-job-machine-key"),
+    pytest.param(["list", "--distribution", "red hat"], r"argument --distribution: distribution "
+                 r"'red hat': one word", id="cli-distribution-words"),
+    pytest.param(["test-db", "-d", "x", "--match", "{}", "--match-exact", "{}"],
+                 r"argument --match-exact: not allowed with argument --match",
+                 id="cli-test-db-both-matches"),
 ))
 def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],
                               message: str) -> None:
@@ -592,6 +680,11 @@ def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str
                  id="cli-alias-bomb"),
     pytest.param({"l0_cpu.yml": DEEP_FLOW}, r"kvharness list: .*l0_cpu\.yml:6: YAML: sequences "
                  r"and mappings nested more than 32 levels deep", id="cli-deep-list"),
+    # The run's stage is pre_merge: a list of post_merge blocks selects nothing for it.
+    pytest.param({"l0_cpu.yml": HEAD.replace("pre_merge", "post_merge") + GOOD_TESTS},
+                 r"kvharness list: no block of .* applies to stage=pre_merge .*\n  l0_cpu\[0\] "
+                 r"\(.*l0_cpu\.yml:3\): stage pre_merge, block wants post_merge\n",
+                 id="cli-list-nothing-applies"),
 ))
 def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               files: dict[str, str], message: str) -> None:
@@ -601,6 +694,25 @@ def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.Cap
     assert kvharness(["list", "--test-db", str(folder)]) == 1
     err = capsys.readouterr().err
     assert re.search(message, err), f"stderr lacks {message!r}:\n{err}"
+
+
+@pytest.mark.parametrize(("match", "message"), cases(
+    pytest.param('{"gpu": "H100"', r"kvharness test-db: --match: not JSON: Expecting ',' "
+                 r"delimiter", id="cli-test-db-not-json"),
+    pytest.param('["H100"]', r"kvharness test-db: --match: the description is a JSON object of "
+                 r"key: value, got list", id="cli-test-db-not-an-object"),
+    pytest.param('{"gpu": ["H100"]}', r"kvharness test-db: --match: 'gpu' is \[\"H100\"\]; a "
+                 r"description's values are strings, numbers, booleans or null",
+                 id="cli-test-db-nested-value"),
+))
+def test_test_db_refuses_a_bad_description_with_exit_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], match: str, message: str) -> None:
+    (tmp_path / "l0_cpu.yml").write_text(HEAD + GOOD_TESTS)
+    out = tmp_path / "out.txt"
+    assert kvharness(["test-db", "-d", str(tmp_path), "--output", str(out), "--match", match]) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err), f"stderr lacks {message!r}:\n{err}"
+    assert not out.exists()  # nothing written
 
 
 # -- checkpoints ---------------------------------------------------------------------------
@@ -790,6 +902,131 @@ def test_checkpoint_load_with_integer_dtype(pristine: Path) -> None:
 
 
 IDS.add("ck-int-dtype")
+
+
+# -- kvharness conform ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("spec", "message"), cases(
+    pytest.param("vllm>=0.30", r"engine spec 'vllm>=0\.30': expected NAME or NAME==VERSION",
+                 id="conform-spec-range"),
+    pytest.param("vllm==0.30.0", r"vllm 0\.30\.0 is not supported; supported: 0\.10\.2, "
+                 r".*0\.33\.0", id="conform-version-unsupported"),
+    pytest.param("lmdeploy==0.9.0", r"no adapter for 'lmdeploy'; engines: sglang, "
+                 r"sglang_unified, vllm, kvcache", id="conform-engine-unknown"),
+    pytest.param("tensorrt_llm==1.2.1", r"tensorrt_llm cannot run on this machine: "
+                 r"TensorRT-LLM's wheels are not on the package registry .* builds CUDA "
+                 r"objects", id="conform-engine-not-runnable-here"),
+))
+def test_conform_that_cannot_run_is_exit_2(tmp_path: Path, spec: str, message: str) -> None:
+    assert kvharness(["conform", spec, "--report", str(tmp_path), "--seeds", "0"]) == 2
+    reason = json.loads((tmp_path / "report.json").read_text())["reason"]
+    assert re.match(message, reason), reason
+    assert reason in (tmp_path / "report.md").read_text()
+
+
+def test_conform_seeds_must_be_a_count(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        kvharness(["conform", "kvcache", "--seeds", "-1"])
+    assert info.value.code == 2
+    assert "argument --seeds: expected an int >= 0, got '-1'" in capsys.readouterr().err
+
+
+IDS.add("conform-seeds-negative")
+
+
+def test_conform_replay_names_the_bad_op(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "check.json"
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [
+        {"kind": "free", "seq": "A", "tokens": [1]}]}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: ops[0]: a free op takes no ['tokens'] (it takes seq)" in \
+        capsys.readouterr().out
+
+
+IDS.add("conform-replay-bad-op")
+
+
+def test_conform_lock_pinning_torch_is_refused(tmp_path: Path) -> None:
+    from harness.conform.locks import LOCK_DIR, LockError, parse_lock
+
+    good = json.loads((LOCK_DIR / "sglang-0.5.23.json").read_text())
+    with pytest.raises(LockError, match=r"sglang-0\.5\.23\.json: deps: 'torch==2\.14\.1': "
+                                        r"torch comes from the harness's interpreter"):
+        parse_lock({**good, "deps": ["torch==2.14.1"]}, LOCK_DIR / "sglang-0.5.23.json")
+
+
+IDS.add("conform-lock-torch")
+
+
+def _lock_with(**changes: object) -> dict[str, object]:
+    from harness.conform.locks import LOCK_DIR
+
+    return {**json.loads((LOCK_DIR / "sglang-0.5.23.json").read_text()), **changes}
+
+
+@pytest.mark.parametrize(("change", "message"), cases(
+    pytest.param({"extra": 1}, r"unknown keys \['extra'\], missing keys \[\]",
+                 id="conform-lock-unknown-key"),
+    pytest.param({"engine": "tensorrt_llm"}, r"engine: 'tensorrt_llm' has no adapter; "
+                 r"known: \['sglang', 'sglang_unified', 'vllm'\]", id="conform-lock-engine"),
+    pytest.param({"version": "0.5.22"}, r"file name: should be sglang-0\.5\.22\.json",
+                 id="conform-lock-file-name"),
+    pytest.param({"wheel": {"file": "sglang-0.5.23-py3-none-any.whl", "sha256": "ABC",
+                            "bytes": 1}},
+                 r"wheel\.sha256: expected 64 lowercase hex digits", id="conform-lock-sha256"),
+    pytest.param({"deps": ["requests>=2"]}, r"deps: 'requests>=2' is not a name==version pin",
+                 id="conform-lock-pin"),
+    pytest.param({"deps": ["idna==3.10", "idna==3.11"]}, r"deps: a package is pinned twice",
+                 id="conform-lock-pinned-twice"),
+    pytest.param({"stubs": {"absent": {}, "magic": {}}}, r"stubs: unknown keys \['magic'\]",
+                 id="conform-lock-stubs-key"),
+))
+def test_conform_lock_fields_are_checked(change: dict[str, object], message: str) -> None:
+    from harness.conform.locks import LOCK_DIR, LockError, parse_lock
+
+    path = LOCK_DIR / "sglang-0.5.23.json"
+    with pytest.raises(LockError, match=re.escape(str(path)) + ": " + message):
+        parse_lock(_lock_with(**change), path)
+
+
+def test_conform_unknown_check_is_exit_2(tmp_path: Path) -> None:
+    assert kvharness(["conform", "kvcache", "--check", "nosuch", "--report",
+                      str(tmp_path)]) == 2
+    reason = json.loads((tmp_path / "report.json").read_text())["reason"]
+    assert reason.startswith("unknown check 'nosuch'; known: ['cold_then_warm', ")
+
+
+IDS.add("conform-check-unknown")
+
+
+def test_conform_replay_of_a_missing_file_is_exit_2(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "gone.json"
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: not a readable op list: [Errno 2] No such file or directory" in \
+        capsys.readouterr().out
+
+
+IDS.add("conform-replay-missing")
+
+
+def test_conform_worker_imports_no_named_module() -> None:
+    import io
+
+    from harness.conform.worker import serve
+
+    out = io.StringIO()
+    serve(io.StringIO(json.dumps({"cmd": "load", "engine": "harness.conform.kvcache_adapter"})
+                      + "\n"), out)
+    reply = json.loads(out.getvalue())
+    assert reply["ok"] is False
+    assert reply["error"] == ("ValueError: no adapter for engine "
+                              "'harness.conform.kvcache_adapter'; known: ['sglang', "
+                              "'sglang_unified', 'vllm']")
+
+
+IDS.add("conform-worker-module")
 
 
 # -- the document --------------------------------------------------------------------------

@@ -92,6 +92,10 @@ def recipe(**changes: Any) -> Edit:
     return lambda d: d["engines"][0]["recipe"].update(changes)
 
 
+def options(**changes: Any) -> Edit:
+    return lambda d: d["engines"][0]["recipe"]["options"].update(changes)
+
+
 def cache(**changes: Any) -> Edit:
     return lambda d: d["engines"][0]["recipe"]["cache"].update(changes)
 
@@ -180,6 +184,13 @@ def test_the_unchanged_records_rerun(tmp_path: Path, capsys: pytest.CaptureFixtu
     pytest.param("scenario", abort_unknown,
                  r"engines\[0\]\.calls\[2\] \(abort, hostile\): the engine refused it: "
                  r"abort\(99\): no such request", id="repro-call-refused"),
+    pytest.param("scenario", options(max_num_tokenz=8),
+                 r"engines\[0\]\.recipe: the engine cannot be built: options: unknown "
+                 r"EngineConfig keys \['max_num_tokenz'\]; known keys are \['attn_backend'",
+                 id="repro-option-unknown"),
+    pytest.param("scenario", options(attn_backend="tests.scenarios.faults:StalePrefixBackend"),
+                 r"engines\[0\]\.recipe: the engine cannot be built: options: "
+                 r"\['attn_backend'\] belong in the recipe's own fields", id="repro-option-apart"),
     pytest.param("scenario", recipe(backend="flashinfer"),
                  r"cannot be re-run here: RuntimeError: FlashInferBackend "
                  r"needs .*\(raised at .*\)", id="repro-rerun-runtime-error"),

@@ -198,7 +198,7 @@ class ScenarioRun:
         adapter = KvcacheEngineAdapter(engine)
         prediction = predict_from_engine(adapter, bounded=bounded)
         config = {**adapter.cache_config, "backend": engine.attn_backend,
-                  "max_num_tokens": engine.max_num_tokens}
+                  "max_num_tokens": engine.config.max_num_tokens}
         passed = False
         try:
             window = _with_scenario_repro(

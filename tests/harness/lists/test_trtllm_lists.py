@@ -1,6 +1,6 @@
 """Lists and waives written as TensorRT-LLM writes them select as TensorRT-LLM would:
 its condition keys, `-k` entries, comma-joined markers, `full:<GPU>/` waives,
-`--context`, `--test-list` with `--waives-file` and `--test-prefix`, `--list-order`;
+`--kvh-context`, `--test-list` with `--waives-file` and `--test-prefix`, `--kvh-list-order`;
 pretending to be a GPU machine; orphans and misspelled keys."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ l0_h100:
       - '*h100*'
     terms:
       stage: pre_merge
-      backend: flashinfer
+      attention_backend: flashinfer
       supports_fp8: true
   tests:
   - tests/test_k.py::test_fp8_gemm
@@ -83,7 +83,6 @@ l0_cpu:
       system_gpu_count: {gte: 0, lte: 0}
     terms:
       stage: pre_merge
-      backend: generic
   tests:
   - tests/test_k.py::test_cache
 """
@@ -118,8 +117,8 @@ def _outcomes(result: pytest.RunResult) -> dict[str, str]:
 
 
 def test_a_pretended_h100_selects_the_h100_blocks(project: pytest.Pytester) -> None:
-    result = project.runpytest("--test-db", "lists/test-db", "--gpu", "NVIDIA H100",
-                               "--gpu-count", "1", "-rs")
+    result = project.runpytest("--kvh-test-db", "lists/test-db", "--kvh-gpu", "NVIDIA H100",
+                               "--kvh-gpu-count", "1", "--kvh-job", "backend=pytorch", "-rs")
     assert _outcomes(result) == {
         "test_attention[partition0]": "passed",
         "test_attention[partition2]": "skipped",  # full:H100 waive
@@ -129,23 +128,23 @@ def test_a_pretended_h100_selects_the_h100_blocks(project: pytest.Pytester) -> N
     }
     result.stdout.fnmatch_lines([
         "kvharness machine: stage=pre_merge gpu='NVIDIA H100' (pretended) gpu_count=1 cc=9.0 "
-        "backends=torch,flashinfer cuda=no",
+        "backends=torch,flashinfer cuda=no backend=pytorch",
         "kvharness: 5 selected, 1 deselected, 2 waived, 1 isolated, 0 in no list",
         "*waived: https://nvbugs/5000001",
     ])
 
 
 def test_context_selects_one_file(project: pytest.Pytester) -> None:
-    result = project.runpytest("--test-db", "lists/test-db", "--context", "l0_cpu")
+    result = project.runpytest("--kvh-test-db", "lists/test-db", "--kvh-context", "l0_cpu")
     assert _outcomes(result) == {"test_cache": "passed"}
-    wrong = project.runpytest("--test-db", "lists/test-db", "--context", "l0_b200")
+    wrong = project.runpytest("--kvh-test-db", "lists/test-db", "--kvh-context", "l0_b200")
     assert wrong.ret == pytest.ExitCode.USAGE_ERROR
     wrong.stderr.fnmatch_lines(["*test-db: no context 'l0_b200'; this test-db holds l0_cpu, l0_h100"])
 
 
 def test_no_block_hint_repeats_the_flags(project: pytest.Pytester) -> None:
-    result = project.runpytest("--test-db", "lists/test-db", "--context", "l0_h100", "--gpu",
-                               "NVIDIA B200", "--gpu-count", "1", "--backend", "torch")
+    result = project.runpytest("--kvh-test-db", "lists/test-db", "--kvh-context", "l0_h100", "--kvh-gpu",
+                               "NVIDIA B200", "--kvh-gpu-count", "1", "--kvh-backend", "torch")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
         "*no block of context l0_h100 of lists/test-db applies to *; `kvharness list --explain "
@@ -177,7 +176,7 @@ def test_list_order_runs_tests_as_listed(project: pytest.Pytester) -> None:
     project.path.joinpath("qa.txt").write_text(
         "tests/test_k.py::test_cache\ntests/test_k.py::test_attention[partition2]\n"
         "tests/test_k.py::test_fp8_gemm\n")
-    ran = project.runpytest("--test-list", "qa.txt", "--list-order", "-v")
+    ran = project.runpytest("--test-list", "qa.txt", "--kvh-list-order", "-v")
     order = [line.split("::")[1].split()[0] for line in ran.stdout.lines if " PASSED" in line]
     assert order == ["test_cache", "test_attention[partition2]", "test_fp8_gemm"]
     default = project.runpytest("--test-list", "qa.txt", "-v")
@@ -187,7 +186,7 @@ def test_list_order_runs_tests_as_listed(project: pytest.Pytester) -> None:
 
 def test_a_test_in_no_list_fails_the_run_with_its_home(project: pytest.Pytester) -> None:
     project.path.joinpath("tests", "test_new.py").write_text("def test_forgotten(): pass\n")
-    result = project.runpytest("--test-db", "lists/test-db")
+    result = project.runpytest("--kvh-test-db", "lists/test-db")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.assert_outcomes(passed=1, deselected=6)
     result.stdout.fnmatch_lines([
@@ -202,23 +201,22 @@ def test_a_test_in_no_list_fails_the_run_with_its_home(project: pytest.Pytester)
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [
-        pytest.param("supports_fp8: true", "supports_fp9: true",
-                     "*l0_h100?1?.condition.terms: unknown key 'supports_fp9'; allowed: stage, "
-                     "backend, orchestrator, supports_int8, supports_tf32, supports_bf16, "
-                     "supports_fp8, supports_fp4", id="misspelled-term"),
-        pytest.param("backend: pytorch", "backend: tensorrt",
-                     "*backend 'tensorrt' is TensorRT-LLM's and has no counterpart here*",
-                     id="tensorrt-backend"),
-        pytest.param(f"linux_distribution_name: {DISTRO}*", "linux_distro: ubuntu*",
-                     "*unknown key 'linux_distro'; allowed: gpu, cpu, linux_distribution_name, "
-                     "compute_capability", id="misspelled-wildcard"),
+        pytest.param("    terms:\n      stage: pre_merge\n      backend: pytorch",
+                     "    term:\n      stage: pre_merge\n      backend: pytorch",
+                     "*l0_h100?0?.condition: unknown key 'term'; allowed: ranges, wildcards, terms",
+                     id="misspelled-section"),
+        pytest.param("attention_backend: flashinfer", "backend: flashinfer",
+                     "*terms.backend: 'flashinfer' is an attention backend; 'backend' is the "
+                     "job's*", id="attention-backend-as-backend"),
+        pytest.param("supports_fp8: true", "supports_fp8: 1",
+                     "*terms.supports_fp8: 1 is not one of true, false", id="feature-not-bool"),
     ],
 )
-def test_unknown_keys_are_errors_listing_the_known_ones(
+def test_bad_keys_and_values_are_errors_in_one_voice(
     project: pytest.Pytester, old: str, new: str, message: str
 ) -> None:
     path = project.path / "lists" / "test-db" / "l0_h100.yml"
     path.write_text(L0_H100.replace(old, new, 1))
-    result = project.runpytest("--test-db", "lists/test-db")
+    result = project.runpytest("--kvh-test-db", "lists/test-db")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])

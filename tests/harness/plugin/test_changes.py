@@ -78,8 +78,8 @@ def test_dependencies_follow_imports_conftests_and_relative_imports(repo: pytest
 
 
 def _run(repo: pytest.Pytester) -> tuple[pytest.RunResult, dict[str, object]]:
-    result = repo.runpytest("--test-db", "lists/test-db", "--changed-since", "main",
-                            "--results-dir", "out")
+    result = repo.runpytest("--kvh-test-db", "lists/test-db", "--kvh-changed-since", "main",
+                            "--kvh-results-dir", "out")
     manifest = json.loads((repo.path / "out" / "not_run.json").read_text())
     return result, manifest
 
@@ -137,21 +137,21 @@ def test_a_committed_change_on_a_branch_counts(repo: pytest.Pytester) -> None:
 
 
 @pytest.mark.parametrize(("ref", "message"), [
-    pytest.param("no-such-ref", "*--changed-since no-such-ref: 'no-such-ref' names no commit "
+    pytest.param("no-such-ref", "*--kvh-changed-since no-such-ref: 'no-such-ref' names no commit "
                  "in this repository; give a branch, tag or commit id*", id="unknown"),
     # A tree is an object git resolves, but no commit a branch could have left.
-    pytest.param("HEAD^{tree}", "*--changed-since HEAD^{tree}: 'HEAD^{tree}' names no commit*",
+    pytest.param("HEAD^{tree}", "*--kvh-changed-since HEAD^{tree}: 'HEAD^{tree}' names no commit*",
                  id="tree"),
-    pytest.param("main..HEAD", "*--changed-since main..HEAD: 'main..HEAD' names no commit*",
+    pytest.param("main..HEAD", "*--kvh-changed-since main..HEAD: 'main..HEAD' names no commit*",
                  id="range"),
     # git merge-base would read these as its own options: --octopus silently meant HEAD.
-    pytest.param("--octopus", "*--changed-since --octopus: a ref cannot start with '-' (git "
+    pytest.param("--octopus", "*--kvh-changed-since --octopus: a ref cannot start with '-' (git "
                  "would read it as an option); give a branch, tag or commit id*", id="option"),
-    pytest.param("-", "*--changed-since -: a ref cannot start with '-'*", id="dash"),
+    pytest.param("-", "*--kvh-changed-since -: a ref cannot start with '-'*", id="dash"),
 ])
 def test_a_bad_ref_is_a_usage_error(repo: pytest.Pytester, ref: str, message: str) -> None:
-    result = repo.runpytest("--test-db", "lists/test-db", f"--changed-since={ref}",
-                            "--results-dir", "out")
+    result = repo.runpytest("--kvh-test-db", "lists/test-db", f"--kvh-changed-since={ref}",
+                            "--kvh-results-dir", "out")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert not (repo.path / "out" / "not_run.json").exists(), "the run went ahead"
@@ -163,6 +163,6 @@ def test_a_ref_may_be_a_tag_or_a_commit_id(repo: pytest.Pytester) -> None:
                           text=True, check=True).stdout.strip()
     (repo.path / "mylib" / "a.py").write_text("def a(): return 1  # edited\n")
     for ref in ("base", base[:12], f"{base}^{{commit}}"):
-        result = repo.runpytest("--test-db", "lists/test-db", f"--changed-since={ref}")
+        result = repo.runpytest("--kvh-test-db", "lists/test-db", f"--kvh-changed-since={ref}")
         assert result.ret == pytest.ExitCode.OK, ref
         assert _passed(result) == ["test_a", "test_core"], ref

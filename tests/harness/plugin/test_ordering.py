@@ -202,7 +202,7 @@ def _run(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)  # when this test runs in an xdist worker
-    result = project.runpytest_subprocess("--test-db", "lists/test-db", "-p", "no:randomly",
+    result = project.runpytest_subprocess("--kvh-test-db", "lists/test-db", "-p", "no:randomly",
                                           *args)
     lines = log.read_text().splitlines() if log.exists() else []
     return result, [(w, n) for w, n in (line.split(" ", 1) for line in lines)]
@@ -290,8 +290,8 @@ def test_the_command_line_overrides_the_lists(
     result, ran = _run(project, monkeypatch, "--kvh-order", "collection")
     assert [n for _, n in ran] == NODE_IDS
     assert "kvharness order" not in result.stdout.str()
-    listed, ran = _run(project, monkeypatch, "--list-order")
-    assert [n for _, n in ran] == NODE_IDS  # --list-order keeps the list's order
+    listed, ran = _run(project, monkeypatch, "--kvh-list-order")
+    assert [n for _, n in ran] == NODE_IDS  # --kvh-list-order keeps the list's order
     assert "kvharness order" not in listed.stdout.str()
 
 

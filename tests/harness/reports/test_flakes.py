@@ -39,7 +39,7 @@ def runs(quiet_pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Pa
     for run in (1, 2, 3):
         monkeypatch.setenv("RUN", str(run))
         (quiet_pytester.path / "attempted").unlink(missing_ok=True)
-        quiet_pytester.runpytest("--reruns", "--junitxml", str(out / f"run{run}" / "junit.xml"))
+        quiet_pytester.runpytest("--kvh-reruns", "--junitxml", str(out / f"run{run}" / "junit.xml"))
     return out
 
 

@@ -49,7 +49,7 @@ def test_summary_of_a_run_names_failing_waived_and_flaky_tests(
     quiet_pytester.path.joinpath("lists", "waives.txt").write_text(
         "tests/test_j.py::test_waived SKIP (https://nvbugs/42)\n")
     out = quiet_pytester.path / "results" / "premerge"
-    quiet_pytester.runpytest("--test-db", "lists/test-db", "--results-dir", str(out),
+    quiet_pytester.runpytest("--kvh-test-db", "lists/test-db", "--kvh-results-dir", str(out),
                              "--junitxml", str(out / "junit.xml"))
     text = summarize(out)
     assert (

@@ -67,7 +67,7 @@ TESTS = textwrap.dedent("""\
 @pytest.fixture
 def failed_run(quiet_pytester: pytest.Pytester) -> tuple[pytest.Pytester, pytest.RunResult]:
     quiet_pytester.makepyfile(test_r=TESTS)
-    result = quiet_pytester.runpytest("--results-dir", "out")
+    result = quiet_pytester.runpytest("--kvh-results-dir", "out")
     result.assert_outcomes(failed=2)
     return quiet_pytester, result
 

@@ -83,7 +83,7 @@ def repro_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (here / "test_s.py").write_text(TESTS)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
-         "-p", "no:benchmark", "-q", "--results-dir", "out", "test_s.py"],
+         "-p", "no:benchmark", "-q", "--kvh-results-dir", "out", "test_s.py"],
         cwd=here, env=_env(), capture_output=True, text=True, timeout=300, check=False)
     assert f"{len(NAMES)} failed" in done.stdout, done.stdout + done.stderr
     files = {name: here / "out" / "repro" / f"test_s.py_{name}.json" for name in NAMES}

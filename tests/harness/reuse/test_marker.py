@@ -75,7 +75,7 @@ def test_body_fails_first(mgr, reuse_watch):
 @pytest.fixture
 def outcome(quiet_pytester: pytest.Pytester) -> pytest.RunResult:
     quiet_pytester.makepyfile(test_marked=TESTS)
-    return quiet_pytester.runpytest("--strict-markers", "--results-dir", "out")
+    return quiet_pytester.runpytest("--strict-markers", "--kvh-results-dir", "out")
 
 
 def test_marker_outcomes(outcome: pytest.RunResult) -> None:
