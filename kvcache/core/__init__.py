@@ -1,6 +1,6 @@
 """The cache core: block radix tree, block pool, manager, statistics. Pure Python.
 
-Nothing here imports torch or numpy (tests/unit/test_core_boundaries.py checks it): the
+Nothing here imports torch or numpy (tests/unit/core/test_core_boundaries.py checks it): the
 manager hands out block ids and ops (`BlockCopy`, and with a host tier `BlockOffload` and
 `BlockOnboard`), and the engine applies them to tensors.
 """
