@@ -4,7 +4,7 @@
 `probe_reuse`'s: the walk, the reuse alignment, the sliding-window cut and the pressure
 claim, changing nothing. `_carry_out` is `admit`'s once the manager has checked the call:
 it holds the reused blocks, claims or copies the partial one, onboards host hits and
-allocates the rest. A base class of KVCacheManager over its state (cache_state.py);
+allocates the rest. A base class of KVCacheManager over its state (state.py);
 only the manager's methods call these, after checking the call.
 """
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Hashable
 
-from kvcache.core.cache_state import CacheState
 from kvcache.core.events import CacheEvent
 from kvcache.core.handle import Sequence
 from kvcache.core.keys import TOKEN_BYTES, ScopeKey
 from kvcache.core.ops import BlockCopy, BlockOnboard
 from kvcache.core.plan import AdmissionPlan
 from kvcache.core.radix import Node
+from kvcache.core.state import CacheState
 from kvcache.core.window_holds import (
     Hits,
     cut_hits,

@@ -3,15 +3,15 @@
 `_cache_full_blocks` is the tree side of `KVCacheManager.commit`: blocks equal to ones
 already cached are deduplicated (the sequence switches to them), the rest become an edge
 the sequence holds. `_cache_tail` runs at `free_sequence` with partial reuse on. A base
-class of KVCacheManager over its state (cache_state.py); only the manager calls these.
+class of KVCacheManager over its state (state.py); only the manager calls these.
 """
 
 from __future__ import annotations
 
-from kvcache.core.cache_state import CacheState
 from kvcache.core.handle import Sequence
 from kvcache.core.keys import TOKEN_BYTES
 from kvcache.core.radix import Node
+from kvcache.core.state import CacheState
 from kvcache.core.window_holds import take_path
 
 

@@ -4,15 +4,15 @@ Under a sliding window an admission allocates only its first chunk's blocks and
 `KVCacheManager.reserve` asks for the rest chunk by chunk (`_reserve_blocks`, as many as
 the pool can give); `append_tokens` asks for the blocks of generated tokens
 (`_append_blocks`, all or nothing). Both take free blocks first, then evict, and count
-the allocation. A base class of KVCacheManager over its state (cache_state.py).
+the allocation. A base class of KVCacheManager over its state (state.py).
 """
 
 from __future__ import annotations
 
-from kvcache.core.cache_state import CacheState
 from kvcache.core.events import CacheEvent
 from kvcache.core.handle import Sequence
 from kvcache.core.pool import OutOfBlocksError
+from kvcache.core.state import CacheState
 
 
 class Growth(CacheState):

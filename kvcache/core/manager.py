@@ -13,7 +13,7 @@ blocks are allocated as the engine reserves them chunk by chunk, and a match nee
 the cached blocks inside the window of its first new token.
 
 This class checks every call, then does the work; the work lives beside it, one concept
-a module, as classes over the state it inherits (`cache_state.py`): `admission.py` (the
+a module, as classes over the state it inherits (`state.py`): `admission.py` (the
 plan's walk and carrying it out), `caching.py` (committed blocks and tails into the
 tree), `growth.py` (blocks after admission); `stats.py` (counters and statistics) and
 `integrity.py` (invariants and the leak report) are functions of it.
