@@ -33,8 +33,7 @@ from harness.oracle.provenance import Move, ShadowStore
 from harness.oracle.types import MOVES, Event, normalize_event
 
 if TYPE_CHECKING:
-    from kvcache import AdmissionPlan, KVCacheManager, ReuseScope
-    from kvcache import Sequence as CacheSequence
+    from kvcache import AdmissionPlan, KVCacheManager, ReuseScope, SequenceHandle
     from kvcache.core.ops import KvOp
 
 T = TypeVar("T")
@@ -115,7 +114,7 @@ class CheckedManager:
         return plan
 
     def admit(self, seq_id: Hashable, plan: AdmissionPlan,
-              priority: int | None = None) -> CacheSequence:
+              priority: int | None = None) -> SequenceHandle:
         """`KVCacheManager.admit` (the manager's default priority unless given), checked."""
         known = self._plans.get(id(plan))
         need = chunk = None
@@ -130,7 +129,7 @@ class CheckedManager:
 
     def add_sequence(self, seq_id: Hashable, tokens: Sequence[int],
                      scope: ReuseScope | None = None,
-                     priority: int | None = None) -> CacheSequence:
+                     priority: int | None = None) -> SequenceHandle:
         """`KVCacheManager.add_sequence` (the manager's default priority unless given),
         checked."""
         toks = list(tokens) if not isinstance(tokens, list) else tokens
@@ -287,9 +286,9 @@ class CheckedManager:
         except ValueError:
             return None  # bad input: the manager rejects it with its own message
 
-    def _admitted(self, seq_id: Hashable, where: str, call: Callable[[], CacheSequence],
+    def _admitted(self, seq_id: Hashable, where: str, call: Callable[[], SequenceHandle],
                   need: int | None, first_chunk: int | None, *,
-                  check_blocks: bool = True) -> CacheSequence:
+                  check_blocks: bool = True) -> SequenceHandle:
         """The admission `call`, checked; unless `check_blocks` (the first chunk is not
         known), its block positions must be those of `first_chunk`."""
         seq = self._call(where, call, need)

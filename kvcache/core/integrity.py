@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from kvcache.core.keys import TOKEN_BYTES
@@ -25,7 +25,7 @@ from kvcache.core.window import first_held_block
 
 if TYPE_CHECKING:
     from kvcache.core.config import KvCacheConfig
-    from kvcache.core.handle import Sequence
+    from kvcache.core.handle import SequenceHandle
     from kvcache.core.host_tier import HostTier
     from kvcache.core.ops import KvOp
     from kvcache.core.pool import BlockPool
@@ -35,11 +35,30 @@ if TYPE_CHECKING:
 class CheckedCache(Protocol):
     """The public state of a cache manager that the check reads (nothing private)."""
 
-    config: KvCacheConfig
-    reuse: bool
-    tree: BlockRadixTree
-    pool: BlockPool
-    sequences: dict[Hashable, Sequence]
+    @property
+    def config(self) -> KvCacheConfig:
+        """Its configuration."""
+        ...
+
+    @property
+    def reuse(self) -> bool:
+        """Whether block reuse is on."""
+        ...
+
+    @property
+    def tree(self) -> BlockRadixTree:
+        """Its block radix tree."""
+        ...
+
+    @property
+    def pool(self) -> BlockPool:
+        """Its device block pool (and through it the host tier)."""
+        ...
+
+    @property
+    def sequences(self) -> Mapping[Hashable, SequenceHandle]:
+        """The live sequences' handles by seq_id."""
+        ...
 
     @property
     def pending_copies(self) -> list[tuple[Hashable, KvOp]]:
@@ -197,7 +216,7 @@ def _check_child_index(node: Node, bb: int, where: str) -> None:
         _fail(f"{where}: its first-block index of full children is stale")
 
 
-def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int],
+def _check_sequence(mgr: CheckedCache, seq: SequenceHandle, expected_ref: Counter[int],
                     own: Callable[[int, str], None]) -> None:
     B = mgr.config.tokens_per_block
     window = mgr.config.sliding_window

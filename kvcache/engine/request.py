@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcache.core.handle import Sequence as CacheSequence
+from kvcache.core.handle import SequenceHandle
 from kvcache.core.keys import ReuseScope
 from kvcache.core.stats import RequestKvMetrics
 
@@ -72,7 +72,7 @@ class Request:
     tokens: array = field(default_factory=lambda: array("I"))
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
-    seq: CacheSequence | None = None
+    seq: SequenceHandle | None = None
     slot: int | None = None
     table_len: int = 0
     table_version: int = 0  # seq.block_ids_version when its table row was last written

@@ -15,8 +15,9 @@ from kvcache import (
     KvCacheConfig,
     KVCacheManager,
     OutOfBlocksError,
-    Sequence,
+    SequenceHandle,
 )
+from kvcache.core.handle import SequenceRecord
 
 
 def config(B: int = 4, blocks: int = 4) -> KvCacheConfig:
@@ -93,16 +94,19 @@ def test_a_windowed_manager_is_checked_chunk_by_chunk(reuse: bool) -> None:
 class KeepsWhatItReleased(KVCacheManager):
     """Commits without releasing the blocks outside the window."""
 
-    def _slide(self, seq: Sequence) -> None:
+    def _slide(self, record: SequenceRecord) -> None:
         pass
 
 
 class ReservesOneShort(KVCacheManager):
     """Reserves one block fewer than it could."""
 
-    def _reserve_blocks(self, seq: Sequence, need: int) -> None:
-        if need > 1:
-            super()._reserve_blocks(seq, need - 1)
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
+        have = len(self.get_sequence(seq_id).block_ids)
+        need = -(-num_tokens // self.config.tokens_per_block) - have
+        if need > 1:  # ask for the tokens of one block fewer
+            num_tokens = (have + need - 1) * self.config.tokens_per_block
+        return super().reserve(seq_id, num_tokens)
 
 
 def test_a_window_that_keeps_blocks_or_reserves_short_is_caught() -> None:
@@ -123,7 +127,7 @@ class DropsCopiesWithTheirSequence(KVCacheManager):
     the tokens they were to write stayed cached as its tail."""
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        self._copy_ops = [e for e in self._copy_ops if e[0] != seq_id]
+        self.state.op_queue = [e for e in self.state.op_queue if e[0] != seq_id]
         super().free_sequence(seq_id)
 
 
@@ -143,7 +147,7 @@ class AcksTheWholeQueue(KVCacheManager):
     took it, applied or not."""
 
     def ack_copy_ops(self, num_applied: int) -> None:
-        super().ack_copy_ops(len(self._copy_ops))
+        super().ack_copy_ops(len(self.pending_copies))
 
 
 def test_an_ack_that_drops_unapplied_ops_is_caught() -> None:
@@ -162,7 +166,7 @@ class RefusesEarly(KVCacheManager):
     """Refuses any admission once a block is in use, whatever is free."""
 
     def admit(self, seq_id: Hashable, plan: AdmissionPlan,
-              priority: int = DEFAULT_PRIORITY) -> Sequence:
+              priority: int = DEFAULT_PRIORITY) -> SequenceHandle:
         if self.stats().used_num_blocks:
             raise OutOfBlocksError(f"admit({seq_id!r})", plan.num_new_blocks, 0, 8)
         return super().admit(seq_id, plan, priority)
@@ -197,7 +201,7 @@ class ForgetsTheVersion(KVCacheManager):
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         super().commit(seq_id, num_tokens)
-        self.sequences[seq_id]._block_ids_version = 0
+        self.state.records[seq_id].block_ids_version = 0
 
 
 def test_block_ids_that_change_silently_are_caught() -> None:

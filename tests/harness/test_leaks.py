@@ -107,8 +107,8 @@ def test_plugin_errors_in_teardown_with_what_leaked(quiet_pytester: pytest.Pytes
                        "ref count of block 2 is -1",
         "test_freed_in_teardown": "freed_in_teardown (FakeOwner): leaked: seq 1 live",
         "test_factory": "factory.cache_owners()[1] (FakeOwner): leaked: seq 3 live",
-        "test_real_leak": "mgr (KVCacheManager): leaked: sequence 1 is still live, holding 3 blocks",
-        "test_engine_leak": "engine.cache_manager (KVCacheManager): leaked: sequence 2 is still "
+        "test_real_leak": "mgr (KvCacheManager): leaked: sequence 1 is still live, holding 3 blocks",
+        "test_engine_leak": "engine.cache_manager (KvCacheManager): leaked: sequence 2 is still "
                             "live",
     }
     for name, line in expected.items():
@@ -191,9 +191,9 @@ def test_a_leaking_bare_engine_fixture_errors(quiet_pytester: pytest.Pytester) -
     result.assert_outcomes(passed=3, errors=2)
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_unfinished_request*",
-        "*engine.manager (KVCacheManager): leaked: sequence 0 is still live, holding 3 blocks*",
+        "*engine.manager (KvCacheManager): leaked: sequence 0 is still live, holding 3 blocks*",
         "*ERROR at teardown of test_factory_of_engines*",
-        "*engines.cache_owners()?1?.manager (KVCacheManager): leaked: sequence 0 is still live*",
+        "*engines.cache_owners()?1?.manager (KvCacheManager): leaked: sequence 0 is still live*",
     ])
     result.stdout.no_fnmatch_line("*teardown of test_finished*")
 

@@ -21,7 +21,7 @@ from kvcache import KVCacheManager, KvCacheConfig
 class DropsCopiesWithTheirSequence(KVCacheManager):
     # the cache before the fix: a freed sequence's queued copies went, its tail stayed
     def free_sequence(self, seq_id):
-        self._copy_ops = [e for e in self._copy_ops if e[0] != seq_id]
+        self.state.op_queue = [e for e in self.state.op_queue if e[0] != seq_id]
         super().free_sequence(seq_id)
 
 

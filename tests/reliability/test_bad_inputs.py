@@ -133,7 +133,7 @@ ManagerCall = Callable[[KVCacheManager], object]
     pytest.param(lambda m: m.probe_reuse([3, None]),
                  r"probe_reuse: token 1 is None", id="mgr-probe-token"),
     pytest.param(lambda m: KVCacheManager({"tokens_per_block": 4}),  # type: ignore[arg-type]
-                 r"KVCacheManager: expected a KvCacheConfig, got \{'tokens_per_block': 4\}",
+                 r"KvCacheManager: expected a KvCacheConfig, got \{'tokens_per_block': 4\}",
                  id="mgr-config-dict"),
 ))
 def test_bad_manager_call_changes_nothing(call: ManagerCall, message: str) -> None:
@@ -191,7 +191,7 @@ def test_a_pool_that_does_not_fit_in_memory_names_its_field(field: str) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], check=False)
     assert done.returncode == 1, done.stderr
-    assert (f"ValueError: KVCacheManager: out of memory building the free list of "
+    assert (f"ValueError: KvCacheManager: out of memory building the free list of "
             f"KvCacheConfig.{field}=2147483647 blocks; lower it") in done.stderr
 
 
@@ -237,7 +237,7 @@ def test_a_plan_from_another_manager_changes_nothing() -> None:
     plan = a.plan_admission([1, 2, 3, 4, 5, 6])
     before = _manager_state(b)
     with pytest.raises(ValueError, match=r"admit\('y'\): AdmissionPlan\(tokens=6, cached=5, "
-                                         r".*\) was made by another KVCacheManager, not this "
+                                         r".*\) was made by another KvCacheManager, not this "
                                          r"one"):
         b.admit("y", plan)
     assert _manager_state(b) == before
