@@ -5,8 +5,8 @@
 claim, changing nothing. `carry_out` is `admit`'s once the manager has checked the call,
 in four steps: hold the hits (`_hold_hits`), take the partial block (`_claim` it, or
 hold it as a copy source), allocate and onboard (`CacheState.allocate`, `_onboard`,
-then `_copy_partial`), and count (`_count`). Only the manager calls these, after checking the call; each takes
-its `CacheState` explicitly.
+then `_copy_partial`), and count (`_count`). Only the manager calls these, after
+checking the call; each takes its `CacheState` explicitly.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _plan(state: CacheState, tokens: array, scope: ScopeKey, first_chunk: int | 
     block_size = state.tokens_per_block
     num_blocks = (len(tokens) + block_size - 1) // block_size
     skipped = 0
-    if state.window_left is not None:
+    if state.window_left is not None:  # full attention needs every matched block
         hits, num_full, partial, num_cached, skipped = cut_to_window(
             hits, num_full, partial, state.window_left, block_size, state.alignment_blocks)
     if skipped:
@@ -139,7 +139,7 @@ def carry_out(state: CacheState, seq_id: Hashable, plan: AdmissionPlan,
         source = _hold_copy_source(state, hit.node, priority)
     allocation = state.allocate(plan.num_new_blocks - len(followers)
                                 + plan.num_onboard_blocks)
-    if plan.num_onboard_blocks:
+    if plan.num_onboard_blocks:  # host hits take the last blocks allocated
         allocation = _onboard(state, plan, allocation, host_chain, block_ids)
     new = allocation.block_ids + followers
     onboarded = plan.num_onboard_blocks
@@ -232,7 +232,7 @@ def _copy_partial(state: CacheState, seq_id: Hashable, hit: PartialHit, source: 
     """Queue the copy of the partial hit's tokens from the held `source` into the new
     sequence's block `target`, and let go of the source. Returns how many blocks that
     onboards: 1 from a host block (which is pinned, not held), else 0."""
-    if source.host:
+    if source.host:  # the KV is in a host slot: onboarded, and the pin dropped
         host = state.host
         assert host is not None
         state.queue(seq_id, BlockOnboard(source.blocks[0], target, hit.num_tokens))

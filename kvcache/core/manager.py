@@ -253,7 +253,7 @@ class KvCacheManager:
         if state.events is not None:
             ids = tuple(record.block_ids) if record.block_ids_version != switched else ()
             state.events.append(CacheEvent("commit", seq_id, (), n, None, ids))
-        if state.window_left is not None:
+        if state.window_left is not None:  # under full attention every block stays needed
             self._slide(record)
 
     def _slide(self, record: SequenceRecord) -> None:
