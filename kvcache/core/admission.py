@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Hashable
 
 from kvcache.core.events import CacheEvent
-from kvcache.core.handle import SequenceRecord
+from kvcache.core.handle import SequenceHandle, SequenceRecord
 from kvcache.core.keys import TOKEN_BYTES, ScopeKey
 from kvcache.core.ops import BlockCopy, BlockOnboard
 from kvcache.core.plan import AdmissionPlan
@@ -55,10 +55,11 @@ def make_plan(state: CacheState, tokens: array, key_bytes: bytes, scope: ScopeKe
 
 
 def _plan(state: CacheState, tokens: array, scope: ScopeKey, first_chunk: int | None,
-          injected_fault: bool, hits: Hits, num_full: int, partial: PartialHit | None,
-          num_cached: int) -> AdmissionPlan:
-    """The plan of a match (`hits`: `num_full` full blocks, then `partial`, `num_cached`
-    tokens in all): cut to the window, with what it holds and needs. Pure.
+          injected_fault: bool, hits: Hits, num_full_blocks: int,
+          partial_hit: PartialHit | None, num_cached_tokens: int) -> AdmissionPlan:
+    """The plan of a match (`hits`: `num_full_blocks` full blocks, then `partial_hit`,
+    `num_cached_tokens` tokens in all): cut to the window, with what it holds and
+    needs. Pure.
 
     When protecting an unreferenced copy source would take the very block the
     admission needs, the admission takes every available block either way: it claims
@@ -68,45 +69,51 @@ def _plan(state: CacheState, tokens: array, scope: ScopeKey, first_chunk: int | 
     pool = state.pool
     block_size = state.tokens_per_block
     num_blocks = (len(tokens) + block_size - 1) // block_size
-    skipped = 0
+    num_skipped_blocks = 0
     if state.window_left is not None:  # full attention needs every matched block
-        hits, num_full, partial, num_cached, skipped = cut_to_window(
-            hits, num_full, partial, state.window_left, block_size, state.alignment_blocks)
-    if skipped:
-        ids, available = held_ids(hits, skipped, pool.num_available)
+        (hits, num_full_blocks, partial_hit, num_cached_tokens,
+         num_skipped_blocks) = cut_to_window(hits, num_full_blocks, partial_hit,
+                                             state.window_left, block_size,
+                                             state.alignment_blocks)
+    if num_skipped_blocks:
+        hit_block_ids, num_available = held_ids(hits, num_skipped_blocks, pool.num_available)
     else:  # held_ids(hits, 0, ...) inlined: the walk's hot path
-        ids = []
-        available = len(pool.free) + pool.num_evictable
+        hit_block_ids = []
+        num_available = len(pool.free) + pool.num_evictable
         for node, matched in hits:
-            ids += node.blocks if matched == len(node.blocks) else node.blocks[:matched]
+            blocks = node.blocks
+            hit_block_ids += blocks if matched == len(blocks) else blocks[:matched]
             if not node.ref:
-                available -= matched  # about to be referenced
-    onboard = 0
+                num_available -= matched  # about to be referenced
+    num_onboard_blocks = 0
     if state.host is not None:  # a host hit takes a device block, and held none
-        onboard = sum(matched for node, matched in hits if node.host)
-        available += onboard  # of the evictable ones the loop above counted off
-    need = num_blocks if first_chunk is None else _end_block(state, len(tokens), num_cached,
-                                                            first_chunk)
-    need -= num_full + (partial is not None and partial.claim)
-    if partial is not None and not partial.node.ref and not partial.node.host:
-        if partial.claim or need + onboard < available:
-            available -= 1  # claimed, or a copy source protected during the admission
-        elif need + onboard == available and (state.window_left is None
-                                              or unheld_below(partial.node)):
+        num_onboard_blocks = sum(matched for node, matched in hits if node.host)
+        num_available += num_onboard_blocks  # of the evictable ones counted off above
+    num_new_blocks = num_blocks if first_chunk is None else _end_block(
+        state, len(tokens), num_cached_tokens, first_chunk)
+    num_new_blocks -= num_full_blocks + (partial_hit is not None and partial_hit.claim)
+    need = num_new_blocks + num_onboard_blocks
+    if partial_hit is not None and not partial_hit.node.ref and not partial_hit.node.host:
+        if partial_hit.claim or need < num_available:
+            num_available -= 1  # claimed, or a copy source protected during the admission
+        elif need == num_available and (state.window_left is None
+                                        or unheld_below(partial_hit.node)):
             # a copy does not fit: claim the source (see above); under a window the
             # blocks below an unreferenced node may still be held, and then it cannot
-            partial = PartialHit(partial.node, partial.at, partial.num_tokens, claim=True)
-            need -= 1
-            available -= 1
+            partial_hit = PartialHit(partial_hit.node, partial_hit.at, partial_hit.num_tokens,
+                                     claim=True)
+            num_new_blocks -= 1
+            num_available -= 1
         else:  # forgo the partial hit: under a window, the match then reaches further
-            return _plan(state, tokens, scope, first_chunk, injected_fault, hits, num_full,
-                         None, num_full * block_size)
+            return _plan(state, tokens, scope, first_chunk, injected_fault, hits,
+                         num_full_blocks, None, num_full_blocks * block_size)
     return AdmissionPlan(
         cache=state, version=state.version, tokens=tokens, scope=scope,
-        num_blocks=num_blocks, hits=hits, hit_block_ids=ids, num_full_blocks=num_full,
-        partial_hit=partial, num_cached_tokens=num_cached, num_new_blocks=need,
-        num_available=available, num_skipped_blocks=skipped, num_onboard_blocks=onboard,
-        injected_fault=injected_fault)
+        num_blocks=num_blocks, hits=hits, hit_block_ids=hit_block_ids,
+        num_full_blocks=num_full_blocks, partial_hit=partial_hit,
+        num_cached_tokens=num_cached_tokens, num_new_blocks=num_new_blocks,
+        num_available=num_available, num_skipped_blocks=num_skipped_blocks,
+        num_onboard_blocks=num_onboard_blocks, injected_fault=injected_fault)
 
 
 def _end_block(state: CacheState, length: int, num_cached: int,
@@ -121,10 +128,11 @@ def _end_block(state: CacheState, length: int, num_cached: int,
 
 
 def carry_out(state: CacheState, seq_id: Hashable, plan: AdmissionPlan,
-              priority: int) -> SequenceRecord:
+              priority: int) -> SequenceHandle:
     """Carry out `plan`, already checked (live id, priority, binding, version, fit), for
-    a new sequence `seq_id`; returns its record, registered in `state.records`. Mutates
-    the tree, the pools, the op queue, the counters and the records."""
+    a new sequence `seq_id`; returns its handle, registered with its record in the
+    state. Mutates the tree, the pools, the op queue, the counters, the records and the
+    handles."""
     state.version += 1
     block_ids: list[int | None] = [None] * plan.num_skipped_blocks
     block_ids += plan.hit_block_ids
@@ -151,11 +159,12 @@ def carry_out(state: CacheState, seq_id: Hashable, plan: AdmissionPlan,
                             plan.num_skipped_blocks)
     _count(state, record, plan, allocation, onboarded)
     state.records[seq_id] = record
+    handle = state.handles[seq_id] = SequenceHandle(record)
     if state.events is not None:
         state.events.append(CacheEvent("admit", seq_id, tuple(plan.tokens),
                                        plan.num_cached_tokens, plan.scope, tuple(block_ids),
                                        priority))
-    return record
+    return handle
 
 
 def _hold_hits(state: CacheState, plan: AdmissionPlan,

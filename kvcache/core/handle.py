@@ -5,14 +5,14 @@ public and only kvcache/core changes them, through the manager's checked calls:
 admission (admission.py) creates the record, `commit` (caching.py, window_holds.py),
 `reserve` and `append_tokens` (growth.py) change it, `free_sequence` drops it.
 `SequenceHandle` is what `admit`, `add_sequence` and `get_sequence` return: a view of one
-record whose every field is read-only, and always current. `LiveSequences` is the
-manager's `sequences`: a read-only mapping of seq_id to handle over the records.
+record whose every field is read-only, and always current. The record does not point
+back at its handle, so a freed sequence's objects go when their last user lets go.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable
 from collections.abc import Sequence as AbcSequence
 from typing import TYPE_CHECKING, NamedTuple, cast
 
@@ -56,7 +56,7 @@ class SequenceRecord:
     counts after those are its `RequestKvMetrics`.
     """
 
-    __slots__ = ("block_ids", "block_ids_version", "handle", "last_node", "num_cached_tokens",
+    __slots__ = ("block_ids", "block_ids_version", "last_node", "num_cached_tokens",
                  "num_committed_tokens", "num_dropped_blocks", "num_full_reused_blocks",
                  "num_missed_blocks", "num_new_allocated_blocks", "num_offloaded_blocks",
                  "num_onboarded_blocks", "num_partial_reused_blocks", "num_released_blocks",
@@ -81,7 +81,6 @@ class SequenceRecord:
         self.num_full_reused_blocks = self.num_partial_reused_blocks = 0
         self.num_missed_blocks = 0
         self.num_onboarded_blocks = self.num_offloaded_blocks = self.num_dropped_blocks = 0
-        self.handle = SequenceHandle(self)
 
     def live_block_ids(self, start: int = 0, end: int | None = None) -> list[int]:
         """The ids of block positions [max(start, num_released_blocks), end), in order
@@ -224,28 +223,3 @@ class SequenceHandle:
         return (f"SequenceHandle({record.seq_id!r}, tokens={len(record.tokens)}, "
                 f"cached={record.num_cached_tokens}, committed={record.num_committed_tokens}, "
                 f"blocks={record.block_ids})")
-
-
-class LiveSequences(Mapping[Hashable, SequenceHandle]):
-    """The live sequences by seq_id, as handles: a read-only view of the manager's
-    records (`KvCacheManager.sequences`); it follows every admission and free."""
-
-    __slots__ = ("_records",)
-
-    def __init__(self, records: dict[Hashable, SequenceRecord]) -> None:
-        self._records = records
-
-    def __getitem__(self, seq_id: Hashable) -> SequenceHandle:
-        return self._records[seq_id].handle
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._records
-
-    def __iter__(self) -> Iterator[Hashable]:
-        return iter(self._records)
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __repr__(self) -> str:
-        return f"LiveSequences({list(self._records)!r})"

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
 from collections.abc import Sequence as AbcSequence
+from types import MappingProxyType
 
 from kvcache.core.admission import carry_out, make_plan
 from kvcache.core.caching import cache_full_blocks, cache_tail
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent, op_event
 from kvcache.core.growth import append_blocks, reserve_blocks
-from kvcache.core.handle import LiveSequences, SequenceHandle, SequenceRecord
+from kvcache.core.handle import SequenceHandle, SequenceRecord
 from kvcache.core.host_tier import TierListener
 from kvcache.core.integrity import check_manager, leak_report
 from kvcache.core.keys import ReuseScope, scope_key, to_token_array, token_bytes
@@ -77,7 +78,9 @@ class KvCacheManager:
     def __init__(self, config: KvCacheConfig, *, record_events: bool = False,
                  kv_events: bool = False) -> None:
         self.state = CacheState(config, record_events=record_events, kv_events=kv_events)
-        self.sequences: Mapping[Hashable, SequenceHandle] = LiveSequences(self.state.records)
+        # the state's handles, read-only: it follows every admission and free
+        self.sequences: Mapping[Hashable, SequenceHandle] = MappingProxyType(
+            self.state.handles)
         self._step_base: KvCacheStats | None = None
 
     # ------------------------------------------------------------------ its state
@@ -180,7 +183,7 @@ class KvCacheManager:
             raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}", need,
                                    0 if plan.injected_fault else plan.num_available,
                                    state.pool.num_blocks)
-        return carry_out(state, seq_id, plan, priority).handle
+        return carry_out(state, seq_id, plan, priority)
 
     def add_sequence(self, seq_id: Hashable, tokens: AbcSequence[int],
                      scope: ReuseScope | None = None,
@@ -314,6 +317,7 @@ class KvCacheManager:
         record = state.records.pop(seq_id, None)
         if record is None:
             raise _unknown("free_sequence", seq_id)
+        del state.handles[seq_id]
         state.version += 1
         unwritten = bool(state.op_queue) and self._drop_copies(seq_id)
         if state.kv_event_log is not None:
@@ -483,7 +487,10 @@ class KvCacheManager:
     # ------------------------------------------------------------------ inspection
     def get_sequence(self, seq_id: Hashable) -> SequenceHandle:
         """The live handle of `seq_id`; ValueError if it is not live."""
-        return self._record(seq_id, "get_sequence").handle
+        handle = self.state.handles.get(seq_id)
+        if handle is None:
+            raise _unknown("get_sequence", seq_id)
+        return handle
 
     def _record(self, seq_id: Hashable, where: str) -> SequenceRecord:
         record = self.state.records.get(seq_id)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent
-from kvcache.core.handle import SequenceRecord
+from kvcache.core.handle import SequenceHandle, SequenceRecord
 from kvcache.core.host_tier import HostTier
 from kvcache.core.kv_event_log import KvEventLog
 from kvcache.core.ops import KvOp
@@ -43,12 +43,13 @@ def _out_of_memory(config: KvCacheConfig, field: str) -> ValueError:
 
 class CacheState:
     """A paged KV cache's bookkeeping: a block radix tree over a fixed block pool (and a
-    host tier behind it), the live sequences' records, the queued ops, the counters and
-    the event logs. Raises ValueError for a `config` that is not a KvCacheConfig, or one
-    whose pools' free lists do not fit in memory (naming the field)."""
+    host tier behind it), the live sequences' records and handles, the queued ops, the
+    counters and the event logs. Raises ValueError for a `config` that is not a
+    KvCacheConfig, or one whose pools' free lists do not fit in memory (naming the
+    field)."""
 
     __slots__ = ("alignment_blocks", "allocation_fault", "config", "copy_on_partial",
-                 "counters", "events", "host", "kv_event_log", "on_blocks_removed",
+                 "counters", "events", "handles", "host", "kv_event_log", "on_blocks_removed",
                  "op_queue", "partial_reuse", "pool", "records", "reuse", "tokens_per_block",
                  "tree", "version", "window_left")
 
@@ -81,7 +82,10 @@ class CacheState:
         self.partial_reuse = config.partial_reuse
         self.copy_on_partial = config.copy_on_partial
         self.alignment_blocks = config.reuse_alignment_blocks
-        self.records: dict[Hashable, SequenceRecord] = {}  # the live sequences
+        # the live sequences, by seq_id: their records, and the handles callers get (the
+        # same keys always: admission adds to both, free_sequence takes from both)
+        self.records: dict[Hashable, SequenceRecord] = {}
+        self.handles: dict[Hashable, SequenceHandle] = {}
         # (owner, op): a sequence's copies die with it; CACHE's moves of tree blocks never
         self.op_queue: list[tuple[Hashable, KvOp]] = []
         self.counters = Counters()
