@@ -79,13 +79,13 @@ class BlockPool:
         """Blocks obtainable now: free plus evictable."""
         return len(self.free) + self.num_evictable
 
-    def acquire(self, deep: Node, stop: Node | None, priority: int) -> None:
-        """Take one reference on every node from `deep` up to (excluding) `stop`.
+    def acquire(self, deepest: Node, stop: Node | None, priority: int) -> None:
+        """Take one reference on every node from `deepest` up to (excluding) `stop`.
 
         `stop=None` means up to the root. A node's retention priority is the highest of
         its holders' since it was last unreferenced.
         """
-        node = deep
+        node = deepest
         parent = node.parent
         while node is not stop and parent is not None:  # the root has no parent
             if node.ref == 0:
@@ -101,8 +101,8 @@ class BlockPool:
         """Advance logical time: releases after this are more recent than those before."""
         self.clock += 1
 
-    def release(self, deep: Node, stop: Node | None = None) -> None:
-        """Drop one reference on `deep` and its ancestors up to (excluding) `stop`;
+    def release(self, deepest: Node, stop: Node | None = None) -> None:
+        """Drop one reference on `deepest` and its ancestors up to (excluding) `stop`;
         `stop=None` releases a holder's whole chain. Unreferenced nodes become evictable.
 
         After a whole-chain release, edges that admissions split are merged back wherever
@@ -111,7 +111,7 @@ class BlockPool:
         holders, as holders hold segments: only unreferenced edges merge there.)
         """
         windowed = self.windowed
-        node = deep
+        node = deepest
         parent = node.parent
         while node is not stop and parent is not None:  # the root has no parent
             node.ref -= 1
@@ -125,7 +125,7 @@ class BlockPool:
             parent = node.parent
         if stop is not None:
             return
-        node = deep
+        node = deepest
         while True:
             top = node.parent
             if top is None or top.parent is None:
