@@ -2,14 +2,16 @@
 `nox -s gpu` (the GPU check; `python -m harness.gpu_check` without nox).
 
 premerge/postmerge run the test-db lists (test_lists/test-db) for the detected hardware;
-anything after `--` goes to pytest and wins over the defaults (`-- --gpu h100
---gpu-count 1`, `-- -n 8 --gpu-per-worker`, `-- tests/unit`). Results (junit XML, the
+anything after `--` goes to pytest and wins over the defaults (`-- --kvh-gpu h100
+--kvh-gpu-count 1`, `-- -n 8 --kvh-gpu-per-worker`, `-- tests/unit`). Results (junit XML, the
 reuse report, benchmark JSON) land in results/<session>/.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 import nox
@@ -18,20 +20,65 @@ nox.needs_version = ">=2024.4"  # what pyproject's dev extra installs; nox reads
 nox.options.sessions = ["premerge"]
 nox.options.default_venv_backend = "venv"
 
-# Sessions see the interpreter's site-packages so torch comes from the environment they
-# run in (the CPU build here, the runner's CUDA build on GPU runners): never a bare
-# `torch` requirement that lets the resolver pull a multi-GB build.
-# Tools run as `python -m` so they use this interpreter (and its editable install of the
-# project) even when the system site-packages already provide them.
-VENV_PARAMS = ["--system-site-packages"]
+# torch comes from the environment nox runs in (a virtual environment's CPU build, a GPU
+# runner's CUDA build), never from a bare `torch` requirement that lets the resolver pull
+# a multi-GB build. No `--system-site-packages`: a venv made from inside another venv reads
+# the *base* interpreter's site-packages, where the outer venv's torch is not, and it leaks
+# whatever else the base holds (transformers' version, a stale install of this project).
+# Instead each session gets a .pth naming the one folder of nox's sys.path that holds
+# torch (and so its dependencies): the outer venv's site-packages, or the base's on a GPU
+# runner whose image installed everything there, which is what sessions saw before.
+# Tools run as `python -m` so they use the session's interpreter and its install.
 TEST_DB = "test_lists/test-db"
+TORCH_PTH = "nox-torch.pth"
+CPU_TORCH = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+_PURELIB = "import sysconfig; print(sysconfig.get_path('purelib'))"
+
+
+def torch_site() -> str | None:
+    """The folder on this (nox's) interpreter's sys.path that holds torch, found without
+    importing it; None when torch is not installed here."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(Path(next(iter(spec.submodule_search_locations))).parent)
+
+
+def no_torch_message(python: str) -> str:
+    """What a session says when the interpreter nox runs on (`python`) has no torch."""
+    return (f"torch is not installed where nox runs ({python}); sessions take torch from "
+            f"there. Install the build for this machine into that environment, on a CPU "
+            f"machine: `{python} -m pip install {CPU_TORCH}` (a GPU runner's image brings its "
+            f"CUDA build), then run nox again.")
+
+
+def share_torch(session: nox.Session) -> None:
+    """Make the torch of the interpreter nox runs on importable in `session` (whose Python
+    is that interpreter: no session names another) by writing TORCH_PTH into the session
+    venv's site-packages; nothing under `--no-venv`, where the session runs in that
+    interpreter, or on a venv reused under `--no-install`, which has it already. Stops the
+    session with the install command when that interpreter has no torch."""
+    site = torch_site()
+    if site is None:
+        session.error(no_torch_message(sys.executable))
+    if session.venv_backend == "none":
+        return
+    purelib = session.run_install("python", "-c", _PURELIB, silent=True)
+    if purelib is not None:  # the last line: stderr comes first, merged
+        (Path(str(purelib).splitlines()[-1]) / TORCH_PTH).write_text(site + "\n")
+
+
+def _install(session: nox.Session, target: str) -> None:
+    """Share torch with `session`, then install `target` (this project, editable) into it;
+    under `--no-venv` the current environment is used as it is."""
+    share_torch(session)
+    if session.venv_backend != "none":
+        session.install("-e", target)
 
 
 def _setup(session: nox.Session, extras: str) -> Path:
     """Install the project with `extras`; return a fresh results/<session> folder."""
-    # Fail first, and plainly, where the interpreter nox runs on has no torch to share.
-    session.run("python", "-c", "import torch", silent=True)
-    session.install("-e", f".[{extras}]")
+    _install(session, f".[{extras}]")
     results = Path("results") / session.name
     shutil.rmtree(results, ignore_errors=True)
     results.mkdir(parents=True)
@@ -41,24 +88,24 @@ def _setup(session: nox.Session, extras: str) -> Path:
 def _run_lists(session: nox.Session, stage: str) -> None:
     """Run the test-db lists of `stage` for this machine; posargs go to pytest last."""
     results = _setup(session, "test,bench")
-    session.run("python", "-m", "pytest", f"--test-db={TEST_DB}", f"--stage={stage}",
-                f"--results-dir={results}", f"--junitxml={results / 'junit.xml'}",
+    session.run("python", "-m", "pytest", f"--kvh-test-db={TEST_DB}", f"--kvh-stage={stage}",
+                f"--kvh-results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *session.posargs)
 
 
-@nox.session(venv_params=VENV_PARAMS)
+@nox.session
 def premerge(session: nox.Session) -> None:
     """Run the pre-merge lists for this machine."""
     _run_lists(session, "pre_merge")
 
 
-@nox.session(venv_params=VENV_PARAMS)
+@nox.session
 def postmerge(session: nox.Session) -> None:
     """Run the post-merge lists for this machine."""
     _run_lists(session, "post_merge")
 
 
-@nox.session(venv_params=VENV_PARAMS)
+@nox.session
 def lists(session: nox.Session) -> None:
     """Validate the test lists and waives against the collected tests."""
     _setup(session, "test")
@@ -66,7 +113,7 @@ def lists(session: nox.Session) -> None:
                 *session.posargs)
 
 
-@nox.session(venv_params=VENV_PARAMS)
+@nox.session
 def lint(session: nox.Session) -> None:
     """Ruff on the code, tests, benchmarks and tools; mypy on kvcache/, harness/ and tools/."""
     _setup(session, "dev")
@@ -76,20 +123,20 @@ def lint(session: nox.Session) -> None:
     session.run("python", "-m", "mypy", "tools")
 
 
-@nox.session(venv_params=VENV_PARAMS, default=False)
+@nox.session(default=False)
 def structure(session: nox.Session) -> None:
     """The code's structure in numbers: files, long functions, foreign underscores, imports."""
     session.run("python", "tools/structure.py", *session.posargs)
 
 
-@nox.session(venv_params=VENV_PARAMS, default=False)
+@nox.session(default=False)
 def repro(session: nox.Session) -> None:
     """Replay a failed scenario or reuse check: nox -s repro -- results/<session>/repro/<test>.json."""
-    session.install("-e", ".")
+    _install(session, ".")
     session.run("python", "-m", "harness.cli", "repro", *session.posargs)
 
 
-@nox.session(venv_params=VENV_PARAMS, default=False)
+@nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Run the benchmarks; JSON, summary.md and plots in results/bench (-- --bench-quick: smoke)."""
     results = _setup(session, "test,bench")
@@ -100,15 +147,17 @@ def bench(session: nox.Session) -> None:
 
 
 # What the GPU check imports besides torch and flashinfer; it runs the project from this
-# checkout, so where the interpreter already has these nothing is installed (offline).
+# checkout, so where torch's folder already has these nothing is installed (offline).
 _GPU_CHECK_NEEDS = ("numpy", "yaml", "pydantic", "safetensors", "pytest", "pytest_timeout")
 
 
-@nox.session(venv_params=VENV_PARAMS, default=False)
+@nox.session(default=False)
 def gpu(session: nox.Session) -> None:
     """GPU check: FlashInfer, CUDA graphs, engine, benches; budgeted; results/gpu/report.md."""
-    # torch and flashinfer come from the interpreter's site-packages and are never
-    # installed here; `nox --no-venv -s gpu` runs in the current interpreter as it is.
+    # torch and flashinfer come from the folder that holds torch where nox runs (a GPU
+    # runner's image puts both there) and are never installed here; `nox --no-venv -s gpu`
+    # runs in the current interpreter as it is.
+    share_torch(session)
     if session.venv_backend != "none":
         probe = ("import importlib.util as u; print(all(u.find_spec(m) for m in "
                  f"{_GPU_CHECK_NEEDS!r}))")

@@ -1,16 +1,19 @@
 """Benchmark summary: `python -m benchmarks.report RESULTS_DIR [--json FILE ...]`.
 
 Reads pytest-benchmark JSON (every *.json in RESULTS_DIR that is one, or the --json
-files) through `harness.bench_results`, the reader `kvharness report` uses too, and
+files) through `harness.reports.bench_results`, the reader `kvharness report` uses too, and
 writes RESULTS_DIR/summary.md with the headline numbers and ratios (cache-core tokens/s
 against the baseline trie and docs/design.md's targets, metadata build against one
 copy_, TTFT warm / cold / ideal, hit-rate curves, memory, GPU figures) and PNG plots
-(see benchmarks.report_plots). Sections whose benchmarks did not run are left out.
+(see benchmarks.report_plots). Each suite declares its own sections (a `SECTIONS` tuple
+in its benchmarks/test_bench_*.py, see benchmarks.report_format); sections whose
+benchmarks did not run are left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,11 +21,20 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.conftest import library_versions
-from benchmarks.report_format import render
-from benchmarks.report_md import SECTIONS, other_section
-from harness.bench_results import Benchmark, find_bench_json, load_bench_json
+from benchmarks.report_format import Section, other_section, render
+from harness.reports.bench_results import Benchmark, find_bench_json, load_bench_json
 
 SUMMARY = "summary.md"
+SUITES = Path(__file__).resolve().parent  # benchmarks/test_bench_*.py declare SECTIONS
+
+
+def sections() -> tuple[Section, ...]:
+    """Every section the suites declare (`SECTIONS` in each benchmarks/test_bench_*.py),
+    in file-name order, then in each file's order. Imports the suites (torch with them)."""
+    found: list[Section] = []
+    for path in sorted(SUITES.glob("test_bench_*.py")):
+        found += getattr(importlib.import_module(f"benchmarks.{path.stem}"), "SECTIONS", ())
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,7 @@ def load(results_dir: Path, files: Sequence[Path] = ()) -> Results:
 
     Raises ValueError naming the file when a given file is unreadable or not
     pytest-benchmark JSON, when a JSON file in `results_dir` is not JSON or a benchmark
-    JSON there is of the wrong shape (see `harness.bench_results`), or when no benchmark
+    JSON there is of the wrong shape (see `harness.reports.bench_results`), or when no benchmark
     JSON is found at all.
     """
     runs = [load_bench_json(p) for p in files] if files else find_bench_json(results_dir)
@@ -80,7 +92,7 @@ def summarize(res: Results, plots: Mapping[str, Path], problems: Sequence[str] =
     lists plots that could not be drawn."""
     body: list[str] = []
     left = list(res.benches)
-    for section in SECTIONS:
+    for section in sections():
         mine = [b for b in left if section.claims(b)]
         if mine:
             body += render(section, mine)

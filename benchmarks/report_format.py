@@ -1,15 +1,20 @@
-"""The benchmark summary's building blocks: a Section, rendering one safely, and the
-formats of its cells (rates, durations, ratios, markdown tables)."""
+"""The benchmark summary's building blocks: a Section, which benchmarks it claims
+(`by_base`, `by_suite`), rendering one safely, and the formats of its cells (rates,
+durations, ratios, markdown tables).
+
+Each suite declares its own sections beside its benchmarks: a `SECTIONS` tuple in its
+`benchmarks/test_bench_*.py`, which `benchmarks.report` collects, so a new suite's
+summary is written in the one file that holds it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from harness.markdown import table as markdown_table
+from harness.reports.markdown import table as markdown_table
 
 if TYPE_CHECKING:
-    from harness.bench_results import Benchmark
+    from harness.reports.bench_results import Benchmark
 
 
 class Section(NamedTuple):
@@ -18,6 +23,24 @@ class Section(NamedTuple):
     title: str
     claims: Callable[[Benchmark], bool]
     render: Callable[[Sequence[Benchmark]], list[str]]
+
+
+def by_base(*names: str) -> Callable[[Benchmark], bool]:
+    """Claims the benchmarks whose test function (the name before any `[...]`) is one of
+    `names`."""
+    return lambda b: b.base in names
+
+
+def by_suite(prefix: str) -> Callable[[Benchmark], bool]:
+    """Claims the benchmarks whose extra_info["suite"] starts with `prefix`."""
+    return lambda b: str(b.extra.get("suite", "")).startswith(prefix)
+
+
+def other_section(benches: Sequence[Benchmark]) -> list[str]:
+    """Benchmarks no section claimed."""
+    return ["## Other benchmarks", "",
+            *table(["benchmark", "median", "rounds"],
+                   [[b.name, duration(b.median), b.rounds] for b in benches])]
 
 
 # What a section or plot raises on extra_info it cannot read (JSON from other suites).
@@ -68,5 +91,5 @@ def div(a: float | None, b: float | None) -> float | None:
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     """A markdown table and a blank line after it; cells are escaped as every table the
-    harness writes (`harness.markdown.table`)."""
+    harness writes (`harness.reports.markdown.table`)."""
     return [*markdown_table(header, rows), ""]

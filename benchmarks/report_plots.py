@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from benchmarks.report_format import RENDER_ERRORS
 
 if TYPE_CHECKING:
-    from harness.bench_results import Benchmark
+    from harness.reports.bench_results import Benchmark
 
 
 def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Axes]:

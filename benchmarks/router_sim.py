@@ -7,7 +7,7 @@ and generated tokens (commit) and frees it. The routers:
 - `round_robin` and `random` (seeded) ignore the caches. Round-robin is sticky by
   accident wherever a workload's period is a multiple of N (turn-major chats whose count
   N divides return every turn to the same replica); random is not.
-- `prefix` keeps one `harness.kv_index.EventIndex` per replica, fed only by that
+- `prefix` keeps one `harness.oracle.kv_index.EventIndex` per replica, fed only by that
   replica's events, and sends each request to the replica whose index predicts the
   longest reused prefix (ties: the replica that has served the fewest requests). It
   ignores load, so popular prefixes pile onto a few replicas, which then evict.
@@ -22,7 +22,7 @@ import random
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from harness.kv_index import EventIndex
+from harness.oracle.kv_index import EventIndex
 from kvcache import KvCacheConfig, KVCacheManager
 
 ROUTERS = ("round_robin", "random", "prefix", "balanced_prefix")

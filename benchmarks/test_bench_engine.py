@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,8 @@ import pytest
 import torch
 
 from benchmarks.conftest import quick_mode
+from benchmarks.report_format import Section, by_suite, div, duration, ratio, table
+from harness.reports.bench_results import Benchmark
 from kvcache import Engine, KvCacheConfig
 from kvcache.attention import BlockTable, ReferenceBackend, build_metadata
 from kvcache.engine import GenerationOutput
@@ -261,3 +263,52 @@ def test_ttft_hybrid(benchmark: Any, plan: TtftPlan) -> None:
     assert outs[0].logits is not None and cold_logits is not None
     torch.testing.assert_close(outs[0].logits, cold_logits, rtol=TOL, atol=TOL)
     torch.testing.assert_close(bare()[None], cold_logits, rtol=TOL, atol=TOL)
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+WARM_TARGET = 1.05  # warm TTFT within 5% of the ideal
+
+
+def _ttft(benches: Sequence[Benchmark]) -> list[str]:
+    by = {int(b.extra["cached_tokens"]): b for b in benches}
+    L = int(benches[0].extra["prompt_tokens"])
+    lines = [f"## Time to first token: tiny model, {L}-token prompt (median of rounds)", "",
+             "The ideal (bare forward of the new tokens over a filled paged cache) is timed "
+             "alternately with the engine, so engine / ideal is an in-run ratio.", ""]
+    head = next((c for c, b in by.items() if b.extra.get("headline")), None)
+    if head is not None and 0 in by:
+        warm, cold = by[head], by[0]
+        ideal, ideal_cold = warm.extra["ideal_median_s"], cold.extra["ideal_median_s"]
+        lines += [f"Headline, {head} of {L} tokens cached: warm {duration(warm.median)}, cold "
+                  f"{duration(cold.median)}, ideal {duration(ideal)}.", "",
+                  f"- warm / ideal: **{ratio(warm.median / ideal)}** "
+                  f"(target <= {WARM_TARGET:g}x)",
+                  f"- cold / warm: **{ratio(cold.median / warm.median)}**; the ideal's cold / "
+                  f"warm (the ratio of work): {ratio(ideal_cold / ideal)}; new tokens: "
+                  f"{ratio(L / (L - head))}", ""]
+    rows = [[c, f"{c / L:.3f}", duration(b.median), duration(b.extra.get("ideal_median_s")),
+             ratio(div(b.median, b.extra.get("ideal_median_s")))]
+            for c, b in sorted(by.items())]
+    return lines + table(["cached tokens", "fraction", "engine", "ideal", "engine / ideal"],
+                         rows)
+
+
+def _hybrid(benches: Sequence[Benchmark]) -> list[str]:
+    lines = ["## Hybrid model TTFT (recurrent-state snapshots)", ""]
+    for b in benches:
+        e = b.extra
+        lines.append(f"{e.get('model')}, {e.get('prompt_tokens')}-token prompt with "
+                     f"{e.get('cached_tokens')} cached: warm {duration(b.median)}, cold "
+                     f"{duration(e.get('cold_median_s'))}, ideal "
+                     f"{duration(e.get('ideal_median_s'))}; warm / ideal "
+                     f"{ratio(e.get('warm_over_ideal'))}, cold / warm "
+                     f"{ratio(e.get('cold_over_warm'))}; snapshots "
+                     f"{e.get('snapshot_bytes')} bytes.")
+    return [*lines, ""]
+
+
+SECTIONS = (
+    Section("Time to first token", by_suite("ttft"), _ttft),
+    Section("Hybrid model TTFT", by_suite("hybrid_ttft"), _hybrid),
+)

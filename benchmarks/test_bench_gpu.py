@@ -18,17 +18,20 @@ figures. Every test is marked gpu and skipped with a reason where CUDA is absent
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 
+from benchmarks.report_format import Section, by_suite, div, duration, rate, ratio, table
 from benchmarks.test_bench_engine import HEADLINE, round_prompts, seeded_prompt
+from harness.reports.bench_results import Benchmark
 from kvcache import Engine, KvCacheConfig
 from kvcache.attention import BlockTable, build_metadata
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import KERNEL_FAMILIES, KernelFamily
+from kvcache.attention.flashinfer.backend import FlashInferBackend
+from kvcache.attention.flashinfer.calls import KERNEL_FAMILIES, KernelFamily
 from kvcache.engine import GenerationOutput
 from kvcache.storage.kv_storage import KvStorage
 
@@ -221,3 +224,45 @@ def test_decode_step(benchmark: Any, bench_quick: bool, batch: int, mode: str) -
     benchmark.extra_info.update(suite="gpu_decode_step", mode=mode, batch=batch,
                                 device=torch.cuda.get_device_name(), model="tiny",
                                 dtype="float16", context=512)
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+
+def _gpu(benches: Sequence[Benchmark]) -> list[str]:
+    groups: dict[str, list[Benchmark]] = defaultdict(list)
+    for b in benches:
+        groups[str(b.extra["suite"])].append(b)
+    device = benches[0].extra.get("device", "?")
+    lines = [f"## GPU ({device})", ""]
+    rows = []
+    for b in groups["gpu_attention"]:
+        e = b.extra
+        ran = e.get("kernels") or {}
+        rows.append([e["phase"], f"{e['requests']} x ({e['cached']} + {e['new']})",
+                     f"{e.get('kernel_family', '?')} ({ran.get(e['phase'], '?')})",
+                     duration(e.get("seconds_per_call")), rate(e.get("tokens_per_s"), "tok/s"),
+                     rate(e.get("bytes_per_s"), "B/s"), f"{e.get('tflops', 0):.1f}",
+                     ratio(e.get("ratio_to_copy_bandwidth")), ratio(e.get("ratio_to_nominal_hbm"))])
+    if rows:
+        lines += table(["phase", "requests x (cached + new)", "family (ran)", "per call",
+                        "throughput", "bandwidth", "TFLOP/s", "vs copy bandwidth",
+                        "vs nominal HBM"], rows)
+    ttft = {b.extra["path"]: b.median for b in groups["gpu_ttft"]}
+    if {"warm", "cold"} <= ttft.keys():
+        lines += [f"TTFT (tiny, fp16, FlashInfer): warm {duration(ttft['warm'])}, cold "
+                  f"{duration(ttft['cold'])}, cold / warm {ratio(ttft['cold'] / ttft['warm'])}.",
+                  ""]
+    steps = {(b.extra["batch"], b.extra["mode"]): b.median for b in groups["gpu_decode_step"]}
+    if steps:
+        lines += table(["batch", "eager step", "graph step", "eager / graph"],
+                       [[bs, duration(steps.get((bs, "eager"))),
+                         duration(steps.get((bs, "graph"))),
+                         ratio(div(steps.get((bs, "eager")), steps.get((bs, "graph"))))]
+                        for bs in sorted({k[0] for k in steps})])
+    return lines
+
+
+SECTIONS = (
+    Section("GPU", by_suite("gpu_"), _gpu),
+)

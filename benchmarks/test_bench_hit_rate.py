@@ -15,12 +15,14 @@ The timed part is one replay at the smallest pool, where eviction works hardest.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import pytest
 
 from benchmarks.conftest import progress
+from benchmarks.report_format import Section, by_suite, duration, table
+from harness.reports.bench_results import Benchmark
 from harness.workloads import few_shot, multi_turn_conversations, shared_system_prompt
 from kvcache import KvCacheConfig, KVCacheManager
 
@@ -144,3 +146,27 @@ def test_hit_rate_curve(benchmark: Any, bench_quick: bool, workload: str) -> Non
         token_hit_rate=[round(p.token_hit_rate, 4) for p in curve],
         evicted_blocks=[p.evicted_blocks for p in curve],
         max_token_hit_rate=round(curve[-1].token_hit_rate, 4))
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+
+def _hit_rate(benches: Sequence[Benchmark]) -> list[str]:
+    lines = ["## Hit rate against pool size (engine-like replay, priority-LRU eviction)", ""]
+    for b in sorted(benches, key=lambda b: b.extra.get("workload", "")):
+        e = b.extra
+        rows = zip(e.get("pool_blocks", []), e.get("pool_fraction", []),
+                   e.get("block_hit_rate", []), e.get("token_hit_rate", []),
+                   e.get("evicted_blocks", []), strict=False)
+        lines += [f"**{e.get('workload', b.name)}**: {e.get('requests', '?')} requests in "
+                  f"steps of {e.get('batch', '?')}; no-eviction hit rate "
+                  f"{e.get('max_token_hit_rate', '?')}; replay at the smallest pool "
+                  f"{duration(b.median)}.", "",
+                  *table(["pool blocks", "of footprint", "block hit rate", "token hit rate",
+                          "evicted blocks"], [list(r) for r in rows])]
+    return lines
+
+
+SECTIONS = (
+    Section("Hit rate against pool size", by_suite("hit_rate"), _hit_rate),
+)

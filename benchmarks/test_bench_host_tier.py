@@ -19,13 +19,17 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 
 from benchmarks.conftest import best_seconds, progress
+from benchmarks.report_format import Section, by_suite, div, duration, ratio, table
 from benchmarks.test_bench_hit_rate import BATCH, WORKLOADS, pool_sizes, replay
+from harness.reports.bench_results import Benchmark
 from harness.workloads import multi_turn_conversations
 from kvcache import Engine, KvCacheConfig
 from kvcache.core.ops import BlockOnboard
@@ -224,3 +228,58 @@ def test_onboard_against_recompute(benchmark: Any, bench_quick: bool, k: int) ->
         benchmark.extra_info.update(
             host_ttft_s=host, onboard_s=host - device, recompute_s=cold - device,
             recompute_over_onboard=(cold - device) / max(host - device, 1e-9))
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+
+def _host_tier(benches: Sequence[Benchmark]) -> list[str]:
+    by: dict[str, list[Benchmark]] = defaultdict(list)
+    for b in benches:
+        by[str(b.extra["suite"])].append(b)
+    factor = benches[0].extra.get("host_factor", "?")
+    lines = [f"## Host tier ({factor}x the device pool)", ""]
+    for b in sorted(by["host_tier_hit_rate"], key=lambda b: b.extra.get("workload", "")):
+        e = b.extra
+        rows = zip(e["pool_blocks"], e["pool_fraction"], e["block_hit_rate"],
+                   e["block_hit_rate_host"], e["onboarded_blocks"], e["offloaded_blocks"],
+                   e["dropped_blocks"], strict=True)
+        lines += [f"**Hit rate, {e['workload']}**: {e.get('requests', '?')} requests in steps "
+                  f"of {e.get('batch', '?')}; replay at the smallest pool with the host tier "
+                  f"{duration(b.median)}.", "",
+                  *table(["pool blocks", "of footprint", "block hit rate", "with host tier",
+                          "onboarded", "offloaded", "dropped"], [list(r) for r in rows])]
+    ttft = sorted(by["host_tier_ttft"], key=lambda b: b.extra["pool_blocks"])
+    if ttft:
+        e = ttft[0].extra
+        lines += [f"**TTFT, multi-turn chats** on the {e.get('model', '?')} model: "
+                  f"{e.get('chats', '?')} chats of {e.get('turns', '?')} turns, turn-major, "
+                  "one request at a time; mean time to first token.", "",
+                  *table(["pool blocks", "of footprint", "TTFT", "with host tier",
+                          "with / without", "hit rate", "with host tier", "onboarded"],
+                         [[b.extra["pool_blocks"], b.extra["pool_fraction"],
+                           duration(b.extra["mean_ttft_s"]),
+                           duration(b.extra["mean_ttft_host_s"]),
+                           ratio(div(b.extra["mean_ttft_host_s"], b.extra["mean_ttft_s"])),
+                           b.extra["hit_rate"], b.extra["hit_rate_host"],
+                           b.extra["onboarded_blocks"]] for b in ttft])]
+    onboard = sorted(by["host_tier_onboard"], key=lambda b: b.extra["blocks"])
+    if onboard:
+        lines += ["**An onboard against recomputing the same tokens**: TTFT of a prompt "
+                  "whose first k blocks are on the device, on the host or nowhere (medians); "
+                  "onboard = host - device, recompute = cold - device; copy = the bare "
+                  "host-to-device copy of the k blocks.", "",
+                  *table(["blocks", "tokens", "device", "host", "cold", "onboard",
+                          "recompute", "recompute / onboard", "copy only"],
+                         [[b.extra["blocks"], b.extra["tokens"],
+                           duration(b.extra["device_ttft_s"]), duration(b.median),
+                           duration(b.extra["cold_ttft_s"]), duration(b.extra.get("onboard_s")),
+                           duration(b.extra.get("recompute_s")),
+                           ratio(b.extra.get("recompute_over_onboard")),
+                           duration(b.extra["copy_s"])] for b in onboard])]
+    return lines
+
+
+SECTIONS = (
+    Section("Host tier", by_suite("host_tier"), _host_tier),
+)

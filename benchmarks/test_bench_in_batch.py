@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
+from benchmarks.report_format import Section, by_suite, duration, ratio, table
+from harness.reports.bench_results import Benchmark
 from harness.workloads import shared_system_prompt
 from kvcache import Engine, KvCacheConfig
 
@@ -94,3 +97,27 @@ def test_siblings_share_one_prefill(benchmark: Any, bench_quick: bool, n: int) -
                                     separate_over_shared=separate / shared)
     assert computed["shared"] <= prefix + n * own + BLOCK
     assert computed["separate"] == n * (prefix + own)
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+
+def _in_batch(benches: Sequence[Benchmark]) -> list[str]:
+    lines = ["## In-batch prefix sharing (N siblings in one generate call, tiny model)", ""]
+    rows = []
+    for b in sorted(benches, key=lambda b: b.extra.get("siblings", 0)):
+        e = b.extra
+        done = e.get("computed_tokens", {})
+        rows.append([e.get("siblings"), f"{e.get('prefix_tokens')} + {e.get('own_tokens')}",
+                     duration(b.median), duration(e.get("separate_median_s")),
+                     duration(e.get("ideal_median_s")), ratio(e.get("shared_over_ideal")),
+                     ratio(e.get("separate_over_shared")),
+                     f"{done.get('shared', '?')} / {done.get('separate', '?')}"])
+    return lines + table(["N", "prefix + own tokens", "shared", "separate", "ideal",
+                          "shared / ideal", "separate / shared",
+                          "tokens computed shared / separate"], rows)
+
+
+SECTIONS = (
+    Section("In-batch prefix sharing", by_suite("in_batch"), _in_batch),
+)

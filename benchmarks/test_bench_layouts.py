@@ -16,13 +16,15 @@ waits milliseconds for the second whenever the other core is busy.
 from __future__ import annotations
 
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from benchmarks.report_format import Section, by_suite, duration, ratio, table
+from harness.reports.bench_results import Benchmark
 from kvcache.attention import BlockTable, build_metadata
 from kvcache.core.ops import BlockCopy
 from kvcache.storage import LAYOUTS, KvLayout, KvStorage
@@ -105,3 +107,44 @@ def test_layout_block_copies(benchmark: Any, layout: KvLayout, batch: int) -> No
     _record(benchmark, layout, batch, {"index_copy": _index_copy_us(md.kv_indices),
                                        "memcpy": _best_us(lambda: dst.copy_(src), number=20)},
             kind="copies", tensors=len(storage.tensors), copied_bytes=moved * 2)
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+
+def _layouts(benches: Sequence[Benchmark]) -> list[str]:
+    by = {(b.extra["kind"], b.extra["layout"], int(b.extra["batch"])): b for b in benches}
+    e = benches[0].extra
+    lines = [f"## Storage layouts: metadata build and block copies ({e['layers']} layers, "
+             f"blocks of {e['block_size']} read as pages of {e['page_size']}, "
+             f"{e['context']}-token decode)", "",
+             "Best of rounds (on a shared machine the least disturbed figure), against the "
+             "best of one copy_ of the step's kv_indices (metadata, copies) and of one copy_ "
+             "of the bytes the copies move (memcpy), timed in the same run.", ""]
+    order = {"NHD": 0, "HND": 1, "BLHNC": 2}
+    rows = []
+    for layout, batch in sorted({k[1:] for k in by}, key=lambda k: (k[1], order.get(k[0], 3))):
+        meta, copies = by.get(("metadata", layout, batch)), by.get(("copies", layout, batch))
+        row: list[Any] = [layout, batch]
+        row += ([meta.extra.get("multiplier", "?"), duration(meta.min),
+                 ratio(meta.extra.get("ratio_to_index_copy"))] if meta else ["n/a"] * 3)
+        row += ([copies.extra.get("tensors", "?"), duration(copies.min),
+                 ratio(copies.extra.get("ratio_to_index_copy")),
+                 ratio(copies.extra.get("ratio_to_memcpy"))] if copies else ["n/a"] * 4)
+        rows.append(row)
+    lines += table(["layout", "batch", "page multiplier", "metadata build", "build / copy_",
+                    "tensors copied", "block copies", "copies / copy_", "copies / memcpy"],
+                   rows)
+    for batch in sorted({k[2] for k in by}):
+        packed = by.get(("copies", "BLHNC", batch))
+        per_layer = [b.min for b in (by.get(("copies", layout, batch)) for layout in
+                                     ("NHD", "HND")) if b is not None]
+        if packed is not None and per_layer:
+            lines.append(f"- batch {batch}: packed block copies {ratio(min(per_layer) / packed.min)}"
+                         f" faster than the fastest per-layer layout")
+    return [*lines, ""]
+
+
+SECTIONS = (
+    Section("Storage layouts", by_suite("layouts"), _layouts),
+)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 
+from benchmarks.report_format import Section, by_suite, table
+from harness.reports.bench_results import Benchmark
 from harness.workloads import bench_multi_turn_chat, bench_shared_prompt
 from kvcache import KvCacheConfig, KVCacheManager
 from kvcache.model import get_preset
@@ -113,3 +115,32 @@ def test_kv_bytes_per_token(benchmark: Any, dtype: torch.dtype) -> None:
         suite="memory", kind="kv", model="tiny", dtype=str(dtype).removeprefix("torch."),
         layers=storage.num_layers, kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
         block_size=B, bytes_per_token=per_token, bytes_per_block=per_token * B)
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+
+def _memory(benches: Sequence[Benchmark]) -> list[str]:
+    heap = [b.extra for b in benches if b.extra.get("kind") == "heap"]
+    kv = [b.extra for b in benches if b.extra.get("kind") == "kv"]
+    lines = ["## Memory", ""]
+    if heap:
+        lines += ["Python heap of the manager (tracemalloc), design workloads:", "",
+                  *table(["workload", "cached blocks", "bytes / cached block",
+                          "bytes / cached token", "empty manager bytes / pool block",
+                          "heap / tiny fp16 KV block"],
+                         [[e.get("workload"), e.get("cached_blocks"),
+                           e.get("bytes_per_cached_block"), e.get("bytes_per_cached_token"),
+                           e.get("bytes_per_pool_block"), e.get("heap_to_tiny_fp16_kv")]
+                          for e in heap])]
+    if kv:
+        lines += ["KV storage of the tiny model:", "",
+                  *table(["dtype", "bytes / token", "bytes / block"],
+                         [[e.get("dtype"), e.get("bytes_per_token"), e.get("bytes_per_block")]
+                          for e in kv])]
+    return lines
+
+
+SECTIONS = (
+    Section("Memory", by_suite("memory"), _memory),
+)

@@ -25,13 +25,15 @@ import math
 import statistics
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from benchmarks.report_format import Section, by_base, div, duration, ratio, table
+from harness.reports.bench_results import Benchmark
 from kvcache.attention import BlockTable, PersistentBatch, build_metadata
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.storage.kv_storage import KvStorage
@@ -301,3 +303,52 @@ def test_dense_attention_baseline(benchmark: Any) -> None:
     benchmark(dense)
     benchmark.extra_info.update(requests=REQUESTS, cached=CACHED, new=NEW, num_qo_heads=HQ,
                                 num_kv_heads=HKV, head_dim=D)
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+METADATA_TARGET = 4.0  # the decode metadata costs at most 4 copy_'s of kv_indices
+
+
+def _metadata(benches: Sequence[Benchmark]) -> list[str]:
+    rows = []
+    for b in sorted(benches, key=lambda b: (not b.base.startswith("test_decode_step"),
+                                            b.extra.get("ragged", False), b.extra.get("batch", 0))):
+        if b.base == "test_copy_kv_indices_baseline":
+            continue
+        e = b.extra
+        per_step = b.median / e.get("steps_per_round", 1)  # seconds per step (or build)
+        path = e.get("mode") or ("step" if b.base.startswith("test_decode_step") else "rebuild")
+        if e.get("window"):
+            path += f", window {e['window']}"
+        rows.append([path, e.get("batch", "?"), "yes" if e.get("ragged") else "no",
+                     e.get("context", "?"), duration(per_step),
+                     duration(div(e.get("baseline_us"), 1e6)),
+                     ratio(div(per_step * 1e6, e.get("baseline_us")) or e.get("ratio")),
+                     duration(div(e.get("rebuild_us"), 1e6)) if "rebuild_us" in e else ""])
+    return [f"## Decode metadata against one copy_ of kv_indices (target <= "
+            f"{METADATA_TARGET:g}x)", "",
+            "step: a PersistentBatch's decode step (what the engine runs; page starts "
+            "included, per step of a page cycle), and the step after a request leaves and "
+            "another joins; rebuild: build_metadata from the block table (the reference). "
+            "Window rows: each request also releases its first block once per page cycle "
+            "(the table's drop_front, plus the batch's release_front in step).",
+            "", *table(["path", "batch", "ragged", "context", "time", "copy_", "time / copy_",
+                        "after leave + join"], rows)]
+
+
+def _attention(benches: Sequence[Benchmark]) -> list[str]:
+    rows = [[b.name, duration(b.median), ratio(b.extra.get("ratio"))]
+            for b in benches if b.base == "test_reference_attention"]
+    rows += [[b.name, duration(b.median), "1.00x"]
+             for b in benches if b.base == "test_dense_attention_baseline"]
+    return ["## Reference paged attention against dense attention", "",
+            *table(["benchmark", "median", "vs dense"], rows)]
+
+
+SECTIONS = (
+    Section("Decode metadata", by_base("test_decode_step_metadata", "test_decode_step_metadata_windowed",
+                     "test_build_decode_metadata", "test_build_decode_metadata_ragged",
+                     "test_copy_kv_indices_baseline"), _metadata),
+    Section("Reference paged attention", by_base("test_reference_attention", "test_dense_attention_baseline"), _attention),
+)

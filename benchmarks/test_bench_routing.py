@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
+from benchmarks.report_format import Section, by_suite, table
 from benchmarks.router_sim import BALANCE_SLACK, ROUTERS, SimRequest, footprint_blocks, simulate
+from harness.reports.bench_results import Benchmark
 from harness.workloads import multi_turn_conversations, shared_system_prompt
 
 B, VOCAB, SEED = 16, 50_000, 0
@@ -77,3 +79,33 @@ def test_router_hit_rate(benchmark: Any, bench_quick: bool, workload: str) -> No
         **{f"{r}_saved_tokens": [res[r].saved_tokens for _, _, res in rows] for r in ROUTERS},
         **{f"{r}_imbalance": [round(res[r].imbalance, 3) for _, _, res in rows]
            for r in ROUTERS})
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+
+def _routing(benches: Sequence[Benchmark]) -> list[str]:
+    lines = ["## Cache-aware routing (N replicas; hit rate (prefill tokens saved) per "
+             "router, load imbalance of the prefix routers)", ""]
+    for b in sorted(benches, key=lambda b: b.extra.get("workload", "")):
+        e = b.extra
+        routers = e.get("routers", [])
+        balancing = [r for r in routers if "prefix" in r]  # the cache-blind ones are even
+        columns = [e.get("replicas", []), e.get("pool_blocks", []),
+                   *([f"{rate:.3f} ({saved / 1e6:.2f} M)" for rate, saved in
+                      zip(e.get(f"{r}_hit_rate", []), e.get(f"{r}_saved_tokens", []),
+                          strict=False)] for r in routers),
+                   *(e.get(f"{r}_imbalance", []) for r in balancing)]
+        lines += [f"**{e.get('workload', b.name)}**: {e.get('requests', '?')} requests, "
+                  f"{e.get('prompt_tokens', '?')} prompt tokens; each replica's pool holds "
+                  f"{e.get('headroom', '?')} / N of the {e.get('footprint_blocks', '?')}-block "
+                  "footprint.", "",
+                  *table(["replicas", "pool blocks", *routers,
+                          *(f"{r} imbalance" for r in balancing)],
+                         [list(r) for r in zip(*columns, strict=False)])]
+    return lines
+
+
+SECTIONS = (
+    Section("Cache-aware routing", by_suite("routing"), _routing),
+)

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
+from benchmarks.report_format import Section, by_suite, duration, table
+from harness.reports.bench_results import Benchmark
 from kvcache import Engine, KvCacheConfig
 from kvcache.engine.step_timer import PHASES, StepTimer
 from kvcache.model import get_preset
@@ -134,3 +137,34 @@ def test_prefill_step(benchmark: Any, plan: StepPlan) -> None:
     assert engine.num_computed_tokens - before == budget * plan.prefill_rounds, \
         "a timed step computed less than a full budget"
     record(benchmark, timer, kind="prefill", batch=n, prompt_tokens=L, budget=budget)
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+STEP_PHASES = ("schedule", "metadata", "plan", "forward", "sample", "commit")  # columns
+
+
+def _step(benches: Sequence[Benchmark]) -> list[str]:
+    rows, lines = [], []
+    for b in sorted(benches, key=lambda b: (b.extra["kind"] != "decode", b.extra["batch"],
+                                            b.extra.get("model", ""))):
+        e = b.extra
+        phases = e["phase_us"]
+        size = (f"{e['context']}-token contexts" if e["kind"] == "decode"
+                else f"{e['prompt_tokens']}-token prompts, {e['budget']} a step")
+        kind = f"{e['kind']} ({e['model']})" if "model" in e else e["kind"]
+        rows.append([kind, e["batch"], size,
+                     duration(e["step_us"] / 1e6),
+                     *(duration(phases[p] / 1e6) for p in STEP_PHASES),
+                     f"{e['overhead_fraction']:.1%}"])
+        if e.get("target") is not None:
+            lines.append(f"Not forward at decode batch {e['batch']}: **{e['overhead_fraction']:.1%}** "
+                         f"of the step (target <= {e['target']:.0%}).")
+    return ["## Step overhead: one engine step of the tiny model by phase (medians)", "",
+            *table(["step", "batch", "size", "step", *STEP_PHASES, "not forward"], rows),
+            *lines, ""]
+
+
+SECTIONS = (
+    Section("Step overhead", by_suite("step"), _step),
+)

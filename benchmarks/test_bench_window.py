@@ -19,12 +19,15 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
 from benchmarks.conftest import quick_mode
+from benchmarks.report_format import Section, by_suite, div, duration, ratio, table
+from harness.reports.bench_results import Benchmark
 from kvcache import Engine, KvCacheConfig
 from kvcache.core.window import peak_blocks
 from kvcache.engine import GenerationOutput
@@ -103,3 +106,29 @@ def test_window_long_prompt(benchmark: Any, pytestconfig: pytest.Config, preset:
         keep_median_s=off_median)
     if benchmark.stats is not None:
         benchmark.extra_info["keep_over_release"] = off_median / benchmark.stats.stats.median
+
+
+# -- this suite's sections of the benchmark summary (python -m benchmarks.report) --
+
+
+def _window(benches: Sequence[Benchmark]) -> list[str]:
+    lines = ["## Sliding window: a long prompt with and without early release", ""]
+    for b in benches:
+        e = b.extra
+        mib = 1 << 20
+        rows = [["release", e["pool_blocks_release"], f"{e['kv_bytes_release'] / mib:.2f}",
+                 e["most_used_release"], duration(b.median)],
+                ["keep all", e["pool_blocks_keep"], f"{e['kv_bytes_keep'] / mib:.2f}",
+                 e["most_used_keep"], duration(e["keep_median_s"])]]
+        lines += [f"{e['model']} (window {e['window']}), {e['prompt_tokens']}-token prompt in "
+                  f"{e['chunk_tokens']}-token chunks, blocks of {e['block_size']}:", "",
+                  *table(["blocks", "pool (KV blocks)", "KV MiB", "most used", "TTFT"], rows),
+                  f"KV memory: {ratio(div(e['kv_bytes_keep'], e['kv_bytes_release']))} less "
+                  f"with release; TTFT keep / release: {ratio(e.get('keep_over_release'))}.",
+                  ""]
+    return lines
+
+
+SECTIONS = (
+    Section("Sliding window", by_suite("window"), _window),
+)

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 gpus=$(ci/gpus.sh)
-exec nox -s premerge -- -n "$gpus" --gpu-per-worker "$@"
+exec nox -s premerge -- -n "$gpus" --kvh-gpu-per-worker "$@"

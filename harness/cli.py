@@ -8,40 +8,50 @@
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
 
-Exit codes: 0 fine, 1 problems found (broken lists, failed collection), 2 bad flags.
+    kvharness --version
+
+Exit codes: 0 fine, 1 problems found (broken lists, failed collection, `list` with no block
+that applies), 2 bad flags.
 `repro` has its own (REPRO_EXIT_CODES, shown by `kvharness repro --help`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from harness.ci.flakes import fold, markdown
-from harness.gpus import features_of
-from harness.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.checks import CollectError, validate
-from harness.lists.db import Entry, Verdict, load_test_db
+from harness.lists.db import Verdict, load_test_db
+from harness.lists.entry import Entry
 from harness.lists.errors import ListError
+from harness.lists.gpus import features_of
+from harness.lists.hardware import MachineFlags, add_machine_options, detect, machine_from_options
 from harness.lists.waives import default_waives
-from harness.report import summarize
-from harness.repro.fileformat import ReproFormatError, open_file
-from harness.repro.record import ScenarioRecord
-from harness.repro.rerun import rerun
-from harness.reuse.replay import replay
-from harness.reuse.repro import ReproRecord
+from harness.reports.flakes import fold, markdown
+from harness.reports.summary import summarize
+from harness.repro.outcome import Status
+from harness.repro.replay import replay_file
 
+DISTRIBUTION = "kvcache-harness"  # pyproject's name: where --version reads the version
 DEFAULT_TEST_DB = Path("test_lists/test-db")
 DEFAULT_RESULTS = Path("results")
 # `kvharness repro` exit codes; 0 and 1 fit `git bisect run` (gone = good, back = bad).
 REPRO_GONE, REPRO_REPRODUCED, REPRO_UNUSABLE, REPRO_OTHER = 0, 1, 2, 3
+REPRO_EXIT: dict[Status, int] = {"not reproduced": REPRO_GONE, "reproduced": REPRO_REPRODUCED,
+                                 "cannot run": REPRO_UNUSABLE,
+                                 "another check failed": REPRO_OTHER}
+# What `kvharness repro` prints before an outcome's message, by status.
+REPRO_HEADS: dict[Status, str] = {
+    "reproduced": "reproduced:\n", "not reproduced": "did not reproduce: ",
+    "another check failed": "did not reproduce the recorded failure, but another check "
+                            "failed:\n"}
 REPRO_EXIT_CODES = f"""\
 exit codes:
   {REPRO_GONE}  the recorded failure did not come back, and every later check passed
@@ -94,21 +104,28 @@ def _list(args: argparse.Namespace) -> int:
         print(json.dumps({"machine": machine.as_dict(),
                           "selected": [_entry_dict(e) for e in selected],
                           "blocks": [_verdict_dict(v) for v in verdicts]}, indent=2))
-        return 0
-    if not args.explain:
+    elif not args.explain:
         for entry in selected:
             print(_entry_line(entry))
+    else:
+        print(f"machine: {machine.describe()}")
+        for verdict in verdicts:
+            word = "selected" if verdict.selected else "not selected"
+            print(f"{verdict.block.name} ({verdict.block.location}): {word}")
+            for check in verdict.checks:
+                print(f"  [{'ok' if check.passed else 'no'}] {check.detail}")
+            for entry in verdict.block.entries if verdict.selected else ():
+                print(f"    {_entry_line(entry)}")
+        print(f"{len(selected)} entries selected")
+    if selected:
         return 0
-    print(f"machine: {machine.describe()}")
-    for verdict in verdicts:
-        word = "selected" if verdict.selected else "not selected"
-        print(f"{verdict.block.name} ({verdict.block.location}): {word}")
-        for check in verdict.checks:
-            print(f"  [{'ok' if check.passed else 'no'}] {check.detail}")
-        for entry in verdict.block.entries if verdict.selected else ():
-            print(f"    {_entry_line(entry)}")
-    print(f"{len(selected)} entries selected")
-    return 0
+    # Nothing to run is not an empty answer: a runner that gets it would run nothing.
+    where = args.test_db if args.context is None else f"context {args.context} of {args.test_db}"
+    print(f"kvharness list: no block of {where} applies to {machine.describe()}", file=sys.stderr)
+    for verdict in () if args.explain else verdicts:
+        failed = "; ".join(c.detail for c in verdict.checks if not c.passed)
+        print(f"  {verdict.block.name} ({verdict.block.location}): {failed}", file=sys.stderr)
+    return 1
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -132,64 +149,14 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
-    file = str(args.file)
-    try:
-        kind, fields = open_file(args.file)
-        if kind == "reuse":
-            return _replay_reuse(ReproRecord.from_fields(fields), file)
-        return _rerun_scenario(ScenarioRecord.from_fields(fields), file)
-    except ReproFormatError as exc:  # the file, the field, what is wrong
-        print(f"kvharness repro: {exc}", file=sys.stderr)
-    except Exception as exc:
-        # Any other failure of the re-run: uncaught, it would exit 1, which reads as
-        # "reproduced" (to git bisect too).
-        print(f"kvharness repro: {file}: cannot be re-run here: {type(exc).__name__}: {exc}"
-              f"{_raised_at(exc)}", file=sys.stderr)
-    return REPRO_UNUSABLE
-
-
-def _raised_at(exc: BaseException) -> str:
-    """` (raised at FILE:LINE in FUNCTION)`: the innermost frame of `exc`'s traceback."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f" (raised at {last.filename}:{last.lineno} in {last.name})"
-
-
-def _replay_reuse(record: ReproRecord, file: str) -> int:
-    print(f"replaying {record.node_id}: {record.check} check, seed {record.seed}, "
-          f"{len(record.admission_log or ())} cache events, config "
-          f"{json.dumps(record.config, sort_keys=True)}")
-    outcome = replay(record, file)
-    if outcome.reproduced:
-        print(f"reproduced:\n{outcome.message}")
-        return REPRO_REPRODUCED
-    print(f"did not reproduce: {outcome.message}")
-    return REPRO_GONE
-
-
-def _rerun_scenario(record: ScenarioRecord, file: str) -> int:
-    for i, run in enumerate(record.engines):
-        r = run.recipe
-        phases = " -> ".join(dict.fromkeys(c.phase for c in run.calls)) or "no calls"
-        cls = "" if r.engine is None else f", engine class {r.engine}"
-        print(f"engine {i}: {r.preset} (seed {r.model_seed}){cls}, {r.backend} {r.dtype} on "
-              f"{r.device}, {len(run.calls)} calls ({phases}), cache "
-              f"{json.dumps(r.cache, sort_keys=True)}")
-    print(f"re-running {record.node_id}: {record.failure.check} check")
-    outcome = rerun(record, file)
+    outcome = replay_file(args.file, print)
     for note in outcome.notes:
         print(f"note: {note}")
-    if outcome.status == "reproduced":
-        print(f"reproduced:\n{outcome.message}")
-        return REPRO_REPRODUCED
-    if outcome.status == "other":
-        print(f"did not reproduce the recorded failure, but another check failed:\n"
-              f"{outcome.message}")
-        return REPRO_OTHER
-    print(f"did not reproduce: {outcome.message}")
-    return REPRO_GONE
+    if outcome.status == "cannot run":  # the file, the field, what is wrong
+        print(f"kvharness repro: {outcome.message}", file=sys.stderr)
+    else:
+        print(f"{REPRO_HEADS[outcome.status]}{outcome.message}")
+    return REPRO_EXIT[outcome.status]
 
 
 def _flakes(args: argparse.Namespace) -> int:
@@ -203,8 +170,17 @@ def _flakes(args: argparse.Namespace) -> int:
     return 1 if ledger.unreadable else 0
 
 
+def _version() -> str:
+    """The installed kvcache-harness distribution's version, or why there is none."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return f"(not installed: {DISTRIBUTION} has no distribution metadata here)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvharness", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvharness {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("detect", help="describe this machine (GPU, CUDA, FlashInfer)")

@@ -1,5 +1,5 @@
 """Nested data the harness reads from files: test lists (YAML, and the `-k` expressions in
-them), reuse reports, run and shard records, durations, benchmark JSON.
+them), reuse reports, run and shard records, durations, benchmark JSON, repro files.
 
 Every such reader bounds nesting at MAX_NESTING, so a broken or hostile file is an error
 naming the file and line, never a RecursionError (Python's parsers recurse once a level,
@@ -49,18 +49,24 @@ def _too_deep_line(text: str) -> int | None:
     return None  # not reached: both passes count the same brackets
 
 
-def load_json(path: Path, what: str, error: type[ValueError] = ValueError) -> Any:
+def load_json(path: Path, what: str, error: type[ValueError] = ValueError,
+              max_bytes: int | None = None) -> Any:
     """The JSON document in `path`, a `what` ("reuse report", "durations file", ...).
 
-    Raises `error` "PATH: not a readable WHAT: ..." when the file cannot be read, is not
-    UTF-8 or is not JSON (an integer beyond Python's digit limit included), and
-    "PATH:LINE: not a readable WHAT: ..." at the bracket that nests deeper than
-    MAX_NESTING, before anything is parsed.
+    Raises `error` "PATH: not a readable WHAT: ..." when the file cannot be read, is
+    larger than `max_bytes` (None: any size; only that many bytes and one more are
+    read), is not UTF-8 or is not JSON (an integer beyond Python's digit limit
+    included), and "PATH:LINE: not a readable WHAT: ..." at the bracket that nests
+    deeper than MAX_NESTING, before anything is parsed.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as stream:
+            raw = stream.read() if max_bytes is None else stream.read(max_bytes + 1)
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise error(f"{path}: not a readable {what}: {exc}") from None
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise error(f"{path}: not a readable {what}: larger than {max_bytes} bytes")
     line = _too_deep_line(text)
     if line is not None:
         raise error(f"{path}:{line}: not a readable {what}: {too_deep('arrays and objects')}")

@@ -6,7 +6,7 @@
     model/      a tiny Llama-style decoder and its HF-format loader (torch)
     engine/     scheduler, step loop and generate() over all of the above
 
-`import kvcache` loads only the core (no torch, no numpy); `Engine` and
+`import kvcache` loads only the core (no torch, no numpy); `Engine`, `EngineConfig` and
 `GenerationOutput` import the engine on first use. See docs/architecture.md.
 """
 
@@ -35,7 +35,7 @@ from kvcache.core import (
 )
 
 if TYPE_CHECKING:
-    from kvcache.engine import Engine, GenerationOutput
+    from kvcache.engine import Engine, EngineConfig, GenerationOutput
 
 __all__ = [
     "DEFAULT_PRIORITY",
@@ -45,6 +45,7 @@ __all__ = [
     "BlockOnboard",
     "CacheEvent",
     "Engine",
+    "EngineConfig",
     "GenerationOutput",
     "IntegrityError",
     "KVCacheManager",
@@ -59,4 +60,5 @@ __all__ = [
 ]
 
 __getattr__ = lazy_getattr(__name__, {"Engine": "kvcache.engine.engine",
+                                      "EngineConfig": "kvcache.engine.config",
                                       "GenerationOutput": "kvcache.engine.request"})

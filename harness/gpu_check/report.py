@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.markdown import code, table
+from harness.reports.markdown import code, table
 
 # stopped: killed at the time budget while it ran; crashed: its process ended while it
 # ran (pytest-timeout, a CUDA fault); not run: never started (budget, crash, skip).

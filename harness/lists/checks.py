@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.lists.db import Block, Entry, ListDb, covers, load_test_db, resolve
+from harness.lists.db import Block, ListDb, load_test_db, resolve
+from harness.lists.entry import Entry, covers
 from harness.lists.errors import ListError, Location, Problem
 from harness.lists.suggest import MAX_SUGGESTED_ENTRIES, Home, closest_ids, likely_home
 from harness.lists.waives import Waive, load_waives

@@ -11,7 +11,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from harness.hardware import Backend, Machine, Orchestrator, Stage
+from harness.lists.hardware import Backend, Machine, Orchestrator, Stage
 from harness.lists.schema import ConditionModel
 
 

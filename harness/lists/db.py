@@ -1,4 +1,4 @@
-"""Test lists as frozen dataclasses: conditions, blocks, entries, and selection by machine.
+"""Test lists as frozen dataclasses: conditions, blocks of entries, and selection by machine.
 
 `load_test_db(dir)` reads every `*.yml` of a test-db folder (format: test_db_schema.py,
 reference: test_lists/SCHEMA.md); `load_test_list(file)` reads a plain list, one entry a
@@ -9,57 +9,16 @@ line. `ListDb.select(machine)` returns the entries whose block conditions hold, 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.hardware import Machine
 from harness.lists.conditions import Check, Condition
-from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, EntrySpec, parse_entry_text
+from harness.lists.entry import Entry, parse_entry_text
 from harness.lists.errors import ListError, Location, Problem
 from harness.lists.files import content_lines
-from harness.lists.keywords import KeywordExpr
-from harness.lists.schema import BlockPolicy, ListFileDoc, read_list_file
-
-DEFAULT_POLICY = BlockPolicy()
-
-
-def covers(prefix: str, node_id: str) -> bool:
-    """True if entry text `prefix` selects `node_id`: the same id, or a folder, file, class
-    or unparametrized function above it."""
-    if not node_id.startswith(prefix):
-        return False
-    rest = node_id[len(prefix):]
-    return rest == "" or rest.startswith(("::", "/", "["))
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One list entry: a node id or prefix, its timeout (None: the default), isolation,
-    and a `-k` expression narrowing what the prefix selects."""
-
-    test: str
-    timeout_seconds: int | None
-    isolation: bool
-    keyword: KeywordExpr | None
-    location: Location
-    source: str  # the context (test-db) or list file name it came from
-    policy: BlockPolicy = DEFAULT_POLICY  # its block's (a plain list's: the defaults)
-
-    @property
-    def text(self) -> str:
-        """The entry's selector as a list writes it: `test` plus any `-k "expr"`."""
-        return self.test if self.keyword is None else f'{self.test} -k "{self.keyword.text}"'
-
-    @property
-    def effective_timeout(self) -> int:
-        """Seconds the selected tests may run: the entry's timeout or the 60-minute default."""
-        return DEFAULT_TIMEOUT_SECONDS if self.timeout_seconds is None else self.timeout_seconds
-
-    def covers(self, node_id: str) -> bool:
-        """True if this entry selects the collected test `node_id`."""
-        return covers(self.test, node_id) and (self.keyword is None
-                                               or self.keyword.matches(node_id))
+from harness.lists.hardware import Machine
+from harness.lists.schema import ListFileDoc, read_list_file
 
 
 @dataclass(frozen=True)
@@ -126,14 +85,13 @@ class ListDb:
 
 def _blocks(doc: ListFileDoc) -> Iterable[Block]:
     for i, model in enumerate(doc.blocks):
-        entries = []
-        for j, item in enumerate(model.tests):
-            spec = parse_entry_text(item) if isinstance(item, str) else item.spec()
-            where = Location(doc.path, doc.line(doc.context, i, "tests", j))
-            entries.append(Entry(*spec, location=where, source=doc.context,
-                                 policy=model.policy()))
+        policy = model.policy()
+        entries = tuple(
+            replace(entry, location=Location(doc.path, doc.line(doc.context, i, "tests", j)),
+                    source=doc.context, policy=policy)
+            for j, entry in enumerate(model.tests))
         where = Location(doc.path, doc.line(doc.context, i))
-        yield Block(doc.context, i, Condition.from_model(model.condition), tuple(entries), where)
+        yield Block(doc.context, i, Condition.from_model(model.condition), entries, where)
 
 
 def load_test_db(directory: Path) -> ListDb:
@@ -167,11 +125,10 @@ def load_test_list(path: Path) -> tuple[Entry, ...]:
     entries: dict[str, Entry] = {}
     for where, text in content_lines(path, "test list"):
         try:
-            spec: EntrySpec = parse_entry_text(text)
+            entry = replace(parse_entry_text(text), location=where, source=path.name)
         except ValueError as exc:
             problems.append(Problem(where, str(exc)))
             continue
-        entry = Entry(*spec, location=where, source=path.name)
         if entry.text in entries:
             first = entries[entry.text].location.line
             problems.append(Problem(where, f"duplicate entry {entry.text!r} (first at line {first})"))

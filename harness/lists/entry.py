@@ -1,17 +1,26 @@
-"""The text form of a list entry, as TensorRT-LLM writes it:
+"""A list entry, `Entry`, read from either of its forms. The text form, as TensorRT-LLM
+writes it:
 
     <node id or prefix> [-k "<expr>"] [TIMEOUT (<minutes>)] [ISOLATION]
 
 The markers may come in either order, separated by spaces or commas
-(`TIMEOUT (90), ISOLATION`). TIMEOUT is in minutes, 1 to 24 hours, in ASCII digits.
-Parse errors are ValueErrors naming the entry; callers add the file and line.
+(`TIMEOUT (90), ISOLATION`). TIMEOUT is in minutes, 1 to 24 hours, in ASCII digits. The
+mapping form of a test-db file says the same with keys: `{test, timeout_seconds,
+isolation, keyword}`. Either is parsed once, `-k` included, into the one Entry the
+reader, the selection and the checks share. Parse errors are ValueErrors naming the entry
+(a mapping's bad keys: KeyProblem, KeyProblems, naming each key); callers add the file
+and line.
 """
 
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
 
+from harness.lists.errors import KeyProblem, KeyProblems, Location
 from harness.lists.keywords import KeywordExpr
 
 DEFAULT_TIMEOUT_SECONDS = 60 * 60
@@ -19,15 +28,60 @@ MAX_TIMEOUT_MINUTES = 24 * 60  # pytest-timeout overflows on absurd values; a da
 _MARKER = re.compile(r"[\s,]*(?:TIMEOUT\s*\((?P<minutes>[^()]*)\)|(?P<isolation>ISOLATION)"
                      r"|(?P<waive>SKIP|XFAIL|UNSTABLE)\b)")
 _KEYWORD = re.compile(r"\s+-k\s+")
+MAPPING_KEYS = ("test", "timeout_seconds", "isolation", "keyword")
+UNPLACED = Location(Path(), None)  # an entry parsed from its text or mapping alone
 
 
-class EntrySpec(NamedTuple):
-    """What an entry says: node id, timeout (None: default), isolation, `-k` expression."""
+class BlockPolicy(NamedTuple):
+    """A block's run policy for its entries: rerun failures (harness.plugin.reruns), always
+    run under --kvh-changed-since, and globs of files whose change runs the block."""
+
+    reruns: bool = False
+    always_run: bool = False
+    depends_on: tuple[str, ...] = ()
+
+
+DEFAULT_POLICY = BlockPolicy()
+
+
+def covers(prefix: str, node_id: str) -> bool:
+    """True if entry text `prefix` selects `node_id`: the same id, or a folder, file, class
+    or unparametrized function above it."""
+    if not node_id.startswith(prefix):
+        return False
+    rest = node_id[len(prefix):]
+    return rest == "" or rest.startswith(("::", "/", "["))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One list entry: a node id or prefix, its timeout (None: the default), isolation,
+    a `-k` expression narrowing what the prefix selects; where it was read (UNPLACED
+    until its file places it), the context (test-db) or list file name it came from, and
+    its block's policy (a plain list's: the defaults)."""
 
     test: str
-    timeout_seconds: int | None
-    isolation: bool
+    timeout_seconds: int | None = None
+    isolation: bool = False
     keyword: KeywordExpr | None = None
+    location: Location = UNPLACED
+    source: str = ""
+    policy: BlockPolicy = DEFAULT_POLICY
+
+    @property
+    def text(self) -> str:
+        """The entry's selector as a list writes it: `test` plus any `-k "expr"`."""
+        return self.test if self.keyword is None else f'{self.test} -k "{self.keyword.text}"'
+
+    @property
+    def effective_timeout(self) -> int:
+        """Seconds the selected tests may run: the entry's timeout or the 60-minute default."""
+        return DEFAULT_TIMEOUT_SECONDS if self.timeout_seconds is None else self.timeout_seconds
+
+    def covers(self, node_id: str) -> bool:
+        """True if this entry selects the collected test `node_id`."""
+        return covers(self.test, node_id) and (self.keyword is None
+                                               or self.keyword.matches(node_id))
 
 
 def check_node_id(node_id: str) -> str:
@@ -103,8 +157,9 @@ def _minutes(text: str, value: str) -> int:
     return int(value)
 
 
-def parse_entry_text(text: str) -> EntrySpec:
-    """Parse one entry (see the module doc); raises ValueError naming the entry."""
+def parse_entry_text(text: str) -> Entry:
+    """The entry `text` says (see the module doc), not yet placed in a file; raises
+    ValueError naming the entry."""
     text = text.strip()
     node_id, rest = split_node_id(text)
     check_node_id(node_id)
@@ -130,4 +185,49 @@ def parse_entry_text(text: str) -> EntrySpec:
         if minutes is not None:
             raise ValueError(f"entry {text!r}: TIMEOUT given twice")
         minutes = _minutes(text, match["minutes"])
-    return EntrySpec(node_id, None if minutes is None else minutes * 60, isolation, keyword)
+    return Entry(node_id, None if minutes is None else minutes * 60, isolation, keyword)
+
+
+def parse_entry_mapping(data: Mapping[Any, Any]) -> Entry:
+    """The entry a test-db mapping `{test, timeout_seconds, isolation, keyword}` says, not
+    yet placed in a file; `test` is required, the others default as in the text form.
+    Raises KeyProblem for an unknown key, KeyProblems for bad values (each naming its
+    key; a value of the wrong type is never converted: `'yes'` is no boolean), ValueError
+    for a missing `test`."""
+    for key in data:
+        if key not in MAPPING_KEYS:
+            raise KeyProblem(str(key), f"unknown key {str(key)!r}; allowed: "
+                             f"{', '.join(MAPPING_KEYS)}", in_path=False)
+    if "test" not in data:
+        raise ValueError("missing key 'test'")
+    problems: list[KeyProblem] = []
+    test = _checked(data, "test", str, problems, check_node_id)
+    timeout = _checked(data, "timeout_seconds", int, problems, check_timeout_seconds,
+                       nullable=True)
+    isolation = _checked(data, "isolation", bool, problems) if "isolation" in data else False
+    keyword = _checked(data, "keyword", str, problems, KeywordExpr.parse, nullable=True)
+    if problems:
+        raise KeyProblems(problems)
+    return Entry(test, timeout, isolation, keyword)
+
+
+_TYPE_WORDS = {str: "a valid string", int: "a valid integer", bool: "a valid boolean"}
+
+
+def _checked(data: Mapping[Any, Any], key: str, kind: type, problems: list[KeyProblem],
+             check: Any = None, *, nullable: bool = False) -> Any:
+    """`data[key]` of type `kind` (a bool is no int), passed through `check` (which
+    raises ValueError); None when `nullable` and absent or null. A bad value is added to
+    `problems` (mutated), and None returned."""
+    value = data.get(key)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        problems.append(KeyProblem(key, f"Input should be {_TYPE_WORDS[kind]} (got "
+                                   f"{value!r})", in_path=True))
+        return None
+    try:
+        return value if check is None else check(value)
+    except ValueError as exc:
+        problems.append(KeyProblem(key, str(exc), in_path=True))
+        return None

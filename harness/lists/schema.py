@@ -1,4 +1,5 @@
-"""The test-db file format: safe YAML with line numbers, pydantic models, entry grammar.
+"""The test-db file format: safe YAML with line numbers, pydantic models, and the entries
+they hold (parsed by harness.lists.entry).
 
 A list file is `version` plus one context named after the file (`l0_h100.yml` holds
 `l0_h100`), a list of blocks `{condition: {ranges, wildcards, terms}, tests: [...]}`.
@@ -15,30 +16,22 @@ from typing import Annotated, Any, Literal, NamedTuple, get_args
 
 import yaml
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
-    Discriminator,
     Field,
-    Tag,
+    PlainValidator,
     ValidationError,
     create_model,
     model_validator,
 )
 
 from harness.data_files import MAX_NESTING, too_deep
-from harness.gpus import FEATURES
-from harness.hardware import Backend, Orchestrator, Stage
-from harness.lists.entry import (
-    EntrySpec,
-    check_node_id,
-    check_timeout_seconds,
-    parse_entry_text,
-)
-from harness.lists.errors import ListError, Location, Problem
+from harness.lists.entry import BlockPolicy, Entry, parse_entry_mapping, parse_entry_text
+from harness.lists.errors import KeyProblem, KeyProblems, ListError, Location, Problem
 from harness.lists.files import read_list_text
-from harness.lists.keywords import KeywordExpr
+from harness.lists.gpus import FEATURES
+from harness.lists.hardware import Backend, Orchestrator, Stage
 
 Version = Literal["0.0.1"]
 SUPPORTED_VERSIONS: tuple[str, ...] = get_args(Version)
@@ -46,14 +39,6 @@ CONTEXT_NAME = re.compile(r"l[0-9]+_[a-z0-9_]+")  # ASCII digits: \d reads every
 # YAML integers longer than this are refused before Python parses them (past ~4300
 # digits int() raises; long before that they are nonsense in a list).
 MAX_INT_DIGITS = 18
-
-
-class UnknownKeyError(ValueError):
-    """A mapping holds a key its model does not declare; `key` extends the error's path."""
-
-    def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(message)
 
 
 class _Strict(BaseModel):
@@ -69,7 +54,7 @@ class _Strict(BaseModel):
         if isinstance(data, dict):
             for key in data:
                 if key not in cls.model_fields:
-                    raise UnknownKeyError(str(key), cls._unknown_key(str(key)))
+                    raise KeyProblem(str(key), cls._unknown_key(str(key)), in_path=False)
         return data
 
 
@@ -150,53 +135,25 @@ class ConditionModel(_Strict):
     terms: TermsModel
 
 
-class EntryMapping(_Strict):
-    test: Annotated[str, AfterValidator(check_node_id)]
-    timeout_seconds: Annotated[int, AfterValidator(check_timeout_seconds)] | None = None
-    isolation: bool = False
-    keyword: Annotated[str, AfterValidator(lambda t: KeywordExpr.parse(t).text)] | None = None
-
-    def spec(self) -> EntrySpec:
-        keyword = None if self.keyword is None else KeywordExpr.parse(self.keyword)
-        return EntrySpec(self.test, self.timeout_seconds, self.isolation, keyword)
-
-
-def _check_entry_text(text: str) -> str:
-    parse_entry_text(text)
-    return text
+def _entry(value: Any) -> Entry:
+    """The entry a list item says: a text or a mapping (harness.lists.entry), not yet
+    placed in its file. Raises ValueError (KeyProblem for a mapping's key) naming it."""
+    if isinstance(value, str):
+        return parse_entry_text(value)
+    if isinstance(value, dict):
+        return parse_entry_mapping(value)
+    raise ValueError("an entry is a node id string or a mapping {test, timeout_seconds, "
+                     f"isolation, keyword}} (got {value!r})")
 
 
-def _entry_kind(value: Any) -> str | None:
-    return "<text>" if isinstance(value, str) else "<mapping>" if isinstance(value, dict) else None
-
-
-# Tags start with "<" so error paths can drop them (they are not YAML keys).
-EntryField = Annotated[
-    Annotated[Annotated[str, AfterValidator(_check_entry_text)], Tag("<text>")]
-    | Annotated[EntryMapping, Tag("<mapping>")],
-    Discriminator(
-        _entry_kind,
-        custom_error_type="entry_type",
-        custom_error_message="an entry is a node id string or a mapping "
-        "{test, timeout_seconds, isolation, keyword}",
-    ),
-]
-
-
-class BlockPolicy(NamedTuple):
-    """A block's run policy for its entries: rerun failures (harness.ci.reruns), always run
-    under --changed-since, and globs of files whose change runs the block."""
-
-    reruns: bool = False
-    always_run: bool = False
-    depends_on: tuple[str, ...] = ()
+EntryField = Annotated[Entry, PlainValidator(_entry)]
 
 
 class BlockModel(_Strict):
     condition: ConditionModel
-    tests: Annotated[list[EntryField], Field(min_length=1)]
+    tests: Annotated[list[EntryField], Field(min_length=1)]  # parsed, placed by the reader
     reruns: bool | None = None  # None: rerun failures in post_merge blocks only
-    always_run: bool = False  # run even when --changed-since finds nothing it depends on
+    always_run: bool = False  # run even when --kvh-changed-since finds nothing it depends on
     source_file_dependencies: Globs | None = None  # changes that must run this block
 
     def policy(self) -> BlockPolicy:
@@ -319,15 +276,25 @@ def _path_text(loc: tuple[str | int, ...]) -> str:
     return out
 
 
+def _key_problem(path: Path, root: yaml.Node, loc: tuple[str | int, ...],
+                 error: KeyProblem) -> Problem:
+    """A problem at one key of the mapping at `loc`: the key's line; the path names the
+    mapping (an unknown key) or the key (a bad value)."""
+    where = _path_text((*loc, error.key) if error.in_path else loc)
+    return Problem(Location(path, node_line(root, (*loc, error.key))), f"{where}: {error}")
+
+
 def _messages(path: Path, root: yaml.Node, exc: ValidationError) -> Iterator[Problem]:
     for err in exc.errors():
-        loc = tuple(k for k in err["loc"] if not (isinstance(k, str) and k.startswith("<")))
+        loc = tuple(err["loc"])
         error = (err.get("ctx") or {}).get("error")
-        # The path names the mapping that holds an unknown or missing key; the line is
-        # the unknown key's own (a missing key has none: node_line stops at the mapping).
+        if isinstance(error, KeyProblem | KeyProblems):
+            yield from (_key_problem(path, root, loc, e) for e in
+                        (error.problems if isinstance(error, KeyProblems) else (error,)))
+            continue
+        # The path names the mapping that holds a missing key (the line is the mapping's:
+        # a missing key has none).
         where = _path_text(loc[:-1] if err["type"] == "missing" else loc)
-        if isinstance(error, UnknownKeyError):
-            loc += (error.key,)
         if isinstance(error, ValueError):
             message = str(error)
         elif err["type"] == "missing":

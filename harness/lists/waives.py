@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.lists.db import covers
-from harness.lists.entry import check_node_id, split_node_id
+from harness.lists.entry import check_node_id, covers, split_node_id
 from harness.lists.errors import Location, Problem
 from harness.lists.files import content_lines
 

@@ -5,6 +5,11 @@ The reuse oracle replays the cache's admission log and predicts reuse
 every reuse reads the reader's own KV (`harness.oracle.provenance`); the capacity oracle
 counts the blocks live sequences need (`harness.oracle.capacity`). None imports anything
 from `kvcache`: they read the events and the public API's numbers only.
+
+Beside them, what runs them: `checked_manager` (a manager checked by the oracles after
+every call; it names `kvcache` for type checking only), `checks` (the oracles the plugin
+runs on a test's caches after it) and `kv_index` (a replica's cache rebuilt from its
+KV-cache events alone, as a router keeps it).
 """
 
 from __future__ import annotations

@@ -1,3 +1,6 @@
-"""One-command reproduction of a failed scenario: the versioned repro file (fileformat),
-what a scenario ran (workload), the failed check (record), how outputs differ (compare)
-and the replay that re-runs the engine (rerun). `kvharness repro FILE` is the entry."""
+"""One-command reproduction of a failed check, of either kind: the versioned repro file
+and its limits (fileformat), what a file may name (registry), the reuse-check record
+(reuse_record) and its replay on a fresh cache (reuse_replay), the scenario record
+(record: what failed; workload: what the engines ran; compare: how outputs differ) and
+its re-run of the engines (rerun). `replay` is the one way in (`kvharness repro FILE`,
+and the plugin's writer); `outcome` the one answer."""

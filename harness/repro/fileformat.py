@@ -4,16 +4,17 @@ Every repro file is one JSON object:
 
     {"format": "kvharness-repro", "version": 3, "kind": "reuse" | "scenario", ...}
 
-`kind` says which record follows (harness.reuse.repro.ReproRecord: a reuse check over a
-cache's admission log; harness.repro.record.ScenarioRecord: a scenario's engines and
-workload). A reader rejects another format, another version or kind, a missing or
+`kind` says which record follows (harness.repro.reuse_record.ReuseCheckRecord: a reuse
+check over a cache's admission log; harness.repro.record.ScenarioRecord: a scenario's
+engines and workload). A reader rejects another format, another version or kind, a missing or
 mistyped field and an unknown key with a `ReproFormatError` that names the file and the
 field (`engines[0].calls[3].prompts[1]`), so a hand-edited file fails where it is wrong.
 
 A repro file is data someone may have edited, and a re-run is a small engine on this
 machine: the reader also bounds what a file can ask for (its size, pool sizes, engines,
 calls, events, tokens; the limits below), each limit checked where the field is read, so
-no file can make a re-run exhaust memory or run for hours. Names of code (models,
+no file can make a re-run exhaust memory or run for hours. The JSON is read as every file
+the harness reads is (harness.data_files.load_json: nesting bounded, line named). Names of code (models,
 backends, engine classes) are checked against harness.repro.registry.
 """
 
@@ -24,6 +25,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
+
+from harness.data_files import load_json
 
 FORMAT = "kvharness-repro"
 VERSION = 3
@@ -278,24 +281,12 @@ def envelope(kind: Kind, body: dict[str, Any]) -> dict[str, Any]:
 
 def open_file(path: Path) -> tuple[Kind, Fields]:
     """Read `path` and check its header; returns the kind and the body's fields (the
-    header already read). Raises ReproFormatError naming the file."""
+    header already read). Raises ReproFormatError naming the file (and, for JSON nested
+    deeper than harness.data_files.MAX_NESTING, the line)."""
     file = str(path)
-    try:
-        if not path.is_file():
-            raise ReproFormatError(f"{file}: not a readable repro file: not a regular file")
-        with path.open("rb") as stream:
-            raw = stream.read(MAX_FILE_BYTES + 1)
-        if len(raw) > MAX_FILE_BYTES:
-            raise ReproFormatError(f"{file}: not a readable repro file: larger than "
-                                   f"{MAX_FILE_BYTES} bytes")
-        data = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise ReproFormatError(f"{file}: not a readable repro file: JSON nested too deeply "
-                               "to read") from None
-    except ReproFormatError:
-        raise
-    except (OSError, ValueError) as exc:  # ValueError: bad UTF-8, bad JSON, a 5000-digit int
-        raise ReproFormatError(f"{file}: not a readable repro file: {exc}") from None
+    if not path.is_file():
+        raise ReproFormatError(f"{file}: not a readable repro file: not a regular file")
+    data = load_json(path, "repro file", ReproFormatError, MAX_FILE_BYTES)
     fields = Fields(data, file)
     if fields.get("format", str) != FORMAT:
         raise fields.error("format", f"is {data['format']!r}, not {FORMAT!r}")

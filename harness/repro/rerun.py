@@ -12,7 +12,7 @@ A recipe's model, backend and engine class are looked up in harness.repro.regist
 every engine's before the first is built: a file selects among the harness's names and
 never names code to import.
 
-Like harness.reuse.replay, this loads `kvcache` (and torch) inside its functions only: a
+Like harness.repro.reuse_replay, this loads `kvcache` (and torch) inside its functions only: a
 scenario record is a recording of kvcache's Engine (docs/architecture.md).
 """
 
@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from harness.adapters import KvcacheEngineAdapter
 from harness.oracle.types import DEFAULT_PRIORITY
 from harness.repro.compare import describe, first_difference
 from harness.repro.fileformat import ReproFormatError
+from harness.repro.outcome import Outcome
 from harness.repro.record import FullBlocksFailure, OracleFailure, OutputRef, ScenarioRecord
 from harness.repro.registry import Resolved, resolve
 from harness.repro.workload import Call, EngineRecipe, EngineRun, scope_args
+from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import (
     ReuseMismatch,
     expect_full_blocks_bounded,
@@ -39,32 +40,26 @@ from harness.reuse.assertions import (
 if TYPE_CHECKING:
     from kvcache import Engine, GenerationOutput
 
-Status = Literal["reproduced", "gone", "other"]
-
-
-class Rerun(NamedTuple):
-    """What the re-run found: the recorded failure came back (`reproduced`), it and every
-    later check passed (`gone`), or it is gone but another check failed (`other`)."""
-
-    status: Status
-    message: str
-    notes: list[str]
-
-
 def build(recipe: EngineRecipe, resolved: Resolved, where: str) -> Engine:
     """The engine `recipe` describes, from what its names stand for (`resolved`, from
-    harness.repro.registry.resolve). Raises ReproFormatError naming `where` when it
-    cannot be built here (a bad option or cache field)."""
-    from kvcache import KvCacheConfig
+    harness.repro.registry.resolve); its options are an EngineConfig's dict form, rebuilt
+    with `EngineConfig.from_dict`. Raises ReproFormatError naming `where` when it cannot
+    be built here (an unknown or bad option, a bad cache field)."""
+    from kvcache import EngineConfig, KvCacheConfig
 
     try:
         cache = KvCacheConfig(**recipe.cache)
+        doubled = sorted(set(recipe.options) & {"seed", "attn_backend", "device", "dtype"})
+        if doubled:
+            raise ValueError(f"options: {doubled} belong in the recipe's own fields "
+                             "(model_seed, backend, device, dtype)")
+        config = EngineConfig.from_dict(
+            {**recipe.options, "seed": recipe.model_seed, "attn_backend": resolved.backend,
+             "device": resolved.device, "dtype": resolved.dtype}, "options")
         model = resolved.model
         if not isinstance(model, str):
             model = model(recipe.model_seed)
-        return resolved.engine_class(model, cache, seed=recipe.model_seed,
-                                     attn_backend=resolved.backend, device=resolved.device,
-                                     dtype=resolved.dtype, **recipe.options)
+        return resolved.engine_class(model, cache, config)
     except (TypeError, ValueError) as exc:
         raise ReproFormatError(f"{where}: the engine cannot be built: {exc}") from None
 
@@ -211,8 +206,10 @@ def _recorded_check(record: ScenarioRecord, engines: list[Engine],
     return describe(diff, failure.where)
 
 
-def rerun(record: ScenarioRecord, file: str = "record") -> Rerun:
-    """Re-run `record` (read from `file`, which errors name) and check again. Every
+def rerun(record: ScenarioRecord, file: str = "record") -> Outcome:
+    """Re-run `record` (read from `file`, which errors name) and check again: the
+    recorded failure came back (`reproduced`), it and every later check passed (`not
+    reproduced`), or it is gone but another check failed (`another check failed`). Every
     engine's names are resolved before any engine is built. Raises ReproFormatError
     when it cannot be re-run here (see `run_engine`); anything the engine raises on the
     way (a RuntimeError, a MemoryError) propagates."""
@@ -225,7 +222,7 @@ def rerun(record: ScenarioRecord, file: str = "record") -> Rerun:
     outputs = [outs for _, outs in built]
     message = _recorded_check(record, engines, outputs, notes)
     if message is not None:
-        return Rerun("reproduced", message, notes)
+        return Outcome("reproduced", message, tuple(notes))
     for i, engine in enumerate(engines):
         results = _admitted(engine, outputs[i])
         evicted = engine.kv_cache_stats().evicted_blocks
@@ -236,9 +233,9 @@ def rerun(record: ScenarioRecord, file: str = "record") -> Rerun:
         else:
             message = _oracle(engine, True, False, results)
         if message is not None:
-            return Rerun("other", f"engines[{i}]: {message}", notes)
-    return Rerun("gone", f"{record.failure.check} check holds now, and reuse matches the "
-                 "oracle", notes)
+            return Outcome("another check failed", f"engines[{i}]: {message}", tuple(notes))
+    return Outcome("not reproduced", f"{record.failure.check} check holds now, and reuse "
+                   "matches the oracle", tuple(notes))
 
 
 def describe_json(difference: dict[str, Any], where: str) -> str:

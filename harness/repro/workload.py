@@ -5,8 +5,9 @@ A recipe names the model by preset (or by the `module:function` that builds it f
 seed) and seed, the engine class (None: kvcache's Engine; else `module:QualName` of a
 subclass, such as a test's fault-injecting one), the attention backend by registry name
 or by `module:QualName` (a test's backend outside kvcache's registry), the device and
-dtype, the KvCacheConfig as given (None: "auto") and every other Engine option resolved
-to its value (layout, page size, chunking, budget, graph and padding flags, ...). Every
+dtype, the KvCacheConfig as given (None: "auto") and every other EngineConfig field
+resolved to its value (`EngineConfig.as_dict`: layout, page size, chunking, budget, graph
+and padding flags, ...; a re-run rebuilds it with `EngineConfig.from_dict`). Every
 name is looked up in harness.repro.registry, never imported from the file; the sizes a
 recipe and its calls ask for are bounded (harness.repro.fileformat's limits). Calls are the engine's request API:
 `generate` (a batch run to completion), `add_request`, `step`, `abort`; each keeps the
@@ -37,7 +38,9 @@ ScopeJson = dict[str, Any] | None
 class EngineRecipe:
     """Everything `Engine(...)` was built from: `preset` is a preset name or the
     `module:function` that builds the model from `model_seed`; `engine` is None for
-    kvcache's Engine, else the `module:QualName` of the Engine subclass."""
+    kvcache's Engine, else the `module:QualName` of the Engine subclass; `options` the
+    EngineConfig's dict form without the fields kept here (backend, device, dtype, and
+    its seed: `model_seed`)."""
 
     preset: str
     model_seed: int

@@ -4,7 +4,8 @@ Tests snapshot cumulative stats before and after the work, then state exact coun
 bounds per counter (and per request). Counters are diffed, gauges read from `after`,
 `cacheHitRate` recomputed over the window. A failure raises `ReuseMismatch` whose message
 is a table of expected vs actual (mismatching rows marked), a one-line reproduction and
-the cache tree, when given.
+the cache tree, when given; with a `ReproContext` it also carries what the check saw
+(`ReuseFailure`), from which harness.repro writes a repro record.
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
-from harness.engine_protocol import EngineUnderTest, StatsLike
 from harness.oracle.model import OracleConfig, OraclePrediction, replay
 from harness.oracle.types import hit_rate
-from harness.reuse.repro import Check, ReproRecord, plain, replay_config, row_dicts
+from harness.reuse.engine_protocol import EngineUnderTest, StatsLike
 
 GAUGES = frozenset({"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock",
                     "cachedNumBlocks", "stateSnapshotBytes", "maxNumHostBlocks",
@@ -32,13 +32,15 @@ _ALIASES = {"numReusedBlocks": "reusedBlocks", "numMissedBlocks": "missedBlocks"
             "numReusedTokens": "reusedTokens", "kvCacheHitRate": "cacheHitRate"}
 _SHOWN = ("reusedBlocks", "missedBlocks", "cacheHitRate")  # always in the totals table
 Number = int | float
+Check = Literal["oracle", "expect_reuse"]  # which assertion failed: how a replay checks again
 
 
 class ReuseMismatch(AssertionError):
     """Reuse counters differ from what was expected; the message holds the table, and
-    `repro` (when the check had a ReproContext) what `kvharness repro` replays."""
+    `failure` (when the check had a ReproContext) what the check saw, which
+    harness.repro writes as a record `kvharness repro` replays."""
 
-    repro: ReproRecord | None = None
+    failure: ReuseFailure | None = None
 
 
 def canonical_name(name: str) -> str:
@@ -122,11 +124,48 @@ class ReproContext:
         return f"reproduce: pytest {shlex.quote(self.node_id)}{tail}"
 
 
+@dataclass(frozen=True)
+class ReuseFailure:
+    """What a failed reuse check saw, as a repro record keeps it: which check, the test's
+    context, the cache config a replay rebuilds (the context's, with the pools the check
+    read), the admission log (a copy taken when the check failed; None when it had
+    none), the counters before the window, whether the bounds were exact, and every row
+    checked. harness.repro.reuse_record turns it into a `kind: reuse` record."""
+
+    check: Check
+    context: ReproContext
+    config: Mapping[str, Any]
+    admission_log: tuple[dict[str, Any], ...] | None
+    before: dict[str, Number] | None
+    exact: bool
+    rows: tuple[Row, ...]
+
+
+def replay_config(cache_config: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """What a replay needs of an engine's (or a manager's) cache config: the effective
+    policy (OracleConfig.from_cache_config) and the pool sizes (max_num_blocks,
+    host_cache_blocks), when the config has them. Raises ValueError as
+    `from_cache_config` does."""
+    config: dict[str, Any] = asdict(OracleConfig.from_cache_config(cache_config,
+                                                                   "cache_config"))
+    for key in ("max_num_blocks", "host_cache_blocks"):  # the replay builds the same pools
+        del config[key]
+        size = (cache_config.get(key) if isinstance(cache_config, Mapping)
+                else getattr(cache_config, key, None))
+        if size is not None:
+            config[key] = size
+    return config
+
+
 TreeDump = str | Callable[[], str]
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
+    """One checked counter: where (`total` or `request <seq_id>`), which counter, the
+    bounds it had to lie in (None: shown, not checked) and the value it had (None:
+    the stats lack it)."""
+
     where: str
     counter: str
     expected: Bounds | None
@@ -134,6 +173,7 @@ class _Row:
 
     @property
     def ok(self) -> bool:
+        """Whether the row holds: no bounds, or an actual value inside them."""
         if self.expected is None:
             return True
         return self.actual is not None and self.expected.holds(self.actual)
@@ -170,17 +210,17 @@ def _per_request_bounds(spec: Mapping[str, Number | Bounds]) -> dict[str, Bounds
 
 
 def _request_rows(per_request: Mapping[Hashable, Mapping[str, Number | Bounds]],
-                  actual_requests: Mapping[Hashable, StatsLike]) -> list[_Row]:
-    rows: list[_Row] = []
+                  actual_requests: Mapping[Hashable, StatsLike]) -> list[Row]:
+    rows: list[Row] = []
     for seq_id, spec in per_request.items():
         got = actual_requests.get(seq_id)
         actual = normalize_stats(got, f"request {seq_id!r}") if got is not None else {}
-        rows += [_Row(f"request {seq_id!r}", name, bound, actual.get(name))
+        rows += [Row(f"request {seq_id!r}", name, bound, actual.get(name))
                  for name, bound in _per_request_bounds(spec).items()]
     return rows
 
 
-def format_table(rows: list[_Row]) -> str:
+def format_table(rows: list[Row]) -> str:
     """Rows as aligned columns; failing rows end with `<-- mismatch`."""
     cells = [("where", "counter", "expected", "actual")] + [
         (r.where, r.counter, str(r.expected) if r.expected else "-", _fmt(r.actual))
@@ -194,8 +234,11 @@ def format_table(rows: list[_Row]) -> str:
     return "\n".join(lines)
 
 
-def _raise_if_failed(rows: list[_Row], context: ReproContext | None,
-                     tree_dump: TreeDump | None) -> None:
+def check_rows(rows: Sequence[Row], context: ReproContext | None = None,
+               tree_dump: TreeDump | None = None) -> None:
+    """Raise ReuseMismatch when a row fails: its message is the table of the totals and
+    the failing requests, `context`'s reproduction line and the cache tree (`tree_dump`,
+    called only on a failure). Returns None when every row holds; reads only."""
     __tracebackhide__ = True  # pytest shows the table, not this frame
     failed = sum(not r.ok for r in rows)
     if not failed:
@@ -219,19 +262,21 @@ def _raise_if_failed(rows: list[_Row], context: ReproContext | None,
     raise ReuseMismatch("\n".join(parts))
 
 
-def _checked(rows: list[_Row], context: ReproContext | None, tree_dump: TreeDump | None,
+def _checked(rows: list[Row], context: ReproContext | None, tree_dump: TreeDump | None,
              check: Check, before: StatsLike | None, exact: bool,
              config: Mapping[str, Any], log: Sequence[Mapping[str, Any]] | None) -> None:
-    """`_raise_if_failed`, with a ReproRecord on the mismatch when there is a context."""
+    """`check_rows`, with what the check saw (`ReuseFailure`) on the mismatch when there
+    is a context."""
     __tracebackhide__ = True
     try:
-        _raise_if_failed(rows, context, tree_dump)
+        check_rows(rows, context, tree_dump)
     except ReuseMismatch as exc:
         if context is not None:
-            exc.repro = ReproRecord(
-                context.node_id, check, context.seed, {**context.config, **config},
-                plain(log), None if before is None else normalize_stats(before, "before"),
-                exact, row_dicts(rows), str(exc))
+            exc.failure = ReuseFailure(
+                check, context, {**context.config, **config},
+                None if log is None else tuple(dict(e) for e in log),
+                None if before is None else normalize_stats(before, "before"),
+                exact, tuple(rows))
         raise
 
 
@@ -257,8 +302,8 @@ def expect_reuse(before: StatsLike | None, after: StatsLike, *,
     if unknown:
         raise ValueError(f"expect_reuse: no counter {unknown} in the stats "
                          f"(known: {sorted(window)})")
-    rows = [_Row("total", n, b, window[n]) for n, b in totals.items()]
-    rows += [_Row("total", n, None, window.get(n)) for n in _SHOWN if n not in totals]
+    rows = [Row("total", n, b, window[n]) for n, b in totals.items()]
+    rows += [Row("total", n, None, window.get(n)) for n in _SHOWN if n not in totals]
     if per_request:
         if actual_requests is None:
             raise ValueError("expect_reuse: per_request expectations need actual_requests")
@@ -277,7 +322,10 @@ def predict_from_engine(engine: EngineUnderTest, *, bounded: bool = False) -> Or
     return replay(engine.admission_log(), cfg)
 
 
-def _oracle_spec(prediction: Mapping[str, Number], exact: bool) -> dict[str, Bounds]:
+def oracle_bounds(prediction: Mapping[str, Number], exact: bool) -> dict[str, Bounds]:
+    """The bounds the oracle's `prediction` (counter -> value) sets: each counter exactly
+    with `exact`; else, as a bounded pool allows, reuse at most and misses at least what
+    it predicts (other counters unchecked). cacheHitRate is never bounded."""
     # With a bounded pool the oracle is an upper bound on reuse (a lower one on misses).
     spec: dict[str, Bounds] = {}
     for name, value in prediction.items():
@@ -310,8 +358,8 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
     """
     __tracebackhide__ = True
     window = diff_stats(before, engine.kv_cache_stats())
-    totals = _oracle_spec(oracle_prediction.totals.as_dict(), exact)
-    rows = [_Row("total", n, b, window.get(n)) for n, b in totals.items()
+    totals = oracle_bounds(oracle_prediction.totals.as_dict(), exact)
+    rows = [Row("total", n, b, window.get(n)) for n, b in totals.items()
             if n in window or n in _SHOWN]
     for result in results or ():
         # kvcache's GenerationOutput names it request_id
@@ -319,16 +367,16 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
         predicted = oracle_prediction.requests.get(seq_id)
         where = f"request {seq_id!r}"
         if predicted is None:
-            rows.append(_Row(where, "admitted", Bounds(1, 1), 0))
+            rows.append(Row(where, "admitted", Bounds(1, 1), 0))
             continue
         metrics = result.kv_metrics
         actual = normalize_stats(metrics, where) if metrics is not None else {}
         actual["numCachedTokens"] = result.num_cached_tokens
         expected = {**predicted.as_dict(), "numCachedTokens": predicted.reused_tokens}
-        spec = _oracle_spec(expected, exact)
+        spec = oracle_bounds(expected, exact)
         if not exact:
             spec["numCachedTokens"] = Bounds(at_most=predicted.reused_tokens)
-        rows += [_Row(where, n, b, actual.get(n)) for n, b in spec.items()
+        rows += [Row(where, n, b, actual.get(n)) for n, b in spec.items()
                  if n in actual or n in _SHOWN]
     config = replay_config(engine.cache_config)
     _checked(rows, context, tree_dump, "oracle", before, exact, config,

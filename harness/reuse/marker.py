@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from harness.engine_protocol import StatsLike
-from harness.report import ReuseRecord, ReuseReport
+from harness.reports.summary import ReuseRecord, ReuseReport
 from harness.reuse.assertions import (
     Bounds,
     Number,
@@ -20,8 +19,9 @@ from harness.reuse.assertions import (
     canonical_name,
     diff_stats,
     expect_reuse,
+    replay_config,
 )
-from harness.reuse.repro import replay_config
+from harness.reuse.engine_protocol import StatsLike
 
 if TYPE_CHECKING:
     import pytest

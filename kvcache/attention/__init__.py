@@ -15,9 +15,9 @@ from kvcache._lazy import lazy_getattr
 if TYPE_CHECKING:
     from kvcache.attention.base import AttentionBackend, AttentionOutput
     from kvcache.attention.block_table import BlockTable
-    from kvcache.attention.flashinfer import FlashInferBackend
+    from kvcache.attention.flashinfer.backend import FlashInferBackend
     from kvcache.attention.metadata import PagedMetadata, build_metadata
-    from kvcache.attention.persistent_batch import PersistentBatch
+    from kvcache.attention.persistent.batch import PersistentBatch
     from kvcache.attention.reference import ReferenceBackend
     from kvcache.attention.registry import backend_names, get_backend
     from kvcache.attention.star import StarAttentionBackend
@@ -26,10 +26,10 @@ _EXPORTS = {
     "AttentionBackend": "kvcache.attention.base",
     "AttentionOutput": "kvcache.attention.base",
     "BlockTable": "kvcache.attention.block_table",
-    "FlashInferBackend": "kvcache.attention.flashinfer",
+    "FlashInferBackend": "kvcache.attention.flashinfer.backend",
     "PagedMetadata": "kvcache.attention.metadata",
     "build_metadata": "kvcache.attention.metadata",
-    "PersistentBatch": "kvcache.attention.persistent_batch",
+    "PersistentBatch": "kvcache.attention.persistent.batch",
     "ReferenceBackend": "kvcache.attention.reference",
     "StarAttentionBackend": "kvcache.attention.star",
     "backend_names": "kvcache.attention.registry",

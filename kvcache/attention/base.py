@@ -116,8 +116,8 @@ class AttentionBackend(ABC):
         """Raise ValueError if a request listing its keys from kv_start > 0 has a query
         whose window reaches before that key (or attends without a window)."""
         assert md.kv_start is not None
-        B = md.num_requests
-        start = md.kv_start[:B]
+        num_requests = md.num_requests
+        start = md.kv_start[:num_requests]
         if not bool((start > 0).any()):
             return
         where = f"{type(self).__name__}.plan"
@@ -127,8 +127,8 @@ class AttentionBackend(ABC):
                    else "it attends without a window (window_left=-1)")
             raise ValueError(f"{where}: request {b} lists its keys from position "
                              f"{int(start[b])} (earlier blocks released), but {why}")
-        qo_len = md.qo_indptr[1:B + 1] - md.qo_indptr[:B]
-        reach = md.kv_lens[:B] - qo_len - self.window_left  # first query's first key
+        qo_len = md.qo_indptr[1:num_requests + 1] - md.qo_indptr[:num_requests]
+        reach = md.kv_lens[:num_requests] - qo_len - self.window_left  # first query's first key
         bad = (start > 0) & (reach < 0)
         if bool(bad.any()):
             b = int(torch.nonzero(bad)[0])

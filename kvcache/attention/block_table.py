@@ -43,8 +43,8 @@ class BlockTable:
 
     def row_prefixes(self, width: int) -> npt.NDArray[np.void]:
         """A view (no copy) of `blocks` with one opaque item per slot: its first `width`
-        ids. Indexing it copies whole row prefixes, one memmove each, ~25% faster than an
-        int32 gather. Views are kept per width: `blocks` never moves, so they stay live."""
+        ids. Indexing it copies whole row prefixes, one memmove each, faster than an int32
+        gather. Views are kept per width: `blocks` never moves, so they stay live."""
         view = self._prefixes.get(width)
         if view is None:
             item = np.dtype((np.void, width * self.blocks.itemsize))

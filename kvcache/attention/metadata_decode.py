@@ -1,9 +1,9 @@
 """Page gathers and the decode fast path of the paged-metadata build.
 
 Every call recomputes from the table and its inputs; nothing here caches a result. The
-costs that matter at decode sizes (a few hundred requests) are per call, not per element:
-a numpy ufunc with a Python-int operand costs ~0.5 us against ~0.3 us with a 0-d array,
-`max()` ~0.7 us against ~0.2 us for `x[x.argmax()]`, so the code below uses the cheap forms.
+costs that matter at decode sizes (a few hundred requests) are per call, not per element,
+so the code below takes the cheaper forms: 0-d array operands rather than Python ints,
+`x[x.argmax()]` rather than `max()` (docs/design.md, "Speed of the metadata").
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class DecodeArrays(NamedTuple):
 
 
 def _arange32(table: BlockTable, n: int) -> Int32Array:
-    """A fresh int32 arange(n): a copy of the table's persistent one is ~2x faster."""
+    """A fresh int32 arange(n): a copy of the table's persistent one (cheaper than
+    np.arange)."""
     base = table.arange32
     return base[:n].copy() if n <= len(base) else np.arange(n, dtype=np.int32)
 
@@ -87,30 +88,31 @@ def decode_arrays(table: BlockTable, held: IntArray, slots: IntArray, cached: In
     caller then explains). held: blocks per slot, as the table's lengths[slots].
     Pads with zero-page requests up to `total`; raises ValueError as gather_pages does.
     """
-    B = len(slots)
+    num_requests = len(slots)
     P, k = page_size, block_size // page_size
-    p_arr = np.array(P, dtype=np.int64)  # 0-d operands are cheaper than Python ints
+    page_size_0d = np.array(P, dtype=np.int64)  # 0-d operands are cheaper than Python ints
     # The last token sits at position `cached`: its page is cached // P. A negative count
     # wraps to a huge unsigned one, so the capacity compare also rejects num_cached < 0.
-    last_page = cached // p_arr
-    blk = last_page if k == 1 else cached // np.array(block_size, dtype=np.int64)
-    if np.count_nonzero(blk.view(np.uint64) >= held.view(np.uint64)):
+    last_page = cached // page_size_0d
+    last_block = last_page if k == 1 else cached // np.array(block_size, dtype=np.int64)
+    if np.count_nonzero(last_block.view(np.uint64) >= held.view(np.uint64)):
         return None
     max_pages = int(last_page[last_page.argmax()]) + 1
     uniform = int(last_page[last_page.argmin()]) + 1 == max_pages
     num_pages = last_page + _ONE
-    kv_indices = gather_pages(table, slots, blk + _ONE, num_pages, max_pages, uniform, k, m)
+    kv_indices = gather_pages(table, slots, last_block + _ONE, num_pages, max_pages, uniform, k, m)
     if uniform:
-        kv_indptr = np.arange(0, (B + 1) * max_pages, max_pages, dtype=np.int32)
-        append_pages = kv_indices.reshape(B, max_pages)[:, -1].astype(np.int64)
+        kv_indptr = np.arange(0, (num_requests + 1) * max_pages, max_pages, dtype=np.int32)
+        append_pages = kv_indices.reshape(num_requests, max_pages)[:, -1].astype(np.int64)
     else:
-        kv_indptr = np.zeros(B + 1, dtype=np.int32)
+        kv_indptr = np.zeros(num_requests + 1, dtype=np.int32)
         np.add.accumulate(num_pages, out=kv_indptr[1:])
         append_pages = kv_indices[kv_indptr[1:] - _ONE32].astype(np.int64)
-    if total > B:
-        kv_indptr = np.concatenate([kv_indptr, np.full(total - B, kv_indptr[B], np.int32)])
-    # Power-of-two pages (the usual case) take a mask, ~2x cheaper than a remainder.
-    append_slots = cached & (p_arr - _ONE) if P & (P - 1) == 0 else cached % p_arr
+    if total > num_requests:
+        padding = np.full(total - num_requests, kv_indptr[num_requests], np.int32)
+        kv_indptr = np.concatenate([kv_indptr, padding])
+    # Power-of-two pages (the usual case) take a mask, cheaper than a remainder.
+    append_slots = cached & (page_size_0d - _ONE) if P & (P - 1) == 0 else cached % page_size_0d
     return DecodeArrays(
         qo_indptr=_arange32(table, total + 1),
         kv_indptr=kv_indptr,

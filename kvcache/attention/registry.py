@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcache.attention.base import AttentionBackend
-from kvcache.attention.flashinfer import FlashInferBackend
+from kvcache.attention.flashinfer.backend import FlashInferBackend
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.attention.star import StarAttentionBackend
 

@@ -1,4 +1,5 @@
-"""The engine: scheduler (token budget, chunked prefill), step loop and generate().
+"""The engine: its options (EngineConfig), scheduler (token budget, chunked prefill,
+postprocess), step runner, step loop and generate().
 
 Names are exported lazily, so `import kvcache.engine` loads no torch until a name is used,
 and `kvcache.engine.scheduler` loads numpy alone (it reaches attention only through the
@@ -12,12 +13,14 @@ from typing import TYPE_CHECKING
 from kvcache._lazy import lazy_getattr
 
 if TYPE_CHECKING:
+    from kvcache.engine.config import EngineConfig
     from kvcache.engine.engine import Engine
     from kvcache.engine.request import FinishReason, GenerationOutput, RequestFinishedError
     from kvcache.engine.scheduler import Scheduler
 
 _EXPORTS = {
     "Engine": "kvcache.engine.engine",
+    "EngineConfig": "kvcache.engine.config",
     "FinishReason": "kvcache.engine.request",
     "GenerationOutput": "kvcache.engine.request",
     "RequestFinishedError": "kvcache.engine.request",
@@ -25,6 +28,7 @@ _EXPORTS = {
 }
 __all__ = [
     "Engine",
+    "EngineConfig",
     "FinishReason",
     "GenerationOutput",
     "RequestFinishedError",

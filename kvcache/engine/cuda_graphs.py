@@ -71,7 +71,7 @@ class DecodeGraphs:
         self.sizes = frozenset(sizes)
         largest = max(sizes)
         self._ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self._pos = torch.zeros(largest, dtype=torch.long, device=device)
+        self._positions = torch.zeros(largest, dtype=torch.long, device=device)
         self._graphs: dict[int, _Captured] = {}
         self.replays = 0
         self.captures = 0
@@ -80,33 +80,33 @@ class DecodeGraphs:
             ctx: ForwardContext) -> torch.Tensor:
         """Logits [batch, vocab] of a padded decode batch (padding rows undefined),
         capturing its size on first use or when its plan layout changed since capture."""
-        bs = md.batch_size
+        batch_size = md.batch_size
         self.backend.plan(md)  # never inside capture
-        layout = self._layouts.graph_layout(bs)
-        self._ids[:bs].copy_(input_ids)
-        self._pos[:bs].copy_(positions)
-        entry = self._graphs.get(bs)
+        layout = self._layouts.graph_layout(batch_size)
+        self._ids[:batch_size].copy_(input_ids)
+        self._positions[:batch_size].copy_(positions)
+        entry = self._graphs.get(batch_size)
         blocker = None if entry is None else replay_blocker(entry.layout, layout)
         if blocker is not None:
             log.warning("decode graph of batch size %d: capturing again, its plan layout "
-                        "changed since capture (%s)", bs, blocker)
-            del self._graphs[bs]  # frees its memory pool before the new capture
+                        "changed since capture (%s)", batch_size, blocker)
+            del self._graphs[batch_size]  # frees its memory pool before the new capture
             entry = None
         if entry is None:
-            entry = self._graphs[bs] = self._capture(bs, ctx, layout)
+            entry = self._graphs[batch_size] = self._capture(batch_size, ctx, layout)
         entry.graph.replay()
         self.replays += 1
         return entry.out
 
-    def _capture(self, bs: int, ctx: ForwardContext, layout: Hashable) -> _Captured:
+    def _capture(self, batch_size: int, ctx: ForwardContext, layout: Hashable) -> _Captured:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: appends rewrite the same slots
             for _ in range(2):
-                self.model(self._ids[:bs], self._pos[:bs], ctx)
+                self.model(self._ids[:batch_size], self._positions[:batch_size], ctx)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.model(self._ids[:bs], self._pos[:bs], ctx)
+            out = self.model(self._ids[:batch_size], self._positions[:batch_size], ctx)
         self.captures += 1
         return _Captured(graph, out, layout)

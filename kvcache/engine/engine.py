@@ -1,12 +1,16 @@
 """Engine: a small inference engine whose outputs prove that block reuse is correct.
 
-    engine = Engine("tiny", KvCacheConfig(...), attn_backend="torch")
+    engine = Engine("tiny", KvCacheConfig(...), EngineConfig(attn_backend="torch"))
+    engine = Engine("tiny", KvCacheConfig(...), attn_backend="torch")  # the same
     outs = engine.generate(prompts, max_new_tokens=8)
 
-The Engine builds the parts from its options (model, cache manager, KV storage, backend,
-block table, persistent batch, scheduler, CUDA graphs, snapshots) and is the thread-safe
-request API: add_request, abort, step, generate. What one step does (schedule, apply the
-manager's copies, metadata, plan, forward, sample, commit) is kvcache/engine/step_runner.py.
+The Engine builds the parts from its options (kvcache/engine/config.py: model, cache
+manager, KV storage, backend, block table, persistent batch, scheduler, CUDA graphs,
+snapshots), runs the step (schedule, apply the cache's block ops, run the model,
+postprocess: `_step`) and is the thread-safe request API: add_request, abort, step,
+generate. The scheduler owns the requests (their admission, rows and what a step's
+tokens do to them: kvcache/engine/scheduler.py), the step runner the forward pass and
+sampling (kvcache/engine/step_runner.py).
 """
 
 from __future__ import annotations
@@ -22,14 +26,14 @@ import torch
 from kvcache.attention.base import AttentionBackend
 from kvcache.attention.block_table import BlockTable
 from kvcache.attention.layer_windows import backend_for_windows
-from kvcache.attention.persistent_batch import PersistentBatch
-from kvcache.attention.registry import get_backend
+from kvcache.attention.persistent.batch import PersistentBatch
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.keys import ReuseScope
 from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
 from kvcache.core.stats import KvCacheStats
 from kvcache.core.validate import check_positive_int, check_priority
 from kvcache.core.window import peak_blocks
+from kvcache.engine.config import EngineConfig, with_options
 from kvcache.engine.cuda_graphs import DecodeGraphs
 from kvcache.engine.fair_lock import FairLock
 from kvcache.engine.request import (
@@ -45,73 +49,85 @@ from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.state_snapshots import StateSnapshots
 from kvcache.engine.step_runner import StepRunner
 from kvcache.engine.step_timer import StepTimer
-from kvcache.model.config import get_preset
+from kvcache.model.config import ModelConfig, get_preset
 from kvcache.model.transformer import Transformer
-from kvcache.storage.kv_storage import KvLayout, KvStorage
+from kvcache.storage.kv_storage import KvStorage
 
-DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
 # Admission into an idle engine fails only transiently (all blocks are then free or
 # evictable, and add_request rejects what could never fit); give up after this many.
 MAX_IDLE_STEPS = 8
 
 
-def _backend_class(attn_backend: str | type[AttentionBackend]) -> type[AttentionBackend]:
-    """The class `attn_backend` names, or the class itself; ValueError otherwise."""
-    if not isinstance(attn_backend, type):
-        return get_backend(attn_backend)
-    if not issubclass(attn_backend, AttentionBackend):
-        raise ValueError(f"Engine: attn_backend class {attn_backend.__qualname__} is not an "
-                         "AttentionBackend")
-    return attn_backend
-
-
-def _kv_storage(cfg: KvCacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device, layout: KvLayout) -> KvStorage:
-    """The engine's KV storage for `cfg`'s pools. Raises ValueError naming
-    `KvCacheConfig.max_num_blocks` and `host_cache_blocks` and the bytes they ask for
-    when torch cannot allocate it (out of memory: RuntimeError or MemoryError)."""
+def _kv_storage(cache: KvCacheConfig, model: ModelConfig, config: EngineConfig,
+                device: torch.device) -> KvStorage:
+    """The engine's KV storage for `cache`'s pools: one storage layer per attention layer
+    of `model` (at least one). Raises ValueError naming `KvCacheConfig.max_num_blocks`
+    and `host_cache_blocks` and the bytes they ask for when torch cannot allocate it
+    (out of memory: RuntimeError or MemoryError)."""
+    num_layers, dtype = max(1, len(model.attention_layers)), config.dtype
     try:
-        return KvStorage(num_layers=num_layers, num_blocks=cfg.max_num_blocks,
-                         block_size=cfg.tokens_per_block, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, dtype=dtype, device=device, layout=layout,
-                         host_num_blocks=cfg.host_cache_blocks)
+        return KvStorage(num_layers=num_layers, num_blocks=cache.max_num_blocks,
+                         block_size=cache.tokens_per_block, num_kv_heads=model.num_kv_heads,
+                         head_dim=model.head_dim, dtype=dtype, device=device,
+                         layout=config.layout, host_num_blocks=cache.host_cache_blocks)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        per_block = (2 * num_layers * cfg.tokens_per_block * num_kv_heads * head_dim
-                     * dtype.itemsize)
-        host = (f" and KvCacheConfig.host_cache_blocks={cfg.host_cache_blocks} host blocks "
-                f"({cfg.host_cache_blocks * per_block} bytes)" if cfg.host_cache_blocks else "")
+        per_block = (2 * num_layers * cache.tokens_per_block * model.num_kv_heads
+                     * model.head_dim * dtype.itemsize)
+        host = (f" and KvCacheConfig.host_cache_blocks={cache.host_cache_blocks} host blocks "
+                f"({cache.host_cache_blocks * per_block} bytes)" if cache.host_cache_blocks
+                else "")
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"Engine: cannot allocate the KV storage on {device}: "
-                         f"KvCacheConfig.max_num_blocks={cfg.max_num_blocks} device blocks "
-                         f"({cfg.max_num_blocks * per_block} bytes){host}, {per_block} bytes "
+                         f"KvCacheConfig.max_num_blocks={cache.max_num_blocks} device blocks "
+                         f"({cache.max_num_blocks * per_block} bytes){host}, {per_block} bytes "
                          f"a block; lower them (torch: {reason})") from e
+
+
+def _attention_backend(model: ModelConfig, storage: KvStorage,
+                       config: EngineConfig) -> AttentionBackend:
+    """`config`'s backend over `storage`: storage layer i is model layer
+    attention_layers[i]; with no attention layer the storage still has one (unused), at
+    the model's window. A LayerWindows when the layers' windows differ."""
+    options = dict(config.backend_options)
+    if config.cuda_graph:
+        options["graph_batch_sizes"] = config.graph_batch_sizes
+    windows = [model.layer_window_left(i) for i in model.attention_layers] or [model.window_left]
+    return backend_for_windows(config.backend_class, windows, storage=storage,
+                               num_qo_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                               head_dim=model.head_dim, page_size=config.page_size, **options)
+
+
+def _snapshots(model: ModelConfig, cache: KvCacheConfig, manager: KVCacheManager,
+               interval: int) -> StateSnapshots | None:
+    """The recurrent-state snapshots of a hybrid model that reuses blocks (None for any
+    other), wired to `manager`: they leave with their blocks, and follow them to the
+    host tier and back."""
+    if not (model.has_recurrent_layers and cache.block_reuse):
+        return None
+    snapshots = StateSnapshots(model.recurrent_layers, model.hidden_size, interval)
+    manager.on_blocks_removed = snapshots.drop
+    if cache.host_cache_blocks:
+        manager.add_tier_listener(snapshots)
+    return snapshots
 
 
 class Engine:
     """Greedy generation over a paged KV cache with block reuse.
 
-    `model` is a Transformer or a preset name (weights from `seed`). `attn_backend` is a
-    registered backend's name or an AttentionBackend subclass (a backend outside the
-    registry, e.g. a test's fault-injecting one). `max_num_tokens` is
-    the per-step token budget, `max_batch_size` the running requests. `pad_decode` pads
-    decode batches to `graph_batch_sizes` as CUDA-graph replay does (`cuda_graph=True`
-    captures them; it needs CUDA and the flashinfer backend). `layout` ("NHD"/"HND": a K
-    and a V pool per layer; "BLHNC": one packed K and V for all layers, block-major) and
-    `page_size` (a divisor of the block size: re-paging) shape the KV storage the backend
-    reads. `record_events` keeps the cache's admission log for the reuse oracle.
-    `share_prefixes` holds a request back while a running one of the same scope still
-    computes the full blocks their prompts share, then admits it with reuse (in-batch
-    prefix sharing; see kvcache/engine/prefix_sharing.py). `kv_events` records KV-cache
-    events for routers (`engine.manager.take_kv_events()`). For a model whose attention
-    layers use a sliding window, `release_outside_window` lets the cache release a
-    running request's blocks no later token can see and match warm prompts by the
-    window (see `resolve_window`); False keeps full-attention bookkeeping. A model that
-    mixes windowed and full-attention layers keeps full-attention bookkeeping, and
-    `backend` is then a LayerWindows, one member backend per window (`attn_backend`
-    keeps the registered name). Raises ValueError naming the bad option (and for a KV
-    storage torch cannot allocate, the `KvCacheConfig` sizes and the bytes). Set
-    `step_timer` to a StepTimer to time every step's phases (schedule, metadata, plan,
-    forward, sample, commit).
+    `model` is a Transformer or a preset name (weights from `engine_config.seed`);
+    `cache_config` sizes the cache and sets its reuse policy; `engine_config` holds the
+    engine's options (EngineConfig; None: the defaults), and keyword `options` replace
+    its fields (`Engine("tiny", cfg, max_num_tokens=64)`). The effective cache config
+    (`cache_config`, with reuse and the window resolved for this backend and model) and
+    why reuse was switched off (`reuse_disabled_reason`) are attributes. For a model
+    mixing windowed and full-attention layers `backend` is a LayerWindows, one member
+    per window (`attn_backend` keeps the registered name).
+
+    Raises ValueError naming the bad option, TypeError naming an option that is not an
+    EngineConfig field, and ValueError for what this machine or model cannot run:
+    cuda_graph without CUDA or with recurrent layers, a window or reuse the model or
+    backend rules out (kvcache/engine/reuse_policy.py), a KV storage torch cannot
+    allocate (naming the `KvCacheConfig` sizes and the bytes).
 
     Thread-safe: add_request, step, abort and generate take one fair lock (`FairLock`),
     so requests may arrive from other threads while one thread runs the step loop; such
@@ -123,105 +139,77 @@ class Engine:
     are not thread-safe: read them only from the thread that steps, or under the lock.
     """
 
-    def __init__(self, model: Transformer | str, cache_config: KvCacheConfig, *,
-                 attn_backend: str | type[AttentionBackend] = "torch", max_num_tokens: int = 512,
-                 max_batch_size: int = 16, enable_chunked_prefill: bool = True,
-                 share_prefixes: bool = True, kv_events: bool = False,
-                 state_snapshot_interval: int = 1, release_outside_window: bool = True,
-                 cuda_graph: bool = False, pad_decode: bool | None = None,
-                 graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 layout: KvLayout = "NHD", page_size: int | None = None, seed: int = 0,
-                 record_events: bool = True, backend_options: dict[str, Any] | None = None
-                 ) -> None:
-        max_num_tokens = check_positive_int(max_num_tokens, "Engine: max_num_tokens")
-        max_batch_size = check_positive_int(max_batch_size, "Engine: max_batch_size")
+    def __init__(self, model: Transformer | str, cache_config: KvCacheConfig,
+                 engine_config: EngineConfig | None = None, **options: Any) -> None:
+        config = self.config = with_options(engine_config, options, "Engine")
         if not isinstance(cache_config, KvCacheConfig):
             raise ValueError(f"Engine: cache_config must be a KvCacheConfig, got {cache_config!r}")
-        self.device = torch.device(device)
-        if cuda_graph and not torch.cuda.is_available():
+        if config.cuda_graph and not torch.cuda.is_available():
             raise ValueError("Engine: cuda_graph=True needs CUDA, but torch.cuda.is_available() "
                              "is False on this machine")
-        backend_cls = _backend_class(attn_backend)
-        if cuda_graph and backend_cls.name != "flashinfer":
-            raise ValueError(f"Engine: cuda_graph=True needs attn_backend='flashinfer', "
-                             f"got {attn_backend!r}")
+        self.device = torch.device(config.device)
         if isinstance(model, str):
-            model = Transformer(get_preset(model), seed=seed)
-        self.model = model.to(device=self.device, dtype=dtype).eval()
-        mc = model.config
-        if cuda_graph and mc.has_recurrent_layers:
+            model = Transformer(get_preset(model), seed=config.seed)
+        self.model = model.to(device=self.device, dtype=config.dtype).eval()
+        model_config = model.config
+        if config.cuda_graph and model_config.has_recurrent_layers:
             raise ValueError("Engine: cuda_graph=True is unsupported for models with "
                              "recurrent layers")
-        interval = check_positive_int(state_snapshot_interval,
-                                      "Engine: state_snapshot_interval")
-        windowed = resolve_window(cache_config, backend_cls, model, release_outside_window)
+        backend_cls = config.backend_class
+        windowed = resolve_window(cache_config, backend_cls, model, config.release_outside_window)
         self.cache_config, self.reuse_disabled_reason = resolve_reuse(
-            windowed, backend_cls, model, interval)
-        B = cache_config.tokens_per_block
-        self.manager = KVCacheManager(self.cache_config, record_events=record_events,
-                                      kv_events=kv_events)
-        self.snapshots: StateSnapshots | None = None  # hybrid models with reuse on
-        if mc.has_recurrent_layers and self.cache_config.block_reuse:
-            self.snapshots = StateSnapshots(mc.recurrent_layers, mc.hidden_size, interval)
-            self.manager.on_blocks_removed = self.snapshots.drop
-            if self.cache_config.host_cache_blocks:  # snapshots follow blocks to the host
-                self.manager.add_tier_listener(self.snapshots)
-        self.storage = _kv_storage(self.cache_config, max(1, len(mc.attention_layers)),
-                                   mc.num_kv_heads, mc.head_dim, dtype, self.device, layout)
-        self.graph_batch_sizes = tuple(sorted(graph_batch_sizes)) if (
-            cuda_graph or pad_decode) else ()
-        options = dict(backend_options or {})
-        if cuda_graph:
-            options["graph_batch_sizes"] = self.graph_batch_sizes
+            windowed, backend_cls, model, config.state_snapshot_interval)
+        block_size = cache_config.tokens_per_block
+        self.manager = KVCacheManager(self.cache_config, record_events=config.record_events,
+                                      kv_events=config.kv_events)
+        self.snapshots = _snapshots(model_config, self.cache_config, self.manager,
+                                    config.state_snapshot_interval)
+        self.storage = _kv_storage(self.cache_config, model_config, config, self.device)
         self.attn_backend = backend_cls.name
-        # Storage layer i is model layer attention_layers[i]; with no attention layer the
-        # storage still has one (unused), at the model's window.
-        windows = [mc.layer_window_left(i) for i in mc.attention_layers] or [mc.window_left]
-        self.backend = backend_for_windows(backend_cls, windows, storage=self.storage,
-                                           num_qo_heads=mc.num_heads,
-                                           num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                           page_size=page_size, **options)
-        self.max_model_len = mc.max_position_embeddings
+        self.backend = _attention_backend(model_config, self.storage, config)
+        self.max_model_len = model_config.max_position_embeddings
+        pad_sizes = config.graph_batch_sizes if config.pads_decode else ()
         # A request never holds more blocks than the pool has (add_request rejects it), so
         # the table is sized by the pool, never by the model's maximum length alone.
-        self.table = BlockTable(max_batch_size, min(-(-self.max_model_len // B),
-                                                    cache_config.max_num_blocks))
-        self.batch = PersistentBatch(self.table, block_size=B, page_size=self.backend.page_size,
+        self.table = BlockTable(config.max_batch_size, min(-(-self.max_model_len // block_size),
+                                                           cache_config.max_num_blocks))
+        self.batch = PersistentBatch(self.table, block_size=block_size,
+                                     page_size=self.backend.page_size,
                                      page_index_multiplier=self.backend.page_index_multiplier,
-                                     max_padded=max(self.graph_batch_sizes, default=None))
-        self.max_num_tokens = max_num_tokens
-        self.chunked = enable_chunked_prefill
+                                     max_padded=max(pad_sizes, default=None))
         self.scheduler = Scheduler(self.manager, self.table, self.batch,
-                                   max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
-                                   chunked=enable_chunked_prefill, share_prefixes=share_prefixes)
-        self.graphs = DecodeGraphs(self.model, self.backend, self.graph_batch_sizes,
-                                   self.device) if cuda_graph else None
-        self.runner = StepRunner(model=self.model, backend=self.backend, manager=self.manager,
-                                 scheduler=self.scheduler, storage=self.storage,
-                                 batch=self.batch, graphs=self.graphs,
-                                 graph_batch_sizes=self.graph_batch_sizes,
-                                 snapshots=self.snapshots, device=self.device)
+                                   max_num_tokens=config.max_num_tokens,
+                                   max_batch_size=config.max_batch_size,
+                                   chunked=config.enable_chunked_prefill,
+                                   share_prefixes=config.share_prefixes)
+        self.graphs = (DecodeGraphs(self.model, self.backend, pad_sizes, self.device)
+                       if config.cuda_graph else None)
+        self.runner = StepRunner(self.model, self.backend, self.batch, graphs=self.graphs,
+                                 pad_sizes=pad_sizes, snapshots=self.snapshots,
+                                 block_size=block_size, device=self.device)
         self._lock = FairLock()
-        self._next_rid = 0
+        self._timer: StepTimer | None = None
+        self._next_request_id = 0
         self._awaited: set[int] = set()  # requests some generate() call is waiting for
         self._outputs: dict[int, GenerationOutput] = {}  # their outputs, until collected
         self._unclaimed: list[GenerationOutput] = []  # others' outputs, for the next step()
         self.idle = False  # the last step scheduled nothing
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig, *,
+    def from_pretrained(cls, path: str | Path, cache_config: KvCacheConfig,
+                        engine_config: EngineConfig | None = None, *,
                         check_finite: bool = True, **options: Any) -> Engine:
         """An engine over an HF-format checkpoint (config.json + *.safetensors): `path` is
         its folder or config.json; `check_finite=False` skips the NaN/inf scan of the
-        weights; `options` go to Engine(). Raises what `load_pretrained` raises (naming
-        the file and what is wrong) and what Engine() raises."""
+        weights; `engine_config` and `options` as for Engine() (the weights load in its
+        dtype, on its device). Raises what `load_pretrained` raises (naming the file and
+        what is wrong) and what Engine() raises."""
         from kvcache.model.checkpoint import load_pretrained
 
-        dtype = options.get("dtype", torch.float32)
-        device = options.get("device", "cpu")
-        model = load_pretrained(path, dtype=dtype, device=device, check_finite=check_finite)
-        return cls(model, cache_config, **options)
+        config = with_options(engine_config, options, "Engine.from_pretrained")
+        model = load_pretrained(path, dtype=config.dtype, device=config.device,
+                                check_finite=check_finite)
+        return cls(model, cache_config, config)
 
     @property
     def num_steps(self) -> int:
@@ -239,12 +227,12 @@ class Engine:
     def step_timer(self) -> StepTimer | None:
         """Times every step's phases when set (None: untimed). Read from any thread
         without the lock; setting it takes the lock (it applies from the next step)."""
-        return self.runner.timer
+        return self._timer
 
     @step_timer.setter
     def step_timer(self, timer: StepTimer | None) -> None:
         with self._lock:
-            self.runner.timer = timer
+            self._timer = timer
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
@@ -255,24 +243,14 @@ class Engine:
         (teacher forcing). Raises ValueError naming the bad value for bad input or a
         request that could never fit the model, the pool or (unchunked) the budget."""
         with self._lock:
-            rid = self._next_rid
-            where = f"add_request(#{rid})"
+            request_id = self._next_request_id
+            where = f"add_request(#{request_id})"
             vocab = self.model.config.vocab_size
             tokens = check_tokens(prompt, vocab, f"{where}: prompt")
             if not tokens:
                 raise ValueError(f"{where}: empty prompt")
             max_new_tokens = check_positive_int(max_new_tokens, f"{where}: max_new_tokens")
-            total = len(tokens) + max_new_tokens
-            if total > self.max_model_len:
-                raise ValueError(f"{where}: prompt of {len(tokens)} tokens + {max_new_tokens} "
-                                 f"new exceeds the model's maximum of {self.max_model_len}")
-            blocks = self._blocks_needed(len(tokens), total)
-            if blocks > self.cache_config.max_num_blocks:
-                raise ValueError(f"{where}: needs {blocks} blocks, the pool has only "
-                                 f"{self.cache_config.max_num_blocks}: it can never fit")
-            if not self.chunked and total > self.max_num_tokens:
-                raise ValueError(f"{where}: {total} tokens exceed max_num_tokens="
-                                 f"{self.max_num_tokens} without chunked prefill")
+            self._check_fits(len(tokens), len(tokens) + max_new_tokens, where)
             forced = None
             if force_tokens is not None:
                 forced = check_tokens(force_tokens, vocab, f"{where}: force_tokens")
@@ -282,23 +260,41 @@ class Engine:
             if scope is not None and not isinstance(scope, ReuseScope):
                 raise ValueError(f"{where}: scope must be None or ReuseScope, got {scope!r}")
             priority = check_priority(priority, where)
-            self._next_rid += 1
-            self.scheduler.waiting.append(Request(rid, tokens, max_new_tokens, scope, priority,
-                                                  forced, return_logits))
-            return rid
+            self._next_request_id += 1
+            self.scheduler.waiting.append(Request(request_id, tokens, max_new_tokens, scope,
+                                                  priority, forced, return_logits))
+            return request_id
+
+    def _check_fits(self, prompt_len: int, total: int, where: str) -> None:
+        """Raise ValueError (naming `where`) for a request of `total` tokens that could
+        never run: past the model's length, more blocks than the pool, or (unchunked)
+        more tokens than one step's budget."""
+        if total > self.max_model_len:
+            raise ValueError(f"{where}: prompt of {prompt_len} tokens + {total - prompt_len} "
+                             f"new exceeds the model's maximum of {self.max_model_len}")
+        blocks = self._blocks_needed(prompt_len, total)
+        if blocks > self.cache_config.max_num_blocks:
+            raise ValueError(f"{where}: needs {blocks} blocks, the pool has only "
+                             f"{self.cache_config.max_num_blocks}: it can never fit")
+        budget = self.config.max_num_tokens
+        if not self.config.enable_chunked_prefill and total > budget:
+            raise ValueError(f"{where}: {total} tokens exceed max_num_tokens={budget} "
+                             "without chunked prefill")
 
     def _blocks_needed(self, prompt_len: int, total: int) -> int:
         """The most blocks a request holds at once: all of them under full attention;
         under a sliding window its window and one step's chunk (kvcache/core/window.py)."""
-        cfg = self.cache_config
-        B = cfg.tokens_per_block
-        if cfg.sliding_window is None:
-            return -(-total // B)
-        chunk = self.max_num_tokens if self.chunked else prompt_len
-        return peak_blocks(prompt_len, total, chunk, cfg.sliding_window - 1, B, cfg.block_reuse)
+        cache = self.cache_config
+        block_size = cache.tokens_per_block
+        if cache.sliding_window is None:
+            return -(-total // block_size)
+        chunk = self.config.max_num_tokens if self.config.enable_chunked_prefill else prompt_len
+        return peak_blocks(prompt_len, total, chunk, cache.sliding_window - 1, block_size,
+                           cache.block_reuse)
 
-    def abort(self, rid: int) -> GenerationOutput:
-        """Cancel request `rid`; its blocks are released, what it committed stays cached.
+    def abort(self, request_id: int) -> GenerationOutput:
+        """Cancel request `request_id`; its blocks are released, what it committed stays
+        cached.
 
         Returns its partial output (finish reason ABORTED); a generate() call waiting for
         the request returns the same output in its place. Raises RequestFinishedError (a
@@ -306,18 +302,19 @@ class Engine:
         an id this engine never issued.
         """
         with self._lock:
-            if isinstance(rid, bool) or not isinstance(rid, int | np.integer) \
-                    or not 0 <= rid < self._next_rid:
-                issued = (f"ids 0 to {self._next_rid - 1} were issued" if self._next_rid
-                          else "no request was added yet")
-                raise ValueError(f"abort({rid!r}): no such request; {issued}")
-            req = self.scheduler.remove(int(rid))
+            issued = self._next_request_id
+            if isinstance(request_id, bool) or not isinstance(request_id, int | np.integer) \
+                    or not 0 <= request_id < issued:
+                which = (f"ids 0 to {issued - 1} were issued" if issued
+                         else "no request was added yet")
+                raise ValueError(f"abort({request_id!r}): no such request; {which}")
+            req = self.scheduler.remove(int(request_id))
             if req is None:
-                raise RequestFinishedError(f"abort(#{rid}): request #{rid} already finished "
-                                           "or was aborted; nothing to abort")
+                raise RequestFinishedError(f"abort(#{request_id}): request #{request_id} "
+                                           "already finished or was aborted; nothing to abort")
             out = req.output(FinishReason.ABORTED)
-            if req.rid in self._awaited:
-                self._outputs[req.rid] = out
+            if req.request_id in self._awaited:
+                self._outputs[req.request_id] = out
             return out
 
     def has_unfinished(self) -> bool:
@@ -334,23 +331,63 @@ class Engine:
         A step whose copies or forward raise (CUDA out of memory, an interrupt) did not
         happen: the error propagates, every request keeps what it had (KV, recurrent
         state, tokens, counts), the copies not applied stay queued, and the next step()
-        runs the same work again (kvcache/engine/step_runner.py)."""
+        runs the same work again (see `_step`)."""
         with self._lock:
-            finished = self._unclaimed + self._step()
+            finished = self._unclaimed + self._claim(self._step())
             self._unclaimed = []
             return finished
 
     def _step(self) -> list[GenerationOutput]:
-        """One step; outputs some generate() awaits are parked for it, the rest returned."""
-        done = self.runner.run()
-        self.idle = done is None
-        finished = []
-        for out in done or ():
+        """One step: schedule, apply the cache's block ops, run the model, postprocess.
+        Returns the requests that finished in it (none when nothing was scheduled: then
+        `idle` is set). If applying the ops or the forward raises, the step did not
+        happen and the error propagates: the ops not applied stay queued (those applied
+        left the queue), the batch is recounted, every request keeps the recurrent
+        state, tokens and counts it had; the next call schedules the same work (with
+        whatever arrived meanwhile). What the schedule admitted stays admitted."""
+        timer = self._timer
+        if timer is not None:
+            timer.start()
+        schedule = self.scheduler.schedule()
+        self.idle = not schedule.chunks
+        if self.idle:
+            return []
+        try:
+            self._apply_ops()
+            if timer is not None:
+                timer.lap("schedule")
+            sampled = self.runner.run(schedule, timer)
+        except BaseException:
+            self.scheduler.recount_batch()  # the batch counted tokens never computed
+            raise
+        finished = self.scheduler.postprocess(schedule.chunks, sampled)
+        if timer is not None:
+            timer.lap("commit")
+            timer.finish()
+        return [req.output(FinishReason.LENGTH) for req in finished]
+
+    def _apply_ops(self) -> None:
+        """Apply the cache's copies, offloads and onboards to the storage, in queue order,
+        before the forward writes or reads any block they touch (an evicted block's new
+        owner writes it this step). Only the ops applied leave the queue: a failed apply
+        is retried from the first op it did not apply, and an applied op never runs
+        twice. Raises what the storage raises."""
+        ops = self.manager.pending_copy_ops
+        if ops:
+            try:
+                self.storage.apply_copies(ops)
+            finally:
+                self.manager.ack_copy_ops(self.storage.num_applied)
+
+    def _claim(self, finished: list[GenerationOutput]) -> list[GenerationOutput]:
+        """Park the outputs some generate() awaits; returns the others."""
+        unclaimed = []
+        for out in finished:
             if out.request_id in self._awaited:
                 self._outputs[out.request_id] = out
             else:
-                finished.append(out)
-        return finished
+                unclaimed.append(out)
+        return unclaimed
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8,
@@ -374,47 +411,51 @@ class Engine:
         if force_tokens is not None and len(force_tokens) != len(prompts):
             raise ValueError(f"generate: {len(force_tokens)} force_tokens for "
                              f"{len(prompts)} prompts")
-        rids: list[int] = []
+        request_ids: list[int] = []
         with self._lock:
             try:
                 for i, p in enumerate(prompts):
-                    rids.append(self.add_request(
+                    request_ids.append(self.add_request(
                         p, max_new_tokens, scopes[i] if scopes else None,
                         force_tokens=force_tokens[i] if force_tokens else None,
                         return_logits=return_logits))
             except ValueError:
-                for rid in rids:  # all or nothing: no orphan requests left queued
-                    self.scheduler.remove(rid)
-                if rids:
-                    self._next_rid = rids[0]  # under the lock, so the ids were consecutive
+                for request_id in request_ids:  # all or nothing: no orphans left queued
+                    self.scheduler.remove(request_id)
+                if request_ids:  # under the lock, so the ids were consecutive
+                    self._next_request_id = request_ids[0]
                 raise
-            self._awaited.update(rids)
+            self._awaited.update(request_ids)
         try:
-            return self._wait_for(rids)
+            return self._wait_for(request_ids)
         except BaseException:
             with self._lock:
-                for rid in rids:  # what has no output yet is still queued or running
-                    if rid not in self._outputs:
-                        self.scheduler.remove(rid)
+                for request_id in request_ids:  # no output yet: still queued or running
+                    if request_id not in self._outputs:
+                        self.scheduler.remove(request_id)
             raise
         finally:
             with self._lock:
-                self._awaited.difference_update(rids)
-                for rid in rids:
-                    self._outputs.pop(rid, None)
+                self._awaited.difference_update(request_ids)
+                for request_id in request_ids:
+                    self._outputs.pop(request_id, None)
 
-    def _wait_for(self, rids: list[int]) -> list[GenerationOutput]:
+    def _wait_for(self, request_ids: list[int]) -> list[GenerationOutput]:
+        """Step until every one of `request_ids` has an output (in that order); others'
+        outputs wait for the next step(). Raises RuntimeError when nothing runs and
+        they stay unadmitted for more than MAX_IDLE_STEPS steps."""
         stalls = 0
         while True:
             with self._lock:
-                if all(r in self._outputs for r in rids):
-                    return [self._outputs[r] for r in rids]
-                self._unclaimed += self._step()  # a step-loop caller's outputs wait for it
+                if all(r in self._outputs for r in request_ids):
+                    return [self._outputs[r] for r in request_ids]
+                self._unclaimed += self._claim(self._step())
                 stalls = stalls + 1 if self.idle and not self.scheduler.running else 0
                 if stalls > MAX_IDLE_STEPS:
                     # Aborted requests have outputs by now: what is left is still waiting
                     # (generate removes it).
-                    stalled = [r.rid for r in self.scheduler.waiting if r.rid in rids]
+                    stalled = [r.request_id for r in self.scheduler.waiting
+                               if r.request_id in request_ids]
                     raise RuntimeError(f"generate: no progress in {stalls} steps with nothing "
                                        f"running; {len(stalled)} of its requests could not "
                                        f"be admitted (allocation kept failing): {stalled}")

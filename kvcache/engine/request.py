@@ -62,7 +62,7 @@ class Request:
     sampled token.
     """
 
-    rid: int
+    request_id: int
     prompt: list[int]
     max_new_tokens: int
     scope: ReuseScope | None
@@ -72,10 +72,8 @@ class Request:
     tokens: array = field(default_factory=lambda: array("I"))
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
-    seq: SequenceHandle | None = None
-    slot: int | None = None
-    table_len: int = 0
-    table_version: int = 0  # seq.block_ids_version when its table row was last written
+    seq: SequenceHandle | None = None  # its cache handle while it runs
+    slot: int | None = None  # its batch slot (table row) while it runs
     num_computed: int = 0
     num_cached_tokens: int | None = None
     kv_metrics: RequestKvMetrics | None = None
@@ -96,7 +94,7 @@ class Request:
         logits = torch.stack(self.logits) if self.logits else None
         if logits is None and self.return_logits:
             logits = torch.empty(0)
-        return GenerationOutput(self.rid, tuple(self.prompt), list(self.generated),
+        return GenerationOutput(self.request_id, tuple(self.prompt), list(self.generated),
                                 logits if self.return_logits else None,
                                 self.num_cached_tokens or 0, self.kv_metrics, reason,
                                 self.num_preemptions)

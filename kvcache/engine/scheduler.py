@@ -1,34 +1,49 @@
-"""Scheduler: a per-step token budget over admission with reuse and chunked prefill.
+"""Scheduler: a per-step token budget over admission with reuse and chunked prefill, and
+what a step's results do to its requests.
 
 Each step, running requests take the budget first (decodes before prefill chunks, in
 admission order), then waiting requests are admitted in arrival order while a batch
 slot, token budget and blocks remain. Admission is one walk of the cache: the manager
 plans it (what the prompt reuses, what it needs, whether that fits) and the scheduler
 admits that plan or, when it does not fit, leaves the request waiting; nothing is
-half-admitted.
+half-admitted. After the forward, `postprocess` commits what each chunk computed,
+appends the sampled tokens, releases the requests that are done and preempts those
+that get no block for their next token.
 
-The running requests are the rows of a PersistentBatch, in admission order: the
-scheduler tells it who joins and who leaves, and a step's chunks come in row order.
+The running requests are the rows of a PersistentBatch, in admission order, and own a
+slot of the BlockTable: the scheduler tells the batch who joins and who leaves, and a
+step's chunks come in row order. A row of the table (and of the batch) mirrors the
+request's cache handle, and only the scheduler writes it: on admission, once a step
+after the step's commit and append (`_sync`: blocks appended, released at the front,
+or switched by a deduplicated commit), after a windowed `reserve`, and when the request
+leaves. The table is not append-only because the cache changes blocks a row already
+lists: a deduplicated commit switches a block to an equal cached one (the row is
+written again) and a sliding window releases blocks at the front (they leave the
+front of the row, and their pages the front of the batch row: release_front).
 
 Under a sliding window the cache allocates prompt blocks chunk by chunk: admission gets
 the blocks of the first chunk, and each later chunk reserves its own, computing fewer
 tokens when the pool is short. A step in which no running request can get a block
-preempts the last of them, so the others can go on. Released blocks leave the front of
-a request's table row, and their pages the front of its batch row (release_front).
+preempts the last of them, so the others can go on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvcache.attention.block_table import BlockTable
 from kvcache.core.manager import KVCacheManager
+from kvcache.core.pool import OutOfBlocksError
 from kvcache.engine.prefix_sharing import leader_of
 
-if TYPE_CHECKING:  # request.py and the batch's metadata need torch; the scheduler does not
-    from kvcache.attention.persistent_batch import PersistentBatch
+if TYPE_CHECKING:  # they need torch; the scheduler does not
+    from kvcache.attention.persistent.batch import PersistentBatch
     from kvcache.engine.request import Request
+    from kvcache.engine.step_runner import Sampled
+
+log = logging.getLogger(__name__)
 
 
 class Chunk(NamedTuple):
@@ -49,7 +64,8 @@ class Schedule(NamedTuple):
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set, their batch slots and batch rows."""
+    """Owns the waiting queue, the running set, their batch slots, table rows and batch
+    rows. Not thread-safe (the engine holds its lock)."""
 
     def __init__(self, manager: KVCacheManager, table: BlockTable,
                  batch: PersistentBatch, *, max_num_tokens: int, max_batch_size: int,
@@ -65,12 +81,17 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        # the handle's block_ids_version each slot's table row was last written at
+        self._row_versions = [0] * max_batch_size
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    # ------------------------------------------------------------------ before the step
     def schedule(self) -> Schedule:
-        """This step's work; admits waiting requests (mutating the cache) as they fit."""
+        """This step's work; admits waiting requests (mutating the cache, the table and
+        the batch) as they fit. Under a sliding window a step in which no running request
+        gets a block for its tokens preempts the last one and schedules nothing."""
         budget = self.max_num_tokens
         todo = [req.num_uncomputed for req in self.running]
         counts = [0] * len(todo)
@@ -87,12 +108,20 @@ class Scheduler:
             if self.running and not any(counts):  # no block for anyone's next tokens
                 self.preempt(self.running[-1])
                 return Schedule([], None)  # admit nothing: the freed blocks go to the others
+        self._admit_waiting(budget, todo, counts)
+        chunks = [Chunk(req, n, n == t)
+                  for req, n, t in zip(self.running, counts, todo, strict=True) if n]
+        return Schedule(chunks, None if counts.count(1) == len(counts) else counts)
+
+    def _admit_waiting(self, budget: int, todo: list[int], counts: list[int]) -> None:
+        """Admit waiting requests in order while a slot, budget and blocks remain, each
+        taking its first chunk of `budget` (appended to `todo` and `counts`)."""
         held: list[Request] = []  # siblings waiting for a leader's prefix, in order
+        cfg = self.manager.config
         while self.waiting and budget and self._free_slots:
             req = self.waiting[0]
             plan = self.manager.plan_admission(req.tokens, req.scope,
                                                first_chunk=budget if self.chunked else None)
-            cfg = self.manager.config
             if self.share_prefixes and leader_of(req, plan.num_full_blocks, self.running,
                                                  cfg.tokens_per_block,
                                                  cfg.reuse_alignment_blocks):
@@ -102,26 +131,18 @@ class Scheduler:
                 break  # wait for running requests to free blocks
             if not self.chunked and len(req.tokens) - plan.num_cached_tokens > budget:
                 break
-            seq = self.manager.admit(req.rid, plan, req.priority)
+            seq = self.manager.admit(req.request_id, plan, req.priority)
             self.waiting.popleft()
             req.seq = seq
             req.num_computed = seq.num_cached_tokens
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = seq.num_cached_tokens
                 req.kv_metrics = seq.metrics
-            req.slot = self._free_slots.pop()
-            self.table.assign(req.slot, seq.live_block_ids(), seq.num_released_blocks)
-            req.table_len = len(seq.block_ids)
-            req.table_version = seq.block_ids_version
-            self.batch.add(req.slot, req.num_computed)
-            self.running.append(req)
+            self._start_row(req)
             todo.append(req.num_uncomputed)
             counts.append(self._take(todo[-1], budget))
             budget -= counts[-1]
         self.waiting.extendleft(reversed(held))  # they keep their place in the queue
-        chunks = [Chunk(req, n, n == t)
-                  for req, n, t in zip(self.running, counts, todo, strict=True) if n]
-        return Schedule(chunks, None if counts.count(1) == len(counts) else counts)
 
     def _take(self, todo: int, budget: int) -> int:
         if self.chunked:
@@ -134,12 +155,48 @@ class Scheduler:
         cut = 0
         for i, req in enumerate(self.running):
             if counts[i]:
-                covered = self.manager.reserve(req.rid, req.num_computed + counts[i])
-                self.sync_table(req)
+                covered = self.manager.reserve(req.request_id, req.num_computed + counts[i])
+                self._sync(req)
                 got = covered - req.num_computed
                 cut += counts[i] - got
                 counts[i] = got
         return cut
+
+    # ------------------------------------------------------------------ after the step
+    def postprocess(self, chunks: list[Chunk], sampled: Sampled) -> list[Request]:
+        """The step's forward ran: commit what each chunk computed, append the sampled
+        tokens (and their logits, for requests that return them), release the requests
+        that reached max_new_tokens and preempt those that get no block for their next
+        token; the others' table and batch rows follow their handles. Returns the
+        finished requests, in chunk order. Mutates the requests, the cache, the table
+        and the batch."""
+        finished = []
+        row = 0  # the sampled row of the next chunk that samples
+        for c in chunks:
+            req = c.req
+            req.num_computed += c.num_new
+            self.manager.commit(req.request_id, req.num_computed)
+            if c.samples:
+                token = sampled.tokens[row]
+                req.generated.append(token)
+                req.tokens.append(token)
+                if req.return_logits:
+                    assert sampled.logits is not None, "a request returning logits sampled"
+                    req.logits.append(sampled.logits[row].clone())
+                row += 1
+                if len(req.generated) >= req.max_new_tokens:
+                    self.release(req)
+                    finished.append(req)
+                    continue
+                try:
+                    self.manager.append_tokens(req.request_id, [token])
+                except OutOfBlocksError:
+                    log.info("preempting request %d: no block for its next token",
+                             req.request_id)
+                    self.preempt(req)
+                    continue
+            self._sync(req)
+        return finished
 
     def recount_batch(self) -> None:
         """Set the batch's rows from the running requests: after a step whose forward
@@ -150,37 +207,52 @@ class Scheduler:
             rows.append((req.slot, req.num_computed))
         self.batch.reset(rows)
 
-    def sync_table(self, req: Request) -> None:
-        """Bring `req`'s row of the block table up to date with its cache handle: blocks
-        appended, blocks released at the front (sliding window), or (after a
-        deduplicated commit) the whole row. Call it after every commit and append, before
-        the next forward pass: a block the manager took back may be handed to another
-        request and overwritten in that very pass."""
-        seq, slot = req.seq, req.slot
+    # ------------------------------------------------------------------ rows
+    def _start_row(self, req: Request) -> None:
+        """Give the admitted `req` a slot: its table row and its batch row."""
+        seq = req.seq
+        assert seq is not None
+        slot = req.slot = self._free_slots.pop()
+        self.table.assign(slot, seq.live_block_ids(), seq.num_released_blocks)
+        self._row_versions[slot] = seq.block_ids_version
+        self.batch.add(slot, req.num_computed)
+        self.running.append(req)
+
+    def _sync(self, req: Request) -> None:
+        """Bring `req`'s table row up to date with its cache handle, and its batch row
+        with the table: blocks appended, blocks released at the front (sliding window),
+        or, after a deduplicated commit, the whole row. Due after the step's commit and
+        append and after a reserve, before the next forward pass: a block the manager
+        took back may be handed to another request and overwritten in that very pass."""
+        seq, slot, table = req.seq, req.slot, self.table
         assert seq is not None and slot is not None
-        if seq.block_ids_version != req.table_version:
-            self.table.assign(slot, seq.live_block_ids(), seq.num_released_blocks)
+        if seq.block_ids_version != self._row_versions[slot]:
+            table.assign(slot, seq.live_block_ids(), seq.num_released_blocks)
+            self._row_versions[slot] = seq.block_ids_version
             self.batch.rewrite(slot)  # its kept pages name the blocks given back
-            req.table_len = len(seq.block_ids)
-            req.table_version = seq.block_ids_version
             return
-        released = seq.num_released_blocks - int(self.table.starts[slot])
-        if released > 0:
-            self.table.drop_front(slot, released)
-            self.batch.release_front(slot)
-        if len(seq.block_ids) > req.table_len:
-            self.table.extend(slot, seq.live_block_ids(req.table_len))
-            req.table_len = len(seq.block_ids)
+        start = 0
+        if self.windowed:  # under full attention no block is released
+            start = int(table.starts[slot])
+            released = seq.num_released_blocks - start
+            if released > 0:
+                table.drop_front(slot, released)
+                self.batch.release_front(slot)
+                start += released
+        listed = start + int(table.lengths[slot])  # block positions the row covers
+        if len(seq.block_ids) > listed:
+            table.extend(slot, seq.live_block_ids(listed))
 
     def release(self, req: Request) -> None:
-        """Free `req`'s blocks (committed ones stay cached) and its slot."""
-        assert req.slot is not None
-        self.manager.free_sequence(req.rid)
-        self.batch.remove(req.slot)
-        self.table.release(req.slot)
-        self._free_slots.append(req.slot)
+        """Free `req`'s blocks (committed ones stay cached), its slot and its rows."""
+        slot = req.slot
+        assert slot is not None
+        self.manager.free_sequence(req.request_id)
+        self.batch.remove(slot)
+        self.table.release(slot)
+        self._free_slots.append(slot)
         self.running.remove(req)
-        req.seq, req.slot, req.table_len, req.table_version = None, None, 0, 0
+        req.seq, req.slot = None, None
 
     def preempt(self, req: Request) -> None:
         """Release `req` and queue it first, to be recomputed (reusing what survives)."""
@@ -190,14 +262,15 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def remove(self, rid: int) -> Request | None:
-        """Take request `rid` out wherever it is (releasing it if running)."""
+    def remove(self, request_id: int) -> Request | None:
+        """Take request `request_id` out wherever it is (releasing it if running); None
+        when it is neither waiting nor running."""
         for req in self.running:
-            if req.rid == rid:
+            if req.request_id == request_id:
                 self.release(req)
                 return req
         for req in self.waiting:
-            if req.rid == rid:
+            if req.request_id == request_id:
                 self.waiting.remove(req)
                 return req
         return None

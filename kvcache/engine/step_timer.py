@@ -5,11 +5,13 @@
     engine.step(); engine.step()
     timer.steps[-1].overhead       # everything but the forward, in seconds
 
-Phases, in step order: schedule (admission with reuse, chunking, block copies), metadata
-(paged metadata, input ids, step context), plan (the backend's per-step plan), forward
-(the model), sample (greedy tokens, kept logits), commit (cache commit, blocks for the
-next token, finished and preempted requests). A CUDA-graph step plans inside its
-replay, so there its plan counts as forward. Steps that schedule nothing are not kept.
+Phases, in step order: schedule (admission with reuse, chunking, block copies: the
+engine's), metadata (restored recurrent states, paged metadata, input ids, step context),
+plan (the backend's per-step plan), forward (the model), sample (greedy tokens, the
+logits to the host: the step runner's), commit (the scheduler's postprocess: cache
+commit, kept logits, blocks for the next token, table rows, finished and preempted
+requests). A CUDA-graph step plans inside its replay, so there its plan counts as
+forward. Steps that schedule nothing are not kept.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class StepTimes(NamedTuple):
 
 
 class StepTimer:
-    """Collects a StepTimes per engine step (perf_counter laps; ~0.1 us each)."""
+    """Collects a StepTimes per engine step (perf_counter laps, a small share of a step)."""
 
     def __init__(self) -> None:
         self.steps: list[StepTimes] = []

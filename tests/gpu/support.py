@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from kvcache.attention import BlockTable, PagedMetadata, build_metadata
-from kvcache.attention.flashinfer import FlashInferBackend, flashinfer_version
-from kvcache.attention.flashinfer_calls import KERNEL_FAMILIES, KernelFamily, check_kernel_family
+from kvcache.attention.flashinfer.backend import FlashInferBackend, flashinfer_version
+from kvcache.attention.flashinfer.calls import KERNEL_FAMILIES, KernelFamily, check_kernel_family
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.storage.kv_storage import KvLayout, KvStorage
 

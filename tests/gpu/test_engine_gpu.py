@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from kvcache import Engine, GenerationOutput, KvCacheConfig
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import KernelFamily
+from kvcache.attention.flashinfer.backend import FlashInferBackend
+from kvcache.attention.flashinfer.calls import KernelFamily
 from kvcache.attention.layer_windows import LayerWindows
 from kvcache.model import Transformer, get_preset
 from tests.gpu.support import FAMILIES, Measure, family_or_skip

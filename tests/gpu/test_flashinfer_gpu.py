@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import KernelFamily
+from kvcache.attention.flashinfer.backend import FlashInferBackend
+from kvcache.attention.flashinfer.calls import KernelFamily
 from kvcache.attention.layer_windows import LayerWindows, backend_for_windows
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.storage.kv_storage import KvLayout

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvcache.attention import PagedMetadata
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import KernelFamily
+from kvcache.attention.flashinfer.backend import FlashInferBackend
+from kvcache.attention.flashinfer.calls import KernelFamily
 from kvcache.storage.kv_storage import KvStorage
 from tests.gpu.support import BLOCK, DTYPES, FAMILIES, PAGES, family_or_skip, make_pair, random_qkv
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from kvcache.attention.flashinfer import flashinfer_version
+from kvcache.attention.flashinfer.backend import flashinfer_version
 from tests.gpu.support import TOL, Measure, backends, compare_step, make_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.flashinfer]

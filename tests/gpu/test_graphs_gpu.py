@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvcache.attention import PagedMetadata
-from kvcache.attention.flashinfer import FlashInferBackend
-from kvcache.attention.flashinfer_calls import KernelFamily
+from kvcache.attention.flashinfer.backend import FlashInferBackend
+from kvcache.attention.flashinfer.calls import KernelFamily
 from kvcache.attention.reference import ReferenceBackend
 from kvcache.storage.kv_storage import KvLayout
 from tests.gpu.support import (

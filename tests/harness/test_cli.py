@@ -1,7 +1,9 @@
-"""The kvharness CLI: detect, list (--explain, --json), validate, report, and bad flags."""
+"""The kvharness CLI: detect, list (--explain, --json; exit 1 when no block applies),
+validate, report, --version, and bad flags."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -81,9 +83,10 @@ def test_list_prints_selected_entries(capsys: pytest.CaptureFixture[str], test_d
 
 
 def test_list_explain_says_why(capsys: pytest.CaptureFixture[str], test_db: Path) -> None:
-    code, out, _ = run(capsys, "list", "--test-db", str(test_db), "--gpu", "NVIDIA H100",
-                       "--gpu-count", "1", "--backend", "torch", "--explain")
-    assert code == 0
+    code, out, err = run(capsys, "list", "--test-db", str(test_db), "--gpu", "NVIDIA H100",
+                         "--gpu-count", "1", "--backend", "torch", "--explain")
+    assert code == 1  # nothing applies: see test_list_with_no_block_that_applies_fails
+    assert err.startswith(f"kvharness list: no block of {test_db} applies to stage=pre_merge ")
     assert out.splitlines() == [
         "machine: stage=pre_merge gpu='NVIDIA H100' (pretended) gpu_count=1 cc=9.0 backends=torch "
         f"cuda={'yes' if torch.cuda.is_available() else 'no'}",
@@ -198,3 +201,42 @@ def test_list_reads_one_context(capsys: pytest.CaptureFixture[str], test_db: Pat
     code, _, err = run(capsys, "list", "--test-db", str(test_db), "--context", "l0_x")
     assert code == 1
     assert err == f"kvharness list: {test_db}: no context 'l0_x'; this test-db holds l0_cpu\n"
+
+
+def test_list_with_no_block_that_applies_fails(capsys: pytest.CaptureFixture[str],
+                                               test_db: Path) -> None:
+    """An empty selection is not an answer a runner should act on: exit 1, and say for
+    each block which machine terms it wanted."""
+    code, out, err = run(capsys, "list", "--test-db", str(test_db), "--gpu", "NVIDIA B200",
+                         "--gpu-count", "2", "--stage", "post_merge")
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"kvharness list: no block of {test_db} applies to stage=post_merge gpu='NVIDIA B200' "
+        f"(pretended) gpu_count=2 cc=10.0 backends=torch,flashinfer "
+        f"cuda={'yes' if torch.cuda.is_available() else 'no'}",
+        f"  l0_cpu[0] ({test_db}/l0_cpu.yml:3): stage post_merge, block wants pre_merge; "
+        "gpu count 2 outside [0, 0]; gpu 'NVIDIA B200' matches none of ['*cpu*']",
+        f"  l0_cpu[1] ({test_db}/l0_cpu.yml:13): stage post_merge, block wants pre_merge; "
+        "gpu 'NVIDIA B200' matches none of ['*h100*']",
+    ]
+    code, out, err = run(capsys, "list", "--test-db", str(test_db), "--context", "l0_cpu",
+                         "--gpu", "NVIDIA B200", "--json")
+    assert code == 1 and json.loads(out)["selected"] == []
+    assert err.startswith(f"kvharness list: no block of context l0_cpu of {test_db} applies")
+
+
+def test_version(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out == f"kvharness {importlib.metadata.version('kvcache-harness')}\n"
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    # Run from a checkout that was never installed: say so rather than guess a number.
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == (
+        "kvharness (not installed: kvcache-harness has no distribution metadata here)\n")

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.bench_results import BenchJsonError, load_bench_json
-from harness.ci.sharding import ShardRun, load_durations
 from harness.data_files import MAX_NESTING, load_json
-from harness.report import ReuseReport, summarize
+from harness.plugin.sharding import load_durations
+from harness.reports.bench_results import BenchJsonError, load_bench_json
+from harness.reports.run_record import ShardRun
+from harness.reports.summary import ReuseReport, summarize
 
 # Far past Python's recursion limit (json.loads raised RecursionError on main).
 DEEP = '{"a": 1,\n "b": ' + "[" * 100_000 + "]" * 100_000 + "}"

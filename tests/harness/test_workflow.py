@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from harness.hardware import Machine
 from harness.lists.db import load_test_db
+from harness.lists.hardware import Machine
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
@@ -122,7 +122,7 @@ def test_nox_sessions() -> None:
     sessions = {line[2:].split(" -> ")[0]: line[0] for line in listing.splitlines()
                 if line[:2] in ("* ", "- ")}
     assert sessions == {"premerge": "*", "postmerge": "-", "lists": "-", "lint": "-", "bench": "-",
-                        "gpu": "-", "repro": "-"}
+                        "gpu": "-", "repro": "-", "structure": "-"}
 
 
 def test_noxfile_needs_the_nox_the_dev_extra_installs() -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.oracle import ShadowStore
-from harness.oracle_checks import capacity_of
+from harness.oracle.checks import capacity_of
 from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
 from kvcache.attention.base import AttentionBackend
 from kvcache.engine import GenerationOutput

@@ -166,13 +166,13 @@ def test_abort_a_preempted_request(tiny_model: Transformer) -> None:
     finished = step_until(
         engine, lambda: any(r.num_preemptions for r in engine.scheduler.waiting))
     victim = next(r for r in engine.scheduler.waiting if r.num_preemptions)
-    out = engine.abort(victim.rid)
+    out = engine.abort(victim.request_id)
     assert out is not None and out.num_preemptions >= 1
-    index = rids.index(victim.rid)
+    index = rids.index(victim.request_id)
     assert out.token_ids == cold[index].token_ids[:len(out.token_ids)]
     engine.manager.check_integrity()
     finished += drain(engine)
     for o in finished:
         assert_same_output(cold[rids.index(o.request_id)], o, "a request that survived")
-    assert {o.request_id for o in finished} == set(rids) - {victim.rid}
+    assert {o.request_id for o in finished} == set(rids) - {victim.request_id}
     assert_clean(engine.manager, "after the preempted request was aborted")

@@ -26,7 +26,7 @@ from harness.cli import main as kvharness
 from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
 from harness.lists.waives import default_waives, load_waives
-from kvcache import Engine, KvCacheConfig, KVCacheManager
+from kvcache import Engine, EngineConfig, KvCacheConfig, KVCacheManager
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
@@ -341,12 +341,13 @@ IDS.add("abort-finished")
 @pytest.mark.parametrize(("kwargs", "message"), cases(
     pytest.param({"attn_backend": "nope"}, r"unknown attention backend 'nope'; supported: "
                  r"flashinfer, star, torch", id="eng-backend"),
-    pytest.param({"cuda_graph": True}, r"Engine: cuda_graph=True needs CUDA, but "
-                 r"torch\.cuda\.is_available\(\) is False", id="eng-graph-no-cuda"),
-    pytest.param({"max_num_tokens": 0}, r"Engine: max_num_tokens must be an int >= 1, got 0",
-                 id="eng-budget"),
-    pytest.param({"max_batch_size": True}, r"Engine: max_batch_size must be an int >= 1, "
-                 r"got True", id="eng-batch-bool"),
+    pytest.param({"cuda_graph": True, "attn_backend": "flashinfer", "device": "cuda"},
+                 r"Engine: cuda_graph=True needs CUDA, but torch\.cuda\.is_available\(\) is "
+                 r"False", id="eng-graph-no-cuda"),
+    pytest.param({"max_num_tokens": 0}, r"EngineConfig\.max_num_tokens must be an int >= 1, "
+                 r"got 0", id="eng-budget"),
+    pytest.param({"max_batch_size": True}, r"EngineConfig\.max_batch_size must be an int "
+                 r">= 1, got True", id="eng-batch-bool"),
     pytest.param({"model": "huge"}, r"unknown model preset 'huge'; known: tiny", id="eng-preset"),
     pytest.param({"cache_config": {"tokens_per_block": 4}}, r"Engine: cache_config must be a "
                  r"KvCacheConfig, got \{'tokens_per_block': 4\}", id="eng-config-dict"),
@@ -355,9 +356,9 @@ IDS.add("abort-finished")
         r"enable_partial_reuse=True is unsupported for a model with recurrent layers "
         r"\(layers \[", id="eng-hybrid-partial"),
     pytest.param({"model": "hybrid-tiny", "state_snapshot_interval": 0},
-                 r"Engine: state_snapshot_interval must be an int >= 1, got 0",
+                 r"EngineConfig\.state_snapshot_interval must be an int >= 1, got 0",
                  id="eng-snapshot-interval"),
-    pytest.param({"layout": "BLNHC"}, r"KvStorage: layout must be one of \('NHD', 'HND', "
+    pytest.param({"layout": "BLNHC"}, r"EngineConfig\.layout must be one of \('NHD', 'HND', "
                  r"'BLHNC'\), got 'BLNHC'", id="eng-layout"),
     pytest.param({"layout": "BLHNC", "page_size": 3}, r"KvStorage\(BLHNC\): page_size=3 must "
                  r"be a positive divisor of block_size=4", id="eng-packed-page-size"),
@@ -394,10 +395,78 @@ def test_bad_engine_options(kwargs: dict[str, Any], message: str) -> None:
         Engine(options.pop("model"), options.pop("cache_config"), **options)
 
 
+
+def test_an_unknown_engine_option_is_a_type_error_naming_it() -> None:
+    cache = KvCacheConfig(tokens_per_block=4, max_num_blocks=16)
+    with pytest.raises(TypeError, match=r"Engine\(\) got unknown options \['max_num_tokenz'\]; "
+                                        r"the options are EngineConfig's fields: \['attn_backend'"):
+        Engine("tiny", cache, max_num_tokenz=64)
+    with pytest.raises(TypeError, match=r"Engine\.from_pretrained\(\) got unknown options "
+                                        r"\['dtypes'\]"):
+        Engine.from_pretrained("nowhere", cache, dtypes="bfloat16")
+    with pytest.raises(ValueError, match=r"Engine: engine_config must be an EngineConfig, got "
+                                         r"\{'max_num_tokens': 64\}"):
+        Engine("tiny", cache, {"max_num_tokens": 64})  # type: ignore[arg-type]
+
+
+IDS.update({"eng-unknown-option", "eng-engine-config-dict"})
+
+
+# -- EngineConfig --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kwargs", "message"), cases(
+    pytest.param({"cuda_graph": True}, r"EngineConfig\.cuda_graph=True needs "
+                 r"attn_backend='flashinfer', got 'torch'", id="ecfg-graph-backend"),
+    pytest.param({"cuda_graph": True, "attn_backend": "flashinfer"},
+                 r"EngineConfig\.cuda_graph=True needs a CUDA device, got device='cpu'",
+                 id="ecfg-graph-device"),
+    pytest.param({"cuda_graph": True, "attn_backend": "flashinfer", "device": "cuda",
+                  "pad_decode": False}, r"EngineConfig\.cuda_graph=True replays decode batches "
+                 r"padded to graph_batch_sizes, but pad_decode=False", id="ecfg-graph-no-pad"),
+    pytest.param({"pad_decode": True, "graph_batch_sizes": ()}, r"EngineConfig\."
+                 r"graph_batch_sizes is empty, but decode batches are padded to its sizes",
+                 id="ecfg-graph-sizes-empty"),
+    pytest.param({"graph_batch_sizes": (4, 2, 4)}, r"EngineConfig\.graph_batch_sizes must be "
+                 r"distinct ints >= 1, got \(4, 2, 4\)", id="ecfg-graph-sizes-repeated"),
+    pytest.param({"enable_chunked_prefill": 1}, r"EngineConfig\.enable_chunked_prefill must "
+                 r"be True or False, got 1", id="ecfg-flag-int"),
+    pytest.param({"pad_decode": "yes"}, r"EngineConfig\.pad_decode must be True, False or "
+                 r"None, got 'yes'", id="ecfg-pad-str"),
+    pytest.param({"dtype": torch.int8}, r"EngineConfig\.dtype must be one of float32, float16, "
+                 r"bfloat16, float64 \(a torch dtype or its name\), got torch\.int8",
+                 id="ecfg-dtype-int"),
+    pytest.param({"device": "gpu"}, r"EngineConfig\.device='gpu' is not a torch device",
+                 id="ecfg-device"),
+    pytest.param({"seed": -1}, r"EngineConfig\.seed must be an int in "
+                 r"\[0, 18446744073709551615\], got -1", id="ecfg-seed-negative"),
+    pytest.param({"page_size": 0}, r"EngineConfig\.page_size must be an int >= 1, got 0",
+                 id="ecfg-page-size-zero"),
+    pytest.param({"backend_options": {"page_size": 4}}, r"EngineConfig\.backend_options sets "
+                 r"\['page_size'\], which the engine passes itself", id="ecfg-backend-option-taken"),
+    pytest.param({"backend_options": [("kernel_family", "fa2")]}, r"EngineConfig\."
+                 r"backend_options must be a mapping of str keys", id="ecfg-backend-options-list"),
+    pytest.param({"attn_backend": int}, r"EngineConfig\.attn_backend class int is not an "
+                 r"AttentionBackend", id="ecfg-backend-class"),
+))
+def test_bad_engine_config(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_from_dict_names_unknown_keys_and_source() -> None:
+    with pytest.raises(ValueError, match=r"recipe\.json: unknown EngineConfig keys "
+                                         r"\['budget'\]; known keys are \['attn_backend'"):
+        EngineConfig.from_dict({"budget": 64}, where="recipe.json")
+    with pytest.raises(ValueError, match=r"EngineConfig\.dtype must be one of"):
+        EngineConfig.from_dict({"dtype": "int8"})
+
+
+IDS.add("ecfg-unknown-key")
+
 # -- test lists (YAML) ---------------------------------------------------------------------
 
 HEAD = "version: 0.0.1\nl0_cpu:\n- condition:\n    terms:\n      stage: pre_merge\n"
-GOOD_TESTS = "  tests:\n  - tests/unit/test_engine.py\n"
+GOOD_TESTS = "  tests:\n  - tests/unit/engine/test_engine.py\n"
 # A "billion laughs" list: 8 levels of aliases, 9 each, in ~1 kB (9**8 strings expanded).
 ALIAS_BOMB = "version: 0.0.1\nx0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 9)}]\n" for i in range(1, 9)) + HEAD + GOOD_TESTS
@@ -575,6 +644,11 @@ def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str
                  id="cli-alias-bomb"),
     pytest.param({"l0_cpu.yml": DEEP_FLOW}, r"kvharness list: .*l0_cpu\.yml:6: YAML: sequences "
                  r"and mappings nested more than 32 levels deep", id="cli-deep-list"),
+    # The run's stage is pre_merge: a list of post_merge blocks selects nothing for it.
+    pytest.param({"l0_cpu.yml": HEAD.replace("pre_merge", "post_merge") + GOOD_TESTS},
+                 r"kvharness list: no block of .* applies to stage=pre_merge .*\n  l0_cpu\[0\] "
+                 r"\(.*l0_cpu\.yml:3\): stage pre_merge, block wants post_merge\n",
+                 id="cli-list-nothing-applies"),
 ))
 def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               files: dict[str, str], message: str) -> None:

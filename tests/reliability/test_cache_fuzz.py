@@ -30,7 +30,7 @@ import random
 
 import pytest
 
-from harness.checked_manager import CheckedManager
+from harness.oracle.checked_manager import CheckedManager
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 
 QUICK_SEEDS = range(100)

@@ -29,7 +29,8 @@ import pytest
 from harness.cli import main as kvharness
 from harness.repro.record import OracleFailure
 from harness.repro.registry import TEST_OBJECTS, object_ref
-from harness.reuse.repro import ReproRecord, plain, replay_config
+from harness.repro.reuse_record import ReuseCheckRecord, plain
+from harness.reuse.assertions import replay_config
 from kvcache import Engine, KvCacheConfig, KVCacheManager
 from kvcache.attention.base import AttentionBackend
 from tests.scenarios.recording import check_record
@@ -72,8 +73,9 @@ def reuse_json() -> dict[str, Any]:
         manager.free_sequence(seq_id)
     rows = [{"where": "total", "counter": "reusedBlocks", "at_least": 1, "at_most": None,
              "actual": None}]
-    record = ReproRecord("t::reuse", "expect_reuse", None, replay_config(manager.config),
-                         plain([e.as_dict() for e in manager.events]), None, False, rows, "m")
+    record = ReuseCheckRecord("t::reuse", "expect_reuse", None, replay_config(manager.config),
+                              plain([e.as_dict() for e in manager.events]), None, False, rows,
+                              "m")
     return record.to_json()
 
 
@@ -88,6 +90,10 @@ def write(tmp_path: Path, data: dict[str, Any], edit: Edit | None = None) -> Pat
 
 def recipe(**changes: Any) -> Edit:
     return lambda d: d["engines"][0]["recipe"].update(changes)
+
+
+def options(**changes: Any) -> Edit:
+    return lambda d: d["engines"][0]["recipe"]["options"].update(changes)
 
 
 def cache(**changes: Any) -> Edit:
@@ -178,6 +184,13 @@ def test_the_unchanged_records_rerun(tmp_path: Path, capsys: pytest.CaptureFixtu
     pytest.param("scenario", abort_unknown,
                  r"engines\[0\]\.calls\[2\] \(abort, hostile\): the engine refused it: "
                  r"abort\(99\): no such request", id="repro-call-refused"),
+    pytest.param("scenario", options(max_num_tokenz=8),
+                 r"engines\[0\]\.recipe: the engine cannot be built: options: unknown "
+                 r"EngineConfig keys \['max_num_tokenz'\]; known keys are \['attn_backend'",
+                 id="repro-option-unknown"),
+    pytest.param("scenario", options(attn_backend="tests.scenarios.faults:StalePrefixBackend"),
+                 r"engines\[0\]\.recipe: the engine cannot be built: options: "
+                 r"\['attn_backend'\] belong in the recipe's own fields", id="repro-option-apart"),
     pytest.param("scenario", recipe(backend="flashinfer"),
                  r"cannot be re-run here: RuntimeError: FlashInferBackend "
                  r"needs .*\(raised at .*\)", id="repro-rerun-runtime-error"),
@@ -219,8 +232,8 @@ def test_a_hostile_file_is_exit_2_naming_the_field(
 
 
 @pytest.mark.parametrize(("make", "message"), cases(
-    pytest.param(lambda p: p.write_text("[" * 100_000), "JSON nested too deeply to read",
-                 id="repro-json-deep"),
+    pytest.param(lambda p: p.write_text("[" * 100_000), ":1: not a readable repro file: "
+                 "arrays and objects nested more than 32 levels deep", id="repro-json-deep"),
     pytest.param(lambda p: p.write_text('{"format": 1' + "0" * 5000 + "}"),
                  "not a readable repro file: Exceeds the limit", id="repro-json-long-int"),
     pytest.param(lambda p: os.truncate(p, (64 << 20) + 1) if p.touch() is None else None,
@@ -234,7 +247,9 @@ def test_an_unreadable_file_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixt
     make(path)
     assert kvharness(["repro", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"kvharness repro: {path}: ") and message in err, err
+    # the file named first (JSON nested too deeply: with the line of the bracket)
+    assert re.match(rf"kvharness repro: {re.escape(str(path))}(:[0-9]+)?: ", err), err
+    assert message in err, err
 
 
 @pytest.mark.parametrize("field", cases(

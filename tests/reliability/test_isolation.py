@@ -18,8 +18,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.checked_manager import CheckedManager
 from harness.oracle import OracleConfig, ReuseOracle
+from harness.oracle.checked_manager import CheckedManager
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer

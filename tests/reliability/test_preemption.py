@@ -52,12 +52,12 @@ def run_watching_readmissions(engine: Engine
             if r.num_preemptions:
                 # the preempted request is queued first, so this is exactly what its
                 # admission in the next step will find
-                pending[r.rid] = (len(r.tokens) - 1, engine.manager.probe_reuse(r.tokens))
+                pending[r.request_id] = (len(r.tokens) - 1, engine.manager.probe_reuse(r.tokens))
         outs.update((o.request_id, o) for o in engine.step())
         for r in engine.scheduler.running:
-            if r.rid in pending and r.seq is not None:
-                committed, probed = pending.pop(r.rid)
-                seen.append(Readmission(r.rid, committed, probed, r.seq.num_cached_tokens))
+            if r.request_id in pending and r.seq is not None:
+                committed, probed = pending.pop(r.request_id)
+                seen.append(Readmission(r.request_id, committed, probed, r.seq.num_cached_tokens))
     raise AssertionError("the engine did not finish in 200 steps")
 
 

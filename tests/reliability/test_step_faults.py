@@ -1,7 +1,7 @@
 """A step that raises did not happen: transient faults injected into the step's parts.
 
 A CUDA out-of-memory error or an interrupt can strike anywhere inside a step. The engine's
-rule (kvcache/engine/step_runner.py) is that a step whose copies or forward raise did not
+rule (Engine._step, kvcache/engine/engine.py) is that a step whose copies or forward raise did not
 happen: the ops not applied stay queued, the batch is recounted, every request keeps its
 recurrent state, tokens and counts, and the next step runs the same work again. A
 `generate()` that raises aborts what it added. Each case here injects one fault at a

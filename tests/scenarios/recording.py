@@ -13,25 +13,22 @@ plugin writes it to `<results-dir>/repro/<test id>.json`).
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
-from harness.adapters import KvcacheEngineAdapter
 from harness.repro.compare import Difference
 from harness.repro.record import Failure, OutputRef, OutputsFailure, ScenarioRecord
 from harness.repro.registry import object_ref
 from harness.repro.workload import Call, EngineRecipe, EngineRun, Op, scope_json
+from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import predict_from_engine
-from kvcache import Engine, GenerationOutput, KvCacheConfig, ReuseScope
+from kvcache import Engine, EngineConfig, GenerationOutput, KvCacheConfig, ReuseScope
 
-# Engine options a recipe keeps apart (model, cache, backend, device, dtype) or that
-# build the model (seed: the recipe's model_seed).
-_APART = {"self", "model", "cache_config", "attn_backend", "device", "dtype", "seed"}
+# EngineConfig fields a recipe keeps apart (backend, device, dtype) or that build the
+# model (seed: the recipe's model_seed); the rest are its `options`.
+_APART = ("attn_backend", "device", "dtype", "seed")
 
 
 class OutputMismatch(AssertionError):
@@ -55,23 +52,20 @@ class RecordedEngine(Engine):
     the `module:function` that built it from `model_seed`); `phase` tags the calls made
     until it is changed; `serial` orders the test's engines; `node_id` is the test's id."""
 
-    def __init__(self, model: Any, cache_config: KvCacheConfig, *, preset: str,
-                 model_seed: int, node_id: str, serial: int, **options: Any) -> None:
-        super().__init__(model, cache_config, **options)
+    def __init__(self, model: Any, cache_config: KvCacheConfig,
+                 engine_config: EngineConfig | None = None, *, preset: str, model_seed: int,
+                 node_id: str, serial: int, **options: Any) -> None:
+        super().__init__(model, cache_config, engine_config, **options)
         # the Engine class under the recording: kvcache's, or a subclass (see `recorded`)
         base = next(c for c in type(self).__mro__
                     if issubclass(c, Engine) and not issubclass(c, RecordedEngine))
-        given = dict(options)
-        backend = given.pop("attn_backend", "torch")
-        device, dtype = str(given.pop("device", "cpu")), given.pop("dtype", torch.float32)
-        defaults = {name: p.default for name, p in
-                    inspect.signature(Engine.__init__).parameters.items()
-                    if p.default is not inspect.Parameter.empty and name not in _APART}
+        recipe_options = self.config.as_dict()  # every option, resolved to its value
+        apart = {name: recipe_options.pop(name) for name in _APART}
         self.recipe = EngineRecipe(
             preset, model_seed, None if base is Engine else object_ref(base),
-            object_ref(backend), device, str(dtype).removeprefix("torch."),
+            object_ref(apart["attn_backend"]), apart["device"], apart["dtype"],
             {f.name: getattr(cache_config, f.name) for f in fields(KvCacheConfig)},
-            _plain({**defaults, **given}))
+            _plain(recipe_options))
         self.calls: list[Call] = []
         self.phase = "run"
         self.node_id = node_id
@@ -121,10 +115,10 @@ class RecordedEngine(Engine):
         self._record("step", [o.request_id for o in outs])
         return self._wrap(outs)
 
-    def abort(self, rid: int) -> GenerationOutput:
+    def abort(self, request_id: int) -> GenerationOutput:
         """Engine.abort, recorded."""
-        out = super().abort(rid)
-        self._record("abort", [int(rid)])
+        out = super().abort(request_id)
+        self._record("abort", [int(request_id)])
         return self._wrap([out])[0]
 
     def run_record(self) -> EngineRun:

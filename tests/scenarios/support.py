@@ -19,11 +19,12 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from harness.adapters import KvcacheEngineAdapter
-from harness.report import ReuseRecord, ReuseReport
+from harness.reports.summary import ReuseRecord, ReuseReport
 from harness.repro.compare import describe, first_difference
 from harness.repro.record import Failure, FullBlocksFailure, OracleFailure, OutputRef
 from harness.repro.registry import object_ref
+from harness.repro.reuse_record import row_dicts
+from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import (
     ReproContext,
     ReuseMismatch,
@@ -32,7 +33,6 @@ from harness.reuse.assertions import (
     expect_matches_oracle,
     predict_from_engine,
 )
-from harness.reuse.repro import ReproRecord
 from kvcache import Engine, GenerationOutput, KvCacheConfig, KVCacheManager, ReuseScope
 from kvcache.attention.base import AttentionBackend
 from kvcache.model import Transformer, get_preset
@@ -157,11 +157,11 @@ def _with_scenario_repro(engine: Engine, results: Sequence[GenerationOutput],
     try:
         return check()
     except ReuseMismatch as exc:
-        rows = exc.repro.rows if isinstance(exc.repro, ReproRecord) else []
+        rows = [] if exc.failure is None else row_dicts(exc.failure.rows)
         record = check_record(engine, results, str(exc),
                               lambda index, refs: failure(index, refs, rows))
         if record is not None:
-            exc.repro = record  # type: ignore[assignment]
+            exc.repro = record  # type: ignore[attr-defined]
         raise
 
 
@@ -198,7 +198,7 @@ class ScenarioRun:
         adapter = KvcacheEngineAdapter(engine)
         prediction = predict_from_engine(adapter, bounded=bounded)
         config = {**adapter.cache_config, "backend": engine.attn_backend,
-                  "max_num_tokens": engine.max_num_tokens}
+                  "max_num_tokens": engine.config.max_num_tokens}
         passed = False
         try:
             window = _with_scenario_repro(

@@ -6,8 +6,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Hashable
 
-from harness.checked_manager import CheckedManager
 from harness.oracle import CachedBlock
+from harness.oracle.checked_manager import CheckedManager
 from kvcache import KvCacheConfig, KvCacheManager
 
 

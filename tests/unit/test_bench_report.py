@@ -6,6 +6,7 @@ root (benchmarks/ is not installed, so it is importable only from there).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -246,6 +247,24 @@ def test_table_cells_are_escaped(tmp_path: Path) -> None:
     assert report(tmp_path).returncode == 0
     md = (tmp_path / "summary.md").read_text()
     assert "| test_other[a\\|b-\\`c\\`] | 2 ms | 5 |" in md.splitlines()
+
+
+def test_every_suite_declares_its_own_sections() -> None:
+    """A suite's part of the summary lives in its own file: every benchmarks/test_bench_*.py
+    declares SECTIONS (its renderers beside its benchmarks), no two sections share a
+    title, and the summary renders those (report_md.py held them all, apart from the
+    suites)."""
+    from benchmarks.report import SUITES, sections
+    from benchmarks.report_format import Section
+
+    declared = []
+    for path in sorted(SUITES.glob("test_bench_*.py")):
+        suite = importlib.import_module(f"benchmarks.{path.stem}")
+        assert suite.SECTIONS and all(isinstance(s, Section) for s in suite.SECTIONS), path.name
+        declared += suite.SECTIONS
+    assert list(sections()) == declared
+    titles = [s.title for s in declared]
+    assert len(titles) == len(set(titles)) and "Decode metadata" in titles
 
 
 @pytest.mark.slow

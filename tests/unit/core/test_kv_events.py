@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from harness.kv_index import block_hash as published_hash
+from harness.oracle.kv_index import block_hash as published_hash
 from kvcache import KvCacheConfig, KvCacheManager, ReuseScope
 from kvcache.core.kv_events import (
     AllBlocksCleared,

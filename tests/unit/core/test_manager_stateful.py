@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from harness.checked_manager import CheckedManager
 from harness.oracle import OracleConfig, ReuseOracle
+from harness.oracle.checked_manager import CheckedManager
 from kvcache import (
     KvCacheConfig,
     KvCacheManager,

@@ -1,0 +1,100 @@
+"""Shards sized by time: pytest-split's least-duration plan over recorded test durations.
+
+Durations come from `test_lists/.test_durations` (pytest-split's JSON: node id -> seconds,
+refreshed by ci/update_durations.sh); a test without one is predicted at the mean of
+those that have one. `lpt()` is pytest-split's `least_duration` algorithm itself
+(`pytest_split.algorithms.Algorithms.least_duration`): the longest test goes to the
+least-loaded shard, then the next longest, and so on, which keeps shards within 4/3 of
+the best possible makespan; equal durations are ordered by the item's `str()` (its name),
+and equal loads go to the lower shard. So `--kvh-shard K --kvh-shards N` runs what
+`pytest --splits N --group K --splitting-algorithm least_duration` runs on the same
+items, as TensorRT-LLM's CI splits its stages. pytest-split's default
+(`duration_based_chunks`: contiguous chunks in collection order) can leave one shard with
+most of the time when slow tests cluster. What the harness adds: `shards_for_budget()`
+picks how many shards a time budget needs, the shard applies after the lists and
+--kvh-changed-since, and what a shard was (`ShardRun`, its shard.json) is a record of the
+run: harness.reports.run_record. Every process that sees the same collection and
+durations computes the same plan (xdist workers rely on it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from harness.data_files import load_json
+
+DEFAULT_SECONDS = 1.0  # prediction for every test when no duration is known at all
+
+
+class Shard(NamedTuple):
+    """One shard: 1-based number, its tests in collection order, predicted seconds."""
+
+    number: int
+    tests: tuple[str, ...]
+    predicted: float
+
+
+def load_durations(path: Path) -> dict[str, float]:
+    """Read a pytest-split durations file; raises ValueError naming the file when it is
+    missing, not JSON, nested too deep, or not an object of node id -> non-negative
+    seconds."""
+    data = load_json(path, "durations file")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a durations file is a JSON object of node id -> seconds")
+    bad = next((k for k, v in data.items() if isinstance(v, bool)
+                or not isinstance(v, int | float) or v < 0 or math.isnan(v)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: duration of {bad!r} is {data[bad]!r}, not seconds")
+    return {str(k): float(v) for k, v in data.items()}
+
+
+def predict(node_ids: Sequence[str], durations: Mapping[str, float]) -> dict[str, float]:
+    """Seconds predicted per test: its recorded duration, else the mean of the known."""
+    known = [durations[n] for n in node_ids if n in durations]
+    fallback = sum(known) / len(known) if known else DEFAULT_SECONDS
+    return {n: durations.get(n, fallback) for n in node_ids}
+
+
+def lpt(items: Sequence[pytest.Item], durations: Mapping[str, float],
+        count: int) -> list[Shard]:
+    """Split `items` into `count` shards by pytest-split's least-duration plan: each
+    shard's node ids in collection order and its predicted seconds.
+
+    Raises ValueError for a count below 1, or where pytest-split is not installed.
+    """
+    if count < 1:
+        raise ValueError(f"shard count {count} is below 1")
+    try:
+        # Here, not at the top: the plugin loads in every pytest run of the environment,
+        # and pytest-split (the test extra) need not be installed for the others.
+        from pytest_split.algorithms import Algorithms
+    except ImportError:
+        raise ValueError("sharding needs pytest-split, whose least_duration plan it runs: "
+                         "pip install pytest-split (or kvcache-harness[test])") from None
+    groups = Algorithms.least_duration.value(count, list(items), dict(durations))
+    return [Shard(k + 1, tuple(item.nodeid for item in group.selected), group.duration)
+            for k, group in enumerate(groups)]
+
+
+def shards_for_budget(items: Sequence[pytest.Item], durations: Mapping[str, float],
+                      budget_seconds: float) -> int:
+    """The fewest shards whose plan keeps every shard within `budget_seconds`, or, when
+    one test alone exceeds it, the fewest that leave that test alone the longest.
+
+    Raises ValueError for a budget that is not positive.
+    """
+    if budget_seconds <= 0:
+        raise ValueError(f"shard time budget {budget_seconds} s is not positive")
+    if not items:
+        return 1
+    seconds = predict([item.nodeid for item in items], durations)
+    floor = max(budget_seconds, max(seconds.values()))
+    count = max(1, math.ceil(sum(seconds.values()) / budget_seconds))
+    while count < len(items) and max(s.predicted for s in lpt(items, durations, count)) > floor:
+        count += 1
+    return count

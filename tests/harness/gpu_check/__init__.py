@@ -1,0 +1,1 @@
+"""Tests of harness.gpu_check, on CPU."""

@@ -1,0 +1,1 @@
+"""Tests of harness.lists: the test-db reader, entries, waives, validation, machines."""

@@ -1,0 +1,1 @@
+"""Tests of harness.plugin: selection, waives, isolation, leaks, change and shard selection, reruns."""

@@ -1,0 +1,1 @@
+"""Tests of harness.reuse: the reuse assertions and the expect_reuse marker."""

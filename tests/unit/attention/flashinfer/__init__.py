@@ -1,0 +1,1 @@
+"""Tests of the FlashInfer backend that run without CUDA (kvcache.attention.flashinfer)."""

@@ -1,0 +1,1 @@
+"""Tests of the persistent decode batch (kvcache.attention.persistent)."""

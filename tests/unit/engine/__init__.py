@@ -1,0 +1,1 @@
+"""Engine tests: scheduler, step, generate(), CUDA graphs, the lock, the step timer (kvcache.engine)."""

@@ -1,0 +1,1 @@
+"""Model tests: the transformer and HF checkpoints (kvcache.model)."""

@@ -1,0 +1,1 @@
+"""KV storage tests: layouts, block copies, offloads and onboards (kvcache.storage)."""
