@@ -12,8 +12,7 @@ back at its handle, so a freed sequence's objects go when their last user lets g
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable
-from collections.abc import Sequence as AbcSequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kvcache.core.keys import ScopeKey
@@ -139,7 +138,7 @@ class SequenceHandle:
         return self._record.num_committed_tokens
 
     @property
-    def block_ids(self) -> AbcSequence[int | None]:
+    def block_ids(self) -> Sequence[int | None]:
         """Physical block of each `tokens_per_block` tokens, in order, None where released
         (a live view: it grows as tokens are appended; do not mutate it)."""
         return self._record.block_ids
@@ -173,7 +172,7 @@ class SequenceHandle:
         return self._record.live_block_ids(start, end)
 
     @property
-    def tokens(self) -> AbcSequence[int]:
+    def tokens(self) -> Sequence[int]:
         """Prompt plus appended tokens (a live view; do not mutate it)."""
         return self._record.tokens
 

