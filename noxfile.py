@@ -10,6 +10,7 @@ reuse report, benchmark JSON) land in results/<session>/.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -144,6 +145,22 @@ def bench(session: nox.Session) -> None:
                 f"--benchmark-json={results / 'bench.json'}", "--benchmark-sort=fullname",
                 f"--junitxml={results / 'junit.xml'}", *session.posargs)
     session.run("python", "-m", "benchmarks.report", str(results))
+    # vLLM's and SGLang's caches beside kvcache's, where an engine is installed
+    quick = "--bench-quick" in session.posargs or os.environ.get("KVH_BENCH_QUICK") == "1"
+    session.run("python", "-m", "harness.conform.bench", str(results),
+                *(["--quick"] if quick else []))
+
+
+@nox.session(default=False)
+def conformance(session: nox.Session) -> None:
+    """Conformance of an engine's prefix cache: nox -s conformance -- vllm==0.33.0 [--bench]."""
+    if not session.posargs:
+        session.error("name an engine: nox -s conformance -- vllm==0.33.0 (or sglang==0.5.23, "
+                      "kvcache; more flags: kvharness conform --help)")
+    spec, *flags = session.posargs
+    _install(session, ".")  # the engine's venv links this session's torch
+    session.run("python", "-m", "harness.cli", "conform", spec, "--report",
+                str(Path("results") / "conformance" / spec.replace("==", "-")), *flags)
 
 
 # What the GPU check imports besides torch and flashinfer; it runs the project from this

@@ -3,16 +3,22 @@
     kvharness detect [--json]
     kvharness list [--test-db DIR] [--context NAME] [--stage S] [--gpu NAME] [--gpu-count N]
                    [--backend B] [--orchestrator O] [--explain] [--json]
-    kvharness validate [--test-db DIR] [--waives FILE] [--rootdir DIR] [PATH ...]
+    kvharness validate [-d DIR] [--context NAME] [--waives FILE] [--syntax-only]
+                       [--rootdir DIR] [PATH ...]
+    kvharness test-db -d DIR [--context CTX] [--test-names] [--output FILE]
+                      [--match JSON | --match-exact JSON]
+    kvharness sysinfo [--json] [--stage S] [--gpu NAME] ... [--distribution ID] [--job K=V]
     kvharness report [--results-dir DIR] [--output FILE]
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
+    kvharness conform SPEC [--report DIR] [--seeds N] [--bench] [--check NAME] [--replay FILE]
 
     kvharness --version
 
 Exit codes: 0 fine, 1 problems found (broken lists, failed collection, `list` with no block
 that applies), 2 bad flags.
-`repro` has its own (REPRO_EXIT_CODES, shown by `kvharness repro --help`).
+`repro` and `conform` have their own (REPRO_EXIT_CODES, CONFORM_EXIT_CODES, shown by
+their --help).
 """
 
 from __future__ import annotations
@@ -25,19 +31,26 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harness.lists.checks import CollectError, validate
+from harness.lists.checks import CollectError, validate, validate_syntax
 from harness.lists.db import Verdict, load_test_db
 from harness.lists.entry import Entry
 from harness.lists.errors import ListError
 from harness.lists.gpus import features_of
-from harness.lists.hardware import MachineFlags, add_machine_options, detect, machine_from_options
+from harness.lists.hardware import (
+    Machine,
+    MachineFlags,
+    add_job_options,
+    add_machine_options,
+    detect,
+    machine_from_options,
+)
+from harness.lists.testdb import mako_lines, parse_description, render, sysinfo
 from harness.lists.waives import default_waives
-from harness.reports.flakes import fold, markdown
-from harness.reports.summary import summarize
-from harness.repro.outcome import Status
-from harness.repro.replay import replay_file
+
+if TYPE_CHECKING:
+    from harness.repro.outcome import Status
 
 DISTRIBUTION = "kvcache-harness"  # pyproject's name: where --version reads the version
 DEFAULT_TEST_DB = Path("test_lists/test-db")
@@ -64,6 +77,8 @@ exit codes:
 
 def _entry_dict(entry: Entry) -> dict[str, Any]:
     return {"test": entry.test, "keyword": entry.keyword and entry.keyword.text,
+            "marker": entry.marker and entry.marker.text,
+            "outcome": entry.outcome and entry.outcome._asdict(),
             "timeout_seconds": entry.effective_timeout, "isolation": entry.isolation, "context": entry.source, "location": str(entry.location)}
 
 
@@ -94,10 +109,8 @@ def _detect(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    db = load_test_db(args.test_db)
-    if args.context is not None:
-        db = db.only(args.context)
-    machine = machine_from_options(MachineFlags.of(args), detect())
+    db = load_test_db(args.test_db, args.context)
+    machine = _machine(args)
     verdicts = db.explain(machine)
     selected = db.select(machine)
     if args.json:
@@ -130,7 +143,12 @@ def _list(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     waives = args.waives if args.waives is not None else default_waives(args.test_db)
-    result = validate(args.test_db, waives, args.rootdir, args.paths or None)
+    if args.syntax_only:
+        if args.paths:
+            raise ValueError("--syntax-only collects nothing; it takes no PATH")
+        result = validate_syntax(args.test_db, waives, args.context)
+    else:
+        result = validate(args.test_db, waives, args.rootdir, args.paths or None, args.context)
     for problem in result.problems:
         print(problem)
     for warning in result.warnings:
@@ -139,7 +157,38 @@ def _validate(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+# The reports and the repro replayer are imported by their commands only: `validate
+# --syntax-only` and `test-db` run as pre-commit hooks and should start at once.
+
+
+def _machine(args: argparse.Namespace) -> Machine:
+    return machine_from_options(MachineFlags.of(args), detect())
+
+
+def _sysinfo(args: argparse.Namespace) -> int:
+    info = sysinfo(_machine(args))
+    print(json.dumps(info) if args.json else "\n".join(mako_lines(info)))
+    return 0
+
+
+def _test_db(args: argparse.Namespace) -> int:
+    flag, text = (("--match-exact", args.match_exact) if args.match_exact is not None
+                  else ("--match", args.match))
+    description = None if text is None else parse_description(text, flag)
+    lines = render(load_test_db(args.directory, args.context), description,
+                   exact=flag == "--match-exact")
+    out = "".join(f"{line}\n" for line in lines)
+    if args.output is None:
+        print(out, end="")
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(out, encoding="utf-8")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
+    from harness.reports.summary import summarize
+
     text = summarize(args.results_dir)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +198,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
+    from harness.repro.replay import replay_file
+
     outcome = replay_file(args.file, print)
     for note in outcome.notes:
         print(f"note: {note}")
@@ -160,6 +211,8 @@ def _repro(args: argparse.Namespace) -> int:
 
 
 def _flakes(args: argparse.Namespace) -> int:
+    from harness.reports.flakes import fold, markdown
+
     ledger = fold(args.paths)
     if args.json:
         print(json.dumps({"runs": ledger.runs, "unreadable": list(ledger.unreadable),
@@ -168,6 +221,36 @@ def _flakes(args: argparse.Namespace) -> int:
     else:
         print(markdown(ledger), end="")
     return 1 if ledger.unreadable else 0
+
+
+CONFORM_EXIT_CODES = """\
+exit codes:
+  0  every check passed
+  1  a check found a violation (report.md lists each finding with its op list)
+  2  it could not run: an unsupported version (the supported ones are named), a failed
+     install, a self-test that refused a stubbed or mocked engine function, a worker
+     that died; the report says why"""
+
+
+def _conform(args: argparse.Namespace) -> int:
+    from harness.conform.runner import conform, replay_file  # loads nothing at startup
+
+    if args.replay is not None:
+        return replay_file(args.spec, args.replay)
+    folder = args.report or DEFAULT_RESULTS / "conform" / args.spec.replace("==", "-")
+    report = conform(args.spec, folder, seeds=args.seeds, bench=args.bench,
+                     bench_quick=args.bench_quick, only=args.check)
+    return report.exit_code
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return n
 
 
 def _version() -> str:
@@ -193,14 +276,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context", default=None, metavar="NAME",
                    help="only the blocks of context NAME (trt-test-db --context)")
     add_machine_options(p.add_argument)
+    add_job_options(p.add_argument)
     p.add_argument("--explain", action="store_true",
                    help="say for every block which condition matched or failed")
     p.add_argument("--json", action="store_true", help="print JSON (blocks included)")
     p.set_defaults(run=_list)
 
     p = sub.add_parser("validate", help="check lists and waives against the collected tests")
-    p.add_argument("--test-db", type=Path, default=DEFAULT_TEST_DB, metavar="DIR",
-                   help=f"test-db folder (default: {DEFAULT_TEST_DB})")
+    p.add_argument("-d", "--test-db", dest="test_db", type=Path, default=DEFAULT_TEST_DB,
+                   metavar="DIR", help=f"test-db folder (default: {DEFAULT_TEST_DB})")
+    p.add_argument("--context", default=None, metavar="NAME",
+                   help="read only context NAME's file (tests in no list are then not looked for)")
+    p.add_argument("--syntax-only", action="store_true",
+                   help="the pre-commit check: schema, entries, markers, conditions and waive "
+                   "lines, without collecting (or importing) any test")
     p.add_argument("--waives", "--waives-file", dest="waives", type=Path, default=None,
                    metavar="FILE",
                    help="waives file (default: DIR/../waives.txt when it exists)")
@@ -209,6 +298,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="*", metavar="PATH",
                    help="paths to collect (default: tests plus every folder entries name)")
     p.set_defaults(run=_validate)
+
+    p = sub.add_parser("sysinfo", help="this machine and job as TensorRT-LLM's get_sysinfo.py "
+                       "prints them (Mako options), or as JSON for test-db --match-exact")
+    add_machine_options(p.add_argument)
+    add_job_options(p.add_argument)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_sysinfo)
+
+    p = sub.add_parser("test-db", help="render a context's list for a machine and job "
+                       "description, as TensorRT-LLM's trt-test-db does")
+    p.add_argument("-d", dest="directory", type=Path, required=True, metavar="DIR",
+                   help="the test-db folder")
+    p.add_argument("--context", default=None, metavar="CTX",
+                   help="only context CTX's file (default: every file)")
+    p.add_argument("--test-names", action="store_true",
+                   help="write test names, one a line (trt-test-db's flag; the only output)")
+    p.add_argument("--output", type=Path, default=None, metavar="FILE",
+                   help="write the list to FILE (default: stdout)")
+    match = p.add_mutually_exclusive_group()
+    match.add_argument("--match", default=None, metavar="JSON",
+                       help="blocks whose conditions hold for this description; a key it "
+                       "lacks is ignored (TensorRT-LLM's CI)")
+    match.add_argument("--match-exact", default=None, metavar="JSON",
+                       help="the same, but a key the description lacks fails the block")
+    p.set_defaults(run=_test_db)
 
     p = sub.add_parser("report", help="markdown summary of junit, reuse and benchmark results")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, metavar="DIR",
@@ -232,6 +346,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="junit XML files, or folders searched for *.xml (one file = one run)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_flakes)
+
+    p = sub.add_parser("conform", help="run the harness's checks against an engine's own "
+                       "prefix cache (vLLM, SGLang, kvcache)",
+                       description="Install an engine without its GPU stack (its own cached "
+                       "venv), self-test the adapter,\nrun every scenario family and a "
+                       "shrinking fuzz under the oracles, and write report.md/json.",
+                       epilog=CONFORM_EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", metavar="SPEC",
+                   help="vllm==0.33.0, sglang==0.5.23, kvcache, or a bare name for the "
+                   "version installed here")
+    p.add_argument("--report", type=Path, default=None, metavar="DIR",
+                   help=f"where report.md and report.json go (default: "
+                   f"{DEFAULT_RESULTS}/conform/SPEC)")
+    p.add_argument("--seeds", type=_count, default=8, metavar="N",
+                   help="fuzz seeds to run (default: 8)")
+    p.add_argument("--bench", action="store_true",
+                   help="also time the cache-core workloads through each adapter")
+    p.add_argument("--bench-quick", action="store_true",
+                   help="the same, on the first 100 prompts of each workload")
+    p.add_argument("--check", action="append", default=None, metavar="NAME",
+                   help="run only this check (repeatable)")
+    p.add_argument("--replay", type=Path, default=None, metavar="FILE",
+                   help="re-run one op list ({num_blocks, ops}: a check of report.json)")
+    p.set_defaults(run=_conform)
     return parser
 
 

@@ -145,7 +145,7 @@ class Validation:
     blocks: int
     entries: int
     waives: int
-    collected: int
+    collected: int | None  # None: syntax only, nothing collected
 
     @property
     def ok(self) -> bool:
@@ -156,33 +156,61 @@ class Validation:
         verdict = "ok" if self.ok else f"{len(self.problems)} problems"
         if self.warnings:
             verdict += f", {len(self.warnings)} warnings"
+        collected = ("syntax only, no tests collected" if self.collected is None
+                     else f"{self.collected} collected tests")
         return (f"{verdict}: {self.blocks} blocks, {self.entries} entries, {self.waives} waives, "
-                f"{self.collected} collected tests")
+                f"{collected}")
+
+
+def _read_waives(waives_path: Path | None) -> tuple[tuple[Waive, ...], list[Problem],
+                                                    tuple[Problem, ...]]:
+    """(waives, problems, warnings) of a waives file, or nothing when there is none."""
+    if waives_path is None:
+        return (), [], ()
+    try:
+        read = load_waives(waives_path)
+    except ListError as exc:
+        return (), list(exc.problems), ()
+    return read.waives, list(read.problems), read.without_link()
+
+
+def validate_syntax(test_db: Path, waives_path: Path | None,
+                    context: str | None = None) -> Validation:
+    """The pre-commit check, as TensorRT-LLM's: every list file of `test_db` (or only
+    `context`'s) and the waives file read and checked (schema, entries, markers,
+    conditions, waive lines), without collecting tests or importing them. Never raises
+    for broken files: every problem is in the returned Validation."""
+    problems: list[Problem] = []
+    blocks = entries = 0
+    try:
+        db = load_test_db(test_db, context)
+    except ListError as exc:
+        problems.extend(exc.problems)
+    else:
+        blocks, entries = len(db.blocks), len(db.entries)
+    waives, waive_problems, warnings = _read_waives(waives_path)
+    problems.extend(waive_problems)
+    return Validation(tuple(problems), warnings, blocks, entries, len(waives), None)
 
 
 def validate(test_db: Path, waives_path: Path | None, rootdir: Path,
-             paths: Sequence[str] | None = None) -> Validation:
-    """Validate lists and waives against the tests collected under `paths` (default:
-    `default_paths`). Raises ListError only when the files cannot be parsed at all;
-    every other problem is in the returned Validation (a waive without a link is a
-    warning). Raises CollectError if pytest cannot collect."""
-    problems: list[Problem] = []
-    warnings: tuple[Problem, ...] = ()
-    db = load_test_db(test_db)
-    waives: tuple[Waive, ...] = ()
-    if waives_path is not None:
-        try:
-            read = load_waives(waives_path)
-        except ListError as exc:
-            problems.extend(exc.problems)
-        else:
-            waives, warnings = read.waives, read.without_link()
-            problems.extend(read.problems)
+             paths: Sequence[str] | None = None, context: str | None = None) -> Validation:
+    """Validate lists (all, or only `context`'s file) and waives against the tests
+    collected under `paths` (default: `default_paths`). Raises ListError only when the
+    files cannot be parsed at all; every other problem is in the returned Validation (a
+    waive without a link is a warning). With `context`, tests in no list are not looked
+    for (the other contexts are not read). Raises CollectError if pytest cannot collect."""
+    db = load_test_db(test_db, context)
+    waives, problems, warnings = _read_waives(waives_path)
     entries = db.entries
     node_ids = collect_node_ids(rootdir, default_paths(rootdir, entries) if paths is None else paths)
     problems.extend(duplicate_problems(db))
-    problems.extend(unmatched_problems(resolve(entries, node_ids).unmatched, rootdir, node_ids))
+    resolution = resolve(entries, node_ids)
+    problems.extend(unmatched_problems(resolution.unmatched, rootdir, node_ids))
+    texts = {e.text for e in resolution.chosen.values()}  # a waive written as one waives it
     problems.extend(unmatched_problems(
-        [w for w in waives if not any(w.covers(n) for n in node_ids)], rootdir, node_ids))
-    problems.extend(orphan_problems(db, node_ids))
+        [w for w in waives if w.selector not in texts and not any(w.covers(n) for n in node_ids)],
+        rootdir, node_ids))
+    if context is None:
+        problems.extend(orphan_problems(db, node_ids))
     return Validation(tuple(problems), warnings, len(db.blocks), len(entries), len(waives), len(node_ids))

@@ -8,12 +8,12 @@ line. `ListDb.select(machine)` returns the entries whose block conditions hold, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.lists.conditions import Check, Condition
+from harness.lists.conditions import Check, Condition, Description
 from harness.lists.entry import Entry, parse_entry_text
 from harness.lists.errors import ListError, Location, Problem
 from harness.lists.files import content_lines
@@ -60,27 +60,24 @@ class ListDb:
         """Context names in file order."""
         return tuple(dict.fromkeys(b.context for b in self.blocks))
 
-    def only(self, context: str) -> ListDb:
-        """The blocks of one context, as `trt-test-db --context` reads them.
-
-        Raises ListError naming the folder and the contexts it holds.
-        """
-        if context not in self.contexts:
-            raise ListError([Problem(Location(self.directory, None), f"no context {context!r}; "
-                                     f"this test-db holds {', '.join(self.contexts)}")])
-        return ListDb(self.directory, tuple(b for b in self.blocks if b.context == context))
-
-    def explain(self, machine: Machine) -> tuple[Verdict, ...]:
-        """Each block's verdict for `machine`."""
+    def explain(self, target: Machine | Description, exact: bool = True) -> tuple[Verdict, ...]:
+        """Each block's verdict for a machine or a description (a key the description
+        lacks: see harness.lists.conditions; a machine's are always exact)."""
+        description: Description
+        if isinstance(target, Machine):
+            description, what, exact = target.description(), "machine", True
+        else:
+            description, what = target, "description"
         out = []
         for block in self.blocks:
-            checks = block.condition.checks(machine)
+            checks = block.condition.checks(description, exact, what)
             out.append(Verdict(block, all(c.passed for c in checks), checks))
         return tuple(out)
 
-    def select(self, machine: Machine) -> tuple[Entry, ...]:
-        """Entries of every block whose condition holds for `machine`, in list order."""
-        return tuple(e for v in self.explain(machine) if v.selected for e in v.block.entries)
+    def select(self, target: Machine | Description, exact: bool = True) -> tuple[Entry, ...]:
+        """Entries of every block whose condition holds for `target`, in list order."""
+        return tuple(e for v in self.explain(target, exact) if v.selected
+                     for e in v.block.entries)
 
 
 def _blocks(doc: ListFileDoc) -> Iterable[Block]:
@@ -94,17 +91,32 @@ def _blocks(doc: ListFileDoc) -> Iterable[Block]:
         yield Block(doc.context, i, Condition.from_model(model.condition), entries, where)
 
 
-def load_test_db(directory: Path) -> ListDb:
-    """Read and validate every `*.yml` in `directory`; raises ListError naming file and
-    line for every problem of every file (a `*.yaml` file is one: it would be ignored)."""
+def load_test_db(directory: Path, context: str | None = None) -> ListDb:
+    """Read and validate every `*.yml` in `directory`, or with `context` only the file of
+    that context (`<context>.yml`: the other files are not read, as `trt-test-db
+    --context` reads only its own); raises ListError naming file and line for every
+    problem of every file read (a `*.yaml` file is one: it would be ignored), or the
+    contexts the folder holds when it has no such file."""
     if not directory.is_dir():
         raise ListError([Problem(Location(directory, None), "test-db folder does not exist")])
+    if context is not None:
+        path = directory / f"{context}.yml"
+        if not path.is_file():
+            held = ", ".join(p.stem for p in sorted(directory.glob("*.yml"))) or "no *.yml list"
+            raise ListError([Problem(Location(directory, None), f"no context {context!r}; "
+                                     f"this test-db holds {held}")])
+        return _read_files(directory, [path], [])
     problems = [Problem(Location(path, None), f"list files end in .yml; rename it to "
                         f"{path.stem}.yml (a .yaml file would be ignored)")
                 for path in sorted(directory.glob("*.yaml"))]
     files = sorted(directory.glob("*.yml"))
     if not files and not problems:
         raise ListError([Problem(Location(directory, None), "test-db folder holds no *.yml list")])
+    return _read_files(directory, files, problems)
+
+
+def _read_files(directory: Path, files: list[Path], problems: list[Problem]) -> ListDb:
+    """The ListDb of `files`; raises ListError with `problems` (mutated) and theirs."""
     blocks: list[Block] = []
     for path in files:
         try:
@@ -148,15 +160,19 @@ class Resolution(NamedTuple):
     unmatched: tuple[Entry, ...]
 
 
-def resolve(entries: Iterable[Entry], node_ids: Iterable[str]) -> Resolution:
+def resolve(entries: Iterable[Entry], node_ids: Iterable[str],
+            marks: Mapping[str, Iterable[str]] | None = None) -> Resolution:
     """Map node ids to covering entries; the longest (most specific) entry wins, then the
-    first in list order. Unmatched entries come back in list order."""
+    first in list order. `marks` holds each node id's marker names, for `-m` entries
+    (None: unknown, a `-m` entry covers its whole prefix). Unmatched entries come back in
+    list order."""
     given = list(entries)
     by_length = sorted(given, key=lambda e: -len(e.test))  # stable: list order among equals
     chosen: dict[str, Entry] = {}
     used: set[int] = set()
     for node_id in node_ids:
-        covering = [e for e in by_length if e.covers(node_id)]
+        held = None if marks is None else marks.get(node_id, ())
+        covering = [e for e in by_length if e.covers(node_id, held)]
         if covering:
             chosen[node_id] = covering[0]
             used.update(id(e) for e in covering)

@@ -3,7 +3,6 @@ names the file (a directory, a symlink loop, unreadable bytes), never a tracebac
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from harness.lists.errors import ListError, Location, Problem
@@ -11,9 +10,6 @@ from harness.lists.errors import ListError, Location, Problem
 # A list of every test in this repository is ~30 kB; lists far larger than this are a
 # mistake (or a YAML bomb), and reading them would only waste the run.
 MAX_LIST_BYTES = 1 << 20
-# A comment starts at a `#` at the start of a line or after whitespace, so that links
-# with fragments (`.../issues/7#issuecomment-1`) survive.
-_COMMENT = re.compile(r"(?:^|\s)#.*$")
 
 
 def _fail(path: Path, message: str, line: int | None = None) -> ListError:
@@ -51,8 +47,9 @@ def read_list_text(path: Path, what: str) -> str:
 
 
 def strip_comment(line: str) -> str:
-    """`line` without a trailing `# comment` (a `#` inside a word is kept)."""
-    return _COMMENT.sub("", line).strip()
+    """`line` up to its first `#`, stripped: TensorRT-LLM's parser cuts a line there,
+    wherever the `#` is (inside a link's fragment too)."""
+    return line.partition("#")[0].strip()
 
 
 def content_lines(path: Path, what: str) -> list[tuple[Location, str]]:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple, cast, get_args
 
-from harness.lists.gpus import capability_of, features_of
+from harness.lists.gpus import FEATURES, capability_of, features_of
 
 Stage = Literal["pre_merge", "post_merge"]
 Backend = Literal["torch", "flashinfer"]
@@ -29,6 +29,10 @@ Orchestrator = Literal["mpi", "ray"]
 STAGES: tuple[Stage, ...] = get_args(Stage)
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 ORCHESTRATORS: tuple[Orchestrator, ...] = get_args(Orchestrator)
+
+# Description keys a machine's own flags set; a job term may not name them.
+HARNESS_KEYS = ("stage", "orchestrator", "attention_backend", "gpu", "system_gpu_count",
+                "linux_distribution_name", "cpu", "compute_capability", *FEATURES)
 
 # A machine without CUDA is gpu "cpu" with gpu count 0 (the l0_cpu context selects it).
 CPU_GPU_NAME = "cpu"
@@ -65,8 +69,10 @@ class Hardware:
 class Machine:
     """A machine description as the lists see it: what conditions are matched against.
 
-    `backends` is the set of backends this run may use: a block with `backend: X`
-    applies when X is among them (all usable ones by default, one with `--backend`).
+    `backends` is the set of attention backends this run may use: a block with
+    `attention_backend: X` applies when X is among them (all usable ones by default, one
+    with `--backend`). `job` holds the job's other terms (`backend=pytorch`,
+    `auto_trigger=others`: `--job KEY=VALUE`), matched by blocks' terms of those names.
     `pretended` is True when `--gpu` named a GPU this machine does not have.
     """
 
@@ -80,8 +86,13 @@ class Machine:
     compute_capability: str | None = None
     orchestrator: Orchestrator = "mpi"
     pretended: bool = False
+    job: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        reserved = [k for k, _ in self.job if k in HARNESS_KEYS]
+        if reserved:
+            raise ValueError(f"job term {reserved[0]!r} is the machine's; its flag sets it "
+                             f"(--{reserved[0].replace('_', '-')})")
         if self.stage not in STAGES:
             raise ValueError(f"stage {self.stage!r} is not one of {', '.join(STAGES)}")
         if not self.gpu.strip():
@@ -101,10 +112,22 @@ class Machine:
         """supports_<feature> -> bool, from the compute capability (gpus.features_of)."""
         return features_of(self.compute_capability)
 
+    def description(self) -> dict[str, Any]:
+        """What the lists' conditions are matched against (harness.lists.conditions), in
+        TensorRT-LLM's sysinfo keys: gpu, system_gpu_count, linux_distribution_name, cpu,
+        compute_capability (None without a GPU), supports_*, then the job: stage,
+        orchestrator, attention_backend (the usable backends, a list) and `job`'s terms."""
+        return {"gpu": self.gpu, "system_gpu_count": self.gpu_count,
+                "linux_distribution_name": self.distribution, "cpu": self.cpu_arch,
+                "compute_capability": self.compute_capability, **self.features,
+                "stage": self.stage, "orchestrator": self.orchestrator,
+                "attention_backend": list(self.backends), **dict(self.job)}
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields (tuples become lists)."""
         data = asdict(self)
         data["backends"] = list(self.backends)
+        data["job"] = [list(pair) for pair in self.job]
         return data
 
     @classmethod
@@ -123,15 +146,17 @@ class Machine:
             compute_capability=None if capability is None else str(capability),
             orchestrator=cast(Orchestrator, data.get("orchestrator", "mpi")),
             pretended=bool(data.get("pretended", False)),
+            job=tuple((str(k), str(v)) for k, v in data.get("job", ())),
         )
 
     def describe(self) -> str:
         """One line for headers and messages."""
         gpu = f"{self.gpu!r}" + (" (pretended)" if self.pretended else "")
         cc = f" cc={self.compute_capability}" if self.compute_capability else ""
+        job = "".join(f" {k}={v}" for k, v in self.job)
         return (
             f"stage={self.stage} gpu={gpu} gpu_count={self.gpu_count}{cc} "
-            f"backends={','.join(self.backends)} cuda={'yes' if self.cuda else 'no'}"
+            f"backends={','.join(self.backends)} cuda={'yes' if self.cuda else 'no'}{job}"
         )
 
 
@@ -183,18 +208,25 @@ def _gpu_name(text: str) -> str:
 
 
 class MachineFlags(NamedTuple):
-    """The machine flags' values (None: detect)."""
+    """The machine flags' values (None: detect; `job`: KEY=VALUE texts)."""
 
     stage: str = "pre_merge"
     gpu: str | None = None
     gpu_count: int | None = None
     backend: str | None = None
     orchestrator: str = "mpi"
+    distribution: str | None = None
+    job: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, namespace: Any) -> MachineFlags:
-        """Read the flags from an argparse namespace or pytest's `config.option`."""
-        return cls(*(getattr(namespace, name) for name in cls._fields))
+        """Read the flags from the `kvharness` command's argparse namespace (a flag the
+        namespace lacks keeps its default; pytest's are read by the plugin's
+        `machine_flags`, from their `kvh_` dests)."""
+        values: dict[str, Any] = {name: getattr(namespace, name, cls._field_defaults.get(name))
+                                  for name in cls._fields}
+        values["job"] = tuple(values["job"] or ())
+        return cls(**values)
 
     def argv(self) -> list[str]:
         """The flags that were given, as a command line repeats them (for hints)."""
@@ -203,6 +235,9 @@ class MachineFlags(NamedTuple):
         out += ["--gpu-count", str(self.gpu_count)] if self.gpu_count is not None else []
         out += ["--backend", self.backend] if self.backend is not None else []
         out += ["--orchestrator", self.orchestrator] if self.orchestrator != "mpi" else []
+        out += ["--distribution", self.distribution] if self.distribution is not None else []
+        for pair in self.job:
+            out += ["--job", pair]
         return out
 
 
@@ -220,6 +255,47 @@ def add_machine_options(add: Callable[..., Any]) -> None:
         help="restrict to one attention backend (default: every backend usable here)")
     add("--orchestrator", choices=ORCHESTRATORS, default="mpi",
         help="the value of TensorRT-LLM's orchestrator term (default: mpi)")
+
+
+def _distribution_name(text: str) -> str:
+    if not text.strip() or any(ch.isspace() for ch in text):
+        raise argparse.ArgumentTypeError(f"distribution {text!r}: one word, as /etc/os-release's "
+                                         "ID (ubuntu, debian, rhel)")
+    return text.lower()
+
+
+def job_term(text: str) -> tuple[str, str]:
+    """`KEY=VALUE` as a job term (backend=pytorch); raises argparse.ArgumentTypeError
+    (a ValueError) for a missing `=`, an empty key or value, or a key the machine's own
+    flags set (stage, orchestrator, gpu, ...)."""
+    key, sep, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    if not sep or not key or not value:
+        raise argparse.ArgumentTypeError(f"job term {text!r} is not KEY=VALUE "
+                                         "(backend=pytorch, auto_trigger=others)")
+    if key in HARNESS_KEYS:
+        raise argparse.ArgumentTypeError(f"job term {key!r} is the machine's; its flag sets it "
+                                         f"(--{key.replace('_', '-')})")
+    return key, value
+
+
+def _job_text(text: str) -> str:
+    job_term(text)
+    return text
+
+
+def add_job_options(add: Callable[..., Any], prefix: str = "") -> None:
+    """Declare the distribution override and the job terms through `add` (argparse, or
+    pytest with `prefix="kvh-"`), into MachineFlags' `distribution` and `job` (with the
+    prefix: `kvh_distribution`, `kvh_job`)."""
+    dest = prefix.replace("-", "_")
+    add(f"--{prefix}distribution", dest=f"{dest}distribution", type=_distribution_name,
+        default=None,
+        metavar="ID", help="Linux distribution matched by linux_distribution_name wildcards "
+        "(default: /etc/os-release's ID), e.g. ubuntu to run TensorRT-LLM's lists elsewhere")
+    add(f"--{prefix}job", dest=f"{dest}job", type=_job_text, action="append", default=None,
+        metavar="KEY=VALUE", help="a term of the job that blocks' terms of that name match "
+        "(TensorRT-LLM's backend=pytorch, auto_trigger=others); repeatable")
 
 
 def machine_from_options(flags: MachineFlags, hardware: Hardware) -> Machine:
@@ -247,8 +323,9 @@ def machine_from_options(flags: MachineFlags, hardware: Hardware) -> Machine:
         backends=backends if flags.backend is None else (flags.backend,),
         cuda=hardware.cuda,
         cpu_arch=hardware.cpu_arch,
-        distribution=hardware.distribution,
         compute_capability=capability,
         orchestrator=cast(Orchestrator, flags.orchestrator),
+        distribution=hardware.distribution if flags.distribution is None else flags.distribution,
         pretended=pretended,
+        job=tuple(job_term(pair) for pair in flags.job),
     )

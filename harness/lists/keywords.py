@@ -10,7 +10,7 @@ so `kvharness validate` (which sees only collected ids) and a run agree; unlike 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from harness.data_files import MAX_NESTING, too_deep
@@ -119,12 +119,24 @@ class KeywordExpr:
     _tree: Callable[[Matcher], bool]
 
     @classmethod
-    def parse(cls, text: str) -> KeywordExpr:
-        """Parse `text`; raises ValueError naming the expression and the bad token."""
+    def parse(cls, text: str, flag: str = "-k") -> KeywordExpr:
+        """Parse `text` (given after `flag`, -k or -m: pytest's grammar is one); raises
+        ValueError naming the flag, the expression and the bad token."""
         if len(text) > MAX_EXPRESSION_CHARS:
-            raise ValueError(f"-k expression of {len(text)} characters; at most "
+            raise ValueError(f"{flag} expression of {len(text)} characters; at most "
                              f"{MAX_EXPRESSION_CHARS}")
-        return cls(text, _Parser(text).parse())
+        try:
+            return cls(text, _Parser(text).parse())
+        except ValueError as exc:
+            if flag == "-k":
+                raise
+            raise ValueError(str(exc).replace("-k", flag, 1)) from None
+
+    def matches_marks(self, marks: Iterable[str]) -> bool:
+        """True if the expression holds as pytest's `-m` reads it: a name holds when a
+        marker of that name is on the test (ignoring case)."""
+        names = {m.lower() for m in marks}
+        return self._tree(lambda word: word in names)
 
     def matches(self, node_id: str) -> bool:
         """True if the expression holds for the names of `node_id`."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Hashable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple, get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -31,7 +32,7 @@ from harness.lists.entry import BlockPolicy, Entry, parse_entry_mapping, parse_e
 from harness.lists.errors import KeyProblem, KeyProblems, ListError, Location, Problem
 from harness.lists.files import read_list_text
 from harness.lists.gpus import FEATURES
-from harness.lists.hardware import Backend, Orchestrator, Stage
+from harness.lists.hardware import BACKENDS, ORCHESTRATORS, STAGES
 
 Version = Literal["0.0.1"]
 SUPPORTED_VERSIONS: tuple[str, ...] = get_args(Version)
@@ -42,20 +43,9 @@ MAX_INT_DIGITS = 18
 
 
 class _Strict(BaseModel):
+    # Unknown keys are pydantic's `extra_forbidden` errors, reported beside every other
+    # error of the same mapping (`_messages` names the allowed keys).
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    @classmethod
-    def _unknown_key(cls, key: str) -> str:
-        return f"unknown key {key!r}; allowed: {', '.join(cls.model_fields)}"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key in data:
-                if key not in cls.model_fields:
-                    raise KeyProblem(str(key), cls._unknown_key(str(key)), in_path=False)
-        return data
 
 
 def _wrap_scalar(value: Any) -> Any:
@@ -81,58 +71,60 @@ class RangeModel(_Strict):
         return self
 
 
-class RangesModel(_Strict):
-    system_gpu_count: RangeModel
+# The one term this harness interprets itself: the attention backend a block needs
+# (`attention_backend: flashinfer`). `backend` is TensorRT-LLM's job term (its runtime:
+# pytorch, cpp, tensorrt, triton, fmha, ...), matched like any other term.
+ATTENTION_BACKEND = "attention_backend"
+# Terms whose values this harness knows; every other term is any one scalar.
+KNOWN_TERMS: dict[str, tuple[Any, ...]] = {
+    "stage": STAGES, "orchestrator": ORCHESTRATORS, ATTENTION_BACKEND: BACKENDS,
+    **{name: (True, False) for name in FEATURES},
+}
 
 
-class WildcardsModel(_Strict):
-    gpu: Globs | None = None
-    cpu: Globs | None = None
-    linux_distribution_name: Globs | None = None
-    compute_capability: Globs | None = None
-
-    @model_validator(mode="after")
-    def _some(self) -> WildcardsModel:
-        if all(getattr(self, key) is None for key in type(self).model_fields):
-            raise ValueError(f"wildcards needs one of {', '.join(type(self).model_fields)}")
-        return self
+def _allowed(values: tuple[Any, ...]) -> str:
+    return ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
 
 
-# TensorRT-LLM's backend names onto this project's: its PyTorch flow is the torch
-# backend here; `generic` (stages bound to no backend) places no condition.
-TRTLLM_BACKENDS: dict[str, Backend | None] = {"pytorch": "torch", "generic": None}
-_NO_COUNTERPART = ("tensorrt", "cpp", "triton")
+def _term_problem(key: str, value: Any) -> str | None:
+    """Why `terms.<key>: value` is wrong, or None."""
+    if value is None or isinstance(value, list | dict):
+        return f"a term is one string, number or boolean (got {value!r})"
+    known = KNOWN_TERMS.get(key)
+    if known is not None and (value not in known or isinstance(value, bool) != isinstance(
+            known[0], bool)):
+        return f"{value!r} is not one of {_allowed(known)}"
+    if key == "backend" and value in BACKENDS:
+        return (f"{value!r} is an attention backend; 'backend' is the job's (TensorRT-LLM's "
+                f"runtime: pytorch, cpp, tensorrt, triton, fmha, ...): write "
+                f"'{ATTENTION_BACKEND}: {value}'")
+    if isinstance(value, str) and not value:
+        return "a term is not empty"
+    return None
 
 
-def _backend_name(value: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    if value in _NO_COUNTERPART:
-        raise ValueError(f"backend {value!r} is TensorRT-LLM's and has no counterpart here; "
-                         "use torch, flashinfer, pytorch (= torch) or generic (any backend)")
-    return TRTLLM_BACKENDS.get(value, value)
+def _terms(data: Any) -> Any:
+    """Check every term of a `terms` mapping at once; raises KeyProblems naming each bad
+    one (the mapping itself is checked by pydantic)."""
+    if not isinstance(data, dict):
+        return data
+    problems = [KeyProblem(str(key), why, in_path=True) for key, value in data.items()
+                if (why := _term_problem(str(key), value)) is not None]
+    if problems:
+        raise KeyProblems(problems)
+    return data
 
 
-class TermsModel(_Strict):
-    stage: Stage
-    backend: Annotated[Backend | None, BeforeValidator(_backend_name)] = None
-    orchestrator: Orchestrator | None = None
-    supports_int8: bool | None = None
-    supports_tf32: bool | None = None
-    supports_bf16: bool | None = None
-    supports_fp8: bool | None = None
-    supports_fp4: bool | None = None
-
-    def features(self) -> dict[str, bool]:
-        """The supports_* terms the block states."""
-        return {name: value for name in FEATURES
-                if (value := getattr(self, name)) is not None}
+Terms = Annotated[dict[str, Any], BeforeValidator(_terms), Field(min_length=1)]
 
 
 class ConditionModel(_Strict):
-    ranges: RangesModel | None = None
-    wildcards: WildcardsModel | None = None
-    terms: TermsModel
+    """Any key in each section: the ones this harness interprets (KNOWN_TERMS) are
+    checked for their values; the others are matched against the job's description."""
+
+    ranges: Annotated[dict[str, RangeModel], Field(min_length=1)] | None = None
+    wildcards: Annotated[dict[str, Globs], Field(min_length=1)] | None = None
+    terms: Terms | None = None
 
 
 def _entry(value: Any) -> Entry:
@@ -158,16 +150,9 @@ class BlockModel(_Strict):
 
     def policy(self) -> BlockPolicy:
         """What the block says about its tests beyond selecting them."""
-        reruns = self.condition.terms.stage == "post_merge" if self.reruns is None else self.reruns
+        stage = (self.condition.terms or {}).get("stage")
+        reruns = stage == "post_merge" if self.reruns is None else self.reruns
         return BlockPolicy(reruns, self.always_run, tuple(self.source_file_dependencies or ()))
-
-
-class _FileBase(_Strict):
-    @classmethod
-    def _unknown_key(cls, key: str) -> str:
-        context = next(name for name in cls.model_fields if name != "version")
-        return (f"unknown top-level key {key!r}: a list file holds 'version' and one context "
-                f"named after the file ({context!r})")
 
 
 class ListFileDoc(NamedTuple):
@@ -183,7 +168,33 @@ class ListFileDoc(NamedTuple):
         return node_line(self.root, loc)
 
 
-class ListLoader(yaml.SafeLoader):
+class _ConstructChecks(yaml.constructor.SafeConstructor):
+    """The construction checks of every list loader: duplicate keys, bounded integers."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Hashable, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeConstructor reports unhashable keys itself, with the line.
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
+        digits = sum(ch.isdigit() for ch in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"integer of {digits} digits; list numbers have at most "
+                f"{MAX_INT_DIGITS}", node.start_mark)
+        value: int = super().construct_yaml_int(node)
+        return value
+
+
+class ListLoader(_ConstructChecks, yaml.SafeLoader):
     """SafeLoader for lists: rejects duplicate mapping keys (PyYAML keeps the last one
     silently), aliases (`*name`: nested ones expand exponentially, a YAML bomb),
     sequences and mappings nested deeper than MAX_NESTING (the composer recurses a level
@@ -211,30 +222,21 @@ class ListLoader(yaml.SafeLoader):
         assert node is not None, "compose_node returns None only at the end of the stream"
         return node
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Hashable, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, Hashable):
-                continue  # SafeConstructor reports unhashable keys itself, with the line.
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {seen[key]})",
-                    key_node.start_mark)
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
 
-    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
-        digits = sum(ch.isdigit() for ch in str(node.value))
-        if digits > MAX_INT_DIGITS:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"integer of {digits} digits; list numbers have at most "
-                f"{MAX_INT_DIGITS}", node.start_mark)
-        value: int = super().construct_yaml_int(node)
-        return value
+def _bounded_int(loader: Any, node: yaml.ScalarNode) -> int:
+    value: int = loader.construct_bounded_int(node)
+    return value
 
 
-ListLoader.add_constructor("tag:yaml.org,2002:int", ListLoader.construct_bounded_int)
+ListLoader.add_constructor("tag:yaml.org,2002:int", _bounded_int)
+
+_CListLoader: type | None = None
+if getattr(yaml, "__with_libyaml__", False):
+    class _CLoader(_ConstructChecks, yaml.CSafeLoader):
+        """libyaml's parser and composer with ListLoader's construction checks."""
+
+    _CLoader.add_constructor("tag:yaml.org,2002:int", _bounded_int)
+    _CListLoader = _CLoader
 
 
 def node_line(root: yaml.Node, loc: tuple[str | int, ...]) -> int:
@@ -252,21 +254,54 @@ def node_line(root: yaml.Node, loc: tuple[str | int, ...]) -> int:
     return line
 
 
-def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
-    """Safely load one YAML document and its node tree; raises ListError on YAML errors
-    and on files `read_list_text` refuses."""
-    loader = ListLoader(read_list_text(path, "list file"))
+def _check_events(text: str) -> None:
+    """ListLoader's refusals (aliases, nesting deeper than MAX_NESTING) over libyaml's
+    event stream, before libyaml composes anything. Raises yaml.MarkedYAMLError."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*{event.anchor}) are not allowed in list files; write "
+                "the value out", event.start_mark)  # type: ignore[arg-type]
+        if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise yaml.composer.ComposerError(
+                    None, None, too_deep("sequences and mappings"),
+                    event.start_mark)  # type: ignore[arg-type]
+        elif isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
+            depth -= 1
+
+
+def _compose(text: str) -> tuple[Any, yaml.Node | None]:
+    """The document and its node tree: with libyaml (ten times faster, for pre-commit
+    runs) after `_check_events`, else with ListLoader; both construct through
+    ListLoader's duplicate-key and integer checks."""
+    loader: Any
+    if _CListLoader is not None:
+        _check_events(text)
+        loader = _CListLoader(text)
+    else:
+        loader = ListLoader(text)
     try:
         root = loader.get_single_node()
         return (None if root is None else loader.construct_document(root)), root
+    finally:
+        loader.dispose()
+
+
+def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
+    """Safely load one YAML document and its node tree; raises ListError on YAML errors
+    and on files `read_list_text` refuses."""
+    text = read_list_text(path, "list file")
+    try:
+        return _compose(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = None if mark is None else mark.line + 1
         raise ListError([Problem(Location(path, line), f"YAML: {exc.problem}")]) from None
     except yaml.YAMLError as exc:
         raise ListError([Problem(Location(path, None), f"YAML: {exc}")]) from None
-    finally:
-        loader.dispose()
 
 
 def _path_text(loc: tuple[str | int, ...]) -> str:
@@ -284,7 +319,41 @@ def _key_problem(path: Path, root: yaml.Node, loc: tuple[str | int, ...],
     return Problem(Location(path, node_line(root, (*loc, error.key))), f"{where}: {error}")
 
 
-def _messages(path: Path, root: yaml.Node, exc: ValidationError) -> Iterator[Problem]:
+def _unwrap(kind: Any) -> Any:
+    """`kind` without Annotated metadata and without None in a union."""
+    while True:
+        origin = get_origin(kind)
+        if origin is Annotated:
+            kind = get_args(kind)[0]
+        elif origin in (Union, UnionType):
+            kind = next(a for a in get_args(kind) if a is not type(None))
+        else:
+            return kind
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[str | int, ...]) -> tuple[str, ...]:
+    """The keys the model at `loc` (a mapping's place in a list file) allows."""
+    kind: Any = model
+    for key in loc:
+        kind = _unwrap(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            kind = kind.model_fields[str(key)].annotation
+        else:  # a list's item or a dict's value
+            kind = get_args(kind)[-1]
+    kind = _unwrap(kind)
+    return tuple(kind.model_fields) if isinstance(kind, type) and issubclass(kind, BaseModel) else ()
+
+
+def _unknown_key(path: Path, model: type[BaseModel], loc: tuple[str | int, ...]) -> str:
+    key = loc[-1]
+    if len(loc) == 1:
+        return (f"unknown top-level key {key!r}: a list file holds 'version' and one context "
+                f"named after the file ({path.stem!r})")
+    return f"unknown key {key!r}; allowed: {', '.join(_fields_at(model, loc[:-1]))}"
+
+
+def _messages(path: Path, root: yaml.Node, exc: ValidationError,
+              model: type[BaseModel]) -> Iterator[Problem]:
     for err in exc.errors():
         loc = tuple(err["loc"])
         error = (err.get("ctx") or {}).get("error")
@@ -292,10 +361,12 @@ def _messages(path: Path, root: yaml.Node, exc: ValidationError) -> Iterator[Pro
             yield from (_key_problem(path, root, loc, e) for e in
                         (error.problems if isinstance(error, KeyProblems) else (error,)))
             continue
-        # The path names the mapping that holds a missing key (the line is the mapping's:
-        # a missing key has none).
-        where = _path_text(loc[:-1] if err["type"] == "missing" else loc)
-        if isinstance(error, ValueError):
+        # The path names the mapping that holds a missing or unknown key (the line is the
+        # key's, or for a missing one the mapping's).
+        where = _path_text(loc[:-1] if err["type"] in ("missing", "extra_forbidden") else loc)
+        if err["type"] == "extra_forbidden":
+            message = _unknown_key(path, model, loc)
+        elif isinstance(error, ValueError):
             message = str(error)
         elif err["type"] == "missing":
             message = f"missing key {loc[-1]!r}"
@@ -320,9 +391,9 @@ def read_list_file(path: Path) -> ListFileDoc:
         "version": (Version, ...),
         context: (Annotated[list[BlockModel], Field(min_length=1)], ...),
     }
-    model = create_model(f"ListFile_{context}", __base__=_FileBase, **fields)
+    model = create_model(f"ListFile_{context}", __base__=_Strict, **fields)
     try:
         doc = model.model_validate(data)
     except ValidationError as exc:
-        raise ListError(_messages(path, root, exc)) from None
+        raise ListError(_messages(path, root, exc, model)) from None
     return ListFileDoc(path, context, tuple(getattr(doc, context)), root)

@@ -20,6 +20,11 @@ block positions (an admission's up to its first chunk, a `reserve`'s as many as 
 available) and how many of them its commits released are checked after every call, and
 a commit may turn released positions into None without bumping `block_ids_version`
 (nothing there switched block).
+
+What the two oracles check after a call is `CallOracles`, which reads nothing but the
+call's events and the cache's block count: CheckedManager feeds it from kvcache's API,
+the conformance judge (`harness.conform.judge`) from the event log any implementation of
+the cache-level protocol writes, so both hold a cache to the same checks.
 """
 
 from __future__ import annotations
@@ -59,6 +64,56 @@ def _same(logged: Event, api: Event) -> bool:
                                                         strict=True)))
 
 
+def _logged_move(ev: Event) -> Move:
+    """A logged move as (kind, src, dst, num_tokens)."""
+    src, dst = ev.block_ids
+    assert src is not None and dst is not None  # normalize_event refuses a move without
+    return (ev.kind, src, dst, ev.num_tokens)
+
+
+class CallOracles:
+    """The provenance and capacity oracles, checked after each call of any cache from
+    that call's events (mutates only itself).
+
+    `provenance` and `capacity_after` are separate so that a caller which keeps going
+    after one oracle's finding (the conformance judge) stops feeding only that one. Each
+    raises ProvenanceError or CapacityError for a violation, ValueError for events that
+    do not replay.
+    """
+
+    def __init__(self, tokens_per_block: int, max_num_blocks: int, *, block_reuse: bool,
+                 sliding_window: int | None = None, repro: str = "") -> None:
+        self.shadow = ShadowStore(tokens_per_block, repro=repro, sliding_window=sliding_window)
+        self.capacity = CapacityOracle(tokens_per_block, max_num_blocks,
+                                       block_reuse=block_reuse, sliding_window=sliding_window,
+                                       repro=repro)
+
+    def provenance(self, events: Sequence[Event], pending: list[Move]) -> None:
+        """Apply `events` to the shadow store, then check that every live sequence's
+        valid KV is its own with the `pending` moves (queued after the call) applied. An
+        admission reads with the moves logged after it in `events` and `pending` queued
+        (a cache that applies its copies within the call logs them there)."""
+        for i, ev in enumerate(events):
+            queued: list[Move] | None = None
+            if ev.kind == "admit":
+                queued = [_logged_move(e) for e in events[i + 1:] if e.kind in MOVES]
+                queued += pending
+            self.shadow.apply(ev, queued)
+        self.shadow.check_live(pending)
+
+    def capacity_after(self, where: str, events: Sequence[Event], used_blocks: int | None,
+                       sequences: Sequence[tuple[Hashable, int, int]] = ()) -> None:
+        """Apply `events` to the capacity oracle; then the cache's `used_blocks` must be
+        what the live sequences need (None: not checked here), and each (seq_id, block
+        positions, released positions) in `sequences` what the oracle counts."""
+        for ev in events:
+            self.capacity.apply(ev)
+        if used_blocks is not None:
+            self.capacity.check_used(used_blocks, where)
+        for sid, num_blocks, released in sequences:
+            self.capacity.check_sequence(sid, num_blocks, released, where)
+
+
 class ManagerContractError(AssertionError):
     """The manager broke its API contract: a failed call changed it, its handles changed
     block ids without saying so, or its event log disagrees with its API."""
@@ -74,10 +129,11 @@ class CheckedManager:
         cfg = manager.config
         self.manager = manager
         window = cfg.sliding_window
-        self.shadow = ShadowStore(cfg.tokens_per_block, repro=repro, sliding_window=window)
-        self.capacity = CapacityOracle(cfg.tokens_per_block, cfg.max_num_blocks,
-                                       block_reuse=cfg.block_reuse, sliding_window=window,
-                                       repro=repro)
+        self.oracles = CallOracles(cfg.tokens_per_block, cfg.max_num_blocks,
+                                   block_reuse=cfg.block_reuse, sliding_window=window,
+                                   repro=repro)
+        self.shadow = self.oracles.shadow
+        self.capacity = self.oracles.capacity
         self.num_operations = 0
         self._ids: dict[Hashable, tuple[list[int | None], int]] = {}  # block ids, version last seen
         self._log_seen = 0
@@ -345,16 +401,13 @@ class CheckedManager:
                                  f"{'host slot' if kind == 'onboard' else 'block'} {src} "
                                  "dropped, never applied")
         self._queued = pending
-        for ev in events:
-            self.shadow.apply(ev, pending if ev.kind == "admit" else None)
-            self.capacity.apply(ev)
-        self.shadow.check_live(pending)
-        self.capacity.check_used(self.manager.stats().used_num_blocks, where)
-        for sid in {ev.seq_id for ev in events if ev.kind not in MOVES}:
-            seq = self.manager.sequences.get(sid)
-            if seq is not None:
-                self.capacity.check_sequence(sid, len(seq.block_ids), seq.num_released_blocks,
-                                             where)
+        self.oracles.provenance(events, pending)
+        live = self.manager.sequences
+        sequences = [(sid, len(live[sid].block_ids), live[sid].num_released_blocks)
+                     for sid in {ev.seq_id for ev in events if ev.kind not in MOVES}
+                     if sid in live]
+        self.oracles.capacity_after(where, events, self.manager.stats().used_num_blocks,
+                                    sequences)
         self._check_log(where, events)
         self.num_operations += 1
 

@@ -9,25 +9,19 @@ A fixture value is checked when it is an owner, when it reaches one through an a
 named in `OWNER_ATTRIBUTES` (`kvcache.Engine.manager`, an adapter's `cache_manager`), or
 when it lists owners through `cache_owners()` (a factory). The plugin calls
 `find_cache_owners` on a test's fixture values after its call phase and `leak_problems`
-on what it finds.
+on what it finds. The protocol and `leak_problems` live in `harness.oracle.leaks`, where
+the conformance judge runs the same check over any engine's cache.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator, Mapping
 
+from harness.oracle.leaks import CacheOwner, leak_problems
 
-@runtime_checkable
-class CacheOwner(Protocol):
-    """Something that owns cache blocks and can account for them."""
-
-    def check_integrity(self) -> None:
-        """Raise (AssertionError, naming the broken invariant) if internal state is corrupt."""
-
-    def leak_report(self) -> list[str]:
-        """One line per leak; empty when every block is free or evictable and nothing is held."""
+__all__ = ["OWNER_ATTRIBUTES", "CacheLeakError", "CacheOwner", "find_cache_owners",
+           "is_cache_owner", "leak_problems"]
 
 
 def _has_method(obj: object, name: str) -> bool:
@@ -99,33 +93,6 @@ def find_cache_owners(values: Mapping[str, object]) -> list[tuple[str, CacheOwne
                 seen.add(id(owner))
                 found.append((label, owner))
     return found
-
-
-def leak_problems(owners: Iterable[tuple[str, CacheOwner]]) -> list[str]:
-    """What is wrong with each owner, one line per problem; empty when all are clean.
-
-    Calls `check_integrity()` and `leak_report()`; an exception from either is a problem
-    (reported with its type and message), never swallowed.
-    """
-    problems: list[str] = []
-    for label, owner in owners:
-        kind = type(owner).__name__
-        try:
-            owner.check_integrity()
-        except Exception as exc:  # any failure of the check is what we report
-            problems.append(f"{label} ({kind}): check_integrity() failed: "
-                            f"{type(exc).__name__}: {exc}")
-        try:
-            report = owner.leak_report()
-        except Exception as exc:
-            problems.append(f"{label} ({kind}): leak_report() raised {type(exc).__name__}: {exc}")
-            continue
-        if not isinstance(report, list):
-            problems.append(f"{label} ({kind}): leak_report() returned a "
-                            f"{type(report).__name__}, expected a list of strings")
-            continue
-        problems.extend(f"{label} ({kind}): leaked: {line}" for line in report)
-    return problems
 
 
 class CacheLeakError(Exception):

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from harness.lists.hardware import MachineFlags, add_machine_options
+from harness.lists.hardware import MachineFlags, add_job_options, add_machine_options
 from harness.plugin.isolation import REPORT_OPTION
 
 PREFIX = "--kvh-"
@@ -87,6 +87,11 @@ def add_options(parser: pytest.Parser) -> None:
                     help="durations for --kvh-shard (pytest-split JSON; default with "
                     "--kvh-test-db: DIR/../.test_durations)")
     add_machine_options(_prefixed(group.addoption))
+    add_job_options(group.addoption, prefix="kvh-")
+    group.addoption("--kvh-foreign-lists", action="store_true", default=False,
+                    help="the lists and waives name another repository's tests (implied by "
+                    "--test-prefix): entries and waives that match nothing are counted in the "
+                    "summary line, not errors or warnings, and tests in no list are not sought")
     group.addoption("--kvh-results-dir", metavar="DIR", default=None,
                     help="write the reuse report, repro files and run record into DIR")
     group.addoption("--kvh-gpu-per-worker", action="store_true", default=False,
@@ -128,4 +133,6 @@ def yielded_options(config: pytest.Config) -> tuple[str, ...]:
 def machine_flags(config: pytest.Config) -> MachineFlags:
     """The machine flags' values, read from their `kvh_` dests."""
     opt = config.option
-    return MachineFlags(*(getattr(opt, "kvh_" + name) for name in MachineFlags._fields))
+    values = {name: getattr(opt, "kvh_" + name) for name in MachineFlags._fields}
+    values["job"] = tuple(values["job"] or ())  # an append option left unset is None
+    return MachineFlags(**values)

@@ -21,7 +21,7 @@ import pytest
 
 from harness.lists.checks import home_of, unmatched_problems
 from harness.lists.db import ListDb, load_test_db, load_test_list, resolve
-from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, Entry, covers
+from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, Entry, Outcome, covers
 from harness.lists.errors import ListError, Problem
 from harness.lists.hardware import Machine, MachineFlags
 from harness.lists.suggest import Home
@@ -45,6 +45,8 @@ class Selection:
     source: str
     waives_source: str | None
     warnings: tuple[Problem, ...] = ()
+    context: str | None = None  # --context: the other contexts were not read
+    foreign: bool = False  # another repository's ids: what matches nothing is only counted
 
     def describe(self) -> str:
         """One header line: sources and counts."""
@@ -68,9 +70,8 @@ def explain_hint(test_db: str, flags: MachineFlags, context: str | None) -> str:
 
 def _select(config: pytest.Config, machine: Machine) -> tuple[tuple[Entry, ...], ListDb]:
     opt = config.option
-    db = load_test_db(_path(config, opt.kvh_test_db))
-    chosen = db if opt.kvh_context is None else db.only(opt.kvh_context)
-    entries = chosen.select(machine)
+    db = load_test_db(_path(config, opt.kvh_test_db), opt.kvh_context)
+    entries = db.select(machine)
     if not entries:
         where = (opt.kvh_test_db if opt.kvh_context is None
                  else f"context {opt.kvh_context} of {opt.kvh_test_db}")
@@ -113,10 +114,12 @@ def load_lists(config: pytest.Config, machine: Machine | None) -> Selection | No
         read = None if waives_path is None else load_waives(waives_path)
     except ListError as exc:
         raise pytest.UsageError(f"kvharness: broken test list or waives:\n{exc}") from None
-    waives = () if read is None else read.on(machine.gpu, opt.kvh_test_prefix)
+    waives = () if read is None else read.on(machine.gpu, opt.kvh_test_prefix,
+                                              machine.compute_capability)
     return Selection(entries, db, waives, source,
                      None if waives_path is None else str(waives_path),
-                     () if read is None else read.problems)
+                     () if read is None else read.problems, opt.kvh_context,
+                     foreign=opt.kvh_test_prefix is not None or opt.kvh_foreign_lists)
 
 
 def _scope(config: pytest.Config) -> list[str] | None:
@@ -218,17 +221,22 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
 
     Raises pytest.UsageError for entries in scope that select nothing, or for list
     timeouts without pytest-timeout. Waives that select nothing are warnings: a stale
-    waive must not stop every run (`kvharness validate` reports them as errors).
+    waive must not stop every run (`kvharness validate` reports them as errors). For
+    foreign lists (`selection.foreign`: another repository's ids, as TensorRT-LLM's) both
+    are only counted, in the summary line's counts, tests in no list are not looked for,
+    and a waive applies as TensorRT-LLM applies it: to the test it names exactly, or to
+    the tests of the entry written as it is.
     """
     node_ids = [item.nodeid for item in items]
-    stale = _in_scope(config, [w for w in selection.waives
-                               if not any(w.covers(n) for n in node_ids)])
-    warnings = tuple(unmatched_problems(stale, config.rootpath))
+    marks = {item.nodeid: [m.name for m in item.iter_markers()] for item in items}
     counts: dict[str, int] = {}
     orphans: tuple[Orphan, ...] = ()
+    texts: set[str] = set()  # entries that select a collected test
     if selection.entries is not None:
-        resolution = resolve(selection.entries, node_ids)
-        _check_unmatched(config, resolution.unmatched, node_ids)
+        resolution = resolve(selection.entries, node_ids, marks)
+        texts = {e.text for e in resolution.chosen.values()}
+        if not selection.foreign:
+            _check_unmatched(config, resolution.unmatched, node_ids)
         keep = [item for item in items if item.nodeid in resolution.chosen]
         drop = [item for item in items if item.nodeid not in resolution.chosen]
         if config.option.kvh_list_order:
@@ -239,19 +247,40 @@ def apply_selection(config: pytest.Config, selection: Selection, items: list[pyt
         for item in items:
             item.stash[ENTRY] = resolution.chosen[item.nodeid]
         counts["selected"], counts["deselected"] = len(keep), len(drop)
-        orphans = _orphans(selection.db, node_ids)
+        if selection.foreign:
+            counts["entries matching nothing"] = len(resolution.unmatched)
+        elif selection.context is None:
+            orphans = _orphans(selection.db, node_ids)
+    unused = [w for w in selection.waives if w.selector not in texts and not any(
+        w.names(n) if selection.foreign else w.covers(n, marks[n]) for n in node_ids)]
+    warnings = () if selection.foreign else tuple(
+        unmatched_problems(_in_scope(config, unused), config.rootpath))
     waived = 0
     for item in items:
-        waive = waive_for(selection.waives, item.nodeid)
+        entry = item.stash.get(ENTRY, None)
+        waive = waive_for(selection.waives, item.nodeid, marks[item.nodeid],
+                          None if entry is None else entry.text, exact=selection.foreign)
         if waive is not None:
             item.add_marker(pytest.mark.skip(reason=waive.skip_reason))
             waived += 1
     counts["waived"] = waived
+    if selection.foreign:
+        counts["waives matching nothing"] = len(unused)
     if selection.entries is not None:
         counts["isolated"] = _apply_entries(config, selection, items, resolution.chosen, isolate)
-        if selection.db is not None:
+        if selection.db is not None and not selection.foreign and selection.context is None:
             counts["in no list"] = len(orphans)
     return Applied(counts, warnings, orphans)
+
+
+def _outcome_marker(outcome: Outcome) -> pytest.MarkDecorator:
+    """The pytest marker of an entry's SKIP, XFAIL or UNSTABLE, as TensorRT-LLM's parser
+    marks them: skip, and for XFAIL and UNSTABLE a (non-strict) xfail: the test runs, a
+    failure counts as expected, a pass as a pass."""
+    reason = f"listed {outcome.kind}" + ("" if outcome.reason is None else f": {outcome.reason}")
+    if outcome.kind == "SKIP":
+        return pytest.mark.skip(reason=reason)
+    return pytest.mark.xfail(reason=reason, strict=False)
 
 
 def _apply_entries(config: pytest.Config, selection: Selection, items: list[pytest.Item],
@@ -261,6 +290,8 @@ def _apply_entries(config: pytest.Config, selection: Selection, items: list[pyte
     isolated = 0
     for item in items:
         entry = chosen[item.nodeid]
+        if entry.outcome is not None:
+            item.add_marker(_outcome_marker(entry.outcome))
         if entry.timeout_seconds is not None:
             # The list is the CI contract: its timeout wins over the test's own marker.
             item.add_marker(pytest.mark.timeout(entry.timeout_seconds), append=False)

@@ -33,7 +33,7 @@ l0_cpu:
       gpu: ['*h100*']
     terms:
       stage: pre_merge
-      backend: flashinfer
+      attention_backend: flashinfer
   tests:
   - tests/gpu
 """
@@ -96,7 +96,7 @@ def test_list_explain_says_why(capsys: pytest.CaptureFixture[str], test_db: Path
         "  [no] gpu 'NVIDIA H100' matches none of ['*cpu*']",
         f"l0_cpu[1] ({test_db}/l0_cpu.yml:13): not selected",
         "  [ok] stage pre_merge",
-        "  [no] backend flashinfer is not among this run's backends (torch)",
+        "  [no] attention backend flashinfer is not among this run's backends (torch)",
         "  [ok] gpu 'NVIDIA H100' matches '*h100*'",
         "0 entries selected",
     ]
@@ -136,7 +136,7 @@ def test_validate_broken_schema_is_exit_1(capsys: pytest.CaptureFixture[str], te
     code, out, err = run(capsys, "validate", "--test-db", str(test_db))
     assert code == 1 and out == ""
     assert err.startswith(f"kvharness validate: {test_db}/l0_cpu.yml:9: l0_cpu[0].condition."
-                          "terms.stage: Input should be")
+                          "terms.stage: 'premerge' is not one of pre_merge, post_merge")
 
 
 def test_report_prints_and_writes_the_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

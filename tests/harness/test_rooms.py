@@ -39,6 +39,9 @@ def test_no_loops_between_rooms(structure: ModuleType) -> None:
     assert "plugin" not in _targets(picture.arrows, "reports")
     assert _targets(picture.arrows, "lists") <= {"data_files"}
     assert _targets(picture.arrows, "oracle") == set()
+    # conformance reads the oracles, never the plugin (pytest is not a runtime dependency)
+    assert _targets(picture.arrows, "conform") == {"oracle", "reports", "data_files",
+                                                   "workloads"}
 
 
 def test_no_private_names_imported(structure: ModuleType) -> None:

@@ -533,6 +533,16 @@ DEEP_KEYWORD = HEAD + '  tests:\n  - tests/x.py -k "' + "(" * 497 + "t" + ")" * 
     pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py::t TIMEOUT (\uff13\uff10)\n", 7,
                  r"TIMEOUT \(\uff13\uff10\): minutes are written in ASCII digits 0-9",
                  id="yaml-timeout-fullwidth-digits"),
+    pytest.param("l0_cpu.yml", HEAD + "      backend: torch\n" + GOOD_TESTS, 6,
+                 r"terms\.backend: 'torch' is an attention backend; 'backend' is the job's "
+                 r"\(TensorRT-LLM's runtime: .*\): write 'attention_backend: torch'",
+                 id="yaml-attention-backend-as-backend"),
+    pytest.param("l0_cpu.yml", HEAD + "      auto_trigger: [others]\n" + GOOD_TESTS, 6,
+                 r"terms\.auto_trigger: a term is one string, number or boolean",
+                 id="yaml-term-not-scalar"),
+    pytest.param("l0_cpu.yml", HEAD + "  tests:\n  - tests/x.py -m 'gpu and'\n", 7,
+                 r"-m 'gpu and': ends early; expected a name, 'not' or '\('",
+                 id="yaml-bad-marker-expression"),
     pytest.param("l\u0663_cpu.yml", HEAD.replace("l0_cpu", "l\u0663_cpu") + GOOD_TESTS, None,
                  r"file name 'l\u0663_cpu\.yml': a list file is named after its context: 'l', "
                  r"a level in ASCII digits", id="yaml-context-digits"),
@@ -625,6 +635,15 @@ def test_broken_reuse_report(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                  id="cli-bad-backend"),
     pytest.param(["list", "--frobnicate"], r"unrecognized arguments: --frobnicate",
                  id="cli-unknown-flag"),
+    pytest.param(["list", "--job", "backend"], r"argument --job: job term 'backend' is not "
+                 r"KEY=VALUE", id="cli-job-not-key-value"),
+    pytest.param(["sysinfo", "--job", "stage=post_merge"], r"argument --job: job term 'stage' "
+                 r"is the machine's; its flag sets it \(--stage\)", id="cli-job-machine-key"),
+    pytest.param(["list", "--distribution", "red hat"], r"argument --distribution: distribution "
+                 r"'red hat': one word", id="cli-distribution-words"),
+    pytest.param(["test-db", "-d", "x", "--match", "{}", "--match-exact", "{}"],
+                 r"argument --match-exact: not allowed with argument --match",
+                 id="cli-test-db-both-matches"),
 ))
 def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],
                               message: str) -> None:
@@ -658,6 +677,25 @@ def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.Cap
     assert kvharness(["list", "--test-db", str(folder)]) == 1
     err = capsys.readouterr().err
     assert re.search(message, err), f"stderr lacks {message!r}:\n{err}"
+
+
+@pytest.mark.parametrize(("match", "message"), cases(
+    pytest.param('{"gpu": "H100"', r"kvharness test-db: --match: not JSON: Expecting ',' "
+                 r"delimiter", id="cli-test-db-not-json"),
+    pytest.param('["H100"]', r"kvharness test-db: --match: the description is a JSON object of "
+                 r"key: value, got list", id="cli-test-db-not-an-object"),
+    pytest.param('{"gpu": ["H100"]}', r"kvharness test-db: --match: 'gpu' is \[\"H100\"\]; a "
+                 r"description's values are strings, numbers, booleans or null",
+                 id="cli-test-db-nested-value"),
+))
+def test_test_db_refuses_a_bad_description_with_exit_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], match: str, message: str) -> None:
+    (tmp_path / "l0_cpu.yml").write_text(HEAD + GOOD_TESTS)
+    out = tmp_path / "out.txt"
+    assert kvharness(["test-db", "-d", str(tmp_path), "--output", str(out), "--match", match]) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err), f"stderr lacks {message!r}:\n{err}"
+    assert not out.exists()  # nothing written
 
 
 # -- checkpoints ---------------------------------------------------------------------------
@@ -847,6 +885,131 @@ def test_checkpoint_load_with_integer_dtype(pristine: Path) -> None:
 
 
 IDS.add("ck-int-dtype")
+
+
+# -- kvharness conform ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("spec", "message"), cases(
+    pytest.param("vllm>=0.30", r"engine spec 'vllm>=0\.30': expected NAME or NAME==VERSION",
+                 id="conform-spec-range"),
+    pytest.param("vllm==0.30.0", r"vllm 0\.30\.0 is not supported; supported: 0\.10\.2, "
+                 r".*0\.33\.0", id="conform-version-unsupported"),
+    pytest.param("lmdeploy==0.9.0", r"no adapter for 'lmdeploy'; engines: sglang, "
+                 r"sglang_unified, vllm, kvcache", id="conform-engine-unknown"),
+    pytest.param("tensorrt_llm==1.2.1", r"tensorrt_llm cannot run on this machine: "
+                 r"TensorRT-LLM's wheels are not on the package registry .* builds CUDA "
+                 r"objects", id="conform-engine-not-runnable-here"),
+))
+def test_conform_that_cannot_run_is_exit_2(tmp_path: Path, spec: str, message: str) -> None:
+    assert kvharness(["conform", spec, "--report", str(tmp_path), "--seeds", "0"]) == 2
+    reason = json.loads((tmp_path / "report.json").read_text())["reason"]
+    assert re.match(message, reason), reason
+    assert reason in (tmp_path / "report.md").read_text()
+
+
+def test_conform_seeds_must_be_a_count(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        kvharness(["conform", "kvcache", "--seeds", "-1"])
+    assert info.value.code == 2
+    assert "argument --seeds: expected an int >= 0, got '-1'" in capsys.readouterr().err
+
+
+IDS.add("conform-seeds-negative")
+
+
+def test_conform_replay_names_the_bad_op(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "check.json"
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [
+        {"kind": "free", "seq": "A", "tokens": [1]}]}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: ops[0]: a free op takes no ['tokens'] (it takes seq)" in \
+        capsys.readouterr().out
+
+
+IDS.add("conform-replay-bad-op")
+
+
+def test_conform_lock_pinning_torch_is_refused(tmp_path: Path) -> None:
+    from harness.conform.locks import LOCK_DIR, LockError, parse_lock
+
+    good = json.loads((LOCK_DIR / "sglang-0.5.23.json").read_text())
+    with pytest.raises(LockError, match=r"sglang-0\.5\.23\.json: deps: 'torch==2\.14\.1': "
+                                        r"torch comes from the harness's interpreter"):
+        parse_lock({**good, "deps": ["torch==2.14.1"]}, LOCK_DIR / "sglang-0.5.23.json")
+
+
+IDS.add("conform-lock-torch")
+
+
+def _lock_with(**changes: object) -> dict[str, object]:
+    from harness.conform.locks import LOCK_DIR
+
+    return {**json.loads((LOCK_DIR / "sglang-0.5.23.json").read_text()), **changes}
+
+
+@pytest.mark.parametrize(("change", "message"), cases(
+    pytest.param({"extra": 1}, r"unknown keys \['extra'\], missing keys \[\]",
+                 id="conform-lock-unknown-key"),
+    pytest.param({"engine": "tensorrt_llm"}, r"engine: 'tensorrt_llm' has no adapter; "
+                 r"known: \['sglang', 'sglang_unified', 'vllm'\]", id="conform-lock-engine"),
+    pytest.param({"version": "0.5.22"}, r"file name: should be sglang-0\.5\.22\.json",
+                 id="conform-lock-file-name"),
+    pytest.param({"wheel": {"file": "sglang-0.5.23-py3-none-any.whl", "sha256": "ABC",
+                            "bytes": 1}},
+                 r"wheel\.sha256: expected 64 lowercase hex digits", id="conform-lock-sha256"),
+    pytest.param({"deps": ["requests>=2"]}, r"deps: 'requests>=2' is not a name==version pin",
+                 id="conform-lock-pin"),
+    pytest.param({"deps": ["idna==3.10", "idna==3.11"]}, r"deps: a package is pinned twice",
+                 id="conform-lock-pinned-twice"),
+    pytest.param({"stubs": {"absent": {}, "magic": {}}}, r"stubs: unknown keys \['magic'\]",
+                 id="conform-lock-stubs-key"),
+))
+def test_conform_lock_fields_are_checked(change: dict[str, object], message: str) -> None:
+    from harness.conform.locks import LOCK_DIR, LockError, parse_lock
+
+    path = LOCK_DIR / "sglang-0.5.23.json"
+    with pytest.raises(LockError, match=re.escape(str(path)) + ": " + message):
+        parse_lock(_lock_with(**change), path)
+
+
+def test_conform_unknown_check_is_exit_2(tmp_path: Path) -> None:
+    assert kvharness(["conform", "kvcache", "--check", "nosuch", "--report",
+                      str(tmp_path)]) == 2
+    reason = json.loads((tmp_path / "report.json").read_text())["reason"]
+    assert reason.startswith("unknown check 'nosuch'; known: ['cold_then_warm', ")
+
+
+IDS.add("conform-check-unknown")
+
+
+def test_conform_replay_of_a_missing_file_is_exit_2(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "gone.json"
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: not a readable op list: [Errno 2] No such file or directory" in \
+        capsys.readouterr().out
+
+
+IDS.add("conform-replay-missing")
+
+
+def test_conform_worker_imports_no_named_module() -> None:
+    import io
+
+    from harness.conform.worker import serve
+
+    out = io.StringIO()
+    serve(io.StringIO(json.dumps({"cmd": "load", "engine": "harness.conform.kvcache_adapter"})
+                      + "\n"), out)
+    reply = json.loads(out.getvalue())
+    assert reply["ok"] is False
+    assert reply["error"] == ("ValueError: no adapter for engine "
+                              "'harness.conform.kvcache_adapter'; known: ['sglang', "
+                              "'sglang_unified', 'vllm']")
+
+
+IDS.add("conform-worker-module")
 
 
 # -- the document --------------------------------------------------------------------------

@@ -35,7 +35,7 @@ l0_cpu:
       gpu: ['*H100*', '*h200*']
     terms:
       stage: post_merge
-      backend: flashinfer
+      attention_backend: flashinfer
   tests:
   - tests/gpu
 """
@@ -66,8 +66,9 @@ def test_good_list_parses_into_blocks_and_entries(tmp_path: Path) -> None:
     assert (unit.timeout_seconds, unit.effective_timeout, unit.isolation) == (None, 3600, False)
     assert (a.timeout_seconds, a.isolation, a.location.line) == (300, True, 12)
     assert (b.timeout_seconds, b.isolation, b.location.line) == (30, False, 13)
-    assert second.condition.backend == "flashinfer"
-    assert second.condition.gpu_count is not None and second.condition.gpu_count.lte is None
+    assert second.condition.term("attention_backend") == "flashinfer"
+    [gpus] = second.condition.ranges
+    assert (gpus.key, gpus.gte, gpus.lte) == ("system_gpu_count", 1, None)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +96,8 @@ def test_explain_says_which_condition_failed(tmp_path: Path) -> None:
     verdicts = db.explain(machine("post_merge", "NVIDIA B200", 0, ("torch",)))
     failed = {c.key: c.detail for c in verdicts[1].checks if not c.passed}
     assert failed == {
-        "backend": "backend flashinfer is not among this run's backends (torch)",
+        "attention_backend": "attention backend flashinfer is not among this run's backends "
+                             "(torch)",
         "system_gpu_count": "gpu count 0 outside [1, inf]",
         "gpu": "gpu 'NVIDIA B200' matches none of ['*H100*', '*h200*']",
     }
@@ -200,7 +202,8 @@ def test_both_forms_of_an_entry_are_one_entry_parsed_once(
     parsed: list[str] = []
     parse = KeywordExpr.parse.__func__  # type: ignore[attr-defined]
     monkeypatch.setattr(KeywordExpr, "parse",
-                        classmethod(lambda cls, text: parsed.append(text) or parse(cls, text)))
+                        classmethod(lambda cls, text, flag="-k": parsed.append(text)
+                                    or parse(cls, text, flag)))
     db = load_test_db(write_db(tmp_path, {"l0_cpu.yml": _good(
         "  - tests/unit\n", "  - tests/unit -k 'not slow' TIMEOUT (5) ISOLATION\n"
         "  - {test: tests/unit, keyword: 'not slow', timeout_seconds: 300, isolation: true}\n")}))
@@ -249,8 +252,8 @@ BROKEN = {
     "unknown-block-key": ({"l0_cpu.yml": _good("  tests:\n  - tests/gpu", "  test: #<-\n  - tests/gpu")},
                           "l0_cpu[1]: unknown key 'test'; allowed: condition, tests"),
     "unknown-range-key": ({"l0_cpu.yml": _good("system_gpu_count: {gte: 1}",
-                                               "system_gpu_cnt: {gte: 1} #<-")},
-                          "unknown key 'system_gpu_cnt'; allowed: system_gpu_count"),
+                                               "system_gpu_count: {gt: 1} #<-")},
+                          "unknown key 'gt'; allowed: gte, lte"),
     "empty-range": ({"l0_cpu.yml": _good("{gte: 1}", "{gte: 2, lte: 1} #<-")},
                     "empty range: gte 2 > lte 1"),
     "range-without-bounds": ({"l0_cpu.yml": _good("{gte: 1}", "{} #<-")},
@@ -258,12 +261,21 @@ BROKEN = {
     "negative-range": ({"l0_cpu.yml": _good("{gte: 1}", "{gte: -1} #<-")},
                        "gte: Input should be greater than or equal to 0 (got -1)"),
     "bad-stage": ({"l0_cpu.yml": _good("stage: pre_merge", "stage: premerge #<-")},
-                  "terms.stage: Input should be 'pre_merge' or 'post_merge' (got 'premerge')"),
-    "missing-stage": ({"l0_cpu.yml": _good("      stage: post_merge\n", "")
-                       .replace("    terms:\n      backend", "    terms: #<-\n      backend")},
-                      "l0_cpu[1].condition.terms: missing key 'stage'"),
-    "bad-backend": ({"l0_cpu.yml": _good("backend: flashinfer", "backend: cuda #<-")},
-                    "Input should be 'torch' or 'flashinfer' (got 'cuda')"),
+                  "terms.stage: 'premerge' is not one of pre_merge, post_merge"),
+    "bad-attention-backend": ({"l0_cpu.yml": _good("backend: flashinfer", "backend: cuda #<-")},
+                              "terms.attention_backend: 'cuda' is not one of torch, flashinfer"),
+    "attention-backend-as-backend": (
+        {"l0_cpu.yml": _good("attention_backend: flashinfer", "backend: flashinfer #<-")},
+        "terms.backend: 'flashinfer' is an attention backend; 'backend' is the job's "
+        "(TensorRT-LLM's runtime: pytorch, cpp, tensorrt, triton, fmha, ...): write "
+        "'attention_backend: flashinfer'"),
+    "term-not-a-scalar": ({"l0_cpu.yml": _good("stage: post_merge", "stage: post_merge\n"
+                                               "      auto_trigger: [others] #<-")},
+                          "terms.auto_trigger: a term is one string, number or boolean "
+                          "(got ['others'])"),
+    "bad-feature-term": ({"l0_cpu.yml": _good("stage: post_merge", "stage: post_merge\n"
+                                              "      supports_fp8: 'yes' #<-")},
+                         "terms.supports_fp8: 'yes' is not one of true, false"),
     "empty-wildcard": ({"l0_cpu.yml": _good("gpu: ['*cpu*']", "gpu: [] #<-")},
                        "wildcards.gpu: Value should have at least 1 item"),
     "empty-tests": ({"l0_cpu.yml": _good("  tests:\n  - tests/gpu\n", "  tests: [] #<-\n")},
@@ -280,8 +292,12 @@ BROKEN = {
                                    "timeout 86401 s is outside 1 s .. 86400 s (24 hours)"),
     "zero-timeout": ({"l0_cpu.yml": _good("TIMEOUT (5)", "TIMEOUT (0) #<-")},
                      "TIMEOUT (0) is not a whole number of minutes in 1..1440"),
-    "skip-in-a-list": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - tests/unit SKIP (x) #<-\n")},
-                       "SKIP belongs in the waives file, not in a list"),
+    "text-after-skip": ({"l0_cpu.yml": _good("  - tests/unit\n",
+                                             "  - tests/unit SKIP (x) ISOLATION #<-\n")},
+                        "unexpected 'ISOLATION'; an entry is"),
+    "bad-marker-expression": ({"l0_cpu.yml": _good("  - tests/unit\n",
+                                                   "  - tests/unit -m 'gpu and' #<-\n")},
+                              "-m 'gpu and': ends early; expected a name, 'not' or '('"),
     "bad-keyword": ({"l0_cpu.yml": _good("  - tests/unit\n", "  - tests/unit -k 'a and' #<-\n")},
                     "-k 'a and': ends early; expected a name, 'not' or '('"),
     "keyword-unclosed-quote": ({"l0_cpu.yml": _good("  - tests/unit\n",
@@ -330,7 +346,8 @@ def test_broken_list_is_reported_with_file_and_line(
 
 def test_every_problem_of_every_file_is_reported(tmp_path: Path) -> None:
     db = write_db(tmp_path, {
-        "l0_cpu.yml": _good("stage: pre_merge", "stage: x").replace("backend: flashinfer", "backend: y"),
+        "l0_cpu.yml": _good("stage: pre_merge", "stage: x").replace("attention_backend: flashinfer",
+                                                                    "attention_backend: y"),
         "l0_h100.yml": GOOD.replace("l0_cpu", "l0_h100").replace("version: 0.0.1", "version: 3"),
     })
     with pytest.raises(ListError) as caught:

@@ -16,7 +16,7 @@ from harness.lists.hardware import (
     detect,
     machine_from_options,
 )
-from harness.lists.schema import TermsModel
+from harness.lists.schema import KNOWN_TERMS
 
 CPU = Hardware("cpu", 0, cuda=False, flashinfer=False, cpu_arch="x86_64")
 GPU = Hardware("NVIDIA H100 80GB HBM3", 8, cuda=True, flashinfer=True, cpu_arch="x86_64",
@@ -93,8 +93,8 @@ def test_gpu_kinds_imply_capability_and_features(name: str, capability: str | No
     assert set(features) == set(FEATURES)
 
 
-def test_terms_model_knows_every_feature() -> None:
-    assert {k for k in TermsModel.model_fields if k.startswith("supports_")} == set(FEATURES)
+def test_known_terms_hold_every_feature() -> None:
+    assert {k for k in KNOWN_TERMS if k.startswith("supports_")} == set(FEATURES)
 
 
 def test_machine_flags_repeat_what_was_given() -> None:

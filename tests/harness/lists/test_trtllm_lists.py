@@ -59,7 +59,7 @@ l0_h100:
       - '*h100*'
     terms:
       stage: pre_merge
-      backend: flashinfer
+      attention_backend: flashinfer
       supports_fp8: true
   tests:
   - tests/test_k.py::test_fp8_gemm
@@ -83,7 +83,6 @@ l0_cpu:
       system_gpu_count: {gte: 0, lte: 0}
     terms:
       stage: pre_merge
-      backend: generic
   tests:
   - tests/test_k.py::test_cache
 """
@@ -119,7 +118,7 @@ def _outcomes(result: pytest.RunResult) -> dict[str, str]:
 
 def test_a_pretended_h100_selects_the_h100_blocks(project: pytest.Pytester) -> None:
     result = project.runpytest("--kvh-test-db", "lists/test-db", "--kvh-gpu", "NVIDIA H100",
-                               "--kvh-gpu-count", "1", "-rs")
+                               "--kvh-gpu-count", "1", "--kvh-job", "backend=pytorch", "-rs")
     assert _outcomes(result) == {
         "test_attention[partition0]": "passed",
         "test_attention[partition2]": "skipped",  # full:H100 waive
@@ -129,7 +128,7 @@ def test_a_pretended_h100_selects_the_h100_blocks(project: pytest.Pytester) -> N
     }
     result.stdout.fnmatch_lines([
         "kvharness machine: stage=pre_merge gpu='NVIDIA H100' (pretended) gpu_count=1 cc=9.0 "
-        "backends=torch,flashinfer cuda=no",
+        "backends=torch,flashinfer cuda=no backend=pytorch",
         "kvharness: 5 selected, 1 deselected, 2 waived, 1 isolated, 0 in no list",
         "*waived: https://nvbugs/5000001",
     ])
@@ -202,19 +201,18 @@ def test_a_test_in_no_list_fails_the_run_with_its_home(project: pytest.Pytester)
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [
-        pytest.param("supports_fp8: true", "supports_fp9: true",
-                     "*l0_h100?1?.condition.terms: unknown key 'supports_fp9'; allowed: stage, "
-                     "backend, orchestrator, supports_int8, supports_tf32, supports_bf16, "
-                     "supports_fp8, supports_fp4", id="misspelled-term"),
-        pytest.param("backend: pytorch", "backend: tensorrt",
-                     "*backend 'tensorrt' is TensorRT-LLM's and has no counterpart here*",
-                     id="tensorrt-backend"),
-        pytest.param(f"linux_distribution_name: {DISTRO}*", "linux_distro: ubuntu*",
-                     "*unknown key 'linux_distro'; allowed: gpu, cpu, linux_distribution_name, "
-                     "compute_capability", id="misspelled-wildcard"),
+        pytest.param("    terms:\n      stage: pre_merge\n      backend: pytorch",
+                     "    term:\n      stage: pre_merge\n      backend: pytorch",
+                     "*l0_h100?0?.condition: unknown key 'term'; allowed: ranges, wildcards, terms",
+                     id="misspelled-section"),
+        pytest.param("attention_backend: flashinfer", "backend: flashinfer",
+                     "*terms.backend: 'flashinfer' is an attention backend; 'backend' is the "
+                     "job's*", id="attention-backend-as-backend"),
+        pytest.param("supports_fp8: true", "supports_fp8: 1",
+                     "*terms.supports_fp8: 1 is not one of true, false", id="feature-not-bool"),
     ],
 )
-def test_unknown_keys_are_errors_listing_the_known_ones(
+def test_bad_keys_and_values_are_errors_in_one_voice(
     project: pytest.Pytester, old: str, new: str, message: str
 ) -> None:
     path = project.path / "lists" / "test-db" / "l0_h100.yml"

@@ -21,7 +21,7 @@ HEAD = "version: 0.0.1\nl0_cpu:\n"
 
 
 def block(stage: str, tests: list[str], gpus: str = "{gte: 0, lte: 0}", backend: str = "") -> str:
-    extra = f"\n      backend: {backend}" if backend else ""
+    extra = f"\n      attention_backend: {backend}" if backend else ""
     lines = "".join(f"  - {t}\n" for t in tests)
     return (f"- condition:\n    ranges:\n      system_gpu_count: {gpus}\n"
             f"    terms:\n      stage: {stage}{extra}\n  tests:\n{lines}")

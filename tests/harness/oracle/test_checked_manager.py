@@ -8,7 +8,8 @@ from collections.abc import Hashable
 import pytest
 
 from harness.oracle import CapacityError, ProvenanceError
-from harness.oracle.checked_manager import CheckedManager, ManagerContractError
+from harness.oracle.checked_manager import CallOracles, CheckedManager, ManagerContractError
+from harness.oracle.types import Event
 from kvcache import (
     DEFAULT_PRIORITY,
     AdmissionPlan,
@@ -238,3 +239,41 @@ def test_a_windowed_refusal_is_judged_by_the_match_it_reported() -> None:
     with pytest.raises(CapacityError, match=r"was refused although its blocks are there"
                                             r"\n  expected  admitted: needs 1, 7 of 8"):
         mgr.add_sequence("b", [*range(12), 5])
+
+
+# -- CallOracles: what CheckedManager checks after a call, fed by any cache's events ---------
+
+def _cached_then_partial(copy: bool) -> list[Event]:
+    """A computes blocks 1, 2 and leaves; B reuses block 1 and 1 token of block 2 into
+    its own block 3, with (or without) the copy logged in the same call."""
+    events = [Event("admit", "A", tuple(range(8)), 0, None, (1, 2)),
+              Event("commit", "A", (), 8), Event("free", "A"),
+              Event("admit", "B", (0, 1, 2, 3, 4, 9), 5, None, (1, 3))]
+    return events + ([Event("copy", "B", (), 1, None, (2, 3))] if copy else [])
+
+
+def test_call_oracles_read_an_admission_with_the_moves_logged_after_it() -> None:
+    ok = CallOracles(4, 8, block_reuse=True)
+    ok.provenance(_cached_then_partial(copy=True), [])
+    ok.capacity_after("B's admission", _cached_then_partial(copy=True), 2)
+    bad = CallOracles(4, 8, block_reuse=True)
+    with pytest.raises(ProvenanceError, match="admission of 'B' reuses KV that is not its own"):
+        bad.provenance(_cached_then_partial(copy=False), [])
+
+
+def test_call_oracles_check_the_cache_count_and_each_sequence() -> None:
+    oracles = CallOracles(4, 8, block_reuse=True)
+    events = _cached_then_partial(copy=True)
+    with pytest.raises(CapacityError, match="usedNumBlocks differs"):
+        oracles.capacity_after("B's admission", events, 3)
+    again = CallOracles(4, 8, block_reuse=True)
+    with pytest.raises(CapacityError, match="sequence 'B'"):
+        again.capacity_after("B's admission", events, None, [("B", 3, 0)])
+
+
+def test_checked_manager_runs_its_checks_through_call_oracles() -> None:
+    mgr = CheckedManager(KVCacheManager(config(blocks=8), record_events=True))
+    assert mgr.oracles.shadow is mgr.shadow and mgr.oracles.capacity is mgr.capacity
+    mgr.add_sequence("A", list(range(8)))
+    mgr.commit("A", 8)
+    assert mgr.capacity.needed == mgr.manager.stats().used_num_blocks == 2

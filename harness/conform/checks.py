@@ -1,0 +1,371 @@
+"""The harness's scenario families in each engine's terms, run under every oracle.
+
+Each `Check` drives a fresh cache through one family (`Run`: ops as data, every step
+judged by `harness.conform.judge.Judge`) and adds the expectations the oracles cannot
+state alone: that a cold admission reuses nothing, that a warm one reuses what the
+contract's units allow, what an abort leaves behind under the contract's
+`matchable_at`. Blocks hold B = 4 tokens, so every number can be checked by hand.
+Every family frees what it admitted: the last step's leak report is the leak check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.conform import ops
+from harness.conform.judge import Judge, Violation
+from harness.conform.ops import Op
+from harness.conform.protocol import Contract, Scope
+from harness.conform.session import StepReport
+from harness.conform.targets import Target
+
+B = 4  # tokens per block (a vLLM block, an SGLang page)
+
+
+def toks(start: int, n: int) -> list[int]:
+    """`n` consecutive token ids from `start`."""
+    return list(range(start, start + n))
+
+
+class Run:
+    """One check's cache, its op list, what the oracles found and what it observed."""
+
+    def __init__(self, target: Target, num_blocks: int) -> None:
+        self.target = target
+        self.num_blocks = num_blocks
+        self.contract: Contract = target.open(num_blocks, B)
+        self.judge = Judge(self.contract, num_blocks)
+        self.ops: list[Op] = []
+        self.reports: list[StepReport] = []
+        self.violations: list[Violation] = []
+        self.failures: list[str] = []  # expectations of the family that did not hold
+        self.observed: dict[str, Any] = {}
+
+    def do(self, op: Op) -> StepReport:
+        """Apply `op` and judge the step."""
+        report = self.target.apply(op)
+        self.ops.append(op)
+        self.reports.append(report)
+        self.violations += self.judge.observe(report)
+        return report
+
+    def admit(self, seq: str, tokens: list[int], scope: Scope | None = None,
+              first_chunk: int | None = None) -> int | None:
+        """Reused tokens, or None when the admission did not happen."""
+        r = self.do(ops.admit(seq, tokens, scope, first_chunk))
+        return r.value["reused_tokens"] if r.status == "done" else None
+
+    def commit(self, seq: str, num_tokens: int) -> None:
+        """Commit; a skip is a failure of the family (it means its bookkeeping is off)."""
+        self._done(self.do(ops.commit(seq, num_tokens)))
+
+    def reserve(self, seq: str, num_tokens: int) -> int | None:
+        """Tokens scheduled, or None when refused."""
+        r = self.do(ops.reserve(seq, num_tokens))
+        return r.value if r.status == "done" else None
+
+    def append(self, seq: str, tokens: list[int]) -> int | None:
+        """Blocks the append allocated, or None when refused."""
+        r = self.do(ops.append(seq, tokens))
+        return len(r.value) if r.status == "done" else None
+
+    def free(self, seq: str) -> None:
+        """Free."""
+        self._done(self.do(ops.free(seq)))
+
+    def evict(self, num_blocks: int) -> int | None:
+        """Blocks evicted."""
+        r = self.do(ops.evict(num_blocks))
+        return r.value if r.status == "done" else None
+
+    def _done(self, r: StepReport) -> None:
+        if r.status == "skipped":
+            self.failures.append(f"{r.op.describe()} was skipped: {r.detail}")
+
+    def expect(self, what: str, got: Any, want: Any) -> None:
+        """Record `got` under `what`; a failure unless it equals `want`."""
+        self.observed[what] = got
+        if got != want:
+            self.failures.append(f"{what}: got {got!r}, expected {want!r}")
+
+    def cap(self, prompt_len: int) -> int:
+        """Tokens a warm prompt of `prompt_len` reuses once all of it is cached: all but
+        the last token, cut to whole blocks unless the contract reuses partial ones."""
+        if self.contract.partial_reuse:
+            return prompt_len - 1
+        return (prompt_len - 1) // B * B
+
+
+@dataclass(frozen=True)
+class Check:
+    """A family run on a fresh cache of `num_blocks` blocks."""
+
+    name: str
+    family: str
+    about: str
+    num_blocks: int
+    body: Callable[[Run], None] = field(repr=False)
+
+
+# -- the families ---------------------------------------------------------------------------
+
+
+def cold_then_warm(run: Run) -> None:
+    a = toks(100, 18)
+    run.expect("cold admission reuses", run.admit("A", a), 0)
+    run.commit("A", 18)
+    run.free("A")
+    run.expect("warm admission of 18 tokens reuses", run.admit("A2", a), run.cap(18))
+    run.commit("A2", 18)
+    run.free("A2")
+    run.expect("warm 16 tokens (a block multiple) reuses", run.admit("B", toks(100, 16)),
+               run.cap(16))
+    run.free("B")
+
+
+def shared_system_prompt(run: Run) -> None:
+    system = toks(1, 12)
+    got = []
+    for i in range(3):
+        got.append(run.admit(f"U{i}", system + toks(1000 * (i + 1), 5)))
+        run.commit(f"U{i}", 17)
+    run.expect("each user reuses", got, [0, 12, 12])
+    for i in range(3):
+        run.free(f"U{i}")
+
+
+def multi_turn(run: Run) -> None:
+    turn1 = toks(1, 10)
+    run.admit("T1", turn1)
+    run.commit("T1", 10)
+    answer = toks(50, 6)
+    for i, t in enumerate(answer):
+        run.append("T1", [t])
+        run.commit("T1", 11 + i)
+    run.free("T1")
+    # turn 1's 16 computed tokens (prompt and answer) are 4 whole blocks
+    run.expect("turn 2 reuses turn 1 and its answer",
+               run.admit("T2", turn1 + answer + toks(200, 5)), 16)
+    run.free("T2")
+
+
+def branches(run: Run) -> None:
+    root = toks(1, 8)
+    run.admit("X", root + toks(100, 9))
+    run.commit("X", 17)
+    run.free("X")
+    run.expect("branch Y shares the root", run.admit("Y", root + toks(300, 9)), 8)
+    run.commit("Y", 17)
+    run.free("Y")
+    run.expect("X again finds its own branch", run.admit("X2", root + toks(100, 9)), 16)
+    run.free("X2")
+    run.expect("Y again finds its own branch", run.admit("Y2", root + toks(300, 9)), 16)
+    run.free("Y2")
+
+
+def eviction_under_pressure(run: Run) -> None:
+    a, b = toks(100, 16), toks(500, 28)
+    run.admit("A", a)
+    run.commit("A", 16)
+    run.free("A")
+    # 7 blocks in a pool of 8 holding A's 4: at least 3 of them must go
+    run.expect("B (7 of 8 blocks) is admitted, evicting", run.admit("B", b) is not None, True)
+    run.commit("B", 28)
+    run.free("B")
+    run.observed["A after the pressure reuses"] = run.admit("A2", a)
+    run.free("A2")
+    run.observed["explicit evict(2) evicted"] = run.evict(2)
+    run.observed["B after evict(2) reuses"] = run.admit("B2", b)
+    run.free("B2")
+
+
+def refused_then_retried(run: Run) -> None:
+    run.admit("A", toks(100, 24))  # 6 of 8 blocks, held
+    run.commit("A", 24)
+    run.expect("B (4 blocks, 2 free) is refused", run.admit("B", toks(700, 16)), None)
+    run.free("A")
+    run.expect("B retried once A is freed reuses", run.admit("B", toks(700, 16)), 0)
+    run.commit("B", 16)
+    run.free("B")
+
+
+def abort_before_forward(run: Run) -> None:
+    a = toks(100, 18)
+    run.admit("A", a)  # never committed: aborted before its forward pass
+    run.free("A")
+    # blocks matchable at allocation stay cached with KV that was never written
+    want = run.cap(18) if run.contract.matchable_at == "allocation" else 0
+    run.expect(f"after the abort (matchable at {run.contract.matchable_at}) A2 reuses",
+               run.admit("A2", a), want)
+    run.free("A2")
+
+
+def chunked_admission(run: Run) -> None:
+    a = toks(100, 18)
+    run.admit("A", a, first_chunk=8)
+    run.commit("A", 8)
+    run.expect("B, while A is mid-prefill, reuses A's first chunk", run.admit("B", a), 8)
+    run.free("B")
+    for end in (16, 18):
+        run.expect(f"A's chunk up to {end} is scheduled", run.reserve("A", end),
+                   18 if not run.contract.chunked_allocation else end)
+        run.commit("A", end)
+    run.free("A")
+    run.expect("after all chunks C reuses", run.admit("C", a), run.cap(18))
+    run.free("C")
+
+
+def decode_growth(run: Run) -> None:
+    prompt = toks(100, 6)
+    run.admit("A", prompt)
+    run.commit("A", 6)
+    grown, want = [], []
+    for i in range(7):
+        grown.append(run.append("A", [900 + i]))
+        want.append(-(-(7 + i) // B) - -(-(6 + i) // B))
+        run.commit("A", 7 + i)
+    run.expect("blocks allocated per decoded token", grown, want)
+    run.free("A")
+    decoded = prompt + [900 + i for i in range(7)]
+    run.expect("a prompt extending the decoded tokens reuses", run.admit("B", [*decoded, 1]),
+               run.cap(14))
+    run.free("B")
+
+
+def repeated_blocks(run: Run) -> None:
+    """Blocks whose tokens repeat, at other positions and after other prefixes: each is a
+    block of its own, in the tree and in the router events (a block's hash chains its
+    prefix, or a router conflates them)."""
+    block = toks(7, B)
+    a = toks(20, B) + block + block + [1]
+    b = toks(50, B) + block + [2]
+    for seq, prompt in (("A", a), ("B", b)):
+        run.admit(seq, prompt)
+        run.commit(seq, len(prompt))
+        run.free(seq)
+    run.expect("A again reuses its blocks", run.admit("A2", a), run.cap(len(a)))
+    run.free("A2")
+    run.expect("a prompt starting with the repeated block reuses", run.admit("C", [*block, 3]),
+               0)
+    run.free("C")
+
+
+SCOPES: dict[str, Scope | None] = {
+    "default": None,
+    "salt 'x'": Scope(salt="x"),
+    "LoRA x#1": Scope.lora("x", 1),
+    "LoRA x#2 (same name)": Scope.lora("x", 2),
+    "LoRA y#1 (same id, same files)": Scope.lora("y", 1),
+    "LoRA x#3 at x#1's files": Scope.lora("x", 3, "/loras/1"),
+    "salt 'x' + LoRA x#1": Scope.lora("x", 1, salt="x"),
+    "salt '1' (a LoRA id)": Scope(salt="1"),
+    "salt 'x1' (salt x + LoRA id 1, joined)": Scope(salt="x1"),
+    "salt 'y' (a LoRA name)": Scope(salt="y"),
+}
+
+
+def scope_isolation(run: Run) -> None:
+    """Each scope computes the same prompt once, in turn, then again. A scope whose
+    contract key equals an earlier one's shares by contract (the count oracle predicts
+    it); any other sharing is a violation."""
+    a = toks(100, 18)
+    keys = {label: run.contract.scope_key(s) for label, s in SCOPES.items()}
+    for i, (label, scope) in enumerate(SCOPES.items()):
+        got = run.admit(f"S{i}", a, scope)
+        run.commit(f"S{i}", 18)
+        run.free(f"S{i}")
+        earlier = [other for other in list(SCOPES)[:i] if keys[other] == keys[label]]
+        want = run.cap(18) if earlier else 0
+        run.expect(f"{label} reuses" + (f" (same key as {earlier[0]})" if earlier else ""),
+                   got, want)
+    for i, (label, scope) in enumerate(SCOPES.items()):
+        run.expect(f"{label} again reuses", run.admit(f"R{i}", a, scope), run.cap(18))
+        run.free(f"R{i}")
+
+
+# scopes that no release keys together: a router must still tell them apart
+EVENT_SCOPES: dict[str, Scope | None] = {
+    "default": None, "salt 'x'": Scope(salt="x"), "LoRA a#1": Scope.lora("a", 1),
+    "LoRA a#2": Scope.lora("a", 2), "salt 'x' + LoRA a#1": Scope.lora("a", 1, salt="x")}
+
+
+def scope_event_hashes(run: Run) -> None:
+    """The same prompt computed in each scope: two scopes that differ in a kind the
+    contract says reaches event hashes must publish different hashes for block 0 (a
+    router keyed on the hashes would send one scope's requests to the other's KV)."""
+    a = toks(100, 18)
+    first: dict[str, str | None] = {}
+    for i, (label, scope) in enumerate(EVENT_SCOPES.items()):
+        start = len(run.reports)
+        run.admit(f"E{i}", a, scope)
+        run.commit(f"E{i}", 18)
+        run.free(f"E{i}")
+        first[label] = _first_stored_hash(run.reports[start:])
+    labels = list(EVENT_SCOPES)
+    same = []
+    for i, x in enumerate(labels):
+        for y in labels[i + 1:]:
+            sx, sy = EVENT_SCOPES[x], EVENT_SCOPES[y]
+            kinds = _differ(sx, sy) & set(run.contract.scope_in_event_hash)
+            if run.contract.scope_key(sx) != run.contract.scope_key(sy) and kinds \
+                    and first[x] is not None and first[x] == first[y]:
+                same.append(f"{x} / {y} ({', '.join(sorted(kinds))})")
+    run.observed["block 0 hash per scope"] = first
+    if same:
+        run.failures.append(f"router events: {len(same)} pairs of scopes that differ in kinds "
+                            f"the contract says reach event hashes publish one block 0 hash: "
+                            f"{'; '.join(same[:4])}{' ...' if len(same) > 4 else ''}")
+
+
+def _differ(x: Scope | None, y: Scope | None) -> set[str]:
+    x, y = x or Scope(), y or Scope()
+    kinds = {"salt"} if x.salt != y.salt else set()
+    if (x.lora_name, x.lora_id, x.lora_path) != (y.lora_name, y.lora_id, y.lora_path):
+        kinds.add("lora")
+    return kinds
+
+
+def _first_stored_hash(reports: list[StepReport]) -> str | None:
+    for r in reports:
+        for e in r.events:
+            if e.get("type") == "BlockStored" and e.get("parent_block_hash") is None:
+                return str(e["block_hashes"][0])
+    return None
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("cold_then_warm", "cold then warm", "a prompt reused once computed, in the "
+          "contract's units", 32, cold_then_warm),
+    Check("shared_system_prompt", "shared system prompt", "users sharing a 12-token system "
+          "prompt, all live", 32, shared_system_prompt),
+    Check("multi_turn", "multi-turn chat", "turn 2 reuses turn 1 and its decoded answer", 32,
+          multi_turn),
+    Check("branches", "branches", "two branches off one root, each found again", 32,
+          branches),
+    Check("eviction_under_pressure", "eviction", "a pool of 8 blocks: an admission evicts; "
+          "explicit eviction", 8, eviction_under_pressure),
+    Check("refused_then_retried", "refused admissions", "a refusal changes nothing and is "
+          "fair; the retry succeeds", 8, refused_then_retried),
+    Check("abort_before_forward", "aborts", "a sequence freed before its forward pass", 32,
+          abort_before_forward),
+    Check("chunked_admission", "chunked admissions", "a prompt scheduled in chunks; a "
+          "concurrent reader of its first chunk", 32, chunked_admission),
+    Check("decode_growth", "decode growth", "one block per B decoded tokens; decoded blocks "
+          "reused", 32, decode_growth),
+    Check("repeated_blocks", "router events", "equal blocks at other positions and after "
+          "other prefixes stay distinct", 32, repeated_blocks),
+    Check("scope_isolation", "scope isolation", "salts, LoRA names, ids and files, equal "
+          "values in different fields", 64, scope_isolation),
+    Check("scope_event_hashes", "router events", "distinct scopes publish distinct block "
+          "hashes, as far as the contract says scopes reach them", 32, scope_event_hashes),
+)
+
+
+def check_named(name: str) -> Check:
+    """The check called `name`; ValueError listing the names otherwise."""
+    for check in CHECKS:
+        if check.name == name:
+            return check
+    raise ValueError(f"unknown check {name!r}; known: {[c.name for c in CHECKS]}")

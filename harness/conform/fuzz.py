@@ -1,0 +1,193 @@
+"""A seeded differential fuzz over the protocol, and shrinking a failure to a short op list.
+
+`fuzz` drives a fresh cache with ops drawn from `random.Random(seed)`: admissions of
+prompts built from a few shared prefixes (so blocks, branches and partial blocks are
+shared), in a handful of scopes chosen to collide (a salt equal to a LoRA id, LoRA
+adapters sharing a name or an id), chunked admissions, commits of any length up to what
+is scheduled, decode appends, frees and evictions, in a small pool so that admissions
+evict and are refused. Each op is chosen from the results so far (only live sequences
+are committed or freed), and every step is judged against the oracles: the engine is
+differenced against the harness's independent models. At the end everything is freed
+(the leak check).
+
+`shrink` cuts a failing op list down (ddmin over the list, then simpler admissions:
+shorter prompts, no scope, no chunk) to one that still fails the same oracle: ops are
+data and a sub-list replays (`Session` skips ops no longer valid).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from harness.conform import ops
+from harness.conform.checks import B
+from harness.conform.judge import Judge, Violation
+from harness.conform.ops import Op
+from harness.conform.protocol import Scope
+from harness.conform.targets import Target, replay
+
+FUZZ_SCOPES: tuple[Scope | None, ...] = (
+    None, None, None, Scope(salt="x"), Scope(salt="1"), Scope.lora("x", 1),
+    Scope.lora("x", 2), Scope.lora("y", 1))
+POOL_SIZES = (8, 12, 16, 24)
+DEFAULT_OPS = 80
+SHRINK_BUDGET = 400  # replays at most, per failure
+
+
+@dataclass(frozen=True)
+class FuzzOutcome:
+    """One seed's run: its pool, its ops and the first violation (None: it passed)."""
+
+    seed: int
+    num_blocks: int
+    ops: tuple[Op, ...]
+    violation: Violation | None
+
+
+@dataclass
+class _Live:
+    length: int
+    scheduled: int
+    committed: int
+
+
+class _Draw:
+    """Chooses the next op from the live sequences (mutated by `record`)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        r = self.rng
+        self.prefixes = [[r.randrange(1, 40) for _ in range(r.randrange(4, 20))]
+                         for _ in range(3)]
+        self.live: dict[str, _Live] = {}
+        self.count = 0
+
+    def next(self) -> Op:
+        r = self.rng
+        kinds = ["admit"] * 6 + ["commit"] * 6 + ["free"] * 4 + ["append"] * 3 + \
+            ["reserve"] * 2 + ["evict"]
+        kind = r.choice(kinds if self.live else ["admit"])
+        if kind == "admit" or not self.live:
+            return self._admit()
+        if kind == "evict":
+            return ops.evict(r.randrange(1, 4))
+        seq = r.choice(sorted(self.live))
+        s = self.live[seq]
+        if kind == "commit":
+            return ops.commit(seq, r.randint(s.committed, s.scheduled))
+        if kind == "reserve" and s.scheduled < s.length:
+            return ops.reserve(seq, r.randint(s.scheduled + 1, s.length))
+        if kind == "append" and s.scheduled == s.length:
+            return ops.append(seq, [r.randrange(1, 40) for _ in range(r.randint(1, 3))])
+        return ops.free(seq)
+
+    def _admit(self) -> Op:
+        r = self.rng
+        self.count += 1
+        prefix = r.choice(self.prefixes)
+        cut = r.randint(0, len(prefix))
+        tokens = prefix[:cut] + [r.randrange(1, 40) for _ in range(r.randint(1, 10))]
+        chunk = r.randint(1, len(tokens)) if r.random() < 0.25 else None
+        return ops.admit(f"s{self.count}", tokens, r.choice(FUZZ_SCOPES), chunk)
+
+    def record(self, op: Op, status: str, value: object) -> None:
+        """What `op` did, as the step report says."""
+        if status != "done" or op.seq is None:
+            return
+        if op.kind == "admit":
+            assert isinstance(value, dict)
+            self.live[op.seq] = _Live(len(op.tokens), value["scheduled_tokens"],
+                                      value["reused_tokens"])
+        elif op.kind == "free":
+            del self.live[op.seq]
+        elif op.kind == "commit":
+            assert op.num_tokens is not None
+            self.live[op.seq].committed = op.num_tokens
+        elif op.kind == "reserve":
+            assert isinstance(value, int)
+            self.live[op.seq].scheduled = value
+        elif op.kind == "append":
+            s = self.live[op.seq]
+            s.length += len(op.tokens)
+            s.scheduled = s.length
+
+
+def fuzz(target: Target, seed: int, num_ops: int = DEFAULT_OPS) -> FuzzOutcome:
+    """Run seed `seed` (stops at the first violation); see the module docstring."""
+    draw = _Draw(seed)
+    num_blocks = draw.rng.choice(POOL_SIZES)
+    judge = Judge(target.open(num_blocks, B), num_blocks)
+    done: list[Op] = []
+
+    def step(op: Op) -> Violation | None:
+        report = target.apply(op)
+        done.append(op)
+        draw.record(op, report.status, report.value)
+        found = judge.observe(report)
+        return found[0] if found else None
+
+    for _ in range(num_ops):
+        found = step(draw.next())
+        if found is not None:
+            return FuzzOutcome(seed, num_blocks, tuple(done), found)
+    for seq in sorted(draw.live):
+        found = step(ops.free(seq))
+        if found is not None:
+            return FuzzOutcome(seed, num_blocks, tuple(done), found)
+    return FuzzOutcome(seed, num_blocks, tuple(done), None)
+
+
+def shrink(target: Target, op_list: list[Op], num_blocks: int, oracle: str,
+           budget: int = SHRINK_BUDGET) -> list[Op]:
+    """A short sub-list of `op_list` (with simpler admissions) that still fails
+    `oracle`; `op_list` itself when nothing shorter does. At most `budget` replays."""
+    left = [budget]
+
+    def fails(candidate: list[Op]) -> bool:
+        if left[0] <= 0:
+            return False
+        left[0] -= 1
+        return any(v.oracle == oracle for v in replay(target, candidate, num_blocks, B))
+
+    current = _ddmin(list(op_list), fails)
+    for i in range(len(current)):
+        for simpler in _simpler(current[i]):
+            trial = [*current[:i], simpler, *current[i + 1:]]
+            if fails(trial):
+                current = trial
+                break
+    return _ddmin(current, fails)
+
+
+def _ddmin(items: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
+    """Zeller's ddmin: remove chunks while the rest still fails."""
+    n = 2
+    while len(items) >= 2:
+        size = -(-len(items) // n)
+        for start in range(0, len(items), size):
+            rest = items[:start] + items[start + size:]
+            if rest and fails(rest):
+                items = rest
+                n = max(n - 1, 2)
+                break
+        else:
+            if n >= len(items):
+                return items
+            n = min(n * 2, len(items))
+    return items
+
+
+def _simpler(op: Op) -> list[Op]:
+    """Simpler variants of an admission: no chunk, no scope, a shorter prompt."""
+    if op.kind != "admit":
+        return []
+    out = []
+    if op.first_chunk is not None:
+        out.append(replace(op, first_chunk=None))
+    if op.scope is not None:
+        out.append(replace(op, scope=None))
+    if len(op.tokens) > B:
+        out.append(replace(op, tokens=op.tokens[:len(op.tokens) // 2 or 1]))
+    return out

@@ -1,0 +1,365 @@
+"""The harness's oracles over one cache's step reports, under that engine's contract.
+
+After every op (`Judge.observe`):
+
+- count: the reuse oracle (`harness.oracle.model.ReuseOracle`, configured from the
+  contract: tokens per block, partial reuse) replays the harness event log the adapter
+  wrote; every admission must reuse what it predicts. Its model evicts nothing unless the
+  contract says it models the engine's eviction (kvcache), so after the first block
+  leaves the cache (a BlockRemoved event) a prediction is an upper bound. Whole-block
+  contracts reuse whole blocks, and never the last prompt token.
+- provenance and capacity: the checked manager's own per-call checks
+  (`harness.oracle.checked_manager.CallOracles`) over each op's logged events. The
+  shadow KV store follows which tokens' KV each block holds: no read of KV that is not
+  the reader's own, in its own scope (a contract whose blocks are matchable at
+  allocation logs an implied commit there, which is how reading them is allowed). The
+  blocks live sequences hold equal the engine's count (with duplicates a
+  non-deduplicating engine keeps: at least that many, and exactly the distinct blocks
+  its sequences were given); a refusal was fair (`CapacityOracle.check_refusal`, the
+  duplicates such an engine keeps counted as unavailable) and changed nothing (state,
+  counters, events, log).
+- events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
+  blocks the cache holds (`cached_hashes`), and no op removes a block it keeps.
+- stats: each engine counter the contract lists equals what the admissions add up to;
+  the harness-named gauges agree with the state.
+- leaks: the plugin's leak check (`harness.oracle.leaks.leak_problems`) over the
+  engine's own integrity and leak reports whenever nothing is live; integrity: the
+  engine's own invariants after every op; the api oracle flags anything the engine
+  raised.
+
+Both the shadow store and the capacity oracle run with a window wider than any context:
+their mode in which a sequence's positions are the blocks its events name (a chunked
+admission holds only its first chunk's), while every position stays held.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+from harness.conform.ops import Op
+from harness.conform.protocol import Contract, CounterMeaning
+from harness.conform.session import StepReport
+from harness.oracle.capacity import CapacityError
+from harness.oracle.checked_manager import CallOracles
+from harness.oracle.kv_index import EventIndex
+from harness.oracle.leaks import leak_problems
+from harness.oracle.model import ReuseOracle
+from harness.oracle.provenance import ProvenanceError
+from harness.oracle.types import Event, OracleConfig, normalize_event
+
+ORACLES = ("api", "refusal", "count", "provenance", "capacity", "events", "stats", "leaks",
+           "integrity", "log")
+_EVERY_POSITION = 2**40  # a window wider than any context: positions as the events say
+
+
+class Violation(NamedTuple):
+    """One oracle's finding at op `step` (its index in the op list)."""
+
+    oracle: str
+    step: int
+    message: str
+
+
+def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
+    """The reuse oracle's config under `contract` for a pool of `num_blocks`."""
+    return OracleConfig(contract.block_size, enable_partial_reuse=contract.partial_reuse,
+                        copy_on_partial_reuse=contract.copy_on_partial_reuse,
+                        max_num_blocks=num_blocks if contract.bounded_oracle else None)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class _EngineReports:
+    """A `CacheOwner` view of one step report: the engine's own integrity and leak
+    reports as they came back from wherever it runs (the leak check's input)."""
+
+    def __init__(self, report: StepReport) -> None:
+        self._report = report
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming what the engine's integrity check found."""
+        if self._report.integrity:
+            raise AssertionError("; ".join(self._report.integrity))
+
+    def leak_report(self) -> list[str]:
+        """The engine's leak report (taken when nothing was live)."""
+        return list(self._report.leaks or ())
+
+
+class Judge:
+    """The oracles for one fresh cache of `num_blocks` blocks (mutates only itself).
+
+    An oracle that found something reports nothing more (its model no longer follows
+    the cache, and the first finding is the one to read); `exact` says whether the count oracle's predictions are still exact.
+    """
+
+    def __init__(self, contract: Contract, num_blocks: int) -> None:
+        B = contract.block_size
+        self.contract = contract
+        self.num_blocks = num_blocks
+        self.reuse = ReuseOracle(oracle_config(contract, num_blocks))
+        self.calls = CallOracles(B, num_blocks, block_reuse=True,
+                                 sliding_window=_EVERY_POSITION)
+        self.capacity = self.calls.capacity
+        self.index = EventIndex(B)
+        self.exact = True
+        self.broken: set[str] = set()
+        self.totals: Counter[str] = Counter()  # CounterMeaning -> value so far
+        self.step = 0
+        self._last: StepReport | None = None
+        self._ids: dict[Hashable, list[int | None]] = {}  # live seq -> its block ids
+        self._lengths: dict[Hashable, int] = {}
+        self._predicted: dict[Hashable, int] = {}  # live seq -> the reuse the oracle predicted
+
+    # -- one step ------------------------------------------------------------------------
+
+    def observe(self, report: StepReport) -> list[Violation]:
+        """Every oracle on one step; returns what they found (and remembers the state)."""
+        out: list[Violation] = []
+        say = self._sayer(out)
+        op = report.op
+        if report.status == "raised":
+            say("api", f"{op.describe()} raised {report.detail}")
+        if report.status == "refused":
+            self._refused(report, say)
+        self._replay_log(report, say)
+        self._fold_events(report, say)
+        self._check_capacity(report, say)
+        self._check_stats(report, say)
+        if report.integrity:
+            say("integrity", f"after {op.describe()}: {'; '.join(report.integrity)}")
+        if report.leaks is not None:
+            problems = leak_problems([(self.contract.engine, _EngineReports(report))])
+            if problems:
+                say("leaks", f"nothing is live, yet: {'; '.join(problems)}")
+        self._last = report
+        self.step += 1
+        return out
+
+    def _sayer(self, out: list[Violation]) -> Any:
+        def say(oracle: str, message: str) -> None:
+            if oracle not in self.broken:
+                out.append(Violation(oracle, self.step, message))
+            self.broken.add(oracle)  # its model no longer follows the cache: report once
+        return say
+
+    # -- refusals --------------------------------------------------------------------------
+
+    def _refused(self, r: StepReport, say: Any) -> None:
+        op = r.op
+        last = self._last
+        changed = []
+        if r.log or r.events:
+            changed.append(f"it logged {list(r.log)} and published {list(r.events)}")
+        before_used = last.used_blocks if last else 0
+        before_cached = Counter(last.cached or ()) if last else Counter()
+        if r.used_blocks != before_used:
+            changed.append(f"used blocks {before_used} -> {r.used_blocks}")
+        if Counter(r.cached or ()) != before_cached:
+            changed.append("the cached blocks changed")
+        if last is not None:
+            for side, now, was in (("engine", r.stats.engine, last.stats.engine),
+                                   ("harness", r.stats.harness, last.stats.harness)):
+                diff = {k: (was.get(k), v) for k, v in now.items() if was.get(k) != v}
+                if diff:
+                    changed.append(f"{side} counters {diff}")
+        if changed:
+            say("refusal", f"{op.describe()} was refused but changed the cache: "
+                           f"{'; '.join(changed)}")
+        need = self._need(op)
+        if need is not None and "capacity" not in self.broken:
+            # the duplicates a non-deduplicating engine keeps are not available either
+            # (none where it deduplicates: there the engine's count is the oracle's)
+            kept = max(0, r.used_blocks - self.capacity.needed)
+            try:
+                self.calls.capacity.check_refusal(need + kept, op.describe())
+            except CapacityError as exc:
+                say("capacity", str(exc))
+
+    def _need(self, op: Op) -> int | None:
+        """Blocks `op` needs at least (None: not an allocation, or not known)."""
+        B = self.contract.block_size
+        if op.kind == "admit":
+            scope = self.contract.scope_key(op.scope)
+            # after an eviction the oracle over-predicts hits: assume none (the most need)
+            cached = min(self.reuse.probe(op.tokens, scope), len(op.tokens) - 1) \
+                if self.exact else 0
+            chunk = op.first_chunk if self.contract.chunked_allocation else None
+            return self.capacity.admission_need(op.tokens, scope, num_cached=cached,
+                                                first_chunk=chunk)
+        assert op.seq is not None or op.kind == "evict"
+        if op.kind == "append" and op.seq in self._ids:
+            return self.capacity.append_need(op.seq, len(op.tokens))
+        if op.kind == "reserve" and op.seq in self._ids:
+            assert op.num_tokens is not None
+            want = _blocks(min(op.num_tokens, self._lengths[op.seq]), B)
+            return max(0, want - len(self._ids[op.seq]))
+        return None
+
+    # -- the event log: count, provenance, capacity ----------------------------------------
+
+    def _replay_log(self, r: StepReport, say: Any) -> None:
+        admits = 0
+        events: list[Event] = []
+        for raw in r.log:
+            try:
+                ev = normalize_event(raw)
+            except ValueError as exc:
+                say("log", f"the adapter logged {raw!r}: {exc}")
+                continue
+            events.append(ev)
+            if ev.kind == "admit":
+                admits += 1
+                self._admitted(r, ev, say)
+            elif ev.kind != "commit" or ev.num_tokens >= self._predicted.get(ev.seq_id, 0):
+                # after an eviction the oracle may have predicted more reuse than the
+                # engine found: it holds those tokens computed already, so a commit
+                # below them tells it nothing
+                self._feed("count", say, self.reuse.apply, ev)
+            self._track(ev)
+        wanted = 1 if r.op.kind == "admit" and r.status == "done" else 0
+        if admits != wanted:
+            say("log", f"{r.op.describe()} ({r.status}) logged {admits} admissions")
+        where = r.op.describe()
+        self._feed("provenance", say, lambda evs: self.calls.provenance(evs, []), events)
+        # a deduplicating engine's count is exact; otherwise `_check_capacity` bounds it
+        used = r.used_blocks if self.contract.dedup_on_commit else None
+        self._feed("capacity", say,
+                   lambda evs: self.calls.capacity_after(where, evs, used), events)
+
+    def _feed(self, oracle: str, say: Any, apply: Any, ev: Any) -> Any:
+        if oracle in self.broken:
+            return None
+        try:
+            return apply(ev)
+        except (ProvenanceError, CapacityError) as exc:
+            say(oracle, str(exc))
+        except ValueError as exc:  # the log does not replay: the adapter's or the engine's
+            say("log", f"{oracle} oracle cannot replay {ev}: {exc}")
+        return None
+
+    def _admitted(self, r: StepReport, ev: Any, say: Any) -> None:
+        B = self.contract.block_size
+        got, prompt = ev.num_tokens, len(ev.tokens)
+        self.totals.update({"requests": 1, "prompt_tokens": prompt, "reused_tokens": got,
+                            "reused_blocks": _blocks(got, B),
+                            "missed_blocks": _blocks(prompt, B) - _blocks(got, B)})
+        if isinstance(r.value, dict) and r.value.get("reused_tokens") != got:
+            say("log", f"{r.op.describe()} returned {r.value} but logged {got} reused tokens")
+        what = f"{r.op.describe()} reused {got} tokens"
+        if got > prompt - 1:
+            say("count", f"{what}: the last prompt token is never reused (at most {prompt - 1})")
+        if not self.contract.partial_reuse and got % B:
+            say("count", f"{what}: not whole blocks of {B}, which the contract promises")
+        pred = self._feed("count", say, self.reuse.apply, ev)
+        if pred is None:
+            return
+        want = self._predicted[ev.seq_id] = pred.reused_tokens
+        if self.exact and got != want:
+            say("count", f"{what}; the count oracle predicts {want}")
+        elif not self.exact and got > want:
+            say("count", f"{what}, more than was ever computed in its scope ({want}; "
+                         "blocks were evicted since, so that is an upper bound)")
+
+    def _track(self, ev: Any) -> None:
+        sid = ev.seq_id
+        if ev.kind == "admit":
+            self._ids[sid] = list(ev.block_ids)
+            self._lengths[sid] = len(ev.tokens)
+        elif ev.kind == "append" and sid in self._ids:
+            self._ids[sid] += list(ev.block_ids)
+            self._lengths[sid] += len(ev.tokens)
+        elif ev.kind == "commit" and ev.block_ids and sid in self._ids:
+            self._ids[sid] = list(ev.block_ids)
+        elif ev.kind == "free":
+            self._ids.pop(sid, None)
+            self._lengths.pop(sid, None)
+            self._predicted.pop(sid, None)
+
+    def _check_capacity(self, r: StepReport, say: Any) -> None:
+        if "capacity" in self.broken:
+            return
+        where = r.op.describe()
+        if self.contract.dedup_on_commit:
+            return  # checked exactly with the events (`_replay_log`)
+        distinct = len({b for ids in self._ids.values() for b in ids if b is not None})
+        if not self.capacity.needed <= r.used_blocks == distinct:
+            say("capacity", f"after {where}: the engine counts {r.used_blocks} used blocks; "
+                            f"its live sequences were given {distinct} distinct blocks and "
+                            f"need at least {self.capacity.needed}")
+
+    # -- router events ---------------------------------------------------------------------
+
+    def _fold_events(self, r: StepReport, say: Any) -> None:
+        if "events" in self.broken:
+            return
+        before: Counter[Any] = Counter(self.index.cached())
+        removed: Counter[str] = Counter()
+        stored: Counter[str] = Counter()
+        for event in r.events:
+            kind = event.get("type")
+            dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
+                                                 and bool(self.index.cached()))
+            if dropped and not self.contract.bounded_oracle:
+                self.exact = False  # the count oracle's model keeps every block
+            if kind == "BlockRemoved":
+                removed.update(event.get("block_hashes", ()))
+            elif kind == "BlockStored":
+                stored.update(event.get("block_hashes", ()))
+            try:
+                self.index.apply(event)
+            except (ValueError, KeyError, TypeError) as exc:
+                say("events", f"after {r.op.describe()}: event {event} does not fold: {exc}")
+                return
+        after: Counter[Any] = Counter(self.index.cached())
+        churn = sorted(h for h in removed if h in stored and after[h] >= before[h] > 0)
+        if churn:
+            say("events", f"{r.op.describe()} published BlockRemoved and BlockStored again "
+                          f"for blocks it kept cached ({churn[:4]}): a router folding in "
+                          "between sees the prefix gone")
+        if r.cached is None:  # the engine names no hashes: compare how many
+            count = r.stats.harness.get("cachedNumBlocks")
+            if count is not None and count != sum(after.values()):
+                say("events", f"after {r.op.describe()} the events say "
+                              f"{sum(after.values())} blocks are cached, the cache holds "
+                              f"{count} (cachedNumBlocks)")
+            return
+        held = Counter(r.cached)
+        if after != held:
+            missing, extra = held - after, after - held
+            say("events", f"after {r.op.describe()} the events say {sum(after.values())} "
+                          f"blocks are cached, the cache holds {sum(held.values())}: "
+                          f"{len(missing)} never published ({sorted(missing)[:3]}), "
+                          f"{len(extra)} published but gone ({sorted(extra)[:3]})")
+
+    # -- counters --------------------------------------------------------------------------
+
+    def expected(self, meaning: CounterMeaning) -> int:
+        """What a counter of `meaning` must read now."""
+        return 0 if meaning == "zero" else self.totals[meaning]
+
+    def _check_stats(self, r: StepReport, say: Any) -> None:
+        engine = r.stats.engine
+        for counter, meaning in self.contract.counters:
+            if counter not in engine:
+                say("stats", f"the engine exposes no counter {counter!r} (it has "
+                             f"{sorted(engine)})")
+                continue
+            want = self.expected(meaning)
+            if engine[counter] != want:
+                say("stats", f"after {r.op.describe()}: {counter} = {engine[counter]}, but "
+                             f"the admissions add up to {want} ({meaning})")
+        harness = r.stats.harness
+        cached = None if r.cached is None else len(r.cached)
+        gauges: tuple[tuple[str, int | None, str], ...] = (
+            ("usedNumBlocks", r.used_blocks, "blocks live sequences hold"),
+            ("cachedNumBlocks", cached, "blocks the cache holds"),
+            ("maxNumBlocks", self.num_blocks, "the pool"))
+        for name, gauge, what in gauges:
+            if name in harness and gauge is not None and harness[name] != gauge:
+                say("stats", f"after {r.op.describe()}: {name} = {harness[name]}, but "
+                             f"{what}: {gauge}")

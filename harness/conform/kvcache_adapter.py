@@ -1,0 +1,231 @@
+"""kvcache's own `KVCacheManager` behind the cache-level protocol: the first implementation.
+
+It passes the same conformance run as every other engine. Its contract is the harness's
+reference semantics (docs/design.md): partial reuse with copy-on-partial, matchable at
+commit, priority LRU eviction that the count oracle models exactly, no explicit
+eviction. The manager records its own event log (`record_events=True`), so the adapter
+only relabels each admission's scope with the contract's key; the copies an admission
+queues (partial hits) are applied at once, as an engine applies them before its next
+forward pass.
+
+kvcache is loaded inside `KvcacheCache.__init__` (the harness imports it at run time only
+there, docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from array import array
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from harness.conform.protocol import Admission, Contract, CounterMeaning, Scope, Stats
+
+# counters of kvcache.KvCacheStats.as_dict() the judge checks, and what they count
+COUNTERS: tuple[tuple[str, CounterMeaning], ...] = (("reusedBlocks", "reused_blocks"), ("missedBlocks", "missed_blocks"),
+            ("reusedTokens", "reused_tokens"))
+_HARNESS = ("usedNumBlocks", "freeNumBlocks", "cachedNumBlocks", "maxNumBlocks",
+            "tokensPerBlock", "reusedBlocks", "missedBlocks", "reusedTokens")
+
+
+def kvcache_version() -> str:
+    """The installed kvcache-harness version (the checkout's, when not installed)."""
+    try:
+        return importlib.metadata.version("kvcache-harness")
+    except importlib.metadata.PackageNotFoundError:
+        return "checkout"
+
+
+PACKAGE_MODULES = ("kvcache.core.manager", "kvcache.core.radix", "kvcache.core.pool",
+                   "kvcache.core.kv_events")
+
+
+def package_dir() -> str:
+    """The folder of the kvcache package this process imports."""
+    import kvcache
+
+    return os.path.dirname(kvcache.__file__)
+
+
+def contract(block_size: int) -> Contract:
+    """kvcache's contract: the reference semantics themselves."""
+    return Contract(
+        engine="kvcache", version=kvcache_version(), block_size=block_size, id_unit="block",
+        stats_unit="blocks", last_token_cap="manager", matchable_at="commit",
+        partial_reuse=True, copy_on_partial_reuse=True, scope_kinds=("salt", "lora"),
+        lora_identity=("lora_id",), scope_in_event_hash=("salt", "lora"),
+        eviction="priority-lru", explicit_evict=False, dedup_on_commit=True,
+        chunked_allocation=False,
+        counters=COUNTERS, bounded_oracle=True,
+        citations=(("*", "docs/design.md: the reuse rules, partial reuse, eviction"),
+                   ("scope_in_event_hash", "kvcache/core/kv_events.py: a block's hash "
+                                           "chains its parent, tokens and scope")),
+        notes=("ReuseScope has no LoRA name or path: a LoRA is its id",))
+
+
+class KvcacheCache:
+    """`CacheUnderTest` over a fresh `kvcache.KVCacheManager` of `num_blocks` blocks.
+
+    `record`: keep the event log and router events (off for benchmarks).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+        import kvcache  # here: the harness loads kvcache at run time only where it is adapted
+        from kvcache.core import kv_events
+
+        self._kvcache = kvcache
+        self._kv_events = kv_events
+        self._hash = kv_events.block_hash
+        self._token_bytes = kv_events.token_bytes
+        self._event_to_dict = kv_events.event_to_dict
+        cfg = kvcache.KvCacheConfig(tokens_per_block=block_size, max_num_blocks=num_blocks,
+                                    enable_block_reuse=True)
+        self.manager = kvcache.KVCacheManager(cfg, record_events=record, kv_events=record)
+        self._contract = contract(block_size)
+        self._scopes: dict[Hashable, Scope | None] = {}
+        self._seen = 0  # events of the manager's log already taken
+
+    @property
+    def contract(self) -> Contract:
+        """kvcache's contract for this block size."""
+        return self._contract
+
+    # -- for the self-test -----------------------------------------------------------------
+
+    def engine_callables(self) -> dict[str, tuple[object, str]]:
+        """Every kvcache function the adapter calls."""
+        m = self.manager
+        names = ("add_sequence", "take_copy_ops", "reserve", "commit", "append_tokens",
+                 "free_sequence", "stats", "take_kv_events", "get_sequence",
+                 "check_integrity", "leak_report")
+        out: dict[str, tuple[object, str]] = {n: (m, n) for n in names}
+        out["KVCacheManager.__init__"] = (type(m), "__init__")
+        out["block_hash"] = (self._kv_events, "block_hash")
+        return out
+
+    def raw_probe(self) -> dict[str, Any]:
+        """kvcache's own results for one admission, freed again."""
+        seq = self.manager.add_sequence("__selftest__", list(range(1, 10)))
+        out = {"add_sequence": seq, "stats": self.manager.stats(),
+               "take_copy_ops": self.manager.take_copy_ops()}
+        self.manager.free_sequence("__selftest__")
+        out["take_kv_events"] = self.manager.take_kv_events() if self.manager.events \
+            is not None else []
+        self.manager.reset_cache()
+        self._seen = len(self.manager.events or ())
+        return out
+
+    def _scope(self, scope: Scope | None) -> Any:
+        if scope is None:
+            return None
+        return self._kvcache.ReuseScope(scope.salt, scope.lora_id)
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
+              first_chunk: int | None) -> Admission | None:
+        """`add_sequence`; under full attention every prompt block is allocated at once,
+        so the whole prompt is scheduled whatever `first_chunk` says."""
+        try:
+            seq = self.manager.add_sequence(seq_id, tokens, self._scope(scope))
+        except self._kvcache.OutOfBlocksError:
+            return None
+        self._scopes[seq_id] = scope
+        self.manager.take_copy_ops()  # applied before the forward pass: here, at once
+        return Admission(seq.num_cached_tokens, tuple(seq.block_ids), seq.num_tokens)
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        """Nothing to allocate under full attention: the whole sequence is scheduled."""
+        self.manager.reserve(seq_id, min(num_tokens, self._seq(seq_id).num_tokens))
+        return self._seq(seq_id).num_tokens
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """`commit`."""
+        self.manager.commit(seq_id, num_tokens)
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        """`append_tokens`; the block ids it added."""
+        before = len(self._seq(seq_id).block_ids)
+        try:
+            self.manager.append_tokens(seq_id, tokens)
+        except self._kvcache.OutOfBlocksError:
+            return None
+        return tuple(self._seq(seq_id).block_ids[before:])
+
+    def free(self, seq_id: Hashable) -> None:
+        """`free_sequence`."""
+        self.manager.free_sequence(seq_id)
+        self._scopes.pop(seq_id, None)
+
+    def evict(self, num_blocks: int) -> int:
+        """kvcache evicts only to make room for an allocation: nothing here."""
+        return 0
+
+    def stats(self) -> Stats:
+        """KvCacheStats: the engine's names are the harness's."""
+        engine = self.manager.stats().as_dict()
+        return Stats(engine, {k: engine[k] for k in _HARNESS})
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """The manager's KV events, hashes as strings."""
+        if self.manager.events is None:
+            return []
+        out = []
+        for event in self.manager.take_kv_events():
+            d = self._event_to_dict(event)
+            if "block_hashes" in d:
+                d["block_hashes"] = [str(h) for h in d["block_hashes"]]
+            if d.get("parent_block_hash") is not None:
+                d["parent_block_hash"] = str(d["parent_block_hash"])
+            out.append(d)
+        return out
+
+    def take_log(self) -> list[dict[str, Any]]:
+        """The manager's own event log since the last call, each admission's scope
+        replaced by the contract's key."""
+        log = self.manager.events
+        if log is None:
+            return []
+        new, self._seen = log[self._seen:], len(log)
+        out = []
+        for event in new:
+            d = event.as_dict()
+            if d["kind"] == "admit":
+                d["scope"] = self._contract.scope_key(self._scopes[event.seq_id])
+            out.append(d)
+        return out
+
+    def used_blocks(self) -> int:
+        """KvCacheStats.used_num_blocks."""
+        return int(self.manager.stats().used_num_blocks)
+
+    def cached_hashes(self) -> list[str]:
+        """Every device block of the tree, hashed as its events hash it."""
+        out: list[str] = []
+        last: dict[int, int | None] = {}  # node id -> the hash of its last block
+        bb = self.manager.tree.block_bytes
+        for key, node in self.manager.tree.walk():  # parents before children
+            parent = last.get(id(node.parent))
+            if node.host:
+                continue
+            tokens = array("I", node.key)
+            for i in range(len(node.blocks)):
+                chunk = tokens[i * bb // 4:(i + 1) * bb // 4]
+                parent = self._hash(parent, self._token_bytes(chunk), key)
+                out.append(str(parent))
+            last[id(node)] = parent
+        return out
+
+    def check_integrity(self) -> list[str]:
+        """`KVCacheManager.check_integrity`, as a list."""
+        try:
+            self.manager.check_integrity()
+        except AssertionError as exc:
+            return [str(exc)]
+        return []
+
+    def leak_report(self) -> list[str]:
+        """`KVCacheManager.leak_report`."""
+        return self.manager.leak_report()
+
+    def _seq(self, seq_id: Hashable) -> Any:
+        return self.manager.get_sequence(seq_id)

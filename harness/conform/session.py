@@ -1,0 +1,179 @@
+"""One op applied to a `CacheUnderTest`, reported with everything the oracles need.
+
+`Session` runs where the cache runs (in the harness's process for kvcache, inside the
+engine's worker otherwise), so both send the judge the same `StepReport`s. It keeps a
+small model of each live sequence (tokens, scheduled, committed) and *skips* an op that
+is not valid at its point (a commit past what was scheduled, an op on a sequence that is
+not live): any sub-list of an op list replays, which is what shrinking needs. Standard
+library only.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from harness.conform.ops import Op
+from harness.conform.protocol import Admission, CacheUnderTest, Stats
+
+Status = Literal["done", "refused", "skipped", "raised"]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one op did, and the cache's state right after it.
+
+    status: "done", "refused" (the cache said no; it must have changed nothing),
+    "skipped" (not valid at this point; the cache was not called) or "raised" (the
+    cache raised: `detail` has the exception and where it was raised). `value` is the
+    op's result as JSON (admit: reused_tokens, block_ids, scheduled_tokens). `log` and
+    `events` are the harness events and router events the op produced; `leaks` is the
+    leak report, taken only when no sequence is live (None otherwise).
+    """
+
+    op: Op
+    status: Status
+    value: Any = None
+    detail: str = ""
+    log: tuple[dict[str, Any], ...] = ()
+    events: tuple[dict[str, Any], ...] = ()
+    used_blocks: int = 0
+    cached: tuple[str, ...] | None = ()
+    stats: Stats = field(default_factory=lambda: Stats({}, {}))
+    integrity: tuple[str, ...] = ()
+    leaks: tuple[str, ...] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form (what the worker sends)."""
+        return {"op": self.op.as_dict(), "status": self.status, "value": self.value,
+                "detail": self.detail, "log": list(self.log), "events": list(self.events),
+                "used_blocks": self.used_blocks,
+                "cached": None if self.cached is None else list(self.cached),
+                "stats": {"engine": self.stats.engine, "harness": self.stats.harness},
+                "integrity": list(self.integrity),
+                "leaks": None if self.leaks is None else list(self.leaks)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "step report") -> StepReport:
+        """Parse `as_dict`'s output; ValueError naming `where` for a malformed one."""
+        try:
+            stats = data["stats"]
+            leaks, cached = data["leaks"], data["cached"]
+            return cls(Op.from_dict(data["op"], f"{where}: op"), data["status"],
+                       data["value"], str(data["detail"]), tuple(data["log"]),
+                       tuple(data["events"]), int(data["used_blocks"]),
+                       None if cached is None else tuple(str(h) for h in cached),
+                       Stats(dict(stats["engine"]), dict(stats["harness"])),
+                       tuple(data["integrity"]), None if leaks is None else tuple(leaks))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass
+class _Live:
+    length: int  # tokens it has
+    scheduled: int  # tokens whose slots are allocated
+    committed: int  # tokens whose KV is computed
+
+
+class Session:
+    """Applies ops to one fresh cache, in order (mutates the cache and itself)."""
+
+    def __init__(self, cache: CacheUnderTest) -> None:
+        self.cache = cache
+        self.live: dict[str, _Live] = {}
+
+    def apply(self, op: Op) -> StepReport:
+        """Apply `op` (or skip it, saying why) and report the state after it."""
+        why = self._invalid(op)
+        if why:
+            return self._report(op, "skipped", None, why)
+        try:
+            value = self._call(op)
+        except Exception as exc:  # whatever the engine raised is the finding: report it
+            return self._report(op, "raised", None, _raised(exc))
+        if value is _REFUSED:
+            return self._report(op, "refused", None, "")
+        return self._report(op, "done", value, "")
+
+    def _invalid(self, op: Op) -> str:
+        if op.kind == "evict":
+            return ""
+        assert op.seq is not None  # Op checks it for every other kind
+        seq = self.live.get(op.seq)
+        if op.kind == "admit":
+            return f"{op.seq!r} is already live" if seq is not None else ""
+        if seq is None:
+            return f"{op.seq!r} is not live"
+        if op.kind == "commit":
+            n = op.num_tokens
+            assert n is not None
+            if not seq.committed <= n <= seq.scheduled:
+                return (f"commit of {n} tokens: {seq.committed} are committed and "
+                        f"{seq.scheduled} scheduled")
+        if op.kind == "append" and seq.scheduled < seq.length:
+            return f"append before all {seq.length} tokens are scheduled ({seq.scheduled})"
+        return ""
+
+    def _call(self, op: Op) -> Any:
+        c = self.cache
+        seq = op.seq
+        if op.kind == "evict":
+            assert op.num_blocks is not None
+            return c.evict(op.num_blocks)
+        assert seq is not None
+        if op.kind == "admit":
+            got = c.admit(seq, list(op.tokens), op.scope, op.first_chunk)
+            if got is None:
+                return _REFUSED
+            assert isinstance(got, Admission)
+            self.live[seq] = _Live(len(op.tokens), got.scheduled_tokens, got.reused_tokens)
+            return {"reused_tokens": got.reused_tokens, "block_ids": list(got.block_ids),
+                    "scheduled_tokens": got.scheduled_tokens}
+        live = self.live[seq]
+        if op.kind == "reserve":
+            assert op.num_tokens is not None
+            scheduled = c.reserve(seq, op.num_tokens)
+            if scheduled is None:
+                return _REFUSED
+            live.scheduled = scheduled
+            return scheduled
+        if op.kind == "commit":
+            assert op.num_tokens is not None
+            c.commit(seq, op.num_tokens)
+            live.committed = op.num_tokens
+            return None
+        if op.kind == "append":
+            ids = c.append(seq, list(op.tokens))
+            if ids is None:
+                return _REFUSED
+            live.length += len(op.tokens)
+            live.scheduled = live.length
+            return list(ids)
+        c.free(seq)
+        del self.live[seq]
+        return None
+
+    def _report(self, op: Op, status: Status, value: Any, detail: str) -> StepReport:
+        c = self.cache
+        leaks = None if self.live else tuple(c.leak_report())
+        cached = c.cached_hashes()
+        return StepReport(op, status, value, detail, tuple(c.take_log()),
+                          tuple(c.take_events()), c.used_blocks(),
+                          None if cached is None else tuple(cached), c.stats(),
+                          tuple(c.check_integrity()), leaks)
+
+
+_REFUSED = object()  # what `_call` returns for a refusal (None is a result too)
+
+
+def _raised(exc: BaseException) -> str:
+    """`Type: message (raised at FILE:LINE in FUNCTION)`: the innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" (raised at {last.filename}:{last.lineno} in {last.name})"
+    return f"{type(exc).__name__}: {exc}{where}"

@@ -1,0 +1,541 @@
+"""SGLang's `RadixCache` behind the cache-level protocol (runs in an SGLang venv).
+
+The tree only matches, inserts, locks and evicts; the adapter is its scheduler:
+
+- slots come from a page allocator of its own (`PageAllocator`; SGLang's device pools
+  need CUDA), page 0 reserved as SGLang reserves slot 0 for padding; block ids are
+  page ids (slot // page_size);
+- the lookup is capped at L - 1 tokens (`Req._compute_max_prefix_len`), and keyed as
+  `Req.__init__` keys it: extra_key = (extra_key or "") + lora_id, the salt its own
+  `cache_salt` field from 0.5.22 and the extra key before that;
+- an admission locks its hit, then takes pages for the reused tokens plus its first
+  chunk from the free ones, evicting only the shortfall; it is refused (everything
+  unlocked, nothing evicted) when free plus evictable pages do not cover it;
+- a commit inserts the page-aligned computed prefix (`cache_unfinished_req`), frees the
+  duplicate slots the insert reports (RadixCache leaves that to its caller: the pages
+  [locked, prefix_len) another request inserted first), takes the tree's pages for the
+  prefix, and moves its lock down (logged as a switch of block ids);
+- a free inserts the computed pages, frees the rest and unlocks (`cache_finished_req`).
+
+Release differences are found by feature (`create_simulated`, parameter objects,
+`cache_salt`, `path_device_indices`); the stubs come from the lock file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import os
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.conform.protocol import (
+    Admission,
+    CacheUnderTest,
+    Contract,
+    LoadedEngine,
+    Scope,
+    Stats,
+)
+from harness.conform.stubs import StubSpec, install
+
+MODULES = ("sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.base_prefix_cache")
+# The availability probes a lock file may ask to prime (`StubSpec.prime`): asked once
+# before the stub exists, a probe caches the true answer (lru_cache), so the dependency
+# never imports names from the stub.
+PROBES = {"torchvision": ("transformers.utils.import_utils", "is_torchvision_available")}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+
+
+def contract(version: str, block_size: int) -> Contract:
+    """SGLang `version`'s contract for RadixCache."""
+    salted = _version(version) >= (0, 5, 22)
+    notes = ["block ids are page ids (slot // page_size)",
+             "extra_key = (extra_key or '') + lora_id (Req.__init__)"]
+    citations = [
+        ("last_token_cap", "managers/schedule_batch.py Req._compute_max_prefix_len: the "
+                           "scheduler, not the tree, keeps the last prompt token"),
+        ("matchable_at", "radix_cache.py insert: the caller inserts computed KV "
+                         "(cache_unfinished_req / cache_finished_req)"),
+        ("lora_identity", "radix_cache.py match_prefix: 'Isolate KV cache lines for "
+                          "different LoRA / adapter IDs'"),
+        ("eviction", "radix_cache.py evict: whole least recently used leaves")]
+    if salted:
+        citations.append(("scope_in_event_hash", "radix_cache.py RadixKey: extra_key "
+                          "'Namespaces the tree and storage; KV events see only its LoRA "
+                          "name'; cache_salt 'Namespaces the tree, storage and KV events'"))
+    else:
+        notes.append("no cache_salt field: the salt travels as the extra key")
+    return Contract(
+        engine="sglang", version=version, block_size=block_size, id_unit="page",
+        stats_unit="tokens", last_token_cap="scheduler", matchable_at="commit",
+        partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
+        lora_identity=("lora_id",),
+        # before 0.5.22 nothing says events leave scopes out: the reference holds
+        scope_in_event_hash=("salt",) if salted else ("salt", "lora"),
+        eviction="lru-leaves", explicit_evict=True, dedup_on_commit=True,
+        chunked_allocation=True, citations=tuple(citations), notes=tuple(notes))
+
+
+def prime_probes(stubs: StubSpec) -> None:
+    """Ask each probe in `stubs.prime` once, before its stub exists (it caches the true
+    answer); ValueError for an unknown probe, RuntimeError when the package is there."""
+    for package in stubs.prime:
+        if package not in PROBES:
+            raise ValueError(f"stubs.prime: no known probe for {package!r}; known: "
+                             f"{sorted(PROBES)}")
+        module, name = PROBES[package]
+        if getattr(importlib.import_module(module), name)():
+            raise RuntimeError(f"{module}.{name}() says {package} is installed: a stubbed "
+                               "package must not be; remove it from the venv")
+
+
+def load(stubs: StubSpec) -> LoadedEngine:
+    """Prime the probes, install `stubs`, import SGLang's RadixCache and return the
+    engine. Raises ImportError when it does not import, RuntimeError when a package to
+    stub is installed."""
+    prime_probes(stubs)
+    finder = install(stubs)
+    sglang = importlib.import_module("sglang")
+    for name in MODULES:
+        importlib.import_module(name)
+    version = importlib.metadata.version("sglang")
+    engine = SglangNames()
+
+    def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
+        return SglangCache(engine, version, num_blocks, block_size, record)
+
+    return LoadedEngine("sglang", version, os.path.dirname(str(sglang.__file__)), new,
+                        MODULES, tuple(finder.served))
+
+
+class SglangNames:
+    """The SGLang names the adapter uses, imported once (after the stubs)."""
+
+    def __init__(self) -> None:
+        import torch
+        from sglang.srt.mem_cache import radix_cache
+
+        self.torch = torch
+        self.RadixCache = radix_cache.RadixCache
+        self.RadixKey = radix_cache.RadixKey
+        try:  # 0.5.10 on: parameter objects
+            from sglang.srt.mem_cache import base_prefix_cache as base
+            self.MatchPrefixParams: Any = base.MatchPrefixParams
+            self.InsertParams: Any = base.InsertParams
+            self.EvictParams: Any = base.EvictParams
+        except (ImportError, AttributeError):  # 0.5.5: positional arguments
+            self.MatchPrefixParams = self.InsertParams = self.EvictParams = None
+        params = set(inspect.signature(self.RadixKey.__init__).parameters)
+        self.has_salt = "cache_salt" in params  # 0.5.22 on
+        self.array_keys = "limit" in params  # 0.5.22 on: token ids as array('q')
+
+
+class PageAllocator:
+    """Page-granular KV slots for the tree (what SGLang's TokenToKVPoolAllocator is to
+    it). Page p holds slots p*P .. p*P+P-1; page 0 is never handed out. Frees are
+    counted by page (a tree frees whole pages); a page freed twice is recorded."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.device = "cpu"
+        self.num_pages = num_pages
+        self.free_pages = list(range(1, num_pages + 1))
+        self.double_frees: list[int] = []
+
+    def available_size(self) -> int:
+        """Free slots."""
+        return len(self.free_pages) * self.page_size
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """`n` pages, or None (nothing taken) when fewer are free."""
+        if n > len(self.free_pages):
+            return None
+        got, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        return got
+
+    def free(self, indices: Any) -> None:
+        """Free slots (SGLang's call): a page returns when its first slot is freed."""
+        ids = indices.tolist() if hasattr(indices, "tolist") else list(indices)
+        for slot in ids:
+            if int(slot) % self.page_size:
+                continue
+            page = int(slot) // self.page_size
+            if page in self.free_pages:
+                self.double_frees.append(page)
+            else:
+                self.free_pages.append(page)
+
+    def free_segment(self, indices: Any, start_pos: int = 0) -> None:
+        """0.5.22 on: free a page-aligned segment of a request's row."""
+        self.free(indices)
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    scope: Scope | None
+    slots: list[int]  # its slots in order; [0, locked) are the tree's
+    hold: Any  # its lock on the tree node ending its locked prefix (`_lock`)
+    locked: int  # tokens of the locked tree prefix
+    committed: int
+    scheduled: int  # tokens whose slots are allocated for computing (slots go by pages)
+    ids: list[int] = field(default_factory=list)  # page ids, as logged
+
+
+class SglangCache:
+    """`CacheUnderTest` over one fresh `RadixCache` with page_size = block_size."""
+
+    def __init__(self, s: SglangNames, version: str, num_blocks: int, block_size: int,
+                 record: bool) -> None:
+        self.s = s
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.record = record
+        self.alloc = PageAllocator(num_blocks, block_size)
+        self.tree = self._build_tree()
+        self._contract = self._make_contract(version)
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._log: list[dict[str, Any]] = []
+
+    def _build_tree(self) -> Any:
+        s, P = self.s, self.block_size
+        if hasattr(s.RadixCache, "create_simulated"):
+            return s.RadixCache.create_simulated(
+                mock_allocator=self.alloc, page_size=P, enable_kv_cache_events=self.record)
+        return s.RadixCache(None, self.alloc, P, enable_kv_cache_events=self.record)  # 0.5.5
+
+    def _make_contract(self, version: str) -> Contract:
+        return contract(version, self.block_size)
+
+    def _lock(self, node: Any) -> Any:
+        """Lock `node` (and its path) against eviction; returns what `_unlock` takes."""
+        self.tree.inc_lock_ref(node)
+        return node
+
+    def _unlock(self, hold: Any) -> None:
+        self.tree.dec_lock_ref(hold)
+
+    def _free_duplicates(self, slots: list[int]) -> None:
+        """RadixCache leaves a caller's duplicate slots to the caller (`_insert_cache`)."""
+        self.alloc.free(slots)
+
+    def _total(self) -> int:
+        """Tokens in the tree."""
+        return int(self.tree.total_size())
+
+    @property
+    def contract(self) -> Contract:
+        """This release's contract."""
+        return self._contract
+
+    # -- for the self-test ---------------------------------------------------------------
+
+    def engine_callables(self) -> dict[str, tuple[object, str]]:
+        """Every SGLang function the adapter calls."""
+        t, s = self.tree, self.s
+        out: dict[str, tuple[object, str]] = {
+            "RadixCache.__init__": (s.RadixCache, "__init__"),
+            "match_prefix": (t, "match_prefix"), "insert": (t, "insert"),
+            "evict": (t, "evict"), "inc_lock_ref": (t, "inc_lock_ref"),
+            "dec_lock_ref": (t, "dec_lock_ref"), "evictable_size": (t, "evictable_size"),
+            "protected_size": (t, "protected_size"), "total_size": (t, "total_size"),
+            "take_events": (t, "take_events"), "RadixKey.__init__": (s.RadixKey, "__init__")}
+        if hasattr(t, "path_device_indices"):
+            out["path_device_indices"] = (t, "path_device_indices")
+        return out
+
+    def raw_probe(self) -> dict[str, Any]:
+        """SGLang's own results for one match and insert, evicted again."""
+        P = self.block_size
+        tokens = list(range(1, 2 * P + 1))
+        pages = self.alloc.alloc_pages(2) or []
+        value = self.s.torch.tensor([p * P + i for p in pages for i in range(P)])
+        key = self._key(tokens, None)
+        out = {"insert": self._insert_raw(key, value), "match_prefix": self._match_raw(key),
+               "evictable_size": self.tree.evictable_size()}
+        self._evict_tokens(2 * P)
+        out["take_events"] = self.tree.take_events() if self.record else []
+        return out
+
+    # -- the tree's calls across releases --------------------------------------------------
+
+    def _key(self, tokens: Sequence[int], scope: Scope | None) -> Any:
+        s = self.s
+        salt = None if scope is None else scope.salt
+        lora = None if scope is None or scope.lora_id is None else str(scope.lora_id)
+        extra = None if s.has_salt else salt  # before 0.5.22 the salt is the extra key
+        if lora is not None:
+            extra = (extra or "") + lora  # Req.__init__'s concatenation
+        ids: Any = array("q", tokens) if s.array_keys else list(tokens)
+        if s.has_salt:
+            return s.RadixKey(ids, extra, cache_salt=salt)
+        return s.RadixKey(ids, extra)
+
+    def _match_raw(self, key: Any) -> Any:
+        if self.s.MatchPrefixParams is not None:
+            return self.tree.match_prefix(self.s.MatchPrefixParams(key=key))
+        return self.tree.match_prefix(key)
+
+    def _match(self, key: Any) -> tuple[Any, list[int]]:
+        """(the deepest matched node, the matched slots)."""
+        res = self._match_raw(key)
+        node = res.last_device_node
+        if hasattr(res, "device_prefix_len"):
+            slots = self.tree.path_device_indices(node).tolist()
+        else:
+            slots = res.device_indices.tolist()
+        return node, [int(x) for x in slots]
+
+    def _insert_raw(self, key: Any, value: Any) -> Any:
+        if self.s.InsertParams is not None:
+            return self.tree.insert(self.s.InsertParams(key=key, value=value))
+        return self.tree.insert(key, value)
+
+    def _insert(self, key: Any, value: Any, protected: int) -> int:
+        """Insert; returns the length already cached. `protected`: the tokens the caller
+        holds locked in the tree (RadixCache does not ask)."""
+        got = self._insert_raw(key, value)
+        return int(got.prefix_len) if hasattr(got, "prefix_len") else int(got)
+
+    def _evict_tokens(self, num_tokens: int) -> int:
+        """Evict at least `num_tokens` (whole leaves); returns the slots freed."""
+        before = self.alloc.available_size()
+        if self.s.EvictParams is not None:
+            self.tree.evict(self.s.EvictParams(num_tokens=num_tokens))
+        else:
+            self.tree.evict(num_tokens)
+        return self.alloc.available_size() - before
+
+    def _pages(self, slots: Sequence[int]) -> list[int]:
+        return [x // self.block_size for x in slots[::self.block_size]]
+
+    def _grow(self, seq: _Seq, num_tokens: int) -> bool:
+        """Slots for `seq`'s tokens up to `num_tokens`, evicting only the shortfall;
+        False (nothing changed) when free and evictable pages cannot cover them."""
+        P = self.block_size
+        need = -(-num_tokens // P) - len(seq.slots) // P
+        if need <= 0:
+            return True
+        short = need - len(self.alloc.free_pages)
+        if short > 0:
+            if short * P > self.tree.evictable_size():
+                return False
+            self._evict_tokens(short * P)
+        pages = self.alloc.alloc_pages(need)
+        if pages is None:
+            return False
+        for p in pages:
+            seq.slots.extend(range(p * P, p * P + P))
+        return True
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
+              first_chunk: int | None) -> Admission | None:
+        """Match the first L - 1 tokens, lock the hit, take the first chunk's pages."""
+        if seq_id in self._seqs:
+            raise ValueError(f"admit({seq_id!r}): already live")
+        tokens = list(tokens)
+        node, slots = self._match(self._key(tokens[:len(tokens) - 1], scope))
+        hit = len(slots)
+        left = len(tokens) - hit
+        scheduled = hit + (left if first_chunk is None else min(left, first_chunk))
+        hold = self._lock(node)  # eviction for its chunk must not take its hit
+        seq = _Seq(tokens, scope, list(slots), hold, hit, hit, scheduled)
+        if not self._grow(seq, scheduled):
+            self._unlock(hold)
+            return None
+        self._seqs[seq_id] = seq
+        seq.ids = self._pages(seq.slots)
+        self._write({"kind": "admit", "seq_id": seq_id, "tokens": tokens, "num_tokens": hit,
+                     "scope": self._contract.scope_key(scope), "block_ids": seq.ids})
+        return Admission(hit, tuple(seq.ids), scheduled)
+
+    def _write(self, event: dict[str, Any]) -> None:
+        if self.record:
+            self._log.append(event)
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        """Pages for the next chunk; None if refused."""
+        seq = self._seqs[seq_id]
+        target = min(num_tokens, len(seq.tokens))
+        if target <= seq.scheduled:
+            return seq.scheduled
+        before = len(seq.ids)
+        if not self._grow(seq, target):
+            return None
+        seq.scheduled = target
+        seq.ids = self._pages(seq.slots)
+        if len(seq.ids) > before:
+            self._write({"kind": "append", "seq_id": seq_id, "tokens": [],
+                         "block_ids": seq.ids[before:]})
+        return target
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Insert the page-aligned computed prefix; ValueError past the slots given."""
+        seq = self._seqs[seq_id]
+        if num_tokens > seq.scheduled:
+            raise ValueError(f"commit({seq_id!r}, {num_tokens}): only {seq.scheduled} "
+                             "tokens were scheduled")
+        seq.committed = max(seq.committed, num_tokens)
+        switched = self._insert_committed(seq)
+        event: dict[str, Any] = {"kind": "commit", "seq_id": seq_id, "num_tokens": num_tokens}
+        if switched:
+            event["block_ids"] = seq.ids
+        self._write(event)
+
+    def _insert_committed(self, seq: _Seq) -> bool:
+        """Insert the computed whole pages and lock them; returns whether the sequence's
+        pages changed (another request had inserted some first)."""
+        P = self.block_size
+        n = seq.committed // P * P
+        if n <= seq.locked:
+            return False
+        key = self._key(seq.tokens[:n], seq.scope)
+        prefix_len = self._insert(key, self.s.torch.tensor(seq.slots[:n], dtype=self.s.torch.int64),
+                                  seq.locked)
+        #   [0, locked)            the tree's already (our hit, or our earlier insert)
+        #   [locked, prefix_len)   inserted by another request first: ours are duplicates
+        #   [prefix_len, n)        ours, now the tree's
+        if prefix_len > seq.locked:
+            self._free_duplicates(seq.slots[seq.locked:prefix_len])
+        node, slots = self._match(key)
+        assert len(slots) == n, (len(slots), n)
+        seq.slots[:n] = slots
+        hold = self._lock(node)
+        self._unlock(seq.hold)
+        seq.hold, seq.locked = hold, n
+        old, seq.ids = seq.ids, self._pages(seq.slots)
+        return old != seq.ids
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        """Decode growth: pages for the new tokens; None (nothing changed) if refused."""
+        seq = self._seqs[seq_id]
+        before = len(seq.ids)
+        if not self._grow(seq, len(seq.tokens) + len(tokens)):
+            return None
+        seq.tokens.extend(tokens)
+        seq.scheduled = len(seq.tokens)
+        seq.ids = self._pages(seq.slots)
+        added = seq.ids[before:]
+        self._write({"kind": "append", "seq_id": seq_id, "tokens": list(tokens),
+                     "block_ids": added})
+        return tuple(added)
+
+    def free(self, seq_id: Hashable) -> None:
+        """`cache_finished_req`: insert the computed pages, free the rest, unlock."""
+        seq = self._seqs.pop(seq_id)
+        self._insert_committed(seq)
+        self.alloc.free(seq.slots[seq.locked:])
+        self._unlock(seq.hold)
+        self._write({"kind": "free", "seq_id": seq_id})
+
+    def evict(self, num_blocks: int) -> int:
+        """`evict(num_tokens)`: whole leaves, so possibly more than asked."""
+        return self._evict_tokens(num_blocks * self.block_size) // self.block_size
+
+    def stats(self) -> Stats:
+        """The tree's gauges (it keeps no counters), in tokens."""
+        t, P = self.tree, self.block_size
+        engine: dict[str, int | float] = {
+            "evictable_size": t.evictable_size(), "protected_size": t.protected_size(),
+            "total_size": self._total()}
+        used = self.used_blocks()
+        harness: dict[str, int | float] = {
+            "maxNumBlocks": self.num_blocks, "usedNumBlocks": used,
+            "freeNumBlocks": self.num_blocks - used, "cachedNumBlocks": self._total() // P,
+            "tokensPerBlock": P}
+        return Stats(engine, harness)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """SGLang's KV events as the harness's dicts (hashes as text)."""
+        return [_normalise(e) for e in self.tree.take_events()] if self.record else []
+
+    def take_log(self) -> list[dict[str, Any]]:
+        """The harness log since the last call."""
+        out, self._log = self._log, []
+        return out
+
+    def used_blocks(self) -> int:
+        """The tree's locked pages (`protected_size`) plus the pages sequences hold
+        outside the tree."""
+        P = self.block_size
+        private = sum(len(seq.slots) - seq.locked for seq in self._seqs.values()) // P
+        return int(self.tree.protected_size()) // P + private
+
+    def cached_hashes(self) -> None:
+        """The tree's state names no event hashes (they are computed as events go)."""
+        return None
+
+    def check_integrity(self) -> list[str]:
+        """Every page is free, in the tree or held by one sequence, never two of them;
+        the tree's gauges add up."""
+        P = self.block_size
+        out: list[str] = []
+        held: list[int] = []
+        for seq in self._seqs.values():
+            held += [x // P for x in seq.slots[seq.locked:][::P]]
+        tree_pages = self._tree_pages()
+        free = set(self.alloc.free_pages)
+        if len(held) != len(set(held)):
+            out.append(f"pages held by two sequences: {sorted(held)}")
+        for what, a, b in (("held and free", set(held), free),
+                           ("in the tree and free", tree_pages, free),
+                           ("held and in the tree", set(held), tree_pages)):
+            if a & b:
+                out.append(f"pages both {what}: {sorted(a & b)}")
+        lost = set(range(1, self.num_blocks + 1)) - set(held) - tree_pages - free
+        if lost:
+            out.append(f"pages owned by nobody (leaked): {sorted(lost)}")
+        if self.alloc.double_frees:
+            out.append(f"pages freed twice: {self.alloc.double_frees}")
+        t = self.tree
+        if t.evictable_size() + t.protected_size() != self._total():
+            out.append(f"evictable {t.evictable_size()} + protected {t.protected_size()} "
+                       f"!= total {self._total()}")
+        return out
+
+    def _tree_pages(self) -> set[int]:
+        P = self.block_size
+        pages: set[int] = set()
+        stack = [self.tree.root_node]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.tree.root_node and node.value is not None:
+                pages |= {int(x) // P for x in node.value.tolist()}
+        return pages
+
+    def leak_report(self) -> list[str]:
+        """With nothing live: tokens still locked in the tree."""
+        locked = self.tree.protected_size()
+        return [f"protected_size {locked}: tokens locked with no live request"] if locked \
+            else []
+
+
+def _text(h: Any) -> str | None:
+    if h is None:
+        return None
+    return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
+
+
+def _normalise(event: Any) -> dict[str, Any]:
+    kind = type(event).__name__
+    out: dict[str, Any] = {"type": kind}
+    if kind in ("BlockStored", "BlockRemoved"):
+        out["block_hashes"] = [_text(h) for h in event.block_hashes]
+        medium = getattr(event, "medium", None)
+        out["medium"] = "GPU" if medium is None else str(getattr(medium, "value", medium))
+    if kind == "BlockStored":
+        out.update(parent_block_hash=_text(event.parent_block_hash),
+                   token_ids=[int(t) for t in event.token_ids], block_size=event.block_size,
+                   salt=None, lora_id=None, lora_name=getattr(event, "lora_name", None),
+                   cache_salt=getattr(event, "cache_salt", None))
+    return out

@@ -1,0 +1,417 @@
+"""vLLM's v1 `KVCacheManager` behind the cache-level protocol (runs in a vLLM venv).
+
+The adapter does what vLLM's scheduler does around the manager and no more: one
+`Request` per admission (block hasher, cache salt, LoRA request), the lookup
+(`get_computed_blocks`, which applies the last-token cap itself), `allocate_slots`
+for the reused tokens plus the first chunk (`num_new_tokens` = the chunk after the hit,
+as the scheduler's token budget), the prefix-cache stats where the scheduler records
+them (0.27.0 on: after a successful allocation), and `num_computed_tokens` advanced as
+`_update_after_schedule` does. Releases differ in signatures and attributes, which the
+adapter finds by feature; the contract differs by version (`contract`).
+
+vLLM caches a block inside `allocate_slots`, before the forward pass: the adapter logs
+an implied commit right after every allocation, so the oracles treat the blocks as
+written (the contract's `matchable_at="allocation"`), and logs a commit of its own only
+past that. A decode step appends the token, then allocates; a refusal is decided first
+(the blocks the new tokens need against `get_num_free_blocks`, as `allocate_slots`
+decides), so a refused append changes nothing. Block ids are vLLM's (the null block,
+id 0, is never handed out: the config has one block more than the pool the checks
+size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import os
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from harness.conform.protocol import (
+    Admission,
+    CacheUnderTest,
+    Contract,
+    CounterMeaning,
+    LoadedEngine,
+    Scope,
+    Stats,
+)
+from harness.conform.stubs import StubSpec, install
+
+MODULES = ("vllm.v1.core.kv_cache_manager", "vllm.v1.core.kv_cache_utils",
+           "vllm.v1.core.block_pool", "vllm.v1.request", "vllm.sampling_params",
+           "vllm.v1.kv_cache_interface")
+COUNTERS: tuple[tuple[str, CounterMeaning], ...] = (
+    ("requests", "requests"), ("queries", "prompt_tokens"), ("hits", "reused_tokens"),
+    ("preempted_requests", "zero"), ("preempted_queries", "zero"), ("preempted_hits", "zero"))
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+
+
+def contract(version: str, block_size: int, explicit_evict: bool) -> Contract:
+    """vLLM `version`'s contract (what its own code and docstrings state)."""
+    lora = ("lora_name", "lora_path") if _version(version) >= (0, 31) else ("lora_name",)
+    lora_doc = ("vllm/v1/core/kv_cache_utils.py _gen_lora_extra_hash_keys: 'The adapter "
+                "path is included so that re-pointing a LoRA name at a different adapter "
+                "does not reuse KV computed with the previous one'"
+                if len(lora) == 2 else
+                "vllm/lora/request.py LoRARequest.__eq__/__hash__: adapters are "
+                "'identified by their names across engines'")
+    counters = COUNTERS if _version(version) >= (0, 11) else COUNTERS[:3]
+    return Contract(
+        engine="vllm", version=version, block_size=block_size, id_unit="block",
+        stats_unit="tokens", last_token_cap="manager", matchable_at="allocation",
+        partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
+        lora_identity=lora, scope_in_event_hash=("salt", "lora"),  # type: ignore[arg-type]
+        eviction="lru-blocks-tail-first", explicit_evict=explicit_evict,
+        dedup_on_commit=False, chunked_allocation=True, counters=counters,
+        citations=(
+            ("matchable_at", "kv_cache_manager.py allocate_slots: 'to be cached' spans the "
+                             "new tokens; the blocks are cached before the forward pass"),
+            ("last_token_cap", "kv_cache_manager.py get_computed_blocks: 'When all tokens "
+                               "hit the cache, we must recompute the last token'"),
+            ("dedup_on_commit", "block_pool.py BlockHashToBlockMap: 'We currently don't "
+                                "de-duplicate the blocks in the cache'"),
+            ("lora_identity", lora_doc),
+            ("counters", "v1/metrics/stats.py PrefixCacheStats: requests, queries and hits "
+                         "in tokens; preempted_* for requests resumed after preemption")),
+        notes=("stats are recorded by the caller after allocation (record_prefix_cache_stats)"
+               if _version(version) >= (0, 27) else
+               "stats are recorded inside get_computed_blocks, refused lookups included",))
+
+
+def load(stubs: StubSpec) -> LoadedEngine:
+    """Install `stubs` (vLLM's cache path needs none), import vLLM's cache modules and
+    return the engine. Raises ImportError when they do not import."""
+    finder = install(stubs) if not stubs.empty else None
+    vllm = importlib.import_module("vllm")
+    for name in MODULES:
+        importlib.import_module(name)
+    version = importlib.metadata.version("vllm")
+    engine = _Vllm()
+
+    def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
+        return VllmCache(engine, version, num_blocks, block_size, record)
+
+    return LoadedEngine("vllm", version, os.path.dirname(str(vllm.__file__)), new, MODULES,
+                        tuple(finder.served) if finder else ())
+
+
+class _Vllm:
+    """The vLLM names the adapter uses, imported once (after the stubs)."""
+
+    def __init__(self) -> None:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.request import Request
+
+        try:
+            from vllm.lora.request import LoRARequest
+        except ImportError:  # pragma: no cover - every supported release has it
+            LoRARequest = None
+        try:  # 0.16.0 on
+            from vllm.utils.hashing import sha256_cbor
+        except ImportError:  # 0.10.x
+            from vllm.utils import sha256_cbor
+        self.torch = torch
+        self.SamplingParams = SamplingParams
+        self.utils = kv_cache_utils
+        self.KVCacheManager = KVCacheManager
+        self.FullAttentionSpec = FullAttentionSpec
+        self.KVCacheConfig = KVCacheConfig
+        self.KVCacheGroupSpec = KVCacheGroupSpec
+        self.Request = Request
+        self.LoRARequest = LoRARequest
+        self.sha256_cbor = sha256_cbor
+        self.request_params = set(inspect.signature(Request.__init__).parameters)
+        self.manager_params = set(inspect.signature(KVCacheManager.__init__).parameters)
+
+
+def _hash_text(h: Any) -> str:
+    return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
+
+
+class VllmCache:
+    """`CacheUnderTest` over one fresh `KVCacheManager` (full attention, one group)."""
+
+    def __init__(self, v: _Vllm, version: str, num_blocks: int, block_size: int,
+                 record: bool) -> None:
+        self.v = v
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.record = record
+        v.utils.init_none_hash(v.sha256_cbor)
+        self._hasher = v.utils.get_request_block_hasher(block_size, v.sha256_cbor)
+        spec_fields = {f.name for f in dataclasses.fields(v.FullAttentionSpec)}
+        spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
+                                   dtype=v.torch.float32,
+                                   **({"use_mla": False} if "use_mla" in spec_fields else {}))
+        config = v.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],
+                                 kv_cache_groups=[v.KVCacheGroupSpec(["layer.0"], spec)])
+        wanted = {"kv_cache_config": config, "max_model_len": 1 << 16,
+                  "enable_caching": True, "log_stats": True, "enable_kv_cache_events": record,
+                  "hash_block_size": block_size, "scheduler_block_size": block_size}
+        self.manager = v.KVCacheManager(**{k: x for k, x in wanted.items()
+                                           if k in v.manager_params})
+        self.pool = self.manager.block_pool
+        # 0.27.0 on the scheduler records the prefix-cache stats after the allocation
+        self._caller_records = hasattr(self.manager, "record_prefix_cache_stats")
+        self._contract = contract(version, block_size, hasattr(self.manager, "evict_blocks"))
+        self._reqs: dict[Hashable, Any] = {}
+        self._logged: dict[Hashable, int] = {}  # seq -> tokens its log says are computed
+        self._scopes: dict[Hashable, str | None] = {}
+        self._engine_stats: dict[str, int] = {}
+        self._log: list[dict[str, Any]] = []
+
+    @property
+    def contract(self) -> Contract:
+        """This release's contract."""
+        return self._contract
+
+    # -- for the self-test -------------------------------------------------------------
+
+    def engine_callables(self) -> dict[str, tuple[object, str]]:
+        """Every vLLM function the adapter calls."""
+        m, v = self.manager, self.v
+        out: dict[str, tuple[object, str]] = {
+            "KVCacheManager.__init__": (v.KVCacheManager, "__init__"),
+            "get_computed_blocks": (m, "get_computed_blocks"),
+            "allocate_slots": (m, "allocate_slots"), "free": (m, "free"),
+            "take_events": (m, "take_events"),
+            "make_prefix_cache_stats": (m, "make_prefix_cache_stats"),
+            "get_block_ids": (m, "get_block_ids"),
+            "get_num_free_blocks": (self.pool, "get_num_free_blocks"),
+            "Request.__init__": (v.Request, "__init__"),
+            "append_output_token_ids": (v.Request, "append_output_token_ids"),
+            "get_request_block_hasher": (v.utils, "get_request_block_hasher"),
+            "get_block_hash": (v.utils, "get_block_hash"),
+            "maybe_convert_block_hash": (v.utils, "maybe_convert_block_hash"),
+            "sha256_cbor": (inspect.getmodule(v.sha256_cbor), "sha256_cbor")}
+        if self._caller_records:
+            out["record_prefix_cache_stats"] = (m, "record_prefix_cache_stats")
+        if hasattr(m, "evict_blocks"):
+            out["evict_blocks"] = (m, "evict_blocks")
+        return out
+
+    def raw_probe(self) -> dict[str, Any]:
+        """vLLM's own results for one admission, freed again."""
+        req = self._request("__selftest__", list(range(1, 2 * self.block_size + 2)), None)
+        found = self.manager.get_computed_blocks(req)
+        new = self.manager.allocate_slots(req, req.num_tokens, found[1], found[0])
+        out = {"get_computed_blocks": found, "allocate_slots": new,
+               "get_block_ids": self.manager.get_block_ids(req.request_id),
+               "make_prefix_cache_stats": self.manager.make_prefix_cache_stats()}
+        self.manager.free(req)
+        out["take_events"] = self.manager.take_events()
+        self.manager.reset_prefix_cache()
+        self.manager.take_events()
+        return out
+
+    # -- the protocol --------------------------------------------------------------------
+
+    def _request(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None) -> Any:
+        v = self.v
+        lora = None
+        if scope is not None and scope.has_lora:
+            lora = v.LoRARequest(scope.lora_name, scope.lora_id, scope.lora_path)
+        kwargs = {"request_id": str(seq_id), "prompt_token_ids": list(tokens),
+                  "sampling_params": v.SamplingParams(max_tokens=1 << 15),
+                  "pooling_params": None, "eos_token_id": None, "lora_request": lora,
+                  "cache_salt": None if scope is None else scope.salt,
+                  "block_hasher": self._hasher}
+        return v.Request(**{k: x for k, x in kwargs.items() if k in v.request_params})
+
+    def _ids(self, seq_id: Hashable) -> list[int]:
+        groups = self.manager.get_block_ids(str(seq_id))
+        return list(groups[0]) if groups else []
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
+              first_chunk: int | None) -> Admission | None:
+        """Lookup, then allocate the hit plus the first chunk; None if refused."""
+        if seq_id in self._reqs:
+            raise ValueError(f"admit({seq_id!r}): already live")
+        req = self._request(seq_id, tokens, scope)
+        found = self.manager.get_computed_blocks(req)  # a 2-tuple before 0.26, then 3
+        computed, hit = found[0], found[1]
+        left = len(tokens) - hit
+        num_new = left if first_chunk is None else min(left, first_chunk)
+        if self.manager.allocate_slots(req, num_new, num_new_computed_tokens=hit,
+                                       new_computed_blocks=computed) is None:
+            return None
+        if self._caller_records:
+            self.manager.record_prefix_cache_stats(req, hit)
+        req.num_computed_tokens = hit + num_new  # the scheduler's _update_after_schedule
+        self._reqs[seq_id] = req
+        self._scopes[seq_id] = self._contract.scope_key(scope)
+        ids = self._ids(seq_id)
+        self._write({"kind": "admit", "seq_id": seq_id, "tokens": list(tokens),
+                     "num_tokens": hit, "scope": self._scopes[seq_id], "block_ids": ids})
+        self._logged[seq_id] = hit
+        self._implied_commit(seq_id)
+        return Admission(hit, tuple(ids), req.num_computed_tokens)
+
+    def _write(self, event: dict[str, Any]) -> None:
+        if self.record:
+            self._log.append(event)
+
+    def _implied_commit(self, seq_id: Hashable) -> None:
+        """vLLM cached the allocated full blocks already: log them as computed."""
+        req = self._reqs[seq_id]
+        n = min(req.num_computed_tokens, req.num_tokens)
+        if n > self._logged[seq_id]:
+            self._write({"kind": "commit", "seq_id": seq_id, "num_tokens": n})
+            self._logged[seq_id] = n
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        """Allocate the next chunk (up to `num_tokens`); None if refused."""
+        req = self._reqs[seq_id]
+        num_new = min(num_tokens, req.num_tokens) - req.num_computed_tokens
+        if num_new <= 0:
+            return req.num_computed_tokens
+        before = len(self._ids(seq_id))
+        if self.manager.allocate_slots(req, num_new) is None:
+            return None
+        req.num_computed_tokens += num_new
+        self._write({"kind": "append", "seq_id": seq_id, "tokens": [],
+                     "block_ids": self._ids(seq_id)[before:]})
+        self._implied_commit(seq_id)
+        return req.num_computed_tokens
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Nothing for vLLM to do (it cached at allocation); ValueError past what was
+        scheduled."""
+        req = self._reqs[seq_id]
+        if num_tokens > req.num_computed_tokens:
+            raise ValueError(f"commit({seq_id!r}, {num_tokens}): only "
+                             f"{req.num_computed_tokens} tokens were scheduled")
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        """Append the tokens, then allocate them, as a decode step does; None (nothing
+        changed) when their blocks are not free."""
+        req = self._reqs[seq_id]
+        before = self._ids(seq_id)
+        need = -(-(req.num_tokens + len(tokens)) // self.block_size) - len(before)
+        if need > self.pool.get_num_free_blocks():
+            return None
+        req.append_output_token_ids(list(tokens))
+        if self.manager.allocate_slots(req, req.num_tokens - req.num_computed_tokens) is None:
+            raise RuntimeError(f"allocate_slots refused {len(tokens)} decode tokens of "
+                               f"{seq_id!r} although get_num_free_blocks() had the {need} "
+                               "blocks they need")
+        req.num_computed_tokens = req.num_tokens
+        added = self._ids(seq_id)[len(before):]
+        self._write({"kind": "append", "seq_id": seq_id, "tokens": list(tokens),
+                     "block_ids": added})
+        self._implied_commit(seq_id)
+        return tuple(added)
+
+    def free(self, seq_id: Hashable) -> None:
+        """`KVCacheManager.free`: the blocks stay cached in the free queue."""
+        req = self._reqs.pop(seq_id)
+        self._logged.pop(seq_id)
+        self._scopes.pop(seq_id)
+        self.manager.free(req)
+        self._write({"kind": "free", "seq_id": seq_id})
+
+    def evict(self, num_blocks: int) -> int:
+        """`evict_blocks` on the first `num_blocks` cached blocks of vLLM's own free
+        queue (those the next allocations would evict); 0 before vLLM had it."""
+        if not hasattr(self.manager, "evict_blocks"):
+            return 0
+        queue = self.pool.free_block_queue
+        ids = [b.block_id for b in queue.get_all_free_blocks()
+               if b.block_hash is not None][:num_blocks]
+        if ids:
+            self.manager.evict_blocks(set(ids))
+        return len(ids)
+
+    def stats(self) -> Stats:
+        """PrefixCacheStats summed since the start (vLLM hands them out and resets)."""
+        s = self.manager.make_prefix_cache_stats()
+        if s is not None:
+            pairs = ((f.name, getattr(s, f.name)) for f in dataclasses.fields(s)) \
+                if dataclasses.is_dataclass(s) else vars(s).items()
+            for k, x in pairs:
+                if isinstance(x, int) and not isinstance(x, bool):
+                    self._engine_stats[k] = self._engine_stats.get(k, 0) + x
+        free = self.pool.get_num_free_blocks()
+        cached = sum(1 for b in self.pool.blocks if b.block_hash is not None)
+        engine: dict[str, int | float] = {**self._engine_stats, "num_free_blocks": free,
+                                          "usage": self.pool.get_usage(),
+                                          "num_gpu_blocks": self.pool.num_gpu_blocks}
+        hits = self._engine_stats.get("hits", 0)
+        queries = self._engine_stats.get("queries", 0)
+        harness: dict[str, int | float] = {
+            "maxNumBlocks": self.num_blocks, "freeNumBlocks": free,
+            "usedNumBlocks": self.num_blocks - free, "cachedNumBlocks": cached,
+            "tokensPerBlock": self.block_size, "reusedTokens": hits,
+            "reusedBlocks": hits // self.block_size,
+            "missedBlocks": -(-queries // self.block_size) - hits // self.block_size}
+        return Stats(engine, harness)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """vLLM's KV events as the harness's dicts (hashes as text)."""
+        return [_normalise(e) for e in self.manager.take_events()] if self.record else []
+
+    def take_log(self) -> list[dict[str, Any]]:
+        """The harness log since the last call."""
+        out, self._log = self._log, []
+        return out
+
+    def used_blocks(self) -> int:
+        """Pool blocks minus vLLM's free count (cached-but-unreferenced blocks are free)."""
+        return int(self.num_blocks - self.pool.get_num_free_blocks())
+
+    def cached_hashes(self) -> list[str]:
+        """Every block with a hash, as vLLM's events name it."""
+        u = self.v.utils
+        return [_hash_text(u.maybe_convert_block_hash(u.get_block_hash(b.block_hash)))
+                for b in self.pool.blocks if b.block_hash is not None]
+
+    def check_integrity(self) -> list[str]:
+        """Each block's ref_cnt equals the live requests holding it; the free queue holds
+        exactly the unreferenced blocks."""
+        holds: dict[int, int] = {}
+        for seq_id in self._reqs:
+            for b in self._ids(seq_id):
+                if b != self.pool.null_block.block_id:
+                    holds[b] = holds.get(b, 0) + 1
+        out = [f"block {b.block_id}: ref_cnt {b.ref_cnt}, held by "
+               f"{holds.get(b.block_id, 0)} live requests"
+               for b in self.pool.blocks
+               if not b.is_null and b.ref_cnt != holds.get(b.block_id, 0)]
+        unreferenced = sum(1 for b in self.pool.blocks if not b.is_null and b.ref_cnt == 0)
+        if unreferenced != self.pool.get_num_free_blocks():
+            out.append(f"{unreferenced} blocks unreferenced, get_num_free_blocks() says "
+                       f"{self.pool.get_num_free_blocks()}")
+        return out
+
+    def leak_report(self) -> list[str]:
+        """With nothing live: every block still referenced."""
+        return [f"block {b.block_id}: ref_cnt {b.ref_cnt} with no live request"
+                for b in self.pool.blocks if not b.is_null and b.ref_cnt]
+
+
+def _normalise(event: Any) -> dict[str, Any]:
+    kind = type(event).__name__
+    out: dict[str, Any] = {"type": kind}
+    if kind == "BlockStored":
+        parent = event.parent_block_hash
+        out.update(block_hashes=[_hash_text(h) for h in event.block_hashes],
+                   parent_block_hash=None if parent is None else _hash_text(parent),
+                   token_ids=list(event.token_ids), block_size=event.block_size,
+                   lora_id=getattr(event, "lora_id", None), salt=None,
+                   medium=getattr(event, "medium", None) or "GPU",
+                   lora_name=getattr(event, "lora_name", None),
+                   extra_keys=repr(getattr(event, "extra_keys", None)))
+    elif kind == "BlockRemoved":
+        out.update(block_hashes=[_hash_text(h) for h in event.block_hashes],
+                   medium=getattr(event, "medium", None) or "GPU")
+    return out

@@ -1,0 +1,118 @@
+"""The engine's side of the pipe: `python -m harness.conform.worker`, inside its venv.
+
+The harness's process never imports an engine: it starts this worker with the engine's
+interpreter and the harness on its path, and speaks JSON lines over stdin/stdout. Every
+message is data; the one that loads an engine names it, and the name selects an adapter
+from `harness.conform.locks.ADAPTERS` (anything else is refused), so no message names
+code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}.
+
+    load    engine, stubs          -> engine, version, package_dir, stubs_served, seconds
+    selftest                       -> problems, sources, substitutes
+    open    num_blocks, block_size -> contract
+    ops     ops (a list)           -> reports (one StepReport dict per op)
+    bench   quick                  -> rows
+    close                          -> (the worker exits)
+
+The engine's own output (vLLM logs to stdout) goes to stderr: the worker keeps the
+original stdout for replies and points file descriptor 1 at 2 before anything loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from typing import IO, Any
+
+from harness.conform.locks import ADAPTERS
+from harness.conform.ops import ops_from_json
+from harness.conform.protocol import LoadedEngine
+from harness.conform.selftest import self_test
+from harness.conform.session import Session
+from harness.conform.stubs import StubSpec
+
+
+class Worker:
+    """The worker's state: the loaded engine and the open cache's session."""
+
+    def __init__(self) -> None:
+        self.engine: LoadedEngine | None = None
+        self.session: Session | None = None
+
+    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """One request -> its reply (raises for a bad request or an engine failure)."""
+        cmd = msg.get("cmd")
+        if cmd == "load":
+            return self._load(msg)
+        engine = self.engine
+        if engine is None:
+            raise ValueError(f"{cmd!r} before load")
+        if cmd == "selftest":
+            cache = engine.new(16, 4, True)
+            got = self_test(cache, engine.package_dir, engine.modules)  # type: ignore[arg-type]
+            return {"problems": got.problems, "sources": got.sources,
+                    "substitutes": got.substitutes}
+        if cmd == "open":
+            cache = engine.new(int(msg["num_blocks"]), int(msg["block_size"]), True)
+            self.session = Session(cache)
+            return {"contract": cache.contract.as_dict()}
+        if cmd == "ops":
+            if self.session is None:
+                raise ValueError("ops before open")
+            session = self.session
+            return {"reports": [session.apply(op).as_dict()
+                                for op in ops_from_json(msg["ops"])]}
+        if cmd == "bench":
+            from harness.conform.bench import run_bench  # only benchmarks need it
+
+            return {"rows": [r._asdict() for r in run_bench(engine, bool(msg["quick"]))]}
+        raise ValueError(f"unknown command {cmd!r}")
+
+    def _load(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.engine is not None:
+            raise ValueError("an engine is loaded already")
+        name = msg.get("engine")
+        if name not in ADAPTERS:
+            raise ValueError(f"no adapter for engine {name!r}; known: {sorted(ADAPTERS)}")
+        start = time.perf_counter()
+        adapter = importlib.import_module(ADAPTERS[name])
+        self.engine = adapter.load(StubSpec.from_dict(msg.get("stubs", {})))
+        e = self.engine
+        return {"engine": e.name, "version": e.version, "package_dir": e.package_dir,
+                "stubs_served": list(e.stubs_served),
+                "seconds": round(time.perf_counter() - start, 2)}
+
+
+def serve(requests: IO[str], replies: IO[str]) -> None:
+    """Answer requests until `close` or the end of input."""
+    worker = Worker()
+    for line in requests:
+        if not line.strip():
+            continue
+        try:
+            msg = json.loads(line)
+            if not isinstance(msg, dict):
+                raise ValueError(f"a request is a JSON object, got {type(msg).__name__}")
+            if msg.get("cmd") == "close":
+                return
+            reply = {"ok": True, **worker.handle(msg)}
+        except Exception as exc:  # reported to the harness, which decides
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc(limit=-8)}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+def main() -> None:
+    """Keep stdout for replies, send everything else printed to stderr, serve."""
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    serve(sys.stdin, replies)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The pinned engines' full conformance runs (installed on first use, then cached), and
+the findings of older releases, which must stay found where those are installed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.conform import install
+from harness.conform.checks import CHECKS
+from harness.conform.locks import find_lock
+from harness.conform.runner import conform
+
+SEEDS = 8
+
+
+@pytest.mark.parametrize("spec", ["vllm==0.33.0", "sglang==0.5.23", "sglang_unified==0.5.23"],
+                         ids=["vllm", "sglang", "sglang-unified"])
+def test_the_pinned_release_passes_the_whole_run(spec: str, tmp_path: Path) -> None:
+    report = conform(spec, tmp_path, seeds=SEEDS, bench_quick=True, say=print)
+    assert report.exit_code == 0, report.reason or [(c.name, c.message) for c in report.failed]
+    assert len(report.checks) == len(CHECKS) + SEEDS
+    engines = {row["adapter"].split()[0] for row in report.bench}
+    assert engines == {"kvcache", spec.split("==")[0]}
+
+
+# docs/conformance.md, "Findings" 1-7: (release, the check that shows it, the oracle)
+FINDINGS = [
+    pytest.param("vllm==0.28.0", "scope_isolation", "count", id="vllm-0.28-salt-is-lora-name"),
+    pytest.param("vllm==0.26.0", "refused_then_retried", "refusal",
+                 id="vllm-0.26-refused-lookup-counted"),
+    pytest.param("vllm==0.10.2", "scope_isolation", "api", id="vllm-0.10-lora-events-raise"),
+    pytest.param("sglang==0.5.12", "scope_isolation", "count", id="sglang-0.5.12-salt-is-lora-id"),
+    pytest.param("sglang==0.5.12", "scope_event_hashes", "scenario",
+                 id="sglang-0.5.12-events-carry-no-scope"),
+    pytest.param("sglang==0.5.5", "cold_then_warm", "events", id="sglang-0.5.5-lookup-churn"),
+    pytest.param("sglang==0.5.5", "repeated_blocks", "events",
+                 id="sglang-0.5.5-position-blind-hashes"),
+]
+
+
+@pytest.mark.parametrize(("spec", "check", "oracle"), FINDINGS)
+def test_a_known_finding_is_still_found(spec: str, check: str, oracle: str,
+                                        tmp_path: Path) -> None:
+    engine, version = spec.split("==")
+    if install.installed(find_lock(engine, version)) is None:
+        pytest.skip(f"{spec} is not installed in {install.cache_dir()}")
+    report = conform(spec, tmp_path, seeds=0, only=[check], say=lambda _: None)
+    assert report.exit_code == 1
+    (result,) = report.checks
+    assert (result.status, result.oracle) == ("fail", oracle)
+    assert 0 < len(result.ops) <= result.num_ops

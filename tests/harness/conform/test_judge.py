@@ -1,0 +1,109 @@
+"""The judge's oracles each catch the fault they exist for, on kvcache's real manager
+with one deliberate fault in its adapter (tests/harness/conform/faults.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.conform import ops
+from harness.conform.checks import B, check_named
+from harness.conform.judge import Judge
+from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.protocol import Scope
+from harness.conform.runner import run_check
+from harness.conform.targets import LocalTarget, Target, replay
+from tests.harness.conform import faults
+
+A18 = list(range(100, 118))
+
+
+def oracles(target: Target, op_list: list[ops.Op], num_blocks: int = 32) -> list[str]:
+    return [v.oracle for v in replay(target, op_list, num_blocks, B)]
+
+
+def test_a_clean_run_finds_nothing() -> None:
+    target = LocalTarget("kvcache", KvcacheCache)
+    op_list = [ops.admit("A", A18), ops.commit("A", 18), ops.free("A"),
+               ops.admit("B", A18, Scope(salt="1")), ops.commit("B", 18), ops.free("B"),
+               ops.admit("C", A18), ops.append("C", [7, 8]), ops.commit("C", 20),
+               ops.free("C")]
+    assert oracles(target, op_list) == []
+
+
+def test_sharing_between_scopes_is_a_count_and_a_provenance_violation() -> None:
+    target = LocalTarget("salt-is-lora", faults.SaltIsLora)
+    op_list = [ops.admit("A", A18, Scope.lora("x", 1)), ops.commit("A", 18), ops.free("A"),
+               ops.admit("B", A18, Scope(salt="1")), ops.commit("B", 18)]
+    found = replay(target, op_list, 32, B)
+    assert [v.oracle for v in found] == ["count", "provenance"]
+    assert found[0].step == 3
+    assert "reused 17 tokens; the count oracle predicts 0" in found[0].message
+    assert "scope" in found[1].message  # the shadow store names whose KV it read
+
+
+def test_a_refusal_that_moves_a_counter_changed_the_cache() -> None:
+    target = LocalTarget("counts-refusals", faults.CountsRefusals)
+    op_list = [ops.admit("A", list(range(24))), ops.admit("B", list(range(50, 66)))]
+    found = replay(target, op_list, 8, B)
+    assert [v.oracle for v in found] == ["refusal"]
+    assert "engine counters {'lookups': (1, 2)}" in found[0].message
+
+
+def test_a_refusal_with_the_blocks_there_is_unfair() -> None:
+    target = LocalTarget("refuses-early", faults.RefusesEarly)
+    found = replay(target, [ops.admit("A", list(range(16))), ops.admit("B", list(range(50, 58)))],
+                   8, B)
+    assert [v.oracle for v in found] == ["capacity"]
+    # the capacity oracle's own refusal check (CapacityOracle.check_refusal)
+    assert "admit(B, 8 tokens 50..57) was refused although its blocks are there" \
+        in found[0].message
+    assert "needs 2, 4 of 8 free or evictable" in found[0].message
+
+
+def test_unpublished_blocks_break_the_event_index() -> None:
+    target = LocalTarget("silent-stores", faults.SilentStores)
+    found = replay(target, [ops.admit("A", A18), ops.commit("A", 18)], 32, B)
+    assert [v.oracle for v in found] == ["events"]
+    assert "the events say 0 blocks are cached, the cache holds 4" in found[0].message
+
+
+def test_an_engine_that_raises_is_reported_with_where() -> None:
+    target = LocalTarget("raises", faults.RaisesOnAppend)
+    found = replay(target, [ops.admit("A", A18), ops.append("A", [1])], 32, B)
+    assert found[0].oracle == "api"
+    assert "AttributeError: 'LoRARequest' object has no attribute 'id'" in found[0].message
+    assert "faults.py" in found[0].message  # where it was raised
+
+
+def test_blocks_held_after_free_are_caught() -> None:
+    target = LocalTarget("leaks", faults.LeaksOnFree)
+    found = replay(target, [ops.admit("A", A18), ops.commit("A", 18), ops.free("A")], 32, B)
+    assert {v.oracle for v in found} >= {"capacity", "leaks"}
+    leak = next(v for v in found if v.oracle == "leaks")
+    # the plugin's leak check (harness.oracle.leaks.leak_problems) over the engine's report
+    assert "nothing is live, yet: kvcache (_EngineReports): leaked: sequence 'A' is still " \
+        "live, holding 5 blocks" in leak.message
+
+
+def test_a_read_through_a_wrong_block_is_a_provenance_violation() -> None:
+    target = LocalTarget("wrong-ids", faults.LogsWrongIds)
+    found = replay(target, [ops.admit("A", A18), ops.commit("A", 18), ops.free("A"),
+                            ops.admit("B", A18)], 32, B)
+    assert [v.oracle for v in found][:1] == ["provenance"]
+
+
+def test_an_oracle_reports_once() -> None:
+    target = LocalTarget("salt-is-lora", faults.SaltIsLora)
+    judge = Judge(target.open(32, B), 32)
+    op_list = [ops.admit("A", A18, Scope.lora("x", 1)), ops.commit("A", 18), ops.free("A")]
+    op_list += [ops.admit(f"B{i}", A18, Scope(salt="1")) for i in range(3)]
+    found = [v for op in op_list for v in judge.observe(target.apply(op))]
+    assert [v.oracle for v in found].count("count") == 1
+
+
+@pytest.mark.parametrize("fault", [faults.SaltIsLora], ids=["salt-is-lora"])
+def test_the_scope_family_finds_the_fault(fault: type[KvcacheCache]) -> None:
+    result = run_check(LocalTarget("faulty", fault), check_named("scope_isolation"))
+    assert result.status == "fail" and result.oracle == "count"
+    assert len(result.ops) <= 6  # shrunk to the two admissions and what they need
+    assert any(op.get("scope") == {"salt": "1"} for op in result.ops)

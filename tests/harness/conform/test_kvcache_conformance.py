@@ -1,0 +1,62 @@
+"""kvcache's own manager passes the whole conformance run, through the command line too;
+the command's exit codes (0 passed, 2 could not run) and a replay of a report's op list."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main as kvharness
+from harness.conform.checks import CHECKS
+from harness.conform.runner import conform
+
+
+def test_kvcache_passes_every_check_and_the_fuzz(tmp_path: Path) -> None:
+    lines: list[str] = []
+    report = conform("kvcache", tmp_path, seeds=12, say=lines.append)
+    assert report.exit_code == 0, [c.message for c in report.failed]
+    assert [c.name for c in report.checks][:len(CHECKS)] == [c.name for c in CHECKS]
+    assert len(report.checks) == len(CHECKS) + 12
+    assert all(c.status == "pass" and c.num_ops > 0 for c in report.checks)
+    assert report.self_test["problems"] == [] and report.self_test["substitutes"] > 30
+    progress = [line for line in lines if line.startswith("[")]
+    assert len(progress) == len(report.checks)
+    assert progress[0].startswith(f"[ 1/{len(report.checks)}] cold_then_warm ")
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["contract"]["engine"] == "kvcache" and data["exit_code"] == 0
+    # the engine's counters at the end of a check, in its own names
+    assert data["checks"][0]["stats"]["engine"]["reusedTokens"] > 0
+
+
+def test_the_command_line_writes_the_report_and_replays_a_check(tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    assert kvharness(["conform", "kvcache", "--report", str(out), "--seeds", "0",
+                      "--check", "chunked_admission", "--bench-quick"]) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in data["checks"]] == ["chunked_admission"]
+    assert {row["adapter"] for row in data["bench"]} == {"kvcache"}
+    assert "## Speed" in (out / "report.md").read_text()
+    check = data["checks"][0]
+    check["ops"] = [{"kind": "admit", "seq": "A", "tokens": list(range(18))},
+                    {"kind": "commit", "seq": "A", "num_tokens": 18}, {"kind": "free", "seq": "A"}]
+    file = tmp_path / "check.json"
+    file.write_text(json.dumps(check))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 0
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    pytest.param("vllm==0.30.0", "vllm 0.30.0 is not supported; supported: 0.10.2", id="old"),
+    pytest.param("tensorrt_llm==1.2.1", "tensorrt_llm cannot run on this machine: "
+                 "TensorRT-LLM's wheels are not on the package registry", id="trtllm"),
+    pytest.param("lmdeploy==0.9.0", "no adapter for 'lmdeploy'", id="unknown"),
+    pytest.param("vllm>=0.30", "engine spec 'vllm>=0.30': expected NAME or NAME==VERSION",
+                 id="range"),
+])
+def test_a_run_that_cannot_be_done_is_exit_2_saying_why(tmp_path: Path, spec: str,
+                                                         reason: str) -> None:
+    assert kvharness(["conform", spec, "--report", str(tmp_path)]) == 2
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["exit_code"] == 2 and data["reason"].startswith(reason)
+    assert data["checks"] == []

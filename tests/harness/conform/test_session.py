@@ -1,0 +1,50 @@
+"""Session: an op is applied, refused, raised or skipped, and reported with the state."""
+
+from __future__ import annotations
+
+import json
+
+from harness.conform import ops
+from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.session import Session, StepReport
+from tests.harness.conform import faults
+
+
+def test_ops_invalid_at_their_point_are_skipped_without_calling_the_cache() -> None:
+    s = Session(KvcacheCache(8, 4))
+    assert s.apply(ops.commit("A", 4)).detail == "'A' is not live"
+    done = s.apply(ops.admit("A", list(range(10))))
+    assert done.status == "done" and done.value["scheduled_tokens"] == 10
+    late = s.apply(ops.commit("A", 11))
+    assert (late.status, late.detail) == ("skipped", "commit of 11 tokens: 0 are committed "
+                                                     "and 10 scheduled")
+    assert s.apply(ops.admit("A", [1])).detail == "'A' is already live"
+    assert s.apply(ops.commit("A", 10)).status == "done"
+    assert s.apply(ops.commit("A", 4)).status == "skipped"  # backwards
+
+
+def test_a_refusal_and_the_leak_report_at_quiescence() -> None:
+    s = Session(KvcacheCache(4, 4))
+    a = s.apply(ops.admit("A", list(range(12))))
+    assert a.leaks is None  # something is live: no leak report
+    b = s.apply(ops.admit("B", list(range(50, 62))))
+    assert b.status == "refused" and b.log == () and b.events == ()
+    freed = s.apply(ops.free("A"))
+    assert freed.leaks == ()
+
+
+def test_what_the_engine_raised_is_reported_with_its_place() -> None:
+    s = Session(faults.RaisesOnAppend(8, 4))
+    s.apply(ops.admit("A", [1, 2, 3]))
+    r = s.apply(ops.append("A", [4]))
+    assert r.status == "raised"
+    assert r.detail.startswith("AttributeError: 'LoRARequest' object has no attribute 'id' "
+                               "(raised at ")
+    assert "in append)" in r.detail
+
+
+def test_a_step_report_survives_the_pipe() -> None:
+    s = Session(KvcacheCache(8, 4))
+    r = s.apply(ops.admit("A", list(range(9))))
+    again = StepReport.from_dict(json.loads(json.dumps(r.as_dict())))
+    assert again == r
