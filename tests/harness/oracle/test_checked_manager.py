@@ -272,7 +272,7 @@ def test_call_oracles_check_the_cache_count_and_each_sequence() -> None:
 
 
 def test_checked_manager_runs_its_checks_through_call_oracles() -> None:
-    mgr = CheckedManager(KVCacheManager(config(blocks=8), record_events=True))
+    mgr = CheckedManager(KvCacheManager(config(blocks=8), record_events=True))
     assert mgr.oracles.shadow is mgr.shadow and mgr.oracles.capacity is mgr.capacity
     mgr.add_sequence("A", list(range(8)))
     mgr.commit("A", 8)
