@@ -1,6 +1,6 @@
 """N cache replicas behind a router: what a cache-aware router buys over round-robin.
 
-Each replica is a KVCacheManager with KV-cache events on. A request goes to the replica
+Each replica is a KvCacheManager with KV-cache events on. A request goes to the replica
 the router picks; that replica admits it (reusing what it caches), computes its prompt
 and generated tokens (commit) and frees it. The routers:
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from harness.oracle.kv_index import EventIndex
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 
 ROUTERS = ("round_robin", "random", "prefix", "balanced_prefix")
 BALANCE_SLACK = 0.25  # balanced_prefix: no replica serves over 1.25x its share so far
@@ -60,13 +60,13 @@ class RoutingResult(NamedTuple):
 def footprint_blocks(requests: Sequence[SimRequest], block_size: int) -> int:
     """Blocks one unbounded replica caches after serving every request."""
     total = sum(-(-(len(r.prompt) + len(r.generated)) // block_size) for r in requests)
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=block_size, max_num_blocks=total))
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=block_size, max_num_blocks=total))
     for i, r in enumerate(requests):
         _serve(mgr, i, r)
     return mgr.stats().cached_num_blocks
 
 
-def _serve(mgr: KVCacheManager, rid: int, r: SimRequest) -> int:
+def _serve(mgr: KvCacheManager, rid: int, r: SimRequest) -> int:
     seq = mgr.add_sequence(rid, r.prompt)
     mgr.take_copy_ops()  # an engine applies them before the forward pass it commits
     mgr.commit(rid, len(r.prompt))
@@ -85,7 +85,7 @@ def simulate(requests: Sequence[SimRequest], replicas: int, router: str, block_s
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
     cfg = KvCacheConfig(tokens_per_block=block_size, max_num_blocks=pool_blocks)
-    mgrs = [KVCacheManager(cfg, kv_events=True) for _ in range(replicas)]
+    mgrs = [KvCacheManager(cfg, kv_events=True) for _ in range(replicas)]
     indexes = [EventIndex(block_size) for _ in range(replicas)]
     served = [0] * replicas
     saved = 0

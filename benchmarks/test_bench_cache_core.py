@@ -25,7 +25,7 @@ from benchmarks.conftest import best_seconds
 from benchmarks.report_format import Section, by_base, div, duration, rate, ratio, table
 from harness.reports.bench_results import Benchmark
 from harness.workloads import bench_multi_turn_chat, bench_shared_prompt, random_prompt_tree
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 
 B = 16
 WORKLOADS: dict[str, Callable[[], list[list[int]]]] = {
@@ -71,7 +71,7 @@ def run_lookups(lookup: Callable[[Any], Any], prompts: Prompts) -> None:
         lookup(p)
 
 
-def lookup_ids(mgr: KVCacheManager) -> Callable[[Sequence[int]], Any]:
+def lookup_ids(mgr: KvCacheManager) -> Callable[[Sequence[int]], Any]:
     """The manager's bare lookup with its block ids in hand (as a router would use them)."""
     match = mgr.match_reuse
     return lambda p: match(p).block_ids
@@ -80,7 +80,7 @@ def lookup_ids(mgr: KVCacheManager) -> Callable[[Sequence[int]], Any]:
 def timed_phase(phase: str, cache: Any, prompts: Prompts) -> None:
     """Run `phase` on a cache prepared for it (warm for match and match_reuse)."""
     if phase == "match_reuse":
-        run_lookups(lookup_ids(cache) if isinstance(cache, KVCacheManager) else cache.match,
+        run_lookups(lookup_ids(cache) if isinstance(cache, KvCacheManager) else cache.match,
                     prompts)
     else:
         run_phase(cache, prompts)
@@ -104,8 +104,8 @@ def test_cache_core_throughput(benchmark: Any, workload: tuple[str, list[list[in
     blocks = pool_blocks(prompts)
     cfg = KvCacheConfig(tokens_per_block=B, max_num_blocks=blocks, enable_block_reuse=True)
 
-    def fresh() -> tuple[tuple[str, KVCacheManager, list[list[int]]], dict[str, Any]]:
-        mgr = KVCacheManager(cfg)
+    def fresh() -> tuple[tuple[str, KvCacheManager, list[list[int]]], dict[str, Any]]:
+        mgr = KvCacheManager(cfg)
         if phase != "insert":
             run_phase(mgr, prompts)
         return (phase, mgr, prompts), {}
@@ -121,10 +121,10 @@ def test_cache_core_throughput(benchmark: Any, workload: tuple[str, list[list[in
     base = tokens / best_seconds(lambda: timed_phase(phase, trie[0], prompts), fresh_trie,
                                  repeat=5)
     arrays = [array("I", p) for p in prompts]
-    fed: list[KVCacheManager] = []
+    fed: list[KvCacheManager] = []
 
     def fresh_fed() -> None:
-        fed[:] = [KVCacheManager(cfg)]
+        fed[:] = [KvCacheManager(cfg)]
         if phase != "insert":
             run_phase(fed[0], arrays)
 
@@ -151,7 +151,7 @@ def test_request_cost_is_flat_in_tree_size(benchmark: Any, cached_blocks: int) -
     """One 2,048-token request (half of it a cached prefix) against a tree of N blocks."""
     rng = np.random.default_rng(cached_blocks)
     per_prompt = 2048 // B
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=cached_blocks + 512,
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=cached_blocks + 512,
                                        enable_block_reuse=True))
     for i in range(cached_blocks // per_prompt):
         p = _random_prompt(rng)

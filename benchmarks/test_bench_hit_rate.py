@@ -1,6 +1,6 @@
 """Hit rate against pool size on realistic workloads: where reuse pays, and how much pool.
 
-Each workload is replayed through a KVCacheManager the way the engine drives it, one
+Each workload is replayed through a KvCacheManager the way the engine drives it, one
 step at a time: admit a batch of requests (each matched against what is cached now),
 commit their prompts (prefill done), append and commit their generated tokens but the
 last (whose KV is never computed), free them. Requests of one step do not see each
@@ -24,7 +24,7 @@ from benchmarks.conftest import progress
 from benchmarks.report_format import Section, by_suite, duration, table
 from harness.reports.bench_results import Benchmark
 from harness.workloads import few_shot, multi_turn_conversations, shared_system_prompt
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 
 B, BATCH, VOCAB, SEED, DECODE = 16, 8, 50_000, 0, 32
 POLICY = "priority-LRU (uniform priority: LRU)"
@@ -88,11 +88,11 @@ def _blocks(req: Request) -> int:
     return -(-(len(req.prompt) + len(req.generated)) // B)
 
 
-def replay(requests: list[Request], pool_blocks: int, host_blocks: int = 0) -> KVCacheManager:
+def replay(requests: list[Request], pool_blocks: int, host_blocks: int = 0) -> KvCacheManager:
     """Run `requests` in steps of BATCH through a fresh manager (with a host tier of
     `host_blocks`); returns it, all freed. The ops an engine would apply are taken after
     each phase, as its steps would."""
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=pool_blocks,
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=pool_blocks,
                                        enable_block_reuse=True, host_cache_blocks=host_blocks))
     for start in range(0, len(requests), BATCH):
         step = list(enumerate(requests[start:start + BATCH], start))

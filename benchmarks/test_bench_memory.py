@@ -24,7 +24,7 @@ import torch
 from benchmarks.report_format import Section, by_suite, table
 from harness.reports.bench_results import Benchmark
 from harness.workloads import bench_multi_turn_chat, bench_shared_prompt
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 from kvcache.model import get_preset
 from kvcache.storage.kv_storage import KvStorage
 
@@ -59,7 +59,7 @@ def traced_fill(prompts: list[list[int]]) -> HeapUse:
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        mgr = KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=pool,
+        mgr = KvCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=pool,
                                            enable_block_reuse=True))
         empty = tracemalloc.get_traced_memory()[0] - base
         for i, p in enumerate(prompts):

@@ -1,6 +1,6 @@
 """Cache-aware routing: hit rate and prefill tokens saved by an event-driven router.
 
-N replicas (2, 4, 8), each a KVCacheManager whose pool holds 1.25 / N of the workload's
+N replicas (2, 4, 8), each a KvCacheManager whose pool holds 1.25 / N of the workload's
 no-eviction footprint (the cluster holds it all once, with a quarter to spare), serve
 the design doc's shared-prompt and multi-turn workloads behind four routers
 (benchmarks/router_sim.py): round-robin and random, which ignore the caches, and two

@@ -25,12 +25,13 @@ from kvcache.core import (
     IntegrityError,
     KvCacheConfig,
     KVCacheManager,
+    KvCacheManager,
     KvCacheStats,
     OutOfBlocksError,
     RequestKvMetrics,
     ReuseMatch,
     ReuseScope,
-    Sequence,
+    SequenceHandle,
 )
 
 if TYPE_CHECKING:
@@ -49,12 +50,13 @@ __all__ = [
     "IntegrityError",
     "KVCacheManager",
     "KvCacheConfig",
+    "KvCacheManager",
     "KvCacheStats",
     "OutOfBlocksError",
     "RequestKvMetrics",
     "ReuseMatch",
     "ReuseScope",
-    "Sequence",
+    "SequenceHandle",
 ]
 
 __getattr__ = lazy_getattr(__name__, {"Engine": "kvcache.engine.engine",

@@ -1,4 +1,4 @@
-"""kvcache's own `KVCacheManager` behind the cache-level protocol: the first implementation.
+"""kvcache's own `KvCacheManager` behind the cache-level protocol: the first implementation.
 
 It passes the same conformance run as every other engine. Its contract is the harness's
 reference semantics (docs/design.md): partial reuse with copy-on-partial, matchable at
@@ -65,7 +65,7 @@ def contract(block_size: int) -> Contract:
 
 
 class KvcacheCache:
-    """`CacheUnderTest` over a fresh `kvcache.KVCacheManager` of `num_blocks` blocks.
+    """`CacheUnderTest` over a fresh `kvcache.KvCacheManager` of `num_blocks` blocks.
 
     `record`: keep the event log and router events (off for benchmarks).
     """
@@ -81,7 +81,7 @@ class KvcacheCache:
         self._event_to_dict = kv_events.event_to_dict
         cfg = kvcache.KvCacheConfig(tokens_per_block=block_size, max_num_blocks=num_blocks,
                                     enable_block_reuse=True)
-        self.manager = kvcache.KVCacheManager(cfg, record_events=record, kv_events=record)
+        self.manager = kvcache.KvCacheManager(cfg, record_events=record, kv_events=record)
         self._contract = contract(block_size)
         self._scopes: dict[Hashable, Scope | None] = {}
         self._seen = 0  # events of the manager's log already taken
@@ -100,7 +100,7 @@ class KvcacheCache:
                  "free_sequence", "stats", "take_kv_events", "get_sequence",
                  "check_integrity", "leak_report")
         out: dict[str, tuple[object, str]] = {n: (m, n) for n in names}
-        out["KVCacheManager.__init__"] = (type(m), "__init__")
+        out["KvCacheManager.__init__"] = (type(m), "__init__")
         out["block_hash"] = (self._kv_events, "block_hash")
         return out
 
@@ -216,7 +216,7 @@ class KvcacheCache:
         return out
 
     def check_integrity(self) -> list[str]:
-        """`KVCacheManager.check_integrity`, as a list."""
+        """`KvCacheManager.check_integrity`, as a list."""
         try:
             self.manager.check_integrity()
         except AssertionError as exc:
@@ -224,7 +224,7 @@ class KvcacheCache:
         return []
 
     def leak_report(self) -> list[str]:
-        """`KVCacheManager.leak_report`."""
+        """`KvCacheManager.leak_report`."""
         return self.manager.leak_report()
 
     def _seq(self, seq_id: Hashable) -> Any:

@@ -1,4 +1,4 @@
-"""CheckedManager: a KVCacheManager run under the provenance and capacity oracles.
+"""CheckedManager: a KvCacheManager run under the provenance and capacity oracles.
 
 Every call is forwarded to the manager and then checked. The oracles are fed events
 built from the manager's public API (each handle's block ids and reused count, the copy
@@ -38,8 +38,7 @@ from harness.oracle.provenance import Move, ShadowStore
 from harness.oracle.types import MOVES, Event, normalize_event
 
 if TYPE_CHECKING:
-    from kvcache import AdmissionPlan, KVCacheManager, ReuseScope
-    from kvcache import Sequence as CacheSequence
+    from kvcache import AdmissionPlan, KvCacheManager, ReuseScope, SequenceHandle
     from kvcache.core.ops import KvOp
 
 T = TypeVar("T")
@@ -123,7 +122,7 @@ class ManagerContractError(AssertionError):
 class CheckedManager:
     """Forwards to `manager` (which must be fresh) and checks every call; see the module."""
 
-    def __init__(self, manager: KVCacheManager, *, repro: str = "") -> None:
+    def __init__(self, manager: KvCacheManager, *, repro: str = "") -> None:
         if manager.sequences or manager.stats().alloc_total_blocks:
             raise ValueError("CheckedManager: the manager must be fresh (nothing admitted "
                              "yet): the oracles must see every operation")
@@ -159,7 +158,7 @@ class CheckedManager:
 
     def plan_admission(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
                        first_chunk: int | None = None) -> AdmissionPlan:
-        """`KVCacheManager.plan_admission`; a plan that does not fit must be fair."""
+        """`KvCacheManager.plan_admission`; a plan that does not fit must be fair."""
         plan = self.manager.plan_admission(tokens, scope, first_chunk=first_chunk)
         toks = list(tokens)
         self._plans[id(plan)] = (plan, toks, scope, first_chunk)
@@ -171,8 +170,8 @@ class CheckedManager:
         return plan
 
     def admit(self, seq_id: Hashable, plan: AdmissionPlan,
-              priority: int | None = None) -> CacheSequence:
-        """`KVCacheManager.admit` (the manager's default priority unless given), checked."""
+              priority: int | None = None) -> SequenceHandle:
+        """`KvCacheManager.admit` (the manager's default priority unless given), checked."""
         known = self._plans.get(id(plan))
         need = chunk = None
         ours = known is not None and known[0] is plan  # else made elsewhere: chunk unknown
@@ -186,8 +185,8 @@ class CheckedManager:
 
     def add_sequence(self, seq_id: Hashable, tokens: Sequence[int],
                      scope: ReuseScope | None = None,
-                     priority: int | None = None) -> CacheSequence:
-        """`KVCacheManager.add_sequence` (the manager's default priority unless given),
+                     priority: int | None = None) -> SequenceHandle:
+        """`KvCacheManager.add_sequence` (the manager's default priority unless given),
         checked."""
         toks = list(tokens) if not isinstance(tokens, list) else tokens
         kw = {} if priority is None else {"priority": priority}
@@ -201,7 +200,7 @@ class CheckedManager:
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         """Take and apply the queued copies (the forward pass comes after them), then
-        `KVCacheManager.commit`, checked. The copies are taken for a live `seq_id` even
+        `KvCacheManager.commit`, checked. The copies are taken for a live `seq_id` even
         when the commit itself is then refused as bad input."""
         if self.manager.pending_copies and seq_id in self.manager.sequences:
             self.take_copy_ops()
@@ -228,7 +227,7 @@ class CheckedManager:
                                   switched)])
 
     def append_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """`KVCacheManager.append_tokens`, checked (a refusal must be fair)."""
+        """`KvCacheManager.append_tokens`, checked (a refusal must be fair)."""
         where = f"append_tokens({seq_id!r}, {list(tokens)})"
         seq = self.manager.sequences.get(seq_id)
         need = None
@@ -247,7 +246,7 @@ class CheckedManager:
                                   tuple(ids[len(old):]))])
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
-        """`KVCacheManager.reserve`, checked: it allocates every block the tokens lack when
+        """`KvCacheManager.reserve`, checked: it allocates every block the tokens lack when
         they are available, else all that are (none when the fault seam refuses), and
         returns the tokens its blocks cover."""
         where = f"reserve({seq_id!r}, {num_tokens})"
@@ -273,14 +272,14 @@ class CheckedManager:
         return covered
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        """`KVCacheManager.free_sequence`, checked."""
+        """`KvCacheManager.free_sequence`, checked."""
         where = f"free_sequence({seq_id!r})"
         self._call(where, lambda: self.manager.free_sequence(seq_id))
         del self._ids[seq_id]
         self._after(where, [Event("free", seq_id)])
 
     def take_copy_ops(self) -> list[KvOp]:
-        """`KVCacheManager.take_copy_ops`; the copies, offloads and onboards are applied
+        """`KvCacheManager.take_copy_ops`; the copies, offloads and onboards are applied
         to the shadow store."""
         queued = self.manager.pending_copies
         ops = self.manager.take_copy_ops()
@@ -291,7 +290,7 @@ class CheckedManager:
         return ops
 
     def ack_copy_ops(self, num_applied: int) -> None:
-        """`KVCacheManager.ack_copy_ops`: the first `num_applied` pending ops are applied
+        """`KvCacheManager.ack_copy_ops`: the first `num_applied` pending ops are applied
         to the shadow store; the rest must stay queued, in order. A refused count must
         change nothing."""
         where = f"ack_copy_ops({num_applied!r})"
@@ -326,11 +325,11 @@ class CheckedManager:
         self.capacity.check_used(self.manager.stats().used_num_blocks, "the last call")
 
     def check_integrity(self) -> None:
-        """`KVCacheManager.check_integrity`."""
+        """`KvCacheManager.check_integrity`."""
         self.manager.check_integrity()
 
     def leak_report(self) -> list[str]:
-        """`KVCacheManager.leak_report`."""
+        """`KvCacheManager.leak_report`."""
         return self.manager.leak_report()
 
     # -- plumbing ----------------------------------------------------------------------
@@ -343,9 +342,9 @@ class CheckedManager:
         except ValueError:
             return None  # bad input: the manager rejects it with its own message
 
-    def _admitted(self, seq_id: Hashable, where: str, call: Callable[[], CacheSequence],
+    def _admitted(self, seq_id: Hashable, where: str, call: Callable[[], SequenceHandle],
                   need: int | None, first_chunk: int | None, *,
-                  check_blocks: bool = True) -> CacheSequence:
+                  check_blocks: bool = True) -> SequenceHandle:
         """The admission `call`, checked; unless `check_blocks` (the first chunk is not
         known), its block positions must be those of `first_chunk`."""
         seq = self._call(where, call, need)

@@ -2,7 +2,7 @@
 
 The plugin calls `oracle_problems` on the cache owners `harness.plugin.leaks.find_cache_owners`
 finds, next to the leak check. A `CheckedManager` checked every call already: its final
-state is checked once more. Any other owner that looks like a `KVCacheManager` (`config`,
+state is checked once more. Any other owner that looks like a `KvCacheManager` (`config`,
 `sequences`, `stats()`) gets the capacity check on its state now, and, when it recorded
 its event log with block ids (engines do by default), the provenance oracle replays that
 log: every read the engine made is checked against the shadow KV store.

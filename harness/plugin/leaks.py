@@ -2,7 +2,7 @@
 
 The contract is the `CacheOwner` protocol: `check_integrity()` raises when an internal
 invariant is broken, `leak_report()` returns one line per leaked block, sequence or hold
-(empty when everything is free or evictable). `kvcache.KVCacheManager` is one; another
+(empty when everything is free or evictable). `kvcache.KvCacheManager` is one; another
 engine's cache joins by providing the two methods.
 
 A fixture value is checked when it is an owner, when it reaches one through an attribute

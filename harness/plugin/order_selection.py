@@ -63,9 +63,9 @@ def _data_file(config: pytest.Config, given: str | None, name: str) -> Path | No
     opt = config.option
     if given is not None:
         return config.invocation_params.dir / given
-    if opt.test_db is None:
+    if opt.kvh_test_db is None:
         return None
-    path = (config.invocation_params.dir / opt.test_db).parent / name
+    path = (config.invocation_params.dir / opt.kvh_test_db).parent / name
     return path if path.exists() else None
 
 

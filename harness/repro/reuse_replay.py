@@ -31,14 +31,14 @@ from harness.reuse.assertions import (
 )
 
 if TYPE_CHECKING:
-    from kvcache import KVCacheManager
+    from kvcache import KvCacheManager
 
 _CACHE_KEYS = ("tokens_per_block", "max_num_blocks", "enable_block_reuse",
                "enable_partial_reuse", "copy_on_partial_reuse", "host_cache_blocks")
 
 
-def _cache(record: ReuseCheckRecord, file: str) -> KVCacheManager:
-    from kvcache import KvCacheConfig, KVCacheManager
+def _cache(record: ReuseCheckRecord, file: str) -> KvCacheManager:
+    from kvcache import KvCacheConfig, KvCacheManager
 
     missing = [k for k in ("tokens_per_block", "max_num_blocks") if k not in record.config]
     if missing:
@@ -49,14 +49,14 @@ def _cache(record: ReuseCheckRecord, file: str) -> KVCacheManager:
                                   if k in record.config})
     except ValueError as exc:
         raise ReproFormatError(f"{file}: field 'config': {exc}") from None
-    return KVCacheManager(config)
+    return KvCacheManager(config)
 
 
 def _snapshot(seq: Any) -> dict[str, Any]:
     return {**seq.metrics.as_dict(), "numCachedTokens": seq.num_cached_tokens}
 
 
-def _feed(cache: KVCacheManager, log: list[dict[str, Any]], file: str
+def _feed(cache: KvCacheManager, log: list[dict[str, Any]], file: str
           ) -> dict[Hashable, dict[str, Any]]:
     """Apply the log; returns each request's metrics as its first admission ended (when
     it was freed, or at the end of the log), which is what the engine reports. Raises
@@ -84,7 +84,7 @@ def _feed(cache: KVCacheManager, log: list[dict[str, Any]], file: str
     return first
 
 
-def _apply(cache: KVCacheManager, event: dict[str, Any], first: dict[Hashable, Any],
+def _apply(cache: KvCacheManager, event: dict[str, Any], first: dict[Hashable, Any],
            live: dict[Hashable, Any]) -> None:
     """Apply one event (checked by the reader: harness.repro.fileformat) to `cache`;
     a freed sequence's metrics go to `first`. Raises what the cache raises."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from harness.oracle.types import OracleConfig
 
 if TYPE_CHECKING:
-    from kvcache import Engine, KVCacheManager, ReuseScope
+    from kvcache import Engine, KvCacheManager, ReuseScope
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class KvcacheEngineAdapter:
         self.engine = engine
 
     @property
-    def cache_manager(self) -> KVCacheManager:
+    def cache_manager(self) -> KvCacheManager:
         """The engine's manager (the harness plugin checks it for leaks after a test)."""
         return self.engine.manager
 

@@ -41,7 +41,7 @@ class ReuseWatch:
         self._source: Any = None
 
     def watch(self, source: Any) -> None:
-        """Arm with a KVCacheManager (`stats()`), an engine (`kv_cache_stats()`) or a
+        """Arm with a KvCacheManager (`stats()`), an engine (`kv_cache_stats()`) or a
         zero-argument callable returning stats; snapshots its stats now.
 
         Raises ValueError for a source with none of these.
@@ -58,7 +58,7 @@ class ReuseWatch:
         self._read = read
         self._source = source
         self._before = read()
-        dump = getattr(source, "dump_tree", None)  # KVCacheManager.dump_tree()
+        dump = getattr(source, "dump_tree", None)  # KvCacheManager.dump_tree()
         self._tree_dump = dump if callable(dump) else None
 
     @property

@@ -1,6 +1,11 @@
 """The cache core: block radix tree, block pool, manager, statistics. Pure Python.
 
-Nothing here imports torch or numpy (tests/unit/test_core_boundaries.py checks it): the
+`KvCacheManager` (manager.py) is the one object callers use: it owns a `CacheState`
+(state.py) and does each call's work with the functions beside it (admission.py,
+caching.py, growth.py, window_holds.py), handing out read-only `SequenceHandle`s
+(handle.py). `KVCacheManager` is its old name, kept as an alias.
+
+Nothing here imports torch or numpy (tests/unit/core/test_core_boundaries.py checks it): the
 manager hands out block ids and ops (`BlockCopy`, and with a host tier `BlockOffload` and
 `BlockOnboard`), and the engine applies them to tensors.
 """
@@ -9,10 +14,10 @@ from __future__ import annotations
 
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent
-from kvcache.core.handle import Sequence
+from kvcache.core.handle import SequenceHandle
 from kvcache.core.integrity import IntegrityError
 from kvcache.core.keys import ReuseScope
-from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
+from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager, KvCacheManager
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
 from kvcache.core.pool import OutOfBlocksError
@@ -28,11 +33,12 @@ __all__ = [
     "IntegrityError",
     "KVCacheManager",
     "KvCacheConfig",
+    "KvCacheManager",
     "KvCacheStats",
     "KvOp",
     "OutOfBlocksError",
     "RequestKvMetrics",
     "ReuseMatch",
     "ReuseScope",
-    "Sequence",
+    "SequenceHandle",
 ]

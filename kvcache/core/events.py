@@ -1,6 +1,6 @@
 """The order in which the cache saw admissions, commits, appends, frees and block moves.
 
-Recorded when `KVCacheManager(record_events=True)`. An independent oracle replays it to
+Recorded when `KvCacheManager(record_events=True)`. An independent oracle replays it to
 predict reuse under any batching or chunking (the tokens and counts) and, given the pool
 sizes, eviction (the admissions' retention priorities); the harness's
 provenance oracle replays it to follow which tokens' KV each physical block holds (the
@@ -31,8 +31,8 @@ class CacheEvent(NamedTuple):
       tokens: blocks reserved for tokens it already has, under a sliding window);
     - free: nothing more;
     - copy: a `BlockCopy` the engine applied before its next forward pass (logged when
-      acknowledged: `ack_copy_ops`, `take_copy_ops`): `block_ids` (src, dst), `num_tokens` the slots copied; `seq_id` the
-      sequence whose admission queued it;
+      acknowledged: `ack_copy_ops`, `take_copy_ops`): `block_ids` (src, dst),
+      `num_tokens` the slots copied; `seq_id` the sequence whose admission queued it;
     - offload, onboard: a `BlockOffload` (device block src to host slot dst, all
       `num_tokens` = tokens_per_block slots) or `BlockOnboard` (host slot src's first
       `num_tokens` slots to device block dst) applied likewise; `seq_id` is "CACHE" for

@@ -65,7 +65,7 @@ class TierListener(Protocol):
 
 def has_device_child(node: Node) -> bool:
     """True when some child of `node` is a device edge (O(children) at worst)."""
-    return any(not c.host for cs in node.children.values() for c in cs)
+    return any(not child.host for siblings in node.children.values() for child in siblings)
 
 
 class HostTier:
@@ -125,8 +125,7 @@ class HostTier:
         least valuable host leaves (never a referenced edge, nor one the same allocation
         offloaded: the moved edge is droppable only after `settle`).
         """
-        bb = self.tree.block_bytes
-        if len(node.key) < bb or n > self.num_available:
+        if len(node.key) < self.tree.block_bytes or n > self.num_available:
             return None
         slots = self._take(n)
         top = None
@@ -166,15 +165,15 @@ class HostTier:
                     or not node.host):
                 heapq.heappop(heap)
                 continue
-            k = min(len(node.blocks), n - len(free))
-            if k < len(node.blocks):  # drop the tail of the edge; its entry stays valid
-                gone = tree.trim(node, k)
+            dropping = min(len(node.blocks), n - len(free))
+            if dropping < len(node.blocks):  # drop the tail of the edge; its entry stays valid
+                gone = tree.trim(node, dropping)
             else:
                 heapq.heappop(heap)
                 gone = node.blocks
                 parent = tree.detach(node)
                 if (parent.host and not parent.ref and not parent.children
-                        and not any(n is parent for n in self.arriving)):
+                        and not any(edge is parent for edge in self.arriving)):
                     self.push(parent)
             self._dropped(gone)
             free += gone
@@ -186,22 +185,22 @@ class HostTier:
         """Drop every (host, unreferenced) edge below device edge `node`, so that `node`
         can leave the tree when the host has no room for it."""
         below: list[Node] = []  # parents before children
-        stack = [c for cs in node.children.values() for c in cs]
+        stack = [child for siblings in node.children.values() for child in siblings]
         while stack:
-            c = stack.pop()
-            assert c.host and not c.ref, c
-            below.append(c)
-            stack += [g for gs in c.children.values() for g in gs]
-        for c in reversed(below):  # children first: detach takes leaves only
-            self.tree.detach(c)
-            self.forget(c)
+            edge = stack.pop()
+            assert edge.host and not edge.ref, edge
+            below.append(edge)
+            stack += [child for siblings in edge.children.values() for child in siblings]
+        for edge in reversed(below):  # children first: detach takes leaves only
+            self.tree.detach(edge)
+            self.forget(edge)
 
     def forget(self, node: Node) -> None:
         """Host edge `node` left the tree (detached by the caller): its slots are free,
         its blocks dropped."""
         assert node.host and not node.ref, node
-        if any(n is node for n in self.arriving):  # not counted droppable yet
-            self.arriving = [n for n in self.arriving if n is not node]
+        if any(edge is node for edge in self.arriving):  # not counted droppable yet
+            self.arriving = [edge for edge in self.arriving if edge is not node]
             self.num_droppable += len(node.blocks)
         self._dropped(node.blocks)
         self.free += node.blocks
@@ -217,9 +216,16 @@ class HostTier:
         stamp = node.stamp = self.device.next_stamp()
         heapq.heappush(self.heap, (node.priority, node.last_used, stamp, node))
         if len(self.heap) > 2 * self.tree.num_nodes + 1024:
-            self.heap[:] = [e for e in self.heap if e[3].stamp == e[2] and e[3].host
-                            and not e[3].ref and not e[3].children and e[3].parent is not None]
+            self.heap[:] = [entry for entry in self.heap if self._droppable(entry)]
             heapq.heapify(self.heap)
+
+    @staticmethod
+    def _droppable(entry: tuple[int, int, int, Node]) -> bool:
+        """Whether heap entry `entry` is live: its node's latest, an unreferenced host
+        leaf still in the tree."""
+        _, _, stamp, node = entry
+        return (node.stamp == stamp and node.host and not node.ref and not node.children
+                and node.parent is not None)
 
     # ------------------------------------------------------------------ host -> device
     def pin_chain(self, deep: Node, priority: int) -> list[Node]:
@@ -257,14 +263,14 @@ class HostTier:
         """Move the pinned host edges `chain` (top-down) to device blocks `block_ids`,
         queueing one whole-block `BlockOnboard` each; their slots become free. The edges
         stay referenced (by their admission). Returns the device ids in chain order."""
-        B = self.tree.tokens_per_block
+        block_size = self.tree.tokens_per_block
         at = 0
         for node in chain:
-            k = len(node.blocks)
-            slots = self.move_to_device(node, block_ids[at:at + k])
+            count = len(node.blocks)
+            slots = self.move_to_device(node, block_ids[at:at + count])
             for slot, block in zip(slots, node.blocks, strict=True):
-                self.queue(CACHE, BlockOnboard(slot, block, B))
-            at += k
+                self.queue(CACHE, BlockOnboard(slot, block, block_size))
+            at += count
         self.num_onboarded += at
         return block_ids[:at]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from kvcache.core.keys import TOKEN_BYTES
@@ -25,7 +25,7 @@ from kvcache.core.window import first_held_block
 
 if TYPE_CHECKING:
     from kvcache.core.config import KvCacheConfig
-    from kvcache.core.handle import Sequence
+    from kvcache.core.handle import SequenceHandle
     from kvcache.core.host_tier import HostTier
     from kvcache.core.ops import KvOp
     from kvcache.core.pool import BlockPool
@@ -35,11 +35,30 @@ if TYPE_CHECKING:
 class CheckedCache(Protocol):
     """The public state of a cache manager that the check reads (nothing private)."""
 
-    config: KvCacheConfig
-    reuse: bool
-    tree: BlockRadixTree
-    pool: BlockPool
-    sequences: dict[Hashable, Sequence]
+    @property
+    def config(self) -> KvCacheConfig:
+        """Its configuration."""
+        ...
+
+    @property
+    def reuse(self) -> bool:
+        """Whether block reuse is on."""
+        ...
+
+    @property
+    def tree(self) -> BlockRadixTree:
+        """Its block radix tree."""
+        ...
+
+    @property
+    def pool(self) -> BlockPool:
+        """Its device block pool (and through it the host tier)."""
+        ...
+
+    @property
+    def sequences(self) -> Mapping[Hashable, SequenceHandle]:
+        """The live sequences' handles by seq_id."""
+        ...
 
     @property
     def pending_copies(self) -> list[tuple[Hashable, KvOp]]:
@@ -63,89 +82,131 @@ def _chain(node: Node | None) -> list[Node]:
     return out
 
 
+class _Owners:
+    """Who owns each device block, claimed one at a time: every block exactly once."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.owner: dict[int, str] = {}
+
+    def own(self, block: int, where: str) -> None:
+        """Claim `block` for `where`; IntegrityError if it is out of range or owned."""
+        if not 0 <= block < self.num_blocks:
+            _fail(f"block id {block} ({where}) is outside [0, {self.num_blocks})")
+        if block in self.owner:
+            _fail(f"block {block} is owned twice: by {self.owner[block]} and by {where}")
+        self.owner[block] = where
+
+    def check_all_owned(self) -> None:
+        """IntegrityError naming the blocks nobody claimed (leaked)."""
+        missing = set(range(self.num_blocks)) - self.owner.keys()
+        if missing:
+            _fail(f"blocks {sorted(missing)[:10]} are owned by nobody (leaked)")
+
+
+class _TreeCounts:
+    """What the walk of the tree finds, to compare with what the pools count."""
+
+    def __init__(self) -> None:
+        self.nodes = 0
+        self.evictable = 0  # device blocks in unreferenced edges
+        self.droppable = 0  # host slots in (unreferenced) host edges
+        self.slots: dict[int, str] = {}  # host slot -> its owner
+
+
 def check_manager(mgr: CheckedCache) -> None:
     """Raise IntegrityError naming the first broken invariant of `mgr`."""
-    tree, pool = mgr.tree, mgr.pool
-    bb = tree.block_bytes
+    pool = mgr.pool
+    owners = _Owners(pool.num_blocks)
     expected_ref: Counter[int] = Counter()
-    owner: dict[int, str] = {}
-
-    def own(block: int, where: str) -> None:
-        if not 0 <= block < pool.num_blocks:
-            _fail(f"block id {block} ({where}) is outside [0, {pool.num_blocks})")
-        if block in owner:
-            _fail(f"block {block} is owned twice: by {owner[block]} and by {where}")
-        owner[block] = where
-
     for i, block in enumerate(pool.free):
-        own(block, f"free list[{i}]")
+        owners.own(block, f"free list[{i}]")
     for seq in mgr.sequences.values():
-        _check_sequence(mgr, seq, expected_ref, own)
-
+        _check_sequence(mgr, seq, expected_ref, owners.own)
     windowed = mgr.config.sliding_window is not None
     if windowed != pool.windowed:
         _fail(f"the pool's windowed={pool.windowed} disagrees with sliding_window="
               f"{mgr.config.sliding_window}")
-    live_heap = {id(e[3]) for e in pool.heap if e[3].stamp == e[2]}
+    counts = _check_tree(mgr.tree, pool, expected_ref, owners, windowed)
+    if counts.nodes != mgr.tree.num_nodes:
+        _fail(f"tree counts {mgr.tree.num_nodes} nodes but holds {counts.nodes}")
+    if counts.evictable != pool.num_evictable:
+        _fail(f"pool counts {pool.num_evictable} evictable blocks, the tree has "
+              f"{counts.evictable}")
+    owners.check_all_owned()
+    if pool.host is not None:
+        _check_host_slots(pool.host, counts.slots, counts.droppable)
+    _check_queued_ops(mgr)
+
+
+def _check_tree(tree: BlockRadixTree, pool: BlockPool, expected_ref: Counter[int],
+                owners: _Owners, windowed: bool) -> _TreeCounts:
+    """Check every node of `tree` and claim its blocks and slots; returns the counts."""
+    block_bytes = tree.block_bytes
+    live_heap = {id(node) for _, _, stamp, node in pool.heap if node.stamp == stamp}
     host = pool.host
-    host_heap = {id(e[3]) for e in host.heap if e[3].stamp == e[2]} if host is not None else set()
-    slots: dict[int, str] = {}
-    droppable = 0
-    evictable = 0
-    nodes = 0
+    host_heap = {id(node) for _, _, stamp, node in host.heap
+                 if node.stamp == stamp} if host is not None else set()
+    counts = _TreeCounts()
     for key, node in tree.walk():
-        nodes += 1
+        counts.nodes += 1
         where = f"node {node!r} in scope {key!r}"
-        parent = node.parent
-        if parent is None or node not in parent.children.get(node.first, ()):
-            _fail(f"{where} is not indexed under its parent by its first token")
-        if node.first != node.key[:TOKEN_BYTES] or not node.key:
-            _fail(f"{where}: first-token index key does not match its tokens")
-        if node.head != (node.key[:bb] if len(node.key) >= bb else None):
-            _fail(f"{where}: first-block index key does not match its tokens")
-        if not node.blocks:
-            if not windowed or node.ref or not node.children or len(node.key) % bb:
-                _fail(f"{where}: a hollow node must be an unreferenced run of full blocks with "
-                      f"children, under a sliding window (windowed={windowed})")
-        elif len(node.key) < bb:
-            if len(node.blocks) != 1 or node.children or len(node.key) % TOKEN_BYTES:
-                _fail(f"{where}: a partial block must be a single-block leaf")
-        elif len(node.key) != len(node.blocks) * bb:
-            _fail(f"{where}: {len(node.key) // TOKEN_BYTES} tokens for "
-                  f"{len(node.blocks)} full blocks")
+        _check_node_shape(node, where, block_bytes, windowed)
         if node.ref != expected_ref[id(node)]:
             _fail(f"{where}: ref {node.ref} but {expected_ref[id(node)]} holders")
+        parent = node.parent
+        assert parent is not None  # _check_node_shape checked it
         if node.ref and parent.parent is not None and not parent.ref and not windowed:
             _fail(f"{where} is referenced but its parent {parent!r} is not")
-        _check_child_index(node, bb, where)
+        _check_child_index(node, block_bytes, where)
         if node.host:
-            droppable += _check_host_node(node, where, host, host_heap, slots)
+            counts.droppable += _check_host_node(node, where, host, host_heap, counts.slots)
             continue
         if parent.host:
             _fail(f"{where} is on the device under host edge {parent!r}")
         if not node.ref:
-            evictable += len(node.blocks)
-            device_leaf = not any(not c.host for cs in node.children.values() for c in cs)
+            counts.evictable += len(node.blocks)
+            device_leaf = not any(not child.host for siblings in node.children.values()
+                                  for child in siblings)
             if (node.blocks and (windowed or device_leaf)
                     and id(node) not in live_heap):
                 _fail(f"{where} is an unreferenced evictable node missing from the eviction "
                       "heap")
         for i, block in enumerate(node.blocks):
-            own(block, f"{where} block {i}")
+            owners.own(block, f"{where} block {i}")
     for key, root in tree.roots.items():
-        _check_child_index(root, bb, f"root of scope {key!r}")
-    if nodes != tree.num_nodes:
-        _fail(f"tree counts {tree.num_nodes} nodes but holds {nodes}")
-    if evictable != pool.num_evictable:
-        _fail(f"pool counts {pool.num_evictable} evictable blocks, the tree has {evictable}")
-    missing = set(range(pool.num_blocks)) - owner.keys()
-    if missing:
-        _fail(f"blocks {sorted(missing)[:10]} are owned by nobody (leaked)")
-    if host is not None:
-        _check_host_slots(host, slots, droppable)
+        _check_child_index(root, block_bytes, f"root of scope {key!r}")
+    return counts
+
+
+def _check_node_shape(node: Node, where: str, block_bytes: int, windowed: bool) -> None:
+    """Check `node`'s place under its parent, its index keys, and its blocks against its
+    tokens (full blocks, a partial leaf, or hollow under a sliding window)."""
+    parent = node.parent
+    if parent is None or node not in parent.children.get(node.first, ()):
+        _fail(f"{where} is not indexed under its parent by its first token")
+    if node.first != node.key[:TOKEN_BYTES] or not node.key:
+        _fail(f"{where}: first-token index key does not match its tokens")
+    if node.head != (node.key[:block_bytes] if len(node.key) >= block_bytes else None):
+        _fail(f"{where}: first-block index key does not match its tokens")
+    if not node.blocks:
+        if not windowed or node.ref or not node.children or len(node.key) % block_bytes:
+            _fail(f"{where}: a hollow node must be an unreferenced run of full blocks with "
+                  f"children, under a sliding window (windowed={windowed})")
+    elif len(node.key) < block_bytes:
+        if len(node.blocks) != 1 or node.children or len(node.key) % TOKEN_BYTES:
+            _fail(f"{where}: a partial block must be a single-block leaf")
+    elif len(node.key) != len(node.blocks) * block_bytes:
+        _fail(f"{where}: {len(node.key) // TOKEN_BYTES} tokens for "
+              f"{len(node.blocks)} full blocks")
+
+
+def _check_queued_ops(mgr: CheckedCache) -> None:
+    """Every queued op of a sequence belongs to a live one and targets its private
+    blocks (CACHE's moves of cached blocks between tiers belong to no sequence)."""
     for seq_id, op in mgr.pending_copies:
         if seq_id is CACHE:
-            continue  # a move of a cached block between tiers
+            continue
         holder = mgr.sequences.get(seq_id)
         if holder is None:
             _fail(f"copy op {op} belongs to freed sequence {seq_id!r}")
@@ -189,43 +250,58 @@ def _check_host_slots(host: HostTier, slots: dict[int, str], droppable: int) -> 
               f"{droppable}")
 
 
-def _check_child_index(node: Node, bb: int, where: str) -> None:
-    full = {c.key[:bb]: c for cs in node.children.values() for c in cs if len(c.key) >= bb}
-    if len(full) != sum(len(c.key) >= bb for cs in node.children.values() for c in cs):
+def _check_child_index(node: Node, block_bytes: int, where: str) -> None:
+    children = [child for siblings in node.children.values() for child in siblings]
+    full = {child.key[:block_bytes]: child for child in children
+            if len(child.key) >= block_bytes}
+    if len(full) != sum(len(child.key) >= block_bytes for child in children):
         _fail(f"{where}: two full children start with the same block (not deduplicated)")
     if full != node.full:
         _fail(f"{where}: its first-block index of full children is stale")
 
 
-def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int],
+def _check_sequence(mgr: CheckedCache, seq: SequenceHandle, expected_ref: Counter[int],
                     own: Callable[[int, str], None]) -> None:
-    B = mgr.config.tokens_per_block
+    """Check live `seq`'s counts and window against its tokens, then the path it holds
+    (`_check_held_path`); count its references in `expected_ref`, claim its private
+    blocks with `own`."""
+    block_size = mgr.config.tokens_per_block
     window = mgr.config.sliding_window
     where = f"sequence {seq.seq_id!r}"
-    ntok = len(seq.tokens)
+    num_tokens = len(seq.tokens)
     committed = seq.num_committed_tokens
-    nblocks = len(seq.block_ids)
+    num_blocks = len(seq.block_ids)
+    most = (num_tokens + block_size - 1) // block_size
     # Under a sliding window prompt blocks come as chunks reserve them.
-    low = (committed + B - 1) // B if window is not None else (ntok + B - 1) // B
-    if not low <= nblocks <= (ntok + B - 1) // B:
-        _fail(f"{where}: {nblocks} blocks for {ntok} tokens ({committed} committed)")
-    if not seq.num_cached_tokens <= committed <= ntok:
+    least = (committed + block_size - 1) // block_size if window is not None else most
+    if not least <= num_blocks <= most:
+        _fail(f"{where}: {num_blocks} blocks for {num_tokens} tokens ({committed} committed)")
+    if not seq.num_cached_tokens <= committed <= num_tokens:
         _fail(f"{where}: cached {seq.num_cached_tokens} <= committed "
-              f"{committed} <= tokens {ntok} does not hold")
-    last, tree_blocks, first = seq.holdings
-    if mgr.reuse and tree_blocks != committed // B:
+              f"{committed} <= tokens {num_tokens} does not hold")
+    _, tree_blocks, first = seq.holdings
+    if mgr.reuse and tree_blocks != committed // block_size:
         _fail(f"{where}: {tree_blocks} blocks in the tree, committed {committed} tokens")
     expected_first = 0 if window is None else first_held_block(
-        committed, window - 1, B, tree_blocks if mgr.reuse else None)
+        committed, window - 1, block_size, tree_blocks if mgr.reuse else None)
     if first != expected_first:
         _fail(f"{where}: {first} blocks released, the window of position {committed} "
               f"releases {expected_first}")
-    if any(b is not None for b in seq.block_ids[:first]) or None in seq.block_ids[first:]:
-        _fail(f"{where}: block ids {list(seq.block_ids)} are not None exactly before "
+    ids = seq.block_ids
+    if any(block is not None for block in ids[:first]) or None in ids[first:]:
+        _fail(f"{where}: block ids {list(ids)} are not None exactly before "
               f"position {first}")
+    _check_held_path(mgr, seq, where, expected_ref, own)
+
+
+def _check_held_path(mgr: CheckedCache, seq: SequenceHandle, where: str,
+                     expected_ref: Counter[int], own: Callable[[int, str], None]) -> None:
+    """The tree path `seq` holds spells its first blocks in its scope, its held segment
+    has blocks and starts on a node boundary, and its ids are the path's."""
+    last, tree_blocks, first = seq.holdings
     chain = _chain(last)
-    keys = b"".join(n.key for n in reversed(chain))
-    if keys != array("I", seq.tokens[:tree_blocks * B]).tobytes():
+    keys = b"".join(node.key for node in reversed(chain))
+    if keys != array("I", seq.tokens[:tree_blocks * mgr.config.tokens_per_block]).tobytes():
         _fail(f"{where}: the tree path it holds does not spell its first "
               f"{tree_blocks} blocks")
     scope_root = mgr.tree.roots.get(seq.scope)
@@ -257,8 +333,8 @@ def _check_sequence(mgr: CheckedCache, seq: Sequence, expected_ref: Counter[int]
 def leak_report(mgr: CheckedCache) -> list[str]:
     """One line per leak of `mgr`: live sequences, copies never taken, and with nothing
     live, stray references and blocks or host slots neither free nor evictable."""
-    lines = [f"sequence {s.seq_id!r} is still live, holding {len(s.live_block_ids())} blocks"
-             for s in mgr.sequences.values()]
+    lines = [f"sequence {seq.seq_id!r} is still live, holding {len(seq.live_block_ids())} "
+             "blocks" for seq in mgr.sequences.values()]
     # a sequence's copies die with it; moves of cached blocks (CACHE's) wait for the
     # next step's take, whenever it comes: pending, not leaked
     copies = sum(owner is not CACHE for owner, _ in mgr.pending_copies)

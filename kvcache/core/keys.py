@@ -1,8 +1,8 @@
 """The tree's keys: token ids as bytes, reuse scopes, and comparing keys.
 
 Tokens are stored as native unsigned 32-bit integers (`array('I')`); converting a list
-once costs about 3 ns a token and rejects negative and non-integer tokens for free, and
-the array's bytes are the key a tree edge holds. A reuse scope (salt, LoRA id) picks the
+once is cheap, rejects negative and non-integer tokens for free, and the array's bytes
+are the key a tree edge holds. A reuse scope (salt, LoRA id) picks the
 tree's root: prompts in different scopes never share blocks.
 """
 
@@ -68,36 +68,36 @@ def to_token_array(tokens: Sequence[int], op: str, seq_id: Hashable) -> array:
 def token_bytes(tokens: Sequence[int], op: str, seq_id: Hashable) -> tuple[array, bytes]:
     """`to_token_array(tokens, ...)` and its bytes (the tree's key format), converted once."""
     if type(tokens) is array and tokens.typecode == "I":
-        arr = array("I", tokens)  # already checked by construction: one memcpy
-        return arr, arr.tobytes()
+        copied = array("I", tokens)  # already checked by construction: one memcpy
+        return copied, copied.tobytes()
     try:
         items = tokens if type(tokens) is list else list(tokens)
     except TypeError:
         raise ValueError(f"{_where(op, seq_id)}: tokens must be a sequence of integers, "
                          f"got {type(tokens).__name__}") from None
-    arr = array("I")
+    converted = array("I")
     try:
-        arr.fromlist(items)
+        converted.fromlist(items)
     except (TypeError, OverflowError):
         for i, tok in enumerate(items):
             if isinstance(tok, bool) or not hasattr(tok, "__index__") or not 0 <= tok < 2**32:
                 raise ValueError(f"{_where(op, seq_id)}: token {i} is {tok!r}; tokens must be "
                                  "integers in [0, 2**32)") from None
         raise
-    kb = arr.tobytes()
-    _reject_bools(kb, items, op, seq_id)
-    return arr, kb
+    key_bytes = converted.tobytes()
+    _reject_bools(key_bytes, items, op, seq_id)
+    return converted, key_bytes
 
 
 _LOW = 0 if _BYTEORDER == "little" else TOKEN_BYTES - 1  # a token's low byte in its 4
 
 
-def _reject_bools(kb: bytes, items: list[int], op: str, seq_id: Hashable) -> None:
+def _reject_bools(key_bytes: bytes, items: list[int], op: str, seq_id: Hashable) -> None:
     # array('I') takes True and False as 1 and 0. A type check per item would cost twice
     # the conversion, so type-check only the tokens whose low byte is 0 or 1 (1 in 128 of
     # uniform ids; the single-byte tokens of real vocabularies, frequent in text, are not
     # among them): one strided slice and C-level searches (memchr) find them.
-    low = kb[_LOW::TOKEN_BYTES]
+    low = key_bytes[_LOW::TOKEN_BYTES]
     first = len(items)
     for value in (0, 1):
         i = low.find(value)
@@ -115,22 +115,26 @@ def _where(op: str, seq_id: Hashable) -> str:
     return op if seq_id is None else f"{op}({seq_id!r})"
 
 
-def common_prefix_bytes(kb: bytes, off: int, key: bytes, n: int) -> int:
-    """Number of equal leading bytes of kb[off:off+n] and key[:n] (both at least n long).
+def common_prefix_bytes(key_bytes: bytes, offset: int, key: bytes, n: int) -> int:
+    """Number of equal leading bytes of key_bytes[offset:offset+n] and key[:n] (both at
+    least n long).
 
     C-level comparisons only: one when they are equal; otherwise a binary search over
     zero-copy views down to a 64-byte window, whose first difference one XOR finds. (An
-    XOR of the whole range costs ~30 instructions a byte, O(log n) compares far less.)
+    XOR of the whole range, converting both to ints, costs far more than O(log n)
+    compares.)
     """
     view = memoryview(key)
-    if kb.startswith(view[:n], off):
+    if key_bytes.startswith(view[:n], offset):
         return n
-    lo, hi = 0, n  # kb[off:off+lo] == key[:lo]; the first difference lies in [lo, hi)
-    while hi - lo > 64:
-        mid = (lo + hi) >> 1
-        if kb.startswith(view[lo:mid], off + lo):
-            lo = mid
+    # key_bytes[offset:offset+low] == key[:low]; the first difference lies in [low, high)
+    low, high = 0, n
+    while high - low > 64:
+        mid = (low + high) >> 1
+        if key_bytes.startswith(view[low:mid], offset + low):
+            low = mid
         else:
-            hi = mid
-    x = int.from_bytes(kb[off + lo:off + hi], "big") ^ int.from_bytes(view[lo:hi], "big")
-    return hi - (x.bit_length() + 7) // 8
+            high = mid
+    differ = (int.from_bytes(key_bytes[offset + low:offset + high], "big")
+              ^ int.from_bytes(view[low:high], "big"))
+    return high - (differ.bit_length() + 7) // 8

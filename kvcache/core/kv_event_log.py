@@ -32,7 +32,7 @@ _LITTLE = sys.byteorder == "little"
 _Cached = tuple[int, int | None, ScopeKey]
 
 
-def _le(tokens: array) -> bytes:
+def _little_endian(tokens: array) -> bytes:
     if _LITTLE:
         return tokens.tobytes()
     swapped = array("I", tokens)
@@ -52,10 +52,10 @@ class KvEventLog:
 
     def _chain(self, seq_id: Hashable, tokens: array, scope: ScopeKey, nblocks: int) -> list[int]:
         chain = self._chains.setdefault(seq_id, [])
-        B = self.block_size
+        size = self.block_size
         for i in range(len(chain), nblocks):
             chain.append(block_hash(chain[-1] if chain else None,
-                                    _le(tokens[i * B:(i + 1) * B]), scope))
+                                    _little_endian(tokens[i * size:(i + 1) * size]), scope))
         return chain
 
     def stored(self, seq_id: Hashable, tokens: array, scope: ScopeKey, start: int,
@@ -67,20 +67,20 @@ class KvEventLog:
         parents = (chain[start - 1] if start else None, *hashes[:-1])
         self._device.update(zip(block_ids, zip(hashes, parents, (scope,) * len(hashes),
                                                strict=True), strict=True))
-        B = self.block_size
-        self.pending.append(self._stored(hashes, parents[0], tokens[start * B:end * B], scope,
-                                         MEDIUM_DEVICE))
+        size = self.block_size
+        self.pending.append(self._stored(hashes, parents[0], tokens[start * size:end * size],
+                                         scope, MEDIUM_DEVICE))
 
     def stored_partial(self, seq_id: Hashable, tokens: array, scope: ScopeKey, start: int,
                        num_tokens: int, block_id: int) -> None:
         """The partial block `start` (its first `num_tokens` tokens) entered the tree."""
         chain = self._chain(seq_id, tokens, scope, start)
         parent = chain[start - 1] if start else None
-        B = self.block_size
-        part = tokens[start * B:start * B + num_tokens]
-        h = block_hash(parent, _le(part), scope)
-        self._device[block_id] = (h, parent, scope)
-        self.pending.append(self._stored((h,), parent, part, scope, MEDIUM_DEVICE))
+        size = self.block_size
+        part = tokens[start * size:start * size + num_tokens]
+        hashed = block_hash(parent, _little_endian(part), scope)
+        self._device[block_id] = (hashed, parent, scope)
+        self.pending.append(self._stored((hashed,), parent, part, scope, MEDIUM_DEVICE))
 
     def _stored(self, hashes: tuple[int, ...], parent: int | None, tokens: array,
                 scope: ScopeKey, medium: Medium) -> BlockStored:
@@ -106,13 +106,13 @@ class KvEventLog:
         """Host `slots` (token ids `tokens`) moved back to device blocks `block_ids`:
         removed from the host, stored on the device."""
         cached = [self._host.pop(s) for s in slots]
-        self.pending.append(BlockRemoved(tuple(c[0] for c in cached), MEDIUM_HOST))
+        self.pending.append(BlockRemoved(tuple(block[0] for block in cached), MEDIUM_HOST))
         self._device.update(zip(block_ids, cached, strict=True))
         self._store_moved(cached, tokens, MEDIUM_DEVICE)
 
     def _store_moved(self, cached: list[_Cached], tokens: array, medium: Medium) -> None:
         _, parent, scope = cached[0]
-        self.pending.append(self._stored(tuple(c[0] for c in cached), parent, tokens, scope,
+        self.pending.append(self._stored(tuple(block[0] for block in cached), parent, tokens, scope,
                                          medium))
 
     def dropped(self, slots: Iterable[int]) -> None:

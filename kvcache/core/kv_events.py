@@ -1,7 +1,7 @@
 """KV-cache events for cache-aware routers: which blocks a cache stores and removes.
 
 A router that sends each request to the replica already holding its prefix needs to know
-what every replica caches. The manager (`KVCacheManager(kv_events=True)`) records
+what every replica caches. The manager (`KvCacheManager(kv_events=True)`) records
 `BlockStored` when blocks enter its tree, `BlockRemoved` when they leave it (eviction,
 or a claimed partial block) and `AllBlocksCleared` on `reset_cache()`;
 `take_kv_events()` hands them over. A block's hash chains its parent's hash, its tokens
@@ -108,12 +108,12 @@ def event_to_dict(event: KvCacheEvent) -> dict[str, Any]:
     """The event as a JSON-friendly dict: tuples become lists, a bytes salt becomes
     {"hex": ...}, and `type` names the kind."""
     out: dict[str, Any] = {}
-    for k, v in asdict(event).items():
-        if isinstance(v, tuple):
-            v = list(v)
-        elif isinstance(v, bytes):
-            v = {"hex": v.hex()}
-        out[k] = v
+    for name, value in asdict(event).items():
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, bytes):
+            value = {"hex": value.hex()}
+        out[name] = value
     return out
 
 
@@ -126,15 +126,16 @@ def event_from_dict(data: dict[str, Any], where: str = "event") -> KvCacheEvent:
         raise ValueError(f"{where}: unknown event type {data.get('type')!r}; "
                          f"known: {sorted(_TYPES)}")
     fields: dict[str, Any] = {}
-    for k, v in data.items():
-        if isinstance(v, list):
-            v = tuple(v)
-        elif isinstance(v, dict) and set(v) == {"hex"}:
+    for name, value in data.items():
+        if isinstance(value, list):
+            value = tuple(value)
+        elif isinstance(value, dict) and set(value) == {"hex"}:
             try:
-                v = bytes.fromhex(v["hex"])
+                value = bytes.fromhex(value["hex"])
             except (TypeError, ValueError):
-                raise ValueError(f"{where}: {k} is not valid hex: {v['hex']!r}") from None
-        fields[k] = v
+                raise ValueError(f"{where}: {name} is not valid hex: "
+                                 f"{value['hex']!r}") from None
+        fields[name] = value
     try:
         return kind(**fields)
     except TypeError as err:

@@ -1,4 +1,4 @@
-"""KVCacheManager: admit sequences with reuse, commit, append, free, probe, stats.
+"""KvCacheManager: admit sequences with reuse, commit, append, free, probe, stats.
 
 The manager touches no tensors: it hands out block ids and ops (`BlockCopy`, and with a
 host tier `BlockOffload` and `BlockOnboard`) that the engine applies to storage, in queue
@@ -12,31 +12,36 @@ token's window can reach (kvcache/core/window.py): `commit` releases the rest, p
 blocks are allocated as the engine reserves them chunk by chunk, and a match needs only
 the cached blocks inside the window of its first new token.
 
-This class checks every call, then does the work; the work lives beside it, one concept
-a module, as classes over the state it inherits (`cache_state.py`): `admission.py` (the
-plan's walk and carrying it out), `caching.py` (committed blocks and tails into the
-tree), `growth.py` (blocks after admission); `stats.py` (counters and statistics) and
-`integrity.py` (invariants and the leak report) are functions of it.
+One object with explicit steps: each method checks its call, then does the work on the
+manager's `CacheState` (state.py), itself or by calling the function that does it with
+that state: `admission.make_plan` and `admission.carry_out` (a prompt's plan, and
+carrying it out), `caching.cache_full_blocks` and `caching.cache_tail` (committed blocks
+and tails into the tree), `growth.reserve_blocks` and `growth.append_blocks` (blocks
+after admission), `window_holds.release_front` (what a window releases); `stats.py`
+(statistics) and `integrity.py` (invariants and the leak report) read it. Callers get
+`SequenceHandle`s (handle.py), read-only views of the records the state keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import MappingProxyType
 
-from kvcache.core.admission import Admission
-from kvcache.core.caching import Caching
+from kvcache.core.admission import carry_out, make_plan
+from kvcache.core.caching import cache_full_blocks, cache_tail
+from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent, op_event
-from kvcache.core.growth import Growth
-from kvcache.core.handle import Sequence
+from kvcache.core.growth import append_blocks, reserve_blocks
+from kvcache.core.handle import SequenceHandle, SequenceRecord
 from kvcache.core.host_tier import TierListener
 from kvcache.core.integrity import check_manager, leak_report
 from kvcache.core.keys import ReuseScope, scope_key, to_token_array, token_bytes
 from kvcache.core.kv_events import KvCacheEvent
 from kvcache.core.ops import KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
-from kvcache.core.pool import OutOfBlocksError
+from kvcache.core.pool import BlockPool, OutOfBlocksError
 from kvcache.core.radix import BlockRadixTree
+from kvcache.core.state import CacheState
 from kvcache.core.stats import KvCacheStats, cache_stats
 from kvcache.core.validate import (
     PRIORITY_MAX,
@@ -55,18 +60,74 @@ def _unknown(where: str, seq_id: Hashable) -> ValueError:
     return ValueError(f"{where}: unknown seq_id {seq_id!r} (not admitted, or freed)")
 
 
-class KVCacheManager(Admission, Caching, Growth):
+class KvCacheManager:
     """A paged KV cache's bookkeeping: a block radix tree over a fixed block pool.
 
-    `KVCacheManager(config, record_events=False, kv_events=False)`: `record_events`
+    `KvCacheManager(config, record_events=False, kv_events=False)`: `record_events`
     keeps every operation in `events` (CacheEvent, for the reuse oracle); `kv_events`
     records KV-cache events for routers (`take_kv_events`). Raises ValueError for a
     `config` that is not a KvCacheConfig, or one whose pools' free lists do not fit in
     memory (naming `max_num_blocks` or `host_cache_blocks`).
+
+    `state` is all it keeps (read it, never change it); `sequences` maps each live
+    seq_id to its handle (read-only). `on_blocks_removed` and `allocation_fault` are the
+    two hooks a caller may set (see `CacheState`).
     """
 
+    def __init__(self, config: KvCacheConfig, *, record_events: bool = False,
+                 kv_events: bool = False) -> None:
+        self.state = CacheState(config, record_events=record_events, kv_events=kv_events)
+        # the state's handles, read-only: it follows every admission and free
+        self.sequences: Mapping[Hashable, SequenceHandle] = MappingProxyType(
+            self.state.handles)
+        self._step_base: KvCacheStats | None = None
+
+    # ------------------------------------------------------------------ its state
+    @property
+    def config(self) -> KvCacheConfig:
+        """The configuration it was built with."""
+        return self.state.config
+
+    @property
+    def tree(self) -> BlockRadixTree:
+        """The block radix tree (`reset_cache` replaces it)."""
+        return self.state.tree
+
+    @property
+    def pool(self) -> BlockPool:
+        """The device block pool (and through it the host tier, when there is one)."""
+        return self.state.pool
+
+    @property
+    def reuse(self) -> bool:
+        """Whether block reuse is on (the config's effective `block_reuse`)."""
+        return self.state.reuse
+
+    @property
+    def events(self) -> list[CacheEvent] | None:
+        """Every operation so far, in order, with `record_events=True` (else None)."""
+        return self.state.events
+
+    @property
+    def on_blocks_removed(self) -> Callable[[list[int]], None] | None:
+        """Told the ids of blocks that left the tree (see `CacheState`); settable."""
+        return self.state.on_blocks_removed
+
+    @on_blocks_removed.setter
+    def on_blocks_removed(self, hook: Callable[[list[int]], None] | None) -> None:
+        self.state.on_blocks_removed = hook
+
+    @property
+    def allocation_fault(self) -> Callable[[str, int], bool] | None:
+        """The fault-injection seam (see `CacheState`); settable."""
+        return self.state.allocation_fault
+
+    @allocation_fault.setter
+    def allocation_fault(self, fault: Callable[[str, int], bool] | None) -> None:
+        self.state.allocation_fault = fault
+
     # ------------------------------------------------------------------ admission
-    def plan_admission(self, tokens: Seq[int], scope: ReuseScope | None = None, *,
+    def plan_admission(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
                        first_chunk: int | None = None) -> AdmissionPlan:
         """What admitting `tokens` in `scope` would reuse and need now. Changes nothing.
 
@@ -77,21 +138,19 @@ class KVCacheManager(Admission, Caching, Growth):
         under full attention). Raises ValueError for an empty prompt, bad tokens, a bad
         scope or a `first_chunk` that is not a positive int.
         """
-        skey = None if scope is None else scope_key(scope, "plan_admission")
-        arr, kb = token_bytes(tokens, "plan_admission", None)
-        if not arr:
+        key = None if scope is None else scope_key(scope, "plan_admission")
+        prompt, key_bytes = token_bytes(tokens, "plan_admission", None)
+        if not prompt:
             raise ValueError("plan_admission: empty prompt")
         if first_chunk is not None:
             first_chunk = check_positive_int(first_chunk, "plan_admission: first_chunk")
-        plan = self._make_plan(arr, kb, skey, first_chunk)
-        fault = self.allocation_fault
-        if fault is not None and fault("add_sequence", plan.num_blocks):
-            plan._fault = True
-        return plan
+        fault = self.state.allocation_fault
+        return make_plan(self.state, prompt, key_bytes, key, first_chunk,
+                         fault is not None and self._refused(fault, len(prompt)))
 
     def admit(self, seq_id: Hashable, plan: AdmissionPlan,
-              priority: int = DEFAULT_PRIORITY) -> Sequence:
-        """Carry out `plan` for a new sequence `seq_id`; returns its live `Sequence`.
+              priority: int = DEFAULT_PRIORITY) -> SequenceHandle:
+        """Carry out `plan` for a new sequence `seq_id`; returns its live handle.
 
         `num_cached_tokens` tokens (any alignment) need no compute. A partial hit on an
         unused leaf claims that block (it leaves the tree); otherwise it queues a
@@ -103,48 +162,55 @@ class KVCacheManager(Admission, Caching, Growth):
         that manager's) or a stale plan (the cache changed since it was made), and
         OutOfBlocksError for a plan that does not fit; either way nothing changes.
         """
-        if seq_id in self.sequences:
+        state = self.state
+        if seq_id in state.records:
             raise ValueError(f"admit({seq_id!r}): seq_id is already live")
         # the checks format their messages only on failure: an f-string per call would
         # cost as much as the rest of the checks
         if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             priority = check_priority(priority, f"admit({seq_id!r})")
-        if plan._maker is not self:  # its nodes are another tree's, whatever its version
+        if plan.cache is not state:  # its nodes are another tree's, whatever its version
             raise ValueError(f"admit({seq_id!r}): {plan!r} was made by another "
-                             "KVCacheManager, not this one; plan with this manager's "
+                             "KvCacheManager, not this one; plan with this manager's "
                              "plan_admission")
-        if plan._version != self._version:
+        if plan.version != state.version:
             raise ValueError(f"admit({seq_id!r}): stale plan: the cache changed after "
                              "plan_admission; plan again")
-        pool = self.pool
-        if plan._need + plan._onboard > plan._available or plan._fault:  # not plan.fits
-            fault = " [injected fault]" if plan._fault else ""
-            raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}",
-                                   plan._need + plan._onboard,
-                                   0 if plan._fault else plan._available, pool.num_blocks)
-        return self._carry_out(seq_id, plan, priority)
+        need = plan.num_new_blocks + plan.num_onboard_blocks
+        if need > plan.num_available or plan.injected_fault:  # not plan.fits
+            fault = " [injected fault]" if plan.injected_fault else ""
+            raise OutOfBlocksError(f"add_sequence({seq_id!r}){fault}", need,
+                                   0 if plan.injected_fault else plan.num_available,
+                                   state.pool.num_blocks)
+        return carry_out(state, seq_id, plan, priority)
 
-    def add_sequence(self, seq_id: Hashable, tokens: Seq[int], scope: ReuseScope | None = None,
-                     priority: int = DEFAULT_PRIORITY) -> Sequence:
+    def add_sequence(self, seq_id: Hashable, tokens: Sequence[int],
+                     scope: ReuseScope | None = None,
+                     priority: int = DEFAULT_PRIORITY) -> SequenceHandle:
         """Plan and admit in one call (see `plan_admission` and `admit`).
 
         Raises ValueError for a live `seq_id`, an empty prompt, bad tokens, scope or
         priority, and OutOfBlocksError when the blocks cannot be had; either way nothing
         changes.
         """
-        if seq_id in self.sequences:
+        if seq_id in self.state.records:
             raise ValueError(f"add_sequence({seq_id!r}): seq_id is already live")
         if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             priority = check_priority(priority, f"add_sequence({seq_id!r})")
-        skey = None if scope is None else scope_key(scope, f"add_sequence({seq_id!r})")
-        arr, kb = token_bytes(tokens, "add_sequence", seq_id)
-        if not arr:
+        key = None if scope is None else scope_key(scope, f"add_sequence({seq_id!r})")
+        prompt, key_bytes = token_bytes(tokens, "add_sequence", seq_id)
+        if not prompt:
             raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
-        plan = self._make_plan(arr, kb, skey)
-        fault = self.allocation_fault
-        if fault is not None and fault("add_sequence", plan._num_blocks):
-            plan._fault = True
+        fault = self.state.allocation_fault
+        plan = make_plan(self.state, prompt, key_bytes, key, None,
+                         fault is not None and self._refused(fault, len(prompt)))
         return self.admit(seq_id, plan, priority)
+
+    def _refused(self, fault: Callable[[str, int], bool], num_tokens: int) -> bool:
+        """Whether the fault-injection seam `fault` refuses admitting a prompt of
+        `num_tokens` (asked with all its blocks, whatever a first chunk needs now)."""
+        block_size = self.state.tokens_per_block
+        return bool(fault("add_sequence", (num_tokens + block_size - 1) // block_size))
 
     # ------------------------------------------------------------------ progress
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -160,42 +226,47 @@ class KVCacheManager(Admission, Caching, Growth):
         admission while the sequence's copy is still queued (its tokens were never
         written); nothing changes then.
         """
-        seq = self.sequences.get(seq_id)
-        if seq is None:
+        state = self.state
+        record = state.records.get(seq_id)
+        if record is None:
             raise _unknown("commit", seq_id)
         n = num_tokens
         if type(n) is not int:
             n = check_int(num_tokens, f"commit({seq_id!r}): num_tokens")
-        if n > len(seq._tokens):
+        if n > len(record.tokens):
             raise ValueError(f"commit({seq_id!r}, {n}): beyond the sequence's "
-                             f"{len(seq._tokens)} tokens")
-        if n < seq._committed:
+                             f"{len(record.tokens)} tokens")
+        committed = record.num_committed_tokens
+        if n < committed:
             raise ValueError(f"commit({seq_id!r}, {n}): goes backwards; "
-                             f"{seq._committed} tokens are already committed")
-        if n > len(seq._block_ids) * self._B:  # only under a window: tokens not reserved
-            raise ValueError(f"commit({seq_id!r}, {n}): only {len(seq._block_ids) * self._B} "
-                             "tokens have blocks; reserve the rest before computing them")
-        if self._copy_ops and n > seq._committed:
+                             f"{committed} tokens are already committed")
+        covered = len(record.block_ids) * state.tokens_per_block
+        if n > covered:  # only under a window: tokens not reserved
+            raise ValueError(f"commit({seq_id!r}, {n}): only {covered} tokens have blocks; "
+                             "reserve the rest before computing them")
+        if state.op_queue and n > committed:
             self._check_copied(seq_id, n)
-        self._version += 1
-        seq._committed = n
-        nfull = n // self._B
-        switched = seq._block_ids_version
-        if self.reuse and nfull > seq._tree_blocks:
-            self._cache_full_blocks(seq, nfull)
-        if self.events is not None:
-            ids = tuple(seq._block_ids) if seq._block_ids_version != switched else ()
-            self.events.append(CacheEvent("commit", seq_id, (), n, None, ids))
-        if self._wl is not None:
-            self._slide(seq)
+        state.version += 1
+        record.num_committed_tokens = n
+        num_full = n // state.tokens_per_block
+        switched = record.block_ids_version
+        if state.reuse and num_full > record.num_tree_blocks:
+            cache_full_blocks(state, record, num_full)
+        if state.events is not None:
+            ids = tuple(record.block_ids) if record.block_ids_version != switched else ()
+            state.events.append(CacheEvent("commit", seq_id, (), n, None, ids))
+        if state.window_left is not None:  # under full attention every block stays needed
+            self._slide(record)
 
-    def _slide(self, seq: Sequence) -> None:
+    def _slide(self, record: SequenceRecord) -> None:
         """Release the blocks no token from `num_committed_tokens` on can see."""
-        assert self._wl is not None
-        new = first_held_block(seq._committed, self._wl, self._B,
-                               seq._tree_blocks if self.reuse else None)
-        if new > seq._first:
-            release_front(self.pool, seq, new, self.reuse)
+        state = self.state
+        assert state.window_left is not None
+        new = first_held_block(record.num_committed_tokens, state.window_left,
+                               state.tokens_per_block,
+                               record.num_tree_blocks if state.reuse else None)
+        if new > record.num_released_blocks:
+            release_front(state.pool, record, new, state.reuse)
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
         """Allocate blocks for tokens [0, num_tokens) of `seq_id`, as many as the pool
@@ -206,28 +277,32 @@ class KVCacheManager(Admission, Caching, Growth):
         for lack of room (the caller computes fewer tokens, or preempts). Raises
         ValueError for an unknown `seq_id` or a count outside [0, tokens of the sequence].
         """
-        seq = self._get(seq_id, "reserve")
-        n = check_int(num_tokens, f"reserve({seq_id!r}): num_tokens", 0, len(seq._tokens))
-        need = (n + self._B - 1) // self._B - len(seq._block_ids)
+        record = self._record(seq_id, "reserve")
+        n = check_int(num_tokens, f"reserve({seq_id!r}): num_tokens", 0, len(record.tokens))
+        block_size = self.state.tokens_per_block
+        need = (n + block_size - 1) // block_size - len(record.block_ids)
         if need > 0:
-            self._reserve_blocks(seq, need)
-        return min(n, len(seq._block_ids) * self._B)
+            reserve_blocks(self.state, record, need)
+        return min(n, len(record.block_ids) * block_size)
 
-    def append_tokens(self, seq_id: Hashable, tokens: Seq[int]) -> None:
+    def append_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Append generated tokens, allocating blocks as needed.
 
         Raises ValueError for bad tokens or an unknown `seq_id`, OutOfBlocksError when the
         new blocks cannot be had; either way nothing changes.
         """
-        seq = self._get(seq_id, "append_tokens")
-        arr = to_token_array(tokens, "append_tokens", seq_id)
-        need = (len(seq._tokens) + len(arr) + self._B - 1) // self._B - len(seq._block_ids)
+        record = self._record(seq_id, "append_tokens")
+        added = to_token_array(tokens, "append_tokens", seq_id)
+        block_size = self.state.tokens_per_block
+        need = ((len(record.tokens) + len(added) + block_size - 1) // block_size
+                - len(record.block_ids))
         if need > 0:
-            self._append_blocks(seq, need)
-        seq._tokens.extend(arr)
-        if self.events is not None:
-            added = tuple(seq._block_ids[len(seq._block_ids) - max(need, 0):])
-            self.events.append(CacheEvent("append", seq_id, tuple(arr), 0, None, added))
+            append_blocks(self.state, record, need)
+        record.tokens.extend(added)
+        events = self.state.events
+        if events is not None:
+            blocks = tuple(record.block_ids[len(record.block_ids) - max(need, 0):])
+            events.append(CacheEvent("append", seq_id, tuple(added), 0, None, blocks))
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Release a sequence: its committed blocks stay cached, the rest return to the pool.
@@ -237,32 +312,33 @@ class KVCacheManager(Admission, Caching, Growth):
         matched). A copy of this sequence still queued never ran: it is dropped, and the
         tokens it was to write are not cached (its tail is cached only from written KV).
         """
-        seq = self.sequences.get(seq_id)
-        if seq is None:
+        state = self.state
+        record = state.records.pop(seq_id, None)
+        if record is None:
             raise _unknown("free_sequence", seq_id)
-        self._version += 1
-        del self.sequences[seq_id]
-        unwritten = bool(self._copy_ops) and self._drop_copies(seq_id)
-        if self._kv is not None:
-            self._kv.freed(seq_id)
-        if self.events is not None:
-            self.events.append(CacheEvent("free", seq_id, (), 0, None))
-        pool = self.pool
+        del state.handles[seq_id]
+        state.version += 1
+        unwritten = bool(state.op_queue) and self._drop_copies(seq_id)
+        if state.kv_event_log is not None:
+            state.kv_event_log.freed(seq_id)
+        if state.events is not None:
+            state.events.append(CacheEvent("free", seq_id, (), 0, None))
+        pool = state.pool
         pool.tick()
-        keep = seq._tree_blocks
-        if self.reuse:
-            if (self._partial and seq._committed % self._B and not unwritten
-                    and self._cache_tail(seq)):
+        keep = record.num_tree_blocks
+        if state.reuse:
+            if (state.partial_reuse and record.num_committed_tokens % state.tokens_per_block
+                    and not unwritten and cache_tail(state, record)):
                 keep += 1
-            last = seq._last
+            last = record.last_node
             if last is not None:
-                first = seq._first
-                pool.release(last, segment_stop(pool, last, seq._tree_blocks, first)
+                first = record.num_released_blocks
+                pool.release(last, segment_stop(pool, last, record.num_tree_blocks, first)
                              if first else None)
-        pool.give_back(seq.live_block_ids(keep))
+        pool.give_back(record.live_block_ids(keep))
 
     # ------------------------------------------------------------------ queries
-    def match_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None, *,
+    def match_reuse(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
                     first_chunk: int | None = None) -> ReuseMatch:
         """What an admission of `tokens` in `scope` would reuse now: block ids and counts.
 
@@ -273,29 +349,31 @@ class KVCacheManager(Admission, Caching, Growth):
         may keep a partial match the whole prompt's would forgo. An empty prompt reuses
         nothing. Raises ValueError for bad tokens, a bad scope or a bad `first_chunk`.
         """
-        skey = None if scope is None else scope_key(scope, "match_reuse")
-        arr, kb = token_bytes(tokens, "match_reuse", None)
+        key = None if scope is None else scope_key(scope, "match_reuse")
+        prompt, key_bytes = token_bytes(tokens, "match_reuse", None)
         if first_chunk is not None:
             first_chunk = check_positive_int(first_chunk, "match_reuse: first_chunk")
-        if not arr:
+        if not prompt:
             return ReuseMatch((), 0, 0, None)
-        return self._make_plan(arr, kb, skey, first_chunk).reuse
+        return make_plan(self.state, prompt, key_bytes, key, first_chunk).reuse
 
-    def probe_reuse(self, tokens: Seq[int], scope: ReuseScope | None = None, *,
+    def probe_reuse(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
                     first_chunk: int | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`,
         `first_chunk` as there). Holds and changes nothing."""
-        arr, kb = token_bytes(tokens, "probe_reuse", None)
+        prompt, key_bytes = token_bytes(tokens, "probe_reuse", None)
         if first_chunk is not None:
             first_chunk = check_positive_int(first_chunk, "probe_reuse: first_chunk")
-        if not arr:
+        if not prompt:
             return 0
-        return self._make_plan(arr, kb, scope_key(scope, "probe_reuse"), first_chunk)._cached
+        return make_plan(self.state, prompt, key_bytes, scope_key(scope, "probe_reuse"),
+                         first_chunk).num_cached_tokens
 
+    # ------------------------------------------------------------------ the op queue
     def _check_copied(self, seq_id: Hashable, n: int) -> None:
         """Raise ValueError if an op of `seq_id` is still queued: a commit of `n` tokens
         past its admission would count the slots its copy was to fill as written KV."""
-        for owner, op in self._copy_ops:
+        for owner, op in self.state.op_queue:
             if owner == seq_id:
                 raise ValueError(f"commit({seq_id!r}, {n}): its {op} is still queued, so "
                                  "the forward pass that computed these tokens did not "
@@ -305,9 +383,10 @@ class KVCacheManager(Admission, Caching, Growth):
     def _drop_copies(self, seq_id: Hashable) -> bool:
         """Forget the queued copies of `seq_id` (never the moves of cached blocks between
         tiers, owned by CACHE: the tree depends on them); returns whether there were any."""
-        kept = [e for e in self._copy_ops if e[0] != seq_id]
-        dropped = len(kept) != len(self._copy_ops)
-        self._copy_ops = kept
+        state = self.state
+        kept = [entry for entry in state.op_queue if entry[0] != seq_id]
+        dropped = len(kept) != len(state.op_queue)
+        state.op_queue = kept
         return dropped
 
     @property
@@ -315,14 +394,14 @@ class KVCacheManager(Admission, Caching, Growth):
         """Ops queued and not yet applied, in the order they must be applied (a copy of
         the queue; taking it changes nothing): what an engine hands its storage, then
         acknowledges with `ack_copy_ops`."""
-        return [op for _, op in self._copy_ops]
+        return [op for _, op in self.state.op_queue]
 
     @property
     def pending_copies(self) -> list[tuple[Hashable, KvOp]]:
         """(owner, op) for every queued op, in order (a copy of the queue): the owner is
         the sequence whose admission queued a copy, or `CACHE` for a move of a cached
         block between tiers."""
-        return list(self._copy_ops)
+        return list(self.state.op_queue)
 
     def ack_copy_ops(self, num_applied: int) -> None:
         """The first `num_applied` ops of `pending_copy_ops` were applied to storage: they
@@ -339,15 +418,17 @@ class KVCacheManager(Admission, Caching, Growth):
         event (block_ids = (src, dst)). Raises ValueError for a count that is not an int
         in [0, number pending], changing nothing.
         """
-        queued = self._copy_ops
+        state = self.state
+        queued = state.op_queue
         n = num_applied
         if type(n) is not int or not 0 <= n <= len(queued):
             n = check_int(num_applied, "ack_copy_ops: num_applied", 0, len(queued))
         if not n:
             return
-        self._copy_ops = queued[n:]
-        if self.events is not None:
-            self.events += [op_event(owner, op, self._B) for owner, op in queued[:n]]
+        state.op_queue = queued[n:]
+        if state.events is not None:
+            state.events += [op_event(owner, op, state.tokens_per_block)
+                             for owner, op in queued[:n]]
 
     def take_copy_ops(self) -> list[KvOp]:
         """Pending ops, in the order they must be applied; the queue is emptied, as if
@@ -358,58 +439,69 @@ class KVCacheManager(Admission, Caching, Growth):
         self.ack_copy_ops(len(ops))
         return ops
 
+    # ------------------------------------------------------------------ listeners, reset
     def take_kv_events(self) -> list[KvCacheEvent]:
         """KV-cache events since the last call, oldest first (BlockStored, BlockRemoved,
         AllBlocksCleared); the queue is emptied. ValueError unless built with
         kv_events=True."""
-        if self._kv is None:
+        log = self.state.kv_event_log
+        if log is None:
             raise ValueError("take_kv_events: the manager was built with kv_events=False")
-        return self._kv.take()
+        return log.take()
 
     def add_tier_listener(self, listener: TierListener) -> None:
         """Tell `listener` of every move of a cached block between the tiers from now on
         (offloaded, onboarded, dropped; see host_tier.TierListener), after the KV event
         log: what is kept per block (the engine's recurrent-state snapshots) can follow
         its block to the host and back. Raises ValueError without a host tier."""
-        if self._host is None:
+        host = self.state.host
+        if host is None:
             raise ValueError("add_tier_listener: the manager has no host tier "
                              "(KvCacheConfig.host_cache_blocks=0)")
-        self._host.listeners.append(listener)
+        host.listeners.append(listener)
 
     def reset_cache(self) -> None:
         """Drop every cached block (vLLM's reset_prefix_cache); with KV events on, records
         AllBlocksCleared. `on_blocks_removed` hears of the device blocks, every tier
         listener `cleared`. Raises ValueError while any sequence is live (their blocks are
         in use), changing nothing."""
-        if self.sequences:
-            raise ValueError(f"reset_cache: {len(self.sequences)} sequences are live; "
+        state = self.state
+        if state.records:
+            raise ValueError(f"reset_cache: {len(state.records)} sequences are live; "
                              "free them first")
-        self._version += 1
-        cached = [b for _, node in self.tree.walk() if not node.host for b in node.blocks]
-        self.tree = BlockRadixTree(self._B)
-        self.pool.reset(self.tree)
+        state.version += 1
+        cached = [b for _, node in state.tree.walk() if not node.host for b in node.blocks]
+        state.tree = BlockRadixTree(state.tokens_per_block)
+        state.pool.reset(state.tree)
         # the KV event log listens to the host tier when there is one, else only here
-        listeners = self._host.listeners if self._host is not None else [self._kv] \
-            if self._kv is not None else []
+        if state.host is not None:
+            listeners: list[TierListener] = state.host.listeners
+        else:
+            listeners = [state.kv_event_log] if state.kv_event_log is not None else []
         for listener in listeners:
             listener.cleared()
-        if self.on_blocks_removed is not None and cached:
-            self.on_blocks_removed(cached)
+        if state.on_blocks_removed is not None and cached:
+            state.on_blocks_removed(cached)
 
-    def get_sequence(self, seq_id: Hashable) -> Sequence:
+    # ------------------------------------------------------------------ inspection
+    def get_sequence(self, seq_id: Hashable) -> SequenceHandle:
         """The live handle of `seq_id`; ValueError if it is not live."""
-        return self._get(seq_id, "get_sequence")
+        handle = self.state.handles.get(seq_id)
+        if handle is None:
+            raise _unknown("get_sequence", seq_id)
+        return handle
 
-    def _get(self, seq_id: Hashable, where: str) -> Sequence:
-        seq = self.sequences.get(seq_id)
-        if seq is None:
+    def _record(self, seq_id: Hashable, where: str) -> SequenceRecord:
+        record = self.state.records.get(seq_id)
+        if record is None:
             raise _unknown(where, seq_id)
-        return seq
+        return record
 
     def stats(self) -> KvCacheStats:
         """Cumulative statistics (gauges are current)."""
-        private = sum(s.num_private_blocks for s in self.sequences.values())
-        return cache_stats(self._c, self.pool, private, self._B)
+        state = self.state
+        private = sum(record.num_private_blocks() for record in state.records.values())
+        return cache_stats(state.counters, state.pool, private, state.tokens_per_block)
 
     def step_stats(self) -> KvCacheStats:
         """Counters since the previous `step_stats()` call (since start for the first)."""
@@ -430,4 +522,7 @@ class KVCacheManager(Admission, Caching, Growth):
 
     def dump_tree(self) -> str:
         """The cache tree as text, for failure messages."""
-        return self.tree.dump()
+        return self.state.tree.dump()
+
+
+KVCacheManager = KvCacheManager  # the old name, kept for existing callers

@@ -79,13 +79,13 @@ class BlockPool:
         """Blocks obtainable now: free plus evictable."""
         return len(self.free) + self.num_evictable
 
-    def acquire(self, deep: Node, stop: Node | None, priority: int) -> None:
-        """Take one reference on every node from `deep` up to (excluding) `stop`.
+    def acquire(self, deepest: Node, stop: Node | None, priority: int) -> None:
+        """Take one reference on every node from `deepest` up to (excluding) `stop`.
 
         `stop=None` means up to the root. A node's retention priority is the highest of
         its holders' since it was last unreferenced.
         """
-        node = deep
+        node = deepest
         parent = node.parent
         while node is not stop and parent is not None:  # the root has no parent
             if node.ref == 0:
@@ -101,8 +101,8 @@ class BlockPool:
         """Advance logical time: releases after this are more recent than those before."""
         self.clock += 1
 
-    def release(self, deep: Node, stop: Node | None = None) -> None:
-        """Drop one reference on `deep` and its ancestors up to (excluding) `stop`;
+    def release(self, deepest: Node, stop: Node | None = None) -> None:
+        """Drop one reference on `deepest` and its ancestors up to (excluding) `stop`;
         `stop=None` releases a holder's whole chain. Unreferenced nodes become evictable.
 
         After a whole-chain release, edges that admissions split are merged back wherever
@@ -111,7 +111,7 @@ class BlockPool:
         holders, as holders hold segments: only unreferenced edges merge there.)
         """
         windowed = self.windowed
-        node = deep
+        node = deepest
         parent = node.parent
         while node is not stop and parent is not None:  # the root has no parent
             node.ref -= 1
@@ -125,7 +125,7 @@ class BlockPool:
             parent = node.parent
         if stop is not None:
             return
-        node = deep
+        node = deepest
         while True:
             top = node.parent
             if top is None or top.parent is None:
@@ -182,22 +182,22 @@ class BlockPool:
         assert node.ref == 0
         self.num_evictable -= len(node.blocks)
 
-    def allocate(self, n: int) -> tuple[list[int], int]:
-        """Hand out `n` blocks: free ones first, then evicted ones.
+    def allocate(self, num_blocks: int) -> tuple[list[int], int]:
+        """Hand out `num_blocks` blocks: free ones first, then evicted ones.
 
         Returns (ids, how many came from the free stack). The caller has checked
         `num_available`; running short here is an internal error.
         """
         free = self.free
-        if n <= len(free):
-            cut = len(free) - n
+        if num_blocks <= len(free):
+            cut = len(free) - num_blocks
             ids = free[cut:]
             del free[cut:]
-            return ids, n
+            return ids, num_blocks
         ids = free[:]
         free.clear()
         fresh = len(ids)
-        ids += self._evict(n - fresh)
+        ids += self._evict(num_blocks - fresh)
         return ids, fresh
 
     def evict_below(self, node: Node) -> list[int]:
@@ -208,18 +208,18 @@ class BlockPool:
         assert node.ref == 0, node
         tree = self.tree
         below: list[Node] = []  # parents before children
-        stack = [c for cs in node.children.values() for c in cs]
+        stack = [child for siblings in node.children.values() for child in siblings]
         while stack:
-            c = stack.pop()
-            below.append(c)
-            stack += [g for gs in c.children.values() for g in gs]
+            edge = stack.pop()
+            below.append(edge)
+            stack += [child for siblings in edge.children.values() for child in siblings]
         out: list[int] = []
-        for c in reversed(below):  # children before parents: detach takes leaves only
-            tree.detach(c)
-            if c.host and self.host is not None:
-                self.host.forget(c)
+        for edge in reversed(below):  # children before parents: detach takes leaves only
+            tree.detach(edge)
+            if edge.host and self.host is not None:
+                self.host.forget(edge)
             else:
-                out += c.blocks
+                out += edge.blocks
         if len(node.blocks) > 1:
             out += tree.trim(node, len(node.blocks) - 1)
         self.num_evictable -= len(out)
@@ -227,6 +227,9 @@ class BlockPool:
         return out
 
     def _evict(self, need: int) -> list[int]:
+        """Evict `need` cached blocks, least valuable first (priority, then LRU), and
+        return their ids: with a host tier a full block is offloaded there, else
+        dropped (under a sliding window an interior one leaves its node hollow)."""
         heap = self.heap
         tree = self.tree
         host = self.host
@@ -237,41 +240,41 @@ class BlockPool:
             if not self._evictable(node, stamp):
                 heapq.heappop(heap)
                 continue
-            nb = len(node.blocks)
+            count = len(node.blocks)
             if host is not None:
-                n = min(nb, need)
-                moved = host.offload(node, n)
+                moving = min(count, need)
+                moved = host.offload(node, moving)
                 if moved is not None:
                     out += moved[0]
-                    need -= n
-                    self.num_evictable -= n
-                    self.num_evicted += n
+                    need -= moving
+                    self.num_evictable -= moving
+                    self.num_evicted += moving
                     heapq.heappop(heap)  # `node` is a host edge now
                     self._after_offload(node, moved[1])
                     continue
                 if node.children:  # no room on the host: its host subtree goes first
                     host.drop_subtree(node)
             if node.children:  # windowed: the blocks go, the path stays (hollow)
-                if nb > need:  # the front of the edge; the rest keeps its heap entry
+                if count > need:  # the front of the edge; the rest keeps its heap entry
                     node = tree.split(node, need)
                 else:
                     heapq.heappop(heap)
                 out += tree.hollow(node)
-                taken = min(nb, need)
+                taken = min(count, need)
                 need -= taken
                 self.num_evictable -= taken
                 self.num_evicted += taken
                 continue
-            if nb > need:  # evict the tail of the edge; its entry stays valid
+            if count > need:  # evict the tail of the edge; its entry stays valid
                 out += tree.trim(node, need)
                 self.num_evictable -= need
                 self.num_evicted += need
                 break
             heapq.heappop(heap)
             out += node.blocks
-            need -= nb
-            self.num_evictable -= nb
-            self.num_evicted += nb
+            need -= count
+            self.num_evictable -= count
+            self.num_evicted += count
             parent = node.parent
             assert parent is not None
             tree.prune(node)
@@ -300,5 +303,5 @@ class BlockPool:
 
     def _compact(self) -> None:
         # in place: _evict may be iterating over this very list
-        self.heap[:] = [e for e in self.heap if self._evictable(e[3], e[2])]
+        self.heap[:] = [entry for entry in self.heap if self._evictable(entry[3], entry[2])]
         heapq.heapify(self.heap)

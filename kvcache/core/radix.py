@@ -103,48 +103,52 @@ class BlockRadixTree:
             node = self.roots[key] = Node(b"", [], None, b"", None)
         return node
 
-    def match(self, start: Node, kb: bytes, limit: int, partial: bool,
+    def match(self, start: Node, key_bytes: bytes, limit: int, partial: bool,
               copy_on_partial: bool) -> TreeMatch:
-        """Match token bytes `kb[:limit]` below `start`: full blocks, then one partial.
+        """Match token bytes `key_bytes[:limit]` below `start`: full blocks, then one
+        partial.
 
         Pure: mutates nothing. `limit` is in bytes. The partial candidate is taken only
         when `partial`; an in-use or interior candidate only when `copy_on_partial`.
         """
-        bb = self.block_bytes
-        full_end = limit - limit % bb
+        block_bytes = self.block_bytes
+        full_end = limit - limit % block_bytes
         node = start
-        off = 0
+        offset = 0
         hits: list[tuple[Node, int]] = []
-        while off < full_end:
-            c = node.full.get(kb[off:off + bb])
-            if c is None:
+        while offset < full_end:
+            child = node.full.get(key_bytes[offset:offset + block_bytes])
+            if child is None:
                 break
-            key = c.key
-            end = off + len(key)
-            if end <= full_end and kb.startswith(key, off):
-                hits.append((c, len(key) // bb))  # not len(blocks): a hollow node has none
-                off = end
-                node = c
+            key = child.key
+            end = offset + len(key)
+            if end <= full_end and key_bytes.startswith(key, offset):
+                # not len(blocks): a hollow node has none
+                hits.append((child, len(key) // block_bytes))
+                offset = end
+                node = child
                 continue
             # The edge matches part of the way (at least its first block): the walk stops
             # inside it, and the only partial candidate is its next block. One comparison
             # up to `limit` gives both the full blocks and that block's common prefix.
-            n = limit - off
-            same = common_prefix_bytes(kb, off, key, n if n < len(key) else len(key))
-            nb = (same if same < full_end - off else full_end - off) // bb
-            hits.append((c, nb))
-            off += nb * bb
+            left = limit - offset
+            same = common_prefix_bytes(key_bytes, offset, key,
+                                       left if left < len(key) else len(key))
+            matched = (same if same < full_end - offset else full_end - offset) // block_bytes
+            hits.append((child, matched))
+            offset += matched * block_bytes
             hit = None
-            if partial and limit - off >= TOKEN_BYTES:
-                hit = self._partial_inside(c, nb, (same - nb * bb) // TOKEN_BYTES,
+            if partial and limit - offset >= TOKEN_BYTES:
+                hit = self._partial_inside(child, matched,
+                                           (same - matched * block_bytes) // TOKEN_BYTES,
                                            copy_on_partial)
-            return TreeMatch(hits, off // bb, hit,
-                             off // TOKEN_BYTES + (hit.num_tokens if hit is not None else 0))
+            return TreeMatch(hits, offset // block_bytes, hit, offset // TOKEN_BYTES
+                             + (hit.num_tokens if hit is not None else 0))
         hit = None
-        if partial and limit - off >= TOKEN_BYTES and node.children:
-            hit = self._partial(node, kb, off, limit, copy_on_partial)
-        return TreeMatch(hits, off // bb, hit,
-                         off // TOKEN_BYTES + (hit.num_tokens if hit is not None else 0))
+        if partial and limit - offset >= TOKEN_BYTES and node.children:
+            hit = self._partial(node, key_bytes, offset, limit, copy_on_partial)
+        return TreeMatch(hits, offset // block_bytes, hit,
+                         offset // TOKEN_BYTES + (hit.num_tokens if hit is not None else 0))
 
     @staticmethod
     def _partial_inside(mid: Node, index: int, num_tokens: int,
@@ -161,28 +165,30 @@ class BlockRadixTree:
             return None
         return PartialHit(mid, index, num_tokens, claim)
 
-    def _partial(self, node: Node, kb: bytes, off: int, limit: int,
+    def _partial(self, node: Node, key_bytes: bytes, offset: int, limit: int,
                  copy_on_partial: bool) -> PartialHit | None:
-        """The best partial hit among the children of `node` for the tokens at `off`."""
-        rem = min(limit - off, self.block_bytes)
+        """The best partial hit among the children of `node` for the tokens at `offset`."""
+        most = min(limit - offset, self.block_bytes)
         best: PartialHit | None = None
-        for c in node.children.get(kb[off:off + TOKEN_BYTES], ()):
-            claim = c.ref == 0 and not c.children and len(c.blocks) == 1 and not c.host
-            if not (claim or copy_on_partial) or not c.blocks:
+        for child in node.children.get(key_bytes[offset:offset + TOKEN_BYTES], ()):
+            claim = (child.ref == 0 and not child.children and len(child.blocks) == 1
+                     and not child.host)
+            if not (claim or copy_on_partial) or not child.blocks:
                 continue
-            n = common_prefix_bytes(kb, off, c.key, min(rem, len(c.key))) // TOKEN_BYTES
-            if (best is None or n > best.num_tokens
-                    or (n == best.num_tokens and claim and (
-                        not best.claim or len(c.key) <= len(best.node.key)))):
+            same = common_prefix_bytes(key_bytes, offset, child.key,
+                                       min(most, len(child.key))) // TOKEN_BYTES
+            if (best is None or same > best.num_tokens
+                    or (same == best.num_tokens and claim and (
+                        not best.claim or len(child.key) <= len(best.node.key)))):
                 # a tie goes to a claim, then to the claim that takes the fewest cached
                 # tokens out of the tree, then to the leaf attached last
-                best = PartialHit(c, 0, n, claim)
+                best = PartialHit(child, 0, same, claim)
         return best if best is not None and best.num_tokens else None
 
     def add_child(self, parent: Node, key: bytes, blocks: list[int]) -> Node:
         """Attach a new unreferenced node under `parent` and return it."""
-        bb = self.block_bytes
-        head = key[:bb] if len(key) >= bb else None
+        block_bytes = self.block_bytes
+        head = key[:block_bytes] if len(key) >= block_bytes else None
         node = Node(key, blocks, parent, key[:TOKEN_BYTES], head)
         parent.children.setdefault(node.first, []).append(node)
         if head is not None:

@@ -136,19 +136,23 @@ class RequestKvMetrics(NamedTuple):
 
 
 class Counters:
-    """The manager's cumulative counters, kept as plain attributes for the hot path."""
+    """The manager's cumulative counters, named as the `KvCacheStats` fields they become,
+    kept as plain attributes for the hot path."""
 
-    __slots__ = ("alloc_new", "alloc_total", "claimed", "copied", "decode_alloc", "full_reused",
-                 "missed", "partial_reused", "reused_tokens")
+    __slots__ = ("alloc_new_blocks", "alloc_total_blocks", "claimed_blocks", "copied_blocks",
+                 "decode_alloc_blocks", "full_reused_blocks", "missed_blocks",
+                 "partial_reused_blocks", "reused_tokens")
 
     def __init__(self) -> None:
-        self.alloc_total = self.alloc_new = self.full_reused = self.partial_reused = 0
-        self.missed = self.reused_tokens = self.decode_alloc = self.copied = self.claimed = 0
+        self.alloc_total_blocks = self.alloc_new_blocks = 0
+        self.full_reused_blocks = self.partial_reused_blocks = self.missed_blocks = 0
+        self.reused_tokens = self.decode_alloc_blocks = 0
+        self.copied_blocks = self.claimed_blocks = 0
 
 
-def cache_stats(c: Counters, pool: BlockPool, private: int,
+def cache_stats(counters: Counters, pool: BlockPool, private: int,
                 tokens_per_block: int) -> KvCacheStats:
-    """The statistics of a cache with counters `c`, `pool` (and its host tier, if any)
+    """The statistics of a cache with `counters`, `pool` (and its host tier, if any)
     and `private` blocks that live sequences hold outside the tree; gauges are read now.
     Pure."""
     free = pool.num_available
@@ -156,11 +160,14 @@ def cache_stats(c: Counters, pool: BlockPool, private: int,
     return KvCacheStats(
         max_num_blocks=pool.num_blocks, free_num_blocks=free,
         used_num_blocks=pool.num_blocks - free, tokens_per_block=tokens_per_block,
-        alloc_total_blocks=c.alloc_total, alloc_new_blocks=c.alloc_new,
-        reused_blocks=c.full_reused + c.partial_reused, missed_blocks=c.missed,
-        full_reused_blocks=c.full_reused, partial_reused_blocks=c.partial_reused,
-        reused_tokens=c.reused_tokens, decode_alloc_blocks=c.decode_alloc,
-        copied_blocks=c.copied, claimed_blocks=c.claimed, evicted_blocks=pool.num_evicted,
+        alloc_total_blocks=counters.alloc_total_blocks,
+        alloc_new_blocks=counters.alloc_new_blocks,
+        reused_blocks=counters.full_reused_blocks + counters.partial_reused_blocks,
+        missed_blocks=counters.missed_blocks, full_reused_blocks=counters.full_reused_blocks,
+        partial_reused_blocks=counters.partial_reused_blocks,
+        reused_tokens=counters.reused_tokens, decode_alloc_blocks=counters.decode_alloc_blocks,
+        copied_blocks=counters.copied_blocks, claimed_blocks=counters.claimed_blocks,
+        evicted_blocks=pool.num_evicted,
         cached_num_blocks=pool.num_blocks - pool.num_free - private,
         **({} if host is None else {
             "offloaded_blocks": host.num_offloaded, "onboarded_blocks": host.num_onboarded,

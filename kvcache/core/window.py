@@ -2,7 +2,8 @@
 
 With a window of W tokens (window_left = W - 1) the token at position p sees the keys
 p - window_left <= j <= p, and every later token sees no further back. So before it
-computes from position p, a sequence needs only its blocks from (p - window_left) // B on:
+computes from position p, a sequence needs only its blocks from
+(p - window_left) // block_size on:
 
     tokens   0           p - window_left          p
              |                  |                 |
@@ -62,22 +63,22 @@ def window_hit(holes: Sequence[tuple[int, int]], num_full: int, partial_tokens: 
     partial block (0: none). A shorter match ends before the last hole it needs, cut
     back to a multiple of `align` blocks. Pure.
     """
-    B = block_size
-    k = num_full
+    kept = num_full
     end = holes[-1][1] if holes else 0
     if partial_tokens:
-        first = first_held_block(k * B + partial_tokens, window_left, B, k)
+        first = first_held_block(kept * block_size + partial_tokens, window_left, block_size,
+                                 kept)
         if end <= first:
-            return WindowHit(k, True, first)
+            return WindowHit(kept, True, first)
     i = len(holes)
     while True:
-        while i and holes[i - 1][0] >= k:
+        while i and holes[i - 1][0] >= kept:
             i -= 1
-        first = first_held_block(k * B, window_left, B, k)
-        if not i or min(holes[i - 1][1], k) <= first:
-            return WindowHit(k, False, first)
-        k = holes[i - 1][0]
-        k -= k % align
+        first = first_held_block(kept * block_size, window_left, block_size, kept)
+        if not i or min(holes[i - 1][1], kept) <= first:
+            return WindowHit(kept, False, first)
+        kept = holes[i - 1][0]
+        kept -= kept % align
 
 
 def peak_blocks(prompt_len: int, total_len: int, chunk: int, window_left: int,
@@ -88,12 +89,12 @@ def peak_blocks(prompt_len: int, total_len: int, chunk: int, window_left: int,
     The count repeats every block once the window slides, so a few windows' worth of
     starts cover every case.
     """
-    B = block_size
-    span = window_left + 2 * B
+    span = window_left + 2 * block_size
 
     def held(pos: int, new: int, end: int) -> int:
-        last = -(-min(pos + new, end) // B)
-        return last - first_held_block(pos, window_left, B, pos // B if reuse else None)
+        last = -(-min(pos + new, end) // block_size)
+        return last - first_held_block(pos, window_left, block_size,
+                                       pos // block_size if reuse else None)
 
     peak = max(held(p, chunk, prompt_len) for p in range(min(prompt_len, span)))
     for p in range(prompt_len, min(total_len, prompt_len + span)):

@@ -21,7 +21,7 @@ from kvcache.core.radix import Node, PartialHit
 from kvcache.core.window import window_hit
 
 if TYPE_CHECKING:
-    from kvcache.core.handle import Sequence
+    from kvcache.core.handle import SequenceRecord
     from kvcache.core.kv_event_log import KvEventLog
     from kvcache.core.pool import BlockPool
 
@@ -32,10 +32,10 @@ def cut_hits(hits: Hits, keep: int) -> Hits:
     """The first `keep` blocks of `hits` (pairs of node, blocks matched from its start)."""
     out: Hits = []
     left = keep
-    for node, nb in hits:
+    for node, matched in hits:
         if not left:
             break
-        out.append((node, min(nb, left)))
+        out.append((node, min(matched, left)))
         left -= out[-1][1]
     return out
 
@@ -45,36 +45,38 @@ def held_ids(hits: Hits, first: int, available: int) -> tuple[list[int], int]:
     they are held (`available` less the unreferenced ones among them)."""
     ids: list[int] = []
     pos = 0
-    for node, nb in hits:
-        lo = first - pos if first > pos else 0
-        if lo < nb:
-            ids += node.blocks[lo:nb]
+    for node, matched in hits:
+        low = first - pos if first > pos else 0
+        if low < matched:
+            ids += node.blocks[low:matched]
             if not node.ref:
-                available -= nb - lo  # about to be referenced
-        pos += nb
+                available -= matched - low  # about to be referenced
+        pos += matched
     return ids, available
 
 
-def cut_to_window(hits: Hits, nfull: int, ph: PartialHit | None, window_left: int,
-                  block_size: int, align: int
+def cut_to_window(hits: Hits, num_full: int, partial: PartialHit | None, window_left: int,
+                  block_size: int, alignment: int
                   ) -> tuple[Hits, int, PartialHit | None, int, int]:
-    """A match cut to the sliding-window rule: (hits, full blocks, partial hit, tokens,
-    first held block). Hollow nodes on the path are its missing blocks."""
+    """A match (`num_full` full blocks of `hits`, then `partial`) cut to the
+    sliding-window rule, its full blocks to a multiple of `alignment`: (hits, full
+    blocks, partial hit, tokens, first held block). Hollow nodes on the path are its
+    missing blocks."""
     holes = []
     pos = 0
-    for node, nb in hits:
+    for node, matched in hits:
         if not node.blocks:
-            holes.append((pos, pos + nb))
-        pos += nb
-    cut = window_hit(holes, nfull, ph.num_tokens if ph is not None else 0, window_left,
-                     block_size, align)
-    k = cut.num_full_blocks
-    if k < nfull:
-        hits = cut_hits(hits, k)
+            holes.append((pos, pos + matched))
+        pos += matched
+    cut = window_hit(holes, num_full, partial.num_tokens if partial is not None else 0,
+                     window_left, block_size, alignment)
+    kept = cut.num_full_blocks
+    if kept < num_full:
+        hits = cut_hits(hits, kept)
     if not cut.keep_partial:
-        ph = None
-    ntok = k * block_size + (ph.num_tokens if ph is not None else 0)
-    return hits, k, ph, ntok, cut.first_block
+        partial = None
+    num_tokens = kept * block_size + (partial.num_tokens if partial is not None else 0)
+    return hits, kept, partial, num_tokens, cut.first_block
 
 
 def segment_stop(pool: BlockPool, deep: Node, end: int, first: int) -> Node:
@@ -94,54 +96,53 @@ def segment_stop(pool: BlockPool, deep: Node, end: int, first: int) -> Node:
     return node.parent
 
 
-def release_front(pool: BlockPool, seq: Sequence, new: int, reuse: bool) -> None:
-    """Release block positions [seq.num_released_blocks, new) of `seq`: its references
-    to cached ones (they stay in the tree, evictable), or with reuse off its private
-    ones (back to the free list). Their positions become None."""
-    old = seq._first
+def release_front(pool: BlockPool, record: SequenceRecord, new: int, reuse: bool) -> None:
+    """Release block positions [record.num_released_blocks, new) of `record`: its
+    references to cached ones (they stay in the tree, evictable), or with reuse off its
+    private ones (back to the free list). Their positions become None."""
+    old = record.num_released_blocks
     if reuse:
-        last = seq._last
+        last = record.last_node
         assert last is not None
-        upper = segment_stop(pool, last, seq._tree_blocks, new)  # the node ending at `new`
+        upper = segment_stop(pool, last, record.num_tree_blocks, new)  # the node ending at `new`
         pool.release(upper, segment_stop(pool, upper, new, old) if old else None)
     else:
-        pool.give_back(seq.live_block_ids(old, new))
-    seq._block_ids[old:new] = [None] * (new - old)
-    seq._first = new
+        pool.give_back(record.live_block_ids(old, new))
+    record.block_ids[old:new] = [None] * (new - old)
+    record.num_released_blocks = new
 
 
 def unheld_below(node: Node) -> bool:
     """Whether no node below `node` is referenced: under full attention always true of
     an unreferenced node, under a window not (a held segment can hang below)."""
-    stack = [c for cs in node.children.values() for c in cs]
+    stack = [child for siblings in node.children.values() for child in siblings]
     while stack:
-        c = stack.pop()
-        if c.ref:
+        below = stack.pop()
+        if below.ref:
             return False
-        stack += [g for gs in c.children.values() for g in gs]
+        stack += [child for siblings in below.children.values() for child in siblings]
     return True
 
 
-def take_path(seq: Sequence, nodes: list[Node], t: int, block_bytes: int,
-              kv: KvEventLog | None) -> list[int]:
-    """`seq` now holds `nodes`, the tree's copies of its blocks from position `t` on: it
-    switches to their blocks and returns its own there (for the caller to give back),
-    except where a node is hollow (its blocks evicted under a sliding window): that node
-    takes the sequence's blocks (a BlockStored event) and nothing switches; nor does it
-    where a node holds the sequence's own blocks already (taken back from the host
-    tier)."""
+def take_path(record: SequenceRecord, nodes: list[Node], start: int, block_bytes: int,
+              kv_event_log: KvEventLog | None) -> list[int]:
+    """`record` now holds `nodes`, the tree's copies of its blocks from position `start`
+    on: it switches to their blocks and returns its own there (for the caller to give
+    back), except where a node is hollow (its blocks evicted under a sliding window):
+    that node takes the sequence's blocks (a BlockStored event) and nothing switches;
+    nor does it where a node holds the sequence's own blocks already (taken back from
+    the host tier)."""
     own: list[int] = []
     for node in nodes:
-        n = len(node.key) // block_bytes
+        count = len(node.key) // block_bytes
+        mine = record.live_block_ids(start, start + count)
         if node.blocks:
-            mine = seq.live_block_ids(t, t + n)
             if node.blocks != mine:
                 own += mine
-                seq._block_ids[t:t + n] = node.blocks
+                record.block_ids[start:start + count] = node.blocks
         else:
-            mine = seq.live_block_ids(t, t + n)
             node.blocks = mine  # referenced already, so not evictable: no count changes
-            if kv is not None:
-                kv.stored(seq._seq_id, seq._tokens, seq._scope, t, mine)
-        t += n
+            if kv_event_log is not None:
+                kv_event_log.stored(record.seq_id, record.tokens, record.scope, start, mine)
+        start += count
     return own

@@ -29,7 +29,7 @@ from kvcache.attention.layer_windows import backend_for_windows
 from kvcache.attention.persistent.batch import PersistentBatch
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.keys import ReuseScope
-from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager
+from kvcache.core.manager import DEFAULT_PRIORITY, KvCacheManager
 from kvcache.core.stats import KvCacheStats
 from kvcache.core.validate import check_positive_int, check_priority
 from kvcache.core.window import peak_blocks
@@ -97,7 +97,7 @@ def _attention_backend(model: ModelConfig, storage: KvStorage,
                                head_dim=model.head_dim, page_size=config.page_size, **options)
 
 
-def _snapshots(model: ModelConfig, cache: KvCacheConfig, manager: KVCacheManager,
+def _snapshots(model: ModelConfig, cache: KvCacheConfig, manager: KvCacheManager,
                interval: int) -> StateSnapshots | None:
     """The recurrent-state snapshots of a hybrid model that reuses blocks (None for any
     other), wired to `manager`: they leave with their blocks, and follow them to the
@@ -160,7 +160,7 @@ class Engine:
         self.cache_config, self.reuse_disabled_reason = resolve_reuse(
             windowed, backend_cls, model, config.state_snapshot_interval)
         block_size = cache_config.tokens_per_block
-        self.manager = KVCacheManager(self.cache_config, record_events=config.record_events,
+        self.manager = KvCacheManager(self.cache_config, record_events=config.record_events,
                                       kv_events=config.kv_events)
         self.snapshots = _snapshots(model_config, self.cache_config, self.manager,
                                     config.state_snapshot_interval)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcache.core.handle import Sequence as CacheSequence
+from kvcache.core.handle import SequenceHandle
 from kvcache.core.keys import ReuseScope
 from kvcache.core.stats import RequestKvMetrics
 
@@ -72,7 +72,7 @@ class Request:
     tokens: array = field(default_factory=lambda: array("I"))
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
-    seq: CacheSequence | None = None  # its cache handle while it runs
+    seq: SequenceHandle | None = None  # its cache handle while it runs
     slot: int | None = None  # its batch slot (table row) while it runs
     num_computed: int = 0
     num_cached_tokens: int | None = None

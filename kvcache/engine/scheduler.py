@@ -34,7 +34,7 @@ from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvcache.attention.block_table import BlockTable
-from kvcache.core.manager import KVCacheManager
+from kvcache.core.manager import KvCacheManager
 from kvcache.core.pool import OutOfBlocksError
 from kvcache.engine.prefix_sharing import leader_of
 
@@ -67,7 +67,7 @@ class Scheduler:
     """Owns the waiting queue, the running set, their batch slots, table rows and batch
     rows. Not thread-safe (the engine holds its lock)."""
 
-    def __init__(self, manager: KVCacheManager, table: BlockTable,
+    def __init__(self, manager: KvCacheManager, table: BlockTable,
                  batch: PersistentBatch, *, max_num_tokens: int, max_batch_size: int,
                  chunked: bool, share_prefixes: bool = True) -> None:
         self.manager = manager

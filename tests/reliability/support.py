@@ -13,7 +13,7 @@ import torch
 
 from harness.oracle import ShadowStore
 from harness.oracle.checks import capacity_of
-from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache import Engine, KvCacheConfig, KvCacheManager, ReuseScope
 from kvcache.attention.base import AttentionBackend
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
@@ -105,7 +105,7 @@ def assert_same_outputs(expected: Sequence[GenerationOutput],
         assert_same_output(exp, act, where)
 
 
-def assert_clean(manager: KVCacheManager, where: str) -> None:
+def assert_clean(manager: KvCacheManager, where: str) -> None:
     """Every block free or evictable, nothing live, and every invariant intact."""
     manager.check_integrity()
     leaks = manager.leak_report()

@@ -27,7 +27,7 @@ from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
 from harness.lists.waives import default_waives, load_waives
 from harness.plugin.ordering import load_kills
-from kvcache import Engine, EngineConfig, KvCacheConfig, KVCacheManager
+from kvcache import Engine, EngineConfig, KvCacheConfig, KvCacheManager
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
@@ -98,9 +98,9 @@ def test_cache_config_from_dict_names_unknown_keys_and_source() -> None:
 IDS.add("cfg-unknown-key")
 
 
-# -- KVCacheManager ------------------------------------------------------------------------
+# -- KvCacheManager ------------------------------------------------------------------------
 
-ManagerCall = Callable[[KVCacheManager], object]
+ManagerCall = Callable[[KvCacheManager], object]
 
 
 @pytest.mark.parametrize(("call", "message"), cases(
@@ -133,12 +133,12 @@ ManagerCall = Callable[[KVCacheManager], object]
                  r"first_chunk must be an int >= 1, got True", id="mgr-match-first-chunk"),
     pytest.param(lambda m: m.probe_reuse([3, None]),
                  r"probe_reuse: token 1 is None", id="mgr-probe-token"),
-    pytest.param(lambda m: KVCacheManager({"tokens_per_block": 4}),  # type: ignore[arg-type]
-                 r"KVCacheManager: expected a KvCacheConfig, got \{'tokens_per_block': 4\}",
+    pytest.param(lambda m: KvCacheManager({"tokens_per_block": 4}),  # type: ignore[arg-type]
+                 r"KvCacheManager: expected a KvCacheConfig, got \{'tokens_per_block': 4\}",
                  id="mgr-config-dict"),
 ))
 def test_bad_manager_call_changes_nothing(call: ManagerCall, message: str) -> None:
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
     mgr.add_sequence("live", [1, 2, 3, 4, 5, 6])
     mgr.commit("live", 4)
     before = (mgr.dump_tree(), mgr.stats(), list(mgr.get_sequence("live").block_ids))
@@ -187,16 +187,16 @@ def test_a_pool_that_does_not_fit_in_memory_names_its_field(field: str) -> None:
     sizes = {"max_num_blocks": 8, field: 2**31 - 1}
     code = ("import resource\n"
             "resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))\n"
-            "from kvcache import KvCacheConfig, KVCacheManager\n"
-            f"KVCacheManager(KvCacheConfig(**{sizes!r}))\n")
+            "from kvcache import KvCacheConfig, KvCacheManager\n"
+            f"KvCacheManager(KvCacheConfig(**{sizes!r}))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], check=False)
     assert done.returncode == 1, done.stderr
-    assert (f"ValueError: KVCacheManager: out of memory building the free list of "
+    assert (f"ValueError: KvCacheManager: out of memory building the free list of "
             f"KvCacheConfig.{field}=2147483647 blocks; lower it") in done.stderr
 
 
-def _manager_state(mgr: KVCacheManager) -> tuple[object, ...]:
+def _manager_state(mgr: KvCacheManager) -> tuple[object, ...]:
     return (mgr.dump_tree(), mgr.stats(), mgr.pending_copies, list(mgr.pool.free),
             {sid: (s.num_committed_tokens, list(s.block_ids), s.block_ids_version)
              for sid, s in mgr.sequences.items()})
@@ -206,7 +206,7 @@ def test_a_commit_while_its_copy_is_queued_changes_nothing() -> None:
     """B reuses 3 tokens of [1, 2, 2, 2] by a queued BlockCopy nobody took: a commit of
     computed tokens is refused naming the copy (no forward pass read it), changing
     nothing; once the copy is taken the commit goes through."""
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
     mgr.add_sequence("A", [1, 2, 2, 2, 0])
     mgr.commit("A", 5)
     mgr.free_sequence("A")
@@ -229,7 +229,7 @@ IDS.add("mgr-commit-copy-queued")
 def test_a_plan_from_another_manager_changes_nothing() -> None:
     """A plan is bound to the manager that made it, even when the other's version number
     matches (both made the same number of changes)."""
-    a, b = (KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+    a, b = (KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
             for _ in range(2))
     for mgr, tokens in ((a, [1, 2, 3, 4, 5]), (b, [6, 7, 8, 9, 10])):
         mgr.add_sequence("x", tokens)
@@ -238,7 +238,7 @@ def test_a_plan_from_another_manager_changes_nothing() -> None:
     plan = a.plan_admission([1, 2, 3, 4, 5, 6])
     before = _manager_state(b)
     with pytest.raises(ValueError, match=r"admit\('y'\): AdmissionPlan\(tokens=6, cached=5, "
-                                         r".*\) was made by another KVCacheManager, not this "
+                                         r".*\) was made by another KvCacheManager, not this "
                                          r"one"):
         b.admit("y", plan)
     assert _manager_state(b) == before

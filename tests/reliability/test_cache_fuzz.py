@@ -31,7 +31,7 @@ import random
 import pytest
 
 from harness.oracle.checked_manager import CheckedManager
-from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from kvcache import KvCacheConfig, KvCacheManager, OutOfBlocksError, ReuseScope
 
 QUICK_SEEDS = range(100)
 FULL_SEEDS = range(100, 2100)
@@ -143,7 +143,7 @@ def run_seed(seed: int, node_id: str, window: bool = False) -> int:
     """Fuzz one seed (of the window seeds with `window`); returns the operations checked.
     A failure names the seed."""
     cfg = window_config_of(seed) if window else config_of(seed)
-    mgr = CheckedManager(KVCacheManager(cfg, record_events=True),
+    mgr = CheckedManager(KvCacheManager(cfg, record_events=True),
                          repro=f"replay: pytest '{node_id}'")
     try:
         walk(mgr, random.Random(seed))

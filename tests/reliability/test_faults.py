@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from harness.reuse.assertions import predict_from_engine
-from kvcache import Engine, KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from kvcache import Engine, KvCacheConfig, KvCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
 from tests.reliability.support import EngineSpec, assert_clean, assert_same_outputs, cold_outputs
@@ -235,7 +235,7 @@ SCRIPT: list[Op] = [
 ]
 
 
-def apply(mgr: KVCacheManager, op: Op) -> None:
+def apply(mgr: KvCacheManager, op: Op) -> None:
     kind, seq_id = op[0], op[1]
     if kind == "add":
         mgr.add_sequence(seq_id, op[2], op[3] if len(op) > 3 else None)
@@ -247,7 +247,7 @@ def apply(mgr: KVCacheManager, op: Op) -> None:
         mgr.free_sequence(seq_id)
 
 
-def snapshot(mgr: KVCacheManager) -> tuple[Any, ...]:
+def snapshot(mgr: KvCacheManager) -> tuple[Any, ...]:
     """Everything observable about the cache, block ids and pool order included."""
     seqs: dict[Hashable, Any] = {
         sid: (list(s.block_ids), s.num_tokens, s.num_committed_tokens, s.num_cached_tokens)
@@ -256,8 +256,8 @@ def snapshot(mgr: KVCacheManager) -> tuple[Any, ...]:
             len(mgr.events or ()))
 
 
-def new_manager() -> KVCacheManager:
-    return KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8),
+def new_manager() -> KvCacheManager:
+    return KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8),
                           record_events=True)
 
 

@@ -31,7 +31,7 @@ from harness.repro.record import OracleFailure
 from harness.repro.registry import TEST_OBJECTS, object_ref
 from harness.repro.reuse_record import ReuseCheckRecord, plain
 from harness.reuse.assertions import replay_config
-from kvcache import Engine, KvCacheConfig, KVCacheManager
+from kvcache import Engine, KvCacheConfig, KvCacheManager
 from kvcache.attention.base import AttentionBackend
 from tests.scenarios.recording import check_record
 from tests.scenarios.support import EngineFactory, Models, prompts_of
@@ -64,7 +64,7 @@ def scenario_json() -> dict[str, Any]:
 def reuse_json() -> dict[str, Any]:
     """A real `kind: reuse` record: a 6-block pool's log of two admissions of one
     prompt, its check a bound that holds (exit 0)."""
-    manager = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=6),
+    manager = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=6),
                              record_events=True)
     prompt = list(range(1, 17))
     for seq_id in ("a", "b"):

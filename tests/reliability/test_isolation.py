@@ -1,7 +1,7 @@
 """Reuse scopes are isolated: no tenant can reuse, probe or sense another's blocks.
 
 Random interleavings of admissions, commits, appends, frees and probes from several
-scopes run on one KVCacheManager. Each scope has its own oracle, fed only that scope's
+scopes run on one KvCacheManager. Each scope has its own oracle, fed only that scope's
 events; every admission's metrics and every probe must equal what that oracle predicts,
 so nothing another scope did can show in them. Live sequences of different scopes never
 share a block, and a reused block or copy source was last held by the same scope. The
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from harness.oracle import OracleConfig, ReuseOracle
 from harness.oracle.checked_manager import CheckedManager
-from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from kvcache import KvCacheConfig, KvCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
 from tests.reliability.support import EngineSpec, assert_clean
@@ -151,7 +151,7 @@ def run_world(block: int, pool: int, partial: bool, copy: bool,
               script: list[tuple[str, int, Any]]) -> None:
     cfg = KvCacheConfig(tokens_per_block=block, max_num_blocks=pool, enable_block_reuse=True,
                         enable_partial_reuse=partial, copy_on_partial_reuse=copy)
-    w = World(CheckedManager(KVCacheManager(cfg, record_events=True)),
+    w = World(CheckedManager(KvCacheManager(cfg, record_events=True)),
               OracleConfig.from_cache_config(cfg), exact=pool >= 10_000)
     for op in script:
         step(w, op)

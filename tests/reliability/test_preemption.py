@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 
-from kvcache import Engine, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache import Engine, KvCacheConfig, KvCacheManager, ReuseScope
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer, get_preset
 from tests.reliability.support import (
@@ -142,7 +142,7 @@ def test_hybrid_model_recomputes_recurrent_state_after_preemption() -> None:
 
 
 def test_manager_admits_a_prompt_that_fits_claiming_its_copy_source() -> None:
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=2))
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=2))
     mgr.add_sequence("a", [1, 2, 3, 4, 5, 6, 7])
     mgr.commit("a", 7)
     mgr.free_sequence("a")  # cached: [1 2 3 4] -> [5 6 7]; [1 2 3 4] is interior

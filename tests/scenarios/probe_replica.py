@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcache import Engine, KVCacheManager, ReuseScope
+from kvcache import Engine, KvCacheManager, ReuseScope
 
 
 def scope_from_key(key: Any) -> ReuseScope | None:
@@ -26,7 +26,7 @@ def assert_probe_matches_admissions(engine: Engine) -> None:
     probe against admission in its own states (the engine's reuse is then not the
     replica's to predict).
     """
-    replica = KVCacheManager(engine.cache_config)
+    replica = KvCacheManager(engine.cache_config)
     lazy = engine.cache_config.sliding_window is not None
     for i, ev in enumerate(engine.admission_log()):
         kind, sid = ev["kind"], ev["seq_id"]

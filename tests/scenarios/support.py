@@ -33,7 +33,7 @@ from harness.reuse.assertions import (
     expect_matches_oracle,
     predict_from_engine,
 )
-from kvcache import Engine, GenerationOutput, KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache import Engine, GenerationOutput, KvCacheConfig, KvCacheManager, ReuseScope
 from kvcache.attention.base import AttentionBackend
 from kvcache.model import Transformer, get_preset
 from tests.scenarios.probe_replica import assert_probe_matches_admissions
@@ -357,6 +357,6 @@ class EngineFactory:
         assert [o.num_cached_tokens for o in outs] == [0] * len(prompts), "reference reused"
         return outs
 
-    def cache_owners(self) -> list[KVCacheManager]:
+    def cache_owners(self) -> list[KvCacheManager]:
         """Every engine's manager (the plugin's leak check reads this)."""
         return [e.manager for e in self.created]

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from harness.oracle import ShadowStore
-from kvcache import Engine, GenerationOutput, KVCacheManager
+from kvcache import Engine, GenerationOutput, KvCacheManager
 from kvcache.core.keys import TOKEN_BYTES
 from tests.scenarios.support import (
     COPY,
@@ -57,7 +57,7 @@ def test_block_boundary_prompt_never_over_credits(make_engine: EngineFactory,
     scenario.expect_oracle(engine, cold + warm, seed=B)
 
 
-def tree_problems(manager: KVCacheManager) -> list[str]:
+def tree_problems(manager: KvCacheManager) -> list[str]:
     """Nodes whose token count is not their blocks' capacity, unless a partial leaf."""
     B = manager.config.tokens_per_block
     out = []

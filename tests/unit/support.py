@@ -8,7 +8,7 @@ from collections.abc import Hashable
 
 from harness.oracle import CachedBlock
 from harness.oracle.checked_manager import CheckedManager
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 
 
 class ManagerFactory:
@@ -17,29 +17,29 @@ class ManagerFactory:
 
     def __init__(self, repro: str = "") -> None:
         self.repro = repro  # the line that reruns the test, for oracle failure messages
-        self.created: list[KVCacheManager | CheckedManager] = []
+        self.created: list[KvCacheManager | CheckedManager] = []
 
     def __call__(self, tokens_per_block: int = 4, max_num_blocks: int = 64, *,
                  reuse: bool | None = True, partial: bool | None = None,
                  copy: bool | None = None, record_events: bool = False,
                  checked: bool = False, host: int = 0,
-                 kv_events: bool = False) -> KVCacheManager:
+                 kv_events: bool = False) -> KvCacheManager:
         """A fresh manager (with a host tier of `host` blocks); `checked=True` runs it
         under the provenance and capacity oracles (`CheckedManager`, which forwards the
         manager's whole API)."""
         cfg = KvCacheConfig(tokens_per_block=tokens_per_block, max_num_blocks=max_num_blocks,
                             enable_block_reuse=reuse, enable_partial_reuse=partial,
                             copy_on_partial_reuse=copy, host_cache_blocks=host)
-        mgr = KVCacheManager(cfg, record_events=record_events or checked, kv_events=kv_events)
+        mgr = KvCacheManager(cfg, record_events=record_events or checked, kv_events=kv_events)
         owner = CheckedManager(mgr, repro=self.repro) if checked else mgr
         self.created.append(owner)
         return owner  # type: ignore[return-value]  # a CheckedManager forwards every call
 
-    def cache_owners(self) -> list[KVCacheManager | CheckedManager]:
+    def cache_owners(self) -> list[KvCacheManager | CheckedManager]:
         return self.created
 
 
-def tree_blocks(mgr: KVCacheManager) -> dict[tuple[Hashable, tuple[int, ...]], CachedBlock]:
+def tree_blocks(mgr: KvCacheManager) -> dict[tuple[Hashable, tuple[int, ...]], CachedBlock]:
     """Every block of `mgr`'s tree as `ReuseOracle.cached_blocks` keys and states it:
     (scope, tokens from the start through the block) -> tier, retention priority and,
     for a block no one references, its last release time. Read from the tree's edges."""

@@ -113,7 +113,7 @@ def test_every_error_of_a_block_is_reported_at_once(tmp_path: Path) -> None:
              "isolation, keyword, marker"),
         (11, "l0_h100[0].tests[1].isolation: Input should be a valid boolean (got 'yes')"),
         (12, "l0_h100[0]: unknown key 'flaky'; allowed: condition, tests, reruns, always_run, "
-             "source_file_dependencies"),
+             "source_file_dependencies, order"),
     ]
 
 

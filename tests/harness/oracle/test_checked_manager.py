@@ -14,10 +14,11 @@ from kvcache import (
     DEFAULT_PRIORITY,
     AdmissionPlan,
     KvCacheConfig,
-    KVCacheManager,
+    KvCacheManager,
     OutOfBlocksError,
-    Sequence,
+    SequenceHandle,
 )
+from kvcache.core.handle import SequenceRecord
 
 
 def config(B: int = 4, blocks: int = 4) -> KvCacheConfig:
@@ -37,7 +38,7 @@ def issue_example(mgr: CheckedManager) -> None:
 
 
 def test_the_real_manager_passes_and_is_forwarded() -> None:
-    mgr = CheckedManager(KVCacheManager(config(), record_events=True))
+    mgr = CheckedManager(KvCacheManager(config(), record_events=True))
     issue_example(mgr)
     assert mgr.get_sequence("D").num_cached_tokens == 0  # via __getattr__
     mgr.commit("D", 4)
@@ -53,13 +54,13 @@ def test_the_real_manager_passes_and_is_forwarded() -> None:
 
 
 def test_only_a_fresh_manager_can_be_checked() -> None:
-    used = KVCacheManager(config())
+    used = KvCacheManager(config())
     used.add_sequence("x", [1, 2])
     with pytest.raises(ValueError, match="must be fresh"):
         CheckedManager(used)
 
 
-def windowed(cls: type[KVCacheManager] = KVCacheManager, blocks: int = 8,
+def windowed(cls: type[KvCacheManager] = KvCacheManager, blocks: int = 8,
              reuse: bool = True) -> CheckedManager:
     """`cls` under a window of 5 tokens (window_left 4), 4 tokens a block."""
     return CheckedManager(cls(KvCacheConfig(tokens_per_block=4, max_num_blocks=blocks,
@@ -91,19 +92,22 @@ def test_a_windowed_manager_is_checked_chunk_by_chunk(reuse: bool) -> None:
     assert mgr.leak_report() == []
 
 
-class KeepsWhatItReleased(KVCacheManager):
+class KeepsWhatItReleased(KvCacheManager):
     """Commits without releasing the blocks outside the window."""
 
-    def _slide(self, seq: Sequence) -> None:
+    def _slide(self, record: SequenceRecord) -> None:
         pass
 
 
-class ReservesOneShort(KVCacheManager):
+class ReservesOneShort(KvCacheManager):
     """Reserves one block fewer than it could."""
 
-    def _reserve_blocks(self, seq: Sequence, need: int) -> None:
-        if need > 1:
-            super()._reserve_blocks(seq, need - 1)
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
+        have = len(self.get_sequence(seq_id).block_ids)
+        need = -(-num_tokens // self.config.tokens_per_block) - have
+        if need > 1:  # ask for the tokens of one block fewer
+            num_tokens = (have + need - 1) * self.config.tokens_per_block
+        return super().reserve(seq_id, num_tokens)
 
 
 def test_a_window_that_keeps_blocks_or_reserves_short_is_caught() -> None:
@@ -119,12 +123,12 @@ def test_a_window_that_keeps_blocks_or_reserves_short_is_caught() -> None:
         mgr.reserve("a", 16)
 
 
-class DropsCopiesWithTheirSequence(KVCacheManager):
+class DropsCopiesWithTheirSequence(KvCacheManager):
     """The cache before the fix: a freed sequence's queued copies were dropped, while
     the tokens they were to write stayed cached as its tail."""
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        self._copy_ops = [e for e in self._copy_ops if e[0] != seq_id]
+        self.state.op_queue = [e for e in self.state.op_queue if e[0] != seq_id]
         super().free_sequence(seq_id)
 
 
@@ -139,12 +143,12 @@ def test_reused_kv_that_was_never_written_is_caught_at_admission() -> None:
     assert "reproduce: pytest 'here'" in text
 
 
-class AcksTheWholeQueue(KVCacheManager):
+class AcksTheWholeQueue(KvCacheManager):
     """The engine's step before the fix: the whole queue left the manager when the step
     took it, applied or not."""
 
     def ack_copy_ops(self, num_applied: int) -> None:
-        super().ack_copy_ops(len(self._copy_ops))
+        super().ack_copy_ops(len(self.pending_copies))
 
 
 def test_an_ack_that_drops_unapplied_ops_is_caught() -> None:
@@ -159,11 +163,11 @@ def test_an_ack_that_drops_unapplied_ops_is_caught() -> None:
         mgr.ack_copy_ops(0)
 
 
-class RefusesEarly(KVCacheManager):
+class RefusesEarly(KvCacheManager):
     """Refuses any admission once a block is in use, whatever is free."""
 
     def admit(self, seq_id: Hashable, plan: AdmissionPlan,
-              priority: int = DEFAULT_PRIORITY) -> Sequence:
+              priority: int = DEFAULT_PRIORITY) -> SequenceHandle:
         if self.stats().used_num_blocks:
             raise OutOfBlocksError(f"admit({seq_id!r})", plan.num_new_blocks, 0, 8)
         return super().admit(seq_id, plan, priority)
@@ -177,7 +181,7 @@ def test_a_refusal_with_the_blocks_there_is_caught() -> None:
         mgr.add_sequence("b", [4, 5])
 
 
-class ChangesOnRefusal(KVCacheManager):
+class ChangesOnRefusal(KvCacheManager):
     """Appends, then claims it could not."""
 
     def append_tokens(self, seq_id: Hashable, tokens: list[int]) -> None:
@@ -193,12 +197,12 @@ def test_a_refused_call_that_changed_the_cache_is_caught() -> None:
         mgr.append_tokens("a", [4, 5])
 
 
-class ForgetsTheVersion(KVCacheManager):
+class ForgetsTheVersion(KvCacheManager):
     """Switches a deduplicated block but leaves block_ids_version as it was."""
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         super().commit(seq_id, num_tokens)
-        self.sequences[seq_id]._block_ids_version = 0
+        self.state.records[seq_id].block_ids_version = 0
 
 
 def test_block_ids_that_change_silently_are_caught() -> None:
@@ -210,7 +214,7 @@ def test_block_ids_that_change_silently_are_caught() -> None:
         mgr.commit("y", 2)  # deduplicated against x's [1, 1]
 
 
-class LogsWrongCounts(KVCacheManager):
+class LogsWrongCounts(KvCacheManager):
     """Logs every commit as committing nothing."""
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -268,7 +272,7 @@ def test_call_oracles_check_the_cache_count_and_each_sequence() -> None:
 
 
 def test_checked_manager_runs_its_checks_through_call_oracles() -> None:
-    mgr = CheckedManager(KVCacheManager(config(blocks=8), record_events=True))
+    mgr = CheckedManager(KvCacheManager(config(blocks=8), record_events=True))
     assert mgr.oracles.shadow is mgr.shadow and mgr.oracles.capacity is mgr.capacity
     mgr.add_sequence("A", list(range(8)))
     mgr.commit("A", 8)

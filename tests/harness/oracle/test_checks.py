@@ -9,19 +9,19 @@ import pytest
 
 from harness.oracle.checked_manager import CheckedManager
 from harness.oracle.checks import capacity_of, oracle_problems
-from kvcache import KvCacheConfig, KVCacheManager, KvCacheStats
+from kvcache import KvCacheConfig, KvCacheManager, KvCacheStats
 
 pytest_plugins = ["pytester"]
 
 TESTS = """\
 import pytest
-from kvcache import KVCacheManager, KvCacheConfig
+from kvcache import KvCacheManager, KvCacheConfig
 
 
-class DropsCopiesWithTheirSequence(KVCacheManager):
+class DropsCopiesWithTheirSequence(KvCacheManager):
     # the cache before the fix: a freed sequence's queued copies went, its tail stayed
     def free_sequence(self, seq_id):
-        self._copy_ops = [e for e in self._copy_ops if e[0] != seq_id]
+        self.state.op_queue = [e for e in self.state.op_queue if e[0] != seq_id]
         super().free_sequence(seq_id)
 
 
@@ -43,7 +43,7 @@ class Engine:
 
 
 @pytest.fixture
-def engine(): return Engine(KVCacheManager)
+def engine(): return Engine(KvCacheManager)
 
 @pytest.fixture
 def old_engine(): return Engine(DropsCopiesWithTheirSequence)
@@ -66,7 +66,7 @@ def test_plugin_replays_each_recorded_log(quiet_pytester: pytest.Pytester) -> No
             "at event #8: commit 'D' (a forward pass) reads KV that is not its own") in error
 
 
-class MiscountsUsedBlocks(KVCacheManager):
+class MiscountsUsedBlocks(KvCacheManager):
     """Reports one block more in use than it has."""
 
     def stats(self) -> KvCacheStats:
@@ -76,7 +76,7 @@ class MiscountsUsedBlocks(KVCacheManager):
 
 def test_a_cache_whose_block_count_is_off_is_reported() -> None:
     cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=8)
-    right, wrong = KVCacheManager(cfg), MiscountsUsedBlocks(cfg)
+    right, wrong = KvCacheManager(cfg), MiscountsUsedBlocks(cfg)
     for mgr in (right, wrong):
         mgr.add_sequence("x", [1, 2, 3])
         mgr.commit("x", 3)
@@ -90,6 +90,6 @@ def test_a_cache_whose_block_count_is_off_is_reported() -> None:
 
 def test_a_checked_manager_is_checked_on_its_own_state() -> None:
     cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=8)
-    mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
+    mgr = CheckedManager(KvCacheManager(cfg, record_events=True))
     mgr.add_sequence("x", [1, 2, 3])
     assert oracle_problems([("mgr", mgr), ("other", object())]) == []

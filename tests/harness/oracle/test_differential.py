@@ -1,4 +1,4 @@
-"""The oracle against the real KVCacheManager on random event sequences (unbounded pool),
+"""The oracle against the real KvCacheManager on random event sequences (unbounded pool),
 with and without a sliding window.
 
 Tokens come from a tiny alphabet so prompts share prefixes, partial tails and leaves all
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from harness.oracle import OracleConfig, ReuseOracle
 from harness.oracle.checked_manager import CheckedManager
-from kvcache import KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache import KvCacheConfig, KvCacheManager, ReuseScope
 
 SCOPES = [None, None, None, ReuseScope(salt=0), ReuseScope(lora_id=1)]
 # two token values: most prompts share prefixes and land on cached partial tails
@@ -38,7 +38,7 @@ def configs(draw: st.DrawFn) -> KvCacheConfig:
                          copy_on_partial_reuse=copy, sliding_window=window)
 
 
-def _prompts(mgr: CheckedManager | KVCacheManager) -> st.SearchStrategy[list[int]]:
+def _prompts(mgr: CheckedManager | KvCacheManager) -> st.SearchStrategy[list[int]]:
     """Fresh tokens, or a cut of an earlier sequence (appended tokens included) plus a few."""
     seen = [list(e.tokens) for e in mgr.events or () if e.kind == "admit"]
     seen += [list(s.tokens) for s in mgr.sequences.values()]
@@ -50,7 +50,7 @@ def _prompts(mgr: CheckedManager | KVCacheManager) -> st.SearchStrategy[list[int
     return derived | tokens_st
 
 
-def _step(data: st.DataObject, mgr: CheckedManager | KVCacheManager, oracle: ReuseOracle,
+def _step(data: st.DataObject, mgr: CheckedManager | KvCacheManager, oracle: ReuseOracle,
           next_id: int) -> tuple[str, Any]:
     """One random operation on the manager, mirrored to the oracle from the event log."""
     live = sorted(mgr.sequences)
@@ -86,7 +86,7 @@ def _step(data: st.DataObject, mgr: CheckedManager | KVCacheManager, oracle: Reu
 @given(data=st.data())
 def test_oracle_agrees_with_manager(data: st.DataObject) -> None:
     cfg = data.draw(configs())
-    bare = KVCacheManager(cfg, record_events=True)
+    bare = KvCacheManager(cfg, record_events=True)
     # a windowed manager runs bare: the capacity oracle models full attention only
     mgr = CheckedManager(bare) if cfg.sliding_window is None else bare
     oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
@@ -140,7 +140,7 @@ SCRIPTS = {
 def test_hand_scripts_agree(name: str, copy: bool) -> None:
     cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=64, enable_block_reuse=True,
                         enable_partial_reuse=True, copy_on_partial_reuse=copy)
-    mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
+    mgr = CheckedManager(KvCacheManager(cfg, record_events=True))
     oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
     for i, (op, *args) in enumerate(SCRIPTS[name]):
         if op == "p":
@@ -171,7 +171,7 @@ def test_bounded_pool_claim_can_beat_the_oracle() -> None:
     still has a follower, is not claimable, and it predicts 0."""
     cfg = KvCacheConfig(tokens_per_block=3, max_num_blocks=4, enable_partial_reuse=True,
                         copy_on_partial_reuse=False)
-    mgr = CheckedManager(KVCacheManager(cfg, record_events=True))
+    mgr = CheckedManager(KvCacheManager(cfg, record_events=True))
     mgr.add_sequence(0, [2, 1, 2, 1])
     mgr.commit(0, 4)
     mgr.free_sequence(0)

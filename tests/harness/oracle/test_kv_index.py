@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.oracle.kv_index import EventIndex, block_hash
-from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from kvcache import KvCacheConfig, KvCacheManager, OutOfBlocksError, ReuseScope
 from kvcache.core.kv_events import event_to_dict, read_jsonl, write_jsonl
 
 SCOPES = [None, ReuseScope(salt="t"), ReuseScope(salt=b"\x01", lora_id=2)]
 
 
-def tree_hashes(mgr: KVCacheManager, host: bool | None = None) -> Counter[int]:
+def tree_hashes(mgr: KvCacheManager, host: bool | None = None) -> Counter[int]:
     """The hash of every block in the manager's tree, from the tree itself (only those on
     the host tier, or only those on the device, when `host` says so)."""
     B = mgr.config.tokens_per_block
@@ -57,7 +57,7 @@ tier_op = st.tuples(st.sampled_from(["cycle", "cycle", "cycle", "admit", "commit
                     stem_prompt, st.integers(0, 1), st.integers(0, 20))
 
 
-def _drive(mgr: KVCacheManager, ops: list[tuple[str, list[int], int, int]],
+def _drive(mgr: KvCacheManager, ops: list[tuple[str, list[int], int, int]],
            index: EventIndex, probes: list[list[int]], exact_probe: bool) -> None:
     live: list[str] = []
     for n, (kind, tokens, scope_i, k) in enumerate(ops):
@@ -106,7 +106,7 @@ def test_folding_events_reproduces_the_cache(ops, blocks: int, B: int, partial: 
                                              copy: bool) -> None:
     cfg = KvCacheConfig(tokens_per_block=B, max_num_blocks=blocks, enable_block_reuse=True,
                         enable_partial_reuse=partial, copy_on_partial_reuse=copy and partial)
-    mgr = KVCacheManager(cfg, kv_events=True)
+    mgr = KvCacheManager(cfg, kv_events=True)
     _drive(mgr, ops, EventIndex(B), [], exact_probe=False)
     mgr.check_integrity()
 
@@ -120,13 +120,13 @@ def test_an_event_only_index_predicts_probe_reuse(ops, B: int, partial: bool, pr
     # partial off), and a pool large enough that no partial hit is forgone
     cfg = KvCacheConfig(tokens_per_block=B, max_num_blocks=512, enable_block_reuse=True,
                         enable_partial_reuse=partial, copy_on_partial_reuse=partial)
-    mgr = KVCacheManager(cfg, kv_events=True)
+    mgr = KvCacheManager(cfg, kv_events=True)
     _drive(mgr, ops, EventIndex(B), probes, exact_probe=True)
 
 
 def test_partial_off_predicts_exactly_under_eviction() -> None:
     cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=4, enable_partial_reuse=False)
-    mgr = KVCacheManager(cfg, kv_events=True)
+    mgr = KvCacheManager(cfg, kv_events=True)
     index = EventIndex(2)
     for i, prompt in enumerate([[1, 2, 3, 4, 5], [1, 2, 9, 9, 9], [7] * 7, [1, 2, 3, 4, 6]]):
         mgr.add_sequence(i, prompt)
@@ -146,7 +146,7 @@ def test_folding_events_reproduces_both_tiers(ops, blocks: int, B: int, partial:
     cfg = KvCacheConfig(tokens_per_block=B, max_num_blocks=blocks, enable_block_reuse=True,
                         enable_partial_reuse=partial, copy_on_partial_reuse=copy and partial,
                         host_cache_blocks=host)
-    mgr = KVCacheManager(cfg, kv_events=True)
+    mgr = KvCacheManager(cfg, kv_events=True)
     _drive(mgr, ops, EventIndex(B), [], exact_probe=False)
     mgr.check_integrity()
 
@@ -159,14 +159,14 @@ def test_an_event_only_index_predicts_probe_reuse_across_tiers(ops, B: int, prob
     # medium are hits, and with partial reuse off nobody's holding decides a match
     cfg = KvCacheConfig(tokens_per_block=B, max_num_blocks=5, enable_block_reuse=True,
                         enable_partial_reuse=False, host_cache_blocks=512)
-    mgr = KVCacheManager(cfg, kv_events=True)
+    mgr = KvCacheManager(cfg, kv_events=True)
     _drive(mgr, ops, EventIndex(B), probes, exact_probe=True)
 
 
 def test_an_offload_moves_a_block_between_media() -> None:
     cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=2, enable_partial_reuse=False,
                         host_cache_blocks=4)
-    mgr = KVCacheManager(cfg, kv_events=True)
+    mgr = KvCacheManager(cfg, kv_events=True)
     index = EventIndex(2)
     for i, prompt in enumerate([[1, 2, 3], [4, 5, 6], [1, 2, 3]]):
         mgr.add_sequence(i, prompt)
@@ -184,7 +184,7 @@ def test_an_offload_moves_a_block_between_media() -> None:
 
 
 def test_json_lines_replay_equals_live_folding() -> None:
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=2, max_num_blocks=6), kv_events=True)
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=2, max_num_blocks=6), kv_events=True)
     for i, prompt in enumerate([[1, 2, 3, 4, 5], [1, 2, 3, 9], [5] * 11]):
         mgr.add_sequence(i, prompt, ReuseScope(salt=b"\x00"))
         mgr.take_copy_ops()  # applied before the forward pass the commit reports

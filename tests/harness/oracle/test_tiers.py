@@ -1,4 +1,4 @@
-"""The oracle's bounded pools against the real KVCacheManager: eviction, offload, onboard
+"""The oracle's bounded pools against the real KvCacheManager: eviction, offload, onboard
 and drop, block by block, on random event sequences where the oracle claims exactness
 (partial reuse off, a host tier of 0 or at least twice the device pool; retention
 priorities mixed at random, so prefixes are held and re-held at several), and the cases
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.oracle import OracleConfig, ReuseOracle
-from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError, ReuseScope
+from kvcache import KvCacheConfig, KvCacheManager, OutOfBlocksError, ReuseScope
 from tests.unit.support import tree_blocks
 
 SCOPES = [None, None, ReuseScope(salt=0)]
@@ -34,7 +34,7 @@ def configs(draw: st.DrawFn) -> KvCacheConfig:
                          enable_partial_reuse=False, host_cache_blocks=host)
 
 
-def _apply(mgr: KVCacheManager, oracle: ReuseOracle, seen: int) -> int:
+def _apply(mgr: KvCacheManager, oracle: ReuseOracle, seen: int) -> int:
     """Feed the oracle the manager's events since `seen`, checking every admission."""
     events = mgr.events or []
     for ev in events[seen:]:
@@ -54,7 +54,7 @@ def _apply(mgr: KVCacheManager, oracle: ReuseOracle, seen: int) -> int:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(), data=st.data())
 def test_bounded_oracle_agrees_with_manager(cfg: KvCacheConfig, data: st.DataObject) -> None:
-    mgr = KVCacheManager(cfg, record_events=True)
+    mgr = KvCacheManager(cfg, record_events=True)
     oracle = ReuseOracle(OracleConfig.from_cache_config(cfg, bounded=True))
     seen = 0
     for n in range(data.draw(st.integers(10, 40))):
@@ -105,7 +105,7 @@ def test_bounded_oracle_follows_offload_onboard_and_drop() -> None:
     fifth drops the oldest from the host; then the first comes back from the host."""
     cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=2, enable_partial_reuse=False,
                         host_cache_blocks=4)
-    mgr = KVCacheManager(cfg, record_events=True)
+    mgr = KvCacheManager(cfg, record_events=True)
     metrics = []
     for i, t in enumerate([1, 2, 3, 4, 5, 6, 2]):
         metrics.append(mgr.add_sequence(i, [t, t, 9]).metrics)

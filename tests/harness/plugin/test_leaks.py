@@ -1,6 +1,6 @@
 """Leak checks after cache-owning tests: the CacheOwner protocol, found through fixture
 values (owners, factories with cache_owners(), engines through `manager` or
-`cache_manager`), with a tiny test double for the protocol, the real KVCacheManager and
+`cache_manager`), with a tiny test double for the protocol, the real KvCacheManager and
 a bare kvcache.Engine."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import pytest
 
 from harness.plugin.leaks import CacheOwner, find_cache_owners, is_cache_owner, leak_problems
 from harness.reuse.adapters import KvcacheEngineAdapter
-from kvcache import Engine, KvCacheConfig, KVCacheManager
+from kvcache import Engine, KvCacheConfig, KvCacheManager
 
 pytest_plugins = ["pytester"]
 
 OWNERS = """\
 import pytest
 from unittest.mock import MagicMock
-from kvcache import KVCacheManager, KvCacheConfig
+from kvcache import KvCacheManager, KvCacheConfig
 
 
 class FakeOwner:
@@ -48,7 +48,7 @@ class Factory:
 
 class Engine:
     def __init__(self):
-        self.cache_manager = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+        self.cache_manager = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def factory(): return Factory()
 def engine(): return Engine()
 
 @pytest.fixture
-def mgr(): return KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+def mgr(): return KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
 
 @pytest.fixture
 def mock(): return MagicMock()
@@ -107,8 +107,8 @@ def test_plugin_errors_in_teardown_with_what_leaked(quiet_pytester: pytest.Pytes
                        "ref count of block 2 is -1",
         "test_freed_in_teardown": "freed_in_teardown (FakeOwner): leaked: seq 1 live",
         "test_factory": "factory.cache_owners()[1] (FakeOwner): leaked: seq 3 live",
-        "test_real_leak": "mgr (KVCacheManager): leaked: sequence 1 is still live, holding 3 blocks",
-        "test_engine_leak": "engine.cache_manager (KVCacheManager): leaked: sequence 2 is still "
+        "test_real_leak": "mgr (KvCacheManager): leaked: sequence 1 is still live, holding 3 blocks",
+        "test_engine_leak": "engine.cache_manager (KvCacheManager): leaked: sequence 2 is still "
                             "live",
     }
     for name, line in expected.items():
@@ -128,7 +128,7 @@ class _Owner:
 
 
 def test_protocol_is_structural_and_ignores_mocks() -> None:
-    manager = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+    manager = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
     assert is_cache_owner(manager) and isinstance(manager, CacheOwner)
     assert is_cache_owner(_Owner([]))
     assert not is_cache_owner(MagicMock())
@@ -136,7 +136,7 @@ def test_protocol_is_structural_and_ignores_mocks() -> None:
 
 
 def test_owners_are_found_once_each() -> None:
-    manager = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+    manager = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
 
     class Engine:
         cache_manager = manager
@@ -191,9 +191,9 @@ def test_a_leaking_bare_engine_fixture_errors(quiet_pytester: pytest.Pytester) -
     result.assert_outcomes(passed=3, errors=2)
     result.stdout.fnmatch_lines([
         "*ERROR at teardown of test_unfinished_request*",
-        "*engine.manager (KVCacheManager): leaked: sequence 0 is still live, holding 3 blocks*",
+        "*engine.manager (KvCacheManager): leaked: sequence 0 is still live, holding 3 blocks*",
         "*ERROR at teardown of test_factory_of_engines*",
-        "*engines.cache_owners()?1?.manager (KVCacheManager): leaked: sequence 0 is still live*",
+        "*engines.cache_owners()?1?.manager (KvCacheManager): leaked: sequence 0 is still live*",
     ])
     result.stdout.no_fnmatch_line("*teardown of test_finished*")
 

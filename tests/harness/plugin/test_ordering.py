@@ -83,7 +83,7 @@ def test_the_prior_weighs_oracles_bound_by_cache_tests(monkeypatch: pytest.Monke
         return type("Bound", (), {"__module__": origin})
 
     support = module("tests.support", index=from_module("harness.oracle.kv_index"))
-    oracle_test = module("tests.test_oracle", KVCacheManager=from_module("kvcache.core.manager"),
+    oracle_test = module("tests.test_oracle", KvCacheManager=from_module("kvcache.core.manager"),
                          checked=module("harness.oracle.checked_manager"),
                          run_steps=from_module("tests.support"), again=support)
     unit_test = module("tests.test_unit", kvcache=module("kvcache"))
@@ -132,7 +132,7 @@ def test_a_kill_record_reads_back(tmp_path: Path) -> None:
 TESTS = textwrap.dedent("""\
     import os
     import pytest
-    from kvcache import KVCacheManager, KvCacheConfig
+    from kvcache import KvCacheManager, KvCacheConfig
 
     def _log(request):
         with open(os.environ["ORDER_LOG"], "a") as out:
@@ -140,7 +140,7 @@ TESTS = textwrap.dedent("""\
 
     @pytest.fixture
     def mgr():
-        return KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+        return KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
 
     @pytest.mark.parametrize("n", range(12))
     def test_n(n, request):
@@ -212,7 +212,7 @@ FIRST_FAILURE = "kvharness: first failure * s into the run: tests/test_o.py::tes
 
 
 def _derived() -> list[str]:
-    # test_o.py binds KVCacheManager and no oracle: a prior weight of 1 for every test.
+    # test_o.py binds KvCacheManager and no oracle: a prior weight of 1 for every test.
     return fail_first(NODE_IDS, RUN_DURATIONS, {k: set(v) for k, v in RUN_KILLS.items()},
                       dict.fromkeys(NODE_IDS, 1))
 
@@ -264,7 +264,7 @@ def test_premerge_flags_keep_the_order_in_each_worker(
     for result in (serial, parallel):  # the leak check reports the same in each worker
         result.assert_outcomes(passed=14, errors=1)
         result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaky*",
-                                     "*mgr (KVCacheManager): leaked: sequence 1 is still live, "
+                                     "*mgr (KvCacheManager): leaked: sequence 1 is still live, "
                                      "holding 3 blocks*"])
     parallel.stdout.fnmatch_lines(["*kvharness order: fail-first over 14 of 14 tests, by new "
                                    "kills per second of lists/.test_kills.json (8 mutants)*"])
@@ -299,7 +299,7 @@ def test_without_a_kill_record_the_prior_orders(
         project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     (project.path / "lists" / ".test_kills.json").unlink()
     result, ran = _run(project, monkeypatch)
-    # test_o.py binds KVCacheManager and no oracle: weight 1 for each test, so the cheap
+    # test_o.py binds KvCacheManager and no oracle: weight 1 for each test, so the cheap
     # ones go first.
     assert [n for _, n in ran] == fail_first(NODE_IDS, RUN_DURATIONS, None,
                                              dict.fromkeys(NODE_IDS, 1))

@@ -13,7 +13,7 @@ import pytest
 from harness.cli import main as kvharness
 from harness.repro.reuse_record import ReuseCheckRecord
 from harness.repro.reuse_replay import replay as replay_record
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 
 pytest_plugins = ["pytester"]
 
@@ -22,7 +22,7 @@ TESTS = textwrap.dedent("""\
     from harness.reuse.assertions import ReproContext, expect_matches_oracle
     from harness.oracle.model import replay
     from harness.oracle.types import OracleConfig
-    from kvcache import KvCacheConfig, KVCacheManager
+    from kvcache import KvCacheConfig, KvCacheManager
 
     A = list(range(1, 17))
     B = list(range(101, 117))
@@ -44,7 +44,7 @@ TESTS = textwrap.dedent("""\
 
     @pytest.mark.expect_reuse(reusedBlocks=99)
     def test_marker_expects_too_much(reuse_watch):
-        manager = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=16),
+        manager = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=16),
                                  record_events=True)
         reuse_watch.watch(manager)
         run(manager, "a", A)
@@ -52,7 +52,7 @@ TESTS = textwrap.dedent("""\
 
     def test_oracle_exact_on_a_pool_that_evicts():
         # 4 blocks: B evicts A, so A again reuses nothing; the unbounded oracle says 3.
-        manager = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=4),
+        manager = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=4),
                                  record_events=True)
         for seq_id, tokens in (("a", A), ("b", B), ("a2", A)):
             run(manager, seq_id, tokens)
@@ -139,7 +139,7 @@ def _priority_record(strip: bool) -> ReuseCheckRecord:
     """A reuse record whose counters depend on retention priority: H (80) outlives L (10)
     and N (35) when X evicts two blocks, so H again reuses its block. With `strip`, the
     log is as recorded before admissions carried a priority."""
-    manager = KVCacheManager(KvCacheConfig(tokens_per_block=2, max_num_blocks=4,
+    manager = KvCacheManager(KvCacheConfig(tokens_per_block=2, max_num_blocks=4,
                                            enable_partial_reuse=False), record_events=True)
     for seq_id, tokens, priority in (("H", [1, 1, 9], 80), ("L", [2, 2, 9], 10),
                                      ("N", [3, 3, 9], 35), ("X", [8, 8, 8, 8, 9], 35),

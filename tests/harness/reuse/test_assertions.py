@@ -22,7 +22,7 @@ from harness.reuse.assertions import (
 )
 from harness.reuse.engine_protocol import EngineUnderTest
 from harness.workloads import multi_turn_conversations, shared_system_prompt
-from kvcache import Engine, KvCacheConfig, KVCacheManager, KvCacheStats
+from kvcache import Engine, KvCacheConfig, KvCacheManager, KvCacheStats
 
 BEFORE = {"reusedBlocks": 10, "missedBlocks": 5, "maxNumBlocks": 64, "freeNumBlocks": 60,
           "allocTotalBlocks": 5}
@@ -140,12 +140,12 @@ class Result:
 
 
 class CacheOnlyEngine:
-    """A real `EngineUnderTest` over KVCacheManager with no model: it runs requests one
+    """A real `EngineUnderTest` over KvCacheManager with no model: it runs requests one
     at a time and "generates" token 7, committing prompt + all generated tokens but the
     last (whose KV a real engine never computes)."""
 
     def __init__(self, cfg: KvCacheConfig) -> None:
-        self.mgr = KVCacheManager(cfg, record_events=True)
+        self.mgr = KvCacheManager(cfg, record_events=True)
         self._next_id = 0
 
     @property

@@ -8,7 +8,7 @@ import pytest
 
 from harness.reuse.assertions import diff_stats
 from harness.reuse.marker import ReuseWatch
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 
 pytest_plugins = ["pytester"]
 
@@ -17,11 +17,11 @@ import pytest
 
 from harness.reuse.assertions import diff_stats
 from harness.reuse.marker import ReuseWatch
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 
 pytest_plugins = ["pytester"]
 from harness.reuse.assertions import Bounds
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 
 
 def work(mgr):
@@ -34,7 +34,7 @@ def work(mgr):
 
 @pytest.fixture
 def mgr():
-    return KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=32))
+    return KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=32))
 
 
 @pytest.mark.expect_reuse(reusedBlocks=2, missedBlocks=4)
@@ -103,7 +103,7 @@ def test_marker_records_into_reuse_report(outcome: pytest.RunResult,
 
 
 def test_watch_sources() -> None:
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
     watch = ReuseWatch()
     with pytest.raises(ValueError, match="never armed"):
         watch.snapshots()

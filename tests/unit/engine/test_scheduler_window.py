@@ -3,15 +3,15 @@ a chunk, and a step where no running request can get a block preempts one."""
 
 from __future__ import annotations
 
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 from kvcache.attention import BlockTable, PersistentBatch
 from kvcache.engine.request import Request
 from kvcache.engine.scheduler import Chunk, Schedule, Scheduler
 from kvcache.engine.step_runner import Sampled
 
 
-def _setup(pool: int, budget: int = 8) -> tuple[KVCacheManager, Scheduler]:
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=pool,
+def _setup(pool: int, budget: int = 8) -> tuple[KvCacheManager, Scheduler]:
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=pool,
                                        sliding_window=8))
     table = BlockTable(2, pool)
     return mgr, Scheduler(mgr, table, PersistentBatch(table, block_size=4),

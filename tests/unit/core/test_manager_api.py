@@ -1,4 +1,4 @@
-"""KVCacheManager API: bad input, statistics, events, leak reports and integrity checks."""
+"""KvCacheManager API: bad input, statistics, events, leak reports and integrity checks."""
 
 from __future__ import annotations
 
@@ -162,7 +162,8 @@ def test_integrity_catches_damage(make_manager, damage: str) -> None:
         node.first = b"\xff\xff\xff\xff"
     with pytest.raises(IntegrityError, match=messages[damage]):
         mgr.check_integrity()
-    mgr.sequences.clear()  # the damaged manager is beyond repair: skip the fixture's check
+    mgr.state.records.clear()  # the damaged manager is beyond repair: skip the fixture's check
+    mgr.state.handles.clear()
     mgr.tree.roots.clear()
     mgr.tree.num_nodes = 0
     mgr.pool.free[:] = range(8)

@@ -10,13 +10,13 @@ from array import array
 import pytest
 import torch
 
-from kvcache import KVCacheManager, OutOfBlocksError, ReuseMatch
+from kvcache import KvCacheManager, OutOfBlocksError, ReuseMatch
 from kvcache.core.kv_events import BlockRemoved, BlockStored
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.engine.state_snapshots import StateSnapshots
 
 
-def cached(mgr: KVCacheManager, seq_id: str, tokens: list[int], commit: int | None = None,
+def cached(mgr: KvCacheManager, seq_id: str, tokens: list[int], commit: int | None = None,
            priority: int = 35) -> list[KvOp]:
     """Run one request to completion (commit `commit` tokens, all by default); returns
     the ops its admission queued."""
@@ -27,11 +27,11 @@ def cached(mgr: KVCacheManager, seq_id: str, tokens: list[int], commit: int | No
     return ops
 
 
-def host_blocks(mgr: KVCacheManager) -> int:
+def host_blocks(mgr: KvCacheManager) -> int:
     return sum(len(node.blocks) for _, node in mgr.tree.walk() if node.host)
 
 
-def snapshot(mgr: KVCacheManager) -> tuple[object, ...]:
+def snapshot(mgr: KvCacheManager) -> tuple[object, ...]:
     host = mgr.pool.host
     assert host is not None
     return (mgr.stats(), mgr.tree.dump(), list(mgr.pool.free), mgr.pool.num_evictable,

@@ -77,7 +77,7 @@ def test_a_plan_is_refused_by_a_manager_that_did_not_make_it(make_manager) -> No
     assert plan.num_cached_tokens == 9 and b.probe_reuse([*range(1, 10), 99]) == 0
     before = (b.stats(), b.dump_tree(), list(b.pool.free), b.pending_copies)
     with pytest.raises(ValueError, match=r"admit\('y'\): AdmissionPlan\(tokens=10, cached=9"
-                                         r".* was made by another KVCacheManager"):
+                                         r".* was made by another KvCacheManager"):
         b.admit("y", plan)
     assert (b.stats(), b.dump_tree(), list(b.pool.free), b.pending_copies) == before
     assert "y" not in b.sequences
@@ -123,10 +123,10 @@ def test_plan_rejects_bad_input(make_manager) -> None:
                                                  (3, [12, 0, 0])])
 def test_matches_are_cut_back_to_the_reuse_alignment(make_manager, align: int,
                                                      expected: list[int]) -> None:
-    from kvcache import KvCacheConfig, KVCacheManager
+    from kvcache import KvCacheConfig, KvCacheManager
 
     cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=16, reuse_alignment_blocks=align)
-    mgr = KVCacheManager(cfg)
+    mgr = KvCacheManager(cfg)
     make_manager.created.append(mgr)
     assert cfg.partial_reuse is (align == 1)  # alignment > 1 rules partial reuse out
     _cached(mgr, "base", list(range(1, 18)))  # 4 full blocks and a tail

@@ -8,16 +8,16 @@ from collections.abc import Hashable, Sequence
 
 import pytest
 
-from kvcache import KvCacheConfig, KVCacheManager
-from kvcache.core.handle import Sequence as CacheSequence
+from kvcache import KvCacheConfig, KvCacheManager
+from kvcache.core.handle import SequenceHandle
 from kvcache.core.integrity import IntegrityError
 from kvcache.core.window import peak_blocks
 
 W, B, CHUNK = 8, 4, 8  # window 8 (window_left 7), blocks of 4 tokens
 
 
-def _manager(blocks: int = 64, **options: object) -> KVCacheManager:
-    return KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=blocks,
+def _manager(blocks: int = 64, **options: object) -> KvCacheManager:
+    return KvCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=blocks,
                                         sliding_window=W, **options))  # type: ignore[arg-type]
 
 
@@ -25,8 +25,8 @@ def _prompt(n: int, seed: int = 1) -> list[int]:
     return random.Random(seed).choices(range(1, 100), k=n)
 
 
-def _run(mgr: KVCacheManager, sid: Hashable, tokens: Sequence[int],
-         chunk: int = CHUNK) -> CacheSequence:
+def _run(mgr: KvCacheManager, sid: Hashable, tokens: Sequence[int],
+         chunk: int = CHUNK) -> SequenceHandle:
     """Admit `tokens` and compute them chunk by chunk, as the engine does."""
     seq = mgr.admit(sid, mgr.plan_admission(tokens, first_chunk=chunk))
     done = seq.num_cached_tokens
@@ -37,7 +37,7 @@ def _run(mgr: KVCacheManager, sid: Hashable, tokens: Sequence[int],
     return seq
 
 
-def _hollow_tokens(mgr: KVCacheManager) -> int:
+def _hollow_tokens(mgr: KvCacheManager) -> int:
     return sum(len(node.key) // 4 for _, node in mgr.tree.walk() if not node.blocks)
 
 
@@ -67,7 +67,7 @@ def test_without_reuse_released_blocks_go_back_to_the_free_list() -> None:
 
 
 def test_a_window_inside_a_block_keeps_the_deepest_cached_block() -> None:
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=16, sliding_window=1))
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=16, sliding_window=1))
     seq = mgr.add_sequence("a", _prompt(20))
     mgr.commit("a", 16)  # position 16 sees only itself, yet block 3 is where commits hang
     assert seq.num_released_blocks == 3 and seq.holdings.last is not None
@@ -160,13 +160,13 @@ def test_a_deduplicated_commit_switches_then_releases() -> None:
 
 def test_integrity_names_a_sequence_holding_what_its_window_released() -> None:
     mgr = _manager()
-    seq = mgr.add_sequence("a", _prompt(40))
+    mgr.add_sequence("a", _prompt(40))
     mgr.commit("a", 24)
-    seq._first = 3  # as if the commit had released one block too few
+    mgr.state.records["a"].num_released_blocks = 3  # as if the commit released one too few
     with pytest.raises(IntegrityError, match="3 blocks released, the window of position 24 "
                                              "releases 4"):
         mgr.check_integrity()
-    seq._first = 4
+    mgr.state.records["a"].num_released_blocks = 4
     mgr.free_sequence("a")
 
 
@@ -193,7 +193,7 @@ def test_random_operations_on_small_pools_keep_every_invariant(seed: int) -> Non
     rng = random.Random(seed)
     B, window, pool = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 5, 8]), rng.randint(3, 24)
     reuse = rng.random() < 0.8
-    mgr = KVCacheManager(KvCacheConfig(
+    mgr = KvCacheManager(KvCacheConfig(
         tokens_per_block=B, max_num_blocks=pool, sliding_window=window,
         enable_block_reuse=reuse, enable_partial_reuse=rng.choice([None, False]) if reuse
         else None))

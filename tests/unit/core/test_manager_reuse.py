@@ -1,4 +1,4 @@
-"""KVCacheManager reuse rules, each with hand-computed numbers (docs/design.md#reuse-semantics)."""
+"""KvCacheManager reuse rules, each with hand-computed numbers (docs/design.md#reuse-semantics)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections.abc import Hashable, Sequence
 
 import pytest
 
-from kvcache import BlockCopy, KVCacheManager, ReuseScope
+from kvcache import BlockCopy, KvCacheManager, ReuseScope
 
 
-def run_request(mgr: KVCacheManager, seq_id: Hashable, tokens: list[int],
+def run_request(mgr: KvCacheManager, seq_id: Hashable, tokens: list[int],
                 generated: Sequence[int] = (), scope: ReuseScope | None = None) -> int:
     """Admit, compute and finish one request as an engine does; returns its cached tokens.
 
@@ -309,7 +309,7 @@ def test_a_freed_sequence_leaves_only_written_kv_to_reuse(make_manager, copied: 
     mgr.free_sequence("C")
 
 
-def _held(mgr: KVCacheManager, seq_id: str) -> tuple[object, ...]:
+def _held(mgr: KvCacheManager, seq_id: str) -> tuple[object, ...]:
     """Everything a refused call must leave as it was."""
     seq = mgr.get_sequence(seq_id)
     return (mgr.dump_tree(), mgr.stats(), mgr.pending_copies, list(mgr.pool.free),

@@ -24,7 +24,7 @@ def _loaded_after(statement: str) -> set[str]:
 @pytest.mark.parametrize(("statement", "allowed"), [
     pytest.param("import kvcache", set(), id="kvcache"),
     pytest.param("import kvcache.core", set(), id="core"),
-    pytest.param("from kvcache import KVCacheManager, KvCacheConfig, ReuseScope", set(),
+    pytest.param("from kvcache import KvCacheManager, KvCacheConfig, ReuseScope", set(),
                  id="public-names"),
     pytest.param("import kvcache.attention.block_table", {"numpy"}, id="block-table"),
     pytest.param("import kvcache.engine.scheduler", {"numpy"}, id="scheduler"),
@@ -50,6 +50,36 @@ def test_a_sequence_handle_is_read_only(make_manager) -> None:
         seq.tree_blocks = 3  # type: ignore[attr-defined]
     assert (seq.seq_id, seq.num_tokens, len(seq.block_ids)) == ("a", 5, 2)
     mgr.free_sequence("a")
+
+
+def test_the_live_sequences_are_a_read_only_view(make_manager) -> None:
+    mgr = make_manager(4, 8)
+    seq = mgr.add_sequence("a", [1, 2, 3, 4, 5])
+    assert list(mgr.sequences) == ["a"] and mgr.sequences["a"].block_ids is seq.block_ids
+    assert mgr.get_sequence("a").seq_id == "a" and "a" in mgr.sequences
+    for change in (lambda: mgr.sequences.pop("a"), lambda: mgr.sequences.clear(),
+                   lambda: mgr.sequences.__setitem__("b", seq)):
+        with pytest.raises(AttributeError):
+            change()
+    mgr.free_sequence("a")
+    assert not mgr.sequences and mgr.sequences.get("a") is None
+    assert seq.num_tokens == 5  # a freed sequence's handle stays readable
+
+
+def test_a_plan_is_an_immutable_record(make_manager) -> None:
+    mgr = make_manager(4, 8)
+    plan = mgr.plan_admission([1, 2, 3, 4, 5])
+    for field in ("num_new_blocks", "num_available", "injected_fault", "hits", "cache"):
+        with pytest.raises(AttributeError):
+            setattr(plan, field, 0)
+    assert (plan.num_new_blocks, plan.num_blocks, plan.fits) == (2, 2, True)
+
+
+def test_the_old_names_are_the_new_ones() -> None:
+    import kvcache
+
+    assert kvcache.KvCacheManager is kvcache.KvCacheManager
+    assert not hasattr(kvcache, "Sequence")  # the handle no longer shadows abc.Sequence
 
 
 @pytest.mark.parametrize(("value", "ok"), [

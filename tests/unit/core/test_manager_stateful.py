@@ -24,11 +24,11 @@ from harness.oracle import OracleConfig, ReuseOracle
 from harness.oracle.checked_manager import CheckedManager
 from kvcache import (
     KvCacheConfig,
-    KVCacheManager,
+    KvCacheManager,
     OutOfBlocksError,
     ReuseMatch,
     ReuseScope,
-    Sequence,
+    SequenceHandle,
 )
 from kvcache.core.ops import BlockCopy, BlockOnboard
 
@@ -51,7 +51,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr: CheckedManager | KVCacheManager
+        self.mgr: CheckedManager | KvCacheManager
         self.oracle: ReuseOracle
         self.next_id = 0
         self.seen = 0
@@ -65,7 +65,7 @@ class CacheMachine(RuleBasedStateMachine):
                             copy_on_partial_reuse=copy,
                             host_cache_blocks=self.host_blocks if reuse else 0,
                             sliding_window=window)
-        mgr = KVCacheManager(cfg, record_events=True)
+        mgr = KvCacheManager(cfg, record_events=True)
         self.mgr = CheckedManager(mgr)
         self.oracle = ReuseOracle(OracleConfig.from_cache_config(cfg))
 
@@ -90,7 +90,7 @@ class CacheMachine(RuleBasedStateMachine):
         return (self.mgr.stats(), self.mgr.tree.dump(), list(pool.free), pool.clock,
                 len(pool.heap))
 
-    def check_match(self, match: ReuseMatch, seq: Sequence, queued: int) -> None:
+    def check_match(self, match: ReuseMatch, seq: SequenceHandle, queued: int) -> None:
         """`match` (taken just before admitting `seq`, with `queued` ops pending) names
         what the admission reused: its held device blocks by position, its host blocks by
         their onboards, and its partial block by the claim, copy or onboard."""

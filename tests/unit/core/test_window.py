@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvcache import KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KvCacheManager
 from kvcache.core.window import first_held_block, first_needed_block, peak_blocks, window_hit
 
 
@@ -49,7 +49,7 @@ def _simulate(W: int, B: int, chunk: int, first: int, prompt: int, extra: int,
               reuse: bool) -> int:
     """Most blocks one sequence holds, computing `first` tokens, then `chunk` a step,
     then appending `extra` tokens one at a time, as the engine does."""
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=4096,
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=B, max_num_blocks=4096,
                                        sliding_window=W, enable_block_reuse=reuse))
     tokens = random.Random(W * B + chunk).choices(range(1, 100), k=prompt)
     seq = mgr.admit("s", mgr.plan_admission(tokens, first_chunk=first))

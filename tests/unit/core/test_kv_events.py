@@ -7,7 +7,7 @@ import io
 import pytest
 
 from harness.oracle.kv_index import block_hash as published_hash
-from kvcache import KvCacheConfig, KVCacheManager, ReuseScope
+from kvcache import KvCacheConfig, KvCacheManager, ReuseScope
 from kvcache.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,15 +23,15 @@ from kvcache.core.kv_events import (
 @pytest.fixture
 def events_manager(make_manager):
     """A factory of 4-token-block managers with KV events on (leak-checked)."""
-    def make(blocks: int = 8, **kw: object) -> KVCacheManager:
+    def make(blocks: int = 8, **kw: object) -> KvCacheManager:
         cfg = KvCacheConfig(tokens_per_block=4, max_num_blocks=blocks, **kw)
-        mgr = KVCacheManager(cfg, kv_events=True)
+        mgr = KvCacheManager(cfg, kv_events=True)
         make_manager.created.append(mgr)
         return mgr
     return make
 
 
-def _run(mgr: KVCacheManager, seq_id: str, tokens: list[int], scope=None) -> None:
+def _run(mgr: KvCacheManager, seq_id: str, tokens: list[int], scope=None) -> None:
     mgr.add_sequence(seq_id, tokens, scope)
     mgr.commit(seq_id, len(tokens))
     mgr.free_sequence(seq_id)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 
 from harness.oracle import OracleConfig, ReuseOracle
-from kvcache import KVCacheManager, OutOfBlocksError
+from kvcache import KvCacheManager, OutOfBlocksError
 from tests.unit.support import tree_blocks
 
 
-def cached(mgr: KVCacheManager, seq_id: str, tokens: list[int], priority: int = 35) -> None:
+def cached(mgr: KvCacheManager, seq_id: str, tokens: list[int], priority: int = 35) -> None:
     mgr.add_sequence(seq_id, tokens, priority=priority)
     mgr.commit(seq_id, len(tokens))
     mgr.free_sequence(seq_id)
 
 
-def snapshot(mgr: KVCacheManager) -> tuple[object, ...]:
+def snapshot(mgr: KvCacheManager) -> tuple[object, ...]:
     return (mgr.stats(), mgr.tree.dump(), list(mgr.pool.free), mgr.pool.num_evictable,
             sorted(mgr.sequences), mgr.pending_copy_ops)
 
@@ -202,7 +202,7 @@ def test_injected_allocation_fault_changes_nothing(make_manager) -> None:
 # is the highest of its holders' since it was last unreferenced. Each test checks the
 # eviction order by hand and the whole cache, block by block, against the bounded oracle.
 
-def assert_oracle_agrees(mgr: KVCacheManager) -> None:
+def assert_oracle_agrees(mgr: KvCacheManager) -> None:
     """Every cached block where the bounded oracle, replaying the log, has it: tier,
     priority and release time; and the same number of evictions, offloads and drops."""
     oracle = ReuseOracle(OracleConfig.from_cache_config(mgr.config, bounded=True))
@@ -217,7 +217,7 @@ P = [1, 1, 2, 2]  # the shared prefix: 2 blocks of 2 tokens
 FILLER = [5, 5, 6, 6]  # cached at the default priority after the prefix
 
 
-def evict(mgr: KVCacheManager, seq_id: str, nblocks: int) -> None:
+def evict(mgr: KvCacheManager, seq_id: str, nblocks: int) -> None:
     """Admit a prompt of fresh blocks that takes every free block and evicts `nblocks`."""
     mgr.add_sequence(seq_id, [7] * (2 * (mgr.pool.num_free + nblocks) - 1))
     assert mgr.get_sequence(seq_id).metrics.num_new_allocated_blocks < len(

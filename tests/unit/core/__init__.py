@@ -1,0 +1,1 @@
+"""Cache-core tests: config, keys, radix tree, window arithmetic, the manager, KV events."""
