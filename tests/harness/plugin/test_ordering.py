@@ -100,7 +100,7 @@ def test_the_prior_puts_oracle_and_fuzz_tests_above_unit_and_harness_tests() -> 
     from tests.harness.lists import test_db
     from tests.harness.oracle import test_checked_manager
     from tests.reliability import test_cache_fuzz
-    from tests.unit import test_radix_keys
+    from tests.unit.core import test_radix_keys
 
     prior = PriorWeights()
     unit = prior.of(test_radix_keys)
