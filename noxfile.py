@@ -1,5 +1,6 @@
 """Sessions: `nox -s premerge` before a merge, `nox -s postmerge` after it, `nox -s bench`,
-`nox -s gpu` (the GPU check; `python -m harness.gpu_check` without nox).
+`nox -s gpu` (the GPU check; `python -m harness.gpu_check` without nox), `nox -s mutants`
+(the harness's own mutation score, nightly).
 
 premerge/postmerge run the test-db lists (test_lists/test-db) for the detected hardware;
 anything after `--` goes to pytest and wins over the defaults (`-- --kvh-gpu h100
@@ -137,6 +138,15 @@ def lint(session: nox.Session) -> None:
 def structure(session: nox.Session) -> None:
     """The code's structure in numbers: files, long functions, foreign underscores, imports."""
     session.run("python", "tools/structure.py", *session.posargs)
+
+
+@nox.session(default=False)
+def mutants(session: nox.Session) -> None:
+    """The harness's mutation score (post-merge, nightly): each mutant of tools/mutants.yaml
+    against the pre-merge lists, fail-fast; results/mutants/ gets report.md, report.json
+    and ttff.png (-- --only ID, --matrix: tools/mutants.py --help)."""
+    results = _setup(session, "test,bench")
+    session.run("python", "tools/mutants.py", f"--out={results}", *session.posargs)
 
 
 @nox.session(default=False)

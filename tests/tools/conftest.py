@@ -1,0 +1,97 @@
+"""Fixtures for the tests of tools/mutants.py: the tool as a module, and a small git
+repository with a catalogue of three mutants."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+MUTANTS_TOOL = Path(__file__).resolve().parents[2] / "tools" / "mutants.py"
+
+CALC = """\
+def add(a, b):
+    return a + b
+
+
+def double(x):
+    return 2 * x
+
+
+def square(x):
+    return x * x
+"""
+
+CALC_TESTS = """\
+from calc import add, square
+
+
+def test_add():
+    assert add(2, 3) == 5
+
+
+def test_add_slowly():
+    assert add(1, 1) == 2
+
+
+def test_square():
+    assert square(3) == 9
+"""
+
+CATALOGUE = """\
+mutants:
+- id: add-minus
+  file: calc.py
+  find: "return a + b"
+  replace: "return a - b"
+  models: addition subtracts
+  area: core
+- id: double-plus
+  file: calc.py
+  find: "return 2 * x"
+  replace: "return 2 + x"
+  models: no test calls double
+  area: core
+- id: square-pow
+  file: calc.py
+  find: "return x * x"
+  replace: "return x ** 2"
+  models: the same function written otherwise
+  area: core
+  equivalent: x ** 2 equals x * x for every number
+"""
+
+# What the kill matrix reads to leave out slow tests: test_add_slowly is "slow".
+DURATIONS = {"tests/test_calc.py::test_add": 0.01, "tests/test_calc.py::test_add_slowly": 5.0,
+             "tests/test_calc.py::test_square": 0.01}
+
+
+@pytest.fixture(scope="session")
+def mutants() -> ModuleType:
+    """tools/mutants.py, imported from its file (tools/ is no package)."""
+    spec = importlib.util.spec_from_file_location("mutants_tool", MUTANTS_TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def calc_repo(tmp_path: Path) -> Path:
+    """A git repository: calc.py, its tests, a durations file and mutants.yaml (staged)."""
+    root = tmp_path / "repo"
+    (root / "tests").mkdir(parents=True)
+    (root / "test_lists").mkdir()
+    (root / "calc.py").write_text(CALC)
+    (root / "tests" / "test_calc.py").write_text(CALC_TESTS)
+    (root / "test_lists" / ".test_durations").write_text(json.dumps(DURATIONS))
+    (root / "mutants.yaml").write_text(CATALOGUE)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run(["git", "add", "."], cwd=root, check=True)
+    return root
