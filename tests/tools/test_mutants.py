@@ -62,9 +62,19 @@ def test_the_summary_counts_what_is_not_equivalent(mutants: ModuleType) -> None:
     assert (figures["median_fraction"], figures["worst_fraction"]) == (7.0 / 40, 0.25)
 
 
+def test_the_runner_deselects_this_files_catalogue_check(mutants: ModuleType) -> None:
+    # in a workspace the mutated `find` is gone by design: the check below must not run
+    path, name = mutants.SELF_CHECK.split("::")
+    assert MUTANTS_TOOL.parents[1] / path == Path(__file__)
+    assert callable(globals()[name])
+
+
 def test_the_project_catalogue_applies_to_this_checkout(mutants: ModuleType) -> None:
     catalogue = mutants.load_catalogue()
     root = MUTANTS_TOOL.parents[1]
     for mutant in catalogue:  # every find text is still there, exactly once
         mutant.apply((root / mutant.file).read_text(encoding="utf-8"), "tools/mutants.yaml")
+    assert len(catalogue) >= 30
+    assert {m.area for m in catalogue} >= {"core", "window", "hybrid", "host", "metadata",
+                                           "batch", "events", "stats"}
     assert all(m.models.endswith(".") for m in catalogue)  # each says its bug in a sentence

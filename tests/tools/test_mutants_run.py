@@ -44,9 +44,11 @@ def test_the_matrix_records_every_cheap_killer(mutants: ModuleType, calc_repo: P
                                              "double-plus": ["tests/y.py::t"]}}))
     code = mutants.main(["--root", str(calc_repo), "--catalogue",
                          str(calc_repo / "mutants.yaml"), "--out", str(tmp_path / "out"),
-                         "--matrix", "--only", "add-minus", "--only", "double-plus",
+                         "--matrix", "--only", "double-plus", "--only", "add-minus",
                          "--no-baseline", "--", "tests"])
     assert code == 1
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [m["id"] for m in report["mutants"]] == ["double-plus", "add-minus"]  # as given
     # test_add_slowly kills add-minus too, but is recorded at 5 s, over the threshold;
     # a mutant not run keeps its entry, one that survived loses its own
     assert json.loads(kills.read_text()) == {"mutants": {

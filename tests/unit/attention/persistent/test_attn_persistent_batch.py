@@ -483,6 +483,19 @@ def test_rewrite_rereads_a_row_whose_blocks_were_switched(k: int) -> None:
         mirror.step(counts, 0, [5, 6])
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_rewrite_rereads_the_page_a_row_appends_to(k: int) -> None:
+    """Any block of a row may be replaced by one holding the same KV, the one its next
+    token goes to included: after `rewrite` the kept decode layout is dropped, so the
+    next decode appends into the new block's page, not into the one given back."""
+    mirror = _decoding(k)
+    mirror.step(None, 0, [])  # a decode layout is kept; row 1 appends into block 2
+    mirror.table.assign(1, [900, 901, 902, *mirror.table.block_ids(1)[3:]])
+    mirror.batch.rewrite(1)
+    for counts in (None, None, [2, 1, 0], None):
+        mirror.step(counts, 0, [5, 6])
+
+
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("k", [1, 2])
 def test_release_front_keeps_the_decode_layout(monkeypatch: pytest.MonkeyPatch, path: str,
