@@ -50,7 +50,7 @@ DURATIONS = Path("test_lists") / ".test_durations"  # under the root: seconds pe
 # --matrix runs every test to the end, so only the cheap ones: those the durations file
 # records at 1 s or less (2171 of 2181 pre-merge tests, 48 of 74 s, when this was set).
 MATRIX_MAX_SECONDS = 1.0
-PREMERGE = ("--test-db=test_lists/test-db", "--stage=pre_merge")
+PREMERGE = ("--kvh-test-db=test_lists/test-db", "--kvh-stage=pre_merge")
 # The test that every catalogue `find` occurs in the checkout fails in a workspace by
 # design (the mutant replaced one): every run deselects it.
 SELF_CHECK = "tests/tools/test_mutants.py::test_the_project_catalogue_applies_to_this_checkout"
@@ -189,7 +189,7 @@ def run_selection(workspace: Path, pytest_args: Sequence[str], *, fail_fast: boo
         env |= {"KVH_MUTANT_MAX_SECONDS": repr(max_test_seconds),
                 "KVH_MUTANT_DURATIONS": str(workspace / DURATIONS)}
     cmd = [sys.executable, "-m", "pytest", "-p", CLOCK_PLUGIN, "-q", "-p", "no:cacheprovider",
-           f"--results-dir={scratch / 'results'}", f"--deselect={SELF_CHECK}",
+           f"--kvh-results-dir={scratch / 'results'}", f"--deselect={SELF_CHECK}",
            *(("-x",) if fail_fast else ()), *pytest_args]
     env["KVH_MUTANT_T0"] = repr(time.time())
     start = time.monotonic()
