@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark suites: quick mode, in-run baselines, versions, progress.
 
 Quick mode (`pytest benchmarks --bench-quick`, or KVH_BENCH_QUICK=1 in the environment)
-shrinks every suite to a smoke run that finishes in under 2 minutes on a 2-core machine;
+shrinks every suite to a smoke run (the README gives its time);
 suites read it through the `bench_quick` fixture. The pytest-benchmark JSON records it,
 with the library versions and torch's thread count, under machine_info.
 """
@@ -26,7 +26,7 @@ _T = TypeVar("_T")
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvharness-bench", "benchmark size (kvharness)")
     group.addoption("--bench-quick", action="store_true", default=False,
-                    help=f"shrink every suite to a smoke run (under 2 minutes on 2 cores); "
+                    help=f"shrink every suite to a smoke run; "
                     f"{QUICK_ENV}=1 does the same")
 
 
