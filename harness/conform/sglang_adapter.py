@@ -28,7 +28,7 @@ import importlib.metadata
 import inspect
 import os
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,19 +100,28 @@ def load(stubs: StubSpec) -> LoadedEngine:
     """Prime the probes, install `stubs`, import SGLang's RadixCache and return the
     engine. Raises ImportError when it does not import, RuntimeError when a package to
     stub is installed."""
+    return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache)
+
+
+def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
+                names: Callable[[], Any], cache: Callable[..., CacheUnderTest]
+                ) -> LoadedEngine:
+    """`load` for one of SGLang's trees: prime the probes, install `stubs`, import
+    `modules`, then `names()` once and `cache(names, version, num_blocks, block_size,
+    record)` per fresh cache. Raises as `load`."""
     prime_probes(stubs)
     finder = install(stubs)
     sglang = importlib.import_module("sglang")
-    for name in MODULES:
-        importlib.import_module(name)
+    for module in modules:
+        importlib.import_module(module)
     version = importlib.metadata.version("sglang")
-    engine = SglangNames()
+    engine = names()
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return SglangCache(engine, version, num_blocks, block_size, record)
+        return cache(engine, version, num_blocks, block_size, record)
 
-    return LoadedEngine("sglang", version, os.path.dirname(str(sglang.__file__)), new,
-                        MODULES, tuple(finder.served))
+    return LoadedEngine(name, version, os.path.dirname(str(sglang.__file__)), new,
+                        modules, tuple(finder.served))
 
 
 class SglangNames:

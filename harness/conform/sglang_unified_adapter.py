@@ -24,16 +24,13 @@ module of the cache is stubbed.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import os
 from dataclasses import replace
 from typing import Any
 
-from harness.conform.protocol import CacheUnderTest, Contract, LoadedEngine
-from harness.conform.sglang_adapter import SglangCache, SglangNames, prime_probes
+from harness.conform.protocol import Contract, LoadedEngine
+from harness.conform.sglang_adapter import SglangCache, SglangNames, load_sglang
 from harness.conform.sglang_adapter import contract as radix_contract
-from harness.conform.stubs import StubSpec, install
+from harness.conform.stubs import StubSpec
 
 MODULES = ("sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.mem_cache.base_prefix_cache",
            "sglang.srt.mem_cache.cache_init_params",
@@ -68,19 +65,7 @@ def load(stubs: StubSpec) -> LoadedEngine:
     """Prime the probes, install `stubs`, import UnifiedRadixCache and return the engine.
     Raises ImportError when it does not import, RuntimeError when a package to stub is
     installed."""
-    prime_probes(stubs)
-    finder = install(stubs)
-    sglang = importlib.import_module("sglang")
-    for name in MODULES:
-        importlib.import_module(name)
-    version = importlib.metadata.version("sglang")
-    engine = UnifiedNames()
-
-    def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return UnifiedCache(engine, version, num_blocks, block_size, record)
-
-    return LoadedEngine("sglang_unified", version, os.path.dirname(str(sglang.__file__)),
-                        new, MODULES, tuple(finder.served))
+    return load_sglang(stubs, "sglang_unified", MODULES, UnifiedNames, UnifiedCache)
 
 
 class UnifiedCache(SglangCache):
