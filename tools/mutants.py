@@ -184,7 +184,11 @@ def run_selection(workspace: Path, pytest_args: Sequence[str], *, fail_fast: boo
     that slow run."""
     clock = scratch / "first_failure.json"
     clock.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(TOOLS), "KVH_MUTANT_CLOCK": str(clock)}
+    # The run is a pytest of its own, never an xdist worker, even when this runs in one
+    # (the clock stays silent in workers).
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("PYTEST_XDIST_")}
+    env |= {"PYTHONPATH": str(TOOLS), "KVH_MUTANT_CLOCK": str(clock)}
     if max_test_seconds is not None:
         env |= {"KVH_MUTANT_MAX_SECONDS": repr(max_test_seconds),
                 "KVH_MUTANT_DURATIONS": str(workspace / DURATIONS)}
