@@ -24,17 +24,11 @@ from benchmarks.baseline_trie import PlainTrie
 from benchmarks.conftest import best_seconds
 from benchmarks.report_format import Section, by_base, div, duration, rate, ratio, table
 from harness.reports.bench_results import Benchmark
-from harness.workloads import bench_multi_turn_chat, bench_shared_prompt, random_prompt_tree
+from harness.workloads import CACHE_BENCH_WORKLOADS
 from kvcache import KvCacheConfig, KvCacheManager
 
 B = 16
-WORKLOADS: dict[str, Callable[[], list[list[int]]]] = {
-    "shared_prompt": bench_shared_prompt,
-    "multi_turn": bench_multi_turn_chat,
-    # 6**3 = 216 root-to-leaf paths with branch points anywhere inside blocks: many splits
-    "random_tree": lambda: random_prompt_tree(7, depth=4, branching=6, segment_len=256,
-                                              vocab=50_000),
-}
+WORKLOADS = CACHE_BENCH_WORKLOADS
 # docs/design.md#benchmark-workloads-and-targets: tokens/s on one core of a 2-core x86-64 VM
 TARGETS = {("shared_prompt", "insert"): 100e6, ("shared_prompt", "match"): 110e6,
            ("multi_turn", "insert"): 70e6, ("multi_turn", "match"): 65e6}

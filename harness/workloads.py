@@ -192,3 +192,18 @@ def make_workload(name: str, **params: Any) -> list[Prompt]:
     if fn is None:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
     return fn(**params)
+
+
+def bench_random_tree() -> list[Prompt]:
+    """The cache benchmarks' branching workload: 6**3 = 216 root-to-leaf paths of four
+    256-token segments, with branch points anywhere inside blocks (many splits)."""
+    return random_prompt_tree(7, depth=4, branching=6, segment_len=256, vocab=BENCH_VOCAB)
+
+
+# The cache-level benchmarks' workloads by name: benchmarks/test_bench_cache_core.py and
+# kvharness conform --bench measure the same prompts.
+CACHE_BENCH_WORKLOADS: Mapping[str, Callable[[], list[Prompt]]] = MappingProxyType({
+    "shared_prompt": bench_shared_prompt,
+    "multi_turn": bench_multi_turn_chat,
+    "random_tree": bench_random_tree,
+})

@@ -22,15 +22,10 @@ from typing import Any, NamedTuple
 
 from harness.conform.protocol import CacheUnderTest, LoadedEngine
 from harness.reports.markdown import table
-from harness.workloads import bench_multi_turn_chat, bench_shared_prompt, random_prompt_tree
+from harness.workloads import CACHE_BENCH_WORKLOADS
 
 BLOCK = 16
-WORKLOADS: dict[str, Callable[[], list[list[int]]]] = {
-    "shared_prompt": bench_shared_prompt,
-    "multi_turn": bench_multi_turn_chat,
-    "random_tree": lambda: random_prompt_tree(7, depth=4, branching=6, segment_len=256,
-                                              vocab=50_000),
-}
+WORKLOADS = CACHE_BENCH_WORKLOADS
 PHASES = ("insert", "match")
 QUICK_PROMPTS = 100  # a quick run's prompts per workload
 
