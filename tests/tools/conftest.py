@@ -12,7 +12,8 @@ from types import ModuleType
 
 import pytest
 
-MUTANTS_TOOL = Path(__file__).resolve().parents[2] / "tools" / "mutants.py"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+MUTANTS_TOOL = TOOLS / "mutants.py"
 
 CALC = """\
 def add(a, b):
@@ -71,15 +72,26 @@ DURATIONS = {"tests/test_calc.py::test_add": 0.01, "tests/test_calc.py::test_add
              "tests/test_calc.py::test_square": 0.01}
 
 
-@pytest.fixture(scope="session")
-def mutants() -> ModuleType:
-    """tools/mutants.py, imported from its file (tools/ is no package)."""
-    spec = importlib.util.spec_from_file_location("mutants_tool", MUTANTS_TOOL)
+def load_tool(path: Path, name: str) -> ModuleType:
+    """The tool script at `path`, imported as module `name` (tools/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def mutants() -> ModuleType:
+    """tools/mutants.py."""
+    return load_tool(MUTANTS_TOOL, "mutants_tool")
+
+
+@pytest.fixture(scope="session")
+def structure() -> ModuleType:
+    """tools/structure.py."""
+    return load_tool(TOOLS / "structure.py", "structure_tool")
 
 
 @pytest.fixture

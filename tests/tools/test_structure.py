@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "structure.py"
-
-
-@pytest.fixture(scope="module")
-def structure() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("structure_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
