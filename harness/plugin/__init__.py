@@ -13,7 +13,7 @@ applied to the collection), `isolation` (ISOLATION in a child process), `leaks` 
 leak check after cache-owning tests), `changes` and `change_selection`
 (--kvh-changed-since), `sharding` and `shard_selection` (--kvh-shard), `ordering` and
 `order_selection` (--kvh-order, the lists' `order:`), `reruns` (TensorRT-LLM's rerun
-rule). Oracle checks, repro records and reports are their packages' own.
+rule), `threads` (each xdist worker's share of the CPUs). Oracle checks, repro records and reports are their packages' own.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from harness.plugin.order_selection import OrderRun, apply_order
 from harness.plugin.reruns import JunitReruns, RerunLedger, passed_on_rerun
 from harness.plugin.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
 from harness.plugin.shard_selection import apply_shard, check_shard_options
+from harness.plugin.threads import describe_share, share_cpus
 from harness.reports.run_record import (
     FIRST_FAILURE_PROPERTY,
     RERUN_PROPERTY,
@@ -183,6 +184,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(TestPrefix(opt.kvh_test_prefix), "kvharness-test-prefix")
     if machine is not None and config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(config, machine), "kvharness-xdist")
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        share_cpus(int(worker["workercount"]))
     state = HarnessState(machine=machine, selection=load_lists(config, machine), child=child)
     config.stash[STATE] = state
     config.pluginmanager.register(RerunRecorder(state), "kvharness-reruns")
@@ -236,6 +240,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if state.selection is not None:
         lines.append(f"kvharness lists: {state.selection.describe()}")
         lines.extend(f"kvharness warning: {p}" for p in state.selection.warnings)
+    workers = getattr(config.option, "numprocesses", None)  # pytest-xdist's -n, resolved
+    if isinstance(workers, int) and workers > 0:
+        lines.append(f"kvharness: {describe_share(workers)}")
     return lines
 
 
