@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def structure() -> ModuleType:
     spec = importlib.util.spec_from_file_location("structure_tool", ROOT / "tools" /
                                                   "structure.py")

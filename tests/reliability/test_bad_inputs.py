@@ -721,7 +721,7 @@ WEIGHTS = "model.safetensors"
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A valid 2-layer checkpoint, written once; cases corrupt copies of it."""
     path = tmp_path_factory.mktemp("pristine")

@@ -46,7 +46,7 @@ def cases(*params: Any) -> list[Any]:
     return list(params)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def scenario_json() -> dict[str, Any]:
     """A real `kind: scenario` record: one tiny engine, the same prompt twice, its oracle
     check recorded as failed (the re-run finds it holds: exit 0)."""
@@ -60,7 +60,7 @@ def scenario_json() -> dict[str, Any]:
     return record.to_json()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reuse_json() -> dict[str, Any]:
     """A real `kind: reuse` record: a 6-block pool's log of two admissions of one
     prompt, its check a bound that holds (exit 0)."""

@@ -196,9 +196,9 @@ FULL_WORKS = {**WORKS, "hybrid-host": Work("hybrid-tiny", EngineSpec(
 SITES = ("plan", "attention", "layer", "copies")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def models() -> Callable[[str], Transformer]:
-    """The model of a preset (seed 0), built once for the module; engines share them."""
+    """The model of a preset (seed 0), built once for the run; engines share them."""
     built: dict[str, Transformer] = {}
 
     def get(preset: str) -> Transformer:
@@ -294,9 +294,9 @@ class Reference(NamedTuple):
     cold: list[GenerationOutput]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(models: Callable[[str], Transformer]) -> Callable[[str], Reference]:
-    """The clean run and cold outputs of a workload, made once for the module."""
+    """The clean run and cold outputs of a workload, made once for the run."""
     made: dict[str, Reference] = {}
 
     def get(name: str) -> Reference:

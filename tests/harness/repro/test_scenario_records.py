@@ -74,7 +74,7 @@ NAMES = ("test_warm_reads_a_stale_prefix", "test_stepped_warm_vs_a_correct_refer
 OVER_COUNTING = "tests.scenarios.faults:OverCountingEngine"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def repro_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Run the failing scenarios once (pytest in a fresh interpreter, as CI runs them);
     returns each test's repro file by test name. Tests that edit one edit a copy."""

@@ -110,7 +110,7 @@ def edit_json(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     path.write_text(json.dumps(raw))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_llama() -> PreTrainedModel:
     return random_hf(hf_lib().LlamaForCausalLM, hf_lib().LlamaConfig(**HF_SHAPE))
 

@@ -56,7 +56,7 @@ def build(config: ModelConfig, seed: int) -> Transformer:
     return Transformer(config, seed=seed).requires_grad_(False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def models() -> dict[str, Transformer]:
     return {name: build(config, seed=1) for name, config in PRESETS.items()}
 

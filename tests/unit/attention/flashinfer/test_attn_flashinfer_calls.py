@@ -42,7 +42,7 @@ LAYOUTS = [pytest.param("NHD", id="nhd"), pytest.param("HND", id="hnd")]
 FAMILIES = [pytest.param(f, id=f) for f in KERNEL_FAMILIES]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fi() -> ModuleType:
     try:
         with warnings.catch_warnings():  # its optional kernels warn about their own deps
