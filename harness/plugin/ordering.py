@@ -9,7 +9,10 @@ killed per second*: first the test that kills the most mutants per second of its
 the one that kills the most of those still alive per second, and so on (the "additional
 greedy" order of test prioritization: each pick is the cheapest way to catch one more
 known bug). Once no test kills a mutant still alive, the rest follow by kills per second,
-then by the prior below per second.
+then by the prior below per second; the tests worth nothing by either (a test of the lists
+or the CLI) come last, longest first: running them earlier reveals no bug sooner, and
+longest first lets the workers of a parallel run finish together instead of one of them
+running a long test alone at the end (the longest-processing-time rule of scheduling).
 
 Until a kill record exists (and for tests it names no kill for) the prior stands in,
 read from what each test module binds once pytest has imported it (its globals: modules,
@@ -113,7 +116,7 @@ def fail_first(node_ids: Sequence[str], durations: Mapping[str, float],
                prior: Mapping[str, int]) -> list[str]:
     """`node_ids` in fail-first order (module docstring): greedy by new kills per second
     over `kills` (mutant id -> killing node ids; None without a kill record), then by
-    kills per second, `prior` weight per second and node id.
+    kills per second, `prior` weight per second, seconds (longest first) and node id.
 
     Pure: the same arguments give the same list, a permutation of `node_ids` (which must
     be distinct). Ids in `durations` or `kills` that are not in `node_ids` are ignored.
@@ -136,6 +139,6 @@ def fail_first(node_ids: Sequence[str], durations: Mapping[str, float],
         alive -= killed_by[best]
     rest = wanted - set(order)
     order += sorted(rest, key=lambda n: (-len(killed_by[n]) / seconds[n],
-                                         -prior.get(n, 0) / seconds[n], n))
+                                         -prior.get(n, 0) / seconds[n], -seconds[n], n))
     return order
 
