@@ -18,7 +18,8 @@ after launch the first failure came (start-up and collection included: what a de
 waits for). `--matrix` runs without `-x`, and only the tests that the durations file
 (`test_lists/.test_durations`) records at MATRIX_MAX_SECONDS or less, and records every
 failing one per mutant in `test_lists/.test_kills.json`, which the plugin's fail-first
-order reads. A mutant
+order reads; a fail-fast run adds each mutant's first failing test to its entry there, so
+a mutant that only a slow test kills has a killer on record too. A mutant
 marked `equivalent` (with the reason why no test can tell it from the original) is run
 and reported, and does not count against the score.
 """
@@ -324,17 +325,23 @@ def _plot(outcomes: Sequence[Outcome], figures: dict[str, Any], path: Path) -> N
     fig.savefig(path)
 
 
-def write_kills(outcomes: Sequence[Outcome], path: Path) -> None:
-    """Write the kill record the fail-first order reads, `{"mutants": {id: [every failing
-    node id]}}`, to `path`: the mutants of `outcomes` replace their entries (a survivor
-    loses its own), the others' entries stay."""
+def write_kills(outcomes: Sequence[Outcome], path: Path, *, matrix: bool) -> None:
+    """Update the kill record the fail-first order reads, `{"mutants": {id: [node ids of
+    tests that kill it]}}`, at `path`. A `matrix` run's killed mutant gets every failing
+    test as its entry; a fail-fast run adds the first failing test to what the entry
+    holds (the slow killers of mutants no cheap test kills). A survivor loses its entry,
+    a run that ended in an error (no failing test) leaves it, and other mutants' entries
+    stay."""
     record: dict[str, dict[str, list[str]]] = {"mutants": {}}
     if path.exists():
         record = json.loads(path.read_text(encoding="utf-8"))
+    entries = record["mutants"]
     for o in outcomes:
-        record["mutants"].pop(o.id, None)
-        if o.status == "killed":
-            record["mutants"][o.id] = list(o.killers)
+        if o.status == "survived":
+            entries.pop(o.id, None)
+        elif o.status == "killed":
+            found = set(o.killers) if matrix else {*entries.get(o.id, ()), o.killer}
+            entries[o.id] = sorted(k for k in found if k is not None)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
@@ -345,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run this mutant (repeatable, run in the order given; default: all, "
                         "in catalogue order)")
     parser.add_argument("--matrix", action="store_true",
-                        help="no -x: record every failing test in test_lists/.test_kills.json")
+                        help="no -x, the cheap tests only: every failing test becomes the "
+                        "mutant's entry in test_lists/.test_kills.json (a fail-fast run adds "
+                        "its first failing test to the entry)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to mutate")
     parser.add_argument("--catalogue", type=Path, default=CATALOGUE)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -387,8 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(outcome)
     figures = summary(outcomes, baseline)
     write_report(outcomes, figures, args.out, {m.id: m for m in catalogue})
-    if args.matrix:
-        write_kills(outcomes, args.root / KILLS)
+    write_kills(outcomes, args.root / KILLS, matrix=args.matrix)
     print(f"{figures['killed']} of {figures['counted']} killed; report in {args.out}")
     return 0 if figures["killed"] == figures["counted"] else 1
 

@@ -14,6 +14,10 @@ def test_each_mutant_is_judged_and_the_checkout_is_untouched(mutants: ModuleType
                                                              calc_repo: Path,
                                                              tmp_path: Path) -> None:
     out = tmp_path / "out"
+    kills = calc_repo / "test_lists" / ".test_kills.json"
+    kills.parent.mkdir(exist_ok=True)
+    kills.write_text(json.dumps({"mutants": {"add-minus": ["tests/z.py::t"],
+                                             "double-plus": ["tests/y.py::t"]}}))
     code = mutants.main(["--root", str(calc_repo), "--catalogue",
                          str(calc_repo / "mutants.yaml"), "--out", str(out), "--", "tests"])
     assert code == 1  # one counted mutant survived
@@ -33,7 +37,10 @@ def test_each_mutant_is_judged_and_the_checkout_is_untouched(mutants: ModuleType
     md = (out / "report.md").read_text()
     assert "1 of 2 mutants killed" in md and "`add-minus`" in md
     assert (out / "ttff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (calc_repo / "test_lists" / ".test_kills.json").exists()  # only --matrix
+    # A fail-fast run adds each first failing test to the mutant's entry; a survivor
+    # loses its entry (the equivalent one had none).
+    assert json.loads(kills.read_text()) == {"mutants": {
+        "add-minus": ["tests/test_calc.py::test_add", "tests/z.py::t"]}}
     assert (calc_repo / "calc.py").read_text() == CALC  # mutated in a copy only
 
 
