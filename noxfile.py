@@ -41,6 +41,8 @@ TEST_DB = "test_lists/test-db"
 # `-- -n 0` after the session runs it serially.
 PARALLEL = ("-n", "auto", "--dist", "load", "--maxschedchunk", "1")
 TORCH_PTH = "nox-torch.pth"
+# `nox -s mutants`: the catalogue's mutants, then mutmut's generic ones of kvcache/core.
+MUTANT_PASSES = {"catalogue": "tools/mutants.py", "generic": "tools/generic_mutants.py"}
 CPU_TORCH = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 _PURELIB = "import sysconfig; print(sysconfig.get_path('purelib'))"
 
@@ -95,10 +97,11 @@ def _setup(session: nox.Session, extras: str) -> Path:
     return results
 
 
-def _run_lists(session: nox.Session, stage: str, *flags: str) -> None:
-    """Run the test-db lists of `stage` for this machine with pytest `flags`; posargs go
-    to pytest last, so they win."""
-    results = _setup(session, "test,bench")
+def _run_lists(session: nox.Session, stage: str, *flags: str, extras: str = "test,bench"
+               ) -> None:
+    """Run the test-db lists of `stage` for this machine with pytest `flags`, the project
+    installed with `extras`; posargs go to pytest last, so they win."""
+    results = _setup(session, extras)
     session.run("python", "-m", "pytest", f"--kvh-test-db={TEST_DB}", f"--kvh-stage={stage}",
                 f"--kvh-results-dir={results}", f"--junitxml={results / 'junit.xml'}",
                 *flags, *session.posargs)
@@ -112,8 +115,9 @@ def premerge(session: nox.Session) -> None:
 
 @nox.session
 def postmerge(session: nox.Session) -> None:
-    """Run the post-merge lists for this machine."""
-    _run_lists(session, "post_merge")
+    """Run the post-merge lists for this machine (with the mutation extra: the mutation
+    tools' end-to-end tests)."""
+    _run_lists(session, "post_merge", extras="test,bench,mutation")
 
 
 @nox.session
@@ -143,10 +147,18 @@ def structure(session: nox.Session) -> None:
 @nox.session(default=False)
 def mutants(session: nox.Session) -> None:
     """The harness's mutation score (post-merge, nightly): each mutant of tools/mutants.yaml
-    against the pre-merge lists, fail-fast; results/mutants/ gets report.md, report.json
-    and ttff.png (-- --only ID, --matrix: tools/mutants.py --help)."""
-    results = _setup(session, "test,bench")
-    session.run("python", "tools/mutants.py", f"--out={results}", *session.posargs)
+    against the pre-merge lists, fail-fast (report.md, report.json, ttff.png), then mutmut's
+    generic mutants of kvcache/core against the cache's tests (generic.md, generic.json),
+    in results/mutants/. `-- catalogue [ARGS]` or `-- generic [ARGS]` runs one of them
+    with its arguments (tools/mutants.py --help, tools/generic_mutants.py --help)."""
+    args = list(session.posargs)
+    if args and args[0] not in MUTANT_PASSES:
+        session.error(f"nox -s mutants -- {args[0]}: name the pass first, one of "
+                      f"{', '.join(MUTANT_PASSES)} (`-- catalogue --only ID`)")
+    which = args[:1] or list(MUTANT_PASSES)
+    results = _setup(session, "test,bench,mutation")
+    for name in which:
+        session.run("python", MUTANT_PASSES[name], f"--out={results}", *args[1:])
 
 
 @nox.session(default=False)

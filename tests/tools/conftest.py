@@ -1,5 +1,5 @@
-"""Fixtures for the tests of tools/mutants.py: the tool as a module, and a small git
-repository with a catalogue of three mutants."""
+"""Fixtures for the tests of the tool scripts (tools/): each as a module, and for
+tools/mutants.py a small git repository with a catalogue of three mutants."""
 
 from __future__ import annotations
 
@@ -86,6 +86,13 @@ def load_tool(path: Path, name: str) -> ModuleType:
 def mutants() -> ModuleType:
     """tools/mutants.py."""
     return load_tool(MUTANTS_TOOL, "mutants_tool")
+
+
+@pytest.fixture(scope="session")
+def generic_mutants() -> ModuleType:
+    """tools/generic_mutants.py (which imports tools/mutants.py by its script name)."""
+    sys.modules.setdefault("mutants", load_tool(MUTANTS_TOOL, "mutants"))
+    return load_tool(TOOLS / "generic_mutants.py", "generic_mutants_tool")
 
 
 @pytest.fixture(scope="session")
