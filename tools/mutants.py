@@ -4,8 +4,10 @@ checkout, and the pre-merge selection run against it.
     python tools/mutants.py                      # every catalogue mutant, fail-fast
     python tools/mutants.py --only lru-reversed  # some of them (repeat --only)
     python tools/mutants.py --matrix             # every pre-merge test that kills each one
-    nox -s mutants                               # the first; results/mutants/ gets
+    nox -s mutants -- catalogue                  # the first; results/mutants/ gets
                                                  # report.md, report.json, ttff.png
+                                                 # (plain `nox -s mutants` runs this,
+                                                 # then tools/generic_mutants.py)
 
 The catalogue (`tools/mutants.yaml`) holds each mutant as a small edit: in `file`, the
 text `find` (it must occur exactly once) becomes `replace`, and `models` says in a
@@ -394,9 +396,10 @@ def main(argv: list[str] | None = None) -> int:
                     else f" at {outcome.seconds_to_first_failure:.1f} s")
             print(f"{mutant.id}: {outcome.status}{when} ({outcome.killer or '-'})", flush=True)
             outcomes.append(outcome)
+            # After each mutant: an interrupted run keeps what it measured.
+            write_kills([outcome], args.root / KILLS, matrix=args.matrix)
     figures = summary(outcomes, baseline)
     write_report(outcomes, figures, args.out, {m.id: m for m in catalogue})
-    write_kills(outcomes, args.root / KILLS, matrix=args.matrix)
     print(f"{figures['killed']} of {figures['counted']} killed; report in {args.out}")
     return 0 if figures["killed"] == figures["counted"] else 1
 
