@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache import AdmissionPlan, OutOfBlocksError, ReuseMatch, ReuseScope
+from kvcache import (
+    AdmissionPlan,
+    KvCacheConfig,
+    KvCacheManager,
+    OutOfBlocksError,
+    ReuseMatch,
+    ReuseScope,
+)
 
 
 def _cached(mgr, seq_id: str, tokens: list[int]) -> None:
@@ -62,6 +69,32 @@ def test_a_stale_plan_is_refused(make_manager) -> None:
     mgr.admit("late", mgr.plan_admission([1, 2, 3, 4, 5]))
     mgr.free_sequence("late")
     mgr.free_sequence("other")
+
+
+# The first change after a fresh manager's first admission, then another: a plan made
+# between them carries a small version, so a change that set or lowered the counter
+# instead of bumping it would let the plan through (mutmut's generic mutants found
+# `version = 1` and `version -= 1` surviving in a windowed reserve).
+STALE_AFTER = {
+    "reserve": lambda mgr: mgr.reserve("a", 8),
+    "append_tokens": lambda mgr: mgr.append_tokens("a", [5] * 9),
+    "commit": lambda mgr: mgr.commit("a", 4),
+    "free_sequence": lambda mgr: mgr.free_sequence("a"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(STALE_AFTER))
+def test_every_change_makes_an_earlier_plan_stale(change: str) -> None:
+    mgr = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=16, sliding_window=8))
+    mgr.admit("a", mgr.plan_admission(list(range(1, 13)), first_chunk=4))  # 1 of 3 blocks
+    plan = mgr.plan_admission([50, 51, 52])
+    STALE_AFTER[change](mgr)
+    with pytest.raises(ValueError, match=r"admit\('b'\): stale plan"):
+        mgr.admit("b", plan)
+    mgr.add_sequence("c", [60])  # one more change: the plan stays stale
+    with pytest.raises(ValueError, match=r"admit\('b'\): stale plan"):
+        mgr.admit("b", plan)
+    assert "b" not in mgr.sequences
 
 
 def test_a_plan_is_refused_by_a_manager_that_did_not_make_it(make_manager) -> None:

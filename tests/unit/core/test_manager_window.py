@@ -95,6 +95,17 @@ def test_prompt_blocks_are_reserved_chunk_by_chunk() -> None:
     mgr.free_sequence("a")
 
 
+def test_blocks_reserved_chunk_by_chunk_are_counted_as_allocated() -> None:
+    # A cold 40-token prompt in chunks of 8: ten blocks, each counted once as it is
+    # reserved (mutmut's generic mutants found the counters of a reserve unchecked).
+    mgr = _manager()
+    seq = _run(mgr, "a", _prompt(40))
+    stats = mgr.stats()
+    assert len(seq.block_ids) == 10
+    assert (stats.alloc_total_blocks, stats.alloc_new_blocks) == (10, 10)
+    mgr.free_sequence("a")
+
+
 def test_a_warm_prompt_needs_only_its_window_however_much_was_evicted() -> None:
     prompt = _prompt(40)
     pool = peak_blocks(40, 40, CHUNK, W - 1, B, reuse=True)
