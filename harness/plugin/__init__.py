@@ -13,7 +13,8 @@ applied to the collection), `isolation` (ISOLATION in a child process), `leaks` 
 leak check after cache-owning tests), `changes` and `change_selection`
 (--kvh-changed-since), `sharding` and `shard_selection` (--kvh-shard), `ordering` and
 `order_selection` (--kvh-order, the lists' `order:`), `reruns` (TensorRT-LLM's rerun
-rule), `threads` (each xdist worker's share of the CPUs). Oracle checks, repro records and reports are their packages' own.
+rule), `threads` (each xdist worker's share of the CPUs). Oracle checks, repro records
+and reports are their packages' own.
 """
 
 from __future__ import annotations
