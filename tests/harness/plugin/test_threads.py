@@ -57,7 +57,7 @@ TESTS = textwrap.dedent("""\
     import pytest
     import torch
 
-    @pytest.mark.parametrize("n", range(4))
+    @pytest.mark.parametrize("n", range(2))  # xdist hands each worker one of them
     def test_share(n):
         expected = int(os.environ["EXPECTED_THREADS"])
         assert torch.get_num_threads() == expected
@@ -78,6 +78,6 @@ def test_every_worker_and_its_subprocesses_run_on_their_share(
     for name in (*THREAD_VARIABLES, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
         monkeypatch.delenv(name, raising=False)
     result = quiet_pytester.runpytest_subprocess("-n", "2", "-p", "no:randomly")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([f"kvharness: 2 xdist workers on {machine_cpus()} CPUs: "
                                  f"{expected} intra-op thread(s) each"])
