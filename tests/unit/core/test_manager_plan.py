@@ -14,8 +14,8 @@ from kvcache import (
 )
 
 
-def _cached(mgr, seq_id: str, tokens: list[int]) -> None:
-    mgr.add_sequence(seq_id, tokens)
+def _cached(mgr, seq_id: str, tokens: list[int], scope: ReuseScope | None = None) -> None:
+    mgr.add_sequence(seq_id, tokens, scope=scope)
     mgr.commit(seq_id, len(tokens))
     mgr.free_sequence(seq_id)
 
@@ -122,9 +122,7 @@ def test_a_plan_is_refused_by_a_manager_that_did_not_make_it(make_manager) -> No
 
 def test_plans_are_per_scope(make_manager) -> None:
     mgr = make_manager(4, 8)
-    mgr.add_sequence("a", [1, 2, 3, 4, 5], scope=ReuseScope(salt="t1"))
-    mgr.commit("a", 5)
-    mgr.free_sequence("a")
+    _cached(mgr, "a", [1, 2, 3, 4, 5], ReuseScope(salt="t1"))
     assert mgr.plan_admission([1, 2, 3, 4, 5], ReuseScope(salt="t1")).num_cached_tokens == 4
     assert mgr.plan_admission([1, 2, 3, 4, 5], ReuseScope(salt="t2")).num_cached_tokens == 0
 
@@ -225,9 +223,7 @@ def test_match_reuse_changes_nothing_not_even_eviction_order(make_manager) -> No
 
 def test_match_reuse_rejects_bad_input_and_keeps_scopes_apart(make_manager) -> None:
     mgr = make_manager(4, 8)
-    mgr.add_sequence("a", [1, 2, 3, 4, 5], scope=ReuseScope(salt="t1"))
-    mgr.commit("a", 5)
-    mgr.free_sequence("a")
+    _cached(mgr, "a", [1, 2, 3, 4, 5], ReuseScope(salt="t1"))
     assert mgr.match_reuse([1, 2, 3, 4, 5], ReuseScope(salt="t1")).num_tokens == 4
     assert mgr.match_reuse([1, 2, 3, 4, 5]) == ReuseMatch((), 0, 0, None)
     assert mgr.match_reuse([]) == ReuseMatch((), 0, 0, None)

@@ -37,6 +37,15 @@ def _run(mgr: KvCacheManager, sid: Hashable, tokens: Sequence[int],
     return seq
 
 
+def _cold_run_on_the_smallest_pool(prompt: Sequence[int]) -> KvCacheManager:
+    """A manager whose pool is the prompt's peak, after a cold run of it was freed: the
+    run evicted its first blocks, so their path is hollow."""
+    mgr = _manager(blocks=peak_blocks(len(prompt), len(prompt), CHUNK, W - 1, B, reuse=True))
+    _run(mgr, "cold", prompt)
+    mgr.free_sequence("cold")
+    return mgr
+
+
 def _hollow_tokens(mgr: KvCacheManager) -> int:
     return sum(len(node.key) // 4 for _, node in mgr.tree.walk() if not node.blocks)
 
@@ -108,10 +117,7 @@ def test_blocks_reserved_chunk_by_chunk_are_counted_as_allocated() -> None:
 
 def test_a_warm_prompt_needs_only_its_window_however_much_was_evicted() -> None:
     prompt = _prompt(40)
-    pool = peak_blocks(40, 40, CHUNK, W - 1, B, reuse=True)
-    mgr = _manager(blocks=pool)
-    _run(mgr, "cold", prompt)
-    mgr.free_sequence("cold")
+    mgr = _cold_run_on_the_smallest_pool(prompt)
     assert mgr.stats().evicted_blocks == 5 and _hollow_tokens(mgr) == 20  # blocks 0..4
     assert mgr.probe_reuse(prompt) == 39
     assert mgr.probe_reuse(prompt[:32] + [1] * 10) == 32  # needs blocks 6, 7: cached
@@ -124,9 +130,7 @@ def test_a_warm_prompt_needs_only_its_window_however_much_was_evicted() -> None:
 
 def test_match_reuse_lists_only_the_blocks_the_window_holds() -> None:
     prompt = _prompt(40)
-    mgr = _manager(blocks=peak_blocks(40, 40, CHUNK, W - 1, B, reuse=True))
-    _run(mgr, "cold", prompt)
-    mgr.free_sequence("cold")  # blocks 0..4 evicted: a hollow path
+    mgr = _cold_run_on_the_smallest_pool(prompt)  # blocks 0..4 evicted: a hollow path
     match = mgr.match_reuse(prompt)
     # 39 tokens: 9 full blocks and 3 tokens of the last, whose window starts in block 8
     assert (match.num_tokens, match.num_full_blocks, match.num_skipped_blocks) == (39, 9, 8)
@@ -140,9 +144,7 @@ def test_match_reuse_lists_only_the_blocks_the_window_holds() -> None:
 
 def test_recomputed_blocks_fill_the_hollow_path() -> None:
     prompt = _prompt(40)
-    mgr = _manager(blocks=peak_blocks(40, 40, CHUNK, W - 1, B, reuse=True))
-    _run(mgr, "cold", prompt)
-    mgr.free_sequence("cold")
+    mgr = _cold_run_on_the_smallest_pool(prompt)
     other = prompt[:20] + [1] * 4
     _run(mgr, "again", other)  # recomputes blocks 0..4 and commits them under their path
     assert _hollow_tokens(mgr) < 20
