@@ -345,7 +345,11 @@ def write_kills(outcomes: Sequence[Outcome], path: Path, *, matrix: bool) -> Non
             found = set(o.killers) if matrix else {*entries.get(o.id, ()), o.killer}
             entries[o.id] = sorted(k for k in found if k is not None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    # Whole or not at all: every pre-merge run reads this file, and a run stopped
+    # mid-write must not leave it truncated.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    os.replace(partial, path)
 
 
 def main(argv: list[str] | None = None) -> int:

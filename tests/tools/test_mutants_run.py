@@ -41,6 +41,8 @@ def test_each_mutant_is_judged_and_the_checkout_is_untouched(mutants: ModuleType
     # loses its entry (the equivalent one had none).
     assert json.loads(kills.read_text()) == {"mutants": {
         "add-minus": ["tests/test_calc.py::test_add", "tests/z.py::t"]}}
+    assert sorted(p.name for p in kills.parent.iterdir()) == [".test_durations",
+                                                            ".test_kills.json"]
     assert (calc_repo / "calc.py").read_text() == CALC  # mutated in a copy only
 
 
