@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark suites: quick mode, in-run baselines, versions, progress.
 
 Quick mode (`pytest benchmarks --bench-quick`, or KVH_BENCH_QUICK=1 in the environment)
-shrinks every suite to a smoke run (the README gives its time);
+shrinks every suite to a smoke run (docs/performance.md gives its time);
 suites read it through the `bench_quick` fixture. The pytest-benchmark JSON records it,
 with the library versions and torch's thread count, under machine_info.
 """

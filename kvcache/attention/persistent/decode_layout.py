@@ -41,7 +41,7 @@ from kvcache.attention.metadata_decode import Int32Array, IntArray
 from kvcache.attention.persistent.page_rows import PageRows
 
 # Rows starting a page in one step up to which scalar code (moves included) beats
-# gathering every row again from the table (measured: docs/design.md).
+# gathering every row again from the table (measured: docs/performance.md).
 SCALAR_STARTS = 32
 # Rows leaving (or joining) before a step up to which moving the others' counters and
 # writing the joiners' (scalar) beats laying every row out again (docs/design.md).

@@ -16,8 +16,8 @@ refuses overlapping copies). A change to more than SPLICE_LIMIT rows gathers eve
 from the block table instead, a few calls whatever changed. The costs that matter are
 per call (a small numpy call costs several reads or writes of one item through a
 memoryview), so a decode step's page starts (`start_pages`) are scalar Python over rows
-the caller keeps. The measurements behind these choices: docs/design.md, "Speed of the
-metadata".
+the caller keeps. These choices: docs/design.md, "Speed of the metadata"; their
+measurements: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from kvcache.attention.block_table import INT32_LIMIT, BlockTable
 from kvcache.attention.metadata_decode import Int32Array, IntArray, gather_pages
 
 # Changed rows past which one gather from the table beats a memmove per unchanged run
-# (measured at batch 256, 4k contexts: docs/design.md).
+# (measured at batch 256, 4k contexts: docs/performance.md).
 SPLICE_LIMIT = 32
 
 
