@@ -661,6 +661,15 @@ def test_broken_kill_record(tmp_path: Path, text: str, message: str) -> None:
     pytest.param(["test-db", "-d", "x", "--match", "{}", "--match-exact", "{}"],
                  r"argument --match-exact: not allowed with argument --match",
                  id="cli-test-db-both-matches"),
+    # A line break in a value would print a Mako option line of its own (`stage=...`).
+    pytest.param(["sysinfo", "--job", "x=a\nstage=post_merge"], r"argument --job: job term "
+                 r"'x=a\\nstage=post_merge' holds a control character \(U\+000A\); a value is "
+                 r"printed on one line", id="cli-job-newline"),
+    pytest.param(["sysinfo", "--job", "a\rb=1"], r"argument --job: job term 'a\\rb=1' holds a "
+                 r"control character \(U\+000D\)", id="cli-job-key-control"),
+    pytest.param(["sysinfo", "--gpu", "H100\nstage=post_merge"], r"argument --gpu: gpu name "
+                 r"'H100\\nstage=post_merge' holds a control character \(U\+000A\)",
+                 id="cli-gpu-newline"),
 ))
 def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],
                               message: str) -> None:
@@ -694,6 +703,39 @@ def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.Cap
     assert kvharness(["list", "--test-db", str(folder)]) == 1
     err = capsys.readouterr().err
     assert re.search(message, err), f"stderr lacks {message!r}:\n{err}"
+
+
+@pytest.mark.parametrize("context", cases(
+    pytest.param("../other/l0_zz", id="cli-test-db-context-path"),
+    pytest.param("/abs/other/l0_zz", id="cli-test-db-context-absolute"),
+    pytest.param("l0_cpu.yml", id="cli-test-db-context-file-name"),
+))
+def test_a_context_is_a_bare_list_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       context: str) -> None:
+    # A list outside -d that would render if the context were a path.
+    (tmp_path / "db").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "l0_zz.yml").write_text(HEAD.replace("l0_cpu", "l0_zz") + GOOD_TESTS)
+    if context.startswith("/abs"):
+        context = str(tmp_path / "other" / "l0_zz")
+    assert kvharness(["test-db", "-d", str(tmp_path / "db"), "--context", context]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing rendered
+    assert f"kvharness test-db: {tmp_path / 'db'}: context {context!r}: a context is a bare " \
+        "list name: 'l', a level in ASCII digits, '_', the machine kind in [a-z0-9_], " \
+        "e.g. l0_h100" in err, err
+
+
+def test_sysinfo_refuses_a_control_character_in_any_value() -> None:
+    from harness.lists.testdb import mako_lines
+
+    # what the system reports (the host name, /etc/os-release) is checked as the flags are
+    with pytest.raises(ValueError, match=r"sysinfo: hostname 'a\\nstage=post_merge' holds a "
+                                         r"control character \(U\+000A\)"):
+        mako_lines({"gpu": "H100", "hostname": "a\nstage=post_merge"})
+
+
+IDS.add("sysinfo-value-control")
 
 
 @pytest.mark.parametrize(("match", "message"), cases(
