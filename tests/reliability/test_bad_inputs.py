@@ -34,6 +34,7 @@ from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from kvcache.storage.kv_storage import KvStorage
 from tests.reliability.support import EngineSpec, assert_clean
+from tests.harness.plugin.test_sharding import SHARD_IDS
 from tests.reliability.test_hostile_repro import REPRO_IDS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
@@ -1076,6 +1077,8 @@ IDS.add("conform-worker-module")
 def test_catalogue_is_documented() -> None:
     documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", DOC.read_text(), re.MULTILINE))
     assert len(IDS) >= 30 and len(REPRO_IDS) >= 25
-    checked = IDS | REPRO_IDS  # the repro files' cases: tests/reliability/test_hostile_repro.py
+    # the repro files' cases are checked in tests/reliability/test_hostile_repro.py, the
+    # plugin's shard flags in tests/harness/plugin/test_sharding.py
+    checked = IDS | REPRO_IDS | SHARD_IDS
     assert checked - documented == set(), f"cases missing from {DOC}"
     assert documented - checked == set(), f"{DOC} documents cases that no test checks"
