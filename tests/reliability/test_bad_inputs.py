@@ -33,9 +33,11 @@ from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from kvcache.storage.kv_storage import KvStorage
-from tests.reliability.support import EngineSpec, assert_clean
 from tests.harness.plugin.test_sharding import SHARD_IDS
+from tests.reliability.support import EngineSpec, assert_clean
 from tests.reliability.test_hostile_repro import REPRO_IDS
+from tests.tools.test_generic_mutants import GENERIC_IDS
+from tests.tools.test_mutants import MUTANT_IDS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 IDS: set[str] = set()  # every case id below, checked against the document
@@ -1078,7 +1080,8 @@ def test_catalogue_is_documented() -> None:
     documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", DOC.read_text(), re.MULTILINE))
     assert len(IDS) >= 30 and len(REPRO_IDS) >= 25
     # the repro files' cases are checked in tests/reliability/test_hostile_repro.py, the
-    # plugin's shard flags in tests/harness/plugin/test_sharding.py
-    checked = IDS | REPRO_IDS | SHARD_IDS
+    # plugin's shard flags in tests/harness/plugin/test_sharding.py, the mutation tools'
+    # paths in tests/tools/test_mutants.py and test_generic_mutants.py
+    checked = IDS | REPRO_IDS | SHARD_IDS | MUTANT_IDS | GENERIC_IDS
     assert checked - documented == set(), f"cases missing from {DOC}"
     assert documented - checked == set(), f"{DOC} documents cases that no test checks"
