@@ -155,8 +155,8 @@ class WorkerTarget:
 
         try:
             reply = json.loads(line)
-        except ValueError as exc:  # JSONDecodeError, or an integer too long to read
-            raise bad(f"is not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # not JSON, an integer too long to
+            raise bad(f"is not JSON ({exc})") from None  # read, or nested too deep
         if not isinstance(reply, dict):
             raise bad(f"is not a JSON object (got {type(reply).__name__})")
         if reply.get("ok") is False:

@@ -153,6 +153,8 @@ BAD_REPLIES = [
                  "reports for 1 ops", id="conform-reply-no-report"),
     pytest.param("ops", LONG, f"the worker's reply to 'ops' is not JSON (Expecting value: "
                  f"line 1 column 1 (char 0)): '{'x' * 200}...'", id="conform-reply-long"),
+    pytest.param("ops", "[" * 5000, "the worker's reply to 'ops' is not JSON (maximum "
+                 "recursion depth exceeded", id="conform-reply-deep"),
 ]
 WORKER_IDS = {p.id for p in BAD_REPLIES}
 
