@@ -229,7 +229,8 @@ exit codes:
   1  a check found a violation (report.md lists each finding with its op list)
   2  it could not run: an unsupported version (the supported ones are named), a failed
      install, a self-test that refused a stubbed or mocked engine function, a worker
-     that died; the report says why"""
+     that died or answered nonsense, an engine that touched a stub, a report folder
+     that cannot take the report (checked before anything runs); the report says why"""
 
 
 def _conform(args: argparse.Namespace) -> int:
@@ -237,8 +238,7 @@ def _conform(args: argparse.Namespace) -> int:
 
     if args.replay is not None:
         return replay_file(args.spec, args.replay)
-    folder = args.report or DEFAULT_RESULTS / "conform" / args.spec.replace("==", "-")
-    report = conform(args.spec, folder, seeds=args.seeds, bench=args.bench,
+    report = conform(args.spec, args.report, seeds=args.seeds, bench=args.bench,
                      bench_quick=args.bench_quick, only=args.check)
     return report.exit_code
 
@@ -359,7 +359,8 @@ def _parser() -> argparse.ArgumentParser:
                    "version installed here")
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
                    help=f"where report.md and report.json go (default: "
-                   f"{DEFAULT_RESULTS}/conform/SPEC)")
+                   f"{DEFAULT_RESULTS}/conform/ENGINE-VERSION, from the parsed SPEC; a SPEC "
+                   "that does not parse writes no report)")
     p.add_argument("--seeds", type=_count, default=8, metavar="N",
                    help="fuzz seeds to run (default: 8)")
     p.add_argument("--bench", action="store_true",

@@ -8,7 +8,9 @@ function of `kvcache/core`, against the cache's own tests, as the catalogue
     nox -s mutants -- generic                                       # the same, in nox
 
 It runs in a temporary copy of the checkout (tools/mutants.py's Workspace), whose
-pyproject gets the `[tool.mutmut]` table below; the checkout is never touched. mutmut
+pyproject gets the `[tool.mutmut]` table below; the checkout is never touched (an
+`--only` glob or `--tests` path that is absolute, climbs with `..` or leads out through
+a symlink is refused first, as is a glob that selects nothing). mutmut
 runs the selected tests once to learn which tests call each function, then each mutant
 in a forked child against the tests that call its function, fastest first, stopping at
 the first failure. The report (generic.json, generic.md in --out): each mutant's status
@@ -23,6 +25,7 @@ hangs).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import subprocess
@@ -34,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mutants import RESULTS, ROOT, Workspace
+from mutants import RESULTS, ROOT, Workspace, inside
 
 SOURCE = "kvcache/"  # copied whole into mutmut's tree, so `kvcache` resolves there
 MUTATE = ("kvcache/core/*",)  # what is mutated: the pure-Python core
@@ -65,6 +68,22 @@ def mutmut_table(only: Sequence[str], tests: Sequence[str] = ()) -> str:
         f"pytest_add_cli_args_test_selection = {_toml_list(tests or TESTS)}",
         f"pytest_add_cli_args = {_toml_list(PYTEST_ARGS)}",
         f"also_copy = {_toml_list(ALSO_COPY)}", ""])
+
+
+def mutated_files(root: Path, glob: str) -> list[str]:
+    """The files of `root` an `--only` glob mutates, as mutmut matches it (fnmatch: `*`
+    spans folders; only .py files under SOURCE are walked). Raises ValueError naming the
+    glob when it is absolute, climbs with `..`, selects nothing, or selects a file that
+    resolves outside `root` (a symlink out)."""
+    inside(root, glob)  # absolute, or `..`: refused whatever it matches
+    found = sorted(str(f.relative_to(root)) for f in (root / SOURCE).rglob("*.py")
+                   if fnmatch.fnmatch(str(f.relative_to(root)), glob))
+    if not found:
+        raise ValueError(f"{glob!r} matches no .py file under {SOURCE} (mutmut walks only "
+                         "that folder)")
+    for file in found:
+        inside(root, file)
+    return found
 
 
 def configure(workspace: Path, only: Sequence[str], tests: Sequence[str] = ()) -> None:
@@ -153,6 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.read:  # in the workspace, for the parent below
         json.dump(read_results(), sys.stdout)
         return 0
+    # What runs in the copy stays in it: no glob or test path may lead outside the root.
+    try:
+        for glob in args.only:
+            mutated_files(args.root, glob)
+    except ValueError as exc:
+        parser.error(f"--only: {exc}")
+    try:
+        for test in args.tests:
+            inside(args.root, test.split("::")[0])
+    except ValueError as exc:
+        parser.error(f"--tests: {exc}")
     with tempfile.TemporaryDirectory(prefix="kvh-mutmut-") as tmp:
         ws = Workspace(args.root, Path(tmp) / "tree")
         configure(ws.root, args.only, args.tests)

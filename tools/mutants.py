@@ -13,7 +13,10 @@ The catalogue (`tools/mutants.yaml`) holds each mutant as a small edit: in `file
 text `find` (it must occur exactly once) becomes `replace`, and `models` says in a
 sentence what bug it stands for. The checkout is never touched: the tracked files are
 copied once into a temporary folder, each mutant is written there and undone after its
-run, and pytest runs in that folder (which comes first on its sys.path).
+run, and pytest runs in that folder (which comes first on its sys.path). A `file` that
+is absolute, climbs with `..` or resolves outside the root through a symlink is refused
+before anything is copied (it would be mutated in place, and stay mutated if the run
+were killed); the checkout gets the kill record and, by default, results/mutants/ only.
 
 For each mutant the report says killed or survived, by which test, and how many seconds
 after launch the first failure came (start-up and collection included: what a developer
@@ -68,6 +71,23 @@ class CatalogueError(ValueError):
     """A catalogue entry that cannot be applied; the message names it and the field."""
 
 
+def inside(root: Path, rel: str) -> Path:
+    """`root / rel`, when `rel` is a relative path that stays inside `root` once symlinks
+    are resolved. Raises ValueError naming `rel` for an absolute path, a `..` part, or a
+    path that resolves outside (through a symlink): the tools write only into their copy,
+    and a file outside it would be mutated in place, for good if the run is killed."""
+    why = None
+    if Path(rel).is_absolute():
+        why = "is absolute"
+    elif ".." in Path(rel).parts:
+        why = "climbs out of the root with '..'"
+    elif not (root / rel).resolve().is_relative_to(root.resolve()):
+        why = f"resolves to {(root / rel).resolve()}, outside the root {root}"
+    if why is not None:
+        raise ValueError(f"{rel!r} {why}; a file is relative to the root and stays inside it")
+    return root / rel
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One catalogue entry: `find` becomes `replace` in `file` (relative to the root)."""
@@ -105,7 +125,8 @@ class Outcome:
 
 def load_catalogue(path: Path = CATALOGUE, root: Path = ROOT) -> list[Mutant]:
     """The mutants of `path`. Raises CatalogueError naming the entry and field for an
-    unknown or missing key, a duplicate id, an unknown area or a file that does not exist."""
+    unknown or missing key, a duplicate id, an unknown area, or a file that is outside
+    `root` (absolute, climbing with `..`, a symlink out: `inside`) or does not exist."""
     data = yaml.safe_load(path.read_text(encoding="utf-8"))
     entries = data.get("mutants") if isinstance(data, dict) else None
     if not isinstance(entries, list):
@@ -134,7 +155,11 @@ def load_catalogue(path: Path = CATALOGUE, root: Path = ROOT) -> list[Mutant]:
             raise CatalogueError(f"{where}.id: {mutant.id!r} is used twice")
         if mutant.area not in AREAS:
             raise CatalogueError(f"{where}.area: {mutant.area!r} is not one of {list(AREAS)}")
-        if not (root / mutant.file).is_file():
+        try:
+            file = inside(root, mutant.file)
+        except ValueError as exc:
+            raise CatalogueError(f"{where}.file: mutant {mutant.id!r}: {exc}") from None
+        if not file.is_file():
             raise CatalogueError(f"{where}.file: {mutant.file} does not exist")
         if mutant.find == mutant.replace:
             raise CatalogueError(f"{where}.replace: the same as 'find': nothing is mutated")
@@ -160,10 +185,15 @@ class Workspace:
                 shutil.copy2(src, dst)
         subprocess.run([sys.executable, "-m", "compileall", "-q", "."], cwd=into, check=True)
 
+    def path(self, rel: str) -> Path:
+        """The copy of `rel`; ValueError when `rel` leads outside the copy (`inside`)."""
+        return inside(self.root, rel)
+
     def write(self, rel: str, text: str) -> None:
         """Write `rel` and drop its compiled form (a same-size edit within the mtime's
-        second would otherwise run the stale one)."""
-        path = self.root / rel
+        second would otherwise run the stale one). ValueError, writing nothing, when
+        `rel` leads outside the copy."""
+        path = self.path(rel)
         path.write_text(text, encoding="utf-8")
         for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
             pyc.unlink()
@@ -213,7 +243,7 @@ def run_mutant(ws: Workspace, mutant: Mutant, pytest_args: Sequence[str], *, mat
     """Apply `mutant` in `ws`, run the selection (fail-fast, or with `matrix` every test
     of at most MATRIX_MAX_SECONDS to the end), undo it; the outcome. Mutates the
     workspace only while it runs."""
-    original = (ws.root / mutant.file).read_text(encoding="utf-8")
+    original = ws.path(mutant.file).read_text(encoding="utf-8")
     ws.write(mutant.file, mutant.apply(original, "tools/mutants.yaml"))
     try:
         code, seconds, clock = run_selection(
@@ -371,7 +401,11 @@ def main(argv: list[str] | None = None) -> int:
                         "pre-merge lists); after --")
     args = parser.parse_args(argv)
     pytest_args = args.pytest_args or list(PREMERGE)
-    catalogue = load_catalogue(args.catalogue, args.root)
+    try:
+        catalogue = load_catalogue(args.catalogue, args.root)
+    except CatalogueError as exc:  # before any copy or run
+        print(exc, file=sys.stderr)
+        return 2
     unknown = sorted(set(args.only) - {m.id for m in catalogue})
     if unknown:
         parser.error(f"--only: no mutant {unknown} in {args.catalogue}")
@@ -382,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp) / "run"
         scratch.mkdir()
         for mutant in chosen:  # a stale entry fails here, before any run
-            mutant.apply((ws.root / mutant.file).read_text(encoding="utf-8"), str(args.catalogue))
+            mutant.apply(ws.path(mutant.file).read_text(encoding="utf-8"), str(args.catalogue))
         baseline = None
         if not args.no_baseline:
             code, baseline, _ = run_selection(

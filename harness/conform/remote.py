@@ -2,9 +2,13 @@
 
 It starts `python -m harness.conform.worker` with the engine's interpreter. The worker
 sees the harness (and kvcache, for the benchmark) through a folder holding links to
-those two packages only, never the harness's whole environment. Replies are read with a
-timeout on a reader thread, so a hung engine ends the run (WorkerError, exit 2) instead
-of the harness. The worker's stderr goes to `log`, whose tail every WorkerError quotes.
+those two packages only, never the harness's whole environment. Replies come on a pipe
+of their own (`--replies-fd`): the worker's stdout and stderr go to `log`, whose tail
+every WorkerError quotes, so nothing the engine's venv prints can pass for a reply.
+Replies are read with a timeout on a reader thread, so a hung engine ends the run
+(WorkerError, exit 2) instead of the harness. Every reply is checked before it is used
+(a JSON object, `ok` true with the fields its request returns, or false with an error):
+anything else is a WorkerError naming the request and quoting the reply.
 """
 
 from __future__ import annotations
@@ -32,7 +36,33 @@ BENCH_TIMEOUT = 3600.0
 
 
 class WorkerError(RuntimeError):
-    """The worker failed, timed out or died; the message has its error and log tail."""
+    """The worker failed, timed out, died or answered nonsense; the message has its error
+    (or the reply) and log tail."""
+
+
+class StubTouched(WorkerError):
+    """The engine touched a stub (`stub`, inside the stub module `module`) while serving
+    a request: the lock's stub list is wrong for this engine, and the run is void."""
+
+    def __init__(self, stub: str, module: str, message: str) -> None:
+        super().__init__(message)
+        self.stub = stub
+        self.module = module
+
+
+# JSON's name for each kind of value a reply field holds.
+_STRING, _ARRAY, _OBJECT = (str, "a string"), (list, "an array"), (dict, "an object")
+_INTEGER, _NUMBER = (int, "an integer"), ((int, float), "a number")
+# What an `ok` reply to each request carries, and the kind of each field.
+_FIELDS: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
+    "load": {"engine": _STRING, "version": _STRING, "package_dir": _STRING,
+             "stubs_served": _ARRAY, "seconds": _NUMBER},
+    "selftest": {"problems": _ARRAY, "sources": _OBJECT, "substitutes": _INTEGER},
+    "open": {"contract": _OBJECT},
+    "ops": {"reports": _ARRAY},
+    "bench": {"rows": _ARRAY},
+}
+QUOTED_CHARS = 200  # how much of a malformed reply an error quotes
 
 
 def _package_links() -> Path:
@@ -55,30 +85,48 @@ class WorkerTarget:
     def __init__(self, python: Path, engine: str, stubs: StubSpec, log: Path) -> None:
         self.log = log
         self._links = _package_links()
+        self._err: IO[str] | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        try:  # whatever fails from here on, the worker and the link folder go
+            self._start(python, log)
+            self.info = self._call({"cmd": "load", "engine": engine,
+                                    "stubs": stubs.as_dict()}, LOAD_TIMEOUT)
+        except BaseException:
+            self.close()
+            raise
+        self._name = f"{self.info['engine']} {self.info['version']}"
+
+    def _start(self, python: Path, log: Path) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env.update(PYTHONPATH=str(self._links), PYTHONNOUSERSITE="1",
                    PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
         log.parent.mkdir(parents=True, exist_ok=True)
         self._err = open(log, "w", encoding="utf-8")  # noqa: SIM115 (open until close())
-        self._proc = subprocess.Popen(
-            [str(python), "-s", "-m", "harness.conform.worker"], cwd=self._links, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
-            encoding="utf-8")
+        read_end, write_end = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [str(python), "-s", "-m", "harness.conform.worker", "--replies-fd",
+                 str(write_end)], cwd=self._links, env=env, stdin=subprocess.PIPE,
+                stdout=self._err, stderr=self._err, pass_fds=(write_end,), text=True,
+                encoding="utf-8")
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)  # the worker's now: its exit ends the reader's stream
+        replies = os.fdopen(read_end, encoding="utf-8")
         self._replies: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True).start()
-        self.info = self._call({"cmd": "load", "engine": engine, "stubs": stubs.as_dict()},
-                               LOAD_TIMEOUT)
-        self._name = f"{self.info['engine']} {self.info['version']}"
+        threading.Thread(target=self._read, args=(replies,), daemon=True).start()
 
-    def _read(self, stream: IO[str] | None) -> None:
-        assert stream is not None
-        for line in stream:
-            self._replies.put(line)
+    def _read(self, stream: IO[str]) -> None:
+        with stream:
+            for line in stream:
+                self._replies.put(line)
         self._replies.put(None)  # the worker is gone
 
     def _call(self, msg: dict[str, Any], timeout: float = CALL_TIMEOUT) -> dict[str, Any]:
+        assert self._proc is not None and self._proc.stdin is not None
         stdin = self._proc.stdin
-        assert stdin is not None
         try:
             stdin.write(json.dumps(msg) + "\n")
             stdin.flush()
@@ -93,13 +141,47 @@ class WorkerTarget:
             code = self._proc.wait(timeout=30)
             raise WorkerError(f"the worker exited (code {code}) during {msg['cmd']!r}"
                               f"{self._tail()}")
-        reply = json.loads(line)
-        if not reply.get("ok"):
-            raise WorkerError(f"{msg['cmd']}: {reply.get('error')}\n{reply.get('traceback', '')}")
+        return self._checked(msg["cmd"], line)
+
+    def _checked(self, cmd: str, line: str) -> dict[str, Any]:
+        """The reply `line` to `cmd`, checked (see the module docstring). Raises
+        StubTouched for a failure that touched a stub, WorkerError for any other failure
+        and for a reply that is not what `cmd` returns (quoting its start)."""
+        def bad(problem: str) -> WorkerError:
+            text = line.rstrip("\n")
+            quoted = text[:QUOTED_CHARS] + ("..." if len(text) > QUOTED_CHARS else "")
+            return WorkerError(f"the worker's reply to {cmd!r} {problem}: {quoted!r}"
+                               f"{self._tail()}")
+
+        try:
+            reply = json.loads(line)
+        except (ValueError, RecursionError) as exc:  # not JSON, an integer too long to
+            raise bad(f"is not JSON ({exc})") from None  # read, or nested too deep
+        if not isinstance(reply, dict):
+            raise bad(f"is not a JSON object (got {type(reply).__name__})")
+        if reply.get("ok") is False:
+            error, stub = reply.get("error"), reply.get("stub")
+            if not isinstance(error, str):
+                raise bad("is a failure without an error message")
+            if isinstance(stub, dict) and all(isinstance(stub.get(k), str)
+                                              for k in ("name", "module")):
+                raise StubTouched(stub["name"], stub["module"], f"{cmd}: {error}")
+            if stub is not None:
+                raise bad("names a stub that is not {name, module}")
+            raise WorkerError(f"{cmd}: {error}\n{reply.get('traceback', '')}")
+        if reply.get("ok") is not True:
+            raise bad("says neither \"ok\": true nor \"ok\": false")
+        for field, (kind, name) in _FIELDS[cmd].items():
+            value = reply.get(field)
+            if field not in reply:
+                raise bad(f"lacks {field!r} ({name})")
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise bad(f"has {field!r} = {json.dumps(value)[:40]}, not {name}")
         return reply
 
     def _tail(self) -> str:
-        self._err.flush()
+        if self._err is not None:
+            self._err.flush()
         try:
             lines = self.log.read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
@@ -116,16 +198,27 @@ class WorkerTarget:
     def open(self, num_blocks: int, block_size: int) -> Contract:
         """A fresh cache in the worker."""
         reply = self._call({"cmd": "open", "num_blocks": num_blocks, "block_size": block_size})
-        return Contract.from_dict(reply["contract"], "the worker's contract")
+        try:
+            return Contract.from_dict(reply["contract"], "the worker's contract")
+        except ValueError as exc:
+            raise WorkerError(f"the worker's reply to 'open': {exc}") from None
 
     def apply(self, op: Op) -> StepReport:
         """One op."""
         return self.apply_all([op])[0]
 
     def apply_all(self, ops: Sequence[Op] | Iterable[Op]) -> list[StepReport]:
-        """Several ops in one round trip."""
-        reply = self._call({"cmd": "ops", "ops": ops_to_json(ops)})
-        return [StepReport.from_dict(r, "the worker's step report") for r in reply["reports"]]
+        """Several ops in one round trip; WorkerError unless the worker reports each op."""
+        sent = ops_to_json(ops)
+        reports = self._call({"cmd": "ops", "ops": sent})["reports"]
+        if len(reports) != len(sent):
+            raise WorkerError(f"the worker's reply to 'ops' has {len(reports)} reports for "
+                              f"{len(sent)} ops")
+        try:
+            return [StepReport.from_dict(r, f"the worker's reply to 'ops': report {i}")
+                    for i, r in enumerate(reports)]
+        except ValueError as exc:
+            raise WorkerError(str(exc)) from None
 
     # -- the rest -------------------------------------------------------------------------
 
@@ -138,15 +231,18 @@ class WorkerTarget:
         return list(self._call({"cmd": "bench", "quick": quick}, BENCH_TIMEOUT)["rows"])
 
     def close(self) -> None:
-        """Stop the worker and remove the link folder (idempotent)."""
-        if self._proc.poll() is None:
+        """Stop the worker and remove the link folder (idempotent; safe on a target
+        whose start failed part-way)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
             try:
-                assert self._proc.stdin is not None
-                self._proc.stdin.write(json.dumps({"cmd": "close"}) + "\n")
-                self._proc.stdin.close()
-                self._proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait()
-        self._err.close()
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps({"cmd": "close"}) + "\n")
+                proc.stdin.close()
+                proc.wait(timeout=30)
+            except (OSError, ValueError, subprocess.TimeoutExpired):  # ValueError: closed
+                proc.kill()
+                proc.wait()
+        if self._err is not None:
+            self._err.close()
         shutil.rmtree(self._links, ignore_errors=True)

@@ -10,6 +10,7 @@ report".
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -72,8 +73,41 @@ class Report:
         return asdict(self)
 
 
+class ReportFolderError(ValueError):
+    """The report cannot be written where it was asked for; the message names the folder."""
+
+
+REPORT_FILES = ("report.json", "report.md")
+
+
+def _shown(path: Path) -> str:
+    text = str(path)
+    return text if len(text) <= 200 else f"{text[:120]}... ({len(text)} characters)"
+
+
+def prepare_folder(folder: Path) -> None:
+    """Make `folder` ready for `write_report` before anything runs, so no result is lost
+    to a folder that cannot hold them: created if missing (mutates the file system), a
+    folder, writable, and its report files, where present, files. Raises
+    ReportFolderError naming the folder (a file there, a parent that is a file, a name
+    too long, no permission)."""
+    where = f"report folder {_shown(folder)}"
+    try:
+        if folder.exists() and not folder.is_dir():
+            raise ReportFolderError(f"{where}: is a file, not a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in REPORT_FILES:
+            if (folder / name).exists() and not (folder / name).is_file():
+                raise ReportFolderError(f"{where}: {name} is not a file")
+        with tempfile.TemporaryFile(dir=folder):
+            pass  # a file can be made there
+    except OSError as exc:
+        raise ReportFolderError(f"{where}: {exc.strerror or exc}") from None
+
+
 def write_report(report: Report, folder: Path) -> tuple[Path, Path]:
-    """Write report.json and report.md into `folder` (created); returns both paths."""
+    """Write report.json and report.md into `folder` (created); returns both paths.
+    Raises OSError when they cannot be written (`prepare_folder` checks first)."""
     folder.mkdir(parents=True, exist_ok=True)
     as_json = folder / "report.json"
     as_md = folder / "report.md"

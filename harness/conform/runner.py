@@ -7,7 +7,12 @@ manager, in this process). An engine runs in its worker (`harness.conform.remote
 checks, the oracles, the shrinking and the report run here, the same code for every
 engine. Exit 0: every check passed; 1: a check found a violation; 2: the run could not
 be trusted or done (an unsupported version, a failed install, a self-test that refused,
-a worker that died); the report says why.
+a worker that died or answered nonsense, an engine that touched a stub); the report
+says why.
+
+The SPEC is data: the report goes to `--report DIR`, else to `results/conform/` under a
+name made of the parsed engine and version (a SPEC that does not parse gets no report
+folder: nothing is written). The folder is checked before anything runs.
 """
 
 from __future__ import annotations
@@ -44,13 +49,15 @@ from harness.conform.locks import (
     find_lock,
 )
 from harness.conform.ops import Op, ops_from_json, ops_to_json
-from harness.conform.remote import WorkerError, WorkerTarget
+from harness.conform.remote import StubTouched, WorkerError, WorkerTarget
 from harness.conform.report import (
     EXIT_CANNOT_RUN,
     EXIT_PASSED,
     EXIT_VIOLATION,
     CheckResult,
     Report,
+    ReportFolderError,
+    prepare_folder,
     write_report,
 )
 from harness.conform.selftest import self_test
@@ -58,6 +65,8 @@ from harness.conform.targets import LocalTarget, Target, replay
 from harness.data_files import load_json
 
 _SPEC = re.compile(r"([a-z][a-z0-9_-]*)(==([0-9][0-9A-Za-z.+-]*))?")
+MAX_SPEC_CHARS = 100  # `sglang_unified==0.5.23` is 22
+DEFAULT_REPORTS = Path("results") / "conform"  # a run's default folder: ENGINE[-VERSION]
 Say = Callable[[str], None]
 
 
@@ -74,16 +83,32 @@ class EngineSpec:
 
     @classmethod
     def parse(cls, text: str) -> EngineSpec:
-        """`name` or `name==version`; ValueError naming the text otherwise."""
+        """`name` or `name==version`, surrounding spaces ignored; ValueError naming the
+        text otherwise (a path, an operator, more than MAX_SPEC_CHARS characters)."""
+        if len(text) > MAX_SPEC_CHARS:
+            raise ValueError(f"engine spec {text[:40]!r}... of {len(text)} characters; at "
+                             f"most {MAX_SPEC_CHARS}")
         m = _SPEC.fullmatch(text.strip())
         if m is None:
             raise ValueError(f"engine spec {text!r}: expected NAME or NAME==VERSION "
                              "(vllm==0.33.0, sglang, kvcache)")
         return cls(m[1], m[3])
 
+    def __str__(self) -> str:
+        return self.engine if self.version is None else f"{self.engine}=={self.version}"
 
-def _kvcache_target(report: Report) -> LocalTarget:
+    @property
+    def folder(self) -> Path:
+        """The default report folder: DEFAULT_REPORTS/ENGINE or ENGINE-VERSION."""
+        name = self.engine if self.version is None else f"{self.engine}-{self.version}"
+        return DEFAULT_REPORTS / name
+
+
+def _kvcache_target(spec: EngineSpec, report: Report) -> LocalTarget:
     report.engine, report.version = "kvcache", kvcache_version()
+    if spec.version is not None and spec.version != report.version:
+        raise CannotRun(f"kvcache {spec.version} is not the kvcache that would run: this "
+                        f"checkout's is {report.version} (kvcache or kvcache=={report.version})")
     problems = self_test(KvcacheCache(16, 4), package_dir(), PACKAGE_MODULES)
     report.self_test = problems._asdict()
     if problems.problems:
@@ -117,22 +142,25 @@ def _worker_target(spec: EngineSpec, report: Report, folder: Path, say: Say) -> 
         start = time.perf_counter()
         env = ensure(lock, say)
         python = env.python
-        report.install = {"venv": str(env.root), "reused": env.reused,
+        report.install = {"lock": str(lock.path), "venv": str(env.root),
+                          "reused": env.reused,
                           "seconds": round(time.perf_counter() - start, 1)}
     else:
-        report.install = {"venv": None, "interpreter": str(python)}
+        report.install = {"lock": str(lock.path), "venv": None, "interpreter": str(python)}
     say(f"starting {lock.spec} in {python}")
     target = WorkerTarget(python, lock.engine, lock.stubs, folder / "worker.log")
-    report.worker = {k: v for k, v in target.info.items() if k != "ok"}
-    if target.info["version"] != lock.version:
+    try:  # the caller closes only a target it got
+        report.worker = {k: v for k, v in target.info.items() if k != "ok"}
+        if target.info["version"] != lock.version:
+            raise CannotRun(f"the worker imported {lock.engine} {target.info['version']}, "
+                            f"not {lock.version}")
+        got = target.self_test()
+        report.self_test = {k: v for k, v in got.items() if k != "ok"}
+        if got["problems"]:
+            raise CannotRun(f"self-test refused: {'; '.join(got['problems'])}")
+    except BaseException:
         target.close()
-        raise CannotRun(f"the worker imported {lock.engine} {target.info['version']}, "
-                        f"not {lock.version}")
-    got = target.self_test()
-    report.self_test = {k: v for k, v in got.items() if k != "ok"}
-    if got["problems"]:
-        target.close()
-        raise CannotRun(f"self-test refused: {'; '.join(got['problems'])}")
+        raise
     return target
 
 
@@ -190,19 +218,62 @@ def _progress(i: int, n: int, result: CheckResult, say: Say) -> None:
     say(f"[{i:>2}/{n}] {result.name:<26} {result.status:<4} {result.seconds:6.2f} s{what}")
 
 
+def _stub_reason(exc: StubTouched, report: Report) -> str:
+    lock = report.install.get("lock", f"the lock of {report.engine} {report.version}")
+    return (f"{exc}\nThe engine touched the stub {exc.stub}: the run cannot be trusted. "
+            f"Its cache path reaches {exc.module}, which {lock} lists among the modules "
+            "that cannot run here; that lock's stubs are wrong for this version.")
+
+
 def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
             bench: bool = False, bench_quick: bool = False, only: list[str] | None = None,
             say: Say = print) -> Report:
-    """Run the whole conformance of `spec_text`; writes the report and returns it
-    (`exit_code` 0, 1 or 2). `only` narrows the checks by name."""
+    """Run the whole conformance of `spec_text`; writes the report into `report_dir`
+    (default: the SPEC's folder under DEFAULT_REPORTS, none for a SPEC that does not
+    parse) and returns it (`exit_code` 0, 1 or 2). `only` narrows the checks by name.
+    A folder that cannot take the report is exit 2 before anything runs."""
     start = time.perf_counter()
     report = Report(spec_text)
-    folder = report_dir or Path(tempfile.mkdtemp(prefix="kvharness-conform-"))
+    try:
+        spec: EngineSpec | None = EngineSpec.parse(spec_text)
+    except ValueError as exc:
+        spec, report.reason = None, str(exc)
+    folder = report_dir if report_dir is not None or spec is None else spec.folder
+    if folder is not None:
+        try:
+            prepare_folder(folder)
+        except ReportFolderError as exc:
+            report.reason = str(exc)
+            say(f"{spec_text}: exit {report.exit_code} ({exc}); nothing ran")
+            return report
+    if spec is not None:
+        assert folder is not None  # a parsed SPEC has its folder
+        # before any install: the SPEC that runs, said as it will run
+        stripped = "" if spec_text == str(spec) else \
+            f" (the SPEC {spec_text!r} without its surrounding spaces)"
+        say(f"conform {spec}{stripped}")
+        _run(spec, report, folder, seeds, bench, bench_quick, only, say)
+    report.seconds["total"] = time.perf_counter() - start
+    where = "; no report (the SPEC names no engine to file it under)"
+    if folder is not None:
+        try:
+            where = f"; report in {write_report(report, folder)[1]}"
+        except OSError as exc:
+            report.exit_code = EXIT_CANNOT_RUN
+            where = f"; the report could not be written to {folder}: {exc}"
+    say(f"{spec_text}: exit {report.exit_code}"
+        + (f" ({report.reason.splitlines()[0]})" if report.reason else "") + where)
+    return report
+
+
+def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool,
+         bench_quick: bool, only: list[str] | None, say: Say) -> None:
+    """The run itself, into `report` (mutated): its checks, its exit code and reason."""
+    start = time.perf_counter()
     target: Target | None = None
     try:
-        spec = EngineSpec.parse(spec_text)
         if spec.engine == "kvcache":
-            target = _kvcache_target(report)
+            target = _kvcache_target(spec, report)
         else:
             target = _worker_target(spec, report, folder, say)
         report.contract = target.open(4, families.B).as_dict()
@@ -224,6 +295,9 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
             report.bench = rows
             report.seconds["bench"] = time.perf_counter() - timed
         report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED
+    except StubTouched as exc:
+        report.exit_code = EXIT_CANNOT_RUN
+        report.reason = _stub_reason(exc, report)
     except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,
             ValueError) as exc:
         report.exit_code = EXIT_CANNOT_RUN
@@ -231,12 +305,6 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
     finally:
         if isinstance(target, WorkerTarget):
             target.close()
-    report.seconds["total"] = time.perf_counter() - start
-    paths = write_report(report, folder)
-    say(f"{spec_text}: exit {report.exit_code}"
-        + (f" ({report.reason.splitlines()[0]})" if report.reason else "")
-        + f"; report in {paths[1]}")
-    return report
 
 
 def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
@@ -260,7 +328,7 @@ def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
     folder = Path(tempfile.mkdtemp(prefix="kvharness-replay-"))
     try:
         spec = EngineSpec.parse(spec_text)
-        target = _kvcache_target(report) if spec.engine == "kvcache" else \
+        target = _kvcache_target(spec, report) if spec.engine == "kvcache" else \
             _worker_target(spec, report, folder, say)
         found = replay(target, op_list, data["num_blocks"], families.B)
     except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,

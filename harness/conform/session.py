@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from harness.conform.ops import Op
 from harness.conform.protocol import Admission, CacheUnderTest, Stats
+from harness.conform.stubs import StubUsedError
 
 Status = Literal["done", "refused", "skipped", "raised"]
 
@@ -86,12 +87,16 @@ class Session:
         self.live: dict[str, _Live] = {}
 
     def apply(self, op: Op) -> StepReport:
-        """Apply `op` (or skip it, saying why) and report the state after it."""
+        """Apply `op` (or skip it, saying why) and report the state after it. What the
+        cache raises is reported ("raised"), but for StubUsedError, which propagates: a
+        stub reached means the stub list, not the engine, is wrong."""
         why = self._invalid(op)
         if why:
             return self._report(op, "skipped", None, why)
         try:
             value = self._call(op)
+        except StubUsedError:
+            raise  # not the engine's failure: the run cannot be trusted (exit 2, not 1)
         except Exception as exc:  # whatever the engine raised is the finding: report it
             return self._report(op, "raised", None, _raised(exc))
         if value is _REFUSED:

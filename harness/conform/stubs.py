@@ -36,7 +36,14 @@ _STUB_MARK = "__kvharness_stub__"
 
 
 class StubUsedError(RuntimeError):
-    """Code under test touched a stub: the stub list is wrong for this engine version."""
+    """Code under test touched a stub: the stub list is wrong for this engine version.
+    `stub` is what was touched (`module.name`), `module` the stub module it is in: never
+    the engine's own failure, so a run that meets one cannot be trusted."""
+
+    def __init__(self, stub: str, module: str, message: str) -> None:
+        super().__init__(message)
+        self.stub = stub
+        self.module = module
 
 
 class RaisingModule(types.ModuleType):
@@ -45,14 +52,16 @@ class RaisingModule(types.ModuleType):
     def __getattr__(self, attr: str) -> Any:  # only called for names not defined on it
         if attr.startswith("__") and attr.endswith("__"):
             raise AttributeError(attr)  # the import machinery's probes (__path__, ...)
-        raise StubUsedError(f"{self.__name__}.{attr}: {self.__name__} is a stub "
+        raise StubUsedError(f"{self.__name__}.{attr}", self.__name__,
+                            f"{self.__name__}.{attr}: {self.__name__} is a stub "
                             f"({self.__dict__.get('__stub_reason__', '')})")
 
 
 def raising_function(qualname: str, reason: str) -> Callable[..., Any]:
     """A function named `qualname` that raises StubUsedError when called."""
     def stub(*args: Any, **kwargs: Any) -> Any:
-        raise StubUsedError(f"{qualname}() was called, but it is a stub ({reason})")
+        raise StubUsedError(qualname, module,
+                            f"{qualname}() was called, but it is a stub ({reason})")
     module, _, name = qualname.rpartition(".")
     stub.__name__ = stub.__qualname__ = name
     stub.__module__ = module

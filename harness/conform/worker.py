@@ -1,10 +1,12 @@
 """The engine's side of the pipe: `python -m harness.conform.worker`, inside its venv.
 
 The harness's process never imports an engine: it starts this worker with the engine's
-interpreter and the harness on its path, and speaks JSON lines over stdin/stdout. Every
+interpreter and the harness on its path, and speaks JSON lines: requests on stdin,
+replies on the file descriptor `--replies-fd N` names (a pipe of their own). Every
 message is data; the one that loads an engine names it, and the name selects an adapter
 from `harness.conform.locks.ADAPTERS` (anything else is refused), so no message names
-code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}.
+code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}, with
+"stub": {"name", "module"} when what failed touched a stub (StubUsedError).
 
     load    engine, stubs          -> engine, version, package_dir, stubs_served, seconds
     selftest                       -> problems, sources, substitutes
@@ -13,12 +15,15 @@ code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}.
     bench   quick                  -> rows
     close                          -> (the worker exits)
 
-The engine's own output (vLLM logs to stdout) goes to stderr: the worker keeps the
-original stdout for replies and points file descriptor 1 at 2 before anything loads.
+Replies have a descriptor of their own because anything may print to stdout: the
+engine's logs (vLLM logs there), and a `.pth` file or `sitecustomize` of the engine's
+venv that prints before this module even runs. The harness points stdout and stderr at
+the worker's log, so none of it can be taken for a reply.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -32,7 +37,7 @@ from harness.conform.ops import ops_from_json
 from harness.conform.protocol import LoadedEngine
 from harness.conform.selftest import self_test
 from harness.conform.session import Session
-from harness.conform.stubs import StubSpec
+from harness.conform.stubs import StubSpec, StubUsedError
 
 
 class Worker:
@@ -86,32 +91,45 @@ class Worker:
                 "seconds": round(time.perf_counter() - start, 2)}
 
 
+def answer(worker: Worker, line: str) -> dict[str, Any] | None:
+    """The reply to one request line (mutates `worker` as the request does), None for
+    `close`. A bad request, or an engine that raises, is an error reply, never raised."""
+    try:
+        msg = json.loads(line)
+        if not isinstance(msg, dict):
+            raise ValueError(f"a request is a JSON object, got {type(msg).__name__}")
+        if msg.get("cmd") == "close":
+            return None
+        return {"ok": True, **worker.handle(msg)}
+    except Exception as exc:  # reported to the harness, which decides
+        reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                 "traceback": traceback.format_exc(limit=-8)}
+        if isinstance(exc, StubUsedError):
+            reply["stub"] = {"name": exc.stub, "module": exc.module}
+        return reply
+
+
 def serve(requests: IO[str], replies: IO[str]) -> None:
     """Answer requests until `close` or the end of input."""
     worker = Worker()
     for line in requests:
         if not line.strip():
             continue
-        try:
-            msg = json.loads(line)
-            if not isinstance(msg, dict):
-                raise ValueError(f"a request is a JSON object, got {type(msg).__name__}")
-            if msg.get("cmd") == "close":
-                return
-            reply = {"ok": True, **worker.handle(msg)}
-        except Exception as exc:  # reported to the harness, which decides
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc(limit=-8)}
+        reply = answer(worker, line)
+        if reply is None:
+            return
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
 
-def main() -> None:
-    """Keep stdout for replies, send everything else printed to stderr, serve."""
-    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    serve(sys.stdin, replies)
+def main(argv: list[str] | None = None) -> None:
+    """Serve requests from stdin, replying on `--replies-fd N`."""
+    parser = argparse.ArgumentParser(prog="python -m harness.conform.worker")
+    parser.add_argument("--replies-fd", type=int, required=True, metavar="N",
+                        help="the file descriptor replies are written to")
+    args = parser.parse_args(argv)
+    with os.fdopen(args.replies_fd, "w", encoding="utf-8") as replies:
+        serve(sys.stdin, replies)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from harness.lists.entry import Entry, parse_entry_text
 from harness.lists.errors import ListError, Location, Problem
 from harness.lists.files import content_lines
 from harness.lists.hardware import Machine
-from harness.lists.schema import ListFileDoc, read_list_file
+from harness.lists.schema import CONTEXT_NAME, ListFileDoc, read_list_file
 
 
 @dataclass(frozen=True)
@@ -96,11 +96,17 @@ def load_test_db(directory: Path, context: str | None = None) -> ListDb:
     """Read and validate every `*.yml` in `directory`, or with `context` only the file of
     that context (`<context>.yml`: the other files are not read, as `trt-test-db
     --context` reads only its own); raises ListError naming file and line for every
-    problem of every file read (a `*.yaml` file is one: it would be ignored), or the
-    contexts the folder holds when it has no such file."""
+    problem of every file read (a `*.yaml` file is one: it would be ignored), for a
+    `context` that is not a bare list name (a path would read a file outside
+    `directory`), or the contexts the folder holds when it has no such file."""
     if not directory.is_dir():
         raise ListError([Problem(Location(directory, None), "test-db folder does not exist")])
     if context is not None:
+        if CONTEXT_NAME.fullmatch(context) is None:  # a path would read a list outside DIR
+            raise ListError([Problem(Location(directory, None), f"context {context!r}: a "
+                                     "context is a bare list name: 'l', a level in ASCII "
+                                     "digits, '_', the machine kind in [a-z0-9_], e.g. "
+                                     "l0_h100")])
         path = directory / f"{context}.yml"
         if not path.is_file():
             held = ", ".join(p.stem for p in sorted(directory.glob("*.yml"))) or "no *.yml list"

@@ -15,6 +15,7 @@ import argparse
 import importlib
 import importlib.util
 import platform
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple, cast, get_args
@@ -201,9 +202,27 @@ def _gpu_count(text: str) -> int:
     return value
 
 
+# What breaks a `key=value` line: C0 and C1 controls (newline, carriage return, NEL) and
+# Unicode's line and paragraph separators (str.splitlines breaks at each of them).
+_LINE_BREAKING = ("Cc", "Zl", "Zp")
+
+
+def unprintable(what: str, text: str) -> str | None:
+    """Why `text`, the value of `what`, cannot be printed on one line (its first control
+    character), or None when it can."""
+    bad = next((ch for ch in text if unicodedata.category(ch) in _LINE_BREAKING), None)
+    if bad is None:
+        return None
+    return (f"{what} {text!r} holds a control character (U+{ord(bad):04X}); a value is "
+            "printed on one line")
+
+
 def _gpu_name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("gpu name is empty; a machine without a GPU is 'cpu'")
+    problem = unprintable("gpu name", text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
@@ -266,8 +285,12 @@ def _distribution_name(text: str) -> str:
 
 def job_term(text: str) -> tuple[str, str]:
     """`KEY=VALUE` as a job term (backend=pytorch); raises argparse.ArgumentTypeError
-    (a ValueError) for a missing `=`, an empty key or value, or a key the machine's own
-    flags set (stage, orchestrator, gpu, ...)."""
+    for a missing `=`, an empty key or value, a control character (a line break would
+    print a `sysinfo` line of its own), or a key the machine's own flags set (stage,
+    orchestrator, gpu, ...)."""
+    problem = unprintable("job term", text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     key, sep, value = text.partition("=")
     key, value = key.strip(), value.strip()
     if not sep or not key or not value:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from harness.lists.db import ListDb
-from harness.lists.hardware import Machine
+from harness.lists.hardware import Machine, unprintable
 
 MAX_DESCRIPTION_CHARS = 1 << 16  # get_sysinfo's JSON is about 1 kB
 
@@ -98,5 +98,11 @@ def sysinfo(machine: Machine) -> dict[str, Any]:
 
 def mako_lines(info: Mapping[str, Any]) -> list[str]:
     """get_sysinfo.py's printout: `Mako options:` then `key=value` lines, values as
-    Python prints them (True, None, 9.0)."""
+    Python prints them (True, None, 9.0). Raises ValueError naming the key when a key or
+    value holds a control character: it would print a line, an option, of its own (the
+    flags refuse them too; this covers what the system reports: host name, os-release)."""
+    for key, value in info.items():
+        problem = unprintable("key", str(key)) or unprintable(str(key), str(value))
+        if problem is not None:
+            raise ValueError(f"sysinfo: {problem}")
     return ["Mako options:", *(f"{key}={value}" for key, value in info.items())]

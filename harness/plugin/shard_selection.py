@@ -4,6 +4,7 @@ predicted."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,10 @@ def check_shard_options(config: pytest.Config) -> None:
                              and not 1 <= opt.kvh_shard <= opt.kvh_shards):
         raise pytest.UsageError(f"kvharness: --kvh-shard {opt.kvh_shard} is outside "
                                 f"1..{opt.kvh_shards}")
-    if opt.kvh_shard_time_budget is not None and opt.kvh_shard_time_budget <= 0:
-        raise pytest.UsageError(f"kvharness: --kvh-shard-time-budget {opt.kvh_shard_time_budget} "
-                                "is "
-                                "not a positive number of minutes")
+    budget = opt.kvh_shard_time_budget
+    if budget is not None and (not math.isfinite(budget) or budget <= 0):
+        raise pytest.UsageError(f"kvharness: --kvh-shard-time-budget {budget:g}: expected a "
+                                "positive, finite number of minutes")
 
 
 def apply_shard(config: pytest.Config, items: list[pytest.Item]) -> ShardRun | None:
@@ -52,18 +53,24 @@ def apply_shard(config: pytest.Config, items: list[pytest.Item]) -> ShardRun | N
 
     Returns the shard's plan, or None without --kvh-shard. A shard beyond the count a time
     budget needs keeps nothing. Raises pytest.UsageError for an unreadable durations file,
-    or where pytest-split is not installed.
+    more shards than items (asked for, or needed by the budget: both numbers named), or
+    where pytest-split is not installed.
     """
     opt = config.option
     if opt.kvh_shard is None:
         return None
     try:
         durations = load_durations(_durations_path(config))
+    except ValueError as exc:
+        raise pytest.UsageError(f"kvharness: {exc}") from None
+    flag = (f"--kvh-shards {opt.kvh_shards}" if opt.kvh_shards is not None
+            else f"--kvh-shard-time-budget {opt.kvh_shard_time_budget:g}")
+    try:
         count = opt.kvh_shards or shards_for_budget(items, durations,
                                                     opt.kvh_shard_time_budget * 60)
         plan = lpt(items, durations, count)
     except ValueError as exc:
-        raise pytest.UsageError(f"kvharness: {exc}") from None
+        raise pytest.UsageError(f"kvharness: {flag}: {exc}") from None
     mine = set(plan[opt.kvh_shard - 1].tests) if opt.kvh_shard <= count else set()
     drop = [item for item in items if item.nodeid not in mine]
     if drop:

@@ -65,10 +65,15 @@ def lpt(items: Sequence[pytest.Item], durations: Mapping[str, float],
     """Split `items` into `count` shards by pytest-split's least-duration plan: each
     shard's node ids in collection order and its predicted seconds.
 
-    Raises ValueError for a count below 1, or where pytest-split is not installed.
+    Raises ValueError for a count below 1 or above the number of items (a shard would
+    run nothing, and pytest-split's plan costs time and memory by the shard), or where
+    pytest-split is not installed.
     """
     if count < 1:
         raise ValueError(f"shard count {count} is below 1")
+    if count > len(items):
+        raise ValueError(f"{count} shards for {len(items)} tests; at most one shard a test "
+                         "(a shard would run nothing)")
     try:
         # Here, not at the top: the plugin loads in every pytest run of the environment,
         # and pytest-split (the test extra) need not be installed for the others.
@@ -86,15 +91,22 @@ def shards_for_budget(items: Sequence[pytest.Item], durations: Mapping[str, floa
     """The fewest shards whose plan keeps every shard within `budget_seconds`, or, when
     one test alone exceeds it, the fewest that leave that test alone the longest.
 
-    Raises ValueError for a budget that is not positive.
+    Raises ValueError for a budget that is not a positive, finite number, or one that
+    needs more shards than there are items (naming both numbers).
     """
-    if budget_seconds <= 0:
-        raise ValueError(f"shard time budget {budget_seconds} s is not positive")
+    if not math.isfinite(budget_seconds) or budget_seconds <= 0:
+        raise ValueError(f"shard time budget {budget_seconds} s is not a positive, finite "
+                         "number")
     if not items:
         return 1
     seconds = predict([item.nodeid for item in items], durations)
     floor = max(budget_seconds, max(seconds.values()))
-    count = max(1, math.ceil(sum(seconds.values()) / budget_seconds))
+    need = sum(seconds.values()) / budget_seconds  # inf where the division overflows
+    if need > len(items):
+        shown = math.ceil(need) if need < 1e6 else f"{need:.2g}"  # never a million digits
+        raise ValueError(f"a budget of {budget_seconds:g} s needs {shown} shards for "
+                         f"{len(items)} tests; at most one shard a test")
+    count = max(1, math.ceil(need))
     while count < len(items) and max(s.predicted for s in lpt(items, durations, count)) > floor:
         count += 1
     return count

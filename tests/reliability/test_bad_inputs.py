@@ -33,8 +33,12 @@ from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from kvcache.storage.kv_storage import KvStorage
+from tests.harness.conform.test_worker import WORKER_IDS
+from tests.harness.plugin.test_sharding import SHARD_IDS
 from tests.reliability.support import EngineSpec, assert_clean
 from tests.reliability.test_hostile_repro import REPRO_IDS
+from tests.tools.test_generic_mutants import GENERIC_IDS
+from tests.tools.test_mutants import MUTANT_IDS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
 IDS: set[str] = set()  # every case id below, checked against the document
@@ -661,6 +665,15 @@ def test_broken_kill_record(tmp_path: Path, text: str, message: str) -> None:
     pytest.param(["test-db", "-d", "x", "--match", "{}", "--match-exact", "{}"],
                  r"argument --match-exact: not allowed with argument --match",
                  id="cli-test-db-both-matches"),
+    # A line break in a value would print a Mako option line of its own (`stage=...`).
+    pytest.param(["sysinfo", "--job", "x=a\nstage=post_merge"], r"argument --job: job term "
+                 r"'x=a\\nstage=post_merge' holds a control character \(U\+000A\); a value is "
+                 r"printed on one line", id="cli-job-newline"),
+    pytest.param(["sysinfo", "--job", "a\rb=1"], r"argument --job: job term 'a\\rb=1' holds a "
+                 r"control character \(U\+000D\)", id="cli-job-key-control"),
+    pytest.param(["sysinfo", "--gpu", "H100\nstage=post_merge"], r"argument --gpu: gpu name "
+                 r"'H100\\nstage=post_merge' holds a control character \(U\+000A\)",
+                 id="cli-gpu-newline"),
 ))
 def test_bad_cli_flags_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],
                               message: str) -> None:
@@ -694,6 +707,39 @@ def test_cli_reports_broken_lists_with_exit_1(tmp_path: Path, capsys: pytest.Cap
     assert kvharness(["list", "--test-db", str(folder)]) == 1
     err = capsys.readouterr().err
     assert re.search(message, err), f"stderr lacks {message!r}:\n{err}"
+
+
+@pytest.mark.parametrize("context", cases(
+    pytest.param("../other/l0_zz", id="cli-test-db-context-path"),
+    pytest.param("/abs/other/l0_zz", id="cli-test-db-context-absolute"),
+    pytest.param("l0_cpu.yml", id="cli-test-db-context-file-name"),
+))
+def test_a_context_is_a_bare_list_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       context: str) -> None:
+    # A list outside -d that would render if the context were a path.
+    (tmp_path / "db").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "l0_zz.yml").write_text(HEAD.replace("l0_cpu", "l0_zz") + GOOD_TESTS)
+    if context.startswith("/abs"):
+        context = str(tmp_path / "other" / "l0_zz")
+    assert kvharness(["test-db", "-d", str(tmp_path / "db"), "--context", context]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing rendered
+    assert f"kvharness test-db: {tmp_path / 'db'}: context {context!r}: a context is a bare " \
+        "list name: 'l', a level in ASCII digits, '_', the machine kind in [a-z0-9_], " \
+        "e.g. l0_h100" in err, err
+
+
+def test_sysinfo_refuses_a_control_character_in_any_value() -> None:
+    from harness.lists.testdb import mako_lines
+
+    # what the system reports (the host name, /etc/os-release) is checked as the flags are
+    with pytest.raises(ValueError, match=r"sysinfo: hostname 'a\\nstage=post_merge' holds a "
+                                         r"control character \(U\+000A\)"):
+        mako_lines({"gpu": "H100", "hostname": "a\nstage=post_merge"})
+
+
+IDS.add("sysinfo-value-control")
 
 
 @pytest.mark.parametrize(("match", "message"), cases(
@@ -924,6 +970,69 @@ def test_conform_that_cannot_run_is_exit_2(tmp_path: Path, spec: str, message: s
     assert reason in (tmp_path / "report.md").read_text()
 
 
+def test_conform_refuses_a_version_that_would_not_run(tmp_path: Path) -> None:
+    from harness.conform.kvcache_adapter import kvcache_version
+
+    assert kvharness(["conform", "kvcache==999.0.0", "--report", str(tmp_path)]) == 2
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["reason"] == (f"kvcache 999.0.0 is not the kvcache that would run: this "
+                              f"checkout's is {kvcache_version()} (kvcache or "
+                              f"kvcache=={kvcache_version()})")
+    assert data["checks"] == []
+
+
+IDS.add("conform-kvcache-version")
+
+
+@pytest.mark.parametrize("spec", cases(
+    pytest.param("ABS", id="conform-spec-absolute-path"),
+    pytest.param("../../../x", id="conform-spec-relative-path"),
+    pytest.param("kvcache" + "a" * 5000, id="conform-spec-too-long"),
+))
+def test_conform_writes_nothing_where_a_bad_spec_points(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        spec: str) -> None:
+    cwd = tmp_path / "a" / "b" / "c"  # ../../../x is tmp_path/x
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    spec = spec.replace("ABS", str(tmp_path / "some" / "dir"))
+    assert kvharness(["conform", spec, "--seeds", "0"]) == 2
+    out = capsys.readouterr().out
+    if len(spec) > 100:
+        assert f"engine spec {spec[:40]!r}... of {len(spec)} characters; at most 100" in out
+    else:
+        assert f"engine spec {spec!r}: expected NAME or NAME==VERSION" in out
+    assert "no report (the SPEC names no engine to file it under)" in out
+    # the folder the SPEC names, and every other, stays as it was: no report anywhere
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == [
+        Path("a"), Path("a/b"), Path("a/b/c")]
+
+
+@pytest.mark.parametrize(("make", "why"), cases(
+    pytest.param(lambda d: (d.parent.mkdir(), d.write_text("keep me")),
+                 "is a file, not a folder", id="conform-report-file"),
+    pytest.param(lambda d: d.parent.write_text("keep me"), "Not a directory",
+                 id="conform-report-under-a-file"),
+    pytest.param(lambda d: (d / "report.json").mkdir(parents=True),
+                 "report.json is not a file", id="conform-report-json-folder"),
+    pytest.param(lambda d: None, "File name too long", id="conform-report-too-long"),
+))
+def test_conform_checks_the_report_folder_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], make: Callable[[Path], object],
+        why: str) -> None:
+    folder = tmp_path / "out" / "rep"
+    if why == "File name too long":
+        folder = tmp_path / ("x" * 5000)
+    make(folder)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert kvharness(["conform", "kvcache", "--report", str(folder)]) == 2
+    out = capsys.readouterr().out
+    shown = str(folder) if len(str(folder)) <= 200 else \
+        f"{str(folder)[:120]}... ({len(str(folder))} characters)"
+    assert out == f"kvcache: exit 2 (report folder {shown}: {why}); nothing ran\n"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_conform_seeds_must_be_a_count(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         kvharness(["conform", "kvcache", "--seeds", "-1"])
@@ -1034,6 +1143,10 @@ IDS.add("conform-worker-module")
 def test_catalogue_is_documented() -> None:
     documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", DOC.read_text(), re.MULTILINE))
     assert len(IDS) >= 30 and len(REPRO_IDS) >= 25
-    checked = IDS | REPRO_IDS  # the repro files' cases: tests/reliability/test_hostile_repro.py
+    # the repro files' cases are checked in tests/reliability/test_hostile_repro.py, the
+    # plugin's shard flags in tests/harness/plugin/test_sharding.py, the worker's replies
+    # in tests/harness/conform/test_worker.py, the mutation tools' paths in
+    # tests/tools/test_mutants.py and test_generic_mutants.py
+    checked = IDS | REPRO_IDS | SHARD_IDS | WORKER_IDS | MUTANT_IDS | GENERIC_IDS
     assert checked - documented == set(), f"cases missing from {DOC}"
     assert documented - checked == set(), f"{DOC} documents cases that no test checks"

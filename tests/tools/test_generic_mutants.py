@@ -40,6 +40,42 @@ def test_a_pyproject_with_its_own_table_is_refused(generic_mutants: ModuleType,
     assert pyproject.read_text() == before
 
 
+# Flags that would lead the generic pass outside its copy, each a bad input of
+# docs/bad_inputs.md (tests/reliability/test_bad_inputs.py::test_catalogue_is_documented).
+OUTSIDE_ROOT = [
+    pytest.param(["--only", "/tmp/*"], "--only: '/tmp/*' is absolute",
+                 id="generic-only-absolute"),
+    pytest.param(["--only", "kvcache/../../*"], "--only: 'kvcache/../../*' climbs out of the "
+                 "root with '..'", id="generic-only-climbs"),
+    pytest.param(["--only", "harness/*"], "--only: 'harness/*' matches no .py file under "
+                 "kvcache/", id="generic-only-matches-nothing"),
+    pytest.param(["--only", "kvcache/core/link.py"], "--only: 'kvcache/core/link.py' "
+                 "resolves to OUTSIDE/outside.py, outside the root", id="generic-only-symlink"),
+    pytest.param(["--tests", "../elsewhere/test_x.py::t"], "--tests: '../elsewhere/test_x.py' "
+                 "climbs out of the root with '..'", id="generic-tests-climbs"),
+    pytest.param(["--tests", "/abs/test_x.py"], "--tests: '/abs/test_x.py' is absolute",
+                 id="generic-tests-absolute"),
+]
+GENERIC_IDS = {p.id for p in OUTSIDE_ROOT}
+
+
+@pytest.mark.parametrize(("argv", "message"), OUTSIDE_ROOT)
+def test_a_path_outside_the_root_is_refused_before_any_copy(
+        generic_mutants: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        argv: list[str], message: str) -> None:
+    root = tmp_path / "root"
+    (root / "kvcache" / "core").mkdir(parents=True)
+    (root / "kvcache" / "core" / "pool.py").write_text("x = 1\n")
+    (tmp_path / "outside.py").write_text("x = 1\n")
+    (root / "kvcache" / "core" / "link.py").symlink_to(tmp_path / "outside.py")
+    with pytest.raises(SystemExit) as info:  # argparse's error: exit 2, before mutmut
+        generic_mutants.main(["--root", str(root), "--out", str(tmp_path / "out"), *argv])
+    assert info.value.code == 2
+    assert message.replace("OUTSIDE", str(tmp_path)) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert generic_mutants.mutated_files(root, "kvcache/core/p*") == ["kvcache/core/pool.py"]
+
+
 ROWS = [{"name": "a.x__mutmut_1", "file": "a.py", "status": "killed", "diff": None},
         {"name": "a.x__mutmut_2", "file": "a.py", "status": "survived", "diff": "-1\n+2"},
         {"name": "a.x__mutmut_3", "file": "a.py", "status": "timeout", "diff": None},

@@ -4,12 +4,13 @@ cannot be applied are refused, naming the field; the figures of a report."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.tools.conftest import MUTANTS_TOOL
+from tests.tools.conftest import CALC, MUTANTS_TOOL
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -35,6 +36,59 @@ def test_a_bad_entry_is_refused_before_any_run(mutants: ModuleType, calc_repo: P
     with pytest.raises(mutants.CatalogueError, match=message):
         for mutant in mutants.load_catalogue(calc_repo / "bad.yaml", calc_repo):
             mutant.apply((calc_repo / mutant.file).read_text(), "bad.yaml")
+
+
+# Entries that would mutate a file outside the copy, each a bad input of
+# docs/bad_inputs.md (tests/reliability/test_bad_inputs.py::test_catalogue_is_documented).
+# OUTSIDE is ../outside.py, beside the checkout; REPO the checkout.
+OUTSIDE_ROOT = [
+    pytest.param("OUTSIDE", "'OUTSIDE' is absolute", id="mutants-file-absolute"),
+    pytest.param("../outside.py", "'../outside.py' climbs out of the root with '..'",
+                 id="mutants-file-climbs"),
+    pytest.param("tests/../../outside.py", "'tests/../../outside.py' climbs out of the root "
+                 "with '..'", id="mutants-file-climbs-inside"),
+    pytest.param("link.py", "'link.py' resolves to OUTSIDE, outside the root REPO",
+                 id="mutants-file-symlink"),
+]
+MUTANT_IDS = {p.id for p in OUTSIDE_ROOT}
+
+
+@pytest.mark.parametrize(("file", "message"), OUTSIDE_ROOT)
+def test_a_file_outside_the_root_is_refused_before_any_run(
+        mutants: ModuleType, calc_repo: Path, capsys: pytest.CaptureFixture[str],
+        file: str, message: str) -> None:
+    outside = calc_repo.parent / "outside.py"
+    outside.write_text(CALC)
+    (calc_repo / "link.py").symlink_to(outside)
+    file = file.replace("OUTSIDE", str(outside))
+    entry = {"id": "escape", "file": file, "find": "return a + b", "replace": "return a - b",
+             "models": "x", "area": "core"}
+    (calc_repo / "bad.yaml").write_text(json.dumps({"mutants": [entry]}))
+    message = message.replace("OUTSIDE", str(outside)).replace("REPO", str(calc_repo))
+    expected = f"mutants[0].file: mutant 'escape': {message}; a file is relative to the " \
+               "root and stays inside it"
+    with pytest.raises(mutants.CatalogueError, match=re.escape(expected)):
+        mutants.load_catalogue(calc_repo / "bad.yaml", calc_repo)
+    # the command says so and stops before any copy or run: nothing is mutated, nothing
+    # recorded (a run killed mid-mutant would have left outside.py mutated)
+    assert mutants.main(["--root", str(calc_repo), "--catalogue", str(calc_repo / "bad.yaml"),
+                         "--out", str(calc_repo.parent / "out"), "--", "tests"]) == 2
+    assert expected in capsys.readouterr().err
+    assert outside.read_text() == CALC
+    assert not (calc_repo / "test_lists" / ".test_kills.json").exists()
+    assert not (calc_repo.parent / "out").exists()
+
+
+def test_the_workspace_writes_only_inside_itself(mutants: ModuleType, calc_repo: Path,
+                                                 tmp_path: Path) -> None:
+    ws = mutants.Workspace(calc_repo, tmp_path / "tree")
+    for rel in ("../outside.py", str(tmp_path / "outside.py")):
+        with pytest.raises(ValueError, match=re.escape(f"{rel!r}")):
+            ws.write(rel, "x = 1\n")
+    assert not (tmp_path / "outside.py").exists()
+    ws.write("calc.py", "x = 1\n")
+    assert (tmp_path / "tree" / "calc.py").read_text() == "x = 1\n"
+    assert (calc_repo / "calc.py").read_text() == CALC
 
 
 def test_an_empty_replace_deletes_the_text(mutants: ModuleType, calc_repo: Path) -> None:

@@ -10,6 +10,12 @@ from types import ModuleType
 from tests.tools.conftest import CALC
 
 
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (symlinks as their targets' paths) and its bytes."""
+    return {str(p.relative_to(root)): str(p.readlink()).encode() if p.is_symlink()
+            else p.read_bytes() for p in root.rglob("*") if p.is_file() or p.is_symlink()}
+
+
 def test_each_mutant_is_judged_and_the_checkout_is_untouched(mutants: ModuleType,
                                                              calc_repo: Path,
                                                              tmp_path: Path) -> None:
@@ -18,9 +24,15 @@ def test_each_mutant_is_judged_and_the_checkout_is_untouched(mutants: ModuleType
     kills.parent.mkdir(exist_ok=True)
     kills.write_text(json.dumps({"mutants": {"add-minus": ["tests/z.py::t"],
                                              "double-plus": ["tests/y.py::t"]}}))
+    before = _files(calc_repo)
     code = mutants.main(["--root", str(calc_repo), "--catalogue",
                          str(calc_repo / "mutants.yaml"), "--out", str(out), "--", "tests"])
     assert code == 1  # one counted mutant survived
+    # The checkout's only change is the declared output: the kill record (git's own
+    # folder included: nothing is staged, nothing left behind).
+    after = _files(calc_repo)
+    assert {f for f in before.keys() | after.keys() if before.get(f) != after.get(f)} == {
+        "test_lists/.test_kills.json"}
     report = json.loads((out / "report.json").read_text())
     by_id = {m["id"]: m for m in report["mutants"]}
     assert by_id["add-minus"]["status"] == "killed"

@@ -46,6 +46,20 @@ def test_the_command_line_writes_the_report_and_replays_a_check(tmp_path: Path) 
     assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 0
 
 
+def test_the_default_report_folder_is_named_by_the_parsed_spec(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert kvharness(["conform", " kvcache ", "--seeds", "0", "--check", "cold_then_warm"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    # the SPEC that runs comes first, before anything is installed or run
+    assert said[0] == "conform kvcache (the SPEC ' kvcache ' without its surrounding spaces)"
+    folder = Path("results") / "conform" / "kvcache"
+    assert said[-1].endswith(f"; report in {folder / 'report.md'}")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == [
+        Path("results"), folder.parent, folder, folder / "report.json", folder / "report.md"]
+
+
 @pytest.mark.parametrize(("spec", "reason"), [
     pytest.param("vllm==0.30.0", "vllm 0.30.0 is not supported; supported: 0.10.2", id="old"),
     pytest.param("tensorrt_llm==1.2.1", "tensorrt_llm cannot run on this machine: "

@@ -1,20 +1,37 @@
 """The worker's JSON protocol: data only, every failure a reply, a dead or failing worker
-an error that quotes its log; the harness side refuses what it cannot run."""
+an error that quotes its log; the harness side refuses what it cannot run, checks every
+reply, closes the worker on every failure, and voids a run whose engine touched a stub.
+
+The pipe's tests run a fake engine install (fake_worker.py as its interpreter: kvcache
+posing as SGLang 0.5.23, through the real worker) or the real worker behind a wrapper; no
+engine venv is needed."""
 
 from __future__ import annotations
 
 import importlib.util
 import io
 import json
+import os
 import sys
+import tempfile
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from harness.conform import install, ops
+from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.locks import find_lock
 from harness.conform.remote import WorkerError, WorkerTarget
+from harness.conform.report import Report
 from harness.conform.runner import conform
-from harness.conform.stubs import StubSpec
+from harness.conform.session import Session
+from harness.conform.stubs import StubSpec, StubUsedError, raising_function
 from harness.conform.worker import serve
+
+FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
+ENGINE, VERSION = "sglang", "0.5.23"  # a lock with raising stubs
 
 
 def _talk(*requests: object) -> list[dict[str, object]]:
@@ -48,3 +65,167 @@ def test_a_bare_name_needs_the_engine_installed_here(tmp_path: Path) -> None:
     report = conform("vllm", tmp_path, seeds=0, say=lambda _: None)
     assert report.exit_code == 2
     assert report.reason.startswith("vllm is not installed in this environment")
+
+
+# -- the pipe, end to end ------------------------------------------------------------------
+
+Configure = Callable[..., Path]
+
+
+@pytest.fixture
+def fake_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Configure:
+    """A cached install of sglang 0.5.23 whose interpreter is fake_worker.py (in an
+    engine cache of its own); link folders go to tmp_path/tmp. Returns configure(**how):
+    sets $KVH_FAKE_WORKER and returns the run's report folder."""
+    lock = find_lock(ENGINE, VERSION)
+    cache = tmp_path / "engines"
+    python = cache / lock.key / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_WORKER}" "$@"\n')
+    python.chmod(0o755)
+    (cache / lock.key / "stamp.json").write_text(json.dumps({"stamp": install.stamp(lock)}))
+    monkeypatch.setenv(install.CACHE_ENV, str(cache))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+
+    def configure(**how: Any) -> Path:
+        monkeypatch.setenv("KVH_FAKE_WORKER", json.dumps(
+            {"version": VERSION, "pid_file": str(tmp_path / "pid"), **how}))
+        return tmp_path / "report"
+
+    return configure
+
+
+def _run(folder: Path) -> Report:
+    return conform(f"{ENGINE}=={VERSION}", folder, seeds=0, only=["cold_then_warm"],
+                   say=lambda _: None)
+
+
+def _assert_closed(tmp_path: Path) -> None:
+    """The worker's process is gone (reaped) and its link folder removed."""
+    assert list((tmp_path / "tmp").glob("kvharness-worker-*")) == []
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_the_fake_engine_passes_as_kvcache_does(fake_engine: Configure,
+                                                tmp_path: Path) -> None:
+    said: list[str] = []
+    report = conform(f" {ENGINE}=={VERSION} ", fake_engine(), seeds=0,
+                     only=["cold_then_warm"], say=said.append)
+    assert report.exit_code == 0, report.reason
+    assert report.worker["engine"] == ENGINE and report.install["reused"] is True
+    # the SPEC that runs is said first, before the install is looked for (or downloaded)
+    assert said[0] == (f"conform {ENGINE}=={VERSION} (the SPEC ' {ENGINE}=={VERSION} ' "
+                       "without its surrounding spaces)")
+    assert said[1].startswith(f"starting {ENGINE}=={VERSION} in ")
+    _assert_closed(tmp_path)
+
+
+# Replies the harness cannot use, each a bad input of docs/bad_inputs.md (checked there by
+# tests/reliability/test_bad_inputs.py::test_catalogue_is_documented).
+LONG = "x" * 1000
+BAD_REPLIES = [
+    pytest.param("load", "[]", "the worker's reply to 'load' is not a JSON object (got "
+                 "list): '[]'", id="conform-reply-list"),
+    pytest.param("load", "null", "the worker's reply to 'load' is not a JSON object (got "
+                 "NoneType): 'null'", id="conform-reply-null"),
+    pytest.param("load", "sitecustomize says hello", "the worker's reply to 'load' is not "
+                 "JSON (Expecting value: line 1 column 1 (char 0)): 'sitecustomize says "
+                 "hello'", id="conform-reply-not-json"),
+    pytest.param("load", '{"ok": true, "engine": "sglang"}', "the worker's reply to 'load' "
+                 "lacks 'version' (a string): '{\"ok\": true, \"engine\": \"sglang\"}'",
+                 id="conform-reply-missing-field"),
+    pytest.param("load", '{"ok": "yes"}', "the worker's reply to 'load' says neither "
+                 "\"ok\": true nor \"ok\": false: '{\"ok\": \"yes\"}'", id="conform-reply-ok"),
+    pytest.param("load", '{"ok": false}', "the worker's reply to 'load' is a failure "
+                 "without an error message: '{\"ok\": false}'", id="conform-reply-no-error"),
+    pytest.param("selftest", '{"ok": true, "problems": "none", "sources": {}, '
+                 '"substitutes": 0}', "the worker's reply to 'selftest' has 'problems' = "
+                 "\"none\", not an array", id="conform-reply-wrong-type"),
+    pytest.param("open", '{"ok": true}', "the worker's reply to 'open' lacks 'contract' (an "
+                 "object): '{\"ok\": true}'", id="conform-reply-open"),
+    pytest.param("ops", '{"ok": true, "reports": [1]}', "the worker's reply to 'ops': "
+                 "report 0: malformed (TypeError: 'int' object is not subscriptable)",
+                 id="conform-reply-bad-report"),
+    pytest.param("ops", '{"ok": true, "reports": []}', "the worker's reply to 'ops' has 0 "
+                 "reports for 1 ops", id="conform-reply-no-report"),
+    pytest.param("ops", LONG, f"the worker's reply to 'ops' is not JSON (Expecting value: "
+                 f"line 1 column 1 (char 0)): '{'x' * 200}...'", id="conform-reply-long"),
+    pytest.param("ops", "[" * 5000, "the worker's reply to 'ops' is not JSON (maximum "
+                 "recursion depth exceeded", id="conform-reply-deep"),
+]
+WORKER_IDS = {p.id for p in BAD_REPLIES}
+
+
+@pytest.mark.parametrize(("request_name", "reply", "reason"), BAD_REPLIES)
+def test_a_reply_the_harness_cannot_use_is_exit_2_naming_it(
+        fake_engine: Configure, tmp_path: Path, request_name: str, reply: str,
+        reason: str) -> None:
+    folder = fake_engine(replies={request_name: reply})
+    report = _run(folder)
+    assert report.exit_code == 2
+    assert report.reason.startswith(reason), report.reason
+    assert LONG not in report.reason  # 200 characters of the reply, no more
+    written = json.loads((folder / "report.json").read_text())
+    assert written["exit_code"] == 2 and written["reason"] == report.reason
+    _assert_closed(tmp_path)
+
+
+def test_a_touched_stub_voids_the_run(fake_engine: Configure, tmp_path: Path) -> None:
+    report = _run(fake_engine(stub=True))
+    stub = "sglang.srt.mem_cache.memory_pool"  # the first raising stub of the lock
+    lock = find_lock(ENGINE, VERSION).path
+    assert report.exit_code == 2, [c.message for c in report.failed]  # not a violation
+    assert report.reason.startswith(f"ops: StubUsedError: {stub}.mark_computed: {stub} is "
+                                    "a stub (the device KV pools"), report.reason
+    assert f"The engine touched the stub {stub}.mark_computed: the run cannot be trusted. " \
+           f"Its cache path reaches {stub}, which {lock} lists among the modules that " \
+           "cannot run here" in report.reason
+    assert report.checks == []  # the check did not finish: it has no verdict
+    _assert_closed(tmp_path)
+
+
+class _CommitsThroughAStub(KvcacheCache):
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        raising_function("sglang.srt.mem_cache.memory_pool.ReqToTokenPool", "a device pool")()
+
+
+def test_a_stub_the_engine_reaches_is_never_the_engines_own_failure() -> None:
+    session = Session(_CommitsThroughAStub(16, 4))
+    assert session.apply(ops.admit("A", list(range(1, 10)))).status == "done"
+    # an engine's exception is its finding ("raised", an api violation); a stub's is not
+    with pytest.raises(StubUsedError, match=r"ReqToTokenPool\(\) was called, but it is a "
+                                            r"stub \(a device pool\)") as info:
+        session.apply(ops.commit("A", 9))
+    assert info.value.stub == "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+    assert info.value.module == "sglang.srt.mem_cache.memory_pool"
+
+
+def _wrapper(tmp_path: Path, before: str) -> Path:
+    """This interpreter behind a shell script that runs `before` first (as a venv's .pth
+    or sitecustomize runs before the worker's code)."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\n{before}\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_output_before_the_worker_starts_is_never_a_reply(tmp_path: Path) -> None:
+    python = _wrapper(tmp_path, "echo 'a .pth file says hello'")
+    with pytest.raises(WorkerError, match=r"load: ModuleNotFoundError: No module named "
+                                          r"'vllm'"):
+        WorkerTarget(python, "vllm", StubSpec(), tmp_path / "worker.log")
+    assert "a .pth file says hello" in (tmp_path / "worker.log").read_text()
+
+
+def test_a_worker_that_fails_to_load_leaves_nothing_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    python = _wrapper(tmp_path, f'echo $$ > "{tmp_path / "pid"}"')  # exec keeps the pid
+    with pytest.raises(WorkerError, match=r"load: ModuleNotFoundError"):
+        WorkerTarget(python, "vllm", StubSpec(), tmp_path / "worker.log")
+    _assert_closed(tmp_path)

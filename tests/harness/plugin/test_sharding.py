@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 from pytest_split.algorithms import Algorithms
@@ -141,6 +141,51 @@ def test_bad_shard_options(project: pytest.Pytester, args: list[str], message: s
     result = project.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+# Harness-flag errors of sharding, each a bad input of docs/bad_inputs.md (checked there by
+# tests/reliability/test_bad_inputs.py::test_catalogue_is_documented).
+SHARD_IDS: set[str] = set()
+
+
+def _shard_cases(*params: Any) -> list[Any]:
+    SHARD_IDS.update(p.id for p in params)
+    return list(params)
+
+
+@pytest.mark.parametrize(("args", "message"), _shard_cases(
+    # 100,000,000 shards hung collection; 7 of 6 tests ran a plan with an empty shard
+    pytest.param(["--kvh-shards", "100000000"], "kvharness: --kvh-shards 100000000: 100000000 "
+                 "shards for 6 tests; at most one shard a test (a shard would run nothing)",
+                 id="shards-more-than-tests"),
+    pytest.param(["--kvh-shards", "7"], "kvharness: --kvh-shards 7: 7 shards for 6 tests; *",
+                 id="shards-one-more-than-tests"),
+    # the six tests take 21 minutes: a 2-minute budget needs 11 shards, 1e-300 far more
+    pytest.param(["--kvh-shard-time-budget", "2"], "kvharness: --kvh-shard-time-budget 2: a "
+                 "budget of 120 s needs 11 shards for 6 tests; at most one shard a test*",
+                 id="shard-budget-more-than-tests"),
+    pytest.param(["--kvh-shard-time-budget", "1e-300"], "kvharness: --kvh-shard-time-budget "
+                 "1e-300: a budget of 6e-299 s needs 2.1e+301 shards for 6 tests; *",
+                 id="shard-budget-tiny"),
+    pytest.param(["--kvh-shard-time-budget", "1e-307"], "kvharness: --kvh-shard-time-budget "
+                 "1e-307: a budget of 6e-306 s needs inf shards for 6 tests; *",
+                 id="shard-budget-overflow"),
+    pytest.param(["--kvh-shard-time-budget", "nan"], "kvharness: --kvh-shard-time-budget nan: "
+                 "expected a positive, finite number of minutes", id="shard-budget-nan"),
+    pytest.param(["--kvh-shard-time-budget", "inf"], "kvharness: --kvh-shard-time-budget inf: "
+                 "expected a positive, finite number of minutes", id="shard-budget-inf"),
+    pytest.param(["--kvh-shard-time-budget", "-5"], "kvharness: --kvh-shard-time-budget -5: "
+                 "expected a positive, finite number of minutes", id="shard-budget-negative"),
+    pytest.param(["--kvh-shard-time-budget", "0"], "kvharness: --kvh-shard-time-budget 0: "
+                 "expected a positive, finite number of minutes", id="shard-budget-zero"),
+))
+def test_a_shard_count_is_at_most_the_tests(project: pytest.Pytester, args: list[str],
+                                            message: str) -> None:
+    result = project.runpytest("--kvh-durations-file", "durations.json", "--kvh-shard", "1",
+                               *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}"])
+    assert len(result.stderr.str()) < 1000  # no line of a million shards
 
 
 def test_the_report_tabulates_every_shard(tmp_path: Path) -> None:

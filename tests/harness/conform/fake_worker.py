@@ -1,0 +1,101 @@
+"""A stand-in for an engine venv's interpreter, for the tests of the worker pipe.
+
+Started as the harness starts every worker (`python -s -m harness.conform.worker
+--replies-fd N`: it reads only the descriptor), it serves kvcache's own manager posing as
+the engine the load request names, through the real worker (`harness.conform.worker`),
+except for what `$KVH_FAKE_WORKER` (a JSON object) says:
+
+    version  the version its load reply claims (the lock's, for a run to go on)
+    pid_file where it writes its process id (a test checks the worker is gone after)
+    replies  {request: text}: the reply line sent for that request instead of the real one
+    stub     true: the engine's commit touches the first raising stub of the load
+             request's stubs (the lock's), as an engine whose lock stubs too much does
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import types
+from collections.abc import Hashable
+from typing import IO, Any
+
+from harness.conform.kvcache_adapter import PACKAGE_MODULES, KvcacheCache, package_dir
+from harness.conform.protocol import CacheUnderTest, LoadedEngine
+from harness.conform.stubs import StubSpec, install
+from harness.conform.worker import Worker, answer
+
+
+class _TouchesStub(KvcacheCache):
+    """kvcache, but every commit reads a name of `module`, a raising stub."""
+
+    module = ""
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        importlib.import_module(self.module).mark_computed(seq_id)  # raises StubUsedError
+        super().commit(seq_id, num_tokens)
+
+
+def _pose(request: dict[str, Any], config: dict[str, Any]) -> LoadedEngine:
+    """kvcache as the engine `request` loads; with `stub`, its stubs installed under empty
+    packages of the engine's name and a commit that touches the first."""
+    cls: type[KvcacheCache] = KvcacheCache
+    served: tuple[str, ...] = ()
+    if config.get("stub"):
+        spec = StubSpec.from_dict(request["stubs"])
+        raising = StubSpec(raising=spec.raising, names=spec.names)
+        for root in raising.raising:  # the engine's own packages above each stub: empty
+            parts = root.split(".")
+            for i in range(1, len(parts)):
+                package = types.ModuleType(".".join(parts[:i]))
+                package.__path__ = []
+                sys.modules.setdefault(package.__name__, package)
+        install(raising)
+        cls = type("TouchesStub", (_TouchesStub,), {"module": min(raising.raising)})
+        served = (min(raising.raising),)
+
+    def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
+        return cls(num_blocks, block_size, record=record)
+
+    return LoadedEngine(request["engine"], config["version"], package_dir(), new,
+                        PACKAGE_MODULES, served)
+
+
+def serve(requests: IO[str], replies: IO[str], config: dict[str, Any]) -> None:
+    """The real worker's answers, but for the load and the replies `config` replaces."""
+    worker = Worker()
+    for line in requests:
+        request = json.loads(line)
+        cmd = request["cmd"]
+        if cmd == "close":
+            return
+        if cmd in config.get("replies", {}):
+            text = config["replies"][cmd]
+        elif cmd == "load":
+            worker.engine = e = _pose(request, config)
+            text = json.dumps({"ok": True, "engine": e.name, "version": e.version,
+                               "package_dir": e.package_dir,
+                               "stubs_served": list(e.stubs_served), "seconds": 0.0})
+        else:
+            text = json.dumps(answer(worker, line))
+        replies.write(text + "\n")
+        replies.flush()
+
+
+def main() -> None:
+    config = json.loads(os.environ.get("KVH_FAKE_WORKER", "{}"))
+    if "pid_file" in config:
+        with open(config["pid_file"], "w", encoding="utf-8") as f:
+            f.write(str(os.getpid()))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--replies-fd", type=int, required=True)
+    args, _ = parser.parse_known_args()
+    with os.fdopen(args.replies_fd, "w", encoding="utf-8") as replies:
+        serve(sys.stdin, replies, config)
+
+
+if __name__ == "__main__":
+    main()
