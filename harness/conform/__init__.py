@@ -5,8 +5,9 @@
     session       one op applied to a cache, with what the oracles need (StepReport)
     judge         the oracles over the step reports: counts, provenance, capacity, events
     checks, fuzz  the scenario families in each engine's terms; a shrinking fuzzer
-    kvcache_adapter, vllm_adapter, sglang_adapter, sglang_unified_adapter
-                  the implementations (SGLang's RadixCache and UnifiedRadixCache)
+    kvcache_adapter, vllm_adapter, sglang_adapter, sglang_unified_adapter, shortfin_adapter
+                  the implementations (SGLang's RadixCache and UnifiedRadixCache,
+                  shark-ai shortfin's TriePagedAttentionCache)
     stubs, selftest   raising stand-ins for the GPU stack; proof that the code is the engine's
     locks, install    pinned versions (harness/conform/locks/*.json) and their venvs
     worker, remote    the engine's side and the harness's side of the JSON pipe

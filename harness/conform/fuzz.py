@@ -54,9 +54,12 @@ class _Live:
 
 
 class _Draw:
-    """Chooses the next op from the live sequences (mutated by `record`)."""
+    """Chooses the next op from the live sequences (mutated by `record`). Under a
+    contract whose appends are decode steps (`Contract.decode_steps`) it appends one
+    token to a fully computed sequence only."""
 
     def __init__(self, seed: int) -> None:
+        self.decode_steps = False  # set from the contract once the cache is open
         self.rng = random.Random(seed)
         r = self.rng
         self.prefixes = [[r.randrange(1, 40) for _ in range(r.randrange(4, 20))]
@@ -79,7 +82,9 @@ class _Draw:
             return ops.commit(seq, r.randint(s.committed, s.scheduled))
         if kind == "reserve" and s.scheduled < s.length:
             return ops.reserve(seq, r.randint(s.scheduled + 1, s.length))
-        if kind == "append" and s.scheduled == s.length:
+        if kind == "append" and self.decode_steps and s.committed == s.length:
+            return ops.append(seq, [r.randrange(1, 40)])
+        if kind == "append" and s.scheduled == s.length and not self.decode_steps:
             return ops.append(seq, [r.randrange(1, 40) for _ in range(r.randint(1, 3))])
         return ops.free(seq)
 
@@ -118,7 +123,9 @@ def fuzz(target: Target, seed: int, num_ops: int = DEFAULT_OPS) -> FuzzOutcome:
     """Run seed `seed` (stops at the first violation); see the module docstring."""
     draw = _Draw(seed)
     num_blocks = draw.rng.choice(POOL_SIZES)
-    judge = Judge(target.open(num_blocks, B), num_blocks)
+    contract = target.open(num_blocks, B)
+    draw.decode_steps = contract.decode_steps
+    judge = Judge(contract, num_blocks)
     done: list[Op] = []
 
     def step(op: Op) -> Violation | None:

@@ -19,7 +19,9 @@ After every op (`Judge.observe`):
   duplicates such an engine keeps counted as unavailable) and changed nothing (state,
   counters, events, log).
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
-  blocks the cache holds (`cached_hashes`), and no op removes a block it keeps.
+  blocks the cache holds (`cached_hashes`), and no op removes a block it keeps. A
+  contract without events (`Contract.events`) publishes none; a drop in its
+  cachedNumBlocks then tells the count oracle that blocks left the cache.
 - stats: each engine counter the contract lists equals what the admissions add up to;
   the harness-named gauges agree with the state.
 - leaks: the plugin's leak check (`harness.oracle.leaks.leak_problems`) over the
@@ -66,7 +68,8 @@ def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
     """The reuse oracle's config under `contract` for a pool of `num_blocks`."""
     return OracleConfig(contract.block_size, enable_partial_reuse=contract.partial_reuse,
                         copy_on_partial_reuse=contract.copy_on_partial_reuse,
-                        max_num_blocks=num_blocks if contract.bounded_oracle else None)
+                        max_num_blocks=num_blocks if contract.bounded_oracle else None,
+                        unreused_tail=contract.unreused_tail)
 
 
 def _blocks(num_tokens: int, block_size: int) -> int:
@@ -153,18 +156,25 @@ class Judge:
         op = r.op
         last = self._last
         changed = []
-        if r.log or r.events:
+        removals = self.contract.refusal_evicts and all(
+            e.get("type") == "BlockRemoved" for e in r.events)
+        if r.log or (r.events and not removals):
             changed.append(f"it logged {list(r.log)} and published {list(r.events)}")
         before_used = last.used_blocks if last else 0
         before_cached = Counter(last.cached or ()) if last else Counter()
         if r.used_blocks != before_used:
             changed.append(f"used blocks {before_used} -> {r.used_blocks}")
-        if Counter(r.cached or ()) != before_cached:
+        evicted = self._evicted_by(r) if self.contract.refusal_evicts else 0
+        cached_now = Counter(r.cached or ())
+        if cached_now != before_cached and not (evicted and cached_now <= before_cached):
             changed.append("the cached blocks changed")
         if last is not None:
+            moved = {"cachedNumBlocks": -evicted, "freeNumBlocks": evicted}
             for side, now, was in (("engine", r.stats.engine, last.stats.engine),
                                    ("harness", r.stats.harness, last.stats.harness)):
-                diff = {k: (was.get(k), v) for k, v in now.items() if was.get(k) != v}
+                diff = {k: (was.get(k), v) for k, v in now.items() if was.get(k) != v
+                        and not (side == "harness" and k in moved
+                                 and v == (was.get(k) or 0) + moved[k])}
                 if diff:
                     changed.append(f"{side} counters {diff}")
         if changed:
@@ -180,18 +190,29 @@ class Judge:
             except CapacityError as exc:
                 say("capacity", str(exc))
 
+    def _evicted_by(self, r: StepReport) -> int:
+        """Cached blocks that left the cache in step `r` (cachedNumBlocks before - after;
+        0 when either report lacks the gauge or it grew)."""
+        last = self._last
+        was = last.stats.harness.get("cachedNumBlocks") if last is not None else None
+        now = r.stats.harness.get("cachedNumBlocks")
+        return max(0, int(was) - int(now)) if was is not None and now is not None else 0
+
     def _need(self, op: Op) -> int | None:
         """Blocks `op` needs at least (None: not an allocation, or not known)."""
         B = self.contract.block_size
+        tail = self.contract.unreused_tail
         if op.kind == "admit":
             scope = self.contract.scope_key(op.scope)
             # after an eviction the oracle over-predicts hits: assume none (the most need)
-            cached = min(self.reuse.probe(op.tokens, scope), len(op.tokens) - 1) \
+            cached = max(0, min(self.reuse.probe(op.tokens, scope), len(op.tokens) - tail)) \
                 if self.exact else 0
             chunk = op.first_chunk if self.contract.chunked_allocation else None
             return self.capacity.admission_need(op.tokens, scope, num_cached=cached,
-                                                first_chunk=chunk)
+                                                first_chunk=chunk, unreused_tail=tail)
         assert op.seq is not None or op.kind == "evict"
+        if self.contract.allocates_ahead and op.kind in ("append", "reserve"):
+            return None  # the engine asked for more than the tokens need
         if op.kind == "append" and op.seq in self._ids:
             return self.capacity.append_need(op.seq, len(op.tokens))
         if op.kind == "reserve" and op.seq in self._ids:
@@ -227,7 +248,7 @@ class Judge:
         where = r.op.describe()
         self._feed("provenance", say, lambda evs: self.calls.provenance(evs, []), events)
         # a deduplicating engine's count is exact; otherwise `_check_capacity` bounds it
-        used = r.used_blocks if self.contract.dedup_on_commit else None
+        used = self._held(r) if self.contract.dedup_on_commit else None
         self._feed("capacity", say,
                    lambda evs: self.calls.capacity_after(where, evs, used), events)
 
@@ -251,8 +272,10 @@ class Judge:
         if isinstance(r.value, dict) and r.value.get("reused_tokens") != got:
             say("log", f"{r.op.describe()} returned {r.value} but logged {got} reused tokens")
         what = f"{r.op.describe()} reused {got} tokens"
-        if got > prompt - 1:
-            say("count", f"{what}: the last prompt token is never reused (at most {prompt - 1})")
+        limit = max(0, prompt - self.contract.unreused_tail)
+        if got > limit:
+            say("count", f"{what}: the last {self.contract.unreused_tail} prompt token(s) "
+                         f"are never reused (at most {limit})")
         if not self.contract.partial_reuse and got % B:
             say("count", f"{what}: not whole blocks of {B}, which the contract promises")
         pred = self._feed("count", say, self.reuse.apply, ev)
@@ -280,6 +303,14 @@ class Judge:
             self._lengths.pop(sid, None)
             self._predicted.pop(sid, None)
 
+    def _held(self, r: StepReport) -> int:
+        """Blocks the live sequences hold for their tokens' positions: the engine's used
+        blocks less those an allocating-ahead engine holds beyond them (its
+        aheadNumBlocks gauge)."""
+        ahead = r.stats.harness.get("aheadNumBlocks", 0) if self.contract.allocates_ahead \
+            else 0
+        return r.used_blocks - int(ahead)
+
     def _check_capacity(self, r: StepReport, say: Any) -> None:
         if "capacity" in self.broken:
             return
@@ -287,8 +318,11 @@ class Judge:
         if self.contract.dedup_on_commit:
             return  # checked exactly with the events (`_replay_log`)
         distinct = len({b for ids in self._ids.values() for b in ids if b is not None})
-        if not self.capacity.needed <= r.used_blocks == distinct:
-            say("capacity", f"after {where}: the engine counts {r.used_blocks} used blocks; "
+        held = self._held(r)
+        if not self.capacity.needed <= held == distinct:
+            ahead = f" ({r.used_blocks - held} more held ahead)" if held != r.used_blocks \
+                else ""
+            say("capacity", f"after {where}: the engine counts {held} used blocks{ahead}; "
                             f"its live sequences were given {distinct} distinct blocks and "
                             f"need at least {self.capacity.needed}")
 
@@ -296,6 +330,13 @@ class Judge:
 
     def _fold_events(self, r: StepReport, say: Any) -> None:
         if "events" in self.broken:
+            return
+        if not self.contract.events:
+            if r.events:
+                say("events", f"{r.op.describe()} published {list(r.events)[:2]}, but the "
+                              "contract says the engine publishes no events")
+            elif self._evicted_by(r) and not self.contract.bounded_oracle:
+                self.exact = False  # blocks left the cache; the count oracle keeps them
             return
         before: Counter[Any] = Counter(self.index.cached())
         removed: Counter[str] = Counter()

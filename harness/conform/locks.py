@@ -25,7 +25,8 @@ from harness.data_files import load_json
 LOCK_DIR = Path(__file__).parent / "locks"
 # engine -> the adapter module its worker loads (the only code a lock can lead to)
 ADAPTERS = {"vllm": "harness.conform.vllm_adapter", "sglang": "harness.conform.sglang_adapter",
-            "sglang_unified": "harness.conform.sglang_unified_adapter"}
+            "sglang_unified": "harness.conform.sglang_unified_adapter",
+            "shortfin": "harness.conform.shortfin_adapter"}
 # an engine whose adapter drives another cache class of the same package: its wheel and
 # `pip download` name the package (every other engine is its own package)
 DISTRIBUTIONS = {"sglang_unified": "sglang"}

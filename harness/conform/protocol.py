@@ -112,7 +112,9 @@ class Admission(NamedTuple):
 class Stats(NamedTuple):
     """Counters in the engine's own names and units, and in the harness's names
     (usedNumBlocks, freeNumBlocks, cachedNumBlocks, maxNumBlocks, tokensPerBlock,
-    reusedBlocks, missedBlocks, reusedTokens)."""
+    reusedBlocks, missedBlocks, reusedTokens; aheadNumBlocks: of the used blocks, those
+    live sequences hold beyond their tokens' positions, where the contract
+    `allocates_ahead`)."""
 
     engine: dict[str, int | float]
     harness: dict[str, int | float]
@@ -131,9 +133,14 @@ class Contract:
     stats_unit: the unit of the engine's own counters ("tokens" or "blocks").
     last_token_cap: where the cap "never reuse the last prompt token" lives: "manager"
       (the cache applies it) or "scheduler" (the adapter applies it, as the scheduler).
+    unreused_tail: how many tokens at the end of a prompt a lookup never reaches (1: the
+      last token, the reference; a caller that looks up all but the last block says
+      block_size; 0: the whole prompt may match, where the prefill recomputes it anyway).
     matchable_at: when a computed block becomes reusable: "commit" (after the forward
-      pass, when the caller says so) or "allocation" (as soon as it is allocated: the
-      adapter logs an implied commit, and a reader may see KV not yet written).
+      pass, when the caller says so), "allocation" (as soon as it is allocated: the
+      adapter logs an implied commit, and a reader may see KV not yet written) or
+      "prefill" (when the whole prompt is computed: a partial commit publishes nothing;
+      decoded blocks when the sequence ends; the adapter logs commits only then).
     partial_reuse, copy_on_partial_reuse: reuse inside a block (the harness's flags).
     scope_kinds: the Scope parts that reach the cache key; lora_identity: the LoRA
       fields the key is built from (two LoRA scopes equal in these share by contract);
@@ -143,6 +150,17 @@ class Contract:
       switches to the cached one); without it both copies stay cached.
     chunked_allocation: an admission allocates slots for its first chunk only (the rest
       as `reserve` asks); without it every prompt slot is allocated at admission.
+    allocates_ahead: an append may take blocks beyond its tokens' positions (kept by the
+      sequence until it is freed, reported in the aheadNumBlocks gauge): the judge
+      checks the used blocks less those, and does not judge an append's refusal as fair
+      or unfair (the engine asked for more than the tokens need).
+    refusal_evicts: a refused admission or append may first evict unused cached blocks
+      (and nothing else): the engine tries eviction, then gives up.
+    decode_steps: an append is a decode step: one token, once every token so far is
+      committed (the engine's scheduler decodes one token per step, after the step that
+      computed the tokens before it); `Session` skips any other append.
+    events: the engine publishes router events (BlockStored / BlockRemoved); without
+      them the judge learns of evictions from cachedNumBlocks.
     counters: engine counter -> what it counts (`CounterMeaning`); every counter the
       engine exposes and the judge can check.
     bounded_oracle: the count oracle models this engine's eviction exactly (kvcache);
@@ -157,7 +175,7 @@ class Contract:
     id_unit: Literal["block", "page"]
     stats_unit: Literal["tokens", "blocks"]
     last_token_cap: Literal["manager", "scheduler"]
-    matchable_at: Literal["commit", "allocation"]
+    matchable_at: Literal["commit", "allocation", "prefill"]
     partial_reuse: bool
     copy_on_partial_reuse: bool
     scope_kinds: tuple[ScopeKind, ...]
@@ -167,6 +185,11 @@ class Contract:
     explicit_evict: bool
     dedup_on_commit: bool
     chunked_allocation: bool
+    unreused_tail: int = 1
+    allocates_ahead: bool = False
+    refusal_evicts: bool = False
+    decode_steps: bool = False
+    events: bool = True
     counters: tuple[tuple[str, CounterMeaning], ...] = ()
     bounded_oracle: bool = False
     citations: tuple[tuple[str, str], ...] = ()
@@ -180,11 +203,17 @@ class Contract:
             raise ValueError(f"Contract.block_size must be an int >= 1, got {b!r}")
         hints = {"id_unit": ("block", "page"), "stats_unit": ("tokens", "blocks"),
                  "last_token_cap": ("manager", "scheduler"),
-                 "matchable_at": ("commit", "allocation"), "eviction": get_args(Eviction)}
+                 "matchable_at": ("commit", "allocation", "prefill"),
+                 "eviction": get_args(Eviction)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
+        tail = self.unreused_tail
+        if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail <= b:
+            raise ValueError(f"Contract.unreused_tail must be an int in [0, block_size={b}], "
+                             f"got {tail!r}")
         for name in ("partial_reuse", "copy_on_partial_reuse", "explicit_evict",
-                     "dedup_on_commit", "chunked_allocation", "bounded_oracle"):
+                     "dedup_on_commit", "chunked_allocation", "allocates_ahead",
+                     "refusal_evicts", "decode_steps", "events", "bounded_oracle"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Contract.{name} must be True or False, "
                                  f"got {getattr(self, name)!r}")

@@ -121,7 +121,11 @@ def _verdict(report: Report) -> str:
     if report.exit_code == EXIT_CANNOT_RUN:
         return f"**could not run** (exit 2): {report.reason}"
     n = len(report.checks)
+    skipped = sum(c.status == "skip" for c in report.checks)
     if report.exit_code == EXIT_PASSED:
+        if skipped:
+            return (f"**passed** (exit 0): {n - skipped} checks; {skipped} skipped (the "
+                    "engine's contract cannot be judged by them: see Checks)")
         return f"**passed** (exit 0): all {n} checks"
     return f"**violations found** (exit 1): {len(report.failed)} of {n} checks failed"
 
@@ -147,7 +151,8 @@ def markdown(report: Report) -> list[str]:
                 f"{report.self_test.get('substitutes', 0)} substitutes refused)", ""]
     if report.checks:
         out += ["## Checks", ""]
-        rows = [(c.name, c.family, c.status, c.oracle or "all", f"{c.seconds:.2f}",
+        rows = [(c.name, c.family, c.status,
+                 c.oracle or ("-" if c.status == "skip" else "all"), f"{c.seconds:.2f}",
                  c.message.splitlines()[0][:160] if c.message else "")
                 for c in report.checks]
         out += [*table(("check", "family", "result", "oracle", "s", "message"), rows), ""]

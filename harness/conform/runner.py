@@ -165,9 +165,15 @@ def _worker_target(spec: EngineSpec, report: Report, folder: Path, say: Say) -> 
 
 
 def run_check(target: Target, check: Check) -> CheckResult:
-    """One family on a fresh cache, judged; a failing oracle's op list shrunk."""
+    """One family on a fresh cache, judged; a failing oracle's op list shrunk. A family
+    the engine's contract cannot judge (`Check.skip_reason`) is skipped, saying why."""
     start = time.perf_counter()
     run = Run(target, check.num_blocks)
+    why = check.skip_reason(run.contract)
+    if why is not None:
+        return CheckResult(name=check.name, family=check.family, about=check.about,
+                           status="skip", message=why, num_blocks=check.num_blocks,
+                           seconds=time.perf_counter() - start)
     check.body(run)
     return _result(target, check.name, check.family, check.about, check.num_blocks,
                    run.ops, run.violations, run.failures, run.observed,
@@ -214,7 +220,7 @@ def _fuzz_check(target: Target, seed: int) -> CheckResult:
 
 def _progress(i: int, n: int, result: CheckResult, say: Say) -> None:
     what = "" if result.status == "pass" else \
-        f" {result.oracle}: {result.message.splitlines()[0][:110]}"
+        f" {result.oracle or result.status}: {result.message.splitlines()[0][:110]}"
     say(f"[{i:>2}/{n}] {result.name:<26} {result.status:<4} {result.seconds:6.2f} s{what}")
 
 

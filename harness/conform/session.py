@@ -120,6 +120,12 @@ class Session:
                         f"{seq.scheduled} scheduled")
         if op.kind == "append" and seq.scheduled < seq.length:
             return f"append before all {seq.length} tokens are scheduled ({seq.scheduled})"
+        if op.kind == "append" and self.cache.contract.decode_steps:
+            if len(op.tokens) != 1:
+                return f"append of {len(op.tokens)} tokens: the engine decodes one per step"
+            if seq.committed < seq.length:
+                return (f"append before all {seq.length} tokens are computed "
+                        f"({seq.committed}): the engine decodes only after them")
         return ""
 
     def _call(self, op: Op) -> Any:

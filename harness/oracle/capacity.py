@@ -210,12 +210,14 @@ class CapacityOracle:
         return self.max_num_blocks - self.needed
 
     def admission_need(self, tokens: Sequence[int], scope: Any = None, *,
-                       num_cached: int | None = None, first_chunk: int | None = None) -> int:
+                       num_cached: int | None = None, first_chunk: int | None = None,
+                       unreused_tail: int = 1) -> int:
         """Blocks an admission of `tokens` in `scope` takes from the available ones (at
         least). Full attention: all it occupies but the leading full blocks live
-        sequences already hold. Sliding window: the positions from its match's k full
-        blocks to the end of `first_chunk`, plus the matched ones inside its window that
-        no live sequence holds; `num_cached` (the match the cache reports) is required."""
+        sequences already hold (a lookup reaches all but the last `unreused_tail`
+        tokens). Sliding window: the positions from its match's k full blocks to the end
+        of `first_chunk`, plus the matched ones inside its window that no live sequence
+        holds; `num_cached` (the match the cache reports) is required."""
         n = len(tokens)
         B = self.tokens_per_block
         if self.window_left is not None:
@@ -229,10 +231,11 @@ class CapacityOracle:
                          for i in range(self.first_held(num_cached), k))
             return self.admission_blocks(n, num_cached, first_chunk) - k + unheld
         need = self._blocks(n)
-        if not self.block_reuse or n < 2:
+        reach = n - unreused_tail
+        if not self.block_reuse or reach < 1:
             return need
         prefix = self._prefixes.extend(self._prefixes.root(normalize_scope(scope, "scope")),
-                                       tokens[:(n - 1) // B * B])
+                                       tokens[:reach // B * B])
         held = 0
         while (held + 1) * B <= len(prefix) and prefix[(held + 1) * B - 1] in self._shared:
             held += 1

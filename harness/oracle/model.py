@@ -171,7 +171,7 @@ class ReuseOracle:
         B = self.cfg.tokens_per_block
         if not self.cfg.enable_block_reuse or not prompt:
             return _Match((), 0, None, False)
-        limit = len(prompt) - 1  # the last prompt token is never reused
+        limit = len(prompt) - self.cfg.unreused_tail  # the last token(s) are never reused
         hits: list[FullKey] = []
         while (len(hits) + 1) * B <= limit:
             key = (scope, prompt[: (len(hits) + 1) * B])

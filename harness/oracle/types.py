@@ -55,6 +55,9 @@ class OracleConfig:
     sliding_window: int | None = None  # tokens a query sees, itself included; None: all
     max_num_blocks: int | None = None  # the device pool, when eviction is modelled
     host_cache_blocks: int = 0  # the host tier behind it (0: none)
+    # prompt tokens at the end no lookup reaches: 1 (the last token) but for an engine's
+    # conformance contract (`harness.conform.protocol.Contract.unreused_tail`)
+    unreused_tail: int = 1
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "reuse_alignment_blocks", "sliding_window"):
@@ -69,6 +72,9 @@ class OracleConfig:
                 continue
             if isinstance(n, bool) or not isinstance(n, int) or n < low:
                 raise ValueError(f"OracleConfig.{name} must be an int >= {low}, got {n!r}")
+        tail = self.unreused_tail
+        if isinstance(tail, bool) or not isinstance(tail, int) or tail < 0:
+            raise ValueError(f"OracleConfig.unreused_tail must be an int >= 0, got {tail!r}")
         if self.host_cache_blocks and self.max_num_blocks is None:
             raise ValueError("OracleConfig.host_cache_blocks needs max_num_blocks: a host "
                              "tier is modelled behind a bounded device pool")

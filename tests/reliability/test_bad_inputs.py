@@ -958,7 +958,7 @@ IDS.add("ck-int-dtype")
     pytest.param("vllm==0.30.0", r"vllm 0\.30\.0 is not supported; supported: 0\.10\.2, "
                  r".*0\.33\.0", id="conform-version-unsupported"),
     pytest.param("lmdeploy==0.9.0", r"no adapter for 'lmdeploy'; engines: sglang, "
-                 r"sglang_unified, vllm, kvcache", id="conform-engine-unknown"),
+                 r"sglang_unified, shortfin, vllm, kvcache", id="conform-engine-unknown"),
     pytest.param("tensorrt_llm==1.2.1", r"tensorrt_llm cannot run on this machine: "
                  r"TensorRT-LLM's wheels are not on the package registry .* builds CUDA "
                  r"objects", id="conform-engine-not-runnable-here"),
@@ -1078,7 +1078,8 @@ def _lock_with(**changes: object) -> dict[str, object]:
     pytest.param({"extra": 1}, r"unknown keys \['extra'\], missing keys \[\]",
                  id="conform-lock-unknown-key"),
     pytest.param({"engine": "tensorrt_llm"}, r"engine: 'tensorrt_llm' has no adapter; "
-                 r"known: \['sglang', 'sglang_unified', 'vllm'\]", id="conform-lock-engine"),
+                 r"known: \['sglang', 'sglang_unified', 'shortfin', 'vllm'\]",
+                 id="conform-lock-engine"),
     pytest.param({"version": "0.5.22"}, r"file name: should be sglang-0\.5\.22\.json",
                  id="conform-lock-file-name"),
     pytest.param({"wheel": {"file": "sglang-0.5.23-py3-none-any.whl", "sha256": "ABC",
@@ -1132,7 +1133,7 @@ def test_conform_worker_imports_no_named_module() -> None:
     assert reply["ok"] is False
     assert reply["error"] == ("ValueError: no adapter for engine "
                               "'harness.conform.kvcache_adapter'; known: ['sglang', "
-                              "'sglang_unified', 'vllm']")
+                              "'sglang_unified', 'shortfin', 'vllm']")
 
 
 IDS.add("conform-worker-module")

@@ -51,3 +51,41 @@ def test_a_known_finding_is_still_found(spec: str, check: str, oracle: str,
     (result,) = report.checks
     assert (result.status, result.oracle) == ("fail", oracle)
     assert 0 < len(result.ops) <= result.num_ops
+
+
+# docs/conformance.md, "shortfin": (release, the check that shows it, its oracle, what
+# else the same check must have found); 3.6.0 and 3.9.0 are installed on first use
+SHORTFIN_FINDINGS = [
+    pytest.param("3.9.0", "same_prompt_twice", "capacity", "", id="9-duplicate-unreferenced"),
+    pytest.param("3.9.0", "live_blocks_survive_eviction", "capacity", "provenance",
+                 id="9-evicted-while-in-use"),
+    pytest.param("3.9.0", "pressure_spares_own_prefix", "capacity", "names pages [3] twice",
+                 id="10-evicts-its-own-match"),
+    pytest.param("3.9.0", "decoded_then_edited", "capacity", "provenance",
+                 id="11-decode-page-dropped"),
+    pytest.param("3.8.0", "decode_growth", "capacity", "owned by nobody",
+                 id="11-decode-page-leaks"),
+    pytest.param("3.6.0", "cold_then_warm", "capacity", "owned by nobody",
+                 id="8-unpublished-page-leaks"),
+    pytest.param("3.6.0", "pressure_spares_own_prefix", "refusal", "still referenced",
+                 id="12-refusal-pins-its-match"),
+    pytest.param("3.3.0", "same_prompt_twice", "integrity", "owned by nobody",
+                 id="13-second-publish-replaces-the-first"),
+    pytest.param("3.3.0", "decode_growth", "capacity", "no block recorded",
+                 id="14-decode-step-gets-no-page"),
+]
+
+
+@pytest.mark.parametrize(("version", "check", "oracle", "also"), SHORTFIN_FINDINGS)
+def test_a_shortfin_finding_is_still_found(version: str, check: str, oracle: str,
+                                          also: str, tmp_path: Path) -> None:
+    lock = find_lock("shortfin", version)
+    if version not in ("3.6.0", "3.9.0") and install.installed(lock) is None:
+        pytest.skip(f"shortfin=={version} is not installed in {install.cache_dir()}")
+    report = conform(f"shortfin=={version}", tmp_path, seeds=0, only=[check],
+                     say=lambda _: None)
+    assert report.exit_code == 1, report.reason
+    (result,) = report.checks
+    assert (result.status, result.oracle) == ("fail", oracle), result.message
+    assert also in "\n".join([result.message, *result.also])
+    assert 0 < len(result.ops) <= result.num_ops

@@ -72,7 +72,7 @@ def test_a_contract_round_trips_and_refuses_unknown_values() -> None:
     assert Contract.from_dict(json.loads(json.dumps(c.as_dict()))) == c
     bad = {**c.as_dict(), "matchable_at": "forward"}
     with pytest.raises(ValueError, match=r"Contract\.matchable_at must be one of "
-                                         r"\('commit', 'allocation'\), got 'forward'"):
+                                         r"\('commit', 'allocation', 'prefill'\), got 'forward'"):
         Contract.from_dict(bad)
     with pytest.raises(ValueError, match=r"unknown keys \['units'\]"):
         Contract.from_dict({**c.as_dict(), "units": "blocks"})

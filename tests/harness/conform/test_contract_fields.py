@@ -1,0 +1,244 @@
+"""The contract fields an engine like shortfin's trie needs, each judged as it says:
+`unreused_tail`, `events`, `refusal_evicts`, `allocates_ahead`, `decode_steps`, and the
+families a contract cannot be judged by (skipped, saying why). The judge is fed step
+reports written by hand, so each number can be checked against the op list."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from harness.conform import ops
+from harness.conform.checks import B, Run, check_named
+from harness.conform.fuzz import fuzz
+from harness.conform.judge import Judge, Violation
+from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.kvcache_adapter import contract as kvcache_contract
+from harness.conform.ops import Op
+from harness.conform.protocol import Contract, Stats
+from harness.conform.report import Report, markdown
+from harness.conform.runner import run_check
+from harness.conform.session import Session, StepReport
+from harness.conform.shortfin_adapter import contract as shortfin_contract
+from harness.conform.targets import LocalTarget
+
+A18 = list(range(100, 118))
+# shortfin 3.9.0's: the last page never looked up, no events, refusals may evict, and
+# decode pages taken ahead
+TRIE = shortfin_contract("3.9.0", B)
+
+
+def step(op: Op, log: list[dict[str, Any]], used: int, *, status: str = "done",
+         value: Any = None, cached: int = 0, free: int = 0, ahead: int = 0,
+         events: tuple[dict[str, Any], ...] = ()) -> StepReport:
+    harness = {"usedNumBlocks": used, "cachedNumBlocks": cached, "freeNumBlocks": free,
+               "aheadNumBlocks": ahead}
+    return StepReport(op, status, value, "", tuple(log), events, used, None,  # type: ignore[arg-type]
+                      Stats({}, harness))
+
+
+def admitted(seq: str, tokens: list[int], reused: int, ids: list[int], used: int,
+             **gauges: Any) -> StepReport:
+    value = {"reused_tokens": reused, "block_ids": ids, "scheduled_tokens": len(tokens)}
+    log = [{"kind": "admit", "seq_id": seq, "tokens": tokens, "num_tokens": reused,
+            "scope": None, "block_ids": ids}]
+    return step(ops.admit(seq, tokens), log, used, value=value, **gauges)
+
+
+def computed_then_freed(seq: str, tokens: list[int], ids: list[int]) -> list[StepReport]:
+    """`seq` admitted cold, committed whole and freed: its full blocks stay cached."""
+    n, full = len(tokens), len(tokens) // B
+    return [admitted(seq, tokens, 0, ids, len(ids), cached=0),
+            step(ops.commit(seq, n), [{"kind": "commit", "seq_id": seq, "num_tokens": n}],
+                 len(ids), cached=full),
+            step(ops.free(seq), [{"kind": "free", "seq_id": seq}], 0, cached=full)]
+
+
+def judged(contract: Contract, reports: list[StepReport], num_blocks: int = 32
+           ) -> list[Violation]:
+    judge = Judge(contract, num_blocks)
+    return [v for r in reports for v in judge.observe(r)]
+
+
+# -- unreused_tail ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("tail", "reused", "found"), [
+    pytest.param(4, 12, [], id="trie-12"),
+    pytest.param(4, 16, ["count"], id="trie-16-past-its-cap"),
+    pytest.param(1, 12, ["count"], id="reference-12-short"),
+    pytest.param(1, 16, [], id="reference-16"),
+    pytest.param(0, 16, [], id="whole-prompt-16")])
+def test_the_count_oracle_caps_reuse_at_the_contracts_tail(tail: int, reused: int,
+                                                            found: list[str]) -> None:
+    contract = replace(TRIE, unreused_tail=tail)
+    reports = computed_then_freed("A", A18, [0, 1, 2, 3, 4])
+    ids = [0, 1, 2, 3, 5] if reused == 16 else [0, 1, 2, 5, 6]
+    reports.append(admitted("A2", A18, reused, ids, 5, cached=4))
+    got = judged(contract, reports)
+    assert [v.oracle for v in got] == found
+    if tail == 4 and found:
+        assert "the last 4 prompt token(s) are never reused (at most 14)" in got[0].message
+    if tail == 1 and found:
+        assert "reused 12 tokens; the count oracle predicts 16" in got[0].message
+
+
+def test_a_whole_prompt_contract_reuses_every_token() -> None:
+    contract = replace(TRIE, unreused_tail=0)
+    reports = computed_then_freed("A", A18[:16], [0, 1, 2, 3])
+    reports.append(admitted("A2", A18[:16], 16, [0, 1, 2, 3], 4, cached=4))
+    assert judged(contract, reports) == []
+    got = judged(replace(contract, unreused_tail=1), reports)
+    assert [v.oracle for v in got] == ["count"]
+    assert "the last 1 prompt token(s) are never reused (at most 15)" in got[0].message
+
+
+# -- events ----------------------------------------------------------------------------
+
+
+def _evicted_then_readmitted(cached_after_evict: int) -> list[StepReport]:
+    reports = computed_then_freed("A", A18, [0, 1, 2, 3, 4])
+    reports.append(step(ops.evict(2), [], 0, value=2, cached=cached_after_evict))
+    # the evicted blocks are gone: the cache reuses 8 where 12 were computed
+    reports.append(admitted("A2", A18, 8, [0, 1, 5, 6, 7], 5, cached=cached_after_evict))
+    return reports
+
+
+def test_without_events_a_drop_in_cached_blocks_marks_an_eviction() -> None:
+    assert judged(TRIE, _evicted_then_readmitted(2)) == []
+    # nothing left the cache by its gauge: the reuse of 8 is a count violation
+    got = judged(TRIE, _evicted_then_readmitted(4))
+    assert [v.oracle for v in got] == ["count"]
+    assert "reused 8 tokens; the count oracle predicts 12" in got[0].message
+
+
+def test_an_engine_without_events_that_publishes_one_is_caught() -> None:
+    stored = {"type": "BlockStored", "block_hashes": ["1"], "parent_block_hash": None,
+              "token_ids": A18[:4], "block_size": B}
+    reports = computed_then_freed("A", A18, [0, 1, 2, 3, 4])
+    reports[1] = replace(reports[1], events=(stored,))
+    got = judged(TRIE, reports)
+    assert [v.oracle for v in got] == ["events"]
+    assert "the contract says the engine publishes no events" in got[0].message
+
+
+# -- refusal_evicts ----------------------------------------------------------------------
+
+
+def _refusal_that_evicts(used_after: int) -> list[StepReport]:
+    reports = computed_then_freed("A", A18[:16], [0, 1, 2, 3])
+    reports = [replace(r, stats=Stats({}, {**r.stats.harness, "freeNumBlocks": 4}))
+               for r in reports]
+    big = list(range(500, 536))  # 9 blocks of a pool of 8: a fair refusal
+    reports.append(step(ops.admit("C", big), [], used_after, status="refused", cached=2,
+                        free=6))
+    return reports
+
+
+def test_a_refusal_may_evict_where_the_contract_says_so_and_nothing_else() -> None:
+    assert judged(TRIE, _refusal_that_evicts(0), 8) == []
+    got = judged(replace(TRIE, refusal_evicts=False), _refusal_that_evicts(0), 8)
+    assert [v.oracle for v in got] == ["refusal"]
+    assert "'cachedNumBlocks': (4, 2)" in got[0].message
+    # what it pinned (used blocks) is a change whatever the contract says
+    got = judged(TRIE, _refusal_that_evicts(2), 8)
+    assert "refusal" in [v.oracle for v in got]
+    assert "used blocks 0 -> 2" in got[0].message
+
+
+# -- allocates_ahead ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ahead", "found"), [pytest.param(7, [], id="ahead-reported"),
+                                              pytest.param(0, ["capacity"], id="unreported")])
+def test_blocks_taken_ahead_are_the_engines_own_count(ahead: int, found: list[str]) -> None:
+    reports = computed_then_freed("A", A18[:4], [0])[:2]
+    append = [{"kind": "append", "seq_id": "A", "tokens": [7], "block_ids": [1]}]
+    # the engine took 8 blocks for the decode step: 2 hold tokens, 7 wait ahead
+    reports.append(step(ops.append("A", [7]), append, 9, value=[1], cached=1, ahead=ahead))
+    assert [v.oracle for v in judged(TRIE, reports)] == found
+
+
+# -- decode_steps ------------------------------------------------------------------------
+
+
+class DecodeSteps(KvcacheCache):
+    """kvcache's manager under a contract whose appends are one-token decode steps."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+        super().__init__(num_blocks, block_size, record=record)
+        self._contract = replace(kvcache_contract(block_size), decode_steps=True)
+
+
+def test_a_decode_step_is_one_token_after_every_token_is_computed() -> None:
+    session = Session(DecodeSteps(16, B))
+    assert session.apply(ops.admit("A", A18[:6])).status == "done"
+    early = session.apply(ops.append("A", [1]))
+    assert (early.status, early.detail) == ("skipped", "append before all 6 tokens are "
+                                            "computed (0): the engine decodes only after them")
+    assert session.apply(ops.commit("A", 6)).status == "done"
+    two = session.apply(ops.append("A", [1, 2]))
+    assert (two.status, two.detail) == ("skipped", "append of 2 tokens: the engine decodes "
+                                        "one per step")
+    assert session.apply(ops.append("A", [1])).status == "done"
+
+
+def test_the_fuzz_draws_decode_steps_under_such_a_contract() -> None:
+    target = LocalTarget("decode-steps", DecodeSteps)
+    appends = [op for seed in range(6) for op in fuzz(target, seed).ops if op.kind == "append"]
+    assert appends and all(len(op.tokens) == 1 for op in appends)
+
+
+# -- families a contract cannot judge ----------------------------------------------------
+
+
+class NoScopes(KvcacheCache):
+    """kvcache's manager under a contract whose cache keys on no scope and publishes no
+    events."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+        super().__init__(num_blocks, block_size, record=record)
+        self._contract = replace(kvcache_contract(block_size), scope_kinds=(),
+                                 lora_identity=(), scope_in_event_hash=(), events=False)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        super().take_events()
+        return []
+
+    def cached_hashes(self) -> None:
+        return None
+
+
+def test_a_family_the_contract_cannot_judge_is_skipped_saying_why() -> None:
+    target = LocalTarget("no-scopes", NoScopes)
+    result = run_check(target, check_named("scope_isolation"))
+    assert (result.status, result.num_ops) == ("skip", 0)
+    assert "keys its cache on no scope" in result.message
+    both = run_check(target, check_named("scope_event_hashes"))
+    assert "no scope" in both.message and "no router events" in both.message
+    assert run_check(target, check_named("cold_then_warm")).status == "pass"
+    report = Report("no-scopes", exit_code=0, checks=[result])
+    assert "0 checks; 1 skipped" in "\n".join(markdown(report))
+
+
+def test_a_warm_prompts_cap_follows_the_tail() -> None:
+    run = Run(LocalTarget("trie", DecodeSteps), 8)
+    assert run.cap(18) == 17  # kvcache reuses partial blocks: all but the last token
+    for tail, want in ((0, 16), (1, 16), (4, 12)):
+        run.contract = replace(TRIE, unreused_tail=tail)
+        assert run.cap(18) == want
+
+
+def test_an_admissions_need_counts_only_the_blocks_its_lookup_reaches() -> None:
+    from harness.oracle.capacity import CapacityOracle
+
+    cap = CapacityOracle(B, 16)
+    cap.apply({"kind": "admit", "seq_id": "A", "tokens": A18[:16], "num_tokens": 0})
+    cap.apply({"kind": "commit", "seq_id": "A", "num_tokens": 16})
+    # A holds 4 cached blocks: a reference lookup of 18 tokens reaches all 4 of them,
+    # a trie lookup of all but the last page only 3, so one more block is needed
+    assert cap.admission_need(A18, unreused_tail=1) == 5 - 4
+    assert cap.admission_need(A18, unreused_tail=4) == 5 - 3
+    assert cap.admission_need(A18, unreused_tail=0) == 5 - 4
