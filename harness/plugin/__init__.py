@@ -32,7 +32,7 @@ from _pytest.runner import runtestprotocol  # the one entry point for running an
 
 from harness.lists.errors import Problem
 from harness.lists.hardware import Machine, detect, machine_from_options
-from harness.oracle.checks import oracle_problems
+from harness.oracle.after_test import oracle_problems
 from harness.plugin.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
 from harness.plugin.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.plugin.leaks import CacheLeakError, find_cache_owners, leak_problems

@@ -90,7 +90,7 @@ def test_the_prior_weighs_oracles_bound_by_cache_tests(monkeypatch: pytest.Monke
                          run_steps=from_module("tests.support"), again=support)
     unit_test = module("tests.test_unit", kvcache=module("kvcache"))
     lists_test = module("tests.test_lists", db=module("harness.lists.db"),
-                        oracle=from_module("harness.oracle.checks"))
+                        oracle=from_module("harness.oracle.after_test"))
     prior = PriorWeights()
     assert prior.of(oracle_test) == 3  # the cache, the checked manager, the index via support
     assert prior.of(unit_test) == 1
