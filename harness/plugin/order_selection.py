@@ -16,14 +16,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from harness.plugin.ordering import (
-    COLLECTION,
-    FAIL_FIRST,
-    KILLS_NAME,
-    PriorWeights,
-    fail_first,
-    load_kills,
-)
+from harness.lists.kill_record import KILLS_NAME, load_kills
+from harness.plugin.ordering import COLLECTION, FAIL_FIRST, PriorWeights, fail_first
 from harness.plugin.selection import ENTRY
 from harness.plugin.shard_selection import DURATIONS_NAME
 from harness.plugin.sharding import load_durations

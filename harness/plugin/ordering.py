@@ -2,17 +2,17 @@
 bug-revealing power run first, derived from the data the harness keeps.
 
 Two files say what a test is worth: the durations (`test_lists/.test_durations`, seconds
-per test, as `--shard` reads them) and the kill record (`test_lists/.test_kills.json`,
-`{"mutants": {"<mutant id>": ["<node id of each test that killed it>", ...]}}`, written by
-the mutation run). With a kill record, `fail_first` orders greedily by *new mutants
-killed per second*: first the test that kills the most mutants per second of its own, then
-the one that kills the most of those still alive per second, and so on (the "additional
-greedy" order of test prioritization: each pick is the cheapest way to catch one more
-known bug). Once no test kills a mutant still alive, the rest follow by kills per second,
-then by the prior below per second; the tests worth nothing by either (a test of the lists
-or the CLI) come last, longest first: running them earlier reveals no bug sooner, and
-longest first lets the workers of a parallel run finish together instead of one of them
-running a long test alone at the end (the longest-processing-time rule of scheduling).
+per test, as `--shard` reads them) and the kill record (`test_lists/.test_kills.json`:
+the tests that killed each mutant of the mutation run, harness.lists.kill_record). With a
+kill record, `fail_first` orders greedily by *new mutants killed per second*: first the
+test that kills the most mutants per second of its own, then the one that kills the most
+of those still alive per second, and so on (the "additional greedy" order of test
+prioritization: each pick is the cheapest way to catch one more known bug). Once no test
+kills a mutant still alive, the rest follow by kills per second, then by the prior below
+per second; the tests worth nothing by either (a test of the lists or the CLI) come last,
+longest first: running them earlier reveals no bug sooner, and longest first lets the
+workers of a parallel run finish together instead of one of them running a long test
+alone at the end (the longest-processing-time rule of scheduling).
 
 Until a kill record exists (and for tests it names no kill for) the prior stands in,
 read from what each test module binds once pytest has imported it (its globals: modules,
@@ -37,40 +37,18 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from types import ModuleType
 
-from harness.data_files import load_json
 from harness.lists.entry import ORDERS
 from harness.plugin.sharding import predict
 
 FAIL_FIRST, COLLECTION = ORDERS
-KILLS_NAME = ".test_kills.json"
 # pytest's own cost per test (setup, reports) on a 2-core machine: a test recorded at
 # 0.1 ms is not 50 times cheaper than one at 5 ms once it runs.
 MIN_SECONDS = 0.005
 SUBJECT = "kvcache"
 ORACLE = "harness.oracle."
 TEST_CODE = "tests."
-
-
-def load_kills(path: Path) -> dict[str, frozenset[str]]:
-    """Read a kill record: mutant id -> the node ids of the tests that killed it.
-
-    Raises ValueError naming the file when it is missing, not JSON, nested too deep, or
-    not `{"mutants": {"<id>": ["<node id>", ...]}}`; an empty list (a surviving mutant) is
-    allowed. Mutates nothing.
-    """
-    data = load_json(path, "kill record")
-    mutants = data.get("mutants") if isinstance(data, dict) else None
-    if not isinstance(mutants, dict):
-        raise ValueError(f'{path}: a kill record is {{"mutants": {{"<mutant id>": ["<node id>", '
-                         f"...]}}}} (got {type(data).__name__} without a 'mutants' object)")
-    for mutant, killers in mutants.items():
-        if not isinstance(killers, list) or not all(isinstance(k, str) for k in killers):
-            raise ValueError(f"{path}: mutant {mutant!r}: the tests that killed it are a list of "
-                             f"node ids (got {killers!r})")
-    return {str(m): frozenset(k) for m, k in mutants.items()}
 
 
 class PriorWeights:
