@@ -33,7 +33,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.lists.checks import CollectError, validate, validate_syntax
 from harness.lists.db import Verdict, load_test_db
 from harness.lists.entry import Entry
 from harness.lists.errors import ListError
@@ -47,6 +46,7 @@ from harness.lists.hardware import (
     machine_from_options,
 )
 from harness.lists.testdb import mako_lines, parse_description, render, sysinfo
+from harness.lists.validate import CollectError, validate, validate_syntax
 from harness.lists.waives import default_waives
 
 if TYPE_CHECKING:

@@ -46,9 +46,11 @@ from typing import Any, Literal
 
 import yaml
 
+from harness.lists.kill_record import KILLS_NAME, load_kills, write_kills
+
 ROOT = Path(__file__).resolve().parents[1]
 CATALOGUE = ROOT / "tools" / "mutants.yaml"
-KILLS = Path("test_lists") / ".test_kills.json"  # under the root
+KILLS = Path("test_lists") / KILLS_NAME  # under the root
 RESULTS = ROOT / "results" / "mutants"
 TOOLS = ROOT / "tools"
 CLOCK_PLUGIN = "first_failure_clock"  # tools/first_failure_clock.py, loaded with -p
@@ -357,29 +359,21 @@ def _plot(outcomes: Sequence[Outcome], figures: dict[str, Any], path: Path) -> N
     fig.savefig(path)
 
 
-def write_kills(outcomes: Sequence[Outcome], path: Path, *, matrix: bool) -> None:
-    """Update the kill record the fail-first order reads, `{"mutants": {id: [node ids of
-    tests that kill it]}}`, at `path`. A `matrix` run's killed mutant gets every failing
-    test as its entry; a fail-fast run adds the first failing test to what the entry
-    holds (the slow killers of mutants no cheap test kills). A survivor loses its entry,
-    a run that ended in an error (no failing test) leaves it, and other mutants' entries
-    stay."""
-    record: dict[str, dict[str, list[str]]] = {"mutants": {}}
-    if path.exists():
-        record = json.loads(path.read_text(encoding="utf-8"))
-    entries = record["mutants"]
+def record_kills(outcomes: Sequence[Outcome], path: Path, *, matrix: bool) -> None:
+    """Update the kill record the fail-first order reads (harness.lists.kill_record) at
+    `path`. A `matrix` run's killed mutant gets every failing test as its entry; a
+    fail-fast run adds the first failing test to what the entry holds (the slow killers
+    of mutants no cheap test kills). A survivor loses its entry, a run that ended in an
+    error (no failing test) leaves it, and other mutants' entries stay. Raises
+    ValueError naming the file for a record there that is not a kill record."""
+    entries = {m: set(k) for m, k in load_kills(path).items()} if path.exists() else {}
     for o in outcomes:
         if o.status == "survived":
             entries.pop(o.id, None)
         elif o.status == "killed":
             found = set(o.killers) if matrix else {*entries.get(o.id, ()), o.killer}
-            entries[o.id] = sorted(k for k in found if k is not None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Whole or not at all: every pre-merge run reads this file, and a run stopped
-    # mid-write must not leave it truncated.
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    os.replace(partial, path)
+            entries[o.id] = {k for k in found if k is not None}
+    write_kills(path, entries)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mutant.id}: {outcome.status}{when} ({outcome.killer or '-'})", flush=True)
             outcomes.append(outcome)
             # After each mutant: an interrupted run keeps what it measured.
-            write_kills([outcome], args.root / KILLS, matrix=args.matrix)
+            record_kills([outcome], args.root / KILLS, matrix=args.matrix)
     figures = summary(outcomes, baseline)
     write_report(outcomes, figures, args.out, {m.id: m for m in catalogue})
     print(f"{figures['killed']} of {figures['counted']} killed; report in {args.out}")

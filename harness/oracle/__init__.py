@@ -7,9 +7,9 @@ counts the blocks live sequences need (`harness.oracle.capacity`). None imports 
 from `kvcache`: they read the events and the public API's numbers only.
 
 Beside them, what runs them: `checked_manager` (a manager checked by the oracles after
-every call; it names `kvcache` for type checking only), `checks` (the oracles the plugin
-runs on a test's caches after it) and `kv_index` (a replica's cache rebuilt from its
-KV-cache events alone, as a router keeps it).
+every call; it names `kvcache` for type checking only), `after_test` (the oracles the
+plugin runs on a test's caches after it) and `kv_index` (a replica's cache rebuilt from
+its KV-cache events alone, as a router keeps it).
 """
 
 from __future__ import annotations

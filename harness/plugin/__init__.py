@@ -8,13 +8,13 @@ collected test no entry selects is deselected through `pytest_deselected` (as py
 own --deselect does), so the counts pytest prints are honest.
 
 This module holds the hooks (pyproject's entry point `kvharness = "harness.plugin"`);
-what they do is beside it: `options` (the command line), `selection` (lists and waives
-applied to the collection), `isolation` (ISOLATION in a child process), `leaks` (the
-leak check after cache-owning tests), `changes` and `change_selection`
-(--kvh-changed-since), `sharding` and `shard_selection` (--kvh-shard), `ordering` and
-`order_selection` (--kvh-order, the lists' `order:`), `reruns` (TensorRT-LLM's rerun
-rule), `threads` (each xdist worker's share of the CPUs). Oracle checks, repro records
-and reports are their packages' own.
+what they do is beside it, one module an option: `options` (the command line),
+`selection` (lists and waives applied to the collection), `isolation` (ISOLATION in a
+child process), `leaks` (the leak check after cache-owning tests), `changes`
+(--kvh-changed-since), `sharding` (--kvh-shard), `ordering` (--kvh-order, the lists'
+`order:`), `reruns` (TensorRT-LLM's rerun rule), `threads` (each xdist worker's share of
+the CPUs). Oracle checks, repro records, the kill record and reports are their packages'
+own.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from _pytest.runner import runtestprotocol  # the one entry point for running an
 
 from harness.lists.errors import Problem
 from harness.lists.hardware import Machine, detect, machine_from_options
-from harness.oracle.checks import oracle_problems
-from harness.plugin.change_selection import NOT_RUN_JSON, ChangeRun, apply_changes
+from harness.oracle.after_test import oracle_problems
+from harness.plugin.changes import NOT_RUN_JSON, ChangeRun, apply_changes
 from harness.plugin.isolation import ReportWriter, isolated_reports, run_isolated
 from harness.plugin.leaks import CacheLeakError, find_cache_owners, leak_problems
 from harness.plugin.options import add_options, add_trtllm_options, machine_flags, yielded_options
-from harness.plugin.order_selection import OrderRun, apply_order
+from harness.plugin.ordering import OrderRun, apply_order
 from harness.plugin.reruns import JunitReruns, RerunLedger, passed_on_rerun
 from harness.plugin.selection import ENTRY, ISOLATE, Orphan, Selection, apply_selection, load_lists
-from harness.plugin.shard_selection import apply_shard, check_shard_options
+from harness.plugin.sharding import apply_shard, check_shard_options
 from harness.plugin.threads import describe_share, share_cpus
 from harness.reports.run_record import (
     FIRST_FAILURE_PROPERTY,

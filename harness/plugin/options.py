@@ -25,8 +25,8 @@ import pytest
 
 from harness.lists.entry import ORDERS
 from harness.lists.hardware import MachineFlags, add_job_options, add_machine_options
+from harness.lists.kill_record import KILLS_NAME
 from harness.plugin.isolation import REPORT_OPTION
-from harness.plugin.ordering import KILLS_NAME
 
 PREFIX = "--kvh-"
 GROUP = "kvharness"

@@ -1,18 +1,19 @@
-"""Fail-first order: the selected tests ranked so that cheap tests with the most
-bug-revealing power run first, derived from the data the harness keeps.
+"""Fail-first order (`--kvh-order`, else each block's `order:` key): the selected tests
+ranked so that cheap tests with the most bug-revealing power run first, derived from the
+data the harness keeps.
 
 Two files say what a test is worth: the durations (`test_lists/.test_durations`, seconds
-per test, as `--shard` reads them) and the kill record (`test_lists/.test_kills.json`,
-`{"mutants": {"<mutant id>": ["<node id of each test that killed it>", ...]}}`, written by
-the mutation run). With a kill record, `fail_first` orders greedily by *new mutants
-killed per second*: first the test that kills the most mutants per second of its own, then
-the one that kills the most of those still alive per second, and so on (the "additional
-greedy" order of test prioritization: each pick is the cheapest way to catch one more
-known bug). Once no test kills a mutant still alive, the rest follow by kills per second,
-then by the prior below per second; the tests worth nothing by either (a test of the lists
-or the CLI) come last, longest first: running them earlier reveals no bug sooner, and
-longest first lets the workers of a parallel run finish together instead of one of them
-running a long test alone at the end (the longest-processing-time rule of scheduling).
+per test, as `--shard` reads them) and the kill record (`test_lists/.test_kills.json`:
+the tests that killed each mutant of the mutation run, harness.lists.kill_record). With a
+kill record, `fail_first` orders greedily by *new mutants killed per second*: first the
+test that kills the most mutants per second of its own, then the one that kills the most
+of those still alive per second, and so on (the "additional greedy" order of test
+prioritization: each pick is the cheapest way to catch one more known bug). Once no test
+kills a mutant still alive, the rest follow by kills per second, then by the prior below
+per second; the tests worth nothing by either (a test of the lists or the CLI) come last,
+longest first: running them earlier reveals no bug sooner, and longest first lets the
+workers of a parallel run finish together instead of one of them running a long test
+alone at the end (the longest-processing-time rule of scheduling).
 
 Until a kill record exists (and for tests it names no kill for) the prior stands in,
 read from what each test module binds once pytest has imported it (its globals: modules,
@@ -31,6 +32,15 @@ predicted at the mean of the known (harness.plugin.sharding's `predict`), and a 
 the files name that is not collected is ignored. Every ranking breaks ties by node id, so
 the order depends only on the collected ids and the two files: every xdist worker computes
 the same one.
+
+The plugin applies it (`apply_order`) to the tests that rank: with `--kvh-order
+fail-first` every selected test, with `--kvh-order collection` none; without it a test
+ranks when the block that selected it says `order: fail-first` and `--kvh-list-order` is
+not given. The ranked tests run first, in the derived order; the others follow in the
+order they had (collection order, or `--kvh-list-order`'s). It runs after selection,
+--kvh-changed-since and --kvh-shard, on every process that collects (each xdist worker
+derives the same order from the same files), and says what it did, for the run's
+summary (`OrderRun`).
 """
 
 from __future__ import annotations
@@ -39,38 +49,22 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any, NamedTuple
 
-from harness.data_files import load_json
+import pytest
+
 from harness.lists.entry import ORDERS
-from harness.plugin.sharding import predict
+from harness.lists.kill_record import KILLS_NAME, load_kills
+from harness.plugin.selection import ENTRY
+from harness.plugin.sharding import DURATIONS_NAME, load_durations, predict
 
 FAIL_FIRST, COLLECTION = ORDERS
-KILLS_NAME = ".test_kills.json"
 # pytest's own cost per test (setup, reports) on a 2-core machine: a test recorded at
 # 0.1 ms is not 50 times cheaper than one at 5 ms once it runs.
 MIN_SECONDS = 0.005
 SUBJECT = "kvcache"
 ORACLE = "harness.oracle."
 TEST_CODE = "tests."
-
-
-def load_kills(path: Path) -> dict[str, frozenset[str]]:
-    """Read a kill record: mutant id -> the node ids of the tests that killed it.
-
-    Raises ValueError naming the file when it is missing, not JSON, nested too deep, or
-    not `{"mutants": {"<id>": ["<node id>", ...]}}`; an empty list (a surviving mutant) is
-    allowed. Mutates nothing.
-    """
-    data = load_json(path, "kill record")
-    mutants = data.get("mutants") if isinstance(data, dict) else None
-    if not isinstance(mutants, dict):
-        raise ValueError(f'{path}: a kill record is {{"mutants": {{"<mutant id>": ["<node id>", '
-                         f"...]}}}} (got {type(data).__name__} without a 'mutants' object)")
-    for mutant, killers in mutants.items():
-        if not isinstance(killers, list) or not all(isinstance(k, str) for k in killers):
-            raise ValueError(f"{path}: mutant {mutant!r}: the tests that killed it are a list of "
-                             f"node ids (got {killers!r})")
-    return {str(m): frozenset(k) for m, k in mutants.items()}
 
 
 class PriorWeights:
@@ -142,3 +136,89 @@ def fail_first(node_ids: Sequence[str], durations: Mapping[str, float],
                                          -prior.get(n, 0) / seconds[n], -seconds[n], n))
     return order
 
+
+class OrderRun(NamedTuple):
+    """What the ordering did: tests ranked fail-first of all selected, and the files it
+    read (None: none; without a kill record the prior stood in)."""
+
+    ranked: int
+    total: int
+    durations: str | None
+    kills: str | None
+    mutants: int
+
+    def describe(self) -> str:
+        """One line for the terminal summary."""
+        by = (f"new kills per second of {self.kills} ({self.mutants} mutants)" if self.kills
+              else "the prior (no kill record): oracle weight per second")
+        times = f"durations from {self.durations}" if self.durations else "no durations file"
+        return f"order: fail-first over {self.ranked} of {self.total} tests, by {by}; {times}"
+
+    def to_json(self) -> list[Any]:
+        """The fields as a list, for pytest-xdist's worker output."""
+        return list(self)
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> OrderRun:
+        """Inverse of `to_json`."""
+        ranked, total, durations, kills, mutants = data
+        return cls(int(ranked), int(total), durations, kills, int(mutants))
+
+
+def _data_file(config: pytest.Config, given: str | None, name: str) -> Path | None:
+    """The file named on the command line, else `name` beside the test-db folder when it
+    exists there, else None."""
+    opt = config.option
+    if given is not None:
+        return config.invocation_params.dir / given
+    if opt.kvh_test_db is None:
+        return None
+    path = (config.invocation_params.dir / opt.kvh_test_db).parent / name
+    return path if path.exists() else None
+
+
+def _ranks(config: pytest.Config, item: pytest.Item) -> bool:
+    wanted = config.option.kvh_order
+    if wanted is not None:
+        return bool(wanted == FAIL_FIRST)
+    entry = item.stash.get(ENTRY, None)
+    return entry is not None and entry.policy.order == FAIL_FIRST and not config.option.kvh_list_order
+
+
+def apply_order(config: pytest.Config, items: list[pytest.Item]) -> OrderRun | None:
+    """Reorder `items` in place: the fail-first tests first, in derived order, then the
+    rest as they were. Returns what was done, or None when no test ranks.
+
+    Raises pytest.UsageError naming the file for an unreadable durations file or kill
+    record (one named on the command line must exist; the defaults beside the test-db
+    may be absent).
+    """
+    if config.option.kvh_order == COLLECTION:
+        return None
+    ranked = [item for item in items if _ranks(config, item)]
+    if not ranked:
+        return None
+    durations_path = _data_file(config, config.option.kvh_durations_file, DURATIONS_NAME)
+    kills_path = _data_file(config, config.option.kvh_kill_record, KILLS_NAME)
+    try:
+        durations = {} if durations_path is None else load_durations(durations_path)
+        kills = None if kills_path is None else load_kills(kills_path)
+    except ValueError as exc:
+        raise pytest.UsageError(f"kvharness: --kvh-order: {exc}") from None
+    prior = PriorWeights()
+    weights = {item.nodeid: prior.of(getattr(item, "module", None)) for item in ranked}
+    by_id = {item.nodeid: item for item in ranked}
+    first = [by_id[n] for n in fail_first(list(by_id), durations, kills, weights)]
+    chosen = set(by_id)
+    items[:] = first + [item for item in items if item.nodeid not in chosen]
+    return OrderRun(len(first), len(items), _shown(config, durations_path),
+                    _shown(config, kills_path), len(kills or {}))
+
+
+def _shown(config: pytest.Config, path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.relative_to(config.invocation_params.dir).as_posix()
+    except ValueError:
+        return str(path)

@@ -19,12 +19,12 @@ from typing import NamedTuple
 
 import pytest
 
-from harness.lists.checks import home_of, unmatched_problems
 from harness.lists.db import EntryIndex, ListDb, load_test_db, load_test_list, resolve
 from harness.lists.entry import DEFAULT_TIMEOUT_SECONDS, Entry, Outcome, covers
 from harness.lists.errors import ListError, Problem
 from harness.lists.hardware import Machine, MachineFlags
 from harness.lists.suggest import Home
+from harness.lists.validate import home_of, unmatched_problems
 from harness.lists.waives import Waive, default_waives, load_waives, waive_for
 from harness.plugin.options import machine_flags
 

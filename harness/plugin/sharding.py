@@ -1,4 +1,7 @@
-"""Shards sized by time: pytest-split's least-duration plan over recorded test durations.
+"""Shards sized by time (`--kvh-shard K` of `--kvh-shards N`, or of as many as
+`--kvh-shard-time-budget` needs): pytest-split's least-duration plan over recorded test
+durations; the plugin keeps this shard's tests, deselects the rest, and says what was
+predicted.
 
 Durations come from `test_lists/.test_durations` (pytest-split's JSON: node id -> seconds,
 refreshed by ci/update_durations.sh); a test without one is predicted at the mean of
@@ -12,9 +15,9 @@ items, as TensorRT-LLM's CI splits its stages. pytest-split's default
 (`duration_based_chunks`: contiguous chunks in collection order) can leave one shard with
 most of the time when slow tests cluster. What the harness adds: `shards_for_budget()`
 picks how many shards a time budget needs, the shard applies after the lists and
---kvh-changed-since, and what a shard was (`ShardRun`, its shard.json) is a record of the
-run: harness.reports.run_record. Every process that sees the same collection and
-durations computes the same plan (xdist workers rely on it).
+--kvh-changed-since (`apply_shard`), and what a shard was (`ShardRun`, its shard.json) is
+a record of the run: harness.reports.run_record. Every process that sees the same
+collection and durations computes the same plan (xdist workers rely on it).
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from typing import NamedTuple
 import pytest
 
 from harness.data_files import load_json
+from harness.reports.run_record import ShardRun
 
 DEFAULT_SECONDS = 1.0  # prediction for every test when no duration is known at all
+DURATIONS_NAME = ".test_durations"  # beside the test-db folder, without --kvh-durations-file
 
 
 class Shard(NamedTuple):
@@ -110,3 +115,69 @@ def shards_for_budget(items: Sequence[pytest.Item], durations: Mapping[str, floa
     while count < len(items) and max(s.predicted for s in lpt(items, durations, count)) > floor:
         count += 1
     return count
+
+
+def _durations_path(config: pytest.Config) -> Path:
+    opt = config.option
+    if opt.kvh_durations_file is not None:
+        return config.invocation_params.dir / opt.kvh_durations_file
+    if opt.kvh_test_db is not None:
+        return (config.invocation_params.dir / opt.kvh_test_db).parent / DURATIONS_NAME
+    raise pytest.UsageError("kvharness: --kvh-shard needs --kvh-durations-file (or "
+                            "--kvh-test-db, whose "
+                            f"folder's parent holds {DURATIONS_NAME})")
+
+
+def check_shard_options(config: pytest.Config) -> None:
+    """Raise pytest.UsageError for an incomplete or contradictory shard request."""
+    opt = config.option
+    wanted = (opt.kvh_shards, opt.kvh_shard_time_budget)
+    if opt.kvh_shard is None:
+        if any(v is not None for v in wanted):
+            raise pytest.UsageError("kvharness: --kvh-shards/--kvh-shard-time-budget need "
+                                    "--kvh-shard K")
+        return
+    if all(v is None for v in wanted) or all(v is not None for v in wanted):
+        raise pytest.UsageError("kvharness: --kvh-shard K needs one of --kvh-shards N or "
+                                "--kvh-shard-time-budget MINUTES")
+    if opt.kvh_shard < 1 or (opt.kvh_shards is not None
+                             and not 1 <= opt.kvh_shard <= opt.kvh_shards):
+        raise pytest.UsageError(f"kvharness: --kvh-shard {opt.kvh_shard} is outside "
+                                f"1..{opt.kvh_shards}")
+    budget = opt.kvh_shard_time_budget
+    if budget is not None and (not math.isfinite(budget) or budget <= 0):
+        raise pytest.UsageError(f"kvharness: --kvh-shard-time-budget {budget:g}: expected a "
+                                "positive, finite number of minutes")
+
+
+def apply_shard(config: pytest.Config, items: list[pytest.Item]) -> ShardRun | None:
+    """Keep this shard's items (in place; the rest through pytest_deselected).
+
+    Returns the shard's plan, or None without --kvh-shard. A shard beyond the count a time
+    budget needs keeps nothing. Raises pytest.UsageError for an unreadable durations file,
+    more shards than items (asked for, or needed by the budget: both numbers named), or
+    where pytest-split is not installed.
+    """
+    opt = config.option
+    if opt.kvh_shard is None:
+        return None
+    try:
+        durations = load_durations(_durations_path(config))
+    except ValueError as exc:
+        raise pytest.UsageError(f"kvharness: {exc}") from None
+    flag = (f"--kvh-shards {opt.kvh_shards}" if opt.kvh_shards is not None
+            else f"--kvh-shard-time-budget {opt.kvh_shard_time_budget:g}")
+    try:
+        count = opt.kvh_shards or shards_for_budget(items, durations,
+                                                    opt.kvh_shard_time_budget * 60)
+        plan = lpt(items, durations, count)
+    except ValueError as exc:
+        raise pytest.UsageError(f"kvharness: {flag}: {exc}") from None
+    mine = set(plan[opt.kvh_shard - 1].tests) if opt.kvh_shard <= count else set()
+    drop = [item for item in items if item.nodeid not in mine]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item.nodeid in mine]
+    predicted = plan[opt.kvh_shard - 1].predicted if opt.kvh_shard <= count else 0.0
+    return ShardRun(opt.kvh_shard, count, len(items), predicted,
+                    tuple(s.predicted for s in plan))

@@ -6,9 +6,9 @@ first `Difference`: a count mismatch, a generated token, or a logit beyond `atol
 never matches). A scenario's assertion and `kvharness repro` both describe it with
 `describe`, so a replay prints the failure in the test's own words.
 
-Outputs are read through `request_id` (or `seq_id`), `prompt`, `token_ids` and `logits`
-(a `[steps, vocab]` tensor, or None); the logits are read with tensor methods only, so
-this module imports no torch.
+Outputs are read through `request_id`, `prompt`, `token_ids` and `logits` (a
+`[steps, vocab]` tensor, or None); the logits are read with tensor methods only, so this
+module imports no torch.
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ class Difference(NamedTuple):
         return self._asdict()
 
 
-def _rid(out: Any) -> int | None:
-    rid = getattr(out, "request_id", getattr(out, "seq_id", None))
-    return rid if isinstance(rid, int) else None
+def _request_id(out: Any) -> int | None:
+    return out.request_id if isinstance(out.request_id, int) else None
 
 
 def first_difference(expected: Sequence[Any], actual: Sequence[Any], atol: float
@@ -53,7 +52,7 @@ def first_difference(expected: Sequence[Any], actual: Sequence[Any], atol: float
         return Difference("count", None, None, None, None, None, None, None, None, atol,
                           f"{len(actual)} outputs, {len(expected)} expected")
     for i, (exp, act) in enumerate(zip(expected, actual, strict=True)):
-        head = (i, _rid(exp), _rid(act), len(act.prompt))
+        head = (i, _request_id(exp), _request_id(act), len(act.prompt))
         want, got = list(exp.token_ids), list(act.token_ids)
         if want != got:
             step = next((s for s, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),

@@ -5,7 +5,7 @@ Every repro file is one JSON object:
     {"format": "kvharness-repro", "version": 3, "kind": "reuse" | "scenario", ...}
 
 `kind` says which record follows (harness.repro.reuse_record.ReuseCheckRecord: a reuse
-check over a cache's admission log; harness.repro.record.ScenarioRecord: a scenario's
+check over a cache's admission log; harness.repro.scenario_record.ScenarioRecord: a scenario's
 engines and workload). A reader rejects another format, another version or kind, a missing or
 mistyped field and an unknown key with a `ReproFormatError` that names the file and the
 field (`engines[0].calls[3].prompts[1]`), so a hand-edited file fails where it is wrong.

@@ -20,7 +20,7 @@ imported only when a file names it (run `kvharness repro` from the repository ro
 where `tests` imports). A test that records an object not listed here writes a file
 `kvharness repro` refuses: list the object here to re-run it.
 
-Like harness.repro.rerun, this loads kvcache (and torch) inside its functions only.
+Like harness.repro.scenario_rerun, this loads kvcache (and torch) inside its functions only.
 """
 
 from __future__ import annotations

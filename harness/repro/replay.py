@@ -3,11 +3,11 @@ carries (`record_of`, for the plugin), read one from its file and replay it
 (`replay_file`, for `kvharness repro`).
 
 A `kind: reuse` record (harness.repro.reuse_record) is replayed on a fresh cache
-(harness.repro.reuse_replay); a `kind: scenario` record (harness.repro.record) re-runs
-its engines (harness.repro.rerun). Either way the answer is an `Outcome`
-(harness.repro.outcome), and whatever stops a replay (a malformed file, a name outside
-the registry, an engine error, out of memory) is the outcome `cannot run` with its
-message, never an exception: an uncaught one would read as "reproduced" to
+(harness.repro.reuse_replay); a `kind: scenario` record (harness.repro.scenario_record)
+re-runs its engines (harness.repro.scenario_rerun). Either way the answer is an
+`Outcome` (harness.repro.outcome), and whatever stops a replay (a malformed file, a name
+outside the registry, an engine error, out of memory) is the outcome `cannot run` with
+its message, never an exception: an uncaught one would read as "reproduced" to
 `git bisect run`.
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from harness.repro.fileformat import ReproFormatError, open_file
 from harness.repro.outcome import Outcome
-from harness.repro.record import ScenarioRecord
-from harness.repro.rerun import rerun
 from harness.repro.reuse_record import ReuseCheckRecord
 from harness.repro.reuse_replay import replay as replay_reuse_check
+from harness.repro.scenario_record import ScenarioRecord
+from harness.repro.scenario_rerun import rerun
 from harness.reuse.assertions import ReuseMismatch
 
 Record = ReuseCheckRecord | ScenarioRecord

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class Result:
     """One request's result in the protocol's terms."""
 
-    seq_id: Hashable
+    request_id: Hashable
     token_ids: Sequence[int]
     logits: Any | None
     num_cached_tokens: int

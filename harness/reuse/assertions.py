@@ -162,7 +162,7 @@ TreeDump = str | Callable[[], str]
 
 @dataclass(frozen=True)
 class Row:
-    """One checked counter: where (`total` or `request <seq_id>`), which counter, the
+    """One checked counter: where (`total` or `request <request_id>`), which counter, the
     bounds it had to lie in (None: shown, not checked) and the value it had (None:
     the stats lack it)."""
 
@@ -212,10 +212,10 @@ def _per_request_bounds(spec: Mapping[str, Number | Bounds]) -> dict[str, Bounds
 def _request_rows(per_request: Mapping[Hashable, Mapping[str, Number | Bounds]],
                   actual_requests: Mapping[Hashable, StatsLike]) -> list[Row]:
     rows: list[Row] = []
-    for seq_id, spec in per_request.items():
-        got = actual_requests.get(seq_id)
-        actual = normalize_stats(got, f"request {seq_id!r}") if got is not None else {}
-        rows += [Row(f"request {seq_id!r}", name, bound, actual.get(name))
+    for request_id, spec in per_request.items():
+        got = actual_requests.get(request_id)
+        actual = normalize_stats(got, f"request {request_id!r}") if got is not None else {}
+        rows += [Row(f"request {request_id!r}", name, bound, actual.get(name))
                  for name, bound in _per_request_bounds(spec).items()]
     return rows
 
@@ -290,9 +290,9 @@ def expect_reuse(before: StatsLike | None, after: StatsLike, *,
                  tree_dump: TreeDump | None = None) -> dict[str, Number]:
     """Check the window `after - before` against exact counts and bounds.
 
-    Counter names may be camelCase or snake_case. `per_request` maps seq_id -> counter ->
-    exact value or `Bounds`, checked against `actual_requests` (seq_id -> that request's
-    metrics). Returns the window. Raises ReuseMismatch when a check fails, ValueError for
+    Counter names may be camelCase or snake_case. `per_request` maps request_id -> counter
+    -> exact value or `Bounds`, checked against `actual_requests` (request_id -> that
+    request's metrics). Returns the window. Raises ReuseMismatch when a check fails, ValueError for
     an expectation on a counter the stats do not have, or per_request without actuals.
     """
     __tracebackhide__ = True
@@ -350,8 +350,8 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
     Totals: `engine.kv_cache_stats()` minus `before` (default: since start) against the
     prediction's totals, for every counter the engine reports. Per request (when
     `results` from `generate` are given): each result's `kv_metrics` (if any) and
-    `num_cached_tokens` against the prediction for its `seq_id` (or `request_id`),
-    i.e. that request's first admission. `exact=False` (bounded
+    `num_cached_tokens` against the prediction for its `request_id`, i.e. that request's
+    first admission. `exact=False` (bounded
     pool) only checks reuse <= predicted and misses >= predicted, which holds with
     partial reuse off (see `harness.oracle.model` for why not always with it on). Returns the window.
     Raises ReuseMismatch on a difference.
@@ -362,10 +362,8 @@ def expect_matches_oracle(engine: EngineUnderTest, oracle_prediction: OraclePred
     rows = [Row("total", n, b, window.get(n)) for n, b in totals.items()
             if n in window or n in _SHOWN]
     for result in results or ():
-        # kvcache's GenerationOutput names it request_id
-        seq_id = getattr(result, "seq_id", getattr(result, "request_id", None))
-        predicted = oracle_prediction.requests.get(seq_id)
-        where = f"request {seq_id!r}"
+        predicted = oracle_prediction.requests.get(result.request_id)
+        where = f"request {result.request_id!r}"
         if predicted is None:
             rows.append(Row(where, "admitted", Bounds(1, 1), 0))
             continue
@@ -398,13 +396,15 @@ def expect_full_blocks_bounded(engine: EngineUnderTest, results: Any = (), *,
     __tracebackhide__ = True
     prediction = predict_from_engine(engine)
     full = "fullReusedBlocks"
-    rids = [getattr(o, "seq_id", getattr(o, "request_id", None)) for o in results]
+    request_ids = [o.request_id for o in results]
     return expect_reuse(
         None, engine.kv_cache_stats(),
         at_most={full: prediction.totals.full_reused_blocks},
-        per_request={rid: {full: Bounds(at_most=prediction.requests[rid].full_reused_blocks)}
-                     for rid in rids},
-        actual_requests={rid: o.kv_metrics for rid, o in zip(rids, results, strict=True)
+        per_request={request_id: {full: Bounds(
+            at_most=prediction.requests[request_id].full_reused_blocks)}
+            for request_id in request_ids},
+        actual_requests={request_id: o.kv_metrics
+                         for request_id, o in zip(request_ids, results, strict=True)
                          if o.kv_metrics is not None},
         context=context,
         tree_dump=tree_dump)

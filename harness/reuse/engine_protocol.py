@@ -29,11 +29,9 @@ class GenerationResult(Protocol):
     """One request's result, in the order of the prompts given to `generate`."""
 
     @property
-    def seq_id(self) -> Hashable:
-        """The id this request has in `admission_log()` (joins results to the log).
-
-        `harness.reuse.assertions` also reads it as `request_id` (kvcache's GenerationOutput).
-        """
+    def request_id(self) -> Hashable:
+        """The request's id: its sequence's `seq_id` in `admission_log()` (joins results
+        to the log)."""
         ...
 
     @property
@@ -65,7 +63,8 @@ class EngineUnderTest(Protocol):
     `generate` runs prompts to completion and mutates the cache; the other members only
     read. `admission_log()` lists, since the engine was built, every cache operation in
     the order the cache saw it, as mappings with keys kind ("admit" | "commit" |
-    "append" | "free", and optionally "copy"), seq_id, tokens (admit: the prompt; append:
+    "append" | "free", and optionally "copy"), seq_id (the cache's name for the
+    request's sequence: a result's request_id), tokens (admit: the prompt; append:
     the new tokens), num_tokens (commit: tokens whose KV is now valid, counted from the
     sequence's start) and scope (None, or a hashable key such as (salt, lora_id));
     replaying it through `harness.oracle.model.replay` predicts reuse under any batching

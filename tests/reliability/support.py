@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.oracle import ShadowStore
-from harness.oracle.checks import capacity_of
+from harness.oracle.after_test import capacity_of
 from kvcache import Engine, KvCacheConfig, KvCacheManager, ReuseScope
 from kvcache.attention.base import AttentionBackend
 from kvcache.engine import GenerationOutput

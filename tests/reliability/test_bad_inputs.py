@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 from harness.cli import main as kvharness
 from harness.lists.db import load_test_db
 from harness.lists.errors import ListError
+from harness.lists.kill_record import load_kills
 from harness.lists.waives import default_waives, load_waives
-from harness.plugin.ordering import load_kills
 from kvcache import Engine, EngineConfig, KvCacheConfig, KvCacheManager
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.engine import RequestFinishedError

@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 from harness.cli import main as kvharness
-from harness.repro.record import OracleFailure
 from harness.repro.registry import TEST_OBJECTS, object_ref
 from harness.repro.reuse_record import ReuseCheckRecord, plain
+from harness.repro.scenario_record import OracleFailure
 from harness.reuse.assertions import replay_config
 from kvcache import Engine, KvCacheConfig, KvCacheManager
 from kvcache.attention.base import AttentionBackend

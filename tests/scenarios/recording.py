@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from harness.repro.compare import Difference
-from harness.repro.record import Failure, OutputRef, OutputsFailure, ScenarioRecord
 from harness.repro.registry import object_ref
+from harness.repro.scenario_record import Failure, OutputRef, OutputsFailure, ScenarioRecord
 from harness.repro.workload import Call, EngineRecipe, EngineRun, Op, scope_json
 from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import predict_from_engine

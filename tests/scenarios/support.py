@@ -21,9 +21,9 @@ import torch
 
 from harness.reports.summary import ReuseRecord, ReuseReport
 from harness.repro.compare import describe, first_difference
-from harness.repro.record import Failure, FullBlocksFailure, OracleFailure, OutputRef
 from harness.repro.registry import object_ref
 from harness.repro.reuse_record import row_dicts
+from harness.repro.scenario_record import Failure, FullBlocksFailure, OracleFailure, OutputRef
 from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import (
     ReproContext,

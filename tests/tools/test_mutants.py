@@ -1,5 +1,6 @@
 """tools/mutants.py's catalogue: the project's applies to this checkout; entries that
-cannot be applied are refused, naming the field; the figures of a report."""
+cannot be applied are refused, naming the field; the figures of a report; what each
+outcome does to the kill record."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import re
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -132,3 +134,29 @@ def test_the_project_catalogue_applies_to_this_checkout(mutants: ModuleType) -> 
     assert {m.area for m in catalogue} >= {"core", "window", "hybrid", "host", "metadata",
                                            "batch", "events", "stats"}
     assert all(m.models.endswith(".") for m in catalogue)  # each says its bug in a sentence
+
+
+def test_each_outcome_updates_its_own_kill_record_entry(mutants: ModuleType,
+                                                        tmp_path: Path) -> None:
+    path = tmp_path / "test_lists" / ".test_kills.json"
+
+    def outcome(mutant: str, status: str, killer: str | None = None,
+                killers: tuple[str, ...] = ()) -> Any:
+        return mutants.Outcome(mutant, "core", status, killer, None, 1.0, killers)
+
+    mutants.record_kills([outcome("a", "killed", "t.py::b")], path, matrix=False)
+    assert json.loads(path.read_text()) == {"mutants": {"a": ["t.py::b"]}}  # a new record
+    path.write_text(json.dumps({"mutants": {"a": ["t.py::z"], "b": ["t.py::y"],
+                                            "c": ["t.py::x"], "d": ["t.py::w"]}}))
+    mutants.record_kills([outcome("a", "killed", "t.py::b"), outcome("b", "survived"),
+                          outcome("c", "error")], path, matrix=False)
+    # fail-fast adds its first failing test; a survivor loses its entry; an error and a
+    # mutant not run keep theirs
+    assert json.loads(path.read_text()) == {"mutants": {
+        "a": ["t.py::b", "t.py::z"], "c": ["t.py::x"], "d": ["t.py::w"]}}
+    mutants.record_kills([outcome("a", "killed", "t.py::q", ("t.py::q", "t.py::p"))], path,
+                         matrix=True)
+    assert json.loads(path.read_text())["mutants"]["a"] == ["t.py::p", "t.py::q"]  # replaced
+    path.write_text('{"a": ["t.py::b"]}')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: a kill record is"):
+        mutants.record_kills([outcome("a", "killed", "t.py::b")], path, matrix=False)

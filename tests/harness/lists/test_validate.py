@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.lists.checks import (
+from harness.lists.db import load_test_db
+from harness.lists.validate import (
     collect_node_ids,
     duplicate_problems,
     orphan_problems,
     unmatched_problems,
     validate,
 )
-from harness.lists.db import load_test_db
 
 HEAD = "version: 0.0.1\nl0_cpu:\n"
 

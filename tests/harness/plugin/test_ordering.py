@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from harness.plugin.ordering import MIN_SECONDS, PriorWeights, fail_first, load_kills
+from harness.plugin.ordering import MIN_SECONDS, PriorWeights, fail_first
 
 pytest_plugins = ["pytester"]
 
@@ -90,7 +90,7 @@ def test_the_prior_weighs_oracles_bound_by_cache_tests(monkeypatch: pytest.Monke
                          run_steps=from_module("tests.support"), again=support)
     unit_test = module("tests.test_unit", kvcache=module("kvcache"))
     lists_test = module("tests.test_lists", db=module("harness.lists.db"),
-                        oracle=from_module("harness.oracle.checks"))
+                        oracle=from_module("harness.oracle.after_test"))
     prior = PriorWeights()
     assert prior.of(oracle_test) == 3  # the cache, the checked manager, the index via support
     assert prior.of(unit_test) == 1
@@ -131,25 +131,6 @@ def test_the_projects_shared_fixtures_survive_the_order() -> None:
               for scope in map(_fixture_scope, node.decorator_list)
               if scope in ("module", "class", "package")]
     assert scoped == []
-
-
-@pytest.mark.parametrize(("text", "message"), [
-    ("[]", r"a kill record is \{\"mutants\""),
-    ('{"mutants": {"m1": "t.py::test_a"}}', r"mutant 'm1': the tests that killed it are a list"),
-    ('{"mutants": {"m1": [3]}}', r"mutant 'm1'"),
-    ("{not json", r"not a readable kill record"),
-])
-def test_bad_kill_records(tmp_path: Path, text: str, message: str) -> None:
-    path = tmp_path / ".test_kills.json"
-    path.write_text(text)
-    with pytest.raises(ValueError, match=message) as info:
-        load_kills(path)
-    assert str(info.value).startswith(str(path))
-
-
-def test_a_kill_record_reads_back(tmp_path: Path) -> None:
-    path = _write_kills(tmp_path, {"m1": ["t.py::test_a", "t.py::test_a"], "m2": []})
-    assert load_kills(path) == {"m1": frozenset({"t.py::test_a"}), "m2": frozenset()}
 
 
 # -- the plugin, in real pytest processes -------------------------------------------------

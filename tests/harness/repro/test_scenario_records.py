@@ -20,8 +20,13 @@ import pytest
 from harness.cli import main as kvharness
 from harness.reports.summary import ReuseReport
 from harness.repro.fileformat import open_file
-from harness.repro.record import FullBlocksFailure, OracleFailure, OutputsFailure, ScenarioRecord
-from harness.repro.rerun import rerun
+from harness.repro.scenario_record import (
+    FullBlocksFailure,
+    OracleFailure,
+    OutputsFailure,
+    ScenarioRecord,
+)
+from harness.repro.scenario_rerun import rerun
 from harness.reuse.assertions import ReuseMismatch
 from tests.scenarios.faults import OverCountingEngine
 from tests.scenarios.recording import check_record

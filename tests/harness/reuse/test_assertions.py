@@ -16,6 +16,7 @@ from harness.reuse.assertions import (
     ReuseMismatch,
     canonical_name,
     diff_stats,
+    expect_full_blocks_bounded,
     expect_matches_oracle,
     expect_reuse,
     predict_from_engine,
@@ -132,7 +133,7 @@ def test_bad_stats() -> None:
 
 @dataclass(frozen=True)
 class Result:
-    seq_id: Hashable
+    request_id: Hashable
     token_ids: Sequence[int]
     logits: Any
     num_cached_tokens: int
@@ -203,6 +204,30 @@ def test_engine_vs_wrong_prediction_names_requests() -> None:
     assert "  (2 more requests matched every check)" in text  # the cold ones, 0 and 1
     assert "request 0" not in text
 
+
+
+@dataclass(frozen=True)
+class SeqIdResult:
+    """A result that names its request by the cache's word for it."""
+
+    seq_id: Hashable
+    token_ids: Sequence[int]
+    num_cached_tokens: int
+    kv_metrics: Mapping[str, int | float]
+
+
+def test_a_result_names_its_request_by_request_id_alone() -> None:
+    # one spelling at the harness boundary: the checks read request_id, never seq_id
+    engine = CacheOnlyEngine(KvCacheConfig(tokens_per_block=4, max_num_blocks=256))
+    results = engine.generate(PROMPTS[:2], 2)
+    prediction = predict_from_engine(engine)
+    expect_matches_oracle(engine, prediction, results=results)
+    spelled = [SeqIdResult(r.request_id, r.token_ids, r.num_cached_tokens, r.kv_metrics)
+               for r in results]
+    for check in (lambda: expect_matches_oracle(engine, prediction, results=spelled),
+                  lambda: expect_full_blocks_bounded(engine, spelled)):
+        with pytest.raises(AttributeError, match="request_id"):
+            check()
 
 def test_bounded_pool_stays_under_oracle() -> None:
     # 8 blocks for prompts of 4 blocks each: evictions; partial reuse off keeps the

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from harness.oracle.after_test import capacity_of, oracle_problems
 from harness.oracle.checked_manager import CheckedManager
-from harness.oracle.checks import capacity_of, oracle_problems
 from kvcache import KvCacheConfig, KvCacheManager, KvCacheStats
 
 pytest_plugins = ["pytester"]

@@ -15,7 +15,7 @@ admission log, counters, the oracle's prediction) and the check that failed:
 
 The scenario suites build it (tests/scenarios/recording.py); the plugin writes it to
 `<results-dir>/repro/<test id>.json` as a `kind: scenario` file (harness.repro.fileformat);
-`kvharness repro FILE` re-runs it (harness.repro.rerun).
+`kvharness repro FILE` re-runs it (harness.repro.scenario_rerun).
 """
 
 from __future__ import annotations

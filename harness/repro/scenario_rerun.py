@@ -26,8 +26,13 @@ from harness.oracle.types import DEFAULT_PRIORITY
 from harness.repro.compare import describe, first_difference
 from harness.repro.fileformat import ReproFormatError
 from harness.repro.outcome import Outcome
-from harness.repro.record import FullBlocksFailure, OracleFailure, OutputRef, ScenarioRecord
 from harness.repro.registry import Resolved, resolve
+from harness.repro.scenario_record import (
+    FullBlocksFailure,
+    OracleFailure,
+    OutputRef,
+    ScenarioRecord,
+)
 from harness.repro.workload import Call, EngineRecipe, EngineRun, scope_args
 from harness.reuse.adapters import KvcacheEngineAdapter
 from harness.reuse.assertions import (
