@@ -234,7 +234,7 @@ exit codes:
 
 
 def _conform(args: argparse.Namespace) -> int:
-    from harness.conform.runner import conform, replay_file  # loads nothing at startup
+    from harness.conform.controller.runner import conform, replay_file  # loads nothing at startup
 
     if args.replay is not None:
         return replay_file(args.spec, args.replay)

@@ -23,10 +23,10 @@ import types
 from collections.abc import Hashable
 from typing import IO, Any
 
-from harness.conform.kvcache_adapter import PACKAGE_MODULES, KvcacheCache, package_dir
+from harness.conform.adapters.kvcache import PACKAGE_MODULES, KvcacheCache, package_dir
 from harness.conform.protocol import CacheUnderTest, LoadedEngine
 from harness.conform.stubs import StubSpec, install
-from harness.conform.worker import Worker, answer
+from harness.conform.worker.serve import Worker, answer
 
 
 class _TouchesStub(KvcacheCache):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.conform import install
-from harness.conform.checks import CHECKS
-from harness.conform.locks import find_lock
-from harness.conform.runner import conform
+from harness.conform.controller import install
+from harness.conform.controller.families import CHECKS
+from harness.conform.controller.locks import find_lock
+from harness.conform.controller.runner import conform
 
 SEEDS = 8
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.conform import install
-from harness.conform.locks import find_lock
-from harness.conform.runner import conform
+from harness.conform.controller import install
+from harness.conform.controller.locks import find_lock
+from harness.conform.controller.runner import conform
 
 PINNED = ("vllm==0.33.0", "sglang==0.5.23")
 

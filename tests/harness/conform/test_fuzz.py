@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 from harness.conform import ops
-from harness.conform.checks import B
-from harness.conform.fuzz import _ddmin, fuzz, shrink
-from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.controller.families import B
+from harness.conform.controller.fuzz import _ddmin, fuzz, shrink
+from harness.conform.controller.targets import LocalTarget, replay
 from harness.conform.ops import ops_from_json, ops_to_json
-from harness.conform.targets import LocalTarget, replay
 from tests.harness.conform import faults
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from harness.conform import ops
-from harness.conform.checks import B, check_named
-from harness.conform.judge import Judge
-from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.controller.families import B, check_named
+from harness.conform.controller.judge import Judge
+from harness.conform.controller.runner import run_check
+from harness.conform.controller.targets import LocalTarget, Target, replay
 from harness.conform.protocol import Scope
-from harness.conform.runner import run_check
-from harness.conform.targets import LocalTarget, Target, replay
 from tests.harness.conform import faults
 
 A18 = list(range(100, 118))

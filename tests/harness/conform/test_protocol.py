@@ -8,11 +8,11 @@ import json
 import pytest
 
 from harness.conform import ops
-from harness.conform.kvcache_adapter import contract as kvcache_contract
+from harness.conform.adapters.kvcache import contract as kvcache_contract
+from harness.conform.adapters.sglang import contract as sglang_contract
+from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.ops import Op, ops_from_json, ops_to_json
 from harness.conform.protocol import Contract, Scope
-from harness.conform.sglang_adapter import contract as sglang_contract
-from harness.conform.vllm_adapter import contract as vllm_contract
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -107,7 +107,8 @@ def test_ops_round_trip_and_describe_themselves() -> None:
 def test_the_unified_contract_is_radix_caches_but_for_who_frees_duplicates() -> None:
     """UnifiedRadixCache keeps RadixCache's semantics; its insert frees the caller's
     duplicate slots itself, and its contract says where (the adapter then frees none)."""
-    from harness.conform import sglang_adapter, sglang_unified_adapter
+    from harness.conform.adapters import sglang as sglang_adapter
+    from harness.conform.adapters import sglang_unified as sglang_unified_adapter
 
     unified = sglang_unified_adapter.contract("0.5.23", 4)
     radix = sglang_adapter.contract("0.5.23", 4)

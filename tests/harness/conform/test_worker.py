@@ -20,15 +20,16 @@ from typing import Any
 
 import pytest
 
-from harness.conform import install, ops
-from harness.conform.kvcache_adapter import KvcacheCache
-from harness.conform.locks import find_lock
-from harness.conform.remote import WorkerError, WorkerTarget
-from harness.conform.report import Report
-from harness.conform.runner import conform
-from harness.conform.session import Session
+from harness.conform import ops
+from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.controller import install
+from harness.conform.controller.locks import find_lock
+from harness.conform.controller.remote import WorkerError, WorkerTarget
+from harness.conform.controller.report import Report
+from harness.conform.controller.runner import conform
 from harness.conform.stubs import StubSpec, StubUsedError, raising_function
-from harness.conform.worker import serve
+from harness.conform.worker.serve import serve
+from harness.conform.worker.session import Session
 
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 ENGINE, VERSION = "sglang", "0.5.23"  # a lock with raising stubs
@@ -42,13 +43,13 @@ def _talk(*requests: object) -> list[dict[str, object]]:
 
 def test_every_bad_request_gets_an_error_reply_and_the_worker_goes_on() -> None:
     replies = _talk({"cmd": "open", "num_blocks": 8, "block_size": 4},
-                    {"cmd": "load", "engine": "harness.conform.kvcache_adapter"},
+                    {"cmd": "load", "engine": "harness.conform.adapters.kvcache"},
                     {"cmd": "load", "engine": "vllm", "stubs": {"mock": {}}}, [1, 2])
     assert [r["ok"] for r in replies] == [False] * 5
     assert replies[0]["error"] == "ValueError: 'open' before load"
     # a module path is not an engine name: nothing is imported
     assert replies[1]["error"].startswith("ValueError: no adapter for engine "
-                                          "'harness.conform.kvcache_adapter'")
+                                          "'harness.conform.adapters.kvcache'")
     assert "unknown keys ['mock']" in replies[2]["error"]
     assert "a request is a JSON object" in replies[3]["error"]
     assert replies[4]["error"].startswith("JSONDecodeError")

@@ -27,8 +27,8 @@ from typing import IO, Any
 import harness
 from harness.conform.ops import Op, ops_to_json
 from harness.conform.protocol import Contract
-from harness.conform.session import StepReport
 from harness.conform.stubs import StubSpec
+from harness.conform.worker.session import StepReport
 
 LOAD_TIMEOUT = 900.0  # the first import after an install compiles every module
 CALL_TIMEOUT = 300.0

@@ -22,10 +22,10 @@ from typing import Any
 from harness.conform.stubs import StubSpec
 from harness.data_files import load_json
 
-LOCK_DIR = Path(__file__).parent / "locks"
+LOCK_DIR = Path(__file__).parents[1] / "locks"
 # engine -> the adapter module its worker loads (the only code a lock can lead to)
-ADAPTERS = {"vllm": "harness.conform.vllm_adapter", "sglang": "harness.conform.sglang_adapter",
-            "sglang_unified": "harness.conform.sglang_unified_adapter"}
+ADAPTERS = {"vllm": "harness.conform.adapters.vllm", "sglang": "harness.conform.adapters.sglang",
+            "sglang_unified": "harness.conform.adapters.sglang_unified"}
 # an engine whose adapter drives another cache class of the same package: its wheel and
 # `pip download` name the package (every other engine is its own package)
 DISTRIBUTIONS = {"sglang_unified": "sglang"}

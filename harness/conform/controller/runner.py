@@ -1,9 +1,9 @@
 """`kvharness conform SPEC`: install, self-test, every check, the fuzz, the report.
 
 SPEC is `vllm==0.33.0` or `sglang==0.5.23` (a locked version: installed on first use
-into its cached venv, `harness.conform.install`), a bare `vllm` or `sglang` (the one
+into its cached venv, `harness.conform.controller.install`), a bare `vllm` or `sglang` (the one
 installed in this interpreter, with its version's stubs), or `kvcache` (this checkout's
-manager, in this process). An engine runs in its worker (`harness.conform.remote`); the
+manager, in this process). An engine runs in its worker (`harness.conform.controller.remote`); the
 checks, the oracles, the shrinking and the report run here, the same code for every
 engine. Exit 0: every check passed; 1: a check found a violation; 2: the run could not
 be trusted or done (an unsupported version, a failed install, a self-test that refused,
@@ -27,19 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.conform import checks as families
-from harness.conform.bench import run_bench
-from harness.conform.checks import Check, Run
-from harness.conform.fuzz import fuzz, shrink
-from harness.conform.install import InstallError, ensure
-from harness.conform.judge import Violation
-from harness.conform.kvcache_adapter import (
+from harness.conform.adapters.kvcache import (
     PACKAGE_MODULES,
     KvcacheCache,
     kvcache_version,
     package_dir,
 )
-from harness.conform.locks import (
+from harness.conform.controller import families
+from harness.conform.controller.families import Check, Run
+from harness.conform.controller.fuzz import fuzz, shrink
+from harness.conform.controller.install import InstallError, ensure
+from harness.conform.controller.judge import Violation
+from harness.conform.controller.locks import (
     ADAPTERS,
     NOT_RUNNABLE_HERE,
     Lock,
@@ -48,9 +47,8 @@ from harness.conform.locks import (
     distribution,
     find_lock,
 )
-from harness.conform.ops import Op, ops_from_json, ops_to_json
-from harness.conform.remote import StubTouched, WorkerError, WorkerTarget
-from harness.conform.report import (
+from harness.conform.controller.remote import StubTouched, WorkerError, WorkerTarget
+from harness.conform.controller.report import (
     EXIT_CANNOT_RUN,
     EXIT_PASSED,
     EXIT_VIOLATION,
@@ -60,8 +58,10 @@ from harness.conform.report import (
     prepare_folder,
     write_report,
 )
-from harness.conform.selftest import self_test
-from harness.conform.targets import LocalTarget, Target, replay
+from harness.conform.controller.targets import LocalTarget, Target, replay
+from harness.conform.ops import Op, ops_from_json, ops_to_json
+from harness.conform.worker.bench import run_bench
+from harness.conform.worker.selftest import self_test
 from harness.data_files import load_json
 
 _SPEC = re.compile(r"([a-z][a-z0-9_-]*)(==([0-9][0-9A-Za-z.+-]*))?")

@@ -8,7 +8,7 @@ workload fits in. Each runs through the engine's adapter and through kvcache's, 
 engine's worker, so both pay the same protocol (no event log, no router events) on the
 same interpreter at the same time. Tokens per second of the best round.
 
-`python -m harness.conform.bench RESULTS_DIR` is `nox -s bench`'s section: the same
+`python -m harness.conform.worker.bench RESULTS_DIR` is `nox -s bench`'s section: the same
 through every pinned engine already installed (skipped otherwise).
 """
 
@@ -66,7 +66,7 @@ def _timed(make: Callable[[int], CacheUnderTest], pool: int, prompts: list[list[
 def run_bench(engine: LoadedEngine | None, quick: bool) -> list[BenchRow]:
     """Every workload and phase through `engine`'s adapter (None: kvcache's only) and
     kvcache's. Raises RuntimeError if an adapter refuses a request."""
-    from harness.conform.kvcache_adapter import KvcacheCache
+    from harness.conform.adapters.kvcache import KvcacheCache
 
     adapters: list[tuple[str, Callable[[int], CacheUnderTest]]] = [
         ("kvcache", lambda n: KvcacheCache(n, BLOCK, record=False))]
@@ -93,9 +93,9 @@ def section(results: Path, quick: bool, say: Callable[[str], None] = print) -> l
     exists runs `kvharness conform SPEC --bench` (its report under
     results/conformance-<engine>); returns the markdown section (a line saying none was
     installed otherwise). Installs nothing."""
-    from harness.conform.install import installed  # harness side only, never in a worker
-    from harness.conform.locks import find_lock
-    from harness.conform.runner import conform
+    from harness.conform.controller.install import installed  # harness side only, never in a worker
+    from harness.conform.controller.locks import find_lock
+    from harness.conform.controller.runner import conform
 
     lines = ["## Prefix caches side by side (kvharness conform --bench)", ""]
     ran = False
@@ -131,11 +131,11 @@ def _speed_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m harness.conform.bench RESULTS_DIR [--quick]`: write
+    """`python -m harness.conform.worker.bench RESULTS_DIR [--quick]`: write
     RESULTS_DIR/conformance.md (see `section`)."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m harness.conform.bench RESULTS_DIR [--quick]", file=sys.stderr)
+        print("usage: python -m harness.conform.worker.bench RESULTS_DIR [--quick]", file=sys.stderr)
         return 2
     results = Path(args[0])
     lines = section(results, "--quick" in args[1:])

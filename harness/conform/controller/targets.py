@@ -2,7 +2,7 @@
 
 A check talks to a target only, so one check runs unchanged in this process
 (`LocalTarget`: kvcache) or against an engine in its own virtual environment
-(`harness.conform.remote.WorkerTarget`). `replay` runs an op list on a fresh cache
+(`harness.conform.controller.remote.WorkerTarget`). `replay` runs an op list on a fresh cache
 under the oracles: what shrinking and `--replay` use.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from harness.conform.judge import Judge, Violation
+from harness.conform.controller.judge import Judge, Violation
 from harness.conform.ops import Op
 from harness.conform.protocol import CacheUnderTest, Contract
-from harness.conform.session import Session, StepReport
+from harness.conform.worker.session import Session, StepReport
 
 
 class Target(Protocol):

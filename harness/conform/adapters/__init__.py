@@ -1,0 +1,1 @@
+"""The engine adapters: one module per engine, each a `CacheUnderTest` over its cache."""

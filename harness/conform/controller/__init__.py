@@ -1,0 +1,1 @@
+"""The harness's side of `kvharness conform`: the run, the checks, the judge, the report."""

@@ -1,0 +1,1 @@
+"""The worker's side: what runs where the cache under test runs."""
