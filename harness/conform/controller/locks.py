@@ -5,8 +5,9 @@ pure-Python dependency its cache modules import, pinned (`name==version`, instal
 `--no-deps`: what pip's resolver chose under the engine's own specifiers, minus the GPU
 stack), and the stubs for what cannot run on a CPU (`harness.conform.stubs.StubSpec`).
 torch is never in a lock: the engine's venv shares the CPU torch of the harness's
-interpreter. A lock is data: `engine` selects an adapter from `ADAPTERS`, the
-harness's own registry, and nothing in it names code to import.
+interpreter. A lock is data: `engine` selects an adapter from
+`harness.conform.adapters.ADAPTERS`, the harness's own registry, and nothing in it names
+code to import.
 
 The supported versions are the lock files present; anything else is refused with the
 list (`UnsupportedVersion`, exit 2 for `kvharness conform`).
@@ -19,13 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.conform.adapters import ADAPTERS
 from harness.conform.stubs import StubSpec
 from harness.data_files import load_json
 
 LOCK_DIR = Path(__file__).parents[1] / "locks"
-# engine -> the adapter module its worker loads (the only code a lock can lead to)
-ADAPTERS = {"vllm": "harness.conform.adapters.vllm", "sglang": "harness.conform.adapters.sglang",
-            "sglang_unified": "harness.conform.adapters.sglang_unified"}
 # an engine whose adapter drives another cache class of the same package: its wheel and
 # `pip download` name the package (every other engine is its own package)
 DISTRIBUTIONS = {"sglang_unified": "sglang"}

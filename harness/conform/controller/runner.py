@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.conform.adapters import ADAPTERS
 from harness.conform.adapters.kvcache import (
     PACKAGE_MODULES,
     KvcacheCache,
@@ -39,7 +40,6 @@ from harness.conform.controller.fuzz import fuzz, shrink
 from harness.conform.controller.install import InstallError, ensure
 from harness.conform.controller.judge import Violation
 from harness.conform.controller.locks import (
-    ADAPTERS,
     NOT_RUNNABLE_HERE,
     Lock,
     LockError,

@@ -4,7 +4,7 @@ The harness's process never imports an engine: it starts this worker with the en
 interpreter and the harness on its path, and speaks JSON lines: requests on stdin,
 replies on the file descriptor `--replies-fd N` names (a pipe of their own). Every
 message is data; the one that loads an engine names it, and the name selects an adapter
-from `harness.conform.controller.locks.ADAPTERS` (anything else is refused), so no message names
+from `harness.conform.adapters.ADAPTERS` (anything else is refused), so no message names
 code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}, with
 "stub": {"name", "module"} when what failed touched a stub (StubUsedError).
 
@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import IO, Any
 
-from harness.conform.controller.locks import ADAPTERS
+from harness.conform.adapters import ADAPTERS
 from harness.conform.ops import ops_from_json
 from harness.conform.protocol import LoadedEngine
 from harness.conform.stubs import StubSpec, StubUsedError
