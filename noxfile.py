@@ -178,7 +178,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.report", str(results))
     # vLLM's and SGLang's caches beside kvcache's, where an engine is installed
     quick = "--bench-quick" in session.posargs or os.environ.get("KVH_BENCH_QUICK") == "1"
-    session.run("python", "-m", "harness.conform.worker.bench", str(results),
+    session.run("python", "-m", "harness.conform.controller.speed", str(results),
                 *(["--quick"] if quick else []))
 
 
