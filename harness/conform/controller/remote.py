@@ -220,11 +220,10 @@ class WorkerTarget:
         except ValueError as exc:
             raise WorkerError(str(exc)) from None
 
-    # -- the rest -------------------------------------------------------------------------
-
     def self_test(self) -> dict[str, Any]:
         """The worker's self-test: problems ([] = passed), sources, substitutes."""
-        return self._call({"cmd": "selftest"}, LOAD_TIMEOUT)
+        reply = self._call({"cmd": "selftest"}, LOAD_TIMEOUT)
+        return {k: v for k, v in reply.items() if k != "ok"}
 
     def bench(self, quick: bool) -> list[dict[str, Any]]:
         """The benchmark rows, measured inside the worker."""

@@ -17,37 +17,20 @@ folder: nothing is written). The folder is checked before anything runs.
 
 from __future__ import annotations
 
-import importlib.metadata
-import re
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from harness.conform.adapters import ADAPTERS
-from harness.conform.adapters.kvcache import (
-    PACKAGE_MODULES,
-    KvcacheCache,
-    kvcache_version,
-    package_dir,
-)
 from harness.conform.controller import families
+from harness.conform.controller.engine_spec import CannotRun, EngineSpec, open_target
 from harness.conform.controller.families import Check, Run
 from harness.conform.controller.fuzz import fuzz, shrink
-from harness.conform.controller.install import InstallError, ensure
+from harness.conform.controller.install import InstallError
 from harness.conform.controller.judge import Violation
-from harness.conform.controller.locks import (
-    NOT_RUNNABLE_HERE,
-    Lock,
-    LockError,
-    UnsupportedVersion,
-    distribution,
-    find_lock,
-)
-from harness.conform.controller.remote import StubTouched, WorkerError, WorkerTarget
+from harness.conform.controller.locks import LockError, UnsupportedVersion
+from harness.conform.controller.remote import StubTouched, WorkerError
 from harness.conform.controller.report import (
     EXIT_CANNOT_RUN,
     EXIT_PASSED,
@@ -58,110 +41,49 @@ from harness.conform.controller.report import (
     prepare_folder,
     write_report,
 )
-from harness.conform.controller.targets import LocalTarget, Target, replay
+from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op, ops_from_json, ops_to_json
-from harness.conform.worker.bench import run_bench
-from harness.conform.worker.selftest import self_test
 from harness.data_files import load_json
 
-_SPEC = re.compile(r"([a-z][a-z0-9_-]*)(==([0-9][0-9A-Za-z.+-]*))?")
-MAX_SPEC_CHARS = 100  # `sglang_unified==0.5.23` is 22
-DEFAULT_REPORTS = Path("results") / "conform"  # a run's default folder: ENGINE[-VERSION]
 Say = Callable[[str], None]
 
 
-class CannotRun(RuntimeError):
-    """The run cannot be done or trusted (exit 2); the message says why."""
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """An engine and, unless it is the one installed here, its version."""
-
-    engine: str
-    version: str | None
-
-    @classmethod
-    def parse(cls, text: str) -> EngineSpec:
-        """`name` or `name==version`, surrounding spaces ignored; ValueError naming the
-        text otherwise (a path, an operator, more than MAX_SPEC_CHARS characters)."""
-        if len(text) > MAX_SPEC_CHARS:
-            raise ValueError(f"engine spec {text[:40]!r}... of {len(text)} characters; at "
-                             f"most {MAX_SPEC_CHARS}")
-        m = _SPEC.fullmatch(text.strip())
-        if m is None:
-            raise ValueError(f"engine spec {text!r}: expected NAME or NAME==VERSION "
-                             "(vllm==0.33.0, sglang, kvcache)")
-        return cls(m[1], m[3])
-
-    def __str__(self) -> str:
-        return self.engine if self.version is None else f"{self.engine}=={self.version}"
-
-    @property
-    def folder(self) -> Path:
-        """The default report folder: DEFAULT_REPORTS/ENGINE or ENGINE-VERSION."""
-        name = self.engine if self.version is None else f"{self.engine}-{self.version}"
-        return DEFAULT_REPORTS / name
-
-
-def _kvcache_target(spec: EngineSpec, report: Report) -> LocalTarget:
-    report.engine, report.version = "kvcache", kvcache_version()
-    if spec.version is not None and spec.version != report.version:
-        raise CannotRun(f"kvcache {spec.version} is not the kvcache that would run: this "
-                        f"checkout's is {report.version} (kvcache or kvcache=={report.version})")
-    problems = self_test(KvcacheCache(16, 4), package_dir(), PACKAGE_MODULES)
-    report.self_test = problems._asdict()
-    if problems.problems:
-        raise CannotRun(f"self-test refused: {'; '.join(problems.problems)}")
-    return LocalTarget(f"kvcache {report.version}", KvcacheCache)
-
-
-def _engine_lock(spec: EngineSpec) -> tuple[Lock, Path | None]:
-    """The lock, and the interpreter when the engine is the one installed here."""
-    if spec.engine in NOT_RUNNABLE_HERE:
-        raise CannotRun(f"{spec.engine} cannot run on this machine: "
-                        f"{NOT_RUNNABLE_HERE[spec.engine]}")
-    if spec.engine not in ADAPTERS:
-        raise CannotRun(f"no adapter for {spec.engine!r}; engines: "
-                        f"{', '.join([*sorted(ADAPTERS), 'kvcache'])}")
-    if spec.version is not None:
-        return find_lock(spec.engine, spec.version), None
-    try:
-        version = importlib.metadata.version(distribution(spec.engine))
-    except importlib.metadata.PackageNotFoundError:
-        raise CannotRun(f"{spec.engine} is not installed in this environment "
-                        f"({sys.executable}); name a version ({spec.engine}==VERSION) to "
-                        "install it in its own venv") from None
-    return find_lock(spec.engine, version), Path(sys.executable)
-
-
-def _worker_target(spec: EngineSpec, report: Report, folder: Path, say: Say) -> WorkerTarget:
-    lock, python = _engine_lock(spec)
-    report.engine, report.version = lock.engine, lock.version
-    if python is None:
-        start = time.perf_counter()
-        env = ensure(lock, say)
-        python = env.python
-        report.install = {"lock": str(lock.path), "venv": str(env.root),
-                          "reused": env.reused,
-                          "seconds": round(time.perf_counter() - start, 1)}
-    else:
-        report.install = {"lock": str(lock.path), "venv": None, "interpreter": str(python)}
-    say(f"starting {lock.spec} in {python}")
-    target = WorkerTarget(python, lock.engine, lock.stubs, folder / "worker.log")
+def _open(spec: EngineSpec, report: Report, folder: Path, say: Say) -> Target:
+    """`open_target`, self-tested (into `report`); CannotRun, the target closed, when the
+    self-test refused."""
+    target = open_target(spec, report, folder, say)
     try:  # the caller closes only a target it got
-        report.worker = {k: v for k, v in target.info.items() if k != "ok"}
-        if target.info["version"] != lock.version:
-            raise CannotRun(f"the worker imported {lock.engine} {target.info['version']}, "
-                            f"not {lock.version}")
-        got = target.self_test()
-        report.self_test = {k: v for k, v in got.items() if k != "ok"}
-        if got["problems"]:
-            raise CannotRun(f"self-test refused: {'; '.join(got['problems'])}")
+        report.self_test = target.self_test()
+        if report.self_test["problems"]:
+            raise CannotRun(f"self-test refused: {'; '.join(report.self_test['problems'])}")
     except BaseException:
         target.close()
         raise
     return target
+
+
+class Finished(NamedTuple):
+    """A check that ran, before it is judged into a `CheckResult`: what it was, its cache
+    of `num_blocks` blocks, its op list, the oracles' violations and the family's own
+    failures, what it observed, the engine's counters at the end and its seconds."""
+
+    name: str
+    family: str
+    about: str
+    num_blocks: int
+    ops: list[Op]
+    violations: list[Violation]
+    failures: list[str]
+    observed: dict[str, Any]
+    stats: dict[str, Any]
+    seconds: float
+
+    @classmethod
+    def of_check(cls, check: Check, run: Run, seconds: float) -> Finished:
+        """A family's run."""
+        return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
+                   run.violations, run.failures, run.observed,
+                   run.reports[-1].stats._asdict() if run.reports else {}, seconds)
 
 
 def run_check(target: Target, check: Check) -> CheckResult:
@@ -169,47 +91,45 @@ def run_check(target: Target, check: Check) -> CheckResult:
     start = time.perf_counter()
     run = Run(target, check.num_blocks)
     check.body(run)
-    return _result(target, check.name, check.family, check.about, check.num_blocks,
-                   run.ops, run.violations, run.failures, run.observed,
-                   run.reports[-1].stats._asdict() if run.reports else {},
-                   time.perf_counter() - start)
+    return _result(target, Finished.of_check(check, run, time.perf_counter() - start))
 
 
-def _result(target: Target, name: str, family: str, about: str, num_blocks: int,
-            ops: list[Op], violations: list[Violation], failures: list[str],
-            observed: dict[str, Any], stats: dict[str, Any], seconds: float) -> CheckResult:
-    also = [f"{v.oracle}: {v.message.splitlines()[0]}" for v in violations[1:]] + failures
-    base: dict[str, Any] = {"name": name, "family": family, "about": about,
-                            "num_ops": len(ops), "observed": observed, "stats": stats,
-                            "num_blocks": num_blocks}
-    if violations:
-        first = violations[0]
-        shown = shrink(target, ops[:first.step + 1], num_blocks, first.oracle)
+def _result(target: Target, done: Finished) -> CheckResult:
+    """The verdict on `done`: its first violation with the op list shrunk to one that
+    still shows it (replayed on `target`), else its first failure, else a pass."""
+    also = [f"{v.oracle}: {v.message.splitlines()[0]}" for v in done.violations[1:]] + \
+        done.failures
+    base: dict[str, Any] = {"name": done.name, "family": done.family, "about": done.about,
+                            "num_ops": len(done.ops), "observed": done.observed,
+                            "stats": done.stats, "num_blocks": done.num_blocks,
+                            "seconds": done.seconds}
+    if done.violations:
+        first = done.violations[0]
+        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first.oracle)
         # the message the shrunk op list gives (its op numbers and sizes), else the first
-        again = [v for v in replay(target, shown, num_blocks, families.B)
+        again = [v for v in replay(target, shown, done.num_blocks, families.B)
                  if v.oracle == first.oracle]
         message = again[0].message if again else first.message
         return CheckResult(status="fail", oracle=first.oracle, message=message,
                            ops=tuple(ops_to_json(shown)),
                            ops_text=tuple(op.describe() for op in shown),
-                           also=tuple(also),
-                           seconds=seconds, **base)
-    if failures:
-        return CheckResult(status="fail", oracle="scenario", message=failures[0],
-                           ops=tuple(ops_to_json(ops)),
-                           ops_text=tuple(op.describe() for op in ops),
-                           also=tuple(failures[1:]), seconds=seconds, **base)
-    return CheckResult(status="pass", seconds=seconds, **base)
+                           also=tuple(also), **base)
+    if done.failures:
+        return CheckResult(status="fail", oracle="scenario", message=done.failures[0],
+                           ops=tuple(ops_to_json(done.ops)),
+                           ops_text=tuple(op.describe() for op in done.ops),
+                           also=tuple(done.failures[1:]), **base)
+    return CheckResult(status="pass", **base)
 
 
 def _fuzz_check(target: Target, seed: int) -> CheckResult:
     start = time.perf_counter()
     out = fuzz(target, seed)
     found = [out.violation] if out.violation is not None else []
-    return _result(target, f"fuzz_seed_{seed}", "differential fuzz",
-                   f"{len(out.ops)} random ops, a pool of {out.num_blocks} blocks",
-                   out.num_blocks, list(out.ops), found, [], {}, {},
-                   time.perf_counter() - start)
+    return _result(target, Finished(
+        f"fuzz_seed_{seed}", "differential fuzz",
+        f"{len(out.ops)} random ops, a pool of {out.num_blocks} blocks", out.num_blocks,
+        list(out.ops), found, [], {}, {}, time.perf_counter() - start))
 
 
 def _progress(i: int, n: int, result: CheckResult, say: Say) -> None:
@@ -229,7 +149,7 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
             bench: bool = False, bench_quick: bool = False, only: list[str] | None = None,
             say: Say = print) -> Report:
     """Run the whole conformance of `spec_text`; writes the report into `report_dir`
-    (default: the SPEC's folder under DEFAULT_REPORTS, none for a SPEC that does not
+    (default: the SPEC's folder under `engine_spec.DEFAULT_REPORTS`, none for a SPEC that does not
     parse) and returns it (`exit_code` 0, 1 or 2). `only` narrows the checks by name.
     A folder that cannot take the report is exit 2 before anything runs."""
     start = time.perf_counter()
@@ -272,10 +192,7 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
     start = time.perf_counter()
     target: Target | None = None
     try:
-        if spec.engine == "kvcache":
-            target = _kvcache_target(spec, report)
-        else:
-            target = _worker_target(spec, report, folder, say)
+        target = _open(spec, report, folder, say)
         report.contract = target.open(4, families.B).as_dict()
         report.seconds["setup"] = time.perf_counter() - start
         chosen = [families.check_named(n) for n in only] if only else list(families.CHECKS)
@@ -290,9 +207,7 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
         report.seconds["checks"] = time.perf_counter() - checked
         if bench or bench_quick:
             timed = time.perf_counter()
-            rows = target.bench(bench_quick) if isinstance(target, WorkerTarget) else \
-                [r._asdict() for r in run_bench(None, bench_quick)]
-            report.bench = rows
+            report.bench = target.bench(bench_quick)
             report.seconds["bench"] = time.perf_counter() - timed
         report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED
     except StubTouched as exc:
@@ -303,7 +218,7 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
         report.exit_code = EXIT_CANNOT_RUN
         report.reason = str(exc)
     finally:
-        if isinstance(target, WorkerTarget):
+        if target is not None:
             target.close()
 
 
@@ -328,15 +243,14 @@ def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
     folder = Path(tempfile.mkdtemp(prefix="kvharness-replay-"))
     try:
         spec = EngineSpec.parse(spec_text)
-        target = _kvcache_target(spec, report) if spec.engine == "kvcache" else \
-            _worker_target(spec, report, folder, say)
+        target = _open(spec, report, folder, say)
         found = replay(target, op_list, data["num_blocks"], families.B)
     except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,
             ValueError) as exc:
         say(f"cannot replay on {spec_text}: {exc}")
         return EXIT_CANNOT_RUN
     finally:
-        if isinstance(target, WorkerTarget):
+        if target is not None:
             target.close()
     for op in op_list:
         say(f"  {op.describe()}")

@@ -36,7 +36,7 @@ from harness.conform.adapters import ADAPTERS
 from harness.conform.ops import ops_from_json
 from harness.conform.protocol import LoadedEngine
 from harness.conform.stubs import StubSpec, StubUsedError
-from harness.conform.worker.selftest import self_test
+from harness.conform.worker.selftest import self_test_engine
 from harness.conform.worker.session import Session
 
 
@@ -56,8 +56,7 @@ class Worker:
         if engine is None:
             raise ValueError(f"{cmd!r} before load")
         if cmd == "selftest":
-            cache = engine.new(16, 4, True)
-            got = self_test(cache, engine.package_dir, engine.modules)  # type: ignore[arg-type]
+            got = self_test_engine(engine)
             return {"problems": got.problems, "sources": got.sources,
                     "substitutes": got.substitutes}
         if cmd == "open":
