@@ -170,6 +170,13 @@ def supported(lock_dir: Path = LOCK_DIR) -> dict[str, list[str]]:
     return out
 
 
+def pinned(lock_dir: Path = LOCK_DIR) -> list[Lock]:
+    """The lock of each engine's newest supported release, in `ADAPTERS` order: the
+    releases the harness is held to (the smoke and full runs, `nox -s bench`'s table)."""
+    return [find_lock(engine, versions[-1], lock_dir)
+            for engine, versions in supported(lock_dir).items() if versions]
+
+
 def find_lock(engine: str, version: str, lock_dir: Path = LOCK_DIR) -> Lock:
     """The lock of `engine==version`; UnsupportedVersion naming the supported ones."""
     versions = supported(lock_dir)

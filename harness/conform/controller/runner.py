@@ -1,11 +1,11 @@
 """`kvharness conform SPEC`: install, self-test, every check, the fuzz, the report.
 
-SPEC is `vllm==0.33.0` or `sglang==0.5.23` (a locked version: installed on first use
-into its cached venv, `harness.conform.controller.install`), a bare `vllm` or `sglang` (the one
-installed in this interpreter, with its version's stubs), or `kvcache` (this checkout's
-manager, in this process). An engine runs in its worker (`harness.conform.controller.remote`); the
-checks, the oracles, the shrinking and the report run here, the same code for every
-engine. Exit 0: every check passed; 1: a check found a violation; 2: the run could not
+SPEC is `ENGINE==VERSION` (a locked version, harness/conform/locks/: installed on first
+use into its cached venv, `harness.conform.controller.install`), a bare `vllm` or `sglang`
+(the one installed in this interpreter, with its version's stubs), or `kvcache` (this
+checkout's manager, in this process): `engine_spec.open_target` picks its target. An
+engine runs in its worker (`harness.conform.controller.remote`); the checks, the oracles,
+the shrinking and the report run here, the same code for every engine. Exit 0: every check passed; 1: a check found a violation; 2: the run could not
 be trusted or done (an unsupported version, a failed install, a self-test that refused,
 a worker that died or answered nonsense, an engine that touched a stub); the report
 says why.

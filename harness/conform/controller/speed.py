@@ -1,6 +1,6 @@
-"""The speed table of `nox -s bench`: every pinned engine already installed, side by side
-with kvcache (skipped otherwise), measured by the worker's `run_bench`
-(`harness.conform.worker.bench`) through `kvharness conform SPEC --bench`.
+"""The speed table of `nox -s bench`: each pinned engine (`locks.pinned`) whose cached
+install exists, side by side with kvcache (skipped otherwise), measured by the worker's
+`run_bench` (`harness.conform.worker.bench`) through `kvharness conform SPEC --bench`.
 
 `python -m harness.conform.controller.speed RESULTS_DIR [--quick]` writes it.
 """
@@ -13,34 +13,32 @@ from pathlib import Path
 from typing import Any
 
 from harness.conform.controller.install import installed
-from harness.conform.controller.locks import find_lock
+from harness.conform.controller.locks import pinned
 from harness.conform.controller.runner import conform
 from harness.reports.markdown import table
 
-PINNED = ("vllm==0.33.0", "sglang==0.5.23")
 
-
-def section(results: Path, quick: bool, say: Callable[[str], None] = print) -> list[str]:
+def section(quick: bool, say: Callable[[str], None] = print) -> list[str]:
     """The speed comparison for `nox -s bench`: every pinned engine whose cached install
-    exists runs `kvharness conform SPEC --bench` (its report under
-    results/conformance-<engine>); returns the markdown section (a line saying none was
+    exists runs `kvharness conform SPEC --bench` (its report in its own folder,
+    results/conform/ENGINE-VERSION); returns the markdown section (a line saying none was
     installed otherwise). Installs nothing."""
     lines = ["## Prefix caches side by side (kvharness conform --bench)", ""]
     ran = False
-    for spec in PINNED:
-        engine, version = spec.split("==")
-        if installed(find_lock(engine, version)) is None:
-            say(f"conformance bench: {spec} is not installed; skipped "
-                f"(kvharness conform {spec} installs it)")
+    locks = pinned()
+    for lock in locks:
+        if installed(lock) is None:
+            say(f"conform bench: {lock.spec} is not installed; skipped "
+                f"(kvharness conform {lock.spec} installs it)")
             continue
         ran = True
-        report = conform(spec, results / f"conformance-{engine}", seeds=0,
-                         bench=not quick, bench_quick=quick, only=["cold_then_warm"], say=say)
-        lines += [f"### {spec}", ""]
+        report = conform(lock.spec, None, seeds=0, bench=not quick, bench_quick=quick,
+                         only=["cold_then_warm"], say=say)
+        lines += [f"### {lock.spec}", ""]
         lines += _speed_table(report.bench) if report.bench else [f"not run: {report.reason}"]
         lines.append("")
     if not ran:
-        lines.append("skipped: no engine is installed (`kvharness conform vllm==0.33.0` "
+        lines.append(f"skipped: no engine is installed (`kvharness conform {locks[0].spec}` "
                      "installs one)")
     return lines
 
@@ -60,16 +58,16 @@ def _speed_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m harness.conform.controller.speed RESULTS_DIR [--quick]`: write
-    RESULTS_DIR/conformance.md (see `section`)."""
+    RESULTS_DIR/conform.md (see `section`)."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print("usage: python -m harness.conform.controller.speed RESULTS_DIR [--quick]",
               file=sys.stderr)
         return 2
     results = Path(args[0])
-    lines = section(results, "--quick" in args[1:])
+    lines = section("--quick" in args[1:])
     results.mkdir(parents=True, exist_ok=True)
-    (results / "conformance.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (results / "conform.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return 0
 
