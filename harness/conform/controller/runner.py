@@ -5,10 +5,10 @@ use into its cached venv, `harness.conform.controller.install`), a bare `vllm` o
 (the one installed in this interpreter, with its version's stubs), or `kvcache` (this
 checkout's manager, in this process): `engine_spec.open_target` picks its target. An
 engine runs in its worker (`harness.conform.controller.remote`); the checks, the oracles,
-the shrinking and the report run here, the same code for every engine. Exit 0: every check passed; 1: a check found a violation; 2: the run could not
-be trusted or done (an unsupported version, a failed install, a self-test that refused,
-a worker that died or answered nonsense, an engine that touched a stub); the report
-says why.
+the shrinking and the report run here, the same code for every engine. Exit 0: every
+check passed; 1: a check found a violation; 2: the run could not be trusted or done (an
+unsupported version, a failed install, a self-test that refused, a worker that died or
+answered nonsense, an engine that touched a stub); the report says why.
 
 The SPEC is data: the report goes to `--report DIR`, else to `results/conform/` under a
 name made of the parsed engine and version (a SPEC that does not parse gets no report
