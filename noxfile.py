@@ -176,22 +176,21 @@ def bench(session: nox.Session) -> None:
                 f"--benchmark-json={results / 'bench.json'}", "--benchmark-sort=fullname",
                 f"--junitxml={results / 'junit.xml'}", *session.posargs)
     session.run("python", "-m", "benchmarks.report", str(results))
-    # vLLM's and SGLang's caches beside kvcache's, where an engine is installed
+    # each pinned engine's cache beside kvcache's, where its install exists
     quick = "--bench-quick" in session.posargs or os.environ.get("KVH_BENCH_QUICK") == "1"
-    session.run("python", "-m", "harness.conform.bench", str(results),
+    session.run("python", "-m", "harness.conform.controller.speed", str(results),
                 *(["--quick"] if quick else []))
 
 
 @nox.session(default=False)
-def conformance(session: nox.Session) -> None:
-    """Conformance of an engine's prefix cache: nox -s conformance -- vllm==0.33.0 [--bench]."""
+def conform(session: nox.Session) -> None:
+    """kvharness conform from a fresh venv: nox -s conform -- ENGINE==VERSION [--bench]."""
     if not session.posargs:
-        session.error("name an engine: nox -s conformance -- vllm==0.33.0 (or sglang==0.5.23, "
-                      "kvcache; more flags: kvharness conform --help)")
-    spec, *flags = session.posargs
+        session.error("name an engine: nox -s conform -- ENGINE==VERSION (a lock of "
+                      "harness/conform/locks/, or kvcache; more flags: kvharness conform --help)")
     _install(session, ".")  # the engine's venv links this session's torch
-    session.run("python", "-m", "harness.cli", "conform", spec, "--report",
-                str(Path("results") / "conformance" / spec.replace("==", "-")), *flags)
+    # the report goes where kvharness conform puts it: results/conform/ENGINE-VERSION
+    session.run("python", "-m", "harness.cli", "conform", *session.posargs)
 
 
 # What the GPU check imports besides torch and flashinfer; it runs the project from this

@@ -234,7 +234,7 @@ exit codes:
 
 
 def _conform(args: argparse.Namespace) -> int:
-    from harness.conform.runner import conform, replay_file  # loads nothing at startup
+    from harness.conform.controller.runner import conform, replay_file  # loads nothing at startup
 
     if args.replay is not None:
         return replay_file(args.spec, args.replay)
@@ -355,8 +355,8 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=CONFORM_EXIT_CODES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("spec", metavar="SPEC",
-                   help="vllm==0.33.0, sglang==0.5.23, kvcache, or a bare name for the "
-                   "version installed here")
+                   help="ENGINE==VERSION (a release with a lock in harness/conform/locks/), "
+                   "kvcache, or a bare ENGINE for the version installed here")
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
                    help=f"where report.md and report.json go (default: "
                    f"{DEFAULT_RESULTS}/conform/ENGINE-VERSION, from the parsed SPEC; a SPEC "

@@ -9,8 +9,11 @@ underscore fields (`other._x`: an object's underscore fields are its own), impor
 another module's private names (`from a import _x`), and for each top-level package
 the import picture of its rooms (a room is a module or a subpackage directly inside
 it): how many rooms, how many arrows between them (room A imports room B), and the
-loops (rooms that import each other in a cycle). tests/harness/test_rooms.py holds
-the harness to the rules the numbers stand for.
+loops (rooms that import each other in a cycle), and the file loops: files that import
+each other in a cycle when the code runs (imports inside functions count; those under
+`if TYPE_CHECKING:`, type hints only, do not). harness.conform gets a picture of its own
+(its three places and the modules they share). tests/harness/test_rooms.py holds the
+harness to the rules the numbers stand for.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvcache", "harness")
+PICTURES = (*PACKAGES, "harness.conform")  # the packages whose rooms are drawn
 MAX_LINES = 60
 SELF_NAMES = frozenset({"self", "cls"})
 
@@ -60,6 +64,8 @@ class ImportPicture:
     rooms: tuple[str, ...]
     arrows: tuple[tuple[str, str], ...]
     loops: tuple[tuple[str, ...], ...]
+    files: int = 0
+    file_loops: tuple[tuple[str, ...], ...] = ()
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -105,6 +111,22 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool) -> set[str]:
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
     return found
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): a block for type checkers only."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def run_time_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """`imported_modules`, but for the imports under `if TYPE_CHECKING:` (type hints only:
+    they never run). Imports inside functions count: they run when the function does."""
+    body = [n for n in tree.body if not _is_type_checking(n)]
+    return imported_modules(ast.Module(body=body, type_ignores=[]), module, is_package)
 
 
 def _long_functions(tree: ast.AST, rel: str, max_lines: int) -> list[Finding]:
@@ -186,8 +208,24 @@ def import_picture(package: str, root: Path = ROOT) -> ImportPicture:
                 other = target[len(prefix):].split(".")[0]
                 if other in rooms and other != room:
                     arrows.add((room, other))
+    files, file_arrows = _file_arrows(package, root)
     return ImportPicture(package, tuple(rooms), tuple(sorted(arrows)),
-                         _loops(rooms, arrows))
+                         _loops(rooms, arrows), len(files), _loops(files, file_arrows))
+
+
+def _file_arrows(package: str, root: Path) -> tuple[list[str], set[tuple[str, str]]]:
+    """The modules of `package` (all of its files, `__init__` as the package) and the
+    run-time imports between them (`run_time_imports`)."""
+    paths = sorted((root / package.replace(".", "/")).rglob("*.py"))
+    names = [module_name(p, root) for p in paths]
+    known = set(names)
+    arrows: set[tuple[str, str]] = set()
+    for path, module in zip(paths, names, strict=True):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for target in run_time_imports(tree, module, path.name == "__init__.py"):
+            if target in known and target != module:
+                arrows.add((module, target))
+    return names, arrows
 
 
 def _loops(rooms: list[str], arrows: set[tuple[str, str]]) -> tuple[tuple[str, ...], ...]:
@@ -237,8 +275,10 @@ def _table(figures: dict[str, PackageFigures], pictures: list[ImportPicture],
                      f"{len(figs.foreign_underscores)} | {len(figs.private_imports)} |")
     for pic in pictures:
         loops = "; ".join(" <-> ".join(loop) for loop in pic.loops) or "none"
+        file_loops = "; ".join(" <-> ".join(loop) for loop in pic.file_loops) or "none"
         lines += ["", f"{pic.package}: {len(pic.rooms)} rooms, {len(pic.arrows)} arrows, "
-                  f"{len(pic.loops)} loops ({loops})"]
+                  f"{len(pic.loops)} loops ({loops}); {pic.files} files, "
+                  f"{len(pic.file_loops)} file loops ({file_loops})"]
     return "\n".join(lines)
 
 
@@ -251,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="list every finding under the table")
     args = parser.parse_args(argv)
     figures = measure(max_lines=args.max_lines)
-    pictures = [import_picture(p) for p in PACKAGES]
+    pictures = [import_picture(p) for p in PICTURES]
     if args.json:
         print(json.dumps({"packages": {k: asdict(v) for k, v in figures.items()},
                           "pictures": [asdict(p) for p in pictures]}, indent=2))

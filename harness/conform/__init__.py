@@ -1,19 +1,14 @@
 """Conformance: the harness's scenarios and oracles run against other engines' prefix caches.
 
-    protocol      CacheUnderTest (a prefix cache seen from its scheduler), Scope, Contract
-    ops           operations as data (what checks, the fuzzer and a replay send)
-    session       one op applied to a cache, with what the oracles need (StepReport)
-    judge         the oracles over the step reports: counts, provenance, capacity, events
-    checks, fuzz  the scenario families in each engine's terms; a shrinking fuzzer
-    kvcache_adapter, vllm_adapter, sglang_adapter, sglang_unified_adapter, shortfin_adapter
-                  the implementations (SGLang's RadixCache and UnifiedRadixCache,
-                  shark-ai shortfin's TriePagedAttentionCache)
-    stubs, selftest   raising stand-ins for the GPU stack; proof that the code is the engine's
-    locks, install    pinned versions (harness/conform/locks/*.json) and their venvs
-    worker, remote    the engine's side and the harness's side of the JSON pipe
-    runner, report, bench   `kvharness conform`, report.md / report.json, the speed table
+Three places, split where the process boundary is (docs/conformance.md):
 
-Every module an engine's worker imports (protocol, ops, session, stubs, selftest, worker,
-bench and the adapters) uses the standard library only until its adapter loads the
-engine; see docs/conformance.md.
+    worker/       what runs where the cache runs (an engine's venv, or this process for
+                  kvcache): the request loop, the session, the self-test, the bench
+    adapters/     one module per engine, each a CacheUnderTest; ADAPTERS, the registry
+    controller/   the harness's side: `kvharness conform`, the target, the families, the
+                  fuzz, the judge, the report, the locks and installs, the speed table
+
+protocol, ops, stubs and known_keys are the words both sides speak. The worker's side
+(worker/, adapters/ and those four) imports nothing of controller/ and only the standard
+library until an adapter loads its engine (tests/harness/test_rooms.py holds it).
 """

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from harness.conform.known_keys import check_keys
 from harness.conform.protocol import Scope
 
 OpKind = Literal["admit", "reserve", "commit", "append", "free", "evict"]
@@ -97,10 +98,7 @@ class Op:
         kind = data.get("kind")
         if kind not in KINDS:
             raise ValueError(f"{where}: kind must be one of {KINDS}, got {kind!r}")
-        unknown = sorted(set(data) - {"kind", *_FIELDS[kind]})
-        if unknown:
-            raise ValueError(f"{where}: a {kind} op takes no {unknown} (it takes "
-                             f"{', '.join(_FIELDS[kind])})")
+        check_keys(data, ("kind", *_FIELDS[kind]), f"{where}: a {kind} op")
         values = {k: v for k, v in data.items() if k != "kind"}
         if "tokens" in values:
             if not isinstance(values["tokens"], list):

@@ -15,9 +15,11 @@ Standard library only: this module runs inside every engine's virtual environmen
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, NamedTuple, Protocol, get_args
+
+from harness.conform.known_keys import check_keys
 
 ScopeKind = Literal["salt", "lora"]
 LoraField = Literal["lora_name", "lora_id", "lora_path"]
@@ -79,12 +81,7 @@ class Scope:
         Raises ValueError naming `where` for unknown keys or bad values."""
         if data is None:
             return None
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: expected an object, got {data!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+        data = check_keys(data, (f.name for f in fields(cls)), where)
         try:
             scope = cls(**data)
         except ValueError as exc:
@@ -251,13 +248,7 @@ class Contract:
     @classmethod
     def from_dict(cls, data: Any, where: str = "contract") -> Contract:
         """Parse `as_dict`'s output; ValueError naming `where` for unknown or bad keys."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}")
-        values = dict(data)
+        values = dict(check_keys(data, (f.name for f in fields(cls)), where))
         for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "notes"):
             if name in values:
                 values[name] = tuple(values[name])

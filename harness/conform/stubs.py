@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.conform.known_keys import check_keys
+
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _STUB_MARK = "__kvharness_stub__"
 
@@ -107,12 +109,7 @@ class StubSpec:
     @classmethod
     def from_dict(cls, data: Any, where: str = "stubs") -> StubSpec:
         """Parse a lock file's `stubs`; ValueError naming `where` otherwise."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"absent", "raising", "names", "prime"})
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; known: absent, raising, "
-                             "names, prime")
+        data = check_keys(data, ("absent", "raising", "names", "prime"), where)
         try:
             return cls(dict(data.get("absent", {})), dict(data.get("raising", {})),
                        {k: tuple(v) for k, v in dict(data.get("names", {})).items()},

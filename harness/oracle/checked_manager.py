@@ -23,7 +23,7 @@ a commit may turn released positions into None without bumping `block_ids_versio
 
 What the two oracles check after a call is `CallOracles`, which reads nothing but the
 call's events and the cache's block count: CheckedManager feeds it from kvcache's API,
-the conformance judge (`harness.conform.judge`) from the event log any implementation of
+the conformance judge (`harness.conform.controller.judge`) from the event log any implementation of
 the cache-level protocol writes, so both hold a cache to the same checks.
 """
 

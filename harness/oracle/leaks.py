@@ -2,7 +2,7 @@
 `leak_problems`.
 
 The pytest plugin runs it on the owners found among a test's fixture values
-(`harness.plugin.leaks`); the conformance judge (`harness.conform.judge`) runs it over
+(`harness.plugin.leaks`); the conformance judge (`harness.conform.controller.judge`) runs it over
 any engine's cache whenever nothing is live. Standard library only.
 """
 

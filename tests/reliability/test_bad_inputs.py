@@ -971,7 +971,7 @@ def test_conform_that_cannot_run_is_exit_2(tmp_path: Path, spec: str, message: s
 
 
 def test_conform_refuses_a_version_that_would_not_run(tmp_path: Path) -> None:
-    from harness.conform.kvcache_adapter import kvcache_version
+    from harness.conform.adapters.kvcache import kvcache_version
 
     assert kvharness(["conform", "kvcache==999.0.0", "--report", str(tmp_path)]) == 2
     data = json.loads((tmp_path / "report.json").read_text())
@@ -1049,7 +1049,7 @@ def test_conform_replay_names_the_bad_op(tmp_path: Path,
     file.write_text(json.dumps({"num_blocks": 8, "ops": [
         {"kind": "free", "seq": "A", "tokens": [1]}]}))
     assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
-    assert f"{file}: ops[0]: a free op takes no ['tokens'] (it takes seq)" in \
+    assert f"{file}: ops[0]: a free op: unknown keys ['tokens']; known: kind, seq" in \
         capsys.readouterr().out
 
 
@@ -1057,7 +1057,7 @@ IDS.add("conform-replay-bad-op")
 
 
 def test_conform_lock_pinning_torch_is_refused(tmp_path: Path) -> None:
-    from harness.conform.locks import LOCK_DIR, LockError, parse_lock
+    from harness.conform.controller.locks import LOCK_DIR, LockError, parse_lock
 
     good = json.loads((LOCK_DIR / "sglang-0.5.23.json").read_text())
     with pytest.raises(LockError, match=r"sglang-0\.5\.23\.json: deps: 'torch==2\.14\.1': "
@@ -1069,7 +1069,7 @@ IDS.add("conform-lock-torch")
 
 
 def _lock_with(**changes: object) -> dict[str, object]:
-    from harness.conform.locks import LOCK_DIR
+    from harness.conform.controller.locks import LOCK_DIR
 
     return {**json.loads((LOCK_DIR / "sglang-0.5.23.json").read_text()), **changes}
 
@@ -1093,7 +1093,7 @@ def _lock_with(**changes: object) -> dict[str, object]:
                  id="conform-lock-stubs-key"),
 ))
 def test_conform_lock_fields_are_checked(change: dict[str, object], message: str) -> None:
-    from harness.conform.locks import LOCK_DIR, LockError, parse_lock
+    from harness.conform.controller.locks import LOCK_DIR, LockError, parse_lock
 
     path = LOCK_DIR / "sglang-0.5.23.json"
     with pytest.raises(LockError, match=re.escape(str(path)) + ": " + message):
@@ -1124,15 +1124,15 @@ IDS.add("conform-replay-missing")
 def test_conform_worker_imports_no_named_module() -> None:
     import io
 
-    from harness.conform.worker import serve
+    from harness.conform.worker.serve import serve
 
     out = io.StringIO()
-    serve(io.StringIO(json.dumps({"cmd": "load", "engine": "harness.conform.kvcache_adapter"})
+    serve(io.StringIO(json.dumps({"cmd": "load", "engine": "harness.conform.adapters.kvcache"})
                       + "\n"), out)
     reply = json.loads(out.getvalue())
     assert reply["ok"] is False
     assert reply["error"] == ("ValueError: no adapter for engine "
-                              "'harness.conform.kvcache_adapter'; known: ['sglang', "
+                              "'harness.conform.adapters.kvcache'; known: ['sglang', "
                               "'sglang_unified', 'shortfin', 'vllm']")
 
 

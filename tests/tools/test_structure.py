@@ -76,21 +76,49 @@ def test_import_picture(structure: ModuleType, tmp_path: Path) -> None:
     assert picture.loops == (("a", "b"),)
 
 
+# x and y import each other when x's function runs; t and u only for type checkers
+CIRCLES = {
+    "q/__init__.py": "",
+    "q/x.py": "def f():\n    from q import y\n    return y\n",
+    "q/y.py": "import q.x\n",
+    "q/t.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from q.u import U\n",
+    "q/u.py": "from q.t import T\n",
+}
+
+
+def test_file_loops_count_imports_that_run(structure: ModuleType, tmp_path: Path) -> None:
+    _write(tmp_path, CIRCLES)
+    picture = structure.import_picture("q", tmp_path)
+    assert picture.files == 5
+    # an import inside a function runs when it is called: x <-> y is a loop; an import
+    # under TYPE_CHECKING never runs: t <-> u is none
+    assert picture.file_loops == (("q.x", "q.y"),)
+    assert picture.loops == (("t", "u"), ("x", "y"))  # rooms count type hints too
+    # inside a subpackage the files still loop, though the rooms do not
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/sub/__init__.py": "",
+                      "pkg/sub/c.py": "from . import d\n", "pkg/sub/d.py": "from . import c\n"})
+    nested = structure.import_picture("pkg", tmp_path)
+    assert nested.loops == () and nested.file_loops == (("pkg.sub.c", "pkg.sub.d"),)
+
+
 def test_the_command_prints_the_table(structure: ModuleType, capsys: pytest.CaptureFixture[str]
                                       ) -> None:
     assert structure.main([]) == 0
     out = capsys.readouterr().out
     assert "| kvcache.core |" in out and "harness:" in out and "rooms" in out
+    assert "harness.conform:" in out and "file loops" in out
 
 
 def test_the_repository_keeps_the_rules_architecture_md_states(structure: ModuleType) -> None:
     """This checkout, measured: no function over 60 lines in the cache core or the engine,
     no other object's underscore fields touched in the core, no module importing another's
-    private names, no import loop between the rooms of kvcache/ or harness/."""
+    private names, no import loop between the rooms of kvcache/ or harness/, and no two
+    files that import each other when the code runs (type hints aside)."""
     figures = structure.measure()
     for package in ("kvcache.core", "kvcache.engine"):
         assert [str(f) for f in figures[package].long_functions] == [], package
     assert [str(f) for f in figures["kvcache.core"].foreign_underscores] == []
     assert [str(f) for figs in figures.values() for f in figs.private_imports] == []
-    for package in ("kvcache", "harness"):
-        assert structure.import_picture(package).loops == (), package
+    for package in structure.PICTURES:
+        picture = structure.import_picture(package)
+        assert (picture.loops, picture.file_loops) == ((), ()), package

@@ -23,10 +23,11 @@ import types
 from collections.abc import Hashable
 from typing import IO, Any
 
-from harness.conform.kvcache_adapter import PACKAGE_MODULES, KvcacheCache, package_dir
-from harness.conform.protocol import CacheUnderTest, LoadedEngine
+from harness.conform.adapters import kvcache
+from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.protocol import LoadedEngine
 from harness.conform.stubs import StubSpec, install
-from harness.conform.worker import Worker, answer
+from harness.conform.worker.serve import Worker, answer
 
 
 class _TouchesStub(KvcacheCache):
@@ -56,12 +57,8 @@ def _pose(request: dict[str, Any], config: dict[str, Any]) -> LoadedEngine:
         install(raising)
         cls = type("TouchesStub", (_TouchesStub,), {"module": min(raising.raising)})
         served = (min(raising.raising),)
-
-    def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return cls(num_blocks, block_size, record=record)
-
-    return LoadedEngine(request["engine"], config["version"], package_dir(), new,
-                        PACKAGE_MODULES, served)
+    return kvcache.load(cls)._replace(name=request["engine"], version=config["version"],
+                                      stubs_served=served)
 
 
 def serve(requests: IO[str], replies: IO[str], config: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.protocol import Admission, Scope, Stats
 
 

@@ -11,18 +11,19 @@ from typing import Any
 import pytest
 
 from harness.conform import ops
-from harness.conform.checks import B, Run, check_named
-from harness.conform.fuzz import fuzz
-from harness.conform.judge import Judge, Violation
-from harness.conform.kvcache_adapter import KvcacheCache
-from harness.conform.kvcache_adapter import contract as kvcache_contract
+from harness.conform.adapters import kvcache
+from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.adapters.kvcache import contract as kvcache_contract
+from harness.conform.adapters.shortfin import contract as shortfin_contract
+from harness.conform.controller.families import B, Run, check_named
+from harness.conform.controller.fuzz import fuzz
+from harness.conform.controller.judge import Judge, Violation
+from harness.conform.controller.report import Report, markdown
+from harness.conform.controller.runner import run_check
+from harness.conform.controller.targets import LocalTarget
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, Stats
-from harness.conform.report import Report, markdown
-from harness.conform.runner import run_check
-from harness.conform.session import Session, StepReport
-from harness.conform.shortfin_adapter import contract as shortfin_contract
-from harness.conform.targets import LocalTarget
+from harness.conform.worker.session import Session, StepReport
 
 A18 = list(range(100, 118))
 # shortfin 3.9.0's: the last page never looked up, no events, refusals may evict, and
@@ -186,7 +187,7 @@ def test_a_decode_step_is_one_token_after_every_token_is_computed() -> None:
 
 
 def test_the_fuzz_draws_decode_steps_under_such_a_contract() -> None:
-    target = LocalTarget("decode-steps", DecodeSteps)
+    target = LocalTarget(kvcache.load(DecodeSteps))
     appends = [op for seed in range(6) for op in fuzz(target, seed).ops if op.kind == "append"]
     assert appends and all(len(op.tokens) == 1 for op in appends)
 
@@ -212,7 +213,7 @@ class NoScopes(KvcacheCache):
 
 
 def test_a_family_the_contract_cannot_judge_is_skipped_saying_why() -> None:
-    target = LocalTarget("no-scopes", NoScopes)
+    target = LocalTarget(kvcache.load(NoScopes))
     result = run_check(target, check_named("scope_isolation"))
     assert (result.status, result.num_ops) == ("skip", 0)
     assert "keys its cache on no scope" in result.message
@@ -224,7 +225,7 @@ def test_a_family_the_contract_cannot_judge_is_skipped_saying_why() -> None:
 
 
 def test_a_warm_prompts_cap_follows_the_tail() -> None:
-    run = Run(LocalTarget("trie", DecodeSteps), 8)
+    run = Run(LocalTarget(kvcache.load(DecodeSteps)), 8)
     assert run.cap(18) == 17  # kvcache reuses partial blocks: all but the last token
     for tail, want in ((0, 16), (1, 16), (4, 12)):
         run.contract = replace(TRIE, unreused_tail=tail)

@@ -7,16 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from harness.conform import install
-from harness.conform.checks import CHECKS
-from harness.conform.locks import find_lock
-from harness.conform.runner import conform
+from harness.conform.controller import install
+from harness.conform.controller.families import CHECKS
+from harness.conform.controller.locks import find_lock, pinned
+from harness.conform.controller.runner import conform
 
 SEEDS = 8
 
 
-@pytest.mark.parametrize("spec", ["vllm==0.33.0", "sglang==0.5.23", "sglang_unified==0.5.23"],
-                         ids=["vllm", "sglang", "sglang-unified"])
+# shortfin's newest release has findings of its own (SHORTFIN_FINDINGS below)
+PINNED = [lock.spec for lock in pinned() if lock.engine != "shortfin"]
+
+
+@pytest.mark.parametrize("spec", PINNED, ids=[s.split("==")[0].replace("_", "-") for s in PINNED])
 def test_the_pinned_release_passes_the_whole_run(spec: str, tmp_path: Path) -> None:
     report = conform(spec, tmp_path, seeds=SEEDS, bench_quick=True, say=print)
     assert report.exit_code == 0, report.reason or [(c.name, c.message) for c in report.failed]

@@ -9,18 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from harness.conform import install
-from harness.conform.locks import find_lock, supported
-from harness.conform.runner import conform
-from harness.conform.shortfin_adapter import era
+from harness.conform.adapters.shortfin import era
+from harness.conform.controller import install
+from harness.conform.controller.locks import Lock, distribution, find_lock, pinned, supported
+from harness.conform.controller.runner import conform
 
-PINNED = ("vllm==0.33.0", "sglang==0.5.23")
+# one smoke per engine package (sglang_unified drives SGLang's wheel too: its whole run is
+# post-merge, test_engine_full.py); shortfin's releases have findings, so they have a
+# smoke of their own below
+PINNED = [lock for lock in pinned()
+          if distribution(lock.engine) == lock.engine and lock.engine != "shortfin"]
 
 
-@pytest.mark.parametrize("spec", PINNED, ids=[s.split("==")[0] for s in PINNED])
-def test_a_cached_engine_loads_self_tests_and_passes(spec: str, tmp_path: Path) -> None:
-    engine, version = spec.split("==")
-    if install.installed(find_lock(engine, version)) is None:
+@pytest.mark.parametrize("lock", PINNED, ids=[lock.engine for lock in PINNED])
+def test_a_cached_engine_loads_self_tests_and_passes(lock: Lock, tmp_path: Path) -> None:
+    spec, engine, version = lock.spec, lock.engine, lock.version
+    if install.installed(lock) is None:
         pytest.skip(f"{spec} is not installed in {install.cache_dir()} (kvharness conform "
                     f"{spec} installs it)")
     report = conform(spec, tmp_path, seeds=1, only=["cold_then_warm", "scope_isolation"],

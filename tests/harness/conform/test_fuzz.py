@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 
 from harness.conform import ops
-from harness.conform.checks import B
-from harness.conform.fuzz import _ddmin, fuzz, shrink
-from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.adapters import kvcache
+from harness.conform.controller.families import B
+from harness.conform.controller.fuzz import _ddmin, fuzz, shrink
+from harness.conform.controller.targets import LocalTarget, replay
 from harness.conform.ops import ops_from_json, ops_to_json
-from harness.conform.targets import LocalTarget, replay
 from tests.harness.conform import faults
 
 
 def test_a_seed_draws_the_same_ops_every_time() -> None:
-    target = LocalTarget("kvcache", KvcacheCache)
+    target = LocalTarget(kvcache.load())
     first, again = fuzz(target, 5), fuzz(target, 5)
     assert first.ops == again.ops and first.violation is None
     kinds = {op.kind for op in first.ops}
@@ -23,7 +23,7 @@ def test_a_seed_draws_the_same_ops_every_time() -> None:
 
 
 def test_the_fuzz_finds_and_shrinks_a_salt_that_reads_a_loras_kv() -> None:
-    target = LocalTarget("salt-is-lora", faults.SaltIsLora)
+    target = LocalTarget(kvcache.load(faults.SaltIsLora))
     found = next(o for o in (fuzz(target, s) for s in range(40)) if o.violation is not None)
     assert found.violation is not None
     oracle = found.violation.oracle
@@ -34,7 +34,7 @@ def test_the_fuzz_finds_and_shrinks_a_salt_that_reads_a_loras_kv() -> None:
     again = ops_from_json(json.loads(json.dumps(ops_to_json(short))))
     assert oracle in [v.oracle for v in replay(target, again, found.num_blocks, B)]
     # the same ops on the real adapter are clean: the fault, not the ops, is the finding
-    assert replay(LocalTarget("kvcache", KvcacheCache), again, found.num_blocks, B) == []
+    assert replay(LocalTarget(kvcache.load()), again, found.num_blocks, B) == []
 
 
 def test_ddmin_keeps_exactly_what_the_failure_needs() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.conform import install
-from harness.conform.locks import find_lock
+from harness.conform.controller import install
+from harness.conform.controller.locks import find_lock
 
 
 def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatch,

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 
 from harness.conform import ops
-from harness.conform.checks import B, check_named
-from harness.conform.judge import Judge
-from harness.conform.kvcache_adapter import KvcacheCache
+from harness.conform.adapters import kvcache
+from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.controller.families import B, check_named
+from harness.conform.controller.judge import Judge
+from harness.conform.controller.runner import run_check
+from harness.conform.controller.targets import LocalTarget, Target, replay
 from harness.conform.protocol import Scope
-from harness.conform.runner import run_check
-from harness.conform.targets import LocalTarget, Target, replay
 from tests.harness.conform import faults
 
 A18 = list(range(100, 118))
@@ -22,7 +23,7 @@ def oracles(target: Target, op_list: list[ops.Op], num_blocks: int = 32) -> list
 
 
 def test_a_clean_run_finds_nothing() -> None:
-    target = LocalTarget("kvcache", KvcacheCache)
+    target = LocalTarget(kvcache.load())
     op_list = [ops.admit("A", A18), ops.commit("A", 18), ops.free("A"),
                ops.admit("B", A18, Scope(salt="1")), ops.commit("B", 18), ops.free("B"),
                ops.admit("C", A18), ops.append("C", [7, 8]), ops.commit("C", 20),
@@ -31,7 +32,7 @@ def test_a_clean_run_finds_nothing() -> None:
 
 
 def test_sharing_between_scopes_is_a_count_and_a_provenance_violation() -> None:
-    target = LocalTarget("salt-is-lora", faults.SaltIsLora)
+    target = LocalTarget(kvcache.load(faults.SaltIsLora))
     op_list = [ops.admit("A", A18, Scope.lora("x", 1)), ops.commit("A", 18), ops.free("A"),
                ops.admit("B", A18, Scope(salt="1")), ops.commit("B", 18)]
     found = replay(target, op_list, 32, B)
@@ -42,7 +43,7 @@ def test_sharing_between_scopes_is_a_count_and_a_provenance_violation() -> None:
 
 
 def test_a_refusal_that_moves_a_counter_changed_the_cache() -> None:
-    target = LocalTarget("counts-refusals", faults.CountsRefusals)
+    target = LocalTarget(kvcache.load(faults.CountsRefusals))
     op_list = [ops.admit("A", list(range(24))), ops.admit("B", list(range(50, 66)))]
     found = replay(target, op_list, 8, B)
     assert [v.oracle for v in found] == ["refusal"]
@@ -50,7 +51,7 @@ def test_a_refusal_that_moves_a_counter_changed_the_cache() -> None:
 
 
 def test_a_refusal_with_the_blocks_there_is_unfair() -> None:
-    target = LocalTarget("refuses-early", faults.RefusesEarly)
+    target = LocalTarget(kvcache.load(faults.RefusesEarly))
     found = replay(target, [ops.admit("A", list(range(16))), ops.admit("B", list(range(50, 58)))],
                    8, B)
     assert [v.oracle for v in found] == ["capacity"]
@@ -61,14 +62,14 @@ def test_a_refusal_with_the_blocks_there_is_unfair() -> None:
 
 
 def test_unpublished_blocks_break_the_event_index() -> None:
-    target = LocalTarget("silent-stores", faults.SilentStores)
+    target = LocalTarget(kvcache.load(faults.SilentStores))
     found = replay(target, [ops.admit("A", A18), ops.commit("A", 18)], 32, B)
     assert [v.oracle for v in found] == ["events"]
     assert "the events say 0 blocks are cached, the cache holds 4" in found[0].message
 
 
 def test_an_engine_that_raises_is_reported_with_where() -> None:
-    target = LocalTarget("raises", faults.RaisesOnAppend)
+    target = LocalTarget(kvcache.load(faults.RaisesOnAppend))
     found = replay(target, [ops.admit("A", A18), ops.append("A", [1])], 32, B)
     assert found[0].oracle == "api"
     assert "AttributeError: 'LoRARequest' object has no attribute 'id'" in found[0].message
@@ -76,7 +77,7 @@ def test_an_engine_that_raises_is_reported_with_where() -> None:
 
 
 def test_blocks_held_after_free_are_caught() -> None:
-    target = LocalTarget("leaks", faults.LeaksOnFree)
+    target = LocalTarget(kvcache.load(faults.LeaksOnFree))
     found = replay(target, [ops.admit("A", A18), ops.commit("A", 18), ops.free("A")], 32, B)
     assert {v.oracle for v in found} >= {"capacity", "leaks"}
     leak = next(v for v in found if v.oracle == "leaks")
@@ -86,14 +87,14 @@ def test_blocks_held_after_free_are_caught() -> None:
 
 
 def test_a_read_through_a_wrong_block_is_a_provenance_violation() -> None:
-    target = LocalTarget("wrong-ids", faults.LogsWrongIds)
+    target = LocalTarget(kvcache.load(faults.LogsWrongIds))
     found = replay(target, [ops.admit("A", A18), ops.commit("A", 18), ops.free("A"),
                             ops.admit("B", A18)], 32, B)
     assert [v.oracle for v in found][:1] == ["provenance"]
 
 
 def test_an_oracle_reports_once() -> None:
-    target = LocalTarget("salt-is-lora", faults.SaltIsLora)
+    target = LocalTarget(kvcache.load(faults.SaltIsLora))
     judge = Judge(target.open(32, B), 32)
     op_list = [ops.admit("A", A18, Scope.lora("x", 1)), ops.commit("A", 18), ops.free("A")]
     op_list += [ops.admit(f"B{i}", A18, Scope(salt="1")) for i in range(3)]
@@ -103,7 +104,7 @@ def test_an_oracle_reports_once() -> None:
 
 @pytest.mark.parametrize("fault", [faults.SaltIsLora], ids=["salt-is-lora"])
 def test_the_scope_family_finds_the_fault(fault: type[KvcacheCache]) -> None:
-    result = run_check(LocalTarget("faulty", fault), check_named("scope_isolation"))
+    result = run_check(LocalTarget(kvcache.load(fault)), check_named("scope_isolation"))
     assert result.status == "fail" and result.oracle == "count"
     assert len(result.ops) <= 6  # shrunk to the two admissions and what they need
     assert any(op.get("scope") == {"salt": "1"} for op in result.ops)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main as kvharness
-from harness.conform.checks import CHECKS
-from harness.conform.runner import conform
+from harness.conform.controller.families import CHECKS
+from harness.conform.controller.runner import conform
 
 
 def test_kvcache_passes_every_check_and_the_fuzz(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from harness.conform.locks import (
+from harness.conform.controller.locks import (
     LOCK_DIR,
     LockError,
     UnsupportedVersion,

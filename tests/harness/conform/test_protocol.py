@@ -4,15 +4,17 @@ through JSON (what the worker pipe and a replay file carry)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
 from harness.conform import ops
-from harness.conform.kvcache_adapter import contract as kvcache_contract
+from harness.conform.adapters.kvcache import contract as kvcache_contract
+from harness.conform.adapters.sglang import contract as sglang_contract
+from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.ops import Op, ops_from_json, ops_to_json
 from harness.conform.protocol import Contract, Scope
-from harness.conform.sglang_adapter import contract as sglang_contract
-from harness.conform.vllm_adapter import contract as vllm_contract
+from harness.conform.stubs import StubSpec
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -36,6 +38,25 @@ def test_scope_json_round_trip_and_the_default_scope() -> None:
     assert Scope.from_dict({}) is None and Scope.from_dict(None) is None
     with pytest.raises(ValueError, match=r"here: unknown keys \['lora'\]"):
         Scope.from_dict({"lora": 1}, "here")
+
+
+@pytest.mark.parametrize(("read", "data", "message"), [
+    pytest.param(Scope.from_dict, ["salt"], "here: expected an object, got list", id="scope"),
+    pytest.param(Contract.from_dict, 7, "here: expected an object, got int", id="contract"),
+    pytest.param(Op.from_dict, "free", "here: expected an object, got str", id="op"),
+    pytest.param(StubSpec.from_dict, {"absent": {}, "mock": 1, "fake": 2},
+                 "here: unknown keys ['fake', 'mock']; known: absent, raising, names, prime",
+                 id="stubs"),
+    pytest.param(Scope.from_dict, {"salt": "x", "lora": 1}, "here: unknown keys ['lora']; "
+                 "known: salt, lora_name, lora_id, lora_path", id="scope-keys"),
+])
+def test_every_record_read_from_json_refuses_what_is_not_its_object(
+        read: Callable[[object, str], object], data: object, message: str) -> None:
+    """One reading of a JSON object for every record the pipe carries: a non-object is
+    named by its type, every unknown key by name, with the keys that are known."""
+    with pytest.raises(ValueError) as info:
+        read(data, "here")
+    assert str(info.value) == message
 
 
 def test_a_salt_and_a_lora_name_of_equal_value_keep_distinct_keys() -> None:
@@ -84,7 +105,7 @@ def test_a_contract_round_trips_and_refuses_unknown_values() -> None:
     pytest.param({"kind": "commit", "seq": "A", "num_tokens": -1},
                  r"num_tokens must be an int >= 0, got -1", id="commit-negative"),
     pytest.param({"kind": "free", "seq": "A", "tokens": [1]},
-                 r"a free op takes no \['tokens'\]", id="free-tokens"),
+                 r"a free op: unknown keys \['tokens'\]; known: kind, seq", id="free-tokens"),
     pytest.param({"kind": "flush"}, r"kind must be one of", id="unknown-kind"),
     pytest.param({"kind": "admit", "seq": "A", "tokens": [1, True]},
                  r"token True is not an int", id="token-bool"),
@@ -107,7 +128,8 @@ def test_ops_round_trip_and_describe_themselves() -> None:
 def test_the_unified_contract_is_radix_caches_but_for_who_frees_duplicates() -> None:
     """UnifiedRadixCache keeps RadixCache's semantics; its insert frees the caller's
     duplicate slots itself, and its contract says where (the adapter then frees none)."""
-    from harness.conform import sglang_adapter, sglang_unified_adapter
+    from harness.conform.adapters import sglang as sglang_adapter
+    from harness.conform.adapters import sglang_unified as sglang_unified_adapter
 
     unified = sglang_unified_adapter.contract("0.5.23", 4)
     radix = sglang_adapter.contract("0.5.23", 4)

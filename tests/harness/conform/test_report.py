@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.conform.report import CheckResult, Report, markdown, write_report
+from harness.conform.controller.report import CheckResult, Report, markdown, write_report
 
 
 def _report() -> Report:

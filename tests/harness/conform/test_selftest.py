@@ -11,8 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from harness.conform.kvcache_adapter import PACKAGE_MODULES, KvcacheCache, package_dir
-from harness.conform.selftest import check_callables, find_mocks, self_test
+from harness.conform.adapters.kvcache import PACKAGE_MODULES, KvcacheCache, package_dir
 from harness.conform.stubs import (
     StubFinder,
     StubSpec,
@@ -21,6 +20,7 @@ from harness.conform.stubs import (
     is_stub,
     raising_function,
 )
+from harness.conform.worker.selftest import check_callables, find_mocks, self_test
 
 
 def test_kvcache_passes_and_every_substitute_is_refused() -> None:

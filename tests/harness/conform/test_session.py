@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from harness.conform import ops
-from harness.conform.kvcache_adapter import KvcacheCache
-from harness.conform.session import Session, StepReport
+from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.worker.session import Session, StepReport
 from tests.harness.conform import faults
 
 

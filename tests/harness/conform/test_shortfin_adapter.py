@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from harness.conform import shortfin_adapter
-from harness.conform.checks import CHECKS
-from harness.conform.kvcache_adapter import contract as kvcache_contract
-from harness.conform.locks import LOCK_DIR, find_lock, supported
+from harness.conform.adapters import shortfin as shortfin_adapter
+from harness.conform.adapters.kvcache import contract as kvcache_contract
+from harness.conform.adapters.shortfin import contract, era
+from harness.conform.controller.families import CHECKS
+from harness.conform.controller.locks import LOCK_DIR, find_lock, supported
 from harness.conform.protocol import Contract, Scope
-from harness.conform.shortfin_adapter import contract, era
 
 RELEASES = ("3.1.0", "3.2.0", "3.3.0", "3.4.0", "3.5.0", "3.6.0", "3.7.0", "3.8.0", "3.9.0")
 

@@ -20,15 +20,16 @@ from typing import Any
 
 import pytest
 
-from harness.conform import install, ops
-from harness.conform.kvcache_adapter import KvcacheCache
-from harness.conform.locks import find_lock
-from harness.conform.remote import WorkerError, WorkerTarget
-from harness.conform.report import Report
-from harness.conform.runner import conform
-from harness.conform.session import Session
+from harness.conform import ops
+from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.controller import install, speed
+from harness.conform.controller.locks import find_lock, pinned
+from harness.conform.controller.remote import WorkerError, WorkerTarget
+from harness.conform.controller.report import Report
+from harness.conform.controller.runner import conform
 from harness.conform.stubs import StubSpec, StubUsedError, raising_function
-from harness.conform.worker import serve
+from harness.conform.worker.serve import serve
+from harness.conform.worker.session import Session
 
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 ENGINE, VERSION = "sglang", "0.5.23"  # a lock with raising stubs
@@ -42,13 +43,13 @@ def _talk(*requests: object) -> list[dict[str, object]]:
 
 def test_every_bad_request_gets_an_error_reply_and_the_worker_goes_on() -> None:
     replies = _talk({"cmd": "open", "num_blocks": 8, "block_size": 4},
-                    {"cmd": "load", "engine": "harness.conform.kvcache_adapter"},
+                    {"cmd": "load", "engine": "harness.conform.adapters.kvcache"},
                     {"cmd": "load", "engine": "vllm", "stubs": {"mock": {}}}, [1, 2])
     assert [r["ok"] for r in replies] == [False] * 5
     assert replies[0]["error"] == "ValueError: 'open' before load"
     # a module path is not an engine name: nothing is imported
     assert replies[1]["error"].startswith("ValueError: no adapter for engine "
-                                          "'harness.conform.kvcache_adapter'")
+                                          "'harness.conform.adapters.kvcache'")
     assert "unknown keys ['mock']" in replies[2]["error"]
     assert "a request is a JSON object" in replies[3]["error"]
     assert replies[4]["error"].startswith("JSONDecodeError")
@@ -229,3 +230,40 @@ def test_a_worker_that_fails_to_load_leaves_nothing_behind(
     with pytest.raises(WorkerError, match=r"load: ModuleNotFoundError"):
         WorkerTarget(python, "vllm", StubSpec(), tmp_path / "worker.log")
     _assert_closed(tmp_path)
+
+
+# -- nox -s bench's table: the pinned engines whose install exists, beside kvcache ---------
+
+
+def test_the_speed_table_runs_each_installed_pinned_engine(
+        fake_engine: Configure, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    fake_engine()
+    monkeypatch.chdir(tmp_path)
+    pinned_specs = [lock.spec for lock in pinned()]
+    assert f"{ENGINE}=={VERSION}" in pinned_specs  # the fake install is of a pinned release
+    assert speed.main([str(tmp_path / "bench"), "--quick"]) == 0
+    text = (tmp_path / "bench" / "conform.md").read_text()
+    assert f"### {ENGINE}=={VERSION}" in text and f"| kvcache / {ENGINE} |" in text
+    # the others are not installed: skipped, and said so
+    assert text.count("### ") == 1
+    said = capsys.readouterr().out.splitlines()
+    assert len([line for line in said if line.startswith("conform bench: ")]) == \
+        len(pinned_specs) - 1
+    # its report is where every conform run of that release files it
+    report = json.loads((tmp_path / "results" / "conform" / f"{ENGINE}-{VERSION}" /
+                         "report.json").read_text())
+    assert report["exit_code"] == 0
+    assert {row["adapter"].split()[0] for row in report["bench"]} == {"kvcache", ENGINE}
+
+
+def test_the_speed_table_without_an_install_says_which_command_installs_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(install.CACHE_ENV, str(tmp_path / "engines"))
+    said: list[str] = []
+    lines = speed.section(False, said.append)
+    first = pinned()[0].spec
+    assert lines[-1] == f"skipped: no engine is installed (`kvharness conform {first}` " \
+                        "installs one)"
+    assert said[0] == f"conform bench: {first} is not installed; skipped (kvharness " \
+                      f"conform {first} installs it)"

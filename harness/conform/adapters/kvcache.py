@@ -20,7 +20,15 @@ from array import array
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from harness.conform.protocol import Admission, Contract, CounterMeaning, Scope, Stats
+from harness.conform.protocol import (
+    Admission,
+    CacheUnderTest,
+    Contract,
+    CounterMeaning,
+    LoadedEngine,
+    Scope,
+    Stats,
+)
 
 # counters of kvcache.KvCacheStats.as_dict() the judge checks, and what they count
 COUNTERS: tuple[tuple[str, CounterMeaning], ...] = (("reusedBlocks", "reused_blocks"), ("missedBlocks", "missed_blocks"),
@@ -229,3 +237,12 @@ class KvcacheCache:
 
     def _seq(self, seq_id: Hashable) -> Any:
         return self.manager.get_sequence(seq_id)
+
+
+def load(cache: type[KvcacheCache] = KvcacheCache) -> LoadedEngine:
+    """kvcache's manager as a loaded engine, in this process (nothing to stub, no worker):
+    each fresh cache is a `cache` (a test passes a subclass with a fault)."""
+    def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
+        return cache(num_blocks, block_size, record=record)
+
+    return LoadedEngine("kvcache", kvcache_version(), package_dir(), new, PACKAGE_MODULES, ())

@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from harness.conform import ops
-from harness.conform.checks import B
-from harness.conform.judge import Judge, Violation
+from harness.conform.controller.families import B
+from harness.conform.controller.judge import Judge, Violation
+from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op
 from harness.conform.protocol import Scope
-from harness.conform.targets import Target, replay
 
 FUZZ_SCOPES: tuple[Scope | None, ...] = (
     None, None, None, Scope(salt="x"), Scope(salt="1"), Scope.lora("x", 1),

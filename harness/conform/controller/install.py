@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.conform.locks import Lock
+from harness.conform.controller.locks import Lock
 
 CACHE_ENV = "KVHARNESS_ENGINE_CACHE"
 LAYOUT = 1  # bump when the venv layout changes: every stamp then rebuilds

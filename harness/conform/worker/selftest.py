@@ -25,6 +25,7 @@ import unittest.mock
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
+from harness.conform.protocol import LoadedEngine
 from harness.conform.stubs import is_stub, raising_function
 
 Callables = Mapping[str, tuple[object, str]]  # name -> (owner, attribute)
@@ -150,3 +151,9 @@ def self_test(cache: Adapted, package_dir: str, modules: tuple[str, ...]) -> Sel
     if not leftover:
         problems.append("find_mocks did not find a MagicMock in a result")
     return SelfTestResult(problems, sources, tried)
+
+
+def self_test_engine(engine: LoadedEngine) -> SelfTestResult:
+    """`self_test` on a fresh cache of `engine` (16 blocks of 4 tokens: the probe fits)."""
+    cache = engine.new(16, 4, True)
+    return self_test(cache, engine.package_dir, engine.modules)  # type: ignore[arg-type]

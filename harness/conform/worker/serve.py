@@ -4,7 +4,7 @@ The harness's process never imports an engine: it starts this worker with the en
 interpreter and the harness on its path, and speaks JSON lines: requests on stdin,
 replies on the file descriptor `--replies-fd N` names (a pipe of their own). Every
 message is data; the one that loads an engine names it, and the name selects an adapter
-from `harness.conform.locks.ADAPTERS` (anything else is refused), so no message names
+from `harness.conform.adapters.ADAPTERS` (anything else is refused), so no message names
 code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}, with
 "stub": {"name", "module"} when what failed touched a stub (StubUsedError).
 
@@ -32,12 +32,12 @@ import time
 import traceback
 from typing import IO, Any
 
-from harness.conform.locks import ADAPTERS
+from harness.conform.adapters import ADAPTERS
 from harness.conform.ops import ops_from_json
 from harness.conform.protocol import LoadedEngine
-from harness.conform.selftest import self_test
-from harness.conform.session import Session
 from harness.conform.stubs import StubSpec, StubUsedError
+from harness.conform.worker.selftest import self_test_engine
+from harness.conform.worker.session import Session
 
 
 class Worker:
@@ -56,8 +56,7 @@ class Worker:
         if engine is None:
             raise ValueError(f"{cmd!r} before load")
         if cmd == "selftest":
-            cache = engine.new(16, 4, True)
-            got = self_test(cache, engine.package_dir, engine.modules)  # type: ignore[arg-type]
+            got = self_test_engine(engine)
             return {"problems": got.problems, "sources": got.sources,
                     "substitutes": got.substitutes}
         if cmd == "open":
@@ -71,7 +70,7 @@ class Worker:
             return {"reports": [session.apply(op).as_dict()
                                 for op in ops_from_json(msg["ops"])]}
         if cmd == "bench":
-            from harness.conform.bench import run_bench  # only benchmarks need it
+            from harness.conform.worker.bench import run_bench  # only benchmarks need it
 
             return {"rows": [r._asdict() for r in run_bench(engine, bool(msg["quick"]))]}
         raise ValueError(f"unknown command {cmd!r}")

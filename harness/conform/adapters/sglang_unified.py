@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from harness.conform.adapters.sglang import SglangCache, SglangNames, load_sglang
+from harness.conform.adapters.sglang import contract as radix_contract
 from harness.conform.protocol import Contract, LoadedEngine
-from harness.conform.sglang_adapter import SglangCache, SglangNames, load_sglang
-from harness.conform.sglang_adapter import contract as radix_contract
 from harness.conform.stubs import StubSpec
 
 MODULES = ("sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.mem_cache.base_prefix_cache",

@@ -5,8 +5,9 @@ pure-Python dependency its cache modules import, pinned (`name==version`, instal
 `--no-deps`: what pip's resolver chose under the engine's own specifiers, minus the GPU
 stack), and the stubs for what cannot run on a CPU (`harness.conform.stubs.StubSpec`).
 torch is never in a lock: the engine's venv shares the CPU torch of the harness's
-interpreter. A lock is data: `engine` selects an adapter from `ADAPTERS`, the
-harness's own registry, and nothing in it names code to import.
+interpreter. A lock is data: `engine` selects an adapter from
+`harness.conform.adapters.ADAPTERS`, the harness's own registry, and nothing in it names
+code to import.
 
 The supported versions are the lock files present; anything else is refused with the
 list (`UnsupportedVersion`, exit 2 for `kvharness conform`).
@@ -19,14 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.conform.adapters import ADAPTERS
 from harness.conform.stubs import StubSpec
 from harness.data_files import load_json
 
-LOCK_DIR = Path(__file__).parent / "locks"
-# engine -> the adapter module its worker loads (the only code a lock can lead to)
-ADAPTERS = {"vllm": "harness.conform.vllm_adapter", "sglang": "harness.conform.sglang_adapter",
-            "sglang_unified": "harness.conform.sglang_unified_adapter",
-            "shortfin": "harness.conform.shortfin_adapter"}
+LOCK_DIR = Path(__file__).parents[1] / "locks"
 # an engine whose adapter drives another cache class of the same package: its wheel and
 # `pip download` name the package (every other engine is its own package)
 DISTRIBUTIONS = {"sglang_unified": "sglang"}
@@ -170,6 +168,13 @@ def supported(lock_dir: Path = LOCK_DIR) -> dict[str, list[str]]:
     for versions in out.values():
         versions.sort(key=lambda v: tuple(int(p) for p in v.split(".")))
     return out
+
+
+def pinned(lock_dir: Path = LOCK_DIR) -> list[Lock]:
+    """The lock of each engine's newest supported release, in `ADAPTERS` order: the
+    releases the harness is held to (the smoke and full runs, `nox -s bench`'s table)."""
+    return [find_lock(engine, versions[-1], lock_dir)
+            for engine, versions in supported(lock_dir).items() if versions]
 
 
 def find_lock(engine: str, version: str, lock_dir: Path = LOCK_DIR) -> Lock:

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, CounterMeaning
-from harness.conform.session import StepReport
+from harness.conform.worker.session import StepReport
 from harness.oracle.capacity import CapacityError
 from harness.oracle.checked_manager import CallOracles
 from harness.oracle.kv_index import EventIndex

@@ -1,7 +1,7 @@
 """The harness's scenario families in each engine's terms, run under every oracle.
 
 Each `Check` drives a fresh cache through one family (`Run`: ops as data, every step
-judged by `harness.conform.judge.Judge`) and adds the expectations the oracles cannot
+judged by `harness.conform.controller.judge.Judge`) and adds the expectations the oracles cannot
 state alone: that a cold admission reuses nothing, that a warm one reuses what the
 contract's units allow, what an abort leaves behind under the contract's
 `matchable_at`. Blocks hold B = 4 tokens, so every number can be checked by hand.
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from harness.conform import ops
-from harness.conform.judge import Judge, Violation
+from harness.conform.controller.judge import Judge, Violation
+from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, Scope
-from harness.conform.session import StepReport
-from harness.conform.targets import Target
+from harness.conform.worker.session import StepReport
 
 B = 4  # tokens per block (a vLLM block, an SGLang page)
 
