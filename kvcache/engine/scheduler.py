@@ -236,50 +236,52 @@ class Scheduler:
         return p.finished
 
     def _advance(self, p: _Postprocess) -> None:
-        """Carry out the stage `p` is at, then move `p` on; a stage that raises changed
-        nothing (its one fallible call, to the cache, changes nothing when it raises;
-        what follows it are assignments)."""
+        """Carry out the stages of `p`'s chunk from the one it is at, moving `p` on after
+        each; a stage that raises changed nothing (its one fallible call, to the cache,
+        changes nothing when it raises; what follows it are assignments)."""
         c = p.chunks[p.index]
-        req = c.req
-        if self.step_fault is not None:
-            self.step_fault(p.stage)
-        if p.stage == "commit":
-            logits = None  # the row's own tensor, not a view keeping the batch's alive
-            if c.samples and req.return_logits:
-                assert p.sampled.logits is not None, "a request returning logits sampled"
-                logits = p.sampled.logits[p.row].clone()
-            num_computed = req.num_computed + c.num_new
-            self.manager.commit(req.request_id, num_computed)
-            req.num_computed = num_computed
-            if not c.samples:
+        req, fault = c.req, self.step_fault
+        while True:
+            stage = p.stage
+            if fault is not None:
+                fault(stage)
+            if stage == "commit":
+                logits = None  # the row's own tensor, not a view keeping the batch's alive
+                if c.samples and req.return_logits:
+                    assert p.sampled.logits is not None, "a request returning logits sampled"
+                    logits = p.sampled.logits[p.row].clone()
+                num_computed = req.num_computed + c.num_new
+                self.manager.commit(req.request_id, num_computed)
+                req.num_computed = num_computed
+                if not c.samples:
+                    p.stage = "sync"
+                    continue
+                token = p.sampled.tokens[p.row]
+                p.row += 1
+                req.generated.append(token)
+                req.tokens.append(token)
+                if logits is not None:
+                    req.logits.append(logits)
+                p.stage = "release" if len(req.generated) >= req.max_new_tokens else "append"
+            elif stage == "append":
+                try:
+                    self.manager.append_tokens(req.request_id, [req.generated[-1]])
+                except OutOfBlocksError:
+                    log.info("preempting request %d: no block for its next token",
+                             req.request_id)
+                    p.stage = "preempt"
+                    continue
                 p.stage = "sync"
+            else:
+                if stage == "release":
+                    self.release(req)
+                    p.finished.append(req)
+                elif stage == "preempt":
+                    self.preempt(req)
+                else:
+                    self._sync(req)
+                p.next_chunk()
                 return
-            token = p.sampled.tokens[p.row]
-            p.row += 1
-            req.generated.append(token)
-            req.tokens.append(token)
-            if logits is not None:
-                req.logits.append(logits)
-            p.stage = "release" if len(req.generated) >= req.max_new_tokens else "append"
-        elif p.stage == "append":
-            try:
-                self.manager.append_tokens(req.request_id, [req.generated[-1]])
-            except OutOfBlocksError:
-                log.info("preempting request %d: no block for its next token",
-                         req.request_id)
-                p.stage = "preempt"
-                return
-            p.stage = "sync"
-        elif p.stage == "release":
-            self.release(req)
-            p.finished.append(req)
-            p.next_chunk()
-        elif p.stage == "preempt":
-            self.preempt(req)
-            p.next_chunk()
-        else:
-            self._sync(req)
-            p.next_chunk()
 
     def recount_batch(self) -> None:
         """Set the batch's rows from the running requests: after a step that raised
