@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvcache.engine.engine import Engine
     from kvcache.engine.request import FinishReason, GenerationOutput, RequestFinishedError
     from kvcache.engine.scheduler import Scheduler
+    from kvcache.engine.step_fault import STEP_PHASES
 
 _EXPORTS = {
     "Engine": "kvcache.engine.engine",
@@ -24,9 +25,11 @@ _EXPORTS = {
     "FinishReason": "kvcache.engine.request",
     "GenerationOutput": "kvcache.engine.request",
     "RequestFinishedError": "kvcache.engine.request",
+    "STEP_PHASES": "kvcache.engine.step_fault",
     "Scheduler": "kvcache.engine.scheduler",
 }
 __all__ = [
+    "STEP_PHASES",
     "Engine",
     "EngineConfig",
     "FinishReason",

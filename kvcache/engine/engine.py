@@ -6,11 +6,12 @@
 
 The Engine builds the parts from its options (kvcache/engine/config.py: model, cache
 manager, KV storage, backend, block table, persistent batch, scheduler, CUDA graphs,
-snapshots), runs the step (schedule, apply the cache's block ops, run the model,
-postprocess: `_step`) and is the thread-safe request API: add_request, abort, step,
-generate. The scheduler owns the requests (their admission, rows and what a step's
-tokens do to them: kvcache/engine/scheduler.py), the step runner the forward pass and
-sampling (kvcache/engine/step_runner.py).
+snapshots), runs the step (schedule, apply the cache's block ops, run the model, keep
+what it computed, postprocess: `_step`; all or nothing wherever it is interrupted) and
+is the thread-safe request API: add_request, abort, step, generate. The scheduler owns
+the requests (their admission, rows and what a step's tokens do to them:
+kvcache/engine/scheduler.py), the step runner the forward pass and sampling
+(kvcache/engine/step_runner.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from kvcache.engine.request import (
 from kvcache.engine.reuse_policy import resolve_reuse, resolve_window
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.state_snapshots import StateSnapshots
+from kvcache.engine.step_fault import StepFault
 from kvcache.engine.step_runner import StepRunner
 from kvcache.engine.step_timer import StepTimer
 from kvcache.model.config import ModelConfig, get_preset
@@ -134,9 +136,11 @@ class Engine:
     a call waits for at most the step in progress, never for the work to drain. Every
     public read is safe from any thread too: has_unfinished, kv_cache_stats and
     admission_log take the lock (a metrics thread polling them waits for at most one
-    step, and reads no half-made step); num_steps, num_computed_tokens, step_timer and
-    idle read one value, without the lock. The parts (manager, scheduler, storage, ...)
-    are not thread-safe: read them only from the thread that steps, or under the lock.
+    step, and reads no half-made step, but for one whose postprocess an error
+    interrupted, until the next step() or abort() completes it); num_steps,
+    num_computed_tokens, step_timer and idle read one value, without the lock. The
+    parts (manager, scheduler, storage, ...) are not thread-safe: read them only from
+    the thread that steps, or under the lock.
     """
 
     def __init__(self, model: Transformer | str, cache_config: KvCacheConfig,
@@ -224,6 +228,21 @@ class Engine:
         return self.runner.num_computed_tokens
 
     @property
+    def step_fault(self) -> StepFault | None:
+        """The fault-injection seam (kvcache/engine/step_fault.py), for tests: called with
+        a phase's name at each of the step's phase points, it fails the step there by
+        raising. None (the default) calls nothing. Setting it takes the lock (it applies
+        from the next call) and hands it to the parts that reach the points (scheduler,
+        runner, storage)."""
+        return self.scheduler.step_fault
+
+    @step_fault.setter
+    def step_fault(self, fault: StepFault | None) -> None:
+        with self._lock:
+            self.scheduler.step_fault = self.runner.step_fault = fault
+            self.storage.step_fault = fault
+
+    @property
     def step_timer(self) -> StepTimer | None:
         """Times every step's phases when set (None: untimed). Read from any thread
         without the lock; setting it takes the lock (it applies from the next step)."""
@@ -299,7 +318,10 @@ class Engine:
         Returns its partial output (finish reason ABORTED); a generate() call waiting for
         the request returns the same output in its place. Raises RequestFinishedError (a
         ValueError) if the request already finished or was aborted, and ValueError for
-        an id this engine never issued.
+        an id this engine never issued (changing nothing). A postprocess an error
+        interrupted is completed first (see `step`): a request that finished in it
+        raises RequestFinishedError, its output waiting for the next step() (or its
+        generate()). An abort that raises otherwise (an interrupt) changed nothing.
         """
         with self._lock:
             issued = self._next_request_id
@@ -308,6 +330,7 @@ class Engine:
                 which = (f"ids 0 to {issued - 1} were issued" if issued
                          else "no request was added yet")
                 raise ValueError(f"abort({request_id!r}): no such request; {which}")
+            self._settle()
             req = self.scheduler.remove(int(request_id))
             if req is None:
                 raise RequestFinishedError(f"abort(#{request_id}): request #{request_id} "
@@ -318,8 +341,10 @@ class Engine:
             return out
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs. Takes the lock (safe from any thread: a
-        request moving from waiting to running is never missed)."""
+        """True while any request waits or runs (those of a postprocess an error
+        interrupted included, until the next step() completes it and returns them).
+        Takes the lock (safe from any thread: a request moving from waiting to running
+        is never missed)."""
         with self._lock:
             return len(self.scheduler) > 0
 
@@ -328,23 +353,33 @@ class Engine:
         """Run one step; returns the requests that finished in it, and any that finished
         earlier inside some generate() call that was not waiting for them.
 
-        A step whose copies or forward raise (CUDA out of memory, an interrupt) did not
-        happen: the error propagates, every request keeps what it had (KV, recurrent
-        state, tokens, counts), the copies not applied stay queued, and the next step()
-        runs the same work again (see `_step`)."""
+        A step is all or nothing, wherever an error (CUDA out of memory, an interrupt)
+        strikes it. Up to and including sampling it did not happen: the error
+        propagates, every request keeps what it had (KV, recurrent state, tokens,
+        counts), the copies not applied stay queued, and the next step() runs the same
+        work again. Once it sampled it happened: if its postprocess raises part-way,
+        the next call completes it before anything else (see `_step`)."""
         with self._lock:
-            finished = self._unclaimed + self._claim(self._step())
-            self._unclaimed = []
+            outputs = self._claim(self._step())
+            finished, self._unclaimed = self._unclaimed + outputs, []
             return finished
 
     def _step(self) -> list[GenerationOutput]:
         """One step: schedule, apply the cache's block ops, run the model, postprocess.
         Returns the requests that finished in it (none when nothing was scheduled: then
-        `idle` is set). If applying the ops or the forward raises, the step did not
-        happen and the error propagates: the ops not applied stay queued (those applied
-        left the queue), the batch is recounted, every request keeps the recurrent
-        state, tokens and counts it had; the next call schedules the same work (with
-        whatever arrived meanwhile). What the schedule admitted stays admitted."""
+        `idle` is set).
+
+        First it completes the postprocess of a step that raised in it (`_settle`).
+        If scheduling raises, what it admitted stays admitted (each admission, batch
+        join included, is all or nothing). If applying the ops, the forward or sampling
+        raises, the step did not happen and the error propagates: the ops not applied
+        stay queued (those applied left the queue), the batch is recounted, every
+        request keeps the recurrent state, tokens and counts it had and no counter
+        moved; the next call schedules the same work (with whatever arrived meanwhile).
+        Then the step happens (`StepRunner.keep`: states, snapshots, counters; it
+        cannot fail) and its postprocess runs; if that raises part-way, it stays in
+        progress and the engine's next call completes it from where it stopped."""
+        self._settle()
         timer = self._timer
         if timer is not None:
             timer.start()
@@ -356,15 +391,27 @@ class Engine:
             self._apply_ops()
             if timer is not None:
                 timer.lap("schedule")
-            sampled = self.runner.run(schedule, timer)
+            result = self.runner.run(schedule, timer)
         except BaseException:
             self.scheduler.recount_batch()  # the batch counted tokens never computed
             raise
-        finished = self.scheduler.postprocess(schedule.chunks, sampled)
+        self.runner.keep(result)
+        finished = self.scheduler.postprocess(schedule.chunks, result.sampled)
         if timer is not None:
             timer.lap("commit")
             timer.finish()
         return [req.output(FinishReason.LENGTH) for req in finished]
+
+    def _settle(self) -> None:
+        """Complete the postprocess of a step that raised in it, if one did: the
+        requests it finishes go to the generate() awaiting them or to the next step().
+        Called first, under the lock, by every call that changes the requests (step,
+        abort, a failed generate's clean-up), so none works on a half-done step. Raises
+        what the postprocess raises (it then stays in progress)."""
+        finished = self.scheduler.finish_postprocess()
+        if finished:
+            self._unclaimed += self._claim([req.output(FinishReason.LENGTH)
+                                            for req in finished])
 
     def _apply_ops(self) -> None:
         """Apply the cache's copies, offloads and onboards to the storage, in queue order,
@@ -399,11 +446,12 @@ class Engine:
         A request another thread aborts meanwhile is returned as aborted (its partial
         output, finish reason ABORTED). Raises ValueError naming the bad value for bad
         input (nothing is queued then), RuntimeError if its requests stay unadmittable.
-        Whatever a step raises (a forward or a copy that failed) propagates, after the
-        call aborted every request it added that is still queued or running: their
-        blocks are freed (what they committed stays cached), none is left to come out
-        of another caller's step(), and the engine stays usable (a step that raised did
-        not happen; see `step`).
+        Whatever a step raises (a forward or a copy that failed, an interrupt)
+        propagates, after the call completed a postprocess the error interrupted and
+        aborted every request it added that is still queued or running: their blocks are
+        freed (what they committed stays cached), none is left to come out of another
+        caller's step(), and the engine stays usable (a step is all or nothing; see
+        `step`).
         """
         check_prompts(prompts)
         if scopes is not None and len(scopes) != len(prompts):
@@ -430,6 +478,7 @@ class Engine:
             return self._wait_for(request_ids)
         except BaseException:
             with self._lock:
+                self._settle()
                 for request_id in request_ids:  # no output yet: still queued or running
                     if request_id not in self._outputs:
                         self.scheduler.remove(request_id)

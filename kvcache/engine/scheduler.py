@@ -6,9 +6,13 @@ admission order), then waiting requests are admitted in arrival order while a ba
 slot, token budget and blocks remain. Admission is one walk of the cache: the manager
 plans it (what the prompt reuses, what it needs, whether that fits) and the scheduler
 admits that plan or, when it does not fit, leaves the request waiting; nothing is
-half-admitted. After the forward, `postprocess` commits what each chunk computed,
-appends the sampled tokens, releases the requests that are done and preempts those
-that get no block for their next token.
+half-admitted, the batch join included (`_join`: a request whose rows cannot be made
+gives its admission back and waits first in the queue). After the forward,
+`postprocess` commits what each chunk computed, appends the sampled tokens, releases
+the requests that are done and preempts those that get no block for their next token.
+A postprocess is never left half-done: one that raises part-way (an interrupt, a
+failure the cache raised) keeps its place, stage by stage, and `finish_postprocess`
+completes it from there (see `_Postprocess`).
 
 The running requests are the rows of a PersistentBatch, in admission order, and own a
 slot of the BlockTable: the scheduler tells the batch who joins and who leaves, and a
@@ -31,12 +35,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from kvcache.attention.block_table import BlockTable
+from kvcache.core.handle import SequenceHandle
 from kvcache.core.manager import KvCacheManager
 from kvcache.core.pool import OutOfBlocksError
 from kvcache.engine.prefix_sharing import leader_of
+from kvcache.engine.step_fault import StepFault
 
 if TYPE_CHECKING:  # they need torch; the scheduler does not
     from kvcache.attention.persistent.batch import PersistentBatch
@@ -63,9 +70,38 @@ class Schedule(NamedTuple):
     row_tokens: list[int] | None
 
 
+# A chunk's postprocess, stage by stage (each also a phase of the fault seam):
+#   commit  -> sync                  a chunk that does not sample
+#   commit  -> release               its request reached max_new_tokens
+#   commit  -> append -> sync        it goes on
+#                     -> preempt     no block for its next token
+_Stage = Literal["commit", "append", "release", "preempt", "sync"]
+
+
+@dataclass
+class _Postprocess:
+    """A step's postprocess in progress: `chunks[index]` is at `stage` (not yet carried
+    out), `row` is the sampled row of the next chunk that samples, `finished` the
+    requests released so far. A stage changes nothing until it has succeeded, and then
+    moves the cursor on, so a postprocess that raised goes on from the stage that
+    raised."""
+
+    chunks: list[Chunk]
+    sampled: Sampled
+    index: int = 0
+    stage: _Stage = "commit"
+    row: int = 0
+    finished: list[Request] = field(default_factory=list)
+
+    def next_chunk(self) -> None:
+        self.index += 1
+        self.stage = "commit"
+
+
 class Scheduler:
     """Owns the waiting queue, the running set, their batch slots, table rows and batch
-    rows. Not thread-safe (the engine holds its lock)."""
+    rows. Not thread-safe (the engine holds its lock). `step_fault` is the engine's
+    fault-injection seam (kvcache/engine/step_fault.py; None: off)."""
 
     def __init__(self, manager: KvCacheManager, table: BlockTable,
                  batch: PersistentBatch, *, max_num_tokens: int, max_batch_size: int,
@@ -83,6 +119,8 @@ class Scheduler:
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
         # the handle's block_ids_version each slot's table row was last written at
         self._row_versions = [0] * max_batch_size
+        self.step_fault: StepFault | None = None
+        self._postprocess: _Postprocess | None = None  # a step's, until it is complete
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -91,7 +129,12 @@ class Scheduler:
     def schedule(self) -> Schedule:
         """This step's work; admits waiting requests (mutating the cache, the table and
         the batch) as they fit. Under a sliding window a step in which no running request
-        gets a block for its tokens preempts the last one and schedules nothing."""
+        gets a block for its tokens preempts the last one and schedules nothing. If it
+        raises, what it admitted before stays admitted (each admission is all or
+        nothing, `_join`) and the next call schedules again."""
+        assert self._postprocess is None, "the last step's postprocess is not complete"
+        if self.step_fault is not None:
+            self.step_fault("schedule")
         budget = self.max_num_tokens
         todo = [req.num_uncomputed for req in self.running]
         counts = [0] * len(todo)
@@ -106,6 +149,8 @@ class Scheduler:
         if self.windowed:
             budget += self._reserve_rows(counts)
             if self.running and not any(counts):  # no block for anyone's next tokens
+                if self.step_fault is not None:
+                    self.step_fault("preempt")
                 self.preempt(self.running[-1])
                 return Schedule([], None)  # admit nothing: the freed blocks go to the others
         self._admit_waiting(budget, todo, counts)
@@ -118,31 +163,29 @@ class Scheduler:
         taking its first chunk of `budget` (appended to `todo` and `counts`)."""
         held: list[Request] = []  # siblings waiting for a leader's prefix, in order
         cfg = self.manager.config
-        while self.waiting and budget and self._free_slots:
-            req = self.waiting[0]
-            plan = self.manager.plan_admission(req.tokens, req.scope,
-                                               first_chunk=budget if self.chunked else None)
-            if self.share_prefixes and leader_of(req, plan.num_full_blocks, self.running,
-                                                 cfg.tokens_per_block,
-                                                 cfg.reuse_alignment_blocks):
-                held.append(self.waiting.popleft())
-                continue
-            if not plan.fits:
-                break  # wait for running requests to free blocks
-            if not self.chunked and len(req.tokens) - plan.num_cached_tokens > budget:
-                break
-            seq = self.manager.admit(req.request_id, plan, req.priority)
-            self.waiting.popleft()
-            req.seq = seq
-            req.num_computed = seq.num_cached_tokens
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = seq.num_cached_tokens
-                req.kv_metrics = seq.metrics
-            self._start_row(req)
-            todo.append(req.num_uncomputed)
-            counts.append(self._take(todo[-1], budget))
-            budget -= counts[-1]
-        self.waiting.extendleft(reversed(held))  # they keep their place in the queue
+        try:
+            while self.waiting and budget and self._free_slots:
+                req = self.waiting[0]
+                plan = self.manager.plan_admission(req.tokens, req.scope,
+                                                   first_chunk=budget if self.chunked else None)
+                if self.share_prefixes and leader_of(req, plan.num_full_blocks, self.running,
+                                                     cfg.tokens_per_block,
+                                                     cfg.reuse_alignment_blocks):
+                    held.append(self.waiting.popleft())
+                    continue
+                if not plan.fits:
+                    break  # wait for running requests to free blocks
+                if not self.chunked and len(req.tokens) - plan.num_cached_tokens > budget:
+                    break
+                if self.step_fault is not None:
+                    self.step_fault("admit")
+                self._join(req, self.manager.admit(req.request_id, plan, req.priority))
+                self.waiting.popleft()
+                todo.append(req.num_uncomputed)
+                counts.append(self._take(todo[-1], budget))
+                budget -= counts[-1]
+        finally:  # also when an admission raised: nobody leaves the queue unadmitted
+            self.waiting.extendleft(reversed(held))  # they keep their place in the queue
 
     def _take(self, todo: int, budget: int) -> int:
         if self.chunked:
@@ -169,38 +212,81 @@ class Scheduler:
         that reached max_new_tokens and preempt those that get no block for their next
         token; the others' table and batch rows follow their handles. Returns the
         finished requests, in chunk order. Mutates the requests, the cache, the table
-        and the batch."""
-        finished = []
-        row = 0  # the sampled row of the next chunk that samples
-        for c in chunks:
-            req = c.req
-            req.num_computed += c.num_new
-            self.manager.commit(req.request_id, req.num_computed)
-            if c.samples:
-                token = sampled.tokens[row]
+        and the batch.
+
+        Never left half-done: if it raises part-way (an interrupt, an error the cache
+        raised), the stage that raised changed nothing and the postprocess stays in
+        progress; `finish_postprocess` completes it from that stage, and nothing else
+        may use the scheduler until it did (the engine calls it first in every call)."""
+        assert self._postprocess is None, "the last step's postprocess is not complete"
+        self._postprocess = _Postprocess(chunks, sampled)
+        return self.finish_postprocess()
+
+    def finish_postprocess(self) -> list[Request]:
+        """Complete the postprocess in progress, if one raised part-way, from the stage
+        that raised; returns the requests it finished, in chunk order (those finished
+        before it raised included; none when no postprocess is in progress). Raises
+        what a stage raises (the postprocess then stays in progress)."""
+        p = self._postprocess
+        if p is None:
+            return []
+        while p.index < len(p.chunks):
+            self._advance(p)
+        self._postprocess = None
+        return p.finished
+
+    def _advance(self, p: _Postprocess) -> None:
+        """Carry out the stages of `p`'s chunk from the one it is at, moving `p` on after
+        each; a stage that raises changed nothing (its one fallible call, to the cache,
+        changes nothing when it raises; what follows it are assignments)."""
+        c = p.chunks[p.index]
+        req, fault = c.req, self.step_fault
+        while True:
+            stage = p.stage
+            if fault is not None:
+                fault(stage)
+            if stage == "commit":
+                logits = None  # the row's own tensor, not a view keeping the batch's alive
+                if c.samples and req.return_logits:
+                    assert p.sampled.logits is not None, "a request returning logits sampled"
+                    logits = p.sampled.logits[p.row].clone()
+                num_computed = req.num_computed + c.num_new
+                self.manager.commit(req.request_id, num_computed)
+                req.num_computed = num_computed
+                if not c.samples:
+                    p.stage = "sync"
+                    continue
+                token = p.sampled.tokens[p.row]
+                p.row += 1
                 req.generated.append(token)
                 req.tokens.append(token)
-                if req.return_logits:
-                    assert sampled.logits is not None, "a request returning logits sampled"
-                    req.logits.append(sampled.logits[row].clone())
-                row += 1
-                if len(req.generated) >= req.max_new_tokens:
-                    self.release(req)
-                    finished.append(req)
-                    continue
+                if logits is not None:
+                    req.logits.append(logits)
+                p.stage = "release" if len(req.generated) >= req.max_new_tokens else "append"
+            elif stage == "append":
                 try:
-                    self.manager.append_tokens(req.request_id, [token])
+                    self.manager.append_tokens(req.request_id, [req.generated[-1]])
                 except OutOfBlocksError:
                     log.info("preempting request %d: no block for its next token",
                              req.request_id)
-                    self.preempt(req)
+                    p.stage = "preempt"
                     continue
-            self._sync(req)
-        return finished
+                p.stage = "sync"
+            else:
+                if stage == "release":
+                    self.release(req)
+                    p.finished.append(req)
+                elif stage == "preempt":
+                    self.preempt(req)
+                else:
+                    self._sync(req)
+                p.next_chunk()
+                return
 
     def recount_batch(self) -> None:
-        """Set the batch's rows from the running requests: after a step whose forward
-        failed, the batch counted tokens the requests never computed."""
+        """Set the batch's rows from the running requests: after a step that raised
+        before it happened (its ops, forward or sampling), the batch counted tokens the
+        requests never computed."""
         rows = []
         for req in self.running:
             assert req.slot is not None
@@ -208,14 +294,31 @@ class Scheduler:
         self.batch.reset(rows)
 
     # ------------------------------------------------------------------ rows
-    def _start_row(self, req: Request) -> None:
-        """Give the admitted `req` a slot: its table row and its batch row."""
-        seq = req.seq
-        assert seq is not None
-        slot = req.slot = self._free_slots.pop()
-        self.table.assign(slot, seq.live_block_ids(), seq.num_released_blocks)
+    def _join(self, req: Request, seq: SequenceHandle) -> None:
+        """The request the cache just admitted (`seq`, its handle) joins the batch: a
+        slot, its table row and its batch row, and it runs. All or nothing: if a row
+        cannot be made (an interrupt included), the rows made are taken back and the
+        admission is given back to the cache (`free_sequence`: what it reused stays
+        cached, a copy it queued is dropped), `req` is left as it was and the error
+        propagates; the caller has not taken it off the waiting queue yet."""
+        slot = self._free_slots[-1]
+        try:
+            if self.step_fault is not None:
+                self.step_fault("join")
+            self.table.assign(slot, seq.live_block_ids(), seq.num_released_blocks)
+            self.batch.add(slot, seq.num_cached_tokens)
+        except BaseException:
+            self.table.release(slot)
+            self.manager.free_sequence(req.request_id)
+            raise
+        # assignments only from here: the request joined
+        self._free_slots.pop()
         self._row_versions[slot] = seq.block_ids_version
-        self.batch.add(slot, req.num_computed)
+        req.seq, req.slot = seq, slot
+        req.num_computed = seq.num_cached_tokens
+        if req.num_cached_tokens is None:  # its first admission
+            req.num_cached_tokens = seq.num_cached_tokens
+            req.kv_metrics = seq.metrics
         self.running.append(req)
 
     def _sync(self, req: Request) -> None:
@@ -264,7 +367,10 @@ class Scheduler:
 
     def remove(self, request_id: int) -> Request | None:
         """Take request `request_id` out wherever it is (releasing it if running); None
-        when it is neither waiting nor running."""
+        when it is neither waiting nor running. If it raises, nothing changed."""
+        assert self._postprocess is None, "the last step's postprocess is not complete"
+        if self.step_fault is not None:
+            self.step_fault("abort")
         for req in self.running:
             if req.request_id == request_id:
                 self.release(req)

@@ -7,9 +7,10 @@ layer's state after the block's last token. The cache manager aligns every match
 those blocks (`KvCacheConfig.reuse_alignment_blocks`), and a warm request starts from the
 snapshot of the last block it reuses.
 
-A snapshot lives with its block: taken before the block is committed (so it exists
-whenever the block can be matched), dropped when the block leaves the tree (the manager's
-`on_blocks_removed`). With a host tier it follows its block there and back (a tier
+A snapshot lives with its block: taken by the step that computes the block's last token,
+saved once that step happened and before the block is committed (so it exists whenever
+the block can be matched; a step that raised saved none), dropped when the block leaves
+the tree (the manager's `on_blocks_removed`). With a host tier it follows its block there and back (a tier
 listener: `offloaded`, `onboarded`, `dropped`, `cleared`), kept by host slot meanwhile;
 the tensor itself stays where it was (a few hundred bytes a block, against kilobytes of
 KV).
@@ -50,14 +51,20 @@ class StateSnapshots:
         first = (start // step + 1) * step
         return range(first, end + 1, step)
 
-    def restore(self, chunks: Sequence[Chunk], block_size: int) -> None:
-        """A request of this step admitted warm resumes its recurrent state from the
+    def start_states(self, chunks: Sequence[Chunk],
+                     block_size: int) -> list[dict[int, torch.Tensor]]:
+        """Each chunk's request's recurrent state at the step's start ({layer: [hidden]}):
+        its own, or for a request admitted warm (tokens reused, no state yet) the
         snapshot of the last block it reuses (the manager aligns reuse to snapshots).
-        Mutates the requests' `state`."""
+        Changes nothing: the request takes a state only once its step happened."""
+        states = []
         for c in chunks:
             req = c.req
             if req.num_computed and not req.state and req.seq is not None:
-                req.state = self.load(req.seq.block_id(req.num_computed // block_size - 1))
+                states.append(self.load(req.seq.block_id(req.num_computed // block_size - 1)))
+            else:
+                states.append(req.state)
+        return states
 
     def rows(self, chunks: Sequence[Chunk], block_size: int) -> dict[int, int]:
         """Block id -> the token row of this step whose recurrent state is its snapshot:
@@ -73,10 +80,11 @@ class StateSnapshots:
             offset += c.num_new
         return rows
 
-    def save(self, block_id: int, states: Sequence[torch.Tensor]) -> None:
-        """Keep `states` (one [hidden] tensor per recurrent layer, in layer order) as the
-        snapshot of `block_id`, replacing any older one."""
-        self._by_block[block_id] = torch.stack([s.detach().float() for s in states])
+    def save(self, block_id: int, snapshot: torch.Tensor) -> None:
+        """Keep `snapshot` ([recurrent layers, hidden] float32, layers in order) as the
+        snapshot of `block_id`, replacing any older one. Cannot fail (one assignment):
+        the step makes the tensor, and saves it once the step happened."""
+        self._by_block[block_id] = snapshot
 
     def load(self, block_id: int) -> dict[int, torch.Tensor]:
         """The snapshot of `block_id` as {layer: [hidden]} (copies). KeyError if absent:

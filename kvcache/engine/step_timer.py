@@ -6,7 +6,7 @@
     timer.steps[-1].overhead       # everything but the forward, in seconds
 
 Phases, in step order: schedule (admission with reuse, chunking, block copies: the
-engine's), metadata (restored recurrent states, paged metadata, input ids, step context),
+engine's), metadata (starting recurrent states, paged metadata, input ids, step context),
 plan (the backend's per-step plan), forward (the model), sample (greedy tokens, the
 logits to the host: the step runner's), commit (the scheduler's postprocess: cache
 commit, kept logits, blocks for the next token, table rows, finished and preempted

@@ -15,7 +15,7 @@ what the next read sees.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -81,6 +81,10 @@ class KvStorage:
         self._views: dict[int, PageViews] = {}  # page views by page size
         # ops the latest apply_copies call applied, in order (all of them once it returned)
         self.num_applied = 0
+        # The engine's fault-injection seam (kvcache/engine/step_fault.py), set by the
+        # engine: called as ("copy") before each op is applied; what it raises fails the
+        # batch there, as a real failure would. None: off.
+        self.step_fault: Callable[[str], None] | None = None
         self.allocate()
 
     # ------------------------------------------------------------------ memory
@@ -157,7 +161,10 @@ class KvStorage:
         tensors, host, token_dim = alloc.tensors, self.host, alloc.token_dim - 1
         # one slice copy per op and tensor (2 for BLHNC, 2 * num_layers otherwise): it
         # beat a gather/scatter of (block, slot) pairs by 8-17x on CPU
+        fault = self.step_fault
         for op in ops:
+            if fault is not None:
+                fault("copy")
             apply_op(op, tensors, host, token_dim)
             self.num_applied += 1
 

@@ -17,6 +17,7 @@ from kvcache import Engine, KvCacheConfig, KvCacheManager, ReuseScope
 from kvcache.attention.base import AttentionBackend
 from kvcache.engine import GenerationOutput
 from kvcache.model import Transformer
+from kvcache.storage.layouts import KvLayout
 
 # Warm and cold runs attend over the same KV in different batches and chunks; float32
 # sums may differ in the last bits, never more (the unit tests use the same bound).
@@ -38,6 +39,7 @@ class EngineSpec:
     release: bool = True  # a windowed model's cache releases what no window reaches
     host: int = 0  # host tier blocks
     attn_backend: str | type[AttentionBackend] = "torch"  # a name, or a test's own class
+    layout: KvLayout = "NHD"  # the KV storage's
 
     def cache_config(self) -> KvCacheConfig:
         """The KvCacheConfig this spec describes."""
@@ -51,7 +53,7 @@ class EngineSpec:
         return Engine(model, self.cache_config(), max_num_tokens=self.max_num_tokens,
                       max_batch_size=self.max_batch_size,
                       enable_chunked_prefill=self.chunked, release_outside_window=self.release,
-                      attn_backend=self.attn_backend)
+                      attn_backend=self.attn_backend, layout=self.layout)
 
 
 def cold_outputs(model: Transformer, prompts: Sequence[Sequence[int]],

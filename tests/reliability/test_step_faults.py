@@ -1,50 +1,50 @@
-"""A step that raises did not happen: transient faults injected into the step's parts.
+"""A step is all or nothing, wherever it is interrupted: faults injected at every phase.
 
 A CUDA out-of-memory error or an interrupt can strike anywhere inside a step. The engine's
-rule (Engine._step, kvcache/engine/engine.py) is that a step whose copies or forward raise did not
-happen: the ops not applied stay queued, the batch is recounted, every request keeps its
-recurrent state, tokens and counts, and the next step runs the same work again. A
-`generate()` that raises aborts what it added. Each case here injects one fault at a
-chosen point of a workload, lets the caller recover (a step loop that steps again, or a
-new `generate()` for the wave that failed), and checks that the outputs equal a cold
-run, that nothing leaked, that the provenance oracle finds every read of the reader's own
-KV, and (step loop) that the recovered run did exactly the clean run's work: the same
-cache log, steps and computed tokens.
+rule (Engine._step, kvcache/engine/engine.py; docs/design.md, "A step is all or
+nothing"): up to and including sampling a step that raises did not happen (the ops not
+applied stay queued, the batch is recounted, every request keeps its recurrent state,
+tokens and counts, the next step runs the same work); an admission whose batch join fails
+is given back; once the step sampled it happened, and a postprocess that raises part-way
+is completed, from where it stopped, by the engine's next call. A `generate()` that
+raises aborts what it added.
 
-Where a fault strikes (each consulted by a `OneFault`, which numbers the calls and raises
-at one of them):
-- plan: the attention backend's per-step plan (`RaisingBackend`, a subclass of the torch
-  reference backend), before any layer ran;
-- attention: one attention layer's call, after it appended its KV (`RaisingBackend`);
-- layer: after one transformer block ran (a forward hook on `model.layers[i]`): for a
-  hybrid model, after the recurrent layer computed every request's new state;
-- copies: `KvStorage.apply_copies`, after it applied the first k ops of a batch (the
-  storage's own method, called for those k, then the fault).
-The faults are a RuntimeError (as CUDA out of memory is) or an `Interrupt`, which, like
-KeyboardInterrupt, is not an Exception.
+The faults go in through the engine's own seam, `Engine.step_fault`
+(kvcache/engine/step_fault.py): a `FaultPlan` numbers the calls of every phase and
+raises at the points it was given, once each, a RuntimeError (as CUDA out of memory is)
+or an `Interrupt` (like KeyboardInterrupt, not an Exception). The suite names phases,
+never the engine's methods, so it survives their renames.
 
-The workloads: the tiny model with shared prefixes and partial copies, hybrid-tiny
-(recurrent state and its snapshots), a sliding-window preset whose requests release
-blocks, and the tiny model over a host tier (offloads and onboards in one queue). The
-quick tests pick a few points of each; the full ones try every point.
+Each case runs a workload, lets the caller recover, and checks that the outputs equal a
+cold run's, that nothing leaked, that the provenance oracle finds every read of the
+reader's own KV, and (step loop) that the recovered run did exactly the clean run's work:
+the same cache log, steps and computed tokens. The recoveries:
+- steps: a step loop that steps again;
+- generate: a new `generate()` for the wave that failed (the failed call aborted it);
+- abort: a step loop that aborts every request of the wave not finished, whose first
+  abort fails too (a second fault, at the abort phase: the caller aborts again), then
+  runs them again.
+
+The workloads: each of tiny, hybrid-tiny, tiny-swa and tiny-mixed-swa with shared
+prefixes, partial hits (copies on tiny), recurrent snapshots (hybrid), window releases,
+and a wave that preempts; the same over the BLHNC layout; and over a host tier (offloads
+and onboards in one queue). The quick cases (pre-merge) pick one point of every phase and
+fault kind on tiny and a few elsewhere; the wide ones (post-merge) try the first, middle
+and last call of every phase (every call of copies, joins and preemptions) on every
+workload, with every recovery. Three tests reproduce the findings that made the seam (issue 31).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import pytest
-import torch
-from torch import nn
 
 from kvcache import Engine
-from kvcache.attention.metadata import PagedMetadata
-from kvcache.attention.reference import ReferenceBackend
-from kvcache.core.ops import KvOp
-from kvcache.engine import GenerationOutput
+from kvcache.engine import STEP_PHASES, GenerationOutput, RequestFinishedError
 from kvcache.model import Transformer, get_preset
 from tests.reliability.support import (
     EngineSpec,
@@ -66,85 +66,41 @@ class Interrupt(BaseException):
 FAULTS = (InjectedFault, Interrupt)
 
 
-class OneFault:
-    """Numbers the calls of one fault point (`tick`) and raises `error` at call `at`,
-    once (None: never, to count the calls of a clean run)."""
+class Point(NamedTuple):
+    """Where a fault strikes: the `at`-th call (from 0) of `phase`, raising `error`."""
 
-    def __init__(self, at: int | None = None,
-                 error: type[BaseException] = InjectedFault) -> None:
-        self.at = at
-        self.error = error
-        self.calls = 0
-        self.fired = False
+    phase: str
+    at: int
+    error: type[BaseException] = InjectedFault
 
-    def tick(self, what: str) -> None:
-        """One call of the point; raises at call `at`."""
-        n, self.calls = self.calls, self.calls + 1
-        if n == self.at:
-            self.fired = True
-            raise self.error(f"injected fault at {what} call {n}")
+    def __str__(self) -> str:
+        return f"{self.error.__name__} at {self.phase} call {self.at}"
 
 
-class RaisingBackend(ReferenceBackend):
-    """The torch reference backend; its `plan` and `attention` faults strike in the
-    per-step plan and in an attention layer's call, after that layer appended its KV."""
+class FaultPlan:
+    """The seam's hook (`Engine.step_fault`): numbers the calls of every phase (`calls`)
+    and raises at each of `points`, once (`fired`). A phase the seam does not document
+    fails the test (an AssertionError is no fault the recoveries catch)."""
 
-    name: ClassVar[str] = "test-raising"
+    def __init__(self, *points: Point) -> None:
+        self.points = points
+        self.calls: Counter[str] = Counter()
+        self.fired: set[Point] = set()
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.faults: dict[str, OneFault] = {}
-
-    def _plan(self, md: PagedMetadata) -> None:
-        if "plan" in self.faults:
-            self.faults["plan"].tick("plan")
-        super()._plan(md)
-
-    def _attend(self, layer: int, md: PagedMetadata, q: torch.Tensor,
-                return_lse: bool) -> Any:
-        if "attention" in self.faults:
-            self.faults["attention"].tick("attention")
-        return super()._attend(layer, md, q, return_lse)
-
-
-def fail_copies(engine: Engine, fault: OneFault, after_ops: int) -> list[int]:
-    """Make the engine's storage fail at `fault`'s call (its non-empty batches counted)
-    after applying the batch's first `after_ops` ops (all but one, if the batch is
-    shorter), through its own apply_copies; returns the size of every batch it was given."""
-    storage = engine.storage
-    apply = storage.apply_copies
-    sizes: list[int] = []
-
-    def apply_copies(ops: Sequence[KvOp]) -> None:
-        sizes.append(len(ops))
-        try:
-            fault.tick("apply_copies")
-        except FAULTS:
-            apply(ops[:min(after_ops, len(ops) - 1)])  # sets storage.num_applied
-            raise
-        apply(ops)
-
-    storage.apply_copies = apply_copies  # type: ignore[method-assign]
-    return sizes
-
-
-@contextmanager
-def fail_after_layer(model: Transformer, layer: int, fault: OneFault) -> Iterator[None]:
-    """`fault` strikes right after `model.layers[layer]` ran (a forward hook, removed on
-    exit: the model is shared)."""
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        fault.tick(f"layer {layer}")
-
-    handle = model.layers[layer].register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+    def __call__(self, phase: str) -> None:
+        assert phase in STEP_PHASES, f"the seam called an undocumented phase {phase!r}"
+        n = self.calls[phase]
+        self.calls[phase] += 1
+        for point in self.points:
+            if point.phase == phase and point.at == n:
+                self.fired.add(point)
+                raise point.error(f"injected fault: {point}")
 
 
 # -- workloads --------------------------------------------------------------------------------
 
 P = list(range(1, 50))  # a stem the prompts share
+Q = list(range(100, 190))  # prompts that share nothing
 
 
 @dataclass(frozen=True)
@@ -165,35 +121,42 @@ def wave(*prompts: list[int]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(p) for p in prompts)
 
 
-WORKS = {
+# five prompts of two blocks each on a short pool: an append finds no block, and preempts
+PRESSURE = wave(*[Q[i:i + 8] for i in range(0, 90, 20)])
+WAVES = {
     # shared prefixes, partial hits copied (BlockCopy), prefills chunked
-    "tiny": Work("tiny", EngineSpec(4, 32, max_num_tokens=8), (
-        wave(P[:9], P[:10], [*P[:6], 40, 41, 42]),
-        wave(P[:11], [*P[:6], 40, 41, 50]),
-    )),
+    "tiny": (wave(P[:9], P[:10], [*P[:6], 40, 41, 42]),
+             wave(P[:11], [*P[:6], 40, 41, 50]), PRESSURE),
     # recurrent state per request, snapshots at block ends, reuse aligned to them
-    "hybrid": Work("hybrid-tiny", EngineSpec(4, 32, max_num_tokens=8), (
-        wave(P[:9], [*P[:8], 60, 61]),
-        wave(P[:13], [*P[:8], 60, 62]),
-    )),
-    # a 32-token window: the requests release blocks no later token sees
-    "window": Work("tiny-swa", EngineSpec(4, 24, max_num_tokens=16), (
-        wave(P[:40], [*P[:36], 70, 71, 72]),
-        wave(P[:44],),
-    )),
-    # a device pool of 10 blocks over a host tier: evictions offload, hits onboard, and
-    # one step's batch interleaves offloads and onboards into the blocks they freed
-    "host": Work("tiny", EngineSpec(4, 10, max_num_tokens=16, max_batch_size=2, host=24), (
-        wave(P[:16], P[20:30]),
-        wave(P[30:46],),
-        wave(P[:17], P[20:31]),
-        wave(P[30:47],),
-    )),
+    "hybrid-tiny": (wave(P[:9], [*P[:8], 60, 61]), wave(P[:13], [*P[:8], 60, 62]), PRESSURE),
+    # a 32-token window: the requests release blocks no later token sees (tiny-swa), or
+    # keep them for the full-attention layers (tiny-mixed-swa); a partial hit copied
+    "tiny-swa": (wave(P[:40], [*P[:38], 70, 71, 72]), wave(P[:44]), PRESSURE),
 }
-# the wider post-merge runs add hybrid-tiny over a host tier (snapshots follow blocks)
-FULL_WORKS = {**WORKS, "hybrid-host": Work("hybrid-tiny", EngineSpec(
-    4, 10, max_num_tokens=16, max_batch_size=2, host=24), WORKS["host"].waves)}
-SITES = ("plan", "attention", "layer", "copies")
+WAVES["tiny-mixed-swa"] = WAVES["tiny-swa"]
+SPECS = {"tiny": EngineSpec(4, 7, max_num_tokens=8),
+         "hybrid-tiny": EngineSpec(4, 7, max_num_tokens=8),
+         "tiny-swa": EngineSpec(4, 13, max_num_tokens=16),
+         "tiny-mixed-swa": EngineSpec(4, 13, max_num_tokens=16)}
+# a device pool of 10 blocks over a host tier: evictions offload, hits onboard, and one
+# step's batch interleaves offloads and onboards into the blocks they freed
+HOST_SPEC = EngineSpec(4, 10, max_num_tokens=16, max_batch_size=2, host=24)
+HOST_WAVES = (wave(P[:16], P[20:30]), wave(P[30:46]), wave(P[:17], P[20:31]), wave(P[30:47]))
+VARIANTS = ("plain", "blhnc", "host")
+
+
+def work_of(preset: str, variant: str) -> Work:
+    """The workload of `preset` in `variant`: plain, over the BLHNC layout, or over a
+    host tier."""
+    if variant == "host":
+        return Work(preset, HOST_SPEC, HOST_WAVES)
+    spec = SPECS[preset]
+    return Work(preset, replace(spec, layout="BLHNC") if variant == "blhnc" else spec,
+                WAVES[preset])
+
+
+WORKS = {f"{preset}-{variant}": work_of(preset, variant)
+         for preset in SPECS for variant in VARIANTS}
 
 
 @pytest.fixture(scope="session")
@@ -211,79 +174,80 @@ def models() -> Callable[[str], Transformer]:
 
 # -- one run ---------------------------------------------------------------------------------
 
-class Point(NamedTuple):
-    """Where the fault strikes: the `at`-th call of `site`, and for `copies` how many ops
-    of that batch were applied first."""
-
-    site: str
-    at: int | None = None
-    after_ops: int = 0
-    error: type[BaseException] = InjectedFault
-
-    def __str__(self) -> str:
-        ops = f" after {self.after_ops} ops" if self.site == "copies" else ""
-        return f"{self.error.__name__} at {self.site} call {self.at}{ops}"
-
-
-CLEAN = Point("none")  # a run without a fault: every point's calls counted
+Recovery = Literal["steps", "generate", "abort"]
+RECOVERIES: tuple[Recovery, ...] = ("steps", "generate", "abort")
 
 
 class Run(NamedTuple):
-    """A workload's engine and outputs (in prompt order); a fault per site (their
-    `calls`, in a clean run, number the points there are) and the size of each batch of
-    ops applied."""
+    """A workload's engine, its outputs (in prompt order) and the plan it ran under
+    (its `calls`, in a clean run, number the points there are)."""
 
     engine: Engine
     outputs: list[GenerationOutput]
-    faults: dict[str, OneFault]
-    copy_batches: list[int]
+    plan: FaultPlan
 
 
-def run(model: Transformer, work: Work, point: Point, step_loop: bool) -> Run:
-    """`work` with a fault at `point` (every other site only counts its calls); the
-    caller recovers by stepping again (step loop) or by running the failed wave's
-    generate() again."""
-    engine = replace(work.spec, attn_backend=RaisingBackend).build(model)
-    faults = {site: OneFault(point.at, point.error) if site == point.site else OneFault()
-              for site in SITES}
-    assert isinstance(engine.backend, RaisingBackend)
-    engine.backend.faults = {"plan": faults["plan"], "attention": faults["attention"]}
-    batches = fail_copies(engine, faults["copies"], point.after_ops)
+def run(model: Transformer, work: Work, plan: FaultPlan, recovery: Recovery) -> Run:
+    """`work` under `plan`; the caller recovers from a fault as `recovery` says."""
+    engine = work.spec.build(model)
+    engine.step_fault = plan
     outputs: list[GenerationOutput] = []
-    with fail_after_layer(model, layer_of(model), faults["layer"]):
-        for prompts in work.waves:
-            outputs += (run_steps if step_loop else run_generate)(engine, prompts, work,
-                                                                   point)
-    return Run(engine, outputs, faults, batches)
-
-
-def layer_of(model: Transformer) -> int:
-    """The block a layer fault follows: a hybrid model's first recurrent layer (its
-    states are computed, the later layers have not run), else the middle one."""
-    recurrent = model.config.recurrent_layers
-    return recurrent[0] if recurrent else model.config.num_layers // 2
+    for prompts in work.waves:
+        if recovery == "generate":
+            outputs += run_generate(engine, prompts, work)
+        else:
+            outputs += run_steps(engine, prompts, work, abort=recovery == "abort")
+    return Run(engine, outputs, plan)
 
 
 def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], work: Work,
-              point: Point) -> list[GenerationOutput]:
+              abort: bool) -> list[GenerationOutput]:
+    """Step until the wave is done; after a fault, step again, or (abort) abort what is
+    not finished and run it again."""
     rids = [engine.add_request(p, work.max_new_tokens) for p in prompts]
     done: dict[int, GenerationOutput] = {}
+    again: dict[int, int] = {}  # a request run again -> the one it replaces
     while engine.has_unfinished():
         try:
             done |= {o.request_id: o for o in engine.step()}
         except FAULTS:
-            continue  # the step did not happen: step again
+            if abort:
+                again |= abort_unfinished(engine, [r for r in rids if r not in done],
+                                          work.max_new_tokens)
+    if abort and not all(r in done for r in rids):  # one finished as its abort completed
+        done |= {o.request_id: o for o in engine.step()}  # the step: nothing scheduled
+    for rid, original in again.items():
+        done[original] = done.pop(rid)
     return [done[r] for r in rids]
 
 
-def run_generate(engine: Engine, prompts: Sequence[Sequence[int]], work: Work,
-                 point: Point) -> list[GenerationOutput]:
+def abort_unfinished(engine: Engine, rids: list[int], max_new_tokens: int) -> dict[int, int]:
+    """Abort each of `rids` (again, if an abort fails: a failed abort changed nothing;
+    one that finished meanwhile comes out of the next step), check that nothing is left,
+    and queue the aborted ones again; returns new id -> old id."""
+    prompts: dict[int, list[int]] = {}
+    for rid in rids:
+        try:
+            try:
+                out = engine.abort(rid)
+            except FAULTS:
+                out = engine.abort(rid)
+        except RequestFinishedError:
+            continue
+        prompts[rid] = list(out.prompt)
+    where = f"after aborting {sorted(prompts)}"
+    assert_clean(engine.manager, where)
+    assert not engine.scheduler.running and not engine.scheduler.waiting, where
+    return {engine.add_request(p, max_new_tokens): rid for rid, p in prompts.items()}
+
+
+def run_generate(engine: Engine, prompts: Sequence[Sequence[int]],
+                 work: Work) -> list[GenerationOutput]:
     try:
         return engine.generate(prompts, work.max_new_tokens)
     except FAULTS:
-        where = f"{point}: after the failed generate()"
-        assert not engine.has_unfinished(), f"{where}: its requests are still queued"
-        assert_clean(engine.manager, where)
+        assert not engine.has_unfinished(), "after the failed generate(): still queued"
+        assert_clean(engine.manager, "after the failed generate()")
         return engine.generate(prompts, work.max_new_tokens)
 
 
@@ -301,120 +265,158 @@ def reference(models: Callable[[str], Transformer]) -> Callable[[str], Reference
 
     def get(name: str) -> Reference:
         if name not in made:
-            work = FULL_WORKS[name]
+            work = WORKS[name]
             model = models(work.preset)
-            clean = run(model, work, CLEAN, step_loop=True)
+            clean = run(model, work, FaultPlan(), "steps")
             cold = cold_outputs(model, work.prompts, work.max_new_tokens)
             assert_same_outputs(cold, clean.outputs, f"{name}: the clean run")
+            assert_clean(clean.engine.manager, f"{name}: the clean run")
             made[name] = Reference(clean, cold)
         return made[name]
 
     return get
 
 
+# A failed join gives its admission back to the cache: the cache sees an admission and a
+# free the clean run did not, and may reuse less when the request is admitted again.
+OWN_HISTORY = frozenset({"join"})
+
+
 def check(models: Callable[[str], Transformer], ref: Reference, name: str, point: Point,
-          step_loop: bool) -> None:
+          recovery: Recovery) -> None:
     """One faulted run of workload `name`, recovered, against the clean and cold runs."""
-    work = FULL_WORKS[name]
-    r = run(models(work.preset), work, point, step_loop)
-    where = f"{name} ({'step loop' if step_loop else 'generate'}), {point}"
-    fault = r.faults[point.site]
-    assert fault.fired, f"{where}: the fault never struck ({fault.calls} calls)"
+    work = WORKS[name]
+    points = [point]
+    if recovery == "abort":  # its first abort fails too, with the other kind of fault
+        points.append(Point("abort", 0, FAULTS[1 - FAULTS.index(point.error)]))
+    r = run(models(work.preset), work, FaultPlan(*points), recovery)
+    where = f"{name} ({recovery}), {point}"
+    assert point in r.plan.fired, (f"{where}: the fault never struck "
+                                   f"({r.plan.calls[point.phase]} calls)")
+    if recovery == "abort":
+        assert points[1] in r.plan.fired or not r.plan.calls["abort"], where
     assert_same_outputs(ref.cold, r.outputs, where)
     assert_clean(r.engine.manager, where)
     assert_provenance(r.engine)
-    if step_loop:  # the failed step did not happen: the same work as the clean run
+    if recovery == "steps":  # the same work as the clean run
         clean = ref.clean.engine
-        assert r.engine.admission_log() == clean.admission_log(), (
-            f"{where}: the cache saw another history than the clean run's")
-        assert (r.engine.num_steps, r.engine.num_computed_tokens) == (
-            clean.num_steps, clean.num_computed_tokens), where
+        assert r.engine.num_steps == clean.num_steps, where
+        if point.phase not in OWN_HISTORY:
+            assert r.engine.admission_log() == clean.admission_log(), (
+                f"{where}: the cache saw another history than the clean run's")
+            assert r.engine.num_computed_tokens == clean.num_computed_tokens, where
 
 
-def points(clean: Run, site: str, which: Sequence[str] | None = None) -> list[Point]:
-    """The fault points of `site` in `clean`: every call (and for copies, every op count
-    of every batch) when `which` is None, else the "first", "middle" or "last" (for
-    copies: before the first batch's first op, half-way through the longest batch, or
-    before the last batch's last op). The errors alternate."""
-    if site == "copies":
-        sizes = clean.copy_batches
-        longest = max(range(len(sizes)), key=sizes.__getitem__, default=0)
-        named = {"first": (0, 0), "middle": (longest, sizes[longest] // 2 if sizes else 0),
-                 "last": (len(sizes) - 1, sizes[-1] - 1 if sizes else 0)}
-        spots = ([(i, k) for i, n in enumerate(sizes) for k in range(n)] if which is None
-                 else [named[w] for w in which] if sizes else [])
-    else:
-        n = clean.faults[site].calls
-        named = {"first": (0, 0), "middle": (n // 2, 0), "last": (n - 1, 0)}
-        spots = list(zip(range(n), [0] * n, strict=True)) if which is None else [
-            named[w] for w in which]
-    return [Point(site, at, k, FAULTS[i % 2]) for i, (at, k) in enumerate(spots)]
+Which = Literal["first", "middle", "last"]
 
 
-# The pre-merge slice: each workload, each site where it matters, both recoveries. The
-# hybrid's layer fault follows its recurrent layer (finding 1: states written, later
-# layers not run); the host's copies fail part-way through batches that move blocks both
-# ways (finding 2); every generate() case checks what a failed call leaves (finding 3).
-QUICK = [
-    pytest.param(name, site, which, step_loop, id=f"{name}-{site}-{which}-"
-                 f"{'steps' if step_loop else 'generate'}")
-    for name, site, which, step_loop in (
-        ("tiny", "plan", "middle", True),
-        ("tiny", "attention", "last", False),
-        ("tiny", "copies", "first", True),
-        ("tiny", "layer", "first", False),
-        ("hybrid", "layer", "middle", True),
-        ("hybrid", "layer", "first", False),
-        ("hybrid", "attention", "middle", True),
-        ("window", "attention", "middle", True),
-        ("window", "layer", "last", False),
-        ("host", "copies", "middle", True),
-        ("host", "copies", "last", False),
-        ("host", "plan", "middle", False),
-    )]
+def point_of(ref: Reference, phase: str, which: Which,
+             error: type[BaseException]) -> Point:
+    """The first, middle or last call of `phase` in the clean run."""
+    n = ref.clean.plan.calls[phase]
+    assert n, f"the workload never reaches {phase}"
+    return Point(phase, {"first": 0, "middle": n // 2, "last": n - 1}[which], error)
 
 
-@pytest.mark.parametrize(("name", "site", "which", "step_loop"), QUICK)
-def test_a_step_that_raises_did_not_happen_quick(models: Callable[[str], Transformer],
-                                                 reference: Callable[[str], Reference],
-                                                 name: str, site: str, which: str,
-                                                 step_loop: bool) -> None:
+# The pre-merge slice: every phase (but abort, which every abort recovery hits) with
+# each fault kind on tiny, the recoveries in turn; then the phases each other workload
+# adds: recurrent state and sampling (hybrid), window releases and preemption,
+# interleaved offloads and onboards, and the packed layout's copies.
+TINY_PHASES = [phase for phase in STEP_PHASES if phase not in ("abort", "recurrent")]
+TINY_KINDS: tuple[tuple[Which, type[BaseException]], ...] = (("middle", InjectedFault),
+                                                              ("last", Interrupt))
+QUICK: list[tuple[str, str, Which, type[BaseException], Recovery]] = [
+    *[("tiny-plain", phase, which, error, RECOVERIES[(i + j) % 3])
+      for i, phase in enumerate(TINY_PHASES) for j, (which, error) in enumerate(TINY_KINDS)],
+    ("hybrid-tiny-plain", "recurrent", "middle", InjectedFault, "steps"),
+    ("hybrid-tiny-plain", "sample", "middle", Interrupt, "steps"),
+    ("hybrid-tiny-plain", "commit", "middle", Interrupt, "generate"),
+    ("hybrid-tiny-plain", "join", "middle", InjectedFault, "steps"),
+    ("hybrid-tiny-host", "copy", "middle", InjectedFault, "abort"),
+    ("tiny-swa-plain", "preempt", "first", Interrupt, "steps"),
+    ("tiny-swa-plain", "sync", "middle", InjectedFault, "generate"),
+    ("tiny-swa-plain", "copy", "first", InjectedFault, "abort"),
+    ("tiny-mixed-swa-plain", "release", "first", InjectedFault, "steps"),
+    ("tiny-mixed-swa-plain", "attention", "middle", Interrupt, "abort"),
+    ("tiny-host", "copy", "middle", Interrupt, "steps"),
+    ("tiny-host", "copy", "last", InjectedFault, "generate"),
+    ("tiny-blhnc", "copy", "first", Interrupt, "steps"),
+]
+
+
+@pytest.mark.parametrize(("name", "phase", "which", "error", "recovery"), [
+    pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[2]}-{case[3].__name__}-{case[4]}")
+    for case in QUICK])
+def test_a_step_is_all_or_nothing_quick(models: Callable[[str], Transformer],
+                                        reference: Callable[[str], Reference], name: str,
+                                        phase: str, which: Which, error: type[BaseException],
+                                        recovery: Recovery) -> None:
     ref = reference(name)
-    (point,) = points(ref.clean, site, [which])
-    check(models, ref, name, point, step_loop)
+    check(models, ref, name, point_of(ref, phase, which, error), recovery)
+
+
+# Each op of a batch leaves another prefix applied; each join another request to give
+# back; each preemption another request to requeue.
+EVERY_CALL = frozenset({"copy", "join", "preempt"})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step_loop", [pytest.param(True, id="steps"),
-                                       pytest.param(False, id="generate")])
-@pytest.mark.parametrize("site", SITES)
-@pytest.mark.parametrize("name", list(FULL_WORKS))
-def test_a_step_that_raises_did_not_happen_full(models: Callable[[str], Transformer],
-                                                reference: Callable[[str], Reference],
-                                                name: str, site: str,
-                                                step_loop: bool) -> None:
+@pytest.mark.parametrize("recovery", RECOVERIES)
+@pytest.mark.parametrize("phase", [p for p in STEP_PHASES if p != "abort"])
+@pytest.mark.parametrize("name", list(WORKS))
+def test_a_step_is_all_or_nothing_wide(models: Callable[[str], Transformer],
+                                       reference: Callable[[str], Reference], name: str,
+                                       phase: str, recovery: Recovery) -> None:
+    """The first, middle and last call of `phase` (every call, for the few phases each
+    call of which differs: EVERY_CALL), the fault kinds in turn (each kind at each phase
+    with every recovery)."""
     ref = reference(name)
-    every = points(ref.clean, site)
-    if not every:
-        pytest.skip(f"{name}: no {site} calls (the workload queues no ops)")
-    for point in every:
-        check(models, ref, name, point, step_loop)
+    n = ref.clean.plan.calls[phase]
+    if not n:
+        pytest.skip(f"{name}: never reaches {phase} (coverage: "
+                    "test_the_workloads_reach_what_the_faults_must_hit)")
+    spots = range(n) if phase in EVERY_CALL else sorted({0, n // 2, n - 1})
+    shift = RECOVERIES.index(recovery)
+    for i, at in enumerate(spots):
+        check(models, ref, name, Point(phase, at, FAULTS[(i + shift) % 2]), recovery)
 
 
 def test_the_workloads_reach_what_the_faults_must_hit(
         models: Callable[[str], Transformer], reference: Callable[[str], Reference]) -> None:
-    """The tiny workload copies partial hits, the host one offloads and onboards (an
-    onboard before an offload in one batch: re-running an applied op there is not safe),
-    the hybrid one reuses from snapshots, the window one releases blocks and matches by
-    the window: otherwise a fault there would test nothing."""
+    """Every quick case's phase is reached where it is asked for, the quick cases cover
+    every phase with each fault kind and every recovery on tiny, and every workload
+    reaches every phase its model has (recurrent: hybrid only; copies: partial hits,
+    which hybrid's snapshot alignment rules out, or the host tier; preemption: all but
+    the host tier's). The tiny workload copies
+    partial hits, the host one offloads and onboards (an onboard before an offload in
+    one batch: re-running an applied op there is not safe), the hybrid one reuses from
+    snapshots, the window one releases blocks and matches by the window: otherwise a
+    fault there would test nothing."""
+    for name, phase, which, error, _ in QUICK:
+        point_of(reference(name), phase, which, error)  # asserts the phase is reached
+    on_tiny = {(phase, error) for name, phase, _, error, _ in QUICK if name == "tiny-plain"}
+    assert on_tiny == {(phase, error) for phase in TINY_PHASES for error in FAULTS}
+    assert {case[4] for case in QUICK if case[0] == "tiny-plain"} == set(RECOVERIES)
+    for name, work in WORKS.items():
+        calls = reference(name).clean.plan.calls
+        expected = set(STEP_PHASES) - {"abort"}
+        if "hybrid" not in work.preset:
+            expected.discard("recurrent")
+        if work.spec.host:
+            expected.discard("preempt")  # its batch holds two requests, its pool more
+        elif "hybrid" in work.preset:
+            expected.discard("copy")  # reuse is aligned to snapshots: no partial hit
+        assert expected <= set(calls), f"{name} never reaches {expected - set(calls)}"
     stats = {name: reference(name).clean.engine.kv_cache_stats() for name in WORKS}
-    assert stats["tiny"].copied_blocks > 0
-    assert stats["host"].offloaded_blocks > 0 and stats["host"].onboarded_blocks > 0
+    assert stats["tiny-plain"].copied_blocks > 0
+    host = stats["tiny-host"]
+    assert host.offloaded_blocks > 0 and host.onboarded_blocks > 0
     kinds = ["".join(e["kind"][1] for e in batch)
-             for batch in op_batches(reference("host").clean.engine)]
+             for batch in op_batches(reference("tiny-host").clean.engine)]
     assert any("nf" in k for k in kinds), f"no onboard followed by an offload: {kinds}"
-    assert stats["hybrid"].reused_blocks > 0 and stats["hybrid"].state_snapshot_bytes > 0
-    window = WORKS["window"]
+    for name in ("hybrid-tiny-plain", "hybrid-tiny-host"):
+        assert stats[name].reused_blocks > 0 and stats[name].state_snapshot_bytes > 0, name
+    window = WORKS["tiny-swa-plain"]
     engine = window.spec.build(models(window.preset))
     released = 0
     for prompts in window.waves:
@@ -424,7 +426,7 @@ def test_the_workloads_reach_what_the_faults_must_hit(
             engine.step()
             released = max([released] + [r.seq.num_released_blocks
                                          for r in engine.scheduler.running if r.seq])
-    assert released > 0 and stats["window"].reused_blocks > 0
+    assert released > 0 and stats["tiny-swa-plain"].reused_blocks > 0
     assert any(e["kind"] == "admit" and None in e["block_ids"]
                for e in engine.admission_log()), "no match skipped a block outside the window"
 
@@ -441,3 +443,128 @@ def op_batches(engine: Engine) -> list[list[dict[str, Any]]]:
             batches[-1].append(e)
         previous = "op" if moved else e["kind"]
     return batches
+
+
+# -- the findings of issue 31 ------------------------------------------------------------------
+
+ISSUE_SPEC = EngineSpec(4, 32, max_num_tokens=8)
+ISSUE_PROMPTS = [P[:9], P[:10], [*P[:6], 40, 41, 42]]
+
+
+def step_by_hand(engine: Engine, limit: int = 60) -> list[GenerationOutput | None]:
+    """The issue's prompts, 4 new tokens each, stepped by hand; a step that raises is
+    stepped again. Returns the outputs in prompt order (None: not finished in `limit`
+    steps)."""
+    rids = [engine.add_request(p, 4) for p in ISSUE_PROMPTS]
+    done: dict[int, GenerationOutput] = {}
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            break
+        try:
+            done |= {o.request_id: o for o in engine.step()}
+        except FAULTS:
+            continue
+    return [done.get(r) for r in rids]
+
+
+def clean_issue_run(model: Transformer) -> tuple[Engine, list[GenerationOutput]]:
+    """The issue's workload without a fault: its engine and outputs."""
+    engine = ISSUE_SPEC.build(model)
+    engine.step_fault = FaultPlan()
+    outputs = step_by_hand(engine)
+    assert all(o is not None for o in outputs)
+    return engine, [o for o in outputs if o is not None]
+
+
+@pytest.mark.parametrize("error", FAULTS)
+@pytest.mark.parametrize("preset", ["hybrid-tiny", "tiny"])
+def test_a_step_whose_sampling_raises_did_not_happen(models: Callable[[str], Transformer],
+                                                     preset: str,
+                                                     error: type[BaseException]) -> None:
+    """Finding 1: the recurrent states were committed (snapshots saved, the step counted)
+    before sampling, so the step retried after its sampling raised advanced them twice:
+    request 0 gave [294, 294, 294, 294] on hybrid-tiny, the cold run [397, 294, 294,
+    294]; on tiny the tokens were right but `num_steps` counted the failed step."""
+    model = models(preset)
+    clean, _ = clean_issue_run(model)
+    engine = ISSUE_SPEC.build(model)
+    plan = FaultPlan(Point("sample", 1, error))  # step 1's sampling
+    engine.step_fault = plan
+    outputs = step_by_hand(engine)
+    assert plan.fired
+    cold = cold_outputs(model, ISSUE_PROMPTS, 4)
+    assert all(o is not None for o in outputs)
+    assert_same_outputs(cold, [o for o in outputs if o is not None], preset)
+    assert (engine.num_steps, engine.num_computed_tokens) == (clean.num_steps,
+                                                             clean.num_computed_tokens)
+    assert engine.admission_log() == clean.admission_log()
+    assert_clean(engine.manager, preset)
+
+
+@pytest.mark.parametrize("error", FAULTS)
+@pytest.mark.parametrize("chunk", [0, 1, 2])
+def test_a_postprocess_that_raises_part_way_is_completed(models: Callable[[str], Transformer],
+                                                         chunk: int,
+                                                         error: type[BaseException]) -> None:
+    """Finding 2: when the commit of one of step 1's chunks raised, the chunks before it
+    had been post-processed and the rest not, nothing was recounted, the next step()
+    raised `PersistentBatch: slot 1 holds 3 blocks, but its page 3 is in block 3` (slot
+    2 for the second chunk) and request 0 never finished. Now the next call completes
+    the postprocess from the chunk that raised."""
+    model = models("tiny")
+    clean, clean_outputs = clean_issue_run(model)
+    commits = [0]  # commit calls after each step of the clean run
+    engine = ISSUE_SPEC.build(model)
+    counting = FaultPlan()
+    engine.step_fault = counting
+    for p in ISSUE_PROMPTS:
+        engine.add_request(p, 4)
+    for _ in range(2):
+        engine.step()
+        commits.append(counting.calls["commit"])
+    assert commits == [0, 1, 4], "step 1 should post-process three chunks, request 0's first"
+    engine = ISSUE_SPEC.build(model)
+    plan = FaultPlan(Point("commit", commits[1] + chunk, error))
+    engine.step_fault = plan
+    outputs = step_by_hand(engine)
+    assert plan.fired
+    assert all(o is not None for o in outputs), f"finished: {[o is not None for o in outputs]}"
+    assert_same_outputs(clean_outputs, [o for o in outputs if o is not None], "tiny")
+    assert engine.admission_log() == clean.admission_log()
+    assert engine.num_steps == clean.num_steps
+    assert_clean(engine.manager, "tiny")
+
+
+@pytest.mark.parametrize("error", FAULTS)
+def test_a_batch_join_that_raises_is_undone(models: Callable[[str], Transformer],
+                                            error: type[BaseException]) -> None:
+    """Finding 3: when an admitted request's batch row raised inside generate(), the
+    request was admitted and off the waiting queue, in neither queue: its blocks stayed
+    held for the engine's life (`sequence 1 is still live`), even after a retry. Now the
+    admission is given back and the request waits first in the queue."""
+    model = models("tiny")
+    cold = cold_outputs(model, ISSUE_PROMPTS, 4)
+    engine = ISSUE_SPEC.build(model)
+    engine.step_fault = FaultPlan(Point("join", 1, error))  # request 1's join
+    for p in ISSUE_PROMPTS:
+        engine.add_request(p, 4)
+    engine.step()  # admits request 0
+    with pytest.raises(error):
+        engine.step()
+    assert [r.request_id for r in engine.scheduler.waiting] == [1, 2]
+    assert [r.request_id for r in engine.scheduler.running] == [0]
+    assert list(engine.manager.sequences) == [0]  # request 1's admission was given back
+    engine.manager.check_integrity()
+    outputs = step_by_hand(engine)
+    assert all(o is not None for o in outputs)
+    assert_same_outputs(cold, [o for o in outputs if o is not None], "step loop")
+    assert_clean(engine.manager, "step loop")
+
+    engine = ISSUE_SPEC.build(model)
+    engine.step_fault = FaultPlan(Point("join", 1, error))
+    with pytest.raises(error):
+        engine.generate(ISSUE_PROMPTS, 4)
+    assert not engine.has_unfinished()
+    assert_clean(engine.manager, "after the failed generate()")
+    assert_same_outputs(cold, engine.generate(ISSUE_PROMPTS, 4), "generate again")
+    assert_clean(engine.manager, "generate again")

@@ -313,7 +313,7 @@ def test_tier_listeners_hear_every_move_as_the_ops_make_it(make_manager) -> None
     mgr.add_tier_listener(heard)
     snapshots = StateSnapshots([1], hidden=2, interval=1)
     mgr.add_tier_listener(snapshots)
-    snapshots.save(1, [torch.ones(2)])  # a's second block, offloaded by b below
+    snapshots.save(1, torch.ones(1, 2))  # a's second block, offloaded by b below
     cached(mgr, "a", [1, 2, 3, 4])
     ops = cached(mgr, "b", [5, 6, 7, 8, 9])  # offloads a's two blocks
     ops += cached(mgr, "c", [1, 2, 3, 4, 0])  # offloads b's, then onboards a's
@@ -324,7 +324,7 @@ def test_tier_listeners_hear_every_move_as_the_ops_make_it(make_manager) -> None
     on_host = sorted(b for _, node in mgr.tree.walk() if node.host for b in node.blocks)
     assert len(on_host) == 2  # b's blocks
     assert 2 in snapshots  # block 1's snapshot went to slot 1 and came back in block 2
-    snapshots.save(0, [torch.ones(2)])
+    snapshots.save(0, torch.ones(1, 2))
     cached(mgr, "d", [9, 8, 7, 6, 5])  # offloads c's blocks: the snapshot goes by slot
     assert snapshots.offloaded_slots and snapshots.nbytes > 0
     heard.moves.clear()

@@ -3,6 +3,8 @@ a chunk, and a step where no running request can get a block preempts one."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvcache import KvCacheConfig, KvCacheManager
 from kvcache.attention import BlockTable, PersistentBatch
 from kvcache.engine.request import Request
@@ -61,4 +63,36 @@ def test_a_short_pool_shrinks_the_chunk_and_a_stuck_step_preempts() -> None:
     assert [c.num_new for c in step.chunks] == [8]
     _compute(sched, step)
     sched.release(req)
+    mgr.check_integrity()
+
+
+class Interrupt(BaseException):
+    """Like KeyboardInterrupt: not an Exception."""
+
+
+def test_a_stuck_step_whose_preemption_raises_preempts_nothing() -> None:
+    """The windowed scheduler's preemption, interrupted at its phase point (the engine's
+    fault seam): the request keeps running with its blocks and rows, and the next
+    schedule preempts it as the first would have."""
+    mgr, sched = _setup(pool=4)
+    mgr.add_sequence("other", list(range(50, 58)))
+    req = Request(0, list(range(1, 41)), 1, None, 35, None, False)
+    sched.waiting.append(req)
+    _compute(sched, sched.schedule())
+    blocks = list(req.seq.block_ids) if req.seq else None
+
+    def fault(phase: str) -> None:
+        if phase == "preempt":
+            raise Interrupt(phase)
+
+    sched.step_fault = fault
+    with pytest.raises(Interrupt):
+        sched.schedule()
+    assert sched.running == [req] and req.num_preemptions == 0
+    assert req.seq is not None and list(req.seq.block_ids) == blocks
+    assert req.slot is not None and sched.table.block_ids(req.slot) == blocks
+    mgr.check_integrity()
+    sched.step_fault = None
+    assert sched.schedule().chunks == []
+    assert (req.num_preemptions, req.seq, list(sched.waiting)) == (1, None, [req])
     mgr.check_integrity()
