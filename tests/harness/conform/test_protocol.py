@@ -120,8 +120,11 @@ def test_ops_round_trip_and_describe_themselves() -> None:
                ops.commit("A", 16), ops.append("A", [5]), ops.free("A"), ops.evict(2)]
     assert ops_from_json(json.loads(json.dumps(ops_to_json(op_list)))) == op_list
     assert op_list[0].describe() == "admit(A, 18 tokens 100..117, salt='x', first_chunk=8)"
+    # every token is written (runs as first..last): the text reproduces the op
     assert Op("admit", "B", (5, 9, 2, 7, 1)).describe() == \
-        "admit(B, 5 tokens [5, 9, ..., 1])"
+        "admit(B, 5 tokens [5, 9, 2, 7, 1])"
+    assert Op("admit", "C", (20, 21, 22, 23, 7, 8, 9, 10, 7, 8, 9, 10, 1)).describe() == \
+        "admit(C, 13 tokens [20..23, 7..10, 7..10, 1])"
     assert ops.evict(2).describe() == "evict(2)"
 
 
