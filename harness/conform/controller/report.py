@@ -17,13 +17,20 @@ from typing import Any, Literal
 
 from harness.reports.markdown import code, table
 
-Status = Literal["pass", "fail", "skip"]
+Status = Literal["pass", "fail", "limitation", "skip"]
+Verdict = Literal["passed", "known limitations", "violations", "could not run"]
+# A run whose only non-passes are known limitations exits 0, as a clean pass does: the
+# exit code answers "did this run find anything upstream has not acknowledged?" (a CI job
+# on a branch must not go red for an open RFC). Its report says "known limitations",
+# never "passed", and so does the matrix (report.json: `verdict`).
 EXIT_PASSED, EXIT_VIOLATION, EXIT_CANNOT_RUN = 0, 1, 2
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check. `oracle` names what failed ("scenario" for an expectation of the
+    """One check. `status`: pass, fail, limitation (an expectation of the family did not
+    hold only as far as a known limitation of the contract goes, upstream's link in the
+    message) or skip. `oracle` names what failed ("scenario" for an expectation of the
     family; every oracle ran either way); `ops` the op list that shows it (shrunk for
     an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks (the object
     replays as it is: `kvharness conform SPEC --replay FILE`); `also` the other
@@ -47,8 +54,8 @@ class CheckResult:
 
 @dataclass
 class Report:
-    """A whole run; `exit_code` 0 all passed, 1 a violation found, 2 could not run
-    (`reason` says why)."""
+    """A whole run; `exit_code` 0 all passed or only known limitations, 1 a violation
+    found, 2 could not run (`reason` says why); `verdict` tells the first two apart."""
 
     spec: str
     engine: str = ""
@@ -65,12 +72,26 @@ class Report:
 
     @property
     def failed(self) -> list[CheckResult]:
-        """The checks that found something."""
+        """The checks that found a violation."""
         return [c for c in self.checks if c.status == "fail"]
 
+    @property
+    def limited(self) -> list[CheckResult]:
+        """The checks that found only a known limitation."""
+        return [c for c in self.checks if c.status == "limitation"]
+
+    @property
+    def verdict(self) -> Verdict:
+        """What the run found, in the words the report and the matrix use."""
+        if self.exit_code == EXIT_CANNOT_RUN:
+            return "could not run"
+        if self.failed:
+            return "violations"
+        return "known limitations" if self.limited else "passed"
+
     def as_dict(self) -> dict[str, Any]:
-        """The JSON form."""
-        return asdict(self)
+        """The JSON form (with `verdict`)."""
+        return {**asdict(self), "verdict": self.verdict}
 
 
 class ReportFolderError(ValueError):
@@ -122,6 +143,11 @@ def _verdict(report: Report) -> str:
         return f"**could not run** (exit 2): {report.reason}"
     n = len(report.checks)
     skipped = sum(c.status == "skip" for c in report.checks)
+    if report.exit_code == EXIT_PASSED and report.limited:
+        return (f"**known limitations** (exit 0): no violation; {len(report.limited)} of {n} "
+                "checks found only behaviour upstream has acknowledged and not fixed (see "
+                "each Known limitation and its link)"
+                + (f"; {skipped} skipped" if skipped else ""))
     if report.exit_code == EXIT_PASSED:
         if skipped:
             return (f"**passed** (exit 0): {n - skipped} checks; {skipped} skipped (the "
@@ -156,8 +182,9 @@ def markdown(report: Report) -> list[str]:
                  c.message.splitlines()[0][:160] if c.message else "")
                 for c in report.checks]
         out += [*table(("check", "family", "result", "oracle", "s", "message"), rows), ""]
-    for c in report.failed:
-        out += [f"## Finding: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
+    for c in report.failed + report.limited:
+        head = "Finding" if c.status == "fail" else "Known limitation"
+        out += [f"## {head}: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
                 f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran):", "", "```"]
         out += [*c.ops_text, "```", ""]
         out += [f"- also: {a}" for a in c.also] + ([""] if c.also else [])

@@ -64,8 +64,9 @@ def _open(spec: EngineSpec, report: Report, folder: Path, say: Say) -> Target:
 
 class Finished(NamedTuple):
     """A check that ran, before it is judged into a `CheckResult`: what it was, its cache
-    of `num_blocks` blocks, its op list, the oracles' violations and the family's own
-    failures, what it observed, the engine's counters at the end and its seconds."""
+    of `num_blocks` blocks, its op list, the oracles' violations, the family's own
+    failures and known limitations, what it observed, the engine's counters at the end
+    and its seconds."""
 
     name: str
     family: str
@@ -74,6 +75,7 @@ class Finished(NamedTuple):
     ops: list[Op]
     violations: list[Violation]
     failures: list[str]
+    limitations: list[str]
     observed: dict[str, Any]
     stats: dict[str, Any]
     seconds: float
@@ -82,7 +84,7 @@ class Finished(NamedTuple):
     def of_check(cls, check: Check, run: Run, seconds: float) -> Finished:
         """A family's run."""
         return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
-                   run.violations, run.failures, run.observed,
+                   run.violations, run.failures, run.limitations, run.observed,
                    run.reports[-1].stats._asdict() if run.reports else {}, seconds)
 
 
@@ -102,9 +104,10 @@ def run_check(target: Target, check: Check) -> CheckResult:
 
 def _result(target: Target, done: Finished) -> CheckResult:
     """The verdict on `done`: its first violation with the op list shrunk to one that
-    still shows it (replayed on `target`), else its first failure, else a pass."""
+    still shows it (replayed on `target`), else its first failure, else its first known
+    limitation, else a pass."""
     also = [f"{v.oracle}: {v.message.splitlines()[0]}" for v in done.violations[1:]] + \
-        done.failures
+        done.failures + done.limitations
     base: dict[str, Any] = {"name": done.name, "family": done.family, "about": done.about,
                             "num_ops": len(done.ops), "observed": done.observed,
                             "stats": done.stats, "num_blocks": done.num_blocks,
@@ -120,11 +123,13 @@ def _result(target: Target, done: Finished) -> CheckResult:
                            ops=tuple(ops_to_json(shown)),
                            ops_text=tuple(op.describe() for op in shown),
                            also=tuple(also), **base)
-    if done.failures:
-        return CheckResult(status="fail", oracle="scenario", message=done.failures[0],
+    if done.failures or done.limitations:
+        unmet, *rest = done.failures + done.limitations
+        return CheckResult(status="fail" if done.failures else "limitation",
+                           oracle="scenario", message=unmet,
                            ops=tuple(ops_to_json(done.ops)),
                            ops_text=tuple(op.describe() for op in done.ops),
-                           also=tuple(done.failures[1:]), **base)
+                           also=tuple(rest), **base)
     return CheckResult(status="pass", **base)
 
 
@@ -135,7 +140,7 @@ def _fuzz_check(target: Target, seed: int) -> CheckResult:
     return _result(target, Finished(
         f"fuzz_seed_{seed}", "differential fuzz",
         f"{len(out.ops)} random ops, a pool of {out.num_blocks} blocks", out.num_blocks,
-        list(out.ops), found, [], {}, {}, time.perf_counter() - start))
+        list(out.ops), found, [], [], {}, {}, time.perf_counter() - start))
 
 
 def _progress(i: int, n: int, result: CheckResult, say: Say) -> None:
@@ -149,6 +154,24 @@ def _stub_reason(exc: StubTouched, report: Report) -> str:
     return (f"{exc}\nThe engine touched the stub {exc.stub}: the run cannot be trusted. "
             f"Its cache path reaches {exc.module}, which {lock} lists among the modules "
             "that cannot run here; that lock's stubs are wrong for this version.")
+
+
+def check_all(target: Target, report: Report, chosen: list[Check], seeds: int,
+              say: Say) -> None:
+    """The `chosen` checks and `seeds` fuzz seeds on `target` (self-tested), into `report`
+    (mutated: its contract, checks, seconds and exit code: 1 when a check found a
+    violation, else 0, known limitations included: `Report.verdict` tells them apart)."""
+    report.contract = target.open(4, families.B).as_dict()
+    total = len(chosen) + seeds
+    checked = time.perf_counter()
+    for i, check in enumerate(chosen, 1):
+        report.checks.append(run_check(target, check))
+        _progress(i, total, report.checks[-1], say)
+    for seed in range(seeds):
+        report.checks.append(_fuzz_check(target, seed))
+        _progress(len(chosen) + seed + 1, total, report.checks[-1], say)
+    report.seconds["checks"] = time.perf_counter() - checked
+    report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED
 
 
 def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
@@ -199,23 +222,13 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
     target: Target | None = None
     try:
         target = _open(spec, report, folder, say)
-        report.contract = target.open(4, families.B).as_dict()
         report.seconds["setup"] = time.perf_counter() - start
         chosen = [families.check_named(n) for n in only] if only else list(families.CHECKS)
-        total = len(chosen) + seeds
-        checked = time.perf_counter()
-        for i, check in enumerate(chosen, 1):
-            report.checks.append(run_check(target, check))
-            _progress(i, total, report.checks[-1], say)
-        for seed in range(seeds):
-            report.checks.append(_fuzz_check(target, seed))
-            _progress(len(chosen) + seed + 1, total, report.checks[-1], say)
-        report.seconds["checks"] = time.perf_counter() - checked
+        check_all(target, report, chosen, seeds, say)
         if bench or bench_quick:
             timed = time.perf_counter()
             report.bench = target.bench(bench_quick)
             report.seconds["bench"] = time.perf_counter() - timed
-        report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED
     except StubTouched as exc:
         report.exit_code = EXIT_CANNOT_RUN
         report.reason = _stub_reason(exc, report)
