@@ -12,6 +12,7 @@
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
     kvharness conform SPEC [--report DIR] [--seeds N] [--bench] [--check NAME] [--replay FILE]
+                           (--replay CHECK.replay.json | --replay report.json --check NAME)
 
     kvharness --version
 
@@ -239,7 +240,11 @@ def _conform(args: argparse.Namespace) -> int:
     from harness.conform.controller.runner import conform, replay_file  # loads nothing at startup
 
     if args.replay is not None:
-        return replay_file(args.spec, args.replay)
+        if args.check is not None and len(args.check) > 1:
+            print("kvharness conform --replay: --check names the one check of a report.json "
+                  f"to replay, got {len(args.check)}", file=sys.stderr)
+            return 2
+        return replay_file(args.spec, args.replay, args.check[0] if args.check else None)
     report = conform(args.spec, args.report, seeds=args.seeds, bench=args.bench,
                      bench_quick=args.bench_quick, only=args.check)
     return report.exit_code
@@ -370,9 +375,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-quick", action="store_true",
                    help="the same, on the first 100 prompts of each workload")
     p.add_argument("--check", action="append", default=None, metavar="NAME",
-                   help="run only this check (repeatable)")
+                   help="run only this check (repeatable); with --replay REPORT.json, the "
+                   "check of that report to replay")
     p.add_argument("--replay", type=Path, default=None, metavar="FILE",
-                   help="re-run one op list ({num_blocks, ops}: a check of report.json)")
+                   help="re-run one finding, its oracles and its family's expectations: a "
+                   "CHECK.replay.json from a report's folder, or report.json with --check "
+                   "NAME")
     p.set_defaults(run=_conform)
     return parser
 

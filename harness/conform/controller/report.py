@@ -32,9 +32,14 @@ class CheckResult:
     hold only as far as a known limitation of the contract goes, upstream's link in the
     message) or skip. `oracle` names what failed ("scenario" for an expectation of the
     family; every oracle ran either way); `ops` the op list that shows it (shrunk for
-    an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks (the object
-    replays as it is: `kvharness conform SPEC --replay FILE`); `also` the other
-    findings of the same run."""
+    an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks of
+    `block_size` tokens, and `step` the index in it of the op where it shows;
+    `expectations` the family's declared expectations over `ops`
+    (`harness.conform.controller.expectations`) where `ops` is the whole op list they
+    were declared over (a scenario failure or a known limitation), so a replay judges
+    them again; `also` the other findings of the same run. A check that did not pass
+    is written beside the report as its own replay file too
+    (`harness.conform.controller.replay_file`)."""
 
     name: str
     family: str
@@ -46,6 +51,9 @@ class CheckResult:
     ops_text: tuple[str, ...] = ()
     num_ops: int = 0
     num_blocks: int = 0
+    block_size: int = 0
+    step: int | None = None
+    expectations: tuple[dict[str, Any], ...] = ()
     seconds: float = 0.0
     observed: dict[str, Any] = field(default_factory=dict)
     also: tuple[str, ...] = ()
@@ -185,8 +193,15 @@ def markdown(report: Report) -> list[str]:
     for c in report.failed + report.limited:
         head = "Finding" if c.status == "fail" else "Known limitation"
         out += [f"## {head}: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
-                f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran):", "", "```"]
-        out += [*c.ops_text, "```", ""]
+                f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran, on a fresh "
+                f"cache of {c.num_blocks} blocks of {c.block_size} tokens; it replays: "
+                f"{code(f'kvharness conform {report.spec.strip()} --replay {c.name}.replay.json')}"
+                " (the file beside this report)"
+                + (f", which judges the family's {len(c.expectations)} expectations too"
+                   if c.expectations else "") + "):", "", "```"]
+        out += [f"{text}    <- {c.oracle} here" if i == c.step else text
+                for i, text in enumerate(c.ops_text)]
+        out += ["```", ""]
         out += [f"- also: {a}" for a in c.also] + ([""] if c.also else [])
     if report.bench:
         out += ["## Speed (tokens/s, same process)", ""]

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from harness.conform.controller import families
+from harness.conform.controller import replay_file as replay_files
 from harness.conform.controller.engine_spec import CannotRun, EngineSpec, open_target
+from harness.conform.controller.expectations import Expectation, Unmet
 from harness.conform.controller.families import Check, Run
 from harness.conform.controller.fuzz import fuzz, shrink
 from harness.conform.controller.install import InstallError
@@ -42,8 +44,7 @@ from harness.conform.controller.report import (
     write_report,
 )
 from harness.conform.controller.targets import Target, replay
-from harness.conform.ops import Op, ops_from_json, ops_to_json
-from harness.data_files import load_json
+from harness.conform.ops import Op, ops_to_json
 
 Say = Callable[[str], None]
 
@@ -64,9 +65,9 @@ def _open(spec: EngineSpec, report: Report, folder: Path, say: Say) -> Target:
 
 class Finished(NamedTuple):
     """A check that ran, before it is judged into a `CheckResult`: what it was, its cache
-    of `num_blocks` blocks, its op list, the oracles' violations, the family's own
-    failures and known limitations, what it observed, the engine's counters at the end
-    and its seconds."""
+    of `num_blocks` blocks, its op list, the oracles' violations, the family's declared
+    expectations and those that did not hold, what it observed, the engine's counters
+    at the end and its seconds."""
 
     name: str
     family: str
@@ -74,8 +75,8 @@ class Finished(NamedTuple):
     num_blocks: int
     ops: list[Op]
     violations: list[Violation]
-    failures: list[str]
-    limitations: list[str]
+    expectations: list[Expectation]
+    unmet: list[Unmet]
     observed: dict[str, Any]
     stats: dict[str, Any]
     seconds: float
@@ -84,7 +85,7 @@ class Finished(NamedTuple):
     def of_check(cls, check: Check, run: Run, seconds: float) -> Finished:
         """A family's run."""
         return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
-                   run.violations, run.failures, run.limitations, run.observed,
+                   run.violations, run.expectations, run.unmet(), run.observed,
                    run.reports[-1].stats._asdict() if run.reports else {}, seconds)
 
 
@@ -104,32 +105,36 @@ def run_check(target: Target, check: Check) -> CheckResult:
 
 def _result(target: Target, done: Finished) -> CheckResult:
     """The verdict on `done`: its first violation with the op list shrunk to one that
-    still shows it (replayed on `target`), else its first failure, else its first known
-    limitation, else a pass."""
+    still shows it (replayed on `target`), else its first unmet expectation that is a
+    failure, else its first known limitation (the whole op list and the expectations
+    with it: a replay judges them again), else a pass."""
+    failures = [u for u in done.unmet if u.limitation is None]
+    limitations = [u for u in done.unmet if u.limitation is not None]
     also = [f"{v.oracle}: {v.message.splitlines()[0]}" for v in done.violations[1:]] + \
-        done.failures + done.limitations
+        [u.message for u in failures + limitations]
     base: dict[str, Any] = {"name": done.name, "family": done.family, "about": done.about,
                             "num_ops": len(done.ops), "observed": done.observed,
                             "stats": done.stats, "num_blocks": done.num_blocks,
-                            "seconds": done.seconds}
+                            "block_size": families.B, "seconds": done.seconds}
     if done.violations:
         first = done.violations[0]
         shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first.oracle)
         # the message the shrunk op list gives (its op numbers and sizes), else the first
         again = [v for v in replay(target, shown, done.num_blocks, families.B)
                  if v.oracle == first.oracle]
-        message = again[0].message if again else first.message
-        return CheckResult(status="fail", oracle=first.oracle, message=message,
+        found = again[0] if again else first._replace(step=len(shown) - 1)
+        return CheckResult(status="fail", oracle=first.oracle, message=found.message,
                            ops=tuple(ops_to_json(shown)),
                            ops_text=tuple(op.describe() for op in shown),
-                           also=tuple(also), **base)
-    if done.failures or done.limitations:
-        unmet, *rest = done.failures + done.limitations
-        return CheckResult(status="fail" if done.failures else "limitation",
-                           oracle="scenario", message=unmet,
+                           step=found.step, also=tuple(also), **base)
+    if failures or limitations:
+        unmet = (failures or limitations)[0]
+        return CheckResult(status="fail" if failures else "limitation",
+                           oracle="scenario", message=unmet.message,
                            ops=tuple(ops_to_json(done.ops)),
                            ops_text=tuple(op.describe() for op in done.ops),
-                           also=tuple(rest), **base)
+                           expectations=tuple(e.as_dict() for e in done.expectations),
+                           step=unmet.step, also=tuple(also[1:]), **base)
     return CheckResult(status="pass", **base)
 
 
@@ -207,6 +212,9 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
     if folder is not None:
         try:
             where = f"; report in {write_report(report, folder)[1]}"
+            replays = replay_files.write_replays(report, folder)
+            if replays:
+                where += f" ({len(replays)} replay files beside it: *{replay_files.SUFFIX})"
         except OSError as exc:
             report.exit_code = EXIT_CANNOT_RUN
             where = f"; the report could not be written to {folder}: {exc}"
@@ -241,21 +249,18 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
             target.close()
 
 
-def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
-    """Re-run one op list ({"num_blocks": N, "ops": [...]}: a check of report.json) on a
-    fresh cache; prints the violations. Exit 0 none, 1 some, 2 could not run."""
+def replay_file(spec_text: str, path: Path, check: str | None = None,
+                say: Say = print) -> int:
+    """Re-run one finding on a fresh cache of `spec_text`'s engine: a replay file
+    (`<check>.replay.json`), or a report.json and `check`, the name of one of its checks
+    that did not pass (`harness.conform.controller.replay_file`). Every oracle judges
+    every op and the family's own expectations are judged again; prints what was found.
+    Exit 0 nothing (or only known limitations, said as such), 1 a violation or an unmet
+    expectation, 2 the file is refused (the field named) or the engine could not run."""
     try:
-        data = load_json(path, "op list")
-    except ValueError as exc:  # unreadable, not JSON, too deep or too large: exit 2 too
-        say(str(exc))
-        return EXIT_CANNOT_RUN
-    if not isinstance(data, dict) or not isinstance(data.get("num_blocks"), int):
-        say(f"{path}: expected an object with num_blocks and ops (a check of report.json)")
-        return EXIT_CANNOT_RUN
-    try:
-        op_list = ops_from_json(data.get("ops"), f"{path}: ops")
-    except ValueError as exc:
-        say(str(exc))
+        record = replay_files.load(path, check)
+    except ValueError as exc:  # unreadable, too large, too deep, a bad field: exit 2
+        say(f"kvharness conform --replay: {exc}")
         return EXIT_CANNOT_RUN
     report = Report(spec_text)
     target: Target | None = None
@@ -263,7 +268,7 @@ def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
     try:
         spec = EngineSpec.parse(spec_text)
         target = _open(spec, report, folder, say)
-        found = replay(target, op_list, data["num_blocks"], families.B)
+        outcome = replay_files.replay(target, record)
     except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,
             ValueError) as exc:
         say(f"cannot replay on {spec_text}: {exc}")
@@ -271,9 +276,20 @@ def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
     finally:
         if target is not None:
             target.close()
-    for op in op_list:
-        say(f"  {op.describe()}")
-    for v in found:
+    what = f"{record.check} ({record.oracle}), " if record.check else ""
+    say(f"replaying {what}{len(record.ops)} ops on a pool of {record.num_blocks} blocks of "
+        f"{record.block_size} tokens, {len(record.expectations)} expectations of the family")
+    for note in outcome.notes:
+        say(f"note: {note}")
+    for i, op in enumerate(record.ops):
+        say(f"  {i:>3} {op.describe()}")
+    for v in outcome.violations:
         say(f"op {v.step} ({v.oracle}): {v.message}")
-    say(f"{len(found)} violations" if found else "no violation")
-    return EXIT_VIOLATION if found else EXIT_PASSED
+    for u in outcome.unmet:
+        kind = "known limitation" if u.limitation else "expectation"
+        say(f"op {u.step} ({kind}): {u.message}")
+    failures = len(outcome.violations) + sum(u.limitation is None for u in outcome.unmet)
+    limits = len(outcome.unmet) - sum(u.limitation is None for u in outcome.unmet)
+    say(f"{failures} violations and unmet expectations" if failures else
+        f"no violation; {limits} known limitations" if limits else "no violation")
+    return EXIT_VIOLATION if outcome.failed else EXIT_PASSED

@@ -34,6 +34,8 @@ FINDINGS = [
     pytest.param("vllm==0.26.0", "refused_then_retried", "refusal",
                  id="vllm-0.26-refused-lookup-counted"),
     pytest.param("vllm==0.10.2", "scope_isolation", "api", id="vllm-0.10-lora-events-raise"),
+    pytest.param("vllm==0.28.0", "lora_name_repointed", "count",
+                 id="vllm-0.28-lora-name-repointed"),
     pytest.param("sglang==0.5.12", "scope_isolation", "count", id="sglang-0.5.12-salt-is-lora-id"),
     pytest.param("sglang==0.5.12", "scope_event_hashes", "scenario",
                  id="sglang-0.5.12-events-carry-no-scope"),
@@ -54,6 +56,25 @@ def test_a_known_finding_is_still_found(spec: str, check: str, oracle: str,
     (result,) = report.checks
     assert (result.status, result.oracle) == ("fail", oracle)
     assert 0 < len(result.ops) <= result.num_ops
+
+
+# docs/conformance.md, "Known limitations": (release, the check that says it)
+LIMITATIONS = [
+    pytest.param("sglang==0.5.23", "scope_event_hashes", id="sglang-0.5.23-lora-event-hashes"),
+    pytest.param("sglang==0.5.22", "scope_event_hashes", id="sglang-0.5.22-lora-event-hashes"),
+]
+
+
+@pytest.mark.parametrize(("spec", "check"), LIMITATIONS)
+def test_a_known_limitation_is_still_said(spec: str, check: str, tmp_path: Path) -> None:
+    engine, version = spec.split("==")
+    if install.installed(find_lock(engine, version)) is None:
+        pytest.skip(f"{spec} is not installed in {install.cache_dir()}")
+    report = conform(spec, tmp_path, seeds=0, only=[check], say=lambda _: None)
+    assert (report.exit_code, report.verdict) == (0, "known limitations"), report.reason
+    (result,) = report.checks
+    assert result.status == "limitation" and "sglang/issues/39991" in result.message
+    assert (tmp_path / f"{check}.replay.json").is_file()
 
 
 # docs/conformance.md, "shortfin": (release, the check that shows it, its oracle, what
