@@ -240,6 +240,8 @@ class SglangCache:
     def _make_contract(self, version: str) -> Contract:
         return contract(version, self.block_size)
 
+    _lock_names = ("inc_lock_ref", "dec_lock_ref")  # what `_lock` and `_unlock` call
+
     def _lock(self, node: Any) -> Any:
         """Lock `node` (and its path) against eviction; returns what `_unlock` takes."""
         self.tree.inc_lock_ref(node)
@@ -276,6 +278,16 @@ class SglangCache:
         if hasattr(t, "path_device_indices"):
             out["path_device_indices"] = (t, "path_device_indices")
         return out
+
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The SGLang functions each op kind calls (growing a sequence's pages evicts
+        leaves when the pool is short)."""
+        lock, unlock = self._lock_names
+        grow = ("evictable_size", "evict")
+        insert = ("RadixKey.__init__", "insert", "match_prefix", lock, unlock)
+        return {"admit": ("RadixKey.__init__", "match_prefix", lock, *grow, unlock),
+                "reserve": grow, "commit": insert, "append": grow, "free": insert,
+                "evict": ("evict",)}
 
     def raw_probe(self) -> dict[str, Any]:
         """SGLang's own results for one match and insert, evicted again."""

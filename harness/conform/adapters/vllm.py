@@ -235,6 +235,17 @@ class VllmCache:
             out["evict_blocks"] = (m, "evict_blocks")
         return out
 
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The vLLM functions each op kind calls (a commit calls none: vLLM cached the
+        blocks when it allocated them)."""
+        admit = ("Request.__init__", "get_computed_blocks", "allocate_slots") + \
+            (("record_prefix_cache_stats",) if self._caller_records else ())
+        return {"admit": admit, "reserve": ("allocate_slots",), "commit": (),
+                "append": ("get_num_free_blocks", "append_output_token_ids",
+                           "allocate_slots"),
+                "free": ("free",),
+                "evict": ("evict_blocks",) if hasattr(self.manager, "evict_blocks") else ()}
+
     def raw_probe(self) -> dict[str, Any]:
         """vLLM's own results for one admission, freed again."""
         req = self._request("__selftest__", list(range(1, 2 * self.block_size + 2)), None)

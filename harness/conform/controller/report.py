@@ -37,7 +37,10 @@ class CheckResult:
     `expectations` the family's declared expectations over `ops`
     (`harness.conform.controller.expectations`) where `ops` is the whole op list they
     were declared over (a scenario failure or a known limitation), so a replay judges
-    them again; `also` the other findings of the same run. A check that did not pass
+    them again; `known` the finding the harness already knows that this is
+    (`harness.conform.controller.known_findings`: its number, upstream issue, fix and
+    first fixed release), else empty; `also` the other findings of the same run. A
+    check that did not pass
     is written beside the report as its own replay file too
     (`harness.conform.controller.replay_file`)."""
 
@@ -54,6 +57,7 @@ class CheckResult:
     block_size: int = 0
     step: int | None = None
     expectations: tuple[dict[str, Any], ...] = ()
+    known: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     observed: dict[str, Any] = field(default_factory=dict)
     also: tuple[str, ...] = ()
@@ -164,6 +168,37 @@ def _verdict(report: Report) -> str:
     return f"**violations found** (exit 1): {len(report.failed)} of {n} checks failed"
 
 
+def _went_through(report: Report, c: CheckResult) -> list[str]:
+    """The engine code the op where `c` shows went through, file by file (what the
+    adapter said in the self-test); [] where the report does not say."""
+    if c.step is None or not 0 <= c.step < len(c.ops):
+        return []
+    kind = c.ops[c.step].get("kind", "")
+    names = report.self_test.get("calls", {}).get(kind)
+    functions = report.self_test.get("functions", {})
+    if names is None:
+        return []
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        path, _, qualname = functions.get(name, f"?: {name}").partition(": ")
+        by_file.setdefault(path, []).append(qualname)
+    where = "; ".join(f"{code(path)}: {', '.join(q)}" for path, q in by_file.items())
+    return [f"- the failing op, {code(c.ops_text[c.step])}, goes through "
+            + (where or "no engine function (the adapter's own bookkeeping)"), ""]
+
+
+def _known(known: dict[str, Any]) -> list[str]:
+    """What upstream said of a known finding; [] for one the harness does not know."""
+    if not known:
+        return []
+    links = [f"issue {known['issue']}" if known.get("issue") else "no upstream issue",
+             f"fix {known['fix']}" if known.get("fix") else "no fix",
+             f"first fixed in {known['fixed_in']}" if known.get("fixed_in")
+             else "not fixed in any release run"]
+    return [f"- known: finding {known['number']} of docs/conformance.md, "
+            f"{known['title']}: {'; '.join(links)}", ""]
+
+
 def markdown(report: Report) -> list[str]:
     """The report.md lines."""
     title = f"{report.engine} {report.version}".strip() or report.spec
@@ -202,6 +237,7 @@ def markdown(report: Report) -> list[str]:
         out += [f"{text}    <- {c.oracle} here" if i == c.step else text
                 for i, text in enumerate(c.ops_text)]
         out += ["```", ""]
+        out += _went_through(report, c) + _known(c.known)
         out += [f"- also: {a}" for a in c.also] + ([""] if c.also else [])
     if report.bench:
         out += ["## Speed (tokens/s, same process)", ""]

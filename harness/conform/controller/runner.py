@@ -20,10 +20,11 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from harness.conform.controller import families
+from harness.conform.controller import families, known_findings
 from harness.conform.controller import replay_file as replay_files
 from harness.conform.controller.engine_spec import CannotRun, EngineSpec, open_target
 from harness.conform.controller.expectations import Expectation, Unmet
@@ -148,6 +149,15 @@ def _fuzz_check(target: Target, seed: int) -> CheckResult:
         list(out.ops), found, [], [], {}, {}, time.perf_counter() - start))
 
 
+def _annotated(result: CheckResult, report: Report) -> CheckResult:
+    """`result`, with the known finding it shows (`known_findings.match`) when it failed."""
+    if result.status != "fail":
+        return result
+    known = known_findings.match(report.engine, report.version, result.name, result.oracle,
+                                 result.message)
+    return result if known is None else replace(result, known=known.as_dict())
+
+
 def _progress(i: int, n: int, result: CheckResult, say: Say) -> None:
     what = "" if result.status == "pass" else \
         f" {result.oracle or result.status}: {result.message.splitlines()[0][:110]}"
@@ -170,10 +180,10 @@ def check_all(target: Target, report: Report, chosen: list[Check], seeds: int,
     total = len(chosen) + seeds
     checked = time.perf_counter()
     for i, check in enumerate(chosen, 1):
-        report.checks.append(run_check(target, check))
+        report.checks.append(_annotated(run_check(target, check), report))
         _progress(i, total, report.checks[-1], say)
     for seed in range(seeds):
-        report.checks.append(_fuzz_check(target, seed))
+        report.checks.append(_annotated(_fuzz_check(target, seed), report))
         _progress(len(chosen) + seed + 1, total, report.checks[-1], say)
     report.seconds["checks"] = time.perf_counter() - checked
     report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED
