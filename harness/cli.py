@@ -9,6 +9,7 @@
                       [--match JSON | --match-exact JSON]
     kvharness sysinfo [--json] [--stage S] [--gpu NAME] ... [--distribution ID] [--job K=V]
     kvharness report [--results-dir DIR] [--output FILE]
+    kvharness report --conform DIR [--into FILE] [--output FILE]
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
     kvharness conform SPEC [--report DIR] [--seeds N] [--bench] [--check NAME] [--replay FILE]
@@ -188,9 +189,32 @@ def _test_db(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    if args.conform is not None:
+        return _conform_matrix(args)
+    if args.into is not None:
+        raise ValueError("--into FILE puts the matrix of --conform DIR into FILE; name DIR")
     from harness.reports.summary import summarize
 
     text = summarize(args.results_dir)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text, encoding="utf-8")
+    print(text, end="")
+    return 0
+
+
+def _conform_matrix(args: argparse.Namespace) -> int:
+    """`kvharness report --conform DIR`: the version matrix of the conform reports."""
+    from harness.conform.controller.matrix import fold, markdown, replace_table
+
+    lines = markdown(fold(args.conform))
+    text = "".join(f"{line}\n" for line in lines)
+    if args.into is not None:
+        try:
+            doc = args.into.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"{args.into}: cannot read it: {exc.strerror or exc}") from None
+        args.into.write_text(replace_table(doc, lines, str(args.into)), encoding="utf-8")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text, encoding="utf-8")
@@ -331,11 +355,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="the same, but a key the description lacks fails the block")
     p.set_defaults(run=_test_db)
 
-    p = sub.add_parser("report", help="markdown summary of junit, reuse and benchmark results")
+    p = sub.add_parser("report", help="markdown summary of junit, reuse and benchmark "
+                       "results; with --conform, the version matrix of conform reports")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, metavar="DIR",
                    help=f"results folder, searched recursively (default: {DEFAULT_RESULTS})")
     p.add_argument("--output", type=Path, default=None, metavar="FILE",
-                   help="also write the summary to FILE")
+                   help="also write the summary (or the matrix) to FILE")
+    p.add_argument("--conform", type=Path, default=None, metavar="DIR",
+                   help="fold the conform reports under DIR (ENGINE-VERSION/report.json) "
+                   "into the version matrix table of docs/conformance.md")
+    p.add_argument("--into", type=Path, default=None, metavar="FILE",
+                   help="with --conform: replace the generated matrix between its markers "
+                   "in FILE (docs/conformance.md)")
     p.set_defaults(run=_report)
 
     p = sub.add_parser("repro", help="re-run a failed scenario or reuse check from its "

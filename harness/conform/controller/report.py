@@ -10,8 +10,11 @@ report".
 from __future__ import annotations
 
 import json
+import os
+import platform
 import tempfile
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +42,8 @@ class CheckResult:
     were declared over (a scenario failure or a known limitation), so a replay judges
     them again; `known` the finding the harness already knows that this is
     (`harness.conform.controller.known_findings`: its number, upstream issue, fix and
-    first fixed release), else empty; `also` the other findings of the same run. A
+    first fixed release), else empty; `limitation` the upstream link of a known
+    limitation; `also` the other findings of the same run. A
     check that did not pass
     is written beside the report as its own replay file too
     (`harness.conform.controller.replay_file`)."""
@@ -58,6 +62,7 @@ class CheckResult:
     step: int | None = None
     expectations: tuple[dict[str, Any], ...] = ()
     known: dict[str, Any] = field(default_factory=dict)
+    limitation: str = ""
     seconds: float = 0.0
     observed: dict[str, Any] = field(default_factory=dict)
     also: tuple[str, ...] = ()
@@ -67,7 +72,9 @@ class CheckResult:
 @dataclass
 class Report:
     """A whole run; `exit_code` 0 all passed or only known limitations, 1 a violation
-    found, 2 could not run (`reason` says why); `verdict` tells the first two apart."""
+    found, 2 could not run (`reason` says why); `verdict` tells the first two apart.
+    `run`: the day it ran (UTC) and the machine (`this_run`), which the version matrix
+    shows."""
 
     spec: str
     engine: str = ""
@@ -81,6 +88,7 @@ class Report:
     checks: list[CheckResult] = field(default_factory=list)
     bench: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    run: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -104,6 +112,13 @@ class Report:
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (with `verdict`)."""
         return {**asdict(self), "verdict": self.verdict}
+
+
+def this_run() -> dict[str, str]:
+    """Today's date (UTC) and this machine, as a report's `run` records them."""
+    machine = (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+               f"Python {platform.python_version()}")
+    return {"date": datetime.now(UTC).date().isoformat(), "machine": machine}
 
 
 class ReportFolderError(ValueError):

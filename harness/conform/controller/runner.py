@@ -42,6 +42,7 @@ from harness.conform.controller.report import (
     Report,
     ReportFolderError,
     prepare_folder,
+    this_run,
     write_report,
 )
 from harness.conform.controller.targets import Target, replay
@@ -132,6 +133,7 @@ def _result(target: Target, done: Finished) -> CheckResult:
         unmet = (failures or limitations)[0]
         return CheckResult(status="fail" if failures else "limitation",
                            oracle="scenario", message=unmet.message,
+                           limitation=unmet.limitation or "",
                            ops=tuple(ops_to_json(done.ops)),
                            ops_text=tuple(op.describe() for op in done.ops),
                            expectations=tuple(e.as_dict() for e in done.expectations),
@@ -197,7 +199,7 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
     parse) and returns it (`exit_code` 0, 1 or 2). `only` narrows the checks by name.
     A folder that cannot take the report is exit 2 before anything runs."""
     start = time.perf_counter()
-    report = Report(spec_text)
+    report = Report(spec_text, run=this_run())
     try:
         spec: EngineSpec | None = EngineSpec.parse(spec_text)
     except ValueError as exc:

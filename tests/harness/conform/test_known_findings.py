@@ -71,4 +71,4 @@ def test_report_md_names_the_engine_code_and_the_known_finding(tmp_path: Path) -
     text = write_report(report, tmp_path)[1].read_text()
     assert "- known: finding 4 of docs/conformance.md, a salt equal to a LoRA id shares that " \
         "adapter's KV: issue https://github.com/sgl-project/sglang/issues/24638; fix " \
-        "https://github.com/sgl-project/sglang/pull/30827; first fixed in 0.5.22" in text
+        "https://github.com/sgl-project/sglang/pull/30827; first fixed in 0.5.18" in text
