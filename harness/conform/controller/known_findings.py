@@ -96,7 +96,8 @@ KNOWN: tuple[KnownFinding, ...] = (
                                                     "decoded_then_edited"), ("capacity",),
                  "a decode step past the first gets no page", None, f"{_SHARK}/pull/1773",
                  says="after append("),
-    KnownFinding(15, "vllm", "0.11.1", "0.31.0", ("lora_name_repointed",), ("count",),
+    KnownFinding(15, "vllm", "0.11.1", "0.31.0", ("lora_name_repointed",
+                                                  "scope_event_hashes"), ("count",),
                  "a LoRA name re-pointed at another adapter reads the first adapter's KV",
                  f"{_VLLM}/issues/30931", None),
 )

@@ -207,7 +207,7 @@ def _known(known: dict[str, Any]) -> list[str]:
     if not known:
         return []
     links = [f"issue {known['issue']}" if known.get("issue") else "no upstream issue",
-             f"fix {known['fix']}" if known.get("fix") else "no fix",
+             f"fix {known['fix']}" if known.get("fix") else "no fix linked",
              f"first fixed in {known['fixed_in']}" if known.get("fixed_in")
              else "not fixed in any release run"]
     return [f"- known: finding {known['number']} of docs/conformance.md, "

@@ -226,7 +226,8 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
             where = f"; report in {write_report(report, folder)[1]}"
             replays = replay_files.write_replays(report, folder)
             if replays:
-                where += f" ({len(replays)} replay files beside it: *{replay_files.SUFFIX})"
+                where += (f" ({len(replays)} replay file{'s' * (len(replays) > 1)} beside "
+                          f"it: *{replay_files.SUFFIX})")
         except OSError as exc:
             report.exit_code = EXIT_CANNOT_RUN
             where = f"; the report could not be written to {folder}: {exc}"
