@@ -62,8 +62,8 @@ def _event_hash_citation(version: str) -> str:
     release, extra = (("0.5.23", "Namespaces the tree and storage; KV events see only its "
                                  "LoRA name.") if _version(version) >= (0, 5, 23) else
                       ("0.5.22", "Namespaces the tree and storage; omitted from KV events."))
-    return (f"radix_cache.py RadixKey.__init__ ({release}'s text): extra_key '{extra}'; cache_salt "
-            "'Namespaces the tree, storage and KV events.'; mem_cache/utils.py "
+    return (f"radix_cache.py RadixKey.__init__ ({release}'s text): extra_key '{extra}'; "
+            "cache_salt 'Namespaces the tree, storage and KV events.'; mem_cache/utils.py "
             "compute_node_event_hash_values: 'Hash tokens with the legacy salt seed; omit "
             "extra_key'. The LoRA in default-format event hashes is phase 3 of "
             f"sgl-project/sglang#39991 (open RFC): a known limitation ({EVENT_HASH_RFC})")

@@ -92,8 +92,9 @@ class KeysLoraByName(KvcacheCache):
 
     def _scope(self, scope: Scope | None) -> Any:
         if scope is not None and scope.has_lora:
-            ids = self.__dict__.setdefault("_name_ids", {})
-            return self._kvcache.ReuseScope(scope.salt, ids.setdefault(scope.lora_name, len(ids)))
+            ids = self.__dict__.setdefault("_name_ids", {})  # name -> the id it keys on
+            lora_id = ids.setdefault(scope.lora_name, len(ids))
+            return self._kvcache.ReuseScope(scope.salt, lora_id)
         return super()._scope(scope)
 
 
