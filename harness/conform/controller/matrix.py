@@ -181,8 +181,10 @@ def read_row(path: Path) -> Row:
     date = run.get("date") or datetime.fromtimestamp(path.stat().st_mtime, UTC).date() \
         .isoformat()
     total, imported = _seconds(report)
-    return Row(engine=str(report.get("engine") or report["spec"]),
-               version=str(report.get("version") or ""), install=_install(report),
+    # a run that could not start may name no engine: its SPEC does
+    named, _, given = report["spec"].strip().partition("==")
+    return Row(engine=str(report.get("engine") or named),
+               version=str(report.get("version") or given), install=_install(report),
                verdict=_verdict(report, checks),
                cells={f: _cell(cs) for f, cs in by_family.items() if f != FUZZ},
                fuzz=_fuzz(by_family.get(FUZZ, [])), findings=_findings(report, checks),
