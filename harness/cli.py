@@ -9,9 +9,11 @@
                       [--match JSON | --match-exact JSON]
     kvharness sysinfo [--json] [--stage S] [--gpu NAME] ... [--distribution ID] [--job K=V]
     kvharness report [--results-dir DIR] [--output FILE]
+    kvharness report --conform DIR [--into FILE] [--output FILE]
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
     kvharness conform SPEC [--report DIR] [--seeds N] [--bench] [--check NAME] [--replay FILE]
+                           (--replay CHECK.replay.json | --replay report.json --check NAME)
 
     kvharness --version
 
@@ -187,9 +189,32 @@ def _test_db(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    if args.conform is not None:
+        return _conform_matrix(args)
+    if args.into is not None:
+        raise ValueError("--into FILE puts the matrix of --conform DIR into FILE; name DIR")
     from harness.reports.summary import summarize
 
     text = summarize(args.results_dir)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text, encoding="utf-8")
+    print(text, end="")
+    return 0
+
+
+def _conform_matrix(args: argparse.Namespace) -> int:
+    """`kvharness report --conform DIR`: the version matrix of the conform reports."""
+    from harness.conform.controller.matrix import fold, markdown, replace_table
+
+    lines = markdown(fold(args.conform))
+    text = "".join(f"{line}\n" for line in lines)
+    if args.into is not None:
+        try:
+            doc = args.into.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"{args.into}: cannot read it: {exc.strerror or exc}") from None
+        args.into.write_text(replace_table(doc, lines, str(args.into)), encoding="utf-8")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text, encoding="utf-8")
@@ -225,7 +250,9 @@ def _flakes(args: argparse.Namespace) -> int:
 
 CONFORM_EXIT_CODES = """\
 exit codes:
-  0  every check passed
+  0  every check passed, or the only checks that did not found known limitations
+     (behaviour upstream has acknowledged and not fixed, each with its link: report.md's
+     verdict says "known limitations", never "passed"; report.json's `verdict` too)
   1  a check found a violation (report.md lists each finding with its op list)
   2  it could not run: an unsupported version (the supported ones are named), a failed
      install, a self-test that refused a stubbed or mocked engine function, a worker
@@ -237,7 +264,11 @@ def _conform(args: argparse.Namespace) -> int:
     from harness.conform.controller.runner import conform, replay_file  # loads nothing at startup
 
     if args.replay is not None:
-        return replay_file(args.spec, args.replay)
+        if args.check is not None and len(args.check) > 1:
+            print("kvharness conform --replay: --check names the one check of a report.json "
+                  f"to replay, got {len(args.check)}", file=sys.stderr)
+            return 2
+        return replay_file(args.spec, args.replay, args.check[0] if args.check else None)
     report = conform(args.spec, args.report, seeds=args.seeds, bench=args.bench,
                      bench_quick=args.bench_quick, only=args.check)
     return report.exit_code
@@ -324,11 +355,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="the same, but a key the description lacks fails the block")
     p.set_defaults(run=_test_db)
 
-    p = sub.add_parser("report", help="markdown summary of junit, reuse and benchmark results")
+    p = sub.add_parser("report", help="markdown summary of junit, reuse and benchmark "
+                       "results; with --conform, the version matrix of conform reports")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS, metavar="DIR",
                    help=f"results folder, searched recursively (default: {DEFAULT_RESULTS})")
     p.add_argument("--output", type=Path, default=None, metavar="FILE",
-                   help="also write the summary to FILE")
+                   help="also write the summary (or the matrix) to FILE")
+    p.add_argument("--conform", type=Path, default=None, metavar="DIR",
+                   help="fold the conform reports under DIR (ENGINE-VERSION/report.json) "
+                   "into the version matrix table of docs/conformance.md")
+    p.add_argument("--into", type=Path, default=None, metavar="FILE",
+                   help="with --conform: replace the generated matrix between its markers "
+                   "in FILE (docs/conformance.md)")
     p.set_defaults(run=_report)
 
     p = sub.add_parser("repro", help="re-run a failed scenario or reuse check from its "
@@ -368,9 +406,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-quick", action="store_true",
                    help="the same, on the first 100 prompts of each workload")
     p.add_argument("--check", action="append", default=None, metavar="NAME",
-                   help="run only this check (repeatable)")
+                   help="run only this check (repeatable); with --replay REPORT.json, the "
+                   "check of that report to replay")
     p.add_argument("--replay", type=Path, default=None, metavar="FILE",
-                   help="re-run one op list ({num_blocks, ops}: a check of report.json)")
+                   help="re-run one finding, its oracles and its family's expectations: a "
+                   "CHECK.replay.json from a report's folder, or report.json with --check "
+                   "NAME")
     p.set_defaults(run=_conform)
     return parser
 

@@ -112,7 +112,8 @@ class Op:
             raise ValueError(f"{where}: {exc}") from None
 
     def describe(self) -> str:
-        """One short line: `admit(A, 18 tokens 100..117, salt='x', first_chunk=8)`."""
+        """One line holding the whole op (every token):
+        `admit(A, 18 tokens 100..117, salt='x', first_chunk=8)`."""
         args: list[str] = [] if self.seq is None else [self.seq]
         if self.tokens:
             args.append(_tokens(self.tokens))
@@ -127,10 +128,19 @@ class Op:
 
 
 def _tokens(tokens: Sequence[int]) -> str:
+    """Every token, runs of three or more consecutive ids written `first..last`: the text
+    is the op list itself (report.md's op lists reproduce a failure without report.json)."""
     if len(tokens) <= 4:
         return f"tokens {list(tokens)}"
-    run = list(tokens) == list(range(tokens[0], tokens[0] + len(tokens)))
-    body = f"{tokens[0]}..{tokens[-1]}" if run else f"[{tokens[0]}, {tokens[1]}, ..., {tokens[-1]}]"
+    parts: list[str] = []
+    start = 0
+    for i in range(1, len(tokens) + 1):
+        if i < len(tokens) and tokens[i] == tokens[i - 1] + 1:
+            continue
+        run = tokens[start:i]
+        parts += [f"{run[0]}..{run[-1]}"] if len(run) >= 3 else [str(t) for t in run]
+        start = i
+    body = parts[0] if len(parts) == 1 and ".." in parts[0] else f"[{', '.join(parts)}]"
     return f"{len(tokens)} tokens {body}"
 
 

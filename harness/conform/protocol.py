@@ -141,6 +141,9 @@ class Contract:
     partial_reuse, copy_on_partial_reuse: reuse inside a block (the harness's flags).
     scope_kinds: the Scope parts that reach the cache key; lora_identity: the LoRA
       fields the key is built from (two LoRA scopes equal in these share by contract);
+      it names the adapter (lora_id or lora_path): a key on the name alone lets two
+      adapters under one name share KV, which upstream calls a bug
+      (vllm-project/vllm#30931), so no contract says it.
       scope_in_event_hash: the kinds that change a router event's block hash.
     eviction: what is evicted first; explicit_evict: whether `evict` can drop blocks.
     dedup_on_commit: a block computed twice is stored once (the second committer
@@ -162,6 +165,12 @@ class Contract:
       engine exposes and the judge can check.
     bounded_oracle: the count oracle models this engine's eviction exactly (kvcache);
       otherwise its predictions are exact until the first eviction, an upper bound after.
+    limitations: (field, value, upstream): a part of a field's stated value the engine
+      falls short of, which upstream has acknowledged and not fixed (`upstream` links
+      it). The field states the harness's reference; a check that finds only such a
+      shortfall gives the verdict "known limitation", never a pass or a violation.
+      `field` is one of scope_kinds, scope_in_event_hash, lora_identity and `value` one
+      of its entries.
     citations: field -> where the engine's own code or documentation states it.
     Raises ValueError naming the field for anything else.
     """
@@ -189,6 +198,7 @@ class Contract:
     events: bool = True
     counters: tuple[tuple[str, CounterMeaning], ...] = ()
     bounded_oracle: bool = False
+    limitations: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -219,13 +229,38 @@ class Contract:
                               ("lora_identity", get_args(LoraField))):
             for v in getattr(self, name):
                 _choice(v, allowed, f"Contract.{name} entry")
-        if "lora" in self.scope_kinds and not self.lora_identity:
-            raise ValueError("Contract.lora_identity: a cache keyed on LoRA keys on some field")
+        if "lora" in self.scope_kinds and not {"lora_id", "lora_path"} & set(self.lora_identity):
+            raise ValueError(f"Contract.lora_identity {self.lora_identity!r} does not name the "
+                             "adapter (lora_id or lora_path): a key on the LoRA name alone "
+                             "lets two adapters under one name share KV, a bug upstream "
+                             "(vllm-project/vllm#30931), never a contract")
+        for entry in self.limitations:
+            self._check_limitation(entry)
         for counter, meaning in self.counters:
             _str_or_none(counter, "Contract.counters name")
             _choice(meaning, get_args(CounterMeaning), f"Contract.counters[{counter!r}]")
         if self.copy_on_partial_reuse and not self.partial_reuse:
             raise ValueError("Contract.copy_on_partial_reuse needs partial_reuse")
+
+    def _check_limitation(self, entry: Any) -> None:
+        where = f"Contract.limitations entry {entry!r}"
+        if not isinstance(entry, tuple) or len(entry) != 3:
+            raise ValueError(f"{where}: expected (field, value, upstream)")
+        name, value, upstream = entry
+        choices = ("scope_kinds", "scope_in_event_hash", "lora_identity")
+        if name not in choices:
+            raise ValueError(f"{where}: field must be one of {choices}")
+        if value not in getattr(self, name):
+            raise ValueError(f"{where}: {value!r} is not in {name} {getattr(self, name)!r} "
+                             "(the field states the reference the engine falls short of)")
+        _str_or_none(upstream, f"{where}: upstream")
+        if upstream is None:
+            raise ValueError(f"{where}: a known limitation links upstream's word on it")
+
+    def limited(self, name: str) -> dict[str, str]:
+        """The values of field `name` that are known limitations -> their upstream link."""
+        return {value: upstream for field_name, value, upstream in self.limitations
+                if field_name == name}
 
     def scope_key(self, scope: Scope | None) -> str | None:
         """The key the harness's oracles use for `scope` under this contract: only the
@@ -252,7 +287,7 @@ class Contract:
         for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "notes"):
             if name in values:
                 values[name] = tuple(values[name])
-        for name in ("counters", "citations"):
+        for name in ("counters", "limitations", "citations"):
             if name in values:
                 values[name] = tuple(tuple(p) for p in values[name])
         try:

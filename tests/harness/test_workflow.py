@@ -21,6 +21,7 @@ from harness.lists.hardware import Machine
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
+CONFORM = ROOT / ".github" / "workflows" / "conform.yml"
 SCRIPTS = sorted((ROOT / "ci").glob("*.sh"))
 
 
@@ -32,13 +33,14 @@ def _check_jsonschema(path: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, check=False)
 
 
-def _jobs() -> dict[str, Any]:
-    jobs: dict[str, Any] = yaml.safe_load(WORKFLOW.read_text())["jobs"]
+def _jobs(workflow: Path = WORKFLOW) -> dict[str, Any]:
+    jobs: dict[str, Any] = yaml.safe_load(workflow.read_text())["jobs"]
     return jobs
 
 
-def test_workflow_matches_githubs_schema() -> None:
-    done = _check_jsonschema(WORKFLOW)
+@pytest.mark.parametrize("workflow", [WORKFLOW, CONFORM], ids=["ci", "conform"])
+def test_workflow_matches_githubs_schema(workflow: Path) -> None:
+    done = _check_jsonschema(workflow)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -50,16 +52,59 @@ def test_schema_check_rejects_a_broken_workflow(tmp_path: Path) -> None:
     assert done.returncode == 1 and "$.jobs.cpu: 'runs-on' is a required property" in done.stdout
 
 
-def test_every_run_step_is_a_ci_script_or_nox() -> None:
-    for name, job in _jobs().items():
+@pytest.mark.parametrize("workflow", [WORKFLOW, CONFORM], ids=["ci", "conform"])
+def test_every_run_step_is_a_ci_script_or_nox(workflow: Path) -> None:
+    for name, job in _jobs(workflow).items():
         for step in job["steps"]:
             command = step.get("run")
             if command is None:
                 assert step["uses"].split("@")[0] in (
-                    "actions/checkout", "actions/setup-python", "actions/upload-artifact"), name
+                    "actions/checkout", "actions/setup-python", "actions/upload-artifact",
+                    "actions/download-artifact", "actions/cache"), name
                 continue
             program = command.split()[0]
             assert program == "nox" or (ROOT / program) in SCRIPTS, f"{name}: {command}"
+
+
+def test_the_conform_workflow_runs_every_locked_release_on_a_schedule() -> None:
+    """Its job matrix is the releases job's output, which ci/conform_releases.sh reads
+    from the locks; each job caches the engine venvs and pip's cache and uploads its
+    report; the last job folds them, whatever the releases found."""
+    from harness.conform.controller.locks import supported
+
+    data = yaml.safe_load(CONFORM.read_text())
+    assert "schedule" in data[True] and "workflow_dispatch" in data[True]  # YAML's `on`
+    jobs = data["jobs"]
+    assert jobs["conform"]["strategy"]["matrix"]["release"] == \
+        "${{ fromJSON(needs.releases.outputs.releases) }}"
+    cached = next(s for s in jobs["conform"]["steps"] if s.get("uses", "").startswith(
+        "actions/cache"))["with"]["path"].split()
+    assert cached == ["~/.cache/kvharness/engines", "~/.cache/pip"]
+    assert jobs["matrix"]["needs"] == "conform" and jobs["matrix"]["if"] == "always()"
+    line = subprocess.run(["ci/conform_releases.sh"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert line.startswith("releases=")
+    listed = [r["spec"] for r in json.loads(line.removeprefix("releases="))]
+    assert listed == [f"{e}=={v}" for e, vs in sorted(supported().items()) for v in vs]
+
+
+def test_conform_matrix_script_writes_the_table_into_the_document(tmp_path: Path) -> None:
+    from harness.conform.controller.matrix import BEGIN, END
+
+    report = {"spec": "kvcache", "engine": "kvcache", "version": "0.1.0", "exit_code": 0,
+              "verdict": "passed", "checks": [{"name": "cold_then_warm", "status": "pass",
+                                               "family": "cold then warm"}]}
+    (tmp_path / "reports" / "kvcache").mkdir(parents=True)
+    (tmp_path / "reports" / "kvcache" / "report.json").write_text(json.dumps(report))
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"{BEGIN}\n{END}\n")
+    summary = tmp_path / "summary.md"
+    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(summary)}
+    subprocess.run(["ci/conform_matrix.sh", str(tmp_path / "reports"), str(doc)], cwd=ROOT,
+                   env=env, check=True, capture_output=True)
+    assert "| kvcache 0.1.0 | this checkout | passed | pass |" in doc.read_text()
+    assert summary.read_text().startswith("# Conformance matrix\n\n| release |")
+    assert (tmp_path / "reports" / "matrix.md").read_text() in summary.read_text()
 
 
 def test_gpu_jobs_run_on_labelled_runners_with_a_list_per_kind() -> None:
@@ -94,6 +139,10 @@ def test_scripts_are_executable_bash(script: Path) -> None:
         pytest.param(["ci/cpu.sh", "nightly"], 2, "unknown session 'nightly'", id="cpu-session"),
         pytest.param(["ci/gpu_postmerge.sh", "1"], 2, "usage: ci/gpu_postmerge.sh SHARD SHARDS",
                      id="postmerge-usage"),
+        pytest.param(["ci/conform.sh", "vllm"], 2, "usage: ci/conform.sh ENGINE==VERSION",
+                     id="conform-usage"),
+        pytest.param(["ci/conform_matrix.sh"], 2, "usage: ci/conform_matrix.sh REPORTS [DOC]",
+                     id="conform-matrix-usage"),
     ],
 )
 def test_scripts_reject_bad_arguments(argv: list[str], code: int, message: str) -> None:

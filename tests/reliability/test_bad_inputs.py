@@ -33,6 +33,7 @@ from kvcache.engine import RequestFinishedError
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from kvcache.storage.kv_storage import KvStorage
+from tests.harness.conform.test_replay import REPLAY_IDS
 from tests.harness.conform.test_worker import WORKER_IDS
 from tests.harness.plugin.test_sharding import SHARD_IDS
 from tests.reliability.support import EngineSpec, assert_clean
@@ -1114,8 +1115,8 @@ def test_conform_replay_of_a_missing_file_is_exit_2(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     file = tmp_path / "gone.json"
     assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
-    assert f"{file}: not a readable op list: [Errno 2] No such file or directory" in \
-        capsys.readouterr().out
+    assert f"{file}: not a readable replay file or report.json: [Errno 2] No such file or " \
+        "directory" in capsys.readouterr().out
 
 
 IDS.add("conform-replay-missing")
@@ -1146,8 +1147,9 @@ def test_catalogue_is_documented() -> None:
     assert len(IDS) >= 30 and len(REPRO_IDS) >= 25
     # the repro files' cases are checked in tests/reliability/test_hostile_repro.py, the
     # plugin's shard flags in tests/harness/plugin/test_sharding.py, the worker's replies
-    # in tests/harness/conform/test_worker.py, the mutation tools' paths in
+    # in tests/harness/conform/test_worker.py, conform's replay files in
+    # tests/harness/conform/test_replay.py, the mutation tools' paths in
     # tests/tools/test_mutants.py and test_generic_mutants.py
-    checked = IDS | REPRO_IDS | SHARD_IDS | WORKER_IDS | MUTANT_IDS | GENERIC_IDS
+    checked = IDS | REPRO_IDS | SHARD_IDS | WORKER_IDS | REPLAY_IDS | MUTANT_IDS | GENERIC_IDS
     assert checked - documented == set(), f"cases missing from {DOC}"
     assert documented - checked == set(), f"{DOC} documents cases that no test checks"

@@ -112,6 +112,12 @@ class KvcacheCache:
         out["block_hash"] = (self._kv_events, "block_hash")
         return out
 
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The kvcache functions each op kind calls."""
+        return {"admit": ("add_sequence", "take_copy_ops"), "reserve": ("reserve",),
+                "commit": ("commit",), "append": ("append_tokens",),
+                "free": ("free_sequence",), "evict": ()}
+
     def raw_probe(self) -> dict[str, Any]:
         """kvcache's own results for one admission, freed again."""
         seq = self.manager.add_sequence("__selftest__", list(range(1, 10)))

@@ -53,6 +53,22 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
 
 
+EVENT_HASH_RFC = "https://github.com/sgl-project/sglang/issues/39991"
+
+
+def _event_hash_citation(version: str) -> str:
+    """Where SGLang `version` (0.5.22 on) says what reaches its event hashes, quoting its
+    own text (RadixKey's comment changed in 0.5.23)."""
+    release, extra = (("0.5.23", "Namespaces the tree and storage; KV events see only its "
+                                 "LoRA name.") if _version(version) >= (0, 5, 23) else
+                      ("0.5.22", "Namespaces the tree and storage; omitted from KV events."))
+    return (f"radix_cache.py RadixKey.__init__ ({release}'s text): extra_key '{extra}'; "
+            "cache_salt 'Namespaces the tree, storage and KV events.'; mem_cache/utils.py "
+            "compute_node_event_hash_values: 'Hash tokens with the legacy salt seed; omit "
+            "extra_key'. The LoRA in default-format event hashes is phase 3 of "
+            f"sgl-project/sglang#39991 (open RFC): a known limitation ({EVENT_HASH_RFC})")
+
+
 def contract(version: str, block_size: int) -> Contract:
     """SGLang `version`'s contract for RadixCache."""
     salted = _version(version) >= (0, 5, 22)
@@ -67,9 +83,7 @@ def contract(version: str, block_size: int) -> Contract:
                           "different LoRA / adapter IDs'"),
         ("eviction", "radix_cache.py evict: whole least recently used leaves")]
     if salted:
-        citations.append(("scope_in_event_hash", "radix_cache.py RadixKey: extra_key "
-                          "'Namespaces the tree and storage; KV events see only its LoRA "
-                          "name'; cache_salt 'Namespaces the tree, storage and KV events'"))
+        citations.append(("scope_in_event_hash", _event_hash_citation(version)))
     else:
         notes.append("no cache_salt field: the salt travels as the extra key")
     return Contract(
@@ -77,8 +91,11 @@ def contract(version: str, block_size: int) -> Contract:
         stats_unit="tokens", last_token_cap="scheduler", matchable_at="commit",
         partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
         lora_identity=("lora_id",),
-        # before 0.5.22 nothing says events leave scopes out: the reference holds
-        scope_in_event_hash=("salt",) if salted else ("salt", "lora"),
+        # the reference: a router must tell LoRAs apart too. 0.5.22 on leave the LoRA out
+        # of default-format event hashes on purpose, which upstream's own RFC proposes to
+        # change: a known limitation, neither a pass nor a violation
+        scope_in_event_hash=("salt", "lora"),
+        limitations=((("scope_in_event_hash", "lora", EVENT_HASH_RFC),) if salted else ()),
         eviction="lru-leaves", explicit_evict=True, dedup_on_commit=True,
         chunked_allocation=True, citations=tuple(citations), notes=tuple(notes))
 
@@ -223,6 +240,8 @@ class SglangCache:
     def _make_contract(self, version: str) -> Contract:
         return contract(version, self.block_size)
 
+    _lock_names = ("inc_lock_ref", "dec_lock_ref")  # what `_lock` and `_unlock` call
+
     def _lock(self, node: Any) -> Any:
         """Lock `node` (and its path) against eviction; returns what `_unlock` takes."""
         self.tree.inc_lock_ref(node)
@@ -259,6 +278,16 @@ class SglangCache:
         if hasattr(t, "path_device_indices"):
             out["path_device_indices"] = (t, "path_device_indices")
         return out
+
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The SGLang functions each op kind calls (growing a sequence's pages evicts
+        leaves when the pool is short)."""
+        lock, unlock = self._lock_names
+        grow = ("evictable_size", "evict")
+        insert = ("RadixKey.__init__", "insert", "match_prefix", lock, unlock)
+        return {"admit": ("RadixKey.__init__", "match_prefix", lock, *grow, unlock),
+                "reserve": grow, "commit": insert, "append": grow, "free": insert,
+                "evict": ("evict",)}
 
     def raw_probe(self) -> dict[str, Any]:
         """SGLang's own results for one match and insert, evicted again."""

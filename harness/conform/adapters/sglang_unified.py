@@ -86,6 +86,8 @@ class UnifiedCache(SglangCache):
     def _make_contract(self, version: str) -> Contract:
         return contract(version, self.block_size)
 
+    _lock_names = ("lock", "unlock")
+
     def _lock(self, node: Any) -> Any:
         return self.tree.lock(node)
 

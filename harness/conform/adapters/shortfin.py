@@ -283,6 +283,22 @@ class ShortfinCache:
                 "publish_pages_for_tokens", "release_pages", "extend_allocation")})
         return out
 
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The shortfin functions each op kind calls, as each era's server calls them."""
+        if self.s.era == "allocation":
+            return {"admit": ("acquire_pages_for_tokens",), "reserve": (),
+                    "commit": ("Allocation.publish_pages_for_tokens",),
+                    "append": ("Allocation.extend_allocation",),
+                    "free": ("Allocation.release_pages",), "evict": ("_evict_pages",)}
+        return {"admit": ("LlmDecoder.__init__", "LlmDecoder.create_prefill_req"),
+                "reserve": (),
+                "commit": ("LlmDecoder.publish_request", "PageManager.__init__",
+                           "LlmDecoder.create_decode_reqs"),
+                "append": ("PageManager.update_decode_reqs",),
+                "free": ("LlmDecoder.publish_request", "LlmDecoder.free_req_cache",
+                         "PageManager.release_pages", "free_allocated_pages"),
+                "evict": ("evict_pages",)}
+
     def raw_probe(self) -> dict[str, Any]:
         """shortfin's own results for two pages admitted, published, released and evicted."""
         tokens = list(range(1, 2 * self.P + 1))

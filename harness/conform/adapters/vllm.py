@@ -35,6 +35,7 @@ from harness.conform.protocol import (
     Contract,
     CounterMeaning,
     LoadedEngine,
+    LoraField,
     Scope,
     Stats,
 )
@@ -52,31 +53,65 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
 
 
+# Where vLLM's own text states a contract field, quoted from each release whose text
+# differs (read in the wheels): (the first release with this text, the citation). A
+# release takes the text of the newest release at or before it, named in the citation.
+_QUOTED: dict[str, tuple[tuple[tuple[int, ...], str], ...]] = {
+    "matchable_at": (
+        ((0, 10, 2), "kv_cache_manager.py allocate_slots caches the new full blocks before "
+                     "the forward pass: '... ensuring only \"finalized\" tokens are cached'"),
+        ((0, 16, 0), "kv_cache_manager.py allocate_slots: '< to be cached' spans the new "
+                     "tokens; the blocks are cached before the forward pass")),
+    "dedup_on_commit": (
+        ((0, 10, 2), "block_pool.py BlockPool.__init__: 'NOTE: We currently don't "
+                     "de-duplicate the blocks in the cache'"),
+        ((0, 16, 0), "block_pool.py BlockHashToBlockMap: 'We currently don't de-duplicate "
+                     "the blocks in the cache'")),
+    "lora_identity": (
+        ((0, 10, 2), "kv_cache_utils.py _gen_lora_extra_hash_keys: 'Return LoRA id of the "
+                     "request if it is a LoRA request' (lora_int_id); lora/request.py "
+                     "LoRARequest: 'lora_int_id must be globally unique for a given adapter'"),
+        ((0, 11, 1), "kv_cache_utils.py _gen_lora_extra_hash_keys: 'Return LoRA name of the "
+                     "request if it is a LoRA request' (the name alone, since "
+                     "vllm-project/vllm#27211), which vllm-project/vllm#30931 (open, labelled "
+                     "bug) calls a bug: two adapters under one name share KV. Judged as "
+                     "0.31.0 keys it, (name, path): lora_name_repointed finds it"),
+        ((0, 31, 0), "kv_cache_utils.py _gen_lora_extra_hash_keys: 'The adapter path is "
+                     "included so that re-pointing a LoRA name at a different adapter does "
+                     "not reuse KV computed with the previous one'")),
+}
+
+
+def _quoted(name: str, version: str) -> str:
+    """`_QUOTED[name]`'s citation for `version`, naming the release its text is from."""
+    older = [q for q in _QUOTED[name] if q[0] <= _version(version)]
+    release, text = (older or [_QUOTED[name][0]])[-1]
+    return f"{text} ({'.'.join(map(str, release))}'s text)"
+
+
+def lora_identity(version: str) -> tuple[LoraField, ...]:
+    """The LoRA fields vLLM `version`'s contract keys on: the integer id up to 0.11.0;
+    the name and the adapter's path after (0.31.0's key; 0.11.1-0.30.0 key on the name
+    alone, a bug upstream: the contract names the adapter, so it is a finding)."""
+    return ("lora_id",) if _version(version) < (0, 11, 1) else ("lora_name", "lora_path")
+
+
 def contract(version: str, block_size: int, explicit_evict: bool) -> Contract:
     """vLLM `version`'s contract (what its own code and docstrings state)."""
-    lora = ("lora_name", "lora_path") if _version(version) >= (0, 31) else ("lora_name",)
-    lora_doc = ("vllm/v1/core/kv_cache_utils.py _gen_lora_extra_hash_keys: 'The adapter "
-                "path is included so that re-pointing a LoRA name at a different adapter "
-                "does not reuse KV computed with the previous one'"
-                if len(lora) == 2 else
-                "vllm/lora/request.py LoRARequest.__eq__/__hash__: adapters are "
-                "'identified by their names across engines'")
     counters = COUNTERS if _version(version) >= (0, 11) else COUNTERS[:3]
     return Contract(
         engine="vllm", version=version, block_size=block_size, id_unit="block",
         stats_unit="tokens", last_token_cap="manager", matchable_at="allocation",
         partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
-        lora_identity=lora, scope_in_event_hash=("salt", "lora"),  # type: ignore[arg-type]
+        lora_identity=lora_identity(version), scope_in_event_hash=("salt", "lora"),
         eviction="lru-blocks-tail-first", explicit_evict=explicit_evict,
         dedup_on_commit=False, chunked_allocation=True, counters=counters,
         citations=(
-            ("matchable_at", "kv_cache_manager.py allocate_slots: 'to be cached' spans the "
-                             "new tokens; the blocks are cached before the forward pass"),
+            ("matchable_at", _quoted("matchable_at", version)),
             ("last_token_cap", "kv_cache_manager.py get_computed_blocks: 'When all tokens "
                                "hit the cache, we must recompute the last token'"),
-            ("dedup_on_commit", "block_pool.py BlockHashToBlockMap: 'We currently don't "
-                                "de-duplicate the blocks in the cache'"),
-            ("lora_identity", lora_doc),
+            ("dedup_on_commit", _quoted("dedup_on_commit", version)),
+            ("lora_identity", _quoted("lora_identity", version)),
             ("counters", "v1/metrics/stats.py PrefixCacheStats: requests, queries and hits "
                          "in tokens; preempted_* for requests resumed after preemption")),
         notes=("stats are recorded by the caller after allocation (record_prefix_cache_stats)"
@@ -199,6 +234,17 @@ class VllmCache:
         if hasattr(m, "evict_blocks"):
             out["evict_blocks"] = (m, "evict_blocks")
         return out
+
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The vLLM functions each op kind calls (a commit calls none: vLLM cached the
+        blocks when it allocated them)."""
+        admit = ("Request.__init__", "get_computed_blocks", "allocate_slots") + \
+            (("record_prefix_cache_stats",) if self._caller_records else ())
+        return {"admit": admit, "reserve": ("allocate_slots",), "commit": (),
+                "append": ("get_num_free_blocks", "append_output_token_ids",
+                           "allocate_slots"),
+                "free": ("free",),
+                "evict": ("evict_blocks",) if hasattr(self.manager, "evict_blocks") else ()}
 
     def raw_probe(self) -> dict[str, Any]:
         """vLLM's own results for one admission, freed again."""

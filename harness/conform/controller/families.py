@@ -1,11 +1,13 @@
 """The harness's scenario families in each engine's terms, run under every oracle.
 
 Each `Check` drives a fresh cache through one family (`Run`: ops as data, every step
-judged by `harness.conform.controller.judge.Judge`) and adds the expectations the oracles cannot
-state alone: that a cold admission reuses nothing, that a warm one reuses what the
-contract's units allow, what an abort leaves behind under the contract's
-`matchable_at`. Blocks hold B = 4 tokens, so every number can be checked by hand.
-Every family frees what it admitted: the last step's leak report is the leak check.
+judged by `harness.conform.controller.judge.Judge`) and declares the expectations the
+oracles cannot state alone: that a cold admission reuses nothing, that a warm one reuses
+what the contract's units allow, what an abort leaves behind under the contract's
+`matchable_at`. They are data (`harness.conform.controller.expectations`), judged on the
+step reports, so a replay of the op list judges them again. Blocks hold B = 4 tokens,
+so every number can be checked by hand. Every family frees what it admitted: the last
+step's leak report is the leak check.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from harness.conform import ops
+from harness.conform.controller.expectations import (
+    Expectation,
+    Unmet,
+    first_stored_hash,
+    judge,
+    result_of,
+)
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
@@ -30,7 +39,8 @@ def toks(start: int, n: int) -> list[int]:
 
 
 class Run:
-    """One check's cache, its op list, what the oracles found and what it observed."""
+    """One check's cache, its op list, what the oracles found, the family's declared
+    expectations and what it observed."""
 
     def __init__(self, target: Target, num_blocks: int) -> None:
         self.target = target
@@ -40,7 +50,7 @@ class Run:
         self.ops: list[Op] = []
         self.reports: list[StepReport] = []
         self.violations: list[Violation] = []
-        self.failures: list[str] = []  # expectations of the family that did not hold
+        self.expectations: list[Expectation] = []
         self.observed: dict[str, Any] = {}
         self.live: set[str] = set()  # sequences admitted and not freed
 
@@ -61,8 +71,9 @@ class Run:
         return r.value["reused_tokens"] if r.status == "done" else None
 
     def commit(self, seq: str, num_tokens: int) -> None:
-        """Commit; a skip is a failure of the family (it means its bookkeeping is off)."""
-        self._done(self.do(ops.commit(seq, num_tokens)))
+        """Commit; expected done (a skip means the family's bookkeeping is off)."""
+        self.do(ops.commit(seq, num_tokens))
+        self._expect_done()
 
     def reserve(self, seq: str, num_tokens: int) -> int | None:
         """Tokens scheduled, or None when refused."""
@@ -75,23 +86,36 @@ class Run:
         return len(r.value) if r.status == "done" else None
 
     def free(self, seq: str) -> None:
-        """Free."""
-        self._done(self.do(ops.free(seq)))
+        """Free; expected done."""
+        self.do(ops.free(seq))
+        self._expect_done()
 
     def evict(self, num_blocks: int) -> int | None:
         """Blocks evicted."""
         r = self.do(ops.evict(num_blocks))
         return r.value if r.status == "done" else None
 
-    def _done(self, r: StepReport) -> None:
-        if r.status == "skipped":
-            self.failures.append(f"{r.op.describe()} was skipped: {r.detail}")
+    def _expect_done(self) -> None:
+        self.expectations.append(Expectation("done", {"step": len(self.reports) - 1}))
 
-    def expect(self, what: str, got: Any, want: Any) -> None:
-        """Record `got` under `what`; a failure unless it equals `want`."""
+    def expect(self, what: str, got: int | None, want: int | None) -> None:
+        """Expect the op just done to have returned `want`; `got` is what it returned
+        (as `admit`, `reserve`, `append` and `evict` return it), recorded under `what`."""
+        step = len(self.reports) - 1
+        assert got == result_of(self.reports[step]), f"{what}: expect() reads the op just done"
         self.observed[what] = got
-        if got != want:
-            self.failures.append(f"{what}: got {got!r}, expected {want!r}")
+        self.expectations.append(Expectation("result", {"step": step, "what": what,
+                                                        "want": want}))
+
+    def expect_admitted(self, what: str) -> None:
+        """Expect the op just done, an admission, to have happened."""
+        step = len(self.reports) - 1
+        self.observed[what] = self.reports[step].status == "done"
+        self.expectations.append(Expectation("admitted", {"step": step, "what": what}))
+
+    def unmet(self) -> list[Unmet]:
+        """The declared expectations that did not hold (`expectations.judge`)."""
+        return judge(self.expectations, self.contract, self.reports)
 
     def cap(self, prompt_len: int) -> int:
         """Tokens a warm prompt of `prompt_len` reuses once all of it is cached: all but
@@ -101,11 +125,13 @@ class Run:
         return reach if self.contract.partial_reuse else reach // B * B
 
 
-Need = Literal["scopes", "events"]
+Need = Literal["scopes", "lora", "events"]
 # what a family needs from the engine, and why a contract without it skips the family
 _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "scopes": (lambda c: bool(c.scope_kinds), "the engine keys its cache on no scope "
                "(salt, LoRA): every scope shares, so the family could only pass"),
+    "lora": (lambda c: "lora" in c.scope_kinds, "the engine keys its cache on no LoRA "
+             "adapter: every adapter shares, so the family could only pass"),
     "events": (lambda c: c.events, "the engine publishes no router events: there is no "
                "event hash to compare")}
 
@@ -146,11 +172,10 @@ def cold_then_warm(run: Run) -> None:
 
 def shared_system_prompt(run: Run) -> None:
     system = toks(1, 12)
-    got = []
     for i in range(3):
-        got.append(run.admit(f"U{i}", system + toks(1000 * (i + 1), 5)))
+        run.expect(f"user {i} reuses", run.admit(f"U{i}", system + toks(1000 * (i + 1), 5)),
+                   min(12, run.cap(17)) if i else 0)
         run.commit(f"U{i}", 17)
-    run.expect("each user reuses", got, [0] + [min(12, run.cap(17))] * 2)
     for i in range(3):
         run.free(f"U{i}")
 
@@ -193,7 +218,8 @@ def eviction_under_pressure(run: Run) -> None:
     run.commit("A", 16)
     run.free("A")
     # 7 blocks in a pool of 8 holding A's 4: at least 3 of them must go
-    run.expect("B (7 of 8 blocks) is admitted, evicting", run.admit("B", b) is not None, True)
+    run.admit("B", b)
+    run.expect_admitted("B (7 of 8 blocks) is admitted, evicting")
     run.commit("B", 28)
     run.free("B")
     run.observed["A after the pressure reuses"] = run.admit("A2", a)
@@ -246,15 +272,14 @@ def decode_growth(run: Run) -> None:
     prompt = toks(100, 6)
     run.admit("A", prompt)
     run.commit("A", 6)
-    grown, want = [], []
     for i in range(7):
-        grown.append(run.append("A", [900 + i]))
-        want.append(-(-(7 + i) // B) - -(-(6 + i) // B))
+        grown = run.append("A", [900 + i])
+        what = f"blocks allocated for decoded token {i}"
+        if run.contract.allocates_ahead:  # more than the tokens need: only observed
+            run.observed[what] = grown
+        else:
+            run.expect(what, grown, -(-(7 + i) // B) - -(-(6 + i) // B))
         run.commit("A", 7 + i)
-    if run.contract.allocates_ahead:  # more than the tokens need: only observed
-        run.observed["blocks allocated per decoded token"] = grown
-    else:
-        run.expect("blocks allocated per decoded token", grown, want)
     run.free("A")
     decoded = prompt + [900 + i for i in range(7)]
     run.expect("a prompt extending the decoded tokens reuses", run.admit("B", [*decoded, 1]),
@@ -377,16 +402,32 @@ def scope_isolation(run: Run) -> None:
     a = toks(100, 18)
     keys = {label: run.contract.scope_key(s) for label, s in SCOPES.items()}
     for i, (label, scope) in enumerate(SCOPES.items()):
-        got = run.admit(f"S{i}", a, scope)
+        earlier = [other for other in list(SCOPES)[:i] if keys[other] == keys[label]]
+        run.expect(f"{label} reuses" + (f" (same key as {earlier[0]})" if earlier else ""),
+                   run.admit(f"S{i}", a, scope), run.cap(18) if earlier else 0)
         run.commit(f"S{i}", 18)
         run.free(f"S{i}")
-        earlier = [other for other in list(SCOPES)[:i] if keys[other] == keys[label]]
-        want = run.cap(18) if earlier else 0
-        run.expect(f"{label} reuses" + (f" (same key as {earlier[0]})" if earlier else ""),
-                   got, want)
     for i, (label, scope) in enumerate(SCOPES.items()):
         run.expect(f"{label} again reuses", run.admit(f"R{i}", a, scope), run.cap(18))
         run.free(f"R{i}")
+
+
+def lora_name_repointed(run: Run) -> None:
+    """A LoRA name re-pointed at another adapter (a new id and new files, as when a
+    server reloads an adapter under its name) reuses none of the KV the first adapter
+    computed: its weights differ (vllm-project/vllm#30931). The first adapter then
+    finds its own KV again."""
+    a = toks(100, 18)
+    run.admit("A", a, Scope.lora("x", 1))
+    run.commit("A", 18)
+    run.free("A")
+    run.expect("LoRA x re-pointed from /loras/1 (id 1) to /loras/2 (id 2) reuses",
+               run.admit("B", a, Scope.lora("x", 2)), 0)
+    run.commit("B", 18)
+    run.free("B")
+    run.expect("LoRA x at /loras/1 again reuses", run.admit("A2", a, Scope.lora("x", 1)),
+               run.cap(18))
+    run.free("A2")
 
 
 # scopes that no release keys together: a router must still tell them apart
@@ -400,43 +441,17 @@ def scope_event_hashes(run: Run) -> None:
     contract says reaches event hashes must publish different hashes for block 0 (a
     router keyed on the hashes would send one scope's requests to the other's KV)."""
     a = toks(100, 18)
-    first: dict[str, str | None] = {}
+    scopes = []
     for i, (label, scope) in enumerate(EVENT_SCOPES.items()):
-        start = len(run.reports)
+        first = len(run.reports)
         run.admit(f"E{i}", a, scope)
         run.commit(f"E{i}", 18)
         run.free(f"E{i}")
-        first[label] = _first_stored_hash(run.reports[start:])
-    labels = list(EVENT_SCOPES)
-    same = []
-    for i, x in enumerate(labels):
-        for y in labels[i + 1:]:
-            sx, sy = EVENT_SCOPES[x], EVENT_SCOPES[y]
-            kinds = _differ(sx, sy) & set(run.contract.scope_in_event_hash)
-            if run.contract.scope_key(sx) != run.contract.scope_key(sy) and kinds \
-                    and first[x] is not None and first[x] == first[y]:
-                same.append(f"{x} / {y} ({', '.join(sorted(kinds))})")
-    run.observed["block 0 hash per scope"] = first
-    if same:
-        run.failures.append(f"router events: {len(same)} pairs of scopes that differ in kinds "
-                            f"the contract says reach event hashes publish one block 0 hash: "
-                            f"{'; '.join(same[:4])}{' ...' if len(same) > 4 else ''}")
-
-
-def _differ(x: Scope | None, y: Scope | None) -> set[str]:
-    x, y = x or Scope(), y or Scope()
-    kinds = {"salt"} if x.salt != y.salt else set()
-    if (x.lora_name, x.lora_id, x.lora_path) != (y.lora_name, y.lora_id, y.lora_path):
-        kinds.add("lora")
-    return kinds
-
-
-def _first_stored_hash(reports: list[StepReport]) -> str | None:
-    for r in reports:
-        for e in r.events:
-            if e.get("type") == "BlockStored" and e.get("parent_block_hash") is None:
-                return str(e["block_hashes"][0])
-    return None
+        scopes.append({"label": label, "scope": None if scope is None else scope.as_dict(),
+                       "first": first, "last": len(run.reports) - 1})
+        run.observed.setdefault("block 0 hash per scope", {})[label] = \
+            first_stored_hash(run.reports[first:])
+    run.expectations.append(Expectation("distinct_event_hashes", {"scopes": scopes}))
 
 
 CHECKS: tuple[Check, ...] = (
@@ -471,6 +486,9 @@ CHECKS: tuple[Check, ...] = (
           "other prefixes stay distinct", 32, repeated_blocks),
     Check("scope_isolation", "scope isolation", "salts, LoRA names, ids and files, equal "
           "values in different fields", 64, scope_isolation, needs=("scopes",)),
+    Check("lora_name_repointed", "scope isolation", "a LoRA name re-pointed at another "
+          "adapter reuses none of the first adapter's KV", 32, lora_name_repointed,
+          needs=("lora",)),
     Check("scope_event_hashes", "router events", "distinct scopes publish distinct block "
           "hashes, as far as the contract says scopes reach them", 32, scope_event_hashes,
           needs=("scopes", "events")),

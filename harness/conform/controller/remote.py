@@ -57,7 +57,8 @@ _INTEGER, _NUMBER = (int, "an integer"), ((int, float), "a number")
 _FIELDS: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
     "load": {"engine": _STRING, "version": _STRING, "package_dir": _STRING,
              "stubs_served": _ARRAY, "seconds": _NUMBER},
-    "selftest": {"problems": _ARRAY, "sources": _OBJECT, "substitutes": _INTEGER},
+    "selftest": {"problems": _ARRAY, "sources": _OBJECT, "substitutes": _INTEGER,
+                 "functions": _OBJECT, "calls": _OBJECT},
     "open": {"contract": _OBJECT},
     "ops": {"reports": _ARRAY},
     "bench": {"rows": _ARRAY},

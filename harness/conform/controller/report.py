@@ -10,24 +10,43 @@ report".
 from __future__ import annotations
 
 import json
+import os
+import platform
 import tempfile
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from harness.reports.markdown import code, table
 
-Status = Literal["pass", "fail", "skip"]
+Status = Literal["pass", "fail", "limitation", "skip"]
+Verdict = Literal["passed", "known limitations", "violations", "could not run"]
+# A run whose only non-passes are known limitations exits 0, as a clean pass does: the
+# exit code answers "did this run find anything upstream has not acknowledged?" (a CI job
+# on a branch must not go red for an open RFC). Its report says "known limitations",
+# never "passed", and so does the matrix (report.json: `verdict`).
 EXIT_PASSED, EXIT_VIOLATION, EXIT_CANNOT_RUN = 0, 1, 2
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check. `oracle` names what failed ("scenario" for an expectation of the
+    """One check. `status`: pass, fail, limitation (an expectation of the family did not
+    hold only as far as a known limitation of the contract goes, upstream's link in the
+    message) or skip. `oracle` names what failed ("scenario" for an expectation of the
     family; every oracle ran either way); `ops` the op list that shows it (shrunk for
-    an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks (the object
-    replays as it is: `kvharness conform SPEC --replay FILE`); `also` the other
-    findings of the same run."""
+    an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks of
+    `block_size` tokens, and `step` the index in it of the op where it shows;
+    `expectations` the family's declared expectations over `ops`
+    (`harness.conform.controller.expectations`) where `ops` is the whole op list they
+    were declared over (a scenario failure or a known limitation), so a replay judges
+    them again; `known` the finding the harness already knows that this is
+    (`harness.conform.controller.known_findings`: its number, upstream issue, fix and
+    first fixed release), else empty; `limitation` the upstream link of a known
+    limitation; `also` the other findings of the same run. A
+    check that did not pass
+    is written beside the report as its own replay file too
+    (`harness.conform.controller.replay_file`)."""
 
     name: str
     family: str
@@ -39,6 +58,11 @@ class CheckResult:
     ops_text: tuple[str, ...] = ()
     num_ops: int = 0
     num_blocks: int = 0
+    block_size: int = 0
+    step: int | None = None
+    expectations: tuple[dict[str, Any], ...] = ()
+    known: dict[str, Any] = field(default_factory=dict)
+    limitation: str = ""
     seconds: float = 0.0
     observed: dict[str, Any] = field(default_factory=dict)
     also: tuple[str, ...] = ()
@@ -47,8 +71,10 @@ class CheckResult:
 
 @dataclass
 class Report:
-    """A whole run; `exit_code` 0 all passed, 1 a violation found, 2 could not run
-    (`reason` says why)."""
+    """A whole run; `exit_code` 0 all passed or only known limitations, 1 a violation
+    found, 2 could not run (`reason` says why); `verdict` tells the first two apart.
+    `run`: the day it ran (UTC) and the machine (`this_run`), which the version matrix
+    shows."""
 
     spec: str
     engine: str = ""
@@ -62,15 +88,37 @@ class Report:
     checks: list[CheckResult] = field(default_factory=list)
     bench: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    run: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[CheckResult]:
-        """The checks that found something."""
+        """The checks that found a violation."""
         return [c for c in self.checks if c.status == "fail"]
 
+    @property
+    def limited(self) -> list[CheckResult]:
+        """The checks that found only a known limitation."""
+        return [c for c in self.checks if c.status == "limitation"]
+
+    @property
+    def verdict(self) -> Verdict:
+        """What the run found, in the words the report and the matrix use."""
+        if self.exit_code == EXIT_CANNOT_RUN:
+            return "could not run"
+        if self.failed:
+            return "violations"
+        return "known limitations" if self.limited else "passed"
+
     def as_dict(self) -> dict[str, Any]:
-        """The JSON form."""
-        return asdict(self)
+        """The JSON form (with `verdict`)."""
+        return {**asdict(self), "verdict": self.verdict}
+
+
+def this_run() -> dict[str, str]:
+    """Today's date (UTC) and this machine, as a report's `run` records them."""
+    machine = (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+               f"Python {platform.python_version()}")
+    return {"date": datetime.now(UTC).date().isoformat(), "machine": machine}
 
 
 class ReportFolderError(ValueError):
@@ -122,12 +170,48 @@ def _verdict(report: Report) -> str:
         return f"**could not run** (exit 2): {report.reason}"
     n = len(report.checks)
     skipped = sum(c.status == "skip" for c in report.checks)
+    if report.exit_code == EXIT_PASSED and report.limited:
+        return (f"**known limitations** (exit 0): no violation; {len(report.limited)} of {n} "
+                "checks found only behaviour upstream has acknowledged and not fixed (see "
+                "each Known limitation and its link)"
+                + (f"; {skipped} skipped" if skipped else ""))
     if report.exit_code == EXIT_PASSED:
         if skipped:
             return (f"**passed** (exit 0): {n - skipped} checks; {skipped} skipped (the "
                     "engine's contract cannot be judged by them: see Checks)")
         return f"**passed** (exit 0): all {n} checks"
     return f"**violations found** (exit 1): {len(report.failed)} of {n} checks failed"
+
+
+def _went_through(report: Report, c: CheckResult) -> list[str]:
+    """The engine code the op where `c` shows went through, file by file (what the
+    adapter said in the self-test); [] where the report does not say."""
+    if c.step is None or not 0 <= c.step < len(c.ops):
+        return []
+    kind = c.ops[c.step].get("kind", "")
+    names = report.self_test.get("calls", {}).get(kind)
+    functions = report.self_test.get("functions", {})
+    if names is None:
+        return []
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        path, _, qualname = functions.get(name, f"?: {name}").partition(": ")
+        by_file.setdefault(path, []).append(qualname)
+    where = "; ".join(f"{code(path)}: {', '.join(q)}" for path, q in by_file.items())
+    return [f"- the failing op, {code(c.ops_text[c.step])}, goes through "
+            + (where or "no engine function (the adapter's own bookkeeping)"), ""]
+
+
+def _known(known: dict[str, Any]) -> list[str]:
+    """What upstream said of a known finding; [] for one the harness does not know."""
+    if not known:
+        return []
+    links = [f"issue {known['issue']}" if known.get("issue") else "no upstream issue",
+             f"fix {known['fix']}" if known.get("fix") else "no fix linked",
+             f"first fixed in {known['fixed_in']}" if known.get("fixed_in")
+             else "not fixed in any release run"]
+    return [f"- known: finding {known['number']} of docs/conformance.md, "
+            f"{known['title']}: {'; '.join(links)}", ""]
 
 
 def markdown(report: Report) -> list[str]:
@@ -156,10 +240,19 @@ def markdown(report: Report) -> list[str]:
                  c.message.splitlines()[0][:160] if c.message else "")
                 for c in report.checks]
         out += [*table(("check", "family", "result", "oracle", "s", "message"), rows), ""]
-    for c in report.failed:
-        out += [f"## Finding: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
-                f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran):", "", "```"]
-        out += [*c.ops_text, "```", ""]
+    for c in report.failed + report.limited:
+        head = "Finding" if c.status == "fail" else "Known limitation"
+        out += [f"## {head}: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
+                f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran, on a fresh "
+                f"cache of {c.num_blocks} blocks of {c.block_size} tokens; it replays: "
+                f"{code(f'kvharness conform {report.spec.strip()} --replay {c.name}.replay.json')}"
+                " (the file beside this report)"
+                + (f", which judges the family's {len(c.expectations)} expectations too"
+                   if c.expectations else "") + "):", "", "```"]
+        out += [f"{text}    <- {c.oracle} here" if i == c.step else text
+                for i, text in enumerate(c.ops_text)]
+        out += ["```", ""]
+        out += _went_through(report, c) + _known(c.known)
         out += [f"- also: {a}" for a in c.also] + ([""] if c.also else [])
     if report.bench:
         out += ["## Speed (tokens/s, same process)", ""]

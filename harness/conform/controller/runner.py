@@ -20,11 +20,14 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from harness.conform.controller import families
+from harness.conform.controller import families, known_findings
+from harness.conform.controller import replay_file as replay_files
 from harness.conform.controller.engine_spec import CannotRun, EngineSpec, open_target
+from harness.conform.controller.expectations import Expectation, Unmet
 from harness.conform.controller.families import Check, Run
 from harness.conform.controller.fuzz import fuzz, shrink
 from harness.conform.controller.install import InstallError
@@ -39,11 +42,11 @@ from harness.conform.controller.report import (
     Report,
     ReportFolderError,
     prepare_folder,
+    this_run,
     write_report,
 )
 from harness.conform.controller.targets import Target, replay
-from harness.conform.ops import Op, ops_from_json, ops_to_json
-from harness.data_files import load_json
+from harness.conform.ops import Op, ops_to_json
 
 Say = Callable[[str], None]
 
@@ -64,8 +67,9 @@ def _open(spec: EngineSpec, report: Report, folder: Path, say: Say) -> Target:
 
 class Finished(NamedTuple):
     """A check that ran, before it is judged into a `CheckResult`: what it was, its cache
-    of `num_blocks` blocks, its op list, the oracles' violations and the family's own
-    failures, what it observed, the engine's counters at the end and its seconds."""
+    of `num_blocks` blocks, its op list, the oracles' violations, the family's declared
+    expectations and those that did not hold, what it observed, the engine's counters
+    at the end and its seconds."""
 
     name: str
     family: str
@@ -73,7 +77,8 @@ class Finished(NamedTuple):
     num_blocks: int
     ops: list[Op]
     violations: list[Violation]
-    failures: list[str]
+    expectations: list[Expectation]
+    unmet: list[Unmet]
     observed: dict[str, Any]
     stats: dict[str, Any]
     seconds: float
@@ -82,7 +87,7 @@ class Finished(NamedTuple):
     def of_check(cls, check: Check, run: Run, seconds: float) -> Finished:
         """A family's run."""
         return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
-                   run.violations, run.failures, run.observed,
+                   run.violations, run.expectations, run.unmet(), run.observed,
                    run.reports[-1].stats._asdict() if run.reports else {}, seconds)
 
 
@@ -102,29 +107,37 @@ def run_check(target: Target, check: Check) -> CheckResult:
 
 def _result(target: Target, done: Finished) -> CheckResult:
     """The verdict on `done`: its first violation with the op list shrunk to one that
-    still shows it (replayed on `target`), else its first failure, else a pass."""
+    still shows it (replayed on `target`), else its first unmet expectation that is a
+    failure, else its first known limitation (the whole op list and the expectations
+    with it: a replay judges them again), else a pass."""
+    failures = [u for u in done.unmet if u.limitation is None]
+    limitations = [u for u in done.unmet if u.limitation is not None]
     also = [f"{v.oracle}: {v.message.splitlines()[0]}" for v in done.violations[1:]] + \
-        done.failures
+        [u.message for u in failures + limitations]
     base: dict[str, Any] = {"name": done.name, "family": done.family, "about": done.about,
                             "num_ops": len(done.ops), "observed": done.observed,
                             "stats": done.stats, "num_blocks": done.num_blocks,
-                            "seconds": done.seconds}
+                            "block_size": families.B, "seconds": done.seconds}
     if done.violations:
         first = done.violations[0]
         shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first.oracle)
         # the message the shrunk op list gives (its op numbers and sizes), else the first
         again = [v for v in replay(target, shown, done.num_blocks, families.B)
                  if v.oracle == first.oracle]
-        message = again[0].message if again else first.message
-        return CheckResult(status="fail", oracle=first.oracle, message=message,
+        found = again[0] if again else first._replace(step=len(shown) - 1)
+        return CheckResult(status="fail", oracle=first.oracle, message=found.message,
                            ops=tuple(ops_to_json(shown)),
                            ops_text=tuple(op.describe() for op in shown),
-                           also=tuple(also), **base)
-    if done.failures:
-        return CheckResult(status="fail", oracle="scenario", message=done.failures[0],
+                           step=found.step, also=tuple(also), **base)
+    if failures or limitations:
+        unmet = (failures or limitations)[0]
+        return CheckResult(status="fail" if failures else "limitation",
+                           oracle="scenario", message=unmet.message,
+                           limitation=unmet.limitation or "",
                            ops=tuple(ops_to_json(done.ops)),
                            ops_text=tuple(op.describe() for op in done.ops),
-                           also=tuple(done.failures[1:]), **base)
+                           expectations=tuple(e.as_dict() for e in done.expectations),
+                           step=unmet.step, also=tuple(also[1:]), **base)
     return CheckResult(status="pass", **base)
 
 
@@ -135,7 +148,16 @@ def _fuzz_check(target: Target, seed: int) -> CheckResult:
     return _result(target, Finished(
         f"fuzz_seed_{seed}", "differential fuzz",
         f"{len(out.ops)} random ops, a pool of {out.num_blocks} blocks", out.num_blocks,
-        list(out.ops), found, [], {}, {}, time.perf_counter() - start))
+        list(out.ops), found, [], [], {}, {}, time.perf_counter() - start))
+
+
+def _annotated(result: CheckResult, report: Report) -> CheckResult:
+    """`result`, with the known finding it shows (`known_findings.match`) when it failed."""
+    if result.status != "fail":
+        return result
+    known = known_findings.match(report.engine, report.version, result.name, result.oracle,
+                                 result.message)
+    return result if known is None else replace(result, known=known.as_dict())
 
 
 def _progress(i: int, n: int, result: CheckResult, say: Say) -> None:
@@ -151,6 +173,24 @@ def _stub_reason(exc: StubTouched, report: Report) -> str:
             "that cannot run here; that lock's stubs are wrong for this version.")
 
 
+def check_all(target: Target, report: Report, chosen: list[Check], seeds: int,
+              say: Say) -> None:
+    """The `chosen` checks and `seeds` fuzz seeds on `target` (self-tested), into `report`
+    (mutated: its contract, checks, seconds and exit code: 1 when a check found a
+    violation, else 0, known limitations included: `Report.verdict` tells them apart)."""
+    report.contract = target.open(4, families.B).as_dict()
+    total = len(chosen) + seeds
+    checked = time.perf_counter()
+    for i, check in enumerate(chosen, 1):
+        report.checks.append(_annotated(run_check(target, check), report))
+        _progress(i, total, report.checks[-1], say)
+    for seed in range(seeds):
+        report.checks.append(_annotated(_fuzz_check(target, seed), report))
+        _progress(len(chosen) + seed + 1, total, report.checks[-1], say)
+    report.seconds["checks"] = time.perf_counter() - checked
+    report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED
+
+
 def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
             bench: bool = False, bench_quick: bool = False, only: list[str] | None = None,
             say: Say = print) -> Report:
@@ -159,7 +199,7 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
     parse) and returns it (`exit_code` 0, 1 or 2). `only` narrows the checks by name.
     A folder that cannot take the report is exit 2 before anything runs."""
     start = time.perf_counter()
-    report = Report(spec_text)
+    report = Report(spec_text, run=this_run())
     try:
         spec: EngineSpec | None = EngineSpec.parse(spec_text)
     except ValueError as exc:
@@ -184,6 +224,10 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
     if folder is not None:
         try:
             where = f"; report in {write_report(report, folder)[1]}"
+            replays = replay_files.write_replays(report, folder)
+            if replays:
+                where += (f" ({len(replays)} replay file{'s' * (len(replays) > 1)} beside "
+                          f"it: *{replay_files.SUFFIX})")
         except OSError as exc:
             report.exit_code = EXIT_CANNOT_RUN
             where = f"; the report could not be written to {folder}: {exc}"
@@ -199,23 +243,13 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
     target: Target | None = None
     try:
         target = _open(spec, report, folder, say)
-        report.contract = target.open(4, families.B).as_dict()
         report.seconds["setup"] = time.perf_counter() - start
         chosen = [families.check_named(n) for n in only] if only else list(families.CHECKS)
-        total = len(chosen) + seeds
-        checked = time.perf_counter()
-        for i, check in enumerate(chosen, 1):
-            report.checks.append(run_check(target, check))
-            _progress(i, total, report.checks[-1], say)
-        for seed in range(seeds):
-            report.checks.append(_fuzz_check(target, seed))
-            _progress(len(chosen) + seed + 1, total, report.checks[-1], say)
-        report.seconds["checks"] = time.perf_counter() - checked
+        check_all(target, report, chosen, seeds, say)
         if bench or bench_quick:
             timed = time.perf_counter()
             report.bench = target.bench(bench_quick)
             report.seconds["bench"] = time.perf_counter() - timed
-        report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED
     except StubTouched as exc:
         report.exit_code = EXIT_CANNOT_RUN
         report.reason = _stub_reason(exc, report)
@@ -228,21 +262,18 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
             target.close()
 
 
-def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
-    """Re-run one op list ({"num_blocks": N, "ops": [...]}: a check of report.json) on a
-    fresh cache; prints the violations. Exit 0 none, 1 some, 2 could not run."""
+def replay_file(spec_text: str, path: Path, check: str | None = None,
+                say: Say = print) -> int:
+    """Re-run one finding on a fresh cache of `spec_text`'s engine: a replay file
+    (`<check>.replay.json`), or a report.json and `check`, the name of one of its checks
+    that did not pass (`harness.conform.controller.replay_file`). Every oracle judges
+    every op and the family's own expectations are judged again; prints what was found.
+    Exit 0 nothing (or only known limitations, said as such), 1 a violation or an unmet
+    expectation, 2 the file is refused (the field named) or the engine could not run."""
     try:
-        data = load_json(path, "op list")
-    except ValueError as exc:  # unreadable, not JSON, too deep or too large: exit 2 too
-        say(str(exc))
-        return EXIT_CANNOT_RUN
-    if not isinstance(data, dict) or not isinstance(data.get("num_blocks"), int):
-        say(f"{path}: expected an object with num_blocks and ops (a check of report.json)")
-        return EXIT_CANNOT_RUN
-    try:
-        op_list = ops_from_json(data.get("ops"), f"{path}: ops")
-    except ValueError as exc:
-        say(str(exc))
+        record = replay_files.load(path, check)
+    except ValueError as exc:  # unreadable, too large, too deep, a bad field: exit 2
+        say(f"kvharness conform --replay: {exc}")
         return EXIT_CANNOT_RUN
     report = Report(spec_text)
     target: Target | None = None
@@ -250,7 +281,7 @@ def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
     try:
         spec = EngineSpec.parse(spec_text)
         target = _open(spec, report, folder, say)
-        found = replay(target, op_list, data["num_blocks"], families.B)
+        outcome = replay_files.replay(target, record)
     except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,
             ValueError) as exc:
         say(f"cannot replay on {spec_text}: {exc}")
@@ -258,9 +289,20 @@ def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
     finally:
         if target is not None:
             target.close()
-    for op in op_list:
-        say(f"  {op.describe()}")
-    for v in found:
+    what = f"{record.check} ({record.oracle}), " if record.check else ""
+    say(f"replaying {what}{len(record.ops)} ops on a pool of {record.num_blocks} blocks of "
+        f"{record.block_size} tokens, {len(record.expectations)} expectations of the family")
+    for note in outcome.notes:
+        say(f"note: {note}")
+    for i, op in enumerate(record.ops):
+        say(f"  {i:>3} {op.describe()}")
+    for v in outcome.violations:
         say(f"op {v.step} ({v.oracle}): {v.message}")
-    say(f"{len(found)} violations" if found else "no violation")
-    return EXIT_VIOLATION if found else EXIT_PASSED
+    for u in outcome.unmet:
+        kind = "known limitation" if u.limitation else "expectation"
+        say(f"op {u.step} ({kind}): {u.message}")
+    failures = len(outcome.violations) + sum(u.limitation is None for u in outcome.unmet)
+    limits = len(outcome.unmet) - sum(u.limitation is None for u in outcome.unmet)
+    say(f"{failures} violations and unmet expectations" if failures else
+        f"no violation; {limits} known limitations" if limits else "no violation")
+    return EXIT_VIOLATION if outcome.failed else EXIT_PASSED

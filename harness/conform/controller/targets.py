@@ -3,14 +3,14 @@
 A check talks to a target only, so one check runs unchanged in this process
 (`LocalTarget`: kvcache) or against an engine in its own virtual environment
 (`harness.conform.controller.remote.WorkerTarget`); the runner self-tests, benchmarks
-and closes either through the same face. `replay` runs an op list on a fresh cache
-under the oracles: what shrinking and `--replay` use.
+and closes either through the same face. `replay_ops` runs an op list on a fresh cache
+under the oracles (`replay`: its violations only): what shrinking and `--replay` use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.ops import Op
@@ -97,11 +97,26 @@ class LocalTarget:
         self._session = None
 
 
+class Replayed(NamedTuple):
+    """An op list run on a fresh cache: the cache's contract, each op's step report and
+    every violation the oracles found."""
+
+    contract: Contract
+    reports: list[StepReport]
+    violations: list[Violation]
+
+
+def replay_ops(target: Target, ops: Iterable[Op], num_blocks: int, block_size: int
+               ) -> Replayed:
+    """Run `ops` on a fresh cache of `num_blocks` blocks of `block_size` tokens, judged
+    by every oracle."""
+    contract = target.open(num_blocks, block_size)
+    judge = Judge(contract, num_blocks)
+    reports = target.apply_all(list(ops))
+    return Replayed(contract, reports, [v for r in reports for v in judge.observe(r)])
+
+
 def replay(target: Target, ops: Iterable[Op], num_blocks: int, block_size: int
            ) -> list[Violation]:
     """Every violation the oracles find running `ops` on a fresh cache."""
-    judge = Judge(target.open(num_blocks, block_size), num_blocks)
-    found: list[Violation] = []
-    for report in target.apply_all(list(ops)):
-        found += judge.observe(report)
-    return found
+    return replay_ops(target, ops, num_blocks, block_size).violations

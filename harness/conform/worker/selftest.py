@@ -1,8 +1,9 @@
 """The self-test run before any check: the code under test is the engine's own, unmocked.
 
 An adapter names every engine callable it calls (`engine_callables()`: name -> (owner,
-attribute), read afresh each time) and returns the engine's raw results of one probe
-admission (`raw_probe()`). The self-test proves that
+attribute), read afresh each time), which of them each op kind calls (`engine_calls()`:
+what a report names as the engine code a failing op went through), and returns the
+engine's raw results of one probe admission (`raw_probe()`). The self-test proves that
 
 - each callable is a plain Python function (a method's function) whose source file lies
   inside the installed engine package: not a stub, not a `unittest.mock` object, not a
@@ -25,6 +26,7 @@ import unittest.mock
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
+from harness.conform.ops import KINDS
 from harness.conform.protocol import LoadedEngine
 from harness.conform.stubs import is_stub, raising_function
 
@@ -39,6 +41,11 @@ class Adapted(Protocol):
         """Every engine function the adapter calls, as (owner, attribute)."""
         ...
 
+    def engine_calls(self) -> Mapping[str, tuple[str, ...]]:
+        """Op kind -> the names (keys of `engine_callables`) of the engine functions the
+        adapter calls to apply an op of that kind."""
+        ...
+
     def raw_probe(self) -> dict[str, Any]:
         """The engine's raw results of one probe admission (then undone)."""
         ...
@@ -46,11 +53,15 @@ class Adapted(Protocol):
 
 class SelfTestResult(NamedTuple):
     """`problems` ([] = passed); `sources`: callable -> its source file; `substitutes`:
-    how many shadowing substitutes were tried (every one must have been refused)."""
+    how many shadowing substitutes were tried (every one must have been refused);
+    `functions`: callable -> `path/in/package.py: Qualified.name`; `calls`: op kind ->
+    the callables an op of that kind goes through."""
 
     problems: list[str]
     sources: dict[str, str]
     substitutes: int
+    functions: dict[str, str]
+    calls: dict[str, list[str]]
 
 
 def check_callables(callables: Callables, package_dir: str) -> tuple[list[str], dict[str, str]]:
@@ -134,11 +145,36 @@ def _shadowed(owner: object, attr: str, fake: object, name: str, package_dir: st
             delattr(owner, attr)
 
 
+def _functions(callables: Callables, sources: Mapping[str, str], package_dir: str
+               ) -> dict[str, str]:
+    """Each checked callable as `path/from/the/package's/parent.py: Qualified.name`."""
+    top = os.path.dirname(os.path.realpath(package_dir))
+    out = {}
+    for name, src in sources.items():
+        owner, attr = callables[name]
+        fn = getattr(getattr(owner, attr), "__func__", getattr(owner, attr))
+        out[name] = f"{os.path.relpath(os.path.realpath(src), top)}: {fn.__qualname__}"
+    return out
+
+
+def _calls(cache: Adapted, callables: Callables) -> tuple[dict[str, list[str]], list[str]]:
+    """`cache.engine_calls()` as lists, and the problems with it (an op kind that is
+    not one, a callable the adapter does not name)."""
+    calls = {kind: list(names) for kind, names in cache.engine_calls().items()}
+    problems = [f"engine_calls: {kind!r} is not an op kind" for kind in calls
+                if kind not in KINDS]
+    problems += [f"engine_calls[{kind!r}]: {name!r} is not one of engine_callables()"
+                 for kind, names in calls.items() for name in names if name not in callables]
+    return calls, problems
+
+
 def self_test(cache: Adapted, package_dir: str, modules: tuple[str, ...]) -> SelfTestResult:
     """Run the self-test on `cache` (a fresh one: its probe is undone, but its counters
     may have moved). Returns the problems found ([] = passed)."""
     callables = cache.engine_callables()
     problems, sources = check_callables(callables, package_dir)
+    calls, wrong = _calls(cache, callables)
+    problems += wrong
     problems += stubbed_modules(modules)
     problems += find_mocks(cache.raw_probe(), "raw_probe()")
     tried = 0
@@ -150,7 +186,8 @@ def self_test(cache: Adapted, package_dir: str, modules: tuple[str, ...]) -> Sel
     leftover = find_mocks({"mock": unittest.mock.MagicMock()})
     if not leftover:
         problems.append("find_mocks did not find a MagicMock in a result")
-    return SelfTestResult(problems, sources, tried)
+    return SelfTestResult(problems, sources, tried, _functions(callables, sources, package_dir),
+                          calls)
 
 
 def self_test_engine(engine: LoadedEngine) -> SelfTestResult:

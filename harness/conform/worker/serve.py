@@ -9,7 +9,7 @@ code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}, wi
 "stub": {"name", "module"} when what failed touched a stub (StubUsedError).
 
     load    engine, stubs          -> engine, version, package_dir, stubs_served, seconds
-    selftest                       -> problems, sources, substitutes
+    selftest                       -> problems, sources, substitutes, functions, calls
     open    num_blocks, block_size -> contract
     ops     ops (a list)           -> reports (one StepReport dict per op)
     bench   quick                  -> rows
@@ -56,9 +56,7 @@ class Worker:
         if engine is None:
             raise ValueError(f"{cmd!r} before load")
         if cmd == "selftest":
-            got = self_test_engine(engine)
-            return {"problems": got.problems, "sources": got.sources,
-                    "substitutes": got.substitutes}
+            return self_test_engine(engine)._asdict()
         if cmd == "open":
             cache = engine.new(int(msg["num_blocks"]), int(msg["block_size"]), True)
             self.session = Session(cache)

@@ -3,7 +3,11 @@ oracle of the judge must catch (the judge's own tests, and the shrinker's)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from array import array
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from harness.conform.adapters.kvcache import KvcacheCache
@@ -80,3 +84,74 @@ class LogsWrongIds(KvcacheCache):
             if event["kind"] == "admit" and event["num_tokens"] and event["block_ids"]:
                 event["block_ids"][0] = max(event["block_ids"]) + 1
         return out
+
+
+class KeysLoraByName(KvcacheCache):
+    """Keys a LoRA on its name alone, as vLLM 0.11.1-0.30.0 do: a name re-pointed at
+    another adapter reads the first adapter's KV."""
+
+    def _scope(self, scope: Scope | None) -> Any:
+        if scope is not None and scope.has_lora:
+            ids = self.__dict__.setdefault("_name_ids", {})  # name -> the id it keys on
+            lora_id = ids.setdefault(scope.lora_name, len(ids))
+            return self._kvcache.ReuseScope(scope.salt, lora_id)
+        return super()._scope(scope)
+
+
+class LoraOutOfEventHashes(KvcacheCache):
+    """Publishes event hashes that chain a block's tokens and salt only, with no LoRA id,
+    as SGLang 0.5.22 on do in their default format: two LoRAs' copies of one prompt
+    publish one hash (the cache itself keeps them apart)."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+        super().__init__(num_blocks, block_size, record=record)
+        self._renamed: dict[str, str] = {}  # kvcache's hash -> the published one
+
+    @staticmethod
+    def _salted(parent: str | None, tokens: Sequence[int], salt: Any) -> str:
+        h = hashlib.blake2b(json.dumps([parent, list(tokens), salt]).encode(), digest_size=8)
+        return str(int.from_bytes(h.digest(), "little"))
+
+    def take_events(self) -> list[dict[str, Any]]:
+        out = []
+        for event in super().take_events():
+            if event["type"] == "BlockStored":
+                old = event["parent_block_hash"]
+                parent = None if old is None else self._renamed[old]
+                hashes, B = [], event["block_size"]
+                for i, h in enumerate(event["block_hashes"]):
+                    tokens = event["token_ids"][i * B:(i + 1) * B]
+                    hashes.append(self._renamed.setdefault(
+                        h, self._salted(hashes[-1] if hashes else parent, tokens, event["salt"])))
+                event = {**event, "block_hashes": hashes, "parent_block_hash": parent,
+                         "lora_id": None}
+            elif "block_hashes" in event:
+                event = {**event, "block_hashes": [self._renamed[h]
+                                                   for h in event["block_hashes"]]}
+            out.append(event)
+        return out
+
+    def cached_hashes(self) -> list[str]:
+        out: list[str] = []
+        last: dict[int, str | None] = {}  # node id -> the published hash of its last block
+        B = self.manager.config.tokens_per_block
+        for key, node in self.manager.tree.walk():  # parents before children
+            parent = last.get(id(node.parent))
+            if node.host:
+                continue
+            tokens = array("I", node.key)  # the tree's key bytes
+            for i in range(len(node.blocks)):
+                parent = self._salted(parent, tokens[i * B:(i + 1) * B].tolist(),
+                                      None if key is None else key[0])
+                out.append(parent)
+            last[id(node)] = parent
+        return out
+
+
+class LoraOutOfEventHashesKnown(LoraOutOfEventHashes):
+    """The same, with a contract that names it a known limitation, as SGLang's does."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+        super().__init__(num_blocks, block_size, record=record)
+        self._contract = replace(self._contract, limitations=(
+            ("scope_in_event_hash", "lora", "https://example.invalid/rfc"),))

@@ -10,7 +10,7 @@ import pytest
 from harness.conform.controller import install
 from harness.conform.controller.families import CHECKS
 from harness.conform.controller.locks import find_lock, pinned
-from harness.conform.controller.runner import conform
+from harness.conform.controller.runner import conform, replay_file
 
 SEEDS = 8
 
@@ -28,23 +28,28 @@ def test_the_pinned_release_passes_the_whole_run(spec: str, tmp_path: Path) -> N
     assert engines == {"kvcache", spec.split("==")[0]}
 
 
-# docs/conformance.md, "Findings" 1-7: (release, the check that shows it, the oracle)
+# docs/conformance.md, "Findings": (release, the check that shows it, the oracle, the
+# finding's number, which report.json's `known` names)
 FINDINGS = [
-    pytest.param("vllm==0.28.0", "scope_isolation", "count", id="vllm-0.28-salt-is-lora-name"),
-    pytest.param("vllm==0.26.0", "refused_then_retried", "refusal",
+    pytest.param("vllm==0.28.0", "scope_isolation", "count", 1,
+                 id="vllm-0.28-salt-is-lora-name"),
+    pytest.param("vllm==0.26.0", "refused_then_retried", "refusal", 2,
                  id="vllm-0.26-refused-lookup-counted"),
-    pytest.param("vllm==0.10.2", "scope_isolation", "api", id="vllm-0.10-lora-events-raise"),
-    pytest.param("sglang==0.5.12", "scope_isolation", "count", id="sglang-0.5.12-salt-is-lora-id"),
-    pytest.param("sglang==0.5.12", "scope_event_hashes", "scenario",
+    pytest.param("vllm==0.10.2", "scope_isolation", "api", 3, id="vllm-0.10-lora-events-raise"),
+    pytest.param("vllm==0.28.0", "lora_name_repointed", "count", 15,
+                 id="vllm-0.28-lora-name-repointed"),
+    pytest.param("sglang==0.5.12", "scope_isolation", "count", 4,
+                 id="sglang-0.5.12-salt-is-lora-id"),
+    pytest.param("sglang==0.5.12", "scope_event_hashes", "scenario", 5,
                  id="sglang-0.5.12-events-carry-no-scope"),
-    pytest.param("sglang==0.5.5", "cold_then_warm", "events", id="sglang-0.5.5-lookup-churn"),
-    pytest.param("sglang==0.5.5", "repeated_blocks", "events",
+    pytest.param("sglang==0.5.5", "cold_then_warm", "events", 6, id="sglang-0.5.5-lookup-churn"),
+    pytest.param("sglang==0.5.5", "repeated_blocks", "events", 7,
                  id="sglang-0.5.5-position-blind-hashes"),
 ]
 
 
-@pytest.mark.parametrize(("spec", "check", "oracle"), FINDINGS)
-def test_a_known_finding_is_still_found(spec: str, check: str, oracle: str,
+@pytest.mark.parametrize(("spec", "check", "oracle", "number"), FINDINGS)
+def test_a_known_finding_is_still_found(spec: str, check: str, oracle: str, number: int,
                                         tmp_path: Path) -> None:
     engine, version = spec.split("==")
     if install.installed(find_lock(engine, version)) is None:
@@ -52,8 +57,30 @@ def test_a_known_finding_is_still_found(spec: str, check: str, oracle: str,
     report = conform(spec, tmp_path, seeds=0, only=[check], say=lambda _: None)
     assert report.exit_code == 1
     (result,) = report.checks
-    assert (result.status, result.oracle) == ("fail", oracle)
+    assert (result.status, result.oracle, result.known.get("number")) == \
+        ("fail", oracle, number)
     assert 0 < len(result.ops) <= result.num_ops
+    # its replay file re-runs it on the same release: still found
+    assert replay_file(spec, tmp_path / f"{check}.replay.json", say=lambda _: None) == 1
+
+
+# docs/conformance.md, "Known limitations": (release, the check that says it)
+LIMITATIONS = [
+    pytest.param("sglang==0.5.23", "scope_event_hashes", id="sglang-0.5.23-lora-event-hashes"),
+    pytest.param("sglang==0.5.22", "scope_event_hashes", id="sglang-0.5.22-lora-event-hashes"),
+]
+
+
+@pytest.mark.parametrize(("spec", "check"), LIMITATIONS)
+def test_a_known_limitation_is_still_said(spec: str, check: str, tmp_path: Path) -> None:
+    engine, version = spec.split("==")
+    if install.installed(find_lock(engine, version)) is None:
+        pytest.skip(f"{spec} is not installed in {install.cache_dir()}")
+    report = conform(spec, tmp_path, seeds=0, only=[check], say=lambda _: None)
+    assert (report.exit_code, report.verdict) == (0, "known limitations"), report.reason
+    (result,) = report.checks
+    assert result.status == "limitation" and "sglang/issues/39991" in result.message
+    assert (tmp_path / f"{check}.replay.json").is_file()
 
 
 # docs/conformance.md, "shortfin": (release, the check that shows it, its oracle, what

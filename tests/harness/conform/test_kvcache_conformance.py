@@ -1,5 +1,5 @@
 """kvcache's own manager passes the whole conformance run, through the command line too;
-the command's exit codes (0 passed, 2 could not run) and a replay of a report's op list."""
+the command's exit codes (0 passed, 2 could not run) and a replay of an op list."""
 
 from __future__ import annotations
 
@@ -38,11 +38,12 @@ def test_the_command_line_writes_the_report_and_replays_a_check(tmp_path: Path) 
     assert [c["name"] for c in data["checks"]] == ["chunked_admission"]
     assert {row["adapter"] for row in data["bench"]} == {"kvcache"}
     assert "## Speed" in (out / "report.md").read_text()
-    check = data["checks"][0]
-    check["ops"] = [{"kind": "admit", "seq": "A", "tokens": list(range(18))},
-                    {"kind": "commit", "seq": "A", "num_tokens": 18}, {"kind": "free", "seq": "A"}]
-    file = tmp_path / "check.json"
-    file.write_text(json.dumps(check))
+    # a passing run leaves no replay file; an op list written by hand replays
+    assert list(out.glob("*.replay.json")) == []
+    ops = [{"kind": "admit", "seq": "A", "tokens": list(range(18))},
+           {"kind": "commit", "seq": "A", "num_tokens": 18}, {"kind": "free", "seq": "A"}]
+    file = tmp_path / "by-hand.replay.json"
+    file.write_text(json.dumps({"num_blocks": 8, "ops": ops}))
     assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 0
 
 

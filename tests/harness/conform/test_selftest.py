@@ -28,6 +28,20 @@ def test_kvcache_passes_and_every_substitute_is_refused() -> None:
     assert got.problems == []
     assert got.sources["add_sequence"].endswith("kvcache/core/manager.py")
     assert got.substitutes == 3 * len(got.sources)
+    # what a report names as the engine code each op goes through
+    assert got.functions["add_sequence"] == "kvcache/core/manager.py: KvCacheManager.add_sequence"
+    assert got.calls["admit"] == ["add_sequence", "take_copy_ops"]
+
+
+class _CallsUnknown(KvcacheCache):
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        return {**super().engine_calls(), "admit": ("add_sequence", "lookup"), "flush": ()}
+
+
+def test_an_op_said_to_go_through_a_function_the_adapter_does_not_name_is_refused() -> None:
+    problems = self_test(_CallsUnknown(16, 4), package_dir(), PACKAGE_MODULES).problems
+    assert problems == ["engine_calls: 'flush' is not an op kind",
+                        "engine_calls['admit']: 'lookup' is not one of engine_callables()"]
 
 
 @pytest.mark.parametrize("fake", [

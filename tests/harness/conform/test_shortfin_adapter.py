@@ -74,8 +74,10 @@ def test_no_scopes_counters_or_events_and_every_difference_cited(version: str) -
 def test_scope_and_event_families_are_skipped_with_the_reason() -> None:
     c = contract("3.9.0", 4)
     reasons = {check.name: check.skip_reason(c) for check in CHECKS}
-    assert {n for n, why in reasons.items() if why} == {"scope_isolation", "scope_event_hashes"}
+    assert {n for n, why in reasons.items() if why} == {
+        "scope_isolation", "lora_name_repointed", "scope_event_hashes"}
     assert "keys its cache on no scope" in str(reasons["scope_isolation"])
+    assert "keys its cache on no LoRA adapter" in str(reasons["lora_name_repointed"])
     assert "publishes no router events" in str(reasons["scope_event_hashes"])
     assert all(check.skip_reason(kvcache_contract(4)) is None for check in CHECKS)
 

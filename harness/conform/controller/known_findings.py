@@ -1,0 +1,127 @@
+"""The findings the harness already knows, with upstream's word on each: data.
+
+A failed check is matched against `KNOWN` by engine, release range, check name and the
+oracle that failed (`match`); report.md and the matrix then name the finding's number
+in docs/conformance.md, the upstream issue, the fix and the first release that has it
+(None: not fixed as of the newest release run). Ranges are read from the engines' own
+code and the runs of docs/conformance.md's matrix; a release outside them that fails the
+same way is reported without the annotation, as a new finding would be.
+
+Versions compare by their release numbers and post number (`0.5.6.post2` after `0.5.6`,
+before `0.5.7`); a pre-release, dev or local label counts as its release.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+_VLLM = "https://github.com/vllm-project/vllm"
+_SGLANG = "https://github.com/sgl-project/sglang"
+_SHARK = "https://github.com/nod-ai/amd-shark-ai"
+
+
+class KnownFinding(NamedTuple):
+    """One known finding: its number in docs/conformance.md's Findings, where it holds
+    (`engine`, releases from `since` up to but not including `fixed_in`, the first
+    release with the fix; None: not fixed), the checks and oracles that show it, what it
+    is, and the upstream issue and fix (URLs; None where there is none)."""
+
+    number: int
+    engine: str
+    since: str
+    fixed_in: str | None
+    checks: tuple[str, ...]
+    oracles: tuple[str, ...]
+    title: str
+    issue: str | None
+    fix: str | None
+    says: str = ""  # what the failure's message holds, where one check shows two findings
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form (report.json's `known`)."""
+        return self._asdict()
+
+
+KNOWN: tuple[KnownFinding, ...] = (
+    KnownFinding(1, "vllm", "0.11.1", "0.31.0", ("scope_isolation",), ("count",),
+                 "a salt and a LoRA name of equal value share block 0",
+                 f"{_VLLM}/issues/44701", f"{_VLLM}/pull/44706"),
+    KnownFinding(2, "vllm", "0.10.2", "0.27.0", ("refused_then_retried",), ("refusal",),
+                 "a refused admission is counted in the prefix-cache stats",
+                 f"{_VLLM}/issues/43736", f"{_VLLM}/pull/48860"),
+    KnownFinding(3, "vllm", "0.10.2", "0.11.1", ("scope_isolation", "scope_event_hashes",
+                                                  "lora_name_repointed"), ("api",),
+                 "any LoRA request with KV events on raises inside the allocation",
+                 f"{_VLLM}/issues/27728", None),
+    KnownFinding(4, "sglang", "0.5.5", "0.5.18", ("scope_isolation",), ("count",),
+                 "a salt equal to a LoRA id shares that adapter's KV",
+                 f"{_SGLANG}/issues/24638", f"{_SGLANG}/pull/30827"),
+    KnownFinding(5, "sglang", "0.5.5", "0.5.18", ("scope_event_hashes",), ("scenario",),
+                 "router events carry no scope", f"{_SGLANG}/issues/24568",
+                 f"{_SGLANG}/pull/30827"),
+    KnownFinding(6, "sglang", "0.5.5", "0.5.7", ("cold_then_warm", "shared_system_prompt",
+                                                 "branches"), ("events",),
+                 "a lookup that splits a node republishes its blocks (0.5.6: removes them "
+                 "only)", f"{_SGLANG}/issues/13488", f"{_SGLANG}/pull/14934"),
+    KnownFinding(7, "sglang", "0.5.5", "0.5.6", ("repeated_blocks",), ("events",),
+                 "equal blocks at different positions publish one hash",
+                 f"{_SGLANG}/issues/13488", None),
+    KnownFinding(8, "shortfin", "3.1.0", "3.8.0", (
+        "cold_then_warm", "shared_system_prompt", "multi_turn", "branches",
+        "eviction_under_pressure", "abort_before_forward", "chunked_admission",
+        "decode_growth", "live_blocks_survive_eviction", "decoded_then_edited",
+        "repeated_blocks"), ("capacity",),
+                 "a released request frees none of the pages it did not publish", None,
+                 f"{_SHARK}/pull/2417", says="after free("),
+    KnownFinding(9, "shortfin", "3.8.0", None, ("cold_then_warm", "same_prompt_twice",
+                                                "live_blocks_survive_eviction"),
+                 ("capacity",), "a request whose publish finds its pages already in the "
+                 "trie holds no reference on them", None, None),
+    KnownFinding(10, "shortfin", "3.8.0", None, ("pressure_spares_own_prefix",),
+                 ("capacity",), "an allocation's eviction takes the pages its own lookup "
+                 "matched", None, None),
+    KnownFinding(11, "shortfin", "3.8.0", None, ("multi_turn", "decode_growth",
+                                                 "decoded_then_edited"),
+                 ("capacity",), "the first page a decode acquires from the cache is "
+                 "dropped from the request's record", None, None),
+    KnownFinding(12, "shortfin", "3.1.0", "3.8.0", ("pressure_spares_own_prefix",
+                                                    "eviction_under_pressure"),
+                 ("refusal",), "a refused admission pins the prefix it matched", None,
+                 f"{_SHARK}/pull/2076"),
+    KnownFinding(13, "shortfin", "3.1.0", "3.8.0", ("same_prompt_twice",),
+                 ("integrity", "capacity"), "a prompt computed by two live requests loses "
+                 "one copy", None, f"{_SHARK}/pull/2417"),
+    KnownFinding(14, "shortfin", "3.1.0", "3.6.0", ("multi_turn", "decode_growth",
+                                                    "decoded_then_edited"), ("capacity",),
+                 "a decode step past the first gets no page", None, f"{_SHARK}/pull/1773",
+                 says="after append("),
+    KnownFinding(15, "vllm", "0.11.1", "0.31.0", ("lora_name_repointed",
+                                                  "scope_event_hashes"), ("count",),
+                 "a LoRA name re-pointed at another adapter reads the first adapter's KV",
+                 f"{_VLLM}/issues/30931", None),
+)
+
+
+def release_key(version: str) -> tuple[int, ...]:
+    """`version`'s release numbers and post number, for ordering (see the module)."""
+    text = version.split("+")[0]
+    m = re.match(r"[0-9]+(?:\.[0-9]+)*", text)
+    release = [int(p) for p in m[0].split(".")] if m else []
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    post = re.search(r"\.post([0-9]+)", text)
+    return (*release, 0, int(post[1])) if post else tuple(release)
+
+
+def match(engine: str, version: str, check: str, oracle: str, message: str
+          ) -> KnownFinding | None:
+    """The known finding a check of `engine` `version` that failed `oracle` saying
+    `message` shows; None when it is none the harness knows."""
+    at = release_key(version)
+    for known in KNOWN:
+        if known.engine == engine and check in known.checks and oracle in known.oracles \
+                and known.says in message and release_key(known.since) <= at \
+                and (known.fixed_in is None or at < release_key(known.fixed_in)):
+            return known
+    return None
