@@ -363,8 +363,10 @@ class SglangCache:
             return None
         self._seqs[seq_id] = seq
         seq.ids = self._pages(seq.slots)
-        self._write({"kind": "admit", "seq_id": seq_id, "tokens": tokens, "num_tokens": hit,
-                     "scope": self._contract.scope_key(scope), "block_ids": seq.ids})
+        # a copy: `tokens` is the sequence's own list, which its appends extend
+        self._write({"kind": "admit", "seq_id": seq_id, "tokens": list(tokens),
+                     "num_tokens": hit, "scope": self._contract.scope_key(scope),
+                     "block_ids": seq.ids})
         return Admission(hit, tuple(seq.ids), scheduled)
 
     def _write(self, event: dict[str, Any]) -> None:

@@ -80,3 +80,34 @@ class LogsWrongIds(KvcacheCache):
             if event["kind"] == "admit" and event["num_tokens"] and event["block_ids"]:
                 event["block_ids"][0] = max(event["block_ids"]) + 1
         return out
+
+
+class LogsLiveTokens(KvcacheCache):
+    """Logs each admission's tokens as the sequence's own list, which its appends then
+    extend (as SGLang's adapter did): read after a later append, the admission seems to
+    have admitted the appended tokens too."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+        super().__init__(num_blocks, block_size, record=record)
+        self.tokens: dict[Hashable, list[int]] = {}
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
+              first_chunk: int | None) -> Admission | None:
+        got = super().admit(seq_id, tokens, scope, first_chunk)
+        if got is not None:
+            self.tokens[seq_id] = list(tokens)
+        return got
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        got = super().append(seq_id, tokens)
+        if got is not None:
+            self.tokens[seq_id].extend(tokens)
+        return got
+
+    def take_log(self) -> list[dict[str, Any]]:
+        out = super().take_log()
+        for event in out:
+            if event["kind"] == "admit":
+                event["tokens"] = self.tokens[event["seq_id"]]
+        return out
+
