@@ -160,8 +160,6 @@ class Contract:
       them the judge learns of evictions from cachedNumBlocks.
     counters: engine counter -> what it counts (`CounterMeaning`); every counter the
       engine exposes and the judge can check.
-    bounded_oracle: the count oracle models this engine's eviction exactly (kvcache);
-      otherwise its predictions are exact until the first eviction, an upper bound after.
     citations: field -> where the engine's own code or documentation states it.
     Raises ValueError naming the field for anything else.
     """
@@ -188,7 +186,6 @@ class Contract:
     decode_steps: bool = False
     events: bool = True
     counters: tuple[tuple[str, CounterMeaning], ...] = ()
-    bounded_oracle: bool = False
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -210,7 +207,7 @@ class Contract:
                              f"got {tail!r}")
         for name in ("partial_reuse", "copy_on_partial_reuse", "explicit_evict",
                      "dedup_on_commit", "chunked_allocation", "allocates_ahead",
-                     "refusal_evicts", "decode_steps", "events", "bounded_oracle"):
+                     "refusal_evicts", "decode_steps", "events"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Contract.{name} must be True or False, "
                                  f"got {getattr(self, name)!r}")

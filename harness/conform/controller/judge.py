@@ -4,9 +4,8 @@ After every op (`Judge.observe`):
 
 - count: the reuse oracle (`harness.oracle.model.ReuseOracle`, configured from the
   contract: tokens per block, partial reuse) replays the harness event log the adapter
-  wrote; every admission must reuse what it predicts. Its model evicts nothing unless the
-  contract says it models the engine's eviction (kvcache), so after the first block
-  leaves the cache (a BlockRemoved event) a prediction is an upper bound. Whole-block
+  wrote; every admission must reuse what it predicts. Its model evicts nothing, so after
+  the first block leaves the cache (a BlockRemoved event) a prediction is an upper bound. Whole-block
   contracts reuse whole blocks, and never the last prompt token.
 - provenance and capacity: the checked manager's own per-call checks
   (`harness.oracle.checked_manager.CallOracles`) over each op's logged events. The
@@ -64,11 +63,13 @@ class Violation(NamedTuple):
     message: str
 
 
-def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
-    """The reuse oracle's config under `contract` for a pool of `num_blocks`."""
+def oracle_config(contract: Contract) -> OracleConfig:
+    """The reuse oracle's config under `contract`. Its pool is unbounded (it evicts
+    nothing): its bounded model is exact only for kvcache's own eviction with partial
+    reuse off (docs/design.md, "The reuse oracle"), and under partial reuse a prompt that
+    claims its copy source is beyond it."""
     return OracleConfig(contract.block_size, enable_partial_reuse=contract.partial_reuse,
                         copy_on_partial_reuse=contract.copy_on_partial_reuse,
-                        max_num_blocks=num_blocks if contract.bounded_oracle else None,
                         unreused_tail=contract.unreused_tail)
 
 
@@ -104,7 +105,7 @@ class Judge:
         B = contract.block_size
         self.contract = contract
         self.num_blocks = num_blocks
-        self.reuse = ReuseOracle(oracle_config(contract, num_blocks))
+        self.reuse = ReuseOracle(oracle_config(contract))
         self.calls = CallOracles(B, num_blocks, block_reuse=True,
                                  sliding_window=_EVERY_POSITION)
         self.capacity = self.calls.capacity
@@ -335,7 +336,7 @@ class Judge:
             if r.events:
                 say("events", f"{r.op.describe()} published {list(r.events)[:2]}, but the "
                               "contract says the engine publishes no events")
-            elif self._evicted_by(r) and not self.contract.bounded_oracle:
+            elif self._evicted_by(r):
                 self.exact = False  # blocks left the cache; the count oracle keeps them
             return
         before: Counter[Any] = Counter(self.index.cached())
@@ -345,7 +346,7 @@ class Judge:
             kind = event.get("type")
             dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
                                                  and bool(self.index.cached()))
-            if dropped and not self.contract.bounded_oracle:
+            if dropped:
                 self.exact = False  # the count oracle's model keeps every block
             if kind == "BlockRemoved":
                 removed.update(event.get("block_hashes", ()))

@@ -76,6 +76,21 @@ def test_an_engine_that_raises_is_reported_with_where() -> None:
     assert "faults.py" in found[0].message  # where it was raised
 
 
+def test_a_prompt_that_claims_its_copy_source_under_pressure_is_no_finding() -> None:
+    # B's first token matches A's first block, and with C live the pool has B's three
+    # blocks only if B takes that block itself (docs/design.md, "Claim or copy"); the
+    # count oracle's bounded model, which kvcache's contract once asked for, asserted
+    # that the cache "admitted what cannot fit" here: a crash of the judge
+    target = LocalTarget(kvcache.load())
+    op_list = [ops.admit("A", range(100, 112)), ops.commit("A", 9), ops.free("A"),
+               ops.admit("C", range(500, 505)), ops.admit("B", [100, *range(900, 908)])]
+    target.open(5, B)
+    assert target.apply_all(op_list)[-1].value == {"reused_tokens": 1,
+                                                   "block_ids": [2, 0, 1],
+                                                   "scheduled_tokens": 9}
+    assert oracles(target, op_list, 5) == []
+
+
 def test_blocks_held_after_free_are_caught() -> None:
     target = LocalTarget(kvcache.load(faults.LeaksOnFree))
     found = replay(target, [ops.admit("A", A18), ops.commit("A", 18), ops.free("A")], 32, B)
