@@ -76,6 +76,24 @@ def test_an_engine_that_raises_is_reported_with_where() -> None:
     assert "faults.py" in found[0].message  # where it was raised
 
 
+def test_after_an_engine_raised_the_judge_keeps_judging_in_step() -> None:
+    # B's admission raised once the engine had admitted it, before its log was written:
+    # the engine holds B's 4 blocks, which no model knows of. The capacity oracle says
+    # so and stops; C, admitted after, is in no capacity model, and its refused append is
+    # not judged by one (it was asked of the stopped model, which raised "not live")
+    target = LocalTarget(kvcache.load(faults.raises_at("admit", "unlogged")))
+    judge = Judge(target.open(8, B), 8)
+    op_list = [ops.admit("A", range(100, 104)), ops.admit("B", range(200, 216)),
+               ops.admit("C", range(300, 304)), ops.append("C", range(400, 412))]
+    reports = [target.apply(op) for op in op_list]
+    assert [r.status for r in reports] == ["done", "raised", "done", "refused"]
+    found = [v for r in reports for v in judge.observe(r)]
+    assert [(v.oracle, v.kind, v.step) for v in found] == [
+        ("api", "raised RuntimeError", 1), ("capacity", "used blocks", 1),
+        ("stats", "counter", 1)]
+    assert "expected  1 (0 held in the cache, 1 private)\n  actual    5" in found[1].message
+
+
 def test_a_prompt_that_claims_its_copy_source_under_pressure_is_no_finding() -> None:
     # B's first token matches A's first block, and with C live the pool has B's three
     # blocks only if B takes that block itself (docs/design.md, "Claim or copy"); the
