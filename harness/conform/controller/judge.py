@@ -5,8 +5,8 @@ After every op (`Judge.observe`):
 - count: the reuse oracle (`harness.oracle.model.ReuseOracle`, configured from the
   contract: tokens per block, partial reuse) replays the harness event log the adapter
   wrote; every admission must reuse what it predicts. Its model evicts nothing, so after
-  the first block leaves the cache (a BlockRemoved event) a prediction is an upper bound. Whole-block
-  contracts reuse whole blocks, and never the last prompt token.
+  the first block leaves the cache (a BlockRemoved event) a prediction is an upper
+  bound. Whole-block contracts reuse whole blocks, and never the last prompt token.
 - provenance and capacity: the checked manager's own per-call checks
   (`harness.oracle.checked_manager.CallOracles`) over each op's logged events. The
   shadow KV store follows which tokens' KV each block holds: no read of KV that is not
@@ -299,8 +299,8 @@ class Judge:
         what = f"{r.op.describe()} reused {got} tokens"
         limit = max(0, prompt - self.contract.unreused_tail)
         if got > limit:
-            say("count", "tail", f"{what}: the last {self.contract.unreused_tail} prompt token(s) "
-                         f"are never reused (at most {limit})")
+            say("count", "tail", f"{what}: the last {self.contract.unreused_tail} prompt "
+                                 f"token(s) are never reused (at most {limit})")
         if not self.contract.partial_reuse and got % B:
             say("count", "partial", f"{what}: not whole blocks of {B}, which the contract "
                                     "promises")
@@ -309,11 +309,11 @@ class Judge:
             return
         want = self._predicted[ev.seq_id] = pred.reused_tokens
         if self.exact and got != want:
-            say("count", "other than predicted", f"{what}; the count oracle predicts {want}")
+            say("count", "reuse", f"{what}; the count oracle predicts {want}")
         elif not self.exact and got > want:
-            say("count", "more than computed", f"{what}, more than was ever computed in its "
-                                               f"scope ({want}; "
-                         "blocks were evicted since, so that is an upper bound)")
+            say("count", "reuse", f"{what}, more than was ever computed in its scope "
+                                  f"({want}; blocks were evicted since, so that is an "
+                                  "upper bound)")
 
     def _track(self, ev: Any) -> None:
         sid = ev.seq_id
@@ -419,8 +419,8 @@ class Judge:
         engine = r.stats.engine
         for counter, meaning in self.contract.counters:
             if counter not in engine:
-                say("stats", "missing counter", f"the engine exposes no counter {counter!r} (it has "
-                             f"{sorted(engine)})")
+                say("stats", "missing counter", f"the engine exposes no counter {counter!r} "
+                                                f"(it has {sorted(engine)})")
                 continue
             want = self.expected(meaning)
             if engine[counter] != want:

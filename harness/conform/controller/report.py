@@ -158,7 +158,8 @@ def markdown(report: Report) -> list[str]:
         out += [*table(("check", "family", "result", "oracle", "s", "message"), rows), ""]
     for c in report.failed:
         out += [f"## Finding: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
-                f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran):", "", "```"]
+                f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran, on "
+                f"{c.num_blocks} blocks):", "", "```"]
         out += [*c.ops_text, "```", ""]
         out += [f"- also: {a}" for a in c.also] + ([""] if c.also else [])
     if report.bench:

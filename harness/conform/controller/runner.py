@@ -111,15 +111,15 @@ def _result(target: Target, done: Finished) -> CheckResult:
                             "seconds": done.seconds}
     if done.violations:
         first = done.violations[0]
-        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first.oracle)
+        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first)
         # the message the shrunk op list gives (its op numbers and sizes), else the first
-        again = [v for v in replay(target, shown, done.num_blocks, families.B)
-                 if v.oracle == first.oracle]
-        message = again[0].message if again else first.message
+        again = replay(target, shown.ops, shown.num_blocks, families.B)
+        message = again[0].message if again and again[0].oracle == first.oracle \
+            else first.message
         return CheckResult(status="fail", oracle=first.oracle, message=message,
-                           ops=tuple(ops_to_json(shown)),
-                           ops_text=tuple(op.describe() for op in shown),
-                           also=tuple(also), **base)
+                           ops=tuple(ops_to_json(shown.ops)),
+                           ops_text=tuple(op.describe() for op in shown.ops),
+                           also=tuple(also), **{**base, "num_blocks": shown.num_blocks})
     if done.failures:
         return CheckResult(status="fail", oracle="scenario", message=done.failures[0],
                            ops=tuple(ops_to_json(done.ops)),

@@ -165,3 +165,19 @@ class RaisesAt(KvcacheCache):
 def raises_at(kind: str, when: str) -> type[RaisesAt]:
     """`RaisesAt` planted at `kind`, raising `when` ("before", "logged", "unlogged")."""
     return type(f"RaisesAt_{kind}_{when}", (RaisesAt,), {"kind": kind, "when": when})
+
+
+class LeaksWhenAlone(LeaksOnFree):
+    """Freeing the only live sequence leaves its blocks held: a leak that a busy op list
+    hides and a short one shows."""
+
+    def free(self, seq_id: Hashable) -> None:
+        if len(self.manager.sequences) > 1:
+            KvcacheCache.free(self, seq_id)
+        else:
+            super().free(seq_id)
+
+
+class RefusesEarlyLeaksWhenAlone(RefusesEarly, LeaksWhenAlone):
+    """Two capacity faults: unfair refusals, and a leak only short op lists show (what
+    a shrinker holding only to the oracle drifts to)."""
