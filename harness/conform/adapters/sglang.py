@@ -65,7 +65,10 @@ def contract(version: str, block_size: int) -> Contract:
                          "(cache_unfinished_req / cache_finished_req)"),
         ("lora_identity", "radix_cache.py match_prefix: 'Isolate KV cache lines for "
                           "different LoRA / adapter IDs'"),
-        ("eviction", "radix_cache.py evict: whole least recently used leaves")]
+        ("eviction", "radix_cache.py evict: whole least recently used leaves"),
+        ("allocates_ahead", "alloc_paged_token_slots_decode (the scheduler's decode "
+                            "allocation): a decode step takes a page only for a token that "
+                            "starts one, none ahead")]
     if salted:
         citations.append(("scope_in_event_hash", "radix_cache.py RadixKey: extra_key "
                           "'Namespaces the tree and storage; KV events see only its LoRA "
