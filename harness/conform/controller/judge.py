@@ -124,7 +124,9 @@ class Judge:
         self.step = 0
         self._last: StepReport | None = None
         self._ids: dict[Hashable, list[int | None]] = {}  # live seq -> its block ids
-        self._lengths: dict[Hashable, int] = {}
+        self._tokens: dict[Hashable, list[int]] = {}  # live seq -> its tokens
+        # every prefix a sequence ever had, in any scope: what a stored chain may spell
+        self._prefixes: set[tuple[int, ...]] = set()
         self._predicted: dict[Hashable, int] = {}  # live seq -> the reuse the oracle predicted
 
     # -- one step ------------------------------------------------------------------------
@@ -235,7 +237,7 @@ class Judge:
             return self.capacity.append_need(op.seq, len(op.tokens))
         if op.kind == "reserve" and op.seq in self._ids:
             assert op.num_tokens is not None
-            want = _blocks(min(op.num_tokens, self._lengths[op.seq]), B)
+            want = _blocks(min(op.num_tokens, len(self._tokens[op.seq])), B)
             return max(0, want - len(self._ids[op.seq]))
         return None
 
@@ -319,16 +321,22 @@ class Judge:
         sid = ev.seq_id
         if ev.kind == "admit":
             self._ids[sid] = list(ev.block_ids)
-            self._lengths[sid] = len(ev.tokens)
+            self._tokens[sid] = list(ev.tokens)
+            self._spelled(self._tokens[sid], 0)
         elif ev.kind == "append" and sid in self._ids:
             self._ids[sid] += list(ev.block_ids)
-            self._lengths[sid] += len(ev.tokens)
+            self._tokens[sid] += ev.tokens
+            self._spelled(self._tokens[sid], len(self._tokens[sid]) - len(ev.tokens))
         elif ev.kind == "commit" and ev.block_ids and sid in self._ids:
             self._ids[sid] = list(ev.block_ids)
         elif ev.kind == "free":
             self._ids.pop(sid, None)
-            self._lengths.pop(sid, None)
+            self._tokens.pop(sid, None)
             self._predicted.pop(sid, None)
+
+    def _spelled(self, tokens: list[int], start: int) -> None:
+        """Remember the prefixes of `tokens` longer than `start` tokens."""
+        self._prefixes.update(tuple(tokens[:n]) for n in range(start + 1, len(tokens) + 1))
 
     def _held(self, r: StepReport) -> int:
         """Blocks the live sequences hold for their tokens' positions: the engine's used
@@ -380,6 +388,10 @@ class Judge:
                 removed.update(event.get("block_hashes", ()))
             elif kind == "BlockStored":
                 stored.update(event.get("block_hashes", ()))
+                misplaced = self._misplaced(event)
+                if misplaced:
+                    say("events", "parent", f"after {r.op.describe()}: {misplaced}")
+                    return
             try:
                 self.index.apply(event)
             except (ValueError, KeyError, TypeError) as exc:
@@ -408,6 +420,24 @@ class Judge:
                           f"blocks are cached, the cache holds {sum(held.values())}: "
                           f"{len(missing)} never published ({sorted(missing)[:3]}), "
                           f"{len(extra)} published but gone ({sorted(extra)[:3]})")
+
+    def _misplaced(self, event: dict[str, Any]) -> str:
+        """Why the BlockStored `event` is not stored under the block right before it
+        ("" when it is): its parent must be cached, and the parent's chain followed by
+        the stored tokens must spell a prefix some sequence had (a parent that is an
+        earlier block of the chain, or none where one was due, spells nothing)."""
+        parent = event.get("parent_block_hash")
+        hashes = list(event.get("block_hashes", ()))[:2]
+        above = () if parent is None else self.index.chain_tokens(parent)
+        if above is None:
+            return (f"BlockStored {hashes} names parent {parent}, which is not cached (or "
+                    "a block above it is not): a router cannot place the blocks")
+        tokens = tuple(event.get("token_ids", ()))
+        if above + tokens in self._prefixes:
+            return ""
+        return (f"BlockStored {hashes} under parent {parent}: its {len(above)} tokens, then "
+                f"the {len(tokens)} stored, are no prefix of any sequence's tokens: the "
+                "parent is not the block right before them")
 
     # -- counters --------------------------------------------------------------------------
 

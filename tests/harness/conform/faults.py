@@ -181,3 +181,27 @@ class LeaksWhenAlone(LeaksOnFree):
 class RefusesEarlyLeaksWhenAlone(RefusesEarly, LeaksWhenAlone):
     """Two capacity faults: unfair refusals, and a leak only short op lists show (what
     a shrinker holding only to the oracle drifts to)."""
+
+
+class StoresAsRoots(KvcacheCache):
+    """Publishes every BlockStored with no parent, as a publisher that chains parents
+    across the blocks it stores, never from those cached before them, does: a block
+    stored after cached ones hangs from the root."""
+
+    def take_events(self) -> list[dict[str, Any]]:
+        out = super().take_events()
+        for event in out:
+            if event["type"] == "BlockStored":
+                event["parent_block_hash"] = None
+        return out
+
+
+class StoresUnderUnknownParent(KvcacheCache):
+    """Publishes a BlockStored's parent as a hash it never published."""
+
+    def take_events(self) -> list[dict[str, Any]]:
+        out = super().take_events()
+        for event in out:
+            if event["type"] == "BlockStored" and event["parent_block_hash"] is not None:
+                event["parent_block_hash"] = "404"
+        return out

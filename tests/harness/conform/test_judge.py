@@ -68,6 +68,22 @@ def test_unpublished_blocks_break_the_event_index() -> None:
     assert "the events say 0 blocks are cached, the cache holds 4" in found[0].message
 
 
+@pytest.mark.parametrize(("fault", "says"), [
+    pytest.param(faults.StoresAsRoots, "the parent is not the block right before them",
+                 id="root"),
+    pytest.param(faults.StoresUnderUnknownParent, "names parent 404, which is not cached",
+                 id="unknown")])
+def test_a_block_stored_under_another_parent_is_an_events_violation(
+        fault: type[KvcacheCache], says: str) -> None:
+    # the second commit stores A's second block, whose parent is A's first
+    op_list = [ops.admit("A", range(100, 108)), ops.commit("A", 4), ops.commit("A", 8),
+               ops.free("A")]
+    assert oracles(LocalTarget(kvcache.load()), op_list) == []  # the right parent
+    found = replay(LocalTarget(kvcache.load(fault)), op_list, 32, B)
+    assert [(v.oracle, v.kind, v.step) for v in found] == [("events", "parent", 2)]
+    assert says in found[0].message
+
+
 def test_an_engine_that_raises_is_reported_with_where() -> None:
     target = LocalTarget(kvcache.load(faults.RaisesOnAppend))
     found = replay(target, [ops.admit("A", A18), ops.append("A", [1])], 32, B)
