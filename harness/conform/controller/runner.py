@@ -128,7 +128,8 @@ def _result(target: Target, done: Finished) -> CheckResult:
     return CheckResult(status="pass", **base)
 
 
-def _fuzz_check(target: Target, seed: int) -> CheckResult:
+def fuzz_check(target: Target, seed: int) -> CheckResult:
+    """Fuzz seed `seed` on `target`, judged; its failure shrunk (`_result`)."""
     start = time.perf_counter()
     out = fuzz(target, seed)
     found = [out.violation] if out.violation is not None else []
@@ -208,7 +209,7 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
             report.checks.append(run_check(target, check))
             _progress(i, total, report.checks[-1], say)
         for seed in range(seeds):
-            report.checks.append(_fuzz_check(target, seed))
+            report.checks.append(fuzz_check(target, seed))
             _progress(len(chosen) + seed + 1, total, report.checks[-1], say)
         report.seconds["checks"] = time.perf_counter() - checked
         if bench or bench_quick:

@@ -10,7 +10,7 @@ from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.controller.families import B, check_named
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.runner import run_check
+from harness.conform.controller.runner import fuzz_check, run_check
 from harness.conform.controller.targets import LocalTarget, Target, replay
 from harness.conform.protocol import Scope
 from tests.harness.conform import faults
@@ -108,6 +108,22 @@ def test_after_an_engine_raised_the_judge_keeps_judging_in_step() -> None:
         ("api", "raised RuntimeError", 1), ("capacity", "used blocks", 1),
         ("stats", "counter", 1)]
     assert "expected  1 (0 held in the cache, 1 private)\n  actual    5" in found[1].message
+
+
+@pytest.mark.parametrize("when", ["before", "logged", "unlogged"])
+@pytest.mark.parametrize("kind", ops.KINDS)
+def test_every_way_an_engine_raises_is_judged_to_the_end(kind: str, when: str) -> None:
+    # the second call of `kind` raises: before the engine acted, or after, its log saying
+    # so or not; the checks and the fuzz (each failure shrunk) run to their verdict, the
+    # raise their first finding (Judge.observe checks its models stay in step)
+    target = LocalTarget(kvcache.load(faults.raises_at(kind, when)))
+    results = [run_check(target, check_named(name))
+               for name in ("multi_turn", "chunked_admission")]
+    results += [fuzz_check(target, seed) for seed in (0, 1)]
+    failed = [r for r in results if r.status == "fail"]
+    assert failed and all(r.oracle == "api" for r in failed), [r.message for r in failed]
+    assert all(f"planted: {kind} raised" in r.message and r.ops[-1]["kind"] == kind
+               for r in failed)
 
 
 def test_a_prompt_that_claims_its_copy_source_under_pressure_is_no_finding() -> None:
