@@ -159,7 +159,7 @@ def markdown(report: Report) -> list[str]:
     for c in report.failed:
         out += [f"## Finding: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
                 f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran, on "
-                f"{c.num_blocks} blocks):", "", "```"]
+                f"{c.num_blocks} block{'' if c.num_blocks == 1 else 's'}):", "", "```"]
         out += [*c.ops_text, "```", ""]
         out += [f"- also: {a}" for a in c.also] + ([""] if c.also else [])
     if report.bench:
