@@ -132,7 +132,9 @@ class Judge:
     # -- one step ------------------------------------------------------------------------
 
     def observe(self, report: StepReport) -> list[Violation]:
-        """Every oracle on one step; returns what they found (and remembers the state)."""
+        """Every oracle on one step; returns what they found (and remembers the state).
+        Raises AssertionError only for a bug of the judge's own: its capacity model and
+        its tracking of the live sequences disagree."""
         out: list[Violation] = []
         say = self._sayer(out)
         op = report.op
