@@ -163,8 +163,6 @@ class Contract:
       them the judge learns of evictions from cachedNumBlocks.
     counters: engine counter -> what it counts (`CounterMeaning`); every counter the
       engine exposes and the judge can check.
-    bounded_oracle: the count oracle models this engine's eviction exactly (kvcache);
-      otherwise its predictions are exact until the first eviction, an upper bound after.
     limitations: (field, value, upstream): a part of a field's stated value the engine
       falls short of, which upstream has acknowledged and not fixed (`upstream` links
       it). The field states the harness's reference; a check that finds only such a
@@ -197,7 +195,6 @@ class Contract:
     decode_steps: bool = False
     events: bool = True
     counters: tuple[tuple[str, CounterMeaning], ...] = ()
-    bounded_oracle: bool = False
     limitations: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
@@ -220,7 +217,7 @@ class Contract:
                              f"got {tail!r}")
         for name in ("partial_reuse", "copy_on_partial_reuse", "explicit_evict",
                      "dedup_on_commit", "chunked_allocation", "allocates_ahead",
-                     "refusal_evicts", "decode_steps", "events", "bounded_oracle"):
+                     "refusal_evicts", "decode_steps", "events"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Contract.{name} must be True or False, "
                                  f"got {getattr(self, name)!r}")

@@ -200,6 +200,11 @@ class CapacityOracle:
     # -- counts and checks ---------------------------------------------------------------
 
     @property
+    def live(self) -> frozenset[Hashable]:
+        """The seq_ids of the live sequences."""
+        return frozenset(self._live)
+
+    @property
     def needed(self) -> int:
         """Blocks the live sequences hold now."""
         return len(self._shared) + self._private

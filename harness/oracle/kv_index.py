@@ -66,6 +66,7 @@ class EventIndex:
         self.counts: Counter[Key] = Counter()  # a hash stored twice must be removed twice
         self._present: Counter[int] = Counter()  # hash -> media holding it
         self._tokens: dict[int, tuple[int, ...]] = {}  # hash -> its tokens, on any medium
+        self._parent: dict[int, int | None] = {}  # hash -> its parent's, on any medium
         self._children: dict[tuple[int | None, Hashable], Counter[int]] = {}
         self.num_events = 0
 
@@ -85,6 +86,7 @@ class EventIndex:
             self.counts.clear()
             self._present.clear()
             self._tokens.clear()
+            self._parent.clear()
             self._children.clear()
         else:
             raise ValueError(f"EventIndex: unknown event type {kind!r}")
@@ -115,6 +117,7 @@ class EventIndex:
             if not self.counts[key]:
                 self.blocks[key] = block
                 self._tokens[h] = block.tokens
+                self._parent[h] = parent
                 self._present[h] += 1
                 self._children.setdefault((parent, scope), Counter())[h] += 1
             self.counts[key] += 1
@@ -135,12 +138,29 @@ class EventIndex:
         if not self._present[h]:
             del self._present[h]
             del self._tokens[h]
+            del self._parent[h]
         siblings = self._children[(block.parent, block.scope)]
         siblings[h] -= 1
         if not siblings[h]:
             del siblings[h]
         if not siblings:
             del self._children[(block.parent, block.scope)]
+
+    def chain_tokens(self, block_hash: Any) -> tuple[int, ...] | None:
+        """The tokens from the root to the end of the cached block `block_hash`, read up
+        its chain of parents (on any medium): what a block stored under it follows.
+        None when it, or a block above it, is not cached, or the chain loops (a hash
+        that does not chain its parent can name its own ancestor). Changes nothing."""
+        parts: list[tuple[int, ...]] = []
+        seen: set[Any] = set()
+        h: Any = block_hash
+        while h is not None:
+            if h in seen or h not in self._tokens:
+                return None
+            seen.add(h)
+            parts.append(self._tokens[h])
+            h = self._parent[h]
+        return tuple(t for part in reversed(parts) for t in part)
 
     def cached(self, medium: str | None = None) -> Counter[int]:
         """The multiset of cached block hashes on `medium` ("GPU", "CPU"), or on all."""

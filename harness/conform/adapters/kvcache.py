@@ -2,8 +2,9 @@
 
 It passes the same conformance run as every other engine. Its contract is the harness's
 reference semantics (docs/design.md): partial reuse with copy-on-partial, matchable at
-commit, priority LRU eviction that the count oracle models exactly, no explicit
-eviction. The manager records its own event log (`record_events=True`), so the adapter
+commit, priority LRU eviction (after which, as for every engine, the count oracle's
+predictions are upper bounds: with partial reuse on its bounded model is no bound, since
+an admission may claim its copy source under pressure), no explicit eviction. The manager records its own event log (`record_events=True`), so the adapter
 only relabels each admission's scope with the contract's key; the copies an admission
 queues (partial hits) are applied at once, as an engine applies them before its next
 forward pass.
@@ -65,7 +66,7 @@ def contract(block_size: int) -> Contract:
         lora_identity=("lora_id",), scope_in_event_hash=("salt", "lora"),
         eviction="priority-lru", explicit_evict=False, dedup_on_commit=True,
         chunked_allocation=False,
-        counters=COUNTERS, bounded_oracle=True,
+        counters=COUNTERS,
         citations=(("*", "docs/design.md: the reuse rules, partial reuse, eviction"),
                    ("scope_in_event_hash", "kvcache/core/kv_events.py: a block's hash "
                                            "chains its parent, tokens and scope")),

@@ -81,7 +81,10 @@ def contract(version: str, block_size: int) -> Contract:
                          "(cache_unfinished_req / cache_finished_req)"),
         ("lora_identity", "radix_cache.py match_prefix: 'Isolate KV cache lines for "
                           "different LoRA / adapter IDs'"),
-        ("eviction", "radix_cache.py evict: whole least recently used leaves")]
+        ("eviction", "radix_cache.py evict: whole least recently used leaves"),
+        ("allocates_ahead", "alloc_paged_token_slots_decode (the scheduler's decode "
+                            "allocation): a decode step takes a page only for a token that "
+                            "starts one, none ahead")]
     if salted:
         citations.append(("scope_in_event_hash", _event_hash_citation(version)))
     else:
@@ -392,8 +395,10 @@ class SglangCache:
             return None
         self._seqs[seq_id] = seq
         seq.ids = self._pages(seq.slots)
-        self._write({"kind": "admit", "seq_id": seq_id, "tokens": tokens, "num_tokens": hit,
-                     "scope": self._contract.scope_key(scope), "block_ids": seq.ids})
+        # a copy: `tokens` is the sequence's own list, which its appends extend
+        self._write({"kind": "admit", "seq_id": seq_id, "tokens": list(tokens),
+                     "num_tokens": hit, "scope": self._contract.scope_key(scope),
+                     "block_ids": seq.ids})
         return Admission(hit, tuple(seq.ids), scheduled)
 
     def _write(self, event: dict[str, Any]) -> None:

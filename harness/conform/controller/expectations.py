@@ -12,6 +12,8 @@ results; each declaration is an `Expectation`, data only: `name` selects a judge
     admitted               the admission at `step` happened
     done                   the op at `step` was not skipped (the family's bookkeeping
                            of what is live and computed holds)
+    freed                  the op at `step` gave back `want` blocks (the cache's used
+                           blocks before it, less after it)
     distinct_event_hashes  the same prompt computed in each of `scopes` (the steps
                            `first`..`last`): two scopes that differ in a kind the contract
                            says reaches event hashes publish different block-0 hashes;
@@ -105,6 +107,21 @@ def _admitted(p: Mapping[str, Any], contract: Contract, reports: Sequence[StepRe
                              "admitted")]
 
 
+def freed_by(reports: Sequence[StepReport], step: int) -> int:
+    """The blocks the op at `step` gave back: the used blocks after the op before it,
+    less those after it (negative when it took blocks)."""
+    before = reports[step - 1].used_blocks if step else 0
+    return before - reports[step].used_blocks
+
+
+def _freed(p: Mapping[str, Any], contract: Contract, reports: Sequence[StepReport]
+           ) -> list[Unmet]:
+    got = freed_by(reports, p["step"])
+    if got == p["want"]:
+        return []
+    return [Unmet(p["step"], f"{p['what']}: freed {got} blocks, expected {p['want']}")]
+
+
 def _done(p: Mapping[str, Any], contract: Contract, reports: Sequence[StepReport]
           ) -> list[Unmet]:
     r = reports[p["step"]]
@@ -154,7 +171,7 @@ def _some(pairs: list[str]) -> str:
 
 Judge = Callable[[Mapping[str, Any], Contract, Sequence[StepReport]], list[Unmet]]
 EXPECTATIONS: dict[str, Judge] = {
-    "result": _result, "admitted": _admitted, "done": _done,
+    "result": _result, "admitted": _admitted, "done": _done, "freed": _freed,
     "distinct_event_hashes": _distinct_event_hashes}
 
 
@@ -211,6 +228,8 @@ _PARAMS: dict[str, dict[str, Callable[[Any, str, int], Any]]] = {
                "want": lambda v, w, n: _want(v, w)},
     "admitted": {"step": _step, "what": lambda v, w, n: _label(v, w)},
     "done": {"step": _step},
+    "freed": {"step": _step, "what": lambda v, w, n: _label(v, w),
+              "want": lambda v, w, n: _want(v, w)},
     "distinct_event_hashes": {"scopes": _scopes}}
 
 

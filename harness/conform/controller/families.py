@@ -21,6 +21,7 @@ from harness.conform.controller.expectations import (
     Expectation,
     Unmet,
     first_stored_hash,
+    freed_by,
     judge,
     result_of,
 )
@@ -106,6 +107,13 @@ class Run:
         self.observed[what] = got
         self.expectations.append(Expectation("result", {"step": step, "what": what,
                                                         "want": want}))
+
+    def expect_freed(self, what: str, want: int) -> None:
+        """Expect the op just done to have given back `want` blocks (`freed_by`)."""
+        step = len(self.reports) - 1
+        self.observed[what] = freed_by(self.reports, step)
+        self.expectations.append(Expectation("freed", {"step": step, "what": what,
+                                                       "want": want}))
 
     def expect_admitted(self, what: str) -> None:
         """Expect the op just done, an admission, to have happened."""
@@ -345,6 +353,31 @@ def same_prompt_twice(run: Run) -> None:
     run.free("C")
 
 
+def dedup_across_split_path(run: Run) -> None:
+    """Two live sequences compute one 16-token prefix; before the second publishes it,
+    two other prompts branch off it at 8 and at 4 tokens, splitting the tree's path for
+    it into three nodes. The second's commit finds the whole prefix cached across them:
+    an engine that deduplicates frees exactly its 4 duplicate blocks (and keeps the one
+    after the prefix), one that does not keeps both copies; nothing leaks and nothing is
+    freed twice when all end."""
+    prefix = toks(100, 16)
+    run.admit("A", prefix)
+    run.admit("B", prefix + toks(300, B))
+    run.commit("A", 16)
+    run.admit("C", prefix[:8] + toks(400, B))
+    run.commit("C", 12)
+    run.admit("D", prefix[:4] + toks(500, B))
+    run.commit("D", 8)
+    run.commit("B", 16 + B)
+    what = "B's commit frees its duplicate blocks"
+    if run.contract.matchable_at == "commit":  # else B found A's blocks at admission
+        run.expect_freed(what, 16 // B if run.contract.dedup_on_commit else 0)
+    else:
+        run.observed[what] = freed_by(run.reports, len(run.reports) - 1)
+    for seq in "BACD":
+        run.free(seq)
+
+
 def decoded_then_edited(run: Run) -> None:
     """A prompt that repeats a finished sequence's prompt and decoded tokens but one
     reuses only what it shares with it: decoded tokens are cached at the positions they
@@ -480,6 +513,9 @@ CHECKS: tuple[Check, ...] = (
           "nothing it reuses", 5, pressure_spares_own_prefix),
     Check("same_prompt_twice", "shared system prompt", "one prompt computed by two live "
           "sequences at once: one copy cached, the other freed", 32, same_prompt_twice),
+    Check("dedup_across_split_path", "shared system prompt", "one prefix computed twice "
+          "while other prompts split its path: exactly the duplicates freed", 32,
+          dedup_across_split_path),
     Check("decoded_then_edited", "decode growth", "a prompt dropping one decoded token "
           "reuses only the prefix it shares", 32, decoded_then_edited),
     Check("repeated_blocks", "router events", "equal blocks at other positions and after "

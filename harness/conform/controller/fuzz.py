@@ -10,9 +10,13 @@ are committed or freed), and every step is judged against the oracles: the engin
 differenced against the harness's independent models. At the end everything is freed
 (the leak check).
 
-`shrink` cuts a failing op list down (ddmin over the list, then simpler admissions:
-shorter prompts, no scope, no chunk) to one that still fails the same oracle: ops are
-data and a sub-list replays (`Session` skips ops no longer valid).
+`shrink` cuts a failing op list down to one that still fails the same way: its first
+violation is the original's, the same oracle's same check (`Violation.kind`) at an op of
+the same kind. It removes ops (ddmin), simplifies each (admissions: no chunk, no scope,
+shorter prompts; appends: one token; evictions: one block), shrinks the pool (so ops
+whose only job was to fill it go too) and renames the tokens 1, 2, 3, ... in order of
+first use (equal tokens stay equal). Ops are data and a sub-list replays (`Session`
+skips ops no longer valid).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from harness.conform import ops
 from harness.conform.controller.families import B
@@ -146,26 +151,63 @@ def fuzz(target: Target, seed: int, num_ops: int = DEFAULT_OPS) -> FuzzOutcome:
     return FuzzOutcome(seed, num_blocks, tuple(done), None)
 
 
-def shrink(target: Target, op_list: list[Op], num_blocks: int, oracle: str,
-           budget: int = SHRINK_BUDGET) -> list[Op]:
-    """A short sub-list of `op_list` (with simpler admissions) that still fails
-    `oracle`; `op_list` itself when nothing shorter does. At most `budget` replays."""
-    left = [budget]
+class Shrunk(NamedTuple):
+    """A shrunk failure: its op list, on a fresh cache of `num_blocks` blocks."""
 
-    def fails(candidate: list[Op]) -> bool:
-        if left[0] <= 0:
+    ops: list[Op]
+    num_blocks: int
+
+
+def shrink(target: Target, op_list: list[Op], num_blocks: int, first: Violation,
+           budget: int = SHRINK_BUDGET) -> Shrunk:
+    """A shorter op list, on a pool no larger, whose first violation is `first`'s (the
+    first violation of `op_list` on `num_blocks` blocks): the same oracle, the same
+    kind, at an op of the same kind. `op_list` itself when nothing smaller does. At most
+    `budget` replays; changes nothing but the target's open cache."""
+    left = [budget]
+    wanted = (first.oracle, first.kind, op_list[first.step].kind)
+
+    def fails(candidate: list[Op], pool: int) -> bool:
+        if left[0] <= 0 or not candidate:
             return False
         left[0] -= 1
-        return any(v.oracle == oracle for v in replay(target, candidate, num_blocks, B))
+        found = replay(target, candidate, pool, B)
+        return bool(found) and \
+            (found[0].oracle, found[0].kind, candidate[found[0].step].kind) == wanted
 
-    current = _ddmin(list(op_list), fails)
-    for i in range(len(current)):
-        for simpler in _simpler(current[i]):
-            trial = [*current[:i], simpler, *current[i + 1:]]
-            if fails(trial):
-                current = trial
-                break
-    return _ddmin(current, fails)
+    def on(pool: int) -> Callable[[list[Op]], bool]:
+        return lambda candidate: fails(candidate, pool)
+
+    pool = num_blocks
+    current = _ddmin(list(op_list), on(pool))
+    while True:  # a smaller pool lets prompts shrink, and shorter prompts fit smaller pools
+        before = (current, pool)
+        current = _simplify(current, on(pool))
+        while pool > 1 and fails(current, pool // 2):  # halve, then one block at a time
+            pool //= 2
+        while pool > 1 and fails(current, pool - 1):
+            pool -= 1
+        current = _ddmin(current, on(pool))
+        if (current, pool) == before:
+            break
+    renamed = _renamed(current)
+    if fails(renamed, pool):
+        current = renamed
+    return Shrunk(current, pool)
+
+
+def _simplify(current: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
+    """Each op replaced by its first simpler variant that still fails, until none does."""
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(current)):
+            for simpler in _simpler(current[i]):
+                trial = [*current[:i], simpler, *current[i + 1:]]
+                if fails(trial):
+                    current, changed = trial, True
+                    break
+    return current
 
 
 def _ddmin(items: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
@@ -187,14 +229,34 @@ def _ddmin(items: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
 
 
 def _simpler(op: Op) -> list[Op]:
-    """Simpler variants of an admission: no chunk, no scope, a shorter prompt."""
-    if op.kind != "admit":
-        return []
+    """Simpler variants of an op: an admission with no chunk, no scope, a prompt of half
+    its length, a block shorter or a token shorter; an append of its first token; an
+    eviction of one block."""
     out = []
+    if op.kind == "append" and len(op.tokens) > 1:
+        out.append(replace(op, tokens=op.tokens[:1]))
+    if op.kind == "evict" and op.num_blocks != 1:
+        out.append(replace(op, num_blocks=1))
+    if op.kind != "admit":
+        return out
     if op.first_chunk is not None:
         out.append(replace(op, first_chunk=None))
     if op.scope is not None:
         out.append(replace(op, scope=None))
-    if len(op.tokens) > B:
-        out.append(replace(op, tokens=op.tokens[:len(op.tokens) // 2 or 1]))
+    n = len(op.tokens)
+    for shorter in sorted({n // 2, n - B, n - 1}):
+        if 0 < shorter < n:
+            out.append(replace(op, tokens=op.tokens[:shorter],
+                               first_chunk=None if op.first_chunk is None
+                               else min(op.first_chunk, shorter)))
     return out
+
+
+def _renamed(op_list: list[Op]) -> list[Op]:
+    """`op_list` with its tokens renamed 1, 2, 3, ... in order of first use."""
+    names: dict[int, int] = {}
+
+    def rename(tokens: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(names.setdefault(t, len(names) + 1) for t in tokens)
+
+    return [replace(op, tokens=rename(op.tokens)) if op.tokens else op for op in op_list]

@@ -4,10 +4,9 @@ After every op (`Judge.observe`):
 
 - count: the reuse oracle (`harness.oracle.model.ReuseOracle`, configured from the
   contract: tokens per block, partial reuse) replays the harness event log the adapter
-  wrote; every admission must reuse what it predicts. Its model evicts nothing unless the
-  contract says it models the engine's eviction (kvcache), so after the first block
-  leaves the cache (a BlockRemoved event) a prediction is an upper bound. Whole-block
-  contracts reuse whole blocks, and never the last prompt token.
+  wrote; every admission must reuse what it predicts. Its model evicts nothing, so after
+  the first block leaves the cache (a BlockRemoved event) a prediction is an upper
+  bound. Whole-block contracts reuse whole blocks, and never the last prompt token.
 - provenance and capacity: the checked manager's own per-call checks
   (`harness.oracle.checked_manager.CallOracles`) over each op's logged events. The
   shadow KV store follows which tokens' KV each block holds: no read of KV that is not
@@ -57,18 +56,24 @@ _EVERY_POSITION = 2**40  # a window wider than any context: positions as the eve
 
 
 class Violation(NamedTuple):
-    """One oracle's finding at op `step` (its index in the op list)."""
+    """One oracle's finding at op `step` (its index in the op list). `kind` names which
+    of the oracle's checks failed (a short, stable phrase: "used blocks", "unfair
+    refusal", "raised KeyError"), so a shrunk op list can be held to the same failure
+    (`harness.conform.controller.fuzz.shrink`); `message` says it in full."""
 
     oracle: str
     step: int
     message: str
+    kind: str = ""
 
 
-def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
-    """The reuse oracle's config under `contract` for a pool of `num_blocks`."""
+def oracle_config(contract: Contract) -> OracleConfig:
+    """The reuse oracle's config under `contract`. Its pool is unbounded (it evicts
+    nothing): its bounded model is exact only for kvcache's own eviction with partial
+    reuse off (docs/design.md, "The reuse oracle"), and under partial reuse a prompt that
+    claims its copy source is beyond it."""
     return OracleConfig(contract.block_size, enable_partial_reuse=contract.partial_reuse,
                         copy_on_partial_reuse=contract.copy_on_partial_reuse,
-                        max_num_blocks=num_blocks if contract.bounded_oracle else None,
                         unreused_tail=contract.unreused_tail)
 
 
@@ -97,14 +102,18 @@ class Judge:
     """The oracles for one fresh cache of `num_blocks` blocks (mutates only itself).
 
     An oracle that found something reports nothing more (its model no longer follows
-    the cache, and the first finding is the one to read); `exact` says whether the count oracle's predictions are still exact.
+    the cache, and the first finding is the one to read); `exact` says whether the count
+    oracle's predictions are still exact. A model that cannot take an event of the log
+    (an engine that raised half-way through an op, a log out of step with its calls) is
+    a "log" finding, and its oracle stops there too: the judge never asks a model about
+    a sequence the model does not hold, so nothing an engine does makes it raise.
     """
 
     def __init__(self, contract: Contract, num_blocks: int) -> None:
         B = contract.block_size
         self.contract = contract
         self.num_blocks = num_blocks
-        self.reuse = ReuseOracle(oracle_config(contract, num_blocks))
+        self.reuse = ReuseOracle(oracle_config(contract))
         self.calls = CallOracles(B, num_blocks, block_reuse=True,
                                  sliding_window=_EVERY_POSITION)
         self.capacity = self.calls.capacity
@@ -115,18 +124,23 @@ class Judge:
         self.step = 0
         self._last: StepReport | None = None
         self._ids: dict[Hashable, list[int | None]] = {}  # live seq -> its block ids
-        self._lengths: dict[Hashable, int] = {}
+        self._tokens: dict[Hashable, list[int]] = {}  # live seq -> its tokens
+        # every prefix a sequence ever had, in any scope: what a stored chain may spell
+        self._prefixes: set[tuple[int, ...]] = set()
         self._predicted: dict[Hashable, int] = {}  # live seq -> the reuse the oracle predicted
 
     # -- one step ------------------------------------------------------------------------
 
     def observe(self, report: StepReport) -> list[Violation]:
-        """Every oracle on one step; returns what they found (and remembers the state)."""
+        """Every oracle on one step; returns what they found (and remembers the state).
+        Raises AssertionError only for a bug of the judge's own: its capacity model and
+        its tracking of the live sequences disagree."""
         out: list[Violation] = []
         say = self._sayer(out)
         op = report.op
         if report.status == "raised":
-            say("api", f"{op.describe()} raised {report.detail}")
+            say("api", f"raised {report.detail.split(':', 1)[0]}",
+                f"{op.describe()} raised {report.detail}")
         if report.status == "refused":
             self._refused(report, say)
         self._replay_log(report, say)
@@ -134,19 +148,24 @@ class Judge:
         self._check_capacity(report, say)
         self._check_stats(report, say)
         if report.integrity:
-            say("integrity", f"after {op.describe()}: {'; '.join(report.integrity)}")
+            say("integrity", "broken invariant",
+                f"after {op.describe()}: {'; '.join(report.integrity)}")
         if report.leaks is not None:
             problems = leak_problems([(self.contract.engine, _EngineReports(report))])
             if problems:
-                say("leaks", f"nothing is live, yet: {'; '.join(problems)}")
+                say("leaks", "held with nothing live",
+                    f"nothing is live, yet: {'; '.join(problems)}")
         self._last = report
         self.step += 1
+        assert "capacity" in self.broken or self.capacity.live == self._ids.keys(), \
+            f"the judge's capacity model holds {sorted(map(str, self.capacity.live))}, " \
+            f"its own tracking {sorted(map(str, self._ids))}"
         return out
 
     def _sayer(self, out: list[Violation]) -> Any:
-        def say(oracle: str, message: str) -> None:
+        def say(oracle: str, kind: str, message: str) -> None:
             if oracle not in self.broken:
-                out.append(Violation(oracle, self.step, message))
+                out.append(Violation(oracle, self.step, message, kind))
             self.broken.add(oracle)  # its model no longer follows the cache: report once
         return say
 
@@ -178,17 +197,19 @@ class Judge:
                 if diff:
                     changed.append(f"{side} counters {diff}")
         if changed:
-            say("refusal", f"{op.describe()} was refused but changed the cache: "
+            say("refusal", "changed", f"{op.describe()} was refused but changed the cache: "
                            f"{'; '.join(changed)}")
+        if "capacity" in self.broken:
+            return  # its model stopped following the cache: it knows no need now
         need = self._need(op)
-        if need is not None and "capacity" not in self.broken:
+        if need is not None:
             # the duplicates a non-deduplicating engine keeps are not available either
             # (none where it deduplicates: there the engine's count is the oracle's)
             kept = max(0, r.used_blocks - self.capacity.needed)
             try:
                 self.calls.capacity.check_refusal(need + kept, op.describe())
             except CapacityError as exc:
-                say("capacity", str(exc))
+                say("capacity", "unfair refusal", str(exc))
 
     def _evicted_by(self, r: StepReport) -> int:
         """Cached blocks that left the cache in step `r` (cachedNumBlocks before - after;
@@ -199,25 +220,26 @@ class Judge:
         return max(0, int(was) - int(now)) if was is not None and now is not None else 0
 
     def _need(self, op: Op) -> int | None:
-        """Blocks `op` needs at least (None: not an allocation, or not known)."""
+        """Blocks `op` needs at least (None: not an allocation, or not known), asked of
+        the capacity model while it follows the cache."""
         B = self.contract.block_size
         tail = self.contract.unreused_tail
         if op.kind == "admit":
             scope = self.contract.scope_key(op.scope)
             # after an eviction the oracle over-predicts hits: assume none (the most need)
             cached = max(0, min(self.reuse.probe(op.tokens, scope), len(op.tokens) - tail)) \
-                if self.exact else 0
+                if self.exact and "count" not in self.broken else 0
             chunk = op.first_chunk if self.contract.chunked_allocation else None
             return self.capacity.admission_need(op.tokens, scope, num_cached=cached,
                                                 first_chunk=chunk, unreused_tail=tail)
         assert op.seq is not None or op.kind == "evict"
         if self.contract.allocates_ahead and op.kind in ("append", "reserve"):
             return None  # the engine asked for more than the tokens need
-        if op.kind == "append" and op.seq in self._ids:
+        if op.kind == "append" and op.seq in self.capacity.live:
             return self.capacity.append_need(op.seq, len(op.tokens))
         if op.kind == "reserve" and op.seq in self._ids:
             assert op.num_tokens is not None
-            want = _blocks(min(op.num_tokens, self._lengths[op.seq]), B)
+            want = _blocks(min(op.num_tokens, len(self._tokens[op.seq])), B)
             return max(0, want - len(self._ids[op.seq]))
         return None
 
@@ -230,7 +252,7 @@ class Judge:
             try:
                 ev = normalize_event(raw)
             except ValueError as exc:
-                say("log", f"the adapter logged {raw!r}: {exc}")
+                say("log", "malformed", f"the adapter logged {raw!r}: {exc}")
                 continue
             events.append(ev)
             if ev.kind == "admit":
@@ -240,27 +262,33 @@ class Judge:
                 # after an eviction the oracle may have predicted more reuse than the
                 # engine found: it holds those tokens computed already, so a commit
                 # below them tells it nothing
-                self._feed("count", say, self.reuse.apply, ev)
+                self._feed("count", "", say, self.reuse.apply, ev)
             self._track(ev)
         wanted = 1 if r.op.kind == "admit" and r.status == "done" else 0
         if admits != wanted:
-            say("log", f"{r.op.describe()} ({r.status}) logged {admits} admissions")
+            say("log", "admissions", f"{r.op.describe()} ({r.status}) logged {admits} "
+                                     "admissions")
         where = r.op.describe()
-        self._feed("provenance", say, lambda evs: self.calls.provenance(evs, []), events)
+        self._feed("provenance", "foreign KV", say,
+                   lambda evs: self.calls.provenance(evs, []), events)
         # a deduplicating engine's count is exact; otherwise `_check_capacity` bounds it
         used = self._held(r) if self.contract.dedup_on_commit else None
-        self._feed("capacity", say,
+        self._feed("capacity", "used blocks", say,
                    lambda evs: self.calls.capacity_after(where, evs, used), events)
 
-    def _feed(self, oracle: str, say: Any, apply: Any, ev: Any) -> Any:
+    def _feed(self, oracle: str, kind: str, say: Any, apply: Any, ev: Any) -> Any:
+        """`apply(ev)` on `oracle`'s model unless it stopped; its finding is said as
+        `kind`. A model that cannot take `ev` is a "log" finding, and stops: it holds
+        part of the event at most, and follows the cache no more."""
         if oracle in self.broken:
             return None
         try:
             return apply(ev)
         except (ProvenanceError, CapacityError) as exc:
-            say(oracle, str(exc))
+            say(oracle, kind, str(exc))
         except ValueError as exc:  # the log does not replay: the adapter's or the engine's
-            say("log", f"{oracle} oracle cannot replay {ev}: {exc}")
+            say("log", "does not replay", f"{oracle} oracle cannot replay {ev}: {exc}")
+            self.broken.add(oracle)
         return None
 
     def _admitted(self, r: StepReport, ev: Any, say: Any) -> None:
@@ -270,38 +298,47 @@ class Judge:
                             "reused_blocks": _blocks(got, B),
                             "missed_blocks": _blocks(prompt, B) - _blocks(got, B)})
         if isinstance(r.value, dict) and r.value.get("reused_tokens") != got:
-            say("log", f"{r.op.describe()} returned {r.value} but logged {got} reused tokens")
+            say("log", "returned other", f"{r.op.describe()} returned {r.value} but logged "
+                                         f"{got} reused tokens")
         what = f"{r.op.describe()} reused {got} tokens"
         limit = max(0, prompt - self.contract.unreused_tail)
         if got > limit:
-            say("count", f"{what}: the last {self.contract.unreused_tail} prompt token(s) "
-                         f"are never reused (at most {limit})")
+            say("count", "tail", f"{what}: the last {self.contract.unreused_tail} prompt "
+                                 f"token(s) are never reused (at most {limit})")
         if not self.contract.partial_reuse and got % B:
-            say("count", f"{what}: not whole blocks of {B}, which the contract promises")
-        pred = self._feed("count", say, self.reuse.apply, ev)
+            say("count", "partial", f"{what}: not whole blocks of {B}, which the contract "
+                                    "promises")
+        pred = self._feed("count", "", say, self.reuse.apply, ev)
         if pred is None:
             return
         want = self._predicted[ev.seq_id] = pred.reused_tokens
         if self.exact and got != want:
-            say("count", f"{what}; the count oracle predicts {want}")
+            say("count", "reuse", f"{what}; the count oracle predicts {want}")
         elif not self.exact and got > want:
-            say("count", f"{what}, more than was ever computed in its scope ({want}; "
-                         "blocks were evicted since, so that is an upper bound)")
+            say("count", "reuse", f"{what}, more than was ever computed in its scope "
+                                  f"({want}; blocks were evicted since, so that is an "
+                                  "upper bound)")
 
     def _track(self, ev: Any) -> None:
         sid = ev.seq_id
         if ev.kind == "admit":
             self._ids[sid] = list(ev.block_ids)
-            self._lengths[sid] = len(ev.tokens)
+            self._tokens[sid] = list(ev.tokens)
+            self._spelled(self._tokens[sid], 0)
         elif ev.kind == "append" and sid in self._ids:
             self._ids[sid] += list(ev.block_ids)
-            self._lengths[sid] += len(ev.tokens)
+            self._tokens[sid] += ev.tokens
+            self._spelled(self._tokens[sid], len(self._tokens[sid]) - len(ev.tokens))
         elif ev.kind == "commit" and ev.block_ids and sid in self._ids:
             self._ids[sid] = list(ev.block_ids)
         elif ev.kind == "free":
             self._ids.pop(sid, None)
-            self._lengths.pop(sid, None)
+            self._tokens.pop(sid, None)
             self._predicted.pop(sid, None)
+
+    def _spelled(self, tokens: list[int], start: int) -> None:
+        """Remember the prefixes of `tokens` longer than `start` tokens."""
+        self._prefixes.update(tuple(tokens[:n]) for n in range(start + 1, len(tokens) + 1))
 
     def _held(self, r: StepReport) -> int:
         """Blocks the live sequences hold for their tokens' positions: the engine's used
@@ -322,7 +359,8 @@ class Judge:
         if not self.capacity.needed <= held == distinct:
             ahead = f" ({r.used_blocks - held} more held ahead)" if held != r.used_blocks \
                 else ""
-            say("capacity", f"after {where}: the engine counts {held} used blocks{ahead}; "
+            say("capacity", "used blocks", f"after {where}: the engine counts {held} used "
+                                           f"blocks{ahead}; "
                             f"its live sequences were given {distinct} distinct blocks and "
                             f"need at least {self.capacity.needed}")
 
@@ -333,9 +371,10 @@ class Judge:
             return
         if not self.contract.events:
             if r.events:
-                say("events", f"{r.op.describe()} published {list(r.events)[:2]}, but the "
+                say("events", "published", f"{r.op.describe()} published "
+                                           f"{list(r.events)[:2]}, but the "
                               "contract says the engine publishes no events")
-            elif self._evicted_by(r) and not self.contract.bounded_oracle:
+            elif self._evicted_by(r):
                 self.exact = False  # blocks left the cache; the count oracle keeps them
             return
         before: Counter[Any] = Counter(self.index.cached())
@@ -345,37 +384,62 @@ class Judge:
             kind = event.get("type")
             dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
                                                  and bool(self.index.cached()))
-            if dropped and not self.contract.bounded_oracle:
+            if dropped:
                 self.exact = False  # the count oracle's model keeps every block
             if kind == "BlockRemoved":
                 removed.update(event.get("block_hashes", ()))
             elif kind == "BlockStored":
                 stored.update(event.get("block_hashes", ()))
+                misplaced = self._misplaced(event)
+                if misplaced:
+                    say("events", "parent", f"after {r.op.describe()}: {misplaced}")
+                    return
             try:
                 self.index.apply(event)
             except (ValueError, KeyError, TypeError) as exc:
-                say("events", f"after {r.op.describe()}: event {event} does not fold: {exc}")
+                say("events", "does not fold", f"after {r.op.describe()}: event {event} does "
+                                               f"not fold: {exc}")
                 return
         after: Counter[Any] = Counter(self.index.cached())
         churn = sorted(h for h in removed if h in stored and after[h] >= before[h] > 0)
         if churn:
-            say("events", f"{r.op.describe()} published BlockRemoved and BlockStored again "
+            say("events", "churn", f"{r.op.describe()} published BlockRemoved and "
+                                   "BlockStored again "
                           f"for blocks it kept cached ({churn[:4]}): a router folding in "
                           "between sees the prefix gone")
         if r.cached is None:  # the engine names no hashes: compare how many
             count = r.stats.harness.get("cachedNumBlocks")
             if count is not None and count != sum(after.values()):
-                say("events", f"after {r.op.describe()} the events say "
+                say("events", "cached count", f"after {r.op.describe()} the events say "
                               f"{sum(after.values())} blocks are cached, the cache holds "
                               f"{count} (cachedNumBlocks)")
             return
         held = Counter(r.cached)
         if after != held:
             missing, extra = held - after, after - held
-            say("events", f"after {r.op.describe()} the events say {sum(after.values())} "
+            say("events", "cached blocks", f"after {r.op.describe()} the events say "
+                                           f"{sum(after.values())} "
                           f"blocks are cached, the cache holds {sum(held.values())}: "
                           f"{len(missing)} never published ({sorted(missing)[:3]}), "
                           f"{len(extra)} published but gone ({sorted(extra)[:3]})")
+
+    def _misplaced(self, event: dict[str, Any]) -> str:
+        """Why the BlockStored `event` is not stored under the block right before it
+        ("" when it is): its parent must be cached, and the parent's chain followed by
+        the stored tokens must spell a prefix some sequence had (a parent that is an
+        earlier block of the chain, or none where one was due, spells nothing)."""
+        parent = event.get("parent_block_hash")
+        hashes = list(event.get("block_hashes", ()))[:2]
+        above = () if parent is None else self.index.chain_tokens(parent)
+        if above is None:
+            return (f"BlockStored {hashes} names parent {parent}, which is not cached (or "
+                    "a block above it is not): a router cannot place the blocks")
+        tokens = tuple(event.get("token_ids", ()))
+        if above + tokens in self._prefixes:
+            return ""
+        return (f"BlockStored {hashes} under parent {parent}: its {len(above)} tokens, then "
+                f"the {len(tokens)} stored, are no prefix of any sequence's tokens: the "
+                "parent is not the block right before them")
 
     # -- counters --------------------------------------------------------------------------
 
@@ -387,12 +451,13 @@ class Judge:
         engine = r.stats.engine
         for counter, meaning in self.contract.counters:
             if counter not in engine:
-                say("stats", f"the engine exposes no counter {counter!r} (it has "
-                             f"{sorted(engine)})")
+                say("stats", "missing counter", f"the engine exposes no counter {counter!r} "
+                                                f"(it has {sorted(engine)})")
                 continue
             want = self.expected(meaning)
             if engine[counter] != want:
-                say("stats", f"after {r.op.describe()}: {counter} = {engine[counter]}, but "
+                say("stats", "counter", f"after {r.op.describe()}: {counter} = "
+                                    f"{engine[counter]}, but "
                              f"the admissions add up to {want} ({meaning})")
         harness = r.stats.harness
         cached = None if r.cached is None else len(r.cached)
@@ -402,5 +467,5 @@ class Judge:
             ("maxNumBlocks", self.num_blocks, "the pool"))
         for name, gauge, what in gauges:
             if name in harness and gauge is not None and harness[name] != gauge:
-                say("stats", f"after {r.op.describe()}: {name} = {harness[name]}, but "
+                say("stats", "gauge", f"after {r.op.describe()}: {name} = {harness[name]}, but "
                              f"{what}: {gauge}")

@@ -244,7 +244,8 @@ def markdown(report: Report) -> list[str]:
         head = "Finding" if c.status == "fail" else "Known limitation"
         out += [f"## {head}: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
                 f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran, on a fresh "
-                f"cache of {c.num_blocks} blocks of {c.block_size} tokens; it replays: "
+                f"cache of {c.num_blocks} block{'' if c.num_blocks == 1 else 's'} of "
+                f"{c.block_size} tokens; it replays: "
                 f"{code(f'kvharness conform {report.spec.strip()} --replay {c.name}.replay.json')}"
                 " (the file beside this report)"
                 + (f", which judges the family's {len(c.expectations)} expectations too"

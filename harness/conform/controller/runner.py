@@ -120,15 +120,16 @@ def _result(target: Target, done: Finished) -> CheckResult:
                             "block_size": families.B, "seconds": done.seconds}
     if done.violations:
         first = done.violations[0]
-        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first.oracle)
+        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first)
         # the message the shrunk op list gives (its op numbers and sizes), else the first
-        again = [v for v in replay(target, shown, done.num_blocks, families.B)
+        again = [v for v in replay(target, shown.ops, shown.num_blocks, families.B)
                  if v.oracle == first.oracle]
-        found = again[0] if again else first._replace(step=len(shown) - 1)
+        found = again[0] if again else first._replace(step=len(shown.ops) - 1)
         return CheckResult(status="fail", oracle=first.oracle, message=found.message,
-                           ops=tuple(ops_to_json(shown)),
-                           ops_text=tuple(op.describe() for op in shown),
-                           step=found.step, also=tuple(also), **base)
+                           ops=tuple(ops_to_json(shown.ops)),
+                           ops_text=tuple(op.describe() for op in shown.ops),
+                           step=found.step, also=tuple(also),
+                           **{**base, "num_blocks": shown.num_blocks})
     if failures or limitations:
         unmet = (failures or limitations)[0]
         return CheckResult(status="fail" if failures else "limitation",
@@ -141,7 +142,8 @@ def _result(target: Target, done: Finished) -> CheckResult:
     return CheckResult(status="pass", **base)
 
 
-def _fuzz_check(target: Target, seed: int) -> CheckResult:
+def fuzz_check(target: Target, seed: int) -> CheckResult:
+    """Fuzz seed `seed` on `target`, judged; its failure shrunk (`_result`)."""
     start = time.perf_counter()
     out = fuzz(target, seed)
     found = [out.violation] if out.violation is not None else []
@@ -185,7 +187,7 @@ def check_all(target: Target, report: Report, chosen: list[Check], seeds: int,
         report.checks.append(_annotated(run_check(target, check), report))
         _progress(i, total, report.checks[-1], say)
     for seed in range(seeds):
-        report.checks.append(_annotated(_fuzz_check(target, seed), report))
+        report.checks.append(_annotated(fuzz_check(target, seed), report))
         _progress(len(chosen) + seed + 1, total, report.checks[-1], say)
     report.seconds["checks"] = time.perf_counter() - checked
     report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED

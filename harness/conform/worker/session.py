@@ -10,6 +10,7 @@ library only.
 
 from __future__ import annotations
 
+import copy
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -168,11 +169,14 @@ class Session:
         return None
 
     def _report(self, op: Op, status: Status, value: Any, detail: str) -> StepReport:
+        """The report of `op`. Its log and events are copies: an adapter may log its own
+        live objects (a sequence's token list, which later appends extend), and a
+        report must say what the op did then, however much later it is read or sent."""
         c = self.cache
         leaks = None if self.live else tuple(c.leak_report())
         cached = c.cached_hashes()
-        return StepReport(op, status, value, detail, tuple(c.take_log()),
-                          tuple(c.take_events()), c.used_blocks(),
+        return StepReport(op, status, value, detail, tuple(copy.deepcopy(c.take_log())),
+                          tuple(copy.deepcopy(c.take_events())), c.used_blocks(),
                           None if cached is None else tuple(cached), c.stats(),
                           tuple(c.check_integrity()), leaks)
 

@@ -10,6 +10,8 @@ except for what `$KVH_FAKE_WORKER` (a JSON object) says:
     replies  {request: text}: the reply line sent for that request instead of the real one
     stub     true: the engine's commit touches the first raising stub of the load
              request's stubs (the lock's), as an engine whose lock stubs too much does
+    raises   {"kind": OP, "when": WHEN}: the second call of that op raises
+             (`faults.RaisesAt`: before the engine acted, or after, logged or not)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import sys
 import types
 from collections.abc import Hashable
+from pathlib import Path
 from typing import IO, Any
 
 from harness.conform.adapters import kvcache
@@ -42,9 +45,16 @@ class _TouchesStub(KvcacheCache):
 
 def _pose(request: dict[str, Any], config: dict[str, Any]) -> LoadedEngine:
     """kvcache as the engine `request` loads; with `stub`, its stubs installed under empty
-    packages of the engine's name and a commit that touches the first."""
+    packages of the engine's name and a commit that touches the first; with `raises`, an
+    op that raises."""
     cls: type[KvcacheCache] = KvcacheCache
     served: tuple[str, ...] = ()
+    if "raises" in config:
+        # the fake interpreter runs this file as a script: the checkout's tests package
+        # is not on its path
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+        faults = importlib.import_module("tests.harness.conform.faults")
+        cls = faults.raises_at(config["raises"]["kind"], config["raises"]["when"])
     if config.get("stub"):
         spec = StubSpec.from_dict(request["stubs"])
         raising = StubSpec(raising=spec.raising, names=spec.names)

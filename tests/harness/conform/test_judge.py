@@ -10,7 +10,7 @@ from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.controller.families import B, check_named
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.runner import run_check
+from harness.conform.controller.runner import fuzz_check, run_check
 from harness.conform.controller.targets import LocalTarget, Target, replay
 from harness.conform.protocol import Scope
 from tests.harness.conform import faults
@@ -68,12 +68,77 @@ def test_unpublished_blocks_break_the_event_index() -> None:
     assert "the events say 0 blocks are cached, the cache holds 4" in found[0].message
 
 
+@pytest.mark.parametrize(("fault", "says"), [
+    pytest.param(faults.StoresAsRoots, "the parent is not the block right before them",
+                 id="root"),
+    pytest.param(faults.StoresUnderUnknownParent, "names parent 404, which is not cached",
+                 id="unknown")])
+def test_a_block_stored_under_another_parent_is_an_events_violation(
+        fault: type[KvcacheCache], says: str) -> None:
+    # the second commit stores A's second block, whose parent is A's first
+    op_list = [ops.admit("A", range(100, 108)), ops.commit("A", 4), ops.commit("A", 8),
+               ops.free("A")]
+    assert oracles(LocalTarget(kvcache.load()), op_list) == []  # the right parent
+    found = replay(LocalTarget(kvcache.load(fault)), op_list, 32, B)
+    assert [(v.oracle, v.kind, v.step) for v in found] == [("events", "parent", 2)]
+    assert says in found[0].message
+
+
 def test_an_engine_that_raises_is_reported_with_where() -> None:
     target = LocalTarget(kvcache.load(faults.RaisesOnAppend))
     found = replay(target, [ops.admit("A", A18), ops.append("A", [1])], 32, B)
     assert found[0].oracle == "api"
     assert "AttributeError: 'LoRARequest' object has no attribute 'id'" in found[0].message
     assert "faults.py" in found[0].message  # where it was raised
+
+
+def test_after_an_engine_raised_the_judge_keeps_judging_in_step() -> None:
+    # B's admission raised once the engine had admitted it, before its log was written:
+    # the engine holds B's 4 blocks, which no model knows of. The capacity oracle says
+    # so and stops; C, admitted after, is in no capacity model, and its refused append is
+    # not judged by one (it was asked of the stopped model, which raised "not live")
+    target = LocalTarget(kvcache.load(faults.raises_at("admit", "unlogged")))
+    judge = Judge(target.open(8, B), 8)
+    op_list = [ops.admit("A", range(100, 104)), ops.admit("B", range(200, 216)),
+               ops.admit("C", range(300, 304)), ops.append("C", range(400, 412))]
+    reports = [target.apply(op) for op in op_list]
+    assert [r.status for r in reports] == ["done", "raised", "done", "refused"]
+    found = [v for r in reports for v in judge.observe(r)]
+    assert [(v.oracle, v.kind, v.step) for v in found] == [
+        ("api", "raised RuntimeError", 1), ("capacity", "used blocks", 1),
+        ("stats", "counter", 1)]
+    assert "expected  1 (0 held in the cache, 1 private)\n  actual    5" in found[1].message
+
+
+@pytest.mark.parametrize("when", ["before", "logged", "unlogged"])
+@pytest.mark.parametrize("kind", ops.KINDS)
+def test_every_way_an_engine_raises_is_judged_to_the_end(kind: str, when: str) -> None:
+    # the second call of `kind` raises: before the engine acted, or after, its log saying
+    # so or not; the checks and the fuzz (each failure shrunk) run to their verdict, the
+    # raise their first finding (Judge.observe checks its models stay in step)
+    target = LocalTarget(kvcache.load(faults.raises_at(kind, when)))
+    results = [run_check(target, check_named(name))
+               for name in ("multi_turn", "chunked_admission")]
+    results += [fuzz_check(target, seed) for seed in (0, 1)]
+    failed = [r for r in results if r.status == "fail"]
+    assert failed and all(r.oracle == "api" for r in failed), [r.message for r in failed]
+    assert all(f"planted: {kind} raised" in r.message and r.ops[-1]["kind"] == kind
+               for r in failed)
+
+
+def test_a_prompt_that_claims_its_copy_source_under_pressure_is_no_finding() -> None:
+    # B's first token matches A's first block, and with C live the pool has B's three
+    # blocks only if B takes that block itself (docs/design.md, "Claim or copy"); the
+    # count oracle's bounded model, which kvcache's contract once asked for, asserted
+    # that the cache "admitted what cannot fit" here: a crash of the judge
+    target = LocalTarget(kvcache.load())
+    op_list = [ops.admit("A", range(100, 112)), ops.commit("A", 9), ops.free("A"),
+               ops.admit("C", range(500, 505)), ops.admit("B", [100, *range(900, 908)])]
+    target.open(5, B)
+    assert target.apply_all(op_list)[-1].value == {"reused_tokens": 1,
+                                                   "block_ids": [2, 0, 1],
+                                                   "scheduled_tokens": 9}
+    assert oracles(target, op_list, 5) == []
 
 
 def test_blocks_held_after_free_are_caught() -> None:

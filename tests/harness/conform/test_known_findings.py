@@ -60,7 +60,8 @@ def test_report_md_names_the_engine_code_and_the_known_finding(tmp_path: Path) -
     found = report.checks[0]
     assert found.known == {}  # kvcache has no known finding
     text = write_report(report, tmp_path)[1].read_text()
-    assert "- the failing op, `admit(S7, 9 tokens 100..108, salt='1')`, goes through " \
+    # the shrunk op list's last admission, its tokens renamed 1, 2, ...
+    assert "- the failing op, `admit(S7, tokens [1, 2], salt='1')`, goes through " \
         "`kvcache/core/manager.py`: KvCacheManager.add_sequence, " \
         "KvCacheManager.take_copy_ops" in text
     # the same failure on a release the registry knows is annotated with upstream's word

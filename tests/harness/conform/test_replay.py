@@ -71,14 +71,16 @@ def test_a_fuzz_failure_replays_from_its_own_file_and_its_report_text(tmp_path: 
     assert [c.status for c in report.checks] == ["pass", "fail"]
     found = report.checks[1]
     record = load(tmp_path / "fuzz_seed_1.replay.json")
-    assert record.num_blocks == found.num_blocks == 12 and record.expectations == ()
+    # the shrinker may take a smaller pool than the 12 blocks the seed ran on
+    assert record.num_blocks == found.num_blocks <= 12 and record.expectations == ()
     assert 0 < len(record.ops) < found.num_ops and record.step == len(record.ops) - 1
     outcome = replay(LocalTarget(kvcache.load(faults.SaltIsLora)), record)
     assert [v.oracle for v in outcome.violations][:1] == [found.oracle]
     assert not replay(LocalTarget(kvcache.load()), record).failed
     # report.md alone reproduces it: the pool and every op, each token written
     text = (tmp_path / "report.md").read_text()
-    assert f"on a fresh cache of {found.num_blocks} blocks of 4 tokens" in text
+    blocks = f"{found.num_blocks} block{'' if found.num_blocks == 1 else 's'}"
+    assert f"on a fresh cache of {blocks} of 4 tokens" in text
     for op in record.ops:
         assert f"    {op.describe()}" in text or op.describe() in text
     assert ", ...," not in text

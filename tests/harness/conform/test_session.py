@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 
 from harness.conform import ops
+from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.controller.families import B
+from harness.conform.controller.targets import LocalTarget, replay
 from harness.conform.worker.session import Session, StepReport
 from tests.harness.conform import faults
 
@@ -48,3 +51,15 @@ def test_a_step_report_survives_the_pipe() -> None:
     r = s.apply(ops.admit("A", list(range(9))))
     again = StepReport.from_dict(json.loads(json.dumps(r.as_dict())))
     assert again == r
+
+
+def test_a_report_keeps_what_its_op_logged_then() -> None:
+    # an adapter that logs a sequence's own token list, which the append then extends;
+    # a batch's reports are read (or sent) after all its ops ran
+    target = LocalTarget(kvcache.load(faults.LogsLiveTokens))
+    op_list = [ops.admit("s26", range(14)), ops.append("s26", [30, 31])]
+    target.open(12, B)
+    admitted, appended = target.apply_all(op_list)
+    assert len(admitted.log[0]["tokens"]) == 14 and appended.log[0]["tokens"] == [30, 31]
+    # read late, the admission held 16 tokens, and the append's 2 more need a 5th block
+    assert replay(target, op_list, 12, B) == []

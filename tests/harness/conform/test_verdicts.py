@@ -8,6 +8,7 @@ Each is shown on kvcache's manager with the fault planted (tests/harness/conform
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -81,8 +82,9 @@ def test_a_lora_name_repointed_at_another_adapter_is_a_finding() -> None:
     assert clean.status == "pass", clean.message
     found = run_check(LocalTarget(kvcache.load(faults.KeysLoraByName)), check)
     assert (found.status, found.oracle) == ("fail", "count"), found.message
-    assert "lora=('x', 2, '/loras/2')) reused 8 tokens; the count oracle predicts 0" \
-        in found.message
+    # shrunk to the re-pointed adapter's admission reusing the first one's KV
+    assert re.search(r"lora=\('x', 2, '/loras/2'\)\) reused [1-9][0-9]* tokens; the count "
+                     r"oracle predicts 0", found.message), found.message
     assert any("re-pointed from /loras/1 (id 1) to /loras/2 (id 2) reuses: got 17, "
                "expected 0" in a for a in found.also)
 

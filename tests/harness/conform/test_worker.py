@@ -267,3 +267,28 @@ def test_the_speed_table_without_an_install_says_which_command_installs_one(
                         "installs one)"
     assert said[0] == f"conform bench: {first} is not installed; skipped (kvharness " \
                       f"conform {first} installs it)"
+
+
+# -- an engine that raises -----------------------------------------------------------------
+
+# each calls every op kind but evict twice or more (the fuzz's seeds 0 and 1 evict twice)
+RAISING_CHECKS = ["multi_turn", "chunked_admission"]
+
+
+@pytest.mark.parametrize("kind", ops.KINDS)
+def test_an_engine_that_raises_is_a_finding_never_a_crash(fake_engine: Configure,
+                                                          kind: str) -> None:
+    # the second call of `kind` raises after the engine acted, before its log was
+    # written: its used blocks then disagree with every model, and the session still
+    # drives what the engine freed or holds what it admitted; every check, the fuzz
+    # and each shrink run to their verdict through the pipe (test_judge.py has each
+    # way of raising, in this process)
+    report = conform(f"{ENGINE}=={VERSION}",
+                     fake_engine(raises={"kind": kind, "when": "unlogged"}),
+                     seeds=2, only=RAISING_CHECKS, say=lambda _: None)
+    assert (report.exit_code, report.reason) == (1, "")
+    assert len(report.checks) == len(RAISING_CHECKS) + 2 and report.failed
+    for check in report.failed:
+        assert (check.oracle, check.status) == ("api", "fail"), check.message
+        assert f"RuntimeError: planted: {kind} raised after it was done" in check.message
+        assert check.ops[-1]["kind"] == kind  # shrunk to the op that raised

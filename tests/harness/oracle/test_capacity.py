@@ -140,3 +140,22 @@ def test_a_windowed_admission_needs_its_window_and_its_new_blocks() -> None:
     assert cap.admission_need(prompt, num_cached=12) == 2
     with pytest.raises(ValueError, match=r"num_cached must lie in \[0, 20\)"):
         cap.admission_need(prompt)
+
+
+@pytest.mark.parametrize("window", [None, 2**40], ids=["full", "conform"])
+def test_a_decoded_token_takes_a_block_only_when_it_starts_one(window: int | None) -> None:
+    """14 prompt tokens hold 4 blocks of 4; decoded tokens 15 and 16 fit in the 4th, the
+    17th takes a 5th (SGLang's alloc_paged_token_slots_decode takes a page only for a
+    token that starts one: the rule its contract cites). `conform`: the judge's mode, a
+    window wider than any context."""
+    cap = CapacityOracle(4, 12, sliding_window=window)
+    cap.apply(Event("admit", "s26", tuple(range(1, 15)), 0, None, (1, 2, 3, 4)))
+    assert (cap.needed, cap.live) == (4, frozenset({"s26"}))
+    for token in (15, 16):
+        assert cap.append_need("s26", 1) == 0
+        cap.apply(Event("append", "s26", (token,)))
+    assert (cap.needed, cap.append_need("s26", 1), cap.append_need("s26", 5)) == (4, 1, 2)
+    cap.apply(Event("append", "s26", (17,), 0, None, (5,)))
+    assert cap.needed == 5
+    cap.apply(Event("free", "s26"))
+    assert (cap.needed, cap.live) == (0, frozenset())

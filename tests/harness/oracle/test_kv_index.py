@@ -199,3 +199,24 @@ def test_json_lines_replay_equals_live_folding() -> None:
     assert live.cached() == replayed.cached() == tree_hashes(mgr)
     assert replayed.probe([1, 2, 3, 4, 5, 6], salt=b"\x00") == mgr.probe_reuse(
         [1, 2, 3, 4, 5, 6], ReuseScope(salt=b"\x00"))
+
+
+def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, object]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": 2, "salt": None, "lora_id": None,
+            "medium": "GPU"}
+
+
+def test_a_blocks_chain_reads_its_tokens_up_its_parents() -> None:
+    index = EventIndex(2)
+    index.extend([_stored([1, 2], None, [5, 6, 7, 8]), _stored([3], 2, [9, 9]),
+                  _stored([4], 1, [0, 0])])
+    assert index.chain_tokens(3) == (5, 6, 7, 8, 9, 9)
+    assert index.chain_tokens(4) == (5, 6, 0, 0)  # a branch after the first block
+    assert index.chain_tokens(99) is None  # never stored
+    index.apply({"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"})
+    assert index.chain_tokens(3) is None  # a block above it left the cache
+    # hashes that do not chain their parent: a block can name its own descendant
+    looped = EventIndex(2)
+    looped.extend([_stored([7], 8, [1, 1]), _stored([8], 7, [1, 1])])
+    assert looped.chain_tokens(7) is None
