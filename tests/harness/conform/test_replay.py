@@ -146,7 +146,7 @@ def _cases(*params: Any) -> list[Any]:
                  id="conform-replay-ops-type"),
     pytest.param({"expectations": [{"name": "os.system", "params": {"step": 0}}]},
                  "expectations[0].name: 'os.system' is not a registered expectation; known: "
-                 "result, admitted, done, distinct_event_hashes",
+                 "result, admitted, done, freed, distinct_event_hashes",
                  id="conform-replay-expectation-unknown"),
     pytest.param({"expectations": [{"name": "result", "params": {"step": 3, "what": "x",
                                                                   "want": 0}}]},
