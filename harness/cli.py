@@ -27,6 +27,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -227,17 +228,27 @@ CONFORM_EXIT_CODES = """\
 exit codes:
   0  every check passed
   1  a check found a violation (report.md lists each finding with its op list)
-  2  it could not run: an unsupported version (the supported ones are named), a failed
-     install, a self-test that refused a stubbed or mocked engine function, a worker
-     that died; the report says why"""
+  2  it could not run: no lock could be resolved (the step, and what would fix it), a
+     failed install, a self-test that refused a stubbed or mocked engine function, a
+     worker that died; the report says why
+`conform lock NAME==VERSION`: 0 the lock is written (or committed already), 2 it could
+not be made (the reason said)"""
 
 
 def _conform(args: argparse.Namespace) -> int:
-    from harness.conform.runner import conform, replay_file  # loads nothing at startup
+    from harness.conform.runner import conform, replay_file, write_lock  # nothing at startup
 
+    if args.spec == "lock" or args.lock_spec is not None:
+        if args.spec != "lock" or args.lock_spec is None:
+            given = " ".join(filter(None, (args.spec, args.lock_spec)))
+            print(f"kvharness conform: expected SPEC or `lock NAME==VERSION`, got {given!r}",
+                  file=sys.stderr)
+            return 2
+        return write_lock(args.lock_spec)
     if args.replay is not None:
         return replay_file(args.spec, args.replay)
-    folder = args.report or DEFAULT_RESULTS / "conform" / args.spec.replace("==", "-")
+    folder = args.report or DEFAULT_RESULTS / "conform" / re.sub(r"[^A-Za-z0-9_.+-]+", "-",
+                                                                 args.spec.replace("==", "-"))
     report = conform(args.spec, folder, seeds=args.seeds, bench=args.bench,
                      bench_quick=args.bench_quick, only=args.check)
     return report.exit_code
@@ -355,8 +366,12 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=CONFORM_EXIT_CODES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("spec", metavar="SPEC",
-                   help="vllm==0.33.0, sglang==0.5.23, kvcache, or a bare name for the "
-                   "version installed here")
+                   help="vllm==0.33.0 or sglang==0.5.6.post2 (any release: a lock is resolved "
+                   "at first use where none is committed), vllm@PATH (a source tree), kvcache, "
+                   "a bare name for the version installed here, or `lock NAME==VERSION` (write "
+                   "the release's lock into harness/conform/locks for committing)")
+    p.add_argument("lock_spec", nargs="?", default=None, metavar="NAME==VERSION",
+                   help=argparse.SUPPRESS)
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
                    help=f"where report.md and report.json go (default: "
                    f"{DEFAULT_RESULTS}/conform/SPEC)")

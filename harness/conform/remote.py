@@ -2,7 +2,11 @@
 
 It starts `python -m harness.conform.worker` with the engine's interpreter. The worker
 sees the harness (and kvcache, for the benchmark) through a folder holding links to
-those two packages only, never the harness's whole environment. Replies are read with a
+those two packages only, never the harness's whole environment, and a source tree's
+package root after it when the engine comes from one. PYTHONHASHSEED is fixed
+(`HASH_SEED`): vLLM seeds its block hashes from it (a random seed per process without
+it, so the events' hashes would change from run to run) and warns on every cache it
+builds when it is unset. Replies are read with a
 timeout on a reader thread, so a hung engine ends the run (WorkerError, exit 2) instead
 of the harness. The worker's stderr goes to `log`, whose tail every WorkerError quotes.
 """
@@ -29,6 +33,7 @@ from harness.conform.stubs import StubSpec
 LOAD_TIMEOUT = 900.0  # the first import after an install compiles every module
 CALL_TIMEOUT = 300.0
 BENCH_TIMEOUT = 3600.0
+HASH_SEED = "0"
 
 
 class WorkerError(RuntimeError):
@@ -45,19 +50,32 @@ def _package_links() -> Path:
     return folder
 
 
+def worker_environment(python: Path, links: Path, source: Path | None) -> dict[str, str]:
+    """The worker's environment: this one's, but its Python path is `links` (then
+    `source`, a source tree's package root), no user site, PYTHONHASHSEED fixed
+    (`HASH_SEED`) whatever it is here, and `python`'s folder first on PATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    path = [str(links)] + ([str(source)] if source is not None else [])
+    env.update(PYTHONPATH=os.pathsep.join(path), PYTHONNOUSERSITE="1",
+               PYTHONHASHSEED=HASH_SEED,
+               PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
+    return env
+
+
 class WorkerTarget:
     """A `Target` whose caches live in a worker process (see the module docstring).
 
     `python`: the engine venv's interpreter; `engine`: an adapter name; `stubs`: the
-    lock's stubs. Starting it loads the engine (`info` says what loaded).
+    lock's stubs; `source`: a source tree's package root, imported from where it is;
+    `version`: the engine's version where its package has no metadata (a source tree).
+    Starting it loads the engine (`info` says what loaded).
     """
 
-    def __init__(self, python: Path, engine: str, stubs: StubSpec, log: Path) -> None:
+    def __init__(self, python: Path, engine: str, stubs: StubSpec, log: Path,
+                 source: Path | None = None, version: str | None = None) -> None:
         self.log = log
         self._links = _package_links()
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        env.update(PYTHONPATH=str(self._links), PYTHONNOUSERSITE="1",
-                   PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
+        env = worker_environment(python, self._links, source)
         log.parent.mkdir(parents=True, exist_ok=True)
         self._err = open(log, "w", encoding="utf-8")  # noqa: SIM115 (open until close())
         self._proc = subprocess.Popen(
@@ -66,8 +84,8 @@ class WorkerTarget:
             encoding="utf-8")
         self._replies: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True).start()
-        self.info = self._call({"cmd": "load", "engine": engine, "stubs": stubs.as_dict()},
-                               LOAD_TIMEOUT)
+        self.info = self._call({"cmd": "load", "engine": engine, "stubs": stubs.as_dict(),
+                                "version": version}, LOAD_TIMEOUT)
         self._name = f"{self.info['engine']} {self.info['version']}"
 
     def _read(self, stream: IO[str] | None) -> None:

@@ -18,13 +18,14 @@ The tree only matches, inserts, locks and evicts; the adapter is its scheduler:
 - a free inserts the computed pages, frees the rest and unlocks (`cache_finished_req`).
 
 Release differences are found by feature (`create_simulated`, parameter objects,
-`cache_salt`, `path_device_indices`); the stubs come from the lock file.
+`cache_salt`, `path_device_indices`); the stubs come from the lock file. A release whose
+contract was not read by hand (not in CONTRACT_RELEASES) takes the nearest known one's,
+with the salt's place in event hashes detected from `RadixKey` (`detect`).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import inspect
 import os
 from array import array
@@ -39,14 +40,20 @@ from harness.conform.protocol import (
     LoadedEngine,
     Scope,
     Stats,
+    contract_basis,
+    installed_version,
+    settle,
 )
 from harness.conform.stubs import StubSpec, install
+from harness.conform.versions import nearest
 
 MODULES = ("sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.base_prefix_cache")
 # The availability probes a lock file may ask to prime (`StubSpec.prime`): asked once
 # before the stub exists, a probe caches the true answer (lru_cache), so the dependency
 # never imports names from the stub.
 PROBES = {"torchvision": ("transformers.utils.import_utils", "is_torchvision_available")}
+# the releases whose RadixCache contract was read from their own code (docs/conformance.md)
+CONTRACT_RELEASES = ("0.5.5", "0.5.10", "0.5.12", "0.5.22", "0.5.23")
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -96,32 +103,47 @@ def prime_probes(stubs: StubSpec) -> None:
                                "package must not be; remove it from the venv")
 
 
-def load(stubs: StubSpec) -> LoadedEngine:
+def detect(s: SglangNames) -> dict[str, tuple[Any, str]]:
+    """The contract fields this release's own code settles: field -> (value, where).
+    scope_in_event_hash: a `cache_salt` parameter of `RadixKey` (0.5.22 on) keeps the
+    salt in event hashes and the LoRA out; without one both travel in the extra key."""
+    kinds = ("salt",) if s.has_salt else ("salt", "lora")
+    return {"scope_in_event_hash": (kinds, "radix_cache.py RadixKey.__init__ has "
+                                    + ("a" if s.has_salt else "no") + " cache_salt parameter")}
+
+
+def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
     """Prime the probes, install `stubs`, import SGLang's RadixCache and return the
-    engine. Raises ImportError when it does not import, RuntimeError when a package to
-    stub is installed."""
-    return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache)
+    engine; `version` is used where SGLang has no metadata (a source tree). Raises
+    ImportError when it does not import, RuntimeError when a package to stub is
+    installed."""
+    return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache, version,
+                       CONTRACT_RELEASES)
 
 
 def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
-                names: Callable[[], Any], cache: Callable[..., CacheUnderTest]
-                ) -> LoadedEngine:
+                names: Callable[[], Any], cache: Callable[..., CacheUnderTest],
+                version: str | None, releases: tuple[str, ...]) -> LoadedEngine:
     """`load` for one of SGLang's trees: prime the probes, install `stubs`, import
     `modules`, then `names()` once and `cache(names, version, num_blocks, block_size,
-    record)` per fresh cache. Raises as `load`."""
+    record)` per fresh cache; `releases` are those whose contract is known. Raises as
+    `load`."""
     prime_probes(stubs)
     finder = install(stubs)
     sglang = importlib.import_module("sglang")
     for module in modules:
         importlib.import_module(module)
-    version = importlib.metadata.version("sglang")
+    found = installed_version("sglang", version)
     engine = names()
+    known = nearest(found, releases) or found
+    engine.known, engine.detected = known, (detect(engine) if known != found else {})
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return cache(engine, version, num_blocks, block_size, record)
+        return cache(engine, found, num_blocks, block_size, record)
 
-    return LoadedEngine(name, version, os.path.dirname(str(sglang.__file__)), new,
-                        modules, tuple(finder.served))
+    return LoadedEngine(name, found, os.path.dirname(str(sglang.__file__)), new,
+                        modules, tuple(finder.served),
+                        contract_basis(found, known, engine.detected))
 
 
 class SglangNames:
@@ -144,6 +166,9 @@ class SglangNames:
         params = set(inspect.signature(self.RadixKey.__init__).parameters)
         self.has_salt = "cache_salt" in params  # 0.5.22 on
         self.array_keys = "limit" in params  # 0.5.22 on: token ids as array('q')
+        # the contract's basis (`load_sglang` sets them): the known release, detections
+        self.known = ""
+        self.detected: dict[str, tuple[Any, str]] = {}
 
 
 class PageAllocator:
@@ -221,7 +246,12 @@ class SglangCache:
         return s.RadixCache(None, self.alloc, P, enable_kv_cache_events=self.record)  # 0.5.5
 
     def _make_contract(self, version: str) -> Contract:
-        return contract(version, self.block_size)
+        base = self._contract_of(self.s.known, self.block_size)
+        return base if self.s.known == version else settle(base, version, self.s.detected)
+
+    @staticmethod
+    def _contract_of(version: str, block_size: int) -> Contract:
+        return contract(version, block_size)
 
     def _lock(self, node: Any) -> Any:
         """Lock `node` (and its path) against eviction; returns what `_unlock` takes."""

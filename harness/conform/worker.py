@@ -6,7 +6,9 @@ message is data; the one that loads an engine names it, and the name selects an 
 from `harness.conform.locks.ADAPTERS` (anything else is refused), so no message names
 code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}.
 
-    load    engine, stubs          -> engine, version, package_dir, stubs_served, seconds
+    load    engine, stubs, version -> engine, version, package_dir, stubs_served, seconds,
+                                      contract_basis (version: used where the package has
+                                      no metadata, a source tree)
     selftest                       -> problems, sources, substitutes
     open    num_blocks, block_size -> contract
     ops     ops (a list)           -> reports (one StepReport dict per op)
@@ -78,11 +80,15 @@ class Worker:
         if name not in ADAPTERS:
             raise ValueError(f"no adapter for engine {name!r}; known: {sorted(ADAPTERS)}")
         start = time.perf_counter()
+        version = msg.get("version")
+        if version is not None and not isinstance(version, str):
+            raise ValueError(f"load: version must be a string or null, got {version!r}")
         adapter = importlib.import_module(ADAPTERS[name])
-        self.engine = adapter.load(StubSpec.from_dict(msg.get("stubs", {})))
+        self.engine = adapter.load(StubSpec.from_dict(msg.get("stubs", {})), version)
         e = self.engine
         return {"engine": e.name, "version": e.version, "package_dir": e.package_dir,
                 "stubs_served": list(e.stubs_served),
+                "contract_basis": dict(e.contract_basis),
                 "seconds": round(time.perf_counter() - start, 2)}
 
 

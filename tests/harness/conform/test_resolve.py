@@ -1,0 +1,89 @@
+"""Resolving a lock from a wheel's metadata, the parts that need no engine and no
+registry: the engine's own specifiers, Requires-Python, module -> distribution, what
+pip's resolver is asked and what its report pins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from harness.conform.locks import never_pinned
+from harness.conform.resolve import (
+    admits,
+    module_distribution,
+    pins_from_report,
+    request_lines,
+    requirements,
+    requires_python,
+)
+
+METADATA = """\
+Metadata-Version: 2.4
+Name: vllm
+Version: 0.30.0
+Requires-Python: <3.15,>=3.10
+Requires-Dist: regex
+Requires-Dist: transformers<5.21.0,>=5.16.1
+Requires-Dist: fastapi[standard]<0.137.0,>=0.133.0
+Requires-Dist: protobuf>=5.29.6; platform_machine != "s390x"
+Requires-Dist: protobuf==7.36.1; platform_machine == "s390x"
+Requires-Dist: pyzmq>=25.0.0
+Requires-Dist: torch==2.14.0
+Requires-Dist: tensorizer==2.10.1; extra == "tensorizer"
+Requires-Dist: Py_Cpuinfo (>=9)
+
+vLLM's description, which is not a header.
+"""
+
+
+def test_the_engines_own_specifiers_are_read_without_extras() -> None:
+    got = requirements(METADATA)
+    assert got["transformers"] == ["transformers<5.21.0,>=5.16.1"]
+    assert got["fastapi"] == ["fastapi<0.137.0,>=0.133.0"]  # the extra's packages stay out
+    assert got["protobuf"] == ['protobuf>=5.29.6 ; platform_machine != "s390x"',
+                               'protobuf==7.36.1 ; platform_machine == "s390x"']
+    assert got["py-cpuinfo"] == ["Py_Cpuinfo>=9"]  # names normalised, parentheses dropped
+    assert "tensorizer" not in got  # only under an extra
+    assert requires_python(METADATA) == "<3.15,>=3.10"
+
+
+@pytest.mark.parametrize(("specifier", "python", "ok"), [
+    pytest.param("<3.15,>=3.10", "3.11", True, id="inside"),
+    pytest.param(">=3.12", "3.11", False, id="too-old"),
+    pytest.param("<3.12,>=3.9", "3.12", False, id="too-new"),
+    pytest.param("==3.11.*", "3.11", True, id="wildcard"),
+    pytest.param("!=3.12.*,>=3.10", "3.12", False, id="excluded"),
+    pytest.param(None, "3.12", True, id="none"),
+])
+def test_requires_python_decides_the_interpreter(specifier: str | None, python: str,
+                                                 ok: bool) -> None:
+    assert admits(specifier, python) is ok
+
+
+def test_a_closure_name_takes_the_engines_specifier_or_stays_bare() -> None:
+    got = request_lines(["transformers", "PyYAML", "py_cpuinfo"], requirements(METADATA))
+    assert got == ["transformers<5.21.0,>=5.16.1", "PyYAML", "Py_Cpuinfo>=9"]
+
+
+@pytest.mark.parametrize(("module", "dist"), [
+    pytest.param("zmq.asyncio", "pyzmq", id="known-pair"),
+    pytest.param("regex", "regex", id="engine-requirement"),
+    pytest.param("cpuinfo", "py-cpuinfo", id="known-pair-2"),
+    pytest.param("blake3", "blake3", id="own-name"),
+])
+def test_a_missing_module_maps_to_its_distribution(module: str, dist: str) -> None:
+    assert module_distribution(module, requirements(METADATA)) == dist
+
+
+def _item(name: str, version: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "version": version}, "download_info": {}}
+
+
+def test_the_resolvers_report_is_pinned_but_torch_and_cuda() -> None:
+    report = {"version": "1", "install": [
+        _item("transformers", "5.20.2"), _item("torch", "2.14.0"),
+        _item("nvidia-cublas-cu12", "12.8.4.1"), _item("Pygments", "2.21.0"),
+        _item("aiohttp", "3.14.5")]}
+    assert pins_from_report(report, never_pinned) == [
+        "aiohttp==3.14.5", "Pygments==2.21.0", "transformers==5.20.2"]
