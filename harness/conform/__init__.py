@@ -9,10 +9,12 @@
                   the implementations (SGLang's RadixCache and UnifiedRadixCache)
     stubs, selftest   raising stand-ins for the GPU stack; proof that the code is the engine's
     locks, install    pinned versions (harness/conform/locks/*.json) and their venvs
+    versions, resolve release numbers in pip's order; a lock made for a release without one
+    tree              a source tree's package root and version (`vllm@PATH`)
     worker, remote    the engine's side and the harness's side of the JSON pipe
     runner, report, bench   `kvharness conform`, report.md / report.json, the speed table
 
-Every module an engine's worker imports (protocol, ops, session, stubs, selftest, worker,
-bench and the adapters) uses the standard library only until its adapter loads the
-engine; see docs/conformance.md.
+Every module an engine's worker imports (protocol, ops, session, stubs, selftest,
+versions, worker, bench and the adapters) uses the standard library only until its
+adapter loads the engine; see docs/conformance.md.
 """

@@ -17,6 +17,7 @@ a worker that died); the report says why.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import re
 import sys
 import tempfile
@@ -187,11 +188,17 @@ def _engine(spec: EngineSpec, report: Report, say: Say) -> Engine:
                             f"({sys.executable}); name a release ({spec.engine}==VERSION) "
                             f"or a source tree ({spec.engine}@PATH)") from None
         lock = _nearest(spec.engine, version)
+        # the folder this interpreter imports the package from (a PYTHONPATH or an
+        # editable install's path), so the worker imports the same code
+        found = importlib.util.find_spec(package)
+        locations = list(found.submodule_search_locations or ()) if found else []
+        imported_from = Path(locations[0]).parent if locations else None
         report.install = {"venv": None, "interpreter": sys.executable}
         report.source = {"kind": "installed", "interpreter": sys.executable,
-                         "stubs_from": str(lock.path)}
-        say(f"{spec.engine} {version} installed in {sys.executable}; stubs of {lock.spec}")
-        return Engine(Path(sys.executable), lock, None, version)
+                         "package_root": str(imported_from), "stubs_from": str(lock.path)}
+        say(f"{spec.engine} {version} installed in {sys.executable} ({imported_from}); "
+            f"stubs of {lock.spec}")
+        return Engine(Path(sys.executable), lock, imported_from, version)
     lock = _release_lock(spec.engine, spec.version, base, say)
     for line in _lock_lines(lock):
         say(line)

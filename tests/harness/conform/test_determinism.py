@@ -1,6 +1,7 @@
 """Two runs of one release write the same report.json but for timings: every timing is a
 key named `seconds` (harness.conform.report.Report), and the worker fixes PYTHONHASHSEED
-(vLLM seeds its block hashes from it, randomly per process without it)."""
+(vLLM seeds its block hashes from it, randomly per process without it). The same on the
+pinned engines: test_engine_full.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from typing import Any
 
 import pytest
 
-from harness.conform import install
-from harness.conform.locks import find_lock
 from harness.conform.remote import HASH_SEED, worker_environment
 from harness.conform.runner import conform
 
@@ -26,7 +25,7 @@ def without_timings(data: Any) -> Any:
     return data
 
 
-def _two_runs(spec: str, tmp_path: Path, **kwargs: Any) -> tuple[str, str]:
+def two_runs(spec: str, tmp_path: Path, **kwargs: Any) -> tuple[str, str]:
     texts = []
     for run in ("a", "b"):
         conform(spec, tmp_path / run, say=lambda _: None, **kwargs)
@@ -36,7 +35,7 @@ def _two_runs(spec: str, tmp_path: Path, **kwargs: Any) -> tuple[str, str]:
 
 
 def test_two_kvcache_runs_write_the_same_report_but_timings(tmp_path: Path) -> None:
-    first, second = _two_runs("kvcache", tmp_path, seeds=3)
+    first, second = two_runs("kvcache", tmp_path, seeds=3)
     assert '"seconds"' not in first and '"checks"' in first
     assert first == second
 
@@ -53,15 +52,3 @@ def test_the_worker_runs_with_a_fixed_hash_seed(here: str | None, tmp_path: Path
     env = worker_environment(Path("/venv/bin/python"), tmp_path / "links", tmp_path / "src")
     assert env["PYTHONHASHSEED"] == HASH_SEED
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "links"), str(tmp_path / "src")]
-
-
-@pytest.mark.parametrize("spec", ["vllm==0.33.0", "sglang==0.5.23"], ids=["vllm", "sglang"])
-def test_two_engine_runs_write_the_same_report_but_timings(spec: str, tmp_path: Path) -> None:
-    engine, version = spec.split("==")
-    if install.installed(find_lock(engine, version)) is None:
-        pytest.skip(f"{spec} is not installed in {install.cache_dir()} (kvharness conform "
-                    f"{spec} installs it)")
-    first, second = _two_runs(spec, tmp_path, seeds=2,
-                              only=["cold_then_warm", "scope_event_hashes", "repeated_blocks"])
-    assert '"block_hashes"' in first or '"observed"' in first
-    assert first == second

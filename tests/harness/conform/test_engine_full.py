@@ -1,5 +1,7 @@
-"""The pinned engines' full conformance runs (installed on first use, then cached), and
-the findings of older releases, which must stay found where those are installed."""
+"""The pinned engines' full conformance runs (installed on first use, then cached), two
+runs of each giving one report.json but for timings, a source tree with and without a
+planted bug, and the findings of older releases, which must stay found where those are
+installed."""
 
 from __future__ import annotations
 
@@ -51,3 +53,26 @@ def test_a_known_finding_is_still_found(spec: str, check: str, oracle: str,
     (result,) = report.checks
     assert (result.status, result.oracle) == ("fail", oracle)
     assert 0 < len(result.ops) <= result.num_ops
+
+
+def test_a_source_tree_is_checked_and_a_planted_bug_found_installing(tmp_path: Path) -> None:
+    """test_engine_tree.py's run, with the release's venv and the pins-only venv installed
+    first where they are missing (each once; later runs reuse them)."""
+    from tests.harness.conform.test_engine_tree import run_tree
+    from tests.harness.conform.trees import RELEASE
+
+    engine, version = RELEASE.split("==")
+    lock = find_lock(engine, version)
+    install.ensure(lock, print)
+    install.ensure(lock, print, engine_wheel=False)
+    run_tree(tmp_path)
+
+
+@pytest.mark.parametrize("spec", ["vllm==0.33.0", "sglang==0.5.23"], ids=["vllm", "sglang"])
+def test_two_engine_runs_write_the_same_report_but_timings(spec: str, tmp_path: Path) -> None:
+    from tests.harness.conform.test_determinism import two_runs
+
+    first, second = two_runs(spec, tmp_path, seeds=2,
+                             only=["cold_then_warm", "scope_event_hashes", "repeated_blocks"])
+    assert first.count('"name": "fuzz_seed_') == 2 and '"scope_event_hashes"' in first
+    assert first == second
