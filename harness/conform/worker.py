@@ -113,11 +113,16 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
 
 
 def main() -> None:
-    """Keep stdout for replies, send everything else printed to stderr, serve."""
+    """Keep stdout for replies, send everything else printed to stderr, serve; then exit
+    at once: an interpreter that imported vLLM takes 2-12 s to tear its modules and
+    threads down, and the worker has nothing left to keep (its replies are flushed)."""
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     serve(sys.stdin, replies)
+    replies.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
