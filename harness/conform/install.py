@@ -76,12 +76,16 @@ def _site_packages(venv: Path) -> Path:
     return venv / "lib" / tag / "site-packages"
 
 
-def _torch_version() -> str:
+def torch_version() -> str:
+    """This interpreter's torch version (shared with every engine venv); InstallError
+    when it has none."""
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
-        raise InstallError("this interpreter has no torch to share with the engine's venv: "
-                           "install the CPU build first (see README)") from None
+        raise InstallError(f"this interpreter ({sys.executable}, Python "
+                           f"{sys.version.split()[0]}) has no torch to share with the engine's "
+                           "venv: install a CPU build of torch for it first (see "
+                           "docs/conformance.md, 'Python 3.11 and 3.12')") from None
 
 
 def stamp(lock: Lock) -> dict[str, str]:
@@ -90,7 +94,7 @@ def stamp(lock: Lock) -> dict[str, str]:
     the layout."""
     return {"lock_sha256": hashlib.sha256(lock.path.read_bytes()).hexdigest(),
             "python": sys.version.split()[0], "prefix": sys.prefix,
-            "torch": _torch_version(), "layout": str(LAYOUT)}
+            "torch": torch_version(), "layout": str(LAYOUT)}
 
 
 def home_name(lock: Lock, engine_wheel: bool = True) -> str:
@@ -248,7 +252,7 @@ def _shared_torch(base: Path) -> Path:
     (their packages and dist-info), built once per interpreter and torch."""
     site = Path(sysconfig.get_paths()["purelib"])
     digest = hashlib.sha256(f"{sys.prefix}|{site}".encode()).hexdigest()[:12]
-    folder = base / f"torch-{_torch_version()}-{digest}"
+    folder = base / f"torch-{torch_version()}-{digest}"
     if (folder / ".complete").exists():
         return folder
     shutil.rmtree(folder, ignore_errors=True)

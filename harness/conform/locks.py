@@ -249,9 +249,11 @@ def find_lock(engine: str, version: str, lock_dir: Path = LOCK_DIR,
     for folder in (lock_dir, resolved_dir):
         if folder is not None and (folder / lock_name(engine, version, python)).exists():
             return load_lock(folder / lock_name(engine, version, python))
-    versions = supported(lock_dir, python)[engine]
+    versions, mine = supported(lock_dir, python)[engine], ""
+    if not versions and python != DEFAULT_PYTHON:
+        versions, mine = supported(lock_dir, DEFAULT_PYTHON)[engine], f" for {DEFAULT_PYTHON}"
     raise UnsupportedVersion(
-        f"{engine} {version} has no lock for Python {python}; committed: "
+        f"{engine} {version} has no lock for Python {python}; committed{mine}: "
         f"{', '.join(versions) or 'none'}. `kvharness conform {engine}=={version}` "
         f"resolves one at first use; `kvharness conform lock {engine}=={version}` writes "
         f"it into {lock_dir} for committing")

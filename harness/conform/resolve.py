@@ -223,6 +223,7 @@ def resolve(engine: str, version: str, base: Path, say: Say = print,
         raise ResolveError(f"{engine} has no committed lock to start from: write one by hand "
                            "(docs/conformance.md, 'Adding an engine')")
     python = python_tag()
+    install.torch_version()  # InstallError before any download when there is none to share
     home = base / f"{engine}-{version}"
     log = install.make_home(home)
     say(f"{engine} {version} has no lock: resolving one from its wheel and the nearest "

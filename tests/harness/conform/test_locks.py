@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from harness.conform.locks import (
+    DEFAULT_PYTHON,
     LOCK_DIR,
+    Lock,
     LockError,
     UnsupportedVersion,
     find_lock,
@@ -21,10 +23,16 @@ from harness.conform.locks import (
     lock_name,
     nearest_lock,
     parse_lock,
+    python_tag,
     supported,
 )
 
 LOCKS = sorted(LOCK_DIR.glob("*.json"))
+
+
+def committed(engine: str, version: str) -> Lock:
+    """A committed lock, whichever Python runs the test (find_lock looks for this one's)."""
+    return load_lock(LOCK_DIR / lock_name(engine, version, DEFAULT_PYTHON))
 
 
 @pytest.mark.parametrize("path", LOCKS, ids=[p.stem for p in LOCKS])
@@ -37,7 +45,7 @@ def test_every_lock_validates(path: Path) -> None:
 
 
 def test_the_matrix_has_the_current_release_and_three_older_of_each() -> None:
-    got = supported()
+    got = supported(python=DEFAULT_PYTHON)
     assert got["vllm"][-1] == "0.33.0" and len(got["vllm"]) >= 4
     assert got["sglang"][-1] == "0.5.23" and len(got["sglang"]) >= 4
     assert got["sglang"].index("0.5.5") < got["sglang"].index("0.5.10")  # numbers, not text
@@ -77,7 +85,7 @@ def test_a_bad_lock_is_refused_naming_the_field(change: dict[str, Any], message:
 
 def test_a_release_without_a_lock_names_the_committed_ones_and_the_fix() -> None:
     with pytest.raises(UnsupportedVersion, match=r"vllm 0\.30\.0 has no lock for Python "
-                       r"3\.\d+; committed: 0\.10\.2, .*0\.33\.0\. `kvharness conform "
+                       r"3\.\d+; committed( for 3\.11)?: 0\.10\.2, .*0\.33\.0\. `kvharness conform "
                        r"vllm==0\.30\.0` resolves one at first use; `kvharness conform lock "
                        r"vllm==0\.30\.0` writes it into"):
         find_lock("vllm", "0.30.0")
@@ -97,21 +105,24 @@ def _write(folder: Path, data: dict[str, Any]) -> Path:
                  id="dev-local"),
 ])
 def test_a_lock_takes_post_and_dev_versions(version: str, wheel: str, tmp_path: Path) -> None:
-    data = {**lock_data(find_lock("sglang", "0.5.5")), "version": version,
+    data = {**lock_data(committed("sglang", "0.5.5")), "version": version,
             "wheel": {"file": wheel, "sha256": "0" * 64, "bytes": 1}}
     lock = load_lock(_write(tmp_path, data))
     assert (lock.version, lock.spec) == (version, f"sglang=={version}")
-    assert supported(tmp_path)["sglang"] == [version]
+    assert supported(tmp_path, DEFAULT_PYTHON)["sglang"] == [version]
 
 
 def test_a_resolved_lock_is_found_after_the_committed_ones(tmp_path: Path) -> None:
-    base = find_lock("vllm", "0.28.0")
+    base = committed("vllm", "0.28.0")
     data = {**lock_data(base), "version": "0.30.0",
             "wheel": {"file": "vllm-0.30.0-cp38-abi3-manylinux_2_28_x86_64.whl",
                       "sha256": "1" * 64, "bytes": 7},
             "resolved": {"base": "0.28.0", "python": base.python, "pip": "23.2.1",
                          "date": "2026-12-02", "added": [], "how": "resolve"}}
     path = _write(tmp_path, data)
+    if base.python != python_tag():
+        pytest.skip(f"find_lock looks for Python {python_tag()}'s locks; these are "
+                    f"{base.python}'s")
     lock = find_lock("vllm", "0.30.0", resolved_dir=tmp_path)
     assert lock.path == path and not lock.committed and lock.resolved == data["resolved"]
     assert find_lock("vllm", "0.28.0", resolved_dir=tmp_path).committed
@@ -119,7 +130,7 @@ def test_a_resolved_lock_is_found_after_the_committed_ones(tmp_path: Path) -> No
 
 
 def test_another_pythons_lock_is_named_for_it_and_listed_only_for_it(tmp_path: Path) -> None:
-    data = {**lock_data(find_lock("vllm", "0.33.0")), "python": "3.12"}
+    data = {**lock_data(committed("vllm", "0.33.0")), "python": "3.12"}
     path = _write(tmp_path, data)
     assert path.name == "vllm-0.33.0-py3.12.json"
     assert load_lock(path).python == "3.12"
@@ -141,7 +152,7 @@ def test_the_unified_tree_installs_sglangs_own_wheel_with_its_pools_real() -> No
     """sglang_unified drives UnifiedRadixCache: the same wheel as sglang's lock, pip asked
     for `sglang==`, its own venv, and the device pools and metrics real (never stubbed:
     the tree's import chain needs them), only torchvision raising and primed."""
-    unified, radix = find_lock("sglang_unified", "0.5.23"), find_lock("sglang", "0.5.23")
+    unified, radix = committed("sglang_unified", "0.5.23"), committed("sglang", "0.5.23")
     assert unified.wheel == radix.wheel
     assert (unified.requirement, unified.spec) == ("sglang==0.5.23", "sglang_unified==0.5.23")
     assert unified.key != radix.key  # a venv of its own: its pins differ
