@@ -76,3 +76,23 @@ def test_two_engine_runs_write_the_same_report_but_timings(spec: str, tmp_path: 
                              only=["cold_then_warm", "scope_event_hashes", "repeated_blocks"])
     assert first.count('"name": "fuzz_seed_') == 2 and '"scope_event_hashes"' in first
     assert first == second
+
+
+def test_a_release_without_a_lock_is_resolved_and_proven(tmp_path: Path) -> None:
+    """harness.conform.resolve end to end on a small release (SGLang 0.5.6.post1, a 4 MB
+    wheel) into an empty cache (the wheels folder shared, so it downloads once): the lock
+    starts from 0.5.6's, borrows nothing it does not need, validates, and its venv is the
+    one it was proven in (a run reuses it)."""
+    from harness.conform.resolve import resolve, resolved_dir
+
+    base = tmp_path / "engines"
+    base.mkdir()
+    (install.cache_dir() / "wheels").mkdir(parents=True, exist_ok=True)
+    (base / "wheels").symlink_to(install.cache_dir() / "wheels")
+    lock = resolve("sglang", "0.5.6.post1", base, print)
+    assert lock.path == resolved_dir(base) / "sglang-0.5.6.post1.json" and not lock.committed
+    assert lock.resolved is not None and lock.resolved["base"] in ("0.5.6", "0.5.5")
+    assert "sgl_kernel" in lock.stubs.raising and "torchvision" in lock.stubs.raising
+    env = install.installed(lock, base)
+    assert env is not None and env.python.exists()
+    assert not any(d.lower().startswith(("torch==", "nvidia")) for d in lock.deps)
