@@ -68,7 +68,7 @@ from harness.conform.tree import package_root, tree_version
 from harness.conform.versions import VERSION_PATTERN, parse_version
 from harness.data_files import load_json
 
-_SPEC = re.compile(rf"([a-z][a-z0-9_]*)(?:==({VERSION_PATTERN})|@(.+))?")
+_SPEC = re.compile(rf"([a-z][a-z0-9_-]*)(?:==({VERSION_PATTERN})|@(.+))?")
 Say = Callable[[str], None]
 
 
