@@ -232,7 +232,8 @@ def resolve(engine: str, version: str, base: Path, say: Say = print,
     metadata = read_metadata(wheel)
     wants = requires_python(metadata)
     if not admits(wants, python):
-        raise ResolveError(f"{engine} {version} requires Python {wants}; this is {python}")
+        raise ResolveError(f"{engine} {version} requires Python {wants}; this is {python}: "
+                           "run the harness on a Python it admits")
     required = requirements(metadata)
     names = [p.split("==")[0] for p in start.deps]
     stubs, added = start.stubs, list[str]()
@@ -255,30 +256,38 @@ def resolve(engine: str, version: str, base: Path, say: Say = print,
             say(f"  proven: the cache modules import and the self-test passes; lock in "
                 f"{lock.path}")
             return lock
-        missing, stubbed = _MISSING.search(problem), _STUB_NAME.search(problem)
-        module = missing[1] if missing else ""
-        borrowed = borrowed_stub(engine, version, module, lock_dir) if missing else None
-        if borrowed is not None:
-            stubs = merge_stubs(stubs, borrowed[0])
-            added.append(f"stub {module.split('.')[0]} as {borrowed[1]}'s lock has it")
-        elif missing and missing[1].split(".")[0] != distribution(engine):
-            name = module_distribution(missing[1], required)
-            if normalise(name) in {normalise(n) for n in names}:
-                raise ResolveError(f"the import still misses {missing[1]!r} with {name} "
-                                   f"installed:\n{problem}")
-            names.append(name)
-            added.append(f"{name} (the import asked for {missing[1]})")
-        elif stubbed and _inside(stubbed[1], stubs.raising):
-            stubs = _with_name(stubs, stubbed[1], stubbed[2])
-            added.append(f"stub name {stubbed[1]}.{stubbed[2]} (imported at module level)")
-        else:
-            raise ResolveError(
-                f"{engine} {version} does not load with the stubs of {start.version}'s lock "
-                f"and its closure; write its lock by hand (docs/conformance.md, 'Adding an "
-                f"engine'), starting from {start.path}:\n{problem}")
+        names, stubs, what = next_round(problem, engine, version, names, stubs, required, start,
+                                   lock_dir)
+        added.append(what)
         say(f"  adding {added[-1]}")
     raise ResolveError(f"{engine} {version}: the closure still grew after {MAX_ROUNDS} "
                        f"rounds (added: {', '.join(added)})")
+
+
+def next_round(problem: str, engine: str, version: str, names: list[str], stubs: StubSpec,
+          required: dict[str, list[str]], start: Lock, lock_dir: Path
+          ) -> tuple[list[str], StubSpec, str]:
+    """The closure and stubs for the next round after the worker's `problem`, and what
+    was added (module docstring, step 4). ResolveError when nothing reliable can be."""
+    missing, stubbed = _MISSING.search(problem), _STUB_NAME.search(problem)
+    module = missing[1] if missing else ""
+    borrowed = borrowed_stub(engine, version, module, lock_dir) if missing else None
+    if borrowed is not None:
+        return names, merge_stubs(stubs, borrowed[0]), \
+            f"stub {module.split('.')[0]} as {borrowed[1]}'s lock has it"
+    if missing and module.split(".")[0] != distribution(engine):
+        name = module_distribution(module, required)
+        if normalise(name) in {normalise(n) for n in names}:
+            raise ResolveError(f"the import still misses {module!r} with {name} "
+                               f"installed:\n{problem}")
+        return [*names, name], stubs, f"{name} (the import asked for {module})"
+    if stubbed and _inside(stubbed[1], stubs.raising):
+        return names, _with_name(stubs, stubbed[1], stubbed[2]), \
+            f"stub name {stubbed[1]}.{stubbed[2]} (imported at module level)"
+    raise ResolveError(
+        f"{engine} {version} does not load with the stubs of {start.version}'s lock and "
+        f"its closure; write its lock by hand (docs/conformance.md, 'Adding an engine'), "
+        f"starting from {start.path}:\n{problem}")
 
 
 def borrowed_stub(engine: str, version: str, module: str, lock_dir: Path = LOCK_DIR

@@ -1,22 +1,27 @@
 """Resolving a lock from a wheel's metadata, the parts that need no engine and no
 registry: the engine's own specifiers, Requires-Python, module -> distribution, what
-pip's resolver is asked and what its report pins."""
+pip's resolver is asked and what its report pins, and what the next round changes after
+the worker's load fails (a stub borrowed, a package added, a stub name, or the end)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
-from harness.conform.locks import never_pinned
+from harness.conform.locks import DEFAULT_PYTHON, LOCK_DIR, load_lock, lock_name, never_pinned
 from harness.conform.resolve import (
+    ResolveError,
     admits,
     module_distribution,
+    next_round,
     pins_from_report,
     request_lines,
     requirements,
     requires_python,
 )
+from harness.conform.stubs import StubSpec
 
 METADATA = """\
 Metadata-Version: 2.4
@@ -87,3 +92,53 @@ def test_the_resolvers_report_is_pinned_but_torch_and_cuda() -> None:
         _item("aiohttp", "3.14.5")]}
     assert pins_from_report(report, never_pinned) == [
         "aiohttp==3.14.5", "Pygments==2.21.0", "transformers==5.20.2"]
+
+
+def _round(problem: str, engine: str, version: str, names: list[str] | None = None,
+           ) -> tuple[list[str], StubSpec, str]:
+    start = load_lock(LOCK_DIR / lock_name(engine, "0.5.5" if engine == "sglang" else "0.28.0",
+                                           DEFAULT_PYTHON))
+    names = [p.split("==")[0] for p in start.deps] if names is None else names
+    return next_round(f"load: {problem}\ntraceback", engine, version, names, start.stubs,
+                      requirements(METADATA), start, LOCK_DIR)
+
+
+def test_a_gpu_package_the_import_misses_is_stubbed_as_the_nearest_lock_stubs_it() -> None:
+    names, stubs, what = _round("ModuleNotFoundError: No module named 'sgl_kernel.kvcacheio'",
+                                "sglang", "0.5.7")
+    assert "sgl_kernel" in stubs.raising and "sgl-kernel" not in names
+    assert "transfer_kv_per_layer" in stubs.names["sgl_kernel.kvcacheio"]
+    source = re.fullmatch(r"stub sgl_kernel as (\S+)'s lock has it", what)
+    assert source is not None  # the nearest committed lock with the stub (0.5.10 first had it)
+    assert "sgl_kernel" in load_lock(LOCK_DIR / lock_name("sglang", source[1],
+                                                          DEFAULT_PYTHON)).stubs.raising
+
+
+def test_a_pure_package_the_import_misses_is_added_by_name() -> None:
+    names, stubs, what = _round("ModuleNotFoundError: No module named 'cpuinfo'", "vllm",
+                                "0.30.0", names=["regex"])
+    assert names == ["regex", "py-cpuinfo"] and not stubs.raising
+    assert what == "py-cpuinfo (the import asked for cpuinfo)"
+
+
+def test_a_name_imported_from_a_raising_stub_joins_its_names() -> None:
+    problem = ("StubUsedError: torchvision.io.decode_png: torchvision.io is a stub (the "
+               "PyPI wheel is a CUDA build)")
+    _, stubs, what = _round(problem, "sglang", "0.5.7")
+    assert stubs.names["torchvision.io"] == ("decode_jpeg", "decode_png")
+    assert what == "stub name torchvision.io.decode_png (imported at module level)"
+
+
+@pytest.mark.parametrize(("problem", "message"), [
+    pytest.param("ModuleNotFoundError: No module named 'regex'", r"the import still misses "
+                 r"'regex' with regex installed", id="still-missing"),
+    pytest.param("ImportError: cannot import name 'X' from 'sglang.srt.utils'",
+                 r"sglang 0\.5\.7 does not load with the stubs of 0\.5\.5's lock and its "
+                 r"closure; write its lock by hand", id="anything-else"),
+    pytest.param("ModuleNotFoundError: No module named 'sglang.srt.gone'",
+                 r"write its lock by hand", id="the-engines-own-module"),
+])
+def test_a_failure_nothing_reliable_fixes_ends_the_resolution(problem: str,
+                                                              message: str) -> None:
+    with pytest.raises(ResolveError, match=message):
+        _round(problem, "sglang", "0.5.7", names=["regex"])
