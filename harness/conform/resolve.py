@@ -284,6 +284,11 @@ def next_round(problem: str, engine: str, version: str, names: list[str], stubs:
     if stubbed and _inside(stubbed[1], stubs.raising):
         return names, _with_name(stubs, stubbed[1], stubbed[2]), \
             f"stub name {stubbed[1]}.{stubbed[2]} (imported at module level)"
+    if problem.startswith("selftest:"):  # it loaded: the adapter's calls do not fit
+        raise ResolveError(
+            f"{engine} {version} loads, but the adapter's probe of its API fails: the "
+            f"adapter (harness/conform/{engine}_adapter.py) needs to follow this release "
+            f"before it can be locked:\n{problem}")
     raise ResolveError(
         f"{engine} {version} does not load with the stubs of {start.version}'s lock and "
         f"its closure; write its lock by hand (docs/conformance.md, 'Adding an engine'), "

@@ -156,13 +156,17 @@ class SglangNames:
         self.torch = torch
         self.RadixCache = radix_cache.RadixCache
         self.RadixKey = radix_cache.RadixKey
-        try:  # 0.5.10 on: parameter objects
-            from sglang.srt.mem_cache import base_prefix_cache as base
-            self.MatchPrefixParams: Any = base.MatchPrefixParams
-            self.InsertParams: Any = base.InsertParams
-            self.EvictParams: Any = base.EvictParams
-        except (ImportError, AttributeError):  # 0.5.5: positional arguments
-            self.MatchPrefixParams = self.InsertParams = self.EvictParams = None
+        # a parameter object where the method takes one (`match_prefix(params)`: 0.5.8 on,
+        # insert and evict 0.5.10 on), positional arguments before (0.5.5)
+        from sglang.srt.mem_cache import base_prefix_cache as base
+
+        def param_object(method: str, name: str) -> Any:
+            first = list(inspect.signature(getattr(self.RadixCache, method)).parameters)[1:2]
+            return getattr(base, name, None) if first == ["params"] else None
+
+        self.MatchPrefixParams: Any = param_object("match_prefix", "MatchPrefixParams")
+        self.InsertParams: Any = param_object("insert", "InsertParams")
+        self.EvictParams: Any = param_object("evict", "EvictParams")
         params = set(inspect.signature(self.RadixKey.__init__).parameters)
         self.has_salt = "cache_salt" in params  # 0.5.22 on
         self.array_keys = "limit" in params  # 0.5.22 on: token ids as array('q')

@@ -95,11 +95,11 @@ def test_the_resolvers_report_is_pinned_but_torch_and_cuda() -> None:
 
 
 def _round(problem: str, engine: str, version: str, names: list[str] | None = None,
-           ) -> tuple[list[str], StubSpec, str]:
+           cmd: str = "load") -> tuple[list[str], StubSpec, str]:
     start = load_lock(LOCK_DIR / lock_name(engine, "0.5.5" if engine == "sglang" else "0.28.0",
                                            DEFAULT_PYTHON))
     names = [p.split("==")[0] for p in start.deps] if names is None else names
-    return next_round(f"load: {problem}\ntraceback", engine, version, names, start.stubs,
+    return next_round(f"{cmd}: {problem}\ntraceback", engine, version, names, start.stubs,
                       requirements(METADATA), start, LOCK_DIR)
 
 
@@ -142,3 +142,11 @@ def test_a_failure_nothing_reliable_fixes_ends_the_resolution(problem: str,
                                                               message: str) -> None:
     with pytest.raises(ResolveError, match=message):
         _round(problem, "sglang", "0.5.7", names=["regex"])
+
+
+def test_an_api_the_adapter_does_not_follow_is_named_as_the_adapters() -> None:
+    with pytest.raises(ResolveError, match=r"sglang 0\.5\.8\.post1 loads, but the adapter's "
+                       r"probe of its API fails: the adapter \(harness/conform/sglang_adapter"
+                       r"\.py\) needs to follow this release"):
+        _round("AttributeError: 'RadixKey' object has no attribute 'key'", "sglang",
+               "0.5.8.post1", cmd="selftest")
