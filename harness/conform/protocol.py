@@ -369,3 +369,16 @@ def installed_version(package: str, given: str | None) -> str:
             raise ImportError(f"{package} has no installed metadata and no version was "
                               "given (a source tree: the harness passes its version)") from None
         return given
+
+
+EVENT_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def event_kind(event: object) -> str:
+    """A router event's kind: the first of EVENT_KINDS among the names of its class and
+    its bases (SGLang 0.5.19 on sends `BlockStoredWithMetadata`, a BlockStored under
+    BlockStored's wire tag, when a salt is set), else its class's own name."""
+    for cls in type(event).__mro__:
+        if cls.__name__ in EVENT_KINDS:
+            return cls.__name__
+    return type(event).__name__

@@ -41,6 +41,7 @@ from harness.conform.protocol import (
     Scope,
     Stats,
     contract_basis,
+    event_kind,
     installed_version,
     settle,
 )
@@ -570,7 +571,7 @@ def _text(h: Any) -> str | None:
 
 
 def _normalise(event: Any) -> dict[str, Any]:
-    kind = type(event).__name__
+    kind = event_kind(event)
     out: dict[str, Any] = {"type": kind}
     if kind in ("BlockStored", "BlockRemoved"):
         out["block_hashes"] = [_text(h) for h in event.block_hashes]
@@ -580,5 +581,6 @@ def _normalise(event: Any) -> dict[str, Any]:
         out.update(parent_block_hash=_text(event.parent_block_hash),
                    token_ids=[int(t) for t in event.token_ids], block_size=event.block_size,
                    salt=None, lora_id=None, lora_name=getattr(event, "lora_name", None),
-                   cache_salt=getattr(event, "cache_salt", None))
+                   cache_salt=getattr(event, "cache_salt", None)
+                   or getattr(getattr(event, "metadata", None), "cache_salt", None))
     return out

@@ -41,6 +41,7 @@ from harness.conform.protocol import (
     Scope,
     Stats,
     contract_basis,
+    event_kind,
     installed_version,
     settle,
 )
@@ -453,7 +454,7 @@ class VllmCache:
 
 
 def _normalise(event: Any) -> dict[str, Any]:
-    kind = type(event).__name__
+    kind = event_kind(event)
     out: dict[str, Any] = {"type": kind}
     if kind == "BlockStored":
         parent = event.parent_block_hash
