@@ -32,6 +32,7 @@ from __future__ import annotations
 import email.parser
 import json
 import re
+import shutil
 import sys
 import time
 import zipfile
@@ -234,7 +235,21 @@ def resolve(engine: str, version: str, base: Path, say: Say = print,
     if not admits(wants, python):
         raise ResolveError(f"{engine} {version} requires Python {wants}; this is {python}: "
                            "run the harness on a Python it admits")
-    required = requirements(metadata)
+    try:
+        return _rounds(engine, version, python, wheel, requirements(metadata), start, home,
+                       base, lock_dir, say)
+    except (ResolveError, install.InstallError):
+        # a venv without a stamp is never used: keep only the log the message points to
+        for folder in (home / "venv", home / "resolver"):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _rounds(engine: str, version: str, python: str, wheel: Path,
+            required: dict[str, list[str]], start: Lock, home: Path, base: Path,
+            lock_dir: Path, say: Say) -> Lock:
+    """Steps 3 and 4 of the module docstring until the lock is proven (see `resolve`)."""
+    log = home / "install.log"
     names = [p.split("==")[0] for p in start.deps]
     stubs, added = start.stubs, list[str]()
     venv = install.make_venv(home, base, log)
@@ -253,11 +268,12 @@ def resolve(engine: str, version: str, base: Path, say: Say = print,
             final.write_bytes(lock.path.read_bytes())
             lock = load_lock(final)
             install.write_stamp(lock, home)
+            shutil.rmtree(home / "resolver", ignore_errors=True)
             say(f"  proven: the cache modules import and the self-test passes; lock in "
                 f"{lock.path}")
             return lock
-        names, stubs, what = next_round(problem, engine, version, names, stubs, required, start,
-                                   lock_dir)
+        names, stubs, what = next_round(problem, engine, version, names, stubs, required,
+                                        start, lock_dir)
         added.append(what)
         say(f"  adding {added[-1]}")
     raise ResolveError(f"{engine} {version}: the closure still grew after {MAX_ROUNDS} "
