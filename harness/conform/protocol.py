@@ -14,9 +14,11 @@ Standard library only: this module runs inside every engine's virtual environmen
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, Protocol, get_args
 
 from harness.conform.known_keys import check_keys
@@ -384,3 +386,51 @@ class LoadedEngine(NamedTuple):
     new: Callable[[int, int, bool], CacheUnderTest]
     modules: tuple[str, ...]
     stubs_served: tuple[str, ...]
+    contract_basis: Mapping[str, Any] = MappingProxyType({})  # `settle`'s basis
+
+
+def settle(contract: Contract, version: str, detected: Mapping[str, tuple[Any, str]]
+           ) -> Contract:
+    """The contract of a release the harness has none for: `contract` (the nearest known
+    release's) for `version`, each detected field (field -> (value, where the release's
+    own code says so)) settled by detection and cited so. ValueError for a detected
+    value the contract refuses."""
+    changes = {name: value for name, (value, _) in detected.items()}
+    cited = tuple((name, f"detected in this release: {where}")
+                  for name, (_, where) in detected.items())
+    kept = tuple(c for c in contract.citations if c[0] not in detected)
+    return replace(contract, version=version, citations=kept + cited, **changes)
+
+
+def contract_basis(version: str, known: str, detected: Mapping[str, tuple[Any, str]]
+                   ) -> dict[str, Any]:
+    """What a release's contract rests on (`LoadedEngine.contract_basis`, the report's
+    `contract_basis`): the known release whose contract it takes (itself when known) and
+    the fields detected in its own code (field -> where)."""
+    return {"version": version, "known": known,
+            "detected": {name: where for name, (_, where) in detected.items()}}
+
+
+def installed_version(package: str, given: str | None) -> str:
+    """The version of `package` as imported: its metadata's, else `given` (a source
+    tree has no metadata). ImportError when neither says."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        if given is None:
+            raise ImportError(f"{package} has no installed metadata and no version was "
+                              "given (a source tree: the harness passes its version)") from None
+        return given
+
+
+EVENT_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def event_kind(event: object) -> str:
+    """A router event's kind: the first of EVENT_KINDS among the names of its class and
+    its bases (SGLang 0.5.19 on sends `BlockStoredWithMetadata`, a BlockStored under
+    BlockStored's wire tag, when a salt is set), else its class's own name."""
+    for cls in type(event).__mro__:
+        if cls.__name__ in EVENT_KINDS:
+            return cls.__name__
+    return type(event).__name__

@@ -7,7 +7,7 @@ The tree only matches, inserts, locks and evicts; the adapter is its scheduler:
   page ids (slot // page_size);
 - the lookup is capped at L - 1 tokens (`Req._compute_max_prefix_len`), and keyed as
   `Req.__init__` keys it: extra_key = (extra_key or "") + lora_id, the salt its own
-  `cache_salt` field from 0.5.22 and the extra key before that;
+  `cache_salt` field from 0.5.18 and the extra key before that;
 - an admission locks its hit, then takes pages for the reused tokens plus its first
   chunk from the free ones, evicting only the shortfall; it is refused (everything
   unlocked, nothing evicted) when free plus evictable pages do not cover it;
@@ -18,13 +18,14 @@ The tree only matches, inserts, locks and evicts; the adapter is its scheduler:
 - a free inserts the computed pages, frees the rest and unlocks (`cache_finished_req`).
 
 Release differences are found by feature (`create_simulated`, parameter objects,
-`cache_salt`, `path_device_indices`); the stubs come from the lock file.
+`cache_salt`, `path_device_indices`); the stubs come from the lock file. A release whose
+contract was not read by hand (not in CONTRACT_RELEASES) takes the nearest known one's,
+with the known limitation of its event hashes detected from `RadixKey` (`detect`).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import inspect
 import os
 from array import array
@@ -39,14 +40,21 @@ from harness.conform.protocol import (
     LoadedEngine,
     Scope,
     Stats,
+    contract_basis,
+    event_kind,
+    installed_version,
+    settle,
 )
 from harness.conform.stubs import StubSpec, install
+from harness.conform.versions import nearest
 
 MODULES = ("sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.base_prefix_cache")
 # The availability probes a lock file may ask to prime (`StubSpec.prime`): asked once
 # before the stub exists, a probe caches the true answer (lru_cache), so the dependency
 # never imports names from the stub.
 PROBES = {"torchvision": ("transformers.utils.import_utils", "is_torchvision_available")}
+# the releases whose RadixCache contract was read from their own code (docs/conformance.md)
+CONTRACT_RELEASES = ("0.5.5", "0.5.10", "0.5.12", "0.5.18", "0.5.22", "0.5.23")
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -57,21 +65,30 @@ EVENT_HASH_RFC = "https://github.com/sgl-project/sglang/issues/39991"
 
 
 def _event_hash_citation(version: str) -> str:
-    """Where SGLang `version` (0.5.22 on) says what reaches its event hashes, quoting its
-    own text (RadixKey's comment changed in 0.5.23)."""
-    release, extra = (("0.5.23", "Namespaces the tree and storage; KV events see only its "
-                                 "LoRA name.") if _version(version) >= (0, 5, 23) else
-                      ("0.5.22", "Namespaces the tree and storage; omitted from KV events."))
-    return (f"radix_cache.py RadixKey.__init__ ({release}'s text): extra_key '{extra}'; "
-            "cache_salt 'Namespaces the tree, storage and KV events.'; mem_cache/utils.py "
-            "compute_node_event_hash_values: 'Hash tokens with the legacy salt seed; omit "
-            "extra_key'. The LoRA in default-format event hashes is phase 3 of "
+    """Where SGLang `version` (0.5.18 on: `cache_salt` arrived then) says what reaches its
+    event hashes, quoting its own text (RadixKey's comments changed in 0.5.20 and 0.5.23),
+    named by the first release with that text."""
+    if _version(version) < (0, 5, 20):
+        said = ("radix_cache.py RadixKey.__init__ (0.5.18's text): cache_salt 'Cache salt is "
+                "kept distinct so it cannot collide with extra_key. It namespaces the "
+                "in-process radix tree and external KV events'; mem_cache/utils.py "
+                "compute_node_event_hash_values hashes the salt, never extra_key")
+    else:
+        release, extra = (("0.5.23", "Namespaces the tree and storage; KV events see only "
+                                     "its LoRA name.") if _version(version) >= (0, 5, 23) else
+                          ("0.5.20", "Namespaces the tree and storage; omitted from KV "
+                                     "events."))
+        said = (f"radix_cache.py RadixKey.__init__ ({release}'s text): extra_key '{extra}'; "
+                "cache_salt 'Namespaces the tree, storage and KV events.'; mem_cache/utils.py "
+                "compute_node_event_hash_values: 'Hash tokens with the legacy salt seed; "
+                "omit extra_key'")
+    return (f"{said}. The LoRA in default-format event hashes is phase 3 of "
             f"sgl-project/sglang#39991 (open RFC): a known limitation ({EVENT_HASH_RFC})")
 
 
 def contract(version: str, block_size: int) -> Contract:
     """SGLang `version`'s contract for RadixCache."""
-    salted = _version(version) >= (0, 5, 22)
+    salted = _version(version) >= (0, 5, 18)
     notes = ["block ids are page ids (slot // page_size)",
              "extra_key = (extra_key or '') + lora_id (Req.__init__)"]
     citations = [
@@ -94,7 +111,7 @@ def contract(version: str, block_size: int) -> Contract:
         stats_unit="tokens", last_token_cap="scheduler", matchable_at="commit",
         partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
         lora_identity=("lora_id",),
-        # the reference: a router must tell LoRAs apart too. 0.5.22 on leave the LoRA out
+        # the reference: a router must tell LoRAs apart too. 0.5.18 on leave the LoRA out
         # of default-format event hashes on purpose, which upstream's own RFC proposes to
         # change: a known limitation, neither a pass nor a violation
         scope_in_event_hash=("salt", "lora"),
@@ -116,32 +133,51 @@ def prime_probes(stubs: StubSpec) -> None:
                                "package must not be; remove it from the venv")
 
 
-def load(stubs: StubSpec) -> LoadedEngine:
+def detect(s: SglangNames) -> dict[str, tuple[Any, str]]:
+    """The contract fields this release's own code settles: field -> (value, where).
+    limitations: a `cache_salt` parameter of `RadixKey` (0.5.18 on) keeps the salt in
+    event hashes and the LoRA out, short of the reference's ("salt", "lora"): the known
+    limitation sgl-project/sglang#39991 proposes to lift; without one both travel in the
+    extra key and reach the hashes. scope_in_event_hash stays the reference either way:
+    a detection never excuses a LoRA missing from the hashes."""
+    where = "radix_cache.py RadixKey.__init__ has " + ("a" if s.has_salt else "no") + \
+        " cache_salt parameter"
+    limited = (("scope_in_event_hash", "lora", EVENT_HASH_RFC),) if s.has_salt else ()
+    return {"limitations": (limited, where)}
+
+
+def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
     """Prime the probes, install `stubs`, import SGLang's RadixCache and return the
-    engine. Raises ImportError when it does not import, RuntimeError when a package to
-    stub is installed."""
-    return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache)
+    engine; `version` is used where SGLang has no metadata (a source tree). Raises
+    ImportError when it does not import, RuntimeError when a package to stub is
+    installed."""
+    return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache, version,
+                       CONTRACT_RELEASES)
 
 
 def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
-                names: Callable[[], Any], cache: Callable[..., CacheUnderTest]
-                ) -> LoadedEngine:
+                names: Callable[[], Any], cache: Callable[..., CacheUnderTest],
+                version: str | None, releases: tuple[str, ...]) -> LoadedEngine:
     """`load` for one of SGLang's trees: prime the probes, install `stubs`, import
     `modules`, then `names()` once and `cache(names, version, num_blocks, block_size,
-    record)` per fresh cache. Raises as `load`."""
+    record)` per fresh cache; `releases` are those whose contract is known. Raises as
+    `load`."""
     prime_probes(stubs)
     finder = install(stubs)
     sglang = importlib.import_module("sglang")
     for module in modules:
         importlib.import_module(module)
-    version = importlib.metadata.version("sglang")
+    found = installed_version("sglang", version)
     engine = names()
+    known = nearest(found, releases) or found
+    engine.known, engine.detected = known, (detect(engine) if known != found else {})
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return cache(engine, version, num_blocks, block_size, record)
+        return cache(engine, found, num_blocks, block_size, record)
 
-    return LoadedEngine(name, version, os.path.dirname(str(sglang.__file__)), new,
-                        modules, tuple(finder.served))
+    return LoadedEngine(name, found, os.path.dirname(str(sglang.__file__)), new,
+                        modules, tuple(finder.served),
+                        contract_basis(found, known, engine.detected))
 
 
 class SglangNames:
@@ -154,16 +190,23 @@ class SglangNames:
         self.torch = torch
         self.RadixCache = radix_cache.RadixCache
         self.RadixKey = radix_cache.RadixKey
-        try:  # 0.5.10 on: parameter objects
-            from sglang.srt.mem_cache import base_prefix_cache as base
-            self.MatchPrefixParams: Any = base.MatchPrefixParams
-            self.InsertParams: Any = base.InsertParams
-            self.EvictParams: Any = base.EvictParams
-        except (ImportError, AttributeError):  # 0.5.5: positional arguments
-            self.MatchPrefixParams = self.InsertParams = self.EvictParams = None
+        # a parameter object where the method takes one (`match_prefix(params)`: 0.5.8 on,
+        # insert and evict 0.5.10 on), positional arguments before (0.5.5)
+        from sglang.srt.mem_cache import base_prefix_cache as base
+
+        def param_object(method: str, name: str) -> Any:
+            first = list(inspect.signature(getattr(self.RadixCache, method)).parameters)[1:2]
+            return getattr(base, name, None) if first == ["params"] else None
+
+        self.MatchPrefixParams: Any = param_object("match_prefix", "MatchPrefixParams")
+        self.InsertParams: Any = param_object("insert", "InsertParams")
+        self.EvictParams: Any = param_object("evict", "EvictParams")
         params = set(inspect.signature(self.RadixKey.__init__).parameters)
-        self.has_salt = "cache_salt" in params  # 0.5.22 on
+        self.has_salt = "cache_salt" in params  # 0.5.18 on
         self.array_keys = "limit" in params  # 0.5.22 on: token ids as array('q')
+        # the contract's basis (`load_sglang` sets them): the known release, detections
+        self.known = ""
+        self.detected: dict[str, tuple[Any, str]] = {}
 
 
 class PageAllocator:
@@ -241,7 +284,12 @@ class SglangCache:
         return s.RadixCache(None, self.alloc, P, enable_kv_cache_events=self.record)  # 0.5.5
 
     def _make_contract(self, version: str) -> Contract:
-        return contract(version, self.block_size)
+        base = self._contract_of(self.s.known, self.block_size)
+        return base if self.s.known == version else settle(base, version, self.s.detected)
+
+    @staticmethod
+    def _contract_of(version: str, block_size: int) -> Contract:
+        return contract(version, block_size)
 
     _lock_names = ("inc_lock_ref", "dec_lock_ref")  # what `_lock` and `_unlock` call
 
@@ -311,7 +359,7 @@ class SglangCache:
         s = self.s
         salt = None if scope is None else scope.salt
         lora = None if scope is None or scope.lora_id is None else str(scope.lora_id)
-        extra = None if s.has_salt else salt  # before 0.5.22 the salt is the extra key
+        extra = None if s.has_salt else salt  # before 0.5.18 the salt is the extra key
         if lora is not None:
             extra = (extra or "") + lora  # Req.__init__'s concatenation
         ids: Any = array("q", tokens) if s.array_keys else list(tokens)
@@ -570,7 +618,7 @@ def _text(h: Any) -> str | None:
 
 
 def _normalise(event: Any) -> dict[str, Any]:
-    kind = type(event).__name__
+    kind = event_kind(event)
     out: dict[str, Any] = {"type": kind}
     if kind in ("BlockStored", "BlockRemoved"):
         out["block_hashes"] = [_text(h) for h in event.block_hashes]
@@ -580,5 +628,6 @@ def _normalise(event: Any) -> dict[str, Any]:
         out.update(parent_block_hash=_text(event.parent_block_hash),
                    token_ids=[int(t) for t in event.token_ids], block_size=event.block_size,
                    salt=None, lora_id=None, lora_name=getattr(event, "lora_name", None),
-                   cache_salt=getattr(event, "cache_salt", None))
+                   cache_salt=getattr(event, "cache_salt", None)
+                   or getattr(getattr(event, "metadata", None), "cache_salt", None))
     return out

@@ -7,7 +7,10 @@ for the reused tokens plus the first chunk (`num_new_tokens` = the chunk after t
 as the scheduler's token budget), the prefix-cache stats where the scheduler records
 them (0.27.0 on: after a successful allocation), and `num_computed_tokens` advanced as
 `_update_after_schedule` does. Releases differ in signatures and attributes, which the
-adapter finds by feature; the contract differs by version (`contract`).
+adapter finds by feature; the contract differs by version (`contract`). A release whose
+contract was not read by hand (not in CONTRACT_RELEASES: a new release, a branch) takes
+the nearest known one's, with the fields that changed between releases and can be read
+from its own code settled that way (`detect`).
 
 vLLM caches a block inside `allocate_slots`, before the forward pass: the adapter logs
 an implied commit right after every allocation, so the oracles treat the blocks as
@@ -21,9 +24,9 @@ size).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
-import importlib.metadata
 import inspect
 import os
 from collections.abc import Hashable, Sequence
@@ -38,8 +41,13 @@ from harness.conform.protocol import (
     LoraField,
     Scope,
     Stats,
+    contract_basis,
+    event_kind,
+    installed_version,
+    settle,
 )
 from harness.conform.stubs import StubSpec, install
+from harness.conform.versions import nearest
 
 MODULES = ("vllm.v1.core.kv_cache_manager", "vllm.v1.core.kv_cache_utils",
            "vllm.v1.core.block_pool", "vllm.v1.request", "vllm.sampling_params",
@@ -47,6 +55,11 @@ MODULES = ("vllm.v1.core.kv_cache_manager", "vllm.v1.core.kv_cache_utils",
 COUNTERS: tuple[tuple[str, CounterMeaning], ...] = (
     ("requests", "requests"), ("queries", "prompt_tokens"), ("hits", "reused_tokens"),
     ("preempted_requests", "zero"), ("preempted_queries", "zero"), ("preempted_hits", "zero"))
+# the releases whose contract was read from their own code (docs/conformance.md)
+CONTRACT_RELEASES = ("0.10.2", "0.16.0", "0.24.0", "0.26.0", "0.27.0", "0.28.0", "0.33.0")
+# LoRARequest attribute -> the LoRA field it is (`detect`)
+_LORA_FIELDS = {"lora_name": "lora_name", "lora_path": "lora_path",
+                "lora_int_id": "lora_id", "adapter_id": "lora_id"}
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -119,21 +132,62 @@ def contract(version: str, block_size: int, explicit_evict: bool) -> Contract:
                "stats are recorded inside get_computed_blocks, refused lookups included",))
 
 
-def load(stubs: StubSpec) -> LoadedEngine:
+def detect(v: _Vllm) -> dict[str, tuple[Any, str]]:
+    """The contract fields this release's own code settles: field -> (value, where).
+
+    lora_identity: the LoRARequest attributes `_gen_lora_extra_hash_keys` reads (its
+    syntax tree, not its text), among the identities a contract accepts: a key on the
+    name alone names no adapter, so it settles as (name, path), cited with
+    vllm-project/vllm#30931, and stays a finding (lora_name_repointed); counters:
+    whether `PrefixCacheStats` has preempted_*.
+    """
+    out: dict[str, tuple[Any, str]] = {}
+    gen = getattr(v.utils, "_gen_lora_extra_hash_keys", None)
+    if gen is not None:
+        tree = ast.parse(inspect.getsource(gen).lstrip())
+        read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        fields = tuple(dict.fromkeys(_LORA_FIELDS[a] for a in sorted(read) if a in _LORA_FIELDS))
+        where = "kv_cache_utils._gen_lora_extra_hash_keys reads " + \
+            ", ".join(a for a in sorted(read) if a in _LORA_FIELDS)
+        if fields == ("lora_name",):
+            out["lora_identity"] = (("lora_name", "lora_path"), f"{where}: the name alone, "
+                                    "which vllm-project/vllm#30931 (open, labelled bug) calls "
+                                    "a bug: two adapters under one name share KV. Judged as "
+                                    "0.31.0 keys it, (name, path): lora_name_repointed finds "
+                                    "it")
+        elif fields:
+            out["lora_identity"] = (tuple(f for f in ("lora_name", "lora_id", "lora_path")
+                                          if f in fields), where)
+    stats = {f.name for f in dataclasses.fields(v.PrefixCacheStats)} \
+        if v.PrefixCacheStats is not None and dataclasses.is_dataclass(v.PrefixCacheStats) \
+        else set()
+    if stats:
+        preempted = "preempted_requests" in stats
+        out["counters"] = (COUNTERS if preempted else COUNTERS[:3],
+                           "v1/metrics/stats.py PrefixCacheStats "
+                           + ("has" if preempted else "has no") + " preempted_* fields")
+    return out
+
+
+def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
     """Install `stubs` (vLLM's cache path needs none), import vLLM's cache modules and
-    return the engine. Raises ImportError when they do not import."""
+    return the engine; `version` is used where vLLM has no metadata (a source tree).
+    Raises ImportError when they do not import."""
     finder = install(stubs) if not stubs.empty else None
     vllm = importlib.import_module("vllm")
     for name in MODULES:
         importlib.import_module(name)
-    version = importlib.metadata.version("vllm")
+    found = installed_version("vllm", version)
     engine = _Vllm()
+    known = nearest(found, CONTRACT_RELEASES) or found
+    engine.known, engine.detected = known, (detect(engine) if known != found else {})
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return VllmCache(engine, version, num_blocks, block_size, record)
+        return VllmCache(engine, found, num_blocks, block_size, record)
 
-    return LoadedEngine("vllm", version, os.path.dirname(str(vllm.__file__)), new, MODULES,
-                        tuple(finder.served) if finder else ())
+    return LoadedEngine("vllm", found, os.path.dirname(str(vllm.__file__)), new, MODULES,
+                        tuple(finder.served) if finder else (),
+                        contract_basis(found, known, engine.detected))
 
 
 class _Vllm:
@@ -151,6 +205,10 @@ class _Vllm:
             from vllm.lora.request import LoRARequest
         except ImportError:  # pragma: no cover - every supported release has it
             LoRARequest = None
+        try:
+            from vllm.v1.metrics.stats import PrefixCacheStats
+        except ImportError:  # pragma: no cover - every supported release has it
+            PrefixCacheStats = None
         try:  # 0.16.0 on
             from vllm.utils.hashing import sha256_cbor
         except ImportError:  # 0.10.x
@@ -165,8 +223,12 @@ class _Vllm:
         self.Request = Request
         self.LoRARequest = LoRARequest
         self.sha256_cbor = sha256_cbor
+        self.PrefixCacheStats = PrefixCacheStats
         self.request_params = set(inspect.signature(Request.__init__).parameters)
         self.manager_params = set(inspect.signature(KVCacheManager.__init__).parameters)
+        # the contract's basis (`load` sets them): the known release, the detected fields
+        self.known = ""
+        self.detected: dict[str, tuple[Any, str]] = {}
 
 
 def _hash_text(h: Any) -> str:
@@ -198,7 +260,8 @@ class VllmCache:
         self.pool = self.manager.block_pool
         # 0.27.0 on the scheduler records the prefix-cache stats after the allocation
         self._caller_records = hasattr(self.manager, "record_prefix_cache_stats")
-        self._contract = contract(version, block_size, hasattr(self.manager, "evict_blocks"))
+        base = contract(v.known, block_size, hasattr(self.manager, "evict_blocks"))
+        self._contract = base if v.known == version else settle(base, version, v.detected)
         self._reqs: dict[Hashable, Any] = {}
         self._logged: dict[Hashable, int] = {}  # seq -> tokens its log says are computed
         self._scopes: dict[Hashable, str | None] = {}
@@ -446,7 +509,7 @@ class VllmCache:
 
 
 def _normalise(event: Any) -> dict[str, Any]:
-    kind = type(event).__name__
+    kind = event_kind(event)
     out: dict[str, Any] = {"type": kind}
     if kind == "BlockStored":
         parent = event.parent_block_hash

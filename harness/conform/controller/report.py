@@ -74,7 +74,13 @@ class Report:
     """A whole run; `exit_code` 0 all passed or only known limitations, 1 a violation
     found, 2 could not run (`reason` says why); `verdict` tells the first two apart.
     `run`: the day it ran (UTC) and the machine (`this_run`), which the version matrix
-    shows."""
+    shows. `source`: where the engine came from (a release's lock, committed or resolved
+    and how; a source tree; the interpreter's own install); `contract_basis`: the known
+    release whose contract the run used and the fields detected in the engine's code.
+    Every timing is a key named `seconds` (the run's steps: install, import, self_test,
+    checks, bench, total; each check's; the install's and the worker's import), and
+    nothing else is: two runs of one release write the same report.json once those keys
+    are dropped (and `bench`, a measurement, and `run`, the day and machine)."""
 
     spec: str
     engine: str = ""
@@ -89,6 +95,8 @@ class Report:
     bench: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     run: dict[str, str] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    contract_basis: dict[str, Any] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -214,10 +222,39 @@ def _known(known: dict[str, Any]) -> list[str]:
             f"{known['title']}: {'; '.join(links)}", ""]
 
 
+def _source(report: Report) -> list[str]:
+    """Where the engine came from and what its contract rests on."""
+    src, basis = report.source, report.contract_basis
+    out: list[str] = []
+    if src.get("kind") == "release":
+        resolved = src.get("resolved")
+        out.append(f"Lock: {code(str(src.get('lock')))}, committed" if src.get("committed")
+                   else f"Lock: {code(str(src.get('lock')))}, **unlocked** (resolved "
+                   f"{resolved.get('date') if resolved else '?'} from "
+                   f"{report.engine} {resolved.get('base') if resolved else '?'}'s lock: "
+                   f"{resolved.get('how') if resolved else ''}"
+                   + (f"; added {', '.join(resolved['added'])}" if resolved and
+                      resolved.get("added") else "") + ")")
+    elif src.get("kind") == "tree":
+        out.append(f"Source tree: {code(str(src.get('path')))} (version from "
+                   f"{src.get('version_from')}; pins and stubs of "
+                   f"{code(str(src.get('pins_and_stubs_from')))})")
+    elif src.get("kind") == "installed":
+        out.append(f"Installed in {code(str(src.get('interpreter')))} (stubs of "
+                   f"{code(str(src.get('stubs_from')))})")
+    if basis and basis.get("known") != basis.get("version"):
+        detected = basis.get("detected", {})
+        out.append(f"Contract: {report.engine} {basis.get('known')}'s (the nearest release "
+                   "with a contract); detected in this release: "
+                   + ("; ".join(f"{k} ({v})" for k, v in detected.items()) or "nothing"))
+    return [*out, ""] if out else []
+
+
 def markdown(report: Report) -> list[str]:
     """The report.md lines."""
     title = f"{report.engine} {report.version}".strip() or report.spec
     out = [f"# Conformance: {title}", "", _verdict(report), ""]
+    out += _source(report)
     if report.contract:
         out += ["## Contract", ""]
         rows: list[tuple[object, ...]] = [

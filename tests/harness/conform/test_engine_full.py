@@ -1,5 +1,7 @@
-"""The pinned engines' full conformance runs (installed on first use, then cached), and
-the findings of older releases, which must stay found where those are installed."""
+"""The pinned engines' full conformance runs (installed on first use, then cached), two
+runs of each giving one report.json but for timings, a source tree with and without a
+planted bug, and the findings of older releases, which must stay found where those are
+installed."""
 
 from __future__ import annotations
 
@@ -72,6 +74,9 @@ def test_a_known_finding_is_still_found(spec: str, check: str, oracle: str, numb
 LIMITATIONS = [
     pytest.param("sglang==0.5.23", "scope_event_hashes", id="sglang-0.5.23-lora-event-hashes"),
     pytest.param("sglang==0.5.22", "scope_event_hashes", id="sglang-0.5.22-lora-event-hashes"),
+    # cache_salt arrived in 0.5.18; 0.5.19's contract is 0.5.18's, its salt detected
+    pytest.param("sglang==0.5.19", "scope_event_hashes", id="sglang-0.5.19-lora-event-hashes"),
+    pytest.param("sglang==0.5.18", "scope_event_hashes", id="sglang-0.5.18-lora-event-hashes"),
 ]
 
 
@@ -141,3 +146,46 @@ def test_sglang_holds_the_pages_its_decoded_tokens_need(tmp_path: Path) -> None:
     finally:
         target.close()
     assert found == []
+
+
+def test_a_source_tree_is_checked_and_a_planted_bug_found_installing(tmp_path: Path) -> None:
+    """test_engine_tree.py's run, with the release's venv and the pins-only venv installed
+    first where they are missing (each once; later runs reuse them)."""
+    from tests.harness.conform.test_engine_tree import run_tree
+    from tests.harness.conform.trees import RELEASE
+
+    engine, version = RELEASE.split("==")
+    lock = find_lock(engine, version)
+    install.ensure(lock, print)
+    install.ensure(lock, print, engine_wheel=False)
+    run_tree(tmp_path)
+
+
+@pytest.mark.parametrize("spec", ["vllm==0.33.0", "sglang==0.5.23"], ids=["vllm", "sglang"])
+def test_two_engine_runs_write_the_same_report_but_timings(spec: str, tmp_path: Path) -> None:
+    from tests.harness.conform.test_determinism import two_runs
+
+    first, second = two_runs(spec, tmp_path, seeds=2,
+                             only=["cold_then_warm", "scope_event_hashes", "repeated_blocks"])
+    assert first.count('"name": "fuzz_seed_') == 2 and '"scope_event_hashes"' in first
+    assert first == second
+
+
+def test_a_release_without_a_lock_is_resolved_and_proven(tmp_path: Path) -> None:
+    """harness.conform.controller.resolve end to end on a small release (SGLang 0.5.6.post1, a 4 MB
+    wheel) into an empty cache (the wheels folder shared, so it downloads once): the lock
+    starts from 0.5.6's, borrows nothing it does not need, validates, and its venv is the
+    one it was proven in (a run reuses it)."""
+    from harness.conform.controller.resolve import resolve, resolved_dir
+
+    base = tmp_path / "engines"
+    base.mkdir()
+    (install.cache_dir() / "wheels").mkdir(parents=True, exist_ok=True)
+    (base / "wheels").symlink_to(install.cache_dir() / "wheels")
+    lock = resolve("sglang", "0.5.6.post1", base, print)
+    assert lock.path == resolved_dir(base) / "sglang-0.5.6.post1.json" and not lock.committed
+    assert lock.resolved is not None and lock.resolved["base"] in ("0.5.6", "0.5.5")
+    assert "sgl_kernel" in lock.stubs.raising and "torchvision" in lock.stubs.raising
+    env = install.installed(lock, base)
+    assert env is not None and env.python.exists()
+    assert not any(d.lower().startswith(("torch==", "nvidia")) for d in lock.deps)

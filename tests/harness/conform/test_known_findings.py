@@ -11,10 +11,11 @@ import pytest
 
 from harness.conform.adapters import kvcache
 from harness.conform.controller.families import check_named
-from harness.conform.controller.known_findings import KNOWN, match, release_key
+from harness.conform.controller.known_findings import KNOWN, match
 from harness.conform.controller.report import Report, write_report
 from harness.conform.controller.runner import check_all
 from harness.conform.controller.targets import LocalTarget
+from harness.conform.versions import parse_version
 from tests.harness.conform import faults
 
 
@@ -48,8 +49,8 @@ def test_a_known_finding_is_matched_by_release_check_and_oracle(
 def test_releases_order_as_the_registry_reads_them() -> None:
     order = ["0.5.5", "0.5.5.post3", "0.5.6", "0.5.6.post1", "0.5.6.post2", "0.5.7",
              "0.5.10", "0.31", "0.31.0.post1", "0.33.1.dev3+gabc1234", "0.34.0"]
-    assert sorted(order, key=release_key) == order
-    assert release_key("0.31") == release_key("0.31.0")
+    assert sorted(order, key=lambda v: parse_version(v).key) == order
+    assert parse_version("0.31").key == parse_version("0.31.0").key
     assert {k.number for k in KNOWN} == set(range(1, 16))
 
 

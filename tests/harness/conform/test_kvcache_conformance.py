@@ -62,12 +62,13 @@ def test_the_default_report_folder_is_named_by_the_parsed_spec(
 
 
 @pytest.mark.parametrize(("spec", "reason"), [
-    pytest.param("vllm==0.30.0", "vllm 0.30.0 is not supported; supported: 0.10.2", id="old"),
+    pytest.param("vllm==0.34.0.dev1", "vllm 0.34.0.dev1 is not a registry release: run a "
+                 "checkout as vllm@PATH", id="dev"),
     pytest.param("tensorrt_llm==1.2.1", "tensorrt_llm cannot run on this machine: "
                  "TensorRT-LLM's wheels are not on the package registry", id="trtllm"),
     pytest.param("lmdeploy==0.9.0", "no adapter for 'lmdeploy'", id="unknown"),
-    pytest.param("vllm>=0.30", "engine spec 'vllm>=0.30': expected NAME or NAME==VERSION",
-                 id="range"),
+    pytest.param("vllm>=0.30", "engine spec 'vllm>=0.30': expected NAME, NAME==VERSION or "
+                 "NAME@PATH", id="range"),
 ])
 def test_a_run_that_cannot_be_done_is_exit_2_saying_why(tmp_path: Path, spec: str,
                                                          reason: str) -> None:

@@ -141,3 +141,20 @@ def test_the_unified_contract_is_radix_caches_but_for_who_frees_duplicates() -> 
     same = {f for f in radix.as_dict() if f not in ("engine", "citations", "notes")}
     assert {f: unified.as_dict()[f] for f in same} == {f: radix.as_dict()[f] for f in same}
     assert any(k == "dedup_on_commit" and "FreeDeviceKV" in v for k, v in unified.citations)
+
+
+def test_an_event_sent_as_a_subclass_is_known_by_its_base() -> None:
+    from harness.conform.protocol import event_kind
+
+    class BlockStored:
+        pass
+
+    class BlockStoredWithMetadata(BlockStored):  # SGLang 0.5.19's salted BlockStored
+        pass
+
+    class Heartbeat:
+        pass
+
+    assert event_kind(BlockStoredWithMetadata()) == "BlockStored"
+    assert event_kind(BlockStored()) == "BlockStored"
+    assert event_kind(Heartbeat()) == "Heartbeat"

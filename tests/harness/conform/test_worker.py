@@ -120,7 +120,7 @@ def test_the_fake_engine_passes_as_kvcache_does(fake_engine: Configure,
     # the SPEC that runs is said first, before the install is looked for (or downloaded)
     assert said[0] == (f"conform {ENGINE}=={VERSION} (the SPEC ' {ENGINE}=={VERSION} ' "
                        "without its surrounding spaces)")
-    assert said[1].startswith(f"starting {ENGINE}=={VERSION} in ")
+    assert said[1].startswith(f"importing {ENGINE} {VERSION} in ")
     _assert_closed(tmp_path)
 
 
