@@ -35,7 +35,7 @@ from kvcache.core.growth import append_blocks, reserve_blocks
 from kvcache.core.handle import SequenceHandle, SequenceRecord
 from kvcache.core.host_tier import TierListener
 from kvcache.core.integrity import check_manager, leak_report
-from kvcache.core.keys import ReuseScope, scope_key, to_token_array, token_bytes
+from kvcache.core.keys import ReuseScope, scope_key, to_token_array, token_array_and_key
 from kvcache.core.kv_events import KvCacheEvent
 from kvcache.core.ops import KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
@@ -139,7 +139,7 @@ class KvCacheManager:
         scope or a `first_chunk` that is not a positive int.
         """
         key = None if scope is None else scope_key(scope, "plan_admission")
-        prompt, key_bytes = token_bytes(tokens, "plan_admission", None)
+        prompt, key_bytes = token_array_and_key(tokens, "plan_admission", None)
         if not prompt:
             raise ValueError("plan_admission: empty prompt")
         if first_chunk is not None:
@@ -198,7 +198,7 @@ class KvCacheManager:
         if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             priority = check_priority(priority, f"add_sequence({seq_id!r})")
         key = None if scope is None else scope_key(scope, f"add_sequence({seq_id!r})")
-        prompt, key_bytes = token_bytes(tokens, "add_sequence", seq_id)
+        prompt, key_bytes = token_array_and_key(tokens, "add_sequence", seq_id)
         if not prompt:
             raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
         fault = self.state.allocation_fault
@@ -350,7 +350,7 @@ class KvCacheManager:
         nothing. Raises ValueError for bad tokens, a bad scope or a bad `first_chunk`.
         """
         key = None if scope is None else scope_key(scope, "match_reuse")
-        prompt, key_bytes = token_bytes(tokens, "match_reuse", None)
+        prompt, key_bytes = token_array_and_key(tokens, "match_reuse", None)
         if first_chunk is not None:
             first_chunk = check_positive_int(first_chunk, "match_reuse: first_chunk")
         if not prompt:
@@ -361,7 +361,7 @@ class KvCacheManager:
                     first_chunk: int | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`,
         `first_chunk` as there). Holds and changes nothing."""
-        prompt, key_bytes = token_bytes(tokens, "probe_reuse", None)
+        prompt, key_bytes = token_array_and_key(tokens, "probe_reuse", None)
         if first_chunk is not None:
             first_chunk = check_positive_int(first_chunk, "probe_reuse: first_chunk")
         if not prompt:

@@ -85,7 +85,7 @@ class KvcacheCache:
         self._kvcache = kvcache
         self._kv_events = kv_events
         self._hash = kv_events.block_hash
-        self._token_bytes = kv_events.token_bytes
+        self._little_endian_bytes = kv_events.little_endian_bytes
         self._event_to_dict = kv_events.event_to_dict
         cfg = kvcache.KvCacheConfig(tokens_per_block=block_size, max_num_blocks=num_blocks,
                                     enable_block_reuse=True)
@@ -218,7 +218,7 @@ class KvcacheCache:
             tokens = array("I", node.key)
             for i in range(len(node.blocks)):
                 chunk = tokens[i * bb // 4:(i + 1) * bb // 4]
-                parent = self._hash(parent, self._token_bytes(chunk), key)
+                parent = self._hash(parent, self._little_endian_bytes(chunk), key)
                 out.append(str(parent))
             last[id(node)] = parent
         return out
