@@ -12,7 +12,6 @@ it, so a call that fails its checks changes nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import NamedTuple
 
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent
@@ -20,20 +19,9 @@ from kvcache.core.handle import SequenceHandle, SequenceRecord
 from kvcache.core.host_tier import HostTier
 from kvcache.core.kv_event_log import KvEventLog
 from kvcache.core.ops import KvOp
-from kvcache.core.pool import BlockPool
+from kvcache.core.pool import Allocation, BlockPool
 from kvcache.core.radix import BlockRadixTree
 from kvcache.core.stats import Counters
-
-
-class Allocation(NamedTuple):
-    """Blocks taken from the pool: `block_ids`, the first `num_fresh` of them from the
-    free list (the rest evicted cached blocks), and the host tier's offloads and drops
-    that the evictions made (0 without a host tier)."""
-
-    block_ids: list[int]
-    num_fresh: int
-    num_offloaded: int = 0
-    num_dropped: int = 0
 
 
 def _out_of_memory(config: KvCacheConfig, field: str) -> ValueError:
@@ -118,13 +106,13 @@ class CacheState:
         the tree, and with a host tier the host, which the evictions offload to."""
         host = self.host
         if host is None:  # nothing is offloaded or dropped: no counts to take
-            block_ids, fresh = self.pool.allocate(num_blocks)
-            if fresh < num_blocks:
-                self.removed(block_ids[fresh:])
-            return Allocation(block_ids, fresh)
+            allocation = self.pool.allocate(num_blocks)
+            if allocation.num_fresh < num_blocks:
+                self.removed(allocation.block_ids[allocation.num_fresh:])
+            return allocation
         offloaded, dropped = host.num_offloaded, host.num_dropped
-        block_ids, fresh = self.pool.allocate(num_blocks)
-        if fresh < num_blocks:
-            self.removed(block_ids[fresh:])
-        return Allocation(block_ids, fresh, host.num_offloaded - offloaded,
-                          host.num_dropped - dropped)
+        allocation = self.pool.allocate(num_blocks)
+        if allocation.num_fresh < num_blocks:
+            self.removed(allocation.block_ids[allocation.num_fresh:])
+        return allocation._replace(num_offloaded=host.num_offloaded - offloaded,
+                                   num_dropped=host.num_dropped - dropped)
