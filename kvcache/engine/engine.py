@@ -102,14 +102,12 @@ def _attention_backend(model: ModelConfig, storage: KvStorage,
 def _snapshots(model: ModelConfig, cache: KvCacheConfig, manager: KvCacheManager,
                interval: int) -> StateSnapshots | None:
     """The recurrent-state snapshots of a hybrid model that reuses blocks (None for any
-    other), wired to `manager`: they leave with their blocks, and follow them to the
-    host tier and back."""
+    other), a listener of `manager`: they leave with their blocks, and follow them to
+    the host tier and back."""
     if not (model.has_recurrent_layers and cache.block_reuse):
         return None
     snapshots = StateSnapshots(model.recurrent_layers, model.hidden_size, interval)
-    manager.on_blocks_removed = snapshots.drop
-    if cache.host_cache_blocks:
-        manager.add_tier_listener(snapshots)
+    manager.add_listener(snapshots)
     return snapshots
 
 
@@ -523,7 +521,8 @@ class Engine:
         """Every cache operation in the order the cache saw it (for the reuse oracle), as
         plain dicts (a copy). Takes the lock: safe from any thread. Raises ValueError
         for an engine built with record_events=False."""
-        if self.manager.events is None:
+        events = self.manager.state.events
+        if events is None:
             raise ValueError("admission_log: the engine was built with record_events=False")
         with self._lock:
-            return [e.as_dict() for e in self.manager.events]
+            return [e.as_dict() for e in events]

@@ -109,11 +109,11 @@ class Scheduler:
         self.manager = manager
         self.table = table
         self.batch = batch
-        self.windowed = manager.config.sliding_window is not None
+        self.windowed = manager.state.config.sliding_window is not None
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
         # hold siblings back until a running request commits their common prefix
-        self.share_prefixes = share_prefixes and manager.reuse
+        self.share_prefixes = share_prefixes and manager.state.reuse
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
@@ -162,7 +162,7 @@ class Scheduler:
         """Admit waiting requests in order while a slot, budget and blocks remain, each
         taking its first chunk of `budget` (appended to `todo` and `counts`)."""
         held: list[Request] = []  # siblings waiting for a leader's prefix, in order
-        cfg = self.manager.config
+        cfg = self.manager.state.config
         try:
             while self.waiting and budget and self._free_slots:
                 req = self.waiting[0]

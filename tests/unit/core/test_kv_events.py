@@ -91,10 +91,10 @@ def test_reset_clears_and_refuses_while_live(events_manager) -> None:
     _run(mgr, "a", [1, 2, 3, 4, 5])
     mgr.take_kv_events()
     mgr.add_sequence("live", [1, 2])
-    before = (mgr.stats(), mgr.dump_tree())
+    before = (mgr.stats(), mgr.state.tree.dump())
     with pytest.raises(ValueError, match="reset_cache: 1 sequences are live"):
         mgr.reset_cache()
-    assert (mgr.stats(), mgr.dump_tree()) == before
+    assert (mgr.stats(), mgr.state.tree.dump()) == before
     mgr.free_sequence("live")
     mgr.take_kv_events()
     mgr.reset_cache()
