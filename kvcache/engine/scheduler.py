@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal
 
 from kvcache.attention.block_table import BlockTable
 from kvcache.core.handle import SequenceHandle
@@ -44,30 +44,13 @@ from kvcache.core.manager import KvCacheManager
 from kvcache.core.pool import OutOfBlocksError
 from kvcache.engine.prefix_sharing import leader_of
 from kvcache.engine.step_fault import StepFault
+from kvcache.engine.step_records import Chunk, Sampled, Schedule
 
 if TYPE_CHECKING:  # they need torch; the scheduler does not
     from kvcache.attention.persistent.batch import PersistentBatch
     from kvcache.engine.request import Request
-    from kvcache.engine.step_runner import Sampled
 
 log = logging.getLogger(__name__)
-
-
-class Chunk(NamedTuple):
-    """`num_new` tokens of `req` to compute this step; `samples` if they reach its end."""
-
-    req: Request
-    num_new: int
-    samples: bool
-
-
-class Schedule(NamedTuple):
-    """One step's work: `chunks` in row order (the running order), and `row_tokens`, the
-    new tokens of every running request (0: it sits the step out), or None when each
-    computes exactly one (a decode step; PersistentBatch.step's fast path)."""
-
-    chunks: list[Chunk]
-    row_tokens: list[int] | None
 
 
 # A chunk's postprocess, stage by stage (each also a phase of the fault seam):

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvcache.engine.scheduler import Chunk
+from kvcache.engine.step_records import Chunk
 
 
 class StateSnapshots:
