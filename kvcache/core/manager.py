@@ -20,9 +20,10 @@ function that does it with that state: `admission.make_plan` and `admission.carr
 `growth.append_blocks`, `window_holds.release_front`; `stats.py` and `integrity.py` read
 it. A listener (`add_listener`, listener.py) hears of the blocks removed and moved.
 
-Each call's contract. Bad input raises ValueError naming the value, no room raises
-OutOfBlocksError (`OOB`); a call that raises changed nothing (tree, pools, records, op
-queue, counters, LRU times and both event logs are as they were), so it can be retried.
+Each call's contract (t: tokens, s: scope, c: first_chunk, p: priority). Bad input
+raises ValueError naming the value, no room raises OutOfBlocksError (`OOB`); a call that
+raises changed nothing (tree, pools, records, op queue, counters, LRU times and both
+event logs are as they were), so it can be retried.
 
     call                      changes                                  raises
     plan_admission(t, s, c)   nothing; the plan is valid until the     ValueError: empty prompt,
@@ -33,11 +34,11 @@ queue, counters, LRU times and both event logs are as they were), so it can be r
                               hit, allocates (evicting, offloading),   manager's or a stale
                               queues onboards; counters, logs          plan; OOB: no room
     add_sequence(id, t, s, p) plan_admission, then admit               what both raise
-    commit(id, n)             tokens [0, n) valid: full blocks enter   ValueError: unknown id,
-                              the tree (a duplicate switches to the    n past the sequence, its
-                              cached block, bumping block_ids_version, reserved blocks or
-                              its own block given back); a window      backwards; its copy still
-                              releases what no later token sees        queued
+    commit(id, n)             tokens [0, n) valid: full blocks enter   ValueError: unknown id;
+                              the tree (a duplicate switches to the    n not an int, past the
+                              cached block, bumping block_ids_version, sequence or its reserved
+                              its own block given back); a window      blocks, or backwards;
+                              releases what no later token sees        its copy still queued
     reserve(id, n)            allocates what the pool can give for     ValueError: unknown id, n
                               tokens [0, n) (a window's chunks)        outside [0, tokens];
                                                                        never for want of room
@@ -55,8 +56,9 @@ queue, counters, LRU times and both event logs are as they were), so it can be r
     add_listener(l)           l hears of every later removal and move  -
     take_kv_events()          empties the KV event queue               ValueError: kv_events off
     reset_cache()             drops every cached block, both tiers;    ValueError: a sequence
-                              the logs and the listeners hear of it    is live
-    stats(), step_stats()     step_stats: the baseline of the next     -
+                              the KV event log and the listeners hear  is live
+                              of it
+    stats(), step_stats()     step_stats() moves its baseline          -
     check_integrity()         nothing                                  IntegrityError
     leak_report()             nothing                                  -
 """
