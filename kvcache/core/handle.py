@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import NamedTuple, cast
 
 from kvcache.core.keys import ScopeKey
+from kvcache.core.pool import Allocation
 from kvcache.core.radix import Node
 from kvcache.core.stats import RequestKvMetrics
-
-if TYPE_CHECKING:
-    from kvcache.core.state import Allocation
 
 
 class Holdings(NamedTuple):

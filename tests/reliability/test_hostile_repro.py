@@ -73,8 +73,8 @@ def reuse_json() -> dict[str, Any]:
         manager.free_sequence(seq_id)
     rows = [{"where": "total", "counter": "reusedBlocks", "at_least": 1, "at_most": None,
              "actual": None}]
-    record = ReuseCheckRecord("t::reuse", "expect_reuse", None, replay_config(manager.config),
-                              plain([e.as_dict() for e in manager.events]), None, False, rows,
+    record = ReuseCheckRecord("t::reuse", "expect_reuse", None, replay_config(manager.state.config),
+                              plain([e.as_dict() for e in manager.state.events]), None, False, rows,
                               "m")
     return record.to_json()
 

@@ -47,7 +47,7 @@ class RefusesEarly(KvcacheCache):
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
               first_chunk: int | None) -> Admission | None:
-        if 2 * self.used_blocks() >= self.manager.config.max_num_blocks:
+        if 2 * self.used_blocks() >= self.manager.state.config.max_num_blocks:
             return None
         return super().admit(seq_id, tokens, scope, first_chunk)
 
@@ -71,7 +71,8 @@ class LeaksOnFree(KvcacheCache):
 
     def free(self, seq_id: Hashable) -> None:
         self._scopes.pop(seq_id, None)
-        self.manager.events.append(self._kvcache.CacheEvent("free", seq_id))  # type: ignore[union-attr]
+        events = self.manager.state.events
+        events.append(self._kvcache.CacheEvent("free", seq_id))  # type: ignore[union-attr]
 
 
 class LogsWrongIds(KvcacheCache):
