@@ -4,7 +4,7 @@
 public and only kvcache/core changes them, through the manager's checked calls:
 admission (admission.py) creates the record, `commit` (caching.py, window_holds.py),
 `reserve` and `append_tokens` (growth.py) change it, `free_sequence` drops it.
-`SequenceHandle` is what `admit`, `add_sequence` and `get_sequence` return: a view of one
+`SequenceHandle` is what `admit` and `add_sequence` return and `sequences` holds: a view of one
 record whose every field is read-only, and always current. The record does not point
 back at its handle, so a freed sequence's objects go when their last user lets go.
 """
