@@ -135,8 +135,8 @@ class LoraOutOfEventHashes(KvcacheCache):
     def cached_hashes(self) -> list[str]:
         out: list[str] = []
         last: dict[int, str | None] = {}  # node id -> the published hash of its last block
-        B = self.manager.config.tokens_per_block
-        for key, node in self.manager.tree.walk():  # parents before children
+        B = self.manager.state.config.tokens_per_block
+        for key, node in self.manager.state.tree.walk():  # parents before children
             parent = last.get(id(node.parent))
             if node.host:
                 continue
@@ -213,7 +213,7 @@ class RaisesAt(KvcacheCache):
             raise RuntimeError(f"planted: {kind} raised before it began")
         call()
         if self.when == "unlogged":
-            self._seen = len(self.manager.events or ())
+            self._seen = len(self.manager.state.events or ())
         raise RuntimeError(f"planted: {kind} raised after it was done ({self.when})")
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
