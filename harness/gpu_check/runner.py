@@ -3,11 +3,12 @@
 Every stage gets the same deadline (start + budget): its tests skip once it has passed,
 and the process is killed (with its whole process group: nvcc compiles included) when
 it is reached. The time and the wait for a stage come from a `Clock`
-(harness.gpu_check.clock; the wall clock unless a caller, a test, passes another). A test that hangs is ended by pytest-timeout (--test-timeout), which
-ends its stage's process; the next stage still runs. Stages that did not start are
-reported with the reason. Nothing here needs a network or an extra package: pytest
-and pytest-timeout come with the test extra; the benchmarks stage needs the bench
-extra and is skipped, saying so, without it.
+(harness.gpu_check.clock: the wall clock unless the caller, a test, passes another). A
+test that hangs is ended by pytest-timeout (--test-timeout), which ends its stage's
+process; the next stage still runs. Stages that did not start are reported with the
+reason. Nothing here needs a network or an extra package: pytest and pytest-timeout
+come with the test extra; the benchmarks stage needs the bench extra and is skipped,
+saying so, without it.
 """
 
 from __future__ import annotations
