@@ -167,7 +167,7 @@ def test_request_cost_is_flat_in_tree_size(benchmark: Any, cached_blocks: int) -
 
     benchmark(one_request)
     benchmark.extra_info.update(cached_blocks=cached_blocks,
-                                tree_nodes=mgr.tree.num_nodes)
+                                tree_nodes=mgr.state.tree.num_nodes)
     mgr.check_integrity()
 
 

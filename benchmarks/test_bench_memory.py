@@ -74,7 +74,7 @@ def traced_fill(prompts: list[list[int]]) -> HeapUse:
     assert mgr.leak_report() == [], mgr.leak_report()
     stats = mgr.stats()
     assert stats.evicted_blocks == 0, "the pool is sized so that nothing is evicted"
-    return HeapUse(pool, empty, added, stats.cached_num_blocks, mgr.tree.num_nodes)
+    return HeapUse(pool, empty, added, stats.cached_num_blocks, mgr.state.tree.num_nodes)
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))

@@ -11,9 +11,11 @@ the import picture of its rooms (a room is a module or a subpackage directly ins
 it): how many rooms, how many arrows between them (room A imports room B), and the
 loops (rooms that import each other in a cycle), and the file loops: files that import
 each other in a cycle when the code runs (imports inside functions count; those under
-`if TYPE_CHECKING:`, type hints only, do not). harness.conform gets a picture of its own
-(its three places and the modules they share). tests/harness/test_rooms.py holds the
-harness to the rules the numbers stand for.
+`if TYPE_CHECKING:`, type hints only, do not), then the same counting type hints too (a
+circle through type hints is no failure at run time, but a reader still cannot read
+one of its files without the others). harness.conform gets a picture of its own (its
+three places and the modules they share). tests/harness/test_rooms.py and
+tests/tools/test_structure.py hold the code to the rules the numbers stand for.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class ImportPicture:
     loops: tuple[tuple[str, ...], ...]
     files: int = 0
     file_loops: tuple[tuple[str, ...], ...] = ()
+    hinted_file_loops: tuple[tuple[str, ...], ...] = ()  # type hints counted too
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -209,20 +212,27 @@ def import_picture(package: str, root: Path = ROOT) -> ImportPicture:
                 if other in rooms and other != room:
                     arrows.add((room, other))
     files, file_arrows = _file_arrows(package, root)
+    _, hinted_arrows = _file_arrows(package, root, hints=True)
     return ImportPicture(package, tuple(rooms), tuple(sorted(arrows)),
-                         _loops(rooms, arrows), len(files), _loops(files, file_arrows))
+                         _loops(rooms, arrows), len(files), _loops(files, file_arrows),
+                         _loops(files, hinted_arrows))
 
 
-def _file_arrows(package: str, root: Path) -> tuple[list[str], set[tuple[str, str]]]:
+def _file_arrows(package: str, root: Path,
+                 hints: bool = False) -> tuple[list[str], set[tuple[str, str]]]:
     """The modules of `package` (all of its files, `__init__` as the package) and the
-    run-time imports between them (`run_time_imports`)."""
+    run-time imports between them (`run_time_imports`; with `hints`, every import,
+    `imported_modules`)."""
     paths = sorted((root / package.replace(".", "/")).rglob("*.py"))
     names = [module_name(p, root) for p in paths]
     known = set(names)
     arrows: set[tuple[str, str]] = set()
     for path, module in zip(paths, names, strict=True):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        for target in run_time_imports(tree, module, path.name == "__init__.py"):
+        is_package = path.name == "__init__.py"
+        targets = (imported_modules(tree, module, is_package) if hints
+                   else run_time_imports(tree, module, is_package))
+        for target in targets:
             if target in known and target != module:
                 arrows.add((module, target))
     return names, arrows
@@ -274,12 +284,16 @@ def _table(figures: dict[str, PackageFigures], pictures: list[ImportPicture],
         lines.append(f"| {name} | {figs.files} | {len(figs.long_functions)} | "
                      f"{len(figs.foreign_underscores)} | {len(figs.private_imports)} |")
     for pic in pictures:
-        loops = "; ".join(" <-> ".join(loop) for loop in pic.loops) or "none"
-        file_loops = "; ".join(" <-> ".join(loop) for loop in pic.file_loops) or "none"
         lines += ["", f"{pic.package}: {len(pic.rooms)} rooms, {len(pic.arrows)} arrows, "
-                  f"{len(pic.loops)} loops ({loops}); {pic.files} files, "
-                  f"{len(pic.file_loops)} file loops ({file_loops})"]
+                  f"{len(pic.loops)} loops ({_named(pic.loops)}); {pic.files} files, "
+                  f"{len(pic.file_loops)} file loops ({_named(pic.file_loops)}), "
+                  f"{len(pic.hinted_file_loops)} counting type hints "
+                  f"({_named(pic.hinted_file_loops)})"]
     return "\n".join(lines)
+
+
+def _named(loops: tuple[tuple[str, ...], ...]) -> str:
+    return "; ".join(" <-> ".join(loop) for loop in loops) or "none"
 
 
 def main(argv: list[str] | None = None) -> int:

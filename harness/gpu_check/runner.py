@@ -2,11 +2,13 @@
 
 Every stage gets the same deadline (start + budget): its tests skip once it has passed,
 and the process is killed (with its whole process group: nvcc compiles included) when
-it is reached. A test that hangs is ended by pytest-timeout (--test-timeout), which
-ends its stage's process; the next stage still runs. Stages that did not start are
-reported with the reason. Nothing here needs a network or an extra package: pytest
-and pytest-timeout come with the test extra; the benchmarks stage needs the bench
-extra and is skipped, saying so, without it.
+it is reached. The time and the wait for a stage come from a `Clock`
+(harness.gpu_check.clock: the wall clock unless the caller, a test, passes another). A
+test that hangs is ended by pytest-timeout (--test-timeout), which ends its stage's
+process; the next stage still runs. Stages that did not start are reported with the
+reason. Nothing here needs a network or an extra package: pytest and pytest-timeout
+come with the test extra; the benchmarks stage needs the bench extra and is skipped,
+saying so, without it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness.gpu_check.clock import WALL_CLOCK, Clock
 from harness.gpu_check.plugin import DEADLINE_OPTION, LOG_OPTION, read_log
 from harness.gpu_check.report import Report, StageResult
 from harness.gpu_check.stages import STAGE_NAMES, STAGES, Stage
@@ -129,16 +132,18 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_stage(stage: Stage, results: Path, deadline: float, test_timeout: int,
-              min_stage_s: float = MIN_STAGE_S, grace_s: float = KILL_GRACE_S) -> StageResult:
-    """Run one stage's pytest process until it ends, or kill it `grace_s` after
-    `deadline` (time.time(), after which its tests skip); its output goes to
+              min_stage_s: float = MIN_STAGE_S, grace_s: float = KILL_GRACE_S,
+              clock: Clock = WALL_CLOCK) -> StageResult:
+    """Run one stage's pytest process until it ends, or kill it when `clock` reaches
+    `grace_s` after `deadline` (on clock.now()'s scale; the process skips the tests that
+    would start after it, by its own time.time()); its output goes to
     results/<stage>.log. Not started with less than `min_stage_s` left. Never raises
     for what the tests do."""
     missing = [m for m in stage.requires if importlib.util.find_spec(m) is None]
     if missing:
         return StageResult(stage.name, stage.title, "skipped", 0.0,
                            f"needs {', '.join(missing)} (pip install -e .[test])", ())
-    left = deadline - time.time()
+    left = deadline - clock.now()
     if left < min_stage_s:
         return StageResult(stage.name, stage.title, "skipped", 0.0,
                            f"time budget spent ({max(left, 0):.0f} s left)", ())
@@ -147,11 +152,9 @@ def run_stage(stage: Stage, results: Path, deadline: float, test_timeout: int,
         proc = subprocess.Popen(_pytest_command(stage, results, deadline, test_timeout),
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            code: int | None = proc.wait(timeout=max(deadline + grace_s - time.time(), 0))
-        except subprocess.TimeoutExpired:
+        code = clock.wait(proc, deadline + grace_s)
+        if code is None:
             _kill_group(proc)
-            code = None
     seconds = time.monotonic() - start
     log_path = results / f"{stage.name}.jsonl"
     if code is None:
@@ -168,22 +171,22 @@ def run_stage(stage: Stage, results: Path, deadline: float, test_timeout: int,
 
 
 def run_check(stages: Sequence[Stage], results: Path, budget_s: float, test_timeout: int,
-              environment: dict[str, str]) -> Report:
-    """Run `stages` in order within `budget_s` (plus at most KILL_GRACE_S for a test
-    running at the deadline); write and return the report."""
+              environment: dict[str, str], clock: Clock = WALL_CLOCK) -> Report:
+    """Run `stages` in order within `budget_s` of `clock` (plus at most KILL_GRACE_S for
+    a test running at the deadline); write and return the report."""
     results.mkdir(parents=True, exist_ok=True)
     for pattern in STALE:
         for old in results.glob(pattern):
             old.unlink()
-    t0 = time.time()
+    t0 = clock.now()
     deadline = t0 + budget_s
     done = []
     for stage in stages:
-        result = run_stage(stage, results, deadline, test_timeout)
+        result = run_stage(stage, results, deadline, test_timeout, clock=clock)
         done.append(result)
         print(f"gpu check: {stage.name}: {result.status} in {result.seconds:.0f} s"
               + (f" ({result.reason})" if result.reason else ""), flush=True)
-    report = Report(environment, budget_s, time.time() - t0, tuple(done))
+    report = Report(environment, budget_s, clock.now() - t0, tuple(done))
     report.write(results)
     return report
 

@@ -2,10 +2,11 @@
 
 The plugin calls `oracle_problems` on the cache owners `harness.plugin.leaks.find_cache_owners`
 finds, next to the leak check. A `CheckedManager` checked every call already: its final
-state is checked once more. Any other owner that looks like a `KvCacheManager` (`config`,
-`sequences`, `stats()`) gets the capacity check on its state now, and, when it recorded
-its event log with block ids (engines do by default), the provenance oracle replays that
-log: every read the engine made is checked against the shadow KV store.
+state is checked once more. Any other owner that looks like a `KvCacheManager` (a `state`
+with its `config`, `sequences`, `stats()`) gets the capacity check on its state now, and,
+when it recorded its event log (`state.events`) with block ids (engines do by default),
+the provenance oracle replays that log: every read the engine made is checked against the
+shadow KV store.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ def oracle_problems(owners: Iterable[tuple[str, Any]]) -> list[str]:
                 continue
             if not _looks_like_manager(owner):
                 continue
-            window = getattr(owner.config, "sliding_window", None)
+            cfg = owner.state.config
+            window = getattr(cfg, "sliding_window", None)
             capacity_of(owner).check_used(owner.stats().used_num_blocks, "the test")
-            events = getattr(owner, "events", None)
+            events = getattr(owner.state, "events", None)
             if events and _has_block_ids(events):
-                ShadowStore(owner.config.tokens_per_block, sliding_window=window
-                            ).replay(events)
+                ShadowStore(cfg.tokens_per_block, sliding_window=window).replay(events)
         except (CapacityError, ProvenanceError) as exc:
             problems.append(f"{label} ({kind}): {exc}")
         except ValueError as exc:  # a log the oracles cannot read is a problem too
@@ -47,7 +48,7 @@ def capacity_of(manager: Any) -> CapacityOracle:
     """A capacity oracle holding `manager`'s live sequences as they are now (read through
     the public handles: tokens, scope, committed count and, under a sliding window, the
     block positions reserved so far; the released ones follow from the committed count)."""
-    cfg = manager.config
+    cfg = manager.state.config
     oracle = CapacityOracle(cfg.tokens_per_block, cfg.max_num_blocks,
                             block_reuse=cfg.block_reuse,
                             sliding_window=getattr(cfg, "sliding_window", None))
@@ -58,7 +59,7 @@ def capacity_of(manager: Any) -> CapacityOracle:
 
 
 def _looks_like_manager(owner: Any) -> bool:
-    cfg = getattr(owner, "config", None)
+    cfg = getattr(getattr(owner, "state", None), "config", None)
     return (all(hasattr(cfg, n) for n in ("tokens_per_block", "max_num_blocks", "block_reuse"))
             and hasattr(owner, "sequences") and callable(getattr(owner, "stats", None)))
 

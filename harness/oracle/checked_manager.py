@@ -11,7 +11,8 @@ was refused for want of blocks, the blocks really were not there.
 `commit` first takes and applies the queued copies, as an engine does before the forward
 pass whose tokens it commits; `ack_copy_ops` applies only those acknowledged, as an engine
 whose storage failed part-way does. Fuzzers and stateful tests drive this instead of a bare
-manager; anything not wrapped (stats, probe_reuse, sequences, ...) is forwarded as is.
+manager; anything not wrapped (state, sequences, stats, probe_reuse, ...) is forwarded as
+is, so a test sets the fault-injection seam as on the manager (`state.allocation_fault`).
 Like the rest of the harness it imports `kvcache` for type checking only: a refusal is
 any exception with `needed`, `available` and `capacity` (`OutOfBlocksError`).
 
@@ -126,7 +127,7 @@ class CheckedManager:
         if manager.sequences or manager.stats().alloc_total_blocks:
             raise ValueError("CheckedManager: the manager must be fresh (nothing admitted "
                              "yet): the oracles must see every operation")
-        cfg = manager.config
+        cfg = manager.state.config
         self.manager = manager
         window = cfg.sliding_window
         self.oracles = CallOracles(cfg.tokens_per_block, cfg.max_num_blocks,
@@ -144,15 +145,6 @@ class CheckedManager:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.manager, name)
-
-    @property
-    def allocation_fault(self) -> Callable[[str, int], bool] | None:
-        """The manager's fault-injection seam (read and set through)."""
-        return self.manager.allocation_fault
-
-    @allocation_fault.setter
-    def allocation_fault(self, fault: Callable[[str, int], bool] | None) -> None:
-        self.manager.allocation_fault = fault
 
     # -- the checked calls -------------------------------------------------------------
 
@@ -202,11 +194,11 @@ class CheckedManager:
         """Take and apply the queued copies (the forward pass comes after them), then
         `KvCacheManager.commit`, checked. The copies are taken for a live `seq_id` even
         when the commit itself is then refused as bad input."""
-        if self.manager.pending_copies and seq_id in self.manager.sequences:
+        if self.manager.state.op_queue and seq_id in self.manager.sequences:
             self.take_copy_ops()
         where = f"commit({seq_id!r}, {num_tokens})"
         self._call(where, lambda: self.manager.commit(seq_id, num_tokens))
-        seq = self.manager.get_sequence(seq_id)
+        seq = self.manager.sequences[seq_id]
         old, version = self._ids[seq_id]
         ids = list(seq.block_ids)
         released = seq.num_released_blocks
@@ -235,7 +227,7 @@ class CheckedManager:
             need = self.capacity.append_need(seq_id, len(tokens))
         start = seq.num_tokens if seq is not None else 0
         self._call(where, lambda: self.manager.append_tokens(seq_id, tokens), need)
-        seq = self.manager.get_sequence(seq_id)
+        seq = self.manager.sequences[seq_id]
         old, version = self._ids[seq_id]
         ids = list(seq.block_ids)
         if ids[:len(old)] != old or seq.block_ids_version != version:
@@ -254,16 +246,16 @@ class CheckedManager:
         if seq_id in self._ids and type(num_tokens) is int and num_tokens >= 0:
             grant = self.capacity.reserve_grant(seq_id, num_tokens)
         covered = self._call(where, lambda: self.manager.reserve(seq_id, num_tokens))
-        seq = self.manager.get_sequence(seq_id)
+        seq = self.manager.sequences[seq_id]
         old, version = self._ids[seq_id]
         ids = list(seq.block_ids)
         new = ids[len(old):]
-        faulted = not new and self.manager.allocation_fault is not None
+        faulted = not new and self.manager.state.allocation_fault is not None
         if (ids[:len(old)] != old or seq.block_ids_version != version
                 or (len(new) != grant and not faulted)):
             raise ManagerContractError(f"{where}: block ids went from {old} to {ids}; it "
                                        f"should have added {grant} blocks")
-        B = self.manager.config.tokens_per_block
+        B = self.manager.state.config.tokens_per_block
         if covered != min(num_tokens, len(ids) * B):
             raise ManagerContractError(f"{where} returned {covered}; its {len(ids)} blocks "
                                        f"cover {min(num_tokens, len(ids) * B)} of those tokens")
@@ -281,7 +273,7 @@ class CheckedManager:
     def take_copy_ops(self) -> list[KvOp]:
         """`KvCacheManager.take_copy_ops`; the copies, offloads and onboards are applied
         to the shadow store."""
-        queued = self.manager.pending_copies
+        queued = self._queue()
         ops = self.manager.take_copy_ops()
         if ops != [op for _, op in queued]:
             raise ManagerContractError(f"take_copy_ops() returned {ops}, the queue held "
@@ -294,15 +286,15 @@ class CheckedManager:
         to the shadow store; the rest must stay queued, in order. A refused count must
         change nothing."""
         where = f"ack_copy_ops({num_applied!r})"
-        queued = self.manager.pending_copies
+        queued = self._queue()
         try:
             self.manager.ack_copy_ops(num_applied)
         except Exception as exc:
-            if self.manager.pending_copies != queued:
+            if self._queue() != queued:
                 raise ManagerContractError(f"{where} raised {type(exc).__name__} ({exc}) "
                                            "and changed the op queue") from exc
             raise
-        left = self.manager.pending_copies
+        left = self._queue()
         done = len(queued) - len(left)
         if done != num_applied or left != queued[done:]:
             raise ManagerContractError(f"{where}: the queue went from {queued} to {left}; "
@@ -370,15 +362,19 @@ class CheckedManager:
                 raise ManagerContractError(f"{where} raised {type(exc).__name__} ({exc}) "
                                            "and changed the cache") from exc
             refused = all(hasattr(exc, a) for a in ("needed", "available", "capacity"))
-            if refused and need is not None and self.manager.allocation_fault is None:
+            if refused and need is not None and self.manager.state.allocation_fault is None:
                 self.capacity.check_refusal(need, where)
             raise
 
     def _snapshot(self) -> tuple[object, ...]:
         m = self.manager
-        return (m.stats(), m.dump_tree(), m.pending_copies,
+        return (m.stats(), m.state.tree.dump(), self._queue(),
                 [(sid, list(s.block_ids), s.num_tokens, s.num_committed_tokens)
                  for sid, s in m.sequences.items()])
+
+    def _queue(self) -> list[tuple[Hashable, KvOp]]:
+        """(owner, op) for every queued op, in order: a copy of the manager's queue."""
+        return list(self.manager.state.op_queue)
 
     def _pending(self) -> list[Move]:
         return [self._move(op) for op in self.manager.pending_copy_ops]
@@ -387,7 +383,7 @@ class CheckedManager:
         """A queued op as (kind, src, dst, num_tokens), read by its class name (the
         harness does not import kvcache): an offload moves a whole block."""
         kind = _KINDS[type(op).__name__]
-        n = getattr(op, "num_tokens", self.manager.config.tokens_per_block)
+        n = getattr(op, "num_tokens", self.manager.state.config.tokens_per_block)
         return (kind, op.src, op.dst, n)
 
     def _after(self, where: str, events: list[Event]) -> None:
@@ -412,7 +408,7 @@ class CheckedManager:
         self.num_operations += 1
 
     def _check_log(self, where: str, events: list[Event]) -> None:
-        log = self.manager.events
+        log = self.manager.state.events
         if log is None:
             return
         recorded = [normalize_event(e) for e in log[self._log_seen:]]

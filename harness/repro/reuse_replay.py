@@ -75,7 +75,7 @@ def _feed(cache: KvCacheManager, log: list[dict[str, Any]], file: str
             raise ReproFormatError(
                 f"{file}: field 'admission_log[{i}].{field}' ({event['kind']} of seq_id "
                 f"{event['seq_id']!r}) does not fit the recorded pool (config.max_num_blocks"
-                f"={cache.config.max_num_blocks}): {exc}") from None
+                f"={cache.state.config.max_num_blocks}): {exc}") from None
         except ValueError as exc:
             raise ReproFormatError(f"{file}: field 'admission_log[{i}]' ({event['kind']} of "
                                    f"seq_id {event['seq_id']!r}) cannot be replayed: {exc}"
@@ -153,7 +153,7 @@ def replay(record: ReuseCheckRecord, file: str = "record") -> Outcome:
         rows = [Row(r["where"], r["counter"], _bounds(r),
                      _actual(r["where"], r["counter"], totals, requests)) for r in record.rows]
     try:
-        check_rows(rows, None, cache.dump_tree)
+        check_rows(rows, None, cache.state.tree.dump)
     except ReuseMismatch as exc:
         return Outcome("reproduced", str(exc))
     return Outcome("not reproduced", f"every one of the {len(rows)} checks holds now")

@@ -167,7 +167,7 @@ def _oracle(engine: Engine, exact: bool, bounded: bool,
     adapter = KvcacheEngineAdapter(engine)
     try:
         expect_matches_oracle(adapter, predict_from_engine(adapter, bounded=bounded), exact,
-                              results=list(results), tree_dump=engine.manager.dump_tree)
+                              results=list(results), tree_dump=engine.manager.state.tree.dump)
     except ReuseMismatch as exc:
         return str(exc)
     return None
@@ -177,7 +177,7 @@ def _full_blocks(engine: Engine, results: Sequence[GenerationOutput]) -> str | N
     """The full-blocks bound's failure message, None when it holds."""
     try:
         expect_full_blocks_bounded(KvcacheEngineAdapter(engine), results,
-                                   tree_dump=engine.manager.dump_tree)
+                                   tree_dump=engine.manager.state.tree.dump)
     except ReuseMismatch as exc:
         return str(exc)
     return None

@@ -58,8 +58,10 @@ class ReuseWatch:
         self._read = read
         self._source = source
         self._before = read()
-        dump = getattr(source, "dump_tree", None)  # KvCacheManager.dump_tree()
-        self._tree_dump = dump if callable(dump) else None
+        tree = getattr(getattr(source, "state", None), "tree", None)  # a KvCacheManager's
+        # read at the call: reset_cache replaces the tree
+        self._tree_dump = ((lambda: source.state.tree.dump())
+                           if callable(getattr(tree, "dump", None)) else None)
 
     @property
     def armed(self) -> bool:
@@ -73,19 +75,22 @@ class ReuseWatch:
         return self._before, self._read()
 
     def tree_dump(self) -> str | None:
-        """The watched cache's tree, where it has `dump_tree()`."""
+        """The watched cache's tree, where it has one (a KvCacheManager's `state.tree`)."""
         return self._tree_dump() if self._tree_dump is not None else None
 
     def repro_context(self, node_id: str) -> ReproContext:
         """What `kvharness repro` needs to replay the watched cache: its config and its
-        admission log (an engine's `admission_log()`, a manager's recorded `events`)."""
+        admission log (an engine's `cache_config` and `admission_log()`, a manager's
+        `state.config` and recorded `state.events`)."""
         source = self._source
+        state = getattr(source, "state", None)  # a KvCacheManager's
+        events = getattr(state, "events", None)
         log = None
         if callable(getattr(source, "admission_log", None)):
             log = source.admission_log()
-        elif getattr(source, "events", None) is not None:
-            log = [e.as_dict() for e in source.events]
-        config = getattr(source, "cache_config", None) or getattr(source, "config", None)
+        elif events is not None:
+            log = [e.as_dict() for e in events]
+        config = getattr(source, "cache_config", None) or getattr(state, "config", None)
         try:
             mapping = replay_config(config) if config is not None else {}
         except ValueError:

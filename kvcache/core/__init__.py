@@ -3,7 +3,7 @@
 `KvCacheManager` (manager.py) is the one object callers use: it owns a `CacheState`
 (state.py) and does each call's work with the functions beside it (admission.py,
 caching.py, growth.py, window_holds.py), handing out read-only `SequenceHandle`s
-(handle.py). `KVCacheManager` is its old name, kept as an alias.
+(handle.py).
 
 Nothing here imports torch or numpy (tests/unit/core/test_core_boundaries.py checks it): the
 manager hands out block ids and ops (`BlockCopy`, and with a host tier `BlockOffload` and
@@ -17,7 +17,7 @@ from kvcache.core.events import CacheEvent
 from kvcache.core.handle import SequenceHandle
 from kvcache.core.integrity import IntegrityError
 from kvcache.core.keys import ReuseScope
-from kvcache.core.manager import DEFAULT_PRIORITY, KVCacheManager, KvCacheManager
+from kvcache.core.manager import DEFAULT_PRIORITY, KvCacheManager
 from kvcache.core.ops import BlockCopy, BlockOffload, BlockOnboard, KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
 from kvcache.core.pool import OutOfBlocksError
@@ -31,7 +31,6 @@ __all__ = [
     "BlockOnboard",
     "CacheEvent",
     "IntegrityError",
-    "KVCacheManager",
     "KvCacheConfig",
     "KvCacheManager",
     "KvCacheStats",

@@ -19,8 +19,9 @@ from kvcache.core.handle import SequenceHandle, SequenceRecord
 from kvcache.core.keys import TOKEN_BYTES, ScopeKey
 from kvcache.core.ops import BlockCopy, BlockOnboard
 from kvcache.core.plan import AdmissionPlan
+from kvcache.core.pool import Allocation
 from kvcache.core.radix import Node, PartialHit
-from kvcache.core.state import Allocation, CacheState
+from kvcache.core.state import CacheState
 from kvcache.core.window_holds import (
     Hits,
     cut_hits,

@@ -85,8 +85,8 @@ def _switch_to_cached(state: CacheState, record: SequenceRecord, parent: Node, s
     if own:
         record.block_ids_version += 1
         state.pool.give_back(own)
-        if state.on_blocks_removed is not None:
-            state.on_blocks_removed(own)
+        for listener in state.listeners:  # not the KV event log: these were never cached
+            listener.removed(own)
     return top, start + matched, key_bytes[matched * block_bytes:]
 
 

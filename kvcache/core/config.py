@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from kvcache.core.validate import check_int
+from kvcache.core.validate import check_fields, check_int
 
 # The most blocks a pool or the host tier may have. A block id is a page index, and the
 # attention metadata (the block table, FlashInfer's kv_indices) and the host tier's slot
@@ -119,9 +119,5 @@ class KvCacheConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> KvCacheConfig:
         """Build from a mapping; unknown keys are a ValueError naming them and `where`."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown KvCacheConfig keys {unknown}; "
-                             f"known keys are {sorted(known)}")
+        check_fields(data, cls, where)
         return cls(**data)

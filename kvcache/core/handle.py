@@ -4,7 +4,7 @@
 public and only kvcache/core changes them, through the manager's checked calls:
 admission (admission.py) creates the record, `commit` (caching.py, window_holds.py),
 `reserve` and `append_tokens` (growth.py) change it, `free_sequence` drops it.
-`SequenceHandle` is what `admit`, `add_sequence` and `get_sequence` return: a view of one
+`SequenceHandle` is what `admit` and `add_sequence` return and `sequences` holds: a view of one
 record whose every field is read-only, and always current. The record does not point
 back at its handle, so a freed sequence's objects go when their last user lets go.
 """
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import NamedTuple, cast
 
 from kvcache.core.keys import ScopeKey
+from kvcache.core.pool import Allocation
 from kvcache.core.radix import Node
 from kvcache.core.stats import RequestKvMetrics
-
-if TYPE_CHECKING:
-    from kvcache.core.state import Allocation
 
 
 class Holdings(NamedTuple):

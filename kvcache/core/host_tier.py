@@ -30,6 +30,7 @@ from array import array
 from collections.abc import Callable, Hashable, Iterable
 from typing import Protocol
 
+from kvcache.core.listener import CacheListener
 from kvcache.core.ops import CACHE, BlockOffload, BlockOnboard, KvOp
 from kvcache.core.radix import BlockRadixTree, Node
 
@@ -43,24 +44,6 @@ class DevicePool(Protocol):
     tree: BlockRadixTree
 
     def next_stamp(self) -> int: ...
-
-
-class TierListener(Protocol):
-    """Told of every move of cached blocks between the tiers, after the fact: the KV event
-    log, and whatever else keeps something per block that must follow it (the engine's
-    recurrent-state snapshots). `tokens` are the moved blocks' token ids."""
-
-    def offloaded(self, block_ids: list[int], slots: list[int], tokens: array) -> None:
-        """Device blocks `block_ids` now live in host `slots` (pairwise)."""
-
-    def onboarded(self, slots: list[int], block_ids: list[int], tokens: array) -> None:
-        """Host `slots` now live in device blocks `block_ids` (pairwise)."""
-
-    def dropped(self, slots: Iterable[int]) -> None:
-        """Host `slots` were dropped: their KV is gone."""
-
-    def cleared(self) -> None:
-        """Every cached block was dropped, in both tiers (the manager's reset_cache)."""
 
 
 def has_device_child(node: Node) -> bool:
@@ -79,11 +62,11 @@ class HostTier:
     """
 
     def __init__(self, num_slots: int, device: DevicePool, queue: Queue,
-                 listeners: Iterable[TierListener] = ()) -> None:
+                 listeners: Iterable[CacheListener] = ()) -> None:
         self.num_slots = num_slots
         self.device = device
         self.queue = queue
-        self.listeners: list[TierListener] = list(listeners)
+        self.listeners: list[CacheListener] = list(listeners)
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
         self.num_droppable = 0  # slots in unreferenced host edges
         self.heap: list[tuple[int, int, int, Node]] = []

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, NoReturn, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 from kvcache.core.keys import TOKEN_BYTES
 from kvcache.core.ops import CACHE
@@ -24,46 +24,11 @@ from kvcache.core.radix import Node
 from kvcache.core.window import first_held_block
 
 if TYPE_CHECKING:
-    from kvcache.core.config import KvCacheConfig
     from kvcache.core.handle import SequenceHandle
     from kvcache.core.host_tier import HostTier
-    from kvcache.core.ops import KvOp
     from kvcache.core.pool import BlockPool
     from kvcache.core.radix import BlockRadixTree
-
-
-class CheckedCache(Protocol):
-    """The public state of a cache manager that the check reads (nothing private)."""
-
-    @property
-    def config(self) -> KvCacheConfig:
-        """Its configuration."""
-        ...
-
-    @property
-    def reuse(self) -> bool:
-        """Whether block reuse is on."""
-        ...
-
-    @property
-    def tree(self) -> BlockRadixTree:
-        """Its block radix tree."""
-        ...
-
-    @property
-    def pool(self) -> BlockPool:
-        """Its device block pool (and through it the host tier)."""
-        ...
-
-    @property
-    def sequences(self) -> Mapping[Hashable, SequenceHandle]:
-        """The live sequences' handles by seq_id."""
-        ...
-
-    @property
-    def pending_copies(self) -> list[tuple[Hashable, KvOp]]:
-        """(owner, op) for every queued op."""
-        ...
+    from kvcache.core.state import CacheState
 
 
 class IntegrityError(AssertionError):
@@ -114,29 +79,30 @@ class _TreeCounts:
         self.slots: dict[int, str] = {}  # host slot -> its owner
 
 
-def check_manager(mgr: CheckedCache) -> None:
-    """Raise IntegrityError naming the first broken invariant of `mgr`."""
-    pool = mgr.pool
+def check_state(state: CacheState) -> None:
+    """Raise IntegrityError naming the first broken invariant of a manager's `state`
+    (reads only its public fields)."""
+    pool = state.pool
     owners = _Owners(pool.num_blocks)
     expected_ref: Counter[int] = Counter()
     for i, block in enumerate(pool.free):
         owners.own(block, f"free list[{i}]")
-    for seq in mgr.sequences.values():
-        _check_sequence(mgr, seq, expected_ref, owners.own)
-    windowed = mgr.config.sliding_window is not None
+    for seq in state.handles.values():
+        _check_sequence(state, seq, expected_ref, owners.own)
+    windowed = state.config.sliding_window is not None
     if windowed != pool.windowed:
         _fail(f"the pool's windowed={pool.windowed} disagrees with sliding_window="
-              f"{mgr.config.sliding_window}")
-    counts = _check_tree(mgr.tree, pool, expected_ref, owners, windowed)
-    if counts.nodes != mgr.tree.num_nodes:
-        _fail(f"tree counts {mgr.tree.num_nodes} nodes but holds {counts.nodes}")
+              f"{state.config.sliding_window}")
+    counts = _check_tree(state.tree, pool, expected_ref, owners, windowed)
+    if counts.nodes != state.tree.num_nodes:
+        _fail(f"tree counts {state.tree.num_nodes} nodes but holds {counts.nodes}")
     if counts.evictable != pool.num_evictable:
         _fail(f"pool counts {pool.num_evictable} evictable blocks, the tree has "
               f"{counts.evictable}")
     owners.check_all_owned()
     if pool.host is not None:
         _check_host_slots(pool.host, counts.slots, counts.droppable)
-    _check_queued_ops(mgr)
+    _check_queued_ops(state)
 
 
 def _check_tree(tree: BlockRadixTree, pool: BlockPool, expected_ref: Counter[int],
@@ -201,13 +167,13 @@ def _check_node_shape(node: Node, where: str, block_bytes: int, windowed: bool) 
               f"{len(node.blocks)} full blocks")
 
 
-def _check_queued_ops(mgr: CheckedCache) -> None:
+def _check_queued_ops(state: CacheState) -> None:
     """Every queued op of a sequence belongs to a live one and targets its private
     blocks (CACHE's moves of cached blocks between tiers belong to no sequence)."""
-    for seq_id, op in mgr.pending_copies:
+    for seq_id, op in state.op_queue:
         if seq_id is CACHE:
             continue
-        holder = mgr.sequences.get(seq_id)
+        holder = state.handles.get(seq_id)
         if holder is None:
             _fail(f"copy op {op} belongs to freed sequence {seq_id!r}")
         elif op.dst not in holder.block_ids[holder.holdings.tree_blocks:]:
@@ -260,13 +226,13 @@ def _check_child_index(node: Node, block_bytes: int, where: str) -> None:
         _fail(f"{where}: its first-block index of full children is stale")
 
 
-def _check_sequence(mgr: CheckedCache, seq: SequenceHandle, expected_ref: Counter[int],
+def _check_sequence(state: CacheState, seq: SequenceHandle, expected_ref: Counter[int],
                     own: Callable[[int, str], None]) -> None:
     """Check live `seq`'s counts and window against its tokens, then the path it holds
     (`_check_held_path`); count its references in `expected_ref`, claim its private
     blocks with `own`."""
-    block_size = mgr.config.tokens_per_block
-    window = mgr.config.sliding_window
+    block_size = state.config.tokens_per_block
+    window = state.config.sliding_window
     where = f"sequence {seq.seq_id!r}"
     num_tokens = len(seq.tokens)
     committed = seq.num_committed_tokens
@@ -280,10 +246,10 @@ def _check_sequence(mgr: CheckedCache, seq: SequenceHandle, expected_ref: Counte
         _fail(f"{where}: cached {seq.num_cached_tokens} <= committed "
               f"{committed} <= tokens {num_tokens} does not hold")
     _, tree_blocks, first = seq.holdings
-    if mgr.reuse and tree_blocks != committed // block_size:
+    if state.reuse and tree_blocks != committed // block_size:
         _fail(f"{where}: {tree_blocks} blocks in the tree, committed {committed} tokens")
     expected_first = 0 if window is None else first_held_block(
-        committed, window - 1, block_size, tree_blocks if mgr.reuse else None)
+        committed, window - 1, block_size, tree_blocks if state.reuse else None)
     if first != expected_first:
         _fail(f"{where}: {first} blocks released, the window of position {committed} "
               f"releases {expected_first}")
@@ -291,26 +257,26 @@ def _check_sequence(mgr: CheckedCache, seq: SequenceHandle, expected_ref: Counte
     if any(block is not None for block in ids[:first]) or None in ids[first:]:
         _fail(f"{where}: block ids {list(ids)} are not None exactly before "
               f"position {first}")
-    _check_held_path(mgr, seq, where, expected_ref, own)
+    _check_held_path(state, seq, where, expected_ref, own)
 
 
-def _check_held_path(mgr: CheckedCache, seq: SequenceHandle, where: str,
+def _check_held_path(state: CacheState, seq: SequenceHandle, where: str,
                      expected_ref: Counter[int], own: Callable[[int, str], None]) -> None:
     """The tree path `seq` holds spells its first blocks in its scope, its held segment
     has blocks and starts on a node boundary, and its ids are the path's."""
     last, tree_blocks, first = seq.holdings
     chain = _chain(last)
     keys = b"".join(node.key for node in reversed(chain))
-    if keys != array("I", seq.tokens[:tree_blocks * mgr.config.tokens_per_block]).tobytes():
+    if keys != array("I", seq.tokens[:tree_blocks * state.config.tokens_per_block]).tobytes():
         _fail(f"{where}: the tree path it holds does not spell its first "
               f"{tree_blocks} blocks")
-    scope_root = mgr.tree.roots.get(seq.scope)
+    scope_root = state.tree.roots.get(seq.scope)
     top = chain[-1].parent if chain else None
     if chain and top is not scope_root:
         _fail(f"{where}: holds a path outside its scope {seq.scope!r}")
     path_blocks: list[int | None] = []
     for node in reversed(chain):
-        path_blocks += node.blocks or [None] * (len(node.key) // mgr.tree.block_bytes)
+        path_blocks += node.blocks or [None] * (len(node.key) // state.tree.block_bytes)
     end = tree_blocks
     for node in chain:  # the held segment: from `last` up to the node starting at `first`
         if end <= first:
@@ -330,24 +296,24 @@ def _check_held_path(mgr: CheckedCache, seq: SequenceHandle, where: str,
             own(block, f"{where} private block {i}")
 
 
-def leak_report(mgr: CheckedCache) -> list[str]:
-    """One line per leak of `mgr`: live sequences, copies never taken, and with nothing
-    live, stray references and blocks or host slots neither free nor evictable."""
+def leak_report(state: CacheState) -> list[str]:
+    """One line per leak of a manager's `state`: live sequences, copies never taken, and
+    with nothing live, stray references and blocks or host slots neither free nor evictable."""
     lines = [f"sequence {seq.seq_id!r} is still live, holding {len(seq.live_block_ids())} "
-             "blocks" for seq in mgr.sequences.values()]
+             "blocks" for seq in state.handles.values()]
     # a sequence's copies die with it; moves of cached blocks (CACHE's) wait for the
     # next step's take, whenever it comes: pending, not leaked
-    copies = sum(owner is not CACHE for owner, _ in mgr.pending_copies)
+    copies = sum(owner is not CACHE for owner, _ in state.op_queue)
     if copies:
         lines.append(f"{copies} copy ops were never taken")
-    if not mgr.sequences:
+    if not state.handles:
         lines += [f"node {node!r} in scope {key!r} has ref {node.ref} with no live sequence"
-                  for key, node in mgr.tree.walk() if node.ref]
-    free = mgr.pool.num_available
-    if not mgr.sequences and free != mgr.pool.num_blocks:
-        lines.append(f"{mgr.pool.num_blocks - free} blocks are neither free nor evictable")
-    host = mgr.pool.host
-    if not mgr.sequences and host is not None and host.num_available != host.num_slots:
+                  for key, node in state.tree.walk() if node.ref]
+    free = state.pool.num_available
+    if not state.handles and free != state.pool.num_blocks:
+        lines.append(f"{state.pool.num_blocks - free} blocks are neither free nor evictable")
+    host = state.pool.host
+    if not state.handles and host is not None and host.num_available != host.num_slots:
         lines.append(f"{host.num_slots - host.num_available} host slots are neither free "
                      "nor droppable")
     return lines

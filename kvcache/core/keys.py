@@ -62,11 +62,13 @@ def scope_key(scope: ReuseScope | None, where: str = "scope") -> ScopeKey:
 def to_token_array(tokens: Sequence[int], op: str, seq_id: Hashable) -> array:
     """Tokens as `array('I')`; raises ValueError naming the call and the first bad token
     (not an integer, a bool, or outside [0, 2**32)), or a value that is not a sequence."""
-    return token_bytes(tokens, op, seq_id)[0]
+    return token_array_and_key(tokens, op, seq_id)[0]
 
 
-def token_bytes(tokens: Sequence[int], op: str, seq_id: Hashable) -> tuple[array, bytes]:
-    """`to_token_array(tokens, ...)` and its bytes (the tree's key format), converted once."""
+def token_array_and_key(tokens: Sequence[int], op: str,
+                        seq_id: Hashable) -> tuple[array, bytes]:
+    """`to_token_array(tokens, ...)` and its bytes, the tree's key of those tokens (native
+    byte order), converted once. Raises as `to_token_array` does."""
     if type(tokens) is array and tokens.typecode == "I":
         copied = array("I", tokens)  # already checked by construction: one memcpy
         return copied, copied.tobytes()

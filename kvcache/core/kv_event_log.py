@@ -11,7 +11,6 @@ medium). It is only built with `kv_events=True`, so a manager without events pay
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Hashable, Iterable
 
@@ -25,19 +24,11 @@ from kvcache.core.kv_events import (
     KvCacheEvent,
     Medium,
     block_hash,
+    little_endian_bytes,
 )
 
-_LITTLE = sys.byteorder == "little"
 # what the log keeps per cached block: its hash, its parent's hash and its scope
 _Cached = tuple[int, int | None, ScopeKey]
-
-
-def _little_endian(tokens: array) -> bytes:
-    if _LITTLE:
-        return tokens.tobytes()
-    swapped = array("I", tokens)
-    swapped.byteswap()
-    return swapped.tobytes()
 
 
 class KvEventLog:
@@ -55,7 +46,7 @@ class KvEventLog:
         size = self.block_size
         for i in range(len(chain), nblocks):
             chain.append(block_hash(chain[-1] if chain else None,
-                                    _little_endian(tokens[i * size:(i + 1) * size]), scope))
+                                    little_endian_bytes(tokens[i * size:(i + 1) * size]), scope))
         return chain
 
     def stored(self, seq_id: Hashable, tokens: array, scope: ScopeKey, start: int,
@@ -78,7 +69,7 @@ class KvEventLog:
         parent = chain[start - 1] if start else None
         size = self.block_size
         part = tokens[start * size:start * size + num_tokens]
-        hashed = block_hash(parent, _little_endian(part), scope)
+        hashed = block_hash(parent, little_endian_bytes(part), scope)
         self._device[block_id] = (hashed, parent, scope)
         self.pending.append(self._stored((hashed,), parent, part, scope, MEDIUM_DEVICE))
 

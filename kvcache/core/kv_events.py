@@ -44,10 +44,12 @@ def block_hash(parent: int | None, tokens: bytes, scope: Hashable) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def token_bytes(tokens: Iterable[int]) -> bytes:
-    """Token ids as the little-endian uint32 bytes that `block_hash` takes."""
-    arr = array("I", tokens)
+def little_endian_bytes(tokens: Iterable[int]) -> bytes:
+    """Token ids as the little-endian uint32 bytes that `block_hash` takes (an `array('I')`
+    is read as it is, without a copy, on a little-endian machine)."""
+    arr = tokens if type(tokens) is array and tokens.typecode == "I" else array("I", tokens)
     if sys.byteorder != "little":
+        arr = array("I", arr)  # a copy: the caller's tokens stay as they were
         arr.byteswap()
     return arr.tobytes()
 
@@ -56,7 +58,7 @@ def chain_hashes(tokens: list[int], block_size: int, scope: Hashable,
                  parent: int | None = None) -> list[int]:
     """Hashes of the full blocks of `tokens` (a partial last block is left out)."""
     out: list[int] = []
-    data = token_bytes(tokens)
+    data = little_endian_bytes(tokens)
     step = block_size * 4
     for start in range(0, len(data) - step + 1, step):
         parent = block_hash(parent, data[start:start + step], scope)

@@ -1,25 +1,66 @@
-"""KvCacheManager: admit sequences with reuse, commit, append, free, probe, stats.
+"""KvCacheManager: admit sequences with reuse, commit, append, free, look up, count.
 
 The manager touches no tensors: it hands out block ids and ops (`BlockCopy`, and with a
 host tier `BlockOffload` and `BlockOnboard`) that the engine applies to storage, in queue
 order, before its next forward pass. It changes the tree and the pools only through their
-methods. Every public mutator either succeeds or raises before changing anything (bad
-input: ValueError; no room: OutOfBlocksError). Admission is one walk:
-`plan_admission` works out what a prompt would reuse and need, `admit` carries it out.
+methods. Admission is one walk: `plan_admission` works out what a prompt would reuse and
+need, `admit` carries it out.
 
 With `KvCacheConfig.sliding_window` set, a sequence holds only the blocks some later
 token's window can reach (kvcache/core/window.py): `commit` releases the rest, prompt
 blocks are allocated as the engine reserves them chunk by chunk, and a match needs only
 the cached blocks inside the window of its first new token.
 
-One object with explicit steps: each method checks its call, then does the work on the
-manager's `CacheState` (state.py), itself or by calling the function that does it with
-that state: `admission.make_plan` and `admission.carry_out` (a prompt's plan, and
-carrying it out), `caching.cache_full_blocks` and `caching.cache_tail` (committed blocks
-and tails into the tree), `growth.reserve_blocks` and `growth.append_blocks` (blocks
-after admission), `window_holds.release_front` (what a window releases); `stats.py`
-(statistics) and `integrity.py` (invariants and the leak report) read it. Callers get
-`SequenceHandle`s (handle.py), read-only views of the records the state keeps.
+One object with explicit steps over a plain state: `state` (a `CacheState`, state.py) is
+all it keeps and the one way to read the cache (its config, tree, pools, event log);
+`sequences` maps each live seq_id to its read-only `SequenceHandle` (handle.py). Each
+call checks its arguments, then does the work on the state, itself or by calling the
+function that does it with that state: `admission.make_plan` and `admission.carry_out`,
+`caching.cache_full_blocks` and `caching.cache_tail`, `growth.reserve_blocks` and
+`growth.append_blocks`, `window_holds.release_front`; `stats.py` and `integrity.py` read
+it. A listener (`add_listener`, listener.py) hears of the blocks removed and moved.
+
+Each call's contract (t: tokens, s: scope, c: first_chunk, p: priority). Bad input
+raises ValueError naming the value, no room raises OutOfBlocksError (`OOB`); a call that
+raises changed nothing (tree, pools, records, op queue, counters, LRU times and both
+event logs are as they were), so it can be retried.
+
+    call                      changes                                  raises
+    plan_admission(t, s, c)   nothing; the plan is valid until the     ValueError: empty prompt,
+                              cache next changes                       bad tokens, scope, first
+                                                                       chunk
+    admit(id, plan, p)        a new record and handle: holds its hits, ValueError: live id, bad
+                              claims or queues a copy of a partial     priority, another
+                              hit, allocates (evicting, offloading),   manager's or a stale
+                              queues onboards; counters, logs          plan; OOB: no room
+    add_sequence(id, t, s, p) plan_admission, then admit               what both raise
+    commit(id, n)             tokens [0, n) valid: full blocks enter   ValueError: unknown id;
+                              the tree (a duplicate switches to the    n not an int, past the
+                              cached block, bumping block_ids_version, sequence or its reserved
+                              its own block given back); a window      blocks, or backwards;
+                              releases what no later token sees        its copy still queued
+    reserve(id, n)            allocates what the pool can give for     ValueError: unknown id, n
+                              tokens [0, n) (a window's chunks)        outside [0, tokens];
+                                                                       never for want of room
+    append_tokens(id, t)      appends tokens, allocating blocks        ValueError: unknown id,
+                                                                       bad tokens; OOB
+    free_sequence(id)         drops the record, its queued copies and  ValueError: unknown id
+                              holds; a written partial tail is cached;
+                              private blocks return to the pool
+    match_reuse, probe_reuse  nothing, not even LRU times or counters  ValueError: bad tokens,
+                                                                       scope, first chunk
+    pending_copy_ops          nothing (a copy of the queued ops)       -
+    ack_copy_ops(n)           the first n queued ops leave the queue   ValueError: n not in
+                              and the event log records them           [0, number queued]
+    take_copy_ops()           ack_copy_ops of every queued op          -
+    add_listener(l)           l hears of every later removal and move  -
+    take_kv_events()          empties the KV event queue               ValueError: kv_events off
+    reset_cache()             drops every cached block, both tiers;    ValueError: a sequence
+                              the KV event log and the listeners hear  is live
+                              of it
+    stats(), step_stats()     step_stats() moves its baseline          -
+    check_integrity()         nothing                                  IntegrityError
+    leak_report()             nothing                                  -
 """
 
 from __future__ import annotations
@@ -33,13 +74,13 @@ from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent, op_event
 from kvcache.core.growth import append_blocks, reserve_blocks
 from kvcache.core.handle import SequenceHandle, SequenceRecord
-from kvcache.core.host_tier import TierListener
-from kvcache.core.integrity import check_manager, leak_report
-from kvcache.core.keys import ReuseScope, scope_key, to_token_array, token_bytes
+from kvcache.core.integrity import check_state, leak_report
+from kvcache.core.keys import ReuseScope, scope_key, to_token_array, token_array_and_key
 from kvcache.core.kv_events import KvCacheEvent
+from kvcache.core.listener import CacheListener
 from kvcache.core.ops import KvOp
 from kvcache.core.plan import AdmissionPlan, ReuseMatch
-from kvcache.core.pool import BlockPool, OutOfBlocksError
+from kvcache.core.pool import OutOfBlocksError
 from kvcache.core.radix import BlockRadixTree
 from kvcache.core.state import CacheState
 from kvcache.core.stats import KvCacheStats, cache_stats
@@ -60,18 +101,23 @@ def _unknown(where: str, seq_id: Hashable) -> ValueError:
     return ValueError(f"{where}: unknown seq_id {seq_id!r} (not admitted, or freed)")
 
 
+def _label(where: str, seq_id: Hashable) -> str:
+    """`where`, with `seq_id` when the call has one: "add_sequence('a')"."""
+    return where if seq_id is None else f"{where}({seq_id!r})"
+
+
 class KvCacheManager:
     """A paged KV cache's bookkeeping: a block radix tree over a fixed block pool.
 
     `KvCacheManager(config, record_events=False, kv_events=False)`: `record_events`
-    keeps every operation in `events` (CacheEvent, for the reuse oracle); `kv_events`
-    records KV-cache events for routers (`take_kv_events`). Raises ValueError for a
-    `config` that is not a KvCacheConfig, or one whose pools' free lists do not fit in
-    memory (naming `max_num_blocks` or `host_cache_blocks`).
+    keeps every operation in `state.events` (CacheEvent, for the reuse oracle);
+    `kv_events` records KV-cache events for routers (`take_kv_events`). Raises ValueError
+    for a `config` that is not a KvCacheConfig, or one whose pools' free lists do not fit
+    in memory (naming `max_num_blocks` or `host_cache_blocks`).
 
-    `state` is all it keeps (read it, never change it); `sequences` maps each live
-    seq_id to its handle (read-only). `on_blocks_removed` and `allocation_fault` are the
-    two hooks a caller may set (see `CacheState`).
+    `state` is all it keeps (read it, never change it, but for its fault-injection seam
+    `state.allocation_fault`); `sequences` maps each live seq_id to its handle
+    (read-only). The module's table gives every call's contract.
     """
 
     def __init__(self, config: KvCacheConfig, *, record_events: bool = False,
@@ -81,50 +127,6 @@ class KvCacheManager:
         self.sequences: Mapping[Hashable, SequenceHandle] = MappingProxyType(
             self.state.handles)
         self._step_base: KvCacheStats | None = None
-
-    # ------------------------------------------------------------------ its state
-    @property
-    def config(self) -> KvCacheConfig:
-        """The configuration it was built with."""
-        return self.state.config
-
-    @property
-    def tree(self) -> BlockRadixTree:
-        """The block radix tree (`reset_cache` replaces it)."""
-        return self.state.tree
-
-    @property
-    def pool(self) -> BlockPool:
-        """The device block pool (and through it the host tier, when there is one)."""
-        return self.state.pool
-
-    @property
-    def reuse(self) -> bool:
-        """Whether block reuse is on (the config's effective `block_reuse`)."""
-        return self.state.reuse
-
-    @property
-    def events(self) -> list[CacheEvent] | None:
-        """Every operation so far, in order, with `record_events=True` (else None)."""
-        return self.state.events
-
-    @property
-    def on_blocks_removed(self) -> Callable[[list[int]], None] | None:
-        """Told the ids of blocks that left the tree (see `CacheState`); settable."""
-        return self.state.on_blocks_removed
-
-    @on_blocks_removed.setter
-    def on_blocks_removed(self, hook: Callable[[list[int]], None] | None) -> None:
-        self.state.on_blocks_removed = hook
-
-    @property
-    def allocation_fault(self) -> Callable[[str, int], bool] | None:
-        """The fault-injection seam (see `CacheState`); settable."""
-        return self.state.allocation_fault
-
-    @allocation_fault.setter
-    def allocation_fault(self, fault: Callable[[str, int], bool] | None) -> None:
-        self.state.allocation_fault = fault
 
     # ------------------------------------------------------------------ admission
     def plan_admission(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
@@ -138,15 +140,9 @@ class KvCacheManager:
         under full attention). Raises ValueError for an empty prompt, bad tokens, a bad
         scope or a `first_chunk` that is not a positive int.
         """
-        key = None if scope is None else scope_key(scope, "plan_admission")
-        prompt, key_bytes = token_bytes(tokens, "plan_admission", None)
-        if not prompt:
-            raise ValueError("plan_admission: empty prompt")
-        if first_chunk is not None:
-            first_chunk = check_positive_int(first_chunk, "plan_admission: first_chunk")
-        fault = self.state.allocation_fault
-        return make_plan(self.state, prompt, key_bytes, key, first_chunk,
-                         fault is not None and self._refused(fault, len(prompt)))
+        plan = self._plan("plan_admission", None, tokens, scope, first_chunk, admission=True)
+        assert plan is not None  # an admission's empty prompt raised
+        return plan
 
     def admit(self, seq_id: Hashable, plan: AdmissionPlan,
               priority: int = DEFAULT_PRIORITY) -> SequenceHandle:
@@ -197,14 +193,30 @@ class KvCacheManager:
             raise ValueError(f"add_sequence({seq_id!r}): seq_id is already live")
         if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             priority = check_priority(priority, f"add_sequence({seq_id!r})")
-        key = None if scope is None else scope_key(scope, f"add_sequence({seq_id!r})")
-        prompt, key_bytes = token_bytes(tokens, "add_sequence", seq_id)
-        if not prompt:
-            raise ValueError(f"add_sequence({seq_id!r}): empty prompt")
-        fault = self.state.allocation_fault
-        plan = make_plan(self.state, prompt, key_bytes, key, None,
-                         fault is not None and self._refused(fault, len(prompt)))
+        plan = self._plan("add_sequence", seq_id, tokens, scope, None, admission=True)
+        assert plan is not None  # an admission's empty prompt raised
         return self.admit(seq_id, plan, priority)
+
+    def _plan(self, where: str, seq_id: Hashable, tokens: Sequence[int],
+              scope: ReuseScope | None, first_chunk: int | None, *,
+              admission: bool) -> AdmissionPlan | None:
+        """The prologue of every call that reads a prompt, then its plan: checks `scope`,
+        `tokens` and `first_chunk` (raising ValueError that names `where`, and `seq_id`
+        when not None), converts the tokens once, and plans. An empty prompt raises for
+        an `admission` (asked of the fault-injection seam too), and is None for a
+        lookup, which reuses nothing. Changes nothing."""
+        key = None if scope is None else scope_key(scope, _label(where, seq_id))
+        prompt, key_bytes = token_array_and_key(tokens, where, seq_id)
+        if not prompt and admission:
+            raise ValueError(f"{_label(where, seq_id)}: empty prompt")
+        if first_chunk is not None and (type(first_chunk) is not int or first_chunk < 1):
+            first_chunk = check_positive_int(first_chunk, f"{_label(where, seq_id)}: "
+                                             "first_chunk")
+        if not prompt:
+            return None
+        fault = self.state.allocation_fault if admission else None
+        return make_plan(self.state, prompt, key_bytes, key, first_chunk,
+                         fault is not None and self._refused(fault, len(prompt)))
 
     def _refused(self, fault: Callable[[str, int], bool], num_tokens: int) -> bool:
         """Whether the fault-injection seam `fault` refuses admitting a prompt of
@@ -349,25 +361,15 @@ class KvCacheManager:
         may keep a partial match the whole prompt's would forgo. An empty prompt reuses
         nothing. Raises ValueError for bad tokens, a bad scope or a bad `first_chunk`.
         """
-        key = None if scope is None else scope_key(scope, "match_reuse")
-        prompt, key_bytes = token_bytes(tokens, "match_reuse", None)
-        if first_chunk is not None:
-            first_chunk = check_positive_int(first_chunk, "match_reuse: first_chunk")
-        if not prompt:
-            return ReuseMatch((), 0, 0, None)
-        return make_plan(self.state, prompt, key_bytes, key, first_chunk).reuse
+        plan = self._plan("match_reuse", None, tokens, scope, first_chunk, admission=False)
+        return ReuseMatch((), 0, 0, None) if plan is None else plan.reuse
 
     def probe_reuse(self, tokens: Sequence[int], scope: ReuseScope | None = None, *,
                     first_chunk: int | None = None) -> int:
         """Tokens an admission of `tokens` would reuse now (`match_reuse(...).num_tokens`,
-        `first_chunk` as there). Holds and changes nothing."""
-        prompt, key_bytes = token_bytes(tokens, "probe_reuse", None)
-        if first_chunk is not None:
-            first_chunk = check_positive_int(first_chunk, "probe_reuse: first_chunk")
-        if not prompt:
-            return 0
-        return make_plan(self.state, prompt, key_bytes, scope_key(scope, "probe_reuse"),
-                         first_chunk).num_cached_tokens
+        `first_chunk` as there). Holds and changes nothing; raises as `match_reuse`."""
+        plan = self._plan("probe_reuse", None, tokens, scope, first_chunk, admission=False)
+        return 0 if plan is None else plan.num_cached_tokens
 
     # ------------------------------------------------------------------ the op queue
     def _check_copied(self, seq_id: Hashable, n: int) -> None:
@@ -393,15 +395,9 @@ class KvCacheManager:
     def pending_copy_ops(self) -> list[KvOp]:
         """Ops queued and not yet applied, in the order they must be applied (a copy of
         the queue; taking it changes nothing): what an engine hands its storage, then
-        acknowledges with `ack_copy_ops`."""
+        acknowledges with `ack_copy_ops`. Who queued each (a sequence, or `CACHE` for a
+        move of a cached block between tiers) is in `state.op_queue`."""
         return [op for _, op in self.state.op_queue]
-
-    @property
-    def pending_copies(self) -> list[tuple[Hashable, KvOp]]:
-        """(owner, op) for every queued op, in order (a copy of the queue): the owner is
-        the sequence whose admission queued a copy, or `CACHE` for a move of a cached
-        block between tiers."""
-        return list(self.state.op_queue)
 
     def ack_copy_ops(self, num_applied: int) -> None:
         """The first `num_applied` ops of `pending_copy_ops` were applied to storage: they
@@ -449,22 +445,22 @@ class KvCacheManager:
             raise ValueError("take_kv_events: the manager was built with kv_events=False")
         return log.take()
 
-    def add_tier_listener(self, listener: TierListener) -> None:
-        """Tell `listener` of every move of a cached block between the tiers from now on
-        (offloaded, onboarded, dropped; see host_tier.TierListener), after the KV event
-        log: what is kept per block (the engine's recurrent-state snapshots) can follow
-        its block to the host and back. Raises ValueError without a host tier."""
-        host = self.state.host
-        if host is None:
-            raise ValueError("add_tier_listener: the manager has no host tier "
-                             "(KvCacheConfig.host_cache_blocks=0)")
-        host.listeners.append(listener)
+    def add_listener(self, listener: CacheListener) -> None:
+        """Tell `listener` from now on of every block the cache stops holding and every
+        move of a cached block between the tiers (removed, offloaded, onboarded, dropped,
+        cleared; see listener.CacheListener), after the KV event log: what a caller keeps
+        per block (the engine's recurrent-state snapshots) leaves with its block and
+        follows it to the host and back."""
+        state = self.state
+        state.listeners.append(listener)
+        if state.host is not None:
+            state.host.listeners.append(listener)
 
     def reset_cache(self) -> None:
         """Drop every cached block (vLLM's reset_prefix_cache); with KV events on, records
-        AllBlocksCleared. `on_blocks_removed` hears of the device blocks, every tier
-        listener `cleared`. Raises ValueError while any sequence is live (their blocks are
-        in use), changing nothing."""
+        AllBlocksCleared. Every listener hears `cleared`, then `removed` of the device
+        blocks. Raises ValueError while any sequence is live (their blocks are in use),
+        changing nothing."""
         state = self.state
         if state.records:
             raise ValueError(f"reset_cache: {len(state.records)} sequences are live; "
@@ -473,24 +469,15 @@ class KvCacheManager:
         cached = [b for _, node in state.tree.walk() if not node.host for b in node.blocks]
         state.tree = BlockRadixTree(state.tokens_per_block)
         state.pool.reset(state.tree)
-        # the KV event log listens to the host tier when there is one, else only here
-        if state.host is not None:
-            listeners: list[TierListener] = state.host.listeners
-        else:
-            listeners = [state.kv_event_log] if state.kv_event_log is not None else []
-        for listener in listeners:
+        if state.kv_event_log is not None:
+            state.kv_event_log.cleared()
+        for listener in state.listeners:
             listener.cleared()
-        if state.on_blocks_removed is not None and cached:
-            state.on_blocks_removed(cached)
+        if cached:
+            for listener in state.listeners:
+                listener.removed(cached)
 
     # ------------------------------------------------------------------ inspection
-    def get_sequence(self, seq_id: Hashable) -> SequenceHandle:
-        """The live handle of `seq_id`; ValueError if it is not live."""
-        handle = self.state.handles.get(seq_id)
-        if handle is None:
-            raise _unknown("get_sequence", seq_id)
-        return handle
-
     def _record(self, seq_id: Hashable, where: str) -> SequenceRecord:
         record = self.state.records.get(seq_id)
         if record is None:
@@ -514,15 +501,8 @@ class KvCacheManager:
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant of tree, pool, sequences."""
-        check_manager(self)
+        check_state(self.state)
 
     def leak_report(self) -> list[str]:
         """One line per leak: live sequences, pending copies, stray references."""
-        return leak_report(self)
-
-    def dump_tree(self) -> str:
-        """The cache tree as text, for failure messages."""
-        return self.state.tree.dump()
-
-
-KVCacheManager = KvCacheManager  # the old name, kept for existing callers
+        return leak_report(self.state)

@@ -16,9 +16,21 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvcache.core.host_tier import HostTier, has_device_child
 from kvcache.core.radix import BlockRadixTree, Node
+
+
+class Allocation(NamedTuple):
+    """Blocks handed out by the pool: `block_ids`, the first `num_fresh` of them from the
+    free list (the rest evicted cached blocks), and the host tier's offloads and drops
+    that the evictions made (0 without a host tier; `CacheState.allocate` counts them)."""
+
+    block_ids: list[int]
+    num_fresh: int
+    num_offloaded: int = 0
+    num_dropped: int = 0
 
 
 class OutOfBlocksError(RuntimeError):
@@ -182,23 +194,24 @@ class BlockPool:
         assert node.ref == 0
         self.num_evictable -= len(node.blocks)
 
-    def allocate(self, num_blocks: int) -> tuple[list[int], int]:
+    def allocate(self, num_blocks: int) -> Allocation:
         """Hand out `num_blocks` blocks: free ones first, then evicted ones.
 
-        Returns (ids, how many came from the free stack). The caller has checked
-        `num_available`; running short here is an internal error.
+        Returns their ids and how many came from the free stack (the host tier's counts
+        left 0). The caller has checked `num_available`; running short here is an
+        internal error.
         """
         free = self.free
         if num_blocks <= len(free):
             cut = len(free) - num_blocks
             ids = free[cut:]
             del free[cut:]
-            return ids, num_blocks
+            return Allocation(ids, num_blocks)
         ids = free[:]
         free.clear()
         fresh = len(ids)
         ids += self._evict(num_blocks - fresh)
-        return ids, fresh
+        return Allocation(ids, fresh)
 
     def evict_below(self, node: Node) -> list[int]:
         """Evict what follows the first block of unreferenced `node`: the rest of its edge

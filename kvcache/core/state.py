@@ -7,33 +7,27 @@ tree), growth.py (blocks after admission), window_holds.py (what a sliding windo
 holds and releases); stats.py and integrity.py read it. Every field is public so that
 those functions, and a reader, can follow it; only the manager's checked calls change
 it, so a call that fails its checks changes nothing.
+
+It is also how a caller reads the cache: `manager.state` is the one way to its
+configuration (`config`, and the effective `reuse`), its tree, its pools (`pool`, and
+`host` behind it) and its event log (`events`). Callers read these and never change
+them, but for the fault-injection seam `allocation_fault`, the one field a test sets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import NamedTuple
 
 from kvcache.core.config import KvCacheConfig
 from kvcache.core.events import CacheEvent
 from kvcache.core.handle import SequenceHandle, SequenceRecord
 from kvcache.core.host_tier import HostTier
 from kvcache.core.kv_event_log import KvEventLog
+from kvcache.core.listener import CacheListener
 from kvcache.core.ops import KvOp
-from kvcache.core.pool import BlockPool
+from kvcache.core.pool import Allocation, BlockPool
 from kvcache.core.radix import BlockRadixTree
 from kvcache.core.stats import Counters
-
-
-class Allocation(NamedTuple):
-    """Blocks taken from the pool: `block_ids`, the first `num_fresh` of them from the
-    free list (the rest evicted cached blocks), and the host tier's offloads and drops
-    that the evictions made (0 without a host tier)."""
-
-    block_ids: list[int]
-    num_fresh: int
-    num_offloaded: int = 0
-    num_dropped: int = 0
 
 
 def _out_of_memory(config: KvCacheConfig, field: str) -> ValueError:
@@ -49,7 +43,7 @@ class CacheState:
     field)."""
 
     __slots__ = ("alignment_blocks", "allocation_fault", "config", "copy_on_partial",
-                 "counters", "events", "handles", "host", "kv_event_log", "on_blocks_removed",
+                 "counters", "events", "handles", "host", "kv_event_log", "listeners",
                  "op_queue", "partial_reuse", "pool", "records", "reuse", "tokens_per_block",
                  "tree", "version", "window_left")
 
@@ -91,13 +85,12 @@ class CacheState:
         self.counters = Counters()
         self.version = 0  # bumped by every mutation: plans made before it are stale
         self.events: list[CacheEvent] | None = [] if record_events else None
-        # Told the ids of cached blocks that left the tree (evicted, or claimed by an
-        # admission), and of a sequence's own blocks given back when its commit switched
-        # to equal cached ones, after the fact: the engine drops what it keeps per block.
-        self.on_blocks_removed: Callable[[list[int]], None] | None = None
-        # Test seam for fault injection: called as (operation, blocks needed) before any
-        # allocation; returning True refuses it (a plan that does not fit, or
-        # OutOfBlocksError from append_tokens), nothing changed.
+        # The callers' listeners (listener.py; `KvCacheManager.add_listener`), told after
+        # the KV event log of blocks removed and moved; with a host tier also in its list.
+        self.listeners: list[CacheListener] = []
+        # Test seam for fault injection, the one field a caller sets: called as
+        # (operation, blocks needed) before any allocation; returning True refuses it (a
+        # plan that does not fit, or OutOfBlocksError from append_tokens), nothing changed.
         self.allocation_fault: Callable[[str, int], bool] | None = None
 
     def queue(self, owner: Hashable, op: KvOp) -> None:
@@ -106,11 +99,11 @@ class CacheState:
         self.op_queue.append((owner, op))
 
     def removed(self, block_ids: list[int]) -> None:
-        """Report cached blocks that left the tree (KV events, on_blocks_removed)."""
+        """Report cached blocks that left the tree (the KV event log, then the listeners)."""
         if self.kv_event_log is not None:
             self.kv_event_log.removed(block_ids)
-        if self.on_blocks_removed is not None:
-            self.on_blocks_removed(block_ids)
+        for listener in self.listeners:
+            listener.removed(block_ids)
 
     def allocate(self, num_blocks: int) -> Allocation:
         """Take `num_blocks` blocks from the pool (the caller checked they are there):
@@ -118,13 +111,13 @@ class CacheState:
         the tree, and with a host tier the host, which the evictions offload to."""
         host = self.host
         if host is None:  # nothing is offloaded or dropped: no counts to take
-            block_ids, fresh = self.pool.allocate(num_blocks)
-            if fresh < num_blocks:
-                self.removed(block_ids[fresh:])
-            return Allocation(block_ids, fresh)
+            allocation = self.pool.allocate(num_blocks)
+            if allocation.num_fresh < num_blocks:
+                self.removed(allocation.block_ids[allocation.num_fresh:])
+            return allocation
         offloaded, dropped = host.num_offloaded, host.num_dropped
-        block_ids, fresh = self.pool.allocate(num_blocks)
-        if fresh < num_blocks:
-            self.removed(block_ids[fresh:])
-        return Allocation(block_ids, fresh, host.num_offloaded - offloaded,
-                          host.num_dropped - dropped)
+        allocation = self.pool.allocate(num_blocks)
+        if allocation.num_fresh < num_blocks:
+            self.removed(allocation.block_ids[allocation.num_fresh:])
+        return allocation._replace(num_offloaded=host.num_offloaded - offloaded,
+                                   num_dropped=host.num_dropped - dropped)

@@ -1,12 +1,17 @@
-"""The project's one check for integer arguments, and the one for retention priorities.
+"""The project's one check for integer arguments, the one for retention priorities, and
+the one for the names a config is built from.
 
 An integer is an `int` or any other `numbers.Integral` (numpy integers included), never a
-`bool`: `True` as a block count or a priority is a bug, not a 1. Every check returns a
-plain `int` and raises ValueError naming the argument and the value.
+`bool`: `True` as a block count or a priority is a bug, not a 1. Every integer check
+returns a plain `int` and raises ValueError naming the argument and the value. A config
+(a dataclass) built from a mapping or from keyword options refuses a name that is not one
+of its fields by name (`check_fields`), never drops it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import fields
 from numbers import Integral
 
 PRIORITY_MIN = 0
@@ -38,6 +43,24 @@ def check_priority(value: object, where: str) -> int:
     if type(value) is int and PRIORITY_MIN <= value <= PRIORITY_MAX:
         return value  # the hot path: one type check, one comparison
     return check_int(value, f"{where}: priority", PRIORITY_MIN, PRIORITY_MAX)
+
+
+def check_fields(names: Iterable[str], config: type, where: str, *,
+                 options: bool = False) -> None:
+    """Refuse the `names` that are not fields of the dataclass `config`, naming them (sorted),
+    `where` and the fields (sorted); reads only. Keys of a mapping read at `where` raise
+    ValueError `WHERE: unknown CONFIG keys [...]; known keys are [...]`; with `options`,
+    keyword options of the call `where` raise TypeError, as Python does for an unexpected
+    keyword: `WHERE() got unknown options [...]; the options are CONFIG's fields: [...]`."""
+    known = {f.name for f in fields(config)}
+    unknown = sorted(set(names) - known)
+    if not unknown:
+        return
+    name = config.__name__
+    if options:
+        raise TypeError(f"{where}() got unknown options {unknown}; the options are "
+                        f"{name}'s fields: {sorted(known)}")
+    raise ValueError(f"{where}: unknown {name} keys {unknown}; known keys are {sorted(known)}")
 
 
 def _range(minimum: int | None, maximum: int | None) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from kvcache.attention.base import AttentionBackend
 from kvcache.attention.registry import get_backend
-from kvcache.core.validate import check_int, check_positive_int
+from kvcache.core.validate import check_fields, check_int, check_positive_int
 from kvcache.storage.layouts import LAYOUTS, KvLayout
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -161,11 +161,7 @@ class EngineConfig:
         backend_options, as older records have it, is none). Raises ValueError naming
         the unknown keys, `where` and the known ones, and what the constructor raises
         for a bad value."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown EngineConfig keys {unknown}; known keys are "
-                             f"{sorted(known)}")
+        check_fields(data, cls, where)
         options = dict(data)
         if "backend_options" in options and options["backend_options"] is None:
             options["backend_options"] = {}
@@ -180,11 +176,7 @@ def with_options(config: EngineConfig | None, options: Mapping[str, Any],
     listing the fields), and what EngineConfig raises for a bad value."""
     if config is not None and not isinstance(config, EngineConfig):
         raise ValueError(f"{where}: engine_config must be an EngineConfig, got {config!r}")
-    known = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"{where}() got unknown options {unknown}; the options are "
-                        f"EngineConfig's fields: {sorted(known)}")
+    check_fields(options, EngineConfig, where, options=True)
     if config is None:
         return EngineConfig(**options)
     return replace(config, **options) if options else config

@@ -8,10 +8,12 @@ The Engine builds the parts from its options (kvcache/engine/config.py: model, c
 manager, KV storage, backend, block table, persistent batch, scheduler, CUDA graphs,
 snapshots), runs the step (schedule, apply the cache's block ops, run the model, keep
 what it computed, postprocess: `_step`; all or nothing wherever it is interrupted) and
-is the thread-safe request API: add_request, abort, step, generate. The scheduler owns
-the requests (their admission, rows and what a step's tokens do to them:
-kvcache/engine/scheduler.py), the step runner the forward pass and sampling
-(kvcache/engine/step_runner.py).
+is the thread-safe request API: add_request, abort, step, generate, each under one fair
+lock (kvcache/engine/fair_lock.py). The scheduler owns the requests (their admission,
+rows and what a step's tokens do to them: kvcache/engine/scheduler.py), the step runner
+the forward pass and sampling (kvcache/engine/step_runner.py), and `Waiters` where a
+finished request's output goes, to the generate() awaiting it or to the next step()
+(kvcache/engine/waiters.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from kvcache.engine.state_snapshots import StateSnapshots
 from kvcache.engine.step_fault import StepFault
 from kvcache.engine.step_runner import StepRunner
 from kvcache.engine.step_timer import StepTimer
+from kvcache.engine.waiters import Waiters
 from kvcache.model.config import ModelConfig, get_preset
 from kvcache.model.transformer import Transformer
 from kvcache.storage.kv_storage import KvStorage
@@ -102,14 +105,12 @@ def _attention_backend(model: ModelConfig, storage: KvStorage,
 def _snapshots(model: ModelConfig, cache: KvCacheConfig, manager: KvCacheManager,
                interval: int) -> StateSnapshots | None:
     """The recurrent-state snapshots of a hybrid model that reuses blocks (None for any
-    other), wired to `manager`: they leave with their blocks, and follow them to the
-    host tier and back."""
+    other), a listener of `manager`: they leave with their blocks, and follow them to
+    the host tier and back."""
     if not (model.has_recurrent_layers and cache.block_reuse):
         return None
     snapshots = StateSnapshots(model.recurrent_layers, model.hidden_size, interval)
-    manager.on_blocks_removed = snapshots.drop
-    if cache.host_cache_blocks:
-        manager.add_tier_listener(snapshots)
+    manager.add_listener(snapshots)
     return snapshots
 
 
@@ -194,9 +195,7 @@ class Engine:
         self._lock = FairLock()
         self._timer: StepTimer | None = None
         self._next_request_id = 0
-        self._awaited: set[int] = set()  # requests some generate() call is waiting for
-        self._outputs: dict[int, GenerationOutput] = {}  # their outputs, until collected
-        self._unclaimed: list[GenerationOutput] = []  # others' outputs, for the next step()
+        self._waiters = Waiters()  # finished outputs, until their generate() or step()
         self.idle = False  # the last step scheduled nothing
 
     @classmethod
@@ -336,8 +335,7 @@ class Engine:
                 raise RequestFinishedError(f"abort(#{request_id}): request #{request_id} "
                                            "already finished or was aborted; nothing to abort")
             out = req.output(FinishReason.ABORTED)
-            if req.request_id in self._awaited:
-                self._outputs[req.request_id] = out
+            self._waiters.claim([out])  # a generate() awaiting it returns it too
             return out
 
     def has_unfinished(self) -> bool:
@@ -360,9 +358,8 @@ class Engine:
         work again. Once it sampled it happened: if its postprocess raises part-way,
         the next call completes it before anything else (see `_step`)."""
         with self._lock:
-            outputs = self._claim(self._step())
-            finished, self._unclaimed = self._unclaimed + outputs, []
-            return finished
+            self._waiters.hold(self._step())
+            return self._waiters.take_held()
 
     def _step(self) -> list[GenerationOutput]:
         """One step: schedule, apply the cache's block ops, run the model, postprocess.
@@ -410,8 +407,7 @@ class Engine:
         what the postprocess raises (it then stays in progress)."""
         finished = self.scheduler.finish_postprocess()
         if finished:
-            self._unclaimed += self._claim([req.output(FinishReason.LENGTH)
-                                            for req in finished])
+            self._waiters.hold([req.output(FinishReason.LENGTH) for req in finished])
 
     def _apply_ops(self) -> None:
         """Apply the cache's copies, offloads and onboards to the storage, in queue order,
@@ -425,16 +421,6 @@ class Engine:
                 self.storage.apply_copies(ops)
             finally:
                 self.manager.ack_copy_ops(self.storage.num_applied)
-
-    def _claim(self, finished: list[GenerationOutput]) -> list[GenerationOutput]:
-        """Park the outputs some generate() awaits; returns the others."""
-        unclaimed = []
-        for out in finished:
-            if out.request_id in self._awaited:
-                self._outputs[out.request_id] = out
-            else:
-                unclaimed.append(out)
-        return unclaimed
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8,
@@ -473,21 +459,19 @@ class Engine:
                 if request_ids:  # under the lock, so the ids were consecutive
                     self._next_request_id = request_ids[0]
                 raise
-            self._awaited.update(request_ids)
+            self._waiters.expect(request_ids)
         try:
             return self._wait_for(request_ids)
         except BaseException:
             with self._lock:
                 self._settle()
                 for request_id in request_ids:  # no output yet: still queued or running
-                    if request_id not in self._outputs:
+                    if not self._waiters.has_output(request_id):
                         self.scheduler.remove(request_id)
             raise
         finally:
             with self._lock:
-                self._awaited.difference_update(request_ids)
-                for request_id in request_ids:
-                    self._outputs.pop(request_id, None)
+                self._waiters.forget(request_ids)
 
     def _wait_for(self, request_ids: list[int]) -> list[GenerationOutput]:
         """Step until every one of `request_ids` has an output (in that order); others'
@@ -496,9 +480,10 @@ class Engine:
         stalls = 0
         while True:
             with self._lock:
-                if all(r in self._outputs for r in request_ids):
-                    return [self._outputs[r] for r in request_ids]
-                self._unclaimed += self._claim(self._step())
+                outputs = self._waiters.ready(request_ids)
+                if outputs is not None:
+                    return outputs
+                self._waiters.hold(self._step())
                 stalls = stalls + 1 if self.idle and not self.scheduler.running else 0
                 if stalls > MAX_IDLE_STEPS:
                     # Aborted requests have outputs by now: what is left is still waiting
@@ -523,7 +508,8 @@ class Engine:
         """Every cache operation in the order the cache saw it (for the reuse oracle), as
         plain dicts (a copy). Takes the lock: safe from any thread. Raises ValueError
         for an engine built with record_events=False."""
-        if self.manager.events is None:
+        events = self.manager.state.events
+        if events is None:
             raise ValueError("admission_log: the engine was built with record_events=False")
         with self._lock:
-            return [e.as_dict() for e in self.manager.events]
+            return [e.as_dict() for e in events]

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal
 
 from kvcache.attention.block_table import BlockTable
 from kvcache.core.handle import SequenceHandle
@@ -44,30 +44,13 @@ from kvcache.core.manager import KvCacheManager
 from kvcache.core.pool import OutOfBlocksError
 from kvcache.engine.prefix_sharing import leader_of
 from kvcache.engine.step_fault import StepFault
+from kvcache.engine.step_records import Chunk, Sampled, Schedule
 
 if TYPE_CHECKING:  # they need torch; the scheduler does not
     from kvcache.attention.persistent.batch import PersistentBatch
     from kvcache.engine.request import Request
-    from kvcache.engine.step_runner import Sampled
 
 log = logging.getLogger(__name__)
-
-
-class Chunk(NamedTuple):
-    """`num_new` tokens of `req` to compute this step; `samples` if they reach its end."""
-
-    req: Request
-    num_new: int
-    samples: bool
-
-
-class Schedule(NamedTuple):
-    """One step's work: `chunks` in row order (the running order), and `row_tokens`, the
-    new tokens of every running request (0: it sits the step out), or None when each
-    computes exactly one (a decode step; PersistentBatch.step's fast path)."""
-
-    chunks: list[Chunk]
-    row_tokens: list[int] | None
 
 
 # A chunk's postprocess, stage by stage (each also a phase of the fault seam):
@@ -109,11 +92,11 @@ class Scheduler:
         self.manager = manager
         self.table = table
         self.batch = batch
-        self.windowed = manager.config.sliding_window is not None
+        self.windowed = manager.state.config.sliding_window is not None
         self.max_num_tokens = max_num_tokens
         self.chunked = chunked
         # hold siblings back until a running request commits their common prefix
-        self.share_prefixes = share_prefixes and manager.reuse
+        self.share_prefixes = share_prefixes and manager.state.reuse
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
@@ -162,7 +145,7 @@ class Scheduler:
         """Admit waiting requests in order while a slot, budget and blocks remain, each
         taking its first chunk of `budget` (appended to `todo` and `counts`)."""
         held: list[Request] = []  # siblings waiting for a leader's prefix, in order
-        cfg = self.manager.config
+        cfg = self.manager.state.config
         try:
             while self.waiting and budget and self._free_slots:
                 req = self.waiting[0]

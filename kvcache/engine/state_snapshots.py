@@ -9,11 +9,11 @@ snapshot of the last block it reuses.
 
 A snapshot lives with its block: taken by the step that computes the block's last token,
 saved once that step happened and before the block is committed (so it exists whenever
-the block can be matched; a step that raised saved none), dropped when the block leaves
-the tree (the manager's `on_blocks_removed`). With a host tier it follows its block there and back (a tier
-listener: `offloaded`, `onboarded`, `dropped`, `cleared`), kept by host slot meanwhile;
-the tensor itself stays where it was (a few hundred bytes a block, against kilobytes of
-KV).
+the block can be matched; a step that raised saved none). It is the manager's listener
+(kvcache/core/listener.py): a snapshot is dropped when its block leaves the tree
+(`removed`, `cleared`) and, with a host tier, follows its block there and back
+(`offloaded`, `onboarded`, `dropped`), kept by host slot meanwhile; the tensor itself
+stays where it was (a few hundred bytes a block, against kilobytes of KV).
 Memory: one [recurrent layers, hidden] float32 tensor per cached block at a snapshot
 position, about 1/interval of the cached blocks (`nbytes`; the stats report it as
 `stateSnapshotBytes`).
@@ -29,12 +29,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvcache.engine.scheduler import Chunk
+from kvcache.engine.step_records import Chunk
 
 
 class StateSnapshots:
     """Snapshots by physical block id (and by host slot while a block is offloaded).
-    Mutated by the engine and, as a tier listener, by the manager's host tier."""
+    Mutated by the engine and, as its listener, by the cache manager."""
 
     def __init__(self, recurrent_layers: Sequence[int], hidden: int, interval: int) -> None:
         self.layers = tuple(recurrent_layers)
@@ -92,32 +92,32 @@ class StateSnapshots:
         snap = self._by_block[block_id]
         return {layer: snap[i].clone() for i, layer in enumerate(self.layers)}
 
-    def drop(self, block_ids: Iterable[int]) -> None:
-        """Forget the snapshots of blocks that left the cache."""
+    def removed(self, block_ids: Iterable[int]) -> None:
+        """Listener: blocks left the cache; their snapshots are forgotten."""
         for block in block_ids:
             self._by_block.pop(block, None)
 
     def offloaded(self, block_ids: list[int], slots: list[int], tokens: array) -> None:
-        """Tier listener: blocks moved to the host; their snapshots go with them."""
+        """Listener: blocks moved to the host; their snapshots go with them."""
         for block, slot in zip(block_ids, slots, strict=True):
             snap = self._by_block.pop(block, None)
             if snap is not None:
                 self._by_slot[slot] = snap
 
     def onboarded(self, slots: list[int], block_ids: list[int], tokens: array) -> None:
-        """Tier listener: host slots moved back to device blocks, snapshots with them."""
+        """Listener: host slots moved back to device blocks, snapshots with them."""
         for slot, block in zip(slots, block_ids, strict=True):
             snap = self._by_slot.pop(slot, None)
             if snap is not None:
                 self._by_block[block] = snap
 
     def dropped(self, slots: Iterable[int]) -> None:
-        """Tier listener: host slots dropped; their snapshots are forgotten."""
+        """Listener: host slots dropped; their snapshots are forgotten."""
         for slot in slots:
             self._by_slot.pop(slot, None)
 
     def cleared(self) -> None:
-        """Tier listener: every cached block was dropped; so is every snapshot."""
+        """Listener: every cached block was dropped; so is every snapshot."""
         self._by_block.clear()
         self._by_slot.clear()
 

@@ -9,8 +9,8 @@ import torch
 from kvcache.attention.base import AttentionBackend
 from kvcache.attention.metadata import PagedMetadata
 from kvcache.engine.request import Request
-from kvcache.engine.scheduler import Chunk
 from kvcache.engine.step_fault import StepFault
+from kvcache.engine.step_records import Chunk
 
 
 class StepContext:

@@ -6,7 +6,7 @@ whatever it raises (a RuntimeError, as CUDA out of memory is; a KeyboardInterrup
 step raises there, as a real failure at that point would. A test's fault plan numbers
 the calls of each phase and raises at the ones it chose
 (tests/reliability/test_step_faults.py), so the suite names phases, never the engine's
-methods, and survives their renames. The core's own seam is `allocation_fault`
+methods, and survives their renames. The core's own seam is `state.allocation_fault`
 (kvcache/core/state.py).
 
 What a failure at each point means (docs/design.md, "A step is all or nothing"):

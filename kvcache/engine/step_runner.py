@@ -30,21 +30,12 @@ import torch
 from kvcache.attention.base import AttentionBackend
 from kvcache.attention.persistent.batch import PersistentBatch
 from kvcache.engine.cuda_graphs import DecodeGraphs
-from kvcache.engine.scheduler import Chunk, Schedule
 from kvcache.engine.state_snapshots import StateSnapshots
 from kvcache.engine.step_context import StepContext, sampled_rows
 from kvcache.engine.step_fault import StepFault
+from kvcache.engine.step_records import Chunk, Sampled, Schedule
 from kvcache.engine.step_timer import StepTimer
 from kvcache.model.transformer import Transformer
-
-
-class Sampled(NamedTuple):
-    """What a step sampled: `tokens`, the next token of every chunk that samples, in
-    chunk order, and `logits`, their float32 logits on the host [samplers, vocab], or
-    None when none of those requests returns logits."""
-
-    tokens: list[int]
-    logits: torch.Tensor | None
 
 
 class StepResult(NamedTuple):

@@ -17,6 +17,7 @@ forward. Steps that schedule nothing are not kept.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Literal, NamedTuple, get_args
 
 Phase = Literal["schedule", "metadata", "plan", "forward", "sample", "commit"]
@@ -46,21 +47,24 @@ class StepTimes(NamedTuple):
 
 
 class StepTimer:
-    """Collects a StepTimes per engine step (perf_counter laps, a small share of a step)."""
+    """Collects a StepTimes per engine step (laps of `clock`, seconds, by default
+    time.perf_counter: a small share of a step). Tests pass a clock of their own, so
+    what they assert about laps does not depend on how fast the machine is."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.steps: list[StepTimes] = []
+        self._clock = clock
         self._laps = [0.0] * len(PHASES)
         self._last = 0.0
 
     def start(self) -> None:
         """A step begins: laps from here on belong to it."""
         self._laps = [0.0] * len(PHASES)
-        self._last = time.perf_counter()
+        self._last = self._clock()
 
     def lap(self, phase: Phase) -> None:
         """Charge the time since the previous lap (or start) to `phase`."""
-        now = time.perf_counter()
+        now = self._clock()
         self._laps[_INDEX[phase]] += now - self._last
         self._last = now
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import run_child
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 
@@ -26,8 +28,7 @@ def _folder_of(module: str) -> Path:
 
 
 def _nox(python: Path | str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(python), "-m", "nox", *args], cwd=cwd, capture_output=True,
-                          text=True, check=False, timeout=300)
+    return run_child([str(python), "-m", "nox", *args], cwd=cwd)
 
 
 def test_a_session_venv_imports_torch_from_where_nox_runs(tmp_path: Path) -> None:

@@ -143,5 +143,5 @@ def assert_provenance(engine: Engine) -> ShadowStore:
     forward pass must find the reader's own KV. Returns the oracle (for its counts)."""
     shadow = ShadowStore(engine.cache_config.tokens_per_block,
                          sliding_window=engine.cache_config.sliding_window)
-    shadow.replay(engine.manager.events or ())
+    shadow.replay(engine.manager.state.events or ())
     return shadow

@@ -111,7 +111,7 @@ def test_abort_one_of_two_sharing_a_prefix(tiny_model: Transformer) -> None:
     engine = EngineSpec(4, 32, max_num_tokens=8).build(tiny_model)
     ra, rb = engine.add_request(a, 5), engine.add_request(b, 5)
     step_until(engine, lambda: engine.manager.sequences.keys() == {ra, rb}
-               and engine.manager.get_sequence(rb).num_committed_tokens > 8)
+               and engine.manager.sequences[rb].num_committed_tokens > 8)
     aborted = engine.abort(ra)
     assert aborted is not None and aborted.token_ids == cold[0].token_ids[:len(aborted.token_ids)]
     engine.manager.check_integrity()
@@ -141,7 +141,7 @@ def test_abort_of_a_request_that_is_gone_says_so(tiny_model: Transformer) -> Non
     finished = engine.generate([PROMPT[:5]], 2)[0].request_id
     aborted = engine.add_request(PROMPT[:7], 2)
     assert engine.abort(aborted).finish_reason is FinishReason.ABORTED
-    before = (engine.manager.dump_tree(), engine.kv_cache_stats())
+    before = (engine.manager.state.tree.dump(), engine.kv_cache_stats())
     for rid in (finished, aborted):
         with pytest.raises(RequestFinishedError, match=rf"abort\(#{rid}\): request #{rid} "
                                                        r"already finished or was aborted"):
@@ -151,7 +151,7 @@ def test_abort_of_a_request_that_is_gone_says_so(tiny_model: Transformer) -> Non
                                              r"were issued") as info:
             engine.abort(rid)  # type: ignore[arg-type]
         assert not isinstance(info.value, RequestFinishedError)
-    assert (engine.manager.dump_tree(), engine.kv_cache_stats()) == before
+    assert (engine.manager.state.tree.dump(), engine.kv_cache_stats()) == before
     with pytest.raises(ValueError, match=r"abort\(0\): no such request; no request was added "
                                          r"yet"):
         EngineSpec(4, 32).build(tiny_model).abort(0)

@@ -146,10 +146,10 @@ def test_bad_manager_call_changes_nothing(call: ManagerCall, message: str) -> No
     mgr = KvCacheManager(KvCacheConfig(tokens_per_block=4, max_num_blocks=8))
     mgr.add_sequence("live", [1, 2, 3, 4, 5, 6])
     mgr.commit("live", 4)
-    before = (mgr.dump_tree(), mgr.stats(), list(mgr.get_sequence("live").block_ids))
+    before = (mgr.state.tree.dump(), mgr.stats(), list(mgr.sequences["live"].block_ids))
     with pytest.raises(ValueError, match=message):
         call(mgr)
-    assert (mgr.dump_tree(), mgr.stats(), list(mgr.get_sequence("live").block_ids)) == before
+    assert (mgr.state.tree.dump(), mgr.stats(), list(mgr.sequences["live"].block_ids)) == before
     mgr.check_integrity()
     mgr.free_sequence("live")
     assert mgr.probe_reuse([1, 2, 3, 4, 5]) == 4, "what was committed stays reusable"
@@ -202,7 +202,7 @@ def test_a_pool_that_does_not_fit_in_memory_names_its_field(field: str) -> None:
 
 
 def _manager_state(mgr: KvCacheManager) -> tuple[object, ...]:
-    return (mgr.dump_tree(), mgr.stats(), mgr.pending_copies, list(mgr.pool.free),
+    return (mgr.state.tree.dump(), mgr.stats(), list(mgr.state.op_queue), list(mgr.state.pool.free),
             {sid: (s.num_committed_tokens, list(s.block_ids), s.block_ids_version)
              for sid, s in mgr.sequences.items()})
 
@@ -310,11 +310,11 @@ MAX = get_preset("tiny").max_position_embeddings
 def test_bad_request_changes_nothing(tiny_model: Transformer, call: EngineCall,
                                      message: str) -> None:
     engine = EngineSpec(4, 16).build(tiny_model)
-    before = (engine.manager.dump_tree(), engine.kv_cache_stats())
+    before = (engine.manager.state.tree.dump(), engine.kv_cache_stats())
     with pytest.raises(ValueError, match=message):
         call(engine)
     assert not engine.has_unfinished(), "the rejected call left requests queued"
-    assert (engine.manager.dump_tree(), engine.kv_cache_stats()) == before
+    assert (engine.manager.state.tree.dump(), engine.kv_cache_stats()) == before
     out = engine.generate([[1, 2, 3]], max_new_tokens=2)
     assert out[0].request_id == 0 and len(out[0].token_ids) == 2, "the engine stays usable"
     assert_clean(engine.manager, "after the bad request")
@@ -333,11 +333,11 @@ def test_numpy_int_tokens_are_accepted(tiny_model: Transformer) -> None:
 def test_abort_after_the_finish_changes_nothing(tiny_model: Transformer) -> None:
     engine = EngineSpec(4, 16).build(tiny_model)
     rid = engine.generate([[1, 2, 3]], 2)[0].request_id
-    before = (engine.manager.dump_tree(), engine.kv_cache_stats())
+    before = (engine.manager.state.tree.dump(), engine.kv_cache_stats())
     with pytest.raises(RequestFinishedError, match=rf"abort\(#{rid}\): request #{rid} already "
                                                    r"finished or was aborted; nothing to abort"):
         engine.abort(rid)
-    assert (engine.manager.dump_tree(), engine.kv_cache_stats()) == before
+    assert (engine.manager.state.tree.dump(), engine.kv_cache_stats()) == before
     assert_clean(engine.manager, "after the refused abort")
 
 

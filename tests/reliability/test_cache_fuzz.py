@@ -100,10 +100,10 @@ def compute(mgr: CheckedManager, rng: random.Random, sid: int) -> None:
     """One step of `sid`'s prompt or decode: reserve the blocks of up to 6 more tokens
     (as many as the pool gives), commit within them; now and then commit past them, which
     must be refused and change nothing (CheckedManager checks that)."""
-    seq = mgr.get_sequence(sid)
+    seq = mgr.sequences[sid]
     done = seq.num_committed_tokens
     covered = mgr.reserve(sid, min(seq.num_tokens, done + rng.randint(1, 6)))
-    beyond = len(seq.block_ids) * mgr.config.tokens_per_block + 1
+    beyond = len(seq.block_ids) * mgr.state.config.tokens_per_block + 1
     if beyond <= seq.num_tokens and rng.random() < 0.1:
         with pytest.raises(ValueError, match="reserve the rest"):
             mgr.commit(sid, beyond)
@@ -115,7 +115,7 @@ def walk(mgr: CheckedManager, rng: random.Random) -> None:
     half the admissions take a first chunk, and commits go through `compute`."""
     seen: list[list[int]] = []
     next_id = 0
-    windowed = mgr.config.sliding_window is not None
+    windowed = mgr.state.config.sliding_window is not None
     for _ in range(NUM_OPS):
         live = list(mgr.sequences)
         roll = rng.random()
@@ -129,7 +129,7 @@ def walk(mgr: CheckedManager, rng: random.Random) -> None:
             compute(mgr, rng, rng.choice(live))
         elif roll < 0.65:
             sid = rng.choice(live)
-            seq = mgr.get_sequence(sid)
+            seq = mgr.sequences[sid]
             mgr.commit(sid, rng.randint(seq.num_committed_tokens, seq.num_tokens))
         elif roll < 0.72:
             with contextlib.suppress(OutOfBlocksError):  # checked fair by CheckedManager

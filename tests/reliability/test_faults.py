@@ -116,7 +116,7 @@ class Run(NamedTuple):
 def run(model: Transformer, work: Workload, fail: frozenset[int]) -> Run:
     engine = work.spec.build(model)
     injector = FaultInjector(engine, fail)
-    engine.manager.allocation_fault = injector
+    engine.manager.state.allocation_fault = injector
     outputs: list[GenerationOutput] = []
     for wave in work.waves:
         try:
@@ -187,7 +187,7 @@ def test_decode_allocations_that_always_fail_still_finish(tiny_model: Transforme
     prompts = [P[:5], [*P[:3], 70, 71]]
     engine = EngineSpec(2, 32).build(tiny_model)
     fault = Always("append_tokens")
-    engine.manager.allocation_fault = fault
+    engine.manager.state.allocation_fault = fault
     outs = engine.generate(prompts, max_new_tokens=6)
     assert_same_outputs(cold_outputs(tiny_model, prompts, 6), outs, "appends always failing")
     assert fault.failed > 0
@@ -198,14 +198,14 @@ def test_decode_allocations_that_always_fail_still_finish(tiny_model: Transforme
 def test_admissions_that_always_fail_end_in_a_clear_error(tiny_model: Transformer) -> None:
     engine = EngineSpec(4, 32).build(tiny_model)
     fault = Always("add_sequence")
-    engine.manager.allocation_fault = fault
+    engine.manager.state.allocation_fault = fault
     with pytest.raises(RuntimeError, match=r"generate: no progress in \d+ steps with nothing "
                                            r"running"):
         engine.generate([P[:5], P[:6]], max_new_tokens=2)
     assert fault.failed > 1, "the engine retried before giving up"
     assert not engine.has_unfinished(), "the failed generate() left its requests queued"
     assert_clean(engine.manager, "after the failed generate()")
-    engine.manager.allocation_fault = None
+    engine.manager.state.allocation_fault = None
     prompts = [P[:5]]
     assert_same_outputs(cold_outputs(tiny_model, prompts, 2),
                         engine.generate(prompts, max_new_tokens=2), "once the fault is gone")
@@ -213,7 +213,7 @@ def test_admissions_that_always_fail_end_in_a_clear_error(tiny_model: Transforme
 
 def test_the_stall_error_counts_the_stalled_requests(tiny_model: Transformer) -> None:
     engine = EngineSpec(4, 32).build(tiny_model)
-    engine.manager.allocation_fault = Always("add_sequence")
+    engine.manager.state.allocation_fault = Always("add_sequence")
     with pytest.raises(RuntimeError, match=r"; 2 of its requests could not be admitted"):
         engine.generate([P[:5], P[:6]], max_new_tokens=2)
 
@@ -252,8 +252,9 @@ def snapshot(mgr: KvCacheManager) -> tuple[Any, ...]:
     seqs: dict[Hashable, Any] = {
         sid: (list(s.block_ids), s.num_tokens, s.num_committed_tokens, s.num_cached_tokens)
         for sid, s in mgr.sequences.items()}
-    return (mgr.dump_tree(), mgr.stats(), seqs, mgr.pending_copy_ops, list(mgr.pool.free),
-            len(mgr.events or ()))
+    state = mgr.state
+    return (state.tree.dump(), mgr.stats(), seqs, mgr.pending_copy_ops, list(state.pool.free),
+            len(state.events or ()))
 
 
 def new_manager() -> KvCacheManager:
@@ -269,7 +270,7 @@ def test_manager_fault_at_every_allocation_changes_nothing() -> None:
         return False
 
     clean = new_manager()
-    clean.allocation_fault = count
+    clean.state.allocation_fault = count
     for op in SCRIPT:
         apply(clean, op)
         clean.take_copy_ops()
@@ -283,7 +284,7 @@ def test_manager_fault_at_every_allocation_changes_nothing() -> None:
             seen[0] += 1
             return seen[0] - 1 == k
 
-        mgr.allocation_fault = fault
+        mgr.state.allocation_fault = fault
         for step, op in enumerate(SCRIPT):
             before = snapshot(mgr)
             try:

@@ -33,6 +33,7 @@ from harness.repro.scenario_record import OracleFailure
 from harness.reuse.assertions import replay_config
 from kvcache import Engine, KvCacheConfig, KvCacheManager
 from kvcache.attention.base import AttentionBackend
+from tests.hang_guard import run_child
 from tests.scenarios.recording import check_record
 from tests.scenarios.support import EngineFactory, Models, prompts_of
 
@@ -73,8 +74,8 @@ def reuse_json() -> dict[str, Any]:
         manager.free_sequence(seq_id)
     rows = [{"where": "total", "counter": "reusedBlocks", "at_least": 1, "at_most": None,
              "actual": None}]
-    record = ReuseCheckRecord("t::reuse", "expect_reuse", None, replay_config(manager.config),
-                              plain([e.as_dict() for e in manager.events]), None, False, rows,
+    record = ReuseCheckRecord("t::reuse", "expect_reuse", None, replay_config(manager.state.config),
+                              plain([e.as_dict() for e in manager.state.events]), None, False, rows,
                               "m")
     return record.to_json()
 
@@ -293,8 +294,7 @@ def _fresh(path: Path, prelude: str = "") -> subprocess.CompletedProcess[str]:
         "import sys\nfrom harness.cli import main\nsys.exit(main(['repro', sys.argv[1]]))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    return run_child([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env)
 
 
 def test_a_preset_os_exit_is_exit_2_not_0(tmp_path: Path,

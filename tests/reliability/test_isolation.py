@@ -65,14 +65,14 @@ class World:
 
     def feed(self) -> list[Any]:
         """Route the manager's new events to the oracle of their sequence's scope."""
-        assert self.mgr.events is not None
+        assert self.mgr.state.events is not None
         out = [self.oracle(self.scope_of[e.seq_id]).apply(e.as_dict())
-               for e in self.mgr.events[self.seen:]]
-        self.seen = len(self.mgr.events)
+               for e in self.mgr.state.events[self.seen:]]
+        self.seen = len(self.mgr.state.events)
         return out
 
     def hold(self, seq_id: Hashable) -> None:
-        for b in self.mgr.get_sequence(seq_id).block_ids:
+        for b in self.mgr.sequences[seq_id].block_ids:
             self.holder[b] = self.scope_of[seq_id]
 
     def check_disjoint(self) -> None:
@@ -131,7 +131,7 @@ def step(w: World, op: tuple[str, int, Any]) -> None:
     if not live:
         return
     sid = live[arg % len(live)]
-    seq = w.mgr.get_sequence(sid)
+    seq = w.mgr.sequences[sid]
     if kind == "commit":
         lo = seq.num_committed_tokens
         w.mgr.commit(sid, lo + round(extra * (seq.num_tokens - lo)))

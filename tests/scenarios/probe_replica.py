@@ -38,11 +38,11 @@ def assert_probe_matches_admissions(engine: Engine) -> None:
             replica.take_copy_ops()
             assert seq.num_cached_tokens == probed, (
                 f"log event {i}: probe_reuse said {probed} tokens, the admission of request "
-                f"{sid!r} reused {seq.num_cached_tokens}\n{replica.dump_tree()}")
+                f"{sid!r} reused {seq.num_cached_tokens}\n{replica.state.tree.dump()}")
             assert lazy or seq.num_cached_tokens == ev["num_tokens"], (
                 f"log event {i}: replaying the log, request {sid!r} reused "
                 f"{seq.num_cached_tokens} tokens, the engine's admission "
-                f"{ev['num_tokens']}\n{replica.dump_tree()}")
+                f"{ev['num_tokens']}\n{replica.state.tree.dump()}")
         elif kind == "commit":
             if lazy:
                 replica.reserve(sid, ev["num_tokens"])

@@ -205,7 +205,7 @@ class ScenarioRun:
                 engine, results, lambda: expect_matches_oracle(
                     adapter, prediction, exact, results=list(results),
                     context=ReproContext(self.node_id, seed, config),
-                    tree_dump=engine.manager.dump_tree),
+                    tree_dump=engine.manager.state.tree.dump),
                 lambda index, refs, rows: OracleFailure(index, exact, bounded, refs, rows))
             if probe_replica:
                 assert_probe_matches_admissions(engine)
@@ -235,7 +235,7 @@ class ScenarioRun:
                     adapter, list(results),
                     context=ReproContext(self.node_id, seed, dict(adapter.cache_config),
                                          adapter.admission_log()),
-                    tree_dump=engine.manager.dump_tree),
+                    tree_dump=engine.manager.state.tree.dump),
                 FullBlocksFailure)
             engine.manager.check_integrity()
             passed = True

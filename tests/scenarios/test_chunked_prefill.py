@@ -66,12 +66,12 @@ def test_reuse_of_blocks_committed_by_a_request_still_in_prefill(
     rq = engine.add_request(q, NEW_TOKENS, force_tokens=force[1] if force else None)
     engine.step()
     engine.step()  # A has run two 12-token chunks; Q waits for budget
-    assert engine.manager.get_sequence(ra).num_committed_tokens == 24
+    assert engine.manager.sequences[ra].num_committed_tokens == 24
     assert rq not in engine.manager.sequences
     # A's last 6 tokens; without sharing Q is admitted beside them, with it Q waits for
     # A to commit the full blocks they share
     done = {o.request_id: o for o in engine.step()}
-    assert engine.manager.get_sequence(ra).num_committed_tokens == 30
+    assert engine.manager.sequences[ra].num_committed_tokens == 30
     assert (rq in engine.manager.sequences) is (not share or 28 // B * B == 24 // B * B)
     while engine.has_unfinished():
         done |= {o.request_id: o for o in engine.step()}

@@ -48,7 +48,7 @@ def assert_live_blocks_unshared(engine: Engine) -> None:
     """Every block a live sequence holds is off the free list; a block in two live
     sequences must be a cached (tree) block of both."""
     mgr = engine.manager
-    free = set(mgr.pool.free)
+    free = set(mgr.state.pool.free)
     owner: dict[int, tuple[object, bool]] = {}
     for sid, seq in mgr.sequences.items():
         tree_blocks = seq.holdings.tree_blocks
@@ -104,7 +104,7 @@ def test_referenced_blocks_are_never_evicted(make_engine: EngineFactory,
         done |= {o.request_id: o for o in engine.step()}
         assert_live_blocks_unshared(engine)
         if rid in engine.manager.sequences:
-            now = list(engine.manager.get_sequence(rid).block_ids)
+            now = list(engine.manager.sequences[rid].block_ids)
             assert now[:len(held)] == held, "the long request's blocks changed under it"
             held = now
     assert done[rid].num_preemptions == 0

@@ -161,7 +161,7 @@ def test_a_partial_block_is_never_offloaded_half_written(
     stats = engine.kv_cache_stats()
     if mode.partial:  # tails are cached (for partial hits) and evicted, never offloaded
         assert stats.evicted_blocks > stats.offloaded_blocks, "partial tails were evicted too"
-    host = [node for _, node in engine.manager.tree.walk() if node.host]
+    host = [node for _, node in engine.manager.state.tree.walk() if node.host]
     assert host and all(len(node.key) == len(node.blocks) * B * 4 for node in host)
     partial_onboards = [op for batch in batches for op in batch
                         if type(op) is BlockOnboard and op.num_tokens < B]

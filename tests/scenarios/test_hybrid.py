@@ -140,7 +140,7 @@ def test_window_sized_pool_resumes_past_evicted_blocks(
     assert run.warm[0].num_cached_tokens > len(prompt[0]) - window
     assert engine.kv_cache_stats().evicted_blocks >= -(-total // B) - pool
     # released and evicted blocks took their snapshots with them: none is left behind
-    cached = {b for _, node in engine.manager.tree.walk() for b in node.blocks}
+    cached = {b for _, node in engine.manager.state.tree.walk() for b in node.blocks}
     assert engine.snapshots is not None and engine.snapshots._by_block
     assert set(engine.snapshots._by_block) <= cached
 
@@ -172,7 +172,7 @@ def test_snapshots_follow_their_blocks_to_the_host(make_engine: EngineFactory,
     snapshots = engine.snapshots
     assert snapshots is not None and snapshots.offloaded_slots
     device, host = set(), set()
-    for _, node in engine.manager.tree.walk():
+    for _, node in engine.manager.state.tree.walk():
         (host if node.host else device).update(node.blocks)
     assert set(snapshots._by_block) <= device and snapshots.offloaded_slots <= host
     scenario.expect_oracle(engine, outs, seed=B * k, bounded=True)
@@ -190,7 +190,7 @@ def test_snapshots_live_and_die_with_their_blocks(make_engine: EngineFactory,
         snapshots = engine.snapshots
         assert snapshots is not None
         # every cached full block at a snapshot position has one, nothing else does
-        due = {b for _, node in engine.manager.tree.walk() for b in _snapshot_blocks(
+        due = {b for _, node in engine.manager.state.tree.walk() for b in _snapshot_blocks(
             engine, node, k)}
         assert set(snapshots._by_block) == due
         assert engine.kv_cache_stats().state_snapshot_bytes == len(due) * 4 * 128

@@ -56,7 +56,7 @@ def test_siblings_in_one_step_are_correct_and_deduplicated(
     rids = [engine.add_request(p, NEW_TOKENS, force_tokens=force[i] if force else None)
             for i, p in enumerate(prompts)]
     done = {o.request_id: o for o in engine.step()}
-    assert [engine.manager.get_sequence(r).num_cached_tokens for r in rids] == [0] * N
+    assert [engine.manager.sequences[r].num_cached_tokens for r in rids] == [0] * N
     # every sibling committed the prefix in the same step: its blocks are cached once
     full_only = (PREFIX + SUFFIX) // B * B
     assert engine.kv_cache_stats().cached_num_blocks == distinct_blocks(B, full_only)

@@ -33,7 +33,7 @@ def probe_then_run(engine: Engine, prompt: list[int], scope: ReuseScope | None =
     out = engine.generate([prompt], new_tokens, [scope])[0]
     assert out.num_cached_tokens == probed, (
         f"probe_reuse said {probed} tokens for a prompt of {len(prompt)}, the admission "
-        f"reused {out.num_cached_tokens}\n{engine.manager.dump_tree()}")
+        f"reused {out.num_cached_tokens}\n{engine.manager.state.tree.dump()}")
     return out
 
 
@@ -61,13 +61,13 @@ def test_probing_changes_nothing(make_engine: EngineFactory, mode: ReuseMode) ->
     engine = make_engine(B, mode=mode)
     base = tokens(rng, 23)
     engine.generate([base, base[:9] + tokens(rng, 8)], NEW_TOKENS)
-    stats, tree = engine.kv_cache_stats(), engine.manager.dump_tree()
+    stats, tree = engine.kv_cache_stats(), engine.manager.state.tree.dump()
     probes = [base, base[:9], [*base[:10], 1], [*base, 2], tokens(rng, 30), [base[0]]]
     for scope in (None, ReuseScope(salt=1)):
         for p in probes:
             engine.manager.probe_reuse(p, scope)
     assert engine.kv_cache_stats() == stats
-    assert engine.manager.dump_tree() == tree
+    assert engine.manager.state.tree.dump() == tree
     engine.manager.check_integrity()
 
 

@@ -59,9 +59,9 @@ def test_block_boundary_prompt_never_over_credits(make_engine: EngineFactory,
 
 def tree_problems(manager: KvCacheManager) -> list[str]:
     """Nodes whose token count is not their blocks' capacity, unless a partial leaf."""
-    B = manager.config.tokens_per_block
+    B = manager.state.config.tokens_per_block
     out = []
-    for scope, node in manager.tree.walk():
+    for scope, node in manager.state.tree.walk():
         n = len(node.key) // TOKEN_BYTES
         if n == len(node.blocks) * B:
             continue
@@ -82,7 +82,7 @@ def assert_tree_holds_committed_tokens(engine: Engine) -> None:
         assert engine.manager.probe_reuse(probe, None) == full, (
             f"request {sid!r} committed {seq.num_committed_tokens} tokens, the tree "
             f"matches its first {engine.manager.probe_reuse(probe, None)} of {full}\n"
-            f"{engine.manager.dump_tree()}")
+            f"{engine.manager.state.tree.dump()}")
 
 
 @pytest.mark.parametrize("budget", [pytest.param(n, id=f"T{n}") for n in (3, 5, 7)])
@@ -126,7 +126,7 @@ def test_partial_copy_never_aliases_a_live_block(make_engine: EngineFactory,
     done = {o.request_id: o for o in engine.step()}  # A's prefill: blocks 0-2 cached
     rq = [engine.add_request(q, NEW_TOKENS) for q in qs]
     done |= {o.request_id: o for o in engine.step()}  # A decodes, Q1 and Q2 admitted
-    seq_a, *seq_q = (engine.manager.get_sequence(r) for r in (ra, *rq))
+    seq_a, *seq_q = (engine.manager.sequences[r] for r in (ra, *rq))
     assert [s.num_cached_tokens for s in seq_q] == [2 * B + 2, 2 * B + 1]
     assert engine.kv_cache_stats().copied_blocks == 2
     for i, s in enumerate(seq_q):
@@ -165,7 +165,7 @@ def test_reused_tokens_of_an_aborted_copy_are_written_before_read(
     reference = make_engine.cold_reference(4, [prompts[k] for k in "ACD"], 1)
     assert_same_outputs(reference, outs, TORCH, "A, C, D vs reference")
     shadow = ShadowStore(4)
-    shadow.replay(engine.manager.events or ())
+    shadow.replay(engine.manager.state.events or ())
     assert shadow.num_slots_checked > 0
     scenario.expect_oracle(engine, outs, exact=False)
 
@@ -183,13 +183,13 @@ def test_a_deduplicated_commit_rewrites_the_block_table(make_engine: EngineFacto
                          share_prefixes=False)  # both compute the prompt: a dedup
     rx, ry, rz = (engine.add_request(q, 4) for q in (p, p, z))
     done = {o.request_id: o for o in engine.step()}  # X: 6 tokens, Y: 4 (budget 10)
-    y = engine.manager.get_sequence(ry)
-    x_blocks = list(engine.manager.get_sequence(rx).block_ids)
+    y = engine.manager.sequences[ry]
+    x_blocks = list(engine.manager.sequences[rx].block_ids)
     assert (y.num_committed_tokens, y.block_ids_version) == (4, 1)
     assert y.block_ids[0] == x_blocks[0] and rz not in engine.manager.sequences
-    given_back = engine.manager.pool.free[-1]
+    given_back = engine.manager.state.pool.free[-1]
     done |= {o.request_id: o for o in engine.step()}  # Z takes the block Y gave back
-    assert given_back in engine.manager.get_sequence(rz).block_ids
+    assert given_back in engine.manager.sequences[rz].block_ids
     while engine.has_unfinished():
         done |= {o.request_id: o for o in engine.step()}
     outs = [done[r] for r in (rx, ry, rz)]

@@ -43,10 +43,10 @@ def tree_blocks(mgr: KvCacheManager) -> dict[tuple[Hashable, tuple[int, ...]], C
     """Every block of `mgr`'s tree as `ReuseOracle.cached_blocks` keys and states it:
     (scope, tokens from the start through the block) -> tier, retention priority and,
     for a block no one references, its last release time. Read from the tree's edges."""
-    B = mgr.config.tokens_per_block
+    B = mgr.state.config.tokens_per_block
     out: dict[tuple[Hashable, tuple[int, ...]], CachedBlock] = {}
     prefix: dict[int, tuple[int, ...]] = {}  # id(node) -> tokens through its edge
-    for scope, node in mgr.tree.walk():  # parents before children
+    for scope, node in mgr.state.tree.walk():  # parents before children
         parent = node.parent
         above = prefix.get(id(parent), ()) if parent is not None else ()
         own = tuple(array("I", node.key).tolist())

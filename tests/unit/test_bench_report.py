@@ -16,14 +16,15 @@ from typing import Any
 
 import pytest
 
+from tests.hang_guard import run_child
+
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def report(*args: Path | str) -> subprocess.CompletedProcess[str]:
     """Run `python -m benchmarks.report ARGS` from the repository root."""
-    return subprocess.run([sys.executable, "-m", "benchmarks.report", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    return run_child([sys.executable, "-m", "benchmarks.report", *map(str, args)], cwd=REPO)
 
 
 def bench(name: str, median: float, extra: dict[str, Any], minimum: float | None = None,
@@ -276,10 +277,9 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
               "benchmarks/test_bench_memory.py", "benchmarks/test_bench_routing.py",
               "benchmarks/test_bench_step.py", "benchmarks/test_bench_metadata.py",
               "benchmarks/test_bench_window.py", "benchmarks/test_bench_host_tier.py"]
-    proc = subprocess.run(
+    proc = run_child(
         [sys.executable, "-m", "pytest", *suites, "--bench-quick", "-q", "-p",
-         "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+         "no:cacheprovider", f"--benchmark-json={out / 'bench.json'}"], cwd=REPO,
         # under xdist the worker's PYTEST_XDIST_* variables would switch benchmarks off
         env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

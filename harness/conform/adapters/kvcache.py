@@ -86,7 +86,7 @@ class KvcacheCache:
         self._kvcache = kvcache
         self._kv_events = kv_events
         self._hash = kv_events.block_hash
-        self._token_bytes = kv_events.token_bytes
+        self._little_endian_bytes = kv_events.little_endian_bytes
         self._event_to_dict = kv_events.event_to_dict
         cfg = kvcache.KvCacheConfig(tokens_per_block=block_size, max_num_blocks=num_blocks,
                                     enable_block_reuse=True)
@@ -106,7 +106,7 @@ class KvcacheCache:
         """Every kvcache function the adapter calls."""
         m = self.manager
         names = ("add_sequence", "take_copy_ops", "reserve", "commit", "append_tokens",
-                 "free_sequence", "stats", "take_kv_events", "get_sequence",
+                 "free_sequence", "stats", "take_kv_events",
                  "check_integrity", "leak_report")
         out: dict[str, tuple[object, str]] = {n: (m, n) for n in names}
         out["KvCacheManager.__init__"] = (type(m), "__init__")
@@ -125,10 +125,10 @@ class KvcacheCache:
         out = {"add_sequence": seq, "stats": self.manager.stats(),
                "take_copy_ops": self.manager.take_copy_ops()}
         self.manager.free_sequence("__selftest__")
-        out["take_kv_events"] = self.manager.take_kv_events() if self.manager.events \
+        out["take_kv_events"] = self.manager.take_kv_events() if self.manager.state.events \
             is not None else []
         self.manager.reset_cache()
-        self._seen = len(self.manager.events or ())
+        self._seen = len(self.manager.state.events or ())
         return out
 
     def _scope(self, scope: Scope | None) -> Any:
@@ -150,8 +150,8 @@ class KvcacheCache:
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
         """Nothing to allocate under full attention: the whole sequence is scheduled."""
-        self.manager.reserve(seq_id, min(num_tokens, self._seq(seq_id).num_tokens))
-        return self._seq(seq_id).num_tokens
+        self.manager.reserve(seq_id, min(num_tokens, self._seq(seq_id, "reserve").num_tokens))
+        return self._seq(seq_id, "reserve").num_tokens
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         """`commit`."""
@@ -159,12 +159,12 @@ class KvcacheCache:
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
         """`append_tokens`; the block ids it added."""
-        before = len(self._seq(seq_id).block_ids)
+        before = len(self._seq(seq_id, "append_tokens").block_ids)
         try:
             self.manager.append_tokens(seq_id, tokens)
         except self._kvcache.OutOfBlocksError:
             return None
-        return tuple(self._seq(seq_id).block_ids[before:])
+        return tuple(self._seq(seq_id, "append_tokens").block_ids[before:])
 
     def free(self, seq_id: Hashable) -> None:
         """`free_sequence`."""
@@ -182,7 +182,7 @@ class KvcacheCache:
 
     def take_events(self) -> list[dict[str, Any]]:
         """The manager's KV events, hashes as strings."""
-        if self.manager.events is None:
+        if self.manager.state.events is None:
             return []
         out = []
         for event in self.manager.take_kv_events():
@@ -197,7 +197,7 @@ class KvcacheCache:
     def take_log(self) -> list[dict[str, Any]]:
         """The manager's own event log since the last call, each admission's scope
         replaced by the contract's key."""
-        log = self.manager.events
+        log = self.manager.state.events
         if log is None:
             return []
         new, self._seen = log[self._seen:], len(log)
@@ -217,15 +217,16 @@ class KvcacheCache:
         """Every device block of the tree, hashed as its events hash it."""
         out: list[str] = []
         last: dict[int, int | None] = {}  # node id -> the hash of its last block
-        bb = self.manager.tree.block_bytes
-        for key, node in self.manager.tree.walk():  # parents before children
+        tree = self.manager.state.tree
+        bb = tree.block_bytes
+        for key, node in tree.walk():  # parents before children
             parent = last.get(id(node.parent))
             if node.host:
                 continue
             tokens = array("I", node.key)
             for i in range(len(node.blocks)):
                 chunk = tokens[i * bb // 4:(i + 1) * bb // 4]
-                parent = self._hash(parent, self._token_bytes(chunk), key)
+                parent = self._hash(parent, self._little_endian_bytes(chunk), key)
                 out.append(str(parent))
             last[id(node)] = parent
         return out
@@ -242,8 +243,12 @@ class KvcacheCache:
         """`KvCacheManager.leak_report`."""
         return self.manager.leak_report()
 
-    def _seq(self, seq_id: Hashable) -> Any:
-        return self.manager.get_sequence(seq_id)
+    def _seq(self, seq_id: Hashable, where: str) -> Any:
+        """The live handle of `seq_id`; ValueError, as the manager's calls raise, if none."""
+        seq = self.manager.sequences.get(seq_id)
+        if seq is None:
+            raise ValueError(f"{where}: unknown seq_id {seq_id!r} (not admitted, or freed)")
+        return seq
 
 
 def load(cache: type[KvcacheCache] = KvcacheCache) -> LoadedEngine:

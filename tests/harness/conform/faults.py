@@ -47,7 +47,7 @@ class RefusesEarly(KvcacheCache):
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
               first_chunk: int | None) -> Admission | None:
-        if 2 * self.used_blocks() >= self.manager.config.max_num_blocks:
+        if 2 * self.used_blocks() >= self.manager.state.config.max_num_blocks:
             return None
         return super().admit(seq_id, tokens, scope, first_chunk)
 
@@ -71,7 +71,8 @@ class LeaksOnFree(KvcacheCache):
 
     def free(self, seq_id: Hashable) -> None:
         self._scopes.pop(seq_id, None)
-        self.manager.events.append(self._kvcache.CacheEvent("free", seq_id))  # type: ignore[union-attr]
+        events = self.manager.state.events
+        events.append(self._kvcache.CacheEvent("free", seq_id))  # type: ignore[union-attr]
 
 
 class LogsWrongIds(KvcacheCache):
@@ -134,8 +135,8 @@ class LoraOutOfEventHashes(KvcacheCache):
     def cached_hashes(self) -> list[str]:
         out: list[str] = []
         last: dict[int, str | None] = {}  # node id -> the published hash of its last block
-        B = self.manager.config.tokens_per_block
-        for key, node in self.manager.tree.walk():  # parents before children
+        B = self.manager.state.config.tokens_per_block
+        for key, node in self.manager.state.tree.walk():  # parents before children
             parent = last.get(id(node.parent))
             if node.host:
                 continue
@@ -212,7 +213,7 @@ class RaisesAt(KvcacheCache):
             raise RuntimeError(f"planted: {kind} raised before it began")
         call()
         if self.when == "unlogged":
-            self._seen = len(self.manager.events or ())
+            self._seen = len(self.manager.state.events or ())
         raise RuntimeError(f"planted: {kind} raised after it was done ({self.when})")
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,

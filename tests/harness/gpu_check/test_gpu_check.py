@@ -1,11 +1,18 @@
 """The GPU check (harness.gpu_check) on CPU: what it does without CUDA, how it runs stages
 within a budget (real pytest processes over small test files: passing, failing, hung and
-killed ones), the report it writes, and that its stages select real GPU tests."""
+killed ones), the report it writes, and that its stages select real GPU tests.
+
+No verdict here depends on how fast a stage's pytest starts: the check runs on a test
+clock that stands still (the deadline never comes while a stage runs) or whose deadline
+comes at an event (the stage's log shows a test started), and the wall clock is tested
+only where a stage cannot end before its deadline.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.gpu_check.clock import WALL_CLOCK
 from harness.gpu_check.plugin import BUDGET_REASON
 from harness.gpu_check.report import CheckResult, Report, StageResult
 from harness.gpu_check.runner import ROOT, run_stage
 from harness.gpu_check.stages import STAGES, Stage
+from tests.hang_guard import HANG_GUARD_S, run_child
 
 TESTS = '''
 import json, time
@@ -48,6 +57,69 @@ def test_hangs():
 def test_after():
     pass
 '''
+# A module that never finishes collecting: its stage cannot end before any deadline.
+COLLECTION_HANGS = '''
+import time
+time.sleep(120)
+
+def test_never_collected():
+    pass
+'''
+HOUR = 3600.0
+
+
+class StoppedClock:
+    """A test clock that stands at `at`: a deadline after it never comes, so waiting for
+    a stage waits for its process to end (a stage still running after the hang guard
+    fails the test as hung)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def now(self) -> float:
+        return self.at
+
+    def _until_exit(self, proc: subprocess.Popen[bytes]) -> None:
+        """Return once `proc` has ended; fail the test (killing it) after the guard."""
+        try:
+            proc.wait(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"hung: the stage's pytest had not ended after {HANG_GUARD_S:.0f} s")
+
+    def wait(self, proc: subprocess.Popen[bytes], until: float) -> int | None:
+        if until <= self.at:
+            return None
+        self._until_exit(proc)
+        return proc.returncode
+
+
+class DeadlineWhenStarted(StoppedClock):
+    """A test clock whose deadline comes the moment the stage's `log` shows `test`
+    started: the stage is then inside that test, however long its pytest took to start
+    (the child signals readiness through the log the check reads anyway)."""
+
+    def __init__(self, at: float, log: Path, test: str) -> None:
+        super().__init__(at)
+        self.log = log
+        self.test = test
+
+    def _started(self) -> bool:
+        text = self.log.read_text() if self.log.exists() else ""
+        whole = text[:text.rfind("\n") + 1].splitlines()  # a line being written waits
+        return any(e["event"] == "start" and e["test"].endswith(f"::{self.test}")
+                   for e in map(json.loads, whole))
+
+    def wait(self, proc: subprocess.Popen[bytes], until: float) -> int | None:
+        guard = time.monotonic() + HANG_GUARD_S
+        while proc.poll() is None:
+            if self._started():
+                return None
+            if time.monotonic() > guard:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"hung: {self.test} had not started after {HANG_GUARD_S:.0f} s")
+            time.sleep(0.05)  # polls for the signal; the verdict waits for it, not on time
+        return proc.returncode
 
 
 def _stage(tmp_path: Path, name: str, source: str, **options: object) -> Stage:
@@ -58,9 +130,8 @@ def _stage(tmp_path: Path, name: str, source: str, **options: object) -> Stage:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without CUDA")
 def test_without_cuda_it_says_nothing_ran_and_exits_0(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "harness.gpu_check", "--results-dir",
-                           str(tmp_path / "gpu")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = run_child([sys.executable, "-m", "harness.gpu_check", "--results-dir",
+                      str(tmp_path / "gpu")], cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         f"gpu check: nothing ran: torch.cuda.is_available() is False (torch "
@@ -70,7 +141,8 @@ def test_without_cuda_it_says_nothing_ran_and_exits_0(tmp_path: Path) -> None:
 
 def test_a_stage_reports_each_test_with_its_worst_comparison(tmp_path: Path) -> None:
     stage = _stage(tmp_path, "mixed", TESTS)
-    result = run_stage(stage, tmp_path, time.time() + 120, test_timeout=60)
+    now = time.time()
+    result = run_stage(stage, tmp_path, now + HOUR, test_timeout=60, clock=StoppedClock(now))
     assert (result.status, result.reason) == ("ran", "")
     by_name = {c.test.rsplit("::", 1)[1]: c for c in result.checks}
     assert [c.outcome for c in result.checks] == ["passed", "failed", "skipped"]
@@ -85,35 +157,55 @@ def test_a_stage_reports_each_test_with_its_worst_comparison(tmp_path: Path) -> 
 
 def test_the_budget_stops_a_running_stage_and_skips_the_rest(tmp_path: Path) -> None:
     stage = _stage(tmp_path, "hangs", HANGS)
-    start = time.time()
-    result = run_stage(stage, tmp_path, start + 6, test_timeout=600, min_stage_s=1,
-                       grace_s=0)
-    assert time.time() - start < 30  # killed at the deadline, not after the 120 s sleep
-    assert result.status == "stopped"
+    now = time.time()
+    # The stage's own deadline is an hour away, so it starts test_hangs; the check's
+    # deadline comes once the log shows test_hangs running, and stops the stage there.
+    clock = DeadlineWhenStarted(now, tmp_path / "hangs.jsonl", "test_hangs")
+    result = run_stage(stage, tmp_path, now + HOUR, test_timeout=600, grace_s=0, clock=clock)
+    assert result.status == "stopped"  # killed inside test_hangs, not after its sleep
     assert [(c.outcome, c.message) for c in result.checks] == [
         ("stopped", "stopped at the time budget"), ("not run", "stopped at the time budget")]
-    late = run_stage(stage, tmp_path, time.time() + 3, test_timeout=600)
-    assert (late.status, late.checks) == ("skipped", ())
-    assert late.reason.startswith("time budget spent")
+    late = run_stage(stage, tmp_path, now + 3, test_timeout=600, clock=StoppedClock(now))
+    assert (late.status, late.reason, late.checks) == ("skipped", "time budget spent (3 s left)",
+                                                       ())
     needs = _stage(tmp_path, "needs", HANGS, requires=("no_such_module_here",))
-    skipped = run_stage(needs, tmp_path, time.time() + 600, test_timeout=600)
+    skipped = run_stage(needs, tmp_path, now + HOUR, test_timeout=600, clock=StoppedClock(now))
     assert (skipped.status, skipped.reason) == ("skipped", "needs no_such_module_here (pip "
                                                            "install -e .[test])")
 
 
+def test_the_wall_clock_kills_a_stage_at_the_deadline(tmp_path: Path) -> None:
+    # The deadline has passed (a negative minimum lets the stage start) and the stage
+    # cannot end before it (its module sleeps while collected): killed at once.
+    stage = _stage(tmp_path, "collecting", COLLECTION_HANGS)
+    result = run_stage(stage, tmp_path, time.time() - 1, test_timeout=600, min_stage_s=-10,
+                       grace_s=0)
+    assert (result.status, result.reason, result.checks) == (
+        "stopped", "stopped at the time budget", ())
+
+
+def test_the_wall_clock_waits_for_a_process_that_ends_first() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    code = WALL_CLOCK.wait(proc, time.time() + HANG_GUARD_S)
+    assert code is not None, f"hung: no exit after {HANG_GUARD_S:.0f} s"
+    assert code == 3
+
+
 def test_tests_that_start_after_the_deadline_are_skipped_with_the_reason(tmp_path: Path) -> None:
     stage = _stage(tmp_path, "late", TESTS)
-    # The deadline has passed before the stage starts (a negative minimum lets it start),
-    # so every test starts after it, however fast pytest comes up on this machine.
-    result = run_stage(stage, tmp_path, time.time() - 1, test_timeout=60, min_stage_s=-10,
-                       grace_s=60)
+    # The stage's deadline has passed by its own clock, so every test starts after it;
+    # the check's clock stands an hour before it and waits for the stage to end.
+    deadline = time.time() - 1
+    result = run_stage(stage, tmp_path, deadline, test_timeout=60,
+                       clock=StoppedClock(deadline - HOUR))
     assert result.status == "ran"
     assert {(c.outcome, c.message) for c in result.checks} == {("skipped", BUDGET_REASON)}
 
 
 def test_a_hung_test_ends_its_stage_and_is_named(tmp_path: Path) -> None:
     stage = _stage(tmp_path, "timeout", HANGS)
-    result = run_stage(stage, tmp_path, time.time() + 120, test_timeout=2)
+    now = time.time()
+    result = run_stage(stage, tmp_path, now + HOUR, test_timeout=2, clock=StoppedClock(now))
     assert result.status == "ended early"
     assert [c.outcome for c in result.checks] == ["crashed", "not run"]
     assert "ended early" in result.checks[0].message
@@ -162,10 +254,9 @@ def test_every_stage_selects_gpu_tests(tmp_path: Path) -> None:
     log = tmp_path / "collected.jsonl"
     targets = list(dict.fromkeys(t for s in STAGES for t in s.targets))
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                           "no:cacheprovider", "-p", "harness.gpu_check.plugin",
-                           f"--gpu-check-log={log}", *targets], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = run_child([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                      "no:cacheprovider", "-p", "harness.gpu_check.plugin",
+                      f"--gpu-check-log={log}", *targets], cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-2000:]
     collected = json.loads(log.read_text().splitlines()[0])["tests"]
     for stage in STAGES:

@@ -40,17 +40,17 @@ def issue_example(mgr: CheckedManager) -> None:
 def test_the_real_manager_passes_and_is_forwarded() -> None:
     mgr = CheckedManager(KvCacheManager(config(), record_events=True))
     issue_example(mgr)
-    assert mgr.get_sequence("D").num_cached_tokens == 0  # via __getattr__
+    assert mgr.sequences["D"].num_cached_tokens == 0  # via __getattr__
     mgr.commit("D", 4)
     mgr.add_sequence("E", [1, 2, 2, 5])  # copies 3 tokens of D's block
     mgr.commit("E", 4)  # takes the queued copy first, as an engine's step does
-    assert mgr.pending_copy_ops == [] and mgr.events[-2].kind == "copy"
+    assert mgr.pending_copy_ops == [] and mgr.state.events[-2].kind == "copy"
     for sid in ("C", "D", "E"):
         mgr.free_sequence(sid)
     mgr.check_oracles()
     assert mgr.num_operations == 14 and mgr.leak_report() == []  # the take included
-    mgr.allocation_fault = lambda op, n: True
-    assert mgr.manager.allocation_fault is mgr.allocation_fault
+    mgr.state.allocation_fault = lambda op, n: True
+    assert mgr.manager.state.allocation_fault is mgr.state.allocation_fault
 
 
 def test_only_a_fresh_manager_can_be_checked() -> None:
@@ -103,10 +103,10 @@ class ReservesOneShort(KvCacheManager):
     """Reserves one block fewer than it could."""
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int:
-        have = len(self.get_sequence(seq_id).block_ids)
-        need = -(-num_tokens // self.config.tokens_per_block) - have
+        have = len(self.sequences[seq_id].block_ids)
+        need = -(-num_tokens // self.state.config.tokens_per_block) - have
         if need > 1:  # ask for the tokens of one block fewer
-            num_tokens = (have + need - 1) * self.config.tokens_per_block
+            num_tokens = (have + need - 1) * self.state.config.tokens_per_block
         return super().reserve(seq_id, num_tokens)
 
 
@@ -148,7 +148,7 @@ class AcksTheWholeQueue(KvCacheManager):
     took it, applied or not."""
 
     def ack_copy_ops(self, num_applied: int) -> None:
-        super().ack_copy_ops(len(self.pending_copies))
+        super().ack_copy_ops(len(self.state.op_queue))
 
 
 def test_an_ack_that_drops_unapplied_ops_is_caught() -> None:
@@ -219,8 +219,9 @@ class LogsWrongCounts(KvCacheManager):
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         super().commit(seq_id, num_tokens)
-        assert self.events is not None
-        self.events[-1] = self.events[-1]._replace(num_tokens=0)
+        events = self.state.events
+        assert events is not None
+        events[-1] = events[-1]._replace(num_tokens=0)
 
 
 def test_a_log_that_disagrees_with_the_api_is_caught() -> None:

@@ -40,7 +40,7 @@ def configs(draw: st.DrawFn) -> KvCacheConfig:
 
 def _prompts(mgr: CheckedManager | KvCacheManager) -> st.SearchStrategy[list[int]]:
     """Fresh tokens, or a cut of an earlier sequence (appended tokens included) plus a few."""
-    seen = [list(e.tokens) for e in mgr.events or () if e.kind == "admit"]
+    seen = [list(e.tokens) for e in mgr.state.events or () if e.kind == "admit"]
     seen += [list(s.tokens) for s in mgr.sequences.values()]
     if not seen:
         return tokens_st
@@ -63,10 +63,10 @@ def _step(data: st.DataObject, mgr: CheckedManager | KvCacheManager, oracle: Reu
     if kind == "admit":
         toks, scope = data.draw(_prompts(mgr)), data.draw(st.sampled_from(SCOPES))
         seq = mgr.add_sequence(next_id, toks, scope)
-        predicted = oracle.apply(mgr.events[-1])
+        predicted = oracle.apply(mgr.state.events[-1])
         return kind, (seq.metrics, seq.num_cached_tokens, predicted)
     sid = data.draw(st.sampled_from(live))
-    seq = mgr.get_sequence(sid)
+    seq = mgr.sequences[sid]
     if kind == "commit":
         n = data.draw(st.just(seq.num_tokens)
                       | st.integers(seq.num_committed_tokens, seq.num_tokens))
@@ -78,7 +78,7 @@ def _step(data: st.DataObject, mgr: CheckedManager | KvCacheManager, oracle: Reu
         mgr.append_tokens(sid, data.draw(tokens_st))
     else:
         mgr.free_sequence(sid)
-    oracle.apply(mgr.events[-1])
+    oracle.apply(mgr.state.events[-1])
     return kind, None
 
 
@@ -151,11 +151,11 @@ def test_hand_scripts_agree(name: str, copy: bool) -> None:
         elif op == "g":
             mgr.append_tokens(args[0], args[1])
         elif op == "c":
-            n = args[1] if args[1] is not None else mgr.get_sequence(args[0]).num_tokens
+            n = args[1] if args[1] is not None else mgr.sequences[args[0]].num_tokens
             mgr.commit(args[0], n)
         else:
             mgr.free_sequence(args[0])
-        predicted = oracle.apply(mgr.events[-1])
+        predicted = oracle.apply(mgr.state.events[-1])
         if predicted is not None:
             m = seq.metrics
             assert (m.num_full_reused_blocks, m.num_partial_reused_blocks,
@@ -177,6 +177,6 @@ def test_bounded_pool_claim_can_beat_the_oracle() -> None:
     mgr.free_sequence(0)
     mgr.add_sequence(1, [1, 2, 1, 1, 2, 1, 1, 2])
     seq = mgr.add_sequence(2, [2, 1])
-    prediction = ReuseOracle(OracleConfig.from_cache_config(cfg)).replay(mgr.events or ())
+    prediction = ReuseOracle(OracleConfig.from_cache_config(cfg)).replay(mgr.state.events or ())
     assert (seq.num_cached_tokens, prediction.requests[2].reused_tokens) == (1, 0)
     assert mgr.stats().evicted_blocks == 1

@@ -22,9 +22,9 @@ SCOPES = [None, ReuseScope(salt="t"), ReuseScope(salt=b"\x01", lora_id=2)]
 def tree_hashes(mgr: KvCacheManager, host: bool | None = None) -> Counter[int]:
     """The hash of every block in the manager's tree, from the tree itself (only those on
     the host tier, or only those on the device, when `host` says so)."""
-    B = mgr.config.tokens_per_block
+    B = mgr.state.config.tokens_per_block
     out: Counter[int] = Counter()
-    for scope, node in mgr.tree.walk():
+    for scope, node in mgr.state.tree.walk():
         if host is not None and node.host != host:
             continue
         path, up = [], node.parent
@@ -75,7 +75,7 @@ def _drive(mgr: KvCacheManager, ops: list[tuple[str, list[int], int, int]],
                 pass
         else:
             sid = live[k % len(live)]
-            seq = mgr.get_sequence(sid)
+            seq = mgr.sequences[sid]
             if kind == "commit":
                 mgr.commit(sid, min(seq.num_tokens,
                                     seq.num_committed_tokens + k % 6))
@@ -93,7 +93,7 @@ def _drive(mgr: KvCacheManager, ops: list[tuple[str, list[int], int, int]],
             for p in probes:
                 for scope in SCOPES:
                     salt, lora = (scope.salt, scope.lora_id) if scope else (None, None)
-                    assert index.probe(p, salt, lora, partial_reuse=mgr.config.partial_reuse
+                    assert index.probe(p, salt, lora, partial_reuse=mgr.state.config.partial_reuse
                                        ) == mgr.probe_reuse(p, scope), (n, p, scope)
     for sid in live:
         mgr.free_sequence(sid)

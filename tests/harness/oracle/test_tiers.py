@@ -36,12 +36,12 @@ def configs(draw: st.DrawFn) -> KvCacheConfig:
 
 def _apply(mgr: KvCacheManager, oracle: ReuseOracle, seen: int) -> int:
     """Feed the oracle the manager's events since `seen`, checking every admission."""
-    events = mgr.events or []
+    events = mgr.state.events or []
     for ev in events[seen:]:
         predicted = oracle.apply(ev)
         if predicted is None:
             continue
-        m = mgr.get_sequence(ev.seq_id).metrics
+        m = mgr.sequences[ev.seq_id].metrics
         got = (m.num_full_reused_blocks, m.num_missed_blocks, m.num_onboarded_blocks,
                m.num_offloaded_blocks, m.num_dropped_blocks)
         want = (predicted.full_reused_blocks, predicted.missed_blocks,
@@ -72,7 +72,7 @@ def test_bounded_oracle_agrees_with_manager(cfg: KvCacheConfig, data: st.DataObj
                     mgr.free_sequence(n)
         else:
             sid = data.draw(st.sampled_from(live))
-            seq = mgr.get_sequence(sid)
+            seq = mgr.sequences[sid]
             if kind == "commit":
                 mgr.commit(sid, data.draw(st.integers(seq.num_committed_tokens,
                                                       seq.num_tokens)))
@@ -89,7 +89,7 @@ def test_bounded_oracle_agrees_with_manager(cfg: KvCacheConfig, data: st.DataObj
         # every block where the oracle has it, at its priority and release time: what
         # decides the next eviction, checked before it happens
         blocks = oracle.cached_blocks()
-        assert tree_blocks(mgr) == blocks, (n, mgr.dump_tree())
+        assert tree_blocks(mgr) == blocks, (n, mgr.state.tree.dump())
         gauges = mgr.stats()
         assert (gauges.cached_num_blocks, gauges.cached_num_host_blocks) == (
             sum(b.tier == "device" for b in blocks.values()),
@@ -113,7 +113,7 @@ def test_bounded_oracle_follows_offload_onboard_and_drop() -> None:
         mgr.commit(i, 2)
         mgr.free_sequence(i)
     prediction = ReuseOracle(OracleConfig.from_cache_config(cfg, bounded=True)).replay(
-        mgr.events or ())
+        mgr.state.events or ())
     totals = prediction.totals.as_dict()
     assert {k: totals[k] for k in MOVES} == {
         "evictedBlocks": 6, "numOffloadedBlocks": 6, "numOnboardedBlocks": 1,

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import run_child
+
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -40,10 +42,9 @@ def _pytest(here: Path, *args: str) -> subprocess.CompletedProcess[str]:
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
     env.pop("PYTEST_ADDOPTS", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                           "-p", "no:hypothesispytest", "-p", "no:benchmark", *args],
-                          cwd=here, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+    return run_child([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                      "-p", "no:hypothesispytest", "-p", "no:benchmark", *args],
+                     cwd=here, env=env)
 
 
 @pytest.mark.parametrize(

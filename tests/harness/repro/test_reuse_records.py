@@ -31,11 +31,11 @@ TESTS = textwrap.dedent("""\
         # The EngineUnderTest surface expect_matches_oracle reads, over a bare manager.
         def __init__(self, manager):
             self.manager = manager
-            self.cache_config = manager.config
+            self.cache_config = manager.state.config
         def kv_cache_stats(self):
             return self.manager.stats().as_dict()
         def admission_log(self):
-            return [e.as_dict() for e in self.manager.events]
+            return [e.as_dict() for e in self.manager.state.events]
 
     def run(manager, seq_id, tokens):
         manager.add_sequence(seq_id, tokens)
@@ -148,7 +148,7 @@ def _priority_record(strip: bool) -> ReuseCheckRecord:
         manager.commit(seq_id, len(tokens))
         manager.free_sequence(seq_id)
     assert manager.stats().reused_blocks == 1
-    log = [e.as_dict() for e in manager.events or ()]
+    log = [e.as_dict() for e in manager.state.events or ()]
     if strip:
         log = [{k: v for k, v in e.items() if k != "priority"} for e in log]
     return ReuseCheckRecord("test_p.py::test_priority", "expect_reuse", None,

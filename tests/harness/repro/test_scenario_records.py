@@ -28,6 +28,7 @@ from harness.repro.scenario_record import (
 )
 from harness.repro.scenario_rerun import rerun
 from harness.reuse.assertions import ReuseMismatch
+from tests.hang_guard import run_child
 from tests.scenarios.faults import OverCountingEngine
 from tests.scenarios.recording import check_record
 from tests.scenarios.support import NO_PARTIAL, EngineFactory, Models, ScenarioRun, prompts_of
@@ -86,10 +87,10 @@ def repro_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     here = tmp_path_factory.mktemp("scenarios")
     (here / "conftest.py").write_text(CONFTEST)
     (here / "test_s.py").write_text(TESTS)
-    done = subprocess.run(
+    done = run_child(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
          "-p", "no:benchmark", "-q", "--kvh-results-dir", "out", "test_s.py"],
-        cwd=here, env=_env(), capture_output=True, text=True, timeout=300, check=False)
+        cwd=here, env=_env())
     assert f"{len(NAMES)} failed" in done.stdout, done.stdout + done.stderr
     files = {name: here / "out" / "repro" / f"test_s.py_{name}.json" for name in NAMES}
     for path in files.values():
@@ -111,8 +112,8 @@ def load(path: Path) -> ScenarioRecord:
 
 def kvharness_repro(path: Path) -> subprocess.CompletedProcess[str]:
     """`kvharness repro FILE` in a fresh interpreter: no pytest, no collection."""
-    return subprocess.run([sys.executable, "-m", "harness.cli", "repro", str(path)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300, check=False)
+    return run_child([sys.executable, "-m", "harness.cli", "repro", str(path)], cwd=ROOT,
+                     env=_env())
 
 
 def edit(path: Path, change: Any, out: Path) -> Path:

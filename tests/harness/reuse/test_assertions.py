@@ -151,7 +151,7 @@ class CacheOnlyEngine:
 
     @property
     def cache_config(self) -> KvCacheConfig:
-        return self.mgr.config
+        return self.mgr.state.config
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  scopes: Sequence[Any] | None = None) -> list[Result]:
@@ -172,7 +172,7 @@ class CacheOnlyEngine:
         return self.mgr.stats()
 
     def admission_log(self) -> list[dict[str, Any]]:
-        return [e.as_dict() for e in self.mgr.events or ()]
+        return [e.as_dict() for e in self.mgr.state.events or ()]
 
 
 PROMPTS = shared_system_prompt(6, 10, 3, num_groups=2, vocab=50, seed=1)
@@ -196,7 +196,7 @@ def test_engine_vs_wrong_prediction_names_requests() -> None:
     wrong = replay(engine.admission_log(), OracleConfig(4, enable_block_reuse=False))
     with pytest.raises(ReuseMismatch) as info:
         expect_matches_oracle(engine, wrong, results=results,
-                              context=ReproContext("t.py::x"), tree_dump=engine.mgr.dump_tree)
+                              context=ReproContext("t.py::x"), tree_dump=engine.mgr.state.tree.dump)
     text = str(info.value)
     assert "  total      reusedBlocks         == 0      " in text
     assert "  request 2  numCachedTokens      == 0      " in text and "<-- mismatch" in text

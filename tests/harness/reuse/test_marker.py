@@ -111,7 +111,7 @@ def test_watch_sources() -> None:
     mgr.add_sequence(0, [1, 2, 3])
     before, after = watch.snapshots()
     assert diff_stats(before, after)["missedBlocks"] == 1
-    assert watch.tree_dump() == mgr.dump_tree()
+    assert watch.tree_dump() == mgr.state.tree.dump()
     counter = iter([{"reusedBlocks": 1}, {"reusedBlocks": 4}])
     watch.watch(lambda: next(counter))  # any zero-argument callable returning stats
     assert diff_stats(*watch.snapshots())["reusedBlocks"] == 3 and watch.tree_dump() is None

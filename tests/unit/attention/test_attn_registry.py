@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from kvcache.attention import (
     get_backend,
 )
 from kvcache.attention.base import BackendOptions
+from tests.hang_guard import run_child
 
 
 def test_registered_backends() -> None:
@@ -37,8 +37,7 @@ def test_import_does_not_import_flashinfer() -> None:
     code = ("import sys, kvcache.attention; "
             "assert 'flashinfer' not in sys.modules, sorted(m for m in sys.modules "
             "if m.startswith('flashinfer'))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = run_child([sys.executable, "-c", code])
     assert done.returncode == 0, done.stderr
 
 

@@ -56,7 +56,7 @@ def test_the_live_sequences_are_a_read_only_view(make_manager) -> None:
     mgr = make_manager(4, 8)
     seq = mgr.add_sequence("a", [1, 2, 3, 4, 5])
     assert list(mgr.sequences) == ["a"] and mgr.sequences["a"].block_ids is seq.block_ids
-    assert mgr.get_sequence("a").seq_id == "a" and "a" in mgr.sequences
+    assert mgr.sequences["a"].seq_id == "a" and "a" in mgr.sequences
     for change in (lambda: mgr.sequences.pop("a"), lambda: mgr.sequences.clear(),
                    lambda: mgr.sequences.__setitem__("b", seq)):
         with pytest.raises(AttributeError):

@@ -14,8 +14,8 @@ from kvcache.core.kv_events import (
     BlockStored,
     block_hash,
     chain_hashes,
+    little_endian_bytes,
     read_jsonl,
-    token_bytes,
     write_jsonl,
 )
 
@@ -40,7 +40,7 @@ def _run(mgr: KvCacheManager, seq_id: str, tokens: list[int], scope=None) -> Non
 def test_the_hash_is_the_published_one() -> None:
     for parent, tokens, scope in [(None, [1, 2, 3, 4], None), (7, [9, 0, 2**32 - 1], ("s", 3)),
                                   (2**64 - 1, [], (b"x", None))]:
-        assert block_hash(parent, token_bytes(tokens), scope) == published_hash(
+        assert block_hash(parent, little_endian_bytes(tokens), scope) == published_hash(
             parent, tokens, scope)
 
 
@@ -57,10 +57,10 @@ def test_commit_stores_a_chain_and_a_duplicate_stores_nothing(events_manager) ->
     mgr.commit("b", 9)
     assert mgr.take_kv_events() == []
     mgr.free_sequence("a")  # its committed tail [9] becomes a partial leaf
-    tail = block_hash(h[1], token_bytes([9]), None)
+    tail = block_hash(h[1], little_endian_bytes([9]), None)
     assert mgr.take_kv_events() == [BlockStored((tail,), h[1], (9,), 4, None, None)]
     mgr.free_sequence("b")  # [10] is not a prefix of the cached [9]: a second leaf
-    other = block_hash(h[1], token_bytes([10]), None)
+    other = block_hash(h[1], little_endian_bytes([10]), None)
     assert mgr.take_kv_events() == [BlockStored((other,), h[1], (10,), 4, None, None)]
     assert mgr.take_kv_events() == []  # taking empties the queue
 
@@ -71,7 +71,7 @@ def test_scopes_hash_apart_and_eviction_and_claims_remove(events_manager) -> Non
     stored = mgr.take_kv_events()
     full = chain_hashes([1, 2, 3, 4], 4, ("t", None))
     assert [e.block_hashes for e in stored] == [(full[0],), (block_hash(
-        full[0], token_bytes([5]), ("t", None)),)]
+        full[0], little_endian_bytes([5]), ("t", None)),)]
     assert stored[0].salt == "t" and chain_hashes([1, 2, 3, 4], 4, None) != full
     mgr.add_sequence("b", [1, 2, 3, 4, 5, 6], ReuseScope(salt="t"))  # claims the [5] leaf
     assert mgr.take_kv_events() == [BlockRemoved((stored[1].block_hashes[0],))]
@@ -91,10 +91,10 @@ def test_reset_clears_and_refuses_while_live(events_manager) -> None:
     _run(mgr, "a", [1, 2, 3, 4, 5])
     mgr.take_kv_events()
     mgr.add_sequence("live", [1, 2])
-    before = (mgr.stats(), mgr.dump_tree())
+    before = (mgr.stats(), mgr.state.tree.dump())
     with pytest.raises(ValueError, match="reset_cache: 1 sequences are live"):
         mgr.reset_cache()
-    assert (mgr.stats(), mgr.dump_tree()) == before
+    assert (mgr.stats(), mgr.state.tree.dump()) == before
     mgr.free_sequence("live")
     mgr.take_kv_events()
     mgr.reset_cache()

@@ -109,7 +109,7 @@ def test_events_record_the_order_the_cache_saw(make_manager) -> None:
     mgr.take_copy_ops()
     mgr.free_sequence("a")
     mgr.free_sequence("b")
-    assert mgr.events == [
+    assert mgr.state.events == [
         CacheEvent("admit", "a", (1, 2, 3, 4, 5), 0, (0, None), (1, 0), 35),
         CacheEvent("commit", "a", (), 5, None),
         CacheEvent("append", "a", (9, 9, 9, 9), 0, None, (2,)),
@@ -118,12 +118,12 @@ def test_events_record_the_order_the_cache_saw(make_manager) -> None:
         CacheEvent("free", "a", (), 0, None),
         CacheEvent("free", "b", (), 0, None),
     ]
-    assert mgr.events[0].as_dict() == {"kind": "admit", "seq_id": "a",
+    assert mgr.state.events[0].as_dict() == {"kind": "admit", "seq_id": "a",
                                        "tokens": [1, 2, 3, 4, 5], "num_tokens": 0,
                                        "scope": (0, None), "block_ids": [1, 0],
                                        "priority": 35}
-    assert "priority" not in mgr.events[1].as_dict()  # only an admission has one
-    assert make_manager().events is None
+    assert "priority" not in mgr.state.events[1].as_dict()  # only an admission has one
+    assert make_manager().state.events is None
 
 
 def test_leak_report_names_live_sequences_and_untaken_copies(make_manager) -> None:
@@ -146,25 +146,25 @@ def test_integrity_catches_damage(make_manager, damage: str) -> None:
     mgr.add_sequence("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     mgr.commit("a", 9)
     mgr.check_integrity()
-    node = next(n for _, n in mgr.tree.walk())
+    node = next(n for _, n in mgr.state.tree.walk())
     messages = {"ref": "ref 2 but 1 holders", "evictable": "evictable blocks",
                 "double-owned": "owned twice", "lost-block": "owned by nobody",
                 "index": "not indexed under its parent"}
     if damage == "ref":
         node.ref += 1
     elif damage == "evictable":
-        mgr.pool.num_evictable += 1
+        mgr.state.pool.num_evictable += 1
     elif damage == "double-owned":
-        mgr.pool.free.append(node.blocks[0])
+        mgr.state.pool.free.append(node.blocks[0])
     elif damage == "lost-block":
-        mgr.pool.free.pop()
+        mgr.state.pool.free.pop()
     else:
         node.first = b"\xff\xff\xff\xff"
     with pytest.raises(IntegrityError, match=messages[damage]):
         mgr.check_integrity()
     mgr.state.records.clear()  # the damaged manager is beyond repair: skip the fixture's check
     mgr.state.handles.clear()
-    mgr.tree.roots.clear()
-    mgr.tree.num_nodes = 0
-    mgr.pool.free[:] = range(8)
-    mgr.pool.num_evictable = 0
+    mgr.state.tree.roots.clear()
+    mgr.state.tree.num_nodes = 0
+    mgr.state.pool.free[:] = range(8)
+    mgr.state.pool.num_evictable = 0

@@ -16,7 +16,8 @@ def cached(mgr: KvCacheManager, seq_id: str, tokens: list[int], priority: int = 
 
 
 def snapshot(mgr: KvCacheManager) -> tuple[object, ...]:
-    return (mgr.stats(), mgr.tree.dump(), list(mgr.pool.free), mgr.pool.num_evictable,
+    pool = mgr.state.pool
+    return (mgr.stats(), mgr.state.tree.dump(), list(pool.free), pool.num_evictable,
             sorted(mgr.sequences), mgr.pending_copy_ops)
 
 
@@ -75,7 +76,7 @@ def test_referenced_blocks_are_never_evicted(make_manager) -> None:
     with pytest.raises(OutOfBlocksError, match="needs 3 new blocks, 2 free or evictable of 4"):
         mgr.add_sequence("b", [5, 6, 7, 8, 9])
     mgr.add_sequence("c", [5, 6, 7])
-    assert mgr.get_sequence("a").block_ids == a.block_ids
+    assert mgr.sequences["a"].block_ids == a.block_ids
     assert mgr.probe_reuse([1, 2, 3, 4, 0]) == 4
     mgr.free_sequence("a")
     mgr.free_sequence("c")
@@ -185,7 +186,7 @@ def test_injected_allocation_fault_changes_nothing(make_manager) -> None:
         calls.append((op, blocks))
         return True
 
-    mgr.allocation_fault = fail
+    mgr.state.allocation_fault = fail
     before = snapshot(mgr)
     with pytest.raises(OutOfBlocksError, match=r"add_sequence\('b'\) \[injected fault\]"):
         mgr.add_sequence("b", [1, 2, 3, 4, 5])
@@ -194,7 +195,7 @@ def test_injected_allocation_fault_changes_nothing(make_manager) -> None:
     mgr.append_tokens("a", [4])  # fits its block: no allocation, no fault
     assert calls == [("add_sequence", 3), ("append_tokens", 1)]
     assert snapshot(mgr)[1:] == before[1:]
-    mgr.allocation_fault = None
+    mgr.state.allocation_fault = None
     mgr.free_sequence("a")
 
 
@@ -205,9 +206,9 @@ def test_injected_allocation_fault_changes_nothing(make_manager) -> None:
 def assert_oracle_agrees(mgr: KvCacheManager) -> None:
     """Every cached block where the bounded oracle, replaying the log, has it: tier,
     priority and release time; and the same number of evictions, offloads and drops."""
-    oracle = ReuseOracle(OracleConfig.from_cache_config(mgr.config, bounded=True))
-    totals = oracle.replay(mgr.events or ()).totals.as_dict()
-    assert tree_blocks(mgr) == oracle.cached_blocks(), mgr.dump_tree()
+    oracle = ReuseOracle(OracleConfig.from_cache_config(mgr.state.config, bounded=True))
+    totals = oracle.replay(mgr.state.events or ()).totals.as_dict()
+    assert tree_blocks(mgr) == oracle.cached_blocks(), mgr.state.tree.dump()
     stats = mgr.stats().as_dict()
     for name in ("evictedBlocks", "numOffloadedBlocks", "numDroppedBlocks"):
         assert stats[name] == totals[name], (name, stats[name], totals[name])
@@ -219,9 +220,9 @@ FILLER = [5, 5, 6, 6]  # cached at the default priority after the prefix
 
 def evict(mgr: KvCacheManager, seq_id: str, nblocks: int) -> None:
     """Admit a prompt of fresh blocks that takes every free block and evicts `nblocks`."""
-    mgr.add_sequence(seq_id, [7] * (2 * (mgr.pool.num_free + nblocks) - 1))
-    assert mgr.get_sequence(seq_id).metrics.num_new_allocated_blocks < len(
-        mgr.get_sequence(seq_id).block_ids)
+    mgr.add_sequence(seq_id, [7] * (2 * (mgr.state.pool.num_free + nblocks) - 1))
+    assert mgr.sequences[seq_id].metrics.num_new_allocated_blocks < len(
+        mgr.sequences[seq_id].block_ids)
 
 
 def test_a_prefix_re_held_lower_while_held_keeps_the_higher_priority(make_manager) -> None:

@@ -28,14 +28,15 @@ def cached(mgr: KvCacheManager, seq_id: str, tokens: list[int], commit: int | No
 
 
 def host_blocks(mgr: KvCacheManager) -> int:
-    return sum(len(node.blocks) for _, node in mgr.tree.walk() if node.host)
+    return sum(len(node.blocks) for _, node in mgr.state.tree.walk() if node.host)
 
 
 def snapshot(mgr: KvCacheManager) -> tuple[object, ...]:
-    host = mgr.pool.host
+    host = mgr.state.pool.host
     assert host is not None
-    return (mgr.stats(), mgr.tree.dump(), list(mgr.pool.free), mgr.pool.num_evictable,
-            list(host.free), host.num_droppable, sorted(mgr.sequences), mgr.pending_copies)
+    pool = mgr.state.pool
+    return (mgr.stats(), mgr.state.tree.dump(), list(pool.free), pool.num_evictable,
+            list(host.free), host.num_droppable, sorted(mgr.sequences), list(mgr.state.op_queue))
 
 
 def tokens_of(key: bytes) -> list[int]:
@@ -159,7 +160,7 @@ def test_an_edge_is_offloaded_from_its_tail(make_manager) -> None:
     cached(mgr, "a", [1, 2, 3, 4, 5, 6, 7, 8])  # one edge of 4 blocks
     mgr.add_sequence("x", [9, 9, 9])  # 2 blocks: [5,6] [7,8] go to the host
     assert [type(op) for op in mgr.take_copy_ops()] == [BlockOffload] * 2
-    on_host = [tokens_of(node.key) for _, node in mgr.tree.walk() if node.host]
+    on_host = [tokens_of(node.key) for _, node in mgr.state.tree.walk() if node.host]
     assert on_host == [[5, 6, 7, 8]]
     assert mgr.probe_reuse([1, 2, 3, 4, 5, 6, 7, 8]) == 6
     mgr.check_integrity()
@@ -228,19 +229,19 @@ def test_only_the_acknowledged_ops_leave_the_queue(make_manager) -> None:
     mgr.add_sequence("c", [1, 2, 3, 4, 0])  # offloads b's blocks, onboards a's into them
     queued = mgr.pending_copy_ops
     assert [type(op) for op in queued] == [BlockOffload] * 2 + [BlockOnboard] * 2
-    logged = len(mgr.events)
+    logged = len(mgr.state.events)
     mgr.ack_copy_ops(0)
-    assert mgr.pending_copy_ops == queued and len(mgr.events) == logged
+    assert mgr.pending_copy_ops == queued and len(mgr.state.events) == logged
     mgr.ack_copy_ops(1)
     assert mgr.pending_copy_ops == queued[1:]
-    assert [(e.kind, e.block_ids) for e in mgr.events[logged:]] == [
+    assert [(e.kind, e.block_ids) for e in mgr.state.events[logged:]] == [
         ("offload", (queued[0].src, queued[0].dst))]
     with pytest.raises(ValueError, match=r"ack_copy_ops: num_applied must be an int in "
                                          r"\[0, 3\], got 4"):
         mgr.ack_copy_ops(4)
-    assert mgr.pending_copy_ops == queued[1:] and len(mgr.events) == logged + 1
+    assert mgr.pending_copy_ops == queued[1:] and len(mgr.state.events) == logged + 1
     assert mgr.take_copy_ops() == queued[1:]  # the retry applies the rest, in order
-    assert [e.kind for e in mgr.events[logged:]] == ["offload"] * 2 + ["onboard"] * 2
+    assert [e.kind for e in mgr.state.events[logged:]] == ["offload"] * 2 + ["onboard"] * 2
     mgr.commit("c", 5)
     mgr.free_sequence("c")
     assert mgr.probe_reuse([1, 2, 3, 4, 0]) == 4 and mgr.leak_report() == []
@@ -264,13 +265,13 @@ def test_reset_cache_clears_both_tiers(make_manager) -> None:
     mgr = make_manager(2, 3, host=4, partial=False)
     cached(mgr, "a", [1, 2, 3, 4])
     cached(mgr, "b", [5, 6, 7, 8, 9])
-    on_device = sorted(b for _, node in mgr.tree.walk() if not node.host for b in node.blocks)
+    on_device = sorted(b for _, node in mgr.state.tree.walk() if not node.host for b in node.blocks)
     assert host_blocks(mgr) == 2 and len(on_device) == 2  # no tail without partial reuse
-    removed: list[list[int]] = []
-    mgr.on_blocks_removed = removed.append
+    heard = Heard()
+    mgr.add_listener(heard)
     mgr.reset_cache()
     assert mgr.stats().cached_num_host_blocks == 0
-    assert sorted(removed[0]) == on_device  # device ids only: host slots are another space
+    assert sorted(heard.removals[0]) == on_device  # device ids only: host slots are another space
     assert mgr.probe_reuse([1, 2, 3, 4, 0]) == 0
     mgr.check_integrity()
 
@@ -281,15 +282,20 @@ def test_without_a_host_tier_nothing_moves(make_manager) -> None:
     assert cached(mgr, "b", [5, 6, 7, 8, 9]) == []
     s = mgr.stats()
     assert (s.offloaded_blocks, s.max_num_host_blocks, s.evicted_blocks) == (0, 0, 2)
-    assert mgr.pool.host is None
+    assert mgr.state.pool.host is None
     assert all(type(op) is BlockCopy for op in mgr.pending_copy_ops)
 
 
 class Heard:
-    """A tier listener that writes down what it is told."""
+    """A listener that writes down what it is told: moves between the tiers and clears
+    in `moves`, the device blocks removed in `removals`."""
 
     def __init__(self) -> None:
         self.moves: list[tuple[str, list[int], list[int]]] = []
+        self.removals: list[list[int]] = []
+
+    def removed(self, block_ids: list[int]) -> None:
+        self.removals.append(list(block_ids))
 
     def offloaded(self, block_ids: list[int], slots: list[int], tokens: array) -> None:
         self.moves.append(("offloaded", list(block_ids), list(slots)))
@@ -310,9 +316,9 @@ def test_tier_listeners_hear_every_move_as_the_ops_make_it(make_manager) -> None
     move the KV, and a reset, after which no snapshot of an offloaded block is left."""
     mgr = make_manager(2, 3, host=4, partial=False)
     heard = Heard()
-    mgr.add_tier_listener(heard)
+    mgr.add_listener(heard)
     snapshots = StateSnapshots([1], hidden=2, interval=1)
-    mgr.add_tier_listener(snapshots)
+    mgr.add_listener(snapshots)
     snapshots.save(1, torch.ones(1, 2))  # a's second block, offloaded by b below
     cached(mgr, "a", [1, 2, 3, 4])
     ops = cached(mgr, "b", [5, 6, 7, 8, 9])  # offloads a's two blocks
@@ -321,7 +327,7 @@ def test_tier_listeners_hear_every_move_as_the_ops_make_it(make_manager) -> None
     told = [pair for _, src, dst in heard.moves for pair in zip(src, dst, strict=True)]
     assert told == moved and len(told) == 6  # in op order, pair by pair
     assert [kind for kind, _, _ in heard.moves] == ["offloaded", "offloaded", "onboarded"]
-    on_host = sorted(b for _, node in mgr.tree.walk() if node.host for b in node.blocks)
+    on_host = sorted(b for _, node in mgr.state.tree.walk() if node.host for b in node.blocks)
     assert len(on_host) == 2  # b's blocks
     assert 2 in snapshots  # block 1's snapshot went to slot 1 and came back in block 2
     snapshots.save(0, torch.ones(1, 2))
@@ -331,5 +337,12 @@ def test_tier_listeners_hear_every_move_as_the_ops_make_it(make_manager) -> None
     mgr.reset_cache()
     assert heard.moves == [("cleared", [], [])]
     assert snapshots.nbytes == 0 and not snapshots.offloaded_slots
-    with pytest.raises(ValueError, match="add_tier_listener: the manager has no host tier"):
-        make_manager(2, 3).add_tier_listener(Heard())
+    # without a host tier nothing moves: a listener hears of the blocks evicted, and of a
+    # reset (the one listener of both, where a tier listener beside a removal hook was)
+    plain, told = make_manager(2, 3, partial=False), Heard()
+    plain.add_listener(told)
+    cached(plain, "a", [1, 2, 3, 4])
+    cached(plain, "b", [5, 6, 7, 8, 9])  # evicts a's two blocks
+    assert told.moves == [] and sorted(b for ids in told.removals for b in ids) == [0, 1]
+    plain.reset_cache()
+    assert told.moves == [("cleared", [], [])]

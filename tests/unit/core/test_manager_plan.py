@@ -41,10 +41,10 @@ def test_plan_then_admit_equals_add_sequence(make_manager) -> None:
 def test_planning_changes_nothing(make_manager) -> None:
     mgr = make_manager(4, 8)
     _cached(mgr, "x", [1, 2, 3, 4, 5, 6])
-    before = (mgr.stats(), mgr.dump_tree(), list(mgr.pool.free))
+    before = (mgr.stats(), mgr.state.tree.dump(), list(mgr.state.pool.free))
     mgr.plan_admission([1, 2, 3, 4, 5, 7])
     mgr.plan_admission([9] * 40)  # does not fit
-    assert (mgr.stats(), mgr.dump_tree(), list(mgr.pool.free)) == before
+    assert (mgr.stats(), mgr.state.tree.dump(), list(mgr.state.pool.free)) == before
 
 
 def test_a_full_pool_is_a_plan_that_says_so(make_manager) -> None:
@@ -52,10 +52,10 @@ def test_a_full_pool_is_a_plan_that_says_so(make_manager) -> None:
     mgr.add_sequence("big", [1] * 9)
     plan = mgr.plan_admission([2] * 5)
     assert (plan.fits, plan.num_new_blocks, plan.num_available) == (False, 2, 0)
-    before = (mgr.stats(), mgr.dump_tree())
+    before = (mgr.stats(), mgr.state.tree.dump())
     with pytest.raises(OutOfBlocksError, match="needs 2 new blocks, 0 free or evictable of 3"):
         mgr.admit("small", plan)
-    assert (mgr.stats(), mgr.dump_tree()) == before and "small" not in mgr.sequences
+    assert (mgr.stats(), mgr.state.tree.dump()) == before and "small" not in mgr.sequences
     mgr.free_sequence("big")
 
 
@@ -108,11 +108,13 @@ def test_a_plan_is_refused_by_a_manager_that_did_not_make_it(make_manager) -> No
     _cached(b, "x", list(range(21, 31)))
     plan = a.plan_admission([*range(1, 10), 99])
     assert plan.num_cached_tokens == 9 and b.probe_reuse([*range(1, 10), 99]) == 0
-    before = (b.stats(), b.dump_tree(), list(b.pool.free), b.pending_copies)
+    before = (b.stats(), b.state.tree.dump(), list(b.state.pool.free),
+              list(b.state.op_queue))
     with pytest.raises(ValueError, match=r"admit\('y'\): AdmissionPlan\(tokens=10, cached=9"
                                          r".* was made by another KvCacheManager"):
         b.admit("y", plan)
-    assert (b.stats(), b.dump_tree(), list(b.pool.free), b.pending_copies) == before
+    assert (b.stats(), b.state.tree.dump(), list(b.state.pool.free),
+            list(b.state.op_queue)) == before
     assert "y" not in b.sequences
     b.check_integrity()
     a.check_integrity()
@@ -129,12 +131,12 @@ def test_plans_are_per_scope(make_manager) -> None:
 
 def test_an_injected_fault_is_a_plan_that_does_not_fit(make_manager) -> None:
     mgr = make_manager(4, 8)
-    mgr.allocation_fault = lambda op, n: op == "add_sequence"
+    mgr.state.allocation_fault = lambda op, n: op == "add_sequence"
     plan = mgr.plan_admission([1, 2, 3])
     assert (plan.fits, plan.injected_fault) == (False, True)
     with pytest.raises(OutOfBlocksError, match="injected fault"):
         mgr.add_sequence("a", [1, 2, 3])
-    mgr.allocation_fault = None
+    mgr.state.allocation_fault = None
     assert mgr.plan_admission([1, 2, 3]).fits
 
 
@@ -175,7 +177,7 @@ def test_match_reuse_names_the_blocks_an_admission_would_reuse(make_manager) -> 
     mgr = make_manager(4, 16)
     mgr.add_sequence("x", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     mgr.commit("x", 10)
-    x_blocks = list(mgr.get_sequence("x").block_ids)
+    x_blocks = list(mgr.sequences["x"].block_ids)
     # x is live: its tail [9, 10] is not cached yet, its full blocks are
     assert mgr.match_reuse([1, 2, 3, 4, 5, 6, 7, 8, 9]) == ReuseMatch(
         tuple(x_blocks[:2]), 8, 2, None)
@@ -209,10 +211,11 @@ def test_match_reuse_changes_nothing_not_even_eviction_order(make_manager) -> No
     mgr = make_manager(4, 5)
     _cached(mgr, "old", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # 3 blocks
     _cached(mgr, "new", [5, 5, 5, 5, 6])  # 2 blocks, released later
-    before = (mgr.stats(), mgr.dump_tree(), list(mgr.pool.free), mgr.pool.clock)
+    pool = mgr.state.pool
+    before = (mgr.stats(), mgr.state.tree.dump(), list(pool.free), pool.clock)
     for _ in range(3):
         assert mgr.match_reuse([1, 2, 3, 4, 5, 6, 7, 8, 9]).num_tokens == 8
-    assert (mgr.stats(), mgr.dump_tree(), list(mgr.pool.free), mgr.pool.clock) == before
+    assert (mgr.stats(), mgr.state.tree.dump(), list(pool.free), pool.clock) == before
     # "old" is still the least recently used: a prompt needing two blocks evicts its
     # tail block and its last full block, not "new"
     mgr.add_sequence("z", [8, 8, 8, 8, 8])

@@ -97,7 +97,7 @@ def test_partial_picks_longest_common_prefix_among_siblings(make_manager) -> Non
 def test_unused_leaf_is_claimed_and_leaves_the_tree(make_manager) -> None:
     mgr = make_manager(4, 32)
     run_request(mgr, "a", prompt(8))  # blocks [1-4] [5-8], both full leaves
-    tail_block = mgr.tree.roots[None].children[(1).to_bytes(4, "little")][0].blocks[1]
+    tail_block = mgr.state.tree.roots[None].children[(1).to_bytes(4, "little")][0].blocks[1]
     seq = mgr.add_sequence("b", [1, 2, 3, 4, 5, 6, 0])
     assert seq.num_cached_tokens == 6
     assert seq.block_ids[1] == tail_block  # claimed: the very block, no copy
@@ -207,12 +207,12 @@ def test_duplicate_full_blocks_are_deduplicated(make_manager) -> None:
     mgr.commit("a", 9)
     mgr.commit("b", 9)  # b switches to a's [1-4] [5-8] and gives its own two back
     mgr.check_integrity()
-    nodes = list(mgr.tree.walk())
+    nodes = list(mgr.state.tree.walk())
     assert sum(len(n.blocks) for _, n in nodes) == 2
     assert nodes[0][1].ref == 2
     assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids_version == 1
     assert mgr.stats().used_num_blocks == 4  # the shared two, a's [9] and b's [9]
-    assert set(own) <= set(mgr.pool.free)
+    assert set(own) <= set(mgr.state.pool.free)
     mgr.free_sequence("a")
     mgr.free_sequence("b")
     assert mgr.stats().free_num_blocks == 32
@@ -261,17 +261,17 @@ def test_reuse_disabled_caches_nothing(make_manager) -> None:
     assert mgr.probe_reuse(prompt(9)) == 0
     s = mgr.stats()
     assert (s.reused_blocks, s.missed_blocks, s.cached_num_blocks) == (0, 6, 0)
-    assert list(mgr.tree.walk()) == []
+    assert list(mgr.state.tree.walk()) == []
 
 
 def test_probe_touches_no_lru_and_no_stats(make_manager) -> None:
     mgr = make_manager(4, 3)
     run_request(mgr, "old", prompt(5, 100))  # [100-103] + tail [104]: 2 blocks
     run_request(mgr, "new", prompt(2, 200))  # tail [200, 201]: 1 block, more recent
-    before = (mgr.stats(), mgr.tree.dump())
+    before = (mgr.stats(), mgr.state.tree.dump())
     for _ in range(3):
         assert mgr.probe_reuse(prompt(5, 100)) == 4
-    assert (mgr.stats(), mgr.tree.dump()) == before
+    assert (mgr.stats(), mgr.state.tree.dump()) == before
     # LRU untouched by the probes: "old"'s tail goes first, then its block [100-103]
     mgr.add_sequence("x", prompt(8, 300))
     assert mgr.probe_reuse(prompt(5, 100)) == 0
@@ -311,8 +311,8 @@ def test_a_freed_sequence_leaves_only_written_kv_to_reuse(make_manager, copied: 
 
 def _held(mgr: KvCacheManager, seq_id: str) -> tuple[object, ...]:
     """Everything a refused call must leave as it was."""
-    seq = mgr.get_sequence(seq_id)
-    return (mgr.dump_tree(), mgr.stats(), mgr.pending_copies, list(mgr.pool.free),
+    seq = mgr.sequences[seq_id]
+    return (mgr.state.tree.dump(), mgr.stats(), list(mgr.state.op_queue), list(mgr.state.pool.free),
             seq.num_committed_tokens, list(seq.block_ids), seq.block_ids_version)
 
 
@@ -332,7 +332,7 @@ def test_a_commit_past_the_admission_is_refused_while_its_copy_is_queued(
     if host:
         run_request(mgr, "X", [9] * 13)  # [1, 2, 2, 2] to the host, [0] dropped
     b = mgr.add_sequence("B", [1, 2, 2, 0, 1])  # 3 tokens of [1, 2, 2, 2]
-    (op,) = [op for owner, op in mgr.pending_copies if owner == "B"]
+    (op,) = [op for owner, op in mgr.state.op_queue if owner == "B"]
     assert type(op).__name__ == ("BlockOnboard" if host else "BlockCopy")
     assert (op.dst, op.num_tokens, b.num_cached_tokens) == (b.block_ids[0], 3, 3)
     mgr.commit("B", 3)  # no progress: no forward pass, the copy stays queued

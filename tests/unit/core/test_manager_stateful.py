@@ -71,7 +71,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @property
     def exact(self) -> bool:
-        lossless = self.host_blocks >= 10_000 and not self.mgr.config.partial_reuse
+        lossless = self.host_blocks >= 10_000 and not self.mgr.state.config.partial_reuse
         return self.pool_blocks >= 10_000 or lossless
 
     def sync(self) -> list[object]:
@@ -79,15 +79,15 @@ class CacheMachine(RuleBasedStateMachine):
 
         Only with an unbounded pool: under eviction a sequence may reuse less than the
         oracle predicts, and its later commits would contradict the oracle's replay."""
-        assert self.mgr.events is not None
-        new = self.mgr.events[self.seen:]
-        self.seen = len(self.mgr.events)
+        assert self.mgr.state.events is not None
+        new = self.mgr.state.events[self.seen:]
+        self.seen = len(self.mgr.state.events)
         return [self.oracle.apply(ev.as_dict()) for ev in new] if self.exact else []
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything a read-only call must leave alone (the dump shows LRU times)."""
-        pool = self.mgr.pool
-        return (self.mgr.stats(), self.mgr.tree.dump(), list(pool.free), pool.clock,
+        pool = self.mgr.state.pool
+        return (self.mgr.stats(), self.mgr.state.tree.dump(), list(pool.free), pool.clock,
                 len(pool.heap))
 
     def check_match(self, match: ReuseMatch, seq: SequenceHandle, queued: int) -> None:
@@ -107,9 +107,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert metrics.num_onboarded_blocks == onboard + (match.partial == "onboard")
         ops = self.mgr.pending_copy_ops[queued:]
         whole = [op.dst for op in ops
-                 if type(op) is BlockOnboard and op.num_tokens == self.mgr.config.tokens_per_block]
+                 if type(op) is BlockOnboard
+                 and op.num_tokens == self.mgr.state.config.tokens_per_block]
         assert whole == list(seq.block_ids[nfull - onboard:nfull])
-        ntok = match.num_tokens - nfull * self.mgr.config.tokens_per_block
+        ntok = match.num_tokens - nfull * self.mgr.state.config.tokens_per_block
         if match.partial == "claim":
             assert seq.block_ids[nfull] == match.block_ids[-1]
         elif match.partial is not None:
@@ -139,7 +140,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.check_match(match, seq, queued)
         if self.exact:
             (predicted,) = [p for p in self.sync() if p is not None]
-            assert seq.num_cached_tokens == predicted.reused_tokens, self.mgr.dump_tree()
+            assert seq.num_cached_tokens == predicted.reused_tokens, self.mgr.state.tree.dump()
             assert seq.metrics.num_full_reused_blocks == predicted.full_reused_blocks
 
     @rule()

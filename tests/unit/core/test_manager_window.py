@@ -47,7 +47,7 @@ def _cold_run_on_the_smallest_pool(prompt: Sequence[int]) -> KvCacheManager:
 
 
 def _hollow_tokens(mgr: KvCacheManager) -> int:
-    return sum(len(node.key) // 4 for _, node in mgr.tree.walk() if not node.blocks)
+    return sum(len(node.key) // 4 for _, node in mgr.state.tree.walk() if not node.blocks)
 
 
 def test_commit_releases_blocks_outside_the_window_and_they_stay_cached() -> None:
@@ -67,12 +67,12 @@ def test_commit_releases_blocks_outside_the_window_and_they_stay_cached() -> Non
 def test_without_reuse_released_blocks_go_back_to_the_free_list() -> None:
     mgr = _manager(enable_block_reuse=False)
     seq = mgr.add_sequence("a", _prompt(40))
-    free = mgr.pool.num_free
+    free = mgr.state.pool.num_free
     mgr.commit("a", 24)  # blocks 0..3 out of reach
-    assert seq.num_released_blocks == 4 and mgr.pool.num_free == free + 4
+    assert seq.num_released_blocks == 4 and mgr.state.pool.num_free == free + 4
     mgr.check_integrity()
     mgr.free_sequence("a")
-    assert mgr.pool.num_free == 64
+    assert mgr.state.pool.num_free == 64
 
 
 def test_a_window_inside_a_block_keeps_the_deepest_cached_block() -> None:
@@ -163,12 +163,12 @@ def test_a_deduplicated_commit_switches_then_releases() -> None:
     mgr.commit("b", 16)  # switches to a's blocks 0..3, gives its own back, releases 0, 1
     assert b.num_released_blocks == 2 and b.block_ids_version == 1
     assert list(b.block_ids[2:4]) == list(a.block_ids[2:4]) != own[2:4]
-    assert set(own) <= set(mgr.pool.free)
+    assert set(own) <= set(mgr.state.pool.free)
     mgr.check_integrity()
     for sid in ("a", "b"):
         mgr.free_sequence(sid)
     mgr.check_integrity()
-    assert mgr.pool.num_available == 32
+    assert mgr.state.pool.num_available == 32
 
 
 def test_integrity_names_a_sequence_holding_what_its_window_released() -> None:
@@ -189,10 +189,10 @@ def test_a_commit_beyond_the_reserved_blocks_is_refused_and_changes_nothing() ->
     a block have no KV to commit."""
     mgr = _manager()
     seq = mgr.admit("a", mgr.plan_admission(_prompt(8), first_chunk=2))
-    before = (list(seq.block_ids), seq.num_committed_tokens, mgr.dump_tree(), mgr.stats())
+    before = (list(seq.block_ids), seq.num_committed_tokens, mgr.state.tree.dump(), mgr.stats())
     with pytest.raises(ValueError, match=r"commit\('a', 8\): only 4 tokens have blocks"):
         mgr.commit("a", 8)
-    assert (list(seq.block_ids), seq.num_committed_tokens, mgr.dump_tree(),
+    assert (list(seq.block_ids), seq.num_committed_tokens, mgr.state.tree.dump(),
             mgr.stats()) == before
     mgr.commit("a", 4)
     mgr.check_integrity()
@@ -227,13 +227,13 @@ def test_random_operations_on_small_pools_keep_every_invariant(seed: int) -> Non
                 mgr.take_copy_ops()
             continue
         sid = rng.choice(live)
-        seq = mgr.get_sequence(sid)
+        seq = mgr.sequences[sid]
         covered = min(seq.num_tokens, len(seq.block_ids) * B)
         if op == "reserve":
             mgr.reserve(sid, rng.randint(seq.num_committed_tokens, seq.num_tokens))
         elif op == "commit":
             mgr.commit(sid, rng.randint(seq.num_committed_tokens, covered))
-        elif op == "append" and covered == seq.num_tokens and mgr.pool.num_available:
+        elif op == "append" and covered == seq.num_tokens and mgr.state.pool.num_available:
             mgr.append_tokens(sid, [rng.randint(1, 3)])
         elif op == "free":
             seen.append(list(seq.tokens))

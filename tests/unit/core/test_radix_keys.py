@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.core.keys import common_prefix_bytes, to_token_array, token_bytes
+from kvcache.core.keys import common_prefix_bytes, to_token_array, token_array_and_key
 
 # ids near the values a bool converts to (0 and 1), their low-byte aliases and large ones
 token_ids = st.one_of(st.integers(0, 3), st.sampled_from([255, 256, 257, 512, 65536, 65537]),
@@ -24,7 +24,7 @@ token_ids = st.one_of(st.integers(0, 3), st.sampled_from([255, 256, 257, 512, 65
 @given(tokens=st.lists(token_ids, max_size=80), data=st.data())
 def test_tokens_convert_exactly_and_any_bool_is_named(tokens: list[int],
                                                        data: st.DataObject) -> None:
-    arr, kb = token_bytes(tokens, "add_sequence", "r")
+    arr, kb = token_array_and_key(tokens, "add_sequence", "r")
     assert arr.tolist() == tokens and kb == array("I", tokens).tobytes()
     assert to_token_array(array("I", tokens), "x", None) == arr
     if not tokens:
@@ -35,7 +35,7 @@ def test_tokens_convert_exactly_and_any_bool_is_named(tokens: list[int],
     first = next(j for j, tok in enumerate(bad) if type(tok) is bool)
     with pytest.raises(ValueError, match=rf"add_sequence\('r'\): token {first} is "
                                          rf"{bad[first]!r}; tokens must be integers, not"):
-        token_bytes(bad, "add_sequence", "r")
+        token_array_and_key(bad, "add_sequence", "r")
 
 
 def _naive_common(a: bytes, b: bytes) -> int:

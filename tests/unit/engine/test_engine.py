@@ -15,8 +15,8 @@ from harness.reuse.assertions import predict_from_engine
 from kvcache import Engine, KvCacheConfig, ReuseScope
 from kvcache.engine import RequestFinishedError
 from kvcache.engine.request import Request
-from kvcache.engine.scheduler import Chunk
 from kvcache.engine.step_context import sampled_rows
+from kvcache.engine.step_records import Chunk
 from kvcache.model import Transformer, get_preset
 from kvcache.model.checkpoint import save_pretrained
 

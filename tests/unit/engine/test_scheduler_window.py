@@ -8,8 +8,8 @@ import pytest
 from kvcache import KvCacheConfig, KvCacheManager
 from kvcache.attention import BlockTable, PersistentBatch
 from kvcache.engine.request import Request
-from kvcache.engine.scheduler import Chunk, Schedule, Scheduler
-from kvcache.engine.step_runner import Sampled
+from kvcache.engine.scheduler import Scheduler
+from kvcache.engine.step_records import Chunk, Sampled, Schedule
 
 
 def _setup(pool: int, budget: int = 8) -> tuple[KvCacheManager, Scheduler]:

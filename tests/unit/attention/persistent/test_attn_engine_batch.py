@@ -13,7 +13,7 @@ import pytest
 from kvcache import Engine, KvCacheConfig
 from kvcache.attention.metadata import PagedMetadata, build_metadata
 from kvcache.engine import GenerationOutput
-from kvcache.engine.scheduler import Schedule
+from kvcache.engine.step_records import Schedule
 from tests.unit.attention.support import assert_same_metadata
 
 
