@@ -9,6 +9,7 @@ inside an engine's venv receives nothing but data. Standard library only.
     commit  seq, num_tokens
     append  seq, tokens                       -> block ids | refused
     free    seq
+    preempt seq                               (resumed by an admit of the same seq)
     evict   num_blocks                        -> blocks evicted
 """
 
@@ -21,13 +22,13 @@ from typing import Any, Literal, get_args
 from harness.conform.known_keys import check_keys
 from harness.conform.protocol import Scope
 
-OpKind = Literal["admit", "reserve", "commit", "append", "free", "evict"]
+OpKind = Literal["admit", "reserve", "commit", "append", "free", "preempt", "evict"]
 KINDS: tuple[OpKind, ...] = get_args(OpKind)
 # the fields each kind takes besides `kind`
 _FIELDS: dict[str, tuple[str, ...]] = {
     "admit": ("seq", "tokens", "scope", "first_chunk"), "reserve": ("seq", "num_tokens"),
     "commit": ("seq", "num_tokens"), "append": ("seq", "tokens"), "free": ("seq",),
-    "evict": ("num_blocks",)}
+    "preempt": ("seq",), "evict": ("num_blocks",)}
 MAX_TOKEN = 2**31 - 1  # every engine here takes token ids as int32 or wider
 
 
@@ -158,6 +159,11 @@ def append(seq: str, tokens: Iterable[int]) -> Op:
 def free(seq: str) -> Op:
     """A free op."""
     return Op("free", seq)
+
+
+def preempt(seq: str) -> Op:
+    """A preempt op."""
+    return Op("preempt", seq)
 
 
 def evict(num_blocks: int) -> Op:

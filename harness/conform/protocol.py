@@ -21,12 +21,19 @@ from typing import Any, Literal, NamedTuple, Protocol, get_args
 
 from harness.conform.known_keys import check_keys
 
-ScopeKind = Literal["salt", "lora"]
+ScopeKind = Literal["salt", "lora", "extra_key"]
 LoraField = Literal["lora_name", "lora_id", "lora_path"]
 # What an engine counter counts, so the judge knows what to compare it with.
 CounterMeaning = Literal["requests", "prompt_tokens", "reused_tokens", "reused_blocks",
                          "missed_blocks", "zero"]
 Eviction = Literal["lru-blocks-tail-first", "lru-leaves", "priority-lru"]
+# What a preemption does (`Contract.preemption`).
+Preemption = Literal["none", "free", "retract-decode"]
+# How the engine's scheduler cuts a prompt into chunks (`Contract.chunking`).
+Chunking = Literal["whole", "as-asked", "page-floor"]
+# Fields beyond the block hash a BlockStored event carries (`Contract.event_fields`).
+EventField = Literal["parent_block_hash", "token_ids", "block_size", "medium", "lora_id",
+                     "lora_name", "cache_salt", "session_id", "extra_keys", "group_idx"]
 
 
 def _str_or_none(value: Any, where: str) -> None:
@@ -36,21 +43,26 @@ def _str_or_none(value: Any, where: str) -> None:
 
 @dataclass(frozen=True)
 class Scope:
-    """Who may share KV: a cache salt, a LoRA adapter (name, id and files), or both.
+    """Who may share KV: a cache salt, a LoRA adapter (name, id and files), a caller's
+    extra key, or any of them together.
 
     The harness's reference semantics: two scopes that differ in any field never share
     (docs/design.md, "Scopes"). An engine keys on fewer fields where its contract says
-    so (`Contract.lora_identity`). A LoRA is given whole or not at all; `Scope.lora`
-    fills in a path from the id. Raises ValueError naming the bad field.
+    so (`Contract.scope_kinds`, `Contract.lora_identity`). A LoRA is given whole or not
+    at all; `Scope.lora` fills in a path from the id (an engine that names adapters by
+    text names LoRA id n `lora_id_text(n)`). `extra_key` is a caller's own cache
+    namespace beside the salt (SGLang's request `extra_key`). Raises ValueError naming
+    the bad field.
     """
 
     salt: str | None = None
     lora_name: str | None = None
     lora_id: int | None = None
     lora_path: str | None = None
+    extra_key: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("salt", "lora_name", "lora_path"):
+        for name in ("salt", "lora_name", "lora_path", "extra_key"):
             _str_or_none(getattr(self, name), f"Scope.{name}")
         lid = self.lora_id
         if lid is not None and (isinstance(lid, bool) or not isinstance(lid, int) or lid < 1):
@@ -89,10 +101,12 @@ class Scope:
         return None if scope == cls() else scope
 
     def describe(self) -> str:
-        """Short text for op lists: `salt='x', lora=('x', 1, '/loras/1')`."""
+        """Short text for op lists: `salt='x', lora=('x', 1, '/loras/1'), extra_key='k'`."""
         parts = [] if self.salt is None else [f"salt={self.salt!r}"]
         if self.has_lora:
             parts.append(f"lora=({self.lora_name!r}, {self.lora_id}, {self.lora_path!r})")
+        if self.extra_key is not None:
+            parts.append(f"extra_key={self.extra_key!r}")
         return ", ".join(parts) or "default"
 
 
@@ -117,6 +131,13 @@ class Stats(NamedTuple):
     harness: dict[str, int | float]
 
 
+def lora_id_text(lora_id: int) -> str:
+    """The text an engine that names adapters by text has for LoRA id `lora_id`: 32 hex
+    digits, the form of a uuid's hex (SGLang's `LoRARef.lora_id`). Public, so a check
+    can craft a caller key equal to it, as any client can compute a static id."""
+    return f"{lora_id:032x}"
+
+
 def _choice(value: Any, allowed: tuple[Any, ...], where: str) -> None:
     if value not in allowed:
         raise ValueError(f"{where} must be one of {allowed}, got {value!r}")
@@ -135,9 +156,11 @@ class Contract:
       block_size; 0: the whole prompt may match, where the prefill recomputes it anyway).
     matchable_at: when a computed block becomes reusable: "commit" (after the forward
       pass, when the caller says so), "allocation" (as soon as it is allocated: the
-      adapter logs an implied commit, and a reader may see KV not yet written) or
+      adapter logs an implied commit, and a reader may see KV not yet written),
       "prefill" (when the whole prompt is computed: a partial commit publishes nothing;
-      decoded blocks when the sequence ends; the adapter logs commits only then).
+      decoded blocks when the sequence ends; the adapter logs commits only then) or
+      "extend" (when every token of a scheduled chunk is computed; decoded blocks when
+      the sequence ends; the adapter logs commits only then).
     partial_reuse, copy_on_partial_reuse: reuse inside a block (the harness's flags).
     scope_kinds: the Scope parts that reach the cache key; lora_identity: the LoRA
       fields the key is built from (two LoRA scopes equal in these share by contract);
@@ -153,6 +176,10 @@ class Contract:
       or unfair (the engine asked for more than the tokens need).
     refusal_evicts: a refused admission or append may first evict unused cached blocks
       (and nothing else): the engine tries eviction, then gives up.
+    admission_reserve: 0, or the blocks an admission keeps free beyond its whole
+      uncached prompt, whatever its first chunk (SGLang's PrefillAdder reserves a page
+      and compares strictly): a refused admission is unfair only when its prompt's
+      blocks and this many more were free or evictable.
     decode_steps: an append is a decode step: one token, once every token so far is
       committed (the engine's scheduler decodes one token per step, after the step that
       computed the tokens before it); `Session` skips any other append.
@@ -162,6 +189,19 @@ class Contract:
       engine exposes and the judge can check.
     bounded_oracle: the count oracle models this engine's eviction exactly (kvcache);
       otherwise its predictions are exact until the first eviction, an upper bound after.
+    preemption: what a `preempt` does: "none" (the engine has no preemption: `Session`
+      skips it), "free" (the sequence is released as `free` releases it, at any point:
+      every block it computed stays cached), "retract-decode" (only a sequence between
+      decode steps, every token so far computed, is preempted; it keeps cached what it
+      had published, its unpublished blocks are freed, and the engine may then evict
+      cached blocks for the decode steps of the sequences still running).
+    chunking: how the scheduler cuts a prompt: "whole" (an admission schedules every
+      prompt token, whatever `first_chunk` asks), "as-asked" (exactly the tokens asked),
+      "page-floor" (a chunk that does not end the prompt is cut down to whole blocks,
+      and the next chunk is scheduled only once every scheduled token is computed).
+    event_fields: the fields beyond the block hash its BlockStored events fill in.
+    replicated: what the adapter does itself instead of calling the engine, as
+      (what, the engine function it stands in for, why): what a pass does not prove.
     citations: field -> where the engine's own code or documentation states it.
     Raises ValueError naming the field for anything else.
     """
@@ -172,7 +212,7 @@ class Contract:
     id_unit: Literal["block", "page"]
     stats_unit: Literal["tokens", "blocks"]
     last_token_cap: Literal["manager", "scheduler"]
-    matchable_at: Literal["commit", "allocation", "prefill"]
+    matchable_at: Literal["commit", "allocation", "prefill", "extend"]
     partial_reuse: bool
     copy_on_partial_reuse: bool
     scope_kinds: tuple[ScopeKind, ...]
@@ -185,10 +225,15 @@ class Contract:
     unreused_tail: int = 1
     allocates_ahead: bool = False
     refusal_evicts: bool = False
+    admission_reserve: int = 0
     decode_steps: bool = False
     events: bool = True
     counters: tuple[tuple[str, CounterMeaning], ...] = ()
     bounded_oracle: bool = False
+    preemption: Preemption = "none"
+    chunking: Chunking = "as-asked"
+    event_fields: tuple[EventField, ...] = ()
+    replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -200,10 +245,14 @@ class Contract:
             raise ValueError(f"Contract.block_size must be an int >= 1, got {b!r}")
         hints = {"id_unit": ("block", "page"), "stats_unit": ("tokens", "blocks"),
                  "last_token_cap": ("manager", "scheduler"),
-                 "matchable_at": ("commit", "allocation", "prefill"),
-                 "eviction": get_args(Eviction)}
+                 "matchable_at": ("commit", "allocation", "prefill", "extend"),
+                 "eviction": get_args(Eviction), "preemption": get_args(Preemption),
+                 "chunking": get_args(Chunking)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
+        reserve = self.admission_reserve
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"Contract.admission_reserve must be an int >= 0, got {reserve!r}")
         tail = self.unreused_tail
         if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail <= b:
             raise ValueError(f"Contract.unreused_tail must be an int in [0, block_size={b}], "
@@ -216,7 +265,8 @@ class Contract:
                                  f"got {getattr(self, name)!r}")
         for name, allowed in (("scope_kinds", get_args(ScopeKind)),
                               ("scope_in_event_hash", get_args(ScopeKind)),
-                              ("lora_identity", get_args(LoraField))):
+                              ("lora_identity", get_args(LoraField)),
+                              ("event_fields", get_args(EventField))):
             for v in getattr(self, name):
                 _choice(v, allowed, f"Contract.{name} entry")
         if "lora" in self.scope_kinds and not self.lora_identity:
@@ -226,6 +276,10 @@ class Contract:
             _choice(meaning, get_args(CounterMeaning), f"Contract.counters[{counter!r}]")
         if self.copy_on_partial_reuse and not self.partial_reuse:
             raise ValueError("Contract.copy_on_partial_reuse needs partial_reuse")
+        for entry in self.replicated:
+            if len(entry) != 3 or not all(isinstance(x, str) and x for x in entry):
+                raise ValueError("Contract.replicated entries are (what, engine function, "
+                                 f"why), three non-empty strs, got {entry!r}")
 
     def scope_key(self, scope: Scope | None) -> str | None:
         """The key the harness's oracles use for `scope` under this contract: only the
@@ -239,6 +293,8 @@ class Contract:
             parts.append(("salt", scope.salt))
         if "lora" in self.scope_kinds and scope.has_lora:
             parts += [(f, getattr(scope, f)) for f in self.lora_identity]
+        if "extra_key" in self.scope_kinds and scope.extra_key is not None:
+            parts.append(("extra_key", scope.extra_key))
         return json.dumps(parts) if parts else None
 
     def as_dict(self) -> dict[str, Any]:
@@ -249,10 +305,11 @@ class Contract:
     def from_dict(cls, data: Any, where: str = "contract") -> Contract:
         """Parse `as_dict`'s output; ValueError naming `where` for unknown or bad keys."""
         values = dict(check_keys(data, (f.name for f in fields(cls)), where))
-        for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "notes"):
+        for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "event_fields",
+                     "notes"):
             if name in values:
                 values[name] = tuple(values[name])
-        for name in ("counters", "citations"):
+        for name in ("counters", "citations", "replicated"):
             if name in values:
                 values[name] = tuple(tuple(p) for p in values[name])
         try:
@@ -299,6 +356,12 @@ class CacheUnderTest(Protocol):
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence (its computed blocks stay cached where the engine keeps
         them)."""
+        ...
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """Preempt the sequence as the engine's scheduler does (`Contract.preemption`);
+        it is no longer live, and resumes as a fresh `admit` of the same seq_id with its
+        tokens so far."""
         ...
 
     def evict(self, num_blocks: int) -> int:

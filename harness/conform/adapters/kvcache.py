@@ -65,10 +65,15 @@ def contract(block_size: int) -> Contract:
         lora_identity=("lora_id",), scope_in_event_hash=("salt", "lora"),
         eviction="priority-lru", explicit_evict=False, dedup_on_commit=True,
         chunked_allocation=False,
-        counters=COUNTERS, bounded_oracle=True,
+        counters=COUNTERS, bounded_oracle=True, preemption="free", chunking="whole",
+        event_fields=("parent_block_hash", "token_ids", "block_size", "medium", "lora_id"),
         citations=(("*", "docs/design.md: the reuse rules, partial reuse, eviction"),
                    ("scope_in_event_hash", "kvcache/core/kv_events.py: a block's hash "
-                                           "chains its parent, tokens and scope")),
+                                           "chains its parent, tokens and scope"),
+                   ("preemption", "kvcache/engine/scheduler.py Scheduler.preempt: release "
+                                  "(free_sequence), then recompute what survives"),
+                   ("event_fields", "kvcache/core/kv_events.py BlockStored: the salt and "
+                                    "the LoRA id are the scope")),
         notes=("ReuseScope has no LoRA name or path: a LoRA is its id",))
 
 
@@ -163,6 +168,10 @@ class KvcacheCache:
         """`free_sequence`."""
         self.manager.free_sequence(seq_id)
         self._scopes.pop(seq_id, None)
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """`free_sequence`, as the engine's `Scheduler.preempt` releases a request."""
+        self.free(seq_id)
 
     def evict(self, num_blocks: int) -> int:
         """kvcache evicts only to make room for an allocation: nothing here."""

@@ -441,6 +441,12 @@ class ShortfinCache:
         if not done:  # an abort mid-decode: its unpublished pages go back
             self.trie.free_allocated_pages(sorted(held))
 
+    def preempt(self, seq_id: Hashable) -> None:
+        """Never called: the contract's preemption is "none" (shortfin's server never preempts a request), so
+        `Session` skips every preempt. Raises ValueError."""
+        raise ValueError(f"preempt({seq_id!r}): the contract says this engine has no "
+                         "preemption")
+
     def evict(self, num_blocks: int) -> int:
         """`evict_pages(n)` (`_evict_pages` before 3.8.0): unreferenced LRU leaves."""
         t = self.trie

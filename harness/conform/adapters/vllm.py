@@ -320,6 +320,12 @@ class VllmCache:
         self.manager.free(req)
         self._write({"kind": "free", "seq_id": seq_id})
 
+    def preempt(self, seq_id: Hashable) -> None:
+        """Never called: the contract's preemption is "none" (vLLM's preemption (the scheduler's `_preempt_request`) is not adapted yet), so
+        `Session` skips every preempt. Raises ValueError."""
+        raise ValueError(f"preempt({seq_id!r}): the contract says this engine has no "
+                         "preemption")
+
     def evict(self, num_blocks: int) -> int:
         """`evict_blocks` on the first `num_blocks` cached blocks of vLLM's own free
         queue (those the next allocations would evict); 0 before vLLM had it."""

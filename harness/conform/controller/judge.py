@@ -207,9 +207,14 @@ class Judge:
             # after an eviction the oracle over-predicts hits: assume none (the most need)
             cached = max(0, min(self.reuse.probe(op.tokens, scope), len(op.tokens) - tail)) \
                 if self.exact else 0
-            chunk = op.first_chunk if self.contract.chunked_allocation else None
+            reserve = self.contract.admission_reserve
+            # an engine that keeps blocks free beyond the prompt asks for all of the
+            # prompt and that many more, whatever its first chunk
+            chunked = self.contract.chunked_allocation and not reserve
+            chunk = op.first_chunk if chunked else None
             return self.capacity.admission_need(op.tokens, scope, num_cached=cached,
-                                                first_chunk=chunk, unreused_tail=tail)
+                                                first_chunk=chunk, unreused_tail=tail) \
+                + reserve
         assert op.seq is not None or op.kind == "evict"
         if self.contract.allocates_ahead and op.kind in ("append", "reserve"):
             return None  # the engine asked for more than the tokens need

@@ -120,12 +120,27 @@ class Session:
                         f"{seq.scheduled} scheduled")
         if op.kind == "append" and seq.scheduled < seq.length:
             return f"append before all {seq.length} tokens are scheduled ({seq.scheduled})"
+        if op.kind == "preempt":
+            return self._unpreemptable(seq)
+        if op.kind == "reserve" and self.cache.contract.chunking == "page-floor" \
+                and seq.committed < seq.scheduled:
+            return (f"reserve before the {seq.scheduled} scheduled tokens are computed "
+                    f"({seq.committed}): the engine schedules a chunk after the last one")
         if op.kind == "append" and self.cache.contract.decode_steps:
             if len(op.tokens) != 1:
                 return f"append of {len(op.tokens)} tokens: the engine decodes one per step"
             if seq.committed < seq.length:
                 return (f"append before all {seq.length} tokens are computed "
                         f"({seq.committed}): the engine decodes only after them")
+        return ""
+
+    def _unpreemptable(self, seq: _Live) -> str:
+        preemption = self.cache.contract.preemption
+        if preemption == "none":
+            return "the engine has no preemption"
+        if preemption == "retract-decode" and seq.committed < seq.length:
+            return (f"preempt before all {seq.length} tokens are computed ({seq.committed}): "
+                    "the engine retracts only between decode steps")
         return ""
 
     def _call(self, op: Op) -> Any:
@@ -163,7 +178,10 @@ class Session:
             live.length += len(op.tokens)
             live.scheduled = live.length
             return list(ids)
-        c.free(seq)
+        if op.kind == "preempt":
+            c.preempt(seq)
+        else:
+            c.free(seq)
         del self.live[seq]
         return None
 

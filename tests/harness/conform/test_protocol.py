@@ -48,7 +48,7 @@ def test_scope_json_round_trip_and_the_default_scope() -> None:
                  "here: unknown keys ['fake', 'mock']; known: absent, raising, names, prime",
                  id="stubs"),
     pytest.param(Scope.from_dict, {"salt": "x", "lora": 1}, "here: unknown keys ['lora']; "
-                 "known: salt, lora_name, lora_id, lora_path", id="scope-keys"),
+                 "known: salt, lora_name, lora_id, lora_path, extra_key", id="scope-keys"),
 ])
 def test_every_record_read_from_json_refuses_what_is_not_its_object(
         read: Callable[[object, str], object], data: object, message: str) -> None:
@@ -93,7 +93,8 @@ def test_a_contract_round_trips_and_refuses_unknown_values() -> None:
     assert Contract.from_dict(json.loads(json.dumps(c.as_dict()))) == c
     bad = {**c.as_dict(), "matchable_at": "forward"}
     with pytest.raises(ValueError, match=r"Contract\.matchable_at must be one of "
-                                         r"\('commit', 'allocation', 'prefill'\), got 'forward'"):
+                                         r"\('commit', 'allocation', 'prefill', 'extend'\), got "
+                                         r"'forward'"):
         Contract.from_dict(bad)
     with pytest.raises(ValueError, match=r"unknown keys \['units'\]"):
         Contract.from_dict({**c.as_dict(), "units": "blocks"})
