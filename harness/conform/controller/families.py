@@ -18,7 +18,7 @@ from harness.conform import ops
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
-from harness.conform.protocol import Contract, Scope
+from harness.conform.protocol import Contract, Scope, lora_id_text
 from harness.conform.worker.session import StepReport
 
 B = 4  # tokens per block (a vLLM block, an SGLang page)
@@ -101,13 +101,15 @@ class Run:
         return reach if self.contract.partial_reuse else reach // B * B
 
 
-Need = Literal["scopes", "events"]
+Need = Literal["scopes", "events", "extra_key"]
 # what a family needs from the engine, and why a contract without it skips the family
 _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "scopes": (lambda c: bool(c.scope_kinds), "the engine keys its cache on no scope "
                "(salt, LoRA): every scope shares, so the family could only pass"),
     "events": (lambda c: c.events, "the engine publishes no router events: there is no "
-               "event hash to compare")}
+               "event hash to compare"),
+    "extra_key": (lambda c: "extra_key" in c.scope_kinds, "the engine's cache key takes "
+                  "no caller extra key (Contract.scope_kinds)")}
 
 
 @dataclass(frozen=True)
@@ -188,13 +190,16 @@ def branches(run: Run) -> None:
 
 
 def eviction_under_pressure(run: Run) -> None:
-    a, b = toks(100, 16), toks(500, 28)
+    # B takes 7 blocks of the pool of 8 (fewer where the engine keeps blocks free
+    # beyond an admission's prompt: its `admission_reserve`), more than A leaves free
+    n = min(7, run.num_blocks - run.contract.admission_reserve)
+    a, b = toks(100, 16), toks(500, n * B)
     run.admit("A", a)
     run.commit("A", 16)
     run.free("A")
-    # 7 blocks in a pool of 8 holding A's 4: at least 3 of them must go
-    run.expect("B (7 of 8 blocks) is admitted, evicting", run.admit("B", b) is not None, True)
-    run.commit("B", 28)
+    run.expect(f"B ({n} of 8 blocks) is admitted, evicting", run.admit("B", b) is not None,
+               True)
+    run.commit("B", n * B)
     run.free("B")
     run.observed["A after the pressure reuses"] = run.admit("A2", a)
     run.free("A2")
@@ -364,8 +369,8 @@ SCOPES: dict[str, Scope | None] = {
     "LoRA y#1 (same id, same files)": Scope.lora("y", 1),
     "LoRA x#3 at x#1's files": Scope.lora("x", 3, "/loras/1"),
     "salt 'x' + LoRA x#1": Scope.lora("x", 1, salt="x"),
-    "salt '1' (a LoRA id)": Scope(salt="1"),
-    "salt 'x1' (salt x + LoRA id 1, joined)": Scope(salt="x1"),
+    "salt = LoRA id 1's text": Scope(salt=lora_id_text(1)),
+    "salt 'x' + LoRA id 1's text (the two joined)": Scope(salt="x" + lora_id_text(1)),
     "salt 'y' (a LoRA name)": Scope(salt="y"),
 }
 
@@ -374,19 +379,46 @@ def scope_isolation(run: Run) -> None:
     """Each scope computes the same prompt once, in turn, then again. A scope whose
     contract key equals an earlier one's shares by contract (the count oracle predicts
     it); any other sharing is a violation."""
+    _isolated(run, SCOPES, "S", "R")
+
+
+def _isolated(run: Run, scopes: dict[str, Scope | None], first: str, again: str) -> None:
     a = toks(100, 18)
-    keys = {label: run.contract.scope_key(s) for label, s in SCOPES.items()}
-    for i, (label, scope) in enumerate(SCOPES.items()):
-        got = run.admit(f"S{i}", a, scope)
-        run.commit(f"S{i}", 18)
-        run.free(f"S{i}")
-        earlier = [other for other in list(SCOPES)[:i] if keys[other] == keys[label]]
+    keys = {label: run.contract.scope_key(s) for label, s in scopes.items()}
+    for i, (label, scope) in enumerate(scopes.items()):
+        got = run.admit(f"{first}{i}", a, scope)
+        run.commit(f"{first}{i}", 18)
+        run.free(f"{first}{i}")
+        earlier = [other for other in list(scopes)[:i] if keys[other] == keys[label]]
         want = run.cap(18) if earlier else 0
         run.expect(f"{label} reuses" + (f" (same key as {earlier[0]})" if earlier else ""),
                    got, want)
-    for i, (label, scope) in enumerate(SCOPES.items()):
-        run.expect(f"{label} again reuses", run.admit(f"R{i}", a, scope), run.cap(18))
-        run.free(f"R{i}")
+    for i, (label, scope) in enumerate(scopes.items()):
+        run.expect(f"{label} again reuses", run.admit(f"{again}{i}", a, scope), run.cap(18))
+        run.free(f"{again}{i}")
+
+
+EXTRA_KEY_SCOPES: dict[str, Scope | None] = {
+    "LoRA a#1": Scope.lora("a", 1),
+    "extra key = LoRA a#1's id": Scope(extra_key=lora_id_text(1)),
+    "extra key = LoRA a#1's name": Scope(extra_key="a"),
+    "default": None,
+    "salt 'k'": Scope(salt="k"),
+    "extra key 'k' (a salt's value)": Scope(extra_key="k"),
+    "extra key 'k' + LoRA a#1": Scope(lora_name="a", lora_id=1, lora_path="/loras/1",
+                                      extra_key="k"),
+    "extra key 'k' + LoRA a#1's id (the two joined)": Scope(extra_key="k" + lora_id_text(1)),
+    "salt 'k' + extra key 'k'": Scope(salt="k", extra_key="k"),
+}
+
+
+def extra_key_isolation(run: Run) -> None:
+    """A caller's extra key is a namespace of its own: a base-model request whose extra
+    key equals a LoRA adapter's id (which any client can compute for a static adapter)
+    or name, or the LoRA's id joined to another extra key, must not reach that LoRA's
+    KV, nor an extra key a salt's. Each scope computes one prompt in turn, then again;
+    sharing only where the contract's keys are equal (sgl-project/sglang#24638)."""
+    _isolated(run, EXTRA_KEY_SCOPES, "K", "Q")
 
 
 # scopes that no release keys together: a router must still tell them apart
@@ -428,6 +460,8 @@ def _differ(x: Scope | None, y: Scope | None) -> set[str]:
     kinds = {"salt"} if x.salt != y.salt else set()
     if (x.lora_name, x.lora_id, x.lora_path) != (y.lora_name, y.lora_id, y.lora_path):
         kinds.add("lora")
+    if x.extra_key != y.extra_key:
+        kinds.add("extra_key")
     return kinds
 
 
@@ -471,6 +505,9 @@ CHECKS: tuple[Check, ...] = (
           "other prefixes stay distinct", 32, repeated_blocks),
     Check("scope_isolation", "scope isolation", "salts, LoRA names, ids and files, equal "
           "values in different fields", 64, scope_isolation, needs=("scopes",)),
+    Check("extra_key_isolation", "scope isolation", "a caller extra key equal to a LoRA's "
+          "id or name, or joined with one, reaches no other scope's KV", 64,
+          extra_key_isolation, needs=("extra_key",)),
     Check("scope_event_hashes", "router events", "distinct scopes publish distinct block "
           "hashes, as far as the contract says scopes reach them", 32, scope_event_hashes,
           needs=("scopes", "events")),

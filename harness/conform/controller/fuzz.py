@@ -2,13 +2,13 @@
 
 `fuzz` drives a fresh cache with ops drawn from `random.Random(seed)`: admissions of
 prompts built from a few shared prefixes (so blocks, branches and partial blocks are
-shared), in a handful of scopes chosen to collide (a salt equal to a LoRA id, LoRA
-adapters sharing a name or an id), chunked admissions, commits of any length up to what
-is scheduled, decode appends, frees and evictions, in a small pool so that admissions
-evict and are refused. Each op is chosen from the results so far (only live sequences
-are committed or freed), and every step is judged against the oracles: the engine is
-differenced against the harness's independent models. At the end everything is freed
-(the leak check).
+shared), in a handful of scopes chosen to collide (a salt or a caller extra key equal to
+a LoRA id, LoRA adapters sharing a name or an id), chunked admissions, commits of any
+length up to what is scheduled, decode appends, frees and evictions, in a small pool so
+that admissions evict and are refused. Each op is chosen from the results so far (only
+live sequences are committed or freed), and every step is judged against the oracles:
+the engine is differenced against the harness's independent models. At the end
+everything is freed (the leak check).
 
 `shrink` cuts a failing op list down (ddmin over the list, then simpler admissions:
 shorter prompts, no scope, no chunk) to one that still fails the same oracle: ops are
@@ -26,11 +26,15 @@ from harness.conform.controller.families import B
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op
-from harness.conform.protocol import Scope
+from harness.conform.protocol import Scope, lora_id_text
 
 FUZZ_SCOPES: tuple[Scope | None, ...] = (
-    None, None, None, Scope(salt="x"), Scope(salt="1"), Scope.lora("x", 1),
+    None, None, None, Scope(salt="x"), Scope(salt=lora_id_text(1)), Scope.lora("x", 1),
     Scope.lora("x", 2), Scope.lora("y", 1))
+# caller extra keys, given to some admissions of the default scope by a generator of their
+# own, so an engine whose key takes none sees the ops it saw before they were added
+EXTRA_KEYS = (lora_id_text(1), "x", "x" + lora_id_text(1))
+EXTRA_KEY_SHARE = 0.4
 POOL_SIZES = (8, 12, 16, 24)
 DEFAULT_OPS = 80
 SHRINK_BUDGET = 400  # replays at most, per failure
@@ -64,6 +68,7 @@ class _Draw:
         r = self.rng
         self.prefixes = [[r.randrange(1, 40) for _ in range(r.randrange(4, 20))]
                          for _ in range(3)]
+        self.keys = random.Random(f"extra-key-{seed}")
         self.live: dict[str, _Live] = {}
         self.count = 0
 
@@ -95,7 +100,10 @@ class _Draw:
         cut = r.randint(0, len(prefix))
         tokens = prefix[:cut] + [r.randrange(1, 40) for _ in range(r.randint(1, 10))]
         chunk = r.randint(1, len(tokens)) if r.random() < 0.25 else None
-        return ops.admit(f"s{self.count}", tokens, r.choice(FUZZ_SCOPES), chunk)
+        scope = r.choice(FUZZ_SCOPES)
+        if scope is None and self.keys.random() < EXTRA_KEY_SHARE:
+            scope = Scope(extra_key=self.keys.choice(EXTRA_KEYS))
+        return ops.admit(f"s{self.count}", tokens, scope, chunk)
 
     def record(self, op: Op, status: str, value: object) -> None:
         """What `op` did, as the step report says."""

@@ -74,10 +74,13 @@ def test_no_scopes_counters_or_events_and_every_difference_cited(version: str) -
 def test_scope_and_event_families_are_skipped_with_the_reason() -> None:
     c = contract("3.9.0", 4)
     reasons = {check.name: check.skip_reason(c) for check in CHECKS}
-    assert {n for n, why in reasons.items() if why} == {"scope_isolation", "scope_event_hashes"}
+    assert {n for n, why in reasons.items() if why} == {"scope_isolation", "scope_event_hashes",
+                                                        "extra_key_isolation"}
     assert "keys its cache on no scope" in str(reasons["scope_isolation"])
     assert "publishes no router events" in str(reasons["scope_event_hashes"])
-    assert all(check.skip_reason(kvcache_contract(4)) is None for check in CHECKS)
+    # kvcache keys on its salt and LoRA id: only the caller extra key's family is skipped
+    assert [check.name for check in CHECKS if check.skip_reason(kvcache_contract(4))] == \
+        ["extra_key_isolation"]
 
 
 def test_every_release_with_the_trie_is_locked_and_none_before() -> None:
