@@ -65,7 +65,8 @@ def load(stubs: StubSpec) -> LoadedEngine:
     """Prime the probes, install `stubs`, import UnifiedRadixCache and return the engine.
     Raises ImportError when it does not import, RuntimeError when a package to stub is
     installed."""
-    return load_sglang(stubs, "sglang_unified", MODULES, UnifiedNames, UnifiedCache)
+    return load_sglang(stubs, "sglang_unified", MODULES, UnifiedNames, UnifiedCache, "unified",
+                       contract)
 
 
 class UnifiedCache(SglangCache):
