@@ -243,3 +243,35 @@ def test_an_admissions_need_counts_only_the_blocks_its_lookup_reaches() -> None:
     assert cap.admission_need(A18, unreused_tail=1) == 5 - 4
     assert cap.admission_need(A18, unreused_tail=4) == 5 - 3
     assert cap.admission_need(A18, unreused_tail=0) == 5 - 4
+
+
+# -- admission_reserve -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("held", "reserve", "need"), [
+    pytest.param(16, 0, 1, id="4-free-no-reserve-its-chunk-fits"),
+    pytest.param(16, 2, None, id="4-free-reserve-2-fair"),
+    pytest.param(8, 2, 6, id="6-free-reserve-2-fits"),
+    pytest.param(32, 0, None, id="none-free-fair")])
+def test_a_refusal_is_judged_with_the_contracts_admission_reserve(
+        held: int, reserve: int, need: int | None) -> None:
+    """A pool of 8 with A holding `held` tokens; B (4 blocks, a first chunk of 1 token)
+    is refused. Without a reserve a chunked engine needs the chunk's block; with one it
+    needs the whole prompt and the reserve, whatever the chunk: the refusal is unfair
+    (capacity) only when that many blocks are free."""
+    contract = replace(kvcache_contract(B), partial_reuse=False, copy_on_partial_reuse=False,
+                       chunked_allocation=True, counters=(), admission_reserve=reserve)
+    a = admitted("A", A18[:held] + list(range(900, 900 + max(0, held - 18))), 0,
+                 list(range(held // B)), held // B)
+    b = step(ops.admit("B", list(range(500, 516)), first_chunk=1), [], a.used_blocks,
+             status="refused")
+    got = judged(contract, [a, b], num_blocks=8)
+    assert [v.oracle for v in got] == ([] if need is None else ["capacity"])
+    if need is not None:
+        assert f"admitted: needs {need}, {8 - held // B} of 8 free" in got[0].message
+
+
+def test_an_admission_reserve_must_be_a_count() -> None:
+    with pytest.raises(ValueError, match=r"Contract\.admission_reserve must be an int >= 0, "
+                                         r"got -1"):
+        replace(kvcache_contract(B), admission_reserve=-1)

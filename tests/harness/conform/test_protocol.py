@@ -138,3 +138,19 @@ def test_the_unified_contract_is_radix_caches_but_for_who_frees_duplicates() -> 
     same = {f for f in radix.as_dict() if f not in ("engine", "citations", "notes")}
     assert {f: unified.as_dict()[f] for f in same} == {f: radix.as_dict()[f] for f in same}
     assert any(k == "dedup_on_commit" and "FreeDeviceKV" in v for k, v in unified.citations)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    pytest.param("preemption", "swap", r"Contract\.preemption must be one of \('none', 'free', "
+                 r"'retract-decode'\), got 'swap'", id="preemption"),
+    pytest.param("chunking", "tokens", r"Contract\.chunking must be one of \('whole', "
+                 r"'as-asked', 'page-floor'\), got 'tokens'", id="chunking"),
+    pytest.param("event_fields", ("salt",), r"Contract\.event_fields entry must be one of .*, "
+                 r"got 'salt'", id="event-field"),
+    pytest.param("replicated", (("a", "b"),), r"Contract\.replicated entries are \(what, "
+                 r"engine function, why\), three non-empty strs, got \('a', 'b'\)",
+                 id="replicated")])
+def test_the_depth_fields_refuse_what_no_engine_has(field: str, value: object,
+                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Contract.from_dict({**kvcache_contract(4).as_dict(), field: value})

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from harness.conform import ops
 from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.adapters.kvcache import contract as kvcache_contract
 from harness.conform.worker.session import Session, StepReport
 from tests.harness.conform import faults
 
@@ -48,3 +50,43 @@ def test_a_step_report_survives_the_pipe() -> None:
     r = s.apply(ops.admit("A", list(range(9))))
     again = StepReport.from_dict(json.loads(json.dumps(r.as_dict())))
     assert again == r
+
+
+class _Retracts(KvcacheCache):
+    """kvcache's manager under a contract that retracts only between decode steps and
+    schedules a chunk only after the last one is computed (SGLang's)."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+        super().__init__(num_blocks, block_size, record=record)
+        self._contract = replace(kvcache_contract(block_size), preemption="retract-decode",
+                                 chunking="page-floor")
+
+
+def test_a_preempt_is_skipped_where_the_contract_has_no_such_preemption() -> None:
+    none = Session(KvcacheCache(8, 4))
+    none.cache._contract = replace(kvcache_contract(4), preemption="none")  # type: ignore[attr-defined]
+    none.apply(ops.admit("A", list(range(9))))
+    assert none.apply(ops.preempt("A")).detail == "the engine has no preemption"
+    s = Session(_Retracts(8, 4))
+    s.apply(ops.admit("A", list(range(9))))
+    early = s.apply(ops.preempt("A"))
+    assert (early.status, early.detail) == ("skipped", "preempt before all 9 tokens are "
+                                            "computed (0): the engine retracts only between "
+                                            "decode steps")
+    assert s.apply(ops.reserve("A", 9)).detail == (
+        "reserve before the 9 scheduled tokens are computed (0): the engine schedules a "
+        "chunk after the last one")
+    s.apply(ops.commit("A", 9))
+    assert s.apply(ops.preempt("A")).status == "done"
+    assert s.apply(ops.commit("A", 9)).detail == "'A' is not live"
+
+
+def test_kvcache_preempts_as_its_scheduler_does_and_the_resumption_reuses_its_blocks() -> None:
+    s = Session(KvcacheCache(8, 4))
+    s.apply(ops.admit("A", list(range(9))))
+    s.apply(ops.commit("A", 9))
+    done = s.apply(ops.preempt("A"))
+    assert done.status == "done" and done.used_blocks == 0 and done.leaks == ()
+    assert [e["kind"] for e in done.log] == ["free"]
+    again = s.apply(ops.admit("A", list(range(9))))
+    assert again.value["reused_tokens"] == 8
