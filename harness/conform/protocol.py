@@ -17,16 +17,44 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, NamedTuple, Protocol, get_args
+from typing import Any, Literal, NamedTuple, Protocol, cast, get_args
 
 from harness.conform.known_keys import check_keys
 
 ScopeKind = Literal["salt", "lora"]
 LoraField = Literal["lora_name", "lora_id", "lora_path"]
-# What an engine counter counts, so the judge knows what to compare it with.
+# What an engine counter counts, so the judge knows what to compare it with: every
+# admission's, or ("new_*") only those of sequences admitted for the first time, or
+# ("resumed_*") only those resuming a preempted sequence.
 CounterMeaning = Literal["requests", "prompt_tokens", "reused_tokens", "reused_blocks",
-                         "missed_blocks", "zero"]
-Eviction = Literal["lru-blocks-tail-first", "lru-leaves", "priority-lru"]
+                         "missed_blocks", "zero", "new_requests", "new_prompt_tokens",
+                         "new_reused_tokens", "resumed_requests", "resumed_prompt_tokens",
+                         "resumed_reused_tokens"]
+# Which cached block goes first under pressure: vLLM's free queue (least recently freed
+# first, a request's blocks freed tail first; "-uncached-first": a freed block that
+# caches nothing goes to the front instead), whole least recently used leaves (SGLang,
+# shortfin), retention priority then least recently used (kvcache).
+EvictionPolicy = Literal["lru-blocks-tail-first", "lru-blocks-tail-first-uncached-first",
+                         "lru-leaves", "priority-lru"]
+# What `preempt` does: "none" (no preemption path the adapter drives), "frees-keeps-cached"
+# (the request's blocks are freed as a free frees them: what it computed stays cached).
+Preemption = Literal["none", "frees-keeps-cached"]
+# What a decode step that gets no block does: "refused" (nothing changes) or
+# "preempts-last" (the scheduler preempts the lowest-priority running request, the last
+# admitted, until the step fits; it may be the decoding request itself).
+DecodeRefusal = Literal["refused", "preempts-last"]
+# Who cuts a prompt into chunks: "caller" (the op's first_chunk and reserve), or the
+# engine's scheduler: a step gives a request at most its token budget and at most the
+# long-prefill threshold, which caps every chunk ("token-budget") or only those of a step
+# in which other requests are running or waiting ("token-budget-shared").
+Chunking = Literal["caller", "token-budget", "token-budget-shared"]
+# What an admission must find free: its first chunk's blocks, or its whole prompt's.
+AdmissionFits = Literal["chunk", "prompt"]
+# Fields of a BlockStored event beyond its hashes that the engine fills in.
+EventField = Literal["parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
+                     "lora_name", "medium", "extra_keys", "group_idx"]
+# What `CacheOptions` field an adapter honours when it opens a cache.
+OptionName = Literal["window", "chunk_budget", "long_prefill_threshold"]
 
 
 def _str_or_none(value: Any, where: str) -> None:
@@ -96,6 +124,50 @@ class Scope:
         return ", ".join(parts) or "default"
 
 
+def _count_or_none(value: Any, where: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"{where} must be an int >= 1 or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How a cache is opened beyond its pool: a sliding window (tokens; the cache then
+    has a full-attention group and a sliding-window group, as a hybrid model's), and the
+    scheduler's token budget per step and long-prefill threshold (tokens) where the
+    engine's scheduler cuts prompts into chunks. None leaves the adapter's default (full
+    attention only; a budget no prompt reaches). An adapter honours the fields its
+    contract lists in `options`. Raises ValueError naming the bad field."""
+
+    window: int | None = None
+    chunk_budget: int | None = None
+    long_prefill_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _count_or_none(getattr(self, f.name), f"CacheOptions.{f.name}")
+
+    def names(self) -> tuple[OptionName, ...]:
+        """The fields that are set."""
+        return tuple(f.name for f in fields(self)  # type: ignore[misc]
+                     if getattr(self, f.name) is not None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that are set (the JSON form)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "options") -> CacheOptions:
+        """Parse `as_dict`'s output (None is no options); ValueError naming `where`."""
+        if data is None:
+            return cls()
+        data = check_keys(data, (f.name for f in fields(cls)), where)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
 class Admission(NamedTuple):
     """An admitted sequence: tokens whose KV came from the cache, its block ids (what the
     contract's `id_unit` names; None for a position without a block), and the tokens
@@ -142,7 +214,8 @@ class Contract:
     scope_kinds: the Scope parts that reach the cache key; lora_identity: the LoRA
       fields the key is built from (two LoRA scopes equal in these share by contract);
       scope_in_event_hash: the kinds that change a router event's block hash.
-    eviction: what is evicted first; explicit_evict: whether `evict` can drop blocks.
+    eviction_policy: which cached block goes first under pressure (`EvictionPolicy`);
+      explicit_evict: whether `evict` can drop blocks.
     dedup_on_commit: a block computed twice is stored once (the second committer
       switches to the cached one); without it both copies stay cached.
     chunked_allocation: an admission allocates slots for its first chunk only (the rest
@@ -161,7 +234,24 @@ class Contract:
     counters: engine counter -> what it counts (`CounterMeaning`); every counter the
       engine exposes and the judge can check.
     bounded_oracle: the count oracle models this engine's eviction exactly (kvcache);
-      otherwise its predictions are exact until the first eviction, an upper bound after.
+      otherwise its predictions are exact until the first eviction, an upper bound after
+      (unless the judge models `eviction_policy` itself: `judge.ORDER_MODELS`).
+    preemption: what `preempt` does (`Preemption`; "none": the op is never sent);
+      decode_refusal: what a decode step that gets no block does (`DecodeRefusal`): with
+      "preempts-last" an append is never refused, and the step report names the
+      sequences it preempted. A preempted sequence resumes by an admit of its id with
+      its prompt and every token appended to it since.
+    chunking: who cuts a prompt into chunks (`Chunking`); chunk_budget and
+      long_prefill_threshold: the scheduler's budget per step and its long-prefill
+      threshold (tokens; None: none) under "token-budget"; admission_fits: what an
+      admission must find free (`AdmissionFits`).
+    event_fields: the BlockStored fields beyond the hashes the engine fills in
+      (`EventField`), kept in the normalised events.
+    window: the sliding window (tokens) of the cache's window group; None: full
+      attention only. options: the `CacheOptions` fields the adapter honours.
+    replicated: (what, the engine function it stands in for, why) for each piece of the
+      engine's caller code the adapter does itself instead of running the engine's: what
+      a pass does not prove.
     citations: field -> where the engine's own code or documentation states it.
     Raises ValueError naming the field for anything else.
     """
@@ -178,7 +268,7 @@ class Contract:
     scope_kinds: tuple[ScopeKind, ...]
     lora_identity: tuple[LoraField, ...]
     scope_in_event_hash: tuple[ScopeKind, ...]
-    eviction: Eviction
+    eviction_policy: EvictionPolicy
     explicit_evict: bool
     dedup_on_commit: bool
     chunked_allocation: bool
@@ -189,6 +279,16 @@ class Contract:
     events: bool = True
     counters: tuple[tuple[str, CounterMeaning], ...] = ()
     bounded_oracle: bool = False
+    preemption: Preemption = "none"
+    decode_refusal: DecodeRefusal = "refused"
+    chunking: Chunking = "caller"
+    chunk_budget: int | None = None
+    long_prefill_threshold: int | None = None
+    admission_fits: AdmissionFits = "chunk"
+    event_fields: tuple[EventField, ...] = ()
+    window: int | None = None
+    options: tuple[OptionName, ...] = ()
+    replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -201,7 +301,10 @@ class Contract:
         hints = {"id_unit": ("block", "page"), "stats_unit": ("tokens", "blocks"),
                  "last_token_cap": ("manager", "scheduler"),
                  "matchable_at": ("commit", "allocation", "prefill"),
-                 "eviction": get_args(Eviction)}
+                 "eviction_policy": get_args(EvictionPolicy),
+                 "preemption": get_args(Preemption),
+                 "decode_refusal": get_args(DecodeRefusal), "chunking": get_args(Chunking),
+                 "admission_fits": get_args(AdmissionFits)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
         tail = self.unreused_tail
@@ -219,6 +322,16 @@ class Contract:
                               ("lora_identity", get_args(LoraField))):
             for v in getattr(self, name):
                 _choice(v, allowed, f"Contract.{name} entry")
+        for name, allowed in (("event_fields", get_args(EventField)),
+                              ("options", get_args(OptionName))):
+            for v in getattr(self, name):
+                _choice(v, allowed, f"Contract.{name} entry")
+        for name in ("chunk_budget", "long_prefill_threshold", "window"):
+            _count_or_none(getattr(self, name), f"Contract.{name}")
+        for entry in self.replicated:
+            if len(entry) != 3 or not all(isinstance(x, str) and x for x in entry):
+                raise ValueError("Contract.replicated entries are (what, engine function, "
+                                 f"why), three non-empty str, got {entry!r}")
         if "lora" in self.scope_kinds and not self.lora_identity:
             raise ValueError("Contract.lora_identity: a cache keyed on LoRA keys on some field")
         for counter, meaning in self.counters:
@@ -249,10 +362,11 @@ class Contract:
     def from_dict(cls, data: Any, where: str = "contract") -> Contract:
         """Parse `as_dict`'s output; ValueError naming `where` for unknown or bad keys."""
         values = dict(check_keys(data, (f.name for f in fields(cls)), where))
-        for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "notes"):
+        for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "notes",
+                     "event_fields", "options"):
             if name in values:
                 values[name] = tuple(values[name])
-        for name in ("counters", "citations"):
+        for name in ("counters", "citations", "replicated"):
             if name in values:
                 values[name] = tuple(tuple(p) for p in values[name])
         try:
@@ -339,12 +453,41 @@ class CacheUnderTest(Protocol):
         ...
 
 
+class Preemptible(Protocol):
+    """A cache whose contract has a preemption path (`Contract.preemption` other than
+    "none", or `decode_refusal` "preempts-last") also offers these."""
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """The engine's own preemption of a live sequence: what it frees and counts is
+        the contract's `preemption`; it then resumes by an admit of the same id with its
+        prompt and the tokens appended to it since."""
+        ...
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences preempted since the last call (by `preempt`, or by the engine's
+        scheduler for a decode step that got no block), in the order preempted."""
+        ...
+
+
+def preemptible(cache: CacheUnderTest) -> Preemptible:
+    """`cache` as a `Preemptible`; ValueError when its contract names a preemption path
+    that it does not offer."""
+    if not (callable(getattr(cache, "preempt", None))
+            and callable(getattr(cache, "take_preempted", None))):
+        c = cache.contract
+        raise ValueError(f"{c.engine} {c.version}: the contract says preemption="
+                         f"{c.preemption!r}, decode_refusal={c.decode_refusal!r}, but the "
+                         "adapter has no preempt/take_preempted")
+    return cast(Preemptible, cache)
+
+
 class LoadedEngine(NamedTuple):
     """An engine an adapter has imported (inside its worker): what the self-test and
     the worker need. `new(num_blocks, block_size, record)` builds a fresh cache
-    (`record` False: no event log or router events, for benchmarks); `modules` are the
-    engine modules on the cache's path (none may be a stub); `stubs_served` the stub
-    modules that were imported."""
+    (`record` False: no event log or router events, for benchmarks); `configured` the
+    same with `CacheOptions` (None where the adapter honours none: `Contract.options`);
+    `modules` are the engine modules on the cache's path (none may be a stub);
+    `stubs_served` the stub modules that were imported."""
 
     name: str
     version: str
@@ -352,3 +495,23 @@ class LoadedEngine(NamedTuple):
     new: Callable[[int, int, bool], CacheUnderTest]
     modules: tuple[str, ...]
     stubs_served: tuple[str, ...]
+    configured: Callable[[int, int, bool, CacheOptions], CacheUnderTest] | None = None
+
+
+def open_cache(engine: LoadedEngine, num_blocks: int, block_size: int, record: bool,
+               options: CacheOptions | None) -> CacheUnderTest:
+    """A fresh cache of `engine`, with `options` where any are set. Raises ValueError
+    naming the options the engine does not honour (the cache built is dropped)."""
+    wanted = options.names() if options is not None else ()
+    if not wanted:
+        return engine.new(num_blocks, block_size, record)
+    if engine.configured is None:
+        raise ValueError(f"{engine.name} {engine.version} honours no cache options; "
+                         f"asked for {list(wanted)}")
+    assert options is not None
+    cache = engine.configured(num_blocks, block_size, record, options)
+    missing = [n for n in wanted if n not in cache.contract.options]
+    if missing:
+        raise ValueError(f"{engine.name} {engine.version} does not honour the cache "
+                         f"options {missing} (it honours {list(cache.contract.options)})")
+    return cache

@@ -131,6 +131,19 @@ class ReuseOracle:
             self._admissions, (t.evicted, t.offloaded, t.onboarded, t.dropped),
             (t.alloc_total, t.alloc_new, t.decode_alloc))
 
+    def forget(self, scope: Any, tokens: Sequence[int]) -> bool:
+        """The cache dropped its full block ending at `tokens` (in `scope`, as the log
+        names scopes), which no live sequence holds: later matches stop before it. For
+        a caller that knows the engine's evictions (its contract's order); returns
+        whether the block was cached. Raises ValueError for a held block."""
+        key = (normalize_scope(scope, "forget"), tuple(tokens))
+        if key not in self._cached:
+            return False
+        if self._users[key]:
+            raise ValueError(f"forget: block {key} is held by a live sequence")
+        self._uncache(key)
+        return True
+
     # -- events ------------------------------------------------------------------------
 
     def apply(self, event: Event | Mapping[str, Any] | Any) -> RequestReuse | None:

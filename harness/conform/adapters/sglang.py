@@ -65,7 +65,7 @@ def contract(version: str, block_size: int) -> Contract:
                          "(cache_unfinished_req / cache_finished_req)"),
         ("lora_identity", "radix_cache.py match_prefix: 'Isolate KV cache lines for "
                           "different LoRA / adapter IDs'"),
-        ("eviction", "radix_cache.py evict: whole least recently used leaves")]
+        ("eviction_policy", "radix_cache.py evict: whole least recently used leaves")]
     if salted:
         citations.append(("scope_in_event_hash", "radix_cache.py RadixKey: extra_key "
                           "'Namespaces the tree and storage; KV events see only its LoRA "
@@ -79,7 +79,7 @@ def contract(version: str, block_size: int) -> Contract:
         lora_identity=("lora_id",),
         # before 0.5.22 nothing says events leave scopes out: the reference holds
         scope_in_event_hash=("salt",) if salted else ("salt", "lora"),
-        eviction="lru-leaves", explicit_evict=True, dedup_on_commit=True,
+        eviction_policy="lru-leaves", explicit_evict=True, dedup_on_commit=True,
         chunked_allocation=True, citations=tuple(citations), notes=tuple(notes))
 
 

@@ -67,7 +67,7 @@ def contract(version: str, block_size: int, explicit_evict: bool) -> Contract:
         stats_unit="tokens", last_token_cap="manager", matchable_at="allocation",
         partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
         lora_identity=lora, scope_in_event_hash=("salt", "lora"),  # type: ignore[arg-type]
-        eviction="lru-blocks-tail-first", explicit_evict=explicit_evict,
+        eviction_policy="lru-blocks-tail-first", explicit_evict=explicit_evict,
         dedup_on_commit=False, chunked_allocation=True, counters=counters,
         citations=(
             ("matchable_at", "kv_cache_manager.py allocate_slots: 'to be cached' spans the "

@@ -15,7 +15,8 @@ from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.adapters.kvcache import contract as kvcache_contract
 from harness.conform.adapters.shortfin import contract as shortfin_contract
-from harness.conform.controller.families import B, Run, check_named
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.families import B, Run
 from harness.conform.controller.fuzz import fuzz
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.report import Report, markdown
