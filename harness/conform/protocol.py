@@ -17,23 +17,52 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, NamedTuple, Protocol, get_args
+from typing import Any, Literal, NamedTuple, Protocol, cast, get_args
 
 from harness.conform.known_keys import check_keys
 
 ScopeKind = Literal["salt", "lora", "extra_key"]
 LoraField = Literal["lora_name", "lora_id", "lora_path"]
-# What an engine counter counts, so the judge knows what to compare it with.
+# What an engine counter counts, so the judge knows what to compare it with: every
+# admission's, or ("new_*") only those of sequences admitted for the first time, or
+# ("resumed_*") only those resuming a preempted sequence.
 CounterMeaning = Literal["requests", "prompt_tokens", "reused_tokens", "reused_blocks",
-                         "missed_blocks", "zero"]
-Eviction = Literal["lru-blocks-tail-first", "lru-leaves", "priority-lru"]
-# What a preemption does (`Contract.preemption`).
-Preemption = Literal["none", "free", "retract-decode"]
-# How the engine's scheduler cuts a prompt into chunks (`Contract.chunking`).
-Chunking = Literal["whole", "as-asked", "page-floor"]
-# Fields beyond the block hash a BlockStored event carries (`Contract.event_fields`).
-EventField = Literal["parent_block_hash", "token_ids", "block_size", "medium", "lora_id",
-                     "lora_name", "cache_salt", "session_id", "extra_keys", "group_idx"]
+                         "missed_blocks", "zero", "new_requests", "new_prompt_tokens",
+                         "new_reused_tokens", "resumed_requests", "resumed_prompt_tokens",
+                         "resumed_reused_tokens"]
+# Which cached block goes first under pressure: vLLM's free queue (least recently freed
+# first, a request's blocks freed tail first; "-uncached-first": a freed block that
+# caches nothing goes to the front instead), whole least recently used leaves (SGLang,
+# shortfin), retention priority then least recently used (kvcache).
+EvictionPolicy = Literal["lru-blocks-tail-first", "lru-blocks-tail-first-uncached-first",
+                         "lru-leaves", "priority-lru"]
+# What `preempt` does: "none" (no preemption path the adapter drives), "frees-keeps-cached"
+# (the request's blocks are freed as a free frees them: what it computed stays cached),
+# "retracts-decode" (SGLang's retraction: only a sequence between decode steps, every
+# token so far computed; it keeps cached only what it had published, its unpublished
+# blocks are freed, and the engine may then evict cached blocks for the decode steps of
+# the sequences still running).
+Preemption = Literal["none", "frees-keeps-cached", "retracts-decode"]
+# What a decode step that gets no block does: "refused" (nothing changes) or
+# "preempts-last" (the scheduler preempts the lowest-priority running request, the last
+# admitted, until the step fits; it may be the decoding request itself).
+DecodeRefusal = Literal["refused", "preempts-last"]
+# Who cuts a prompt into chunks: "caller" (the op's first_chunk and reserve),
+# "caller-page-floor" (the op's, but a first chunk that does not end the prompt is cut
+# down to whole pages, at least one, and a later chunk is scheduled only once every
+# scheduled token is computed: SGLang's PrefillAdder), or the engine's scheduler: a step
+# gives a request at most its token budget and at most the long-prefill threshold, which
+# caps every chunk ("token-budget") or only those of a step in which other requests are
+# running or waiting ("token-budget-shared").
+Chunking = Literal["caller", "caller-page-floor", "token-budget", "token-budget-shared"]
+# What an admission must find free: its first chunk's blocks, or its whole prompt's.
+AdmissionFits = Literal["chunk", "prompt"]
+# Fields of a BlockStored event beyond its hashes that the engine fills in.
+EventField = Literal["parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
+                     "lora_name", "medium", "extra_keys", "group_idx", "cache_salt",
+                     "session_id"]
+# What `CacheOptions` field an adapter honours when it opens a cache.
+OptionName = Literal["window", "chunk_budget", "long_prefill_threshold"]
 
 
 def _str_or_none(value: Any, where: str) -> None:
@@ -110,6 +139,50 @@ class Scope:
         return ", ".join(parts) or "default"
 
 
+def _count_or_none(value: Any, where: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"{where} must be an int >= 1 or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How a cache is opened beyond its pool: a sliding window (tokens; the cache then
+    has a full-attention group and a sliding-window group, as a hybrid model's), and the
+    scheduler's token budget per step and long-prefill threshold (tokens) where the
+    engine's scheduler cuts prompts into chunks. None leaves the adapter's default (full
+    attention only; a budget no prompt reaches). An adapter honours the fields its
+    contract lists in `options`. Raises ValueError naming the bad field."""
+
+    window: int | None = None
+    chunk_budget: int | None = None
+    long_prefill_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _count_or_none(getattr(self, f.name), f"CacheOptions.{f.name}")
+
+    def names(self) -> tuple[OptionName, ...]:
+        """The fields that are set."""
+        return tuple(f.name for f in fields(self)  # type: ignore[misc]
+                     if getattr(self, f.name) is not None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that are set (the JSON form)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "options") -> CacheOptions:
+        """Parse `as_dict`'s output (None is no options); ValueError naming `where`."""
+        if data is None:
+            return cls()
+        data = check_keys(data, (f.name for f in fields(cls)), where)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
 class Admission(NamedTuple):
     """An admitted sequence: tokens whose KV came from the cache, its block ids (what the
     contract's `id_unit` names; None for a position without a block), and the tokens
@@ -165,7 +238,8 @@ class Contract:
     scope_kinds: the Scope parts that reach the cache key; lora_identity: the LoRA
       fields the key is built from (two LoRA scopes equal in these share by contract);
       scope_in_event_hash: the kinds that change a router event's block hash.
-    eviction: what is evicted first; explicit_evict: whether `evict` can drop blocks.
+    eviction_policy: which cached block goes first under pressure (`EvictionPolicy`);
+      explicit_evict: whether `evict` can drop blocks.
     dedup_on_commit: a block computed twice is stored once (the second committer
       switches to the cached one); without it both copies stay cached.
     chunked_allocation: an admission allocates slots for its first chunk only (the rest
@@ -176,10 +250,9 @@ class Contract:
       or unfair (the engine asked for more than the tokens need).
     refusal_evicts: a refused admission or append may first evict unused cached blocks
       (and nothing else): the engine tries eviction, then gives up.
-    admission_reserve: 0, or the blocks an admission keeps free beyond its whole
-      uncached prompt, whatever its first chunk (SGLang's PrefillAdder reserves a page
-      and compares strictly): a refused admission is unfair only when its prompt's
-      blocks and this many more were free or evictable.
+    admission_reserve: the blocks an admission keeps free beyond what `admission_fits`
+      names (SGLang's PrefillAdder keeps a page and compares strictly: 2): a refused
+      admission is unfair only when that many more were free or evictable too.
     decode_steps: an append is a decode step: one token, once every token so far is
       committed (the engine's scheduler decodes one token per step, after the step that
       computed the tokens before it); `Session` skips any other append.
@@ -188,20 +261,24 @@ class Contract:
     counters: engine counter -> what it counts (`CounterMeaning`); every counter the
       engine exposes and the judge can check.
     bounded_oracle: the count oracle models this engine's eviction exactly (kvcache);
-      otherwise its predictions are exact until the first eviction, an upper bound after.
-    preemption: what a `preempt` does: "none" (the engine has no preemption: `Session`
-      skips it), "free" (the sequence is released as `free` releases it, at any point:
-      every block it computed stays cached), "retract-decode" (only a sequence between
-      decode steps, every token so far computed, is preempted; it keeps cached what it
-      had published, its unpublished blocks are freed, and the engine may then evict
-      cached blocks for the decode steps of the sequences still running).
-    chunking: how the scheduler cuts a prompt: "whole" (an admission schedules every
-      prompt token, whatever `first_chunk` asks), "as-asked" (exactly the tokens asked),
-      "page-floor" (a chunk that does not end the prompt is cut down to whole blocks,
-      and the next chunk is scheduled only once every scheduled token is computed).
-    event_fields: the fields beyond the block hash its BlockStored events fill in.
-    replicated: what the adapter does itself instead of calling the engine, as
-      (what, the engine function it stands in for, why): what a pass does not prove.
+      otherwise its predictions are exact until the first eviction, an upper bound after
+      (unless the judge models `eviction_policy` itself: `judge.ORDER_MODELS`).
+    preemption: what `preempt` does (`Preemption`; "none": the op is never sent);
+      decode_refusal: what a decode step that gets no block does (`DecodeRefusal`): with
+      "preempts-last" an append is never refused, and the step report names the
+      sequences it preempted. A preempted sequence resumes by an admit of its id with
+      its prompt and every token appended to it since.
+    chunking: who cuts a prompt into chunks (`Chunking`); chunk_budget and
+      long_prefill_threshold: the scheduler's budget per step and its long-prefill
+      threshold (tokens; None: none) under "token-budget"; admission_fits: what an
+      admission must find free (`AdmissionFits`).
+    event_fields: the BlockStored fields beyond the hashes the engine fills in
+      (`EventField`), kept in the normalised events.
+    window: the sliding window (tokens) of the cache's window group; None: full
+      attention only. options: the `CacheOptions` fields the adapter honours.
+    replicated: (what, the engine function it stands in for, why) for each piece of the
+      engine's caller code the adapter does itself instead of running the engine's: what
+      a pass does not prove.
     citations: field -> where the engine's own code or documentation states it.
     Raises ValueError naming the field for anything else.
     """
@@ -218,7 +295,7 @@ class Contract:
     scope_kinds: tuple[ScopeKind, ...]
     lora_identity: tuple[LoraField, ...]
     scope_in_event_hash: tuple[ScopeKind, ...]
-    eviction: Eviction
+    eviction_policy: EvictionPolicy
     explicit_evict: bool
     dedup_on_commit: bool
     chunked_allocation: bool
@@ -231,8 +308,14 @@ class Contract:
     counters: tuple[tuple[str, CounterMeaning], ...] = ()
     bounded_oracle: bool = False
     preemption: Preemption = "none"
-    chunking: Chunking = "as-asked"
+    decode_refusal: DecodeRefusal = "refused"
+    chunking: Chunking = "caller"
+    chunk_budget: int | None = None
+    long_prefill_threshold: int | None = None
+    admission_fits: AdmissionFits = "chunk"
     event_fields: tuple[EventField, ...] = ()
+    window: int | None = None
+    options: tuple[OptionName, ...] = ()
     replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
@@ -246,8 +329,10 @@ class Contract:
         hints = {"id_unit": ("block", "page"), "stats_unit": ("tokens", "blocks"),
                  "last_token_cap": ("manager", "scheduler"),
                  "matchable_at": ("commit", "allocation", "prefill", "extend"),
-                 "eviction": get_args(Eviction), "preemption": get_args(Preemption),
-                 "chunking": get_args(Chunking)}
+                 "eviction_policy": get_args(EvictionPolicy),
+                 "preemption": get_args(Preemption),
+                 "decode_refusal": get_args(DecodeRefusal), "chunking": get_args(Chunking),
+                 "admission_fits": get_args(AdmissionFits)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
         reserve = self.admission_reserve
@@ -265,10 +350,19 @@ class Contract:
                                  f"got {getattr(self, name)!r}")
         for name, allowed in (("scope_kinds", get_args(ScopeKind)),
                               ("scope_in_event_hash", get_args(ScopeKind)),
-                              ("lora_identity", get_args(LoraField)),
-                              ("event_fields", get_args(EventField))):
+                              ("lora_identity", get_args(LoraField))):
             for v in getattr(self, name):
                 _choice(v, allowed, f"Contract.{name} entry")
+        for name, allowed in (("event_fields", get_args(EventField)),
+                              ("options", get_args(OptionName))):
+            for v in getattr(self, name):
+                _choice(v, allowed, f"Contract.{name} entry")
+        for name in ("chunk_budget", "long_prefill_threshold", "window"):
+            _count_or_none(getattr(self, name), f"Contract.{name}")
+        for entry in self.replicated:
+            if len(entry) != 3 or not all(isinstance(x, str) and x for x in entry):
+                raise ValueError("Contract.replicated entries are (what, engine function, "
+                                 f"why), three non-empty str, got {entry!r}")
         if "lora" in self.scope_kinds and not self.lora_identity:
             raise ValueError("Contract.lora_identity: a cache keyed on LoRA keys on some field")
         for counter, meaning in self.counters:
@@ -276,10 +370,6 @@ class Contract:
             _choice(meaning, get_args(CounterMeaning), f"Contract.counters[{counter!r}]")
         if self.copy_on_partial_reuse and not self.partial_reuse:
             raise ValueError("Contract.copy_on_partial_reuse needs partial_reuse")
-        for entry in self.replicated:
-            if len(entry) != 3 or not all(isinstance(x, str) and x for x in entry):
-                raise ValueError("Contract.replicated entries are (what, engine function, "
-                                 f"why), three non-empty strs, got {entry!r}")
 
     def scope_key(self, scope: Scope | None) -> str | None:
         """The key the harness's oracles use for `scope` under this contract: only the
@@ -305,8 +395,8 @@ class Contract:
     def from_dict(cls, data: Any, where: str = "contract") -> Contract:
         """Parse `as_dict`'s output; ValueError naming `where` for unknown or bad keys."""
         values = dict(check_keys(data, (f.name for f in fields(cls)), where))
-        for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "event_fields",
-                     "notes"):
+        for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "notes",
+                     "event_fields", "options"):
             if name in values:
                 values[name] = tuple(values[name])
         for name in ("counters", "citations", "replicated"):
@@ -358,12 +448,6 @@ class CacheUnderTest(Protocol):
         them)."""
         ...
 
-    def preempt(self, seq_id: Hashable) -> None:
-        """Preempt the sequence as the engine's scheduler does (`Contract.preemption`);
-        it is no longer live, and resumes as a fresh `admit` of the same seq_id with its
-        tokens so far."""
-        ...
-
     def evict(self, num_blocks: int) -> int:
         """Evict up to `num_blocks` cached blocks no live sequence holds; returns how
         many left the cache (0 where the contract has no explicit eviction)."""
@@ -402,12 +486,41 @@ class CacheUnderTest(Protocol):
         ...
 
 
+class Preemptible(Protocol):
+    """A cache whose contract has a preemption path (`Contract.preemption` other than
+    "none", or `decode_refusal` "preempts-last") also offers these."""
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """The engine's own preemption of a live sequence: what it frees and counts is
+        the contract's `preemption`; it then resumes by an admit of the same id with its
+        prompt and the tokens appended to it since."""
+        ...
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences preempted since the last call (by `preempt`, or by the engine's
+        scheduler for a decode step that got no block), in the order preempted."""
+        ...
+
+
+def preemptible(cache: CacheUnderTest) -> Preemptible:
+    """`cache` as a `Preemptible`; ValueError when its contract names a preemption path
+    that it does not offer."""
+    if not (callable(getattr(cache, "preempt", None))
+            and callable(getattr(cache, "take_preempted", None))):
+        c = cache.contract
+        raise ValueError(f"{c.engine} {c.version}: the contract says preemption="
+                         f"{c.preemption!r}, decode_refusal={c.decode_refusal!r}, but the "
+                         "adapter has no preempt/take_preempted")
+    return cast(Preemptible, cache)
+
+
 class LoadedEngine(NamedTuple):
     """An engine an adapter has imported (inside its worker): what the self-test and
     the worker need. `new(num_blocks, block_size, record)` builds a fresh cache
-    (`record` False: no event log or router events, for benchmarks); `modules` are the
-    engine modules on the cache's path (none may be a stub); `stubs_served` the stub
-    modules that were imported."""
+    (`record` False: no event log or router events, for benchmarks); `configured` the
+    same with `CacheOptions` (None where the adapter honours none: `Contract.options`);
+    `modules` are the engine modules on the cache's path (none may be a stub);
+    `stubs_served` the stub modules that were imported."""
 
     name: str
     version: str
@@ -415,3 +528,23 @@ class LoadedEngine(NamedTuple):
     new: Callable[[int, int, bool], CacheUnderTest]
     modules: tuple[str, ...]
     stubs_served: tuple[str, ...]
+    configured: Callable[[int, int, bool, CacheOptions], CacheUnderTest] | None = None
+
+
+def open_cache(engine: LoadedEngine, num_blocks: int, block_size: int, record: bool,
+               options: CacheOptions | None) -> CacheUnderTest:
+    """A fresh cache of `engine`, with `options` where any are set. Raises ValueError
+    naming the options the engine does not honour (the cache built is dropped)."""
+    wanted = options.names() if options is not None else ()
+    if not wanted:
+        return engine.new(num_blocks, block_size, record)
+    if engine.configured is None:
+        raise ValueError(f"{engine.name} {engine.version} honours no cache options; "
+                         f"asked for {list(wanted)}")
+    assert options is not None
+    cache = engine.configured(num_blocks, block_size, record, options)
+    missing = [n for n in wanted if n not in cache.contract.options]
+    if missing:
+        raise ValueError(f"{engine.name} {engine.version} does not honour the cache "
+                         f"options {missing} (it honours {list(cache.contract.options)})")
+    return cache

@@ -63,17 +63,18 @@ def contract(block_size: int) -> Contract:
         stats_unit="blocks", last_token_cap="manager", matchable_at="commit",
         partial_reuse=True, copy_on_partial_reuse=True, scope_kinds=("salt", "lora"),
         lora_identity=("lora_id",), scope_in_event_hash=("salt", "lora"),
-        eviction="priority-lru", explicit_evict=False, dedup_on_commit=True,
+        eviction_policy="priority-lru", explicit_evict=False, dedup_on_commit=True,
         chunked_allocation=False,
-        counters=COUNTERS, bounded_oracle=True, preemption="free", chunking="whole",
-        event_fields=("parent_block_hash", "token_ids", "block_size", "medium", "lora_id"),
+        counters=COUNTERS, bounded_oracle=True, preemption="frees-keeps-cached",
+        event_fields=("parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
+                      "medium"),
         citations=(("*", "docs/design.md: the reuse rules, partial reuse, eviction"),
                    ("scope_in_event_hash", "kvcache/core/kv_events.py: a block's hash "
                                            "chains its parent, tokens and scope"),
-                   ("preemption", "kvcache/engine/scheduler.py Scheduler.preempt: release "
-                                  "(free_sequence), then recompute what survives"),
-                   ("event_fields", "kvcache/core/kv_events.py BlockStored: the salt and "
-                                    "the LoRA id are the scope")),
+                   ("preemption", "kvcache/engine/scheduler.py Scheduler.preempt: "
+                                  "release (free_sequence: committed blocks stay cached), "
+                                  "then recompute, reusing what survives"),
+                   ("event_fields", "kvcache/core/kv_events.py BlockStored")),
         notes=("ReuseScope has no LoRA name or path: a LoRA is its id",))
 
 
@@ -97,6 +98,7 @@ class KvcacheCache:
         self.manager = kvcache.KvCacheManager(cfg, record_events=record, kv_events=record)
         self._contract = contract(block_size)
         self._scopes: dict[Hashable, Scope | None] = {}
+        self._preempted: list[Hashable] = []
         self._seen = 0  # events of the manager's log already taken
 
     @property
@@ -170,8 +172,15 @@ class KvcacheCache:
         self._scopes.pop(seq_id, None)
 
     def preempt(self, seq_id: Hashable) -> None:
-        """`free_sequence`, as the engine's `Scheduler.preempt` releases a request."""
+        """What kvcache's engine does to a preempted request's cache
+        (`Scheduler.preempt` -> `release`): `free_sequence`; it counts nothing."""
         self.free(seq_id)
+        self._preempted.append(seq_id)
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences `preempt` preempted since the last call."""
+        out, self._preempted = self._preempted, []
+        return out
 
     def evict(self, num_blocks: int) -> int:
         """kvcache evicts only to make room for an allocation: nothing here."""

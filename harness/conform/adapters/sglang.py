@@ -72,7 +72,7 @@ def contract(version: str, block_size: int) -> Contract:
                          "(cache_unfinished_req / cache_finished_req)"),
         ("lora_identity", "radix_cache.py match_prefix: 'Isolate KV cache lines for "
                           "different LoRA / adapter IDs'"),
-        ("eviction", "radix_cache.py evict: whole least recently used leaves")]
+        ("eviction_policy", "radix_cache.py evict: whole least recently used leaves")]
     if salted:
         citations += [
             ("scope_in_event_hash", "radix_cache.py RadixKey: extra_key 'Namespaces the "
@@ -93,8 +93,8 @@ def contract(version: str, block_size: int) -> Contract:
         lora_identity=("lora_id",),
         # before 0.5.22 nothing says events leave scopes out: the reference holds
         scope_in_event_hash=("salt",) if salted else ("salt", "lora"),
-        eviction="lru-leaves", explicit_evict=True, dedup_on_commit=True,
-        chunked_allocation=True, preemption="retract-decode",
+        eviction_policy="lru-leaves", explicit_evict=True, dedup_on_commit=True,
+        chunked_allocation=True, preemption="retracts-decode",
         event_fields=(*EVENT_FIELDS, "cache_salt") if salted else EVENT_FIELDS,
         replicated=TREE_CALLER_REPLICATED,
         citations=tuple(citations), notes=tuple(notes))
@@ -263,6 +263,7 @@ class SglangCache:
         self.tree = self._build_tree()
         self._contract = self._make_contract(version)
         self._seqs: dict[Hashable, _Seq] = {}
+        self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
     def _build_tree(self) -> Any:
@@ -504,7 +505,13 @@ class SglangCache:
         seq = self._seqs.pop(seq_id)
         self.alloc.free(seq.slots[seq.locked:])
         self._unlock(seq.hold)
+        self._preempted.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences `preempt` retracted since the last call."""
+        out, self._preempted = self._preempted, []
+        return out
 
     def evict(self, num_blocks: int) -> int:
         """`evict(num_tokens)`: whole leaves, so possibly more than asked."""

@@ -158,10 +158,10 @@ def contract(base: Contract, names: SchedulerNames) -> Contract:
                               "admission: a cut chunk ends on a page boundary; "
                               "add_chunked_req continues as asked, after the last "
                               "chunk's result"),
-                 ("admission_reserve", "PrefillAdder.add_one_req: the whole remaining "
-                                       "prompt plus a page (per_req_token_overhead) must "
-                                       "be below free + evictable (prefill_budget.py "
-                                       "check_prefill)"))
+                 ("admission_fits", "PrefillAdder.add_one_req: the whole remaining "
+                                    "prompt plus a page (per_req_token_overhead) must be "
+                                    "below free + evictable (prefill_budget.py "
+                                    "check_prefill), whatever the chunk"))
     in_hash, fields = base.scope_in_event_hash, base.event_fields
     if names.names_requests:  # 0.5.23: the LoRA's namespace and name reach the events
         in_hash, fields = (*in_hash, "lora"), (*fields, "lora_name")
@@ -170,8 +170,9 @@ def contract(base: Contract, names: SchedulerNames) -> Contract:
                                               "namespaces an extra key KvEventLoraNames "
                                               "names (a LoRA's), not a caller's own"),)
     return replace(base, matchable_at="extend", decode_steps=True, refusal_evicts=True,
-                   preemption="retract-decode", chunking="page-floor",
-                   admission_reserve=2, scope_in_event_hash=in_hash, event_fields=fields,
+                   preemption="retracts-decode", chunking="caller-page-floor",
+                   admission_fits="prompt", admission_reserve=2,
+                   scope_in_event_hash=in_hash, event_fields=fields,
                    replicated=REPLICATED, citations=citations,
                    notes=(*base.notes, "SGLang's scheduler functions drive the tree"))
 
@@ -217,6 +218,7 @@ class SglangScheduled:
         self._contract = contract(base, names)
         self._live: dict[Hashable, _Live] = {}
         self._retracted: dict[Hashable, Any] = {}  # seq -> its retracted Req
+        self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
     def _build_tree(self) -> Any:
@@ -473,7 +475,13 @@ class SglangScheduled:
             token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree,
             hisparse_coordinator=None)
         self._retracted[seq_id] = live.req
+        self._preempted.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences `preempt` retracted since the last call."""
+        out, self._preempted = self._preempted, []
+        return out
 
     def evict(self, num_blocks: int) -> int:
         """The tree's `evict(num_tokens)`: whole leaves, so possibly more than asked."""

@@ -67,7 +67,7 @@ def contract(version: str, block_size: int, explicit_evict: bool) -> Contract:
         stats_unit="tokens", last_token_cap="manager", matchable_at="allocation",
         partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
         lora_identity=lora, scope_in_event_hash=("salt", "lora"),  # type: ignore[arg-type]
-        eviction="lru-blocks-tail-first", explicit_evict=explicit_evict,
+        eviction_policy="lru-blocks-tail-first", explicit_evict=explicit_evict,
         dedup_on_commit=False, chunked_allocation=True, counters=counters,
         citations=(
             ("matchable_at", "kv_cache_manager.py allocate_slots: 'to be cached' spans the "
@@ -319,12 +319,6 @@ class VllmCache:
         self._scopes.pop(seq_id)
         self.manager.free(req)
         self._write({"kind": "free", "seq_id": seq_id})
-
-    def preempt(self, seq_id: Hashable) -> None:
-        """Never called: the contract's preemption is "none" (vLLM's preemption (the scheduler's `_preempt_request`) is not adapted yet), so
-        `Session` skips every preempt. Raises ValueError."""
-        raise ValueError(f"preempt({seq_id!r}): the contract says this engine has no "
-                         "preemption")
 
     def evict(self, num_blocks: int) -> int:
         """`evict_blocks` on the first `num_blocks` cached blocks of vLLM's own free

@@ -18,7 +18,7 @@ from harness.conform import ops
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
-from harness.conform.protocol import Contract, Scope, lora_id_text
+from harness.conform.protocol import CacheOptions, Contract, Scope, lora_id_text
 from harness.conform.worker.session import StepReport
 
 B = 4  # tokens per block (a vLLM block, an SGLang page)
@@ -32,23 +32,25 @@ def toks(start: int, n: int) -> list[int]:
 class Run:
     """One check's cache, its op list, what the oracles found and what it observed."""
 
-    def __init__(self, target: Target, num_blocks: int) -> None:
+    def __init__(self, target: Target, num_blocks: int,
+                 options: CacheOptions | None = None) -> None:
         self.target = target
         self.num_blocks = num_blocks
-        self.contract: Contract = target.open(num_blocks, B)
+        self.contract: Contract = target.open(num_blocks, B, options)
         self.judge = Judge(self.contract, num_blocks)
         self.ops: list[Op] = []
         self.reports: list[StepReport] = []
         self.violations: list[Violation] = []
         self.failures: list[str] = []  # expectations of the family that did not hold
         self.observed: dict[str, Any] = {}
-        self.live: set[str] = set()  # sequences admitted and not freed
+        self.live: set[str] = set()  # sequences admitted and not freed (nor preempted)
 
     def do(self, op: Op) -> StepReport:
         """Apply `op` and judge the step."""
         report = self.target.apply(op)
         if report.status == "done" and op.seq is not None and op.kind in ("admit", "free"):
             (self.live.add if op.kind == "admit" else self.live.discard)(op.seq)
+        self.live.difference_update(report.preempted)
         self.ops.append(op)
         self.reports.append(report)
         self.violations += self.judge.observe(report)
@@ -78,6 +80,13 @@ class Run:
         """Free."""
         self._done(self.do(ops.free(seq)))
 
+    def preempt(self, seq: str) -> tuple[str, ...]:
+        """Preempt; the sequences the step preempted (a skip is a failure of the
+        family)."""
+        r = self.do(ops.preempt(seq))
+        self._done(r)
+        return r.preempted
+
     def evict(self, num_blocks: int) -> int | None:
         """Blocks evicted."""
         r = self.do(ops.evict(num_blocks))
@@ -101,7 +110,8 @@ class Run:
         return reach if self.contract.partial_reuse else reach // B * B
 
 
-Need = Literal["scopes", "events", "extra_key"]
+Need = Literal["scopes", "events", "extra_key", "preemption", "scheduler_chunks",
+               "event_fields"]
 # what a family needs from the engine, and why a contract without it skips the family
 _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "scopes": (lambda c: bool(c.scope_kinds), "the engine keys its cache on no scope "
@@ -109,13 +119,21 @@ _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "events": (lambda c: c.events, "the engine publishes no router events: there is no "
                "event hash to compare"),
     "extra_key": (lambda c: "extra_key" in c.scope_kinds, "the engine's cache key takes "
-                  "no caller extra key (Contract.scope_kinds)")}
+                  "no caller extra key (Contract.scope_kinds)"),
+    "preemption": (lambda c: c.preemption != "none", "the adapter drives no preemption "
+                   "path of the engine's (Contract.preemption is 'none')"),
+    "scheduler_chunks": (lambda c: not c.chunking.startswith("caller"), "the engine's "
+                         "scheduler does not run here: the caller chooses the chunks "
+                         "(chunked_admission covers those)"),
+    "event_fields": (lambda c: c.events and bool(c.event_fields), "the engine's events "
+                     "carry no field beyond the hashes")}
 
 
 @dataclass(frozen=True)
 class Check:
-    """A family run on a fresh cache of `num_blocks` blocks; skipped (with the reason)
-    on an engine whose contract lacks something in `needs`."""
+    """A family run on a fresh cache of `num_blocks` blocks, opened with `options`;
+    skipped (with the reason) on an engine whose contract lacks something in `needs`
+    or does not honour those options."""
 
     name: str
     family: str
@@ -123,10 +141,15 @@ class Check:
     num_blocks: int
     body: Callable[[Run], None] = field(repr=False)
     needs: tuple[Need, ...] = ()
+    options: CacheOptions = field(default_factory=CacheOptions)
 
     def skip_reason(self, contract: Contract) -> str | None:
         """Why this family cannot judge `contract`'s engine; None when it can."""
         missing = [why for has, why in map(_NEEDS.__getitem__, self.needs) if not has(contract)]
+        unhonoured = [n for n in self.options.names() if n not in contract.options]
+        if unhonoured:
+            missing.append(f"the adapter opens no cache with {', '.join(unhonoured)} "
+                           f"(it honours {list(contract.options) or 'no options'})")
         return "; ".join(missing) or None
 
 
@@ -513,10 +536,3 @@ CHECKS: tuple[Check, ...] = (
           needs=("scopes", "events")),
 )
 
-
-def check_named(name: str) -> Check:
-    """The check called `name`; ValueError listing the names otherwise."""
-    for check in CHECKS:
-        if check.name == name:
-            return check
-    raise ValueError(f"unknown check {name!r}; known: {[c.name for c in CHECKS]}")

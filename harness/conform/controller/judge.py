@@ -5,9 +5,14 @@ After every op (`Judge.observe`):
 - count: the reuse oracle (`harness.oracle.model.ReuseOracle`, configured from the
   contract: tokens per block, partial reuse) replays the harness event log the adapter
   wrote; every admission must reuse what it predicts. Its model evicts nothing unless the
-  contract says it models the engine's eviction (kvcache), so after the first block
-  leaves the cache (a BlockRemoved event) a prediction is an upper bound. Whole-block
-  contracts reuse whole blocks, and never the last prompt token.
+  contract says it models the engine's eviction (kvcache) or the judge follows the
+  contract's `eviction_policy` itself (`ORDER_MODELS`: it tells the model which blocks
+  each allocation evicted), so otherwise after the first block leaves the cache (a
+  BlockRemoved event) a prediction is an upper bound. Whole-block contracts reuse whole
+  blocks, and never the last prompt token.
+- eviction: where `ORDER_MODELS` has the contract's policy, every allocation takes the
+  blocks the policy names (vLLM's free queue: the least recently freed first, a
+  request's last block first), and what they held is what was evicted.
 - provenance and capacity: the checked manager's own per-call checks
   (`harness.oracle.checked_manager.CallOracles`) over each op's logged events. The
   shadow KV store follows which tokens' KV each block holds: no read of KV that is not
@@ -37,9 +42,10 @@ admission holds only its first chunk's), while every position stays held.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
+from harness.conform.controller.eviction import FreeQueue
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, CounterMeaning
 from harness.conform.worker.session import StepReport
@@ -52,7 +58,12 @@ from harness.oracle.provenance import ProvenanceError
 from harness.oracle.types import Event, OracleConfig, normalize_event
 
 ORACLES = ("api", "refusal", "count", "provenance", "capacity", "events", "stats", "leaks",
-           "integrity", "log")
+           "integrity", "log", "eviction")
+# eviction policies whose order the judge follows block by block (full attention, ids
+# that name blocks): the model, built from the pool size and the block size
+ORDER_MODELS: dict[str, Callable[[int, int], FreeQueue]] = {
+    "lru-blocks-tail-first": lambda n, b: FreeQueue(n, b, uncached_first=False),
+    "lru-blocks-tail-first-uncached-first": lambda n, b: FreeQueue(n, b, uncached_first=True)}
 _EVERY_POSITION = 2**40  # a window wider than any context: positions as the events say
 
 
@@ -110,6 +121,9 @@ class Judge:
         self.capacity = self.calls.capacity
         self.index = EventIndex(B)
         self.exact = True
+        model = ORDER_MODELS.get(contract.eviction_policy)
+        self.order = model(num_blocks, B) if model is not None and contract.window is None \
+            and contract.id_unit == "block" and not contract.bounded_oracle else None
         self.broken: set[str] = set()
         self.totals: Counter[str] = Counter()  # CounterMeaning -> value so far
         self.step = 0
@@ -117,6 +131,7 @@ class Judge:
         self._ids: dict[Hashable, list[int | None]] = {}  # live seq -> its block ids
         self._lengths: dict[Hashable, int] = {}
         self._predicted: dict[Hashable, int] = {}  # live seq -> the reuse the oracle predicted
+        self._preempted: set[Hashable] = set()  # preempted, not yet resumed
 
     # -- one step ------------------------------------------------------------------------
 
@@ -132,6 +147,7 @@ class Judge:
         self._replay_log(report, say)
         self._fold_events(report, say)
         self._check_capacity(report, say)
+        self._preempted.update(report.preempted)
         self._check_stats(report, say)
         if report.integrity:
             say("integrity", f"after {op.describe()}: {'; '.join(report.integrity)}")
@@ -207,11 +223,10 @@ class Judge:
             # after an eviction the oracle over-predicts hits: assume none (the most need)
             cached = max(0, min(self.reuse.probe(op.tokens, scope), len(op.tokens) - tail)) \
                 if self.exact else 0
+            chunk = op.first_chunk if self.contract.chunked_allocation \
+                and self.contract.admission_fits == "chunk" else None
+            # an engine may keep blocks free beyond what its admission must fit
             reserve = self.contract.admission_reserve
-            # an engine that keeps blocks free beyond the prompt asks for all of the
-            # prompt and that many more, whatever its first chunk
-            chunked = self.contract.chunked_allocation and not reserve
-            chunk = op.first_chunk if chunked else None
             return self.capacity.admission_need(op.tokens, scope, num_cached=cached,
                                                 first_chunk=chunk, unreused_tail=tail) \
                 + reserve
@@ -247,6 +262,10 @@ class Judge:
                 # below them tells it nothing
                 self._feed("count", say, self.reuse.apply, ev)
             self._track(ev)
+            self._follow_order(ev, say)
+        if self.order is not None and r.op.kind == "evict" and r.status == "done" \
+                and "eviction" not in self.broken:
+            self._forget(self.order.evict(r.op, int(r.value)))
         wanted = 1 if r.op.kind == "admit" and r.status == "done" else 0
         if admits != wanted:
             say("log", f"{r.op.describe()} ({r.status}) logged {admits} admissions")
@@ -256,6 +275,22 @@ class Judge:
         used = self._held(r) if self.contract.dedup_on_commit else None
         self._feed("capacity", say,
                    lambda evs: self.calls.capacity_after(where, evs, used), events)
+
+    def _follow_order(self, ev: Any, say: Any) -> None:
+        """The contract's eviction order over one log event: the blocks an allocation
+        takes are those the policy names, and the count oracle forgets what they held."""
+        if self.order is None or "eviction" in self.broken:
+            return
+        step = self.order.apply(ev)
+        if step.problem is not None:
+            say("eviction", step.problem)
+            self.exact = False  # the count oracle no longer learns what left the cache
+            return
+        self._forget(step.evicted)
+
+    def _forget(self, keys: Any) -> None:
+        for scope, tokens in keys:
+            self.reuse.forget(scope, tokens)
 
     def _feed(self, oracle: str, say: Any, apply: Any, ev: Any) -> Any:
         if oracle in self.broken:
@@ -271,9 +306,13 @@ class Judge:
     def _admitted(self, r: StepReport, ev: Any, say: Any) -> None:
         B = self.contract.block_size
         got, prompt = ev.num_tokens, len(ev.tokens)
+        which = "resumed" if ev.seq_id in self._preempted else "new"
+        self._preempted.discard(ev.seq_id)
         self.totals.update({"requests": 1, "prompt_tokens": prompt, "reused_tokens": got,
                             "reused_blocks": _blocks(got, B),
-                            "missed_blocks": _blocks(prompt, B) - _blocks(got, B)})
+                            "missed_blocks": _blocks(prompt, B) - _blocks(got, B),
+                            f"{which}_requests": 1, f"{which}_prompt_tokens": prompt,
+                            f"{which}_reused_tokens": got})
         if isinstance(r.value, dict) and r.value.get("reused_tokens") != got:
             say("log", f"{r.op.describe()} returned {r.value} but logged {got} reused tokens")
         what = f"{r.op.describe()} reused {got} tokens"
@@ -333,6 +372,10 @@ class Judge:
 
     # -- router events ---------------------------------------------------------------------
 
+    def _order_known(self) -> bool:
+        """Whether the count oracle learns every eviction from the contract's order."""
+        return self.order is not None and "eviction" not in self.broken
+
     def _fold_events(self, r: StepReport, say: Any) -> None:
         if "events" in self.broken:
             return
@@ -340,7 +383,8 @@ class Judge:
             if r.events:
                 say("events", f"{r.op.describe()} published {list(r.events)[:2]}, but the "
                               "contract says the engine publishes no events")
-            elif self._evicted_by(r) and not self.contract.bounded_oracle:
+            elif self._evicted_by(r) and not self.contract.bounded_oracle \
+                    and not self._order_known():
                 self.exact = False  # blocks left the cache; the count oracle keeps them
             return
         before: Counter[Any] = Counter(self.index.cached())
@@ -350,7 +394,7 @@ class Judge:
             kind = event.get("type")
             dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
                                                  and bool(self.index.cached()))
-            if dropped and not self.contract.bounded_oracle:
+            if dropped and not self.contract.bounded_oracle and not self._order_known():
                 self.exact = False  # the count oracle's model keeps every block
             if kind == "BlockRemoved":
                 removed.update(event.get("block_hashes", ()))

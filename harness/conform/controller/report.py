@@ -25,9 +25,9 @@ EXIT_PASSED, EXIT_VIOLATION, EXIT_CANNOT_RUN = 0, 1, 2
 class CheckResult:
     """One check. `oracle` names what failed ("scenario" for an expectation of the
     family; every oracle ran either way); `ops` the op list that shows it (shrunk for
-    an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks (the object
-    replays as it is: `kvharness conform SPEC --replay FILE`); `also` the other
-    findings of the same run."""
+    an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks opened with
+    `options` (`CacheOptions.as_dict`; the object replays as it is: `kvharness conform
+    SPEC --replay FILE`); `also` the other findings of the same run."""
 
     name: str
     family: str
@@ -39,6 +39,7 @@ class CheckResult:
     ops_text: tuple[str, ...] = ()
     num_ops: int = 0
     num_blocks: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     observed: dict[str, Any] = field(default_factory=dict)
     also: tuple[str, ...] = ()
@@ -138,11 +139,17 @@ def markdown(report: Report) -> list[str]:
         out += ["## Contract", ""]
         rows: list[tuple[object, ...]] = [
             (k, json.dumps(v) if not isinstance(v, str) else v)
-            for k, v in report.contract.items() if k not in ("citations", "notes")]
+            for k, v in report.contract.items()
+            if k not in ("citations", "notes", "replicated")]
         out += [*table(("field", "value"), rows), ""]
         for what, where in report.contract.get("citations", ()):
             out.append(f"- {what}: {where}")
         out += [f"- note: {n}" for n in report.contract.get("notes", ())] + [""]
+        replicated = report.contract.get("replicated", ())
+        if replicated:  # what a pass does not prove
+            out += ["What the adapter does itself instead of running the engine's code:", ""]
+            out += [f"- {what}; the engine's: {where} ({why})"
+                    for what, where, why in replicated] + [""]
     if report.self_test:
         problems = report.self_test.get("problems", [])
         out += ["## Self-test", "",
@@ -158,7 +165,10 @@ def markdown(report: Report) -> list[str]:
         out += [*table(("check", "family", "result", "oracle", "s", "message"), rows), ""]
     for c in report.failed:
         out += [f"## Finding: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
-                f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran):", "", "```"]
+                f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran, on "
+                f"{c.num_blocks} blocks"
+                + (f", opened with {json.dumps(c.options)}" if c.options else "")
+                + "):", "", "```"]
         out += [*c.ops_text, "```", ""]
         out += [f"- also: {a}" for a in c.also] + ([""] if c.also else [])
     if report.bench:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from harness.conform.controller import families
+from harness.conform.controller.checks import CHECKS, check_named
 from harness.conform.controller.engine_spec import CannotRun, EngineSpec, open_target
 from harness.conform.controller.families import Check, Run
 from harness.conform.controller.fuzz import fuzz, shrink
@@ -43,6 +44,7 @@ from harness.conform.controller.report import (
 )
 from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op, ops_from_json, ops_to_json
+from harness.conform.protocol import CacheOptions
 from harness.data_files import load_json
 
 Say = Callable[[str], None]
@@ -77,25 +79,27 @@ class Finished(NamedTuple):
     observed: dict[str, Any]
     stats: dict[str, Any]
     seconds: float
+    options: CacheOptions = CacheOptions()
 
     @classmethod
     def of_check(cls, check: Check, run: Run, seconds: float) -> Finished:
         """A family's run."""
         return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
                    run.violations, run.failures, run.observed,
-                   run.reports[-1].stats._asdict() if run.reports else {}, seconds)
+                   run.reports[-1].stats._asdict() if run.reports else {}, seconds,
+                   check.options)
 
 
 def run_check(target: Target, check: Check) -> CheckResult:
     """One family on a fresh cache, judged; a failing oracle's op list shrunk. A family
     the engine's contract cannot judge (`Check.skip_reason`) is skipped, saying why."""
     start = time.perf_counter()
-    run = Run(target, check.num_blocks)
-    why = check.skip_reason(run.contract)
+    why = check.skip_reason(target.open(check.num_blocks, families.B))
     if why is not None:
         return CheckResult(name=check.name, family=check.family, about=check.about,
                            status="skip", message=why, num_blocks=check.num_blocks,
                            seconds=time.perf_counter() - start)
+    run = Run(target, check.num_blocks, check.options)
     check.body(run)
     return _result(target, Finished.of_check(check, run, time.perf_counter() - start))
 
@@ -108,12 +112,13 @@ def _result(target: Target, done: Finished) -> CheckResult:
     base: dict[str, Any] = {"name": done.name, "family": done.family, "about": done.about,
                             "num_ops": len(done.ops), "observed": done.observed,
                             "stats": done.stats, "num_blocks": done.num_blocks,
-                            "seconds": done.seconds}
+                            "options": done.options.as_dict(), "seconds": done.seconds}
     if done.violations:
         first = done.violations[0]
-        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first.oracle)
+        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first.oracle,
+                       options=done.options)
         # the message the shrunk op list gives (its op numbers and sizes), else the first
-        again = [v for v in replay(target, shown, done.num_blocks, families.B)
+        again = [v for v in replay(target, shown, done.num_blocks, families.B, done.options)
                  if v.oracle == first.oracle]
         message = again[0].message if again else first.message
         return CheckResult(status="fail", oracle=first.oracle, message=message,
@@ -135,7 +140,7 @@ def _fuzz_check(target: Target, seed: int) -> CheckResult:
     return _result(target, Finished(
         f"fuzz_seed_{seed}", "differential fuzz",
         f"{len(out.ops)} random ops, a pool of {out.num_blocks} blocks", out.num_blocks,
-        list(out.ops), found, [], {}, {}, time.perf_counter() - start))
+        list(out.ops), found, [], {}, {}, time.perf_counter() - start, out.options))
 
 
 def _progress(i: int, n: int, result: CheckResult, say: Say) -> None:
@@ -201,7 +206,7 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
         target = _open(spec, report, folder, say)
         report.contract = target.open(4, families.B).as_dict()
         report.seconds["setup"] = time.perf_counter() - start
-        chosen = [families.check_named(n) for n in only] if only else list(families.CHECKS)
+        chosen = [check_named(n) for n in only] if only else list(CHECKS)
         total = len(chosen) + seeds
         checked = time.perf_counter()
         for i, check in enumerate(chosen, 1):
@@ -229,8 +234,9 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
 
 
 def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
-    """Re-run one op list ({"num_blocks": N, "ops": [...]}: a check of report.json) on a
-    fresh cache; prints the violations. Exit 0 none, 1 some, 2 could not run."""
+    """Re-run one op list ({"num_blocks": N, "ops": [...], "options": {...}}: a check of
+    report.json) on a fresh cache opened with those options; prints the violations.
+    Exit 0 none, 1 some, 2 could not run."""
     try:
         data = load_json(path, "op list")
     except ValueError as exc:  # unreadable, not JSON, too deep or too large: exit 2 too
@@ -241,6 +247,7 @@ def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
         return EXIT_CANNOT_RUN
     try:
         op_list = ops_from_json(data.get("ops"), f"{path}: ops")
+        options = CacheOptions.from_dict(data.get("options"), f"{path}: options")
     except ValueError as exc:
         say(str(exc))
         return EXIT_CANNOT_RUN
@@ -250,7 +257,7 @@ def replay_file(spec_text: str, path: Path, say: Say = print) -> int:
     try:
         spec = EngineSpec.parse(spec_text)
         target = _open(spec, report, folder, say)
-        found = replay(target, op_list, data["num_blocks"], families.B)
+        found = replay(target, op_list, data["num_blocks"], families.B, options)
     except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,
             ValueError) as exc:
         say(f"cannot replay on {spec_text}: {exc}")

@@ -10,7 +10,7 @@ code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}, wi
 
     load    engine, stubs          -> engine, version, package_dir, stubs_served, seconds
     selftest                       -> problems, sources, substitutes
-    open    num_blocks, block_size -> contract
+    open    num_blocks, block_size[, options] -> contract
     ops     ops (a list)           -> reports (one StepReport dict per op)
     bench   quick                  -> rows
     close                          -> (the worker exits)
@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from harness.conform.adapters import ADAPTERS
 from harness.conform.ops import ops_from_json
-from harness.conform.protocol import LoadedEngine
+from harness.conform.protocol import CacheOptions, LoadedEngine, open_cache
 from harness.conform.stubs import StubSpec, StubUsedError
 from harness.conform.worker.selftest import self_test_engine
 from harness.conform.worker.session import Session
@@ -60,7 +60,8 @@ class Worker:
             return {"problems": got.problems, "sources": got.sources,
                     "substitutes": got.substitutes}
         if cmd == "open":
-            cache = engine.new(int(msg["num_blocks"]), int(msg["block_size"]), True)
+            cache = open_cache(engine, int(msg["num_blocks"]), int(msg["block_size"]), True,
+                               CacheOptions.from_dict(msg.get("options"), "open: options"))
             self.session = Session(cache)
             return {"contract": cache.contract.as_dict()}
         if cmd == "ops":

@@ -15,7 +15,8 @@ from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.adapters.kvcache import contract as kvcache_contract
 from harness.conform.adapters.shortfin import contract as shortfin_contract
-from harness.conform.controller.families import B, Run, check_named
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.families import B, Run
 from harness.conform.controller.fuzz import fuzz
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.report import Report, markdown
@@ -260,7 +261,8 @@ def test_a_refusal_is_judged_with_the_contracts_admission_reserve(
     needs the whole prompt and the reserve, whatever the chunk: the refusal is unfair
     (capacity) only when that many blocks are free."""
     contract = replace(kvcache_contract(B), partial_reuse=False, copy_on_partial_reuse=False,
-                       chunked_allocation=True, counters=(), admission_reserve=reserve)
+                       chunked_allocation=True, counters=(), admission_reserve=reserve,
+                       admission_fits="prompt" if reserve else "chunk")
     a = admitted("A", A18[:held] + list(range(900, 900 + max(0, held - 18))), 0,
                  list(range(held // B)), held // B)
     b = step(ops.admit("B", list(range(500, 516)), first_chunk=1), [], a.used_blocks,

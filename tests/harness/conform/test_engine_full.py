@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.conform.controller import install
-from harness.conform.controller.families import CHECKS
+from harness.conform.controller.checks import CHECKS
 from harness.conform.controller.locks import find_lock, pinned
 from harness.conform.controller.runner import conform
 

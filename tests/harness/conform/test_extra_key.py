@@ -15,7 +15,7 @@ from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.adapters.kvcache import contract as kvcache_contract
 from harness.conform.adapters.sglang import contract as sglang_contract
-from harness.conform.controller.families import check_named
+from harness.conform.controller.checks import check_named
 from harness.conform.controller.runner import run_check
 from harness.conform.controller.targets import LocalTarget
 from harness.conform.protocol import Scope, lora_id_text

@@ -8,7 +8,8 @@ import pytest
 from harness.conform import ops
 from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
-from harness.conform.controller.families import B, check_named
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.families import B
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.runner import run_check
 from harness.conform.controller.targets import LocalTarget, Target, replay

@@ -141,14 +141,15 @@ def test_the_unified_contract_is_radix_caches_but_for_who_frees_duplicates() -> 
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    pytest.param("preemption", "swap", r"Contract\.preemption must be one of \('none', 'free', "
-                 r"'retract-decode'\), got 'swap'", id="preemption"),
-    pytest.param("chunking", "tokens", r"Contract\.chunking must be one of \('whole', "
-                 r"'as-asked', 'page-floor'\), got 'tokens'", id="chunking"),
-    pytest.param("event_fields", ("salt",), r"Contract\.event_fields entry must be one of .*, "
-                 r"got 'salt'", id="event-field"),
+    pytest.param("preemption", "swap", r"Contract\.preemption must be one of \('none', "
+                 r"'frees-keeps-cached', 'retracts-decode'\), got 'swap'", id="preemption"),
+    pytest.param("chunking", "tokens", r"Contract\.chunking must be one of \('caller', "
+                 r"'caller-page-floor', 'token-budget', 'token-budget-shared'\), got "
+                 r"'tokens'", id="chunking"),
+    pytest.param("event_fields", ("namespace",), r"Contract\.event_fields entry must be one "
+                 r"of .*, got 'namespace'", id="event-field"),
     pytest.param("replicated", (("a", "b"),), r"Contract\.replicated entries are \(what, "
-                 r"engine function, why\), three non-empty strs, got \('a', 'b'\)",
+                 r"engine function, why\), three non-empty str, got \('a', 'b'\)",
                  id="replicated")])
 def test_the_depth_fields_refuse_what_no_engine_has(field: str, value: object,
                                                     message: str) -> None:

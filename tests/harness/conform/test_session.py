@@ -58,15 +58,15 @@ class _Retracts(KvcacheCache):
 
     def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
         super().__init__(num_blocks, block_size, record=record)
-        self._contract = replace(kvcache_contract(block_size), preemption="retract-decode",
-                                 chunking="page-floor")
+        self._contract = replace(kvcache_contract(block_size), preemption="retracts-decode",
+                                 chunking="caller-page-floor")
 
 
 def test_a_preempt_is_skipped_where_the_contract_has_no_such_preemption() -> None:
     none = Session(KvcacheCache(8, 4))
     none.cache._contract = replace(kvcache_contract(4), preemption="none")  # type: ignore[attr-defined]
     none.apply(ops.admit("A", list(range(9))))
-    assert none.apply(ops.preempt("A")).detail == "the engine has no preemption"
+    assert none.apply(ops.preempt("A")).detail == "the contract has no preemption path"
     s = Session(_Retracts(8, 4))
     s.apply(ops.admit("A", list(range(9))))
     early = s.apply(ops.preempt("A"))

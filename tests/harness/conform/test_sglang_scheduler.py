@@ -2,7 +2,7 @@
 cached install exists (skipped otherwise, as the engine smoke is): what its retraction,
 its checkpoints, the chunks PrefillAdder cuts and its admission reserve do, op by op,
 judged by every oracle, and the caller extra key reaching a LoRA's KV
-(sgl-project/sglang#24638). One worker serves the module."""
+(sgl-project/sglang#24638). One worker serves the session."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ PROMPT = list(range(100, 110))  # 10 tokens: 2 whole pages
 OUT = [900, 901, 902]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     if install.installed(LOCK) is None:
         pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
@@ -58,8 +58,9 @@ def decoded(seq: str) -> list[Op]:
 
 def test_the_contract_says_what_sglangs_scheduler_code_does(target: Target) -> None:
     c = target.open(8, B)
-    assert (c.matchable_at, c.preemption, c.chunking, c.admission_reserve) == \
-        ("extend", "retract-decode", "page-floor", 2)
+    assert (c.matchable_at, c.preemption, c.chunking, c.admission_fits,
+            c.admission_reserve) == ("extend", "retracts-decode", "caller-page-floor",
+                                     "prompt", 2)
     assert c.decode_steps and c.refusal_evicts and "extra_key" in c.scope_kinds
     assert {what for what, _, _ in c.replicated} and all(fn for _, fn, _ in c.replicated)
 

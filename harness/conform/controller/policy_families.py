@@ -1,0 +1,255 @@
+"""Families judged against the policies a contract documents, each expectation computed
+from the contract's fields (blocks of B = 4 tokens, numbers checkable by hand):
+
+    eviction_order       which cached block goes first under pressure
+                         (`eviction_policy`); the judge also follows the order block by
+                         block where it models the policy (`judge.ORDER_MODELS`)
+    preemption_resume    a sequence preempted mid-decode and resumed with its output
+                         tokens reuses what it computed (`preemption`; the counters of
+                         resumed admissions, where the contract lists them)
+    decode_preempts      a decode step with no block free: refused, or the scheduler
+                         preempts the last running sequence (`decode_refusal`)
+    scheduler_chunks     a prompt in the chunks the engine's scheduler makes
+                         (`chunking`, `chunk_budget`, `long_prefill_threshold`)
+    event_fields         what a BlockStored says beyond its hashes (`event_fields`)
+
+Each is skipped, saying why, where the contract lacks what it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.conform import ops
+from harness.conform.controller.families import B, Check, Run, toks
+from harness.conform.protocol import CacheOptions, Scope
+from harness.conform.worker.session import StepReport
+
+
+def _hashes(reports: list[StepReport], kind: str) -> list[str]:
+    """The block hashes of every `kind` event in `reports`, in order."""
+    return [str(h) for r in reports for e in r.events if e.get("type") == kind
+            for h in e.get("block_hashes", ())]
+
+
+def eviction_order(run: Run) -> None:
+    """A and B (three full blocks each) computed and freed, A first; C needs five blocks
+    of the four free: the policy names what goes. Least recently freed blocks, a
+    request's last first (vLLM), and priority-then-LRU blocks (kvcache): A's last block;
+    least recently used leaves (SGLang): A's whole leaf. Then A and B again reuse what
+    is left (the count oracle, exact where the judge follows the order)."""
+    stored: dict[str, list[str]] = {}
+    for seq, prompt in (("A", toks(100, 12)), ("B", toks(300, 12))):
+        start = len(run.reports)
+        run.admit(seq, prompt)
+        run.commit(seq, 12)
+        run.free(seq)
+        stored[seq] = _hashes(run.reports[start:], "BlockStored")
+    start = len(run.reports)
+    run.expect("C (5 blocks, 4 free) is admitted, evicting",
+               run.admit("C", toks(500, 20)) is not None, True)
+    removed = _hashes(run.reports[start:], "BlockRemoved")
+    policy = run.contract.eviction_policy
+    if run.contract.events:
+        want = stored["A"] if policy == "lru-leaves" else stored["A"][-1:]
+        run.expect(f"C's admission evicts ({policy})", sorted(removed), sorted(want))
+    run.commit("C", 20)
+    run.free("C")
+    run.observed["A again (13 tokens) reuses"] = run.admit("A2", [*toks(100, 12), 1])
+    run.free("A2")
+    run.observed["B again (13 tokens) reuses"] = run.admit("B2", [*toks(300, 12), 1])
+    run.free("B2")
+
+
+def preemption_resume(run: Run) -> None:
+    """A computes a 10-token prompt and decodes two tokens, is preempted, and resumes
+    with its 12 tokens: it reuses what it computed (its blocks were freed, computed ones
+    kept cached), finishes, and a new request extending it reuses it all."""
+    prompt, out = toks(100, 10), [900, 901]
+    run.admit("A", prompt)
+    run.commit("A", 10)
+    for i, t in enumerate(out):
+        run.append("A", [t])
+        run.commit("A", 11 + i)
+    run.expect("preempt(A) preempts", list(run.preempt("A")), ["A"])
+    run.expect("A resumed with its prompt and output tokens reuses",
+               run.admit("A", prompt + out), run.cap(12))
+    run.commit("A", 12)
+    run.append("A", [902])
+    run.commit("A", 13)
+    run.free("A")
+    run.expect("a new request extending A reuses", run.admit("B", [*prompt, *out, 902, 1]),
+               run.cap(14))
+    run.free("B")
+
+
+def decode_preempts(run: Run) -> None:
+    """A pool of 6: A holds 2 blocks, B (admitted later) 4; A's next token needs a
+    block. Under "preempts-last" the scheduler preempts B (the last running), A gets
+    its block, and B resumes later reusing what it computed; under "refused" the
+    decode is refused and works once B is freed."""
+    run.admit("A", toks(100, 8))
+    run.commit("A", 8)
+    b = toks(500, 16)
+    run.admit("B", b)
+    run.commit("B", 16)
+    r = run.do(ops.append("A", [900]))
+    if run.contract.decode_refusal == "preempts-last":
+        run.expect("A's decode preempts", list(r.preempted), ["B"])
+        run.expect("A's decode got a block", len(r.value or ()), 1)
+        run.commit("A", 9)
+        run.free("A")
+        run.expect("B resumed reuses", run.admit("B", b), run.cap(16))
+        run.free("B")
+        return
+    run.expect("A's decode with no block free", r.status, "refused")
+    run.free("B")
+    run.expect("A's decode once B is freed allocates", run.append("A", [900]), 1)
+    run.free("A")
+
+
+CHUNKS = CacheOptions(chunk_budget=8, long_prefill_threshold=6)
+
+
+def _chunk(run: Run, left: int, others: bool) -> int:
+    """The scheduler's next chunk of a prompt with `left` tokens to compute, with or
+    without other requests running or waiting (the contract's chunking rule)."""
+    c = run.contract
+    chunk = min(left, c.chunk_budget or left)
+    capped = c.chunking == "token-budget" or (c.chunking == "token-budget-shared" and others)
+    if capped and c.long_prefill_threshold:
+        chunk = min(chunk, c.long_prefill_threshold)
+    return chunk
+
+
+def scheduler_chunks(run: Run) -> None:
+    """A 30-token prompt alone, then a 20-token prompt beside a running one, each
+    scheduled step by step in the engine's chunks (a budget of 8 tokens a step, a
+    long-prefill threshold of 6); then a prompt reusing the first one's blocks."""
+    a = toks(100, 30)
+    got = run.do(ops.admit("A", a))
+    done = got.value["scheduled_tokens"] if got.status == "done" else None
+    want = [_chunk(run, 30, False)]
+    seen = [done]
+    while done is not None and done < 30:
+        done = run.reserve("A", 30)
+        want.append(want[-1] + _chunk(run, 30 - want[-1], False))
+        seen.append(done)
+    run.expect("A's chunks (tokens scheduled after each step), alone", seen, want)
+    run.commit("A", 30)
+    b = toks(700, 20)
+    got = run.do(ops.admit("B", b))
+    done = got.value["scheduled_tokens"] if got.status == "done" else None
+    want, seen = [_chunk(run, 20, True)], [done]
+    while done is not None and done < 20:
+        done = run.reserve("B", 20)
+        want.append(want[-1] + _chunk(run, 20 - want[-1], True))
+        seen.append(done)
+    run.expect("B's chunks, beside A", seen, want)
+    run.commit("B", 20)
+    run.free("B")
+    run.free("A")
+    c = run.do(ops.admit("C", [*a, 1]))
+    run.expect("C reuses A's prompt", c.value["reused_tokens"] if c.status == "done" else None,
+               run.cap(31))
+    run.free("C")
+
+
+FIELD_SCOPES: dict[str, Scope | None] = {
+    "default": None, "salt 'x'": Scope(salt="x"), "LoRA a#1": Scope.lora("a", 1),
+    "salt 'y' + LoRA b#2": Scope.lora("b", 2, salt="y")}
+
+
+def event_fields(run: Run) -> None:
+    """The same 18-token prompt computed cold in each scope: each field the contract
+    says a BlockStored carries says what it should (its tokens, block size, parent, the
+    scope's salt and LoRA, one extra-keys entry per block with the salt in the first
+    only and the LoRA's name in every one, the full-attention group)."""
+    fields: set[str] = set(run.contract.event_fields)
+    prompt = toks(100, 18)
+    wrong: list[str] = []
+    for i, (label, scope) in enumerate(FIELD_SCOPES.items()):
+        start = len(run.reports)
+        run.admit(f"F{i}", prompt, scope)
+        run.commit(f"F{i}", 18)
+        run.free(f"F{i}")
+        stored = [e for r in run.reports[start:] for e in r.events
+                  if e.get("type") == "BlockStored"]
+        wrong += [f"{label}: {w}" for w in _field_problems(stored, fields, prompt,
+                                                           scope or Scope())]
+        run.observed[f"{label}: BlockStored events"] = len(stored)
+    if wrong:
+        run.failures.append(f"BlockStored fields: {'; '.join(wrong[:4])}"
+                            f"{' ...' if len(wrong) > 4 else ''}")
+
+
+def _field_problems(stored: list[dict[str, Any]], fields: set[str], prompt: list[int],
+                    scope: Scope) -> list[str]:
+    """What the `fields` of one cold prompt's BlockStored events get wrong."""
+    out: list[str] = []
+    if not stored:
+        return ["no BlockStored event"]
+    at, parent = 0, None
+    for e in stored:
+        hashes = [str(h) for h in e["block_hashes"]]
+        tokens = list(e.get("token_ids", ()))
+        if "parent_block_hash" in fields and e.get("parent_block_hash") != parent:
+            out.append(f"parent_block_hash {e.get('parent_block_hash')} after {parent}")
+        if "token_ids" in fields and (tokens != prompt[at:at + len(tokens)]
+                                      or not (len(hashes) - 1) * B < len(tokens)
+                                      <= len(hashes) * B):
+            out.append(f"token_ids {tokens} for {len(hashes)} blocks from token {at}")
+        if "block_size" in fields and e.get("block_size") != B:
+            out.append(f"block_size {e.get('block_size')}")
+        for name, value in (("salt", scope.salt), ("lora_id", scope.lora_id),
+                            ("lora_name", scope.lora_name)):
+            if name in fields and e.get(name) != value:
+                out.append(f"{name} {e.get(name)!r}, the scope's is {value!r}")
+        if "medium" in fields and not (isinstance(e.get("medium"), str) and e["medium"]):
+            out.append(f"medium {e.get('medium')!r}")
+        if "group_idx" in fields and e.get("group_idx") not in (0, None):
+            out.append(f"group_idx {e.get('group_idx')!r} for the full-attention group")
+        if "extra_keys" in fields:
+            out += _extra_key_problems(e.get("extra_keys"), len(hashes), at // B, scope)
+        at += len(hashes) * B
+        parent = hashes[-1]
+    return out
+
+
+def _extra_key_problems(extra: Any, num_blocks: int, first: int, scope: Scope) -> list[str]:
+    """One entry per block; the salt in block 0's entry alone; the LoRA's name in
+    every entry (vLLM's BlockStored: 'Each entry contains, in order, the LoRA name (if
+    lora_name is set), ... the cache_salt string ...')."""
+    if not isinstance(extra, list) or len(extra) != num_blocks:
+        return [f"extra_keys {extra!r}: not one entry per block ({num_blocks})"]
+    out = []
+    for i, entry in enumerate(extra):
+        values = _flat(entry)
+        if scope.salt is not None and (scope.salt in values) != (first + i == 0):
+            out.append(f"extra_keys of block {first + i}: {entry!r} (salt {scope.salt!r})")
+        if scope.lora_name is not None and scope.lora_name not in values:
+            out.append(f"extra_keys of block {first + i}: {entry!r} (LoRA "
+                       f"{scope.lora_name!r})")
+    return out
+
+
+def _flat(entry: Any) -> list[Any]:
+    if isinstance(entry, list):
+        return [x for item in entry for x in _flat(item)]
+    return [] if entry is None else [entry]
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("eviction_order", "eviction order", "under pressure the contract's policy names "
+          "the block that goes first", 10, eviction_order),
+    Check("preemption_resume", "preemption", "preempted mid-decode, resumed with its "
+          "output tokens: reuses what it computed", 32, preemption_resume,
+          needs=("preemption",)),
+    Check("decode_preempts", "preemption", "a decode step with no block free: refused, or "
+          "the last running request preempted", 6, decode_preempts, needs=("preemption",)),
+    Check("scheduler_chunks", "scheduler chunks", "prompts in the scheduler's chunks, alone "
+          "and beside another", 32, scheduler_chunks, needs=("scheduler_chunks",),
+          options=CHUNKS),
+    Check("event_fields", "router events", "BlockStored fields beyond the hash, per scope",
+          32, event_fields, needs=("event_fields",)),
+)
