@@ -62,49 +62,58 @@ def eviction_order(run: Run) -> None:
 
 
 def preemption_resume(run: Run) -> None:
-    """A computes a 10-token prompt and decodes two tokens, is preempted, and resumes
-    with its 12 tokens: it reuses what it computed (its blocks were freed, computed ones
-    kept cached), finishes, and a new request extending it reuses it all."""
-    prompt, out = toks(100, 10), [900, 901]
+    """A computes a 10-token prompt and decodes six tokens, is preempted, and resumes
+    with its 16 tokens: it reuses what the contract's preemption keeps (every block it
+    computed, freed and kept cached; or, retracted, only what it had published: its
+    prompt's whole blocks), finishes, and a new request extending it reuses it all."""
+    prompt, out = toks(100, 10), [900 + i for i in range(6)]
     run.admit("A", prompt)
     run.commit("A", 10)
     for i, t in enumerate(out):
         run.append("A", [t])
         run.commit("A", 11 + i)
     run.expect("preempt(A) preempts", list(run.preempt("A")), ["A"])
-    run.expect("A resumed with its prompt and output tokens reuses",
-               run.admit("A", prompt + out), run.cap(12))
-    run.commit("A", 12)
-    run.append("A", [902])
-    run.commit("A", 13)
+    kept = len(prompt) // B * B if run.contract.preemption == "retracts-decode" \
+        else run.cap(16)
+    run.expect(f"A resumed with its prompt and output tokens reuses "
+               f"({run.contract.preemption})", run.admit("A", prompt + out), kept)
+    run.commit("A", 16)
+    run.append("A", [906])
+    run.commit("A", 17)
     run.free("A")
-    run.expect("a new request extending A reuses", run.admit("B", [*prompt, *out, 902, 1]),
-               run.cap(14))
+    run.expect("a new request extending A reuses", run.admit("B", [*prompt, *out, 906, 1]),
+               run.cap(18))
     run.free("B")
 
 
 def decode_preempts(run: Run) -> None:
-    """A pool of 6: A holds 2 blocks, B (admitted later) 4; A's next token needs a
-    block. Under "preempts-last" the scheduler preempts B (the last running), A gets
-    its block, and B resumes later reusing what it computed; under "refused" the
-    decode is refused and works once B is freed."""
+    """A pool of 6: A holds 2 blocks, B (admitted later) the rest (less the blocks an
+    engine keeps free beyond an admission, `admission_reserve`, which A's decode steps
+    then take); A's next token needs a block. Under "preempts-last" the scheduler
+    preempts B (the last running), A gets its block, and B resumes later reusing what it
+    computed; under "refused" the decode is refused and works once B is freed."""
     run.admit("A", toks(100, 8))
     run.commit("A", 8)
-    b = toks(500, 16)
+    b = toks(500, (4 - run.contract.admission_reserve) * B)
     run.admit("B", b)
-    run.commit("B", 16)
+    run.commit("B", len(b))
+    length = 8
     r = run.do(ops.append("A", [900]))
+    while r.status == "done" and not r.preempted and length < 8 + run.contract.admission_reserve * B:
+        length += 1
+        run.commit("A", length)
+        r = run.do(ops.append("A", [900 + length - 8]))
     if run.contract.decode_refusal == "preempts-last":
         run.expect("A's decode preempts", list(r.preempted), ["B"])
         run.expect("A's decode got a block", len(r.value or ()), 1)
-        run.commit("A", 9)
+        run.commit("A", length + 1)
         run.free("A")
-        run.expect("B resumed reuses", run.admit("B", b), run.cap(16))
+        run.expect("B resumed reuses", run.admit("B", b), run.cap(len(b)))
         run.free("B")
         return
     run.expect("A's decode with no block free", r.status, "refused")
     run.free("B")
-    run.expect("A's decode once B is freed allocates", run.append("A", [900]), 1)
+    run.expect("A's decode once B is freed allocates", run.append("A", [900 + length - 7]), 1)
     run.free("A")
 
 
