@@ -62,7 +62,8 @@ EventField = Literal["parent_block_hash", "token_ids", "block_size", "salt", "lo
                      "lora_name", "medium", "extra_keys", "group_idx", "cache_salt",
                      "session_id"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
-OptionName = Literal["window", "chunk_budget", "long_prefill_threshold"]
+OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
+                     "state_interval"]
 
 
 def _str_or_none(value: Any, where: str) -> None:
@@ -148,15 +149,20 @@ def _count_or_none(value: Any, where: str) -> None:
 @dataclass(frozen=True)
 class CacheOptions:
     """How a cache is opened beyond its pool: a sliding window (tokens; the cache then
-    has a full-attention group and a sliding-window group, as a hybrid model's), and the
+    has a full-attention group and a sliding-window group, as a hybrid model's), the
     scheduler's token budget per step and long-prefill threshold (tokens) where the
-    engine's scheduler cuts prompts into chunks. None leaves the adapter's default (full
-    attention only; a budget no prompt reaches). An adapter honours the fields its
-    contract lists in `options`. Raises ValueError naming the bad field."""
+    engine's scheduler cuts prompts into chunks, a host tier of `host_blocks` blocks
+    behind the device pool, and a hybrid model's recurrent state kept every
+    `state_interval` blocks (a match then ends on such a block). None leaves the
+    adapter's default (full attention only; a budget no prompt reaches; no host tier; no
+    recurrent state). An adapter honours the fields its contract lists in `options`.
+    Raises ValueError naming the bad field."""
 
     window: int | None = None
     chunk_budget: int | None = None
     long_prefill_threshold: int | None = None
+    host_blocks: int | None = None
+    state_interval: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -275,7 +281,11 @@ class Contract:
     event_fields: the BlockStored fields beyond the hashes the engine fills in
       (`EventField`), kept in the normalised events.
     window: the sliding window (tokens) of the cache's window group; None: full
-      attention only. options: the `CacheOptions` fields the adapter honours.
+      attention only. host_blocks: the host tier behind the device pool (blocks; None:
+      none): an evicted block moves there and a later admission reuses it from there.
+      state_interval: the recurrent state is kept with every block ending a multiple of
+      this many blocks (None: no recurrent state), so a match ends on such a block.
+      options: the `CacheOptions` fields the adapter honours.
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.
@@ -315,6 +325,8 @@ class Contract:
     admission_fits: AdmissionFits = "chunk"
     event_fields: tuple[EventField, ...] = ()
     window: int | None = None
+    host_blocks: int | None = None
+    state_interval: int | None = None
     options: tuple[OptionName, ...] = ()
     replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
@@ -357,7 +369,8 @@ class Contract:
                               ("options", get_args(OptionName))):
             for v in getattr(self, name):
                 _choice(v, allowed, f"Contract.{name} entry")
-        for name in ("chunk_budget", "long_prefill_threshold", "window"):
+        for name in ("chunk_budget", "long_prefill_threshold", "window", "host_blocks",
+                     "state_interval"):
             _count_or_none(getattr(self, name), f"Contract.{name}")
         for entry in self.replicated:
             if len(entry) != 3 or not all(isinstance(x, str) and x for x in entry):

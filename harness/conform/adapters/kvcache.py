@@ -22,6 +22,7 @@ from typing import Any
 
 from harness.conform.protocol import (
     Admission,
+    CacheOptions,
     CacheUnderTest,
     Contract,
     CounterMeaning,
@@ -56,16 +57,23 @@ def package_dir() -> str:
     return os.path.dirname(kvcache.__file__)
 
 
-def contract(block_size: int) -> Contract:
-    """kvcache's contract: the reference semantics themselves."""
+def contract(block_size: int, options: CacheOptions | None = None) -> Contract:
+    """kvcache's contract: the reference semantics themselves, for a cache opened with
+    `options` (a host tier, recurrent-state snapshots: matches aligned to them, no
+    partial reuse)."""
+    host = None if options is None else options.host_blocks
+    interval = None if options is None else options.state_interval
+    aligned = interval is not None and interval > 1
     return Contract(
         engine="kvcache", version=kvcache_version(), block_size=block_size, id_unit="block",
         stats_unit="blocks", last_token_cap="manager", matchable_at="commit",
-        partial_reuse=True, copy_on_partial_reuse=True, scope_kinds=("salt", "lora"),
+        partial_reuse=not aligned, copy_on_partial_reuse=not aligned,
+        scope_kinds=("salt", "lora"),
         lora_identity=("lora_id",), scope_in_event_hash=("salt", "lora"),
         eviction_policy="priority-lru", explicit_evict=False, dedup_on_commit=True,
         chunked_allocation=False,
         counters=COUNTERS, bounded_oracle=True, preemption="frees-keeps-cached",
+        host_blocks=host, state_interval=interval, options=("host_blocks", "state_interval"),
         event_fields=("parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
                       "medium"),
         citations=(("*", "docs/design.md: the reuse rules, partial reuse, eviction"),
@@ -74,7 +82,12 @@ def contract(block_size: int) -> Contract:
                    ("preemption", "kvcache/engine/scheduler.py Scheduler.preempt: "
                                   "release (free_sequence: committed blocks stay cached), "
                                   "then recompute, reusing what survives"),
-                   ("event_fields", "kvcache/core/kv_events.py BlockStored")),
+                   ("event_fields", "kvcache/core/kv_events.py BlockStored"),
+                   ("host_blocks", "kvcache/core/host_tier.py: an evicted full block moves "
+                                   "to the host; an admission onboards it"),
+                   ("state_interval", "KvCacheConfig.reuse_alignment_blocks: every match "
+                                      "is cut to a multiple of this many blocks "
+                                      "(docs/design.md, 'Hybrid models')")),
         notes=("ReuseScope has no LoRA name or path: a LoRA is its id",))
 
 
@@ -84,7 +97,8 @@ class KvcacheCache:
     `record`: keep the event log and router events (off for benchmarks).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
         import kvcache  # here: the harness loads kvcache at run time only where it is adapted
         from kvcache.core import kv_events
 
@@ -93,10 +107,14 @@ class KvcacheCache:
         self._hash = kv_events.block_hash
         self._token_bytes = kv_events.token_bytes
         self._event_to_dict = kv_events.event_to_dict
+        self._contract = contract(block_size, options)
+        c = self._contract
         cfg = kvcache.KvCacheConfig(tokens_per_block=block_size, max_num_blocks=num_blocks,
-                                    enable_block_reuse=True)
+                                    enable_block_reuse=True,
+                                    enable_partial_reuse=c.partial_reuse,
+                                    reuse_alignment_blocks=c.state_interval or 1,
+                                    host_cache_blocks=c.host_blocks or 0)
         self.manager = kvcache.KvCacheManager(cfg, record_events=record, kv_events=record)
-        self._contract = contract(block_size)
         self._scopes: dict[Hashable, Scope | None] = {}
         self._preempted: list[Hashable] = []
         self._seen = 0  # events of the manager's log already taken
@@ -263,4 +281,9 @@ def load(cache: type[KvcacheCache] = KvcacheCache) -> LoadedEngine:
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
         return cache(num_blocks, block_size, record=record)
 
-    return LoadedEngine("kvcache", kvcache_version(), package_dir(), new, PACKAGE_MODULES, ())
+    def configured(num_blocks: int, block_size: int, record: bool,
+                   options: CacheOptions) -> CacheUnderTest:
+        return cache(num_blocks, block_size, record=record, options=options)
+
+    return LoadedEngine("kvcache", kvcache_version(), package_dir(), new, PACKAGE_MODULES, (),
+                        configured)

@@ -24,7 +24,9 @@ After every op (`Judge.observe`):
   duplicates such an engine keeps counted as unavailable) and changed nothing (state,
   counters, events, log).
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
-  blocks the cache holds (`cached_hashes`), and no op removes a block it keeps. A
+  blocks the cache holds on its device (`cached_hashes`; a host tier's blocks are
+  folded under their own medium), and no op removes a block it keeps (a block moved
+  between tiers is removed from one medium and stored on the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
 - stats: each engine counter the contract lists equals what the admissions add up to;
@@ -65,6 +67,7 @@ ORDER_MODELS: dict[str, Callable[[int, int], FreeQueue]] = {
     "lru-blocks-tail-first": lambda n, b: FreeQueue(n, b, uncached_first=False),
     "lru-blocks-tail-first-uncached-first": lambda n, b: FreeQueue(n, b, uncached_first=True)}
 _EVERY_POSITION = 2**40  # a window wider than any context: positions as the events say
+DEVICE = "GPU"  # the medium of the device pool's events (a host tier's is "CPU")
 
 
 class Violation(NamedTuple):
@@ -77,9 +80,12 @@ class Violation(NamedTuple):
 
 def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
     """The reuse oracle's config under `contract` for a pool of `num_blocks`."""
+    bounded = contract.bounded_oracle
     return OracleConfig(contract.block_size, enable_partial_reuse=contract.partial_reuse,
                         copy_on_partial_reuse=contract.copy_on_partial_reuse,
-                        max_num_blocks=num_blocks if contract.bounded_oracle else None,
+                        reuse_alignment_blocks=contract.state_interval or 1,
+                        max_num_blocks=num_blocks if bounded else None,
+                        host_cache_blocks=(contract.host_blocks or 0) if bounded else 0,
                         unreused_tail=contract.unreused_tail)
 
 
@@ -387,26 +393,31 @@ class Judge:
                     and not self._order_known():
                 self.exact = False  # blocks left the cache; the count oracle keeps them
             return
-        before: Counter[Any] = Counter(self.index.cached())
-        removed: Counter[str] = Counter()
-        stored: Counter[str] = Counter()
+        # by (medium, hash): a block offloaded to a host tier is removed from the device
+        # and stored on the host in one op, which is a move, not churn
+        before: Counter[Any] = Counter(self.index.counts)
+        removed: Counter[Any] = Counter()
+        stored: Counter[Any] = Counter()
         for event in r.events:
             kind = event.get("type")
             dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
                                                  and bool(self.index.cached()))
             if dropped and not self.contract.bounded_oracle and not self._order_known():
                 self.exact = False  # the count oracle's model keeps every block
+            medium = event.get("medium", DEVICE)
             if kind == "BlockRemoved":
-                removed.update(event.get("block_hashes", ()))
+                removed.update((medium, h) for h in event.get("block_hashes", ()))
             elif kind == "BlockStored":
-                stored.update(event.get("block_hashes", ()))
+                stored.update((medium, h) for h in event.get("block_hashes", ()))
             try:
                 self.index.apply(event)
             except (ValueError, KeyError, TypeError) as exc:
                 say("events", f"after {r.op.describe()}: event {event} does not fold: {exc}")
                 return
-        after: Counter[Any] = Counter(self.index.cached())
-        churn = sorted(h for h in removed if h in stored and after[h] >= before[h] > 0)
+        after_keys: Counter[Any] = Counter(self.index.counts)
+        churn = sorted(h for key in removed if key in stored
+                       and after_keys[key] >= before[key] > 0 for h in key[1:])
+        after: Counter[Any] = Counter(self.index.cached(DEVICE))  # what the device holds
         if churn:
             say("events", f"{r.op.describe()} published BlockRemoved and BlockStored again "
                           f"for blocks it kept cached ({churn[:4]}): a router folding in "

@@ -23,7 +23,7 @@ from harness.conform.controller.report import Report, markdown
 from harness.conform.controller.runner import run_check
 from harness.conform.controller.targets import LocalTarget
 from harness.conform.ops import Op
-from harness.conform.protocol import Contract, Stats
+from harness.conform.protocol import CacheOptions, Contract, Stats
 from harness.conform.worker.session import Session, StepReport
 
 A18 = list(range(100, 118))
@@ -169,9 +169,10 @@ def test_blocks_taken_ahead_are_the_engines_own_count(ahead: int, found: list[st
 class DecodeSteps(KvcacheCache):
     """kvcache's manager under a contract whose appends are one-token decode steps."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
-        super().__init__(num_blocks, block_size, record=record)
-        self._contract = replace(kvcache_contract(block_size), decode_steps=True)
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
+        super().__init__(num_blocks, block_size, record=record, options=options)
+        self._contract = replace(self._contract, decode_steps=True)
 
 
 def test_a_decode_step_is_one_token_after_every_token_is_computed() -> None:
