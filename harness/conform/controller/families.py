@@ -110,7 +110,8 @@ class Run:
         return reach if self.contract.partial_reuse else reach // B * B
 
 
-Need = Literal["scopes", "events", "preemption", "scheduler_chunks", "event_fields"]
+Need = Literal["scopes", "events", "preemption", "scheduler_chunks", "event_fields",
+               "decode_blocks"]
 # what a family needs from the engine, and why a contract without it skips the family
 _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "scopes": (lambda c: bool(c.scope_kinds), "the engine keys its cache on no scope "
@@ -122,6 +123,8 @@ _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "scheduler_chunks": (lambda c: c.chunking != "caller", "the engine's scheduler does "
                          "not run here: the caller chooses the chunks (chunked_admission "
                          "covers those)"),
+    "decode_blocks": (lambda c: not c.allocates_ahead, "the engine takes decode blocks "
+                      "ahead of the tokens: what a decode step needs is its own"),
     "event_fields": (lambda c: c.events and bool(c.event_fields), "the engine's events "
                      "carry no field beyond the hashes")}
 

@@ -262,7 +262,7 @@ class Judge:
             self._follow_order(ev, say)
         if self.order is not None and r.op.kind == "evict" and r.status == "done" \
                 and "eviction" not in self.broken:
-            self._forget(self.order.evict(r.op, int(r.value)))
+            self._forget(self.order.evict(r.op, int(r.value)), say)
         wanted = 1 if r.op.kind == "admit" and r.status == "done" else 0
         if admits != wanted:
             say("log", f"{r.op.describe()} ({r.status}) logged {admits} admissions")
@@ -283,11 +283,21 @@ class Judge:
             say("eviction", step.problem)
             self.exact = False  # the count oracle no longer learns what left the cache
             return
-        self._forget(step.evicted)
+        self._forget(step.evicted, say)
 
-    def _forget(self, keys: Any) -> None:
+    def _forget(self, keys: Any, say: Any) -> None:
+        """Tell the count oracle which blocks left the cache (its model no longer
+        follows an engine it found wrong: then nothing)."""
+        if "count" in self.broken:
+            return
         for scope, tokens in keys:
-            self.reuse.forget(scope, tokens)
+            try:
+                self.reuse.forget(scope, tokens)
+            except ValueError as exc:  # the engine gave away a block it still serves
+                say("eviction", f"the eviction order took a block the count oracle holds "
+                                f"for a live sequence ({exc})")
+                self.exact = False
+                return
 
     def _feed(self, oracle: str, say: Any, apply: Any, ev: Any) -> Any:
         if oracle in self.broken:

@@ -246,7 +246,8 @@ CHECKS: tuple[Check, ...] = (
           "output tokens: reuses what it computed", 32, preemption_resume,
           needs=("preemption",)),
     Check("decode_preempts", "preemption", "a decode step with no block free: refused, or "
-          "the last running request preempted", 6, decode_preempts, needs=("preemption",)),
+          "the last running request preempted", 6, decode_preempts,
+          needs=("decode_blocks",)),
     Check("scheduler_chunks", "scheduler chunks", "prompts in the scheduler's chunks, alone "
           "and beside another", 32, scheduler_chunks, needs=("scheduler_chunks",),
           options=CHUNKS),
