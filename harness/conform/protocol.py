@@ -53,6 +53,10 @@ AdmissionFits = Literal["chunk", "prompt"]
 # Fields of a BlockStored event beyond its hashes that the engine fills in.
 EventField = Literal["parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
                      "lora_name", "medium", "extra_keys", "group_idx"]
+# How a windowed cache's groups lie: every layer windowed ("window-only", kvcache's), or a
+# full-attention group beside a sliding-window group (a hybrid model's: vLLM's
+# HybridKVCacheCoordinator), whose window blocks the windowNumBlocks gauge counts.
+WindowLayout = Literal["window-only", "full-and-window"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold"]
 
@@ -183,7 +187,8 @@ class Stats(NamedTuple):
     (usedNumBlocks, freeNumBlocks, cachedNumBlocks, maxNumBlocks, tokensPerBlock,
     reusedBlocks, missedBlocks, reusedTokens; aheadNumBlocks: of the used blocks, those
     live sequences hold beyond their tokens' positions, where the contract
-    `allocates_ahead`)."""
+    `allocates_ahead`; windowNumBlocks: of the used blocks, those of the sliding-window
+    group, where the contract's `window_layout` is "full-and-window")."""
 
     engine: dict[str, int | float]
     harness: dict[str, int | float]
@@ -248,7 +253,10 @@ class Contract:
     event_fields: the BlockStored fields beyond the hashes the engine fills in
       (`EventField`), kept in the normalised events.
     window: the sliding window (tokens) of the cache's window group; None: full
-      attention only. options: the `CacheOptions` fields the adapter honours.
+      attention only. window_layout: how the groups lie (`WindowLayout`): under
+      "full-and-window" the block ids and the log are the full-attention group's, and
+      the window group's blocks are counted apart (windowNumBlocks). options: the
+      `CacheOptions` fields the adapter honours.
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.
@@ -287,6 +295,7 @@ class Contract:
     admission_fits: AdmissionFits = "chunk"
     event_fields: tuple[EventField, ...] = ()
     window: int | None = None
+    window_layout: WindowLayout = "window-only"
     options: tuple[OptionName, ...] = ()
     replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
@@ -304,7 +313,8 @@ class Contract:
                  "eviction_policy": get_args(EvictionPolicy),
                  "preemption": get_args(Preemption),
                  "decode_refusal": get_args(DecodeRefusal), "chunking": get_args(Chunking),
-                 "admission_fits": get_args(AdmissionFits)}
+                 "admission_fits": get_args(AdmissionFits),
+                 "window_layout": get_args(WindowLayout)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
         tail = self.unreused_tail

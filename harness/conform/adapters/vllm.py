@@ -154,7 +154,12 @@ class VllmNames:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
         from vllm.v1.request import Request
 
         try:
@@ -170,6 +175,7 @@ class VllmNames:
         self.utils = kv_cache_utils
         self.KVCacheManager = KVCacheManager
         self.FullAttentionSpec = FullAttentionSpec
+        self.SlidingWindowSpec = SlidingWindowSpec
         self.KVCacheConfig = KVCacheConfig
         self.KVCacheGroupSpec = KVCacheGroupSpec
         self.Request = Request
@@ -191,14 +197,23 @@ def _hash_text(h: Any) -> str:
 MAX_MODEL_LEN = 1 << 16
 
 
-def kv_cache_config(v: VllmNames, num_blocks: int, block_size: int) -> Any:
-    """One full-attention group over `num_blocks` blocks (and the null block)."""
-    spec_fields = {f.name for f in dataclasses.fields(v.FullAttentionSpec)}
-    spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
-                               dtype=v.torch.float32,
-                               **({"use_mla": False} if "use_mla" in spec_fields else {}))
+def kv_cache_config(v: VllmNames, num_blocks: int, block_size: int,
+                    window: int | None = None) -> Any:
+    """One full-attention group over `num_blocks` blocks (and the null block); with a
+    `window`, a sliding-window group beside it, as a hybrid model's (one pool for both,
+    `HybridKVCacheCoordinator`)."""
+    def spec(cls: Any, **extra: Any) -> Any:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(block_size=block_size, num_kv_heads=1, head_size=8,
+                   dtype=v.torch.float32,
+                   **({"use_mla": False} if "use_mla" in names else {}), **extra)
+
+    groups = [v.KVCacheGroupSpec(["layer.0"], spec(v.FullAttentionSpec))]
+    if window is not None:
+        groups.append(v.KVCacheGroupSpec(["layer.1"], spec(v.SlidingWindowSpec,
+                                                           sliding_window=window)))
     return v.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],
-                           kv_cache_groups=[v.KVCacheGroupSpec(["layer.0"], spec)])
+                           kv_cache_groups=groups)
 
 
 class VllmCache:
@@ -297,8 +312,16 @@ class VllmCache:
         return v.Request(**{k: x for k, x in kwargs.items() if k in v.request_params})
 
     def _ids(self, seq_id: Hashable) -> list[int]:
+        """The sequence's blocks of the full-attention group (the harness's view)."""
         groups = self.manager.get_block_ids(str(seq_id))
         return list(groups[0]) if groups else []
+
+    def _window_ids(self, seq_id: Hashable) -> list[int]:
+        """Its blocks of the sliding-window group, the null block left out (none
+        without a window group)."""
+        groups = self.manager.get_block_ids(str(seq_id))
+        null = self.pool.null_block.block_id
+        return [b for b in groups[1] if b != null] if groups and len(groups) > 1 else []
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
               first_chunk: int | None) -> Admission | None:
@@ -419,6 +442,7 @@ class VllmCache:
         """The totals so far, with the pool's gauges."""
         free = self.pool.get_num_free_blocks()
         cached = sum(1 for b in self.pool.blocks if b.block_hash is not None)
+        window = sum(len(self._window_ids(s)) for s in self._reqs)
         engine: dict[str, int | float] = {**self._engine_stats, "num_free_blocks": free,
                                           "usage": self.pool.get_usage(),
                                           "num_gpu_blocks": self.pool.num_gpu_blocks}
@@ -430,6 +454,8 @@ class VllmCache:
             "tokensPerBlock": self.block_size, "reusedTokens": hits,
             "reusedBlocks": hits // self.block_size,
             "missedBlocks": -(-queries // self.block_size) - hits // self.block_size}
+        if self._contract.window is not None:
+            harness["windowNumBlocks"] = window
         return Stats(engine, harness)
 
     def take_events(self) -> list[dict[str, Any]]:
@@ -459,7 +485,7 @@ class VllmCache:
         exactly the unreferenced blocks."""
         holds: dict[int, int] = {}
         for seq_id in self._reqs:
-            for b in self._ids(seq_id):
+            for b in self._ids(seq_id) + self._window_ids(seq_id):
                 if b != self.pool.null_block.block_id:
                     holds[b] = holds.get(b, 0) + 1
         out = [f"block {b.block_id}: ref_cnt {b.ref_cnt}, held by "

@@ -212,7 +212,8 @@ class Scheduling:
         config.model_config = TextModel(MAX_MODEL_LEN)
         config.cache_config.num_gpu_blocks = num_blocks + 1
         kwargs = {"vllm_config": config,
-                  "kv_cache_config": kv_cache_config(self.v, num_blocks, block_size),
+                  "kv_cache_config": kv_cache_config(self.v, num_blocks, block_size,
+                                                     options.window),
                   "structured_output_manager": self.StructuredOutputManager(config),
                   "block_size": block_size, "log_stats": True,
                   "hash_block_size": block_size}
@@ -242,7 +243,8 @@ def scheduler_contract(version: str, block_size: int, explicit_evict: bool,
         chunk_budget=options.chunk_budget,
         long_prefill_threshold=options.long_prefill_threshold,
         admission_fits="prompt" if full_prompt else "chunk",
-        options=("chunk_budget", "long_prefill_threshold"), replicated=REPLICATED,
+        options=("window", "chunk_budget", "long_prefill_threshold"),
+        window=options.window, window_layout="full-and-window", replicated=REPLICATED,
         citations=(*base.citations,
                    ("decode_refusal", "v1/core/sched/scheduler.py Scheduler.schedule: 'The "
                                       "request cannot be scheduled. Preempt the "
@@ -255,7 +257,12 @@ def scheduler_contract(version: str, block_size: int, explicit_evict: bool,
                                 "starve', the threshold waits for a second request)"),
                    ("admission_fits", "SchedulerConfig.scheduler_reserve_full_isl: 'checks "
                                       "whether the full input sequence length fits in "
-                                      "the KV cache before admitting a new request'")),
+                                      "the KV cache before admitting a new request'"),
+                   ("window", "kv_cache_coordinator.py HybridKVCacheCoordinator over a "
+                              "FullAttentionSpec and a SlidingWindowSpec group; "
+                              "single_type_kv_cache_manager.py SlidingWindowManager: "
+                              "blocks before num_computed_tokens - sliding_window + 1 are "
+                              "freed at the next allocate_slots")),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
                             "update_from_output; stats are read from the step's "
                             "SchedulerStats"))

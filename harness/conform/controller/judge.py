@@ -27,6 +27,9 @@ After every op (`Judge.observe`):
   blocks the cache holds (`cached_hashes`), and no op removes a block it keeps. A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
+- capacity, window group: under a "full-and-window" layout the window group holds what
+  `window_group.WindowGroup` says (the windowNumBlocks gauge), and the full-attention
+  checks above count the used blocks less those.
 - stats: each engine counter the contract lists equals what the admissions add up to;
   the harness-named gauges agree with the state.
 - leaks: the plugin's leak check (`harness.oracle.leaks.leak_problems`) over the
@@ -46,6 +49,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 from harness.conform.controller.eviction import FreeQueue
+from harness.conform.controller.window_group import WindowGroup
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, CounterMeaning
 from harness.conform.worker.session import StepReport
@@ -124,6 +128,9 @@ class Judge:
         model = ORDER_MODELS.get(contract.eviction_policy)
         self.order = model(num_blocks, B) if model is not None and contract.window is None \
             and contract.id_unit == "block" and not contract.bounded_oracle else None
+        self.window_group = WindowGroup(contract.window, B) \
+            if contract.window is not None and contract.window_layout == "full-and-window" \
+            else None
         self.broken: set[str] = set()
         self.totals: Counter[str] = Counter()  # CounterMeaning -> value so far
         self.step = 0
@@ -218,6 +225,8 @@ class Judge:
         """Blocks `op` needs at least (None: not an allocation, or not known)."""
         B = self.contract.block_size
         tail = self.contract.unreused_tail
+        if self.window_group is not None:
+            return None  # what both groups need is the engine's own sum: not judged
         if op.kind == "admit":
             scope = self.contract.scope_key(op.scope)
             # after an eviction the oracle over-predicts hits: assume none (the most need)
@@ -260,6 +269,8 @@ class Judge:
                 self._feed("count", say, self.reuse.apply, ev)
             self._track(ev)
             self._follow_order(ev, say)
+            if self.window_group is not None:
+                self.window_group.apply(ev)
         if self.order is not None and r.op.kind == "evict" and r.status == "done" \
                 and "eviction" not in self.broken:
             self._forget(self.order.evict(r.op, int(r.value)), say)
@@ -357,14 +368,24 @@ class Judge:
     def _held(self, r: StepReport) -> int:
         """Blocks the live sequences hold for their tokens' positions: the engine's used
         blocks less those an allocating-ahead engine holds beyond them (its
-        aheadNumBlocks gauge)."""
+        aheadNumBlocks gauge) and those of a hybrid cache's window group
+        (windowNumBlocks)."""
         ahead = r.stats.harness.get("aheadNumBlocks", 0) if self.contract.allocates_ahead \
             else 0
-        return r.used_blocks - int(ahead)
+        window = r.stats.harness.get("windowNumBlocks", 0) if self.window_group else 0
+        return r.used_blocks - int(ahead) - int(window)
 
     def _check_capacity(self, r: StepReport, say: Any) -> None:
         if "capacity" in self.broken:
             return
+        if self.window_group is not None:
+            want, got = self.window_group.held(), r.stats.harness.get("windowNumBlocks")
+            if got != want:
+                say("capacity", f"after {r.op.describe()}: the window group holds {got} "
+                                f"blocks (windowNumBlocks); its live sequences need {want} "
+                                f"(window {self.contract.window}: the blocks before "
+                                "computed - window + 1 are freed at each allocation)")
+                return
         where = r.op.describe()
         if self.contract.dedup_on_commit:
             return  # checked exactly with the events (`_replay_log`)
