@@ -475,8 +475,10 @@ class SchedulerCache(VllmCache):
 
     def preempt(self, seq_id: Hashable) -> None:
         """`Scheduler._preempt_request` on the sequence (out of Scheduler.running
-        first, as the scheduler pops its victim): its blocks are freed, computed ones
-        stay cached; it waits to be resumed."""
+        first, as the scheduler pops its victim), then the rest of that step, which does
+        not schedule it (vLLM preempts inside a step; 0.16.0 asserts that a resumed
+        request was not scheduled in the step before): its blocks are freed, computed
+        ones stay cached; it waits to be resumed."""
         req = self._reqs[seq_id]
         self._unpark(seq_id)
         self.scheduler.running.remove(req)
@@ -486,6 +488,7 @@ class SchedulerCache(VllmCache):
         self._preempted[seq_id] = req
         self._victims.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
+        self._step(self._budget)
 
     def take_preempted(self) -> list[Hashable]:
         """The sequences preempted since the last call, in order."""
