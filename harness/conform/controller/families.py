@@ -125,8 +125,8 @@ _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
                          "covers those)"),
     "decode_blocks": (lambda c: not c.allocates_ahead, "the engine takes decode blocks "
                       "ahead of the tokens: what a decode step needs is its own"),
-    "event_fields": (lambda c: c.events and bool(c.event_fields), "the engine's events "
-                     "carry no field beyond the hashes")}
+    "event_fields": (lambda c: bool(c.event_fields), "the contract lists no event field "
+                     "beyond the hashes")}
 
 
 @dataclass(frozen=True)

@@ -283,7 +283,7 @@ CHECKS: tuple[Check, ...] = (
           "and beside another", 32, scheduler_chunks, needs=("scheduler_chunks",),
           options=CHUNKS),
     Check("event_fields", "router events", "BlockStored fields beyond the hash, per scope",
-          32, event_fields, needs=("event_fields",)),
+          32, event_fields, needs=("events", "event_fields")),
     Check("sliding_window", "sliding window", "a window of 8: chunks and decode release "
           "blocks before it; what was computed is reused", 32, sliding_window,
           options=WINDOW),
