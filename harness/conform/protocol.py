@@ -61,6 +61,10 @@ AdmissionFits = Literal["chunk", "prompt"]
 EventField = Literal["parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
                      "lora_name", "medium", "extra_keys", "group_idx", "cache_salt",
                      "session_id"]
+# How a windowed cache's groups lie: every layer windowed ("window-only", kvcache's), or a
+# full-attention group beside a sliding-window group (a hybrid model's: vLLM's
+# HybridKVCacheCoordinator), whose window blocks the windowNumBlocks gauge counts.
+WindowLayout = Literal["window-only", "full-and-window"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]
@@ -204,7 +208,8 @@ class Stats(NamedTuple):
     (usedNumBlocks, freeNumBlocks, cachedNumBlocks, maxNumBlocks, tokensPerBlock,
     reusedBlocks, missedBlocks, reusedTokens; aheadNumBlocks: of the used blocks, those
     live sequences hold beyond their tokens' positions, where the contract
-    `allocates_ahead`)."""
+    `allocates_ahead`; windowNumBlocks: of the used blocks, those of the sliding-window
+    group, where the contract's `window_layout` is "full-and-window")."""
 
     engine: dict[str, int | float]
     harness: dict[str, int | float]
@@ -281,11 +286,14 @@ class Contract:
     event_fields: the BlockStored fields beyond the hashes the engine fills in
       (`EventField`), kept in the normalised events.
     window: the sliding window (tokens) of the cache's window group; None: full
-      attention only. host_blocks: the host tier behind the device pool (blocks; None:
-      none): an evicted block moves there and a later admission reuses it from there.
-      state_interval: the recurrent state is kept with every block ending a multiple of
-      this many blocks (None: no recurrent state), so a match ends on such a block.
-      options: the `CacheOptions` fields the adapter honours.
+      attention only. window_layout: how the groups lie (`WindowLayout`): under
+      "full-and-window" the block ids and the log are the full-attention group's, and
+      the window group's blocks are counted apart (windowNumBlocks). host_blocks: the
+      host tier behind the device pool (blocks; None: none): an evicted block moves
+      there and a later admission reuses it from there. state_interval: the recurrent
+      state is kept with every block ending a multiple of this many blocks (None: no
+      recurrent state), so a match ends on such a block. options: the `CacheOptions`
+      fields the adapter honours.
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.
@@ -325,6 +333,7 @@ class Contract:
     admission_fits: AdmissionFits = "chunk"
     event_fields: tuple[EventField, ...] = ()
     window: int | None = None
+    window_layout: WindowLayout = "window-only"
     host_blocks: int | None = None
     state_interval: int | None = None
     options: tuple[OptionName, ...] = ()
@@ -344,7 +353,8 @@ class Contract:
                  "eviction_policy": get_args(EvictionPolicy),
                  "preemption": get_args(Preemption),
                  "decode_refusal": get_args(DecodeRefusal), "chunking": get_args(Chunking),
-                 "admission_fits": get_args(AdmissionFits)}
+                 "admission_fits": get_args(AdmissionFits),
+                 "window_layout": get_args(WindowLayout)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
         reserve = self.admission_reserve

@@ -111,7 +111,7 @@ class Run:
 
 
 Need = Literal["scopes", "events", "extra_key", "preemption", "scheduler_chunks",
-               "event_fields"]
+               "event_fields", "decode_blocks"]
 # what a family needs from the engine, and why a contract without it skips the family
 _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "scopes": (lambda c: bool(c.scope_kinds), "the engine keys its cache on no scope "
@@ -125,8 +125,10 @@ _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "scheduler_chunks": (lambda c: not c.chunking.startswith("caller"), "the engine's "
                          "scheduler does not run here: the caller chooses the chunks "
                          "(chunked_admission covers those)"),
-    "event_fields": (lambda c: c.events and bool(c.event_fields), "the engine's events "
-                     "carry no field beyond the hashes")}
+    "decode_blocks": (lambda c: not c.allocates_ahead, "the engine takes decode blocks "
+                      "ahead of the tokens: what a decode step needs is its own"),
+    "event_fields": (lambda c: bool(c.event_fields), "the contract lists no event field "
+                     "beyond the hashes")}
 
 
 @dataclass(frozen=True)

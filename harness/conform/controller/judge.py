@@ -29,6 +29,9 @@ After every op (`Judge.observe`):
   between tiers is removed from one medium and stored on the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
+- capacity, window group: under a "full-and-window" layout the window group holds what
+  `window_group.WindowGroup` says (the windowNumBlocks gauge), and the full-attention
+  checks above count the used blocks less those.
 - stats: each engine counter the contract lists equals what the admissions add up to;
   the harness-named gauges agree with the state.
 - leaks: the plugin's leak check (`harness.oracle.leaks.leak_problems`) over the
@@ -48,6 +51,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 from harness.conform.controller.eviction import FreeQueue
+from harness.conform.controller.window_group import WindowGroup
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, CounterMeaning
 from harness.conform.worker.session import StepReport
@@ -130,6 +134,9 @@ class Judge:
         model = ORDER_MODELS.get(contract.eviction_policy)
         self.order = model(num_blocks, B) if model is not None and contract.window is None \
             and contract.id_unit == "block" and not contract.bounded_oracle else None
+        self.window_group = WindowGroup(contract.window, B) \
+            if contract.window is not None and contract.window_layout == "full-and-window" \
+            else None
         self.broken: set[str] = set()
         self.totals: Counter[str] = Counter()  # CounterMeaning -> value so far
         self.step = 0
@@ -224,6 +231,8 @@ class Judge:
         """Blocks `op` needs at least (None: not an allocation, or not known)."""
         B = self.contract.block_size
         tail = self.contract.unreused_tail
+        if self.window_group is not None:
+            return None  # what both groups need is the engine's own sum: not judged
         if op.kind == "admit":
             scope = self.contract.scope_key(op.scope)
             # after an eviction the oracle over-predicts hits: assume none (the most need)
@@ -269,9 +278,11 @@ class Judge:
                 self._feed("count", say, self.reuse.apply, ev)
             self._track(ev)
             self._follow_order(ev, say)
+            if self.window_group is not None:
+                self.window_group.apply(ev)
         if self.order is not None and r.op.kind == "evict" and r.status == "done" \
                 and "eviction" not in self.broken:
-            self._forget(self.order.evict(r.op, int(r.value)))
+            self._forget(self.order.evict(r.op, int(r.value)), say)
         wanted = 1 if r.op.kind == "admit" and r.status == "done" else 0
         if admits != wanted:
             say("log", f"{r.op.describe()} ({r.status}) logged {admits} admissions")
@@ -292,11 +303,21 @@ class Judge:
             say("eviction", step.problem)
             self.exact = False  # the count oracle no longer learns what left the cache
             return
-        self._forget(step.evicted)
+        self._forget(step.evicted, say)
 
-    def _forget(self, keys: Any) -> None:
+    def _forget(self, keys: Any, say: Any) -> None:
+        """Tell the count oracle which blocks left the cache (its model no longer
+        follows an engine it found wrong: then nothing)."""
+        if "count" in self.broken:
+            return
         for scope, tokens in keys:
-            self.reuse.forget(scope, tokens)
+            try:
+                self.reuse.forget(scope, tokens)
+            except ValueError as exc:  # the engine gave away a block it still serves
+                say("eviction", f"the eviction order took a block the count oracle holds "
+                                f"for a live sequence ({exc})")
+                self.exact = False
+                return
 
     def _feed(self, oracle: str, say: Any, apply: Any, ev: Any) -> Any:
         if oracle in self.broken:
@@ -356,14 +377,24 @@ class Judge:
     def _held(self, r: StepReport) -> int:
         """Blocks the live sequences hold for their tokens' positions: the engine's used
         blocks less those an allocating-ahead engine holds beyond them (its
-        aheadNumBlocks gauge)."""
+        aheadNumBlocks gauge) and those of a hybrid cache's window group
+        (windowNumBlocks)."""
         ahead = r.stats.harness.get("aheadNumBlocks", 0) if self.contract.allocates_ahead \
             else 0
-        return r.used_blocks - int(ahead)
+        window = r.stats.harness.get("windowNumBlocks", 0) if self.window_group else 0
+        return r.used_blocks - int(ahead) - int(window)
 
     def _check_capacity(self, r: StepReport, say: Any) -> None:
         if "capacity" in self.broken:
             return
+        if self.window_group is not None:
+            want, got = self.window_group.held(), r.stats.harness.get("windowNumBlocks")
+            if got != want:
+                say("capacity", f"after {r.op.describe()}: the window group holds {got} "
+                                f"blocks (windowNumBlocks); its live sequences need {want} "
+                                f"(window {self.contract.window}: the blocks before "
+                                "computed - window + 1 are freed at each allocation)")
+                return
         where = r.op.describe()
         if self.contract.dedup_on_commit:
             return  # checked exactly with the events (`_replay_log`)

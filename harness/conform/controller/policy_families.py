@@ -12,6 +12,10 @@ from the contract's fields (blocks of B = 4 tokens, numbers checkable by hand):
     scheduler_chunks     a prompt in the chunks the engine's scheduler makes
                          (`chunking`, `chunk_budget`, `long_prefill_threshold`)
     event_fields         what a BlockStored says beyond its hashes (`event_fields`)
+    sliding_window       a cache with a window (`window`, `window_layout`): a prompt in
+                         chunks and decoded past the window holds only the window's
+                         blocks (the judge), and what it computed is reused, at its end
+                         and in its middle
 
 Each is skipped, saying why, where the contract lacks what it needs.
 """
@@ -248,6 +252,33 @@ def _flat(entry: Any) -> list[Any]:
     return [] if entry is None else [entry]
 
 
+WINDOW = CacheOptions(window=8)
+
+
+def sliding_window(run: Run) -> None:
+    """A window of 8 tokens: A's 24-token prompt in chunks of 8, then five decoded
+    tokens, each step releasing the blocks before the window (the judge counts them);
+    once A is freed, B extending A's tokens reuses all its full blocks, and D sharing
+    A's first 16 tokens reuses those (the window's blocks there were released but stay
+    cached)."""
+    a = toks(100, 24)
+    run.admit("A", a, first_chunk=8)
+    run.commit("A", 8)
+    for end in (16, 24):
+        run.expect(f"A's chunk up to {end} is scheduled", run.reserve("A", end), end)
+        run.commit("A", end)
+    out = [900 + i for i in range(5)]
+    for i, t in enumerate(out):
+        run.append("A", [t])
+        run.commit("A", 25 + i)
+    run.free("A")
+    run.expect("B extending A's tokens reuses", run.admit("B", [*a, *out, 1]), run.cap(30))
+    run.free("B")
+    run.expect("D sharing A's first 16 tokens reuses", run.admit("D", [*a[:16], *toks(700, 8)]),
+               min(16, run.cap(24)))
+    run.free("D")
+
+
 CHECKS: tuple[Check, ...] = (
     Check("eviction_order", "eviction order", "under pressure the contract's policy names "
           "the block that goes first", 10, eviction_order),
@@ -255,10 +286,14 @@ CHECKS: tuple[Check, ...] = (
           "output tokens: reuses what it computed", 32, preemption_resume,
           needs=("preemption",)),
     Check("decode_preempts", "preemption", "a decode step with no block free: refused, or "
-          "the last running request preempted", 6, decode_preempts, needs=("preemption",)),
+          "the last running request preempted", 6, decode_preempts,
+          needs=("decode_blocks",)),
     Check("scheduler_chunks", "scheduler chunks", "prompts in the scheduler's chunks, alone "
           "and beside another", 32, scheduler_chunks, needs=("scheduler_chunks",),
           options=CHUNKS),
     Check("event_fields", "router events", "BlockStored fields beyond the hash, per scope",
-          32, event_fields, needs=("event_fields",)),
+          32, event_fields, needs=("events", "event_fields")),
+    Check("sliding_window", "sliding window", "a window of 8: chunks and decode release "
+          "blocks before it; what was computed is reused", 32, sliding_window,
+          options=WINDOW),
 )

@@ -76,13 +76,14 @@ def test_scope_and_event_families_are_skipped_with_the_reason() -> None:
     reasons = {check.name: check.skip_reason(c) for check in CHECKS}
     assert {n for n, why in reasons.items() if why} == {
         "scope_isolation", "scope_event_hashes", "extra_key_isolation", "preemption_resume",
-        "decode_preempts", "scheduler_chunks", "event_fields", "host_tier", "hybrid_state"}
+        "decode_preempts", "scheduler_chunks", "event_fields", "sliding_window", "host_tier",
+        "hybrid_state"}
     assert "keys its cache on no scope" in str(reasons["scope_isolation"])
     assert "publishes no router events" in str(reasons["scope_event_hashes"])
     assert "no preemption path" in str(reasons["preemption_resume"])
     assert {check.name for check in CHECKS
-            if check.skip_reason(kvcache_contract(4))} == {"scheduler_chunks",
-                                                           "extra_key_isolation"}
+            if check.skip_reason(kvcache_contract(4))} == {
+                "scheduler_chunks", "sliding_window", "extra_key_isolation"}
 
 
 def test_every_release_with_the_trie_is_locked_and_none_before() -> None:
