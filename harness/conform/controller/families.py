@@ -122,9 +122,9 @@ _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
                   "no caller extra key (Contract.scope_kinds)"),
     "preemption": (lambda c: c.preemption != "none", "the adapter drives no preemption "
                    "path of the engine's (Contract.preemption is 'none')"),
-    "scheduler_chunks": (lambda c: not c.chunking.startswith("caller"), "the engine's "
-                         "scheduler does not run here: the caller chooses the chunks "
-                         "(chunked_admission covers those)"),
+    "scheduler_chunks": (lambda c: not c.chunking.startswith("caller"), "the caller "
+                         "chooses each chunk's size (Contract.chunking; chunked_admission "
+                         "covers those)"),
     "decode_blocks": (lambda c: not c.allocates_ahead, "the engine takes decode blocks "
                       "ahead of the tokens: what a decode step needs is its own"),
     "event_fields": (lambda c: bool(c.event_fields), "the contract lists no event field "

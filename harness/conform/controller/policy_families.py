@@ -69,7 +69,8 @@ def preemption_resume(run: Run) -> None:
     """A computes a 10-token prompt and decodes six tokens, is preempted, and resumes
     with its 16 tokens: it reuses what the contract's preemption keeps (every block it
     computed, freed and kept cached; or, retracted, only what it had published: its
-    prompt's whole blocks), finishes, and a new request extending it reuses it all."""
+    prompt's whole blocks where decoded tokens are published at the end), finishes, and
+    a new request extending it reuses it all."""
     prompt, out = toks(100, 10), [900 + i for i in range(6)]
     run.admit("A", prompt)
     run.commit("A", 10)
@@ -77,8 +78,11 @@ def preemption_resume(run: Run) -> None:
         run.append("A", [t])
         run.commit("A", 11 + i)
     run.expect("preempt(A) preempts", list(run.preempt("A")), ["A"])
-    kept = len(prompt) // B * B if run.contract.preemption == "retracts-decode" \
-        else run.cap(16)
+    # a retraction keeps what was published: the prompt's blocks where decoded tokens
+    # are published only when a request ends, all of it where a commit publishes
+    retracted = run.contract.preemption == "retracts-decode" and \
+        run.contract.matchable_at in ("extend", "prefill")
+    kept = len(prompt) // B * B if retracted else run.cap(16)
     run.expect(f"A resumed with its prompt and output tokens reuses "
                f"({run.contract.preemption})", run.admit("A", prompt + out), kept)
     run.commit("A", 16)

@@ -254,7 +254,7 @@ def test_cache_options_are_checked_and_an_engine_refuses_those_it_does_not_honou
                                          r"'state_interval'\]\)"):
         open_cache(engine, 8, B, True, CacheOptions(chunk_budget=8))
     result = run_check(LocalTarget(engine), check_named("scheduler_chunks"))
-    assert result.status == "skip" and "the caller chooses the chunks" in result.message
+    assert result.status == "skip" and "the caller chooses each chunk" in result.message
 
 
 def test_a_contract_refuses_bad_policy_fields() -> None:
