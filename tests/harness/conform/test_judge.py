@@ -8,11 +8,12 @@ import pytest
 from harness.conform import ops
 from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
-from harness.conform.controller.families import B, check_named
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.families import B
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.runner import fuzz_check, run_check
 from harness.conform.controller.targets import LocalTarget, Target, replay
-from harness.conform.protocol import Scope
+from harness.conform.protocol import Scope, lora_id_text
 from tests.harness.conform import faults
 
 A18 = list(range(100, 118))
@@ -172,4 +173,4 @@ def test_the_scope_family_finds_the_fault(fault: type[KvcacheCache]) -> None:
     result = run_check(LocalTarget(kvcache.load(fault)), check_named("scope_isolation"))
     assert result.status == "fail" and result.oracle == "count"
     assert len(result.ops) <= 6  # shrunk to the two admissions and what they need
-    assert any(op.get("scope") == {"salt": "1"} for op in result.ops)
+    assert any(op.get("scope") == {"salt": lora_id_text(1)} for op in result.ops)
