@@ -139,6 +139,7 @@ class Judge:
         self._lengths: dict[Hashable, int] = {}
         self._predicted: dict[Hashable, int] = {}  # live seq -> the reuse the oracle predicted
         self._preempted: set[Hashable] = set()  # preempted, not yet resumed
+        self._allocated = 0  # blocks the step's log says it allocated
 
     # -- one step ------------------------------------------------------------------------
 
@@ -252,6 +253,11 @@ class Judge:
     def _replay_log(self, r: StepReport, say: Any) -> None:
         admits = 0
         events: list[Event] = []
+        B = self.contract.block_size
+        self._allocated = sum(len(ev.get("block_ids") or ()) - (ev.get("num_tokens", 0) // B
+                                                                if ev.get("kind") == "admit"
+                                                                else 0)
+                              for ev in r.log if ev.get("kind") in ("admit", "append"))
         for raw in r.log:
             try:
                 ev = normalize_event(raw)
@@ -434,7 +440,15 @@ class Judge:
                 say("events", f"after {r.op.describe()}: event {event} does not fold: {exc}")
                 return
         after: Counter[Any] = Counter(self.index.cached())
-        churn = sorted(h for h in removed if h in stored and after[h] >= before[h] > 0)
+        # a block whose every copy the step removed, then stored again: gone in between
+        # (a cache that keeps copies, a hybrid's groups or duplicates, may drop one copy
+        # and store another while the block stays cached throughout); and more of them
+        # than the step allocated blocks (an allocation may evict the cached copies of
+        # blocks it then computes again: gone, then computed)
+        churn = sorted(h for h in removed if h in stored and after[h] >= before[h] > 0
+                       and removed[h] >= before[h])
+        if len(churn) <= self._allocated:
+            churn = []
         if churn:
             say("events", f"{r.op.describe()} published BlockRemoved and BlockStored again "
                           f"for blocks it kept cached ({churn[:4]}): a router folding in "
