@@ -563,7 +563,7 @@ class VllmCache:
         """The totals so far, with the pool's gauges."""
         free = self.pool.get_num_free_blocks()
         cached = sum(1 for b in self.pool.blocks if b.block_hash is not None)
-        window = sum(len(self._window_ids(s)) for s in self._reqs)
+        window = len({b for s in self._reqs for b in self._window_ids(s)})
         engine: dict[str, int | float] = {**self._engine_stats, "num_free_blocks": free,
                                           "usage": self.pool.get_usage(),
                                           "num_gpu_blocks": self.pool.num_gpu_blocks}

@@ -155,6 +155,7 @@ class Judge:
         self._prefixes: set[tuple[int, ...]] = set()
         self._predicted: dict[Hashable, int] = {}  # live seq -> the reuse the oracle predicted
         self._preempted: set[Hashable] = set()  # preempted, not yet resumed
+        self._allocated = 0  # blocks the step's log says it allocated
 
     # -- one step ------------------------------------------------------------------------
 
@@ -282,6 +283,11 @@ class Judge:
     def _replay_log(self, r: StepReport, say: Any) -> None:
         admits = 0
         events: list[Event] = []
+        B = self.contract.block_size
+        self._allocated = sum(len(ev.get("block_ids") or ()) - (ev.get("num_tokens", 0) // B
+                                                                if ev.get("kind") == "admit"
+                                                                else 0)
+                              for ev in r.log if ev.get("kind") in ("admit", "append"))
         for raw in r.log:
             try:
                 ev = normalize_event(raw)
@@ -491,8 +497,17 @@ class Judge:
                                                f"not fold: {exc}")
                 return
         after_keys: Counter[Any] = Counter(self.index.counts)
+        # a block whose every copy the step removed, then stored again: gone in between
+        # (a cache that keeps copies, a hybrid's groups or duplicates, may drop one copy
+        # and store another while the block stays cached throughout); and more of them
+        # than the step allocated blocks (an allocation may evict the cached copies of
+        # blocks it then computes again: gone, then computed). By (medium, hash): a move
+        # between tiers is no churn
         churn = sorted(h for key in removed if key in stored
-                       and after_keys[key] >= before[key] > 0 for h in key[1:])
+                       and after_keys[key] >= before[key] > 0 and removed[key] >= before[key]
+                       for h in key[1:])
+        if len(churn) <= self._allocated:
+            churn = []
         after: Counter[Any] = Counter(self.index.cached(DEVICE))  # what the device holds
         if churn:
             say("events", "churn", f"{r.op.describe()} published BlockRemoved and "

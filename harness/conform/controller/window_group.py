@@ -20,13 +20,15 @@ from typing import Any
 
 
 class WindowGroup:
-    """Window blocks per live sequence for window `window` (tokens) and blocks of
-    `block_size` (mutated by `apply`)."""
+    """Window blocks of the live sequences for window `window` (tokens) and blocks of
+    `block_size` (mutated by `apply`). A position two sequences share in the full group
+    (a reused block) they share in the window group too, so the blocks are counted by
+    the full group's ids at the positions each sequence still holds."""
 
     def __init__(self, window: int, block_size: int) -> None:
         self.window = window
         self.block_size = block_size
-        self._blocks: dict[Hashable, int] = {}  # full-group positions allocated
+        self._ids: dict[Hashable, list[int | None]] = {}  # its full-group blocks
         self._computed: dict[Hashable, int] = {}  # tokens computed, by the log
         self._skipped: dict[Hashable, int] = {}  # blocks released at its last allocation
 
@@ -37,20 +39,21 @@ class WindowGroup:
         """Follow one normalised log event (`harness.oracle.types.Event`)."""
         sid = ev.seq_id
         if ev.kind == "admit":
-            self._blocks[sid] = len(ev.block_ids)
+            self._ids[sid] = list(ev.block_ids)
             self._computed[sid] = ev.num_tokens
             self._skipped[sid] = self._skip(ev.num_tokens)
-        elif sid not in self._blocks:
+        elif sid not in self._ids:
             return
         elif ev.kind == "append":
-            self._blocks[sid] += len(ev.block_ids)
+            self._ids[sid] += ev.block_ids
             self._skipped[sid] = self._skip(self._computed[sid])
         elif ev.kind == "commit":
             self._computed[sid] = ev.num_tokens
         elif ev.kind == "free":
-            for table in (self._blocks, self._computed, self._skipped):
+            for table in (self._ids, self._computed, self._skipped):
                 del table[sid]
 
     def held(self) -> int:
         """Window blocks the live sequences hold now, by the rule."""
-        return sum(n - min(n, self._skipped[s]) for s, n in self._blocks.items())
+        return len({b for s, ids in self._ids.items() for b in ids[self._skipped[s]:]
+                    if b is not None})

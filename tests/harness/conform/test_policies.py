@@ -194,6 +194,49 @@ def test_uncached_blocks_go_to_the_front_where_the_policy_says_so() -> None:
     assert list(plain.queue) == [3, 4, 5, 6, 2, 1]
 
 
+# -- router events: a block gone and stored again ------------------------------------------
+
+
+def _stored(h: str, parent: str | None, tokens: list[int]) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": B, "salt": None, "lora_id": None,
+            "medium": "GPU"}
+
+
+@pytest.mark.parametrize(("copies", "allocated", "found"), [
+    pytest.param(1, 0, ["events"], id="its-only-copy-gone-then-stored"),  # SGLang 0.5.5's
+    pytest.param(2, 0, [], id="one-of-two-copies-replaced"),
+    pytest.param(1, 1, [], id="evicted-then-computed-again")])
+def test_a_step_that_removes_a_block_and_stores_it_again(copies: int, allocated: int,
+                                                         found: list[str]) -> None:
+    """A router folding a step's events one by one sees a block gone only when every
+    copy was removed (a cache that keeps copies, vLLM's hybrid groups or duplicates,
+    may evict one and store another while the block stays cached), and a step that
+    allocated a block may evict the cached copy of what it computes again in it."""
+    a = list(range(100, 104))
+    c = replace(VLLM, counters=(), eviction_policy="lru-leaves")  # no order model
+    steps = [StepReport(ops.admit(seq, a), "done", {"reused_tokens": 0}, "",
+                        tuple(_admit(seq, a, 0, [i + 1])), (_stored("h", None, a),), i + 1,
+                        ("h",) * (i + 1), Stats({}, {}))
+             for i, seq in enumerate(["A", "B"][:copies])]
+    removed_stored = ({"type": "BlockRemoved", "block_hashes": ["h"], "medium": "GPU"},
+                      _stored("h", None, a))
+    if allocated:  # A freed; C computes A's tokens again in a block of its own
+        steps.append(StepReport(ops.free("A"), "done", None, "",
+                                ({"kind": "free", "seq_id": "A"},), (), 0, ("h",),
+                                Stats({}, {}), (), ()))
+        steps.append(StepReport(ops.admit("C", a), "done", {"reused_tokens": 0}, "",
+                                tuple(_admit("C", a, 0, [2])), removed_stored, 1, ("h",),
+                                Stats({}, {})))
+    else:
+        steps.append(StepReport(ops.reserve("A", 4), "done", 4, "", (), removed_stored,
+                                copies, ("h",) * copies, Stats({}, {})))
+    judge = Judge(c, 8)
+    got = [v for r in steps for v in judge.observe(r)]
+    assert [v.oracle for v in got] == found, got
+    assert all("a router folding in between sees the prefix gone" in v.message for v in got)
+
+
 # -- a hybrid cache's window group --------------------------------------------------------
 
 
@@ -220,6 +263,14 @@ def test_the_window_group_holds_the_blocks_the_next_tokens_see() -> None:
     step("admit", "B", tokens=list(range(30)), num_tokens=28, scope=None,
          block_ids=[1, 2, 5, 6, 9, 10, 13, 16])
     assert held[-2:] == [0, 3]  # the hit's window: blocks from (28 - 7) // 4 = 5 on
+
+
+def test_a_window_block_two_sequences_share_is_one_block() -> None:
+    g = WindowGroup(8, B)
+    for seq, ids, reused in (("A", [1, 2], 0), ("B", [1, 3], 4)):
+        g.apply(normalize_event({"kind": "admit", "seq_id": seq, "tokens": list(range(8)),
+                                 "num_tokens": reused, "scope": None, "block_ids": ids}))
+    assert g.held() == 3  # B reuses A's first block in both groups
 
 
 def test_a_window_group_off_the_rule_is_a_capacity_finding() -> None:
