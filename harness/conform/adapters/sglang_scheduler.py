@@ -163,9 +163,14 @@ def contract(base: Contract, names: SchedulerNames) -> Contract:
                                     "prompt plus a page (per_req_token_overhead) must be "
                                     "below free + evictable (prefill_budget.py "
                                     "check_prefill), whatever the chunk"))
-    in_hash, fields = base.scope_in_event_hash, base.event_fields
-    if names.names_requests:  # 0.5.23: the LoRA's namespace and name reach the events
-        in_hash, fields = (*in_hash, "lora"), (*fields, "lora_name")
+    fields, limitations = base.event_fields, base.limitations
+    if names.names_requests:
+        # 0.5.23: the LoRA's namespace and name reach the events, so the LoRA left out
+        # of the hashes (the tree's known limitation, sglang#39991) is not this
+        # scheduler's: the reference (salt, LoRA) holds as it is
+        fields = (*fields, "lora_name")
+        limitations = tuple(x for x in limitations if x[:2] != ("scope_in_event_hash", "lora"))
+        citations = tuple(c for c in citations if c[0] != "scope_in_event_hash")
         citations += (("scope_in_event_hash", "mem_cache/events.py KVCacheEventRecorder."
                                               "_namespace_seed: the default format "
                                               "namespaces an extra key KvEventLoraNames "
@@ -173,7 +178,7 @@ def contract(base: Contract, names: SchedulerNames) -> Contract:
     return replace(base, matchable_at="extend", decode_steps=True, refusal_evicts=True,
                    preemption="retracts-decode", chunking="caller-page-floor",
                    admission_fits="prompt", admission_reserve=2,
-                   scope_in_event_hash=in_hash, event_fields=fields,
+                   limitations=limitations, event_fields=fields,
                    replicated=REPLICATED, citations=citations,
                    notes=(*base.notes, "SGLang's scheduler functions drive the tree"))
 

@@ -130,8 +130,9 @@ def test_every_way_an_engine_raises_is_judged_to_the_end(kind: str, when: str) -
 def test_a_prompt_that_claims_its_copy_source_under_pressure_is_no_finding() -> None:
     # B's first token matches A's first block, and with C live the pool has B's three
     # blocks only if B takes that block itself (docs/design.md, "Claim or copy"); the
-    # count oracle's bounded model, which kvcache's contract once asked for, asserted
-    # that the cache "admitted what cannot fit" here: a crash of the judge
+    # count oracle's bounded model, which kvcache's contract asks for, once asserted
+    # that the cache "admitted what cannot fit" here: a crash of the judge (it now
+    # claims the copy source as kvcache does)
     target = LocalTarget(kvcache.load())
     op_list = [ops.admit("A", range(100, 112)), ops.commit("A", 9), ops.free("A"),
                ops.admit("C", range(500, 505)), ops.admit("B", [100, *range(900, 908)])]
