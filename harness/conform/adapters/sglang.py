@@ -34,7 +34,7 @@ import inspect
 import os
 from array import array
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from harness.conform.adapters import sglang_scheduler
@@ -200,23 +200,30 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     """`load` for one of SGLang's trees: prime the probes, install `stubs`, import
     `modules`, then `names()` once; `releases` are those whose contract is known
     (`tree_contract(release, block_size)`, the tree's contract). Where the release's
-    scheduler code runs here (`sglang_scheduler.present`) each fresh cache is that code
-    over the tree (`tree_kind`); otherwise `cache(names, version, num_blocks, block_size,
-    record)`, the adapter as the tree's caller. Raises as `load`."""
+    scheduler code runs here (`sglang_scheduler.present`, and its modules import under
+    the lock's stubs) each fresh cache is that code over the tree (`tree_kind`);
+    otherwise `cache(names, version, num_blocks, block_size, record)`, the adapter as the
+    tree's caller (where the scheduler code is there but does not import, its contract's
+    notes say why). Raises as `load`."""
     prime_probes(stubs)
     finder = install(stubs)
     sglang_scheduler.set_environment()  # before SGLang reads it at import
     sglang = importlib.import_module("sglang")
-    scheduled = sglang_scheduler.present()
-    if scheduled:
-        modules = (*modules, *sglang_scheduler.MODULES)
     for module in modules:
         importlib.import_module(module)
     found = installed_version("sglang", version)
     engine = names()
     known = nearest(found, releases) or found
     engine.known, engine.detected = known, (detect(engine) if known != found else {})
-    scheduler = sglang_scheduler.SchedulerNames() if scheduled else None
+    scheduler = None
+    if sglang_scheduler.present():
+        try:
+            for module in sglang_scheduler.MODULES:
+                importlib.import_module(module)
+            scheduler = sglang_scheduler.SchedulerNames()
+            modules = (*modules, *sglang_scheduler.MODULES)
+        except Exception as exc:  # this lock stubs what the scheduler code imports
+            engine.unscheduled = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
         if scheduler is None:
@@ -259,6 +266,8 @@ class SglangNames:
         # the contract's basis (`load_sglang` sets them): the known release, detections
         self.known = ""
         self.detected: dict[str, tuple[Any, str]] = {}
+        # why SGLang's own scheduler code, present in this release, does not run here
+        self.unscheduled = ""
 
 
 class PageAllocator:
@@ -338,6 +347,9 @@ class SglangCache:
 
     def _make_contract(self, version: str) -> Contract:
         base = self._contract_of(self.s.known, self.block_size)
+        if self.s.unscheduled:
+            base = replace(base, notes=(*base.notes, "SGLang's scheduler code does not run "
+                                        f"here ({self.s.unscheduled})"))
         return base if self.s.known == version else settle(base, version, self.s.detected)
 
     @staticmethod

@@ -37,6 +37,7 @@ import os
 from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from harness.conform.protocol import (
@@ -79,9 +80,14 @@ REPLICATED: tuple[tuple[str, str, str], ...] = (
 
 def present() -> bool:
     """Whether this release's scheduler code is the kind the adapter drives (0.5.22 on:
-    a published runtime config, `checkpoint_kv_cache` and `release_kv_cache`); call
-    after `sglang` is imported."""
-    return importlib.util.find_spec("sglang.srt.runtime_context") is not None
+    a published runtime config, `checkpoint_kv_cache` and `release_kv_cache`; 0.5.18
+    has the first two only), read from its files without importing them; call after
+    `sglang.srt.mem_cache` is imported."""
+    if importlib.util.find_spec("sglang.srt.runtime_context") is None:
+        return False
+    common = importlib.util.find_spec("sglang.srt.mem_cache.common")
+    text = Path(common.origin).read_text() if common and common.origin else ""
+    return all(f"def {name}(" in text for name in ("checkpoint_kv_cache", "release_kv_cache"))
 
 
 class SchedulerNames:
