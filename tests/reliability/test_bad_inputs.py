@@ -1069,6 +1069,35 @@ def test_conform_replay_names_the_bad_op(tmp_path: Path,
 IDS.add("conform-replay-bad-op")
 
 
+def test_conform_replay_names_a_bad_extra_key(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "check.json"
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [
+        {"kind": "admit", "seq": "A", "tokens": [1, 2], "scope": {"extra_key": ""}}]}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: ops[0]: scope: Scope.extra_key must be a non-empty str or None, " \
+           "got ''" in capsys.readouterr().out
+
+
+IDS.add("conform-replay-bad-extra-key")
+
+
+def test_conform_replay_names_bad_cache_options(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "check.json"
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [], "options": {"window": 0}}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: options: CacheOptions.window must be an int >= 1 or None, got 0" in \
+        capsys.readouterr().out
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [], "options": {"chunk_budget": 8}}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert "does not honour the cache options ['chunk_budget'] (it honours ['host_blocks', " \
+           "'state_interval'])" in capsys.readouterr().out
+
+
+IDS.update({"conform-replay-bad-options", "conform-replay-unhonoured-options"})
+
+
 def test_conform_lock_pinning_torch_is_refused(tmp_path: Path) -> None:
     from harness.conform.controller.locks import LOCK_DIR, LockError, parse_lock
 

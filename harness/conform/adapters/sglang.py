@@ -1,10 +1,13 @@
 """SGLang's `RadixCache` behind the cache-level protocol (runs in an SGLang venv).
 
-The tree only matches, inserts, locks and evicts; the adapter is its scheduler:
+From 0.5.22, whose scheduler code runs on a CPU, SGLang's own caller code drives the
+tree (`sglang_scheduler`, chosen in `load_sglang`). Before, the tree only matches,
+inserts, locks and evicts, and this module is its scheduler (`TREE_CALLER_REPLICATED`
+lists what it stands in for):
 
-- slots come from a page allocator of its own (`PageAllocator`; SGLang's device pools
-  need CUDA), page 0 reserved as SGLang reserves slot 0 for padding; block ids are
-  page ids (slot // page_size);
+- slots come from a page allocator of its own (`PageAllocator`; these releases' locks
+  stub the device pools), page 0 reserved as SGLang reserves slot 0 for padding; block
+  ids are page ids (slot // page_size);
 - the lookup is capped at L - 1 tokens (`Req._compute_max_prefix_len`), and keyed as
   `Req.__init__` keys it: extra_key = (extra_key or "") + lora_id, the salt its own
   `cache_salt` field from 0.5.18 and the extra key before that;
@@ -15,7 +18,8 @@ The tree only matches, inserts, locks and evicts; the adapter is its scheduler:
   duplicate slots the insert reports (RadixCache leaves that to its caller: the pages
   [locked, prefix_len) another request inserted first), takes the tree's pages for the
   prefix, and moves its lock down (logged as a switch of block ids);
-- a free inserts the computed pages, frees the rest and unlocks (`cache_finished_req`).
+- a free inserts the computed pages, frees the rest and unlocks (`cache_finished_req`);
+  a preemption frees what was not inserted and unlocks (the retraction's release).
 
 Release differences are found by feature (`create_simulated`, parameter objects,
 `cache_salt`, `path_device_indices`); the stubs come from the lock file. A release whose
@@ -30,19 +34,21 @@ import inspect
 import os
 from array import array
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from harness.conform.adapters import sglang_scheduler
 from harness.conform.protocol import (
     Admission,
     CacheUnderTest,
     Contract,
+    EventField,
     LoadedEngine,
     Scope,
     Stats,
     contract_basis,
-    event_kind,
     installed_version,
+    lora_id_text,
     settle,
 )
 from harness.conform.stubs import StubSpec, install
@@ -98,26 +104,58 @@ def contract(version: str, block_size: int) -> Contract:
                          "(cache_unfinished_req / cache_finished_req)"),
         ("lora_identity", "radix_cache.py match_prefix: 'Isolate KV cache lines for "
                           "different LoRA / adapter IDs'"),
-        ("eviction", "radix_cache.py evict: whole least recently used leaves"),
+        ("eviction_policy", "radix_cache.py evict: whole least recently used leaves"),
         ("allocates_ahead", "alloc_paged_token_slots_decode (the scheduler's decode "
                             "allocation): a decode step takes a page only for a token that "
                             "starts one, none ahead")]
     if salted:
-        citations.append(("scope_in_event_hash", _event_hash_citation(version)))
+        citations += [
+            ("scope_in_event_hash", _event_hash_citation(version)),
+            ("scope_kinds", "managers/io_struct.py: extra_key and cache_salt are separate "
+             "request fields; match_prefix: different extra_key values 'are intentionally "
+             "kept disjoint'")]
     else:
-        notes.append("no cache_salt field: the salt travels as the extra key")
+        notes += ["no cache_salt field: the salt travels as the extra key",
+                  "a caller extra key is the salt's field: the protocol's extra_key is not "
+                  "adapted"]
     return Contract(
         engine="sglang", version=version, block_size=block_size, id_unit="page",
         stats_unit="tokens", last_token_cap="scheduler", matchable_at="commit",
-        partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
+        partial_reuse=False, copy_on_partial_reuse=False,
+        scope_kinds=("salt", "lora", "extra_key") if salted else ("salt", "lora"),
         lora_identity=("lora_id",),
         # the reference: a router must tell LoRAs apart too. 0.5.18 on leave the LoRA out
         # of default-format event hashes on purpose, which upstream's own RFC proposes to
         # change: a known limitation, neither a pass nor a violation
         scope_in_event_hash=("salt", "lora"),
         limitations=((("scope_in_event_hash", "lora", EVENT_HASH_RFC),) if salted else ()),
-        eviction="lru-leaves", explicit_evict=True, dedup_on_commit=True,
-        chunked_allocation=True, citations=tuple(citations), notes=tuple(notes))
+        eviction_policy="lru-leaves", explicit_evict=True, dedup_on_commit=True,
+        chunked_allocation=True, preemption="retracts-decode",
+        event_fields=(*EVENT_FIELDS, "cache_salt") if salted else EVENT_FIELDS,
+        replicated=TREE_CALLER_REPLICATED,
+        citations=tuple(citations), notes=tuple(notes))
+
+
+EVENT_FIELDS: tuple[EventField, ...] = (
+    "parent_block_hash", "token_ids", "block_size", "medium")
+# what this module does as the tree's caller (the releases whose scheduler code does not
+# run here): (what, the SGLang function it stands in for, why)
+TREE_CALLER_REPLICATED: tuple[tuple[str, str, str], ...] = (
+    ("the request key: extra_key = (extra_key or '') + lora_id, the salt before 0.5.18",
+     "Req.__init__", "the request pools are stubbed in these releases' locks"),
+    ("the lookup capped at L - 1 tokens", "Req._compute_max_prefix_len / match_kv_cache",
+     "as above"),
+    ("admission: free plus evictable pages cover the reused tokens and the first chunk, "
+     "the shortfall evicted", "PrefillAdder.add_one_req, alloc_paged_token_slots_extend",
+     "as above"),
+    ("slot allocation by pages, page 0 reserved", "PagedTokenToKVPoolAllocator",
+     "as above"),
+    ("an insert after every commit, its duplicate slots freed, the lock moved down",
+     "RadixCache.cache_unfinished_req (_insert_cache)", "as above"),
+    ("a free inserts the computed pages, frees the rest and unlocks",
+     "RadixCache.cache_finished_req / release_kv_cache", "as above"),
+    ("a preemption frees what was not inserted and unlocks",
+     "release_kv_cache(checkpoint=False) in the retraction", "as above"))
 
 
 def prime_probes(stubs: StubSpec) -> None:
@@ -152,18 +190,24 @@ def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
     ImportError when it does not import, RuntimeError when a package to stub is
     installed."""
     return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache, version,
-                       CONTRACT_RELEASES)
+                       CONTRACT_RELEASES, "radix", contract)
 
 
 def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
                 names: Callable[[], Any], cache: Callable[..., CacheUnderTest],
-                version: str | None, releases: tuple[str, ...]) -> LoadedEngine:
+                version: str | None, releases: tuple[str, ...], tree_kind: str,
+                tree_contract: Callable[[str, int], Contract]) -> LoadedEngine:
     """`load` for one of SGLang's trees: prime the probes, install `stubs`, import
-    `modules`, then `names()` once and `cache(names, version, num_blocks, block_size,
-    record)` per fresh cache; `releases` are those whose contract is known. Raises as
-    `load`."""
+    `modules`, then `names()` once; `releases` are those whose contract is known
+    (`tree_contract(release, block_size)`, the tree's contract). Where the release's
+    scheduler code runs here (`sglang_scheduler.present`, and its modules import under
+    the lock's stubs) each fresh cache is that code over the tree (`tree_kind`);
+    otherwise `cache(names, version, num_blocks, block_size, record)`, the adapter as the
+    tree's caller (where the scheduler code is there but does not import, its contract's
+    notes say why). Raises as `load`."""
     prime_probes(stubs)
     finder = install(stubs)
+    sglang_scheduler.set_environment()  # before SGLang reads it at import
     sglang = importlib.import_module("sglang")
     for module in modules:
         importlib.import_module(module)
@@ -171,9 +215,24 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     engine = names()
     known = nearest(found, releases) or found
     engine.known, engine.detected = known, (detect(engine) if known != found else {})
+    scheduler = None
+    if sglang_scheduler.present():
+        try:
+            for module in sglang_scheduler.MODULES:
+                importlib.import_module(module)
+            scheduler = sglang_scheduler.SchedulerNames()
+            modules = (*modules, *sglang_scheduler.MODULES)
+        except Exception as exc:  # this lock stubs what the scheduler code imports
+            engine.unscheduled = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return cache(engine, found, num_blocks, block_size, record)
+        if scheduler is None:
+            return cache(engine, found, num_blocks, block_size, record)
+        base = tree_contract(known, block_size)
+        if known != found:
+            base = settle(base, found, engine.detected)
+        return sglang_scheduler.SglangScheduled(
+            engine, scheduler, tree_kind, base, num_blocks, block_size, record)
 
     return LoadedEngine(name, found, os.path.dirname(str(sglang.__file__)), new,
                         modules, tuple(finder.served),
@@ -207,6 +266,8 @@ class SglangNames:
         # the contract's basis (`load_sglang` sets them): the known release, detections
         self.known = ""
         self.detected: dict[str, tuple[Any, str]] = {}
+        # why SGLang's own scheduler code, present in this release, does not run here
+        self.unscheduled = ""
 
 
 class PageAllocator:
@@ -274,6 +335,7 @@ class SglangCache:
         self.tree = self._build_tree()
         self._contract = self._make_contract(version)
         self._seqs: dict[Hashable, _Seq] = {}
+        self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
     def _build_tree(self) -> Any:
@@ -285,6 +347,9 @@ class SglangCache:
 
     def _make_contract(self, version: str) -> Contract:
         base = self._contract_of(self.s.known, self.block_size)
+        if self.s.unscheduled:
+            base = replace(base, notes=(*base.notes, "SGLang's scheduler code does not run "
+                                        f"here ({self.s.unscheduled})"))
         return base if self.s.known == version else settle(base, version, self.s.detected)
 
     @staticmethod
@@ -338,7 +403,7 @@ class SglangCache:
         insert = ("RadixKey.__init__", "insert", "match_prefix", lock, unlock)
         return {"admit": ("RadixKey.__init__", "match_prefix", lock, *grow, unlock),
                 "reserve": grow, "commit": insert, "append": grow, "free": insert,
-                "evict": ("evict",)}
+                "preempt": (unlock,), "evict": ("evict",)}
 
     def raw_probe(self) -> dict[str, Any]:
         """SGLang's own results for one match and insert, evicted again."""
@@ -358,8 +423,9 @@ class SglangCache:
     def _key(self, tokens: Sequence[int], scope: Scope | None) -> Any:
         s = self.s
         salt = None if scope is None else scope.salt
-        lora = None if scope is None or scope.lora_id is None else str(scope.lora_id)
-        extra = None if s.has_salt else salt  # before 0.5.18 the salt is the extra key
+        lora = None if scope is None or scope.lora_id is None else lora_id_text(scope.lora_id)
+        # before 0.5.18 the salt is the extra key; from 0.5.18 the caller's own extra key
+        extra = (None if scope is None else scope.extra_key) if s.has_salt else salt
         if lora is not None:
             extra = (extra or "") + lora  # Req.__init__'s concatenation
         ids: Any = array("q", tokens) if s.array_keys else list(tokens)
@@ -528,6 +594,20 @@ class SglangCache:
         self._unlock(seq.hold)
         self._write({"kind": "free", "seq_id": seq_id})
 
+    def preempt(self, seq_id: Hashable) -> None:
+        """Retraction: the sequence's pages past what it inserted are freed, nothing more
+        is inserted, and it unlocks (`release_kv_cache(checkpoint=False)`)."""
+        seq = self._seqs.pop(seq_id)
+        self.alloc.free(seq.slots[seq.locked:])
+        self._unlock(seq.hold)
+        self._preempted.append(seq_id)
+        self._write({"kind": "free", "seq_id": seq_id})
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences `preempt` retracted since the last call."""
+        out, self._preempted = self._preempted, []
+        return out
+
     def evict(self, num_blocks: int) -> int:
         """`evict(num_tokens)`: whole leaves, so possibly more than asked."""
         return self._evict_tokens(num_blocks * self.block_size) // self.block_size
@@ -547,7 +627,8 @@ class SglangCache:
 
     def take_events(self) -> list[dict[str, Any]]:
         """SGLang's KV events as the harness's dicts (hashes as text)."""
-        return [_normalise(e) for e in self.tree.take_events()] if self.record else []
+        return [sglang_scheduler.normalise_event(e) for e in self.tree.take_events()] \
+            if self.record else []
 
     def take_log(self) -> list[dict[str, Any]]:
         """The harness log since the last call."""
@@ -609,25 +690,3 @@ class SglangCache:
         locked = self.tree.protected_size()
         return [f"protected_size {locked}: tokens locked with no live request"] if locked \
             else []
-
-
-def _text(h: Any) -> str | None:
-    if h is None:
-        return None
-    return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
-
-
-def _normalise(event: Any) -> dict[str, Any]:
-    kind = event_kind(event)
-    out: dict[str, Any] = {"type": kind}
-    if kind in ("BlockStored", "BlockRemoved"):
-        out["block_hashes"] = [_text(h) for h in event.block_hashes]
-        medium = getattr(event, "medium", None)
-        out["medium"] = "GPU" if medium is None else str(getattr(medium, "value", medium))
-    if kind == "BlockStored":
-        out.update(parent_block_hash=_text(event.parent_block_hash),
-                   token_ids=[int(t) for t in event.token_ids], block_size=event.block_size,
-                   salt=None, lora_id=None, lora_name=getattr(event, "lora_name", None),
-                   cache_salt=getattr(event, "cache_salt", None)
-                   or getattr(getattr(event, "metadata", None), "cache_salt", None))
-    return out

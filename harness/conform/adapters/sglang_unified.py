@@ -67,7 +67,7 @@ def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
     `version` as for RadixCache's `load`. Raises ImportError when it does not import,
     RuntimeError when a package to stub is installed."""
     return load_sglang(stubs, "sglang_unified", MODULES, UnifiedNames, UnifiedCache, version,
-                       CONTRACT_RELEASES)
+                       CONTRACT_RELEASES, "unified", contract)
 
 
 class UnifiedCache(SglangCache):

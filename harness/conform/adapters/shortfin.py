@@ -89,7 +89,7 @@ _COMMON = (
     ("scope_kinds", "trie_attention_cache.py TrieNode.children: a page is keyed by its "
                     "token tuple under its parent, nothing else"),
     ("events", "no KV events and no counters: the trie module has neither"),
-    ("eviction", "evict_pages / _evict_pages: unreferenced leaves, least recently matched "
+    ("eviction_policy", "evict_pages / _evict_pages: unreferenced leaves, least recently matched "
                  "first, then parents left childless"),
     ("refusal_evicts", "allocation tries eviction for the shortfall, then raises "
                        "CacheAllocationFailure"))
@@ -144,7 +144,7 @@ def contract(version: str, block_size: int) -> Contract:
         stats_unit="blocks", last_token_cap="scheduler" if decoder else "manager",
         matchable_at="prefill" if decoder else "commit", partial_reuse=False,
         copy_on_partial_reuse=False, scope_kinds=(), lora_identity=(),
-        scope_in_event_hash=(), eviction="lru-leaves", explicit_evict=True,
+        scope_in_event_hash=(), eviction_policy="lru-leaves", explicit_evict=True,
         dedup_on_commit=decoder, chunked_allocation=False,
         unreused_tail=block_size if decoder else 0, allocates_ahead=True,
         refusal_evicts=True, decode_steps=True, events=False,

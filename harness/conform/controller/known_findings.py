@@ -49,11 +49,13 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(1, "vllm", "0.11.1", "0.31.0", ("scope_isolation",), ("count",),
                  "a salt and a LoRA name of equal value share block 0",
                  f"{_VLLM}/issues/44701", f"{_VLLM}/pull/44706"),
-    KnownFinding(2, "vllm", "0.10.2", "0.27.0", ("refused_then_retried",), ("refusal",),
+    KnownFinding(2, "vllm", "0.10.2", "0.27.0", ("refused_then_retried",
+                                                  "pressure_spares_own_prefix"), ("refusal",),
                  "a refused admission is counted in the prefix-cache stats",
                  f"{_VLLM}/issues/43736", f"{_VLLM}/pull/48860"),
     KnownFinding(3, "vllm", "0.10.2", "0.11.1", ("scope_isolation", "scope_event_hashes",
-                                                  "lora_name_repointed"), ("api",),
+                                                  "lora_name_repointed", "event_fields"),
+                 ("api",),
                  "any LoRA request with KV events on raises inside the allocation",
                  f"{_VLLM}/issues/27728", None),
     KnownFinding(4, "sglang", "0.5.5", "0.5.18", ("scope_isolation",), ("count",),
@@ -102,6 +104,12 @@ KNOWN: tuple[KnownFinding, ...] = (
                                                   "scope_event_hashes"), ("count",),
                  "a LoRA name re-pointed at another adapter reads the first adapter's KV",
                  f"{_VLLM}/issues/30931", None),
+    KnownFinding(16, "sglang", "0.5.18", None, ("extra_key_isolation",), ("count",),
+                 "a caller extra key equal to a LoRA's id reads that adapter's KV",
+                 f"{_SGLANG}/issues/24638", None),
+    KnownFinding(16, "sglang_unified", "0.5.23", None, ("extra_key_isolation",), ("count",),
+                 "a caller extra key equal to a LoRA's id reads that adapter's KV",
+                 f"{_SGLANG}/issues/24638", None),
 )
 
 

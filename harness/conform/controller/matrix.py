@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from harness.conform.controller.families import CHECKS
+from harness.conform.controller.checks import CHECKS
 from harness.conform.controller.known_findings import match
 from harness.conform.versions import parse_version
 from harness.data_files import load_json

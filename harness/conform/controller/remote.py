@@ -30,7 +30,7 @@ from typing import IO, Any
 
 import harness
 from harness.conform.ops import Op, ops_to_json
-from harness.conform.protocol import Contract
+from harness.conform.protocol import CacheOptions, Contract
 from harness.conform.stubs import StubSpec
 from harness.conform.worker.session import StepReport
 
@@ -215,9 +215,14 @@ class WorkerTarget:
         """`engine version` as the worker loaded it."""
         return self._name
 
-    def open(self, num_blocks: int, block_size: int) -> Contract:
+    def open(self, num_blocks: int, block_size: int,
+             options: CacheOptions | None = None) -> Contract:
         """A fresh cache in the worker."""
-        reply = self._call({"cmd": "open", "num_blocks": num_blocks, "block_size": block_size})
+        msg: dict[str, Any] = {"cmd": "open", "num_blocks": num_blocks,
+                               "block_size": block_size}
+        if options is not None and options.names():
+            msg["options"] = options.as_dict()
+        reply = self._call(msg)
         try:
             return Contract.from_dict(reply["contract"], "the worker's contract")
         except ValueError as exc:

@@ -36,16 +36,15 @@ class CheckResult:
     message) or skip. `oracle` names what failed ("scenario" for an expectation of the
     family; every oracle ran either way); `ops` the op list that shows it (shrunk for
     an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks of
-    `block_size` tokens, and `step` the index in it of the op where it shows;
-    `expectations` the family's declared expectations over `ops`
-    (`harness.conform.controller.expectations`) where `ops` is the whole op list they
-    were declared over (a scenario failure or a known limitation), so a replay judges
-    them again; `known` the finding the harness already knows that this is
-    (`harness.conform.controller.known_findings`: its number, upstream issue, fix and
-    first fixed release), else empty; `limitation` the upstream link of a known
-    limitation; `also` the other findings of the same run. A
-    check that did not pass
-    is written beside the report as its own replay file too
+    `block_size` tokens opened with `options` (`CacheOptions.as_dict`), and `step` the
+    index in it of the op where it shows; `expectations` the family's declared
+    expectations over `ops` (`harness.conform.controller.expectations`) where `ops` is
+    the whole op list they were declared over (a scenario failure or a known
+    limitation), so a replay judges them again; `known` the finding the harness already
+    knows that this is (`harness.conform.controller.known_findings`: its number,
+    upstream issue, fix and first fixed release), else empty; `limitation` the upstream
+    link of a known limitation; `also` the other findings of the same run. A check that
+    did not pass is written beside the report as its own replay file too
     (`harness.conform.controller.replay_file`)."""
 
     name: str
@@ -59,6 +58,7 @@ class CheckResult:
     num_ops: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
     step: int | None = None
     expectations: tuple[dict[str, Any], ...] = ()
     known: dict[str, Any] = field(default_factory=dict)
@@ -259,11 +259,17 @@ def markdown(report: Report) -> list[str]:
         out += ["## Contract", ""]
         rows: list[tuple[object, ...]] = [
             (k, json.dumps(v) if not isinstance(v, str) else v)
-            for k, v in report.contract.items() if k not in ("citations", "notes")]
+            for k, v in report.contract.items()
+            if k not in ("citations", "notes", "replicated")]
         out += [*table(("field", "value"), rows), ""]
         for what, where in report.contract.get("citations", ()):
             out.append(f"- {what}: {where}")
         out += [f"- note: {n}" for n in report.contract.get("notes", ())] + [""]
+        replicated = report.contract.get("replicated", ())
+        if replicated:  # what a pass does not prove
+            out += ["What the adapter does itself instead of running the engine's code:", ""]
+            out += [f"- {what}; the engine's: {where} ({why})"
+                    for what, where, why in replicated] + [""]
     if report.self_test:
         problems = report.self_test.get("problems", [])
         out += ["## Self-test", "",
@@ -282,7 +288,9 @@ def markdown(report: Report) -> list[str]:
         out += [f"## {head}: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
                 f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran, on a fresh "
                 f"cache of {c.num_blocks} block{'' if c.num_blocks == 1 else 's'} of "
-                f"{c.block_size} tokens; it replays: "
+                f"{c.block_size} tokens"
+                + (f", opened with {json.dumps(c.options)}" if c.options else "")
+                + "; it replays: "
                 f"{code(f'kvharness conform {report.spec.strip()} --replay {c.name}.replay.json')}"
                 " (the file beside this report)"
                 + (f", which judges the family's {len(c.expectations)} expectations too"

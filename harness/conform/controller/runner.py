@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from harness.conform.controller import families, known_findings
 from harness.conform.controller import replay_file as replay_files
+from harness.conform.controller.checks import CHECKS, check_named
 from harness.conform.controller.engine_spec import (
     CannotRun,
     EngineSpec,
@@ -60,6 +61,7 @@ from harness.conform.controller.report import (
 from harness.conform.controller.resolve import ResolveError
 from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op, ops_to_json
+from harness.conform.protocol import CacheOptions
 
 Say = Callable[[str], None]
 
@@ -97,25 +99,27 @@ class Finished(NamedTuple):
     observed: dict[str, Any]
     stats: dict[str, Any]
     seconds: float
+    options: CacheOptions = CacheOptions()
 
     @classmethod
     def of_check(cls, check: Check, run: Run, seconds: float) -> Finished:
         """A family's run."""
         return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
                    run.violations, run.expectations, run.unmet(), run.observed,
-                   run.reports[-1].stats._asdict() if run.reports else {}, seconds)
+                   run.reports[-1].stats._asdict() if run.reports else {}, seconds,
+                   check.options)
 
 
 def run_check(target: Target, check: Check) -> CheckResult:
     """One family on a fresh cache, judged; a failing oracle's op list shrunk. A family
     the engine's contract cannot judge (`Check.skip_reason`) is skipped, saying why."""
     start = time.perf_counter()
-    run = Run(target, check.num_blocks)
-    why = check.skip_reason(run.contract)
+    why = check.skip_reason(target.open(check.num_blocks, families.B))
     if why is not None:
         return CheckResult(name=check.name, family=check.family, about=check.about,
                            status="skip", message=why, num_blocks=check.num_blocks,
                            seconds=time.perf_counter() - start)
+    run = Run(target, check.num_blocks, check.options)
     check.body(run)
     return _result(target, Finished.of_check(check, run, time.perf_counter() - start))
 
@@ -132,12 +136,15 @@ def _result(target: Target, done: Finished) -> CheckResult:
     base: dict[str, Any] = {"name": done.name, "family": done.family, "about": done.about,
                             "num_ops": len(done.ops), "observed": done.observed,
                             "stats": done.stats, "num_blocks": done.num_blocks,
-                            "block_size": families.B, "seconds": done.seconds}
+                            "block_size": families.B, "options": done.options.as_dict(),
+                            "seconds": done.seconds}
     if done.violations:
         first = done.violations[0]
-        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first)
+        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first,
+                       options=done.options)
         # the message the shrunk op list gives (its op numbers and sizes), else the first
-        again = [v for v in replay(target, shown.ops, shown.num_blocks, families.B)
+        again = [v for v in replay(target, shown.ops, shown.num_blocks, families.B,
+                                   done.options)
                  if v.oracle == first.oracle]
         found = again[0] if again else first._replace(step=len(shown.ops) - 1)
         return CheckResult(status="fail", oracle=first.oracle, message=found.message,
@@ -165,7 +172,7 @@ def fuzz_check(target: Target, seed: int) -> CheckResult:
     return _result(target, Finished(
         f"fuzz_seed_{seed}", "differential fuzz",
         f"{len(out.ops)} random ops, a pool of {out.num_blocks} blocks", out.num_blocks,
-        list(out.ops), found, [], [], {}, {}, time.perf_counter() - start))
+        list(out.ops), found, [], [], {}, {}, time.perf_counter() - start, out.options))
 
 
 def _annotated(result: CheckResult, report: Report) -> CheckResult:
@@ -260,7 +267,7 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
     target: Target | None = None
     try:
         target = _open(spec, report, folder, say)
-        chosen = [families.check_named(n) for n in only] if only else list(families.CHECKS)
+        chosen = [check_named(n) for n in only] if only else list(CHECKS)
         check_all(target, report, chosen, seeds, say)
         if bench or bench_quick:
             timed = time.perf_counter()

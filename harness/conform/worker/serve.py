@@ -12,7 +12,7 @@ code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}, wi
                                       contract_basis (version: used where the package has
                                       no metadata, a source tree)
     selftest                       -> problems, sources, substitutes, functions, calls
-    open    num_blocks, block_size -> contract
+    open    num_blocks, block_size[, options] -> contract
     ops     ops (a list)           -> reports (one StepReport dict per op)
     bench   quick                  -> rows
     close                          -> (the worker exits)
@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from harness.conform.adapters import ADAPTERS
 from harness.conform.ops import ops_from_json
-from harness.conform.protocol import LoadedEngine
+from harness.conform.protocol import CacheOptions, LoadedEngine, open_cache
 from harness.conform.stubs import StubSpec, StubUsedError
 from harness.conform.worker.selftest import self_test_engine
 from harness.conform.worker.session import Session
@@ -60,7 +60,8 @@ class Worker:
         if cmd == "selftest":
             return self_test_engine(engine)._asdict()
         if cmd == "open":
-            cache = engine.new(int(msg["num_blocks"]), int(msg["block_size"]), True)
+            cache = open_cache(engine, int(msg["num_blocks"]), int(msg["block_size"]), True,
+                               CacheOptions.from_dict(msg.get("options"), "open: options"))
             self.session = Session(cache)
             return {"contract": cache.contract.as_dict()}
         if cmd == "ops":

@@ -154,11 +154,14 @@ def test_a_new_release_starts_from_the_nearest_lock(version: str, want: str,
 def test_the_unified_tree_installs_sglangs_own_wheel_with_its_pools_real() -> None:
     """sglang_unified drives UnifiedRadixCache: the same wheel as sglang's lock, pip asked
     for `sglang==`, its own venv, and the device pools and metrics real (never stubbed:
-    the tree's import chain needs them), only torchvision raising and primed."""
+    the tree's import chain and SGLang's scheduler code need them), only torchvision
+    raising and primed; from 0.5.22 sglang's own lock is the same (its scheduler code
+    runs on those pools)."""
     unified, radix = committed("sglang_unified", "0.5.23"), committed("sglang", "0.5.23")
     assert unified.wheel == radix.wheel
     assert (unified.requirement, unified.spec) == ("sglang==0.5.23", "sglang_unified==0.5.23")
-    assert unified.key != radix.key  # a venv of its own: its pins differ
-    assert set(radix.deps) < set(unified.deps)
-    assert set(unified.stubs.raising) == {"torchvision"} and unified.stubs.prime == ("torchvision",)
-    assert not unified.stubs.absent
+    assert unified.key != radix.key  # a venv of its own
+    assert set(radix.deps) == set(unified.deps)
+    for lock in (unified, radix, find_lock("sglang", "0.5.22")):
+        assert set(lock.stubs.raising) == {"torchvision"}, lock.path
+        assert lock.stubs.prime == ("torchvision",) and not lock.stubs.absent

@@ -23,7 +23,7 @@ from harness.conform.adapters.sglang import contract as sglang_contract
 from harness.conform.adapters.sglang import detect as sglang_detect
 from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.adapters.vllm import detect as vllm_detect
-from harness.conform.controller.families import check_named
+from harness.conform.controller.checks import check_named
 from harness.conform.controller.report import Report, markdown
 from harness.conform.controller.runner import check_all, run_check
 from harness.conform.controller.targets import LocalTarget
