@@ -91,25 +91,37 @@ def test_the_prior_weighs_oracles_bound_by_cache_tests(monkeypatch: pytest.Monke
                          checked=module("harness.oracle.checked_manager"),
                          run_steps=from_module("tests.support"), again=support)
     unit_test = module("tests.test_unit", kvcache=module("kvcache"))
-    lists_test = module("tests.test_lists", db=module("harness.lists.db"),
+    lists_test = module("tests.test_lists", db=module("harness.lists.db"))
+    judge_test = module("tests.test_judge", Judge=from_module("harness.conform.controller.judge"),
                         oracle=from_module("harness.oracle.after_test"))
+    docs_test = module("tests.test_docs", Path=from_module("pathlib"), pytest=pytest)
     prior = PriorWeights()
     assert prior.of(oracle_test) == 3  # the cache, the checked manager, the index via support
     assert prior.of(unit_test) == 1
-    assert prior.of(lists_test) == 0  # binds nothing from the cache: cannot see its bugs
+    # The harness is code under test too: its lists as much as a cache unit test, the
+    # judge and an oracle as two oracles.
+    assert prior.of(lists_test) == 1
+    assert prior.of(judge_test) == 3
+    assert prior.of(docs_test) == 0  # binds neither the cache nor the harness
     assert prior.of(None) == 0
 
 
-def test_the_prior_puts_oracle_and_fuzz_tests_above_unit_and_harness_tests() -> None:
+def test_the_prior_puts_oracle_and_fuzz_tests_above_unit_tests_and_harness_tests_beside_them(
+        ) -> None:
+    from tests.ci import test_docs
     from tests.harness.lists import test_db
-    from tests.harness.oracle import test_checked_manager
+    from tests.harness.oracle import test_capacity, test_checked_manager, test_provenance
     from tests.reliability import test_cache_fuzz
     from tests.unit.core import test_radix_keys
 
     prior = PriorWeights()
     unit = prior.of(test_radix_keys)
     assert prior.of(test_checked_manager) > unit and prior.of(test_cache_fuzz) > unit
-    assert unit > prior.of(test_db) == 0
+    # The oracles' own tests weigh as much as the tests they judge (a broken oracle turns
+    # every other test green), the lists' as a unit test; only what binds neither the
+    # cache nor the harness (the docs) waits for the tail.
+    assert prior.of(test_provenance) > unit and prior.of(test_capacity) > unit
+    assert prior.of(test_db) == unit > prior.of(test_docs) == 0
 
 
 def _fixture_scope(decorator: ast.expr) -> str | None:
