@@ -254,15 +254,29 @@ exit codes:
      (behaviour upstream has acknowledged and not fixed, each with its link: report.md's
      verdict says "known limitations", never "passed"; report.json's `verdict` too)
   1  a check found a violation (report.md lists each finding with its op list)
-  2  it could not run: an unsupported version (the supported ones are named), a failed
-     install, a self-test that refused a stubbed or mocked engine function, a worker
-     that died or answered nonsense, an engine that touched a stub, a report folder
-     that cannot take the report (checked before anything runs); the report says why"""
+  2  it could not run: no lock could be resolved (the step, and what would fix it), a
+     failed install, a self-test that refused a stubbed or mocked engine function, a
+     worker that died or answered nonsense, an engine that touched a stub, a report
+     folder that cannot take the report (checked before anything runs); the report says
+     why
+`conform lock NAME==VERSION`: 0 the lock is written (or committed already), 2 it could
+not be made (the reason said)"""
 
 
 def _conform(args: argparse.Namespace) -> int:
-    from harness.conform.controller.runner import conform, replay_file  # loads nothing at startup
+    from harness.conform.controller.runner import (  # loads nothing at startup
+        conform,
+        replay_file,
+        write_lock,
+    )
 
+    if args.spec == "lock" or args.lock_spec is not None:
+        if args.spec != "lock" or args.lock_spec is None:
+            given = " ".join(filter(None, (args.spec, args.lock_spec)))
+            print(f"kvharness conform: expected SPEC or `lock NAME==VERSION`, got {given!r}",
+                  file=sys.stderr)
+            return 2
+        return write_lock(args.lock_spec)
     if args.replay is not None:
         if args.check is not None and len(args.check) > 1:
             print("kvharness conform --replay: --check names the one check of a report.json "
@@ -393,8 +407,13 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=CONFORM_EXIT_CODES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("spec", metavar="SPEC",
-                   help="ENGINE==VERSION (a release with a lock in harness/conform/locks/), "
-                   "kvcache, or a bare ENGINE for the version installed here")
+                   help="ENGINE==VERSION, like vllm==0.33.0 or sglang==0.5.6.post2 (any "
+                   "release: a lock is resolved at first use where none is committed), "
+                   "ENGINE@PATH (a source tree), kvcache, a bare ENGINE for the version "
+                   "installed here, or `lock NAME==VERSION` (write the release's lock into "
+                   "harness/conform/locks for committing)")
+    p.add_argument("lock_spec", nargs="?", default=None, metavar="NAME==VERSION",
+                   help=argparse.SUPPRESS)
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
                    help=f"where report.md and report.json go (default: "
                    f"{DEFAULT_RESULTS}/conform/ENGINE-VERSION, from the parsed SPEC; a SPEC "

@@ -10,6 +10,7 @@ inside an engine's venv receives nothing but data. Standard library only.
     append  seq, tokens                       -> block ids | refused
     free    seq
     evict   num_blocks                        -> blocks evicted
+    preempt seq                               (the engine's own preemption path)
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from typing import Any, Literal, get_args
 from harness.conform.known_keys import check_keys
 from harness.conform.protocol import Scope
 
-OpKind = Literal["admit", "reserve", "commit", "append", "free", "evict"]
+OpKind = Literal["admit", "reserve", "commit", "append", "free", "evict", "preempt"]
 KINDS: tuple[OpKind, ...] = get_args(OpKind)
 # the fields each kind takes besides `kind`
 _FIELDS: dict[str, tuple[str, ...]] = {
     "admit": ("seq", "tokens", "scope", "first_chunk"), "reserve": ("seq", "num_tokens"),
     "commit": ("seq", "num_tokens"), "append": ("seq", "tokens"), "free": ("seq",),
-    "evict": ("num_blocks",)}
+    "evict": ("num_blocks",), "preempt": ("seq",)}
 MAX_TOKEN = 2**31 - 1  # every engine here takes token ids as int32 or wider
 
 
@@ -173,6 +174,12 @@ def free(seq: str) -> Op:
 def evict(num_blocks: int) -> Op:
     """An evict op."""
     return Op("evict", num_blocks=num_blocks)
+
+
+def preempt(seq: str) -> Op:
+    """A preempt op (the engine preempts the live sequence; it resumes by an admit of
+    its id with its prompt and the tokens appended since)."""
+    return Op("preempt", seq)
 
 
 def ops_to_json(ops: Iterable[Op]) -> list[dict[str, Any]]:

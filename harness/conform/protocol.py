@@ -14,19 +14,62 @@ Standard library only: this module runs inside every engine's virtual environmen
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, NamedTuple, Protocol, get_args
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple, Protocol, cast, get_args
 
 from harness.conform.known_keys import check_keys
 
-ScopeKind = Literal["salt", "lora"]
+ScopeKind = Literal["salt", "lora", "extra_key"]
 LoraField = Literal["lora_name", "lora_id", "lora_path"]
-# What an engine counter counts, so the judge knows what to compare it with.
+# What an engine counter counts, so the judge knows what to compare it with: every
+# admission's, or ("new_*") only those of sequences admitted for the first time, or
+# ("resumed_*") only those resuming a preempted sequence.
 CounterMeaning = Literal["requests", "prompt_tokens", "reused_tokens", "reused_blocks",
-                         "missed_blocks", "zero"]
-Eviction = Literal["lru-blocks-tail-first", "lru-leaves", "priority-lru"]
+                         "missed_blocks", "zero", "new_requests", "new_prompt_tokens",
+                         "new_reused_tokens", "resumed_requests", "resumed_prompt_tokens",
+                         "resumed_reused_tokens"]
+# Which cached block goes first under pressure: vLLM's free queue (least recently freed
+# first, a request's blocks freed tail first; "-uncached-first": a freed block that
+# caches nothing goes to the front instead), whole least recently used leaves (SGLang,
+# shortfin), retention priority then least recently used (kvcache).
+EvictionPolicy = Literal["lru-blocks-tail-first", "lru-blocks-tail-first-uncached-first",
+                         "lru-leaves", "priority-lru"]
+# What `preempt` does: "none" (no preemption path the adapter drives), "frees-keeps-cached"
+# (the request's blocks are freed as a free frees them: what it computed stays cached),
+# "retracts-decode" (SGLang's retraction: only a sequence between decode steps, every
+# token so far computed; it keeps cached only what it had published, its unpublished
+# blocks are freed, and the engine may then evict cached blocks for the decode steps of
+# the sequences still running).
+Preemption = Literal["none", "frees-keeps-cached", "retracts-decode"]
+# What a decode step that gets no block does: "refused" (nothing changes) or
+# "preempts-last" (the scheduler preempts the lowest-priority running request, the last
+# admitted, until the step fits; it may be the decoding request itself).
+DecodeRefusal = Literal["refused", "preempts-last"]
+# Who cuts a prompt into chunks: "caller" (the op's first_chunk and reserve),
+# "caller-page-floor" (the op's, but a first chunk that does not end the prompt is cut
+# down to whole pages, at least one, and a later chunk is scheduled only once every
+# scheduled token is computed: SGLang's PrefillAdder), or the engine's scheduler: a step
+# gives a request at most its token budget and at most the long-prefill threshold, which
+# caps every chunk ("token-budget") or only those of a step in which other requests are
+# running or waiting ("token-budget-shared").
+Chunking = Literal["caller", "caller-page-floor", "token-budget", "token-budget-shared"]
+# What an admission must find free: its first chunk's blocks, or its whole prompt's.
+AdmissionFits = Literal["chunk", "prompt"]
+# Fields of a BlockStored event beyond its hashes that the engine fills in.
+EventField = Literal["parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
+                     "lora_name", "medium", "extra_keys", "group_idx", "cache_salt",
+                     "session_id"]
+# How a windowed cache's groups lie: every layer windowed ("window-only", kvcache's), or a
+# full-attention group beside a sliding-window group (a hybrid model's: vLLM's
+# HybridKVCacheCoordinator), whose window blocks the windowNumBlocks gauge counts.
+WindowLayout = Literal["window-only", "full-and-window"]
+# What `CacheOptions` field an adapter honours when it opens a cache.
+OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
+                     "state_interval"]
 
 
 def _str_or_none(value: Any, where: str) -> None:
@@ -36,21 +79,26 @@ def _str_or_none(value: Any, where: str) -> None:
 
 @dataclass(frozen=True)
 class Scope:
-    """Who may share KV: a cache salt, a LoRA adapter (name, id and files), or both.
+    """Who may share KV: a cache salt, a LoRA adapter (name, id and files), a caller's
+    extra key, or any of them together.
 
     The harness's reference semantics: two scopes that differ in any field never share
     (docs/design.md, "Scopes"). An engine keys on fewer fields where its contract says
-    so (`Contract.lora_identity`). A LoRA is given whole or not at all; `Scope.lora`
-    fills in a path from the id. Raises ValueError naming the bad field.
+    so (`Contract.scope_kinds`, `Contract.lora_identity`). A LoRA is given whole or not
+    at all; `Scope.lora` fills in a path from the id (an engine that names adapters by
+    text names LoRA id n `lora_id_text(n)`). `extra_key` is a caller's own cache
+    namespace beside the salt (SGLang's request `extra_key`). Raises ValueError naming
+    the bad field.
     """
 
     salt: str | None = None
     lora_name: str | None = None
     lora_id: int | None = None
     lora_path: str | None = None
+    extra_key: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("salt", "lora_name", "lora_path"):
+        for name in ("salt", "lora_name", "lora_path", "extra_key"):
             _str_or_none(getattr(self, name), f"Scope.{name}")
         lid = self.lora_id
         if lid is not None and (isinstance(lid, bool) or not isinstance(lid, int) or lid < 1):
@@ -89,11 +137,62 @@ class Scope:
         return None if scope == cls() else scope
 
     def describe(self) -> str:
-        """Short text for op lists: `salt='x', lora=('x', 1, '/loras/1')`."""
+        """Short text for op lists: `salt='x', lora=('x', 1, '/loras/1'), extra_key='k'`."""
         parts = [] if self.salt is None else [f"salt={self.salt!r}"]
         if self.has_lora:
             parts.append(f"lora=({self.lora_name!r}, {self.lora_id}, {self.lora_path!r})")
+        if self.extra_key is not None:
+            parts.append(f"extra_key={self.extra_key!r}")
         return ", ".join(parts) or "default"
+
+
+def _count_or_none(value: Any, where: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"{where} must be an int >= 1 or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How a cache is opened beyond its pool: a sliding window (tokens; the cache then
+    has a full-attention group and a sliding-window group, as a hybrid model's), the
+    scheduler's token budget per step and long-prefill threshold (tokens) where the
+    engine's scheduler cuts prompts into chunks, a host tier of `host_blocks` blocks
+    behind the device pool, and a hybrid model's recurrent state kept every
+    `state_interval` blocks (a match then ends on such a block). None leaves the
+    adapter's default (full attention only; a budget no prompt reaches; no host tier; no
+    recurrent state). An adapter honours the fields its contract lists in `options`.
+    Raises ValueError naming the bad field."""
+
+    window: int | None = None
+    chunk_budget: int | None = None
+    long_prefill_threshold: int | None = None
+    host_blocks: int | None = None
+    state_interval: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _count_or_none(getattr(self, f.name), f"CacheOptions.{f.name}")
+
+    def names(self) -> tuple[OptionName, ...]:
+        """The fields that are set."""
+        return tuple(f.name for f in fields(self)  # type: ignore[misc]
+                     if getattr(self, f.name) is not None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that are set (the JSON form)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "options") -> CacheOptions:
+        """Parse `as_dict`'s output (None is no options); ValueError naming `where`."""
+        if data is None:
+            return cls()
+        data = check_keys(data, (f.name for f in fields(cls)), where)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
 
 class Admission(NamedTuple):
@@ -111,10 +210,18 @@ class Stats(NamedTuple):
     (usedNumBlocks, freeNumBlocks, cachedNumBlocks, maxNumBlocks, tokensPerBlock,
     reusedBlocks, missedBlocks, reusedTokens; aheadNumBlocks: of the used blocks, those
     live sequences hold beyond their tokens' positions, where the contract
-    `allocates_ahead`)."""
+    `allocates_ahead`; windowNumBlocks: of the used blocks, those of the sliding-window
+    group, where the contract's `window_layout` is "full-and-window")."""
 
     engine: dict[str, int | float]
     harness: dict[str, int | float]
+
+
+def lora_id_text(lora_id: int) -> str:
+    """The text an engine that names adapters by text has for LoRA id `lora_id`: 32 hex
+    digits, the form of a uuid's hex (SGLang's `LoRARef.lora_id`). Public, so a check
+    can craft a caller key equal to it, as any client can compute a static id."""
+    return f"{lora_id:032x}"
 
 
 def _choice(value: Any, allowed: tuple[Any, ...], where: str) -> None:
@@ -135,9 +242,11 @@ class Contract:
       block_size; 0: the whole prompt may match, where the prefill recomputes it anyway).
     matchable_at: when a computed block becomes reusable: "commit" (after the forward
       pass, when the caller says so), "allocation" (as soon as it is allocated: the
-      adapter logs an implied commit, and a reader may see KV not yet written) or
+      adapter logs an implied commit, and a reader may see KV not yet written),
       "prefill" (when the whole prompt is computed: a partial commit publishes nothing;
-      decoded blocks when the sequence ends; the adapter logs commits only then).
+      decoded blocks when the sequence ends; the adapter logs commits only then) or
+      "extend" (when every token of a scheduled chunk is computed; decoded blocks when
+      the sequence ends; the adapter logs commits only then).
     partial_reuse, copy_on_partial_reuse: reuse inside a block (the harness's flags).
     scope_kinds: the Scope parts that reach the cache key; lora_identity: the LoRA
       fields the key is built from (two LoRA scopes equal in these share by contract);
@@ -145,7 +254,8 @@ class Contract:
       adapters under one name share KV, which upstream calls a bug
       (vllm-project/vllm#30931), so no contract says it.
       scope_in_event_hash: the kinds that change a router event's block hash.
-    eviction: what is evicted first; explicit_evict: whether `evict` can drop blocks.
+    eviction_policy: which cached block goes first under pressure (`EvictionPolicy`);
+      explicit_evict: whether `evict` can drop blocks.
     dedup_on_commit: a block computed twice is stored once (the second committer
       switches to the cached one); without it both copies stay cached.
     chunked_allocation: an admission allocates slots for its first chunk only (the rest
@@ -156,6 +266,9 @@ class Contract:
       or unfair (the engine asked for more than the tokens need).
     refusal_evicts: a refused admission or append may first evict unused cached blocks
       (and nothing else): the engine tries eviction, then gives up.
+    admission_reserve: the blocks an admission keeps free beyond what `admission_fits`
+      names (SGLang's PrefillAdder keeps a page and compares strictly: 2): a refused
+      admission is unfair only when that many more were free or evictable too.
     decode_steps: an append is a decode step: one token, once every token so far is
       committed (the engine's scheduler decodes one token per step, after the step that
       computed the tokens before it); `Session` skips any other append.
@@ -169,6 +282,32 @@ class Contract:
       shortfall gives the verdict "known limitation", never a pass or a violation.
       `field` is one of scope_kinds, scope_in_event_hash, lora_identity and `value` one
       of its entries.
+    bounded_oracle: the count oracle models this engine's eviction exactly (kvcache);
+      otherwise its predictions are exact until the first eviction, an upper bound after
+      (unless the judge models `eviction_policy` itself: `judge.ORDER_MODELS`).
+    preemption: what `preempt` does (`Preemption`; "none": the op is never sent);
+      decode_refusal: what a decode step that gets no block does (`DecodeRefusal`): with
+      "preempts-last" an append is never refused, and the step report names the
+      sequences it preempted. A preempted sequence resumes by an admit of its id with
+      its prompt and every token appended to it since.
+    chunking: who cuts a prompt into chunks (`Chunking`); chunk_budget and
+      long_prefill_threshold: the scheduler's budget per step and its long-prefill
+      threshold (tokens; None: none) under "token-budget"; admission_fits: what an
+      admission must find free (`AdmissionFits`).
+    event_fields: the BlockStored fields beyond the hashes the engine fills in
+      (`EventField`), kept in the normalised events.
+    window: the sliding window (tokens) of the cache's window group; None: full
+      attention only. window_layout: how the groups lie (`WindowLayout`): under
+      "full-and-window" the block ids and the log are the full-attention group's, and
+      the window group's blocks are counted apart (windowNumBlocks). host_blocks: the
+      host tier behind the device pool (blocks; None: none): an evicted block moves
+      there and a later admission reuses it from there. state_interval: the recurrent
+      state is kept with every block ending a multiple of this many blocks (None: no
+      recurrent state), so a match ends on such a block. options: the `CacheOptions`
+      fields the adapter honours.
+    replicated: (what, the engine function it stands in for, why) for each piece of the
+      engine's caller code the adapter does itself instead of running the engine's: what
+      a pass does not prove.
     citations: field -> where the engine's own code or documentation states it.
     Raises ValueError naming the field for anything else.
     """
@@ -179,23 +318,38 @@ class Contract:
     id_unit: Literal["block", "page"]
     stats_unit: Literal["tokens", "blocks"]
     last_token_cap: Literal["manager", "scheduler"]
-    matchable_at: Literal["commit", "allocation", "prefill"]
+    matchable_at: Literal["commit", "allocation", "prefill", "extend"]
     partial_reuse: bool
     copy_on_partial_reuse: bool
     scope_kinds: tuple[ScopeKind, ...]
     lora_identity: tuple[LoraField, ...]
     scope_in_event_hash: tuple[ScopeKind, ...]
-    eviction: Eviction
+    eviction_policy: EvictionPolicy
     explicit_evict: bool
     dedup_on_commit: bool
     chunked_allocation: bool
     unreused_tail: int = 1
     allocates_ahead: bool = False
     refusal_evicts: bool = False
+    admission_reserve: int = 0
     decode_steps: bool = False
     events: bool = True
     counters: tuple[tuple[str, CounterMeaning], ...] = ()
     limitations: tuple[tuple[str, str, str], ...] = ()
+    bounded_oracle: bool = False
+    preemption: Preemption = "none"
+    decode_refusal: DecodeRefusal = "refused"
+    chunking: Chunking = "caller"
+    chunk_budget: int | None = None
+    long_prefill_threshold: int | None = None
+    admission_fits: AdmissionFits = "chunk"
+    event_fields: tuple[EventField, ...] = ()
+    window: int | None = None
+    window_layout: WindowLayout = "window-only"
+    host_blocks: int | None = None
+    state_interval: int | None = None
+    options: tuple[OptionName, ...] = ()
+    replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -207,10 +361,17 @@ class Contract:
             raise ValueError(f"Contract.block_size must be an int >= 1, got {b!r}")
         hints = {"id_unit": ("block", "page"), "stats_unit": ("tokens", "blocks"),
                  "last_token_cap": ("manager", "scheduler"),
-                 "matchable_at": ("commit", "allocation", "prefill"),
-                 "eviction": get_args(Eviction)}
+                 "matchable_at": ("commit", "allocation", "prefill", "extend"),
+                 "eviction_policy": get_args(EvictionPolicy),
+                 "preemption": get_args(Preemption),
+                 "decode_refusal": get_args(DecodeRefusal), "chunking": get_args(Chunking),
+                 "admission_fits": get_args(AdmissionFits),
+                 "window_layout": get_args(WindowLayout)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
+        reserve = self.admission_reserve
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"Contract.admission_reserve must be an int >= 0, got {reserve!r}")
         tail = self.unreused_tail
         if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail <= b:
             raise ValueError(f"Contract.unreused_tail must be an int in [0, block_size={b}], "
@@ -233,6 +394,17 @@ class Contract:
                              "(vllm-project/vllm#30931), never a contract")
         for entry in self.limitations:
             self._check_limitation(entry)
+        for name, allowed in (("event_fields", get_args(EventField)),
+                              ("options", get_args(OptionName))):
+            for v in getattr(self, name):
+                _choice(v, allowed, f"Contract.{name} entry")
+        for name in ("chunk_budget", "long_prefill_threshold", "window", "host_blocks",
+                     "state_interval"):
+            _count_or_none(getattr(self, name), f"Contract.{name}")
+        for entry in self.replicated:
+            if len(entry) != 3 or not all(isinstance(x, str) and x for x in entry):
+                raise ValueError("Contract.replicated entries are (what, engine function, "
+                                 f"why), three non-empty str, got {entry!r}")
         for counter, meaning in self.counters:
             _str_or_none(counter, "Contract.counters name")
             _choice(meaning, get_args(CounterMeaning), f"Contract.counters[{counter!r}]")
@@ -271,6 +443,8 @@ class Contract:
             parts.append(("salt", scope.salt))
         if "lora" in self.scope_kinds and scope.has_lora:
             parts += [(f, getattr(scope, f)) for f in self.lora_identity]
+        if "extra_key" in self.scope_kinds and scope.extra_key is not None:
+            parts.append(("extra_key", scope.extra_key))
         return json.dumps(parts) if parts else None
 
     def as_dict(self) -> dict[str, Any]:
@@ -281,10 +455,11 @@ class Contract:
     def from_dict(cls, data: Any, where: str = "contract") -> Contract:
         """Parse `as_dict`'s output; ValueError naming `where` for unknown or bad keys."""
         values = dict(check_keys(data, (f.name for f in fields(cls)), where))
-        for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "notes"):
+        for name in ("scope_kinds", "lora_identity", "scope_in_event_hash", "notes",
+                     "event_fields", "options"):
             if name in values:
                 values[name] = tuple(values[name])
-        for name in ("counters", "limitations", "citations"):
+        for name in ("counters", "limitations", "citations", "replicated"):
             if name in values:
                 values[name] = tuple(tuple(p) for p in values[name])
         try:
@@ -371,12 +546,41 @@ class CacheUnderTest(Protocol):
         ...
 
 
+class Preemptible(Protocol):
+    """A cache whose contract has a preemption path (`Contract.preemption` other than
+    "none", or `decode_refusal` "preempts-last") also offers these."""
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """The engine's own preemption of a live sequence: what it frees and counts is
+        the contract's `preemption`; it then resumes by an admit of the same id with its
+        prompt and the tokens appended to it since."""
+        ...
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences preempted since the last call (by `preempt`, or by the engine's
+        scheduler for a decode step that got no block), in the order preempted."""
+        ...
+
+
+def preemptible(cache: CacheUnderTest) -> Preemptible:
+    """`cache` as a `Preemptible`; ValueError when its contract names a preemption path
+    that it does not offer."""
+    if not (callable(getattr(cache, "preempt", None))
+            and callable(getattr(cache, "take_preempted", None))):
+        c = cache.contract
+        raise ValueError(f"{c.engine} {c.version}: the contract says preemption="
+                         f"{c.preemption!r}, decode_refusal={c.decode_refusal!r}, but the "
+                         "adapter has no preempt/take_preempted")
+    return cast(Preemptible, cache)
+
+
 class LoadedEngine(NamedTuple):
     """An engine an adapter has imported (inside its worker): what the self-test and
     the worker need. `new(num_blocks, block_size, record)` builds a fresh cache
-    (`record` False: no event log or router events, for benchmarks); `modules` are the
-    engine modules on the cache's path (none may be a stub); `stubs_served` the stub
-    modules that were imported."""
+    (`record` False: no event log or router events, for benchmarks); `configured` the
+    same with `CacheOptions` (None where the adapter honours none: `Contract.options`);
+    `modules` are the engine modules on the cache's path (none may be a stub);
+    `stubs_served` the stub modules that were imported."""
 
     name: str
     version: str
@@ -384,3 +588,73 @@ class LoadedEngine(NamedTuple):
     new: Callable[[int, int, bool], CacheUnderTest]
     modules: tuple[str, ...]
     stubs_served: tuple[str, ...]
+    contract_basis: Mapping[str, Any] = MappingProxyType({})  # `settle`'s basis
+    configured: Callable[[int, int, bool, CacheOptions], CacheUnderTest] | None = None
+
+
+def settle(contract: Contract, version: str, detected: Mapping[str, tuple[Any, str]]
+           ) -> Contract:
+    """The contract of a release the harness has none for: `contract` (the nearest known
+    release's) for `version`, each detected field (field -> (value, where the release's
+    own code says so)) settled by detection and cited so. ValueError for a detected
+    value the contract refuses."""
+    changes = {name: value for name, (value, _) in detected.items()}
+    cited = tuple((name, f"detected in this release: {where}")
+                  for name, (_, where) in detected.items())
+    kept = tuple(c for c in contract.citations if c[0] not in detected)
+    return replace(contract, version=version, citations=kept + cited, **changes)
+
+
+def contract_basis(version: str, known: str, detected: Mapping[str, tuple[Any, str]]
+                   ) -> dict[str, Any]:
+    """What a release's contract rests on (`LoadedEngine.contract_basis`, the report's
+    `contract_basis`): the known release whose contract it takes (itself when known) and
+    the fields detected in its own code (field -> where)."""
+    return {"version": version, "known": known,
+            "detected": {name: where for name, (_, where) in detected.items()}}
+
+
+def installed_version(package: str, given: str | None) -> str:
+    """The version of `package` as imported: its metadata's, else `given` (a source
+    tree has no metadata). ImportError when neither says."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        if given is None:
+            raise ImportError(f"{package} has no installed metadata and no version was "
+                              "given (a source tree: the harness passes its version)") from None
+        return given
+
+
+EVENT_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def event_kind(event: object) -> str:
+    """A router event's kind: the first of EVENT_KINDS among the names of its class and
+    its bases (SGLang 0.5.19 on sends `BlockStoredWithMetadata`, a BlockStored under
+    BlockStored's wire tag, when a salt is set), else its class's own name."""
+    for cls in type(event).__mro__:
+        if cls.__name__ in EVENT_KINDS:
+            return cls.__name__
+    return type(event).__name__
+
+
+
+
+def open_cache(engine: LoadedEngine, num_blocks: int, block_size: int, record: bool,
+               options: CacheOptions | None) -> CacheUnderTest:
+    """A fresh cache of `engine`, with `options` where any are set. Raises ValueError
+    naming the options the engine does not honour (the cache built is dropped)."""
+    wanted = options.names() if options is not None else ()
+    if not wanted:
+        return engine.new(num_blocks, block_size, record)
+    if engine.configured is None:
+        raise ValueError(f"{engine.name} {engine.version} honours no cache options; "
+                         f"asked for {list(wanted)}")
+    assert options is not None
+    cache = engine.configured(num_blocks, block_size, record, options)
+    missing = [n for n in wanted if n not in cache.contract.options]
+    if missing:
+        raise ValueError(f"{engine.name} {engine.version} does not honour the cache "
+                         f"options {missing} (it honours {list(cache.contract.options)})")
+    return cache

@@ -131,6 +131,19 @@ class ReuseOracle:
             self._admissions, (t.evicted, t.offloaded, t.onboarded, t.dropped),
             (t.alloc_total, t.alloc_new, t.decode_alloc))
 
+    def forget(self, scope: Any, tokens: Sequence[int]) -> bool:
+        """The cache dropped its full block ending at `tokens` (in `scope`, as the log
+        names scopes), which no live sequence holds: later matches stop before it. For
+        a caller that knows the engine's evictions (its contract's order); returns
+        whether the block was cached. Raises ValueError for a held block."""
+        key = (normalize_scope(scope, "forget"), tuple(tokens))
+        if key not in self._cached:
+            return False
+        if self._users[key]:
+            raise ValueError(f"forget: block {key} is held by a live sequence")
+        self._uncache(key)
+        return True
+
     # -- events ------------------------------------------------------------------------
 
     def apply(self, event: Event | Mapping[str, Any] | Any) -> RequestReuse | None:
@@ -215,6 +228,12 @@ class ReuseOracle:
         if seq_id in self._seqs:
             raise ValueError(f"admit event for seq_id {seq_id!r}, which is already live")
         match = self._match(prompt, scope)
+        if self._claims_under_pressure(match, prompt):
+            # protecting the copy source would take the last block the admission needs:
+            # the cache claims it instead, evicting what follows it (docs/design.md)
+            assert self._tiers is not None and match.source is not None
+            self._tiers.evict_below(match.source)
+            match = _Match(match.full_keys, match.partial_tokens, match.source, True)
         if match.source is not None and match.claim:
             self._uncache(match.source)
             if self._tiers is not None:
@@ -242,6 +261,17 @@ class ReuseOracle:
             match.partial_tokens, action, moves)
         self._admissions.append(result)
         return result
+
+    def _claims_under_pressure(self, match: _Match, prompt: Tokens) -> bool:
+        """Whether an admission that would copy its partial hit from an unheld full block
+        claims it instead: its new blocks (the copy's among them) are exactly all the
+        pool can supply (free, plus every unheld block but its own hits)."""
+        tiers, source = self._tiers, match.source
+        if tiers is None or source is None or match.claim or len(source) != 2 \
+                or self._users[source] or source not in tiers.device:
+            return False
+        need = -(-len(prompt) // self.cfg.tokens_per_block) - len(match.full_keys)
+        return need == tiers.available(match.full_keys)
 
     def _commit(self, seq_id: Hashable, seq: _Seq, n: int) -> None:
         if n < seq.committed or n > len(seq.tokens):

@@ -19,6 +19,9 @@ for a full block, (scope, prefix, tail) for a partial leaf.
   priority, then oldest release (a block keeps its priority and time when it moves),
   whenever an offload needs its slot; never a block the same allocation offloaded (an
   eviction does not undo itself, however low the block ranks).
+- An admission whose copy source (an unheld full block with followers) would take the
+  last block it needs claims the source instead: its device followers are evicted first,
+  deepest first, then the source becomes the sequence's block.
 - An admission holds its device hits and pins its host hits, allocates its new blocks
   and one per host hit (the onboards), then moves the host hits to the device. A copy
   source counts as held by the admission and released at once.
@@ -73,7 +76,8 @@ class Tiers:
 
     def allocate(self, n: int) -> int:
         """`n` private device blocks: free ones first, then evicted ones; returns how many
-        were free."""
+        were free. ValueError when nothing is left to evict (the cache under test admitted
+        what its pool cannot hold)."""
         fresh = min(n, self.free)
         for _ in range(n - self.free):
             self._evict_one()
@@ -81,6 +85,29 @@ class Tiers:
         assert self.free >= n, f"oracle: {n} blocks cannot be had ({self.free} free)"
         self.private += n
         return fresh
+
+    def available(self, hits: Iterable[Key]) -> int:
+        """Device blocks an admission holding `hits` could have: the free ones and every
+        unheld one but those hits (under full attention an unheld block's followers are
+        unheld too, so each can be evicted in turn)."""
+        hit = set(hits)
+        return self.free + sum(1 for k in self.device
+                               if not self._held(k) and k not in hit and k not in self.pinned)
+
+    def evict_below(self, key: Key) -> None:
+        """Evict every device block that follows `key`, deepest first (a claimed copy
+        source's followers)."""
+        below: list[Key] = []
+        todo = list(self._children(key))
+        while todo:
+            child = todo.pop()
+            below.append(child)
+            todo += self._children(child)
+        for child in sorted(below, key=_depth, reverse=True):
+            if child in self.device:
+                self.device.pop(child)
+                self.evicted += 1
+                self._uncache(child)
 
     def append(self, n: int) -> None:
         """`n` blocks for a sequence's appended tokens (counted as decode blocks)."""
@@ -92,7 +119,8 @@ class Tiers:
     def _evict_one(self) -> None:
         candidates = [k for k in self.device if not self._held(k) and k not in self.pinned
                       and not any(c in self.device for c in self._children(k))]
-        assert candidates, "oracle: nothing to evict (the cache admitted what cannot fit)"
+        if not candidates:  # the cache under test admitted more than its pool holds
+            raise ValueError("oracle: nothing to evict (the cache admitted what cannot fit)")
         # lowest priority, then oldest release; the deeper block breaks a tie (a leaf
         # before its parent)
         key = min(candidates, key=lambda k: (*self.device[k], -_depth(k)))

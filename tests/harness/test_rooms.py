@@ -64,7 +64,7 @@ def test_the_oracles_import_nothing_from_kvcache(structure: ModuleType) -> None:
 
 # harness/conform: the modules both sides share, and the worker's side (what an engine's
 # worker imports: the standard library only until an adapter loads its engine)
-CONFORM_SHARED = {"protocol", "ops", "stubs", "known_keys"}
+CONFORM_SHARED = {"protocol", "ops", "stubs", "known_keys", "versions"}
 WORKER_SIDE = {"worker", "adapters", *CONFORM_SHARED}
 
 

@@ -954,10 +954,13 @@ IDS.add("ck-int-dtype")
 # -- kvharness conform ----------------------------------------------------------------------
 
 @pytest.mark.parametrize(("spec", "message"), cases(
-    pytest.param("vllm>=0.30", r"engine spec 'vllm>=0\.30': expected NAME or NAME==VERSION",
-                 id="conform-spec-range"),
-    pytest.param("vllm==0.30.0", r"vllm 0\.30\.0 is not supported; supported: 0\.10\.2, "
-                 r".*0\.33\.0", id="conform-version-unsupported"),
+    pytest.param("vllm>=0.30", r"engine spec 'vllm>=0\.30': expected NAME, NAME==VERSION or "
+                 r"NAME@PATH", id="conform-spec-range"),
+    pytest.param("vllm==0.33.1.dev3+gabc1234", r"vllm 0\.33\.1\.dev3\+gabc1234 is not a "
+                 r"registry release: run a checkout as vllm@PATH, or the one installed here "
+                 r"as a bare vllm", id="conform-version-dev"),
+    pytest.param("sglang@/nonexistent/sglang", r"/nonexistent/sglang: no sglang/__init__\.py "
+                 r"here or under /nonexistent/sglang/python", id="conform-tree-missing"),
     pytest.param("lmdeploy==0.9.0", r"no adapter for 'lmdeploy'; engines: sglang, "
                  r"sglang_unified, shortfin, vllm, kvcache", id="conform-engine-unknown"),
     pytest.param("tensorrt_llm==1.2.1", r"tensorrt_llm cannot run on this machine: "
@@ -1002,7 +1005,7 @@ def test_conform_writes_nothing_where_a_bad_spec_points(
     if len(spec) > 100:
         assert f"engine spec {spec[:40]!r}... of {len(spec)} characters; at most 100" in out
     else:
-        assert f"engine spec {spec!r}: expected NAME or NAME==VERSION" in out
+        assert f"engine spec {spec!r}: expected NAME, NAME==VERSION or NAME@PATH" in out
     assert "no report (the SPEC names no engine to file it under)" in out
     # the folder the SPEC names, and every other, stays as it was: no report anywhere
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == [
@@ -1044,6 +1047,15 @@ def test_conform_seeds_must_be_a_count(capsys: pytest.CaptureFixture[str]) -> No
 IDS.add("conform-seeds-negative")
 
 
+def test_conform_lock_needs_a_release(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvharness(["conform", "lock", "vllm"]) == 2
+    assert "cannot lock vllm: vllm: name the release to lock (vllm==VERSION)" in \
+        capsys.readouterr().out
+
+
+IDS.add("conform-lock-bare")
+
+
 def test_conform_replay_names_the_bad_op(tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     file = tmp_path / "check.json"
@@ -1055,6 +1067,35 @@ def test_conform_replay_names_the_bad_op(tmp_path: Path,
 
 
 IDS.add("conform-replay-bad-op")
+
+
+def test_conform_replay_names_a_bad_extra_key(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "check.json"
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [
+        {"kind": "admit", "seq": "A", "tokens": [1, 2], "scope": {"extra_key": ""}}]}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: ops[0]: scope: Scope.extra_key must be a non-empty str or None, " \
+           "got ''" in capsys.readouterr().out
+
+
+IDS.add("conform-replay-bad-extra-key")
+
+
+def test_conform_replay_names_bad_cache_options(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "check.json"
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [], "options": {"window": 0}}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert f"{file}: options: CacheOptions.window must be an int >= 1 or None, got 0" in \
+        capsys.readouterr().out
+    file.write_text(json.dumps({"num_blocks": 8, "ops": [], "options": {"chunk_budget": 8}}))
+    assert kvharness(["conform", "kvcache", "--replay", str(file)]) == 2
+    assert "does not honour the cache options ['chunk_budget'] (it honours ['host_blocks', " \
+           "'state_interval'])" in capsys.readouterr().out
+
+
+IDS.update({"conform-replay-bad-options", "conform-replay-unhonoured-options"})
 
 
 def test_conform_lock_pinning_torch_is_refused(tmp_path: Path) -> None:
@@ -1092,6 +1133,11 @@ def _lock_with(**changes: object) -> dict[str, object]:
                  id="conform-lock-pinned-twice"),
     pytest.param({"stubs": {"absent": {}, "magic": {}}}, r"stubs: unknown keys \['magic'\]",
                  id="conform-lock-stubs-key"),
+    pytest.param({"version": "latest"}, r"version: 'latest' is not a version like 0\.33\.0",
+                 id="conform-lock-version"),
+    pytest.param({"resolved": {"how": "pip", "module": "os"}}, r"resolved: expected an object "
+                 r"with keys among \['added', 'base', 'date', 'how', 'pip', 'python'\]",
+                 id="conform-lock-resolved"),
 ))
 def test_conform_lock_fields_are_checked(change: dict[str, object], message: str) -> None:
     from harness.conform.controller.locks import LOCK_DIR, LockError, parse_lock

@@ -23,6 +23,7 @@ from typing import Any
 
 from harness.conform.protocol import (
     Admission,
+    CacheOptions,
     CacheUnderTest,
     Contract,
     CounterMeaning,
@@ -57,19 +58,37 @@ def package_dir() -> str:
     return os.path.dirname(kvcache.__file__)
 
 
-def contract(block_size: int) -> Contract:
-    """kvcache's contract: the reference semantics themselves."""
+def contract(block_size: int, options: CacheOptions | None = None) -> Contract:
+    """kvcache's contract: the reference semantics themselves, for a cache opened with
+    `options` (a host tier, recurrent-state snapshots: matches aligned to them, no
+    partial reuse)."""
+    host = None if options is None else options.host_blocks
+    interval = None if options is None else options.state_interval
+    aligned = interval is not None and interval > 1
     return Contract(
         engine="kvcache", version=kvcache_version(), block_size=block_size, id_unit="block",
         stats_unit="blocks", last_token_cap="manager", matchable_at="commit",
-        partial_reuse=True, copy_on_partial_reuse=True, scope_kinds=("salt", "lora"),
+        partial_reuse=not aligned, copy_on_partial_reuse=not aligned,
+        scope_kinds=("salt", "lora"),
         lora_identity=("lora_id",), scope_in_event_hash=("salt", "lora"),
-        eviction="priority-lru", explicit_evict=False, dedup_on_commit=True,
+        eviction_policy="priority-lru", explicit_evict=False, dedup_on_commit=True,
         chunked_allocation=False,
-        counters=COUNTERS,
+        counters=COUNTERS, bounded_oracle=True, preemption="frees-keeps-cached",
+        host_blocks=host, state_interval=interval, options=("host_blocks", "state_interval"),
+        event_fields=("parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
+                      "medium"),
         citations=(("*", "docs/design.md: the reuse rules, partial reuse, eviction"),
                    ("scope_in_event_hash", "kvcache/core/kv_events.py: a block's hash "
-                                           "chains its parent, tokens and scope")),
+                                           "chains its parent, tokens and scope"),
+                   ("preemption", "kvcache/engine/scheduler.py Scheduler.preempt: "
+                                  "release (free_sequence: committed blocks stay cached), "
+                                  "then recompute, reusing what survives"),
+                   ("event_fields", "kvcache/core/kv_events.py BlockStored"),
+                   ("host_blocks", "kvcache/core/host_tier.py: an evicted full block moves "
+                                   "to the host; an admission onboards it"),
+                   ("state_interval", "KvCacheConfig.reuse_alignment_blocks: every match "
+                                      "is cut to a multiple of this many blocks "
+                                      "(docs/design.md, 'Hybrid models')")),
         notes=("ReuseScope has no LoRA name or path: a LoRA is its id",))
 
 
@@ -79,7 +98,8 @@ class KvcacheCache:
     `record`: keep the event log and router events (off for benchmarks).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
         import kvcache  # here: the harness loads kvcache at run time only where it is adapted
         from kvcache.core import kv_events
 
@@ -88,11 +108,16 @@ class KvcacheCache:
         self._hash = kv_events.block_hash
         self._little_endian_bytes = kv_events.little_endian_bytes
         self._event_to_dict = kv_events.event_to_dict
+        self._contract = contract(block_size, options)
+        c = self._contract
         cfg = kvcache.KvCacheConfig(tokens_per_block=block_size, max_num_blocks=num_blocks,
-                                    enable_block_reuse=True)
+                                    enable_block_reuse=True,
+                                    enable_partial_reuse=c.partial_reuse,
+                                    reuse_alignment_blocks=c.state_interval or 1,
+                                    host_cache_blocks=c.host_blocks or 0)
         self.manager = kvcache.KvCacheManager(cfg, record_events=record, kv_events=record)
-        self._contract = contract(block_size)
         self._scopes: dict[Hashable, Scope | None] = {}
+        self._preempted: list[Hashable] = []
         self._seen = 0  # events of the manager's log already taken
 
     @property
@@ -117,7 +142,7 @@ class KvcacheCache:
         """The kvcache functions each op kind calls."""
         return {"admit": ("add_sequence", "take_copy_ops"), "reserve": ("reserve",),
                 "commit": ("commit",), "append": ("append_tokens",),
-                "free": ("free_sequence",), "evict": ()}
+                "free": ("free_sequence",), "preempt": ("free_sequence",), "evict": ()}
 
     def raw_probe(self) -> dict[str, Any]:
         """kvcache's own results for one admission, freed again."""
@@ -168,8 +193,22 @@ class KvcacheCache:
 
     def free(self, seq_id: Hashable) -> None:
         """`free_sequence`."""
+        self._release(seq_id)
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """What kvcache's engine does to a preempted request's cache
+        (`Scheduler.preempt` -> `release`): `free_sequence`; it counts nothing."""
+        self._release(seq_id)
+        self._preempted.append(seq_id)
+
+    def _release(self, seq_id: Hashable) -> None:
         self.manager.free_sequence(seq_id)
         self._scopes.pop(seq_id, None)
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences `preempt` preempted since the last call."""
+        out, self._preempted = self._preempted, []
+        return out
 
     def evict(self, num_blocks: int) -> int:
         """kvcache evicts only to make room for an allocation: nothing here."""
@@ -257,4 +296,9 @@ def load(cache: type[KvcacheCache] = KvcacheCache) -> LoadedEngine:
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
         return cache(num_blocks, block_size, record=record)
 
-    return LoadedEngine("kvcache", kvcache_version(), package_dir(), new, PACKAGE_MODULES, ())
+    def configured(num_blocks: int, block_size: int, record: bool,
+                   options: CacheOptions) -> CacheUnderTest:
+        return cache(num_blocks, block_size, record=record, options=options)
+
+    return LoadedEngine("kvcache", kvcache_version(), package_dir(), new, PACKAGE_MODULES, (),
+                        configured=configured)

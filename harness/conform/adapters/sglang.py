@@ -1,13 +1,16 @@
 """SGLang's `RadixCache` behind the cache-level protocol (runs in an SGLang venv).
 
-The tree only matches, inserts, locks and evicts; the adapter is its scheduler:
+From 0.5.22, whose scheduler code runs on a CPU, SGLang's own caller code drives the
+tree (`sglang_scheduler`, chosen in `load_sglang`). Before, the tree only matches,
+inserts, locks and evicts, and this module is its scheduler (`TREE_CALLER_REPLICATED`
+lists what it stands in for):
 
-- slots come from a page allocator of its own (`PageAllocator`; SGLang's device pools
-  need CUDA), page 0 reserved as SGLang reserves slot 0 for padding; block ids are
-  page ids (slot // page_size);
+- slots come from a page allocator of its own (`PageAllocator`; these releases' locks
+  stub the device pools), page 0 reserved as SGLang reserves slot 0 for padding; block
+  ids are page ids (slot // page_size);
 - the lookup is capped at L - 1 tokens (`Req._compute_max_prefix_len`), and keyed as
   `Req.__init__` keys it: extra_key = (extra_key or "") + lora_id, the salt its own
-  `cache_salt` field from 0.5.22 and the extra key before that;
+  `cache_salt` field from 0.5.18 and the extra key before that;
 - an admission locks its hit, then takes pages for the reused tokens plus its first
   chunk from the free ones, evicting only the shortfall; it is refused (everything
   unlocked, nothing evicted) when free plus evictable pages do not cover it;
@@ -15,38 +18,49 @@ The tree only matches, inserts, locks and evicts; the adapter is its scheduler:
   duplicate slots the insert reports (RadixCache leaves that to its caller: the pages
   [locked, prefix_len) another request inserted first), takes the tree's pages for the
   prefix, and moves its lock down (logged as a switch of block ids);
-- a free inserts the computed pages, frees the rest and unlocks (`cache_finished_req`).
+- a free inserts the computed pages, frees the rest and unlocks (`cache_finished_req`);
+  a preemption frees what was not inserted and unlocks (the retraction's release).
 
 Release differences are found by feature (`create_simulated`, parameter objects,
-`cache_salt`, `path_device_indices`); the stubs come from the lock file.
+`cache_salt`, `path_device_indices`); the stubs come from the lock file. A release whose
+contract was not read by hand (not in CONTRACT_RELEASES) takes the nearest known one's,
+with the known limitation of its event hashes detected from `RadixKey` (`detect`).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import inspect
 import os
 from array import array
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from harness.conform.adapters import sglang_scheduler
 from harness.conform.protocol import (
     Admission,
     CacheUnderTest,
     Contract,
+    EventField,
     LoadedEngine,
     Scope,
     Stats,
+    contract_basis,
+    installed_version,
+    lora_id_text,
+    settle,
 )
 from harness.conform.stubs import StubSpec, install
+from harness.conform.versions import nearest
 
 MODULES = ("sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.base_prefix_cache")
 # The availability probes a lock file may ask to prime (`StubSpec.prime`): asked once
 # before the stub exists, a probe caches the true answer (lru_cache), so the dependency
 # never imports names from the stub.
 PROBES = {"torchvision": ("transformers.utils.import_utils", "is_torchvision_available")}
+# the releases whose RadixCache contract was read from their own code (docs/conformance.md)
+CONTRACT_RELEASES = ("0.5.5", "0.5.10", "0.5.12", "0.5.18", "0.5.22", "0.5.23")
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -57,21 +71,30 @@ EVENT_HASH_RFC = "https://github.com/sgl-project/sglang/issues/39991"
 
 
 def _event_hash_citation(version: str) -> str:
-    """Where SGLang `version` (0.5.22 on) says what reaches its event hashes, quoting its
-    own text (RadixKey's comment changed in 0.5.23)."""
-    release, extra = (("0.5.23", "Namespaces the tree and storage; KV events see only its "
-                                 "LoRA name.") if _version(version) >= (0, 5, 23) else
-                      ("0.5.22", "Namespaces the tree and storage; omitted from KV events."))
-    return (f"radix_cache.py RadixKey.__init__ ({release}'s text): extra_key '{extra}'; "
-            "cache_salt 'Namespaces the tree, storage and KV events.'; mem_cache/utils.py "
-            "compute_node_event_hash_values: 'Hash tokens with the legacy salt seed; omit "
-            "extra_key'. The LoRA in default-format event hashes is phase 3 of "
+    """Where SGLang `version` (0.5.18 on: `cache_salt` arrived then) says what reaches its
+    event hashes, quoting its own text (RadixKey's comments changed in 0.5.20 and 0.5.23),
+    named by the first release with that text."""
+    if _version(version) < (0, 5, 20):
+        said = ("radix_cache.py RadixKey.__init__ (0.5.18's text): cache_salt 'Cache salt is "
+                "kept distinct so it cannot collide with extra_key. It namespaces the "
+                "in-process radix tree and external KV events'; mem_cache/utils.py "
+                "compute_node_event_hash_values hashes the salt, never extra_key")
+    else:
+        release, extra = (("0.5.23", "Namespaces the tree and storage; KV events see only "
+                                     "its LoRA name.") if _version(version) >= (0, 5, 23) else
+                          ("0.5.20", "Namespaces the tree and storage; omitted from KV "
+                                     "events."))
+        said = (f"radix_cache.py RadixKey.__init__ ({release}'s text): extra_key '{extra}'; "
+                "cache_salt 'Namespaces the tree, storage and KV events.'; mem_cache/utils.py "
+                "compute_node_event_hash_values: 'Hash tokens with the legacy salt seed; "
+                "omit extra_key'")
+    return (f"{said}. The LoRA in default-format event hashes is phase 3 of "
             f"sgl-project/sglang#39991 (open RFC): a known limitation ({EVENT_HASH_RFC})")
 
 
 def contract(version: str, block_size: int) -> Contract:
     """SGLang `version`'s contract for RadixCache."""
-    salted = _version(version) >= (0, 5, 22)
+    salted = _version(version) >= (0, 5, 18)
     notes = ["block ids are page ids (slot // page_size)",
              "extra_key = (extra_key or '') + lora_id (Req.__init__)"]
     citations = [
@@ -81,26 +104,58 @@ def contract(version: str, block_size: int) -> Contract:
                          "(cache_unfinished_req / cache_finished_req)"),
         ("lora_identity", "radix_cache.py match_prefix: 'Isolate KV cache lines for "
                           "different LoRA / adapter IDs'"),
-        ("eviction", "radix_cache.py evict: whole least recently used leaves"),
+        ("eviction_policy", "radix_cache.py evict: whole least recently used leaves"),
         ("allocates_ahead", "alloc_paged_token_slots_decode (the scheduler's decode "
                             "allocation): a decode step takes a page only for a token that "
                             "starts one, none ahead")]
     if salted:
-        citations.append(("scope_in_event_hash", _event_hash_citation(version)))
+        citations += [
+            ("scope_in_event_hash", _event_hash_citation(version)),
+            ("scope_kinds", "managers/io_struct.py: extra_key and cache_salt are separate "
+             "request fields; match_prefix: different extra_key values 'are intentionally "
+             "kept disjoint'")]
     else:
-        notes.append("no cache_salt field: the salt travels as the extra key")
+        notes += ["no cache_salt field: the salt travels as the extra key",
+                  "a caller extra key is the salt's field: the protocol's extra_key is not "
+                  "adapted"]
     return Contract(
         engine="sglang", version=version, block_size=block_size, id_unit="page",
         stats_unit="tokens", last_token_cap="scheduler", matchable_at="commit",
-        partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
+        partial_reuse=False, copy_on_partial_reuse=False,
+        scope_kinds=("salt", "lora", "extra_key") if salted else ("salt", "lora"),
         lora_identity=("lora_id",),
-        # the reference: a router must tell LoRAs apart too. 0.5.22 on leave the LoRA out
+        # the reference: a router must tell LoRAs apart too. 0.5.18 on leave the LoRA out
         # of default-format event hashes on purpose, which upstream's own RFC proposes to
         # change: a known limitation, neither a pass nor a violation
         scope_in_event_hash=("salt", "lora"),
         limitations=((("scope_in_event_hash", "lora", EVENT_HASH_RFC),) if salted else ()),
-        eviction="lru-leaves", explicit_evict=True, dedup_on_commit=True,
-        chunked_allocation=True, citations=tuple(citations), notes=tuple(notes))
+        eviction_policy="lru-leaves", explicit_evict=True, dedup_on_commit=True,
+        chunked_allocation=True, preemption="retracts-decode",
+        event_fields=(*EVENT_FIELDS, "cache_salt") if salted else EVENT_FIELDS,
+        replicated=TREE_CALLER_REPLICATED,
+        citations=tuple(citations), notes=tuple(notes))
+
+
+EVENT_FIELDS: tuple[EventField, ...] = (
+    "parent_block_hash", "token_ids", "block_size", "medium")
+# what this module does as the tree's caller (the releases whose scheduler code does not
+# run here): (what, the SGLang function it stands in for, why)
+TREE_CALLER_REPLICATED: tuple[tuple[str, str, str], ...] = (
+    ("the request key: extra_key = (extra_key or '') + lora_id, the salt before 0.5.18",
+     "Req.__init__", "the request pools are stubbed in these releases' locks"),
+    ("the lookup capped at L - 1 tokens", "Req._compute_max_prefix_len / match_kv_cache",
+     "as above"),
+    ("admission: free plus evictable pages cover the reused tokens and the first chunk, "
+     "the shortfall evicted", "PrefillAdder.add_one_req, alloc_paged_token_slots_extend",
+     "as above"),
+    ("slot allocation by pages, page 0 reserved", "PagedTokenToKVPoolAllocator",
+     "as above"),
+    ("an insert after every commit, its duplicate slots freed, the lock moved down",
+     "RadixCache.cache_unfinished_req (_insert_cache)", "as above"),
+    ("a free inserts the computed pages, frees the rest and unlocks",
+     "RadixCache.cache_finished_req / release_kv_cache", "as above"),
+    ("a preemption frees what was not inserted and unlocks",
+     "release_kv_cache(checkpoint=False) in the retraction", "as above"))
 
 
 def prime_probes(stubs: StubSpec) -> None:
@@ -116,32 +171,72 @@ def prime_probes(stubs: StubSpec) -> None:
                                "package must not be; remove it from the venv")
 
 
-def load(stubs: StubSpec) -> LoadedEngine:
+def detect(s: SglangNames) -> dict[str, tuple[Any, str]]:
+    """The contract fields this release's own code settles: field -> (value, where).
+    limitations: a `cache_salt` parameter of `RadixKey` (0.5.18 on) keeps the salt in
+    event hashes and the LoRA out, short of the reference's ("salt", "lora"): the known
+    limitation sgl-project/sglang#39991 proposes to lift; without one both travel in the
+    extra key and reach the hashes. scope_in_event_hash stays the reference either way:
+    a detection never excuses a LoRA missing from the hashes."""
+    where = "radix_cache.py RadixKey.__init__ has " + ("a" if s.has_salt else "no") + \
+        " cache_salt parameter"
+    limited = (("scope_in_event_hash", "lora", EVENT_HASH_RFC),) if s.has_salt else ()
+    return {"limitations": (limited, where)}
+
+
+def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
     """Prime the probes, install `stubs`, import SGLang's RadixCache and return the
-    engine. Raises ImportError when it does not import, RuntimeError when a package to
-    stub is installed."""
-    return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache)
+    engine; `version` is used where SGLang has no metadata (a source tree). Raises
+    ImportError when it does not import, RuntimeError when a package to stub is
+    installed."""
+    return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache, version,
+                       CONTRACT_RELEASES, "radix", contract)
 
 
 def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
-                names: Callable[[], Any], cache: Callable[..., CacheUnderTest]
-                ) -> LoadedEngine:
+                names: Callable[[], Any], cache: Callable[..., CacheUnderTest],
+                version: str | None, releases: tuple[str, ...], tree_kind: str,
+                tree_contract: Callable[[str, int], Contract]) -> LoadedEngine:
     """`load` for one of SGLang's trees: prime the probes, install `stubs`, import
-    `modules`, then `names()` once and `cache(names, version, num_blocks, block_size,
-    record)` per fresh cache. Raises as `load`."""
+    `modules`, then `names()` once; `releases` are those whose contract is known
+    (`tree_contract(release, block_size)`, the tree's contract). Where the release's
+    scheduler code runs here (`sglang_scheduler.present`, and its modules import under
+    the lock's stubs) each fresh cache is that code over the tree (`tree_kind`);
+    otherwise `cache(names, version, num_blocks, block_size, record)`, the adapter as the
+    tree's caller (where the scheduler code is there but does not import, its contract's
+    notes say why). Raises as `load`."""
     prime_probes(stubs)
     finder = install(stubs)
+    sglang_scheduler.set_environment()  # before SGLang reads it at import
     sglang = importlib.import_module("sglang")
     for module in modules:
         importlib.import_module(module)
-    version = importlib.metadata.version("sglang")
+    found = installed_version("sglang", version)
     engine = names()
+    known = nearest(found, releases) or found
+    engine.known, engine.detected = known, (detect(engine) if known != found else {})
+    scheduler = None
+    if sglang_scheduler.present():
+        try:
+            for module in sglang_scheduler.MODULES:
+                importlib.import_module(module)
+            scheduler = sglang_scheduler.SchedulerNames()
+            modules = (*modules, *sglang_scheduler.MODULES)
+        except Exception as exc:  # this lock stubs what the scheduler code imports
+            engine.unscheduled = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return cache(engine, version, num_blocks, block_size, record)
+        if scheduler is None:
+            return cache(engine, found, num_blocks, block_size, record)
+        base = tree_contract(known, block_size)
+        if known != found:
+            base = settle(base, found, engine.detected)
+        return sglang_scheduler.SglangScheduled(
+            engine, scheduler, tree_kind, base, num_blocks, block_size, record)
 
-    return LoadedEngine(name, version, os.path.dirname(str(sglang.__file__)), new,
-                        modules, tuple(finder.served))
+    return LoadedEngine(name, found, os.path.dirname(str(sglang.__file__)), new,
+                        modules, tuple(finder.served),
+                        contract_basis(found, known, engine.detected))
 
 
 class SglangNames:
@@ -154,16 +249,25 @@ class SglangNames:
         self.torch = torch
         self.RadixCache = radix_cache.RadixCache
         self.RadixKey = radix_cache.RadixKey
-        try:  # 0.5.10 on: parameter objects
-            from sglang.srt.mem_cache import base_prefix_cache as base
-            self.MatchPrefixParams: Any = base.MatchPrefixParams
-            self.InsertParams: Any = base.InsertParams
-            self.EvictParams: Any = base.EvictParams
-        except (ImportError, AttributeError):  # 0.5.5: positional arguments
-            self.MatchPrefixParams = self.InsertParams = self.EvictParams = None
+        # a parameter object where the method takes one (`match_prefix(params)`: 0.5.8 on,
+        # insert and evict 0.5.10 on), positional arguments before (0.5.5)
+        from sglang.srt.mem_cache import base_prefix_cache as base
+
+        def param_object(method: str, name: str) -> Any:
+            first = list(inspect.signature(getattr(self.RadixCache, method)).parameters)[1:2]
+            return getattr(base, name, None) if first == ["params"] else None
+
+        self.MatchPrefixParams: Any = param_object("match_prefix", "MatchPrefixParams")
+        self.InsertParams: Any = param_object("insert", "InsertParams")
+        self.EvictParams: Any = param_object("evict", "EvictParams")
         params = set(inspect.signature(self.RadixKey.__init__).parameters)
-        self.has_salt = "cache_salt" in params  # 0.5.22 on
+        self.has_salt = "cache_salt" in params  # 0.5.18 on
         self.array_keys = "limit" in params  # 0.5.22 on: token ids as array('q')
+        # the contract's basis (`load_sglang` sets them): the known release, detections
+        self.known = ""
+        self.detected: dict[str, tuple[Any, str]] = {}
+        # why SGLang's own scheduler code, present in this release, does not run here
+        self.unscheduled = ""
 
 
 class PageAllocator:
@@ -231,6 +335,7 @@ class SglangCache:
         self.tree = self._build_tree()
         self._contract = self._make_contract(version)
         self._seqs: dict[Hashable, _Seq] = {}
+        self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
     def _build_tree(self) -> Any:
@@ -241,7 +346,15 @@ class SglangCache:
         return s.RadixCache(None, self.alloc, P, enable_kv_cache_events=self.record)  # 0.5.5
 
     def _make_contract(self, version: str) -> Contract:
-        return contract(version, self.block_size)
+        base = self._contract_of(self.s.known, self.block_size)
+        if self.s.unscheduled:
+            base = replace(base, notes=(*base.notes, "SGLang's scheduler code does not run "
+                                        f"here ({self.s.unscheduled})"))
+        return base if self.s.known == version else settle(base, version, self.s.detected)
+
+    @staticmethod
+    def _contract_of(version: str, block_size: int) -> Contract:
+        return contract(version, block_size)
 
     _lock_names = ("inc_lock_ref", "dec_lock_ref")  # what `_lock` and `_unlock` call
 
@@ -290,7 +403,7 @@ class SglangCache:
         insert = ("RadixKey.__init__", "insert", "match_prefix", lock, unlock)
         return {"admit": ("RadixKey.__init__", "match_prefix", lock, *grow, unlock),
                 "reserve": grow, "commit": insert, "append": grow, "free": insert,
-                "evict": ("evict",)}
+                "preempt": (unlock,), "evict": ("evict",)}
 
     def raw_probe(self) -> dict[str, Any]:
         """SGLang's own results for one match and insert, evicted again."""
@@ -310,8 +423,9 @@ class SglangCache:
     def _key(self, tokens: Sequence[int], scope: Scope | None) -> Any:
         s = self.s
         salt = None if scope is None else scope.salt
-        lora = None if scope is None or scope.lora_id is None else str(scope.lora_id)
-        extra = None if s.has_salt else salt  # before 0.5.22 the salt is the extra key
+        lora = None if scope is None or scope.lora_id is None else lora_id_text(scope.lora_id)
+        # before 0.5.18 the salt is the extra key; from 0.5.18 the caller's own extra key
+        extra = (None if scope is None else scope.extra_key) if s.has_salt else salt
         if lora is not None:
             extra = (extra or "") + lora  # Req.__init__'s concatenation
         ids: Any = array("q", tokens) if s.array_keys else list(tokens)
@@ -480,6 +594,20 @@ class SglangCache:
         self._unlock(seq.hold)
         self._write({"kind": "free", "seq_id": seq_id})
 
+    def preempt(self, seq_id: Hashable) -> None:
+        """Retraction: the sequence's pages past what it inserted are freed, nothing more
+        is inserted, and it unlocks (`release_kv_cache(checkpoint=False)`)."""
+        seq = self._seqs.pop(seq_id)
+        self.alloc.free(seq.slots[seq.locked:])
+        self._unlock(seq.hold)
+        self._preempted.append(seq_id)
+        self._write({"kind": "free", "seq_id": seq_id})
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences `preempt` retracted since the last call."""
+        out, self._preempted = self._preempted, []
+        return out
+
     def evict(self, num_blocks: int) -> int:
         """`evict(num_tokens)`: whole leaves, so possibly more than asked."""
         return self._evict_tokens(num_blocks * self.block_size) // self.block_size
@@ -499,7 +627,8 @@ class SglangCache:
 
     def take_events(self) -> list[dict[str, Any]]:
         """SGLang's KV events as the harness's dicts (hashes as text)."""
-        return [_normalise(e) for e in self.tree.take_events()] if self.record else []
+        return [sglang_scheduler.normalise_event(e) for e in self.tree.take_events()] \
+            if self.record else []
 
     def take_log(self) -> list[dict[str, Any]]:
         """The harness log since the last call."""
@@ -561,24 +690,3 @@ class SglangCache:
         locked = self.tree.protected_size()
         return [f"protected_size {locked}: tokens locked with no live request"] if locked \
             else []
-
-
-def _text(h: Any) -> str | None:
-    if h is None:
-        return None
-    return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
-
-
-def _normalise(event: Any) -> dict[str, Any]:
-    kind = type(event).__name__
-    out: dict[str, Any] = {"type": kind}
-    if kind in ("BlockStored", "BlockRemoved"):
-        out["block_hashes"] = [_text(h) for h in event.block_hashes]
-        medium = getattr(event, "medium", None)
-        out["medium"] = "GPU" if medium is None else str(getattr(medium, "value", medium))
-    if kind == "BlockStored":
-        out.update(parent_block_hash=_text(event.parent_block_hash),
-                   token_ids=[int(t) for t in event.token_ids], block_size=event.block_size,
-                   salt=None, lora_id=None, lora_name=getattr(event, "lora_name", None),
-                   cache_salt=getattr(event, "cache_salt", None))
-    return out

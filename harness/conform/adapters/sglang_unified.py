@@ -35,6 +35,7 @@ from harness.conform.stubs import StubSpec
 MODULES = ("sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.mem_cache.base_prefix_cache",
            "sglang.srt.mem_cache.cache_init_params",
            "sglang.srt.mem_cache.unified_cache.component_type")
+CONTRACT_RELEASES = ("0.5.23",)  # whose UnifiedRadixCache contract was read by hand
 
 
 def contract(version: str, block_size: int) -> Contract:
@@ -61,11 +62,12 @@ class UnifiedNames(SglangNames):
         self.FULL = ComponentType.FULL
 
 
-def load(stubs: StubSpec) -> LoadedEngine:
-    """Prime the probes, install `stubs`, import UnifiedRadixCache and return the engine.
-    Raises ImportError when it does not import, RuntimeError when a package to stub is
-    installed."""
-    return load_sglang(stubs, "sglang_unified", MODULES, UnifiedNames, UnifiedCache)
+def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
+    """Prime the probes, install `stubs`, import UnifiedRadixCache and return the engine;
+    `version` as for RadixCache's `load`. Raises ImportError when it does not import,
+    RuntimeError when a package to stub is installed."""
+    return load_sglang(stubs, "sglang_unified", MODULES, UnifiedNames, UnifiedCache, version,
+                       CONTRACT_RELEASES, "unified", contract)
 
 
 class UnifiedCache(SglangCache):
@@ -83,8 +85,9 @@ class UnifiedCache(SglangCache):
                                    tree_components=(s.FULL,))
         return s.UnifiedRadixCache(params)
 
-    def _make_contract(self, version: str) -> Contract:
-        return contract(version, self.block_size)
+    @staticmethod
+    def _contract_of(version: str, block_size: int) -> Contract:
+        return contract(version, block_size)
 
     _lock_names = ("lock", "unlock")
 

@@ -42,21 +42,33 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib
-import importlib.metadata
 import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from harness.conform.protocol import Admission, Contract, LoadedEngine, Scope, Stats
+from harness.conform.protocol import (
+    Admission,
+    Contract,
+    LoadedEngine,
+    Scope,
+    Stats,
+    contract_basis,
+    installed_version,
+    settle,
+)
 from harness.conform.stubs import StubSpec, install
+from harness.conform.versions import nearest
 
 Era = Literal["allocation", "decoder"]
 TRIE = "shortfin_apps.llm.components.kvcache.trie_attention_cache"
 POOL = "shortfin_apps.llm.components.kvcache.page_pool"
 DECODER = "shortfin_apps.llm.components.decoder.decoder"
 FIRST_TRIE, FIRST_DECODER = (3, 1, 0), (3, 8, 0)
+# the releases whose contract was read from their own code (docs/conformance.md); any
+# other takes the nearest one's, its era checked against its features by `load`
+CONTRACT_RELEASES = tuple(f"3.{minor}.0" for minor in range(1, 10))
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -77,7 +89,7 @@ _COMMON = (
     ("scope_kinds", "trie_attention_cache.py TrieNode.children: a page is keyed by its "
                     "token tuple under its parent, nothing else"),
     ("events", "no KV events and no counters: the trie module has neither"),
-    ("eviction", "evict_pages / _evict_pages: unreferenced leaves, least recently matched "
+    ("eviction_policy", "evict_pages / _evict_pages: unreferenced leaves, least recently matched "
                  "first, then parents left childless"),
     ("refusal_evicts", "allocation tries eviction for the shortfall, then raises "
                        "CacheAllocationFailure"))
@@ -132,7 +144,7 @@ def contract(version: str, block_size: int) -> Contract:
         stats_unit="blocks", last_token_cap="scheduler" if decoder else "manager",
         matchable_at="prefill" if decoder else "commit", partial_reuse=False,
         copy_on_partial_reuse=False, scope_kinds=(), lora_identity=(),
-        scope_in_event_hash=(), eviction="lru-leaves", explicit_evict=True,
+        scope_in_event_hash=(), eviction_policy="lru-leaves", explicit_evict=True,
         dedup_on_commit=decoder, chunked_allocation=False,
         unreused_tail=block_size if decoder else 0, allocates_ahead=True,
         refusal_evicts=True, decode_steps=True, events=False,
@@ -173,6 +185,7 @@ class ShortfinNames:
         self.worker = self.system.create_worker("kvharness-conform")
         self.fiber = self.system.create_fiber(self.worker)  # kept: its device needs it
         self.device = self.fiber.device(0)
+        self.known = ""  # the release whose contract this one takes (`load` sets it)
 
     def on_worker(self, call: Callable[[], Any]) -> Any:
         """`call()` run on the shortfin worker (where futures and requests can be made);
@@ -194,13 +207,15 @@ class ShortfinNames:
         return box.get("value")
 
 
-def load(stubs: StubSpec) -> LoadedEngine:
+def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
     """Import shortfin's trie (and, from 3.8.0, its decoder), build the host-CPU system
-    and return the engine. Raises ImportError when it does not import, RuntimeError when
-    the release's features contradict its number."""
+    and return the engine; `version` is used where shortfin has no metadata. Raises
+    ImportError when it does not import, RuntimeError when the release's features
+    contradict its number."""
     finder = install(stubs)
     names = ShortfinNames()
-    version = importlib.metadata.version("shortfin")
+    version = installed_version("shortfin", version)
+    names.known = nearest(version, CONTRACT_RELEASES) or version
     if names.era != era(version):
         raise RuntimeError(f"shortfin {version} should be the {era(version)} era, but its "
                            f"trie looks like the {names.era} era")
@@ -214,7 +229,8 @@ def load(stubs: StubSpec) -> LoadedEngine:
     def new(num_blocks: int, block_size: int, record: bool) -> ShortfinCache:
         return ShortfinCache(names, version, num_blocks, block_size, record)
 
-    return LoadedEngine("shortfin", version, package, new, modules, tuple(finder.served))
+    return LoadedEngine("shortfin", version, package, new, modules, tuple(finder.served),
+                        contract_basis(version, names.known, {}))
 
 
 @dataclass
@@ -241,7 +257,8 @@ class ShortfinCache:
         self.P = block_size
         self.num_blocks = num_blocks
         self.record = record
-        self._contract = contract(version, block_size)
+        base = contract(s.known, block_size)
+        self._contract = base if s.known == version else settle(base, version, {})
         fields = {f.name for f in dataclasses.fields(s.PagePoolConfig)}
         size: dict[str, Any] = {"paged_kv_block_size_elements": block_size} \
             if "paged_kv_block_size_elements" in fields \

@@ -7,7 +7,10 @@ for the reused tokens plus the first chunk (`num_new_tokens` = the chunk after t
 as the scheduler's token budget), the prefix-cache stats where the scheduler records
 them (0.27.0 on: after a successful allocation), and `num_computed_tokens` advanced as
 `_update_after_schedule` does. Releases differ in signatures and attributes, which the
-adapter finds by feature; the contract differs by version (`contract`).
+adapter finds by feature; the contract differs by version (`contract`). A release whose
+contract was not read by hand (not in CONTRACT_RELEASES: a new release, a branch) takes
+the nearest known one's, with the fields that changed between releases and can be read
+from its own code settled that way (`detect`).
 
 vLLM caches a block inside `allocate_slots`, before the forward pass: the adapter logs
 an implied commit right after every allocation, so the oracles treat the blocks as
@@ -21,13 +24,13 @@ size).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
-import importlib.metadata
 import inspect
 import os
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from harness.conform.protocol import (
     Admission,
@@ -38,19 +41,46 @@ from harness.conform.protocol import (
     LoraField,
     Scope,
     Stats,
+    contract_basis,
+    event_kind,
+    installed_version,
+    settle,
 )
 from harness.conform.stubs import StubSpec, install
+from harness.conform.versions import nearest, parse_version
 
 MODULES = ("vllm.v1.core.kv_cache_manager", "vllm.v1.core.kv_cache_utils",
            "vllm.v1.core.block_pool", "vllm.v1.request", "vllm.sampling_params",
            "vllm.v1.kv_cache_interface")
+# PrefixCacheStats.record: a request that was preempted counts in the preempted_* fields
 COUNTERS: tuple[tuple[str, CounterMeaning], ...] = (
-    ("requests", "requests"), ("queries", "prompt_tokens"), ("hits", "reused_tokens"),
-    ("preempted_requests", "zero"), ("preempted_queries", "zero"), ("preempted_hits", "zero"))
+    ("requests", "new_requests"), ("queries", "new_prompt_tokens"),
+    ("hits", "new_reused_tokens"), ("preempted_requests", "resumed_requests"),
+    ("preempted_queries", "resumed_prompt_tokens"), ("preempted_hits", "resumed_reused_tokens"))
+# before 0.11 (no preempted_* fields) a preempted request's lookup counts as any other's
+COUNTERS_UNSPLIT: tuple[tuple[str, CounterMeaning], ...] = (
+    ("requests", "requests"), ("queries", "prompt_tokens"), ("hits", "reused_tokens"))
+# the releases whose contract was read from their own code (docs/conformance.md)
+CONTRACT_RELEASES = ("0.10.2", "0.16.0", "0.24.0", "0.26.0", "0.27.0", "0.28.0", "0.33.0")
+# LoRARequest attribute -> the LoRA field it is (`detect`)
+_LORA_FIELDS = {"lora_name": "lora_name", "lora_path": "lora_path",
+                "lora_int_id": "lora_id", "adapter_id": "lora_id"}
+# what the manager-level adapter does itself, around KVCacheManager
+REPLICATED = (
+    ("an admission's lookup, then allocate_slots for the hit and the first chunk, and "
+     "num_computed_tokens advanced by what was scheduled",
+     "Scheduler.schedule (its waiting loop) and _update_after_schedule",
+     "this release's Scheduler does not run here: the adapter drives KVCacheManager alone"),
+    ("the prefix-cache stats recorded after a successful allocation (0.27.0 on)",
+     "Scheduler.schedule: record_prefix_cache_stats at admission",
+     "as above: a regression of that call in the scheduler would go unseen"),
+    ("a decode step refused before allocating when its blocks are not free",
+     "Scheduler.schedule: it preempts the last running request instead",
+     "as above"),
+    ("a decode token appended to the request", "Scheduler.update_from_output", "as above"))
+EVENT_FIELDS = ("parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name",
+                "medium", "extra_keys")
 
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
 
 
 # Where vLLM's own text states a contract field, quoted from each release whose text
@@ -84,7 +114,7 @@ _QUOTED: dict[str, tuple[tuple[tuple[int, ...], str], ...]] = {
 
 def _quoted(name: str, version: str) -> str:
     """`_QUOTED[name]`'s citation for `version`, naming the release its text is from."""
-    older = [q for q in _QUOTED[name] if q[0] <= _version(version)]
+    older = [q for q in _QUOTED[name] if q[0] <= parse_version(version).release]
     release, text = (older or [_QUOTED[name][0]])[-1]
     return f"{text} ({'.'.join(map(str, release))}'s text)"
 
@@ -93,50 +123,132 @@ def lora_identity(version: str) -> tuple[LoraField, ...]:
     """The LoRA fields vLLM `version`'s contract keys on: the integer id up to 0.11.0;
     the name and the adapter's path after (0.31.0's key; 0.11.1-0.30.0 key on the name
     alone, a bug upstream: the contract names the adapter, so it is a finding)."""
-    return ("lora_id",) if _version(version) < (0, 11, 1) else ("lora_name", "lora_path")
+    return ("lora_id",) if parse_version(version).release < (0, 11, 1) \
+        else ("lora_name", "lora_path")
 
 
-def contract(version: str, block_size: int, explicit_evict: bool) -> Contract:
-    """vLLM `version`'s contract (what its own code and docstrings state)."""
-    counters = COUNTERS if _version(version) >= (0, 11) else COUNTERS[:3]
+def contract(version: str, block_size: int, explicit_evict: bool,
+             event_fields: tuple[str, ...] = EVENT_FIELDS) -> Contract:
+    """vLLM `version`'s contract as the manager-level adapter drives it (what its own
+    code and docstrings state); `event_fields`: those its BlockStored has."""
+    counters = COUNTERS if parse_version(version).release >= (0, 11) else COUNTERS_UNSPLIT
     return Contract(
         engine="vllm", version=version, block_size=block_size, id_unit="block",
         stats_unit="tokens", last_token_cap="manager", matchable_at="allocation",
         partial_reuse=False, copy_on_partial_reuse=False, scope_kinds=("salt", "lora"),
         lora_identity=lora_identity(version), scope_in_event_hash=("salt", "lora"),
-        eviction="lru-blocks-tail-first", explicit_evict=explicit_evict,
+        eviction_policy="lru-blocks-tail-first-uncached-first"
+        if parse_version(version).release >= (0, 23) else "lru-blocks-tail-first",
+        explicit_evict=explicit_evict,
         dedup_on_commit=False, chunked_allocation=True, counters=counters,
+        event_fields=event_fields, replicated=REPLICATED,  # type: ignore[arg-type]
         citations=(
             ("matchable_at", _quoted("matchable_at", version)),
             ("last_token_cap", "kv_cache_manager.py get_computed_blocks: 'When all tokens "
                                "hit the cache, we must recompute the last token'"),
             ("dedup_on_commit", _quoted("dedup_on_commit", version)),
+            ("eviction_policy", "kv_cache_manager.py free: 'We free the blocks in reverse "
+                                "order so that the tail blocks are evicted first'; "
+                                "block_pool.py free_blocks (0.23.0 on): 'Blocks without "
+                                "hash always get evicted first'"),
             ("lora_identity", _quoted("lora_identity", version)),
             ("counters", "v1/metrics/stats.py PrefixCacheStats: requests, queries and hits "
-                         "in tokens; preempted_* for requests resumed after preemption")),
+                         "in tokens; preempted_* for requests resumed after preemption"),
+            ("event_fields", "distributed/kv_events.py BlockStored: extra_keys 'one entry "
+                             "per block', the LoRA name and the cache_salt among them")),
         notes=("stats are recorded by the caller after allocation (record_prefix_cache_stats)"
-               if _version(version) >= (0, 27) else
+               if parse_version(version).release >= (0, 27) else
                "stats are recorded inside get_computed_blocks, refused lookups included",))
 
 
-def load(stubs: StubSpec) -> LoadedEngine:
+def detect(v: VllmNames) -> dict[str, tuple[Any, str]]:
+    """The contract fields this release's own code settles: field -> (value, where).
+
+    lora_identity: the LoRARequest attributes `_gen_lora_extra_hash_keys` reads (its
+    syntax tree, not its text), among the identities a contract accepts: a key on the
+    name alone names no adapter, so it settles as (name, path), cited with
+    vllm-project/vllm#30931, and stays a finding (lora_name_repointed); counters:
+    whether `PrefixCacheStats` has preempted_*.
+    """
+    out: dict[str, tuple[Any, str]] = {}
+    gen = getattr(v.utils, "_gen_lora_extra_hash_keys", None)
+    if gen is not None:
+        tree = ast.parse(inspect.getsource(gen).lstrip())
+        read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        fields = tuple(dict.fromkeys(_LORA_FIELDS[a] for a in sorted(read) if a in _LORA_FIELDS))
+        where = "kv_cache_utils._gen_lora_extra_hash_keys reads " + \
+            ", ".join(a for a in sorted(read) if a in _LORA_FIELDS)
+        if fields == ("lora_name",):
+            out["lora_identity"] = (("lora_name", "lora_path"), f"{where}: the name alone, "
+                                    "which vllm-project/vllm#30931 (open, labelled bug) calls "
+                                    "a bug: two adapters under one name share KV. Judged as "
+                                    "0.31.0 keys it, (name, path): lora_name_repointed finds "
+                                    "it")
+        elif fields:
+            out["lora_identity"] = (tuple(f for f in ("lora_name", "lora_id", "lora_path")
+                                          if f in fields), where)
+    stats = {f.name for f in dataclasses.fields(v.PrefixCacheStats)} \
+        if v.PrefixCacheStats is not None and dataclasses.is_dataclass(v.PrefixCacheStats) \
+        else set()
+    if stats:
+        preempted = "preempted_requests" in stats
+        out["counters"] = (COUNTERS if preempted else COUNTERS_UNSPLIT,
+                           "v1/metrics/stats.py PrefixCacheStats "
+                           + ("has" if preempted else "has no") + " preempted_* fields")
+    return out
+
+
+def release_contract(v: VllmNames, version: str, block_size: int, explicit_evict: bool
+                     ) -> Contract:
+    """vLLM `version`'s manager-level `contract`: its known release's (`v.known`), with
+    the fields detected in its own code settled (`settle`) where it is not itself known."""
+    base = contract(v.known, block_size, explicit_evict, v.event_fields)
+    return base if v.known == version else settle(base, version, v.detected)
+
+
+class Imported(NamedTuple):
+    """vLLM once imported: its names, its version, its package folder and the stubs
+    that were served."""
+
+    names: VllmNames
+    version: str
+    package_dir: str
+    stubs_served: tuple[str, ...]
+
+    @property
+    def basis(self) -> dict[str, Any]:
+        """What this release's contracts rest on (`LoadedEngine.contract_basis`)."""
+        return contract_basis(self.version, self.names.known, self.names.detected)
+
+
+def import_vllm(stubs: StubSpec, version: str | None = None) -> Imported:
     """Install `stubs` (vLLM's cache path needs none), import vLLM's cache modules and
-    return the engine. Raises ImportError when they do not import."""
+    settle which known release's contract this one takes (`VllmNames.known`, `detect`);
+    `version` is used where vLLM has no metadata (a source tree).
+    Raises ImportError when they do not import."""
     finder = install(stubs) if not stubs.empty else None
     vllm = importlib.import_module("vllm")
     for name in MODULES:
         importlib.import_module(name)
-    version = importlib.metadata.version("vllm")
-    engine = _Vllm()
+    found = installed_version("vllm", version)
+    names = VllmNames()
+    known = nearest(found, CONTRACT_RELEASES) or found
+    names.known, names.detected = known, (detect(names) if known != found else {})
+    return Imported(names, found, os.path.dirname(str(vllm.__file__)),
+                    tuple(finder.served) if finder else ())
 
+
+def load_manager(got: Imported, why: str) -> LoadedEngine:
+    """The engine whose caches are `VllmCache`s: KVCacheManager driven by the adapter,
+    where vLLM's scheduler does not run here (`why`, in each contract's notes)."""
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
-        return VllmCache(engine, version, num_blocks, block_size, record)
+        return VllmCache(got.names, got.version, num_blocks, block_size, record, why)
 
-    return LoadedEngine("vllm", version, os.path.dirname(str(vllm.__file__)), new, MODULES,
-                        tuple(finder.served) if finder else ())
+    return LoadedEngine("vllm", got.version, got.package_dir, new, MODULES, got.stubs_served,
+                        got.basis)
 
 
-class _Vllm:
+class VllmNames:
     """The vLLM names the adapter uses, imported once (after the stubs)."""
 
     def __init__(self) -> None:
@@ -144,13 +256,22 @@ class _Vllm:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
         from vllm.v1.request import Request
 
         try:
             from vllm.lora.request import LoRARequest
         except ImportError:  # pragma: no cover - every supported release has it
             LoRARequest = None
+        try:
+            from vllm.v1.metrics.stats import PrefixCacheStats
+        except ImportError:  # pragma: no cover - every supported release has it
+            PrefixCacheStats = None
         try:  # 0.16.0 on
             from vllm.utils.hashing import sha256_cbor
         except ImportError:  # 0.10.x
@@ -160,45 +281,82 @@ class _Vllm:
         self.utils = kv_cache_utils
         self.KVCacheManager = KVCacheManager
         self.FullAttentionSpec = FullAttentionSpec
+        self.SlidingWindowSpec = SlidingWindowSpec
         self.KVCacheConfig = KVCacheConfig
         self.KVCacheGroupSpec = KVCacheGroupSpec
         self.Request = Request
         self.LoRARequest = LoRARequest
         self.sha256_cbor = sha256_cbor
+        from vllm.distributed.kv_events import BlockStored
+
+        self.PrefixCacheStats = PrefixCacheStats
         self.request_params = set(inspect.signature(Request.__init__).parameters)
         self.manager_params = set(inspect.signature(KVCacheManager.__init__).parameters)
+        stored = {f.name for f in dataclasses.fields(BlockStored)} \
+            if dataclasses.is_dataclass(BlockStored) else set(BlockStored.__struct_fields__)
+        self.event_fields = tuple(f for f in (*EVENT_FIELDS, "group_idx") if f in stored)
+        # the contract's basis (`import_vllm` sets them): the known release, the detected
+        # fields
+        self.known = ""
+        self.detected: dict[str, tuple[Any, str]] = {}
 
 
 def _hash_text(h: Any) -> str:
     return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
 
 
+MAX_MODEL_LEN = 1 << 16
+
+
+def kv_cache_config(v: VllmNames, num_blocks: int, block_size: int,
+                    window: int | None = None) -> Any:
+    """One full-attention group over `num_blocks` blocks (and the null block); with a
+    `window`, a sliding-window group beside it, as a hybrid model's (one pool for both,
+    `HybridKVCacheCoordinator`)."""
+    def spec(cls: Any, **extra: Any) -> Any:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(block_size=block_size, num_kv_heads=1, head_size=8,
+                   dtype=v.torch.float32,
+                   **({"use_mla": False} if "use_mla" in names else {}), **extra)
+
+    groups = [v.KVCacheGroupSpec(["layer.0"], spec(v.FullAttentionSpec))]
+    if window is not None:
+        groups.append(v.KVCacheGroupSpec(["layer.1"], spec(v.SlidingWindowSpec,
+                                                           sliding_window=window)))
+    return v.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],
+                           kv_cache_groups=groups)
+
+
 class VllmCache:
     """`CacheUnderTest` over one fresh `KVCacheManager` (full attention, one group)."""
 
-    def __init__(self, v: _Vllm, version: str, num_blocks: int, block_size: int,
-                 record: bool) -> None:
+    def __init__(self, v: VllmNames, version: str, num_blocks: int, block_size: int,
+                 record: bool, why: str = "the adapter drives KVCacheManager alone") -> None:
+        wanted = {"kv_cache_config": kv_cache_config(v, num_blocks, block_size),
+                  "max_model_len": MAX_MODEL_LEN, "enable_caching": True, "log_stats": True,
+                  "enable_kv_cache_events": record, "hash_block_size": block_size,
+                  "scheduler_block_size": block_size}
+        manager = v.KVCacheManager(**{k: x for k, x in wanted.items()
+                                      if k in v.manager_params})
+        self._attach(v, manager, num_blocks, block_size, record)
+        base = release_contract(v, version, block_size, hasattr(self.manager, "evict_blocks"))
+        self._contract = dataclasses.replace(
+            base, notes=(*base.notes, f"vLLM's Scheduler does not run here ({why})"))
+
+    def _attach(self, v: VllmNames, manager: Any, num_blocks: int, block_size: int,
+                record: bool) -> None:
+        """The state every vLLM cache keeps around its `manager` (the adapter's own, or
+        the one a scheduler built)."""
         self.v = v
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.record = record
         v.utils.init_none_hash(v.sha256_cbor)
         self._hasher = v.utils.get_request_block_hasher(block_size, v.sha256_cbor)
-        spec_fields = {f.name for f in dataclasses.fields(v.FullAttentionSpec)}
-        spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
-                                   dtype=v.torch.float32,
-                                   **({"use_mla": False} if "use_mla" in spec_fields else {}))
-        config = v.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],
-                                 kv_cache_groups=[v.KVCacheGroupSpec(["layer.0"], spec)])
-        wanted = {"kv_cache_config": config, "max_model_len": 1 << 16,
-                  "enable_caching": True, "log_stats": True, "enable_kv_cache_events": record,
-                  "hash_block_size": block_size, "scheduler_block_size": block_size}
-        self.manager = v.KVCacheManager(**{k: x for k, x in wanted.items()
-                                           if k in v.manager_params})
+        self.manager = manager
         self.pool = self.manager.block_pool
         # 0.27.0 on the scheduler records the prefix-cache stats after the allocation
         self._caller_records = hasattr(self.manager, "record_prefix_cache_stats")
-        self._contract = contract(version, block_size, hasattr(self.manager, "evict_blocks"))
         self._reqs: dict[Hashable, Any] = {}
         self._logged: dict[Hashable, int] = {}  # seq -> tokens its log says are computed
         self._scopes: dict[Hashable, str | None] = {}
@@ -275,8 +433,16 @@ class VllmCache:
         return v.Request(**{k: x for k, x in kwargs.items() if k in v.request_params})
 
     def _ids(self, seq_id: Hashable) -> list[int]:
+        """The sequence's blocks of the full-attention group (the harness's view)."""
         groups = self.manager.get_block_ids(str(seq_id))
         return list(groups[0]) if groups else []
+
+    def _window_ids(self, seq_id: Hashable) -> list[int]:
+        """Its blocks of the sliding-window group, the null block left out (none
+        without a window group)."""
+        groups = self.manager.get_block_ids(str(seq_id))
+        null = self.pool.null_block.block_id
+        return [b for b in groups[1] if b != null] if groups and len(groups) > 1 else []
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
               first_chunk: int | None) -> Admission | None:
@@ -380,15 +546,24 @@ class VllmCache:
 
     def stats(self) -> Stats:
         """PrefixCacheStats summed since the start (vLLM hands them out and resets)."""
-        s = self.manager.make_prefix_cache_stats()
-        if s is not None:
-            pairs = ((f.name, getattr(s, f.name)) for f in dataclasses.fields(s)) \
-                if dataclasses.is_dataclass(s) else vars(s).items()
-            for k, x in pairs:
-                if isinstance(x, int) and not isinstance(x, bool):
-                    self._engine_stats[k] = self._engine_stats.get(k, 0) + x
+        self._add_stats(self.manager.make_prefix_cache_stats())
+        return self._gauges()
+
+    def _add_stats(self, s: Any) -> None:
+        """Add one PrefixCacheStats (None: nothing) to the running totals."""
+        if s is None:
+            return
+        pairs = ((f.name, getattr(s, f.name)) for f in dataclasses.fields(s)) \
+            if dataclasses.is_dataclass(s) else vars(s).items()
+        for k, x in pairs:
+            if isinstance(x, int) and not isinstance(x, bool):
+                self._engine_stats[k] = self._engine_stats.get(k, 0) + x
+
+    def _gauges(self) -> Stats:
+        """The totals so far, with the pool's gauges."""
         free = self.pool.get_num_free_blocks()
         cached = sum(1 for b in self.pool.blocks if b.block_hash is not None)
+        window = len({b for s in self._reqs for b in self._window_ids(s)})
         engine: dict[str, int | float] = {**self._engine_stats, "num_free_blocks": free,
                                           "usage": self.pool.get_usage(),
                                           "num_gpu_blocks": self.pool.num_gpu_blocks}
@@ -400,11 +575,16 @@ class VllmCache:
             "tokensPerBlock": self.block_size, "reusedTokens": hits,
             "reusedBlocks": hits // self.block_size,
             "missedBlocks": -(-queries // self.block_size) - hits // self.block_size}
+        if self._contract.window is not None:
+            harness["windowNumBlocks"] = window
         return Stats(engine, harness)
 
     def take_events(self) -> list[dict[str, Any]]:
-        """vLLM's KV events as the harness's dicts (hashes as text)."""
-        return [_normalise(e) for e in self.manager.take_events()] if self.record else []
+        """vLLM's KV events as the harness's dicts (hashes as text; the contract's
+        `event_fields` as JSON data)."""
+        if not self.record:
+            return []
+        return [normalise_event(e, self._contract.event_fields) for e in self.manager.take_events()]
 
     def take_log(self) -> list[dict[str, Any]]:
         """The harness log since the last call."""
@@ -426,7 +606,7 @@ class VllmCache:
         exactly the unreferenced blocks."""
         holds: dict[int, int] = {}
         for seq_id in self._reqs:
-            for b in self._ids(seq_id):
+            for b in self._ids(seq_id) + self._window_ids(seq_id):
                 if b != self.pool.null_block.block_id:
                     holds[b] = holds.get(b, 0) + 1
         out = [f"block {b.block_id}: ref_cnt {b.ref_cnt}, held by "
@@ -445,18 +625,32 @@ class VllmCache:
                 for b in self.pool.blocks if not b.is_null and b.ref_cnt]
 
 
-def _normalise(event: Any) -> dict[str, Any]:
-    kind = type(event).__name__
+def _jsonable(value: Any) -> Any:
+    """`value` as JSON data: tuples and lists as lists, bytes as hex, other objects as
+    their text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(x) for x in value]
+    return str(value)
+
+
+def normalise_event(event: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """One vLLM KV event as the harness's dict: hashes as text, and of a BlockStored
+    the `fields` it carries (`Contract.event_fields`) as JSON data."""
+    kind = event_kind(event)
     out: dict[str, Any] = {"type": kind}
     if kind == "BlockStored":
         parent = event.parent_block_hash
         out.update(block_hashes=[_hash_text(h) for h in event.block_hashes],
                    parent_block_hash=None if parent is None else _hash_text(parent),
                    token_ids=list(event.token_ids), block_size=event.block_size,
-                   lora_id=getattr(event, "lora_id", None), salt=None,
-                   medium=getattr(event, "medium", None) or "GPU",
-                   lora_name=getattr(event, "lora_name", None),
-                   extra_keys=repr(getattr(event, "extra_keys", None)))
+                   salt=None, medium=getattr(event, "medium", None) or "GPU")
+        for name in fields:
+            if name not in ("parent_block_hash", "token_ids", "block_size", "medium"):
+                out[name] = _jsonable(getattr(event, name))
     elif kind == "BlockRemoved":
         out.update(block_hashes=[_hash_text(h) for h in event.block_hashes],
                    medium=getattr(event, "medium", None) or "GPU")

@@ -5,5 +5,6 @@ inside an engine's venv.
 (`Target`, `LocalTarget`, `replay`), `remote` (`WorkerTarget`: the worker over its pipe),
 `families` (the scenario families), `fuzz` (the fuzz and the shrinker), `judge` (the
 oracles over step reports), `report`, `locks` and `install` (pinned releases and their
-venvs), `speed` (`nox -s bench`'s side-by-side table).
+venvs), `resolve` (a lock made for a release without one), `tree` (a source tree's
+package root and version), `speed` (`nox -s bench`'s side-by-side table).
 """

@@ -19,6 +19,17 @@ results; each declaration is an `Expectation`, data only: `name` selects a judge
                            says reaches event hashes publish different block-0 hashes;
                            a pair that differs only in a kind the contract names a known
                            limitation is that limitation, not a failure
+    preempted              the op at `step` preempted the sequences `want`, in order
+    status                 the op at `step` ended with status `want` (a StepReport's)
+    scheduled              the tokens scheduled after each of `steps` (an admission's
+                           scheduled_tokens, a reserve's value; None where it did not
+                           happen) are `want`
+    evicted                the blocks the op at `step` removed (its BlockRemoved hashes)
+                           are those the steps `first`..`last` stored (`which` "all"), or
+                           the last of them ("last")
+    event_fields           the same prompt computed cold in each of `scopes`: each field
+                           the contract's `event_fields` names says what it should of
+                           that scope's BlockStored events
 
 `judge` returns each expectation that did not hold as an `Unmet`. Standard library only.
 """
@@ -26,11 +37,11 @@ results; each declaration is an `Expectation`, data only: `name` selects a judge
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 from harness.conform.known_keys import check_keys
 from harness.conform.protocol import Contract, Scope
-from harness.conform.worker.session import StepReport
+from harness.conform.worker.session import Status, StepReport
 
 MAX_LABEL_CHARS = 500  # a `what` or a scope label: a sentence, not a document
 
@@ -85,6 +96,8 @@ def _differ(x: Scope | None, y: Scope | None) -> set[str]:
     kinds = {"salt"} if x.salt != y.salt else set()
     if (x.lora_name, x.lora_id, x.lora_path) != (y.lora_name, y.lora_id, y.lora_path):
         kinds.add("lora")
+    if x.extra_key != y.extra_key:
+        kinds.add("extra_key")
     return kinds
 
 
@@ -169,10 +182,137 @@ def _some(pairs: list[str]) -> str:
     return "; ".join(pairs[:4]) + (" ..." if len(pairs) > 4 else "")
 
 
+def _preempted(p: Mapping[str, Any], contract: Contract, reports: Sequence[StepReport]
+               ) -> list[Unmet]:
+    got = list(reports[p["step"]].preempted)
+    if got == p["want"]:
+        return []
+    return [Unmet(p["step"], f"{p['what']}: preempted {got!r}, expected {p['want']!r}")]
+
+
+def _status(p: Mapping[str, Any], contract: Contract, reports: Sequence[StepReport]
+            ) -> list[Unmet]:
+    got = reports[p["step"]].status
+    if got == p["want"]:
+        return []
+    return [Unmet(p["step"], f"{p['what']}: got {got}, expected {p['want']}")]
+
+
+def scheduled_by(report: StepReport) -> int | None:
+    """The tokens of its sequence scheduled after the op of `report`: an admission's
+    scheduled_tokens, a reserve's value; None when it did not happen."""
+    if report.status != "done":
+        return None
+    if report.op.kind == "admit":
+        return int(report.value["scheduled_tokens"])
+    return report.value if report.op.kind == "reserve" else None
+
+
+def _scheduled(p: Mapping[str, Any], contract: Contract, reports: Sequence[StepReport]
+               ) -> list[Unmet]:
+    got = [scheduled_by(reports[s]) for s in p["steps"]]
+    if got == p["want"]:
+        return []
+    return [Unmet(p["steps"][-1], f"{p['what']}: got {got!r}, expected {p['want']!r}")]
+
+
+def event_hashes(reports: Sequence[StepReport], kind: str) -> list[str]:
+    """The block hashes of every `kind` event in `reports`, in order."""
+    return [str(h) for r in reports for e in r.events if e.get("type") == kind
+            for h in e.get("block_hashes", ())]
+
+
+def _evicted(p: Mapping[str, Any], contract: Contract, reports: Sequence[StepReport]
+             ) -> list[Unmet]:
+    stored = event_hashes(reports[p["first"]:p["last"] + 1], "BlockStored")
+    want = sorted(stored if p["which"] == "all" else stored[-1:])
+    got = sorted(event_hashes(reports[p["step"]:p["step"] + 1], "BlockRemoved"))
+    if got == want:
+        return []
+    return [Unmet(p["step"], f"{p['what']}: removed {got!r}, expected {want!r}")]
+
+
+def _event_fields(p: Mapping[str, Any], contract: Contract, reports: Sequence[StepReport]
+                  ) -> list[Unmet]:
+    fields: set[str] = set(contract.event_fields)
+    wrong: list[str] = []
+    for s in p["scopes"]:
+        prompt = list(reports[s["first"]].op.tokens or ())
+        stored = [e for r in reports[s["first"]:s["last"] + 1] for e in r.events
+                  if e.get("type") == "BlockStored"]
+        wrong += [f"{s['label']}: {w}" for w in field_problems(
+            stored, fields, prompt, Scope.from_dict(s["scope"]) or Scope(),
+            contract.block_size)]
+    if not wrong:
+        return []
+    last = max(s["last"] for s in p["scopes"])
+    return [Unmet(last, f"BlockStored fields: {_some(wrong)}")]
+
+
+def field_problems(stored: list[dict[str, Any]], fields: set[str], prompt: list[int],
+                   scope: Scope, block_size: int) -> list[str]:
+    """What the `fields` of one cold prompt's BlockStored events (`stored`, in order,
+    blocks of `block_size` tokens) get wrong, each a short sentence; [] when nothing."""
+    size = block_size
+    out: list[str] = []
+    if not stored:
+        return ["no BlockStored event"]
+    at, parent = 0, None
+    for e in stored:
+        hashes = [str(h) for h in e["block_hashes"]]
+        tokens = list(e.get("token_ids", ()))
+        if "parent_block_hash" in fields and e.get("parent_block_hash") != parent:
+            out.append(f"parent_block_hash {e.get('parent_block_hash')} after {parent}")
+        if "token_ids" in fields and (tokens != prompt[at:at + len(tokens)]
+                                      or not (len(hashes) - 1) * size < len(tokens)
+                                      <= len(hashes) * size):
+            out.append(f"token_ids {tokens} for {len(hashes)} blocks from token {at}")
+        if "block_size" in fields and e.get("block_size") != size:
+            out.append(f"block_size {e.get('block_size')}")
+        for name, value in (("salt", scope.salt), ("lora_id", scope.lora_id),
+                            ("lora_name", scope.lora_name)):
+            if name in fields and e.get(name) != value:
+                out.append(f"{name} {e.get(name)!r}, the scope's is {value!r}")
+        if "medium" in fields and not (isinstance(e.get("medium"), str) and e["medium"]):
+            out.append(f"medium {e.get('medium')!r}")
+        if "group_idx" in fields and e.get("group_idx") not in (0, None):
+            out.append(f"group_idx {e.get('group_idx')!r} for the full-attention group")
+        if "extra_keys" in fields:
+            out += _extra_key_problems(e.get("extra_keys"), len(hashes), at // size, scope)
+        at += len(hashes) * size
+        parent = hashes[-1]
+    return out
+
+
+def _extra_key_problems(extra: Any, num_blocks: int, first: int, scope: Scope) -> list[str]:
+    """One entry per block; the salt in block 0's entry alone; the LoRA's name in
+    every entry (vLLM's BlockStored: 'Each entry contains, in order, the LoRA name (if
+    lora_name is set), ... the cache_salt string ...')."""
+    if not isinstance(extra, list) or len(extra) != num_blocks:
+        return [f"extra_keys {extra!r}: not one entry per block ({num_blocks})"]
+    out = []
+    for i, entry in enumerate(extra):
+        values = _flat(entry)
+        if scope.salt is not None and (scope.salt in values) != (first + i == 0):
+            out.append(f"extra_keys of block {first + i}: {entry!r} (salt {scope.salt!r})")
+        if scope.lora_name is not None and scope.lora_name not in values:
+            out.append(f"extra_keys of block {first + i}: {entry!r} (LoRA "
+                       f"{scope.lora_name!r})")
+    return out
+
+
+def _flat(entry: Any) -> list[Any]:
+    if isinstance(entry, list):
+        return [x for item in entry for x in _flat(item)]
+    return [] if entry is None else [entry]
+
+
 Judge = Callable[[Mapping[str, Any], Contract, Sequence[StepReport]], list[Unmet]]
 EXPECTATIONS: dict[str, Judge] = {
     "result": _result, "admitted": _admitted, "done": _done, "freed": _freed,
-    "distinct_event_hashes": _distinct_event_hashes}
+    "distinct_event_hashes": _distinct_event_hashes, "preempted": _preempted,
+    "status": _status, "scheduled": _scheduled, "evicted": _evicted,
+    "event_fields": _event_fields}
 
 
 def judge(expectations: Sequence[Expectation], contract: Contract,
@@ -222,6 +362,40 @@ def _scopes(value: Any, where: str, num_ops: int) -> list[dict[str, Any]]:
     return out
 
 
+def _names(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and 0 < len(v) <= 200
+                                              for v in value):
+        raise ValueError(f"{where} must be a list of sequence ids (str), got "
+                         f"{str(value)[:60]!r}")
+    return value
+
+
+def _status_name(value: Any, where: str) -> str:
+    if value not in get_args(Status):
+        raise ValueError(f"{where} must be one of {', '.join(get_args(Status))}, got "
+                         f"{str(value)[:60]!r}")
+    return str(value)
+
+
+def _steps(value: Any, where: str, num_ops: int) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where} must be a non-empty list of op indexes")
+    return [_step(v, f"{where}[{i}]", num_ops) for i, v in enumerate(value)]
+
+
+def _wants(value: Any, where: str) -> list[int | None]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must be a list of ints >= 0 or null, got "
+                         f"{str(value)[:60]!r}")
+    return [_want(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _which(value: Any, where: str) -> str:
+    if value not in ("all", "last"):
+        raise ValueError(f"{where} must be 'all' or 'last', got {str(value)[:60]!r}")
+    return str(value)
+
+
 # name -> its parameters and how each is read (value, where, op count) -> value
 _PARAMS: dict[str, dict[str, Callable[[Any, str, int], Any]]] = {
     "result": {"step": _step, "what": lambda v, w, n: _label(v, w),
@@ -230,7 +404,16 @@ _PARAMS: dict[str, dict[str, Callable[[Any, str, int], Any]]] = {
     "done": {"step": _step},
     "freed": {"step": _step, "what": lambda v, w, n: _label(v, w),
               "want": lambda v, w, n: _want(v, w)},
-    "distinct_event_hashes": {"scopes": _scopes}}
+    "distinct_event_hashes": {"scopes": _scopes},
+    "preempted": {"step": _step, "what": lambda v, w, n: _label(v, w),
+                  "want": lambda v, w, n: _names(v, w)},
+    "status": {"step": _step, "what": lambda v, w, n: _label(v, w),
+               "want": lambda v, w, n: _status_name(v, w)},
+    "scheduled": {"steps": _steps, "what": lambda v, w, n: _label(v, w),
+                  "want": lambda v, w, n: _wants(v, w)},
+    "evicted": {"step": _step, "what": lambda v, w, n: _label(v, w), "first": _step,
+                "last": _step, "which": lambda v, w, n: _which(v, w)},
+    "event_fields": {"scopes": _scopes}}
 
 
 def from_json(data: Any, where: str, num_ops: int) -> list[Expectation]:

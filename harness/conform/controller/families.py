@@ -12,7 +12,7 @@ step's leak report is the leak check.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,16 +20,18 @@ from harness.conform import ops
 from harness.conform.controller.expectations import (
     Expectation,
     Unmet,
+    event_hashes,
     first_stored_hash,
     freed_by,
     judge,
     result_of,
+    scheduled_by,
 )
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
-from harness.conform.protocol import Contract, Scope
-from harness.conform.worker.session import StepReport
+from harness.conform.protocol import CacheOptions, Contract, Scope, lora_id_text
+from harness.conform.worker.session import Status, StepReport
 
 B = 4  # tokens per block (a vLLM block, an SGLang page)
 
@@ -43,23 +45,25 @@ class Run:
     """One check's cache, its op list, what the oracles found, the family's declared
     expectations and what it observed."""
 
-    def __init__(self, target: Target, num_blocks: int) -> None:
+    def __init__(self, target: Target, num_blocks: int,
+                 options: CacheOptions | None = None) -> None:
         self.target = target
         self.num_blocks = num_blocks
-        self.contract: Contract = target.open(num_blocks, B)
+        self.contract: Contract = target.open(num_blocks, B, options)
         self.judge = Judge(self.contract, num_blocks)
         self.ops: list[Op] = []
         self.reports: list[StepReport] = []
         self.violations: list[Violation] = []
         self.expectations: list[Expectation] = []
         self.observed: dict[str, Any] = {}
-        self.live: set[str] = set()  # sequences admitted and not freed
+        self.live: set[str] = set()  # sequences admitted and not freed (nor preempted)
 
     def do(self, op: Op) -> StepReport:
         """Apply `op` and judge the step."""
         report = self.target.apply(op)
         if report.status == "done" and op.seq is not None and op.kind in ("admit", "free"):
             (self.live.add if op.kind == "admit" else self.live.discard)(op.seq)
+        self.live.difference_update(report.preempted)
         self.ops.append(op)
         self.reports.append(report)
         self.violations += self.judge.observe(report)
@@ -91,6 +95,13 @@ class Run:
         self.do(ops.free(seq))
         self._expect_done()
 
+    def preempt(self, seq: str) -> tuple[str, ...]:
+        """Preempt; the sequences the step preempted (a skip is a failure of the
+        family)."""
+        r = self.do(ops.preempt(seq))
+        self._expect_done()
+        return r.preempted
+
     def evict(self, num_blocks: int) -> int | None:
         """Blocks evicted."""
         r = self.do(ops.evict(num_blocks))
@@ -121,6 +132,41 @@ class Run:
         self.observed[what] = self.reports[step].status == "done"
         self.expectations.append(Expectation("admitted", {"step": step, "what": what}))
 
+    def expect_preempted(self, what: str, want: list[str]) -> None:
+        """Expect the op just done to have preempted the sequences `want`, in order."""
+        step = len(self.reports) - 1
+        self.observed[what] = list(self.reports[step].preempted)
+        self.expectations.append(Expectation("preempted", {"step": step, "what": what,
+                                                           "want": want}))
+
+    def expect_status(self, what: str, want: Status) -> None:
+        """Expect the op just done to have ended with status `want`."""
+        step = len(self.reports) - 1
+        self.observed[what] = self.reports[step].status
+        self.expectations.append(Expectation("status", {"step": step, "what": what,
+                                                        "want": want}))
+
+    def expect_scheduled(self, what: str, steps: list[int], want: Sequence[int | None]
+                         ) -> None:
+        """Expect the ops at `steps` (admissions and reserves of one sequence) to have
+        scheduled it up to `want` tokens, one entry per step (`scheduled_by`)."""
+        self.observed[what] = [scheduled_by(self.reports[s]) for s in steps]
+        self.expectations.append(Expectation("scheduled", {"steps": steps, "what": what,
+                                                           "want": list(want)}))
+
+    def expect_evicted(self, what: str, first: int, last: int, which: str) -> None:
+        """Expect the op just done to have removed the blocks the steps `first`..`last`
+        stored (`which` "all"), or the last of them ("last")."""
+        step = len(self.reports) - 1
+        self.observed[what] = event_hashes(self.reports[step:], "BlockRemoved")
+        self.expectations.append(Expectation("evicted", {
+            "step": step, "what": what, "first": first, "last": last, "which": which}))
+
+    def expect_event_fields(self, scopes: list[dict[str, Any]]) -> None:
+        """Expect each scope's cold prompt (`scopes`: label, scope, first, last, as
+        `distinct_event_hashes` takes them) to carry the contract's event fields."""
+        self.expectations.append(Expectation("event_fields", {"scopes": scopes}))
+
     def unmet(self) -> list[Unmet]:
         """The declared expectations that did not hold (`expectations.judge`)."""
         return judge(self.expectations, self.contract, self.reports)
@@ -133,7 +179,8 @@ class Run:
         return reach if self.contract.partial_reuse else reach // B * B
 
 
-Need = Literal["scopes", "lora", "events"]
+Need = Literal["scopes", "lora", "events", "extra_key", "preemption", "scheduler_chunks",
+               "event_fields", "decode_blocks"]
 # what a family needs from the engine, and why a contract without it skips the family
 _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "scopes": (lambda c: bool(c.scope_kinds), "the engine keys its cache on no scope "
@@ -141,13 +188,25 @@ _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
     "lora": (lambda c: "lora" in c.scope_kinds, "the engine keys its cache on no LoRA "
              "adapter: every adapter shares, so the family could only pass"),
     "events": (lambda c: c.events, "the engine publishes no router events: there is no "
-               "event hash to compare")}
+               "event hash to compare"),
+    "extra_key": (lambda c: "extra_key" in c.scope_kinds, "the engine's cache key takes "
+                  "no caller extra key (Contract.scope_kinds)"),
+    "preemption": (lambda c: c.preemption != "none", "the adapter drives no preemption "
+                   "path of the engine's (Contract.preemption is 'none')"),
+    "scheduler_chunks": (lambda c: not c.chunking.startswith("caller"), "the caller "
+                         "chooses each chunk's size (Contract.chunking; chunked_admission "
+                         "covers those)"),
+    "decode_blocks": (lambda c: not c.allocates_ahead, "the engine takes decode blocks "
+                      "ahead of the tokens: what a decode step needs is its own"),
+    "event_fields": (lambda c: bool(c.event_fields), "the contract lists no event field "
+                     "beyond the hashes")}
 
 
 @dataclass(frozen=True)
 class Check:
-    """A family run on a fresh cache of `num_blocks` blocks; skipped (with the reason)
-    on an engine whose contract lacks something in `needs`."""
+    """A family run on a fresh cache of `num_blocks` blocks, opened with `options`;
+    skipped (with the reason) on an engine whose contract lacks something in `needs`
+    or does not honour those options."""
 
     name: str
     family: str
@@ -155,10 +214,15 @@ class Check:
     num_blocks: int
     body: Callable[[Run], None] = field(repr=False)
     needs: tuple[Need, ...] = ()
+    options: CacheOptions = field(default_factory=CacheOptions)
 
     def skip_reason(self, contract: Contract) -> str | None:
         """Why this family cannot judge `contract`'s engine; None when it can."""
         missing = [why for has, why in map(_NEEDS.__getitem__, self.needs) if not has(contract)]
+        unhonoured = [n for n in self.options.names() if n not in contract.options]
+        if unhonoured:
+            missing.append(f"the adapter opens no cache with {', '.join(unhonoured)} "
+                           f"(it honours {list(contract.options) or 'no options'})")
         return "; ".join(missing) or None
 
 
@@ -221,14 +285,17 @@ def branches(run: Run) -> None:
 
 
 def eviction_under_pressure(run: Run) -> None:
-    a, b = toks(100, 16), toks(500, 28)
+    # B takes 7 blocks of the pool of 8 (fewer where the engine keeps blocks free
+    # beyond an admission's prompt: its `admission_reserve`), more than A leaves free
+    n = min(7, run.num_blocks - run.contract.admission_reserve)
+    a, b = toks(100, 16), toks(500, n * B)
     run.admit("A", a)
     run.commit("A", 16)
     run.free("A")
-    # 7 blocks in a pool of 8 holding A's 4: at least 3 of them must go
+    # n blocks in a pool of 8 holding A's 4: at least n - 4 of them must go
     run.admit("B", b)
-    run.expect_admitted("B (7 of 8 blocks) is admitted, evicting")
-    run.commit("B", 28)
+    run.expect_admitted(f"B ({n} of 8 blocks) is admitted, evicting")
+    run.commit("B", n * B)
     run.free("B")
     run.observed["A after the pressure reuses"] = run.admit("A2", a)
     run.free("A2")
@@ -422,8 +489,8 @@ SCOPES: dict[str, Scope | None] = {
     "LoRA y#1 (same id, same files)": Scope.lora("y", 1),
     "LoRA x#3 at x#1's files": Scope.lora("x", 3, "/loras/1"),
     "salt 'x' + LoRA x#1": Scope.lora("x", 1, salt="x"),
-    "salt '1' (a LoRA id)": Scope(salt="1"),
-    "salt 'x1' (salt x + LoRA id 1, joined)": Scope(salt="x1"),
+    "salt = LoRA id 1's text": Scope(salt=lora_id_text(1)),
+    "salt 'x' + LoRA id 1's text (the two joined)": Scope(salt="x" + lora_id_text(1)),
     "salt 'y' (a LoRA name)": Scope(salt="y"),
 }
 
@@ -432,17 +499,44 @@ def scope_isolation(run: Run) -> None:
     """Each scope computes the same prompt once, in turn, then again. A scope whose
     contract key equals an earlier one's shares by contract (the count oracle predicts
     it); any other sharing is a violation."""
+    _isolated(run, SCOPES, "S", "R")
+
+
+def _isolated(run: Run, scopes: dict[str, Scope | None], first: str, again: str) -> None:
     a = toks(100, 18)
-    keys = {label: run.contract.scope_key(s) for label, s in SCOPES.items()}
-    for i, (label, scope) in enumerate(SCOPES.items()):
-        earlier = [other for other in list(SCOPES)[:i] if keys[other] == keys[label]]
+    keys = {label: run.contract.scope_key(s) for label, s in scopes.items()}
+    for i, (label, scope) in enumerate(scopes.items()):
+        earlier = [other for other in list(scopes)[:i] if keys[other] == keys[label]]
         run.expect(f"{label} reuses" + (f" (same key as {earlier[0]})" if earlier else ""),
-                   run.admit(f"S{i}", a, scope), run.cap(18) if earlier else 0)
-        run.commit(f"S{i}", 18)
-        run.free(f"S{i}")
-    for i, (label, scope) in enumerate(SCOPES.items()):
-        run.expect(f"{label} again reuses", run.admit(f"R{i}", a, scope), run.cap(18))
-        run.free(f"R{i}")
+                   run.admit(f"{first}{i}", a, scope), run.cap(18) if earlier else 0)
+        run.commit(f"{first}{i}", 18)
+        run.free(f"{first}{i}")
+    for i, (label, scope) in enumerate(scopes.items()):
+        run.expect(f"{label} again reuses", run.admit(f"{again}{i}", a, scope), run.cap(18))
+        run.free(f"{again}{i}")
+
+
+EXTRA_KEY_SCOPES: dict[str, Scope | None] = {
+    "LoRA a#1": Scope.lora("a", 1),
+    "extra key = LoRA a#1's id": Scope(extra_key=lora_id_text(1)),
+    "extra key = LoRA a#1's name": Scope(extra_key="a"),
+    "default": None,
+    "salt 'k'": Scope(salt="k"),
+    "extra key 'k' (a salt's value)": Scope(extra_key="k"),
+    "extra key 'k' + LoRA a#1": Scope(lora_name="a", lora_id=1, lora_path="/loras/1",
+                                      extra_key="k"),
+    "extra key 'k' + LoRA a#1's id (the two joined)": Scope(extra_key="k" + lora_id_text(1)),
+    "salt 'k' + extra key 'k'": Scope(salt="k", extra_key="k"),
+}
+
+
+def extra_key_isolation(run: Run) -> None:
+    """A caller's extra key is a namespace of its own: a base-model request whose extra
+    key equals a LoRA adapter's id (which any client can compute for a static adapter)
+    or name, or the LoRA's id joined to another extra key, must not reach that LoRA's
+    KV, nor an extra key a salt's. Each scope computes one prompt in turn, then again;
+    sharing only where the contract's keys are equal (sgl-project/sglang#24638)."""
+    _isolated(run, EXTRA_KEY_SCOPES, "K", "Q")
 
 
 def lora_name_repointed(run: Run) -> None:
@@ -525,15 +619,11 @@ CHECKS: tuple[Check, ...] = (
     Check("lora_name_repointed", "scope isolation", "a LoRA name re-pointed at another "
           "adapter reuses none of the first adapter's KV", 32, lora_name_repointed,
           needs=("lora",)),
+    Check("extra_key_isolation", "scope isolation", "a caller extra key equal to a LoRA's "
+          "id or name, or joined with one, reaches no other scope's KV", 64,
+          extra_key_isolation, needs=("extra_key",)),
     Check("scope_event_hashes", "router events", "distinct scopes publish distinct block "
           "hashes, as far as the contract says scopes reach them", 32, scope_event_hashes,
           needs=("scopes", "events")),
 )
 
-
-def check_named(name: str) -> Check:
-    """The check called `name`; ValueError listing the names otherwise."""
-    for check in CHECKS:
-        if check.name == name:
-            return check
-    raise ValueError(f"unknown check {name!r}; known: {[c.name for c in CHECKS]}")

@@ -2,13 +2,18 @@
 
 `fuzz` drives a fresh cache with ops drawn from `random.Random(seed)`: admissions of
 prompts built from a few shared prefixes (so blocks, branches and partial blocks are
-shared), in a handful of scopes chosen to collide (a salt equal to a LoRA id, LoRA
-adapters sharing a name or an id), chunked admissions, commits of any length up to what
-is scheduled, decode appends, frees and evictions, in a small pool so that admissions
-evict and are refused. Each op is chosen from the results so far (only live sequences
-are committed or freed), and every step is judged against the oracles: the engine is
-differenced against the harness's independent models. At the end everything is freed
-(the leak check).
+shared), in a handful of scopes chosen to collide (a salt or a caller extra key equal to
+a LoRA id, LoRA adapters sharing a name or an id), chunked admissions, commits of any
+length up to what is scheduled, decode appends, frees and evictions, in a small pool so
+that admissions evict and are refused. Where the contract has a preemption path, half
+the seeds also preempt live sequences and resume preempted ones (an admit of the id with
+its tokens and scope so far), and where the adapter honours `CacheOptions` a seed may
+open its cache with some (a scheduler's token budget and long-prefill threshold, a
+sliding window); caller extra keys, preemptions and options are each drawn from a stream
+of their own, so the ops of a seed without them stay as they were. Each op is chosen
+from the results so far (only live sequences are committed or freed), and every step is
+judged against the oracles: the engine is differenced against the harness's independent
+models. At the end everything is freed (the leak check).
 
 `shrink` cuts a failing op list down to one that still fails the same way: its first
 violation is the original's, the same oracle's same check (`Violation.kind`) at an op of
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from harness.conform import ops
@@ -31,11 +36,15 @@ from harness.conform.controller.families import B
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op
-from harness.conform.protocol import Scope
+from harness.conform.protocol import CacheOptions, Scope, lora_id_text
 
 FUZZ_SCOPES: tuple[Scope | None, ...] = (
-    None, None, None, Scope(salt="x"), Scope(salt="1"), Scope.lora("x", 1),
+    None, None, None, Scope(salt="x"), Scope(salt=lora_id_text(1)), Scope.lora("x", 1),
     Scope.lora("x", 2), Scope.lora("y", 1))
+# caller extra keys, given to some admissions of the default scope by a generator of their
+# own, so an engine whose key takes none sees the ops it saw before they were added
+EXTRA_KEYS = (lora_id_text(1), "x", "x" + lora_id_text(1))
+EXTRA_KEY_SHARE = 0.4
 POOL_SIZES = (8, 12, 16, 24)
 DEFAULT_OPS = 80
 SHRINK_BUDGET = 400  # replays at most, per failure
@@ -49,13 +58,19 @@ class FuzzOutcome:
     num_blocks: int
     ops: tuple[Op, ...]
     violation: Violation | None
+    options: CacheOptions = field(default_factory=CacheOptions)
 
 
 @dataclass
 class _Live:
-    length: int
+    tokens: list[int]
+    scope: Scope | None
     scheduled: int
     committed: int
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
 
 
 class _Draw:
@@ -65,19 +80,25 @@ class _Draw:
 
     def __init__(self, seed: int) -> None:
         self.decode_steps = False  # set from the contract once the cache is open
+        self.preempts = False  # likewise: whether the contract has a preemption path
         self.rng = random.Random(seed)
         r = self.rng
         self.prefixes = [[r.randrange(1, 40) for _ in range(r.randrange(4, 20))]
                          for _ in range(3)]
+        self.keys = random.Random(f"extra-key-{seed}")
         self.live: dict[str, _Live] = {}
+        self.preempted: dict[str, _Live] = {}  # seq -> its tokens and scope, to resume
         self.count = 0
 
     def next(self) -> Op:
         r = self.rng
         kinds = ["admit"] * 6 + ["commit"] * 6 + ["free"] * 4 + ["append"] * 3 + \
-            ["reserve"] * 2 + ["evict"]
+            ["reserve"] * 2 + ["evict"] + (["preempt"] * 2 if self.preempts else [])
         kind = r.choice(kinds if self.live else ["admit"])
         if kind == "admit" or not self.live:
+            if self.preempted and r.random() < 0.5:
+                seq = r.choice(sorted(self.preempted))
+                return ops.admit(seq, self.preempted[seq].tokens, self.preempted[seq].scope)
             return self._admit()
         if kind == "evict":
             return ops.evict(r.randrange(1, 4))
@@ -91,6 +112,8 @@ class _Draw:
             return ops.append(seq, [r.randrange(1, 40)])
         if kind == "append" and s.scheduled == s.length and not self.decode_steps:
             return ops.append(seq, [r.randrange(1, 40) for _ in range(r.randint(1, 3))])
+        if kind == "preempt":
+            return ops.preempt(seq)
         return ops.free(seq)
 
     def _admit(self) -> Op:
@@ -100,15 +123,28 @@ class _Draw:
         cut = r.randint(0, len(prefix))
         tokens = prefix[:cut] + [r.randrange(1, 40) for _ in range(r.randint(1, 10))]
         chunk = r.randint(1, len(tokens)) if r.random() < 0.25 else None
-        return ops.admit(f"s{self.count}", tokens, r.choice(FUZZ_SCOPES), chunk)
+        scope = r.choice(FUZZ_SCOPES)
+        if scope is None and self.keys.random() < EXTRA_KEY_SHARE:
+            scope = Scope(extra_key=self.keys.choice(EXTRA_KEYS))
+        return ops.admit(f"s{self.count}", tokens, scope, chunk)
 
-    def record(self, op: Op, status: str, value: object) -> None:
-        """What `op` did, as the step report says."""
-        if status != "done" or op.seq is None:
+    def record(self, op: Op, status: str, value: object, preempted: tuple[str, ...]) -> None:
+        """What `op` did, as the step report says (`preempted`: the sequences it
+        preempted, which leave the live ones to be resumed)."""
+        for seq in preempted:
+            live = self.live.pop(seq, None)
+            if live is not None:
+                self.preempted[seq] = live
+        if status != "done" or op.seq is None or op.kind == "preempt":
+            return
+        if op.seq in preempted:  # the scheduler preempted it in its own step
+            if op.kind == "append":
+                self.preempted[op.seq].tokens += op.tokens
             return
         if op.kind == "admit":
             assert isinstance(value, dict)
-            self.live[op.seq] = _Live(len(op.tokens), value["scheduled_tokens"],
+            self.preempted.pop(op.seq, None)
+            self.live[op.seq] = _Live(list(op.tokens), op.scope, value["scheduled_tokens"],
                                       value["reused_tokens"])
         elif op.kind == "free":
             del self.live[op.seq]
@@ -120,35 +156,60 @@ class _Draw:
             self.live[op.seq].scheduled = value
         elif op.kind == "append":
             s = self.live[op.seq]
-            s.length += len(op.tokens)
+            s.tokens += op.tokens
             s.scheduled = s.length
+
+
+def fuzz_options(seed: int, honoured: tuple[str, ...], num_blocks: int) -> CacheOptions:
+    """The options seed `seed` opens its cache of `num_blocks` with, among those
+    `honoured`: none for half the seeds, else each honoured one with an even chance,
+    small enough to bite (from a stream of their own: the seed's ops do not move). A
+    host tier holds two or three times the device pool (what the oracle's two-tier model
+    is exact for, harness.oracle.tiers); a recurrent state is kept every 1 to 3 blocks;
+    those two come from a stream of their own too."""
+    r = random.Random(f"options-{seed}")
+    if not honoured or r.random() < 0.5:
+        return CacheOptions()
+    picks = {"window": r.randrange(2, 4 * B), "chunk_budget": r.randrange(1, 4 * B),
+             "long_prefill_threshold": r.randrange(1, 3 * B)}
+    chosen = {k: v for k, v in picks.items() if k in honoured and r.random() < 0.5}
+    layout = random.Random(f"layout-{seed}")
+    layouts = {"host_blocks": layout.randint(2, 3) * num_blocks,
+               "state_interval": layout.randint(1, 3)}
+    chosen.update({k: v for k, v in layouts.items()
+                   if k in honoured and layout.random() < 0.5})
+    return CacheOptions(**chosen)
 
 
 def fuzz(target: Target, seed: int, num_ops: int = DEFAULT_OPS) -> FuzzOutcome:
     """Run seed `seed` (stops at the first violation); see the module docstring."""
     draw = _Draw(seed)
     num_blocks = draw.rng.choice(POOL_SIZES)
-    contract = target.open(num_blocks, B)
+    options = fuzz_options(seed, target.open(num_blocks, B).options, num_blocks)
+    contract = target.open(num_blocks, B, options)
     draw.decode_steps = contract.decode_steps
+    # half the seeds preempt, where the contract can: the others draw as they always did
+    draw.preempts = contract.preemption != "none" and \
+        random.Random(f"preempt-{seed}").random() < 0.5
     judge = Judge(contract, num_blocks)
     done: list[Op] = []
 
     def step(op: Op) -> Violation | None:
         report = target.apply(op)
         done.append(op)
-        draw.record(op, report.status, report.value)
+        draw.record(op, report.status, report.value, report.preempted)
         found = judge.observe(report)
         return found[0] if found else None
 
     for _ in range(num_ops):
         found = step(draw.next())
         if found is not None:
-            return FuzzOutcome(seed, num_blocks, tuple(done), found)
+            return FuzzOutcome(seed, num_blocks, tuple(done), found, options)
     for seq in sorted(draw.live):
         found = step(ops.free(seq))
         if found is not None:
-            return FuzzOutcome(seed, num_blocks, tuple(done), found)
-    return FuzzOutcome(seed, num_blocks, tuple(done), None)
+            return FuzzOutcome(seed, num_blocks, tuple(done), found, options)
+    return FuzzOutcome(seed, num_blocks, tuple(done), None, options)
 
 
 class Shrunk(NamedTuple):
@@ -159,11 +220,12 @@ class Shrunk(NamedTuple):
 
 
 def shrink(target: Target, op_list: list[Op], num_blocks: int, first: Violation,
-           budget: int = SHRINK_BUDGET) -> Shrunk:
+           budget: int = SHRINK_BUDGET, options: CacheOptions | None = None) -> Shrunk:
     """A shorter op list, on a pool no larger, whose first violation is `first`'s (the
-    first violation of `op_list` on `num_blocks` blocks): the same oracle, the same
-    kind, at an op of the same kind. `op_list` itself when nothing smaller does. At most
-    `budget` replays; changes nothing but the target's open cache."""
+    first violation of `op_list` on `num_blocks` blocks, a cache opened with `options`):
+    the same oracle, the same kind, at an op of the same kind. `op_list` itself when
+    nothing smaller does. At most `budget` replays; changes nothing but the target's
+    open cache."""
     left = [budget]
     wanted = (first.oracle, first.kind, op_list[first.step].kind)
 
@@ -171,7 +233,7 @@ def shrink(target: Target, op_list: list[Op], num_blocks: int, first: Violation,
         if left[0] <= 0 or not candidate:
             return False
         left[0] -= 1
-        found = replay(target, candidate, pool, B)
+        found = replay(target, candidate, pool, B, options)
         return bool(found) and \
             (found[0].oracle, found[0].kind, candidate[found[0].step].kind) == wanted
 

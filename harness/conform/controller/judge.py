@@ -4,9 +4,15 @@ After every op (`Judge.observe`):
 
 - count: the reuse oracle (`harness.oracle.model.ReuseOracle`, configured from the
   contract: tokens per block, partial reuse) replays the harness event log the adapter
-  wrote; every admission must reuse what it predicts. Its model evicts nothing, so after
-  the first block leaves the cache (a BlockRemoved event) a prediction is an upper
-  bound. Whole-block contracts reuse whole blocks, and never the last prompt token.
+  wrote; every admission must reuse what it predicts. Its model evicts nothing unless the
+  contract says it models the engine's eviction (kvcache) or the judge follows the
+  contract's `eviction_policy` itself (`ORDER_MODELS`: it tells the model which blocks
+  each allocation evicted), so otherwise after the first block leaves the cache (a
+  BlockRemoved event) a prediction is an upper bound. Whole-block contracts reuse whole
+  blocks, and never the last prompt token.
+- eviction: where `ORDER_MODELS` has the contract's policy, every allocation takes the
+  blocks the policy names (vLLM's free queue: the least recently freed first, a
+  request's last block first), and what they held is what was evicted.
 - provenance and capacity: the checked manager's own per-call checks
   (`harness.oracle.checked_manager.CallOracles`) over each op's logged events. The
   shadow KV store follows which tokens' KV each block holds: no read of KV that is not
@@ -18,9 +24,14 @@ After every op (`Judge.observe`):
   duplicates such an engine keeps counted as unavailable) and changed nothing (state,
   counters, events, log).
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
-  blocks the cache holds (`cached_hashes`), and no op removes a block it keeps. A
+  blocks the cache holds on its device (`cached_hashes`; a host tier's blocks are
+  folded under their own medium), and no op removes a block it keeps (a block moved
+  between tiers is removed from one medium and stored on the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
+- capacity, window group: under a "full-and-window" layout the window group holds what
+  `window_group.WindowGroup` says (the windowNumBlocks gauge), and the full-attention
+  checks above count the used blocks less those.
 - stats: each engine counter the contract lists equals what the admissions add up to;
   the harness-named gauges agree with the state.
 - leaks: the plugin's leak check (`harness.oracle.leaks.leak_problems`) over the
@@ -36,9 +47,11 @@ admission holds only its first chunk's), while every position stays held.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
+from harness.conform.controller.eviction import FreeQueue
+from harness.conform.controller.window_group import WindowGroup
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, CounterMeaning
 from harness.conform.worker.session import StepReport
@@ -51,8 +64,14 @@ from harness.oracle.provenance import ProvenanceError
 from harness.oracle.types import Event, OracleConfig, normalize_event
 
 ORACLES = ("api", "refusal", "count", "provenance", "capacity", "events", "stats", "leaks",
-           "integrity", "log")
+           "integrity", "log", "eviction")
+# eviction policies whose order the judge follows block by block (full attention, ids
+# that name blocks): the model, built from the pool size and the block size
+ORDER_MODELS: dict[str, Callable[[int, int], FreeQueue]] = {
+    "lru-blocks-tail-first": lambda n, b: FreeQueue(n, b, uncached_first=False),
+    "lru-blocks-tail-first-uncached-first": lambda n, b: FreeQueue(n, b, uncached_first=True)}
 _EVERY_POSITION = 2**40  # a window wider than any context: positions as the events say
+DEVICE = "GPU"  # the medium of the device pool's events (a host tier's is "CPU")
 
 
 class Violation(NamedTuple):
@@ -67,13 +86,14 @@ class Violation(NamedTuple):
     kind: str = ""
 
 
-def oracle_config(contract: Contract) -> OracleConfig:
-    """The reuse oracle's config under `contract`. Its pool is unbounded (it evicts
-    nothing): its bounded model is exact only for kvcache's own eviction with partial
-    reuse off (docs/design.md, "The reuse oracle"), and under partial reuse a prompt that
-    claims its copy source is beyond it."""
+def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
+    """The reuse oracle's config under `contract` for a pool of `num_blocks`."""
+    bounded = contract.bounded_oracle
     return OracleConfig(contract.block_size, enable_partial_reuse=contract.partial_reuse,
                         copy_on_partial_reuse=contract.copy_on_partial_reuse,
+                        reuse_alignment_blocks=contract.state_interval or 1,
+                        max_num_blocks=num_blocks if bounded else None,
+                        host_cache_blocks=(contract.host_blocks or 0) if bounded else 0,
                         unreused_tail=contract.unreused_tail)
 
 
@@ -113,12 +133,18 @@ class Judge:
         B = contract.block_size
         self.contract = contract
         self.num_blocks = num_blocks
-        self.reuse = ReuseOracle(oracle_config(contract))
+        self.reuse = ReuseOracle(oracle_config(contract, num_blocks))
         self.calls = CallOracles(B, num_blocks, block_reuse=True,
                                  sliding_window=_EVERY_POSITION)
         self.capacity = self.calls.capacity
         self.index = EventIndex(B)
         self.exact = True
+        model = ORDER_MODELS.get(contract.eviction_policy)
+        self.order = model(num_blocks, B) if model is not None and contract.window is None \
+            and contract.id_unit == "block" and not contract.bounded_oracle else None
+        self.window_group = WindowGroup(contract.window, B) \
+            if contract.window is not None and contract.window_layout == "full-and-window" \
+            else None
         self.broken: set[str] = set()
         self.totals: Counter[str] = Counter()  # CounterMeaning -> value so far
         self.step = 0
@@ -128,6 +154,8 @@ class Judge:
         # every prefix a sequence ever had, in any scope: what a stored chain may spell
         self._prefixes: set[tuple[int, ...]] = set()
         self._predicted: dict[Hashable, int] = {}  # live seq -> the reuse the oracle predicted
+        self._preempted: set[Hashable] = set()  # preempted, not yet resumed
+        self._allocated = 0  # blocks the step's log says it allocated
 
     # -- one step ------------------------------------------------------------------------
 
@@ -146,6 +174,7 @@ class Judge:
         self._replay_log(report, say)
         self._fold_events(report, say)
         self._check_capacity(report, say)
+        self._preempted.update(report.preempted)
         self._check_stats(report, say)
         if report.integrity:
             say("integrity", "broken invariant",
@@ -224,14 +253,20 @@ class Judge:
         the capacity model while it follows the cache."""
         B = self.contract.block_size
         tail = self.contract.unreused_tail
+        if self.window_group is not None:
+            return None  # what both groups need is the engine's own sum: not judged
         if op.kind == "admit":
             scope = self.contract.scope_key(op.scope)
             # after an eviction the oracle over-predicts hits: assume none (the most need)
             cached = max(0, min(self.reuse.probe(op.tokens, scope), len(op.tokens) - tail)) \
                 if self.exact and "count" not in self.broken else 0
-            chunk = op.first_chunk if self.contract.chunked_allocation else None
+            chunk = op.first_chunk if self.contract.chunked_allocation \
+                and self.contract.admission_fits == "chunk" else None
+            # an engine may keep blocks free beyond what its admission must fit
+            reserve = self.contract.admission_reserve
             return self.capacity.admission_need(op.tokens, scope, num_cached=cached,
-                                                first_chunk=chunk, unreused_tail=tail)
+                                                first_chunk=chunk, unreused_tail=tail) \
+                + reserve
         assert op.seq is not None or op.kind == "evict"
         if self.contract.allocates_ahead and op.kind in ("append", "reserve"):
             return None  # the engine asked for more than the tokens need
@@ -248,6 +283,11 @@ class Judge:
     def _replay_log(self, r: StepReport, say: Any) -> None:
         admits = 0
         events: list[Event] = []
+        B = self.contract.block_size
+        self._allocated = sum(len(ev.get("block_ids") or ()) - (ev.get("num_tokens", 0) // B
+                                                                if ev.get("kind") == "admit"
+                                                                else 0)
+                              for ev in r.log if ev.get("kind") in ("admit", "append"))
         for raw in r.log:
             try:
                 ev = normalize_event(raw)
@@ -264,6 +304,12 @@ class Judge:
                 # below them tells it nothing
                 self._feed("count", "", say, self.reuse.apply, ev)
             self._track(ev)
+            self._follow_order(ev, say)
+            if self.window_group is not None:
+                self.window_group.apply(ev)
+        if self.order is not None and r.op.kind == "evict" and r.status == "done" \
+                and "eviction" not in self.broken:
+            self._forget(self.order.evict(r.op, int(r.value)), say)
         wanted = 1 if r.op.kind == "admit" and r.status == "done" else 0
         if admits != wanted:
             say("log", "admissions", f"{r.op.describe()} ({r.status}) logged {admits} "
@@ -275,6 +321,33 @@ class Judge:
         used = self._held(r) if self.contract.dedup_on_commit else None
         self._feed("capacity", "used blocks", say,
                    lambda evs: self.calls.capacity_after(where, evs, used), events)
+
+    def _follow_order(self, ev: Any, say: Any) -> None:
+        """The contract's eviction order over one log event: the blocks an allocation
+        takes are those the policy names, and the count oracle forgets what they held."""
+        if self.order is None or "eviction" in self.broken:
+            return
+        step = self.order.apply(ev)
+        if step.problem is not None:
+            say("eviction", "order", step.problem)
+            self.exact = False  # the count oracle no longer learns what left the cache
+            return
+        self._forget(step.evicted, say)
+
+    def _forget(self, keys: Any, say: Any) -> None:
+        """Tell the count oracle which blocks left the cache (its model no longer
+        follows an engine it found wrong: then nothing)."""
+        if "count" in self.broken:
+            return
+        for scope, tokens in keys:
+            try:
+                self.reuse.forget(scope, tokens)
+            except ValueError as exc:  # the engine gave away a block it still serves
+                say("eviction", "served evicted", f"the eviction order took a block the "
+                                                  f"count oracle holds for a live sequence "
+                                                  f"({exc})")
+                self.exact = False
+                return
 
     def _feed(self, oracle: str, kind: str, say: Any, apply: Any, ev: Any) -> Any:
         """`apply(ev)` on `oracle`'s model unless it stopped; its finding is said as
@@ -294,9 +367,13 @@ class Judge:
     def _admitted(self, r: StepReport, ev: Any, say: Any) -> None:
         B = self.contract.block_size
         got, prompt = ev.num_tokens, len(ev.tokens)
+        which = "resumed" if ev.seq_id in self._preempted else "new"
+        self._preempted.discard(ev.seq_id)
         self.totals.update({"requests": 1, "prompt_tokens": prompt, "reused_tokens": got,
                             "reused_blocks": _blocks(got, B),
-                            "missed_blocks": _blocks(prompt, B) - _blocks(got, B)})
+                            "missed_blocks": _blocks(prompt, B) - _blocks(got, B),
+                            f"{which}_requests": 1, f"{which}_prompt_tokens": prompt,
+                            f"{which}_reused_tokens": got})
         if isinstance(r.value, dict) and r.value.get("reused_tokens") != got:
             say("log", "returned other", f"{r.op.describe()} returned {r.value} but logged "
                                          f"{got} reused tokens")
@@ -343,14 +420,25 @@ class Judge:
     def _held(self, r: StepReport) -> int:
         """Blocks the live sequences hold for their tokens' positions: the engine's used
         blocks less those an allocating-ahead engine holds beyond them (its
-        aheadNumBlocks gauge)."""
+        aheadNumBlocks gauge) and those of a hybrid cache's window group
+        (windowNumBlocks)."""
         ahead = r.stats.harness.get("aheadNumBlocks", 0) if self.contract.allocates_ahead \
             else 0
-        return r.used_blocks - int(ahead)
+        window = r.stats.harness.get("windowNumBlocks", 0) if self.window_group else 0
+        return r.used_blocks - int(ahead) - int(window)
 
     def _check_capacity(self, r: StepReport, say: Any) -> None:
         if "capacity" in self.broken:
             return
+        if self.window_group is not None:
+            want, got = self.window_group.held(), r.stats.harness.get("windowNumBlocks")
+            if got != want:
+                say("capacity", "window blocks", f"after {r.op.describe()}: the window "
+                                                 f"group holds {got} "
+                                f"blocks (windowNumBlocks); its live sequences need {want} "
+                                f"(window {self.contract.window}: the blocks before "
+                                "computed - window + 1 are freed at each allocation)")
+                return
         where = r.op.describe()
         if self.contract.dedup_on_commit:
             return  # checked exactly with the events (`_replay_log`)
@@ -366,6 +454,10 @@ class Judge:
 
     # -- router events ---------------------------------------------------------------------
 
+    def _order_known(self) -> bool:
+        """Whether the count oracle learns every eviction from the contract's order."""
+        return self.order is not None and "eviction" not in self.broken
+
     def _fold_events(self, r: StepReport, say: Any) -> None:
         if "events" in self.broken:
             return
@@ -374,22 +466,26 @@ class Judge:
                 say("events", "published", f"{r.op.describe()} published "
                                            f"{list(r.events)[:2]}, but the "
                               "contract says the engine publishes no events")
-            elif self._evicted_by(r):
+            elif self._evicted_by(r) and not self.contract.bounded_oracle \
+                    and not self._order_known():
                 self.exact = False  # blocks left the cache; the count oracle keeps them
             return
-        before: Counter[Any] = Counter(self.index.cached())
-        removed: Counter[str] = Counter()
-        stored: Counter[str] = Counter()
+        # by (medium, hash): a block offloaded to a host tier is removed from the device
+        # and stored on the host in one op, which is a move, not churn
+        before: Counter[Any] = Counter(self.index.counts)
+        removed: Counter[Any] = Counter()
+        stored: Counter[Any] = Counter()
         for event in r.events:
             kind = event.get("type")
             dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
                                                  and bool(self.index.cached()))
-            if dropped:
+            if dropped and not self.contract.bounded_oracle and not self._order_known():
                 self.exact = False  # the count oracle's model keeps every block
+            medium = event.get("medium", DEVICE)
             if kind == "BlockRemoved":
-                removed.update(event.get("block_hashes", ()))
+                removed.update((medium, h) for h in event.get("block_hashes", ()))
             elif kind == "BlockStored":
-                stored.update(event.get("block_hashes", ()))
+                stored.update((medium, h) for h in event.get("block_hashes", ()))
                 misplaced = self._misplaced(event)
                 if misplaced:
                     say("events", "parent", f"after {r.op.describe()}: {misplaced}")
@@ -400,8 +496,19 @@ class Judge:
                 say("events", "does not fold", f"after {r.op.describe()}: event {event} does "
                                                f"not fold: {exc}")
                 return
-        after: Counter[Any] = Counter(self.index.cached())
-        churn = sorted(h for h in removed if h in stored and after[h] >= before[h] > 0)
+        after_keys: Counter[Any] = Counter(self.index.counts)
+        # a block whose every copy the step removed, then stored again: gone in between
+        # (a cache that keeps copies, a hybrid's groups or duplicates, may drop one copy
+        # and store another while the block stays cached throughout); and more of them
+        # than the step allocated blocks (an allocation may evict the cached copies of
+        # blocks it then computes again: gone, then computed). By (medium, hash): a move
+        # between tiers is no churn
+        churn = sorted(h for key in removed if key in stored
+                       and after_keys[key] >= before[key] > 0 and removed[key] >= before[key]
+                       for h in key[1:])
+        if len(churn) <= self._allocated:
+            churn = []
+        after: Counter[Any] = Counter(self.index.cached(DEVICE))  # what the device holds
         if churn:
             say("events", "churn", f"{r.op.describe()} published BlockRemoved and "
                                    "BlockStored again "

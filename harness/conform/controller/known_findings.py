@@ -7,14 +7,16 @@ in docs/conformance.md, the upstream issue, the fix and the first release that h
 code and the runs of docs/conformance.md's matrix; a release outside them that fails the
 same way is reported without the annotation, as a new finding would be.
 
-Versions compare by their release numbers and post number (`0.5.6.post2` after `0.5.6`,
-before `0.5.7`); a pre-release, dev or local label counts as its release.
+Versions compare as pip orders them (`harness.conform.versions.parse_version`:
+`0.5.6.post2` after `0.5.6`, before `0.5.7`; a dev or pre-release before its release); a
+version that does not parse matches no known finding.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, NamedTuple
+
+from harness.conform.versions import parse_version
 
 _VLLM = "https://github.com/vllm-project/vllm"
 _SGLANG = "https://github.com/sgl-project/sglang"
@@ -47,11 +49,13 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(1, "vllm", "0.11.1", "0.31.0", ("scope_isolation",), ("count",),
                  "a salt and a LoRA name of equal value share block 0",
                  f"{_VLLM}/issues/44701", f"{_VLLM}/pull/44706"),
-    KnownFinding(2, "vllm", "0.10.2", "0.27.0", ("refused_then_retried",), ("refusal",),
+    KnownFinding(2, "vllm", "0.10.2", "0.27.0", ("refused_then_retried",
+                                                  "pressure_spares_own_prefix"), ("refusal",),
                  "a refused admission is counted in the prefix-cache stats",
                  f"{_VLLM}/issues/43736", f"{_VLLM}/pull/48860"),
     KnownFinding(3, "vllm", "0.10.2", "0.11.1", ("scope_isolation", "scope_event_hashes",
-                                                  "lora_name_repointed"), ("api",),
+                                                  "lora_name_repointed", "event_fields"),
+                 ("api",),
                  "any LoRA request with KV events on raises inside the allocation",
                  f"{_VLLM}/issues/27728", None),
     KnownFinding(4, "sglang", "0.5.5", "0.5.18", ("scope_isolation",), ("count",),
@@ -100,28 +104,27 @@ KNOWN: tuple[KnownFinding, ...] = (
                                                   "scope_event_hashes"), ("count",),
                  "a LoRA name re-pointed at another adapter reads the first adapter's KV",
                  f"{_VLLM}/issues/30931", None),
+    KnownFinding(16, "sglang", "0.5.18", None, ("extra_key_isolation",), ("count",),
+                 "a caller extra key equal to a LoRA's id reads that adapter's KV",
+                 f"{_SGLANG}/issues/24638", None),
+    KnownFinding(16, "sglang_unified", "0.5.23", None, ("extra_key_isolation",), ("count",),
+                 "a caller extra key equal to a LoRA's id reads that adapter's KV",
+                 f"{_SGLANG}/issues/24638", None),
 )
-
-
-def release_key(version: str) -> tuple[int, ...]:
-    """`version`'s release numbers and post number, for ordering (see the module)."""
-    text = version.split("+")[0]
-    m = re.match(r"[0-9]+(?:\.[0-9]+)*", text)
-    release = [int(p) for p in m[0].split(".")] if m else []
-    while len(release) > 1 and release[-1] == 0:
-        release.pop()
-    post = re.search(r"\.post([0-9]+)", text)
-    return (*release, 0, int(post[1])) if post else tuple(release)
 
 
 def match(engine: str, version: str, check: str, oracle: str, message: str
           ) -> KnownFinding | None:
     """The known finding a check of `engine` `version` that failed `oracle` saying
-    `message` shows; None when it is none the harness knows."""
-    at = release_key(version)
+    `message` shows; None when it is none the harness knows (or `version` does not
+    parse)."""
+    try:
+        at = parse_version(version).key
+    except ValueError:
+        return None
     for known in KNOWN:
         if known.engine == engine and check in known.checks and oracle in known.oracles \
-                and known.says in message and release_key(known.since) <= at \
-                and (known.fixed_in is None or at < release_key(known.fixed_in)):
+                and known.says in message and parse_version(known.since).key <= at \
+                and (known.fixed_in is None or at < parse_version(known.fixed_in).key):
             return known
     return None

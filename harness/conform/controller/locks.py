@@ -9,19 +9,25 @@ interpreter. A lock is data: `engine` selects an adapter from
 `harness.conform.adapters.ADAPTERS`, the harness's own registry, and nothing in it names
 code to import.
 
-The supported versions are the lock files present; anything else is refused with the
-list (`UnsupportedVersion`, exit 2 for `kvharness conform`).
+The committed locks are `LOCK_DIR/<engine>-<version>.json`, resolved for the project's
+Python (`DEFAULT_PYTHON`), or `<engine>-<version>-py<X.Y>.json` for another Python. A
+release without one is resolved at first use (`harness.conform.controller.resolve`) into
+the engine cache's `locks/` folder, in the same form, with `resolved` saying how;
+`kvharness conform lock SPEC` copies it here for committing. `find_lock` looks in both, committed
+first; `nearest_lock` names the committed lock a new release starts from.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.conform.adapters import ADAPTERS
 from harness.conform.stubs import StubSpec
+from harness.conform.versions import VERSION_PATTERN, nearest, parse_version, sort_versions
 from harness.data_files import load_json
 
 LOCK_DIR = Path(__file__).parents[1] / "locks"
@@ -36,13 +42,22 @@ NOT_RUNNABLE_HERE = {
                     "fetches them from NVIDIA's index at build time) and its KVCacheManager "
                     "builds CUDA objects (a stream, device pools) when constructed; "
                     "docs/conformance.md says what its adapter would wrap"}
-_KEYS = {"engine", "version", "python", "wheel", "deps", "stubs", "notes"}
-_VERSION = re.compile(r"[0-9]+(\.[0-9]+){1,2}")
+DEFAULT_PYTHON = "3.11"  # the Python of the locks named without a -py suffix
+_KEYS = {"engine", "version", "python", "wheel", "deps", "stubs", "notes", "resolved"}
+_OPTIONAL = {"notes", "resolved"}
+_RESOLVED_KEYS = {"base", "python", "pip", "date", "added", "how"}
+_VERSION = re.compile(VERSION_PATTERN)
 _PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[0-9A-Za-z.+!-]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # never pinned: the harness's interpreter provides torch; these are CUDA builds
 _NEVER = re.compile(r"(torch|torchvision|torchaudio|nvidia-[a-z0-9-]+|flashinfer-python)$",
                     re.IGNORECASE)
+
+
+def never_pinned(name: str) -> bool:
+    """Whether a distribution never goes into a lock: torch (the harness's interpreter
+    provides it) and the CUDA stack."""
+    return _NEVER.match(name) is not None
 
 
 def distribution(engine: str) -> str:
@@ -56,6 +71,17 @@ class LockError(ValueError):
 
 class UnsupportedVersion(ValueError):
     """No lock file for the engine or version asked for; the message lists what is."""
+
+
+def python_tag() -> str:
+    """This interpreter's `major.minor`, as a lock records it."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def lock_name(engine: str, version: str, python: str) -> str:
+    """The file name of `engine==version`'s lock for `python` (module docstring)."""
+    suffix = "" if python == DEFAULT_PYTHON else f"-py{python}"
+    return f"{engine}-{version}{suffix}.json"
 
 
 @dataclass(frozen=True)
@@ -79,6 +105,12 @@ class Lock:
     stubs: StubSpec
     notes: tuple[str, ...]
     path: Path
+    resolved: dict[str, Any] | None = None  # how the lock was made, when not by hand
+
+    @property
+    def committed(self) -> bool:
+        """Whether the lock is one of the repository's (not resolved into the cache)."""
+        return self.path.parent.resolve() == LOCK_DIR.resolve()
 
     @property
     def spec(self) -> str:
@@ -105,19 +137,19 @@ def parse_lock(data: Any, path: Path) -> Lock:
 
     if not isinstance(data, dict):
         raise LockError(f"{where}: expected an object, got {type(data).__name__}")
-    unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - {"notes"} - set(data))
+    unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - _OPTIONAL - set(data))
     if unknown or missing:
         raise LockError(f"{where}: unknown keys {unknown}, missing keys {missing}")
     engine, version = data["engine"], data["version"]
     if engine not in ADAPTERS:
         raise bad("engine", f"{engine!r} has no adapter; known: {sorted(ADAPTERS)}")
     if not isinstance(version, str) or not _VERSION.fullmatch(version):
-        raise bad("version", f"{version!r} is not a release number")
-    if path.name != f"{engine}-{version}.json":
-        raise bad("file name", f"should be {engine}-{version}.json")
+        raise bad("version", f"{version!r} is not a version like 0.33.0 or 0.5.6.post2")
     python = data["python"]
     if not isinstance(python, str) or not re.fullmatch(r"3\.[0-9]+", python):
         raise bad("python", f"{python!r} is not a Python version like '3.11'")
+    if path.name != lock_name(engine, version, python):
+        raise bad("file name", f"should be {lock_name(engine, version, python)}")
     wheel = data["wheel"]
     if not isinstance(wheel, dict) or set(wheel) != {"file", "sha256", "bytes"}:
         raise bad("wheel", "expected {file, sha256, bytes}")
@@ -136,7 +168,7 @@ def parse_lock(data: Any, path: Path) -> Lock:
     for pin in deps:
         if not isinstance(pin, str) or not _PIN.fullmatch(pin):
             raise bad("deps", f"{pin!r} is not a name==version pin")
-        if _NEVER.match(pin.split("==")[0]):
+        if never_pinned(pin.split("==")[0]):
             raise bad("deps", f"{pin!r}: torch comes from the harness's interpreter and "
                               "CUDA builds never go into an engine's venv")
     names = [p.split("==")[0].lower().replace("_", "-") for p in deps]
@@ -145,12 +177,28 @@ def parse_lock(data: Any, path: Path) -> Lock:
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise bad("notes", "expected a list of strings")
+    resolved = data.get("resolved")
+    if resolved is not None and (not isinstance(resolved, dict)
+                                 or not set(resolved) <= _RESOLVED_KEYS):
+        raise bad("resolved", f"expected an object with keys among {sorted(_RESOLVED_KEYS)}")
     try:
         stubs = StubSpec.from_dict(data["stubs"], f"{where}: stubs")
     except ValueError as exc:
         raise LockError(str(exc)) from None
     return Lock(engine, version, python, Wheel(name, wheel["sha256"], size), tuple(deps),
-                stubs, tuple(notes), path)
+                stubs, tuple(notes), path, resolved)
+
+
+def lock_data(lock: Lock) -> dict[str, Any]:
+    """`lock` as its file holds it (`parse_lock` reads it back)."""
+    out: dict[str, Any] = {
+        "engine": lock.engine, "version": lock.version, "python": lock.python,
+        "wheel": {"file": lock.wheel.file, "sha256": lock.wheel.sha256,
+                  "bytes": lock.wheel.bytes},
+        "deps": list(lock.deps), "stubs": lock.stubs.as_dict(), "notes": list(lock.notes)}
+    if lock.resolved is not None:
+        out["resolved"] = lock.resolved
+    return out
 
 
 def load_lock(path: Path) -> Lock:
@@ -158,32 +206,61 @@ def load_lock(path: Path) -> Lock:
     return parse_lock(load_json(path, "lock file", LockError), path)
 
 
-def supported(lock_dir: Path = LOCK_DIR) -> dict[str, list[str]]:
-    """engine -> its supported versions, oldest first (one per lock file)."""
-    out: dict[str, list[str]] = {engine: [] for engine in ADAPTERS}
+def _locks_in(lock_dir: Path, python: str) -> dict[str, dict[str, Path]]:
+    """engine -> version -> the lock file for `python` in `lock_dir`."""
+    out: dict[str, dict[str, Path]] = {engine: {} for engine in ADAPTERS}
     for path in lock_dir.glob("*.json"):
-        engine, _, version = path.stem.partition("-")
-        if engine in out:
-            out[engine].append(version)
-    for versions in out.values():
-        versions.sort(key=lambda v: tuple(int(p) for p in v.split(".")))
+        engine, _, rest = path.stem.partition("-")
+        version, _, tag = rest.partition("-py")
+        if engine in out and (tag or DEFAULT_PYTHON) == python and _VERSION.fullmatch(version):
+            out[engine][version] = path
     return out
 
 
+def supported(lock_dir: Path = LOCK_DIR, python: str | None = None) -> dict[str, list[str]]:
+    """engine -> the versions committed in `lock_dir` for `python` (this interpreter's
+    by default), oldest first (one per lock file)."""
+    found = _locks_in(lock_dir, python or python_tag())
+    return {engine: sort_versions(versions) for engine, versions in found.items()}
+
+
 def pinned(lock_dir: Path = LOCK_DIR) -> list[Lock]:
-    """The lock of each engine's newest supported release, in `ADAPTERS` order: the
-    releases the harness is held to (the smoke and full runs, `nox -s bench`'s table)."""
+    """The lock of each engine's newest release committed for this interpreter's Python,
+    in `ADAPTERS` order: the releases the harness is held to (the smoke and full runs,
+    `nox -s bench`'s table)."""
     return [find_lock(engine, versions[-1], lock_dir)
             for engine, versions in supported(lock_dir).items() if versions]
 
 
-def find_lock(engine: str, version: str, lock_dir: Path = LOCK_DIR) -> Lock:
-    """The lock of `engine==version`; UnsupportedVersion naming the supported ones."""
-    versions = supported(lock_dir)
-    if engine not in versions:
+def nearest_lock(engine: str, version: str, lock_dir: Path = LOCK_DIR) -> Lock | None:
+    """The committed lock a release without one starts from (`versions.nearest`), for
+    any Python (this interpreter's first); None when the engine has none."""
+    for python in dict.fromkeys((python_tag(), DEFAULT_PYTHON)):
+        found = _locks_in(lock_dir, python).get(engine, {})
+        near = nearest(version, found)
+        if near is not None:
+            return load_lock(found[near])
+    return None
+
+
+def find_lock(engine: str, version: str, lock_dir: Path = LOCK_DIR,
+              resolved_dir: Path | None = None) -> Lock:
+    """The lock of `engine==version` for this interpreter: committed in `lock_dir`, else
+    resolved at first use in `resolved_dir`. UnsupportedVersion naming the committed
+    ones and the command that resolves it otherwise."""
+    if engine not in ADAPTERS:
         raise UnsupportedVersion(f"no adapter for {engine!r}; engines: "
-                                 f"{', '.join(sorted(versions))} (and kvcache)")
-    if version not in versions[engine]:
-        raise UnsupportedVersion(f"{engine} {version} is not supported; supported: "
-                                 f"{', '.join(versions[engine])}")
-    return load_lock(lock_dir / f"{engine}-{version}.json")
+                                 f"{', '.join(sorted(ADAPTERS))} (and kvcache)")
+    parse_version(version)  # ValueError naming it
+    python = python_tag()
+    for folder in (lock_dir, resolved_dir):
+        if folder is not None and (folder / lock_name(engine, version, python)).exists():
+            return load_lock(folder / lock_name(engine, version, python))
+    versions, mine = supported(lock_dir, python)[engine], ""
+    if not versions and python != DEFAULT_PYTHON:
+        versions, mine = supported(lock_dir, DEFAULT_PYTHON)[engine], f" for {DEFAULT_PYTHON}"
+    raise UnsupportedVersion(
+        f"{engine} {version} has no lock for Python {python}; committed{mine}: "
+        f"{', '.join(versions) or 'none'}. `kvharness conform {engine}=={version}` "
+        f"resolves one at first use; `kvharness conform lock {engine}=={version}` writes "
+        f"it into {lock_dir} for committing")

@@ -24,8 +24,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from harness.conform.controller.families import CHECKS
-from harness.conform.controller.known_findings import match, release_key
+from harness.conform.controller.checks import CHECKS
+from harness.conform.controller.known_findings import match
+from harness.conform.versions import parse_version
 from harness.data_files import load_json
 from harness.reports.markdown import Markdown, bold, table
 
@@ -202,9 +203,18 @@ def fold(folder: Path) -> list[Row]:
     if not paths:
         raise ValueError(f"{folder}: no report.json under it (kvharness conform writes "
                          "results/conform/ENGINE-VERSION/report.json)")
-    rows = sorted((read_row(p) for p in paths), key=lambda r: release_key(r.version),
+    rows = sorted((read_row(p) for p in paths), key=lambda r: _order(r.version),
                   reverse=True)
     return sorted(rows, key=lambda r: r.engine)  # stable: each engine's newest first
+
+
+def _order(version: str) -> tuple[int, tuple[object, ...]]:
+    """A row's release order, pip's (`parse_version`); a version that does not parse (a
+    run that could not start records none) sorts below every release."""
+    try:
+        return (1, parse_version(version).key)
+    except ValueError:
+        return (0, ())
 
 
 def _families(rows: Sequence[Row]) -> list[str]:

@@ -2,7 +2,11 @@
 
 It starts `python -m harness.conform.worker` with the engine's interpreter. The worker
 sees the harness (and kvcache, for the benchmark) through a folder holding links to
-those two packages only, never the harness's whole environment. Replies come on a pipe
+those two packages only, never the harness's whole environment, and a source tree's
+package root after it when the engine comes from one. PYTHONHASHSEED is fixed
+(`HASH_SEED`): vLLM seeds its block hashes from it (a random seed per process without
+it, so the events' hashes would change from run to run) and warns on every cache it
+builds when it is unset. Replies come on a pipe
 of their own (`--replies-fd`): the worker's stdout and stderr go to `log`, whose tail
 every WorkerError quotes, so nothing the engine's venv prints can pass for a reply.
 Replies are read with a timeout on a reader thread, so a hung engine ends the run
@@ -26,13 +30,14 @@ from typing import IO, Any
 
 import harness
 from harness.conform.ops import Op, ops_to_json
-from harness.conform.protocol import Contract
+from harness.conform.protocol import CacheOptions, Contract
 from harness.conform.stubs import StubSpec
 from harness.conform.worker.session import StepReport
 
 LOAD_TIMEOUT = 900.0  # the first import after an install compiles every module
 CALL_TIMEOUT = 300.0
 BENCH_TIMEOUT = 3600.0
+HASH_SEED = "0"
 
 
 class WorkerError(RuntimeError):
@@ -56,7 +61,7 @@ _INTEGER, _NUMBER = (int, "an integer"), ((int, float), "a number")
 # What an `ok` reply to each request carries, and the kind of each field.
 _FIELDS: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
     "load": {"engine": _STRING, "version": _STRING, "package_dir": _STRING,
-             "stubs_served": _ARRAY, "seconds": _NUMBER},
+             "stubs_served": _ARRAY, "seconds": _NUMBER, "contract_basis": _OBJECT},
     "selftest": {"problems": _ARRAY, "sources": _OBJECT, "substitutes": _INTEGER,
                  "functions": _OBJECT, "calls": _OBJECT},
     "open": {"contract": _OBJECT},
@@ -76,31 +81,45 @@ def _package_links() -> Path:
     return folder
 
 
+def worker_environment(python: Path, links: Path, source: Path | None) -> dict[str, str]:
+    """The worker's environment: this one's, but its Python path is `links` (then
+    `source`, a source tree's package root), no user site, PYTHONHASHSEED fixed
+    (`HASH_SEED`) whatever it is here, and `python`'s folder first on PATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    path = [str(links)] + ([str(source)] if source is not None else [])
+    env.update(PYTHONPATH=os.pathsep.join(path), PYTHONNOUSERSITE="1",
+               PYTHONHASHSEED=HASH_SEED,
+               PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
+    return env
+
+
 class WorkerTarget:
     """A `Target` whose caches live in a worker process (see the module docstring).
 
     `python`: the engine venv's interpreter; `engine`: an adapter name; `stubs`: the
-    lock's stubs. Starting it loads the engine (`info` says what loaded).
+    lock's stubs; `source`: a source tree's package root, imported from where it is;
+    `version`: the engine's version where its package has no metadata (a source tree).
+    Starting it loads the engine (`info` says what loaded).
     """
 
-    def __init__(self, python: Path, engine: str, stubs: StubSpec, log: Path) -> None:
+    def __init__(self, python: Path, engine: str, stubs: StubSpec, log: Path,
+                 source: Path | None = None, version: str | None = None) -> None:
         self.log = log
         self._links = _package_links()
         self._err: IO[str] | None = None
         self._proc: subprocess.Popen[str] | None = None
         try:  # whatever fails from here on, the worker and the link folder go
-            self._start(python, log)
+            self._start(python, log, source)
             self.info = self._call({"cmd": "load", "engine": engine,
-                                    "stubs": stubs.as_dict()}, LOAD_TIMEOUT)
+                                    "stubs": stubs.as_dict(), "version": version},
+                                   LOAD_TIMEOUT)
         except BaseException:
             self.close()
             raise
         self._name = f"{self.info['engine']} {self.info['version']}"
 
-    def _start(self, python: Path, log: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        env.update(PYTHONPATH=str(self._links), PYTHONNOUSERSITE="1",
-                   PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
+    def _start(self, python: Path, log: Path, source: Path | None) -> None:
+        env = worker_environment(python, self._links, source)
         log.parent.mkdir(parents=True, exist_ok=True)
         self._err = open(log, "w", encoding="utf-8")  # noqa: SIM115 (open until close())
         read_end, write_end = os.pipe()
@@ -196,9 +215,14 @@ class WorkerTarget:
         """`engine version` as the worker loaded it."""
         return self._name
 
-    def open(self, num_blocks: int, block_size: int) -> Contract:
+    def open(self, num_blocks: int, block_size: int,
+             options: CacheOptions | None = None) -> Contract:
         """A fresh cache in the worker."""
-        reply = self._call({"cmd": "open", "num_blocks": num_blocks, "block_size": block_size})
+        msg: dict[str, Any] = {"cmd": "open", "num_blocks": num_blocks,
+                               "block_size": block_size}
+        if options is not None and options.names():
+            msg["options"] = options.as_dict()
+        reply = self._call(msg)
         try:
             return Contract.from_dict(reply["contract"], "the worker's contract")
         except ValueError as exc:

@@ -9,6 +9,8 @@ Every check that did not pass (a violation or a known limitation) is written as
     contract      the engine's contract as that run stated it
     num_blocks, block_size, ops
                   the pool and the op list in full (shrunk for an oracle's finding)
+    options       the `CacheOptions` the cache was opened with (window, token budget,
+                  host tier...; {} none)
     step          the index in ops of the op where it shows
     expectations  the family's expectations over ops: registered names and their
                   parameters (`harness.conform.controller.expectations`), present where
@@ -26,7 +28,7 @@ ValueError naming the file and the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,7 +39,7 @@ from harness.conform.controller.report import CheckResult, Report
 from harness.conform.controller.targets import Target, replay_ops
 from harness.conform.known_keys import check_keys
 from harness.conform.ops import Op, ops_from_json, ops_to_json
-from harness.conform.protocol import Contract
+from harness.conform.protocol import CacheOptions, Contract
 from harness.data_files import load_json
 
 FORMAT = 1
@@ -68,6 +70,7 @@ class ReplayRecord:
     oracle: str = ""
     message: str = ""
     step: int | None = None
+    options: CacheOptions = field(default_factory=CacheOptions)
 
     @classmethod
     def of_check(cls, report: Report, check: CheckResult) -> ReplayRecord:
@@ -84,6 +87,7 @@ class ReplayRecord:
         out["ops"] = ops_to_json(self.ops)
         out["expectations"] = [e.as_dict() for e in self.expectations]
         out["contract"] = None if self.contract is None else self.contract.as_dict()
+        out["options"] = self.options.as_dict()
         return out
 
 
@@ -122,7 +126,8 @@ def parse(data: Any, where: str) -> ReplayRecord:
                              MAX_BLOCK_SIZE),
         "expectations": tuple(expectations.from_json(
             data.get("expectations", []), f"{where}: expectations", len(op_list))),
-        "message": _text(data.get("message", ""), f"{where}: message")}
+        "message": _text(data.get("message", ""), f"{where}: message"),
+        "options": CacheOptions.from_dict(data.get("options"), f"{where}: options")}
     for name in _NAMES:
         values[name] = _text(data.get(name, ""), f"{where}: {name}")
     if data.get("contract") is not None:
@@ -149,7 +154,8 @@ def _from_report(report: Any, check: str | None, where: str) -> dict[str, Any]:
                          "of a check that did not pass only: "
                          f"{', '.join(map(str, shown)) or 'none'}")
     out = {k: entry[k] for k in ("family", "status", "oracle", "message", "num_blocks",
-                                 "block_size", "ops", "expectations", "step") if k in entry}
+                                 "block_size", "ops", "expectations", "step", "options")
+           if k in entry}
     out.update(replay=FORMAT, engine=report.get("engine", ""),
                version=report.get("version", ""), check=check,
                contract=report.get("contract") or None)
@@ -215,7 +221,8 @@ class ReplayOutcome(NamedTuple):
 def replay(target: Target, record: ReplayRecord) -> ReplayOutcome:
     """Run `record` on a fresh cache of `target`: every oracle on every op, then the
     family's expectations on the step reports."""
-    done = replay_ops(target, record.ops, record.num_blocks, record.block_size)
+    done = replay_ops(target, record.ops, record.num_blocks, record.block_size,
+                      record.options)
     notes = []
     engine, version = target.name.partition(" ")[::2]
     if record.engine and (record.engine, record.version) != (engine, version):

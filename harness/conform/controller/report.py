@@ -36,16 +36,15 @@ class CheckResult:
     message) or skip. `oracle` names what failed ("scenario" for an expectation of the
     family; every oracle ran either way); `ops` the op list that shows it (shrunk for
     an oracle's finding), as JSON, on a fresh cache of `num_blocks` blocks of
-    `block_size` tokens, and `step` the index in it of the op where it shows;
-    `expectations` the family's declared expectations over `ops`
-    (`harness.conform.controller.expectations`) where `ops` is the whole op list they
-    were declared over (a scenario failure or a known limitation), so a replay judges
-    them again; `known` the finding the harness already knows that this is
-    (`harness.conform.controller.known_findings`: its number, upstream issue, fix and
-    first fixed release), else empty; `limitation` the upstream link of a known
-    limitation; `also` the other findings of the same run. A
-    check that did not pass
-    is written beside the report as its own replay file too
+    `block_size` tokens opened with `options` (`CacheOptions.as_dict`), and `step` the
+    index in it of the op where it shows; `expectations` the family's declared
+    expectations over `ops` (`harness.conform.controller.expectations`) where `ops` is
+    the whole op list they were declared over (a scenario failure or a known
+    limitation), so a replay judges them again; `known` the finding the harness already
+    knows that this is (`harness.conform.controller.known_findings`: its number,
+    upstream issue, fix and first fixed release), else empty; `limitation` the upstream
+    link of a known limitation; `also` the other findings of the same run. A check that
+    did not pass is written beside the report as its own replay file too
     (`harness.conform.controller.replay_file`)."""
 
     name: str
@@ -59,6 +58,7 @@ class CheckResult:
     num_ops: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
     step: int | None = None
     expectations: tuple[dict[str, Any], ...] = ()
     known: dict[str, Any] = field(default_factory=dict)
@@ -74,7 +74,13 @@ class Report:
     """A whole run; `exit_code` 0 all passed or only known limitations, 1 a violation
     found, 2 could not run (`reason` says why); `verdict` tells the first two apart.
     `run`: the day it ran (UTC) and the machine (`this_run`), which the version matrix
-    shows."""
+    shows. `source`: where the engine came from (a release's lock, committed or resolved
+    and how; a source tree; the interpreter's own install); `contract_basis`: the known
+    release whose contract the run used and the fields detected in the engine's code.
+    Every timing is a key named `seconds` (the run's steps: install, import, self_test,
+    checks, bench, total; each check's; the install's and the worker's import), and
+    nothing else is: two runs of one release write the same report.json once those keys
+    are dropped (and `bench`, a measurement, and `run`, the day and machine)."""
 
     spec: str
     engine: str = ""
@@ -89,6 +95,8 @@ class Report:
     bench: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     run: dict[str, str] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    contract_basis: dict[str, Any] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -214,19 +222,54 @@ def _known(known: dict[str, Any]) -> list[str]:
             f"{known['title']}: {'; '.join(links)}", ""]
 
 
+def _source(report: Report) -> list[str]:
+    """Where the engine came from and what its contract rests on."""
+    src, basis = report.source, report.contract_basis
+    out: list[str] = []
+    if src.get("kind") == "release":
+        resolved = src.get("resolved")
+        out.append(f"Lock: {code(str(src.get('lock')))}, committed" if src.get("committed")
+                   else f"Lock: {code(str(src.get('lock')))}, **unlocked** (resolved "
+                   f"{resolved.get('date') if resolved else '?'} from "
+                   f"{report.engine} {resolved.get('base') if resolved else '?'}'s lock: "
+                   f"{resolved.get('how') if resolved else ''}"
+                   + (f"; added {', '.join(resolved['added'])}" if resolved and
+                      resolved.get("added") else "") + ")")
+    elif src.get("kind") == "tree":
+        out.append(f"Source tree: {code(str(src.get('path')))} (version from "
+                   f"{src.get('version_from')}; pins and stubs of "
+                   f"{code(str(src.get('pins_and_stubs_from')))})")
+    elif src.get("kind") == "installed":
+        out.append(f"Installed in {code(str(src.get('interpreter')))} (stubs of "
+                   f"{code(str(src.get('stubs_from')))})")
+    if basis and basis.get("known") != basis.get("version"):
+        detected = basis.get("detected", {})
+        out.append(f"Contract: {report.engine} {basis.get('known')}'s (the nearest release "
+                   "with a contract); detected in this release: "
+                   + ("; ".join(f"{k} ({v})" for k, v in detected.items()) or "nothing"))
+    return [*out, ""] if out else []
+
+
 def markdown(report: Report) -> list[str]:
     """The report.md lines."""
     title = f"{report.engine} {report.version}".strip() or report.spec
     out = [f"# Conformance: {title}", "", _verdict(report), ""]
+    out += _source(report)
     if report.contract:
         out += ["## Contract", ""]
         rows: list[tuple[object, ...]] = [
             (k, json.dumps(v) if not isinstance(v, str) else v)
-            for k, v in report.contract.items() if k not in ("citations", "notes")]
+            for k, v in report.contract.items()
+            if k not in ("citations", "notes", "replicated")]
         out += [*table(("field", "value"), rows), ""]
         for what, where in report.contract.get("citations", ()):
             out.append(f"- {what}: {where}")
         out += [f"- note: {n}" for n in report.contract.get("notes", ())] + [""]
+        replicated = report.contract.get("replicated", ())
+        if replicated:  # what a pass does not prove
+            out += ["What the adapter does itself instead of running the engine's code:", ""]
+            out += [f"- {what}; the engine's: {where} ({why})"
+                    for what, where, why in replicated] + [""]
     if report.self_test:
         problems = report.self_test.get("problems", [])
         out += ["## Self-test", "",
@@ -245,7 +288,9 @@ def markdown(report: Report) -> list[str]:
         out += [f"## {head}: {c.name} ({c.oracle})", "", "```", c.message, "```", "",
                 f"Op list ({len(c.ops)} of the {c.num_ops} ops the check ran, on a fresh "
                 f"cache of {c.num_blocks} block{'' if c.num_blocks == 1 else 's'} of "
-                f"{c.block_size} tokens; it replays: "
+                f"{c.block_size} tokens"
+                + (f", opened with {json.dumps(c.options)}" if c.options else "")
+                + "; it replays: "
                 f"{code(f'kvharness conform {report.spec.strip()} --replay {c.name}.replay.json')}"
                 " (the file beside this report)"
                 + (f", which judges the family's {len(c.expectations)} expectations too"

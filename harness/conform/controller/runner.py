@@ -1,14 +1,20 @@
 """`kvharness conform SPEC`: install, self-test, every check, the fuzz, the report.
 
-SPEC is `ENGINE==VERSION` (a locked version, harness/conform/locks/: installed on first
-use into its cached venv, `harness.conform.controller.install`), a bare `vllm` or `sglang`
-(the one installed in this interpreter, with its version's stubs), or `kvcache` (this
-checkout's manager, in this process): `engine_spec.open_target` picks its target. An
+SPEC is `ENGINE==VERSION` (any release: installed on first use into its cached venv
+from its committed lock, harness/conform/locks/, `harness.conform.controller.install`, or
+from a lock resolved at first use, `harness.conform.controller.resolve`), `ENGINE@PATH`
+(a source tree's package, imported from PATH into a venv of the nearest lock's pins,
+`harness.conform.controller.tree`), a bare `vllm` or `sglang` (the one installed in this
+interpreter, dev versions too, with the nearest lock's stubs), or `kvcache` (this
+checkout's manager, in this process): `engine_spec.open_target` picks its target. A
+release without a contract of its own takes the nearest known one's (the adapters'
+CONTRACT_RELEASES), with the fields its code settles detected; the report says which. An
 engine runs in its worker (`harness.conform.controller.remote`); the checks, the oracles,
 the shrinking and the report run here, the same code for every engine. Exit 0: every
-check passed; 1: a check found a violation; 2: the run could not be trusted or done (an
-unsupported version, a failed install, a self-test that refused, a worker that died or
-answered nonsense, an engine that touched a stub); the report says why.
+check passed; 1: a check found a violation; 2: the run could not be trusted or done (a
+version no lock could be resolved for, a failed install, a self-test that refused, a
+worker that died or answered nonsense, an engine that touched a stub); the report says
+why. `write_lock` is `kvharness conform lock NAME==VERSION`.
 
 The SPEC is data: the report goes to `--report DIR`, else to `results/conform/` under a
 name made of the parsed engine and version (a SPEC that does not parse gets no report
@@ -26,13 +32,20 @@ from typing import Any, NamedTuple
 
 from harness.conform.controller import families, known_findings
 from harness.conform.controller import replay_file as replay_files
-from harness.conform.controller.engine_spec import CannotRun, EngineSpec, open_target
+from harness.conform.controller.checks import CHECKS, check_named
+from harness.conform.controller.engine_spec import (
+    CannotRun,
+    EngineSpec,
+    check_engine,
+    open_target,
+    release_lock,
+)
 from harness.conform.controller.expectations import Expectation, Unmet
 from harness.conform.controller.families import Check, Run
 from harness.conform.controller.fuzz import fuzz, shrink
-from harness.conform.controller.install import InstallError
+from harness.conform.controller.install import InstallError, cache_dir
 from harness.conform.controller.judge import Violation
-from harness.conform.controller.locks import LockError, UnsupportedVersion
+from harness.conform.controller.locks import LOCK_DIR, LockError, UnsupportedVersion
 from harness.conform.controller.remote import StubTouched, WorkerError
 from harness.conform.controller.report import (
     EXIT_CANNOT_RUN,
@@ -45,18 +58,22 @@ from harness.conform.controller.report import (
     this_run,
     write_report,
 )
+from harness.conform.controller.resolve import ResolveError
 from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op, ops_to_json
+from harness.conform.protocol import CacheOptions
 
 Say = Callable[[str], None]
 
 
 def _open(spec: EngineSpec, report: Report, folder: Path, say: Say) -> Target:
-    """`open_target`, self-tested (into `report`); CannotRun, the target closed, when the
-    self-test refused."""
+    """`open_target`, self-tested (into `report`, with its seconds); CannotRun, the target
+    closed, when the self-test refused."""
     target = open_target(spec, report, folder, say)
     try:  # the caller closes only a target it got
+        start = time.perf_counter()
         report.self_test = target.self_test()
+        report.seconds["self_test"] = time.perf_counter() - start
         if report.self_test["problems"]:
             raise CannotRun(f"self-test refused: {'; '.join(report.self_test['problems'])}")
     except BaseException:
@@ -82,25 +99,27 @@ class Finished(NamedTuple):
     observed: dict[str, Any]
     stats: dict[str, Any]
     seconds: float
+    options: CacheOptions = CacheOptions()
 
     @classmethod
     def of_check(cls, check: Check, run: Run, seconds: float) -> Finished:
         """A family's run."""
         return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
                    run.violations, run.expectations, run.unmet(), run.observed,
-                   run.reports[-1].stats._asdict() if run.reports else {}, seconds)
+                   run.reports[-1].stats._asdict() if run.reports else {}, seconds,
+                   check.options)
 
 
 def run_check(target: Target, check: Check) -> CheckResult:
     """One family on a fresh cache, judged; a failing oracle's op list shrunk. A family
     the engine's contract cannot judge (`Check.skip_reason`) is skipped, saying why."""
     start = time.perf_counter()
-    run = Run(target, check.num_blocks)
-    why = check.skip_reason(run.contract)
+    why = check.skip_reason(target.open(check.num_blocks, families.B))
     if why is not None:
         return CheckResult(name=check.name, family=check.family, about=check.about,
                            status="skip", message=why, num_blocks=check.num_blocks,
                            seconds=time.perf_counter() - start)
+    run = Run(target, check.num_blocks, check.options)
     check.body(run)
     return _result(target, Finished.of_check(check, run, time.perf_counter() - start))
 
@@ -117,12 +136,15 @@ def _result(target: Target, done: Finished) -> CheckResult:
     base: dict[str, Any] = {"name": done.name, "family": done.family, "about": done.about,
                             "num_ops": len(done.ops), "observed": done.observed,
                             "stats": done.stats, "num_blocks": done.num_blocks,
-                            "block_size": families.B, "seconds": done.seconds}
+                            "block_size": families.B, "options": done.options.as_dict(),
+                            "seconds": done.seconds}
     if done.violations:
         first = done.violations[0]
-        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first)
+        shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first,
+                       options=done.options)
         # the message the shrunk op list gives (its op numbers and sizes), else the first
-        again = [v for v in replay(target, shown.ops, shown.num_blocks, families.B)
+        again = [v for v in replay(target, shown.ops, shown.num_blocks, families.B,
+                                   done.options)
                  if v.oracle == first.oracle]
         found = again[0] if again else first._replace(step=len(shown.ops) - 1)
         return CheckResult(status="fail", oracle=first.oracle, message=found.message,
@@ -150,7 +172,7 @@ def fuzz_check(target: Target, seed: int) -> CheckResult:
     return _result(target, Finished(
         f"fuzz_seed_{seed}", "differential fuzz",
         f"{len(out.ops)} random ops, a pool of {out.num_blocks} blocks", out.num_blocks,
-        list(out.ops), found, [], [], {}, {}, time.perf_counter() - start))
+        list(out.ops), found, [], [], {}, {}, time.perf_counter() - start, out.options))
 
 
 def _annotated(result: CheckResult, report: Report) -> CheckResult:
@@ -190,6 +212,7 @@ def check_all(target: Target, report: Report, chosen: list[Check], seeds: int,
         report.checks.append(_annotated(fuzz_check(target, seed), report))
         _progress(len(chosen) + seed + 1, total, report.checks[-1], say)
     report.seconds["checks"] = time.perf_counter() - checked
+    say(f"checks took {report.seconds['checks']:.1f} s")
     report.exit_code = EXIT_VIOLATION if report.failed else EXIT_PASSED
 
 
@@ -217,7 +240,7 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
     if spec is not None:
         assert folder is not None  # a parsed SPEC has its folder
         # before any install: the SPEC that runs, said as it will run
-        stripped = "" if spec_text == str(spec) else \
+        stripped = "" if spec_text == spec_text.strip() else \
             f" (the SPEC {spec_text!r} without its surrounding spaces)"
         say(f"conform {spec}{stripped}")
         _run(spec, report, folder, seeds, bench, bench_quick, only, say)
@@ -241,12 +264,10 @@ def conform(spec_text: str, report_dir: Path | None = None, seeds: int = 8,
 def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool,
          bench_quick: bool, only: list[str] | None, say: Say) -> None:
     """The run itself, into `report` (mutated): its checks, its exit code and reason."""
-    start = time.perf_counter()
     target: Target | None = None
     try:
         target = _open(spec, report, folder, say)
-        report.seconds["setup"] = time.perf_counter() - start
-        chosen = [families.check_named(n) for n in only] if only else list(families.CHECKS)
+        chosen = [check_named(n) for n in only] if only else list(CHECKS)
         check_all(target, report, chosen, seeds, say)
         if bench or bench_quick:
             timed = time.perf_counter()
@@ -256,7 +277,7 @@ def _run(spec: EngineSpec, report: Report, folder: Path, seeds: int, bench: bool
         report.exit_code = EXIT_CANNOT_RUN
         report.reason = _stub_reason(exc, report)
     except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,
-            ValueError) as exc:
+            ResolveError, ValueError) as exc:
         report.exit_code = EXIT_CANNOT_RUN
         report.reason = str(exc)
     finally:
@@ -285,7 +306,7 @@ def replay_file(spec_text: str, path: Path, check: str | None = None,
         target = _open(spec, report, folder, say)
         outcome = replay_files.replay(target, record)
     except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,
-            ValueError) as exc:
+            ResolveError, ValueError) as exc:
         say(f"cannot replay on {spec_text}: {exc}")
         return EXIT_CANNOT_RUN
     finally:
@@ -308,3 +329,27 @@ def replay_file(spec_text: str, path: Path, check: str | None = None,
     say(f"{failures} violations and unmet expectations" if failures else
         f"no violation; {limits} known limitations" if limits else "no violation")
     return EXIT_VIOLATION if outcome.failed else EXIT_PASSED
+
+
+def write_lock(spec_text: str, lock_dir: Path = LOCK_DIR, say: Say = print) -> int:
+    """`kvharness conform lock NAME==VERSION`: the release's lock (resolved now, or the one
+    resolved at first use) written into `lock_dir` for committing. Exit 0 written (or
+    committed already), 2 when it cannot be made (the reason said)."""
+    try:
+        spec = EngineSpec.parse(spec_text)
+        check_engine(spec.engine)
+        if spec.version is None or spec.path is not None:
+            raise CannotRun(f"{spec_text}: name the release to lock ({spec.engine}==VERSION)")
+        lock = release_lock(spec.engine, spec.version, cache_dir(), say)
+    except (CannotRun, UnsupportedVersion, LockError, InstallError, WorkerError,
+            ResolveError, ValueError) as exc:
+        say(f"cannot lock {spec_text}: {exc}")
+        return EXIT_CANNOT_RUN
+    target = lock_dir / lock.path.name
+    if lock.path.resolve() == target.resolve():
+        say(f"{lock.spec} is locked already: {target}")
+        return EXIT_PASSED
+    target.write_bytes(lock.path.read_bytes())  # byte for byte: the venv's stamp holds
+    say(f"wrote {target} (resolved {lock.resolved.get('date') if lock.resolved else ''} "
+        f"from {lock.engine} {lock.resolved.get('base') if lock.resolved else ''}); commit it")
+    return EXIT_PASSED

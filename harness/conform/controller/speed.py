@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.conform.controller.install import installed
-from harness.conform.controller.locks import pinned
+from harness.conform.controller.locks import DEFAULT_PYTHON, pinned, python_tag, supported
 from harness.conform.controller.runner import conform
 from harness.reports.markdown import table
 
@@ -26,6 +26,10 @@ def section(quick: bool, say: Callable[[str], None] = print) -> list[str]:
     lines = ["## Prefix caches side by side (kvharness conform --bench)", ""]
     ran = False
     locks = pinned()
+    for engine, versions in supported(python=DEFAULT_PYTHON).items():
+        if versions and engine not in {lock.engine for lock in locks}:
+            say(f"conform bench: {engine}=={versions[-1]} skipped: no lock committed for "
+                f"Python {python_tag()}")
     for lock in locks:
         if installed(lock) is None:
             say(f"conform bench: {lock.spec} is not installed; skipped "
@@ -39,7 +43,8 @@ def section(quick: bool, say: Callable[[str], None] = print) -> list[str]:
         lines.append("")
     if not ran:
         lines.append(f"skipped: no engine is installed (`kvharness conform {locks[0].spec}` "
-                     "installs one)")
+                     "installs one)" if locks else
+                     f"skipped: no engine has a lock committed for Python {python_tag()}")
     return lines
 
 

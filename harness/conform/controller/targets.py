@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Protocol
 
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.ops import Op
-from harness.conform.protocol import Contract, LoadedEngine
+from harness.conform.protocol import CacheOptions, Contract, LoadedEngine, open_cache
 from harness.conform.worker.bench import run_bench
 from harness.conform.worker.selftest import self_test_engine
 from harness.conform.worker.session import Session, StepReport
@@ -28,8 +28,10 @@ class Target(Protocol):
         """`engine version`, for reports."""
         ...
 
-    def open(self, num_blocks: int, block_size: int) -> Contract:
-        """Start a fresh cache (the previous one is dropped); returns its contract."""
+    def open(self, num_blocks: int, block_size: int,
+             options: CacheOptions | None = None) -> Contract:
+        """Start a fresh cache (the previous one is dropped), opened with `options`
+        (ValueError naming those the engine does not honour); returns its contract."""
         ...
 
     def apply(self, op: Op) -> StepReport:
@@ -68,9 +70,10 @@ class LocalTarget:
         """`engine version`."""
         return f"{self.engine.name} {self.engine.version}"
 
-    def open(self, num_blocks: int, block_size: int) -> Contract:
+    def open(self, num_blocks: int, block_size: int,
+             options: CacheOptions | None = None) -> Contract:
         """A fresh cache from the engine."""
-        cache = self.engine.new(num_blocks, block_size, True)
+        cache = open_cache(self.engine, num_blocks, block_size, True, options)
         self._session = Session(cache)
         return cache.contract
 
@@ -106,17 +109,18 @@ class Replayed(NamedTuple):
     violations: list[Violation]
 
 
-def replay_ops(target: Target, ops: Iterable[Op], num_blocks: int, block_size: int
-               ) -> Replayed:
-    """Run `ops` on a fresh cache of `num_blocks` blocks of `block_size` tokens, judged
-    by every oracle."""
-    contract = target.open(num_blocks, block_size)
+def replay_ops(target: Target, ops: Iterable[Op], num_blocks: int, block_size: int,
+               options: CacheOptions | None = None) -> Replayed:
+    """Run `ops` on a fresh cache of `num_blocks` blocks of `block_size` tokens (opened
+    with `options`), judged by every oracle."""
+    contract = target.open(num_blocks, block_size, options)
     judge = Judge(contract, num_blocks)
     reports = target.apply_all(list(ops))
     return Replayed(contract, reports, [v for r in reports for v in judge.observe(r)])
 
 
-def replay(target: Target, ops: Iterable[Op], num_blocks: int, block_size: int
-           ) -> list[Violation]:
-    """Every violation the oracles find running `ops` on a fresh cache."""
-    return replay_ops(target, ops, num_blocks, block_size).violations
+def replay(target: Target, ops: Iterable[Op], num_blocks: int, block_size: int,
+           options: CacheOptions | None = None) -> list[Violation]:
+    """Every violation the oracles find running `ops` on a fresh cache (opened with
+    `options`)."""
+    return replay_ops(target, ops, num_blocks, block_size, options).violations

@@ -8,9 +8,11 @@ from `harness.conform.adapters.ADAPTERS` (anything else is refused), so no messa
 code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}, with
 "stub": {"name", "module"} when what failed touched a stub (StubUsedError).
 
-    load    engine, stubs          -> engine, version, package_dir, stubs_served, seconds
+    load    engine, stubs, version -> engine, version, package_dir, stubs_served, seconds,
+                                      contract_basis (version: used where the package has
+                                      no metadata, a source tree)
     selftest                       -> problems, sources, substitutes, functions, calls
-    open    num_blocks, block_size -> contract
+    open    num_blocks, block_size[, options] -> contract
     ops     ops (a list)           -> reports (one StepReport dict per op)
     bench   quick                  -> rows
     close                          -> (the worker exits)
@@ -34,7 +36,7 @@ from typing import IO, Any
 
 from harness.conform.adapters import ADAPTERS
 from harness.conform.ops import ops_from_json
-from harness.conform.protocol import LoadedEngine
+from harness.conform.protocol import CacheOptions, LoadedEngine, open_cache
 from harness.conform.stubs import StubSpec, StubUsedError
 from harness.conform.worker.selftest import self_test_engine
 from harness.conform.worker.session import Session
@@ -58,7 +60,8 @@ class Worker:
         if cmd == "selftest":
             return self_test_engine(engine)._asdict()
         if cmd == "open":
-            cache = engine.new(int(msg["num_blocks"]), int(msg["block_size"]), True)
+            cache = open_cache(engine, int(msg["num_blocks"]), int(msg["block_size"]), True,
+                               CacheOptions.from_dict(msg.get("options"), "open: options"))
             self.session = Session(cache)
             return {"contract": cache.contract.as_dict()}
         if cmd == "ops":
@@ -80,11 +83,15 @@ class Worker:
         if name not in ADAPTERS:
             raise ValueError(f"no adapter for engine {name!r}; known: {sorted(ADAPTERS)}")
         start = time.perf_counter()
+        version = msg.get("version")
+        if version is not None and not isinstance(version, str):
+            raise ValueError(f"load: version must be a string or null, got {version!r}")
         adapter = importlib.import_module(ADAPTERS[name])
-        self.engine = adapter.load(StubSpec.from_dict(msg.get("stubs", {})))
+        self.engine = adapter.load(StubSpec.from_dict(msg.get("stubs", {})), version)
         e = self.engine
         return {"engine": e.name, "version": e.version, "package_dir": e.package_dir,
                 "stubs_served": list(e.stubs_served),
+                "contract_basis": dict(e.contract_basis),
                 "seconds": round(time.perf_counter() - start, 2)}
 
 
@@ -120,13 +127,18 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve requests from stdin, replying on `--replies-fd N`."""
+    """Serve requests from stdin, replying on `--replies-fd N`; then exit at once: an
+    interpreter that imported vLLM takes 2-12 s to tear its modules and threads down,
+    and the worker has nothing left to keep (its replies are flushed and closed)."""
     parser = argparse.ArgumentParser(prog="python -m harness.conform.worker")
     parser.add_argument("--replies-fd", type=int, required=True, metavar="N",
                         help="the file descriptor replies are written to")
     args = parser.parse_args(argv)
     with os.fdopen(args.replies_fd, "w", encoding="utf-8") as replies:
         serve(sys.stdin, replies)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
 engine's worker otherwise), so both send the judge the same `StepReport`s. It keeps a
 small model of each live sequence (tokens, scheduled, committed) and *skips* an op that
 is not valid at its point (a commit past what was scheduled, an op on a sequence that is
-not live): any sub-list of an op list replays, which is what shrinking needs. Standard
-library only.
+not live, a resumption whose tokens are not the preempted sequence's): any sub-list of
+an op list replays, which is what shrinking needs. A sequence the engine preempted
+(a `preempt` op, or its scheduler for a decode step that got no block) leaves the live
+ones; an admit of its id with its tokens so far resumes it. Standard library only.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from harness.conform.ops import Op
-from harness.conform.protocol import Admission, CacheUnderTest, Stats
+from harness.conform.protocol import Admission, CacheUnderTest, Scope, Stats, preemptible
 from harness.conform.stubs import StubUsedError
 
 Status = Literal["done", "refused", "skipped", "raised"]
@@ -32,7 +34,8 @@ class StepReport:
     cache raised: `detail` has the exception and where it was raised). `value` is the
     op's result as JSON (admit: reused_tokens, block_ids, scheduled_tokens). `log` and
     `events` are the harness events and router events the op produced; `leaks` is the
-    leak report, taken only when no sequence is live (None otherwise).
+    leak report, taken only when no sequence is live (None otherwise); `preempted` the
+    sequences the op preempted, in order (the op's own, or the scheduler's victims).
     """
 
     op: Op
@@ -46,6 +49,7 @@ class StepReport:
     stats: Stats = field(default_factory=lambda: Stats({}, {}))
     integrity: tuple[str, ...] = ()
     leaks: tuple[str, ...] | None = None
+    preempted: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (what the worker sends)."""
@@ -55,7 +59,8 @@ class StepReport:
                 "cached": None if self.cached is None else list(self.cached),
                 "stats": {"engine": self.stats.engine, "harness": self.stats.harness},
                 "integrity": list(self.integrity),
-                "leaks": None if self.leaks is None else list(self.leaks)}
+                "leaks": None if self.leaks is None else list(self.leaks),
+                "preempted": list(self.preempted)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "step report") -> StepReport:
@@ -68,16 +73,22 @@ class StepReport:
                        tuple(data["events"]), int(data["used_blocks"]),
                        None if cached is None else tuple(str(h) for h in cached),
                        Stats(dict(stats["engine"]), dict(stats["harness"])),
-                       tuple(data["integrity"]), None if leaks is None else tuple(leaks))
+                       tuple(data["integrity"]), None if leaks is None else tuple(leaks),
+                       tuple(str(s) for s in data["preempted"]))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
 
 
 @dataclass
 class _Live:
-    length: int  # tokens it has
+    tokens: list[int]  # its prompt and the tokens appended since
+    scope: Scope | None
     scheduled: int  # tokens whose slots are allocated
     committed: int  # tokens whose KV is computed
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
 
 
 class Session:
@@ -86,6 +97,10 @@ class Session:
     def __init__(self, cache: CacheUnderTest) -> None:
         self.cache = cache
         self.live: dict[str, _Live] = {}
+        self.preempted: dict[str, _Live] = {}  # seq -> its tokens and scope, to resume with
+        c = cache.contract
+        self._preemptible = preemptible(cache) \
+            if c.preemption != "none" or c.decode_refusal == "preempts-last" else None
 
     def apply(self, op: Op) -> StepReport:
         """Apply `op` (or skip it, saying why) and report the state after it. What the
@@ -110,7 +125,16 @@ class Session:
         assert op.seq is not None  # Op checks it for every other kind
         seq = self.live.get(op.seq)
         if op.kind == "admit":
-            return f"{op.seq!r} is already live" if seq is not None else ""
+            if seq is not None:
+                return f"{op.seq!r} is already live"
+            resume = self.preempted.get(op.seq)
+            if resume is not None and (list(op.tokens), op.scope) != (resume.tokens,
+                                                                      resume.scope):
+                return (f"{op.seq!r} was preempted with {len(resume.tokens)} tokens in scope "
+                        f"{resume.scope}: it resumes with exactly those")
+            return ""
+        if op.kind == "preempt" and self.cache.contract.preemption == "none":
+            return "the contract has no preemption path"
         if seq is None:
             return f"{op.seq!r} is not live"
         if op.kind == "commit":
@@ -121,6 +145,14 @@ class Session:
                         f"{seq.scheduled} scheduled")
         if op.kind == "append" and seq.scheduled < seq.length:
             return f"append before all {seq.length} tokens are scheduled ({seq.scheduled})"
+        if op.kind == "preempt" and self.cache.contract.preemption == "retracts-decode" \
+                and seq.committed < seq.length:
+            return (f"preempt before all {seq.length} tokens are computed ({seq.committed}): "
+                    "the engine retracts only between decode steps")
+        if op.kind == "reserve" and self.cache.contract.chunking == "caller-page-floor" \
+                and seq.committed < seq.scheduled:
+            return (f"reserve before the {seq.scheduled} scheduled tokens are computed "
+                    f"({seq.committed}): the engine schedules a chunk after the last one")
         if op.kind == "append" and self.cache.contract.decode_steps:
             if len(op.tokens) != 1:
                 return f"append of {len(op.tokens)} tokens: the engine decodes one per step"
@@ -141,7 +173,9 @@ class Session:
             if got is None:
                 return _REFUSED
             assert isinstance(got, Admission)
-            self.live[seq] = _Live(len(op.tokens), got.scheduled_tokens, got.reused_tokens)
+            self.preempted.pop(seq, None)
+            self.live[seq] = _Live(list(op.tokens), op.scope, got.scheduled_tokens,
+                                   got.reused_tokens)
             return {"reused_tokens": got.reused_tokens, "block_ids": list(got.block_ids),
                     "scheduled_tokens": got.scheduled_tokens}
         live = self.live[seq]
@@ -161,24 +195,38 @@ class Session:
             ids = c.append(seq, list(op.tokens))
             if ids is None:
                 return _REFUSED
-            live.length += len(op.tokens)
+            live.tokens += op.tokens
             live.scheduled = live.length
             return list(ids)
+        if op.kind == "preempt":
+            assert self._preemptible is not None  # `_invalid` skips it otherwise
+            self._preemptible.preempt(seq)
+            return None
         c.free(seq)
         del self.live[seq]
         return None
+
+    def _take_preempted(self) -> tuple[str, ...]:
+        """The sequences the op preempted: out of the live ones, kept to resume."""
+        if self._preemptible is None:
+            return ()
+        out = tuple(str(s) for s in self._preemptible.take_preempted())
+        for seq in out:
+            self.preempted[seq] = self.live.pop(seq)
+        return out
 
     def _report(self, op: Op, status: Status, value: Any, detail: str) -> StepReport:
         """The report of `op`. Its log and events are copies: an adapter may log its own
         live objects (a sequence's token list, which later appends extend), and a
         report must say what the op did then, however much later it is read or sent."""
         c = self.cache
+        preempted = self._take_preempted() if status in ("done", "raised") else ()
         leaks = None if self.live else tuple(c.leak_report())
         cached = c.cached_hashes()
         return StepReport(op, status, value, detail, tuple(copy.deepcopy(c.take_log())),
                           tuple(copy.deepcopy(c.take_events())), c.used_blocks(),
                           None if cached is None else tuple(cached), c.stats(),
-                          tuple(c.check_integrity()), leaks)
+                          tuple(c.check_integrity()), leaks, preempted)
 
 
 _REFUSED = object()  # what `_call` returns for a refusal (None is a result too)

@@ -85,7 +85,8 @@ def serve(requests: IO[str], replies: IO[str], config: dict[str, Any]) -> None:
             worker.engine = e = _pose(request, config)
             text = json.dumps({"ok": True, "engine": e.name, "version": e.version,
                                "package_dir": e.package_dir,
-                               "stubs_served": list(e.stubs_served), "seconds": 0.0})
+                               "stubs_served": list(e.stubs_served),
+                               "contract_basis": dict(e.contract_basis), "seconds": 0.0})
         else:
             text = json.dumps(answer(worker, line))
         replies.write(text + "\n")

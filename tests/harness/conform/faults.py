@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from harness.conform.adapters.kvcache import KvcacheCache
-from harness.conform.protocol import Admission, Scope, Stats
+from harness.conform.protocol import Admission, CacheOptions, Scope, Stats
 
 
 class SaltIsLora(KvcacheCache):
@@ -28,8 +28,9 @@ class SaltIsLora(KvcacheCache):
 class CountsRefusals(KvcacheCache):
     """A refused admission still bumps a counter, as vLLM up to 0.26 counted lookups."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
-        super().__init__(num_blocks, block_size, record=record)
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
+        super().__init__(num_blocks, block_size, record=record, options=options)
         self.lookups = 0
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
@@ -104,8 +105,9 @@ class LoraOutOfEventHashes(KvcacheCache):
     as SGLang 0.5.22 on do in their default format: two LoRAs' copies of one prompt
     publish one hash (the cache itself keeps them apart)."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
-        super().__init__(num_blocks, block_size, record=record)
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
+        super().__init__(num_blocks, block_size, record=record, options=options)
         self._renamed: dict[str, str] = {}  # kvcache's hash -> the published one
 
     @staticmethod
@@ -152,8 +154,9 @@ class LoraOutOfEventHashes(KvcacheCache):
 class LoraOutOfEventHashesKnown(LoraOutOfEventHashes):
     """The same, with a contract that names it a known limitation, as SGLang's does."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
-        super().__init__(num_blocks, block_size, record=record)
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
+        super().__init__(num_blocks, block_size, record=record, options=options)
         self._contract = replace(self._contract, limitations=(
             ("scope_in_event_hash", "lora", "https://example.invalid/rfc"),))
 
@@ -163,8 +166,9 @@ class LogsLiveTokens(KvcacheCache):
     extend (as SGLang's adapter did): read after a later append, the admission seems to
     have admitted the appended tokens too."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
-        super().__init__(num_blocks, block_size, record=record)
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
+        super().__init__(num_blocks, block_size, record=record, options=options)
         self.tokens: dict[Hashable, list[int]] = {}
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
@@ -199,8 +203,9 @@ class RaisesAt(KvcacheCache):
     kind = ""
     when = "before"
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
-        super().__init__(num_blocks, block_size, record=record)
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
+        super().__init__(num_blocks, block_size, record=record, options=options)
         self.calls = 0
 
     def _planted(self, kind: str, call: Any) -> Any:
@@ -233,6 +238,9 @@ class RaisesAt(KvcacheCache):
 
     def free(self, seq_id: Hashable) -> None:
         self._planted("free", lambda: super(RaisesAt, self).free(seq_id))
+
+    def preempt(self, seq_id: Hashable) -> None:
+        self._planted("preempt", lambda: super(RaisesAt, self).preempt(seq_id))
 
     def evict(self, num_blocks: int) -> int:
         return self._planted("evict", lambda: super(RaisesAt, self).evict(num_blocks))

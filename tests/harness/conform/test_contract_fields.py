@@ -15,14 +15,15 @@ from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.adapters.kvcache import contract as kvcache_contract
 from harness.conform.adapters.shortfin import contract as shortfin_contract
-from harness.conform.controller.families import B, Run, check_named
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.families import B, Run
 from harness.conform.controller.fuzz import fuzz
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.report import Report, markdown
 from harness.conform.controller.runner import run_check
 from harness.conform.controller.targets import LocalTarget
 from harness.conform.ops import Op
-from harness.conform.protocol import Contract, Stats
+from harness.conform.protocol import CacheOptions, Contract, Stats
 from harness.conform.worker.session import Session, StepReport
 
 A18 = list(range(100, 118))
@@ -168,9 +169,10 @@ def test_blocks_taken_ahead_are_the_engines_own_count(ahead: int, found: list[st
 class DecodeSteps(KvcacheCache):
     """kvcache's manager under a contract whose appends are one-token decode steps."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
-        super().__init__(num_blocks, block_size, record=record)
-        self._contract = replace(kvcache_contract(block_size), decode_steps=True)
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True,
+                 options: CacheOptions | None = None) -> None:
+        super().__init__(num_blocks, block_size, record=record, options=options)
+        self._contract = replace(self._contract, decode_steps=True)
 
 
 def test_a_decode_step_is_one_token_after_every_token_is_computed() -> None:
@@ -243,3 +245,36 @@ def test_an_admissions_need_counts_only_the_blocks_its_lookup_reaches() -> None:
     assert cap.admission_need(A18, unreused_tail=1) == 5 - 4
     assert cap.admission_need(A18, unreused_tail=4) == 5 - 3
     assert cap.admission_need(A18, unreused_tail=0) == 5 - 4
+
+
+# -- admission_reserve -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("held", "reserve", "need"), [
+    pytest.param(16, 0, 1, id="4-free-no-reserve-its-chunk-fits"),
+    pytest.param(16, 2, None, id="4-free-reserve-2-fair"),
+    pytest.param(8, 2, 6, id="6-free-reserve-2-fits"),
+    pytest.param(32, 0, None, id="none-free-fair")])
+def test_a_refusal_is_judged_with_the_contracts_admission_reserve(
+        held: int, reserve: int, need: int | None) -> None:
+    """A pool of 8 with A holding `held` tokens; B (4 blocks, a first chunk of 1 token)
+    is refused. Without a reserve a chunked engine needs the chunk's block; with one it
+    needs the whole prompt and the reserve, whatever the chunk: the refusal is unfair
+    (capacity) only when that many blocks are free."""
+    contract = replace(kvcache_contract(B), partial_reuse=False, copy_on_partial_reuse=False,
+                       chunked_allocation=True, counters=(), admission_reserve=reserve,
+                       admission_fits="prompt" if reserve else "chunk")
+    a = admitted("A", A18[:held] + list(range(900, 900 + max(0, held - 18))), 0,
+                 list(range(held // B)), held // B)
+    b = step(ops.admit("B", list(range(500, 516)), first_chunk=1), [], a.used_blocks,
+             status="refused")
+    got = judged(contract, [a, b], num_blocks=8)
+    assert [v.oracle for v in got] == ([] if need is None else ["capacity"])
+    if need is not None:
+        assert f"admitted: needs {need}, {8 - held // B} of 8 free" in got[0].message
+
+
+def test_an_admission_reserve_must_be_a_count() -> None:
+    with pytest.raises(ValueError, match=r"Contract\.admission_reserve must be an int >= 0, "
+                                         r"got -1"):
+        replace(kvcache_contract(B), admission_reserve=-1)

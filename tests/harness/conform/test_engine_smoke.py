@@ -27,9 +27,14 @@ def test_a_cached_engine_loads_self_tests_and_passes(lock: Lock, tmp_path: Path)
     if install.installed(lock) is None:
         pytest.skip(f"{spec} is not installed in {install.cache_dir()} (kvharness conform "
                     f"{spec} installs it)")
-    report = conform(spec, tmp_path, seeds=1, only=["cold_then_warm", "scope_isolation"],
-                     say=lambda _: None)
+    report = conform(spec, tmp_path, seeds=1,
+                     only=["cold_then_warm", "scope_isolation", "decode_preempts",
+                           "sliding_window"], say=lambda _: None)
     assert report.exit_code == 0, report.reason or [c.message for c in report.failed]
+    if engine == "vllm":  # its own Scheduler drives the cache: it preempts, it has windows
+        status = {c.name: c.status for c in report.checks}
+        assert status["decode_preempts"] == status["sliding_window"] == "pass"
+        assert report.contract["decode_refusal"] == "preempts-last"
     assert report.install["reused"] is True
     st = report.self_test
     assert st["problems"] == [] and st["substitutes"] == 3 * len(st["sources"]) > 20

@@ -8,11 +8,12 @@ import pytest
 from harness.conform import ops
 from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
-from harness.conform.controller.families import B, check_named
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.families import B
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.runner import fuzz_check, run_check
 from harness.conform.controller.targets import LocalTarget, Target, replay
-from harness.conform.protocol import Scope
+from harness.conform.protocol import Scope, lora_id_text
 from tests.harness.conform import faults
 
 A18 = list(range(100, 118))
@@ -129,8 +130,9 @@ def test_every_way_an_engine_raises_is_judged_to_the_end(kind: str, when: str) -
 def test_a_prompt_that_claims_its_copy_source_under_pressure_is_no_finding() -> None:
     # B's first token matches A's first block, and with C live the pool has B's three
     # blocks only if B takes that block itself (docs/design.md, "Claim or copy"); the
-    # count oracle's bounded model, which kvcache's contract once asked for, asserted
-    # that the cache "admitted what cannot fit" here: a crash of the judge
+    # count oracle's bounded model, which kvcache's contract asks for, once asserted
+    # that the cache "admitted what cannot fit" here: a crash of the judge (it now
+    # claims the copy source as kvcache does)
     target = LocalTarget(kvcache.load())
     op_list = [ops.admit("A", range(100, 112)), ops.commit("A", 9), ops.free("A"),
                ops.admit("C", range(500, 505)), ops.admit("B", [100, *range(900, 908)])]
@@ -172,4 +174,4 @@ def test_the_scope_family_finds_the_fault(fault: type[KvcacheCache]) -> None:
     result = run_check(LocalTarget(kvcache.load(fault)), check_named("scope_isolation"))
     assert result.status == "fail" and result.oracle == "count"
     assert len(result.ops) <= 6  # shrunk to the two admissions and what they need
-    assert any(op.get("scope") == {"salt": "1"} for op in result.ops)
+    assert any(op.get("scope") == {"salt": lora_id_text(1)} for op in result.ops)

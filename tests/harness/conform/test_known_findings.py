@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from harness.conform.adapters import kvcache
-from harness.conform.controller.families import check_named
-from harness.conform.controller.known_findings import KNOWN, match, release_key
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.known_findings import KNOWN, match
 from harness.conform.controller.report import Report, write_report
 from harness.conform.controller.runner import check_all
 from harness.conform.controller.targets import LocalTarget
+from harness.conform.protocol import lora_id_text
+from harness.conform.versions import parse_version
 from tests.harness.conform import faults
 
 
@@ -48,9 +50,9 @@ def test_a_known_finding_is_matched_by_release_check_and_oracle(
 def test_releases_order_as_the_registry_reads_them() -> None:
     order = ["0.5.5", "0.5.5.post3", "0.5.6", "0.5.6.post1", "0.5.6.post2", "0.5.7",
              "0.5.10", "0.31", "0.31.0.post1", "0.33.1.dev3+gabc1234", "0.34.0"]
-    assert sorted(order, key=release_key) == order
-    assert release_key("0.31") == release_key("0.31.0")
-    assert {k.number for k in KNOWN} == set(range(1, 16))
+    assert sorted(order, key=lambda v: parse_version(v).key) == order
+    assert parse_version("0.31").key == parse_version("0.31.0").key
+    assert {k.number for k in KNOWN} == set(range(1, 17))
 
 
 def test_report_md_names_the_engine_code_and_the_known_finding(tmp_path: Path) -> None:
@@ -61,7 +63,8 @@ def test_report_md_names_the_engine_code_and_the_known_finding(tmp_path: Path) -
     assert found.known == {}  # kvcache has no known finding
     text = write_report(report, tmp_path)[1].read_text()
     # the shrunk op list's last admission, its tokens renamed 1, 2, ...
-    assert "- the failing op, `admit(S7, tokens [1, 2], salt='1')`, goes through " \
+    assert f"- the failing op, `admit(S7, tokens [1, 2], salt={lora_id_text(1)!r})`, goes " \
+        "through " \
         "`kvcache/core/manager.py`: KvCacheManager.add_sequence, " \
         "KvCacheManager.take_copy_ops" in text
     # the same failure on a release the registry knows is annotated with upstream's word

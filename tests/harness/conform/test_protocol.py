@@ -48,7 +48,7 @@ def test_scope_json_round_trip_and_the_default_scope() -> None:
                  "here: unknown keys ['fake', 'mock']; known: absent, raising, names, prime",
                  id="stubs"),
     pytest.param(Scope.from_dict, {"salt": "x", "lora": 1}, "here: unknown keys ['lora']; "
-                 "known: salt, lora_name, lora_id, lora_path", id="scope-keys"),
+                 "known: salt, lora_name, lora_id, lora_path, extra_key", id="scope-keys"),
 ])
 def test_every_record_read_from_json_refuses_what_is_not_its_object(
         read: Callable[[object, str], object], data: object, message: str) -> None:
@@ -94,7 +94,8 @@ def test_a_contract_round_trips_and_refuses_unknown_values() -> None:
     assert Contract.from_dict(json.loads(json.dumps(c.as_dict()))) == c
     bad = {**c.as_dict(), "matchable_at": "forward"}
     with pytest.raises(ValueError, match=r"Contract\.matchable_at must be one of "
-                                         r"\('commit', 'allocation', 'prefill'\), got 'forward'"):
+                                         r"\('commit', 'allocation', 'prefill', 'extend'\), got "
+                                         r"'forward'"):
         Contract.from_dict(bad)
     with pytest.raises(ValueError, match=r"unknown keys \['units'\]"):
         Contract.from_dict({**c.as_dict(), "units": "blocks"})
@@ -141,3 +142,35 @@ def test_the_unified_contract_is_radix_caches_but_for_who_frees_duplicates() -> 
     same = {f for f in radix.as_dict() if f not in ("engine", "citations", "notes")}
     assert {f: unified.as_dict()[f] for f in same} == {f: radix.as_dict()[f] for f in same}
     assert any(k == "dedup_on_commit" and "FreeDeviceKV" in v for k, v in unified.citations)
+
+
+def test_an_event_sent_as_a_subclass_is_known_by_its_base() -> None:
+    from harness.conform.protocol import event_kind
+
+    class BlockStored:
+        pass
+
+    class BlockStoredWithMetadata(BlockStored):  # SGLang 0.5.19's salted BlockStored
+        pass
+
+    class Heartbeat:
+        pass
+
+    assert event_kind(BlockStoredWithMetadata()) == "BlockStored"
+    assert event_kind(BlockStored()) == "BlockStored"
+    assert event_kind(Heartbeat()) == "Heartbeat"
+@pytest.mark.parametrize(("field", "value", "message"), [
+    pytest.param("preemption", "swap", r"Contract\.preemption must be one of \('none', "
+                 r"'frees-keeps-cached', 'retracts-decode'\), got 'swap'", id="preemption"),
+    pytest.param("chunking", "tokens", r"Contract\.chunking must be one of \('caller', "
+                 r"'caller-page-floor', 'token-budget', 'token-budget-shared'\), got "
+                 r"'tokens'", id="chunking"),
+    pytest.param("event_fields", ("namespace",), r"Contract\.event_fields entry must be one "
+                 r"of .*, got 'namespace'", id="event-field"),
+    pytest.param("replicated", (("a", "b"),), r"Contract\.replicated entries are \(what, "
+                 r"engine function, why\), three non-empty str, got \('a', 'b'\)",
+                 id="replicated")])
+def test_the_depth_fields_refuse_what_no_engine_has(field: str, value: object,
+                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Contract.from_dict({**kvcache_contract(4).as_dict(), field: value})

@@ -16,7 +16,7 @@ import pytest
 from harness.cli import main as kvharness
 from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
-from harness.conform.controller.families import check_named
+from harness.conform.controller.checks import check_named
 from harness.conform.controller.replay_file import (
     MAX_BYTES,
     ReplayRecord,
@@ -156,6 +156,10 @@ def _cases(*params: Any) -> list[Any]:
                                                                   "want": "16"}}]},
                  "expectations[0].params.want must be an int >= 0 or null, got '16'",
                  id="conform-replay-expectation-want"),
+    pytest.param({"expectations": [{"name": "evicted", "params": {
+        "step": 0, "what": "x", "first": 0, "last": 0, "which": "first"}}]},
+                 "expectations[0].params.which must be 'all' or 'last', got 'first'",
+                 id="conform-replay-expectation-choice"),
     pytest.param({"contract": {"engine": "vllm"}}, "contract: ", id="conform-replay-contract"),
     pytest.param({"replay": 2}, "replay: format 2; this harness reads format 1",
                  id="conform-replay-format"),

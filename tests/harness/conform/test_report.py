@@ -35,3 +35,48 @@ def test_both_files_say_the_same(tmp_path: Path) -> None:
 def test_a_run_that_could_not_run_says_why() -> None:
     lines = markdown(Report("vllm==0.30.0", reason="vllm 0.30.0 is not supported"))
     assert lines[2] == "**could not run** (exit 2): vllm 0.30.0 is not supported"
+
+
+RESOLVED = {"base": "0.28.0", "python": "3.11", "pip": "23.2.1", "date": "2026-12-02",
+            "added": ["blake3 (the import asked for blake3)"],
+            "how": "harness.conform.controller.resolve"}
+
+
+def test_an_unlocked_release_and_a_borrowed_contract_are_said_first() -> None:
+    report = Report("vllm==0.30.0", "vllm", "0.30.0", 1,
+                    source={"kind": "release", "lock": "/cache/locks/vllm-0.30.0.json",
+                            "committed": False, "resolved": RESOLVED},
+                    contract_basis={"version": "0.30.0", "known": "0.28.0", "detected": {
+                        "lora_identity": "kv_cache_utils._gen_lora_extra_hash_keys reads "
+                                         "lora_name"}})
+    text = "\n".join(markdown(report))
+    assert "Lock: `/cache/locks/vllm-0.30.0.json`, **unlocked** (resolved 2026-12-02 from " \
+           "vllm 0.28.0's lock: harness.conform.controller.resolve; added blake3" in text
+    assert "Contract: vllm 0.28.0's (the nearest release with a contract); detected in this " \
+           "release: lora_identity (kv_cache_utils._gen_lora_extra_hash_keys reads " \
+           "lora_name)" in text
+    assert text.splitlines()[4].startswith("Lock: ")  # right under the verdict
+
+
+def test_a_resolved_locks_first_lines_say_how_and_how_to_commit_it(tmp_path: Path) -> None:
+    from harness.conform.controller.engine_spec import _lock_lines
+    from harness.conform.controller.locks import (
+        DEFAULT_PYTHON,
+        LOCK_DIR,
+        load_lock,
+        lock_data,
+        lock_name,
+    )
+
+    data = {**lock_data(load_lock(LOCK_DIR / lock_name("vllm", "0.28.0", DEFAULT_PYTHON))),
+            "version": "0.30.0", "resolved": RESOLVED,
+            "wheel": {"file": "vllm-0.30.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+                      "sha256": "0" * 64, "bytes": 1}}
+    path = tmp_path / "vllm-0.30.0.json"
+    path.write_text(json.dumps(data))
+    lines = _lock_lines(load_lock(path))
+    assert lines[0].startswith("vllm==0.30.0 is unlocked: its lock was resolved on 2026-12-02 "
+                               "from vllm 0.28.0's lock")
+    assert "added: blake3 (the import asked for blake3)" in lines[0]
+    assert "`kvharness conform lock vllm==0.30.0` writes it into the repository's locks" in lines[1]
+    assert _lock_lines(load_lock(LOCK_DIR / lock_name("vllm", "0.28.0", DEFAULT_PYTHON))) == []

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from harness.conform import ops
 from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
+from harness.conform.adapters.kvcache import contract as kvcache_contract
 from harness.conform.controller.families import B
 from harness.conform.controller.targets import LocalTarget, replay
 from harness.conform.worker.session import Session, StepReport
@@ -63,3 +65,43 @@ def test_a_report_keeps_what_its_op_logged_then() -> None:
     assert len(admitted.log[0]["tokens"]) == 14 and appended.log[0]["tokens"] == [30, 31]
     # read late, the admission held 16 tokens, and the append's 2 more need a 5th block
     assert replay(target, op_list, 12, B) == []
+
+
+class _Retracts(KvcacheCache):
+    """kvcache's manager under a contract that retracts only between decode steps and
+    schedules a chunk only after the last one is computed (SGLang's)."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, record: bool = True) -> None:
+        super().__init__(num_blocks, block_size, record=record)
+        self._contract = replace(kvcache_contract(block_size), preemption="retracts-decode",
+                                 chunking="caller-page-floor")
+
+
+def test_a_preempt_is_skipped_where_the_contract_has_no_such_preemption() -> None:
+    none = Session(KvcacheCache(8, 4))
+    none.cache._contract = replace(kvcache_contract(4), preemption="none")  # type: ignore[attr-defined]
+    none.apply(ops.admit("A", list(range(9))))
+    assert none.apply(ops.preempt("A")).detail == "the contract has no preemption path"
+    s = Session(_Retracts(8, 4))
+    s.apply(ops.admit("A", list(range(9))))
+    early = s.apply(ops.preempt("A"))
+    assert (early.status, early.detail) == ("skipped", "preempt before all 9 tokens are "
+                                            "computed (0): the engine retracts only between "
+                                            "decode steps")
+    assert s.apply(ops.reserve("A", 9)).detail == (
+        "reserve before the 9 scheduled tokens are computed (0): the engine schedules a "
+        "chunk after the last one")
+    s.apply(ops.commit("A", 9))
+    assert s.apply(ops.preempt("A")).status == "done"
+    assert s.apply(ops.commit("A", 9)).detail == "'A' is not live"
+
+
+def test_kvcache_preempts_as_its_scheduler_does_and_the_resumption_reuses_its_blocks() -> None:
+    s = Session(KvcacheCache(8, 4))
+    s.apply(ops.admit("A", list(range(9))))
+    s.apply(ops.commit("A", 9))
+    done = s.apply(ops.preempt("A"))
+    assert done.status == "done" and done.used_blocks == 0 and done.leaks == ()
+    assert [e["kind"] for e in done.log] == ["free"]
+    again = s.apply(ops.admit("A", list(range(9))))
+    assert again.value["reused_tokens"] == 8

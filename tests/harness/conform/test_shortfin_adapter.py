@@ -12,7 +12,7 @@ import pytest
 from harness.conform.adapters import shortfin as shortfin_adapter
 from harness.conform.adapters.kvcache import contract as kvcache_contract
 from harness.conform.adapters.shortfin import contract, era
-from harness.conform.controller.families import CHECKS
+from harness.conform.controller.checks import CHECKS
 from harness.conform.controller.locks import LOCK_DIR, find_lock, supported
 from harness.conform.protocol import Contract, Scope
 
@@ -65,7 +65,7 @@ def test_no_scopes_counters_or_events_and_every_difference_cited(version: str) -
     reference = kvcache_contract(4)
     differs = {f for f in ("last_token_cap", "matchable_at", "dedup_on_commit",
                            "allocates_ahead", "refusal_evicts", "decode_steps", "events",
-                           "scope_kinds", "eviction")
+                           "scope_kinds", "eviction_policy")
                if getattr(c, f) != getattr(reference, f)}
     assert differs <= set(dict(c.citations)), differs - set(dict(c.citations))
     assert Contract.from_dict(json.loads(json.dumps(c.as_dict()))) == c
@@ -75,11 +75,16 @@ def test_scope_and_event_families_are_skipped_with_the_reason() -> None:
     c = contract("3.9.0", 4)
     reasons = {check.name: check.skip_reason(c) for check in CHECKS}
     assert {n for n, why in reasons.items() if why} == {
-        "scope_isolation", "lora_name_repointed", "scope_event_hashes"}
+        "scope_isolation", "lora_name_repointed", "scope_event_hashes", "extra_key_isolation",
+        "preemption_resume", "decode_preempts", "scheduler_chunks", "event_fields",
+        "sliding_window", "host_tier", "hybrid_state"}
     assert "keys its cache on no scope" in str(reasons["scope_isolation"])
     assert "keys its cache on no LoRA adapter" in str(reasons["lora_name_repointed"])
     assert "publishes no router events" in str(reasons["scope_event_hashes"])
-    assert all(check.skip_reason(kvcache_contract(4)) is None for check in CHECKS)
+    assert "no preemption path" in str(reasons["preemption_resume"])
+    assert {check.name for check in CHECKS
+            if check.skip_reason(kvcache_contract(4))} == {
+                "scheduler_chunks", "sliding_window", "extra_key_isolation"}
 
 
 def test_every_release_with_the_trie_is_locked_and_none_before() -> None:

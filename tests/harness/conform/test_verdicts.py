@@ -8,8 +8,11 @@ Each is shown on kvcache's manager with the fault planted (tests/harness/conform
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -17,11 +20,14 @@ from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.adapters.sglang import EVENT_HASH_RFC
 from harness.conform.adapters.sglang import contract as sglang_contract
+from harness.conform.adapters.sglang import detect as sglang_detect
 from harness.conform.adapters.vllm import contract as vllm_contract
-from harness.conform.controller.families import check_named
+from harness.conform.adapters.vllm import detect as vllm_detect
+from harness.conform.controller.checks import check_named
 from harness.conform.controller.report import Report, markdown
 from harness.conform.controller.runner import check_all, run_check
 from harness.conform.controller.targets import LocalTarget
+from harness.conform.protocol import settle
 from tests.harness.conform import faults
 
 
@@ -50,16 +56,72 @@ def test_vllm_cites_its_lora_key_in_each_releases_own_words(
 
 def test_sglang_quotes_each_releases_radix_key_and_names_the_event_hash_limitation() -> None:
     quotes = {v: dict(sglang_contract(v, 4).citations)["scope_in_event_hash"]
-              for v in ("0.5.22", "0.5.23")}
-    assert "'Namespaces the tree and storage; omitted from KV events.'" in quotes["0.5.22"]
+              for v in ("0.5.18", "0.5.19", "0.5.20", "0.5.22", "0.5.23")}
+    for version in ("0.5.18", "0.5.19"):  # cache_salt arrived in 0.5.18
+        assert "(0.5.18's text): cache_salt 'Cache salt is kept distinct" in quotes[version]
+    for version in ("0.5.20", "0.5.22"):
+        assert "(0.5.20's text): extra_key 'Namespaces the tree and storage; omitted from KV " \
+            "events.'" in quotes[version]
     assert "'Namespaces the tree and storage; KV events see only its LoRA name.'" \
         in quotes["0.5.23"]
-    for version in ("0.5.22", "0.5.23"):
+    for version in quotes:
         c = sglang_contract(version, 4)
         assert c.scope_in_event_hash == ("salt", "lora")
         assert c.limited("scope_in_event_hash") == {"lora": EVENT_HASH_RFC}
-    # before 0.5.22 nothing acknowledges it: scopes missing from events are a finding
-    assert sglang_contract("0.5.12", 4).limitations == ()
+    # before 0.5.18 nothing acknowledges it: scopes missing from events are a finding
+    for version in ("0.5.12", "0.5.17"):
+        assert sglang_contract(version, 4).limitations == ()
+
+
+def _keys_by_name(request: Any) -> list[Any]:
+    # what vLLM 0.11.1-0.30.0's kv_cache_utils._gen_lora_extra_hash_keys reads
+    return [request.lora_request.lora_name] if request.lora_request else []
+
+
+def _keys_by_name_and_path(request: Any) -> list[Any]:
+    lora = request.lora_request
+    return [("lora", lora.lora_name, lora.lora_path)] if lora else []
+
+
+@dataclasses.dataclass
+class _PrefixCacheStats:  # vLLM's, 0.11 on: with preempted_*
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+
+
+@pytest.mark.parametrize(("reads", "identity", "cited"), [
+    pytest.param(_keys_by_name, ("lora_name", "lora_path"), "vllm-project/vllm#30931",
+                 id="name-alone-stays-a-finding"),
+    pytest.param(_keys_by_name_and_path, ("lora_name", "lora_path"),
+                 "reads lora_name, lora_path", id="name-and-path"),
+])
+def test_a_detected_lora_key_is_one_a_contract_accepts(
+        reads: Any, identity: tuple[str, ...], cited: str) -> None:
+    """A release without a contract of its own (0.14.1 takes 0.10.2's, keyed on the id)
+    settles its LoRA key from its code; a key on the name alone is judged as (name,
+    path), never settled as the name alone, so lora_name_repointed still finds it."""
+    v = SimpleNamespace(utils=SimpleNamespace(_gen_lora_extra_hash_keys=reads),
+                        PrefixCacheStats=_PrefixCacheStats)
+    c = settle(vllm_contract("0.10.2", 4, True), "0.14.1", vllm_detect(v))
+    assert (c.version, c.lora_identity) == ("0.14.1", identity)
+    assert cited in dict(c.citations)["lora_identity"]
+
+
+@pytest.mark.parametrize(("has_salt", "limited"), [
+    pytest.param(True, {"lora": EVENT_HASH_RFC}, id="salted-0.5.18-on"),
+    pytest.param(False, {}, id="salt-in-the-extra-key"),
+])
+def test_a_detected_salt_never_excuses_the_lora_missing_from_event_hashes(
+        has_salt: bool, limited: dict[str, str]) -> None:
+    """A salted release settled from an unsalted one's contract (0.5.12's) keeps the
+    reference (salt, LoRA) in event hashes: the LoRA left out is the known limitation
+    sgl-project/sglang#39991, never a contract that leaves it out."""
+    c = settle(sglang_contract("0.5.12", 4), "0.5.19",
+               sglang_detect(SimpleNamespace(has_salt=has_salt)))
+    assert c.scope_in_event_hash == ("salt", "lora")
+    assert c.limited("scope_in_event_hash") == limited
 
 
 @pytest.mark.parametrize(("entry", "message"), [

@@ -120,7 +120,7 @@ def test_the_fake_engine_passes_as_kvcache_does(fake_engine: Configure,
     # the SPEC that runs is said first, before the install is looked for (or downloaded)
     assert said[0] == (f"conform {ENGINE}=={VERSION} (the SPEC ' {ENGINE}=={VERSION} ' "
                        "without its surrounding spaces)")
-    assert said[1].startswith(f"starting {ENGINE}=={VERSION} in ")
+    assert said[1].startswith(f"importing {ENGINE} {VERSION} in ")
     _assert_closed(tmp_path)
 
 
@@ -176,11 +176,11 @@ def test_a_reply_the_harness_cannot_use_is_exit_2_naming_it(
 
 def test_a_touched_stub_voids_the_run(fake_engine: Configure, tmp_path: Path) -> None:
     report = _run(fake_engine(stub=True))
-    stub = "sglang.srt.mem_cache.memory_pool"  # the first raising stub of the lock
+    stub = "torchvision"  # the first raising stub of the lock
     lock = find_lock(ENGINE, VERSION).path
     assert report.exit_code == 2, [c.message for c in report.failed]  # not a violation
     assert report.reason.startswith(f"ops: StubUsedError: {stub}.mark_computed: {stub} is "
-                                    "a stub (the device KV pools"), report.reason
+                                    "a stub (the PyPI wheel is a CUDA build"), report.reason
     assert f"The engine touched the stub {stub}.mark_computed: the run cannot be trusted. " \
            f"Its cache path reaches {stub}, which {lock} lists among the modules that " \
            "cannot run here" in report.reason

@@ -1,0 +1,648 @@
+"""SGLang's own scheduler code driving its prefix cache (0.5.22 on), behind the protocol.
+
+From 0.5.22 the code that calls the tree runs on a CPU, so the adapter calls it rather
+than copying it (runs in an SGLang venv whose lock keeps the real device pools):
+
+- the pools are SGLang's: `ReqToTokenPool` and `PagedTokenToKVPoolAllocator` built on
+  device "cpu" (as SGLang's own CPU tests build them), with a one-layer
+  `MHATokenToKVPool`; the process's runtime config is published from
+  `ServerArgs(device="cpu", attention_backend="torch_native")`, so the allocator and
+  the batch take their CPU paths;
+- a request is SGLang's `Req` (its `__init__` joins the extra key and the LoRA id),
+  matched by `Req.init_next_round_input` (`_compute_max_prefix_len`, `match_kv_cache`);
+- admission is `PrefillAdder.add_one_req`, which also cuts the first chunk (asked as
+  the step's `rem_chunk_tokens`), and a later chunk `add_chunked_req`; the scheduled
+  tokens are allocated by `ScheduleBatch.prepare_for_extend` (`alloc_for_extend`:
+  the request row, the shortfall eviction, the pages) and a decode step by
+  `check_decode_mem` and `prepare_for_decode`;
+- when a step's forward pass is done (a commit of every scheduled token) the result
+  processor's cache calls run: `checkpoint_kv_cache` after an extend, nothing after a
+  decode step; a finished request is `release_kv_cache(checkpoint=True)` (its decoded
+  tokens enter the tree only then), an aborted one `release_kv_cache(checkpoint=False)`,
+  a preempted one `release_req` (SGLang's retraction), resumed as the same `Req`;
+- the tree is `RadixCache` or `UnifiedRadixCache` (full attention), built with
+  `KvEventLoraNames` that the adapter fills as the scheduler does.
+
+What stays replicated is listed in `REPLICATED` (the contract's `replicated`). The
+admission budget reserves no decode tokens (`SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=0`,
+set before SGLang is imported): the protocol never says how many tokens a request will
+decode, and SGLang's estimate would refuse every prompt in a pool of a few pages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from harness.conform.protocol import (
+    Admission,
+    Contract,
+    Scope,
+    Stats,
+    event_kind,
+    lora_id_text,
+)
+
+# SGLang's admission estimate of the tokens a request will decode, clipped to this
+# (`schedule_policy.CLIP_MAX_NEW_TOKENS`, read at import): none, see the docstring
+CLIP_ENV = ("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "0")
+MAX_REQUESTS = 128  # rows of the ReqToTokenPool
+MAX_CONTEXT = 2048  # tokens per row
+_UNLIMITED = 1 << 30  # max_new_tokens, rem_input_tokens: no limit the protocol knows
+MODULES = ("sglang.srt.managers.schedule_batch", "sglang.srt.managers.schedule_policy",
+           "sglang.srt.mem_cache.common", "sglang.srt.mem_cache.memory_pool",
+           "sglang.srt.mem_cache.allocator.paged", "sglang.srt.runtime_context")
+
+REPLICATED: tuple[tuple[str, str, str], ...] = (
+    ("the order of a step's cache calls: admission, allocation, then (when the op list "
+     "says the forward pass is done) the result processor's",
+     "Scheduler.event_loop_normal / get_next_batch_to_run / process_batch_result",
+     "the scheduler loop runs a model; the adapter makes one batch per op"),
+    ("which release an ended request takes: finished (every token computed) or "
+     "aborted (release_kv_cache with checkpoint=False)",
+     "SchedulerBatchResultProcessor.process_batch_result_prefill / _decode, "
+     "Scheduler.process_pending_chunked_abort",
+     "the finish conditions (stop tokens, max_new_tokens) are the model's output"),
+    ("a decode step's sampled token appended to Req.output_ids",
+     "process_batch_result_decode", "no model samples it; the op list gives it"),
+    ("the ModelConfig a batch reads (vocab_size, is_encoder_decoder)",
+     "ModelConfig", "it is built from a model checkpoint"),
+    ("which requests a retraction picks (the op list names it)",
+     "ScheduleBatch.retract_decode", "the protocol preempts one named sequence"),
+)
+
+
+def present() -> bool:
+    """Whether this release's scheduler code is the kind the adapter drives (0.5.22 on:
+    a published runtime config, `checkpoint_kv_cache` and `release_kv_cache`; 0.5.18
+    has the first two only), read from its files without importing them; call after
+    `sglang.srt.mem_cache` is imported."""
+    if importlib.util.find_spec("sglang.srt.runtime_context") is None:
+        return False
+    common = importlib.util.find_spec("sglang.srt.mem_cache.common")
+    text = Path(common.origin).read_text() if common and common.origin else ""
+    return all(f"def {name}(" in text for name in ("checkpoint_kv_cache", "release_kv_cache"))
+
+
+class SchedulerNames:
+    """The SGLang scheduler names the adapter calls, imported once (after
+    `set_environment`)."""
+
+    def __init__(self) -> None:
+        import torch
+        from sglang.srt.managers import schedule_batch, schedule_policy
+        from sglang.srt.mem_cache import common, events, memory_pool
+        from sglang.srt.mem_cache.allocator import paged
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.runtime_context import publish
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        self.torch = torch
+        self.schedule_batch, self.schedule_policy, self.common = \
+            schedule_batch, schedule_policy, common
+        self.Req = schedule_batch.Req
+        self.ScheduleBatch = schedule_batch.ScheduleBatch
+        self.FINISH_LENGTH = schedule_batch.FINISH_LENGTH
+        self.PrefillAdder = schedule_policy.PrefillAdder
+        self.ReqToTokenPool = memory_pool.ReqToTokenPool
+        self.MHATokenToKVPool = memory_pool.MHATokenToKVPool
+        self.PagedAllocator = paged.PagedTokenToKVPoolAllocator
+        self.CacheInitParams = CacheInitParams
+        # the table of LoRA names the scheduler fills for KV events: from 0.5.23 it
+        # also names each request's namespace (register(req, name)), which makes the
+        # default event format namespace a LoRA's blocks
+        self.LoraNames = getattr(events, "KvEventLoraNames", None) or events.LoRANameTable
+        self.names_requests = "req" in inspect.signature(self.LoraNames.register).parameters
+        self.SamplingParams = SamplingParams
+        self.ServerArgs = ServerArgs
+        self.publish = publish
+        self.NO_SPEC = SpeculativeAlgorithm.NONE
+        self.clip = schedule_policy.CLIP_MAX_NEW_TOKENS
+        self.published_page_size: int | None = None
+
+    def publish_config(self, page_size: int) -> None:
+        """Publish the process's runtime config for `page_size` (SGLang keeps one per
+        process; re-publishing replaces it)."""
+        if self.published_page_size == page_size:
+            return
+        args = self.ServerArgs(model_path="dummy", device="cpu", page_size=page_size,
+                               attention_backend="torch_native",
+                               disable_overlap_schedule=True)
+        self.publish(args, role="scheduler")
+        self.published_page_size = page_size
+
+
+def set_environment() -> None:
+    """What SGLang must read at import (`CLIP_ENV`); call before importing it."""
+    os.environ[CLIP_ENV[0]] = CLIP_ENV[1]
+
+
+def contract(base: Contract, names: SchedulerNames) -> Contract:
+    """`base` (the tree's contract) as SGLang's scheduler code makes it."""
+    citations = (*base.citations,
+                 ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
+                                  "(batch_result_processor.py, Scheduler.stash_chunked_"
+                                  "request); release_kv_cache(checkpoint=True) inserts "
+                                  "the decoded tokens when the request ends"),
+                 ("decode_steps", "ScheduleBatch.prepare_for_decode: one token per "
+                                  "request per step, after the extend's result"),
+                 ("refusal_evicts", "allocator.check_decode_capacity and "
+                                    "alloc_paged_token_slots_extend evict before they "
+                                    "can fail"),
+                 ("preemption", "schedule_batch.py release_req: release_kv_cache("
+                                "checkpoint=False) ('TODO: for preempted requests, we "
+                                "may want to insert into the tree'), then "
+                                "evict_from_tree_cache for the remaining requests"),
+                 ("chunking", "schedule_policy.py PrefillAdder._select_prefill_"
+                              "admission: a cut chunk ends on a page boundary; "
+                              "add_chunked_req continues as asked, after the last "
+                              "chunk's result"),
+                 ("admission_fits", "PrefillAdder.add_one_req: the whole remaining "
+                                    "prompt plus a page (per_req_token_overhead) must be "
+                                    "below free + evictable (prefill_budget.py "
+                                    "check_prefill), whatever the chunk"))
+    fields, limitations = base.event_fields, base.limitations
+    if names.names_requests:
+        # 0.5.23: the LoRA's namespace and name reach the events, so the LoRA left out
+        # of the hashes (the tree's known limitation, sglang#39991) is not this
+        # scheduler's: the reference (salt, LoRA) holds as it is
+        fields = (*fields, "lora_name")
+        limitations = tuple(x for x in limitations if x[:2] != ("scope_in_event_hash", "lora"))
+        citations = tuple(c for c in citations if c[0] != "scope_in_event_hash")
+        citations += (("scope_in_event_hash", "mem_cache/events.py KVCacheEventRecorder."
+                                              "_namespace_seed: the default format "
+                                              "namespaces an extra key KvEventLoraNames "
+                                              "names (a LoRA's), not a caller's own"),)
+    return replace(base, matchable_at="extend", decode_steps=True, refusal_evicts=True,
+                   preemption="retracts-decode", chunking="caller-page-floor",
+                   admission_fits="prompt", admission_reserve=2,
+                   limitations=limitations, event_fields=fields,
+                   replicated=REPLICATED, citations=citations,
+                   notes=(*base.notes, "SGLang's scheduler functions drive the tree"))
+
+
+@dataclass
+class _Live:
+    """One live request."""
+
+    req: Any  # SGLang's Req
+    batch: Any  # the ScheduleBatch of its last step
+    scope: Scope | None
+    length: int  # tokens it has (prompt and appended)
+    committed: int = 0  # tokens whose forward pass is done
+    extending: bool = True  # an extend is scheduled and its result not processed
+    ids: list[int] = field(default_factory=list)  # page ids, as logged
+
+
+class SglangScheduled:
+    """`CacheUnderTest` over SGLang's scheduler functions and one fresh tree
+    (`tree_kind` "radix": RadixCache, "unified": UnifiedRadixCache's full-attention
+    component), page_size = block_size."""
+
+    def __init__(self, s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
+                 num_blocks: int, block_size: int, record: bool) -> None:
+        self.s, self.n = s, names  # the tree's names (SglangNames), the scheduler's
+        self.tree_kind = tree_kind
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.record = record
+        torch = names.torch
+        names.publish_config(block_size)
+        P = block_size
+        self.rows = names.ReqToTokenPool(size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
+                                         device="cpu", enable_memory_saver=False)
+        self.kv = names.MHATokenToKVPool(num_blocks * P, P, torch.float16, head_num=1,
+                                         head_dim=8, layer_num=1, device="cpu",
+                                         enable_memory_saver=False)
+        self.alloc = names.PagedAllocator(num_blocks * P, P, torch.float16, "cpu", self.kv,
+                                          need_sort=False)
+        self.lora_names = names.LoraNames()
+        self.tree = self._build_tree()
+        self.model = _ModelShape(vocab_size=1 << 20, is_encoder_decoder=False)
+        self._contract = contract(base, names)
+        self._live: dict[Hashable, _Live] = {}
+        self._retracted: dict[Hashable, Any] = {}  # seq -> its retracted Req
+        self._preempted: list[Hashable] = []  # retracted since take_preempted
+        self._log: list[dict[str, Any]] = []
+
+    def _build_tree(self) -> Any:
+        n, s, P = self.n, self.s, self.block_size
+        params: dict[str, Any] = dict(
+            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
+            page_size=P, enable_kv_cache_events=self.record,
+            kv_event_lora_names=self.lora_names)
+        if self.tree_kind == "unified":
+            return s.UnifiedRadixCache(n.CacheInitParams(**params,
+                                                         tree_components=(s.FULL,)))
+        return s.RadixCache(n.CacheInitParams(**params))
+
+    @property
+    def contract(self) -> Contract:
+        """This release's contract under its scheduler code."""
+        return self._contract
+
+    # -- for the self-test -----------------------------------------------------------------
+
+    def engine_callables(self) -> dict[str, tuple[object, str]]:
+        """Every SGLang function the adapter calls."""
+        n, t = self.n, self.tree
+        out: dict[str, tuple[object, str]] = {
+            "Req.__init__": (n.Req, "__init__"),
+            "Req.init_next_round_input": (n.Req, "init_next_round_input"),
+            "Req._compute_max_prefix_len": (n.Req, "_compute_max_prefix_len"),
+            "match_kv_cache": (n.common, "match_kv_cache"),
+            "checkpoint_kv_cache": (n.common, "checkpoint_kv_cache"),
+            "release_kv_cache": (n.common, "release_kv_cache"),
+            "release_req": (n.schedule_batch, "release_req"),
+            "PrefillAdder.__init__": (n.PrefillAdder, "__init__"),
+            "PrefillAdder.add_one_req": (n.PrefillAdder, "add_one_req"),
+            "PrefillAdder.add_chunked_req": (n.PrefillAdder, "add_chunked_req"),
+            "ScheduleBatch.init_new": (n.ScheduleBatch, "init_new"),
+            "ScheduleBatch.prepare_for_extend": (n.ScheduleBatch, "prepare_for_extend"),
+            "ScheduleBatch.prepare_for_decode": (n.ScheduleBatch, "prepare_for_decode"),
+            "ScheduleBatch.check_decode_mem": (n.ScheduleBatch, "check_decode_mem"),
+            "ReqToTokenPool.__init__": (n.ReqToTokenPool, "__init__"),
+            "PagedTokenToKVPoolAllocator.__init__": (n.PagedAllocator, "__init__"),
+            "PagedTokenToKVPoolAllocator.alloc_extend": (n.PagedAllocator, "alloc_extend"),
+            "PagedTokenToKVPoolAllocator.alloc_decode": (n.PagedAllocator, "alloc_decode"),
+            "LoRA names .register": (n.LoraNames, "register"),
+            "match_prefix": (t, "match_prefix"), "insert": (t, "insert"),
+            "checkpoint": (t, "checkpoint"), "evict": (t, "evict"),
+            "evictable_size": (t, "evictable_size"), "protected_size": (t, "protected_size"),
+            "total_size": (t, "total_size"), "take_events": (t, "take_events")}
+        if self.tree_kind == "unified":
+            out["all_values_flatten"] = (t, "all_values_flatten")
+        return out
+
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The SGLang functions each op kind calls (an allocation evicts leaves when the
+        pool is short)."""
+        extend = ("PrefillAdder.__init__", "ScheduleBatch.init_new",
+                  "ScheduleBatch.prepare_for_extend", "PagedTokenToKVPoolAllocator.alloc_extend",
+                  "evict")
+        return {"admit": ("Req.__init__", "Req.init_next_round_input", "match_kv_cache",
+                          "PrefillAdder.add_one_req", *extend),
+                "reserve": ("Req.init_next_round_input", "PrefillAdder.add_chunked_req",
+                            *extend),
+                "commit": ("checkpoint_kv_cache",),
+                "append": ("ScheduleBatch.check_decode_mem", "ScheduleBatch.prepare_for_decode",
+                           "PagedTokenToKVPoolAllocator.alloc_decode"),
+                "free": ("release_kv_cache",), "preempt": ("release_req",),
+                "evict": ("evict",)}
+
+    def raw_probe(self) -> dict[str, Any]:
+        """SGLang's own results for one request admitted, computed and ended (its pages
+        then evicted)."""
+        P = self.block_size
+        req = self._new_req("__selftest__", list(range(1, 2 * P + 2)), None)
+        out: dict[str, Any] = {"match": req.init_next_round_input(self.tree)}
+        batch = self._schedule(req, None)
+        assert batch is not None, "the self-test's probe did not fit an empty pool"
+        self.n.common.checkpoint_kv_cache(req, self.tree)
+        req.finished_reason = self.n.FINISH_LENGTH(length=0)
+        self.n.common.release_kv_cache(req, self.tree, checkpoint=True)
+        out.update(req=vars(req), batch=vars(batch), evictable_size=self.tree.evictable_size())
+        self._evict_tokens(2 * P)
+        out["take_events"] = self.tree.take_events() if self.record else []
+        return out
+
+    # -- SGLang's calls ----------------------------------------------------------------------
+
+    def _new_req(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None) -> Any:
+        """SGLang's Req: its __init__ joins the extra key and the LoRA id."""
+        n = self.n
+        lora = None if scope is None or scope.lora_id is None else lora_id_text(scope.lora_id)
+        req = n.Req(str(seq_id), "", array("q", tokens),
+                    n.SamplingParams(max_new_tokens=_UNLIMITED), lora_id=lora,
+                    extra_key=None if scope is None else scope.extra_key,
+                    cache_salt=None if scope is None else scope.salt)
+        if lora is not None:
+            assert scope is not None and scope.lora_name is not None
+            # as Scheduler.load_lora_adapter and (0.5.23) _record_kv_event_lora_name do
+            self.lora_names.register(lora_id=lora, lora_name=scope.lora_name)
+            if self.n.names_requests:
+                self.lora_names.register(req, scope.lora_name)
+        return req
+
+    def _running(self) -> Any:
+        """The running batch PrefillAdder reserves for: the requests past their prefill."""
+        reqs = [live.req for live in self._live.values() if not live.extending]
+        return self._batch(reqs, None)
+
+    def _batch(self, reqs: list[Any], chunked: Any) -> Any:
+        n = self.n
+        return n.ScheduleBatch.init_new(reqs, self.rows, self.alloc, self.tree, self.model,
+                                        False, n.NO_SPEC, chunked_req=chunked)
+
+    def _adder(self, chunk: int | None) -> Any:
+        return self.n.PrefillAdder(self.block_size, self.tree, self.alloc, self._running(),
+                                   0.0, _UNLIMITED, chunk)
+
+    def _schedule(self, req: Any, chunk: int | None) -> Any:
+        """PrefillAdder admits `req` (cutting its first chunk at `chunk` tokens) and the
+        batch allocates it; the batch, or None when the adder said no."""
+        adder = self._adder(chunk)
+        adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+        if req not in adder.can_run_list:
+            return None
+        batch = self._batch([req], req if adder.new_chunked_req is req else None)
+        batch.prepare_for_extend()
+        return batch
+
+    def _row(self, req: Any, end: int) -> list[int]:
+        return [int(x) for x in self.rows.req_to_token[req.kv.req_pool_idx, :end].tolist()]
+
+    def _pages(self, slots: Sequence[int]) -> list[int]:
+        return [x // self.block_size for x in slots[::self.block_size]]
+
+    def _evict_tokens(self, num_tokens: int) -> int:
+        """The tree's own evict; returns the slots it freed."""
+        before = self.alloc.available_size()
+        self.tree.evict(self.s.EvictParams(num_tokens=num_tokens))
+        return self.alloc.available_size() - before
+
+    def _write(self, event: dict[str, Any]) -> None:
+        if self.record:
+            self._log.append(event)
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
+              first_chunk: int | None) -> Admission | None:
+        """`Req`, matched; `PrefillAdder` admits it; `prepare_for_extend` allocates.
+        A preempted sequence admitted again with its tokens so far resumes as the same
+        Req, as SGLang requeues a retracted one."""
+        if seq_id in self._live:
+            raise ValueError(f"admit({seq_id!r}): already live")
+        tokens = list(tokens)
+        resumed = self._retracted.pop(seq_id, None)
+        req = resumed
+        if req is None or list(req.origin_input_ids) + list(req.output_ids) != tokens:
+            req = self._new_req(seq_id, tokens, scope)
+        req.init_next_round_input(self.tree)
+        # a server's chunk size is at least a page; a smaller one schedules nothing
+        chunk = None if first_chunk is None else max(first_chunk, self.block_size)
+        batch = self._schedule(req, chunk)
+        if batch is None:
+            if resumed is not None:
+                self._retracted[seq_id] = resumed
+            return None
+        live = _Live(req, batch, scope, len(tokens))
+        live.ids = self._pages(self._row(req, req.extend_end))
+        self._live[seq_id] = live
+        self._write({"kind": "admit", "seq_id": seq_id, "tokens": tokens,
+                     "num_tokens": req.prefix_len,
+                     "scope": self._contract.scope_key(scope), "block_ids": live.ids})
+        return Admission(req.prefix_len, tuple(live.ids), req.extend_end)
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        """The next chunk, as the scheduler continues a chunked request:
+        `init_next_round_input`, `add_chunked_req`, `prepare_for_extend`; None (nothing
+        changed but evictions) when its pages cannot be allocated."""
+        live = self._live[seq_id]
+        req = live.req
+        target = min(num_tokens, live.length)
+        if target <= req.extend_end:
+            return req.extend_end
+        assert not live.extending, "Session schedules a chunk only after the last one"
+        req.init_next_round_input()
+        adder = self._adder(target - req.prefix_len)
+        chunked = adder.add_chunked_req(req)
+        batch = self._batch([req], chunked)
+        try:
+            batch.prepare_for_extend()
+        except RuntimeError as exc:
+            if "out of memory" not in str(exc):
+                raise
+            req.extend_end = req.prefix_len  # the chunk was not scheduled
+            return None
+        live.batch, live.extending = batch, True
+        before = len(live.ids)
+        live.ids = self._pages(self._row(req, req.extend_end))
+        if len(live.ids) > before:
+            self._write({"kind": "append", "seq_id": seq_id, "tokens": [],
+                         "block_ids": live.ids[before:]})
+        return int(req.extend_end)
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """The forward pass is done up to `num_tokens`; when that is every scheduled
+        token of an extend, the result processor's `checkpoint_kv_cache` publishes it.
+        A decode step's result touches no cache."""
+        live = self._live[seq_id]
+        req = live.req
+        if num_tokens > req.kv.kv_allocated_len:
+            raise ValueError(f"commit({seq_id!r}, {num_tokens}): only "
+                             f"{req.kv.kv_allocated_len} tokens were scheduled")
+        live.committed = max(live.committed, num_tokens)
+        if not live.extending or num_tokens < req.extend_end:
+            return
+        live.extending = False
+        self.n.common.checkpoint_kv_cache(req, self.tree)
+        self._log_commit(seq_id, live, req.extend_end, self._row(req, req.extend_end))
+
+    def _log_commit(self, seq_id: Hashable, live: _Live, num_tokens: int,
+                    row: list[int]) -> None:
+        event: dict[str, Any] = {"kind": "commit", "seq_id": seq_id, "num_tokens": num_tokens}
+        ids = self._pages(row)
+        if ids != live.ids[:len(ids)]:  # the checkpoint took the tree's copies
+            live.ids[:len(ids)] = ids
+            event["block_ids"] = list(live.ids)
+        self._write(event)
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        """A decode step: the token joins `Req.output_ids`, `check_decode_mem` (which may
+        evict) then `prepare_for_decode` allocates its slot; None if there is no room."""
+        live = self._live[seq_id]
+        req, batch = live.req, live.batch
+        (token,) = tokens
+        req.output_ids.append(token)
+        if not batch.check_decode_mem():
+            req.output_ids.pop()
+            return None
+        batch.prepare_for_decode()
+        live.length += 1
+        before = len(live.ids)
+        live.ids = self._pages(self._row(req, req.kv.kv_allocated_len))
+        added = live.ids[before:]
+        self._write({"kind": "append", "seq_id": seq_id, "tokens": [token],
+                     "block_ids": added})
+        return tuple(added)
+
+    def free(self, seq_id: Hashable) -> None:
+        """A request every token of which is computed finishes:
+        `release_kv_cache(checkpoint=True)` inserts it, decoded tokens too; one freed
+        earlier is aborted: `release_kv_cache(checkpoint=False)`."""
+        live = self._live.pop(seq_id)
+        req = live.req
+        done = live.committed == live.length and not live.extending
+        row_index, end = req.kv.req_pool_idx, req.kv.kv_committed_len
+        if done:
+            req.finished_reason = self.n.FINISH_LENGTH(length=len(req.output_ids))
+        self.n.common.release_kv_cache(req, self.tree, checkpoint=done)
+        if done and end > req.prefix_len:
+            # the row as release_kv_cache's checkpoint left it (rows are not cleared)
+            row = [int(x) for x in self.rows.req_to_token[row_index, :end].tolist()]
+            self._log_commit(seq_id, live, end, row)
+        self._write({"kind": "free", "seq_id": seq_id})
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """SGLang's retraction of one decoding request: `release_req` (its KV released
+        without inserting it, then evictions for the requests still decoding)."""
+        live = self._live.pop(seq_id)
+        others = sum(1 for other in self._live.values() if not other.extending)
+        self.n.schedule_batch.release_req(
+            req=live.req, remaing_req_count=others, req_to_token_pool=self.rows,
+            token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree,
+            hisparse_coordinator=None)
+        self._retracted[seq_id] = live.req
+        self._preempted.append(seq_id)
+        self._write({"kind": "free", "seq_id": seq_id})
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences `preempt` retracted since the last call."""
+        out, self._preempted = self._preempted, []
+        return out
+
+    def evict(self, num_blocks: int) -> int:
+        """The tree's `evict(num_tokens)`: whole leaves, so possibly more than asked."""
+        return self._evict_tokens(num_blocks * self.block_size) // self.block_size
+
+    def stats(self) -> Stats:
+        """The tree's gauges (SGLang keeps no prefix-cache counters in it), in tokens."""
+        P = self.block_size
+        engine: dict[str, int | float] = {
+            "evictable_size": self.tree.evictable_size(),
+            "protected_size": self.tree.protected_size(), "total_size": self._total(),
+            "available_size": self.alloc.available_size()}
+        used = self.used_blocks()
+        harness: dict[str, int | float] = {
+            "maxNumBlocks": self.num_blocks, "usedNumBlocks": used,
+            "freeNumBlocks": self.num_blocks - used, "cachedNumBlocks": self._total() // P,
+            "tokensPerBlock": P}
+        return Stats(engine, harness)
+
+    def _total(self) -> int:
+        total = self.tree.total_size()
+        return int(total[0] if isinstance(total, tuple) else total)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """SGLang's KV events as the harness's dicts (hashes as text)."""
+        return [normalise_event(e) for e in self.tree.take_events()] if self.record else []
+
+    def take_log(self) -> list[dict[str, Any]]:
+        """The harness log since the last call."""
+        out, self._log = self._log, []
+        return out
+
+    def used_blocks(self) -> int:
+        """Pages neither free in SGLang's allocator nor evictable in its tree."""
+        P = self.block_size
+        return self.num_blocks - self.alloc.available_size() // P \
+            - int(self.tree.evictable_size()) // P
+
+    def cached_hashes(self) -> None:
+        """The tree's state names no event hashes (they are computed as events go)."""
+        return None
+
+    def _held(self) -> list[int]:
+        """The pages live requests hold outside the tree (their rows past the tree's
+        part), with repeats."""
+        held: list[int] = []
+        for live in self._live.values():
+            kv = live.req.kv
+            held += self._pages(self._row(live.req, kv.kv_allocated_len)[
+                kv.cache_protected_len:])
+        return held
+
+    def check_integrity(self) -> list[str]:
+        """Every page is free, in the tree or held by one live request, never two of
+        them; no page is free twice; the tree's gauges add up."""
+        out: list[str] = []
+        held = self._held()
+        free_list = [int(p) for p in self.alloc.get_all_free_pages().tolist()]
+        free, tree_pages = set(free_list), self._tree_pages()
+        if len(held) != len(set(held)):
+            out.append(f"pages held by two requests: {sorted(held)}")
+        if len(free_list) != len(free):
+            out.append(f"pages free twice: {sorted(p for p in free if free_list.count(p) > 1)}")
+        for what, a, b in (("held and free", set(held), free),
+                           ("in the tree and free", tree_pages, free),
+                           ("held and in the tree", set(held), tree_pages)):
+            if a & b:
+                out.append(f"pages both {what}: {sorted(a & b)}")
+        lost = set(range(1, self.num_blocks + 1)) - set(held) - tree_pages - free
+        if lost:
+            out.append(f"pages owned by nobody (leaked): {sorted(lost)}")
+        t = self.tree
+        if t.evictable_size() + t.protected_size() != self._total():
+            out.append(f"evictable {t.evictable_size()} + protected {t.protected_size()} "
+                       f"!= total {self._total()}")
+        return out
+
+    def _tree_pages(self) -> set[int]:
+        """The pages the tree holds: RadixCache's nodes walked (its all_values_flatten
+        fails on an empty tree), UnifiedRadixCache's all_values_flatten (its tree core
+        is compiled)."""
+        P = self.block_size
+        if self.tree_kind == "unified":
+            return {int(x) // P for x in self.tree.all_values_flatten().tolist()}
+        pages: set[int] = set()
+        stack = [self.tree.root_node]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.tree.root_node and node.value is not None:
+                pages |= {int(x) // P for x in node.value.tolist()}
+        return pages
+
+    def leak_report(self) -> list[str]:
+        """With nothing live: tokens still locked in the tree, request rows still held."""
+        out = []
+        if self.tree.protected_size():
+            out.append(f"protected_size {self.tree.protected_size()}: tokens locked with "
+                       "no live request")
+        rows = self.rows.available_size()
+        if rows != MAX_REQUESTS:
+            out.append(f"{MAX_REQUESTS - rows} request rows held with no live request")
+        return out
+
+
+@dataclass(frozen=True)
+class _ModelShape:
+    """The two ModelConfig fields a ScheduleBatch reads (REPLICATED lists it)."""
+
+    vocab_size: int
+    is_encoder_decoder: bool
+
+
+def _text(h: Any) -> str | None:
+    if h is None:
+        return None
+    return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
+
+
+def normalise_event(event: Any) -> dict[str, Any]:
+    """One of SGLang's KV events as the harness's dict (hashes as text; the fields beyond
+    the hash a release does not have are None)."""
+    kind = event_kind(event)
+    out: dict[str, Any] = {"type": kind}
+    if kind in ("BlockStored", "BlockRemoved"):
+        out["block_hashes"] = [_text(h) for h in event.block_hashes]
+        medium = getattr(event, "medium", None)
+        out["medium"] = "GPU" if medium is None else str(getattr(medium, "value", medium))
+    if kind == "BlockStored":
+        out.update(parent_block_hash=_text(event.parent_block_hash),
+                   token_ids=[int(t) for t in event.token_ids], block_size=event.block_size,
+                   salt=None, lora_id=None, lora_name=getattr(event, "lora_name", None),
+                   cache_salt=getattr(event, "cache_salt", None)
+                   or getattr(getattr(event, "metadata", None), "cache_salt", None),
+                   session_id=getattr(event, "session_id", None))
+    return out

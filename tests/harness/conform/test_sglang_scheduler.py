@@ -1,0 +1,138 @@
+"""SGLang's own scheduler code behind the protocol, on the newest SGLang release where its
+cached install exists (skipped otherwise, as the engine smoke is): what its retraction,
+its checkpoints, the chunks PrefillAdder cuts and its admission reserve do, op by op,
+judged by every oracle, and the caller extra key reaching a LoRA's KV
+(sgl-project/sglang#24638). One worker serves the session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from harness.conform import ops
+from harness.conform.controller import install
+from harness.conform.controller.engine_spec import EngineSpec, open_target
+from harness.conform.controller.judge import Judge
+from harness.conform.controller.locks import pinned
+from harness.conform.controller.report import Report
+from harness.conform.controller.targets import Target
+from harness.conform.ops import Op
+from harness.conform.protocol import Scope, lora_id_text
+from harness.conform.worker.session import StepReport
+
+B = 4
+LOCK = next(lock for lock in pinned() if lock.engine == "sglang")
+PROMPT = list(range(100, 110))  # 10 tokens: 2 whole pages
+OUT = [900, 901, 902]
+
+
+@pytest.fixture(scope="session")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    if install.installed(LOCK) is None:
+        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
+                    f"conform {LOCK.spec} installs it)")
+    folder = tmp_path_factory.mktemp("sglang")
+    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), folder,
+                         lambda _: None)
+    yield opened
+    opened.close()
+
+
+def run(target: Target, op_list: list[Op], num_blocks: int = 16) -> list[StepReport]:
+    """`op_list` on a fresh cache, every oracle silent."""
+    judge = Judge(target.open(num_blocks, B), num_blocks)
+    reports = target.apply_all(op_list)
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    return reports
+
+
+def decoded(seq: str) -> list[Op]:
+    """`seq` computes PROMPT and decodes OUT, one step at a time."""
+    out = [ops.admit(seq, PROMPT), ops.commit(seq, len(PROMPT))]
+    for i, token in enumerate(OUT):
+        out += [ops.append(seq, [token]), ops.commit(seq, len(PROMPT) + i + 1)]
+    return out
+
+
+def test_the_contract_says_what_sglangs_scheduler_code_does(target: Target) -> None:
+    c = target.open(8, B)
+    assert (c.matchable_at, c.preemption, c.chunking, c.admission_fits,
+            c.admission_reserve) == ("extend", "retracts-decode", "caller-page-floor",
+                                     "prompt", 2)
+    assert c.decode_steps and c.refusal_evicts and "extra_key" in c.scope_kinds
+    assert {what for what, _, _ in c.replicated} and all(fn for _, fn, _ in c.replicated)
+
+
+def test_a_retraction_keeps_only_what_the_request_had_checkpointed(target: Target) -> None:
+    """SGLang's release_req releases without inserting: the prompt's pages, published
+    at the end of its extend, stay; the decoded tokens, inserted only when a request
+    finishes, go. A finished request's decoded tokens are reused."""
+    history = PROMPT + OUT
+    retracted = run(target, [*decoded("A"), ops.preempt("A"), ops.admit("B", [*history, 1])])
+    assert retracted[-2].status == "done" and retracted[-2].used_blocks == 0
+    assert retracted[-1].value["reused_tokens"] == 8
+    finished = run(target, [*decoded("A"), ops.free("A"), ops.admit("B", [*history, 1])])
+    assert finished[-1].value["reused_tokens"] == 12
+
+
+def test_a_retracted_request_resumes_with_its_output_so_far(target: Target) -> None:
+    reports = run(target, [*decoded("A"), ops.preempt("A"), ops.admit("A", PROMPT + OUT),
+                           ops.commit("A", 13), ops.append("A", [7]), ops.commit("A", 14),
+                           ops.free("A")])
+    resumed = reports[-5]
+    assert (resumed.status, resumed.value["reused_tokens"]) == ("done", 8)
+    assert reports[-1].leaks == ()
+
+
+def test_decoded_tokens_enter_the_tree_only_when_the_request_ends(target: Target) -> None:
+    live = run(target, [*decoded("A"), ops.admit("B", [*PROMPT, *OUT, 1]), ops.free("B"),
+                        ops.free("A")])
+    assert live[-3].value["reused_tokens"] == 8  # A still decoding: its prompt only
+
+
+@pytest.mark.parametrize(("first_chunk", "scheduled"), [
+    pytest.param(6, 4, id="cut-to-a-page"), pytest.param(2, 4, id="at-least-a-page"),
+    pytest.param(9, 8, id="cut-to-two-pages"), pytest.param(30, 18, id="the-whole-prompt")])
+def test_prefill_adder_cuts_the_first_chunk_to_whole_pages(target: Target, first_chunk: int,
+                                                           scheduled: int) -> None:
+    reports = run(target, [ops.admit("A", list(range(100, 118)), first_chunk=first_chunk),
+                           ops.free("A")])
+    assert reports[0].value["scheduled_tokens"] == scheduled
+
+
+def test_a_later_chunk_is_scheduled_as_asked_once_the_last_one_is_computed(
+        target: Target) -> None:
+    reports = run(target, [ops.admit("A", list(range(100, 118)), first_chunk=4),
+                           ops.reserve("A", 11), ops.commit("A", 4), ops.reserve("A", 11),
+                           ops.commit("A", 11), ops.admit("B", list(range(100, 118))),
+                           ops.free("B"), ops.free("A")])
+    assert reports[1].status == "skipped" and reports[3].value == 11
+    assert reports[5].value["reused_tokens"] == 8  # the checkpointed pages, not 11
+
+
+@pytest.mark.parametrize(("tokens", "status"), [
+    pytest.param(8, "done", id="8-of-16-free-tokens"),
+    pytest.param(12, "refused", id="12-of-16-free-tokens")])
+def test_an_admission_keeps_a_page_free_beyond_its_prompt(target: Target, tokens: int,
+                                                          status: str) -> None:
+    """A pool of 8 pages with A holding 4: PrefillAdder admits B only when its prompt and
+    a page are below the 16 free tokens (`admission_reserve`)."""
+    reports = run(target, [ops.admit("A", list(range(100, 116))), ops.commit("A", 16),
+                           ops.admit("B", list(range(500, 500 + tokens)))], num_blocks=8)
+    assert reports[-1].status == status
+
+
+def test_an_extra_key_equal_to_a_loras_id_reads_that_loras_kv(target: Target) -> None:
+    """sgl-project/sglang#24638, still in this release: Req.__init__ joins the extra key
+    and the LoRA id into one string, so a base request naming the id reuses the LoRA's
+    KV (the count and provenance oracles both say so)."""
+    judge = Judge(target.open(16, B), 16)
+    lora = Scope.lora("a", 1)
+    found = [v for r in target.apply_all([
+        ops.admit("L", list(range(100, 118)), lora), ops.commit("L", 18), ops.free("L"),
+        ops.admit("K", list(range(100, 109)), Scope(extra_key=lora_id_text(1)))])
+        for v in judge.observe(r)]
+    assert [v.oracle for v in found] == ["count", "provenance"]
+    assert "reused 8 tokens; the count oracle predicts 0" in found[0].message
