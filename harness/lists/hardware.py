@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import platform
 import unicodedata
 from collections.abc import Callable, Mapping
@@ -161,14 +162,24 @@ class Machine:
         )
 
 
-def detect() -> Hardware:
-    """Detect this machine. Imports torch (and flashinfer only where CUDA is available).
+# Where a GPU's kernel driver shows on Linux: NVIDIA's, AMD's (a ROCm build of torch
+# answers torch.cuda for it) and WSL's. Without any of them torch.cuda cannot be available.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd",
+                    "/dev/dxg")
+
+
+def detect(driver_paths: tuple[str, ...] = GPU_DRIVER_PATHS) -> Hardware:
+    """Detect this machine. Imports torch (and flashinfer only where CUDA is available),
+    except on Linux without any of `driver_paths`: no GPU driver, so no CUDA, known
+    without torch's import (a second or more in every pytest process that selects by the
+    lists, an xdist controller's included).
 
     Without torch or without CUDA the machine is gpu "cpu" with count 0. FlashInfer counts
     as usable when CUDA is available and `flashinfer` imports.
     """
     cpu = {"cpu_arch": platform.machine() or "unknown", "distribution": _distribution()}
-    if importlib.util.find_spec("torch") is None:
+    no_driver = platform.system() == "Linux" and not any(map(os.path.exists, driver_paths))
+    if no_driver or importlib.util.find_spec("torch") is None:
         return Hardware(CPU_GPU_NAME, 0, cuda=False, flashinfer=False, **cpu)
     import torch
 

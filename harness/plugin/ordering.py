@@ -10,7 +10,7 @@ test that kills the most mutants per second of its own, then the one that kills 
 of those still alive per second, and so on (the "additional greedy" order of test
 prioritization: each pick is the cheapest way to catch one more known bug). Once no test
 kills a mutant still alive, the rest follow by kills per second, then by the prior below
-per second; the tests worth nothing by either (a test of the lists or the CLI) come last,
+per second; the tests worth nothing by either (a test of the docs) come last,
 longest first: running them earlier reveals no bug sooner, and longest first lets the
 workers of a parallel run finish together instead of one of them running a long test
 alone at the end (the longest-processing-time rule of scheduling).
@@ -19,13 +19,16 @@ Until a kill record exists (and for tests it names no kill for) the prior stands
 read from what each test module binds once pytest has imported it (its globals: modules,
 classes, functions, constants, each by the module it comes from), and from the test
 support modules (`tests.*`) it binds, followed the same way: a module that binds nothing
-from the cache (`kvcache`) weighs 0 (a test of the lists or the CLI cannot see a reuse
-bug), any other 1 plus the number of oracle modules (`harness.oracle.*`) it binds (the
-checked manager, the event index, the oracle checks). So the stateful oracle checks and
-the fuzzers, which check every step against an oracle, weigh more than a by-hand unit
-test, and every cache test more than a harness test. Nothing is parsed or imported for
-it: collection has imported the modules already. (Imports made inside a test function
-are not seen.)
+from the code under test, the cache (`kvcache`) or the harness itself (`harness`), weighs
+0 (a test of the docs cannot see a bug in either), any other 1 plus the number of oracle
+modules it binds: `harness.oracle.*` (the checked manager, the event index, the oracle
+checks) and the conformance judge (`harness.conform.controller.judge`). So the stateful
+oracle checks and the fuzzers, which check every step against an oracle, and the tests of
+the oracles and the judge themselves weigh more than a by-hand unit test; and a test of
+the lists, the plugin or the CLI weighs as much as a cache unit test: a bug in the
+harness, an oracle that accepts what it should refuse, turns every other test green, so
+its tests must not wait for the tail. Nothing is parsed or imported for it: collection
+has imported the modules already. (Imports made inside a test function are not seen.)
 
 Seconds come from the durations file; a test it lacks (a new test, a renamed one) is
 predicted at the mean of the known (harness.plugin.sharding's `predict`), and a node id
@@ -62,8 +65,9 @@ FAIL_FIRST, COLLECTION = ORDERS
 # pytest's own cost per test (setup, reports) on a 2-core machine: a test recorded at
 # 0.1 ms is not 50 times cheaper than one at 5 ms once it runs.
 MIN_SECONDS = 0.005
-SUBJECT = "kvcache"
-ORACLE = "harness.oracle."
+# The code under test: the cache, and the harness whose oracles judge it.
+SUBJECTS = ("kvcache", "harness")
+ORACLES = ("harness.oracle.", "harness.conform.controller.judge")
 TEST_CODE = "tests."
 
 
@@ -95,10 +99,10 @@ def _weight(module: ModuleType) -> int:
     while todo:
         for value in list(vars(todo.pop()).values()):
             origin = _origin(value)
-            if origin == SUBJECT or origin.startswith(SUBJECT + "."):
-                reaches = True
-            elif origin.startswith(ORACLE):
+            if origin.startswith(ORACLES):
                 oracles.add(origin)
+            if origin in SUBJECTS or origin.startswith(tuple(f"{s}." for s in SUBJECTS)):
+                reaches = True
             elif origin.startswith(TEST_CODE) and origin not in seen and origin in sys.modules:
                 seen.add(origin)
                 todo.append(sys.modules[origin])

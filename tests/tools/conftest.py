@@ -1,5 +1,6 @@
 """Fixtures for the tests of the tool scripts (tools/): each as a module, and for
-tools/mutants.py a small git repository with a catalogue of three mutants."""
+tools/mutants.py and tools/gate_bench.py a small git repository with a catalogue of three
+mutants."""
 
 from __future__ import annotations
 
@@ -93,6 +94,12 @@ def generic_mutants() -> ModuleType:
     """tools/generic_mutants.py (which imports tools/mutants.py by its script name)."""
     sys.modules.setdefault("mutants", load_tool(MUTANTS_TOOL, "mutants"))
     return load_tool(TOOLS / "generic_mutants.py", "generic_mutants_tool")
+
+
+@pytest.fixture(scope="session")
+def gate_bench() -> ModuleType:
+    """tools/gate_bench.py."""
+    return load_tool(TOOLS / "gate_bench.py", "gate_bench_tool")
 
 
 @pytest.fixture(scope="session")

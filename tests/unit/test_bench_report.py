@@ -1,12 +1,17 @@
 """benchmarks.report on synthetic pytest-benchmark JSON, and the quick suites end to end.
 
-The report runs as its users run it, `python -m benchmarks.report` from the repository
-root (benchmarks/ is not installed, so it is importable only from there).
+One test runs the report as its users run it, `python -m benchmarks.report` from the
+repository root (benchmarks/ is not installed, so it is importable only from there); the
+rest call its `main` in this process, which reads the same arguments and returns the same
+exit status, without paying a fresh interpreter and matplotlib's import each. The quick
+suites' run (about a minute) is post-merge.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -22,9 +27,21 @@ REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def report(*args: Path | str) -> subprocess.CompletedProcess[str]:
+def report_cli(*args: Path | str) -> subprocess.CompletedProcess[str]:
     """Run `python -m benchmarks.report ARGS` from the repository root."""
     return run_child([sys.executable, "-m", "benchmarks.report", *map(str, args)], cwd=REPO)
+
+
+def report(*args: Path | str) -> subprocess.CompletedProcess[str]:
+    """`benchmarks.report.main(ARGS)` in this process: its exit status and what it printed,
+    as `report_cli` returns them."""
+    from benchmarks.report import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(arg) for arg in args])
+    return subprocess.CompletedProcess(["benchmarks.report", *map(str, args)], code,
+                                       out.getvalue(), err.getvalue())
 
 
 def bench(name: str, median: float, extra: dict[str, Any], minimum: float | None = None,
@@ -160,7 +177,7 @@ def write_json(path: Path, benches: list[dict[str, Any]], libraries: bool = True
 def test_summary_has_headline_numbers_and_plots(tmp_path: Path) -> None:
     src = write_json(tmp_path / "bench.json", suite_benches())
     out = tmp_path / "out"
-    proc = report(out, "--json", src)
+    proc = report_cli(out, "--json", src)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(out / name) for name in (
         "summary.md", "ttft_vs_cached_fraction.png", "hit_rate_vs_pool_size.png",
@@ -283,7 +300,7 @@ def test_quick_suites_end_to_end(tmp_path: Path) -> None:
         # under xdist the worker's PYTEST_XDIST_* variables would switch benchmarks off
         env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert report(out).returncode == 0
+    assert report_cli(out).returncode == 0
     md = (out / "summary.md").read_text()
     for title in ("## Time to first token", "## Hit rate against pool size", "## Memory",
                   "## Cache-aware routing", "## Step overhead", "## Decode metadata",

@@ -122,6 +122,15 @@ class DeadlineWhenStarted(StoppedClock):
         return proc.returncode
 
 
+@pytest.fixture(autouse=True)
+def _quiet_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stages' pytest processes here run small files that need neither hypothesis's
+    plugin nor pytest-benchmark's: loading them took longer than the files' tests (a
+    second or more a stage). test_every_stage_selects_gpu_tests, which collects the
+    real GPU tests, runs without it (it drops PYTEST_ADDOPTS)."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:benchmark")
+
+
 def _stage(tmp_path: Path, name: str, source: str, **options: object) -> Stage:
     path = tmp_path / f"test_{name}.py"
     path.write_text(source)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import platform
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +20,20 @@ from harness.lists.hardware import (
     machine_from_options,
 )
 from harness.lists.schema import KNOWN_TERMS
+from tests.hang_guard import run_child
+
+ROOT = Path(__file__).resolve().parents[3]
 
 CPU = Hardware("cpu", 0, cuda=False, flashinfer=False, cpu_arch="x86_64")
 GPU = Hardware("NVIDIA H100 80GB HBM3", 8, cuda=True, flashinfer=True, cpu_arch="x86_64",
                compute_capability="9.0")
 
 
-def test_detect_matches_torch() -> None:
-    found = detect()
+@pytest.mark.parametrize("driver", ["here", "asked"], ids=["drivers-here", "a-driver-path"])
+def test_detect_matches_torch(driver: str, tmp_path: Path) -> None:
+    # As this machine's driver paths say, and with a driver path that exists (torch asked
+    # whatever they say).
+    found = detect() if driver == "here" else detect((str(tmp_path),))
     assert found.cuda is torch.cuda.is_available()
     if not found.cuda:
         assert (found.gpu, found.gpu_count, found.flashinfer, found.backends) == (
@@ -32,6 +41,18 @@ def test_detect_matches_torch() -> None:
     else:
         assert found.gpu == torch.cuda.get_device_name(0)
         assert found.gpu_count == torch.cuda.device_count() > 0
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="driver paths are Linux's")
+def test_without_a_gpu_driver_detection_imports_no_torch(tmp_path: Path) -> None:
+    """A machine without a GPU driver is a CPU machine, known without torch's import (each
+    process that selects by the lists paid it, an xdist controller that runs no test too)."""
+    probe = ("import sys; from harness.lists.hardware import detect; "
+             f"found = detect(({str(tmp_path / 'no-driver')!r},)); "
+             "print(found.gpu, found.gpu_count, found.cuda, 'torch' in sys.modules)")
+    done = run_child([sys.executable, "-c", probe], cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cpu", "0", "False", "False"]
 
 
 @pytest.mark.parametrize(

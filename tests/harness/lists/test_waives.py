@@ -137,6 +137,24 @@ tests/k.py -k "partition0" SKIP (https://nvbugs/1)
 """
 
 
+def test_a_waive_covers_its_own_tests_and_no_longer_id(waives_file: Path) -> None:
+    """A waive selects as a list entry does: the id, its parameters, what is below it;
+    never a test whose id merely starts with its text (the waive of t[p1] skipping t[p10],
+    test_x's skipping test_xy: tests nobody waived)."""
+    waives = load_waives(waives_file).waives
+
+    def waived_by(node_id: str) -> str | None:
+        waive = waive_for(waives, node_id)
+        return None if waive is None else waive.test
+
+    assert waived_by("tests/a.py::t[p1]") == "tests/a.py::t[p1]"
+    assert waived_by("tests/c.py::test_x[B4]") == "tests/c.py::test_x"
+    assert waived_by("tests/d.py::TestT::test_u") == "tests/d.py"
+    for other in ("tests/a.py::t[p10]", "tests/c.py::test_xy", "tests/c.py::test_x_wide",
+                  "tests/d.pyi::test_u"):
+        assert waived_by(other) is None, other
+
+
 def test_tensorrt_llm_forms_parse_as_its_parser_reads_them(tmp_path: Path) -> None:
     path = tmp_path / "waives.txt"
     path.write_text(TRTLLM_FORMS)

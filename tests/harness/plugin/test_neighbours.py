@@ -1,7 +1,11 @@
 """The plugin beside the plugins and conftests it meets: pytest-rerunfailures and
 pytest-xdist loaded in the same run (the `--reruns` both once declared killed every run at
 start), and TensorRT-LLM's conftest, which declares `--test-list`, `--waives-file` and
-`--test-prefix` itself."""
+`--test-prefix` itself.
+
+The four ways of asking for reruns run in this process (pytester loads both plugins by
+their entry points, as any run does); the one that asks for both runs in a real pytest
+process under pytest-xdist, and the other three there post-merge (`..._wide`)."""
 
 from __future__ import annotations
 
@@ -47,32 +51,60 @@ def _pytest(here: Path, *args: str) -> subprocess.CompletedProcess[str]:
                      cwd=here, env=env)
 
 
-@pytest.mark.parametrize(
-    ("args", "summary", "attempts"),
-    [
-        pytest.param([], r"1 failed, 1 passed", 1, id="neither-reruns-by-default"),
-        pytest.param(["--reruns", "1"], r"2 passed, 1 rerun", 2, id="theirs"),
-        pytest.param(["--kvh-reruns"], r"1 passed, 1 passed on rerun", 2, id="ours"),
-        # Both asked: pytest-rerunfailures reruns the test, the harness leaves it alone.
-        pytest.param(["--reruns", "1", "--kvh-reruns"], r"2 passed, 1 rerun", 2, id="both"),
-    ],
-)
-def test_runs_beside_rerunfailures_and_xdist(tmp_path: Path, args: list[str], summary: str,
-                                             attempts: int) -> None:
+NEITHER = pytest.param([], r"1 failed, 1 passed", 1, id="neither-reruns-by-default")
+THEIRS = pytest.param(["--reruns", "1"], r"2 passed, 1 rerun", 2, id="theirs")
+OURS = pytest.param(["--kvh-reruns"], r"1 passed, 1 passed on rerun", 2, id="ours")
+# Both asked: pytest-rerunfailures reruns the test, the harness leaves it alone.
+BOTH = pytest.param(["--reruns", "1", "--kvh-reruns"], r"2 passed, 1 rerun", 2, id="both")
+RERUNS = ("args", "summary", "attempts")
+
+
+def _needs_rerunfailures() -> None:
     pytest.importorskip("pytest_rerunfailures", reason="pytest-rerunfailures (the test "
                         "extra) is not installed")
-    pytest.importorskip("xdist", reason="pytest-xdist (the test extra) is not installed")
-    (tmp_path / "test_flaky.py").write_text(FLAKY)
-    done = _pytest(tmp_path, "-n", "2", *args)
-    output = done.stdout + done.stderr
+
+
+def _check_reruns(here: Path, output: str, code: int, summary: str, attempts: int) -> None:
     assert "conflicting option string" not in output, output
-    assert re.search(r"created: 2/2 workers|2 workers \[2 items\]", output), output
     last = output.strip().splitlines()[-1]
     # The whole count: "1 passed on rerun" must not hide a pytest-rerunfailures rerun the
     # harness's flag set by sharing its dest, nor the reverse.
     assert re.fullmatch(rf"=+ {summary} in [\d.]+s.*=+", last), output
-    assert int((tmp_path / "attempts").read_text()) == attempts
-    assert done.returncode == (1 if "failed" in summary else 0), output
+    assert int((here / "attempts").read_text()) == attempts
+    assert code == (1 if "failed" in summary else 0), output
+
+
+@pytest.mark.parametrize(RERUNS, [NEITHER, THEIRS, OURS, BOTH])
+def test_runs_beside_rerunfailures(quiet_pytester: pytest.Pytester, args: list[str],
+                                   summary: str, attempts: int) -> None:
+    _needs_rerunfailures()
+    (quiet_pytester.path / "test_flaky.py").write_text(FLAKY)
+    result = quiet_pytester.runpytest_inprocess(*args)
+    _check_reruns(quiet_pytester.path, result.stdout.str() + result.stderr.str(), result.ret,
+                  summary, attempts)
+
+
+def _beside_rerunfailures_and_xdist(here: Path, args: list[str], summary: str,
+                                    attempts: int) -> None:
+    _needs_rerunfailures()
+    pytest.importorskip("xdist", reason="pytest-xdist (the test extra) is not installed")
+    (here / "test_flaky.py").write_text(FLAKY)
+    done = _pytest(here, "-n", "2", *args)
+    output = done.stdout + done.stderr
+    assert re.search(r"created: 2/2 workers|2 workers \[2 items\]", output), output
+    _check_reruns(here, output, done.returncode, summary, attempts)
+
+
+@pytest.mark.parametrize(RERUNS, [BOTH])
+def test_runs_beside_rerunfailures_and_xdist(tmp_path: Path, args: list[str], summary: str,
+                                             attempts: int) -> None:
+    _beside_rerunfailures_and_xdist(tmp_path, args, summary, attempts)
+
+
+@pytest.mark.parametrize(RERUNS, [NEITHER, THEIRS, OURS])
+def test_runs_beside_rerunfailures_and_xdist_wide(tmp_path: Path, args: list[str],
+                                                  summary: str, attempts: int) -> None:
+    _beside_rerunfailures_and_xdist(tmp_path, args, summary, attempts)
 
 
 TRTLLM_CONFTEST = """\
@@ -128,15 +160,17 @@ def test_loaded_by_a_conftest_it_declares_the_trtllm_spellings(
     result.assert_outcomes(passed=1, deselected=1)
 
 
-def test_a_crashed_isolated_test_fails_beside_rerunfailures(tmp_path: Path) -> None:
-    pytest.importorskip("pytest_rerunfailures", reason="pytest-rerunfailures (the test "
-                        "extra) is not installed")
-    (tmp_path / "test_crash.py").write_text("import os\n\n\ndef test_crash():\n    os._exit(3)\n")
-    (tmp_path / "qa.txt").write_text("test_crash.py::test_crash ISOLATION\n")
-    # The parent makes the dead child's teardown report itself: that report must not go
-    # through pytest-rerunfailures' makereport wrapper, which wants a setup it never saw.
-    done = _pytest(tmp_path, "--test-list", "qa.txt")
-    output = done.stdout + done.stderr
+def test_a_crashed_isolated_test_fails_beside_rerunfailures(
+        quiet_pytester: pytest.Pytester) -> None:
+    _needs_rerunfailures()
+    here = quiet_pytester.path
+    (here / "test_crash.py").write_text("import os\n\n\ndef test_crash():\n    os._exit(3)\n")
+    (here / "qa.txt").write_text("test_crash.py::test_crash ISOLATION\n")
+    # The parent (this process) makes the dead child's teardown report itself: that report
+    # must not go through pytest-rerunfailures' makereport wrapper, which wants a setup it
+    # never saw.
+    done = quiet_pytester.runpytest_inprocess("--test-list", "qa.txt")
+    output = done.stdout.str() + done.stderr.str()
     assert "INTERNALERROR" not in output, output
     assert "isolated process exited with code 3" in output, output
     assert re.search(r"=+ 1 failed in [\d.]+s", output), output

@@ -1,7 +1,9 @@
 """Fail-first order (issue 26): the ranking from durations and a kill record, the prior
-without one, and the plugin's --kvh-order and the lists' `order:` in real pytest
-processes, serial and under pytest-xdist with the pre-merge session's flags: the order is
-the derived one, every selected test runs once, and the leak check reports the same."""
+without one, and the plugin's --kvh-order and the lists' `order:` in pytest runs over a
+small project: serial runs in this process (pytester's in-process runs), and one real
+pytest process under pytest-xdist with the pre-merge session's flags: the order is the
+derived one, every selected test runs once, and the leak check reports the same. `-x`
+under pytest-xdist, a second process, runs post-merge (`..._wide`)."""
 
 from __future__ import annotations
 
@@ -89,25 +91,37 @@ def test_the_prior_weighs_oracles_bound_by_cache_tests(monkeypatch: pytest.Monke
                          checked=module("harness.oracle.checked_manager"),
                          run_steps=from_module("tests.support"), again=support)
     unit_test = module("tests.test_unit", kvcache=module("kvcache"))
-    lists_test = module("tests.test_lists", db=module("harness.lists.db"),
+    lists_test = module("tests.test_lists", db=module("harness.lists.db"))
+    judge_test = module("tests.test_judge", Judge=from_module("harness.conform.controller.judge"),
                         oracle=from_module("harness.oracle.after_test"))
+    docs_test = module("tests.test_docs", Path=from_module("pathlib"), pytest=pytest)
     prior = PriorWeights()
     assert prior.of(oracle_test) == 3  # the cache, the checked manager, the index via support
     assert prior.of(unit_test) == 1
-    assert prior.of(lists_test) == 0  # binds nothing from the cache: cannot see its bugs
+    # The harness is code under test too: its lists as much as a cache unit test, the
+    # judge and an oracle as two oracles.
+    assert prior.of(lists_test) == 1
+    assert prior.of(judge_test) == 3
+    assert prior.of(docs_test) == 0  # binds neither the cache nor the harness
     assert prior.of(None) == 0
 
 
-def test_the_prior_puts_oracle_and_fuzz_tests_above_unit_and_harness_tests() -> None:
+def test_the_prior_puts_oracle_and_fuzz_tests_above_unit_tests_and_harness_tests_beside_them(
+        ) -> None:
+    from tests.ci import test_docs
     from tests.harness.lists import test_db
-    from tests.harness.oracle import test_checked_manager
+    from tests.harness.oracle import test_capacity, test_checked_manager, test_provenance
     from tests.reliability import test_cache_fuzz
     from tests.unit.core import test_radix_keys
 
     prior = PriorWeights()
     unit = prior.of(test_radix_keys)
     assert prior.of(test_checked_manager) > unit and prior.of(test_cache_fuzz) > unit
-    assert unit > prior.of(test_db) == 0
+    # The oracles' own tests weigh as much as the tests they judge (a broken oracle turns
+    # every other test green), the lists' as a unit test; only what binds neither the
+    # cache nor the harness (the docs) waits for the tail.
+    assert prior.of(test_provenance) > unit and prior.of(test_capacity) > unit
+    assert prior.of(test_db) == unit > prior.of(test_docs) == 0
 
 
 def _fixture_scope(decorator: ast.expr) -> str | None:
@@ -199,8 +213,10 @@ def project(quiet_pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def _run(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str
-         ) -> tuple[pytest.RunResult, list[tuple[str, str]]]:
+def _run(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str,
+         subprocess: bool = False) -> tuple[pytest.RunResult, list[tuple[str, str]]]:
+    """pytest over `project` with its lists, in this process unless `subprocess`; returns
+    the result and the (worker, node id) of each test in the order they ran."""
     log = project.path / f"order-{len(list(project.path.glob('order-*')))}.log"
     monkeypatch.setenv("ORDER_LOG", str(log))
     # This checkout's kvcache and plugin, not the installed ones (pytester puts its own
@@ -208,8 +224,8 @@ def _run(project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)  # when this test runs in an xdist worker
-    result = project.runpytest_subprocess("--kvh-test-db", "lists/test-db", "-p", "no:randomly",
-                                          *args)
+    run = project.runpytest_subprocess if subprocess else project.runpytest_inprocess
+    result = run("--kvh-test-db", "lists/test-db", "-p", "no:randomly", *args)
     lines = log.read_text().splitlines() if log.exists() else []
     return result, [(w, n) for w, n in (line.split(" ", 1) for line in lines)]
 
@@ -229,13 +245,23 @@ def test_a_serial_run_keeps_the_derived_order(
     # The six cheap killers of one mutant each first, then the slow one that kills all six
     # (12 kills/s), then the rest by node id: far from collection order.
     assert derived.index("tests/test_o.py::test_leaky") == 6 and derived[1] != NODE_IDS[1]
-    serial, ran = _run(project, monkeypatch, "-n", "0")
+    # `nox -s premerge -- -n 0`: the pre-merge session's flags, serially.
+    serial, ran = _run(project, monkeypatch, *_nox_parallel_flags(), "-n", "0")
     assert [n for _, n in ran] == derived  # each test once, in the derived order
+    assert {w for w, _ in ran} == {"main"}
     serial.assert_outcomes(passed=14, errors=1)
     serial.stdout.fnmatch_lines([FIRST_FAILURE, "*= ERRORS =*"])  # said at once, not at the end
     serial.stdout.fnmatch_lines(["*kvharness order: fail-first over 14 of 14 tests, by new "
                                  "kills per second of lists/.test_kills.json (8 mutants); "
                                  "durations from lists/.test_durations"])
+    _assert_the_leak_is_reported(serial)
+
+
+def _assert_the_leak_is_reported(result: pytest.RunResult) -> None:
+    result.assert_outcomes(passed=14, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaky*",
+                                 "*mgr (KvCacheManager): leaked: sequence 1 is still live, "
+                                 "holding 3 blocks*"])
 
 def _nox_parallel_flags() -> list[str]:
     """The pytest-xdist flags `nox -s premerge` runs with (noxfile.py's PARALLEL), read
@@ -252,9 +278,9 @@ def test_premerge_flags_keep_the_order_in_each_worker(
     flags = _nox_parallel_flags()
     assert flags[:2] == ["-n", "auto"]
     derived = _derived()
-    serial, ran = _run(project, monkeypatch, *flags, "-n", "0")  # `nox -s premerge -- -n 0`
-    assert [n for _, n in ran] == derived and {w for w, _ in ran} == {"main"}
-    parallel, ran_n2 = _run(project, monkeypatch, *flags[2:], "-n", "2")
+    # A real pytest process, as `nox -s premerge` starts it (its serial twin runs in
+    # process: test_a_serial_run_keeps_the_derived_order).
+    parallel, ran_n2 = _run(project, monkeypatch, *flags[2:], "-n", "2", subprocess=True)
     workers = {w for w, _ in ran_n2}
     assert workers == {"gw0", "gw1"}
     # Each worker runs a subsequence of the derived order; together, each test once.
@@ -267,28 +293,28 @@ def test_premerge_flags_keep_the_order_in_each_worker(
     # first among them.
     firsts = {next(n for w, n in ran_n2 if w == worker) for worker in workers}
     assert derived[0] in firsts and firsts <= set(derived[:4])
-    for result in (serial, parallel):  # the leak check reports the same in each worker
-        result.assert_outcomes(passed=14, errors=1)
-        result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaky*",
-                                     "*mgr (KvCacheManager): leaked: sequence 1 is still live, "
-                                     "holding 3 blocks*"])
+    _assert_the_leak_is_reported(parallel)  # as in a serial run, from a worker
     parallel.stdout.fnmatch_lines(["*kvharness order: fail-first over 14 of 14 tests, by new "
                                    "kills per second of lists/.test_kills.json (8 mutants)*"])
     parallel.stdout.fnmatch_lines([FIRST_FAILURE, "*= ERRORS =*"])
 
 
-def test_x_stops_at_the_first_failure_serial_and_parallel(
+def test_x_stops_at_the_first_failure(
         project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    derived = _derived()
     serial, ran = _run(project, monkeypatch, "-x", "-n", "0")
-    assert [n for _, n in ran] == derived[:7]  # up to test_leaky, the first to fail
-    parallel, ran_n2 = _run(project, monkeypatch, *_nox_parallel_flags()[2:], "-n", "2", "-x")
+    assert [n for _, n in ran] == _derived()[:7]  # up to test_leaky, the first to fail
+    serial.stdout.fnmatch_lines([FIRST_FAILURE, "*stopping after 1 failures*"])
+
+
+def test_x_stops_at_the_first_failure_in_parallel_wide(
+        project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    parallel, ran_n2 = _run(project, monkeypatch, *_nox_parallel_flags()[2:], "-n", "2", "-x",
+                            subprocess=True)
     names = [n for _, n in ran_n2]
     # The controller stops handing out tests at the first failure (each worker has at
     # most two queued); tests of a few milliseconds may all have run by then.
     assert "tests/test_o.py::test_leaky" in names and len(set(names)) == len(names)
-    for result in (serial, parallel):
-        result.stdout.fnmatch_lines([FIRST_FAILURE, "*stopping after 1 failures*"])
+    parallel.stdout.fnmatch_lines([FIRST_FAILURE, "*stopping after 1 failures*"])
 
 
 def test_the_command_line_overrides_the_lists(

@@ -131,7 +131,7 @@ def test_gpu_tests_skip_with_reason_without_lists(project: pytest.Pytester) -> N
     result.stdout.fnmatch_lines(["SKIPPED*needs CUDA*"])
 
 
-def test_run_wide_timeout_replaces_the_default(project: pytest.Pytester) -> None:
+def test_a_timeout_for_the_whole_run_replaces_the_default(project: pytest.Pytester) -> None:
     result = project.runpytest("--kvh-test-db", "lists/test-db", "--timeout", "30",
                                "-k", "timeout_marker")
     result.assert_outcomes(passed=1, deselected=7)

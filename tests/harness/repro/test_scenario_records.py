@@ -1,12 +1,16 @@
 """One-command reproduction of failed scenarios: a real scenario fails (a fault-injecting
 attention backend mis-reads reused KV, an engine over-counts reuse, or an exact oracle
 check runs on a pool that evicts), writes `<results-dir>/repro/<test id>.json`, and
-`kvharness repro FILE` in a fresh interpreter re-runs the engines on the recorded
-workload and shows the same failure; with the fault removed it says the failure is gone,
-and with one of two faults removed it names the check the other one still fails."""
+`kvharness repro FILE` re-runs the engines on the recorded workload and shows the same
+failure; with the fault removed it says the failure is gone, and with one of two faults
+removed it names the check the other one still fails. One re-run is in a fresh
+interpreter, as a person runs it; the rest call the CLI's `main` in this process (the
+same arguments, output and exit status, without a torch import each)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -110,10 +114,17 @@ def load(path: Path) -> ScenarioRecord:
     return ScenarioRecord.from_fields(fields)
 
 
-def kvharness_repro(path: Path) -> subprocess.CompletedProcess[str]:
-    """`kvharness repro FILE` in a fresh interpreter: no pytest, no collection."""
-    return run_child([sys.executable, "-m", "harness.cli", "repro", str(path)], cwd=ROOT,
-                     env=_env())
+def kvharness_repro(path: Path, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """`kvharness repro FILE`: its exit status and output; in a fresh interpreter (no
+    pytest, no collection) if `fresh`, else through `harness.cli.main` in this process."""
+    if fresh:
+        return run_child([sys.executable, "-m", "harness.cli", "repro", str(path)], cwd=ROOT,
+                         env=_env())
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = kvharness(["repro", str(path)])
+    return subprocess.CompletedProcess(["kvharness", "repro", str(path)], code,
+                                       out.getvalue(), err.getvalue())
 
 
 def edit(path: Path, change: Any, out: Path) -> Path:
@@ -142,11 +153,12 @@ def test_a_warm_cold_mismatch_records_the_engine_and_the_workload(
     assert record.message.startswith("warm vs cold: request 2 (prompt of 14 tokens")
 
 
-@pytest.mark.parametrize("name", NAMES[:2])
+@pytest.mark.parametrize(("name", "fresh"), [(NAMES[0], True), (NAMES[1], False)],
+                         ids=NAMES[:2])
 def test_kvharness_repro_shows_the_same_output_failure(repro_files: dict[str, Path],
-                                                       name: str) -> None:
+                                                       name: str, fresh: bool) -> None:
     record = load(repro_files[name])
-    done = kvharness_repro(repro_files[name])
+    done = kvharness_repro(repro_files[name], fresh)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[lines.index("reproduced:") + 1] == record.message
