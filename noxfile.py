@@ -193,6 +193,14 @@ def conform(session: nox.Session) -> None:
     session.run("python", "-m", "harness.cli", "conform", *session.posargs)
 
 
+@nox.session(default=False)
+def gate_bench(session: nox.Session) -> None:
+    """The gate's clean pass against 7215b7d's, back to back (tools/gate_bench.py --help):
+    a benchmark for a quiet machine; gate_bench.json in results/gate_bench."""
+    results = _setup(session, "test,bench")
+    session.run("python", "tools/gate_bench.py", f"--out={results}", *session.posargs)
+
+
 # What the GPU check imports besides torch and flashinfer; it runs the project from this
 # checkout, so where torch's folder already has these nothing is installed (offline).
 _GPU_CHECK_NEEDS = ("numpy", "yaml", "pydantic", "safetensors", "pytest", "pytest_timeout")
