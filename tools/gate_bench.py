@@ -8,7 +8,7 @@ under N pytest-xdist workers, and prints the seconds, the tests each ran (from i
 XML) and the ratios: HEAD's serial pass over the base's (the target is <= 1.0) and the
 parallel pass over the serial one (<= 0.6). A benchmark, never a test: its figures
 depend on the machine and on what else runs there, so it belongs on a quiet one.
-Writes gate_bench.json into --out (results/gate-bench/). Run it from a venv with the
+Writes gate_bench.json into --out (results/gate_bench/, as `nox -s gate_bench`). Run it from a venv with the
 test extra (`pip install -e ".[test]"`), its bin first on PATH (a test runs `kvharness`).
 
 Each tree runs with its own spelling of the harness's flags (`--kvh-test-db` now,
@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "7215b7d"
-RESULTS = ROOT / "results" / "gate-bench"
+RESULTS = ROOT / "results" / "gate_bench"
 # `nox -s premerge`'s scheduling (noxfile.py's PARALLEL, less the worker count).
 SCHEDULING = ("--dist", "load", "--maxschedchunk", "1")
 SERIAL_TARGET, PARALLEL_TARGET = 1.0, 0.6
