@@ -8,8 +8,9 @@ under N pytest-xdist workers, and prints the seconds, the tests each ran (from i
 XML) and the ratios: HEAD's serial pass over the base's (the target is <= 1.0) and the
 parallel pass over the serial one (<= 0.6). A benchmark, never a test: its figures
 depend on the machine and on what else runs there, so it belongs on a quiet one.
-Writes gate_bench.json into --out (results/gate_bench/, as `nox -s gate_bench`). Run it from a venv with the
-test extra (`pip install -e ".[test]"`), its bin first on PATH (a test runs `kvharness`).
+Writes gate_bench.json into --out (results/gate_bench/, as `nox -s gate_bench`). Run it
+from a venv with the test extra (`pip install -e ".[test]"`), its bin first on PATH (a
+test runs `kvharness`).
 
 Each tree runs with its own spelling of the harness's flags (`--kvh-test-db` now,
 `--test-db` before the rename), read from `pytest --help` in that tree. A run that fails
