@@ -111,6 +111,23 @@ def test_after_an_engine_raised_the_judge_keeps_judging_in_step() -> None:
     assert "expected  1 (0 held in the cache, 1 private)\n  actual    5" in found[1].message
 
 
+def test_the_events_of_a_step_that_raised_are_folded() -> None:
+    # the second commit stores A's second block and publishes it, then raises: the
+    # engine's events of that step are the router's view all the same, so the index
+    # takes them and agrees with the cache after it (judged on its status alone, it
+    # would be one block short from then on: an events finding that is not the engine's)
+    target = LocalTarget(kvcache.load(faults.raises_at("commit", "logged")))
+    judge = Judge(target.open(32, B), 32)
+    op_list = [ops.admit("A", range(100, 108)), ops.commit("A", 4), ops.commit("A", 8),
+               ops.free("A")]
+    reports = [target.apply(op) for op in op_list]
+    assert [r.status for r in reports] == ["done", "done", "raised", "done"]
+    assert [e.get("type") for e in reports[2].events] == ["BlockStored"]
+    found = [v for r in reports for v in judge.observe(r)]
+    assert [(v.oracle, v.step) for v in found] == [("api", 2)]
+    assert sum(judge.index.counts.values()) == 2
+
+
 @pytest.mark.parametrize("when", ["before", "logged", "unlogged"])
 @pytest.mark.parametrize("kind", ops.KINDS)
 def test_every_way_an_engine_raises_is_judged_to_the_end(kind: str, when: str) -> None:
