@@ -172,7 +172,7 @@ def test_nox_sessions() -> None:
                 if line[:2] in ("* ", "- ")}
     assert sessions == {"premerge": "*", "postmerge": "-", "lists": "-", "lint": "-", "bench": "-",
                         "gpu": "-", "repro": "-", "structure": "-", "conform": "-",
-                        "mutants": "-"}
+                        "mutants": "-", "gate_bench": "-"}
 
 
 def test_noxfile_needs_the_nox_the_dev_extra_installs() -> None:
