@@ -66,7 +66,10 @@ EventField = Literal["parent_block_hash", "token_ids", "block_size", "salt", "lo
 # How a windowed cache's groups lie: every layer windowed ("window-only", kvcache's), or a
 # full-attention group beside a sliding-window group (a hybrid model's: vLLM's
 # HybridKVCacheCoordinator), whose window blocks the windowNumBlocks gauge counts.
-WindowLayout = Literal["window-only", "full-and-window"]
+# "window-pool": a full-attention group beside a window group with a pool of its own,
+# as large as the full group's (SGLang's SWAKVPool): the ids, the log and usedNumBlocks
+# are the full group's, and the adapter's integrity check accounts for the window pool.
+WindowLayout = Literal["window-only", "full-and-window", "window-pool"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]
@@ -299,7 +302,10 @@ class Contract:
     window: the sliding window (tokens) of the cache's window group; None: full
       attention only. window_layout: how the groups lie (`WindowLayout`): under
       "full-and-window" the block ids and the log are the full-attention group's, and
-      the window group's blocks are counted apart (windowNumBlocks). host_blocks: the
+      the window group's blocks are counted apart (windowNumBlocks); under
+      "window-pool" the window group has a pool of its own, which the judge does not
+      count (the engine's rule of what a request holds there is the `window`
+      citation's) and the adapter's integrity check accounts for. host_blocks: the
       host tier behind the device pool (blocks; None: none): an evicted block moves
       there and a later admission reuses it from there. state_interval: the recurrent
       state is kept with every block ending a multiple of this many blocks (None: no

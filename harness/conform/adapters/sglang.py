@@ -40,6 +40,7 @@ from typing import Any
 from harness.conform.adapters import sglang_scheduler
 from harness.conform.protocol import (
     Admission,
+    CacheOptions,
     CacheUnderTest,
     Contract,
     EventField,
@@ -204,7 +205,10 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     the lock's stubs) each fresh cache is that code over the tree (`tree_kind`);
     otherwise `cache(names, version, num_blocks, block_size, record)`, the adapter as the
     tree's caller (where the scheduler code is there but does not import, its contract's
-    notes say why). Raises as `load`."""
+    notes say why). A cache opened with a `window` (`CacheOptions`) is a full-and-window
+    UnifiedRadixCache under that code, where the tree is "unified" and the release has
+    its SWA component (the contract's `options` says so; elsewhere none are honoured).
+    Raises as `load`."""
     prime_probes(stubs)
     finder = install(stubs)
     sglang_scheduler.set_environment()  # before SGLang reads it at import
@@ -225,18 +229,24 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
         except Exception as exc:  # this lock stubs what the scheduler code imports
             engine.unscheduled = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
 
-    def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
+    def configured(num_blocks: int, block_size: int, record: bool,
+                   options: CacheOptions) -> CacheUnderTest:
         if scheduler is None:
             return cache(engine, found, num_blocks, block_size, record)
         base = tree_contract(known, block_size)
         if known != found:
             base = settle(base, found, engine.detected)
+        windowed = scheduler.swa is not None and tree_kind == "unified"
         return sglang_scheduler.SglangScheduled(
-            engine, scheduler, tree_kind, base, num_blocks, block_size, record)
+            engine, scheduler, tree_kind, base, num_blocks, block_size, record,
+            options.window if windowed else None)
+
+    def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
+        return configured(num_blocks, block_size, record, CacheOptions())
 
     return LoadedEngine(name, found, os.path.dirname(str(sglang.__file__)), new,
                         modules, tuple(finder.served),
-                        contract_basis(found, known, engine.detected))
+                        contract_basis(found, known, engine.detected), configured)
 
 
 class SglangNames:

@@ -21,7 +21,9 @@ than copying it (runs in an SGLang venv whose lock keeps the real device pools):
   tokens enter the tree only then), an aborted one `release_kv_cache(checkpoint=False)`,
   a preempted one `release_req` (SGLang's retraction), resumed as the same `Req`;
 - the tree is `RadixCache` or `UnifiedRadixCache` (full attention), built with
-  `KvEventLoraNames` that the adapter fills as the scheduler does.
+  `KvEventLoraNames` that the adapter fills as the scheduler does; a `UnifiedRadixCache`
+  opened with a window is FULL+SWA over SGLang's default hybrid sliding-window pools
+  (`SWAKVPool`, `SWATokenToKVPoolAllocator`), its rule `WINDOW_RULE`.
 
 What stays replicated is listed in `REPLICATED` (the contract's `replicated`). The
 admission budget reserves no decode tokens (`SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=0`,
@@ -43,6 +45,7 @@ from typing import Any
 from harness.conform.protocol import (
     Admission,
     Contract,
+    OptionName,
     Scope,
     Stats,
     event_kind,
@@ -127,6 +130,8 @@ class SchedulerNames:
         self.NO_SPEC = SpeculativeAlgorithm.NONE
         self.clip = schedule_policy.CLIP_MAX_NEW_TOKENS
         self.published_page_size: int | None = None
+        self.swa = _swa_names()
+
 
     def publish_config(self, page_size: int) -> None:
         """Publish the process's runtime config for `page_size` (SGLang keeps one per
@@ -140,13 +145,48 @@ class SchedulerNames:
         self.published_page_size = page_size
 
 
+def _swa_names() -> tuple[Any, Any, Any] | None:
+    """A hybrid model's sliding-window pools as SGLang's server builds them by default
+    (`kv_cache_configurator.py`: `SWAKVPool` and `SWATokenToKVPoolAllocator`, two paged
+    allocators, so their CPU paths) and the tree's SWA component: (pool, allocator,
+    ComponentType.SWA), or None where this release's UnifiedRadixCache has no SWA
+    component (it is then not the tree the adapter drives)."""
+    if importlib.util.find_spec("sglang.srt.mem_cache.unified_cache.components.swa") is None:
+        return None
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    return SWAKVPool, SWATokenToKVPoolAllocator, ComponentType.SWA
+
+
 def set_environment() -> None:
     """What SGLang must read at import (`CLIP_ENV`); call before importing it."""
     os.environ[CLIP_ENV[0]] = CLIP_ENV[1]
 
 
-def contract(base: Contract, names: SchedulerNames) -> Contract:
-    """`base` (the tree's contract) as SGLang's scheduler code makes it."""
+# SGLang's window rule (0.5.23), each part where its own code says so; the contract's
+# `window` citation
+WINDOW_RULE = (
+    "UnifiedRadixCache(FULL, SWA) over SWAKVPool + SWATokenToKVPoolAllocator, the "
+    "default pools of a hybrid sliding-window model (mem_cache/kv_cache_configurator.py "
+    "SWATokenToKVPoolAllocator, without --enable-unified-memory): the window group has a "
+    "pool of its own as large as the full group's. A running request frees its own "
+    "slots' window KV only at a decode step's allocation (managers/schedule_batch.py:4087 "
+    "maybe_evict_swa: decode_batch_idx >= 1; an extend frees none where the tree shares "
+    "prefixes, :4107), below seqlen - ceil(max(window, page)) pages, never below what it "
+    "checkpointed into the tree (mem_cache/common.py:100-118 free_swa_out_of_window_slots); "
+    "what is in the tree keeps its window KV, locked for the window and LRU-evictable "
+    "below it, where an eviction tombstones an inner node (its full KV stays; "
+    "unified_cache/components/swa.py:694-724 evict_component); a match ends only where "
+    "the window before it has window KV (swa.py:369-375 create_match_validator)")
+
+
+def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
+             window: int | None = None) -> Contract:
+    """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
+    `tree_kind`; with `window` (tokens), over a full-and-window UnifiedRadixCache
+    (only where `names.swa` and the tree is "unified": `options` says so)."""
     citations = (*base.citations,
                  ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
                                   "(batch_result_processor.py, Scheduler.stash_chunked_"
@@ -181,11 +221,18 @@ def contract(base: Contract, names: SchedulerNames) -> Contract:
                                               "_namespace_seed: the default format "
                                               "namespaces an extra key KvEventLoraNames "
                                               "names (a LoRA's), not a caller's own"),)
+    options: tuple[OptionName, ...] = ()
+    if names.swa is not None and tree_kind == "unified":
+        options = ("window",)
+    if window is not None:
+        citations += (("window", WINDOW_RULE),)
     return replace(base, matchable_at="extend", decode_steps=True, refusal_evicts=True,
                    preemption="retracts-decode", chunking="caller-page-floor",
                    admission_fits="prompt", admission_reserve=2,
                    limitations=limitations, event_fields=fields,
-                   replicated=REPLICATED, citations=citations,
+                   replicated=REPLICATED, citations=citations, options=options,
+                   window=window,
+                   window_layout="window-pool" if window is not None else "window-only",
                    notes=(*base.notes, "SGLang's scheduler functions drive the tree"))
 
 
@@ -208,7 +255,8 @@ class SglangScheduled:
     component), page_size = block_size."""
 
     def __init__(self, s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
-                 num_blocks: int, block_size: int, record: bool) -> None:
+                 num_blocks: int, block_size: int, record: bool,
+                 window: int | None = None) -> None:
         self.s, self.n = s, names  # the tree's names (SglangNames), the scheduler's
         self.tree_kind = tree_kind
         self.block_size = block_size
@@ -219,15 +267,29 @@ class SglangScheduled:
         P = block_size
         self.rows = names.ReqToTokenPool(size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
                                          device="cpu", enable_memory_saver=False)
-        self.kv = names.MHATokenToKVPool(num_blocks * P, P, torch.float16, head_num=1,
-                                         head_dim=8, layer_num=1, device="cpu",
-                                         enable_memory_saver=False)
-        self.alloc = names.PagedAllocator(num_blocks * P, P, torch.float16, "cpu", self.kv,
-                                          need_sort=False)
+        self.window = window
+        if window is None:
+            self.kv = names.MHATokenToKVPool(num_blocks * P, P, torch.float16, head_num=1,
+                                             head_dim=8, layer_num=1, device="cpu",
+                                             enable_memory_saver=False)
+            self.alloc = names.PagedAllocator(num_blocks * P, P, torch.float16, "cpu",
+                                              self.kv, need_sort=False)
+            self.full = self.alloc  # the full-attention pages' allocator
+        else:  # layer 0 full attention, layer 1 the window; a pool each, equal sizes
+            assert names.swa is not None and tree_kind == "unified", "no SWA tree here"
+            pool, allocator, _ = names.swa
+            self.kv = pool(size=num_blocks * P, size_swa=num_blocks * P, page_size=P,
+                           dtype=torch.float16, head_num=1, head_dim=8,
+                           swa_attention_layer_ids=[1], full_attention_layer_ids=[0],
+                           device="cpu", enable_memory_saver=False)
+            self.alloc = allocator(num_blocks * P, num_blocks * P, page_size=P,
+                                   dtype=torch.float16, device="cpu", kvcache=self.kv,
+                                   need_sort=False, req_to_token_pool=self.rows)
+            self.full = self.alloc.full_attn_allocator
         self.lora_names = names.LoraNames()
         self.tree = self._build_tree()
         self.model = _ModelShape(vocab_size=1 << 20, is_encoder_decoder=False)
-        self._contract = contract(base, names)
+        self._contract = contract(base, names, tree_kind, window)
         self._live: dict[Hashable, _Live] = {}
         self._retracted: dict[Hashable, Any] = {}  # seq -> its retracted Req
         self._preempted: list[Hashable] = []  # retracted since take_preempted
@@ -239,6 +301,10 @@ class SglangScheduled:
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
             page_size=P, enable_kv_cache_events=self.record,
             kv_event_lora_names=self.lora_names)
+        if self.tree_kind == "unified" and self.window is not None:
+            assert n.swa is not None
+            return s.UnifiedRadixCache(n.CacheInitParams(
+                **params, sliding_window_size=self.window, tree_components=(s.FULL, n.swa[2])))
         if self.tree_kind == "unified":
             return s.UnifiedRadixCache(n.CacheInitParams(**params,
                                                          tree_components=(s.FULL,)))
@@ -365,9 +431,9 @@ class SglangScheduled:
 
     def _evict_tokens(self, num_tokens: int) -> int:
         """The tree's own evict; returns the slots it freed."""
-        before = self.alloc.available_size()
+        before = self.full.available_size()
         self.tree.evict(self.s.EvictParams(num_tokens=num_tokens))
-        return self.alloc.available_size() - before
+        return self.full.available_size() - before
 
     def _write(self, event: dict[str, Any]) -> None:
         if self.record:
@@ -521,7 +587,11 @@ class SglangScheduled:
         engine: dict[str, int | float] = {
             "evictable_size": self.tree.evictable_size(),
             "protected_size": self.tree.protected_size(), "total_size": self._total(),
-            "available_size": self.alloc.available_size()}
+            "available_size": self.full.available_size()}
+        if self.window is not None:
+            engine.update(swa_available_size=self.alloc.swa_available_size(),
+                          swa_evictable_size=self.tree.swa_evictable_size(),
+                          swa_protected_size=self.tree.swa_protected_size())
         used = self.used_blocks()
         harness: dict[str, int | float] = {
             "maxNumBlocks": self.num_blocks, "usedNumBlocks": used,
@@ -545,7 +615,7 @@ class SglangScheduled:
     def used_blocks(self) -> int:
         """Pages neither free in SGLang's allocator nor evictable in its tree."""
         P = self.block_size
-        return self.num_blocks - self.alloc.available_size() // P \
+        return self.num_blocks - self.full.available_size() // P \
             - int(self.tree.evictable_size()) // P
 
     def cached_hashes(self) -> None:
@@ -567,7 +637,7 @@ class SglangScheduled:
         them; no page is free twice; the tree's gauges add up."""
         out: list[str] = []
         held = self._held()
-        free_list = [int(p) for p in self.alloc.get_all_free_pages().tolist()]
+        free_list = [int(p) for p in self.full.get_all_free_pages().tolist()]
         free, tree_pages = set(free_list), self._tree_pages()
         if len(held) != len(set(held)):
             out.append(f"pages held by two requests: {sorted(held)}")
@@ -582,10 +652,32 @@ class SglangScheduled:
         if lost:
             out.append(f"pages owned by nobody (leaked): {sorted(lost)}")
         t = self.tree
+        if self.window is not None:
+            out += self._window_integrity()
         if t.evictable_size() + t.protected_size() != self._total():
             out.append(f"evictable {t.evictable_size()} + protected {t.protected_size()} "
                        f"!= total {self._total()}")
         return out
+
+    def _window_integrity(self) -> list[str]:
+        """The window pool's pages in use are the tree's window pages (evictable and
+        protected) and those live requests hold of their own: their rows past what they
+        checkpointed, less what SGLang freed below the window ([swa_dead_lo, the
+        request's SWA eviction cursor))."""
+        P, swa = self.block_size, self.n.swa[2]  # type: ignore[index]
+        held = 0
+        for live in self._live.values():
+            kv = live.req.kv
+            lo, hi = kv.swa_dead_lo(P), kv.get_evicted_seqlen(swa)
+            row = self._row(live.req, kv.kv_allocated_len)
+            held += len({row[i] // P for i in range(kv.cache_protected_len, len(row))
+                         if not lo <= i < hi})
+        used = self.num_blocks - self.alloc.swa_available_size() // P
+        tree = (self.tree.swa_evictable_size() + self.tree.swa_protected_size()) // P
+        if used != tree + held:
+            return [f"window pool: {used} pages in use, but the tree holds {tree} and live "
+                    f"requests {held} of their own"]
+        return []
 
     def _tree_pages(self) -> set[int]:
         """The pages the tree holds: RadixCache's nodes walked (its all_values_flatten

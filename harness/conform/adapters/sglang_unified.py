@@ -1,5 +1,6 @@
-"""SGLang's `UnifiedRadixCache` with its full-attention component behind the cache-level
-protocol (runs in an SGLang venv): the tree 0.5.22 and 0.5.23 build by default
+"""SGLang's `UnifiedRadixCache` with its full-attention component (and, under SGLang's
+own scheduler code with a window, its SWA component: `sglang_scheduler`) behind the
+cache-level protocol (runs in an SGLang venv): the tree 0.5.22 and 0.5.23 build by default
 (`mem_cache/registry.py` `default_radix_cache_factory` -> `create_unified_radix_cache`).
 
 The adapter is `sglang_adapter.SglangCache`, the tree's scheduler, with the differences
@@ -45,7 +46,8 @@ def contract(version: str, block_size: int) -> Contract:
                  ("dedup_on_commit", "unified_radix_cache.py insert: the walk's cache "
                                      "actions (FreeDeviceKV) free the duplicate slots"))
     return replace(base, engine="sglang_unified", citations=citations,
-                   notes=(*base.notes, "full-attention component only"))
+                   notes=(*base.notes, "the full-attention component; with a window, the SWA "
+                                      "component too (sglang_scheduler.WINDOW_RULE)"))
 
 
 class UnifiedNames(SglangNames):

@@ -1,0 +1,105 @@
+"""SGLang's sliding-window cache behind the protocol: a full-and-window
+`UnifiedRadixCache` over SGLang's own `SWAKVPool` and `SWATokenToKVPoolAllocator`, driven
+by its scheduler code (`sglang_unified`, 0.5.23). The contract's window fields are
+checked without an engine; one sliding-window op list runs on the cached 0.5.23 install
+(skipped where it is not cached, as the engine smoke is)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from harness.conform import ops
+from harness.conform.adapters import sglang_scheduler
+from harness.conform.adapters.sglang_unified import contract as unified_contract
+from harness.conform.controller import install
+from harness.conform.controller.engine_spec import EngineSpec, open_target
+from harness.conform.controller.judge import Judge
+from harness.conform.controller.locks import pinned
+from harness.conform.controller.report import Report
+from harness.conform.controller.targets import Target
+from harness.conform.protocol import CacheOptions
+
+B = 4
+LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
+
+
+def names(swa: bool) -> SimpleNamespace:
+    """What `sglang_scheduler.contract` reads of the scheduler's names: whether the
+    release has the tree's SWA component, and 0.5.23's LoRA-naming event recorder."""
+    return SimpleNamespace(swa=("pool", "allocator", "SWA") if swa else None,
+                           names_requests=True)
+
+
+def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() -> None:
+    base = unified_contract("0.5.23", B)
+    assert sglang_scheduler.contract(base, names(True), "unified").options == ("window",)
+    assert sglang_scheduler.contract(base, names(False), "unified").options == ()
+    assert sglang_scheduler.contract(base, names(True), "radix").options == ()
+
+
+def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> None:
+    base = unified_contract("0.5.23", B)
+    plain = sglang_scheduler.contract(base, names(True), "unified")
+    windowed = sglang_scheduler.contract(base, names(True), "unified", 8)
+    assert (plain.window, plain.window_layout) == (None, "window-only")
+    assert (windowed.window, windowed.window_layout) == (8, "window-pool")
+    cited = dict(windowed.citations)["window"]
+    for where in ("schedule_batch.py:4087", "common.py:100-118", "swa.py:369-375",
+                  "swa.py:694-724"):
+        assert where in cited
+    assert "window" not in dict(plain.citations)
+
+
+def test_the_judge_counts_no_window_group_in_a_pool_of_its_own() -> None:
+    """vLLM's window rule (WindowGroup) is for a window group sharing the full group's
+    pool; under "window-pool" the usedNumBlocks are the full group's alone."""
+    base = sglang_scheduler.contract(unified_contract("0.5.23", B), names(True),
+                                     "unified", 8)
+    assert Judge(base, 16).window_group is None
+    shared = replace(base, window_layout="full-and-window")
+    assert Judge(shared, 16).window_group is not None
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    if install.installed(LOCK) is None:
+        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
+                    f"conform {LOCK.spec} installs it)")
+    folder = tmp_path_factory.mktemp("sglang_unified")
+    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), folder,
+                         lambda _: None)
+    yield opened
+    opened.close()
+
+
+def test_a_window_cache_keeps_what_the_tree_holds_and_reuses_it(target: Target) -> None:
+    """A window of 8: A's 24 tokens in chunks of 8, then 5 decoded tokens. SGLang frees
+    none of A's window KV meanwhile (what A checkpointed is the tree's, locked for the
+    window and evictable below it; its own decode slots are freed only 128 tokens past
+    the window, SGLANG_SWA_EVICTION_INTERVAL); B extending A reuses all 28, D sharing
+    its first 16 reuses 16; every oracle and the window pool's accounting hold."""
+    contract = target.open(16, B, CacheOptions(window=8))
+    assert (contract.window, contract.window_layout) == (8, "window-pool")
+    judge = Judge(contract, 16)
+    a, out = list(range(100, 124)), [900, 901, 902, 903, 904]
+    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8),
+               ops.reserve("A", 16), ops.commit("A", 16),
+               ops.reserve("A", 24), ops.commit("A", 24)]
+    for i, t in enumerate(out):
+        op_list += [ops.append("A", [t]), ops.commit("A", 25 + i)]
+    op_list += [ops.free("A"), ops.admit("B", [*a, *out, 1]), ops.free("B"),
+                ops.admit("D", [*a[:16], *range(700, 708)]), ops.free("D")]
+    reports = target.apply_all(op_list)
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)
+    decoded = reports[len(op_list) - 6]  # the last commit of A's decode
+    engine = decoded.stats.engine
+    assert engine["swa_available_size"] == engine["available_size"]
+    assert engine["swa_protected_size"] == 8  # the window's lock, one node of 8
+    assert reports[-4].value["reused_tokens"] == 28
+    assert reports[-2].value["reused_tokens"] == 16
