@@ -195,14 +195,19 @@ def test_a_release_without_a_lock_is_resolved_and_proven(tmp_path: Path) -> None
     """harness.conform.controller.resolve end to end on a small release (SGLang 0.5.6.post1, a 4 MB
     wheel) into an empty cache (the wheels folder shared, so it downloads once): the lock
     starts from 0.5.6's, borrows nothing it does not need, validates, and its venv is the
-    one it was proven in (a run reuses it)."""
+    one it was proven in (a run reuses it). 0.5.6.post1's own lock is committed since, so
+    the run sees the committed locks without it."""
+    from harness.conform.controller.locks import LOCK_DIR
     from harness.conform.controller.resolve import resolve, resolved_dir
 
+    lock_dir = tmp_path / "locks"
+    shutil.copytree(LOCK_DIR, lock_dir)
+    (lock_dir / "sglang-0.5.6.post1.json").unlink()
     base = tmp_path / "engines"
     base.mkdir()
     (install.cache_dir() / "wheels").mkdir(parents=True, exist_ok=True)
     (base / "wheels").symlink_to(install.cache_dir() / "wheels")
-    lock = resolve("sglang", "0.5.6.post1", base, print)
+    lock = resolve("sglang", "0.5.6.post1", base, print, lock_dir)
     assert lock.path == resolved_dir(base) / "sglang-0.5.6.post1.json" and not lock.committed
     assert lock.resolved is not None and lock.resolved["base"] in ("0.5.6", "0.5.5")
     assert "sgl_kernel" in lock.stubs.raising and "torchvision" in lock.stubs.raising
