@@ -90,7 +90,9 @@ REPLICATED = (
      "building one inspects a model class (the model executor's imports, in a "
      "subprocess); the scheduler reads only these attributes of it"),
     ("a sampled token entering its request (Request.append_output_token_ids), with no "
-     "stop checks", "Scheduler.update_from_output (_update_request_with_output)",
+     "stop checks, and the request's prefill stats taken as the output carrying that "
+     "token takes them (Request.take_prefill_stats, where the release has it)",
+     "Scheduler.update_from_output (_update_request_with_output, the EngineCoreOutput)",
      "the op names the token; no model samples it, so the step's output carries none"),
     ("a partly scheduled prompt continues at its reserve op: in between the adapter holds "
      "it out of Scheduler.running, at its place",
@@ -475,6 +477,11 @@ class SchedulerCache(VllmCache):
         req = self._reqs[seq_id]
         before = self._ids(seq_id)
         req.append_output_token_ids(list(tokens))
+        # the output that carries a sampled token takes the prefill stats (0.21 on); left
+        # on the request, a resumption past its prompt trips 0.21-0.25's assert on them
+        take_prefill_stats = getattr(req, "take_prefill_stats", None)
+        if take_prefill_stats is not None:
+            take_prefill_stats()
         victims = self._running_step(seq_id, len(tokens))
         self._log_victims(victims, but=seq_id)
         added = [] if seq_id in victims else self._ids(seq_id)[len(before):]

@@ -231,6 +231,20 @@ def test_the_stats_fix_is_judged_in_vllms_own_scheduler(version: str, status: st
     assert result.status == status, result.message
 
 
+# A decoded request carries its sampled tokens in an output, which takes its prefill
+# stats (Request.take_prefill_stats); 0.21-0.25's scheduler asserts, for a request whose
+# stats are still there, that its hit is within the prompt: resumed past its prompt with
+# the stats left on it, the adapter (not vLLM) tripped that assert
+@pytest.mark.parametrize("version", ["0.24.0", "0.33.0"])
+def test_a_resumed_request_passes_in_vllms_own_scheduler(version: str, tmp_path: Path) -> None:
+    if install.installed(find_lock("vllm", version)) is None:
+        pytest.skip(f"vllm=={version} is not installed in {install.cache_dir()}")
+    report = conform(f"vllm=={version}", tmp_path, seeds=0, only=["preemption_resume"],
+                     say=lambda _: None)
+    (result,) = report.checks
+    assert result.status == "pass", result.message
+
+
 PLANT = {  # vllm#48860 undone in Scheduler.schedule: every lookup counted, refused or not
     """                # Record at admission so unscheduled lookups are not counted.
                 if did_prefix_cache_lookup:
