@@ -70,6 +70,12 @@ EventField = Literal["parent_block_hash", "token_ids", "block_size", "salt", "lo
 # as large as the full group's (SGLang's SWAKVPool): the ids, the log and usedNumBlocks
 # are the full group's, and the adapter's integrity check accounts for the window pool.
 WindowLayout = Literal["window-only", "full-and-window", "window-pool"]
+# Where a hybrid model's recurrent state is kept (`harness.conform.controller.state_group`):
+# with every block ending a multiple of state_interval blocks ("every-k", the harness's);
+# at a scheduler step's last token when it ends such a block ("chunk-ends", vLLM's
+# mamba_cache_mode="align"); or also when that token is the prompt's last block
+# boundary before its last token ("chunk-ends-tail", vLLM 0.26 on: partial hash hits).
+StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]
@@ -214,7 +220,9 @@ class Stats(NamedTuple):
     reusedBlocks, missedBlocks, reusedTokens; aheadNumBlocks: of the used blocks, those
     live sequences hold beyond their tokens' positions, where the contract
     `allocates_ahead`; windowNumBlocks: of the used blocks, those of the sliding-window
-    group, where the contract's `window_layout` is "full-and-window")."""
+    group, where the contract's `window_layout` is "full-and-window"; stateNumBlocks: of
+    the used blocks, those of the recurrent-state group, under a chunk-end
+    `state_rule`)."""
 
     engine: dict[str, int | float]
     harness: dict[str, int | float]
@@ -309,7 +317,9 @@ class Contract:
       host tier behind the device pool (blocks; None: none): an evicted block moves
       there and a later admission reuses it from there. state_interval: the recurrent
       state is kept with every block ending a multiple of this many blocks (None: no
-      recurrent state), so a match ends on such a block. options: the `CacheOptions`
+      recurrent state), so a match ends on such a block; state_rule: where those states
+      are kept (`StateRule`: every such block, or only at a scheduler step's end).
+      options: the `CacheOptions`
       fields the adapter honours.
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
@@ -354,6 +364,7 @@ class Contract:
     window_layout: WindowLayout = "window-only"
     host_blocks: int | None = None
     state_interval: int | None = None
+    state_rule: StateRule = "every-k"
     options: tuple[OptionName, ...] = ()
     replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
@@ -372,7 +383,8 @@ class Contract:
                  "preemption": get_args(Preemption),
                  "decode_refusal": get_args(DecodeRefusal), "chunking": get_args(Chunking),
                  "admission_fits": get_args(AdmissionFits),
-                 "window_layout": get_args(WindowLayout)}
+                 "window_layout": get_args(WindowLayout),
+                 "state_rule": get_args(StateRule)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
         reserve = self.admission_reserve

@@ -29,6 +29,11 @@ After every op (`Judge.observe`):
   between tiers is removed from one medium and stored on the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
+- count, state group: under a chunk-end `state_rule` (a hybrid model's recurrent state
+  kept only at a scheduler step's end) a match reuses what the count oracle predicts
+  for the full-attention group cut to the last state `state_group.StateGroup` kept
+  (the stateNumBlocks gauge counts the state group's blocks, left out of the used
+  blocks as a window group's are).
 - capacity, window group: under a "full-and-window" layout the window group holds what
   `window_group.WindowGroup` says (the windowNumBlocks gauge), and the full-attention
   checks above count the used blocks less those.
@@ -51,6 +56,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 from harness.conform.controller.eviction import FreeQueue
+from harness.conform.controller.state_group import StateGroup
 from harness.conform.controller.window_group import WindowGroup
 from harness.conform.ops import Op
 from harness.conform.protocol import Contract, CounterMeaning
@@ -91,7 +97,8 @@ def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
     bounded = contract.bounded_oracle
     return OracleConfig(contract.block_size, enable_partial_reuse=contract.partial_reuse,
                         copy_on_partial_reuse=contract.copy_on_partial_reuse,
-                        reuse_alignment_blocks=contract.state_interval or 1,
+                        reuse_alignment_blocks=(contract.state_interval or 1)
+                        if contract.state_rule == "every-k" else 1,
                         max_num_blocks=num_blocks if bounded else None,
                         host_cache_blocks=(contract.host_blocks or 0) if bounded else 0,
                         unreused_tail=contract.unreused_tail)
@@ -140,10 +147,15 @@ class Judge:
         self.index = EventIndex(B)
         self.exact = True
         model = ORDER_MODELS.get(contract.eviction_policy)
+        # (a window or state group shares the pool: the full group's order is not alone)
         self.order = model(num_blocks, B) if model is not None and contract.window is None \
-            and contract.id_unit == "block" and not contract.bounded_oracle else None
+            and contract.state_interval is None and contract.id_unit == "block" \
+            and not contract.bounded_oracle else None
         self.window_group = WindowGroup(contract.window, B) \
             if contract.window is not None and contract.window_layout == "full-and-window" \
+            else None
+        self.states = StateGroup(contract.state_rule, contract.state_interval * B, B) \
+            if contract.state_interval is not None and contract.state_rule != "every-k" \
             else None
         self.broken: set[str] = set()
         self.totals: Counter[str] = Counter()  # CounterMeaning -> value so far
@@ -253,7 +265,7 @@ class Judge:
         the capacity model while it follows the cache."""
         B = self.contract.block_size
         tail = self.contract.unreused_tail
-        if self.window_group is not None:
+        if self.window_group is not None or self.states is not None:
             return None  # what both groups need is the engine's own sum: not judged
         if op.kind == "admit":
             scope = self.contract.scope_key(op.scope)
@@ -307,6 +319,8 @@ class Judge:
             self._follow_order(ev, say)
             if self.window_group is not None:
                 self.window_group.apply(ev)
+            if self.states is not None:
+                self.states.apply(ev)
         if self.order is not None and r.op.kind == "evict" and r.status == "done" \
                 and "eviction" not in self.broken:
             self._forget(self.order.evict(r.op, int(r.value)), say)
@@ -389,8 +403,13 @@ class Judge:
         if pred is None:
             return
         want = self._predicted[ev.seq_id] = pred.reused_tokens
+        rule = ""
+        if self.states is not None:
+            want = self.states.cut(ev.tokens, ev.scope, want)
+            rule = (f" (its full-attention match cut to the last recurrent state kept at a "
+                    f"step's end, {self.contract.state_rule})")
         if self.exact and got != want:
-            say("count", "reuse", f"{what}; the count oracle predicts {want}")
+            say("count", "reuse", f"{what}; the count oracle predicts {want}{rule}")
         elif not self.exact and got > want:
             say("count", "reuse", f"{what}, more than was ever computed in its scope "
                                   f"({want}; blocks were evicted since, so that is an "
@@ -421,11 +440,12 @@ class Judge:
         """Blocks the live sequences hold for their tokens' positions: the engine's used
         blocks less those an allocating-ahead engine holds beyond them (its
         aheadNumBlocks gauge) and those of a hybrid cache's window group
-        (windowNumBlocks)."""
+        (windowNumBlocks) and state group (stateNumBlocks)."""
         ahead = r.stats.harness.get("aheadNumBlocks", 0) if self.contract.allocates_ahead \
             else 0
         window = r.stats.harness.get("windowNumBlocks", 0) if self.window_group else 0
-        return r.used_blocks - int(ahead) - int(window)
+        states = r.stats.harness.get("stateNumBlocks", 0) if self.states else 0
+        return r.used_blocks - int(ahead) - int(window) - int(states)
 
     def _check_capacity(self, r: StepReport, say: Any) -> None:
         if "capacity" in self.broken:

@@ -1,0 +1,108 @@
+"""A hybrid model's recurrent-state group under vLLM's chunk-end rule (`state_group`),
+by hand-written logs with vLLM 0.33.0's numbers (blocks of 4, states every 2 blocks),
+and the judge holding an engine to it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from harness.conform import ops
+from harness.conform.adapters.vllm import contract as vllm_contract
+from harness.conform.controller.judge import Judge
+from harness.conform.controller.state_group import StateGroup, keeps
+from harness.conform.protocol import Contract, Stats
+from harness.conform.worker.session import StepReport
+from harness.oracle.types import normalize_event
+
+B = 4
+
+
+def _ev(kind: str, seq: str, **fields: Any) -> Any:
+    return normalize_event({"kind": kind, "seq_id": seq, **fields})
+
+
+def test_only_step_ends_on_a_state_block_keep_a_state() -> None:
+    assert [n for n in range(1, 25) if keeps("chunk-ends", n, 22, 8, B)] == [8, 16, 24]
+    # with partial hash hits also the prompt's last block boundary before its last token
+    assert [n for n in range(1, 25) if keeps("chunk-ends-tail", n, 22, 8, B)] == [8, 16, 20, 24]
+    assert keeps("chunk-ends-tail", 12, 14, 8, B)  # 14 tokens: (14 - 1) // 4 * 4
+    assert not keeps("chunk-ends-tail", 12, 17, 8, B)  # 17 tokens: the tail stop is 16
+    with pytest.raises(ValueError, match="rule must be one of"):
+        StateGroup("every-k", 8, B)
+
+
+def test_the_state_group_reuses_to_the_last_kept_state_as_vllm_documents() -> None:
+    """What vLLM 0.33.0's scheduler did (docs/conformance.md): A's 20 tokens in a step of
+    16 and one of 4; C's 22 in steps ending at 12, 20 and 22."""
+    g = StateGroup("chunk-ends-tail", 8, B)
+    a, c = list(range(100, 120)), list(range(300, 322))
+    g.apply(_ev("admit", "A", tokens=a, num_tokens=0, scope=None, block_ids=[]))
+    for end in (16, 20):
+        g.apply(_ev("commit", "A", num_tokens=end))
+    g.apply(_ev("free", "A"))
+    assert g.cut([*a[:14], 500], None, 12) == 0  # the only state of A's is at 16
+    assert g.cut([*a, 1], None, 20) == 16
+    assert g.cut([*a, 1], "salted", 20) == 0  # another scope's states are not its own
+    g.apply(_ev("admit", "C", tokens=c, num_tokens=0, scope=None, block_ids=[]))
+    g.apply(_ev("commit", "C", num_tokens=12))
+    assert g.cut([*c, 1], None, 12) == 0  # 12 ends no state block and is no tail
+    for end in (20, 22):
+        g.apply(_ev("commit", "C", num_tokens=end))
+    assert g.cut([*c, 1], None, 20) == 20  # (22 - 1) // 4 * 4: C's tail stop
+    plain = StateGroup("chunk-ends", 8, B)
+    plain.apply(_ev("admit", "C", tokens=c, num_tokens=0, scope=None, block_ids=[]))
+    plain.apply(_ev("commit", "C", num_tokens=20))
+    assert plain.cut([*c, 1], None, 20) == 0  # without partial hits no tail state
+
+
+def _mamba_contract() -> Contract:
+    return replace(vllm_contract("0.33.0", B, True), state_interval=2,
+                   state_rule="chunk-ends-tail", events=False, counters=())
+
+
+def _report(op: Any, value: Any, log: list[dict[str, Any]], used: int, states: int
+            ) -> StepReport:
+    return StepReport(op, "done", value, "", tuple(log), (), used, None,
+                      Stats({}, {"stateNumBlocks": states}))
+
+
+def test_the_judge_holds_a_chunk_end_engine_to_its_kept_states() -> None:
+    """A computed in one step of 16 then one of 4 keeps its state at 16 only: B sharing
+    its first 14 tokens reuses 0, where the every-k rule says 8; an engine giving 8
+    (a state it never kept at a step's end) is a count finding."""
+    a, b = list(range(100, 120)), [*range(100, 114), *range(500, 506)]
+
+    def run(reused: int) -> list[Any]:
+        j = Judge(_mamba_contract(), 32)
+        got = j.observe(_report(ops.admit("A", a), {"reused_tokens": 0}, [
+            {"kind": "admit", "seq_id": "A", "tokens": a, "num_tokens": 0, "scope": None,
+             "block_ids": [1, 2, 3, 4]},
+            {"kind": "commit", "seq_id": "A", "num_tokens": 16}], 5, 1))
+        got += j.observe(_report(ops.reserve("A", 20), 20, [
+            {"kind": "append", "seq_id": "A", "tokens": [], "block_ids": [5]},
+            {"kind": "commit", "seq_id": "A", "num_tokens": 20}], 6, 1))
+        got += j.observe(_report(ops.free("A"), None, [{"kind": "free", "seq_id": "A"}], 0, 0))
+        ids = [1, 2, 7, 8, 9] if reused else [7, 8, 9, 10, 11]
+        got += j.observe(_report(ops.admit("B", b), {"reused_tokens": reused}, [
+            {"kind": "admit", "seq_id": "B", "tokens": b, "num_tokens": reused,
+             "scope": None, "block_ids": ids}], 6, 1))
+        return got
+
+    assert run(0) == []
+    found = run(8)
+    assert [(v.oracle, v.kind) for v in found] == [("count", "reuse")]
+    assert "predicts 0 (its full-attention match cut to the last recurrent state" \
+        in found[0].message
+    # the state group's blocks are left out of the used blocks as the gauge counts them
+    assert Judge(_mamba_contract(), 32).states is not None
+    assert Judge(replace(_mamba_contract(), state_rule="every-k"), 32).states is None
+
+
+def test_a_contract_refuses_an_unknown_state_rule() -> None:
+    with pytest.raises(ValueError, match=r"Contract\.state_rule"):
+        replace(_mamba_contract(), state_rule="chunks")
+    c = _mamba_contract()
+    assert Contract.from_dict(c.as_dict()) == c
