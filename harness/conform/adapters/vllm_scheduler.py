@@ -84,8 +84,8 @@ def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
                         MODULES + SCHEDULER_MODULES, got.stubs_served, got.basis, configured)
 
 REPLICATED = (
-    ("the model config: a text-only decoder (uses_mrope, is_encoder_decoder, runner_type "
-     "'generate', no multimodal inputs, max_model_len) with no tokenizer",
+    ("the model config: a text-only decoder (uses_mrope, uses_xdrope, is_encoder_decoder, "
+     "runner_type 'generate', no multimodal inputs, max_model_len) with no tokenizer",
      "vllm.config.ModelConfig",
      "building one inspects a model class (the model executor's imports, in a "
      "subprocess); the scheduler reads only these attributes of it"),
@@ -123,6 +123,7 @@ class TextModel:
 
     max_model_len: int
     uses_mrope: bool = False
+    uses_xdrope: bool = False  # 0.29.0 and 0.30.0 read it
     is_encoder_decoder: bool = False
     runner_type: str = "generate"
     is_diffusion: bool = False

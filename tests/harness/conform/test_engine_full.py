@@ -18,7 +18,7 @@ from harness.conform.controller import install
 from harness.conform.controller.checks import CHECKS
 from harness.conform.controller.engine_spec import EngineSpec, open_target
 from harness.conform.controller.families import B
-from harness.conform.controller.locks import find_lock, pinned
+from harness.conform.controller.locks import find_lock, pinned, supported
 from harness.conform.controller.report import Report
 from harness.conform.controller.runner import conform, replay_file
 from harness.conform.controller.targets import replay
@@ -229,6 +229,19 @@ def test_the_stats_fix_is_judged_in_vllms_own_scheduler(version: str, status: st
     assert any("runs Scheduler.schedule" in n for n in report.contract["notes"])
     (result,) = report.checks
     assert result.status == status, result.message
+
+
+# The scheduler-driven adapter falls back to the manager alone where a release's
+# Scheduler does not construct; no locked release should need it (0.29.0 and 0.30.0 did,
+# for a lock without einops and a model config without uses_xdrope)
+@pytest.mark.parametrize("version", supported()["vllm"])
+def test_every_locked_vllm_runs_its_own_scheduler(version: str, tmp_path: Path) -> None:
+    if install.installed(find_lock("vllm", version)) is None:
+        pytest.skip(f"vllm=={version} is not installed in {install.cache_dir()}")
+    report = conform(f"vllm=={version}", tmp_path, seeds=0, only=["cold_then_warm"],
+                     say=lambda _: None)
+    assert any("runs Scheduler.schedule" in n for n in report.contract["notes"]), \
+        report.contract["notes"]
 
 
 # A decoded request carries its sampled tokens in an output, which takes its prefill
