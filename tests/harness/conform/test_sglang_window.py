@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -64,13 +65,12 @@ def test_the_judge_counts_no_window_group_in_a_pool_of_its_own() -> None:
     assert Judge(shared, 16).window_group is not None
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+@pytest.fixture
+def target(tmp_path: Path) -> Iterator[Target]:
     if install.installed(LOCK) is None:
         pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
                     f"conform {LOCK.spec} installs it)")
-    folder = tmp_path_factory.mktemp("sglang_unified")
-    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), folder,
+    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
                          lambda _: None)
     yield opened
     opened.close()
