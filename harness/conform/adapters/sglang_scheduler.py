@@ -23,7 +23,10 @@ than copying it (runs in an SGLang venv whose lock keeps the real device pools):
 - the tree is `RadixCache` or `UnifiedRadixCache` (full attention), built with
   `KvEventLoraNames` that the adapter fills as the scheduler does; a `UnifiedRadixCache`
   opened with a window is FULL+SWA over SGLang's default hybrid sliding-window pools
-  (`SWAKVPool`, `SWATokenToKVPoolAllocator`), its rule `WINDOW_RULE`.
+  (`SWAKVPool`, `SWATokenToKVPoolAllocator`), its rule `WINDOW_RULE`; one opened with a
+  `state_interval` is FULL+MAMBA over SGLang's default hybrid Mamba pools
+  (`HybridReqToTokenPool` with its `MambaPool`, `HybridLinearKVPool`), its extra
+  buffer on and its state block state_interval pages (`MAMBA_RULE`).
 
 What stays replicated is listed in `REPLICATED` (the contract's `replicated`). The
 admission budget reserves no decode tokens (`SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=0`,
@@ -129,20 +132,28 @@ class SchedulerNames:
         self.publish = publish
         self.NO_SPEC = SpeculativeAlgorithm.NONE
         self.clip = schedule_policy.CLIP_MAX_NEW_TOKENS
-        self.published_page_size: int | None = None
+        self.published: tuple[int, int | None] | None = None  # (page, state block)
         self.swa = _swa_names()
+        self.mamba = _mamba_names()
 
-
-    def publish_config(self, page_size: int) -> None:
+    def publish_config(self, page_size: int, state_tokens: int | None = None) -> None:
         """Publish the process's runtime config for `page_size` (SGLang keeps one per
-        process; re-publishing replaces it)."""
-        if self.published_page_size == page_size:
+        process; re-publishing replaces it); with `state_tokens`, a hybrid Mamba model's
+        with the extra buffer and that Mamba cache chunk (preset as SGLang's own test
+        fixture does for a model without an HF config,
+        `test/kits/unified_radix_cache/fixtures.py` `build_fixture`)."""
+        if self.published == (page_size, state_tokens):
             return
+        extra: dict[str, Any] = {}
+        if state_tokens is not None:
+            extra["mamba_radix_cache_strategy"] = "extra_buffer"
         args = self.ServerArgs(model_path="dummy", device="cpu", page_size=page_size,
                                attention_backend="torch_native",
-                               disable_overlap_schedule=True)
+                               disable_overlap_schedule=True, **extra)
+        if state_tokens is not None:
+            args._mamba_cache_chunk_size = state_tokens
         self.publish(args, role="scheduler")
-        self.published_page_size = page_size
+        self.published = (page_size, state_tokens)
 
 
 def _swa_names() -> tuple[Any, Any, Any] | None:
@@ -158,6 +169,23 @@ def _swa_names() -> tuple[Any, Any, Any] | None:
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
     return SWAKVPool, SWATokenToKVPoolAllocator, ComponentType.SWA
+
+
+def _mamba_names() -> tuple[Any, Any, Any, Any, Any] | None:
+    """A hybrid Mamba model's pools as SGLang's server builds them by default
+    (`kv_cache_configurator.py` `_build_hybrid_req_pool`: `HybridReqToTokenPool`, its
+    `MambaPool` and `MambaSlotAllocator`; `HybridLinearKVPool` over it) and the tree's
+    MAMBA component: (request pool, KV pool, Mamba2CacheParams, Mamba2StateShape,
+    ComponentType.MAMBA), or None where this release's UnifiedRadixCache has no MAMBA
+    component."""
+    if importlib.util.find_spec("sglang.srt.mem_cache.unified_cache.components.mamba") is None:
+        return None
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    return (HybridReqToTokenPool, HybridLinearKVPool, Mamba2CacheParams, Mamba2StateShape,
+            ComponentType.MAMBA)
 
 
 def set_environment() -> None:
@@ -182,11 +210,27 @@ WINDOW_RULE = (
     "the window before it has window KV (swa.py:369-375 create_match_validator)")
 
 
+# SGLang's Mamba snapshot rule (0.5.23, extra buffer), each part where its own code says
+# so; the contract's `state_interval` citation (its `state_rule` "extend-end")
+MAMBA_RULE = (
+    "UnifiedRadixCache(FULL, MAMBA, enable_mamba_extra_buffer) over HybridReqToTokenPool + "
+    "HybridLinearKVPool (kv_cache_configurator.py _build_hybrid_req_pool): states lie on "
+    "the grid g = lcm(mamba_cache_chunk_size, page) (runtime_context.py:1958-1971); an "
+    "extend keeps one, at prefix_len + floor(extend_len / g) * g, none when shorter "
+    "than g (managers/schedule_batch.py:3175-3183, :3232), or the branching point its "
+    "match named when that lies inside it on its grid (unified_cache/components/"
+    "mamba.py:176-194, schedule_batch.py:3216-3231); checkpoint_kv_cache inserts the "
+    "full KV only up to the last state (mamba.py prepare_for_caching_req), a finished "
+    "request donates its last state (mamba.py:582-612 _select_finished_checkpoint); a "
+    "match ends on the deepest kept state")
+
+
 def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
-             window: int | None = None) -> Contract:
+             window: int | None = None, state_interval: int | None = None) -> Contract:
     """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
     `tree_kind`; with `window` (tokens), over a full-and-window UnifiedRadixCache
-    (only where `names.swa` and the tree is "unified": `options` says so)."""
+    (only where `names.swa` and the tree is "unified": `options` says so); with
+    `state_interval` (pages), over a full-and-Mamba one (where `names.mamba`)."""
     citations = (*base.citations,
                  ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
                                   "(batch_result_processor.py, Scheduler.stash_chunked_"
@@ -224,14 +268,19 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     options: tuple[OptionName, ...] = ()
     if names.swa is not None and tree_kind == "unified":
         options = ("window",)
+    if names.mamba is not None and tree_kind == "unified":
+        options = (*options, "state_interval")
     if window is not None:
         citations += (("window", WINDOW_RULE),)
+    if state_interval is not None:
+        citations += (("state_interval", MAMBA_RULE),)
     return replace(base, matchable_at="extend", decode_steps=True, refusal_evicts=True,
                    preemption="retracts-decode", chunking="caller-page-floor",
                    admission_fits="prompt", admission_reserve=2,
                    limitations=limitations, event_fields=fields,
                    replicated=REPLICATED, citations=citations, options=options,
-                   window=window,
+                   window=window, state_interval=state_interval,
+                   state_rule="extend-end" if state_interval is not None else "every-k",
                    window_layout="window-pool" if window is not None else "window-only",
                    notes=(*base.notes, "SGLang's scheduler functions drive the tree"))
 
@@ -252,22 +301,29 @@ class _Live:
 class SglangScheduled:
     """`CacheUnderTest` over SGLang's scheduler functions and one fresh tree
     (`tree_kind` "radix": RadixCache, "unified": UnifiedRadixCache's full-attention
-    component), page_size = block_size."""
+    component), page_size = block_size; with `window` its SWA component too, with
+    `state_interval` (pages per Mamba state block) its MAMBA component."""
 
     def __init__(self, s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
                  num_blocks: int, block_size: int, record: bool,
-                 window: int | None = None) -> None:
+                 window: int | None = None, state_interval: int | None = None) -> None:
         self.s, self.n = s, names  # the tree's names (SglangNames), the scheduler's
         self.tree_kind = tree_kind
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.record = record
         torch = names.torch
-        names.publish_config(block_size)
         P = block_size
+        self.window, self.state_interval = window, state_interval
+        state_tokens = None if state_interval is None else state_interval * P
+        names.publish_config(block_size, state_tokens)
+        if state_interval is not None:
+            assert names.mamba is not None and tree_kind == "unified" and window is None, \
+                "no MAMBA tree here"
+            self._open_mamba(names, num_blocks, P)
+            return self._finish(base, names, tree_kind)
         self.rows = names.ReqToTokenPool(size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
                                          device="cpu", enable_memory_saver=False)
-        self.window = window
         if window is None:
             self.kv = names.MHATokenToKVPool(num_blocks * P, P, torch.float16, head_num=1,
                                              head_dim=8, layer_num=1, device="cpu",
@@ -286,17 +342,54 @@ class SglangScheduled:
                                    dtype=torch.float16, device="cpu", kvcache=self.kv,
                                    need_sort=False, req_to_token_pool=self.rows)
             self.full = self.alloc.full_attn_allocator
+        self._finish(base, names, tree_kind)
+
+    def _finish(self, base: Contract, names: SchedulerNames, tree_kind: str) -> None:
+        """The tree over the pools, the batch's model config, the contract, the state."""
+        P = self.block_size
+        state_tokens = None if self.state_interval is None else self.state_interval * P
         self.lora_names = names.LoraNames()
         self.tree = self._build_tree()
-        self.model = _ModelShape(vocab_size=1 << 20, is_encoder_decoder=False)
-        self._contract = contract(base, names, tree_kind, window)
+        self.model = _ModelShape(vocab_size=1 << 20, is_encoder_decoder=False,
+                                 hf_text_config=_TextConfig(state_tokens or P))
+        self._contract = contract(base, names, tree_kind, self.window, self.state_interval)
         self._live: dict[Hashable, _Live] = {}
         self._retracted: dict[Hashable, Any] = {}  # seq -> its retracted Req
         self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
+    def _open_mamba(self, names: SchedulerNames, num_blocks: int, P: int) -> None:
+        """A hybrid Mamba model's pools (layer 0 full attention, layer 1 Mamba), as
+        SGLang's server builds them by default: the request pool holds the Mamba pool,
+        with slots for each request row, its two extra-buffer slots and a state per page
+        the tree can hold, so the tree never evicts a state for want of slots."""
+        assert names.mamba is not None
+        rows, kv, params, shape, _ = names.mamba
+        torch = names.torch
+        state = params(shape=shape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
+                                          num_heads=2, head_dim=16, state_size=8,
+                                          conv_kernel=4), layers=[1])
+        self.rows = rows(size=MAX_REQUESTS, mamba_size=3 * MAX_REQUESTS + num_blocks,
+                         mamba_spec_state_size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
+                         device="cpu", enable_memory_saver=False, cache_params=state,
+                         mamba_layer_ids=[1], enable_mamba_extra_buffer=True,
+                         enable_overlap_schedule=False)
+        self.kv = kv(size=num_blocks * P, dtype=torch.float16, page_size=P, head_num=1,
+                     head_dim=8, full_attention_layer_ids=[0], device="cpu",
+                     enable_memory_saver=False, mamba_pool=self.rows.mamba_pool)
+        self.alloc = names.PagedAllocator(num_blocks * P, P, torch.float16, "cpu", self.kv,
+                                          need_sort=False)
+        self.full = self.alloc
+
     def _build_tree(self) -> Any:
         n, s, P = self.n, self.s, self.block_size
+        if self.state_interval is not None:
+            assert n.mamba is not None
+            return s.UnifiedRadixCache(n.CacheInitParams(
+                disable=False, req_to_token_pool=self.rows,
+                token_to_kv_pool_allocator=self.alloc, page_size=P,
+                enable_kv_cache_events=self.record, kv_event_lora_names=self.lora_names,
+                tree_components=(s.FULL, n.mamba[4]), enable_mamba_extra_buffer=True))
         params: dict[str, Any] = dict(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
             page_size=P, enable_kv_cache_events=self.record,
@@ -708,11 +801,20 @@ class SglangScheduled:
 
 
 @dataclass(frozen=True)
+class _TextConfig:
+    """The HF text config field a Mamba batch reads (`schedule_batch.py:3142-3144`): the
+    model's state chunk, here the cache's state block."""
+
+    mamba_chunk_size: int
+
+
+@dataclass(frozen=True)
 class _ModelShape:
-    """The two ModelConfig fields a ScheduleBatch reads (REPLICATED lists it)."""
+    """The ModelConfig fields a ScheduleBatch reads (REPLICATED lists it)."""
 
     vocab_size: int
     is_encoder_decoder: bool
+    hf_text_config: _TextConfig
 
 
 def _text(h: Any) -> str | None:
