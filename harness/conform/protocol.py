@@ -74,8 +74,10 @@ WindowLayout = Literal["window-only", "full-and-window", "window-pool"]
 # with every block ending a multiple of state_interval blocks ("every-k", the harness's);
 # at a scheduler step's last token when it ends such a block ("chunk-ends", vLLM's
 # mamba_cache_mode="align"); or also when that token is the prompt's last block
-# boundary before its last token ("chunk-ends-tail", vLLM 0.26 on: partial hash hits).
-StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail"]
+# boundary before its last token ("chunk-ends-tail", vLLM 0.26 on: partial hash hits);
+# or one per extend, at its last whole state block or the branching point its match
+# named ("extend-end", SGLang's MAMBA component with its extra buffer).
+StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail", "extend-end"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]
@@ -318,7 +320,8 @@ class Contract:
       there and a later admission reuses it from there. state_interval: the recurrent
       state is kept with every block ending a multiple of this many blocks (None: no
       recurrent state), so a match ends on such a block; state_rule: where those states
-      are kept (`StateRule`: every such block, or only at a scheduler step's end).
+      are kept (`StateRule`: every such block, only at a scheduler step's end, or
+      once per extend).
       options: the `CacheOptions`
       fields the adapter honours.
     replicated: (what, the engine function it stands in for, why) for each piece of the

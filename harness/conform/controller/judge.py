@@ -29,9 +29,10 @@ After every op (`Judge.observe`):
   between tiers is removed from one medium and stored on the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
-- count, state group: under a chunk-end `state_rule` (a hybrid model's recurrent state
-  kept only at a scheduler step's end) a match reuses what the count oracle predicts
-  for the full-attention group cut to the last state `state_group.StateGroup` kept
+- count, state group: under a step `state_rule` (a hybrid model's recurrent state
+  kept only at a scheduler step's end, or once per extend) a match reuses what the
+  count oracle predicts for the full-attention group cut to the last state
+  `state_group.StateGroup` kept
   (the stateNumBlocks gauge counts the state group's blocks, left out of the used
   blocks as a window group's are).
 - capacity, window group: under a "full-and-window" layout the window group holds what
@@ -405,7 +406,8 @@ class Judge:
         want = self._predicted[ev.seq_id] = pred.reused_tokens
         rule = ""
         if self.states is not None:
-            want = self.states.cut(ev.tokens, ev.scope, want)
+            full, want = want, self.states.cut(ev.tokens, ev.scope, want)
+            self.states.matched(ev.seq_id, full, want)
             rule = (f" (its full-attention match cut to the last recurrent state kept at a "
                     f"step's end, {self.contract.state_rule})")
         if self.exact and got != want:
