@@ -71,6 +71,10 @@ def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
         scheduling.build(4, 4, True, CacheOptions())
     except Exception as exc:  # this release's scheduler does not run here: the manager
         return load_manager(got, f"{type(exc).__name__}: {exc}")  # alone, saying why
+    try:  # a Mamba group beside the full one, where this release takes the layout
+        scheduling.build(4, 4, True, CacheOptions(state_interval=2))
+    except Exception as exc:
+        scheduling.no_states = f"{type(exc).__name__}: {exc}"
 
     def configured(num_blocks: int, block_size: int, record: bool,
                    options: CacheOptions) -> CacheUnderTest:
@@ -161,6 +165,9 @@ class Scheduling:
         self.scheduler_params = set(inspect.signature(Scheduler.__init__).parameters)
         # its fields and InitVars (a pydantic dataclass's __init__ takes **kwargs)
         self.config_params = set(C.SchedulerConfig.__dataclass_fields__)
+        # why a Mamba group cannot be opened ("" when it can: `load` tries it)
+        self.no_states = "" if "mamba_cache_mode" in C.CacheConfig.__dataclass_fields__ \
+            else "CacheConfig has no mamba_cache_mode (Mamba prefix caching is 0.15.1's)"
 
         class Collector(EventPublisher):
             """The router: keeps every batch the scheduler publishes."""
@@ -196,15 +203,22 @@ class Scheduling:
 
     def build(self, num_blocks: int, block_size: int, record: bool,
               options: CacheOptions) -> tuple[Any, Any]:
-        """A fresh `Scheduler` over `num_blocks` blocks and its event collector."""
+        """A fresh `Scheduler` over `num_blocks` blocks and its event collector; with
+        `options.state_interval`, a Mamba group beside the full one ("align" mode), the
+        scheduler's and the hash's block sizes as vLLM's own
+        `resolve_kv_cache_block_sizes` gives them (the LCM and the GCD of the groups'
+        blocks). Raises what vLLM raises for a layout it refuses."""
         C = self.C
+        if options.state_interval is not None and self.no_states:
+            raise ValueError(f"no Mamba group on this release: {self.no_states}")
         wanted = {"max_num_seqs": 1024, "max_num_batched_tokens": MAX_MODEL_LEN,
                   "max_model_len": MAX_MODEL_LEN, "is_encoder_decoder": False,
                   "enable_chunked_prefill": True, "async_scheduling": False,
                   "long_prefill_token_threshold": options.long_prefill_threshold or 0}
         sched = C.SchedulerConfig(**{k: x for k, x in wanted.items()
                                      if k in self.config_params})
-        cache = C.CacheConfig(block_size=block_size, enable_prefix_caching=True)
+        mamba = {} if options.state_interval is None else {"mamba_cache_mode": "align"}
+        cache = C.CacheConfig(block_size=block_size, enable_prefix_caching=True, **mamba)
         try:
             events = C.KVEventsConfig(enable_kv_cache_events=record, publisher=PUBLISHER)
         except ValueError:  # the config takes "null" or "zmq" only (0.16.0 on)
@@ -214,12 +228,19 @@ class Scheduling:
                               kv_events_config=events)
         config.model_config = TextModel(MAX_MODEL_LEN)
         config.cache_config.num_gpu_blocks = num_blocks + 1
-        kwargs = {"vllm_config": config,
-                  "kv_cache_config": kv_cache_config(self.v, num_blocks, block_size,
-                                                     options.window),
+        groups = kv_cache_config(self.v, num_blocks, block_size, options.window,
+                                 options.state_interval)
+        sched_block = hash_block = block_size
+        if options.state_interval is not None:
+            resolve = getattr(self.v.utils, "resolve_kv_cache_block_sizes", None)
+            if resolve is None:
+                raise ValueError("no resolve_kv_cache_block_sizes: this release's scheduler "
+                                 "hashes in its own block, which the full group's is not")
+            sched_block, hash_block = resolve(groups, config)
+        kwargs = {"vllm_config": config, "kv_cache_config": groups,
                   "structured_output_manager": self.StructuredOutputManager(config),
-                  "block_size": block_size, "log_stats": True,
-                  "hash_block_size": block_size}
+                  "block_size": sched_block, "log_stats": True,
+                  "hash_block_size": hash_block}
         scheduler = self.Scheduler(**{k: x for k, x in kwargs.items()
                                       if k in self.scheduler_params})
         collector = scheduler.kv_event_publisher
@@ -232,12 +253,18 @@ class Scheduling:
 
 
 def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
-                       preempt_op: bool) -> Contract:
+                       preempt_op: bool, no_states: str = "",
+                       hash_block: int | None = None) -> Contract:
     """`base` (the release's manager-level contract, `release_contract`) as its own
     scheduler drives it; `full_prompt`: its scheduler admits a request only when its
     whole prompt fits (`scheduler_reserve_full_isl`); `preempt_op`: it has
     `_preempt_request` (before, its preemption is written inside `schedule`, which only a
-    decode step reaches)."""
+    decode step reaches); `no_states`: why this release opens no Mamba group ("" when it
+    does); `hash_block`: the scheduler's hash block under a Mamba group (finer than its
+    state block: partial hash hits, so a prompt's tail stop keeps a state too)."""
+    states = options.state_interval
+    tail = states is not None and hash_block is not None \
+        and hash_block < states * base.block_size
     shared = parse_version(base.version).release >= (0, 31)
     return dataclasses.replace(
         base, preemption="frees-keeps-cached" if preempt_op else "none",
@@ -246,8 +273,12 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         chunk_budget=options.chunk_budget,
         long_prefill_threshold=options.long_prefill_threshold,
         admission_fits="prompt" if full_prompt else "chunk",
-        options=("window", "chunk_budget", "long_prefill_threshold"),
+        options=("window", "chunk_budget", "long_prefill_threshold",
+                 *(() if no_states else ("state_interval",))),
         window=options.window, window_layout="full-and-window", replicated=REPLICATED,
+        state_interval=states,
+        state_rule="every-k" if states is None else "chunk-ends-tail" if tail
+        else "chunk-ends",
         citations=(*base.citations,
                    ("decode_refusal", "v1/core/sched/scheduler.py Scheduler.schedule: 'The "
                                       "request cannot be scheduled. Preempt the "
@@ -265,7 +296,15 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                               "FullAttentionSpec and a SlidingWindowSpec group; "
                               "single_type_kv_cache_manager.py SlidingWindowManager: "
                               "blocks before num_computed_tokens - sliding_window + 1 are "
-                              "freed at the next allocate_slots")),
+                              "freed at the next allocate_slots"),
+                   ("state_rule", "config/cache.py CacheConfig.mamba_cache_mode: 'Only cache "
+                                  "the mamba state of the last token of each scheduler "
+                                  "step and when the token is at position i * "
+                                  "block_size'; Scheduler._mamba_block_aligned_split "
+                                  "stops a prompt there (and, with a hash block finer "
+                                  "than the state block, at its last hash block before "
+                                  "its last token); MambaManager.find_longest_cache_hit "
+                                  "takes the rightmost kept state")),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
                             "update_from_output; stats are read from the step's "
                             "SchedulerStats"))
@@ -282,7 +321,9 @@ class SchedulerCache(VllmCache):
         full = bool(getattr(self.scheduler, "scheduler_reserve_full_isl", False))
         base = release_contract(v, version, block_size, hasattr(self.manager, "evict_blocks"))
         self._contract = scheduler_contract(base, options, full,
-                                            hasattr(self.scheduler, "_preempt_request"))
+                                            hasattr(self.scheduler, "_preempt_request"),
+                                            s.no_states,
+                                            getattr(self.pool, "hash_block_size", None))
         self._budget = self.scheduler.max_num_scheduled_tokens
         self._add_stats(self.manager.make_prefix_cache_stats())  # every counter, at 0
         self._parked: dict[Hashable, Any] = {}  # seq -> its Request, out of running
