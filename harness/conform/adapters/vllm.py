@@ -606,10 +606,14 @@ class VllmCache:
         return int(self.num_blocks - self.pool.get_num_free_blocks())
 
     def cached_hashes(self) -> list[str]:
-        """Every block with a hash, as vLLM's events name it."""
+        """Every hash a block is cached under, as vLLM's events name it: its own, and
+        the partial entries a Mamba group's block is also reachable from (vLLM 0.26 on:
+        `BlockPool.cached_block_hashes_by_block`)."""
         u = self.v.utils
-        return [_hash_text(u.maybe_convert_block_hash(u.get_block_hash(b.block_hash)))
-                for b in self.pool.blocks if b.block_hash is not None]
+        partial = getattr(self.pool, "cached_block_hashes_by_block", {})
+        return [_hash_text(u.maybe_convert_block_hash(u.get_block_hash(h)))
+                for b in self.pool.blocks if b.block_hash is not None
+                for h in (b.block_hash, *partial.get(b.block_id, ()))]
 
     def check_integrity(self) -> list[str]:
         """Each block's ref_cnt equals the live requests holding it; the free queue holds
@@ -648,8 +652,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def normalise_event(event: Any, fields: tuple[str, ...]) -> dict[str, Any]:
-    """One vLLM KV event as the harness's dict: hashes as text, and of a BlockStored
-    the `fields` it carries (`Contract.event_fields`) as JSON data."""
+    """One vLLM KV event as the harness's dict: hashes as text, of a BlockStored the
+    `fields` it carries (`Contract.event_fields`) as JSON data, and of a BlockRemoved
+    its group where the events name one."""
     kind = event_kind(event)
     out: dict[str, Any] = {"type": kind}
     if kind == "BlockStored":
@@ -664,4 +669,6 @@ def normalise_event(event: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     elif kind == "BlockRemoved":
         out.update(block_hashes=[_hash_text(h) for h in event.block_hashes],
                    medium=getattr(event, "medium", None) or "GPU")
+        if "group_idx" in fields:  # which group's copy it removes
+            out["group_idx"] = event.group_idx
     return out

@@ -106,3 +106,43 @@ def test_a_contract_refuses_an_unknown_state_rule() -> None:
         replace(_mamba_contract(), state_rule="chunks")
     c = _mamba_contract()
     assert Contract.from_dict(c.as_dict()) == c
+
+
+def _stored(hashes: list[str], parent: str | None, tokens: list[int], size: int,
+            group: int) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": size, "salt": None, "lora_id": None,
+            "medium": "GPU", "group_idx": group}
+
+
+def test_the_judge_folds_the_state_groups_events_apart_and_the_full_groups_as_before(
+        ) -> None:
+    """vLLM 0.33.0 publishes the Mamba group's blocks (group_idx 1) in blocks of 8 with
+    hashes of their own, and partial entries on the full group's chain: the judge folds
+    them apart, by hash, and holds the full group's events to the index as before."""
+    a = list(range(100, 120))
+    contract = replace(_mamba_contract(), events=True,
+                       event_fields=(*_mamba_contract().event_fields, "group_idx"))
+    full = _stored(["h1", "h2", "h3", "h4"], None, a[:16], B, 0)
+
+    def run(*events: dict[str, Any], cached: tuple[str, ...] = ()) -> list[Any]:
+        j = Judge(contract, 32)
+        log = [{"kind": "admit", "seq_id": "A", "tokens": a, "num_tokens": 0, "scope": None,
+                "block_ids": [1, 2, 3, 4, 5]},
+               {"kind": "commit", "seq_id": "A", "num_tokens": 16}]
+        return j.observe(replace(_report(ops.admit("A", a), {"reused_tokens": 0}, log, 6, 1),
+                                 events=events, cached=cached))
+
+    state = _stored(["m2"], "m1", a[8:16], 2 * B, 1)  # its parent is no block it holds
+    partial = _stored(["h4"], "h3", a[12:16], B, 1)  # the full group's hash, group 1's
+    assert run(full, state, partial, cached=("h1", "h2", "h3", "h4", "m2", "h4")) == []
+    found = run(full, state, cached=("h1", "h2", "h3", "h4"))
+    assert [(v.oracle, v.kind) for v in found] == [("events", "cached blocks")]
+    gone = {"type": "BlockRemoved", "block_hashes": ["m9"], "medium": "GPU", "group_idx": 1}
+    found = run(full, gone)
+    assert [(v.oracle, v.kind) for v in found] == [("events", "does not fold")]
+    assert "hash m9, which group 1 does not hold" in found[0].message
+    found = run(_stored(["h1"], None, a[:8], 2 * B, 0))  # the full group's, as before
+    assert "block_size 8 != 4" in found[0].message
+    found = run(_stored(["m2"], None, a[:8], 2 * B, 2))
+    assert [(v.oracle, v.kind) for v in found] == [("events", "group")]
