@@ -320,7 +320,8 @@ class Contract:
       recurrent state), so a match ends on such a block; state_rule: where those states
       are kept (`StateRule`: every such block, or only at a scheduler step's end).
       options: the `CacheOptions`
-      fields the adapter honours.
+      fields the adapter honours beside those the cache was opened with (an adapter
+      that opens two options only apart leaves the other out).
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.

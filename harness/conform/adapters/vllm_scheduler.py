@@ -50,6 +50,7 @@ from harness.conform.protocol import (
     CacheUnderTest,
     Contract,
     LoadedEngine,
+    OptionName,
     Scope,
     Stats,
 )
@@ -211,6 +212,11 @@ class Scheduling:
         C = self.C
         if options.state_interval is not None and self.no_states:
             raise ValueError(f"no Mamba group on this release: {self.no_states}")
+        if options.state_interval is not None and options.window is not None:
+            raise ValueError(f"options window={options.window} and state_interval="
+                             f"{options.state_interval} together: the adapter opens a "
+                             "window group or a Mamba group beside the full one, not both "
+                             "(its gauges count one group beside it)")
         wanted = {"max_num_seqs": 1024, "max_num_batched_tokens": MAX_MODEL_LEN,
                   "max_model_len": MAX_MODEL_LEN, "is_encoder_decoder": False,
                   "enable_chunked_prefill": True, "async_scheduling": False,
@@ -252,6 +258,15 @@ class Scheduling:
         return scheduler, collector
 
 
+def honoured(options: CacheOptions, no_states: str) -> tuple[OptionName, ...]:
+    """The options a cache opened with `options` honours beside those set: a window or
+    a Mamba group, not both; no Mamba group where the release opens none (`no_states`
+    says why)."""
+    states = () if no_states or options.window is not None else ("state_interval",)
+    window = () if options.state_interval is not None else ("window",)
+    return (*window, "chunk_budget", "long_prefill_threshold", *states)
+
+
 def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                        preempt_op: bool, no_states: str = "",
                        hash_block: int | None = None) -> Contract:
@@ -273,8 +288,7 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         chunk_budget=options.chunk_budget,
         long_prefill_threshold=options.long_prefill_threshold,
         admission_fits="prompt" if full_prompt else "chunk",
-        options=("window", "chunk_budget", "long_prefill_threshold",
-                 *(() if no_states else ("state_interval",))),
+        options=honoured(options, no_states),
         window=options.window, window_layout="full-and-window", replicated=REPLICATED,
         state_interval=states,
         state_rule="every-k" if states is None else "chunk-ends-tail" if tail
@@ -514,11 +528,27 @@ class SchedulerCache(VllmCache):
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
         """Append the tokens to the request, then a step: the scheduler schedules them,
-        preempting the last running requests (maybe this one) until they fit. Returns
-        the blocks allocated for them (none when it preempted this sequence)."""
+        preempting the last running requests (maybe this one) until they fit. Under a
+        Mamba group, one token a step, as a decoder samples them: several unscheduled
+        output tokens are a resumed request's catch-up prefill to vLLM, which
+        `Scheduler._mamba_block_aligned_split` stops at a state checkpoint. Returns the
+        blocks allocated for them (none when it preempted this sequence)."""
+        steps = [list(tokens)] if self._contract.state_interval is None \
+            else [[t] for t in tokens]
+        added: list[int | None] = []
+        for step in steps:
+            got = self._append_step(seq_id, step)
+            if got is None:
+                return ()
+            added += got
+        return tuple(added)
+
+    def _append_step(self, seq_id: Hashable, tokens: list[int]) -> list[int | None] | None:
+        """`tokens` into the request and one step, logged; the blocks it allocated, or
+        None when the step preempted this sequence."""
         req = self._reqs[seq_id]
         before = self._ids(seq_id)
-        req.append_output_token_ids(list(tokens))
+        req.append_output_token_ids(tokens)
         # the output that carries a sampled token takes the prefill stats (0.21 on); left
         # on the request, a resumption past its prompt trips 0.21-0.25's assert on them
         take_prefill_stats = getattr(req, "take_prefill_stats", None)
@@ -527,13 +557,13 @@ class SchedulerCache(VllmCache):
         victims = self._running_step(seq_id, len(tokens))
         self._log_victims(victims, but=seq_id)
         added = [] if seq_id in victims else self._ids(seq_id)[len(before):]
-        self._write({"kind": "append", "seq_id": seq_id, "tokens": list(tokens),
+        self._write({"kind": "append", "seq_id": seq_id, "tokens": tokens,
                      "block_ids": added})
         if seq_id in victims:
             self._write({"kind": "free", "seq_id": seq_id})
-            return ()
+            return None
         self._implied_commit(seq_id)
-        return tuple(added)
+        return list(added)
 
     def preempt(self, seq_id: Hashable) -> None:
         """`Scheduler._preempt_request` on the sequence (out of Scheduler.running
