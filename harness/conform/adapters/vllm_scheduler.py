@@ -318,7 +318,9 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                                   "stops a prompt there (and, with a hash block finer "
                                   "than the state block, at its last hash block before "
                                   "its last token); MambaManager.find_longest_cache_hit "
-                                  "takes the rightmost kept state")),
+                                  "takes the rightmost kept state"),
+                   *((("options", f"no state_interval: {no_states}"),) if no_states
+                     else ())),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
                             "update_from_output; stats are read from the step's "
                             "SchedulerStats"))

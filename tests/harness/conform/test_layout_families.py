@@ -96,3 +96,11 @@ def test_the_fuzz_never_draws_options_the_adapter_opens_only_apart() -> None:
     both = [fuzz_options(seed, lambda _: ("window", "state_interval"), 12)
             for seed in range(64)]
     assert any(o.window and o.state_interval for o in both)
+
+
+def test_a_family_skips_with_the_engines_reason_for_an_option_it_refuses() -> None:
+    refused = replace(sglang_contract("0.5.23", 4), citations=(
+        ("options", "no state_interval: AssertionError: block_size must be divisible by "
+                    "hash_block_size"),))
+    assert "; no state_interval: AssertionError: block_size must be divisible" \
+        in str(STATES.skip_reason(refused))
