@@ -74,8 +74,10 @@ WindowLayout = Literal["window-only", "full-and-window", "window-pool"]
 # with every block ending a multiple of state_interval blocks ("every-k", the harness's);
 # at a scheduler step's last token when it ends such a block ("chunk-ends", vLLM's
 # mamba_cache_mode="align"); or also when that token is the prompt's last block
-# boundary before its last token ("chunk-ends-tail", vLLM 0.26 on: partial hash hits).
-StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail"]
+# boundary before its last token ("chunk-ends-tail", vLLM 0.33: partial hash hits), or
+# its last block boundary, its end where that is one ("chunk-ends-prompt-tail", vLLM
+# 0.28-0.29's partial-tail stop).
+StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail", "chunk-ends-prompt-tail"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]

@@ -52,6 +52,7 @@ from harness.conform.protocol import (
     LoadedEngine,
     OptionName,
     Scope,
+    StateRule,
     Stats,
 )
 from harness.conform.stubs import StubSpec
@@ -166,6 +167,13 @@ class Scheduling:
         self.scheduler_params = set(inspect.signature(Scheduler.__init__).parameters)
         # its fields and InitVars (a pydantic dataclass's __init__ takes **kwargs)
         self.config_params = set(C.SchedulerConfig.__dataclass_fields__)
+        # where a prompt's partial-tail state is kept: before its last token (0.33's
+        # get_mamba_prefill_checkpoint_position), else at its last hash boundary
+        from vllm.v1 import kv_cache_interface
+
+        self.tail_rule: StateRule = "chunk-ends-tail" if hasattr(
+            kv_cache_interface, "get_mamba_prefill_checkpoint_position") \
+            else "chunk-ends-prompt-tail"
         # why a Mamba group cannot be opened ("" when it can: `load` tries it)
         self.no_states = "" if "mamba_cache_mode" in C.CacheConfig.__dataclass_fields__ \
             else "CacheConfig has no mamba_cache_mode (Mamba prefix caching is 0.15.1's)"
@@ -269,14 +277,16 @@ def honoured(options: CacheOptions, no_states: str) -> tuple[OptionName, ...]:
 
 def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                        preempt_op: bool, no_states: str = "",
-                       hash_block: int | None = None) -> Contract:
+                       hash_block: int | None = None,
+                       tail_rule: StateRule = "chunk-ends-tail") -> Contract:
     """`base` (the release's manager-level contract, `release_contract`) as its own
     scheduler drives it; `full_prompt`: its scheduler admits a request only when its
     whole prompt fits (`scheduler_reserve_full_isl`); `preempt_op`: it has
     `_preempt_request` (before, its preemption is written inside `schedule`, which only a
     decode step reaches); `no_states`: why this release opens no Mamba group ("" when it
     does); `hash_block`: the scheduler's hash block under a Mamba group (finer than its
-    state block: partial hash hits, so a prompt's tail stop keeps a state too)."""
+    state block: partial hash hits, so a prompt's tail stop keeps a state too, where
+    `tail_rule` says)."""
     states = options.state_interval
     tail = states is not None and hash_block is not None \
         and hash_block < states * base.block_size
@@ -291,8 +301,7 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         options=honoured(options, no_states),
         window=options.window, window_layout="full-and-window", replicated=REPLICATED,
         state_interval=states,
-        state_rule="every-k" if states is None else "chunk-ends-tail" if tail
-        else "chunk-ends",
+        state_rule="every-k" if states is None else tail_rule if tail else "chunk-ends",
         citations=(*base.citations,
                    ("decode_refusal", "v1/core/sched/scheduler.py Scheduler.schedule: 'The "
                                       "request cannot be scheduled. Preempt the "
@@ -339,7 +348,8 @@ class SchedulerCache(VllmCache):
         self._contract = scheduler_contract(base, options, full,
                                             hasattr(self.scheduler, "_preempt_request"),
                                             s.no_states,
-                                            getattr(self.pool, "hash_block_size", None))
+                                            getattr(self.pool, "hash_block_size", None),
+                                            s.tail_rule)
         self._budget = self.scheduler.max_num_scheduled_tokens
         self._add_stats(self.manager.make_prefix_cache_stats())  # every counter, at 0
         self._parked: dict[Hashable, Any] = {}  # seq -> its Request, out of running
@@ -538,9 +548,11 @@ class SchedulerCache(VllmCache):
         steps = [list(tokens)] if self._contract.state_interval is None \
             else [[t] for t in tokens]
         added: list[int | None] = []
-        for step in steps:
+        for i, step in enumerate(steps):
             got = self._append_step(seq_id, step)
-            if got is None:
+            if got is None:  # preempted: it resumes with every token appended
+                self._preempted[seq_id].append_output_token_ids(
+                    [t for rest in steps[i + 1:] for t in rest])
                 return ()
             added += got
         return tuple(added)

@@ -146,3 +146,19 @@ def test_the_judge_folds_the_state_groups_events_apart_and_the_full_groups_as_be
     assert "block_size 8 != 4" in found[0].message
     found = run(_stored(["m2"], None, a[:8], 2 * B, 2))
     assert [(v.oracle, v.kind) for v in found] == [("events", "group")]
+
+
+def test_vllm_0_28_keeps_the_prompts_last_hash_boundary_even_at_its_end() -> None:
+    """0.28.0-0.29.0 stop a prompt at prompt // B * B (0.33.0 at (prompt - 1) // B * B):
+    A's 20 tokens keep a state at 20, which A plus one token reuses."""
+    rule = "chunk-ends-prompt-tail"
+    assert [n for n in range(1, 25) if keeps(rule, n, 20, 8, B)] == [8, 16, 20, 24]
+    assert [n for n in range(1, 25) if keeps(rule, n, 22, 8, B)] == [8, 16, 20, 24]
+    assert not keeps("chunk-ends-tail", 20, 20, 8, B)
+    g = StateGroup(rule, 8, B)
+    a = list(range(100, 120))
+    g.apply(_ev("admit", "A", tokens=a, num_tokens=0, scope=None, block_ids=[]))
+    for end in (16, 20):
+        g.apply(_ev("commit", "A", num_tokens=end))
+    assert g.cut([*a, 1], None, 20) == 20
+    assert replace(_mamba_contract(), state_rule=rule).state_rule == rule
