@@ -76,8 +76,11 @@ WindowLayout = Literal["window-only", "full-and-window", "window-pool"]
 # mamba_cache_mode="align"); or also when that token is the prompt's last block
 # boundary before its last token ("chunk-ends-tail", vLLM 0.33: partial hash hits), or
 # its last block boundary, its end where that is one ("chunk-ends-prompt-tail", vLLM
-# 0.28-0.29's partial-tail stop).
-StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail", "chunk-ends-prompt-tail"]
+# 0.28-0.29's partial-tail stop); or one per extend, at its last whole state block or
+# the branching point its match named ("extend-end", SGLang's MAMBA component with its
+# extra buffer).
+StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail", "chunk-ends-prompt-tail",
+                    "extend-end"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]
@@ -320,7 +323,8 @@ class Contract:
       there and a later admission reuses it from there. state_interval: the recurrent
       state is kept with every block ending a multiple of this many blocks (None: no
       recurrent state), so a match ends on such a block; state_rule: where those states
-      are kept (`StateRule`: every such block, or only at a scheduler step's end).
+      are kept (`StateRule`: every such block, only at a scheduler step's end, or
+      once per extend).
       options: the `CacheOptions`
       fields the adapter honours beside those the cache was opened with (an adapter
       that opens two options only apart leaves the other out).

@@ -31,9 +31,10 @@ After every op (`Judge.observe`):
   the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
-- count, state group: under a chunk-end `state_rule` (a hybrid model's recurrent state
-  kept only at a scheduler step's end) a match reuses what the count oracle predicts
-  for the full-attention group cut to the last state `state_group.StateGroup` kept
+- count, state group: under a step `state_rule` (a hybrid model's recurrent state
+  kept only at a scheduler step's end, or once per extend) a match reuses what the
+  count oracle predicts for the full-attention group cut to the last state
+  `state_group.StateGroup` kept
   (the stateNumBlocks gauge counts the state group's blocks, left out of the used
   blocks as a window group's are).
 - capacity, window group: under a "full-and-window" layout the window group holds what
@@ -108,8 +109,8 @@ def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
 
 def other_groups(contract: Contract) -> int:
     """How many groups beside the full-attention group the contract's layout has: a
-    window group under "full-and-window", a state group under a chunk-end `state_rule`
-    (vLLM's MambaSpec group)."""
+    window group under "full-and-window", a state group under a step `state_rule`
+    (vLLM's MambaSpec group; its events name it where they carry `group_idx`)."""
     window = contract.window is not None and contract.window_layout == "full-and-window"
     states = contract.state_interval is not None and contract.state_rule != "every-k"
     return int(window) + int(states)
@@ -421,7 +422,8 @@ class Judge:
         want = self._predicted[ev.seq_id] = pred.reused_tokens
         rule = ""
         if self.states is not None:
-            want = self.states.cut(ev.tokens, ev.scope, want)
+            full, want = want, self.states.cut(ev.tokens, ev.scope, want)
+            self.states.matched(ev.seq_id, full, want)
             rule = (f" (its full-attention match cut to the last recurrent state kept at a "
                     f"step's end, {self.contract.state_rule})")
         if self.exact and got != want:

@@ -6,8 +6,10 @@ no such cache.
 Judged with the harness's own rules (docs/design.md): a block evicted from the device
 moves to the host tier and an admission reuses it from there (the count oracle's
 two-tier model, `harness.oracle.tiers`, where the contract's oracle is bounded); a model
-with recurrent layers resumes only from a kept state, so a match ends on a block that
-ends a multiple of `state_interval` blocks (`OracleConfig.reuse_alignment_blocks`).
+with recurrent layers resumes only from a kept state, so a match ends where the
+contract's `state_rule` kept one (every block ending a multiple of `state_interval`
+blocks, `OracleConfig.reuse_alignment_blocks`, or one per extend,
+`state_group.StateGroup`).
 """
 
 from __future__ import annotations
@@ -44,49 +46,55 @@ def host_tier(run: Run) -> None:
 
 
 def hybrid_state(run: Run) -> None:
-    """Recurrent state kept every 2 blocks: a match ends on a block ending a multiple of
-    2 blocks. A (20 tokens, 5 blocks) is computed; B shares its first 3 blocks and
-    reuses 2; A again reuses 4 of its 5; a prompt computed in chunks of 3 and 2 blocks
-    keeps its state at the blocks its chunks reached, and reuses on the same rule.
-    Under a chunk-end `state_rule` (states kept only at a scheduler step's end, where
-    the engine's scheduler stops) the reuse is the count oracle's, which follows the
-    steps (`state_group`); the family records it, and runs each prompt to its end
-    with a reserve (the scheduler may stop it short at a state boundary)."""
+    """Recurrent state kept every 2 blocks (8 tokens): a match ends on a kept state.
+    A (20 tokens, 5 blocks) is computed in one step; B shares its first 3 blocks; A again;
+    C (22 tokens) computed in chunks of 12 and 10, D sharing it while C is mid-prefill and
+    once C is done. What each reuses is the contract's `state_rule`'s (`_REUSE`). Each
+    prompt runs to its end with reserves (an engine's scheduler may stop it short at a
+    state boundary)."""
+    want = _REUSE.get(run.contract.state_rule)
+    if want is None:
+        raise ValueError(f"hybrid_state: no expectations for state_rule "
+                         f"{run.contract.state_rule!r} (contract of {run.contract.engine})")
     a = toks(100, 20)
     run.admit("A", a)
     run.reserve("A", 20)
     run.commit("A", 20)
     run.free("A")
-    k = run.contract.state_interval or 1
-    _expect(run, "B sharing A's first 3 blocks reuses (to a kept state)",
-            run.admit("B", [*a[:14], *toks(500, 6)]), 12, k)
+    run.expect("B sharing A's first 3 blocks reuses (to a kept state)",
+               run.admit("B", [*a[:14], *toks(500, 6)]), want[0])
     run.free("B")
-    _expect(run, "A again reuses (to a kept state)", run.admit("A2", [*a, 1]),
-            run.cap(21), k)
+    run.expect("A again reuses (to a kept state)", run.admit("A2", [*a, 1]), want[1])
     run.free("A2")
     c = toks(300, 22)
     run.admit("C", c, first_chunk=12)
     run.commit("C", 12)
-    _expect(run, "D while C is mid-prefill (3 of 5 blocks computed) reuses",
-            run.admit("D", [*c, 1]), 12, k)
+    run.expect("D while C is mid-prefill (3 of 5 blocks computed) reuses",
+               run.admit("D", [*c, 1]), want[2])
     run.free("D")
     run.reserve("C", 22)
     run.reserve("C", 22)
     run.commit("C", 22)
     run.free("C")
-    _expect(run, "D again once C is done reuses", run.admit("D2", [*c, 1]),
-            run.cap(23), k)
+    run.expect("D again once C is done reuses", run.admit("D2", [*c, 1]), want[3])
     run.free("D2")
 
 
-def _expect(run: Run, what: str, got: int | None, tokens: int, k: int) -> None:
-    """Expect `tokens` of reuse cut to a kept state: whole multiples of k blocks (a
-    contract matchable only at the end of the prefill publishes nothing before). Under
-    a chunk-end rule only recorded: the count oracle judges it by the steps."""
-    if run.contract.state_rule != "every-k":
-        run.observed[what] = got
-        return
-    run.expect(what, got, tokens // (k * B) * (k * B))
+# What B, A again, D mid-prefill and D again reuse (tokens), by the contract's
+# `state_rule`, states every 8 tokens:
+# - "every-k" (the harness's): a state at every block ending a multiple of 8 tokens: B's
+#   match of 12 cuts to 8, A's 20 to 16, D's 12 (C's first chunk) to 8, D's 22 to 16.
+# - "extend-end" (SGLang's): one state per extend: A's at 16 (B's match of 12 reaches no
+#   state: 0), C's first extend (0-12) keeps 8, its second (12-22) keeps 20 (12 + 8).
+# - "chunk-ends-tail" (vLLM 0.33's): a state at a step's end on a multiple of 8 or the
+#   prompt's tail stop, (prompt - 1) // 4 * 4: A runs 16 then 20 (kept: 16; B 0, A again
+#   16), C's first chunk ends at 12 (none: D 0), C stops at 20, its tail (D again 20).
+# - "chunk-ends-prompt-tail" (vLLM 0.28-0.29's): the tail stop is prompt // 4 * 4, so A
+#   also keeps 20 (A again 20).
+_REUSE: dict[str, tuple[int, int, int, int]] = {"every-k": (8, 16, 8, 16),
+                                                 "extend-end": (0, 16, 8, 20),
+                                                 "chunk-ends-tail": (0, 16, 0, 20),
+                                                 "chunk-ends-prompt-tail": (0, 20, 0, 20)}
 
 
 CHECKS: tuple[Check, ...] = (

@@ -21,6 +21,17 @@ match ends where a state was kept. Where states are kept is the contract's
   where that is one (prompt // B * B): vLLM 0.28-0.29's partial-tail stop ("the
   prompt's partial-tail entry can only be registered by a chunk ending exactly at its
   last hash boundary").
+- "extend-end" (SGLang 0.5.23's `UnifiedRadixCache` MAMBA component with its extra
+  buffer): **one** state per extend, at start + floor(extend / g) * g for an extend of
+  the prompt from `start` (the tokens computed before it) and g the state block, none
+  when the extend is shorter than g (`schedule_batch.py:3175-3183`, `:3232`); where the
+  admission's full-attention match passed a multiple of g beyond the state it resumed
+  from (the "branching" point, `unified_cache/components/mamba.py:176-194`), an extend
+  reaching past that point keeps it instead, when it lies a multiple of g after the
+  extend's start (`schedule_batch.py:3216-3231`). A commit past the prompt (decoded
+  tokens, committed when the request ends) keeps none here: SGLang keeps a decode
+  state only every lcm(g, `mamba_track_interval`) tokens, in its result processor,
+  which the adapter does not run (docs/conformance.md).
 
 A match then reuses the longest prefix, at most what the full-attention group matched,
 that ends on a kept state of the same scope (`MambaManager.find_longest_cache_hit`: the
@@ -34,6 +45,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 CHUNK_END_RULES = ("chunk-ends", "chunk-ends-tail", "chunk-ends-prompt-tail")
+STEP_RULES = (*CHUNK_END_RULES, "extend-end")  # the rules this module follows
 
 
 def keeps(rule: str, computed: int, prompt: int, state_tokens: int, block_size: int) -> bool:
@@ -49,18 +61,45 @@ def keeps(rule: str, computed: int, prompt: int, state_tokens: int, block_size: 
     return rule == "chunk-ends-tail" and computed == (prompt - 1) // block_size * block_size
 
 
+def extend_keeps(start: int, end: int, state_tokens: int, branch: int | None) -> int | None:
+    """Where an extend of tokens [start, end) keeps its one state under "extend-end"
+    (None: nowhere), `branch` the branching point its admission's match named."""
+    g = state_tokens
+    if end - start < g:
+        return None
+    if branch is not None and start < branch < end and (branch - start) % g == 0:
+        return branch
+    return start + (end - start) // g * g
+
+
 class StateGroup:
-    """The states kept under a chunk-end rule, by (scope, prefix) (mutated by `apply`).
-    `state_tokens`: the state block (state_interval blocks of `block_size`)."""
+    """The states kept under a step rule (`STEP_RULES`), by (scope, prefix) (mutated by
+    `apply` and `matched`). `state_tokens`: the state block (state_interval blocks of
+    `block_size`)."""
 
     def __init__(self, rule: str, state_tokens: int, block_size: int) -> None:
-        if rule not in CHUNK_END_RULES:
-            raise ValueError(f"StateGroup: rule must be one of {CHUNK_END_RULES}, got {rule!r}")
+        if rule not in STEP_RULES:
+            raise ValueError(f"StateGroup: rule must be one of {STEP_RULES}, got {rule!r}")
         self.rule = rule
         self.state_tokens = state_tokens
         self.block_size = block_size
         self._kept: set[tuple[Hashable, tuple[int, ...]]] = set()
         self._seqs: dict[Hashable, tuple[Hashable, list[int], int]] = {}  # scope, tokens, prompt
+        self._computed: dict[Hashable, int] = {}  # live seq -> tokens computed (extend-end)
+        self._branch: dict[Hashable, int] = {}  # admitted seq -> its branching point
+
+    def matched(self, seq_id: Hashable, full_match: int, reused: int) -> None:
+        """An admission of `seq_id` whose full-attention group matched `full_match` tokens
+        and which resumed from `reused`: under "extend-end", the branching point it names
+        (the last multiple of the state block within the match, when past `reused`)."""
+        if self.rule != "extend-end":
+            return
+        g = self.state_tokens
+        point = full_match // g * g
+        if point > reused:
+            self._branch[seq_id] = point
+        else:
+            self._branch.pop(seq_id, None)
 
     def apply(self, ev: Any) -> None:
         """Follow one normalised log event (`harness.oracle.types.Event`): an admission
@@ -69,17 +108,32 @@ class StateGroup:
         sid = ev.seq_id
         if ev.kind == "admit":
             self._seqs[sid] = (ev.scope, list(ev.tokens), len(ev.tokens))
+            self._computed[sid] = ev.num_tokens
         elif sid not in self._seqs:
             return
         elif ev.kind == "append":
             self._seqs[sid][1].extend(ev.tokens)
         elif ev.kind == "commit":
             scope, tokens, prompt = self._seqs[sid]
-            n = ev.num_tokens
-            if keeps(self.rule, n, prompt, self.state_tokens, self.block_size):
+            n = self._kept_at(sid, ev.num_tokens, prompt)
+            if n is not None:
                 self._kept.add((scope, tuple(tokens[:n])))
         elif ev.kind == "free":
-            del self._seqs[sid]
+            del self._seqs[sid], self._computed[sid]
+            self._branch.pop(sid, None)
+
+    def _kept_at(self, sid: Hashable, n: int, prompt: int) -> int | None:
+        """Where a commit of `sid` up to `n` tokens keeps a state (None: nowhere)."""
+        if self.rule != "extend-end":
+            return n if keeps(self.rule, n, prompt, self.state_tokens, self.block_size) \
+                else None
+        start = self._computed[sid]
+        if n <= start:
+            return None
+        self._computed[sid] = n
+        if n > prompt:  # decoded tokens: see the module's docstring
+            return None
+        return extend_keeps(start, n, self.state_tokens, self._branch.get(sid))
 
     def cut(self, tokens: Sequence[int], scope: Hashable, matched: int) -> int:
         """The reuse of `tokens` in `scope` when the full-attention group matched

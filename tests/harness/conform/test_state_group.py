@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from harness.conform import ops
+from harness.conform.adapters.sglang import contract as sglang_contract
 from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.state_group import StateGroup, keeps
+from harness.conform.controller.state_group import StateGroup, extend_keeps, keeps
 from harness.conform.protocol import Contract, Stats
 from harness.conform.worker.session import StepReport
 from harness.oracle.types import normalize_event
@@ -162,3 +163,74 @@ def test_vllm_0_28_keeps_the_prompts_last_hash_boundary_even_at_its_end() -> Non
         g.apply(_ev("commit", "A", num_tokens=end))
     assert g.cut([*a, 1], None, 20) == 20
     assert replace(_mamba_contract(), state_rule=rule).state_rule == rule
+
+
+def test_an_extend_keeps_one_state_or_its_branching_point() -> None:
+    """SGLang 0.5.23's rule (schedule_batch.py:3175-3232), states every 8 tokens."""
+    assert extend_keeps(0, 20, 8, None) == 16  # one state per extend, the last whole one
+    assert extend_keeps(0, 7, 8, None) is None  # shorter than a state block: none
+    assert extend_keeps(12, 22, 8, None) == 20  # on the extend's own grid, not 16
+    assert extend_keeps(0, 20, 8, 8) == 8  # the branching point replaces it
+    assert extend_keeps(4, 20, 8, 8) == 20  # unless it lies off the extend's grid
+    assert extend_keeps(8, 20, 8, 8) == 16  # or is where the extend starts
+
+
+def test_the_state_group_follows_sglang_one_state_per_extend() -> None:
+    """What SGLang 0.5.23's scheduler code did on a CPU (docs/conformance.md, g = 8):
+    A (20 tokens, one extend) keeps 16 only; B sharing A's first 14 reuses 0 and keeps
+    the branching point 8 its match named; C cut at 12 keeps 8, and its next extend
+    (12 to 22) keeps 20; decoded tokens keep none."""
+    g = StateGroup("extend-end", 8, B)
+    a, c = list(range(100, 120)), list(range(300, 322))
+    b = [*a[:14], *range(500, 506)]
+    g.apply(_ev("admit", "A", tokens=a, num_tokens=0, scope=None, block_ids=[]))
+    g.apply(_ev("commit", "A", num_tokens=20))
+    g.apply(_ev("free", "A"))
+    assert g.cut(b, None, 12) == 0  # every-k and chunk-ends would keep 8 as well
+    assert g.cut([*a, 1], None, 20) == 16
+    g.matched("B", 12, 0)
+    g.apply(_ev("admit", "B", tokens=b, num_tokens=0, scope=None, block_ids=[]))
+    g.apply(_ev("commit", "B", num_tokens=20))
+    g.apply(_ev("append", "B", tokens=[7]))
+    g.apply(_ev("commit", "B", num_tokens=21))  # the decoded token, when B ends
+    g.apply(_ev("free", "B"))
+    assert g.cut([*b, 7, 1], None, 21) == 8  # at the branching point, not at 16
+    assert g.cut([*a[:10], 1], None, 8) == 8
+    g.apply(_ev("admit", "C", tokens=c, num_tokens=0, scope=None, block_ids=[]))
+    g.apply(_ev("commit", "C", num_tokens=12))
+    assert g.cut([*c, 1], None, 12) == 8
+    g.apply(_ev("commit", "C", num_tokens=22))
+    assert g.cut([*c, 1], None, 22) == 20
+    assert g.cut([*c, 1], "salted", 22) == 0
+
+
+def _sglang_contract(rule: str) -> Contract:
+    return replace(sglang_contract("0.5.23", B), state_interval=2, state_rule=rule,
+                   events=False, counters=())
+
+
+def test_the_judge_holds_an_extend_end_engine_to_one_state_per_extend() -> None:
+    """C (22 tokens) in extends of 12 and 10 keeps its states at 8 and 20 (12 + 8) under
+    SGLang's rule, so D sharing all of C reuses 20; under vLLM's chunk-end rule neither
+    extend ends on a state block and 20 is a count finding."""
+    c = list(range(300, 322))
+
+    def run(rule: str) -> list[Any]:
+        j = Judge(_sglang_contract(rule), 32)
+        got = j.observe(_report(ops.admit("C", c, None, 12), {"reused_tokens": 0}, [
+            {"kind": "admit", "seq_id": "C", "tokens": c, "num_tokens": 0, "scope": None,
+             "block_ids": [1, 2, 3]},
+            {"kind": "commit", "seq_id": "C", "num_tokens": 12}], 3, 0))
+        got += j.observe(_report(ops.reserve("C", 22), 22, [
+            {"kind": "append", "seq_id": "C", "tokens": [], "block_ids": [4, 5, 6]},
+            {"kind": "commit", "seq_id": "C", "num_tokens": 22}], 6, 0))
+        got += j.observe(_report(ops.free("C"), None, [{"kind": "free", "seq_id": "C"}], 0, 0))
+        got += j.observe(_report(ops.admit("D", [*c, 1]), {"reused_tokens": 20}, [
+            {"kind": "admit", "seq_id": "D", "tokens": [*c, 1], "num_tokens": 20,
+             "scope": None, "block_ids": [1, 2, 3, 4, 5, 7]}], 6, 0))
+        return got
+
+    assert run("extend-end") == []
+    found = run("chunk-ends")
+    assert [(v.oracle, v.kind) for v in found] == [("count", "reuse")]
+    assert "predicts 0" in found[0].message
