@@ -201,12 +201,15 @@ class Scheduling:
                 PUBLISHER, lambda data_parallel_rank=0, **_: Collector())
 
     def runner_output(self, ids: list[str]) -> Any:
-        """What the model runner returns for a step that ran `ids` and sampled nothing
-        (0.10.2 wants its logprobs and pooler fields given)."""
+        """What the model runner returns for a step that ran `ids` and sampled nothing:
+        no sampled-token list at all, as vLLM's own empty output has it (every release
+        reads it as `sampled_token_ids[i] if sampled_token_ids else []`, and 0.11's
+        entries are arrays it calls `.tolist()` on); 0.10.2 wants its logprobs and
+        pooler fields given."""
         fields = {f.name for f in dataclasses.fields(self.ModelRunnerOutput)}
         given: dict[str, Any] = {
             "req_ids": ids, "req_id_to_index": {r: i for i, r in enumerate(ids)},
-            "sampled_token_ids": [[] for _ in ids], "logprobs": None,
+            "sampled_token_ids": [], "logprobs": None,
             "prompt_logprobs_dict": {}, "pooler_output": []}
         return self.ModelRunnerOutput(**{k: v for k, v in given.items() if k in fields})
 
