@@ -167,12 +167,15 @@ class Scheduling:
         self.scheduler_params = set(inspect.signature(Scheduler.__init__).parameters)
         # its fields and InitVars (a pydantic dataclass's __init__ takes **kwargs)
         self.config_params = set(C.SchedulerConfig.__dataclass_fields__)
-        # where a prompt's partial-tail state is kept: before its last token (0.33's
-        # get_mamba_prefill_checkpoint_position), else at its last hash boundary
+        # where a prompt's partial-tail state is kept: before its last token where the
+        # manager retains that checkpoint alone (0.32 on: get_mamba_prefill_checkpoint_
+        # position and is_retained_checkpoint), else at its last hash boundary
         from vllm.v1 import kv_cache_interface
+        from vllm.v1.core import single_type_kv_cache_manager
 
-        self.tail_rule: StateRule = "chunk-ends-tail" if hasattr(
-            kv_cache_interface, "get_mamba_prefill_checkpoint_position") \
+        retains = hasattr(kv_cache_interface, "get_mamba_prefill_checkpoint_position") \
+            and "is_retained_checkpoint" in inspect.getsource(single_type_kv_cache_manager)
+        self.tail_rule: StateRule = "chunk-ends-tail" if retains \
             else "chunk-ends-prompt-tail"
         # why a Mamba group cannot be opened ("" when it can: `load` tries it)
         self.no_states = "" if "mamba_cache_mode" in C.CacheConfig.__dataclass_fields__ \

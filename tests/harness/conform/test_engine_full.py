@@ -244,6 +244,19 @@ def test_every_locked_vllm_runs_its_own_scheduler(version: str, tmp_path: Path) 
         report.contract["notes"]
 
 
+# Where a prompt's tail state stays: 0.28-0.31 at its last hash boundary, 0.32 on before
+# its last token (the manager retains that checkpoint alone); 0.30-0.31 already have
+# get_mamba_prefill_checkpoint_position, which the rule was first chosen by, and failed
+@pytest.mark.parametrize("version", ["0.28.0", "0.31.0", "0.33.0"])
+def test_hybrid_state_follows_each_releases_tail_rule(version: str, tmp_path: Path) -> None:
+    if install.installed(find_lock("vllm", version)) is None:
+        pytest.skip(f"vllm=={version} is not installed in {install.cache_dir()}")
+    report = conform(f"vllm=={version}", tmp_path, seeds=0, only=["hybrid_state"],
+                     say=lambda _: None)
+    (result,) = report.checks
+    assert result.status == "pass", result.message
+
+
 # A decoded request carries its sampled tokens in an output, which takes its prefill
 # stats (Request.take_prefill_stats); 0.21-0.25's scheduler asserts, for a request whose
 # stats are still there, that its hit is within the prompt: resumed past its prompt with
