@@ -72,7 +72,8 @@ KNOWN: tuple[KnownFinding, ...] = (
                  "a node's first block is published without its parent",
                  f"{_SGLANG}/issues/13488", f"{_SGLANG}/pull/13488", says="under parent None"),
     KnownFinding(6, "sglang", "0.5.5", "0.5.7", ("cold_then_warm", "shared_system_prompt",
-                                                 "branches"), ("events",),
+                                                 "branches", "dedup_across_split_path"),
+                 ("events",),
                  "a lookup that splits a node republishes its blocks (0.5.6: removes them "
                  "only)", f"{_SGLANG}/issues/13488", f"{_SGLANG}/pull/14934"),
     KnownFinding(7, "sglang", "0.5.5", "0.5.6", ("repeated_blocks",), ("events",),
