@@ -380,11 +380,6 @@ class SglangCache(sglang_scheduler.SglangTree):
         """RadixCache leaves a caller's duplicate slots to the caller (`_insert_cache`)."""
         self.alloc.free(slots)
 
-    @property
-    def contract(self) -> Contract:
-        """This release's contract."""
-        return self._contract
-
     # -- for the self-test ---------------------------------------------------------------
 
     def engine_callables(self) -> dict[str, tuple[object, str]]:

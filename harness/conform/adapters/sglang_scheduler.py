@@ -238,16 +238,22 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
 
 class SglangTree:
     """What the two SGLang adapters share over one tree: the retracted sequences, the
-    harness log, eviction, the events, and the harness's gauges. A subclass sets `tree`,
-    `block_size`, `num_blocks`, `record`, `_preempted` and `_log`, and defines
-    `_evict_tokens`, `used_blocks` and `stats`."""
+    harness log, eviction, the events, the contract and the harness's gauges. A subclass
+    sets `tree`, `block_size`, `num_blocks`, `record`, `_contract`, `_preempted` and
+    `_log`, and defines `_evict_tokens`, `used_blocks` and `stats`."""
 
     tree: Any
     block_size: int
     num_blocks: int
     record: bool
+    _contract: Contract
     _preempted: list[Hashable]
     _log: list[dict[str, Any]]
+
+    @property
+    def contract(self) -> Contract:
+        """The contract of this release and tree."""
+        return self._contract
 
     def _evict_tokens(self, num_tokens: int) -> int:
         raise NotImplementedError
@@ -363,11 +369,6 @@ class SglangScheduled(SglangTree):
             return s.UnifiedRadixCache(n.CacheInitParams(**params,
                                                          tree_components=(s.FULL,)))
         return s.RadixCache(n.CacheInitParams(**params))
-
-    @property
-    def contract(self) -> Contract:
-        """This release's contract under its scheduler code."""
-        return self._contract
 
     # -- for the self-test -----------------------------------------------------------------
 
