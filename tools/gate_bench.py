@@ -156,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also run head under N xdist workers (0: not; default 2)")
     parser.add_argument("--python", default=sys.executable,
                         help="the interpreter both run under (default: this one)")
+    parser.add_argument("--base-python", metavar="PYTHON",
+                        help="the base's interpreter where its test dependencies differ "
+                             "(7215b7d's plugin defines --reruns, which pytest-rerunfailures, "
+                             "a test dependency since, also does; default: --python)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.parallel < 0:
@@ -167,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             tree = Path(tmp) / label
             trees[label] = (export(ROOT, commit, tree), tree)
         plan = [("base", 0), ("head", 0)] + ([("head", args.parallel)] if args.parallel else [])
-        runs = [timed_pass(label, trees[label][0], trees[label][1], args.python, workers,
+        pythons = {"base": args.base_python or args.python, "head": args.python}
+        runs = [timed_pass(label, trees[label][0], trees[label][1], pythons[label], workers,
                            args.out) for label, workers in plan]
     ratios, lines = summarize(runs)
     print("\n".join(lines))

@@ -74,10 +74,13 @@ WindowLayout = Literal["window-only", "full-and-window", "window-pool"]
 # with every block ending a multiple of state_interval blocks ("every-k", the harness's);
 # at a scheduler step's last token when it ends such a block ("chunk-ends", vLLM's
 # mamba_cache_mode="align"); or also when that token is the prompt's last block
-# boundary before its last token ("chunk-ends-tail", vLLM 0.26 on: partial hash hits);
-# or one per extend, at its last whole state block or the branching point its match
-# named ("extend-end", SGLang's MAMBA component with its extra buffer).
-StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail", "extend-end"]
+# boundary before its last token ("chunk-ends-tail", vLLM 0.33: partial hash hits), or
+# its last block boundary, its end where that is one ("chunk-ends-prompt-tail", vLLM
+# 0.28-0.29's partial-tail stop); or one per extend, at its last whole state block or
+# the branching point its match named ("extend-end", SGLang's MAMBA component with its
+# extra buffer).
+StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail", "chunk-ends-prompt-tail",
+                    "extend-end"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]
@@ -323,7 +326,8 @@ class Contract:
       are kept (`StateRule`: every such block, only at a scheduler step's end, or
       once per extend).
       options: the `CacheOptions`
-      fields the adapter honours.
+      fields the adapter honours beside those the cache was opened with (an adapter
+      that opens two options only apart leaves the other out).
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.

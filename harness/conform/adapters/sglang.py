@@ -334,7 +334,7 @@ class _Seq:
     ids: list[int] = field(default_factory=list)  # page ids, as logged
 
 
-class SglangCache:
+class SglangCache(sglang_scheduler.SglangTree):
     """`CacheUnderTest` over one fresh `RadixCache` with page_size = block_size."""
 
     def __init__(self, s: SglangNames, version: str, num_blocks: int, block_size: int,
@@ -381,15 +381,6 @@ class SglangCache:
     def _free_duplicates(self, slots: list[int]) -> None:
         """RadixCache leaves a caller's duplicate slots to the caller (`_insert_cache`)."""
         self.alloc.free(slots)
-
-    def _total(self) -> int:
-        """Tokens in the tree."""
-        return int(self.tree.total_size())
-
-    @property
-    def contract(self) -> Contract:
-        """This release's contract."""
-        return self._contract
 
     # -- for the self-test ---------------------------------------------------------------
 
@@ -615,37 +606,13 @@ class SglangCache:
         self._preempted.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
 
-    def take_preempted(self) -> list[Hashable]:
-        """The sequences `preempt` retracted since the last call."""
-        out, self._preempted = self._preempted, []
-        return out
-
-    def evict(self, num_blocks: int) -> int:
-        """`evict(num_tokens)`: whole leaves, so possibly more than asked."""
-        return self._evict_tokens(num_blocks * self.block_size) // self.block_size
-
     def stats(self) -> Stats:
         """The tree's gauges (it keeps no counters), in tokens."""
-        t, P = self.tree, self.block_size
+        t = self.tree
         engine: dict[str, int | float] = {
             "evictable_size": t.evictable_size(), "protected_size": t.protected_size(),
             "total_size": self._total()}
-        used = self.used_blocks()
-        harness: dict[str, int | float] = {
-            "maxNumBlocks": self.num_blocks, "usedNumBlocks": used,
-            "freeNumBlocks": self.num_blocks - used, "cachedNumBlocks": self._total() // P,
-            "tokensPerBlock": P}
-        return Stats(engine, harness)
-
-    def take_events(self) -> list[dict[str, Any]]:
-        """SGLang's KV events as the harness's dicts (hashes as text)."""
-        return [sglang_scheduler.normalise_event(e) for e in self.tree.take_events()] \
-            if self.record else []
-
-    def take_log(self) -> list[dict[str, Any]]:
-        """The harness log since the last call."""
-        out, self._log = self._log, []
-        return out
+        return Stats(engine, self._harness_stats())
 
     def used_blocks(self) -> int:
         """The tree's locked pages (`protected_size`) plus the pages sequences hold
@@ -653,10 +620,6 @@ class SglangCache:
         P = self.block_size
         private = sum(len(seq.slots) - seq.locked for seq in self._seqs.values()) // P
         return int(self.tree.protected_size()) // P + private
-
-    def cached_hashes(self) -> None:
-        """The tree's state names no event hashes (they are computed as events go)."""
-        return None
 
     def check_integrity(self) -> list[str]:
         """Every page is free, in the tree or held by one sequence, never two of them;

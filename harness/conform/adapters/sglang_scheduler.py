@@ -285,6 +285,66 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                    notes=(*base.notes, "SGLang's scheduler functions drive the tree"))
 
 
+class SglangTree:
+    """What the two SGLang adapters share over one tree: the retracted sequences, the
+    harness log, eviction, the events, the contract and the harness's gauges. A subclass
+    sets `tree`, `block_size`, `num_blocks`, `record`, `_contract`, `_preempted` and
+    `_log`, and defines `_evict_tokens`, `used_blocks` and `stats`."""
+
+    tree: Any
+    block_size: int
+    num_blocks: int
+    record: bool
+    _contract: Contract
+    _preempted: list[Hashable]
+    _log: list[dict[str, Any]]
+
+    @property
+    def contract(self) -> Contract:
+        """The contract of this release and tree."""
+        return self._contract
+
+    def _evict_tokens(self, num_tokens: int) -> int:
+        raise NotImplementedError
+
+    def used_blocks(self) -> int:
+        raise NotImplementedError
+
+    def _total(self) -> int:
+        """Tokens in the tree (a unified tree's `total_size` is per component: its first)."""
+        total = self.tree.total_size()
+        return int(total[0] if isinstance(total, tuple) else total)
+
+    def _harness_stats(self) -> dict[str, int | float]:
+        """The harness's gauges, in blocks."""
+        P, used = self.block_size, self.used_blocks()
+        return {"maxNumBlocks": self.num_blocks, "usedNumBlocks": used,
+                "freeNumBlocks": self.num_blocks - used, "cachedNumBlocks": self._total() // P,
+                "tokensPerBlock": P}
+
+    def take_preempted(self) -> list[Hashable]:
+        """The sequences `preempt` retracted since the last call."""
+        out, self._preempted = self._preempted, []
+        return out
+
+    def evict(self, num_blocks: int) -> int:
+        """The tree's `evict(num_tokens)`: whole leaves, so possibly more than asked."""
+        return self._evict_tokens(num_blocks * self.block_size) // self.block_size
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """SGLang's KV events as the harness's dicts (hashes as text)."""
+        return [normalise_event(e) for e in self.tree.take_events()] if self.record else []
+
+    def take_log(self) -> list[dict[str, Any]]:
+        """The harness log since the last call."""
+        out, self._log = self._log, []
+        return out
+
+    def cached_hashes(self) -> None:
+        """The tree's state names no event hashes (they are computed as events go)."""
+        return None
+
+
 @dataclass
 class _Live:
     """One live request."""
@@ -298,7 +358,7 @@ class _Live:
     ids: list[int] = field(default_factory=list)  # page ids, as logged
 
 
-class SglangScheduled:
+class SglangScheduled(SglangTree):
     """`CacheUnderTest` over SGLang's scheduler functions and one fresh tree
     (`tree_kind` "radix": RadixCache, "unified": UnifiedRadixCache's full-attention
     component), page_size = block_size; with `window` its SWA component too, with
@@ -402,11 +462,6 @@ class SglangScheduled:
             return s.UnifiedRadixCache(n.CacheInitParams(**params,
                                                          tree_components=(s.FULL,)))
         return s.RadixCache(n.CacheInitParams(**params))
-
-    @property
-    def contract(self) -> Contract:
-        """This release's contract under its scheduler code."""
-        return self._contract
 
     # -- for the self-test -----------------------------------------------------------------
 
@@ -665,18 +720,8 @@ class SglangScheduled:
         self._preempted.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
 
-    def take_preempted(self) -> list[Hashable]:
-        """The sequences `preempt` retracted since the last call."""
-        out, self._preempted = self._preempted, []
-        return out
-
-    def evict(self, num_blocks: int) -> int:
-        """The tree's `evict(num_tokens)`: whole leaves, so possibly more than asked."""
-        return self._evict_tokens(num_blocks * self.block_size) // self.block_size
-
     def stats(self) -> Stats:
         """The tree's gauges (SGLang keeps no prefix-cache counters in it), in tokens."""
-        P = self.block_size
         engine: dict[str, int | float] = {
             "evictable_size": self.tree.evictable_size(),
             "protected_size": self.tree.protected_size(), "total_size": self._total(),
@@ -685,35 +730,13 @@ class SglangScheduled:
             engine.update(swa_available_size=self.alloc.swa_available_size(),
                           swa_evictable_size=self.tree.swa_evictable_size(),
                           swa_protected_size=self.tree.swa_protected_size())
-        used = self.used_blocks()
-        harness: dict[str, int | float] = {
-            "maxNumBlocks": self.num_blocks, "usedNumBlocks": used,
-            "freeNumBlocks": self.num_blocks - used, "cachedNumBlocks": self._total() // P,
-            "tokensPerBlock": P}
-        return Stats(engine, harness)
-
-    def _total(self) -> int:
-        total = self.tree.total_size()
-        return int(total[0] if isinstance(total, tuple) else total)
-
-    def take_events(self) -> list[dict[str, Any]]:
-        """SGLang's KV events as the harness's dicts (hashes as text)."""
-        return [normalise_event(e) for e in self.tree.take_events()] if self.record else []
-
-    def take_log(self) -> list[dict[str, Any]]:
-        """The harness log since the last call."""
-        out, self._log = self._log, []
-        return out
+        return Stats(engine, self._harness_stats())
 
     def used_blocks(self) -> int:
         """Pages neither free in SGLang's allocator nor evictable in its tree."""
         P = self.block_size
         return self.num_blocks - self.full.available_size() // P \
             - int(self.tree.evictable_size()) // P
-
-    def cached_hashes(self) -> None:
-        """The tree's state names no event hashes (they are computed as events go)."""
-        return None
 
     def _held(self) -> list[int]:
         """The pages live requests hold outside the tree (their rows past the tree's

@@ -309,10 +309,12 @@ MAX_MODEL_LEN = 1 << 16
 
 
 def kv_cache_config(v: VllmNames, num_blocks: int, block_size: int,
-                    window: int | None = None) -> Any:
+                    window: int | None = None, state_interval: int | None = None) -> Any:
     """One full-attention group over `num_blocks` blocks (and the null block); with a
     `window`, a sliding-window group beside it, as a hybrid model's (one pool for both,
-    `HybridKVCacheCoordinator`)."""
+    `HybridKVCacheCoordinator`); with a `state_interval`, a Mamba group beside it whose
+    state blocks span that many blocks, prefix-cached in "align" mode (vLLM 0.15.1 on:
+    `MambaSpec.mamba_cache_mode`; TypeError before)."""
     def spec(cls: Any, **extra: Any) -> Any:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(block_size=block_size, num_kv_heads=1, head_size=8,
@@ -323,6 +325,12 @@ def kv_cache_config(v: VllmNames, num_blocks: int, block_size: int,
     if window is not None:
         groups.append(v.KVCacheGroupSpec(["layer.1"], spec(v.SlidingWindowSpec,
                                                            sliding_window=window)))
+    if state_interval is not None:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        groups.append(v.KVCacheGroupSpec(["layer.m"], MambaSpec(
+            block_size=state_interval * block_size, shapes=((2,),),
+            dtypes=(v.torch.float32,), mamba_cache_mode="align")))
     return v.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],
                            kv_cache_groups=groups)
 
@@ -438,8 +446,8 @@ class VllmCache:
         return list(groups[0]) if groups else []
 
     def _window_ids(self, seq_id: Hashable) -> list[int]:
-        """Its blocks of the sliding-window group, the null block left out (none
-        without a window group)."""
+        """Its blocks of the second group (sliding-window or Mamba), the null block
+        left out (none without one)."""
         groups = self.manager.get_block_ids(str(seq_id))
         null = self.pool.null_block.block_id
         return [b for b in groups[1] if b != null] if groups and len(groups) > 1 else []
@@ -577,6 +585,8 @@ class VllmCache:
             "missedBlocks": -(-queries // self.block_size) - hits // self.block_size}
         if self._contract.window is not None:
             harness["windowNumBlocks"] = window
+        if self._contract.state_interval is not None:
+            harness["stateNumBlocks"] = window
         return Stats(engine, harness)
 
     def take_events(self) -> list[dict[str, Any]]:
@@ -596,10 +606,14 @@ class VllmCache:
         return int(self.num_blocks - self.pool.get_num_free_blocks())
 
     def cached_hashes(self) -> list[str]:
-        """Every block with a hash, as vLLM's events name it."""
+        """Every hash a block is cached under, as vLLM's events name it: its own, and
+        the partial entries a Mamba group's block is also reachable from (vLLM 0.26 on:
+        `BlockPool.cached_block_hashes_by_block`)."""
         u = self.v.utils
-        return [_hash_text(u.maybe_convert_block_hash(u.get_block_hash(b.block_hash)))
-                for b in self.pool.blocks if b.block_hash is not None]
+        partial = getattr(self.pool, "cached_block_hashes_by_block", {})
+        return [_hash_text(u.maybe_convert_block_hash(u.get_block_hash(h)))
+                for b in self.pool.blocks if b.block_hash is not None
+                for h in (b.block_hash, *partial.get(b.block_id, ()))]
 
     def check_integrity(self) -> list[str]:
         """Each block's ref_cnt equals the live requests holding it; the free queue holds
@@ -638,8 +652,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def normalise_event(event: Any, fields: tuple[str, ...]) -> dict[str, Any]:
-    """One vLLM KV event as the harness's dict: hashes as text, and of a BlockStored
-    the `fields` it carries (`Contract.event_fields`) as JSON data."""
+    """One vLLM KV event as the harness's dict: hashes as text, of a BlockStored the
+    `fields` it carries (`Contract.event_fields`) as JSON data, and of a BlockRemoved
+    its group where the events name one."""
     kind = event_kind(event)
     out: dict[str, Any] = {"type": kind}
     if kind == "BlockStored":
@@ -654,4 +669,6 @@ def normalise_event(event: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     elif kind == "BlockRemoved":
         out.update(block_hashes=[_hash_text(h) for h in event.block_hashes],
                    medium=getattr(event, "medium", None) or "GPU")
+        if "group_idx" in fields:  # which group's copy it removes
+            out["group_idx"] = event.group_idx
     return out

@@ -50,7 +50,9 @@ from harness.conform.protocol import (
     CacheUnderTest,
     Contract,
     LoadedEngine,
+    OptionName,
     Scope,
+    StateRule,
     Stats,
 )
 from harness.conform.stubs import StubSpec
@@ -71,6 +73,10 @@ def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
         scheduling.build(4, 4, True, CacheOptions())
     except Exception as exc:  # this release's scheduler does not run here: the manager
         return load_manager(got, f"{type(exc).__name__}: {exc}")  # alone, saying why
+    try:  # a Mamba group beside the full one, where this release takes the layout
+        scheduling.build(4, 4, True, CacheOptions(state_interval=2))
+    except Exception as exc:
+        scheduling.no_states = f"{type(exc).__name__}: {exc}"
 
     def configured(num_blocks: int, block_size: int, record: bool,
                    options: CacheOptions) -> CacheUnderTest:
@@ -161,6 +167,19 @@ class Scheduling:
         self.scheduler_params = set(inspect.signature(Scheduler.__init__).parameters)
         # its fields and InitVars (a pydantic dataclass's __init__ takes **kwargs)
         self.config_params = set(C.SchedulerConfig.__dataclass_fields__)
+        # where a prompt's partial-tail state is kept: before its last token where the
+        # manager retains that checkpoint alone (0.32 on: get_mamba_prefill_checkpoint_
+        # position and is_retained_checkpoint), else at its last hash boundary
+        from vllm.v1 import kv_cache_interface
+        from vllm.v1.core import single_type_kv_cache_manager
+
+        retains = hasattr(kv_cache_interface, "get_mamba_prefill_checkpoint_position") \
+            and "is_retained_checkpoint" in inspect.getsource(single_type_kv_cache_manager)
+        self.tail_rule: StateRule = "chunk-ends-tail" if retains \
+            else "chunk-ends-prompt-tail"
+        # why a Mamba group cannot be opened ("" when it can: `load` tries it)
+        self.no_states = "" if "mamba_cache_mode" in C.CacheConfig.__dataclass_fields__ \
+            else "CacheConfig has no mamba_cache_mode (Mamba prefix caching is 0.15.1's)"
 
         class Collector(EventPublisher):
             """The router: keeps every batch the scheduler publishes."""
@@ -185,26 +204,41 @@ class Scheduling:
                 PUBLISHER, lambda data_parallel_rank=0, **_: Collector())
 
     def runner_output(self, ids: list[str]) -> Any:
-        """What the model runner returns for a step that ran `ids` and sampled nothing
-        (0.10.2 wants its logprobs and pooler fields given)."""
+        """What the model runner returns for a step that ran `ids` and sampled nothing:
+        no sampled-token list at all, as vLLM's own empty output has it (every release
+        reads it as `sampled_token_ids[i] if sampled_token_ids else []`, and 0.11's
+        entries are arrays it calls `.tolist()` on); 0.10.2 wants its logprobs and
+        pooler fields given."""
         fields = {f.name for f in dataclasses.fields(self.ModelRunnerOutput)}
         given: dict[str, Any] = {
             "req_ids": ids, "req_id_to_index": {r: i for i, r in enumerate(ids)},
-            "sampled_token_ids": [[] for _ in ids], "logprobs": None,
+            "sampled_token_ids": [], "logprobs": None,
             "prompt_logprobs_dict": {}, "pooler_output": []}
         return self.ModelRunnerOutput(**{k: v for k, v in given.items() if k in fields})
 
     def build(self, num_blocks: int, block_size: int, record: bool,
               options: CacheOptions) -> tuple[Any, Any]:
-        """A fresh `Scheduler` over `num_blocks` blocks and its event collector."""
+        """A fresh `Scheduler` over `num_blocks` blocks and its event collector; with
+        `options.state_interval`, a Mamba group beside the full one ("align" mode), the
+        scheduler's and the hash's block sizes as vLLM's own
+        `resolve_kv_cache_block_sizes` gives them (the LCM and the GCD of the groups'
+        blocks). Raises what vLLM raises for a layout it refuses."""
         C = self.C
+        if options.state_interval is not None and self.no_states:
+            raise ValueError(f"no Mamba group on this release: {self.no_states}")
+        if options.state_interval is not None and options.window is not None:
+            raise ValueError(f"options window={options.window} and state_interval="
+                             f"{options.state_interval} together: the adapter opens a "
+                             "window group or a Mamba group beside the full one, not both "
+                             "(its gauges count one group beside it)")
         wanted = {"max_num_seqs": 1024, "max_num_batched_tokens": MAX_MODEL_LEN,
                   "max_model_len": MAX_MODEL_LEN, "is_encoder_decoder": False,
                   "enable_chunked_prefill": True, "async_scheduling": False,
                   "long_prefill_token_threshold": options.long_prefill_threshold or 0}
         sched = C.SchedulerConfig(**{k: x for k, x in wanted.items()
                                      if k in self.config_params})
-        cache = C.CacheConfig(block_size=block_size, enable_prefix_caching=True)
+        mamba = {} if options.state_interval is None else {"mamba_cache_mode": "align"}
+        cache = C.CacheConfig(block_size=block_size, enable_prefix_caching=True, **mamba)
         try:
             events = C.KVEventsConfig(enable_kv_cache_events=record, publisher=PUBLISHER)
         except ValueError:  # the config takes "null" or "zmq" only (0.16.0 on)
@@ -214,12 +248,19 @@ class Scheduling:
                               kv_events_config=events)
         config.model_config = TextModel(MAX_MODEL_LEN)
         config.cache_config.num_gpu_blocks = num_blocks + 1
-        kwargs = {"vllm_config": config,
-                  "kv_cache_config": kv_cache_config(self.v, num_blocks, block_size,
-                                                     options.window),
+        groups = kv_cache_config(self.v, num_blocks, block_size, options.window,
+                                 options.state_interval)
+        sched_block = hash_block = block_size
+        if options.state_interval is not None:
+            resolve = getattr(self.v.utils, "resolve_kv_cache_block_sizes", None)
+            if resolve is None:
+                raise ValueError("no resolve_kv_cache_block_sizes: this release's scheduler "
+                                 "hashes in its own block, which the full group's is not")
+            sched_block, hash_block = resolve(groups, config)
+        kwargs = {"vllm_config": config, "kv_cache_config": groups,
                   "structured_output_manager": self.StructuredOutputManager(config),
-                  "block_size": block_size, "log_stats": True,
-                  "hash_block_size": block_size}
+                  "block_size": sched_block, "log_stats": True,
+                  "hash_block_size": hash_block}
         scheduler = self.Scheduler(**{k: x for k, x in kwargs.items()
                                       if k in self.scheduler_params})
         collector = scheduler.kv_event_publisher
@@ -231,13 +272,30 @@ class Scheduling:
         return scheduler, collector
 
 
+def honoured(options: CacheOptions, no_states: str) -> tuple[OptionName, ...]:
+    """The options a cache opened with `options` honours beside those set: a window or
+    a Mamba group, not both; no Mamba group where the release opens none (`no_states`
+    says why)."""
+    states = () if no_states or options.window is not None else ("state_interval",)
+    window = () if options.state_interval is not None else ("window",)
+    return (*window, "chunk_budget", "long_prefill_threshold", *states)
+
+
 def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
-                       preempt_op: bool) -> Contract:
+                       preempt_op: bool, no_states: str = "",
+                       hash_block: int | None = None,
+                       tail_rule: StateRule = "chunk-ends-tail") -> Contract:
     """`base` (the release's manager-level contract, `release_contract`) as its own
     scheduler drives it; `full_prompt`: its scheduler admits a request only when its
     whole prompt fits (`scheduler_reserve_full_isl`); `preempt_op`: it has
     `_preempt_request` (before, its preemption is written inside `schedule`, which only a
-    decode step reaches)."""
+    decode step reaches); `no_states`: why this release opens no Mamba group ("" when it
+    does); `hash_block`: the scheduler's hash block under a Mamba group (finer than its
+    state block: partial hash hits, so a prompt's tail stop keeps a state too, where
+    `tail_rule` says)."""
+    states = options.state_interval
+    tail = states is not None and hash_block is not None \
+        and hash_block < states * base.block_size
     shared = parse_version(base.version).release >= (0, 31)
     return dataclasses.replace(
         base, preemption="frees-keeps-cached" if preempt_op else "none",
@@ -246,8 +304,10 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         chunk_budget=options.chunk_budget,
         long_prefill_threshold=options.long_prefill_threshold,
         admission_fits="prompt" if full_prompt else "chunk",
-        options=("window", "chunk_budget", "long_prefill_threshold"),
+        options=honoured(options, no_states),
         window=options.window, window_layout="full-and-window", replicated=REPLICATED,
+        state_interval=states,
+        state_rule="every-k" if states is None else tail_rule if tail else "chunk-ends",
         citations=(*base.citations,
                    ("decode_refusal", "v1/core/sched/scheduler.py Scheduler.schedule: 'The "
                                       "request cannot be scheduled. Preempt the "
@@ -265,7 +325,17 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                               "FullAttentionSpec and a SlidingWindowSpec group; "
                               "single_type_kv_cache_manager.py SlidingWindowManager: "
                               "blocks before num_computed_tokens - sliding_window + 1 are "
-                              "freed at the next allocate_slots")),
+                              "freed at the next allocate_slots"),
+                   ("state_rule", "config/cache.py CacheConfig.mamba_cache_mode: 'Only cache "
+                                  "the mamba state of the last token of each scheduler "
+                                  "step and when the token is at position i * "
+                                  "block_size'; Scheduler._mamba_block_aligned_split "
+                                  "stops a prompt there (and, with a hash block finer "
+                                  "than the state block, at its last hash block before "
+                                  "its last token); MambaManager.find_longest_cache_hit "
+                                  "takes the rightmost kept state"),
+                   *((("options", f"no state_interval: {no_states}"),) if no_states
+                     else ())),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
                             "update_from_output; stats are read from the step's "
                             "SchedulerStats"))
@@ -282,7 +352,10 @@ class SchedulerCache(VllmCache):
         full = bool(getattr(self.scheduler, "scheduler_reserve_full_isl", False))
         base = release_contract(v, version, block_size, hasattr(self.manager, "evict_blocks"))
         self._contract = scheduler_contract(base, options, full,
-                                            hasattr(self.scheduler, "_preempt_request"))
+                                            hasattr(self.scheduler, "_preempt_request"),
+                                            s.no_states,
+                                            getattr(self.pool, "hash_block_size", None),
+                                            s.tail_rule)
         self._budget = self.scheduler.max_num_scheduled_tokens
         self._add_stats(self.manager.make_prefix_cache_stats())  # every counter, at 0
         self._parked: dict[Hashable, Any] = {}  # seq -> its Request, out of running
@@ -473,11 +546,29 @@ class SchedulerCache(VllmCache):
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
         """Append the tokens to the request, then a step: the scheduler schedules them,
-        preempting the last running requests (maybe this one) until they fit. Returns
-        the blocks allocated for them (none when it preempted this sequence)."""
+        preempting the last running requests (maybe this one) until they fit. Under a
+        Mamba group, one token a step, as a decoder samples them: several unscheduled
+        output tokens are a resumed request's catch-up prefill to vLLM, which
+        `Scheduler._mamba_block_aligned_split` stops at a state checkpoint. Returns the
+        blocks allocated for them (none when it preempted this sequence)."""
+        steps = [list(tokens)] if self._contract.state_interval is None \
+            else [[t] for t in tokens]
+        added: list[int | None] = []
+        for i, step in enumerate(steps):
+            got = self._append_step(seq_id, step)
+            if got is None:  # preempted: it resumes with every token appended
+                self._preempted[seq_id].append_output_token_ids(
+                    [t for rest in steps[i + 1:] for t in rest])
+                return ()
+            added += got
+        return tuple(added)
+
+    def _append_step(self, seq_id: Hashable, tokens: list[int]) -> list[int | None] | None:
+        """`tokens` into the request and one step, logged; the blocks it allocated, or
+        None when the step preempted this sequence."""
         req = self._reqs[seq_id]
         before = self._ids(seq_id)
-        req.append_output_token_ids(list(tokens))
+        req.append_output_token_ids(tokens)
         # the output that carries a sampled token takes the prefill stats (0.21 on); left
         # on the request, a resumption past its prompt trips 0.21-0.25's assert on them
         take_prefill_stats = getattr(req, "take_prefill_stats", None)
@@ -486,13 +577,13 @@ class SchedulerCache(VllmCache):
         victims = self._running_step(seq_id, len(tokens))
         self._log_victims(victims, but=seq_id)
         added = [] if seq_id in victims else self._ids(seq_id)[len(before):]
-        self._write({"kind": "append", "seq_id": seq_id, "tokens": list(tokens),
+        self._write({"kind": "append", "seq_id": seq_id, "tokens": tokens,
                      "block_ids": added})
         if seq_id in victims:
             self._write({"kind": "free", "seq_id": seq_id})
-            return ()
+            return None
         self._implied_commit(seq_id)
-        return tuple(added)
+        return list(added)
 
     def preempt(self, seq_id: Hashable) -> None:
         """`Scheduler._preempt_request` on the sequence (out of Scheduler.running

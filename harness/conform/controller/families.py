@@ -217,12 +217,16 @@ class Check:
     options: CacheOptions = field(default_factory=CacheOptions)
 
     def skip_reason(self, contract: Contract) -> str | None:
-        """Why this family cannot judge `contract`'s engine; None when it can."""
+        """Why this family cannot judge `contract`'s engine; None when it can (an
+        option it does not honour: with the contract's citation of `options`, the
+        engine's reason)."""
         missing = [why for has, why in map(_NEEDS.__getitem__, self.needs) if not has(contract)]
         unhonoured = [n for n in self.options.names() if n not in contract.options]
-        if unhonoured:
+        if unhonoured:  # with the engine's reason, where the contract cites one
+            why = "".join(f"; {text}" for name, text in contract.citations
+                          if name == "options")
             missing.append(f"the adapter opens no cache with {', '.join(unhonoured)} "
-                           f"(it honours {list(contract.options) or 'no options'})")
+                           f"(it honours {list(contract.options) or 'no options'}{why})")
         return "; ".join(missing) or None
 
 

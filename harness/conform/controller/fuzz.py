@@ -160,24 +160,30 @@ class _Draw:
             s.scheduled = s.length
 
 
-def fuzz_options(seed: int, honoured: tuple[str, ...], num_blocks: int) -> CacheOptions:
+def fuzz_options(seed: int, honoured: Callable[[CacheOptions], tuple[str, ...]],
+                 num_blocks: int) -> CacheOptions:
     """The options seed `seed` opens its cache of `num_blocks` with, among those
-    `honoured`: none for half the seeds, else each honoured one with an even chance,
-    small enough to bite (from a stream of their own: the seed's ops do not move). A
-    host tier holds two or three times the device pool (what the oracle's two-tier model
-    is exact for, harness.oracle.tiers); a recurrent state is kept every 1 to 3 blocks;
-    those two come from a stream of their own too."""
+    honoured (`honoured(chosen)`: what a cache opened with the options `chosen` so far
+    honours beside them, its contract's `options`): none for half the seeds, else each
+    honoured one with an even chance, small enough to bite (from a stream of their own:
+    the seed's ops do not move). A host tier holds two or three times the device pool
+    (what the oracle's two-tier model is exact for, harness.oracle.tiers); a recurrent
+    state is kept every 1 to 3 blocks; those two come from a stream of their own too,
+    each drawn only where the cache opened with the options drawn before it honours it
+    (an adapter may open two options only apart)."""
     r = random.Random(f"options-{seed}")
-    if not honoured or r.random() < 0.5:
+    first = honoured(CacheOptions())
+    if not first or r.random() < 0.5:
         return CacheOptions()
     picks = {"window": r.randrange(2, 4 * B), "chunk_budget": r.randrange(1, 4 * B),
              "long_prefill_threshold": r.randrange(1, 3 * B)}
-    chosen = {k: v for k, v in picks.items() if k in honoured and r.random() < 0.5}
+    chosen = {k: v for k, v in picks.items() if k in first and r.random() < 0.5}
     layout = random.Random(f"layout-{seed}")
     layouts = {"host_blocks": layout.randint(2, 3) * num_blocks,
                "state_interval": layout.randint(1, 3)}
-    chosen.update({k: v for k, v in layouts.items()
-                   if k in honoured and layout.random() < 0.5})
+    for k, v in layouts.items():
+        if k in honoured(CacheOptions(**chosen)) and layout.random() < 0.5:
+            chosen[k] = v
     return CacheOptions(**chosen)
 
 
@@ -185,7 +191,8 @@ def fuzz(target: Target, seed: int, num_ops: int = DEFAULT_OPS) -> FuzzOutcome:
     """Run seed `seed` (stops at the first violation); see the module docstring."""
     draw = _Draw(seed)
     num_blocks = draw.rng.choice(POOL_SIZES)
-    options = fuzz_options(seed, target.open(num_blocks, B).options, num_blocks)
+    options = fuzz_options(seed, lambda chosen: target.open(num_blocks, B, chosen).options,
+                           num_blocks)
     contract = target.open(num_blocks, B, options)
     draw.decode_steps = contract.decode_steps
     # half the seeds preempt, where the contract can: the others draw as they always did

@@ -25,8 +25,10 @@ After every op (`Judge.observe`):
   counters, events, log).
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
   blocks the cache holds on its device (`cached_hashes`; a host tier's blocks are
-  folded under their own medium), and no op removes a block it keeps (a block moved
-  between tiers is removed from one medium and stored on the other: no churn). A
+  folded under their own medium; where the events name their group, `group_idx`, the
+  other groups' are folded apart, by hash alone: `other_groups`), and no op removes a
+  block it keeps (a block moved between tiers is removed from one medium and stored on
+  the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
 - count, state group: under a step `state_rule` (a hybrid model's recurrent state
@@ -105,6 +107,15 @@ def oracle_config(contract: Contract, num_blocks: int) -> OracleConfig:
                         unreused_tail=contract.unreused_tail)
 
 
+def other_groups(contract: Contract) -> int:
+    """How many groups beside the full-attention group the contract's layout has: a
+    window group under "full-and-window", a state group under a step `state_rule`
+    (vLLM's MambaSpec group; its events name it where they carry `group_idx`)."""
+    window = contract.window is not None and contract.window_layout == "full-and-window"
+    states = contract.state_interval is not None and contract.state_rule != "every-k"
+    return int(window) + int(states)
+
+
 def _blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -145,7 +156,12 @@ class Judge:
         self.calls = CallOracles(B, num_blocks, block_reuse=True,
                                  sliding_window=_EVERY_POSITION)
         self.capacity = self.calls.capacity
-        self.index = EventIndex(B)
+        self.index = EventIndex(B)  # the full-attention group's events
+        # each other group's cached blocks, by (medium, hash), where the events name their
+        # group: folded apart and by hash alone (a state group's blocks span several of
+        # the full group's, and its partial entries chain on the full group's hashes)
+        self.groups: list[Counter[tuple[str, Any]]] = \
+            [Counter() for _ in range(other_groups(contract))]
         self.exact = True
         model = ORDER_MODELS.get(contract.eviction_policy)
         # (a window or state group shares the pool: the full group's order is not alone)
@@ -494,7 +510,7 @@ class Judge:
             return
         # by (medium, hash): a block offloaded to a host tier is removed from the device
         # and stored on the host in one op, which is a move, not churn
-        before: Counter[Any] = Counter(self.index.counts)
+        before = self._keys()
         removed: Counter[Any] = Counter()
         stored: Counter[Any] = Counter()
         for event in r.events:
@@ -503,34 +519,42 @@ class Judge:
                                                  and bool(self.index.cached()))
             if dropped and not self.contract.bounded_oracle and not self._order_known():
                 self.exact = False  # the count oracle's model keeps every block
+            group = self._group(event)
+            if group is None:
+                say("events", "group", f"after {r.op.describe()}: event {event} names group "
+                                       f"{event.get('group_idx')!r}; the contract's layout "
+                                       f"has {1 + len(self.groups)} groups")
+                return
             medium = event.get("medium", DEVICE)
             if kind == "BlockRemoved":
                 removed.update((medium, h) for h in event.get("block_hashes", ()))
             elif kind == "BlockStored":
                 stored.update((medium, h) for h in event.get("block_hashes", ()))
-                misplaced = self._misplaced(event)
+                misplaced = self._misplaced(event) if group == 0 else ""
                 if misplaced:
                     say("events", "parent", f"after {r.op.describe()}: {misplaced}")
                     return
             try:
-                self.index.apply(event)
+                self._apply(group, event)
             except (ValueError, KeyError, TypeError) as exc:
                 say("events", "does not fold", f"after {r.op.describe()}: event {event} does "
                                                f"not fold: {exc}")
                 return
-        after_keys: Counter[Any] = Counter(self.index.counts)
+        after_keys = self._keys()
         # a block whose every copy the step removed, then stored again: gone in between
         # (a cache that keeps copies, a hybrid's groups or duplicates, may drop one copy
         # and store another while the block stays cached throughout); and more of them
         # than the step allocated blocks (an allocation may evict the cached copies of
-        # blocks it then computes again: gone, then computed). By (medium, hash): a move
-        # between tiers is no churn
-        churn = sorted(h for key in removed if key in stored
-                       and after_keys[key] >= before[key] > 0 and removed[key] >= before[key]
-                       for h in key[1:])
+        # blocks it then computes again: gone, then computed). By (medium, hash), over
+        # every group: a move between tiers is no churn
+        churn = sorted(key[1] for key in removed if key in stored
+                       and after_keys[key] >= before[key] > 0 and removed[key] >= before[key])
         if len(churn) <= self._allocated:
             churn = []
-        after: Counter[Any] = Counter(self.index.cached(DEVICE))  # what the device holds
+        after: Counter[Any] = self.index.cached(DEVICE)  # what the device holds, in
+        for group_blocks in self.groups:                   # every group
+            after.update({h: n for (medium, h), n in group_blocks.items()
+                          if medium == DEVICE})
         if churn:
             say("events", "churn", f"{r.op.describe()} published BlockRemoved and "
                                    "BlockStored again "
@@ -552,11 +576,53 @@ class Judge:
                           f"{len(missing)} never published ({sorted(missing)[:3]}), "
                           f"{len(extra)} published but gone ({sorted(extra)[:3]})")
 
+    def _group(self, event: dict[str, Any]) -> int | None:
+        """The group `event` belongs to: the one it names where the contract says events
+        name their group (`group_idx`), else the full-attention group (0). None for a
+        group the contract's layout does not have."""
+        group = event.get("group_idx") if "group_idx" in self.contract.event_fields else 0
+        group = 0 if group is None else group
+        return group if isinstance(group, int) and 0 <= group <= len(self.groups) else None
+
+    def _apply(self, group: int, event: dict[str, Any]) -> None:
+        """Fold `event` into its group's blocks (AllBlocksCleared: every group's).
+        ValueError for the removal of a block the group does not hold."""
+        kind = event.get("type")
+        if group == 0 or kind == "AllBlocksCleared":
+            self.index.apply(event)
+        if kind == "AllBlocksCleared":
+            for held in self.groups:
+                held.clear()
+        if group == 0:
+            return
+        held = self.groups[group - 1]
+        medium = event.get("medium", DEVICE)
+        for h in event.get("block_hashes", ()):
+            key = (medium, h)
+            if kind == "BlockStored":
+                held[key] += 1
+            elif kind == "BlockRemoved" and not held[key]:
+                del held[key]
+                raise ValueError(f"BlockRemoved names hash {h}, which group {group} does "
+                                 f"not hold on {medium}")
+            elif kind == "BlockRemoved":
+                held[key] -= 1
+                if not held[key]:
+                    del held[key]
+
+    def _keys(self) -> Counter[tuple[str, Any]]:
+        """The cached copies of each block, every group's, by (medium, hash)."""
+        out: Counter[tuple[str, Any]] = Counter(self.index.counts)
+        for held in self.groups:
+            out.update(held)
+        return out
+
     def _misplaced(self, event: dict[str, Any]) -> str:
-        """Why the BlockStored `event` is not stored under the block right before it
-        ("" when it is): its parent must be cached, and the parent's chain followed by
-        the stored tokens must spell a prefix some sequence had (a parent that is an
-        earlier block of the chain, or none where one was due, spells nothing)."""
+        """Why the full-attention group's BlockStored `event` is not stored under the
+        block right before it ("" when it is): its parent must be cached, and the
+        parent's chain followed by the stored tokens must spell a prefix some sequence
+        had (a parent that is an earlier block of the chain, or none where one was due,
+        spells nothing)."""
         parent = event.get("parent_block_hash")
         hashes = list(event.get("block_hashes", ()))[:2]
         above = () if parent is None else self.index.chain_tokens(parent)

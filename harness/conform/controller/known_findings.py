@@ -64,8 +64,16 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(5, "sglang", "0.5.5", "0.5.18", ("scope_event_hashes",), ("scenario",),
                  "router events carry no scope", f"{_SGLANG}/issues/24568",
                  f"{_SGLANG}/pull/30827"),
+    # 17 before 6: on 0.5.5 a check can show either, and 17's message says which
+    KnownFinding(17, "sglang", "0.5.5", "0.5.6", (
+        "cold_then_warm", "shared_system_prompt", "multi_turn", "branches",
+        "chunked_admission", "decode_growth", "decoded_then_edited",
+        "dedup_across_split_path", "preemption_resume"), ("events",),
+                 "a node's first block is published without its parent",
+                 f"{_SGLANG}/issues/13488", f"{_SGLANG}/pull/13488", says="under parent None"),
     KnownFinding(6, "sglang", "0.5.5", "0.5.7", ("cold_then_warm", "shared_system_prompt",
-                                                 "branches"), ("events",),
+                                                 "branches", "dedup_across_split_path"),
+                 ("events",),
                  "a lookup that splits a node republishes its blocks (0.5.6: removes them "
                  "only)", f"{_SGLANG}/issues/13488", f"{_SGLANG}/pull/14934"),
     KnownFinding(7, "sglang", "0.5.5", "0.5.6", ("repeated_blocks",), ("events",),

@@ -49,13 +49,16 @@ def hybrid_state(run: Run) -> None:
     """Recurrent state kept every 2 blocks (8 tokens): a match ends on a kept state.
     A (20 tokens, 5 blocks) is computed in one step; B shares its first 3 blocks; A again;
     C (22 tokens) computed in chunks of 12 and 10, D sharing it while C is mid-prefill and
-    once C is done. What each reuses is the contract's `state_rule`'s (`_REUSE`)."""
+    once C is done. What each reuses is the contract's `state_rule`'s (`_REUSE`). Each
+    prompt runs to its end with reserves (an engine's scheduler may stop it short at a
+    state boundary)."""
     want = _REUSE.get(run.contract.state_rule)
     if want is None:
         raise ValueError(f"hybrid_state: no expectations for state_rule "
                          f"{run.contract.state_rule!r} (contract of {run.contract.engine})")
     a = toks(100, 20)
     run.admit("A", a)
+    run.reserve("A", 20)
     run.commit("A", 20)
     run.free("A")
     run.expect("B sharing A's first 3 blocks reuses (to a kept state)",
@@ -70,6 +73,7 @@ def hybrid_state(run: Run) -> None:
                run.admit("D", [*c, 1]), want[2])
     run.free("D")
     run.reserve("C", 22)
+    run.reserve("C", 22)
     run.commit("C", 22)
     run.free("C")
     run.expect("D again once C is done reuses", run.admit("D2", [*c, 1]), want[3])
@@ -82,8 +86,15 @@ def hybrid_state(run: Run) -> None:
 #   match of 12 cuts to 8, A's 20 to 16, D's 12 (C's first chunk) to 8, D's 22 to 16.
 # - "extend-end" (SGLang's): one state per extend: A's at 16 (B's match of 12 reaches no
 #   state: 0), C's first extend (0-12) keeps 8, its second (12-22) keeps 20 (12 + 8).
+# - "chunk-ends-tail" (vLLM 0.33's): a state at a step's end on a multiple of 8 or the
+#   prompt's tail stop, (prompt - 1) // 4 * 4: A runs 16 then 20 (kept: 16; B 0, A again
+#   16), C's first chunk ends at 12 (none: D 0), C stops at 20, its tail (D again 20).
+# - "chunk-ends-prompt-tail" (vLLM 0.28-0.29's): the tail stop is prompt // 4 * 4, so A
+#   also keeps 20 (A again 20).
 _REUSE: dict[str, tuple[int, int, int, int]] = {"every-k": (8, 16, 8, 16),
-                                                 "extend-end": (0, 16, 8, 20)}
+                                                 "extend-end": (0, 16, 8, 20),
+                                                 "chunk-ends-tail": (0, 16, 0, 20),
+                                                 "chunk-ends-prompt-tail": (0, 20, 0, 20)}
 
 
 CHECKS: tuple[Check, ...] = (

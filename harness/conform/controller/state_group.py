@@ -13,9 +13,14 @@ match ends where a state was kept. Where states are kept is the contract's
   state block (`state_interval` blocks). Each commit of the log is a step's end (the
   scheduler adapter logs one per step).
 - "chunk-ends-tail": also at a step's last token when it is the prompt's last block
-  boundary before its last token ((prompt - 1) // B * B): vLLM 0.26 on, where a state
+  boundary before its last token ((prompt - 1) // B * B): vLLM 0.33, where a state
   block wider than the hash block is matched by hash block (partial hash hits) and the
-  scheduler stops a prompt there (`Scheduler._mamba_block_aligned_split`).
+  scheduler stops a prompt there (`Scheduler._mamba_block_aligned_split`,
+  `get_mamba_prefill_checkpoint_position`: "Leave tokens for logits recomputation").
+- "chunk-ends-prompt-tail": the same with the prompt's last block boundary, its end
+  where that is one (prompt // B * B): vLLM 0.28-0.29's partial-tail stop ("the
+  prompt's partial-tail entry can only be registered by a chunk ending exactly at its
+  last hash boundary").
 - "extend-end" (SGLang 0.5.23's `UnifiedRadixCache` MAMBA component with its extra
   buffer): **one** state per extend, at start + floor(extend / g) * g for an extend of
   the prompt from `start` (the tokens computed before it) and g the state block, none
@@ -39,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-CHUNK_END_RULES = ("chunk-ends", "chunk-ends-tail")
+CHUNK_END_RULES = ("chunk-ends", "chunk-ends-tail", "chunk-ends-prompt-tail")
 STEP_RULES = (*CHUNK_END_RULES, "extend-end")  # the rules this module follows
 
 
@@ -51,6 +56,8 @@ def keeps(rule: str, computed: int, prompt: int, state_tokens: int, block_size: 
         return False
     if computed % state_tokens == 0:
         return True
+    if rule == "chunk-ends-prompt-tail":
+        return computed == prompt // block_size * block_size
     return rule == "chunk-ends-tail" and computed == (prompt - 1) // block_size * block_size
 
 

@@ -216,16 +216,21 @@ def test_a_release_without_a_lock_is_resolved_and_proven(tmp_path: Path) -> None
     assert not any(d.lower().startswith(("torch==", "nvidia")) for d in lock.deps)
 
 
+def cached_vllm_run(version: str, check: str, tmp_path: Path) -> Report:
+    """`conform vllm==version` with one check and no fuzz, in the cached venv (skipped
+    where it is not installed); returns the report."""
+    if install.installed(find_lock("vllm", version)) is None:
+        pytest.skip(f"vllm=={version} is not installed in {install.cache_dir()}")
+    return conform(f"vllm=={version}", tmp_path, seeds=0, only=[check], say=lambda _: None)
+
+
 # vllm-project/vllm#48860 (0.27.0) records the prefix-cache stats in Scheduler.schedule,
 # at admission: with vLLM's own scheduler driving the cache, 0.26.0 counts a refused
 # lookup because its scheduler does and 0.27.0 does not because its scheduler does not
 @pytest.mark.parametrize(("version", "status"), [("0.26.0", "fail"), ("0.27.0", "pass")])
 def test_the_stats_fix_is_judged_in_vllms_own_scheduler(version: str, status: str,
                                                        tmp_path: Path) -> None:
-    if install.installed(find_lock("vllm", version)) is None:
-        pytest.skip(f"vllm=={version} is not installed in {install.cache_dir()}")
-    report = conform(f"vllm=={version}", tmp_path, seeds=0, only=["refused_then_retried"],
-                     say=lambda _: None)
+    report = cached_vllm_run(version, "refused_then_retried", tmp_path)
     assert any("runs Scheduler.schedule" in n for n in report.contract["notes"])
     (result,) = report.checks
     assert result.status == status, result.message
@@ -236,12 +241,19 @@ def test_the_stats_fix_is_judged_in_vllms_own_scheduler(version: str, status: st
 # for a lock without einops and a model config without uses_xdrope)
 @pytest.mark.parametrize("version", supported()["vllm"])
 def test_every_locked_vllm_runs_its_own_scheduler(version: str, tmp_path: Path) -> None:
-    if install.installed(find_lock("vllm", version)) is None:
-        pytest.skip(f"vllm=={version} is not installed in {install.cache_dir()}")
-    report = conform(f"vllm=={version}", tmp_path, seeds=0, only=["cold_then_warm"],
-                     say=lambda _: None)
+    report = cached_vllm_run(version, "cold_then_warm", tmp_path)
     assert any("runs Scheduler.schedule" in n for n in report.contract["notes"]), \
         report.contract["notes"]
+
+
+# Where a prompt's tail state stays: 0.28-0.31 at its last hash boundary, 0.32 on before
+# its last token (the manager retains that checkpoint alone); 0.30-0.31 already have
+# get_mamba_prefill_checkpoint_position, which the rule was first chosen by, and failed
+@pytest.mark.parametrize("version", ["0.28.0", "0.31.0", "0.33.0"])
+def test_hybrid_state_follows_each_releases_tail_rule(version: str, tmp_path: Path) -> None:
+    report = cached_vllm_run(version, "hybrid_state", tmp_path)
+    (result,) = report.checks
+    assert result.status == "pass", result.message
 
 
 # A decoded request carries its sampled tokens in an output, which takes its prefill
@@ -250,10 +262,7 @@ def test_every_locked_vllm_runs_its_own_scheduler(version: str, tmp_path: Path) 
 # the stats left on it, the adapter (not vLLM) tripped that assert
 @pytest.mark.parametrize("version", ["0.24.0", "0.33.0"])
 def test_a_resumed_request_passes_in_vllms_own_scheduler(version: str, tmp_path: Path) -> None:
-    if install.installed(find_lock("vllm", version)) is None:
-        pytest.skip(f"vllm=={version} is not installed in {install.cache_dir()}")
-    report = conform(f"vllm=={version}", tmp_path, seeds=0, only=["preemption_resume"],
-                     say=lambda _: None)
+    report = cached_vllm_run(version, "preemption_resume", tmp_path)
     (result,) = report.checks
     assert result.status == "pass", result.message
 

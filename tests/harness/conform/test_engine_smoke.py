@@ -62,3 +62,19 @@ def test_a_cached_shortfin_release_loads_self_tests_and_is_judged(version: str,
     assert status["scope_isolation"] == "skip"
     # 3.1.0-3.7.0 leak every request's unpublished last page (finding 8): branches fails
     assert status["branches"] == ("pass" if era(version) == "decoder" else "fail")
+
+
+def test_the_cached_vllm_runs_hybrid_state_with_its_mamba_group(tmp_path: Path) -> None:
+    """vLLM 0.33.0's scheduler over a full and a Mamba "align" group: the family passes
+    under its chunk-end rule, and so do the fuzz seeds that open a Mamba group (seed 0;
+    17 and 20 append several tokens at once; 5 drew a window and a state group, which
+    the fuzz no longer asks for together)."""
+    lock = find_lock("vllm", "0.33.0")
+    if install.installed(lock) is None:
+        pytest.skip(f"{lock.spec} is not installed in {install.cache_dir()} (kvharness "
+                    f"conform {lock.spec} installs it)")
+    report = conform(lock.spec, tmp_path, seeds=21, only=["hybrid_state"],
+                     say=lambda _: None)
+    assert report.exit_code == 0, report.reason or [c.message for c in report.failed]
+    assert {c.name: c.status for c in report.checks}["hybrid_state"] == "pass"
+    assert "state_interval" in report.contract["options"]

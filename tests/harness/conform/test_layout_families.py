@@ -10,6 +10,7 @@ from typing import Any
 from harness.conform.adapters import kvcache
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.adapters.sglang import contract as sglang_contract
+from harness.conform.adapters.vllm_scheduler import honoured
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.fuzz import fuzz_options
 from harness.conform.controller.runner import run_check
@@ -71,9 +72,35 @@ def test_an_engine_without_those_caches_skips_the_families_saying_why() -> None:
 
 
 def test_the_fuzz_opens_host_tiers_the_oracle_models_exactly() -> None:
-    drawn = [fuzz_options(seed, ("host_blocks", "state_interval"), 12) for seed in range(40)]
+    drawn = [fuzz_options(seed, lambda _: ("host_blocks", "state_interval"), 12)
+             for seed in range(40)]
     hosts = {o.host_blocks for o in drawn} - {None}
     states = {o.state_interval for o in drawn} - {None}
     assert hosts and hosts <= {24, 36} and states and states <= {1, 2, 3}
     # an engine honouring neither draws neither, and its other options are unchanged
-    assert all(fuzz_options(seed, ("window",), 12).host_blocks is None for seed in range(40))
+    assert all(fuzz_options(seed, lambda _: ("window",), 12).host_blocks is None
+               for seed in range(40))
+
+
+def test_the_fuzz_never_draws_options_the_adapter_opens_only_apart() -> None:
+    """vLLM's adapter opens a window group or a Mamba group beside the full one, not
+    both: a cache opened with one does not list the other, and no seed draws both."""
+    assert "state_interval" not in honoured(CacheOptions(window=8), "")
+    assert "window" not in honoured(CacheOptions(state_interval=2), "")
+    assert "state_interval" not in honoured(CacheOptions(), "no Mamba group")
+    drawn = [fuzz_options(seed, lambda chosen: honoured(chosen, ""), 12)
+             for seed in range(64)]
+    assert not [o for o in drawn if o.window is not None and o.state_interval is not None]
+    assert any(o.window for o in drawn) and any(o.state_interval for o in drawn)
+    # where both are honoured together, a seed draws them together as before
+    both = [fuzz_options(seed, lambda _: ("window", "state_interval"), 12)
+            for seed in range(64)]
+    assert any(o.window and o.state_interval for o in both)
+
+
+def test_a_family_skips_with_the_engines_reason_for_an_option_it_refuses() -> None:
+    refused = replace(sglang_contract("0.5.23", 4), citations=(
+        ("options", "no state_interval: AssertionError: block_size must be divisible by "
+                    "hash_block_size"),))
+    assert "; no state_interval: AssertionError: block_size must be divisible" \
+        in str(STATES.skip_reason(refused))

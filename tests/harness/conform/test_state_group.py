@@ -109,6 +109,62 @@ def test_a_contract_refuses_an_unknown_state_rule() -> None:
     assert Contract.from_dict(c.as_dict()) == c
 
 
+def _stored(hashes: list[str], parent: str | None, tokens: list[int], size: int,
+            group: int) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": size, "salt": None, "lora_id": None,
+            "medium": "GPU", "group_idx": group}
+
+
+def test_the_judge_folds_the_state_groups_events_apart_and_the_full_groups_as_before(
+        ) -> None:
+    """vLLM 0.33.0 publishes the Mamba group's blocks (group_idx 1) in blocks of 8 with
+    hashes of their own, and partial entries on the full group's chain: the judge folds
+    them apart, by hash, and holds the full group's events to the index as before."""
+    a = list(range(100, 120))
+    contract = replace(_mamba_contract(), events=True,
+                       event_fields=(*_mamba_contract().event_fields, "group_idx"))
+    full = _stored(["h1", "h2", "h3", "h4"], None, a[:16], B, 0)
+
+    def run(*events: dict[str, Any], cached: tuple[str, ...] = ()) -> list[Any]:
+        j = Judge(contract, 32)
+        log = [{"kind": "admit", "seq_id": "A", "tokens": a, "num_tokens": 0, "scope": None,
+                "block_ids": [1, 2, 3, 4, 5]},
+               {"kind": "commit", "seq_id": "A", "num_tokens": 16}]
+        return j.observe(replace(_report(ops.admit("A", a), {"reused_tokens": 0}, log, 6, 1),
+                                 events=events, cached=cached))
+
+    state = _stored(["m2"], "m1", a[8:16], 2 * B, 1)  # its parent is no block it holds
+    partial = _stored(["h4"], "h3", a[12:16], B, 1)  # the full group's hash, group 1's
+    assert run(full, state, partial, cached=("h1", "h2", "h3", "h4", "m2", "h4")) == []
+    found = run(full, state, cached=("h1", "h2", "h3", "h4"))
+    assert [(v.oracle, v.kind) for v in found] == [("events", "cached blocks")]
+    gone = {"type": "BlockRemoved", "block_hashes": ["m9"], "medium": "GPU", "group_idx": 1}
+    found = run(full, gone)
+    assert [(v.oracle, v.kind) for v in found] == [("events", "does not fold")]
+    assert "hash m9, which group 1 does not hold" in found[0].message
+    found = run(_stored(["h1"], None, a[:8], 2 * B, 0))  # the full group's, as before
+    assert "block_size 8 != 4" in found[0].message
+    found = run(_stored(["m2"], None, a[:8], 2 * B, 2))
+    assert [(v.oracle, v.kind) for v in found] == [("events", "group")]
+
+
+def test_vllm_0_28_keeps_the_prompts_last_hash_boundary_even_at_its_end() -> None:
+    """0.28.0-0.29.0 stop a prompt at prompt // B * B (0.33.0 at (prompt - 1) // B * B):
+    A's 20 tokens keep a state at 20, which A plus one token reuses."""
+    rule = "chunk-ends-prompt-tail"
+    assert [n for n in range(1, 25) if keeps(rule, n, 20, 8, B)] == [8, 16, 20, 24]
+    assert [n for n in range(1, 25) if keeps(rule, n, 22, 8, B)] == [8, 16, 20, 24]
+    assert not keeps("chunk-ends-tail", 20, 20, 8, B)
+    g = StateGroup(rule, 8, B)
+    a = list(range(100, 120))
+    g.apply(_ev("admit", "A", tokens=a, num_tokens=0, scope=None, block_ids=[]))
+    for end in (16, 20):
+        g.apply(_ev("commit", "A", num_tokens=end))
+    assert g.cut([*a, 1], None, 20) == 20
+    assert replace(_mamba_contract(), state_rule=rule).state_rule == rule
+
+
 def test_an_extend_keeps_one_state_or_its_branching_point() -> None:
     """SGLang 0.5.23's rule (schedule_batch.py:3175-3232), states every 8 tokens."""
     assert extend_keeps(0, 20, 8, None) == 16  # one state per extend, the last whole one
