@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from harness.conform.adapters import sglang_mamba
 from harness.conform.protocol import (
     Admission,
     Contract,
@@ -141,12 +142,15 @@ class SchedulerNames:
         process; re-publishing replaces it); with `state_tokens`, a hybrid Mamba model's
         with the extra buffer and that Mamba cache chunk (preset as SGLang's own test
         fixture does for a model without an HF config,
-        `test/kits/unified_radix_cache/fixtures.py` `build_fixture`)."""
+        `test/kits/unified_radix_cache/fixtures.py` `build_fixture`), a decode state
+        tracked every `state_tokens` tokens too (`mamba_track_interval`, 256 by default,
+        a multiple of the page: `arg_groups/mamba_hook.py:135`)."""
         if self.published == (page_size, state_tokens):
             return
         extra: dict[str, Any] = {}
         if state_tokens is not None:
-            extra["mamba_radix_cache_strategy"] = "extra_buffer"
+            extra.update(mamba_radix_cache_strategy="extra_buffer",
+                         mamba_track_interval=state_tokens)
         args = self.ServerArgs(model_path="dummy", device="cpu", page_size=page_size,
                                attention_backend="torch_native",
                                disable_overlap_schedule=True, **extra)
@@ -171,21 +175,25 @@ def _swa_names() -> tuple[Any, Any, Any] | None:
     return SWAKVPool, SWATokenToKVPoolAllocator, ComponentType.SWA
 
 
-def _mamba_names() -> tuple[Any, Any, Any, Any, Any] | None:
+def _mamba_names() -> tuple[Any, Any, Any, Any, Any, Any] | None:
     """A hybrid Mamba model's pools as SGLang's server builds them by default
     (`kv_cache_configurator.py` `_build_hybrid_req_pool`: `HybridReqToTokenPool`, its
-    `MambaPool` and `MambaSlotAllocator`; `HybridLinearKVPool` over it) and the tree's
-    MAMBA component: (request pool, KV pool, Mamba2CacheParams, Mamba2StateShape,
-    ComponentType.MAMBA), or None where this release's UnifiedRadixCache has no MAMBA
-    component."""
+    `MambaPool` and `MambaSlotAllocator`; `HybridLinearKVPool` over it), the tree's
+    MAMBA component and the result processor that tracks decode states: (request pool,
+    KV pool, Mamba2CacheParams, Mamba2StateShape, ComponentType.MAMBA,
+    SchedulerBatchResultProcessor), or None where this release's UnifiedRadixCache has
+    no MAMBA component."""
     if importlib.util.find_spec("sglang.srt.mem_cache.unified_cache.components.mamba") is None:
         return None
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor,
+    )
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
     return (HybridReqToTokenPool, HybridLinearKVPool, Mamba2CacheParams, Mamba2StateShape,
-            ComponentType.MAMBA)
+            ComponentType.MAMBA, SchedulerBatchResultProcessor)
 
 
 def set_environment() -> None:
@@ -278,7 +286,9 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                    preemption="retracts-decode", chunking="caller-page-floor",
                    admission_fits="prompt", admission_reserve=2,
                    limitations=limitations, event_fields=fields,
-                   replicated=REPLICATED, citations=citations, options=options,
+                   replicated=REPLICATED if state_interval is None
+                   else (*REPLICATED, sglang_mamba.PIN_STUB),
+                   citations=citations, options=options,
                    window=window, state_interval=state_interval,
                    state_rule="extend-end" if state_interval is not None else "every-k",
                    window_layout="window-pool" if window is not None else "window-only",
@@ -355,6 +365,7 @@ class _Live:
     length: int  # tokens it has (prompt and appended)
     committed: int = 0  # tokens whose forward pass is done
     extending: bool = True  # an extend is scheduled and its result not processed
+    decoding: bool = False  # a decode step is scheduled and its result not processed
     ids: list[int] = field(default_factory=list)  # page ids, as logged
 
 
@@ -424,7 +435,7 @@ class SglangScheduled(SglangTree):
         with slots for each request row, its two extra-buffer slots and a state per page
         the tree can hold, so the tree never evicts a state for want of slots."""
         assert names.mamba is not None
-        rows, kv, params, shape, _ = names.mamba
+        rows, kv, params, shape = names.mamba[:4]
         torch = names.torch
         state = params(shape=shape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
                                           num_heads=2, head_dim=16, state_size=8,
@@ -648,14 +659,16 @@ class SglangScheduled(SglangTree):
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         """The forward pass is done up to `num_tokens`; when that is every scheduled
-        token of an extend, the result processor's `checkpoint_kv_cache` publishes it.
-        A decode step's result touches no cache."""
+        token of an extend, the result processor's `checkpoint_kv_cache` publishes it;
+        when it is a decode step's token, `_decode_result` processes that step."""
         live = self._live[seq_id]
         req = live.req
         if num_tokens > req.kv.kv_allocated_len:
             raise ValueError(f"commit({seq_id!r}, {num_tokens}): only "
                              f"{req.kv.kv_allocated_len} tokens were scheduled")
         live.committed = max(live.committed, num_tokens)
+        if live.decoding and num_tokens == live.length:
+            self._decode_result(live)
         if not live.extending or num_tokens < req.extend_end:
             return
         live.extending = False
@@ -681,14 +694,33 @@ class SglangScheduled(SglangTree):
         if not batch.check_decode_mem():
             req.output_ids.pop()
             return None
-        batch.prepare_for_decode()
+        self._prepare_decode(batch)
         live.length += 1
+        live.decoding = True
         before = len(live.ids)
         live.ids = self._pages(self._row(req, req.kv.kv_allocated_len))
         added = live.ids[before:]
         self._write({"kind": "append", "seq_id": seq_id, "tokens": [token],
                      "block_ids": added})
         return tuple(added)
+
+    def _prepare_decode(self, batch: Any) -> None:
+        """`prepare_for_decode`; on a Mamba cache with its track mask not page-locked
+        where no accelerator is (`sglang_mamba.unpinned`)."""
+        if self.state_interval is None:
+            batch.prepare_for_decode()
+            return
+        with sglang_mamba.unpinned(self.n.torch):
+            batch.prepare_for_decode()
+
+    def _decode_result(self, live: _Live) -> None:
+        """A decode step's forward pass is done: on a Mamba cache the result processor
+        records the state the step tracked (`sglang_mamba.track_decode_state`); the
+        full-attention path's result touches no cache."""
+        live.decoding = False
+        if self.state_interval is not None:
+            assert self.n.mamba is not None
+            sglang_mamba.track_decode_state(self.n.mamba[5], self.tree, live.req, live.batch)
 
     def free(self, seq_id: Hashable) -> None:
         """A request every token of which is computed finishes:
@@ -730,6 +762,8 @@ class SglangScheduled(SglangTree):
             engine.update(swa_available_size=self.alloc.swa_available_size(),
                           swa_evictable_size=self.tree.swa_evictable_size(),
                           swa_protected_size=self.tree.swa_protected_size())
+        if self.state_interval is not None:
+            engine.update(sglang_mamba.gauges(self.rows, self.tree))
         return Stats(engine, self._harness_stats())
 
     def used_blocks(self) -> int:
@@ -770,6 +804,9 @@ class SglangScheduled(SglangTree):
         t = self.tree
         if self.window is not None:
             out += self._window_integrity()
+        if self.state_interval is not None:
+            out += sglang_mamba.slot_problems(self.rows, self.tree,
+                                              [live.req for live in self._live.values()])
         if t.evictable_size() + t.protected_size() != self._total():
             out.append(f"evictable {t.evictable_size()} + protected {t.protected_size()} "
                        f"!= total {self._total()}")

@@ -28,10 +28,13 @@ match ends where a state was kept. Where states are kept is the contract's
   admission's full-attention match passed a multiple of g beyond the state it resumed
   from (the "branching" point, `unified_cache/components/mamba.py:176-194`), an extend
   reaching past that point keeps it instead, when it lies a multiple of g after the
-  extend's start (`schedule_batch.py:3216-3231`). A commit past the prompt (decoded
-  tokens, committed when the request ends) keeps none here: SGLang keeps a decode
-  state only every lcm(g, `mamba_track_interval`) tokens, in its result processor,
-  which the adapter does not run (docs/conformance.md).
+  extend's start (`schedule_batch.py:3216-3231`). Decoding, SGLang tracks a state
+  every lcm(g, `mamba_track_interval`) tokens (`schedule_batch.py:3815-3817`, its result
+  processor records it, `batch_result_processor.py:1389-1427`) and a finished request
+  gives the tree its last one (`unified_cache/components/mamba.py:582-601`): a commit
+  past the prompt (the decoded tokens, committed when the request ends) keeps a state
+  at the last multiple of g past the prompt within it, the adapter setting
+  `mamba_track_interval` to g.
 
 A match then reuses the longest prefix, at most what the full-attention group matched,
 that ends on a kept state of the same scope (`MambaManager.find_longest_cache_hit`: the
@@ -70,6 +73,14 @@ def extend_keeps(start: int, end: int, state_tokens: int, branch: int | None) ->
     if branch is not None and start < branch < end and (branch - start) % g == 0:
         return branch
     return start + (end - start) // g * g
+
+
+def decode_keeps(prompt: int, end: int, state_tokens: int) -> int | None:
+    """Where a request decoded from `prompt` to `end` tokens ends with its last tracked
+    decode state under "extend-end" (None: it tracked none; a state every
+    `state_tokens`)."""
+    last = end // state_tokens * state_tokens
+    return last if last > prompt else None
 
 
 class StateGroup:
@@ -132,7 +143,7 @@ class StateGroup:
             return None
         self._computed[sid] = n
         if n > prompt:  # decoded tokens: see the module's docstring
-            return None
+            return decode_keeps(prompt, n, self.state_tokens)
         return extend_keeps(start, n, self.state_tokens, self._branch.get(sid))
 
     def cut(self, tokens: Sequence[int], scope: Hashable, matched: int) -> int:

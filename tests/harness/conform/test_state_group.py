@@ -13,7 +13,12 @@ from harness.conform import ops
 from harness.conform.adapters.sglang import contract as sglang_contract
 from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.state_group import StateGroup, extend_keeps, keeps
+from harness.conform.controller.state_group import (
+    StateGroup,
+    decode_keeps,
+    extend_keeps,
+    keeps,
+)
 from harness.conform.protocol import Contract, Stats
 from harness.conform.worker.session import StepReport
 from harness.oracle.types import normalize_event
@@ -179,7 +184,7 @@ def test_the_state_group_follows_sglang_one_state_per_extend() -> None:
     """What SGLang 0.5.23's scheduler code did on a CPU (docs/conformance.md, g = 8):
     A (20 tokens, one extend) keeps 16 only; B sharing A's first 14 reuses 0 and keeps
     the branching point 8 its match named; C cut at 12 keeps 8, and its next extend
-    (12 to 22) keeps 20; decoded tokens keep none."""
+    (12 to 22) keeps 20; B's one decoded token crosses no state block."""
     g = StateGroup("extend-end", 8, B)
     a, c = list(range(100, 120)), list(range(300, 322))
     b = [*a[:14], *range(500, 506)]
@@ -202,6 +207,33 @@ def test_the_state_group_follows_sglang_one_state_per_extend() -> None:
     g.apply(_ev("commit", "C", num_tokens=22))
     assert g.cut([*c, 1], None, 22) == 20
     assert g.cut([*c, 1], "salted", 22) == 0
+
+
+def test_the_state_group_keeps_sglangs_last_decode_state_when_a_request_ends() -> None:
+    """SGLang tracks a decode state every g tokens and a finished request gives the tree
+    its last one (g = 8): A's prompt of 10 keeps 8, its decode to 17 tokens keeps 16
+    (not 8, nor 17); E decoding from 10 to 15 crosses no state block and keeps none."""
+    assert decode_keeps(10, 17, 8) == 16
+    assert decode_keeps(10, 24, 8) == 24
+    assert decode_keeps(10, 15, 8) is None
+    assert decode_keeps(16, 17, 8) is None  # the prompt's own state is the extend's
+    g = StateGroup("extend-end", 8, B)
+    a, e = list(range(100, 110)), list(range(200, 210))
+    g.apply(_ev("admit", "A", tokens=a, num_tokens=0, scope=None, block_ids=[]))
+    g.apply(_ev("commit", "A", num_tokens=10))
+    for t in range(7):
+        g.apply(_ev("append", "A", tokens=[t]))
+    g.apply(_ev("commit", "A", num_tokens=17))  # the decoded tokens, when A ends
+    g.apply(_ev("free", "A"))
+    assert g.cut([*a, *range(7), 1], None, 17) == 16
+    assert g.cut([*a, 0, 1], None, 12) == 8  # a different continuation: the prompt's
+    g.apply(_ev("admit", "E", tokens=e, num_tokens=0, scope=None, block_ids=[]))
+    g.apply(_ev("commit", "E", num_tokens=10))
+    for t in range(5):
+        g.apply(_ev("append", "E", tokens=[t]))
+    g.apply(_ev("commit", "E", num_tokens=15))
+    g.apply(_ev("free", "E"))
+    assert g.cut([*e, *range(5), 1], None, 15) == 8
 
 
 def _sglang_contract(rule: str) -> Contract:

@@ -1,0 +1,119 @@
+"""What a FULL+MAMBA `UnifiedRadixCache` needs of the SGLang scheduler adapter beyond the
+full-attention path (`sglang_scheduler.SglangScheduled` opened with a `state_interval`;
+runs in an SGLang venv, 0.5.23):
+
+- `unpinned`: a decode step's `ScheduleBatch.prepare_for_decode` page-locks the Mamba
+  track mask before copying it to the device (`managers/schedule_batch.py:3830`,
+  `track_mask_cpu.pin_memory()`), which a CPU-only torch refuses ("Cannot access
+  accelerator device when none is available"). Page-locking is a transfer optimisation
+  that changes no value, so for that call only, and only where no accelerator is
+  available, `Tensor.pin_memory` returns the tensor itself (`PIN_STUB` lists it with
+  the contract's replicated parts);
+- `track_decode_state`: the result processor's decode-state bookkeeping for one request
+  after a decode step's forward pass, SGLang's own
+  `SchedulerBatchResultProcessor._handle_finish_state_updated_req`
+  (`scheduler_components/batch_result_processor.py:1377-1470`: it reads the step's track
+  mask, records the tracked state's length, `_mamba_prefix_cache_update` swaps the
+  ping-pong slot) on a processor that has only the tree (`tree_cache`, all a request
+  that has not finished reads);
+- `slot_problems`: the Mamba slot pool's integrity (every slot free, a state of the
+  tree, or a live request's own, never two of them) and `gauges`, its sizes in SGLang's
+  names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# the contract's `replicated` entry for `unpinned` (what, the engine code it stands in
+# for, why)
+PIN_STUB = (
+    "Tensor.pin_memory returns the tensor itself during ScheduleBatch.prepare_for_decode "
+    "when no accelerator is available (harness.conform.adapters.sglang_mamba.unpinned)",
+    "managers/schedule_batch.py:3830 track_mask_cpu.pin_memory() (0.5.23), the Mamba "
+    "track mask page-locked before its copy to the device",
+    "a CPU-only torch cannot page-lock; page-locking changes no value")
+
+
+@contextmanager
+def unpinned(torch: Any) -> Iterator[None]:
+    """While inside, `torch.Tensor.pin_memory` returns the tensor itself, where
+    `torch.accelerator.is_available()` is false (elsewhere nothing changes); the original
+    is back on exit, also when the body raises. Not thread-safe: the worker is one
+    thread."""
+    if torch.accelerator.is_available():
+        yield
+        return
+    own = torch.Tensor.__dict__.get("pin_memory")  # else inherited from TensorBase
+
+    def pin_memory(self: Any, *_args: Any, **_kwargs: Any) -> Any:
+        return self
+
+    torch.Tensor.pin_memory = pin_memory
+    try:
+        yield
+    finally:
+        if own is None:
+            del torch.Tensor.pin_memory
+        else:
+            torch.Tensor.pin_memory = own
+
+
+def track_decode_state(processor_class: type, tree: Any, req: Any, batch: Any) -> None:
+    """SGLang's result processing of one decode step for `req` (row 0 of `batch`, the
+    batch `prepare_for_decode` prepared), not finished: its tracked Mamba state
+    (`_handle_finish_state_updated_req` on a processor that holds only `tree`; no model
+    output: the logits are None and the non-speculative path reads none).
+    Mutates `req.kv`'s track fields as SGLang's scheduler would."""
+    assert not req.finished(), "a finished request is released by the adapter's free"
+    processor = processor_class.__new__(processor_class)
+    # a frozen dataclass with slots: set as its own __init__ does; a field left unset
+    # raises AttributeError where read
+    object.__setattr__(processor, "tree_cache", tree)
+    processor._handle_finish_state_updated_req(req, batch, None, 0, None)
+
+
+def request_slots(req: Any) -> list[int]:
+    """The Mamba slots `req` holds: its working slot and its ping-pong track slots."""
+    kv = req.kv
+    out = [] if kv.mamba_pool_idx is None else [int(kv.mamba_pool_idx)]
+    if kv.mamba_ping_pong_track_buffer is not None:
+        out += [int(x) for x, empty in zip(kv.mamba_ping_pong_track_buffer.tolist(),
+                                           kv.mamba_ping_pong_empty) if not empty]
+    return out
+
+
+def slot_problems(rows: Any, tree: Any, reqs: Iterable[Any]) -> list[str]:
+    """The Mamba slot pool of `rows` (a HybridReqToTokenPool): every slot (1..size) is
+    free, a state of `tree`, or held by one of the live `reqs`, never two of them, and
+    none is free twice."""
+    out: list[str] = []
+    alloc = rows.mamba_allocator
+    free_list = [int(x) for x in alloc.free_slots.tolist()]
+    tree_list = [int(x) for x in tree.all_mamba_values_flatten().tolist()]
+    held = [slot for req in reqs for slot in request_slots(req)]
+    free, states, own = set(free_list), set(tree_list), set(held)
+    for what, items in (("free", free_list), ("tree states", tree_list),
+                        ("held by live requests", held)):
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            out.append(f"Mamba slots twice among the {what}: {twice}")
+    for what, a, b in (("held and free", own, free), ("tree states and free", states, free),
+                       ("held and tree states", own, states)):
+        if a & b:
+            out.append(f"Mamba slots both {what}: {sorted(a & b)}")
+    lost = set(range(1, alloc.size + 1)) - free - states - own
+    if lost:
+        out.append(f"Mamba slots owned by nobody (leaked): {sorted(lost)}")
+    return out
+
+
+def gauges(rows: Any, tree: Any) -> dict[str, int | float]:
+    """The Mamba pool's and the tree's state gauges in SGLang's names (in slots: one a
+    state). Not the harness's used blocks: the states are in their own pool, so the
+    capacity oracle counts none of them."""
+    return {"mamba_available_size": rows.mamba_allocator.available_size(),
+            "mamba_evictable_size": tree.mamba_evictable_size(),
+            "mamba_protected_size": tree.mamba_protected_size()}
