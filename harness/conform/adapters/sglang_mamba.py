@@ -81,7 +81,7 @@ def request_slots(req: Any) -> list[int]:
     out = [] if kv.mamba_pool_idx is None else [int(kv.mamba_pool_idx)]
     if kv.mamba_ping_pong_track_buffer is not None:
         out += [int(x) for x, empty in zip(kv.mamba_ping_pong_track_buffer.tolist(),
-                                           kv.mamba_ping_pong_empty) if not empty]
+                                           kv.mamba_ping_pong_empty, strict=True) if not empty]
     return out
 
 

@@ -1,0 +1,119 @@
+"""SGLang's Mamba cache behind the protocol: a FULL+MAMBA `UnifiedRadixCache` over
+SGLang's hybrid Mamba pools, driven by its scheduler code (`sglang_unified`, 0.5.23).
+The pin shim, the slot integrity and the contract are checked without an engine; one
+op list that decodes past a state block runs on the cached 0.5.23 install (skipped
+where it is not cached, as the engine smoke is)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.conform import ops
+from harness.conform.adapters import sglang_mamba, sglang_scheduler
+from harness.conform.adapters.sglang_unified import contract as unified_contract
+from harness.conform.controller import install
+from harness.conform.controller.engine_spec import EngineSpec, open_target
+from harness.conform.controller.judge import Judge
+from harness.conform.controller.locks import pinned
+from harness.conform.controller.report import Report
+from harness.conform.controller.targets import Target
+from harness.conform.protocol import CacheOptions
+
+B = 4
+LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
+
+
+def test_pin_memory_is_the_identity_only_inside_and_is_restored_after_a_raise() -> None:
+    before = torch.Tensor.pin_memory
+    assert not torch.accelerator.is_available()  # the harness's torch is a CPU build
+    t = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="accelerator"):
+        t.pin_memory()  # what prepare_for_decode meets on a CPU
+    with sglang_mamba.unpinned(torch):
+        assert t.pin_memory() is t
+    assert torch.Tensor.pin_memory is before
+    assert "pin_memory" not in torch.Tensor.__dict__  # inherited again, as before
+    with pytest.raises(KeyError), sglang_mamba.unpinned(torch):
+        assert t.pin_memory() is t
+        raise KeyError("the call raised")
+    assert torch.Tensor.pin_memory is before
+
+
+def _req(working: int | None, track: list[int], empty: list[bool]) -> SimpleNamespace:
+    buffer = torch.tensor(track) if track else None
+    return SimpleNamespace(kv=SimpleNamespace(
+        mamba_pool_idx=None if working is None else torch.tensor(working),
+        mamba_ping_pong_track_buffer=buffer, mamba_ping_pong_empty=empty))
+
+
+def _pool(size: int, free: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(mamba_allocator=SimpleNamespace(
+        size=size, free_slots=torch.tensor(free, dtype=torch.int64)))
+
+
+def _tree(states: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(all_mamba_values_flatten=lambda: torch.tensor(states))
+
+
+def test_every_mamba_slot_is_free_a_tree_state_or_one_requests_own() -> None:
+    """Slots 1..8: a request holds 1 (working) and 2, 3 (ping-pong), the tree 4, 5."""
+    held = _req(1, [2, 3], [False, False])
+    assert sglang_mamba.request_slots(held) == [1, 2, 3]
+    assert sglang_mamba.request_slots(_req(1, [2, -1], [False, True])) == [1, 2]
+    assert sglang_mamba.slot_problems(_pool(8, [6, 7, 8]), _tree([4, 5]), [held]) == []
+    leaked = sglang_mamba.slot_problems(_pool(8, [7, 8]), _tree([4, 5]), [held])
+    assert leaked == ["Mamba slots owned by nobody (leaked): [6]"]
+    shared = sglang_mamba.slot_problems(_pool(8, [6, 7, 8]), _tree([3, 4, 5]), [held])
+    assert shared == ["Mamba slots both held and tree states: [3]"]
+    twice = sglang_mamba.slot_problems(_pool(8, [6, 7, 8, 8]), _tree([4, 5]), [held])
+    assert twice == ["Mamba slots twice among the free: [8]"]
+
+
+def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() -> None:
+    names = SimpleNamespace(swa=None, mamba=("pools",), names_requests=True)
+    base = unified_contract("0.5.23", B)
+    plain = sglang_scheduler.contract(base, names, "unified")
+    hybrid = sglang_scheduler.contract(base, names, "unified", state_interval=2)
+    assert sglang_mamba.PIN_STUB not in plain.replicated
+    assert sglang_mamba.PIN_STUB in hybrid.replicated
+    assert "schedule_batch.py:3830" in sglang_mamba.PIN_STUB[1]
+    assert (hybrid.state_interval, hybrid.state_rule) == (2, "extend-end")
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> Iterator[Target]:
+    if install.installed(LOCK) is None:
+        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
+                    f"conform {LOCK.spec} installs it)")
+    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
+                         lambda _: None)
+    yield opened
+    opened.close()
+
+
+def test_a_decoded_state_block_is_kept_and_reused(target: Target) -> None:
+    """States every 8 tokens (2 pages): A's prompt of 10 keeps 8; its 7 decode steps run
+    on a CPU and the result processor tracks the state at 16, which A gives the tree
+    when it ends, so B (A's 17 tokens and one more) reuses 16 where the prompt's state
+    alone would give 8; every oracle and the Mamba slot pool's accounting hold."""
+    contract = target.open(16, B, CacheOptions(state_interval=2))
+    assert (contract.state_interval, contract.state_rule) == (2, "extend-end")
+    judge = Judge(contract, 16)
+    a, out = list(range(100, 110)), list(range(1, 8))
+    op_list = [ops.admit("A", a), ops.commit("A", 10)]
+    for i, t in enumerate(out):
+        op_list += [ops.append("A", [t]), ops.commit("A", 11 + i)]
+    op_list += [ops.free("A"), ops.admit("B", [*a, *out, 50]), ops.commit("B", 18),
+                ops.free("B")]
+    reports = target.apply_all(op_list)
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)
+    assert reports[-3].value["reused_tokens"] == 16
+    engine = reports[-3].stats.engine
+    assert engine["mamba_evictable_size"] + engine["mamba_protected_size"] >= 1
