@@ -241,7 +241,7 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
         return sglang_scheduler.SglangScheduled(
             engine, scheduler, tree_kind, base, num_blocks, block_size, record,
             options.window if windowed else None,
-            options.state_interval if hybrid and options.window is None else None)
+            options.state_interval if hybrid else None)
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
         return configured(num_blocks, block_size, record, CacheOptions())

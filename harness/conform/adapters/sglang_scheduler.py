@@ -238,7 +238,8 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
     `tree_kind`; with `window` (tokens), over a full-and-window UnifiedRadixCache
     (only where `names.swa` and the tree is "unified": `options` says so); with
-    `state_interval` (pages), over a full-and-Mamba one (where `names.mamba`)."""
+    `state_interval` (pages), over a full-and-Mamba one (where `names.mamba`); with both,
+    over a FULL+SWA+MAMBA one."""
     citations = (*base.citations,
                  ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
                                   "(batch_result_processor.py, Scheduler.stash_chunked_"
@@ -389,13 +390,14 @@ class SglangScheduled(SglangTree):
         state_tokens = None if state_interval is None else state_interval * P
         names.publish_config(block_size, state_tokens)
         if state_interval is not None:
-            assert names.mamba is not None and tree_kind == "unified" and window is None, \
-                "no MAMBA tree here"
-            self._open_mamba(names, num_blocks, P)
-            return self._finish(base, names, tree_kind)
-        self.rows = names.ReqToTokenPool(size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
-                                         device="cpu", enable_memory_saver=False)
-        if window is None:
+            assert names.mamba is not None and tree_kind == "unified", "no MAMBA tree here"
+            self.rows = self._mamba_rows(names, num_blocks, 1 if window is None else 2)
+        else:
+            self.rows = names.ReqToTokenPool(size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
+                                             device="cpu", enable_memory_saver=False)
+        if window is None and state_interval is not None:
+            self._open_mamba_kv(names, num_blocks, P)
+        elif window is None:
             self.kv = names.MHATokenToKVPool(num_blocks * P, P, torch.float16, head_num=1,
                                              head_dim=8, layer_num=1, device="cpu",
                                              enable_memory_saver=False)
@@ -403,6 +405,10 @@ class SglangScheduled(SglangTree):
                                               self.kv, need_sort=False)
             self.full = self.alloc  # the full-attention pages' allocator
         else:  # layer 0 full attention, layer 1 the window; a pool each, equal sizes
+            # (with a state_interval, layer 2 Mamba: its states in the request pool, as
+            # SGLang's server pools a hybrid SWA and Mamba model by default,
+            # kv_cache_configurator.py _build_hybrid_swa_kv_pool and
+            # _build_hybrid_req_pool)
             assert names.swa is not None and tree_kind == "unified", "no SWA tree here"
             pool, allocator, _ = names.swa
             self.kv = pool(size=num_blocks * P, size_swa=num_blocks * P, page_size=P,
@@ -429,22 +435,28 @@ class SglangScheduled(SglangTree):
         self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
-    def _open_mamba(self, names: SchedulerNames, num_blocks: int, P: int) -> None:
-        """A hybrid Mamba model's pools (layer 0 full attention, layer 1 Mamba), as
-        SGLang's server builds them by default: the request pool holds the Mamba pool,
-        with slots for each request row, its two extra-buffer slots and a state per page
-        the tree can hold, so the tree never evicts a state for want of slots."""
+    def _mamba_rows(self, names: SchedulerNames, num_blocks: int, layer: int) -> Any:
+        """A hybrid Mamba model's request pool (its Mamba layer `layer`), as SGLang's
+        server builds it by default: it holds the Mamba pool, with slots for each request
+        row, its two extra-buffer slots and a state per page the tree can hold, so the
+        tree never evicts a state for want of slots."""
         assert names.mamba is not None
-        rows, kv, params, shape = names.mamba[:4]
-        torch = names.torch
+        rows, _, params, shape = names.mamba[:4]
         state = params(shape=shape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
                                           num_heads=2, head_dim=16, state_size=8,
-                                          conv_kernel=4), layers=[1])
-        self.rows = rows(size=MAX_REQUESTS, mamba_size=3 * MAX_REQUESTS + num_blocks,
-                         mamba_spec_state_size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
-                         device="cpu", enable_memory_saver=False, cache_params=state,
-                         mamba_layer_ids=[1], enable_mamba_extra_buffer=True,
-                         enable_overlap_schedule=False)
+                                          conv_kernel=4), layers=[layer])
+        return rows(size=MAX_REQUESTS, mamba_size=3 * MAX_REQUESTS + num_blocks,
+                    mamba_spec_state_size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
+                    device="cpu", enable_memory_saver=False, cache_params=state,
+                    mamba_layer_ids=[layer], enable_mamba_extra_buffer=True,
+                    enable_overlap_schedule=False)
+
+    def _open_mamba_kv(self, names: SchedulerNames, num_blocks: int, P: int) -> None:
+        """A hybrid Mamba model's KV pool (layer 0 full attention; layer 1 Mamba, in the
+        request pool) and its page allocator, as SGLang's server builds them by
+        default."""
+        assert names.mamba is not None
+        kv, torch = names.mamba[1], names.torch
         self.kv = kv(size=num_blocks * P, dtype=torch.float16, page_size=P, head_num=1,
                      head_dim=8, full_attention_layer_ids=[0], device="cpu",
                      enable_memory_saver=False, mamba_pool=self.rows.mamba_pool)
@@ -454,17 +466,20 @@ class SglangScheduled(SglangTree):
 
     def _build_tree(self) -> Any:
         n, s, P = self.n, self.s, self.block_size
-        if self.state_interval is not None:
-            assert n.mamba is not None
-            return s.UnifiedRadixCache(n.CacheInitParams(
-                disable=False, req_to_token_pool=self.rows,
-                token_to_kv_pool_allocator=self.alloc, page_size=P,
-                enable_kv_cache_events=self.record, kv_event_lora_names=self.lora_names,
-                tree_components=(s.FULL, n.mamba[4]), enable_mamba_extra_buffer=True))
         params: dict[str, Any] = dict(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
             page_size=P, enable_kv_cache_events=self.record,
             kv_event_lora_names=self.lora_names)
+        if self.state_interval is not None:  # FULL, MAMBA; with a window FULL, SWA, MAMBA
+            assert n.mamba is not None
+            window: dict[str, Any] = {}
+            if self.window is not None:
+                assert n.swa is not None
+                window = {"sliding_window_size": self.window}
+            components = (s.FULL, *((n.swa[2],) if window else ()), n.mamba[4])  # type: ignore[index]
+            return s.UnifiedRadixCache(n.CacheInitParams(
+                **params, **window, tree_components=components,
+                enable_mamba_extra_buffer=True))
         if self.tree_kind == "unified" and self.window is not None:
             assert n.swa is not None
             return s.UnifiedRadixCache(n.CacheInitParams(
