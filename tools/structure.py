@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -102,14 +103,60 @@ def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
+Import = ast.Import | ast.ImportFrom
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file read once: the nodes of its tree the figures look at, gathered in one walk
+    (in `ast.walk`'s order)."""
+
+    imports: tuple[Import, ...]  # every import, anywhere in the file
+    run_time: tuple[Import, ...]  # the same less those under `if TYPE_CHECKING:`
+    functions: tuple[ast.FunctionDef | ast.AsyncFunctionDef, ...]
+    attributes: tuple[ast.Attribute, ...]
+
+
+def read(path: Path) -> Source:
+    """`path` parsed and walked, once for as long as the file is unchanged (the measures
+    and the pictures of one run, and of the tests that run several, share it). Raises
+    SyntaxError naming the file for a file Python cannot parse."""
+    stat = path.stat()
+    return _read(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _read(path: Path, mtime_ns: int, size: int) -> Source:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    hinted = {id(node) for block in tree.body if _is_type_checking(block)
+              for node in ast.walk(block)}
+    imports: list[Import] = []
+    functions: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
+    attributes: list[ast.Attribute] = []
+    for node in ast.walk(tree):
+        if isinstance(node, Import):
+            imports.append(node)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            functions.append(node)
+        elif isinstance(node, ast.Attribute):
+            attributes.append(node)
+    return Source(tuple(imports), tuple(n for n in imports if id(n) not in hinted),
+                  tuple(functions), tuple(attributes))
+
+
 def imported_modules(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     """The modules a file imports, anywhere in it (type-checking and local imports too);
     `from a import b` counts as importing `a.b` as well, since b may be a module."""
+    return _targets((n for n in ast.walk(tree) if isinstance(n, Import)), module, is_package)
+
+
+def _targets(imports: Iterable[Import], module: str, is_package: bool) -> set[str]:
+    """What `imported_modules` says of these import statements of `module`."""
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in imports:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
+        else:
             target = _resolve(module, node, is_package)
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
@@ -125,32 +172,23 @@ def _is_type_checking(node: ast.AST) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def run_time_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
-    """`imported_modules`, but for the imports under `if TYPE_CHECKING:` (type hints only:
-    they never run). Imports inside functions count: they run when the function does."""
-    body = [n for n in tree.body if not _is_type_checking(n)]
-    return imported_modules(ast.Module(body=body, type_ignores=[]), module, is_package)
-
-
-def _long_functions(tree: ast.AST, rel: str, max_lines: int) -> list[Finding]:
+def _long_functions(source: Source, rel: str, max_lines: int) -> list[Finding]:
     found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            assert node.end_lineno is not None
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            lines = node.end_lineno - first + 1
-            if lines > max_lines:
-                found.append(Finding(rel, node.lineno, f"{node.name}: {lines} lines"))
+    for node in source.functions:
+        assert node.end_lineno is not None
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        lines = node.end_lineno - first + 1
+        if lines > max_lines:
+            found.append(Finding(rel, node.lineno, f"{node.name}: {lines} lines"))
     return found
 
 
-def _foreign_underscores(tree: ast.AST, rel: str) -> list[Finding]:
+def _foreign_underscores(source: Source, rel: str) -> list[Finding]:
     """`x._field` where x is not self or cls: another object's underscore field (a
     NamedTuple's `_replace` and its kin are public, and not counted)."""
     found = []
-    for node in ast.walk(tree):
-        if (not isinstance(node, ast.Attribute) or not _is_private(node.attr)
-                or node.attr in NAMEDTUPLE_API):
+    for node in source.attributes:
+        if not _is_private(node.attr) or node.attr in NAMEDTUPLE_API:
             continue
         owner = node.value
         if isinstance(owner, ast.Name) and owner.id in SELF_NAMES:
@@ -159,10 +197,11 @@ def _foreign_underscores(tree: ast.AST, rel: str) -> list[Finding]:
     return found
 
 
-def _private_imports(tree: ast.AST, rel: str, module: str, is_package: bool) -> list[Finding]:
+def _private_imports(source: Source, rel: str, module: str, is_package: bool
+                     ) -> list[Finding]:
     """`from other import _name`: another module's private name."""
     found = []
-    for node in ast.walk(tree):
+    for node in source.imports:
         if isinstance(node, ast.ImportFrom):
             target = _resolve(module, node, is_package)
             for alias in node.names:
@@ -182,11 +221,11 @@ def measure(packages: tuple[str, ...] = PACKAGES, root: Path = ROOT,
             is_package = path.name == "__init__.py"
             package = module if is_package else module.rpartition(".")[0]
             figs = figures.setdefault(package, PackageFigures(package))
-            tree = ast.parse(path.read_text(encoding="utf-8"), rel)
+            source = read(path)
             figs.files += 1
-            figs.long_functions += _long_functions(tree, rel, max_lines)
-            figs.foreign_underscores += _foreign_underscores(tree, rel)
-            figs.private_imports += _private_imports(tree, rel, module, is_package)
+            figs.long_functions += _long_functions(source, rel, max_lines)
+            figs.foreign_underscores += _foreign_underscores(source, rel)
+            figs.private_imports += _private_imports(source, rel, module, is_package)
     return dict(sorted(figures.items()))
 
 
@@ -205,8 +244,7 @@ def import_picture(package: str, root: Path = ROOT) -> ImportPicture:
             continue
         room = rel.parts[0] if len(rel.parts) > 1 else path.stem
         module = module_name(path, root)
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for target in imported_modules(tree, module, path.name == "__init__.py"):
+        for target in _targets(read(path).imports, module, path.name == "__init__.py"):
             if target.startswith(prefix):
                 other = target[len(prefix):].split(".")[0]
                 if other in rooms and other != room:
@@ -221,17 +259,15 @@ def import_picture(package: str, root: Path = ROOT) -> ImportPicture:
 def _file_arrows(package: str, root: Path,
                  hints: bool = False) -> tuple[list[str], set[tuple[str, str]]]:
     """The modules of `package` (all of its files, `__init__` as the package) and the
-    run-time imports between them (`run_time_imports`; with `hints`, every import,
-    `imported_modules`)."""
+    imports between them that run (`Source.run_time`; with `hints`, every import)."""
     paths = sorted((root / package.replace(".", "/")).rglob("*.py"))
     names = [module_name(p, root) for p in paths]
     known = set(names)
     arrows: set[tuple[str, str]] = set()
     for path, module in zip(paths, names, strict=True):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        is_package = path.name == "__init__.py"
-        targets = (imported_modules(tree, module, is_package) if hints
-                   else run_time_imports(tree, module, is_package))
+        source = read(path)
+        targets = _targets(source.imports if hints else source.run_time, module,
+                           path.name == "__init__.py")
         for target in targets:
             if target in known and target != module:
                 arrows.add((module, target))

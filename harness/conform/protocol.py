@@ -55,8 +55,15 @@ DecodeRefusal = Literal["refused", "preempts-last"]
 # scheduled token is computed: SGLang's PrefillAdder), or the engine's scheduler: a step
 # gives a request at most its token budget and at most the long-prefill threshold, which
 # caps every chunk ("token-budget") or only those of a step in which other requests are
-# running or waiting ("token-budget-shared").
-Chunking = Literal["caller", "caller-page-floor", "token-budget", "token-budget-shared"]
+# running or waiting ("token-budget-shared"); or "page-budget" (SGLang's PrefillAdder
+# under --chunked-prefill-size: a step gives a request at most its budget, a whole number
+# of pages; a new request's first chunk that does not end its prompt, whose rest rounded
+# up to whole pages exceeds the budget, ends on the page boundary at or below the
+# budget; a later chunk is the rest up to the budget, scheduled only once every
+# scheduled token is computed; no long-prefill threshold, and the other requests take
+# nothing from the budget).
+Chunking = Literal["caller", "caller-page-floor", "token-budget", "token-budget-shared",
+                   "page-budget"]
 # What an admission must find free: its first chunk's blocks, or its whole prompt's.
 AdmissionFits = Literal["chunk", "prompt"]
 # Fields of a BlockStored event beyond its hashes that the engine fills in.
@@ -308,7 +315,8 @@ class Contract:
       its prompt and every token appended to it since.
     chunking: who cuts a prompt into chunks (`Chunking`); chunk_budget and
       long_prefill_threshold: the scheduler's budget per step and its long-prefill
-      threshold (tokens; None: none) under "token-budget"; admission_fits: what an
+      threshold (tokens; None: none) under "token-budget" and "page-budget" (whose
+      budget is a whole number of pages); admission_fits: what an
       admission must find free (`AdmissionFits`).
     event_fields: the BlockStored fields beyond the hashes the engine fills in
       (`EventField`), kept in the normalised events.
@@ -435,6 +443,13 @@ class Contract:
             _choice(meaning, get_args(CounterMeaning), f"Contract.counters[{counter!r}]")
         if self.copy_on_partial_reuse and not self.partial_reuse:
             raise ValueError("Contract.copy_on_partial_reuse needs partial_reuse")
+        if self.chunking == "page-budget" and (
+                self.chunk_budget is None or self.chunk_budget % b
+                or self.long_prefill_threshold is not None):
+            raise ValueError(f"Contract.chunking 'page-budget' needs a chunk_budget of whole "
+                             f"blocks ({b} tokens) and no long_prefill_threshold, got "
+                             f"chunk_budget={self.chunk_budget!r}, long_prefill_threshold="
+                             f"{self.long_prefill_threshold!r}")
 
     def _check_limitation(self, entry: Any) -> None:
         where = f"Contract.limitations entry {entry!r}"

@@ -8,25 +8,20 @@ shared file readers, the oracles loading nothing from kvcache, and conform/'s wo
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.tool_scripts import TOOLS, load_tool
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
 def structure() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("structure_tool", ROOT / "tools" /
-                                                  "structure.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(TOOLS / "structure.py", "structure_tool")
 
 
 def _targets(arrows: tuple[tuple[str, str], ...], room: str) -> set[str]:

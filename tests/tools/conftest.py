@@ -4,7 +4,6 @@ mutants."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +12,8 @@ from types import ModuleType
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+from tests.tool_scripts import TOOLS, load_tool
+
 MUTANTS_TOOL = TOOLS / "mutants.py"
 
 CALC = """\
@@ -71,16 +71,6 @@ mutants:
 # What the kill matrix reads to leave out slow tests: test_add_slowly is "slow".
 DURATIONS = {"tests/test_calc.py::test_add": 0.01, "tests/test_calc.py::test_add_slowly": 5.0,
              "tests/test_calc.py::test_square": 0.01}
-
-
-def load_tool(path: Path, name: str) -> ModuleType:
-    """The tool script at `path`, imported as module `name` (tools/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="session")

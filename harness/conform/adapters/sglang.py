@@ -240,8 +240,8 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
         hybrid = scheduler.mamba is not None and tree_kind == "unified"
         return sglang_scheduler.SglangScheduled(
             engine, scheduler, tree_kind, base, num_blocks, block_size, record,
-            options.window if windowed else None,
-            options.state_interval if hybrid else None)
+            options.window if windowed else None, options.chunk_budget,
+            state_interval=options.state_interval if hybrid else None)
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
         return configured(num_blocks, block_size, record, CacheOptions())

@@ -11,7 +11,10 @@ than copying it (runs in an SGLang venv whose lock keeps the real device pools):
 - a request is SGLang's `Req` (its `__init__` joins the extra key and the LoRA id),
   matched by `Req.init_next_round_input` (`_compute_max_prefix_len`, `match_kv_cache`);
 - admission is `PrefillAdder.add_one_req`, which also cuts the first chunk (asked as
-  the step's `rem_chunk_tokens`), and a later chunk `add_chunked_req`; the scheduled
+  the step's `rem_chunk_tokens`), and a later chunk `add_chunked_req`; opened with a
+  `chunk_budget` (`CacheOptions`), the step's `rem_chunk_tokens` is that budget, as
+  `--chunked-prefill-size` sets it (`server_budget`), and PrefillAdder cuts the chunks
+  itself (the contract's "page-budget"); the scheduled
   tokens are allocated by `ScheduleBatch.prepare_for_extend` (`alloc_for_extend`:
   the request row, the shortfall eviction, the pages) and a decode step by
   `check_decode_mem` and `prepare_for_decode`;
@@ -233,13 +236,26 @@ MAMBA_RULE = (
     "match ends on the deepest kept state")
 
 
+def server_budget(chunk_budget: int | None, page_size: int) -> int | None:
+    """The `--chunked-prefill-size` a server takes for an asked `chunk_budget`: whole
+    pages (SGLang's validation refuses any other, arg_groups/validation_hook.py:244
+    'chunked_prefill_size must be divisible by page_size'), so the largest multiple of
+    the page at or below it, at least one page; None (no budget) stays None."""
+    if chunk_budget is None:
+        return None
+    return max(chunk_budget // page_size, 1) * page_size
+
+
 def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
-             window: int | None = None, state_interval: int | None = None) -> Contract:
+             window: int | None = None, chunk_budget: int | None = None,
+             state_interval: int | None = None) -> Contract:
     """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
     `tree_kind`; with `window` (tokens), over a full-and-window UnifiedRadixCache
     (only where `names.swa` and the tree is "unified": `options` says so); with
-    `state_interval` (pages), over a full-and-Mamba one (where `names.mamba`); with both,
-    over a FULL+SWA+MAMBA one."""
+    `chunk_budget` (tokens, whole pages: `server_budget`), PrefillAdder cutting the
+    chunks ("page-budget"), else the caller ("caller-page-floor"); with
+    `state_interval` (pages), over a full-and-Mamba one (where `names.mamba`); with a
+    window too, over a FULL+SWA+MAMBA one."""
     citations = (*base.citations,
                  ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
                                   "(batch_result_processor.py, Scheduler.stash_chunked_"
@@ -256,8 +272,11 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                                 "evict_from_tree_cache for the remaining requests"),
                  ("chunking", "schedule_policy.py PrefillAdder._select_prefill_"
                               "admission: a cut chunk ends on a page boundary; "
-                              "add_chunked_req continues as asked, after the last "
-                              "chunk's result"),
+                              "add_chunked_req continues up to rem_chunk_tokens (the "
+                              "caller's chunk, or --chunked-prefill-size: Scheduler."
+                              "_get_new_batch_prefill_raw), after the last chunk's "
+                              "result; no other request takes from it without "
+                              "--enable-mixed-chunk"),
                  ("admission_fits", "PrefillAdder.add_one_req: the whole remaining "
                                     "prompt plus a page (per_req_token_overhead) must be "
                                     "below free + evictable (prefill_budget.py "
@@ -274,9 +293,9 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                                               "_namespace_seed: the default format "
                                               "namespaces an extra key KvEventLoraNames "
                                               "names (a LoRA's), not a caller's own"),)
-    options: tuple[OptionName, ...] = ()
+    options: tuple[OptionName, ...] = ("chunk_budget",)
     if names.swa is not None and tree_kind == "unified":
-        options = ("window",)
+        options = ("window", *options)
     if names.mamba is not None and tree_kind == "unified":
         options = (*options, "state_interval")
     if window is not None:
@@ -284,7 +303,9 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     if state_interval is not None:
         citations += (("state_interval", MAMBA_RULE),)
     return replace(base, matchable_at="extend", decode_steps=True, refusal_evicts=True,
-                   preemption="retracts-decode", chunking="caller-page-floor",
+                   preemption="retracts-decode",
+                   chunking="caller-page-floor" if chunk_budget is None else "page-budget",
+                   chunk_budget=chunk_budget,
                    admission_fits="prompt", admission_reserve=2,
                    limitations=limitations, event_fields=fields,
                    replicated=REPLICATED if state_interval is None
@@ -378,7 +399,8 @@ class SglangScheduled(SglangTree):
 
     def __init__(self, s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
                  num_blocks: int, block_size: int, record: bool,
-                 window: int | None = None, state_interval: int | None = None) -> None:
+                 window: int | None = None, chunk_budget: int | None = None,
+                 state_interval: int | None = None) -> None:
         self.s, self.n = s, names  # the tree's names (SglangNames), the scheduler's
         self.tree_kind = tree_kind
         self.block_size = block_size
@@ -387,6 +409,7 @@ class SglangScheduled(SglangTree):
         torch = names.torch
         P = block_size
         self.window, self.state_interval = window, state_interval
+        self.chunk_budget = server_budget(chunk_budget, P)  # each step's, or the op's
         state_tokens = None if state_interval is None else state_interval * P
         names.publish_config(block_size, state_tokens)
         if state_interval is not None:
@@ -419,17 +442,12 @@ class SglangScheduled(SglangTree):
                                    dtype=torch.float16, device="cpu", kvcache=self.kv,
                                    need_sort=False, req_to_token_pool=self.rows)
             self.full = self.alloc.full_attn_allocator
-        self._finish(base, names, tree_kind)
-
-    def _finish(self, base: Contract, names: SchedulerNames, tree_kind: str) -> None:
-        """The tree over the pools, the batch's model config, the contract, the state."""
-        P = self.block_size
-        state_tokens = None if self.state_interval is None else self.state_interval * P
         self.lora_names = names.LoraNames()
         self.tree = self._build_tree()
         self.model = _ModelShape(vocab_size=1 << 20, is_encoder_decoder=False,
                                  hf_text_config=_TextConfig(state_tokens or P))
-        self._contract = contract(base, names, tree_kind, self.window, self.state_interval)
+        self._contract = contract(base, names, tree_kind, self.window, self.chunk_budget,
+                                  self.state_interval)
         self._live: dict[Hashable, _Live] = {}
         self._retracted: dict[Hashable, Any] = {}  # seq -> its retracted Req
         self._preempted: list[Hashable] = []  # retracted since take_preempted
@@ -617,7 +635,8 @@ class SglangScheduled(SglangTree):
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
               first_chunk: int | None) -> Admission | None:
-        """`Req`, matched; `PrefillAdder` admits it; `prepare_for_extend` allocates.
+        """`Req`, matched; `PrefillAdder` admits it, cutting its first chunk at
+        `first_chunk` tokens or else the budget; `prepare_for_extend` allocates.
         A preempted sequence admitted again with its tokens so far resumes as the same
         Req, as SGLang requeues a retracted one."""
         if seq_id in self._live:
@@ -629,7 +648,8 @@ class SglangScheduled(SglangTree):
             req = self._new_req(seq_id, tokens, scope)
         req.init_next_round_input(self.tree)
         # a server's chunk size is at least a page; a smaller one schedules nothing
-        chunk = None if first_chunk is None else max(first_chunk, self.block_size)
+        chunk = self.chunk_budget if first_chunk is None \
+            else max(first_chunk, self.block_size)
         batch = self._schedule(req, chunk)
         if batch is None:
             if resumed is not None:
@@ -645,7 +665,8 @@ class SglangScheduled(SglangTree):
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
         """The next chunk, as the scheduler continues a chunked request:
-        `init_next_round_input`, `add_chunked_req`, `prepare_for_extend`; None (nothing
+        `init_next_round_input`, `add_chunked_req` (up to `num_tokens`, at most the
+        budget), `prepare_for_extend`; None (nothing
         changed but evictions) when its pages cannot be allocated."""
         live = self._live[seq_id]
         req = live.req
@@ -654,7 +675,7 @@ class SglangScheduled(SglangTree):
             return req.extend_end
         assert not live.extending, "Session schedules a chunk only after the last one"
         req.init_next_round_input()
-        adder = self._adder(target - req.prefix_len)
+        adder = self._adder(min(target - req.prefix_len, self.chunk_budget or target))
         chunked = adder.add_chunked_req(req)
         batch = self._batch([req], chunked)
         try:

@@ -13,7 +13,7 @@ step's leak report is the leak check.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from harness.conform import ops
@@ -30,7 +30,7 @@ from harness.conform.controller.expectations import (
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
-from harness.conform.protocol import CacheOptions, Contract, Scope, lora_id_text
+from harness.conform.protocol import CacheOptions, Contract, OptionName, Scope, lora_id_text
 from harness.conform.worker.session import Status, StepReport
 
 B = 4  # tokens per block (a vLLM block, an SGLang page)
@@ -49,6 +49,7 @@ class Run:
                  options: CacheOptions | None = None) -> None:
         self.target = target
         self.num_blocks = num_blocks
+        self.options = options or CacheOptions()
         self.contract: Contract = target.open(num_blocks, B, options)
         self.judge = Judge(self.contract, num_blocks)
         self.ops: list[Op] = []
@@ -204,9 +205,11 @@ _NEEDS: dict[str, tuple[Callable[[Contract], bool], str]] = {
 
 @dataclass(frozen=True)
 class Check:
-    """A family run on a fresh cache of `num_blocks` blocks, opened with `options`;
-    skipped (with the reason) on an engine whose contract lacks something in `needs`
-    or does not honour those options."""
+    """A family run on a fresh cache of `num_blocks` blocks, opened with `options` (less
+    those in `optional` the engine does not honour: an engine whose scheduler has no
+    long-prefill threshold runs a chunking family without one); skipped (with the
+    reason) on an engine whose contract lacks something in `needs` or does not honour
+    the other options."""
 
     name: str
     family: str
@@ -215,13 +218,26 @@ class Check:
     body: Callable[[Run], None] = field(repr=False)
     needs: tuple[Need, ...] = ()
     options: CacheOptions = field(default_factory=CacheOptions)
+    optional: tuple[OptionName, ...] = ()
 
-    def skip_reason(self, contract: Contract) -> str | None:
-        """Why this family cannot judge `contract`'s engine; None when it can (an
-        option it does not honour: with the contract's citation of `options`, the
-        engine's reason)."""
-        missing = [why for has, why in map(_NEEDS.__getitem__, self.needs) if not has(contract)]
-        unhonoured = [n for n in self.options.names() if n not in contract.options]
+    def options_for(self, contract: Contract) -> CacheOptions:
+        """The options the family opens its cache with on `contract`'s engine."""
+        return replace(self.options, **{name: None for name in self.optional
+                                        if name not in contract.options})
+
+    def skip_reason(self, contract: Contract,
+                    open_with: Callable[[CacheOptions], Contract] | None = None) -> str | None:
+        """Why this family cannot judge `contract`'s engine (a cache opened with no
+        options); None when it can (an option it does not honour: with the contract's
+        citation of `options`, the engine's reason). Where every option is honoured,
+        `needs` is judged on `open_with(options)`, the contract of the cache the family
+        opens (an engine's scheduler may cut the chunks only under a budget)."""
+        options = self.options_for(contract)
+        unhonoured = [n for n in options.names() if n not in contract.options]
+        judged = contract
+        if open_with is not None and options.names() and not unhonoured:
+            judged = open_with(options)
+        missing = [why for has, why in map(_NEEDS.__getitem__, self.needs) if not has(judged)]
         if unhonoured:  # with the engine's reason, where the contract cites one
             why = "".join(f"; {text}" for name, text in contract.citations
                           if name == "options")

@@ -121,7 +121,17 @@ CHUNKS = CacheOptions(chunk_budget=8, long_prefill_threshold=6)
 
 def _chunk(run: Run, left: int, others: bool) -> int:
     """The scheduler's next chunk of a prompt with `left` tokens to compute, with or
-    without other requests running or waiting (the contract's chunking rule)."""
+    without other requests running or waiting (the contract's chunking rule).
+
+    Under "page-budget" (SGLang's PrefillAdder; managers/schedule_policy.py, 0.5.23
+    lines, 0.5.22's after them) the chunk is the rest up to the budget: a new request's
+    rest, rounded up to whole pages (:1605, :1516), is cut where it exceeds the budget
+    (:1646, :1549) to the page boundary at or below prefix + budget (:1665-1670,
+    :1568-1573), which is prefix + budget, as its prefix (a match) and the budget
+    (arg_groups/validation_hook.py:244, :243) are whole pages; a later chunk
+    (add_chunked_req) is the rest up to the budget (:1181-1182, :1133-1134). The other
+    requests take nothing from it: mixed chunking, where each running request's decode
+    token would (:655, :624), is off by default."""
     c = run.contract
     chunk = min(left, c.chunk_budget or left)
     capped = c.chunking == "token-budget" or (c.chunking == "token-budget-shared" and others)
@@ -147,14 +157,16 @@ def scheduler_chunks(run: Run) -> None:
 
 
 def _chunks(run: Run, seq: str, prompt: list[int], others: bool, what: str) -> None:
-    """Admit `prompt` and reserve the rest of it step by step, expecting the scheduler's
-    chunks (`_chunk`) at each step; stops at a step that schedules nothing."""
+    """Admit `prompt` and reserve the rest of it step by step, each step's chunk computed
+    before the next (an engine may schedule a chunk only then), expecting the
+    scheduler's chunks (`_chunk`) at each step; stops at a step that schedules nothing."""
     steps = [len(run.reports)]
     run.admit(seq, prompt)
     want = [_chunk(run, len(prompt), others)]
     done = run.reports[-1].value["scheduled_tokens"] if run.reports[-1].status == "done" \
         else None
     while done is not None and done < len(prompt):
+        run.commit(seq, done)
         steps.append(len(run.reports))
         done = run.reserve(seq, len(prompt))
         want.append(want[-1] + _chunk(run, len(prompt) - want[-1], others))
@@ -223,7 +235,7 @@ CHECKS: tuple[Check, ...] = (
           needs=("decode_blocks",)),
     Check("scheduler_chunks", "scheduler chunks", "prompts in the scheduler's chunks, alone "
           "and beside another", 32, scheduler_chunks, needs=("scheduler_chunks",),
-          options=CHUNKS),
+          options=CHUNKS, optional=("long_prefill_threshold",)),
     Check("event_fields", "router events", "BlockStored fields beyond the hash, per scope",
           32, event_fields, needs=("events", "event_fields")),
     Check("sliding_window", "sliding window", "a window of 8: chunks and decode release "

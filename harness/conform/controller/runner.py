@@ -107,19 +107,21 @@ class Finished(NamedTuple):
         return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
                    run.violations, run.expectations, run.unmet(), run.observed,
                    run.reports[-1].stats._asdict() if run.reports else {}, seconds,
-                   check.options)
+                   run.options)
 
 
 def run_check(target: Target, check: Check) -> CheckResult:
     """One family on a fresh cache, judged; a failing oracle's op list shrunk. A family
     the engine's contract cannot judge (`Check.skip_reason`) is skipped, saying why."""
     start = time.perf_counter()
-    why = check.skip_reason(target.open(check.num_blocks, families.B))
+    plain = target.open(check.num_blocks, families.B)
+    why = check.skip_reason(plain, lambda options: target.open(check.num_blocks, families.B,
+                                                               options))
     if why is not None:
         return CheckResult(name=check.name, family=check.family, about=check.about,
                            status="skip", message=why, num_blocks=check.num_blocks,
                            seconds=time.perf_counter() - start)
-    run = Run(target, check.num_blocks, check.options)
+    run = Run(target, check.num_blocks, check.options_for(plain))
     check.body(run)
     return _result(target, Finished.of_check(check, run, time.perf_counter() - start))
 

@@ -149,8 +149,8 @@ class Session:
                 and seq.committed < seq.length:
             return (f"preempt before all {seq.length} tokens are computed ({seq.committed}): "
                     "the engine retracts only between decode steps")
-        if op.kind == "reserve" and self.cache.contract.chunking == "caller-page-floor" \
-                and seq.committed < seq.scheduled:
+        if op.kind == "reserve" and seq.committed < seq.scheduled \
+                and self.cache.contract.chunking in ("caller-page-floor", "page-budget"):
             return (f"reserve before the {seq.scheduled} scheduled tokens are computed "
                     f"({seq.committed}): the engine schedules a chunk after the last one")
         if op.kind == "append" and self.cache.contract.decode_steps:

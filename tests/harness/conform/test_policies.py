@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from harness.conform import ops
-from harness.conform.adapters import kvcache
+from harness.conform.adapters import kvcache, sglang_scheduler
 from harness.conform.adapters.kvcache import KvcacheCache
 from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.controller import policy_families
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.eviction import FreeQueue
-from harness.conform.controller.families import B
+from harness.conform.controller.families import B, Run
 from harness.conform.controller.fuzz import fuzz
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.runner import run_check
@@ -308,6 +308,52 @@ def test_cache_options_are_checked_and_an_engine_refuses_those_it_does_not_honou
     assert result.status == "skip" and "the caller chooses each chunk" in result.message
 
 
+def test_a_family_drops_an_optional_option_the_engine_lacks_and_judges_what_it_opens(
+        ) -> None:
+    """SGLang's scheduler has no long-prefill threshold and cuts its own chunks only
+    under a budget: scheduler_chunks opens it with the budget alone and judges the
+    contract of that cache, not of one opened without options."""
+    check = check_named("scheduler_chunks")
+    plain = replace(kvcache.contract(B), chunking="caller-page-floor",
+                    options=("chunk_budget",))
+    budgeted = replace(plain, chunking="page-budget", chunk_budget=8)
+    assert check.options_for(plain) == CacheOptions(chunk_budget=8)
+    opened: list[CacheOptions] = []
+    assert check.skip_reason(plain, lambda o: opened.append(o) or budgeted) is None
+    assert opened == [CacheOptions(chunk_budget=8)]
+    assert "the caller chooses each chunk" in str(check.skip_reason(plain))
+    both = replace(plain, options=("chunk_budget", "long_prefill_threshold"))
+    assert check.options_for(both) == policy_families.CHUNKS
+
+
+@pytest.mark.parametrize(("chunking", "threshold", "others", "chunks"), [
+    pytest.param("page-budget", None, False, [8, 8, 8, 6], id="page-budget-alone"),
+    pytest.param("page-budget", None, True, [8, 8, 8, 6], id="page-budget-beside"),
+    pytest.param("token-budget", 6, False, [6, 6, 6, 6, 6], id="token-budget"),
+    pytest.param("token-budget-shared", 6, False, [8, 8, 8, 6], id="shared-alone"),
+    pytest.param("token-budget-shared", 6, True, [6, 6, 6, 6, 6], id="shared-beside")])
+def test_the_chunk_model_follows_the_contracts_rule(chunking: str, threshold: int | None,
+                                                    others: bool, chunks: list[int]) -> None:
+    """A 30-token prompt under a budget of 8: SGLang's page budget takes no threshold and
+    nothing for the other requests."""
+    run = Run(LocalTarget(kvcache.load()), 8)
+    run.contract = replace(run.contract, chunking=chunking, chunk_budget=8,
+                           long_prefill_threshold=threshold)
+    got, left = [], 30
+    while left:
+        got.append(policy_families._chunk(run, left, others))
+        left -= got[-1]
+    assert got == chunks
+
+
+@pytest.mark.parametrize(("asked", "budget"), [
+    pytest.param(8, 8, id="whole-pages"), pytest.param(6, 4, id="cut-to-a-page"),
+    pytest.param(3, 4, id="at-least-a-page"), pytest.param(None, None, id="no-budget")])
+def test_sglang_runs_a_chunk_budget_a_server_takes(asked: int | None,
+                                                  budget: int | None) -> None:
+    assert sglang_scheduler.server_budget(asked, B) == budget
+
+
 def test_a_contract_refuses_bad_policy_fields() -> None:
     c = kvcache.contract(B)
     for field, bad in (("eviction_policy", "fifo"), ("preemption", "maybe"),
@@ -316,6 +362,11 @@ def test_a_contract_refuses_bad_policy_fields() -> None:
         with pytest.raises(ValueError, match=f"Contract.{field}"):
             replace(c, **{field: bad})
     assert Contract.from_dict(VLLM.as_dict()) == VLLM
+    for budget, threshold in ((None, None), (6, None), (8, 6)):
+        with pytest.raises(ValueError, match=r"Contract.chunking 'page-budget' needs a "
+                                             r"chunk_budget of whole blocks \(4 tokens\)"):
+            replace(c, chunking="page-budget", chunk_budget=budget,
+                    long_prefill_threshold=threshold)
 
 
 # -- the families on kvcache, and the faults they catch ---------------------------------------

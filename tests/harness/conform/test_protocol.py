@@ -163,8 +163,8 @@ def test_an_event_sent_as_a_subclass_is_known_by_its_base() -> None:
     pytest.param("preemption", "swap", r"Contract\.preemption must be one of \('none', "
                  r"'frees-keeps-cached', 'retracts-decode'\), got 'swap'", id="preemption"),
     pytest.param("chunking", "tokens", r"Contract\.chunking must be one of \('caller', "
-                 r"'caller-page-floor', 'token-budget', 'token-budget-shared'\), got "
-                 r"'tokens'", id="chunking"),
+                 r"'caller-page-floor', 'token-budget', 'token-budget-shared', 'page-budget'\), "
+                 r"got 'tokens'", id="chunking"),
     pytest.param("event_fields", ("namespace",), r"Contract\.event_fields entry must be one "
                  r"of .*, got 'namespace'", id="event-field"),
     pytest.param("replicated", (("a", "b"),), r"Contract\.replicated entries are \(what, "

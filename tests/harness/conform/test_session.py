@@ -96,6 +96,18 @@ def test_a_preempt_is_skipped_where_the_contract_has_no_such_preemption() -> Non
     assert s.apply(ops.commit("A", 9)).detail == "'A' is not live"
 
 
+def test_under_a_page_budget_a_chunk_is_scheduled_only_after_the_last_is_computed() -> None:
+    cache = KvcacheCache(8, 4)
+    cache._contract = replace(kvcache_contract(4), chunking="page-budget", chunk_budget=4)
+    s = Session(cache)
+    s.apply(ops.admit("A", list(range(9))))
+    assert s.apply(ops.reserve("A", 9)).detail == (
+        "reserve before the 9 scheduled tokens are computed (0): the engine schedules a "
+        "chunk after the last one")
+    s.apply(ops.commit("A", 9))
+    assert s.apply(ops.reserve("A", 9)).status == "done"
+
+
 def test_kvcache_preempts_as_its_scheduler_does_and_the_resumption_reuses_its_blocks() -> None:
     s = Session(KvcacheCache(8, 4))
     s.apply(ops.admit("A", list(range(9))))

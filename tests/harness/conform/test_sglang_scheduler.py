@@ -18,7 +18,7 @@ from harness.conform.controller.locks import pinned
 from harness.conform.controller.report import Report
 from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
-from harness.conform.protocol import Scope, lora_id_text
+from harness.conform.protocol import CacheOptions, Scope, lora_id_text
 from harness.conform.worker.session import StepReport
 
 B = 4
@@ -39,9 +39,10 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     opened.close()
 
 
-def run(target: Target, op_list: list[Op], num_blocks: int = 16) -> list[StepReport]:
-    """`op_list` on a fresh cache, every oracle silent."""
-    judge = Judge(target.open(num_blocks, B), num_blocks)
+def run(target: Target, op_list: list[Op], num_blocks: int = 16,
+        options: CacheOptions | None = None) -> list[StepReport]:
+    """`op_list` on a fresh cache (opened with `options`), every oracle silent."""
+    judge = Judge(target.open(num_blocks, B, options), num_blocks)
     reports = target.apply_all(op_list)
     found = [v for r in reports for v in judge.observe(r)]
     assert found == [], found
@@ -110,6 +111,26 @@ def test_a_later_chunk_is_scheduled_as_asked_once_the_last_one_is_computed(
                            ops.free("B"), ops.free("A")])
     assert reports[1].status == "skipped" and reports[3].value == 11
     assert reports[5].value["reused_tokens"] == 8  # the checkpointed pages, not 11
+
+
+@pytest.mark.parametrize(("budget", "chunks"), [
+    pytest.param(8, [8, 16, 24, 30], id="budget-of-two-pages"),
+    pytest.param(6, [4, 8, 12, 16, 20, 24, 28, 30], id="budget-cut-to-a-page")])
+def test_prefill_adder_cuts_the_chunks_under_the_servers_budget(target: Target, budget: int,
+                                                                chunks: list[int]) -> None:
+    """Opened with a chunk budget, the step's rem_chunk_tokens is the budget a server
+    takes (whole pages) and PrefillAdder, not the op, cuts each chunk."""
+    assert (target.open(16, B, CacheOptions(chunk_budget=budget)).chunking,
+            target.open(16, B, CacheOptions(chunk_budget=budget)).chunk_budget) == \
+        ("page-budget", budget // B * B)
+    prompt = list(range(100, 130))
+    op_list: list[Op] = [ops.admit("A", prompt)]
+    for end in chunks[:-1]:
+        op_list += [ops.commit("A", end), ops.reserve("A", 30)]
+    reports = run(target, [*op_list, ops.commit("A", 30), ops.free("A")],
+                  options=CacheOptions(chunk_budget=budget))
+    assert [reports[0].value["scheduled_tokens"],
+            *(r.value for r in reports[2:-2:2])] == chunks
 
 
 @pytest.mark.parametrize(("tokens", "status"), [

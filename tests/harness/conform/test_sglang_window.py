@@ -37,9 +37,11 @@ def names(swa: bool) -> SimpleNamespace:
 
 def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() -> None:
     base = unified_contract("0.5.23", B)
-    assert sglang_scheduler.contract(base, names(True), "unified").options == ("window",)
-    assert sglang_scheduler.contract(base, names(False), "unified").options == ()
-    assert sglang_scheduler.contract(base, names(True), "radix").options == ()
+    assert sglang_scheduler.contract(base, names(True), "unified").options == \
+        ("window", "chunk_budget")
+    assert sglang_scheduler.contract(base, names(False), "unified").options == \
+        ("chunk_budget",)
+    assert sglang_scheduler.contract(base, names(True), "radix").options == ("chunk_budget",)
 
 
 def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> None:

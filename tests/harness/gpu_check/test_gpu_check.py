@@ -28,6 +28,8 @@ from harness.gpu_check.runner import ROOT, run_stage
 from harness.gpu_check.stages import STAGES, Stage
 from tests.hang_guard import HANG_GUARD_S, run_child
 
+pytest_plugins = ["pytester"]
+
 TESTS = '''
 import json, time
 import pytest
@@ -126,8 +128,7 @@ class DeadlineWhenStarted(StoppedClock):
 def _quiet_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stages' pytest processes here run small files that need neither hypothesis's
     plugin nor pytest-benchmark's: loading them took longer than the files' tests (a
-    second or more a stage). test_every_stage_selects_gpu_tests, which collects the
-    real GPU tests, runs without it (it drops PYTEST_ADDOPTS)."""
+    second or more a stage)."""
     monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:hypothesispytest -p no:benchmark")
 
 
@@ -214,7 +215,7 @@ def test_tests_that_start_after_the_deadline_are_skipped_with_the_reason(tmp_pat
 def test_a_hung_test_ends_its_stage_and_is_named(tmp_path: Path) -> None:
     stage = _stage(tmp_path, "timeout", HANGS)
     now = time.time()
-    result = run_stage(stage, tmp_path, now + HOUR, test_timeout=2, clock=StoppedClock(now))
+    result = run_stage(stage, tmp_path, now + HOUR, test_timeout=1, clock=StoppedClock(now))
     assert result.status == "ended early"
     assert [c.outcome for c in result.checks] == ["crashed", "not run"]
     assert "ended early" in result.checks[0].message
@@ -257,16 +258,17 @@ def _keyword_selects(keyword: str, nodeid: str) -> bool:
     return any(all(word(w) for w in alt.split(" and ")) for alt in keyword.split(" or "))
 
 
-def test_every_stage_selects_gpu_tests(tmp_path: Path) -> None:
-    """Collect every stage's targets in one process, then apply each stage's keyword:
-    a renamed test, or a keyword that selects nothing, fails here."""
+def test_every_stage_selects_gpu_tests(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """Collect every stage's targets in one run (in this process: collecting them in a
+    child paid for its start-up and torch's import again), then apply each stage's
+    keyword: a renamed test, or a keyword that selects nothing, fails here."""
     log = tmp_path / "collected.jsonl"
     targets = list(dict.fromkeys(t for s in STAGES for t in s.targets))
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    done = run_child([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                      "no:cacheprovider", "-p", "harness.gpu_check.plugin",
-                      f"--gpu-check-log={log}", *targets], cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stdout[-2000:]
+    done = pytester.runpytest_inprocess(
+        "--collect-only", "-q", f"--rootdir={ROOT}", "-p", "no:cacheprovider", "-p",
+        "no:hypothesispytest", "-p", "harness.gpu_check.plugin",
+        f"--gpu-check-log={log}", *(str(ROOT / t) for t in targets))
+    assert done.ret == 0, done.stdout.str()[-2000:]
     collected = json.loads(log.read_text().splitlines()[0])["tests"]
     for stage in STAGES:
         chosen = []
