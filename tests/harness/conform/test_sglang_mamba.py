@@ -83,6 +83,13 @@ def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() ->
     assert sglang_mamba.PIN_STUB in hybrid.replicated
     assert "schedule_batch.py:3830" in sglang_mamba.PIN_STUB[1]
     assert (hybrid.state_interval, hybrid.state_rule) == (2, "extend-end")
+    assert hybrid.options == ("chunk_budget", "state_interval")
+    both = sglang_scheduler.contract(base, SimpleNamespace(swa=("SWA",), mamba=("pools",),
+                                                           names_requests=True),
+                                     "unified", 8, state_interval=2)
+    assert both.options == ("window", "chunk_budget", "state_interval")
+    assert (both.window, both.window_layout, both.state_rule) == (8, "window-pool",
+                                                                  "extend-end")
 
 
 @pytest.fixture
@@ -96,13 +103,16 @@ def target(tmp_path: Path) -> Iterator[Target]:
     opened.close()
 
 
-def test_a_decoded_state_block_is_kept_and_reused(target: Target) -> None:
+@pytest.mark.parametrize("window", [None, 8], ids=["full-mamba", "full-swa-mamba"])
+def test_a_decoded_state_block_is_kept_and_reused(target: Target, window: int | None) -> None:
     """States every 8 tokens (2 pages): A's prompt of 10 keeps 8; its 7 decode steps run
     on a CPU and the result processor tracks the state at 16, which A gives the tree
     when it ends, so B (A's 17 tokens and one more) reuses 16 where the prompt's state
-    alone would give 8; every oracle and the Mamba slot pool's accounting hold."""
-    contract = target.open(16, B, CacheOptions(state_interval=2))
+    alone would give 8; every oracle and the Mamba slot pool's accounting hold, with a
+    window of 8 too (FULL+SWA+MAMBA, the window pool's accounting as well)."""
+    contract = target.open(16, B, CacheOptions(window=window, state_interval=2))
     assert (contract.state_interval, contract.state_rule) == (2, "extend-end")
+    assert contract.window == window
     judge = Judge(contract, 16)
     a, out = list(range(100, 110)), list(range(1, 8))
     op_list = [ops.admit("A", a), ops.commit("A", 10)]
@@ -117,3 +127,4 @@ def test_a_decoded_state_block_is_kept_and_reused(target: Target) -> None:
     assert reports[-3].value["reused_tokens"] == 16
     engine = reports[-3].stats.engine
     assert engine["mamba_evictable_size"] + engine["mamba_protected_size"] >= 1
+    assert ("swa_available_size" in engine) == (window is not None)

@@ -30,8 +30,9 @@ LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
 
 def names(swa: bool) -> SimpleNamespace:
     """What `sglang_scheduler.contract` reads of the scheduler's names: whether the
-    release has the tree's SWA component, and 0.5.23's LoRA-naming event recorder."""
-    return SimpleNamespace(swa=("pool", "allocator", "SWA") if swa else None,
+    release has the tree's SWA component (and no MAMBA one here: test_sglang_mamba.py),
+    and 0.5.23's LoRA-naming event recorder."""
+    return SimpleNamespace(swa=("pool", "allocator", "SWA") if swa else None, mamba=None,
                            names_requests=True)
 
 
