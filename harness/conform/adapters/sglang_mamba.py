@@ -16,6 +16,8 @@ runs in an SGLang venv, 0.5.23):
   mask, records the tracked state's length, `_mamba_prefix_cache_update` swaps the
   ping-pong slot) on a processor that has only the tree (`tree_cache`, all a request
   that has not finished reads);
+- `drop_waiting`: a refused request gives back the Mamba slot its match took, as
+  SGLang's abort of a queued request does;
 - `slot_problems`: the Mamba slot pool's integrity (every slot free, a state of the
   tree, or a live request's own, never two of them) and `gauges`, its sizes in SGLang's
   names.
@@ -73,6 +75,16 @@ def track_decode_state(processor_class: type, tree: Any, req: Any, batch: Any) -
     # raises AttributeError where read
     object.__setattr__(processor, "tree_cache", tree)
     processor._handle_finish_state_updated_req(req, batch, None, 0, None)
+
+
+def drop_waiting(common: Any, tree: Any, req: Any) -> None:
+    """A request the adder did not admit leaves the queue (the protocol's refusal): as
+    SGLang aborts a queued request (`managers/scheduler.py:5716-5722`: "For mamba radix
+    cache"), `release_kv_cache(checkpoint=False)` gives back the Mamba slot its match
+    took for the state it copies (`mem_cache/common.py:404-415`), so a refusal leaves the
+    Mamba pool as it was. Nothing where it holds none."""
+    if req.kv.holds_mamba:
+        common.release_kv_cache(req, tree, checkpoint=False)
 
 
 def request_slots(req: Any) -> list[int]:

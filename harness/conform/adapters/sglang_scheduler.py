@@ -652,6 +652,8 @@ class SglangScheduled(SglangTree):
             else max(first_chunk, self.block_size)
         batch = self._schedule(req, chunk)
         if batch is None:
+            if self.state_interval is not None:
+                sglang_mamba.drop_waiting(self.n.common, self.tree, req)
             if resumed is not None:
                 self._retracted[seq_id] = resumed
             return None

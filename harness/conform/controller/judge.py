@@ -312,6 +312,7 @@ class Judge:
     def _replay_log(self, r: StepReport, say: Any) -> None:
         admits = 0
         events: list[Event] = []
+        tree_events: list[Event] = []  # as the capacity model counts them (`_in_tree`)
         B = self.contract.block_size
         self._allocated = sum(len(ev.get("block_ids") or ()) - (ev.get("num_tokens", 0) // B
                                                                 if ev.get("kind") == "admit"
@@ -338,6 +339,7 @@ class Judge:
                 self.window_group.apply(ev)
             if self.states is not None:
                 self.states.apply(ev)
+            tree_events.append(self._in_tree(ev))
         if self.order is not None and r.op.kind == "evict" and r.status == "done" \
                 and "eviction" not in self.broken:
             self._forget(self.order.evict(r.op, int(r.value)), say)
@@ -351,7 +353,17 @@ class Judge:
         # a deduplicating engine's count is exact; otherwise `_check_capacity` bounds it
         used = self._held(r) if self.contract.dedup_on_commit else None
         self._feed("capacity", "used blocks", say,
-                   lambda evs: self.calls.capacity_after(where, evs, used), events)
+                   lambda evs: self.calls.capacity_after(where, evs, used), tree_events)
+
+    def _in_tree(self, ev: Event) -> Event:
+        """`ev` as the capacity model counts it: under "extend-end" a commit puts in the
+        tree only the tokens up to the sequence's deepest kept state (`StateGroup.cached`),
+        so its blocks past them stay its own, never shared; under every other rule a
+        commit's valid tokens are all cached."""
+        if ev.kind != "commit" or self.states is None or self.states.rule != "extend-end":
+            return ev
+        cached = self.states.cached(ev.seq_id)
+        return ev if cached is None else ev._replace(num_tokens=cached)
 
     def _follow_order(self, ev: Any, say: Any) -> None:
         """The contract's eviction order over one log event: the blocks an allocation

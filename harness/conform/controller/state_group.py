@@ -98,6 +98,7 @@ class StateGroup:
         self._seqs: dict[Hashable, tuple[Hashable, list[int], int]] = {}  # scope, tokens, prompt
         self._computed: dict[Hashable, int] = {}  # live seq -> tokens computed (extend-end)
         self._branch: dict[Hashable, int] = {}  # admitted seq -> its branching point
+        self._cached: dict[Hashable, int] = {}  # live seq -> its tokens in the tree
 
     def matched(self, seq_id: Hashable, full_match: int, reused: int) -> None:
         """An admission of `seq_id` whose full-attention group matched `full_match` tokens
@@ -119,7 +120,7 @@ class StateGroup:
         sid = ev.seq_id
         if ev.kind == "admit":
             self._seqs[sid] = (ev.scope, list(ev.tokens), len(ev.tokens))
-            self._computed[sid] = ev.num_tokens
+            self._computed[sid] = self._cached[sid] = ev.num_tokens
         elif sid not in self._seqs:
             return
         elif ev.kind == "append":
@@ -129,8 +130,9 @@ class StateGroup:
             n = self._kept_at(sid, ev.num_tokens, prompt)
             if n is not None:
                 self._kept.add((scope, tuple(tokens[:n])))
+                self._cached[sid] = max(self._cached[sid], n)
         elif ev.kind == "free":
-            del self._seqs[sid], self._computed[sid]
+            del self._seqs[sid], self._computed[sid], self._cached[sid]
             self._branch.pop(sid, None)
 
     def _kept_at(self, sid: Hashable, n: int, prompt: int) -> int | None:
@@ -145,6 +147,14 @@ class StateGroup:
         if n > prompt:  # decoded tokens: see the module's docstring
             return decode_keeps(prompt, n, self.state_tokens)
         return extend_keeps(start, n, self.state_tokens, self._branch.get(sid))
+
+    def cached(self, seq_id: Hashable) -> int | None:
+        """The tokens of the live `seq_id` its cache's tree holds under "extend-end": what
+        it resumed from, or its deepest kept state (SGLang inserts a request's full KV
+        only up to its last state, `unified_cache/components/mamba.py`
+        `prepare_for_caching_req`); its blocks past them are its own, shared with no
+        other sequence. None for a sequence this group does not follow (not live)."""
+        return self._cached.get(seq_id)
 
     def cut(self, tokens: Sequence[int], scope: Hashable, matched: int) -> int:
         """The reuse of `tokens` in `scope` when the full-attention group matched

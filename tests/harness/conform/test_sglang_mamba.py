@@ -128,3 +128,21 @@ def test_a_decoded_state_block_is_kept_and_reused(target: Target, window: int | 
     engine = reports[-3].stats.engine
     assert engine["mamba_evictable_size"] + engine["mamba_protected_size"] >= 1
     assert ("swa_available_size" in engine) == (window is not None)
+
+
+def test_a_refused_admission_gives_back_the_mamba_slot_its_match_took(target: Target) -> None:
+    """A pool of 4 pages: A (10 tokens) keeps its state at 8 and holds 3 pages; B
+    extending A's first 8 matches that state (its match copies it into a Mamba slot of
+    B's own) but cannot have its 3 new pages, and the refusal leaves the Mamba pool as
+    it was (SGLang's abort of a queued request releases that slot)."""
+    contract = target.open(4, B, CacheOptions(state_interval=2))
+    judge = Judge(contract, 4)
+    a = list(range(100, 110))
+    reports = target.apply_all([ops.admit("A", a), ops.commit("A", 10),
+                                ops.admit("B", [*a[:8], *range(200, 212)])])
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert reports[-1].status == "refused"
+    assert reports[-1].stats.engine["mamba_available_size"] == \
+        reports[-2].stats.engine["mamba_available_size"]
+    assert all(r.integrity == () for r in reports)

@@ -266,3 +266,30 @@ def test_the_judge_holds_an_extend_end_engine_to_one_state_per_extend() -> None:
     found = run("chunk-ends")
     assert [(v.oracle, v.kind) for v in found] == [("count", "reuse")]
     assert "predicts 0" in found[0].message
+
+
+def test_the_judge_counts_blocks_past_the_last_state_as_their_sequences_own() -> None:
+    """SGLang inserts a request's full KV only up to its last kept state (g = 8): A's 9
+    tokens put 8 in the tree and keep their third block; B sharing A's first 4 tokens
+    and computing 4 keeps no state, so its first block stays its own beside A's: 4 used
+    blocks, not the 3 of a cache that dedups every computed block (vLLM's chunk-end
+    rule, where the full-attention group caches every full block: a capacity finding)."""
+    a, b = [4, 4, 6, 39, 33, 11, 23, 27, 4], [4, 4, 6, 39, 35, 18, 3, 19]
+
+    def run(rule: str) -> list[Any]:
+        j = Judge(_sglang_contract(rule), 16)
+        got = j.observe(_report(ops.admit("A", a), {"reused_tokens": 0}, [
+            {"kind": "admit", "seq_id": "A", "tokens": a, "num_tokens": 0, "scope": None,
+             "block_ids": [1, 2, 3]},
+            {"kind": "commit", "seq_id": "A", "num_tokens": 9}], 3, 0))
+        got += j.observe(_report(ops.admit("B", b, None, 4), {"reused_tokens": 0}, [
+            {"kind": "admit", "seq_id": "B", "tokens": b, "num_tokens": 0, "scope": None,
+             "block_ids": [4]}], 4, 0))
+        got += j.observe(_report(ops.commit("B", 4), None, [
+            {"kind": "commit", "seq_id": "B", "num_tokens": 4}], 4, 0))
+        return got
+
+    assert run("extend-end") == []
+    found = run("chunk-ends")
+    assert [(v.oracle, v.kind) for v in found] == [("capacity", "used blocks")]
+    assert "expected  3" in found[0].message
