@@ -63,7 +63,7 @@ def unpinned(torch: Any) -> Iterator[None]:
             torch.Tensor.pin_memory = own
 
 
-def track_decode_state(processor_class: type, tree: Any, req: Any, batch: Any) -> None:
+def track_decode_state(processor_class: Any, tree: Any, req: Any, batch: Any) -> None:
     """SGLang's result processing of one decode step for `req` (row 0 of `batch`, the
     batch `prepare_for_decode` prepared), not finished: its tracked Mamba state
     (`_handle_finish_state_updated_req` on a processor that holds only `tree`; no model
