@@ -26,9 +26,10 @@ After every op (`Judge.observe`):
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
   blocks the cache holds on its device (`cached_hashes`; a host tier's blocks are
   folded under their own medium; where the events name their group, `group_idx`, the
-  other groups' are folded apart, by hash alone: `other_groups`), and no op removes a
-  block it keeps (a block moved between tiers is removed from one medium and stored on
-  the other: no churn). A
+  other groups' are folded apart, by hash alone: `other_groups`), each BlockStored
+  hangs from the block right before it (`_misplaced`: the full group's, and a window
+  group's on the full group's chain), and no op removes a block it keeps (a block moved
+  between tiers is removed from one medium and stored on the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
 - count, state group: under a step `state_rule` (a hybrid model's recurrent state
@@ -525,6 +526,7 @@ class Judge:
         before = self._keys()
         removed: Counter[Any] = Counter()
         stored: Counter[Any] = Counter()
+        window_stores: list[dict[str, Any]] = []  # placed once the full group's are folded
         for event in r.events:
             kind = event.get("type")
             dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
@@ -546,11 +548,19 @@ class Judge:
                 if misplaced:
                     say("events", "parent", f"after {r.op.describe()}: {misplaced}")
                     return
+                if group == 1 and self.window_group is not None:
+                    window_stores.append(event)
             try:
                 self._apply(group, event)
             except (ValueError, KeyError, TypeError) as exc:
                 say("events", "does not fold", f"after {r.op.describe()}: event {event} does "
                                                f"not fold: {exc}")
+                return
+        for event in window_stores:
+            misplaced = self._misplaced(event)
+            if misplaced:
+                say("events", "parent", f"after {r.op.describe()}: the window group's "
+                                        f"{misplaced}")
                 return
         after_keys = self._keys()
         # a block whose every copy the step removed, then stored again: gone in between
@@ -630,11 +640,13 @@ class Judge:
         return out
 
     def _misplaced(self, event: dict[str, Any]) -> str:
-        """Why the full-attention group's BlockStored `event` is not stored under the
-        block right before it ("" when it is): its parent must be cached, and the
+        """Why the BlockStored `event` is not stored under the block right before it (""
+        when it is): its parent must be cached in the full-attention group, and the
         parent's chain followed by the stored tokens must spell a prefix some sequence
         had (a parent that is an earlier block of the chain, or none where one was due,
-        spells nothing)."""
+        spells nothing). A window group's blocks are the full group's, by the same
+        hashes: its stores are placed on the full group's chain once the step's full
+        stores are folded (a state group's span several blocks: not placed)."""
         parent = event.get("parent_block_hash")
         hashes = list(event.get("block_hashes", ()))[:2]
         above = () if parent is None else self.index.chain_tokens(parent)

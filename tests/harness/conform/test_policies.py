@@ -423,3 +423,35 @@ def test_the_fuzz_preempts_and_resumes_where_the_contract_can() -> None:
     assert resumed
     quiet = LocalTarget(kvcache.load(NoPreemption))
     assert "preempt" not in {op.kind for op in fuzz(quiet, 0).ops}
+
+
+def test_a_window_group_store_is_placed_on_the_full_groups_chain() -> None:
+    """vLLM 0.33.0 publishes a window group's blocks (group_idx 1) under the request's
+    hash of the block before them (block_pool.py cache_full_blocks): the full group's
+    chain. A window store under a block that is not the one before it is an events
+    finding, as a full-group store's is; the full group's own stores are folded first,
+    whatever the order of the step's events."""
+    c = replace(VLLM, window=8, window_layout="full-and-window", events=True, counters=(),
+                event_fields=(*VLLM.event_fields, "group_idx"))
+    a = list(range(100, 108))
+    log = [{"kind": "admit", "seq_id": "A", "tokens": a, "num_tokens": 0, "scope": None,
+            "block_ids": [1, 2]}, {"kind": "commit", "seq_id": "A", "num_tokens": 8}]
+
+    def stored(h: str, parent: str | None, tokens: list[int], group: int) -> dict[str, Any]:
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
+                "token_ids": tokens, "block_size": B, "salt": None, "lora_id": None,
+                "medium": "GPU", "group_idx": group}
+
+    def run(*window: dict[str, Any]) -> list[Any]:
+        full = (stored("h1", None, a[:4], 0), stored("h2", "h1", a[4:], 0))
+        report = StepReport(ops.admit("A", a), "done", {"reused_tokens": 0}, "", tuple(log),
+                            (*window, *full), 4, ("h1", "h2", "h1", "h2"),
+                            Stats({}, {"windowNumBlocks": 2}))
+        return Judge(c, 32).observe(report)
+
+    assert run(stored("h1", None, a[:4], 1), stored("h2", "h1", a[4:], 1)) == []
+    found = run(stored("h1", None, a[:4], 1), stored("h2", None, a[4:], 1))
+    assert [(v.oracle, v.kind) for v in found] == [("events", "parent")]
+    assert "the window group's BlockStored ['h2'] under parent None" in found[0].message
+    found = run(stored("h1", None, a[:4], 1), stored("h2", "404", a[4:], 1))
+    assert "names parent 404, which is not cached" in found[0].message

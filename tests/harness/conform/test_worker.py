@@ -275,9 +275,20 @@ def test_the_speed_table_without_an_install_says_which_command_installs_one(
 RAISING_CHECKS = ["multi_turn", "chunked_admission"]
 
 
+def test_an_engine_that_raises_is_a_finding_never_a_crash(fake_engine: Configure) -> None:
+    """Through the worker's pipe, a free that raises (test_judge.py plants each kind and
+    way of raising in this process; the _wide twin, post-merge, each kind through the
+    pipe)."""
+    _raises_through_the_pipe(fake_engine, "free")
+
+
 @pytest.mark.parametrize("kind", ops.KINDS)
-def test_an_engine_that_raises_is_a_finding_never_a_crash(fake_engine: Configure,
-                                                          kind: str) -> None:
+def test_an_engine_that_raises_is_a_finding_never_a_crash_wide(fake_engine: Configure,
+                                                               kind: str) -> None:
+    _raises_through_the_pipe(fake_engine, kind)
+
+
+def _raises_through_the_pipe(fake_engine: Configure, kind: str) -> None:
     # the second call of `kind` raises after the engine acted, before its log was
     # written: its used blocks then disagree with every model, and the session still
     # drives what the engine freed or holds what it admitted; every check, the fuzz
