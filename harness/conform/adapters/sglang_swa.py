@@ -105,6 +105,7 @@ class SwaNames:
         pool_module = importlib.import_module(self.Allocator.__module__)
         self.SWAKVPool = pool_module.SWAKVPool
         base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+        self.base = base
         self.DecLockRefParams = getattr(base, "DecLockRefParams", None)
         params = importlib.util.find_spec("sglang.srt.mem_cache.cache_init_params")
         self.CacheInitParams = None if params is None else importlib.import_module(
@@ -126,6 +127,8 @@ class SwaCache(SglangCache):
         assert s.swa is not None, "no SWARadixCache here"
         self.w: SwaNames = s.swa
         self.window = window
+        # 0.5.12 on (KVCacheEventMixin); before, BasePrefixCache's take_events: []
+        self.events = self.w.SWARadixCache.take_events is not self.w.base.BasePrefixCache.take_events
         super().__init__(s, version, num_blocks, block_size, record)
 
     def _build_allocator(self) -> Any:
@@ -139,12 +142,17 @@ class SwaCache(SglangCache):
     def _build_tree(self) -> Any:
         params = self.w.CacheInitParams(  # type: ignore[misc]
             disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.alloc,
-            page_size=self.block_size, sliding_window_size=self.window)
+            page_size=self.block_size, sliding_window_size=self.window,
+            **({"enable_kv_cache_events": self.record} if self.events else {}))
         return self.w.SWARadixCache(params)
 
     def _make_contract(self, version: str) -> Contract:
         base = super()._make_contract(version)
         citations = tuple(c for c in base.citations if c[0] != "eviction_policy")
+        if not self.events:
+            base = replace(base, events=False, event_fields=(), citations=(
+                *base.citations, ("events", "swa_radix_cache.py: SWARadixCache publishes no "
+                                            "KV events before 0.5.12 (no take_events)")))
         return replace(
             base, window=self.window, window_layout="window-pool",
             replicated=(*base.replicated, *SWA_REPLICATED),
@@ -155,6 +163,10 @@ class SwaCache(SglangCache):
                        ("window", WINDOW_RULE)),
             notes=(*base.notes, "SWARadixCache over SWAKVPool and SWATokenToKVPoolAllocator "
                                 "(full and window pools of the same size)"))
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """SGLang's KV events as the harness's dicts; none where the tree has none."""
+        return super().take_events() if self.events else []
 
     # -- the pools and the tree --------------------------------------------------------------
 
@@ -371,7 +383,9 @@ class SwaCache(SglangCache):
         """Every SGLang function the adapter calls."""
         out = super().engine_callables()
         t, a = self.tree, self.alloc
-        for gone in ("RadixCache.__init__", "evictable_size", "protected_size"):
+        unused = ("RadixCache.__init__", "evictable_size", "protected_size",
+                *(() if self.events else ("take_events",)))
+        for gone in unused:
             out.pop(gone, None)
         out.update({
             "SWARadixCache.__init__": (self.w.SWARadixCache, "__init__"),
