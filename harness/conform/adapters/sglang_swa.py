@@ -38,8 +38,10 @@ from typing import Any
 
 from harness.conform.adapters.sglang import SglangCache, SglangNames, _Seq
 from harness.conform.protocol import Contract, Stats
+from harness.conform.stubs import StubFinder
 
 TREE_MODULE = "sglang.srt.mem_cache.swa_radix_cache"
+POOL_MODULE = "sglang.srt.mem_cache.memory_pool"
 
 # SGLang 0.5.10's window rule, each part where its own code says so (the contract's
 # `window` citation)
@@ -75,11 +77,34 @@ SWA_REPLICATED: tuple[tuple[str, str, str], ...] = (
      "the scheduler loop runs a model"))
 
 
+def decode_frees_window(decode_step: int, window: int) -> bool:
+    """Whether a request's decode step `decode_step` (0 first; `req.decode_batch_idx`
+    before the step increments it) frees its window KV (0.5.10's `maybe_evict_swa`: the
+    second step, then every `window` steps)."""
+    return decode_step % window == 1
+
+
+def window_freed(swa_evicted: int, locked: int, pre_len: int, window: int,
+                 page: int) -> tuple[int, int]:
+    """The token range [start, end) of a request's row whose window KV 0.5.10's
+    `_evict_swa` frees, given what it freed before (`swa_evicted_seqlen`), what it
+    inserted (`cache_protected_len`, a whole number of pages), the tokens computed
+    (`pre_len`), the window and the page; `end` is its new `swa_evicted_seqlen`."""
+    assert locked % page == 0, (locked, page)
+    start = max(swa_evicted, locked)
+    return start, max(start, pre_len - window) // page * page
+
+
 def swa_names() -> tuple[SwaNames | None, str]:
     """This release's SWARadixCache and SWA pools, or None and why they cannot be opened
     here (no such module; a token-granular window allocator; an import the lock stubs)."""
     if importlib.util.find_spec(TREE_MODULE) is None:
         return None, "no mem_cache/swa_radix_cache.py in this release"
+    pools = importlib.util.find_spec(POOL_MODULE)
+    if pools is not None and isinstance(pools.loader, StubFinder):
+        # not imported: a half-imported tree leaves SGLang's later imports broken
+        return None, (f"this release's lock stubs {POOL_MODULE}, whose KVCache SWAKVPool "
+                      "subclasses (SWARadixCache imports it)")
     try:
         names = SwaNames()
     except Exception as exc:  # this lock stubs what the SWA pools import
@@ -262,20 +287,18 @@ class SwaCache(SglangCache):
         if added is None:
             return None
         for step in range(len(tokens)):
-            if seq.decode_steps % self.window == 1:
+            if decode_frees_window(seq.decode_steps, self.window):
                 self._evict_swa(seq, length + step)  # pre_len = seqlen - 1
             seq.decode_steps += 1
         return added
 
     def _evict_swa(self, seq: _SwaSeq, pre_len: int) -> None:
-        """`ScheduleBatch._evict_swa`: free the window KV of [max(swa_evicted,
-        locked), pre_len - window) floored to a page."""
-        P = self.block_size
-        seq.swa_evicted = max(seq.swa_evicted, seq.locked)
-        new = max(seq.swa_evicted, pre_len - self.window) // P * P
-        if new > seq.swa_evicted:
-            self.alloc.free_swa(self._slots(seq.slots[seq.swa_evicted:new]))
-            seq.swa_evicted = new
+        """`ScheduleBatch._evict_swa`: free the window KV `window_freed` names."""
+        start, end = window_freed(seq.swa_evicted, seq.locked, pre_len, self.window,
+                                  self.block_size)
+        if end > start:
+            self.alloc.free_swa(self._slots(seq.slots[start:end]))
+        seq.swa_evicted = end
 
     def free(self, seq_id: Hashable) -> None:
         """`cache_finished_req`: insert the computed pages naming what was freed of the
