@@ -42,6 +42,9 @@ from harness.conform.stubs import StubFinder
 
 TREE_MODULE = "sglang.srt.mem_cache.swa_radix_cache"
 POOL_MODULE = "sglang.srt.mem_cache.memory_pool"
+# where a paged SWATokenToKVPoolAllocator lives (0.5.10 to 0.5.11; 0.5.12 on)
+PAGED_SWA_ALLOCATORS = ("sglang.srt.mem_cache.swa_memory_pool",
+                        "sglang.srt.mem_cache.allocator.swa")
 
 # SGLang 0.5.10's window rule, each part where its own code says so (the contract's
 # `window` citation)
@@ -95,11 +98,25 @@ def window_freed(swa_evicted: int, locked: int, pre_len: int, window: int,
     return start, max(start, pre_len - window) // page * page
 
 
+def _has_module(name: str) -> bool:
+    """Whether module `name` exists (its parent a module, not a package: no)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def swa_names() -> tuple[SwaNames | None, str]:
     """This release's SWARadixCache and SWA pools, or None and why they cannot be opened
     here (no such module; a token-granular window allocator; an import the lock stubs)."""
     if importlib.util.find_spec(TREE_MODULE) is None:
         return None, "no mem_cache/swa_radix_cache.py in this release"
+    if not any(_has_module(m) for m in PAGED_SWA_ALLOCATORS):
+        # read before importing: 0.5.5's tree import reaches what its RadixCache uses
+        return None, ("SWATokenToKVPoolAllocator is token-granular (mem_cache/allocator.py, "
+                      "no page_size: pages of one token only), and the scheduler frees no "
+                      "window KV under SWARadixCache (mem_cache/common.py alloc_for_decode "
+                      "evicts only for SWAChunkCache)")
     pools = importlib.util.find_spec(POOL_MODULE)
     if pools is not None and isinstance(pools.loader, StubFinder):
         # not imported: a half-imported tree leaves SGLang's later imports broken
