@@ -207,7 +207,9 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     tree's caller (where the scheduler code is there but does not import, its contract's
     notes say why). A cache opened with a `window` (`CacheOptions`) is a full-and-window
     UnifiedRadixCache under that code, where the tree is "unified" and the release has
-    its SWA component (the contract's `options` says so; elsewhere none are honoured).
+    its SWA component; without that code, SGLang's `SWARadixCache` over its SWA pools
+    with this module as its caller (`sglang_swa.SwaCache`), where the release's imports
+    and its pools allow (the contract's `options` says so; elsewhere none are honoured).
     Raises as `load`."""
     prime_probes(stubs)
     finder = install(stubs)
@@ -232,6 +234,11 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     def configured(num_blocks: int, block_size: int, record: bool,
                    options: CacheOptions) -> CacheUnderTest:
         if scheduler is None:
+            if options.window is not None and engine.swa is not None:
+                from harness.conform.adapters import sglang_swa  # builds on this module
+
+                return sglang_swa.SwaCache(engine, found, num_blocks, block_size, record,
+                                           options.window)
             return cache(engine, found, num_blocks, block_size, record)
         base = tree_contract(known, block_size)
         if known != found:
@@ -280,6 +287,11 @@ class SglangNames:
         self.detected: dict[str, tuple[Any, str]] = {}
         # why SGLang's own scheduler code, present in this release, does not run here
         self.unscheduled = ""
+        # SWARadixCache and its pools, or why this release's cannot be opened (sglang_swa
+        # builds on this module: imported here)
+        from harness.conform.adapters import sglang_swa
+
+        self.swa, self.no_swa = sglang_swa.swa_names()
 
 
 class PageAllocator:
@@ -343,12 +355,15 @@ class SglangCache(sglang_scheduler.SglangTree):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.record = record
-        self.alloc = PageAllocator(num_blocks, block_size)
+        self.alloc = self._build_allocator()
         self.tree = self._build_tree()
         self._contract = self._make_contract(version)
         self._seqs: dict[Hashable, _Seq] = {}
         self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
+
+    def _build_allocator(self) -> Any:
+        return PageAllocator(self.num_blocks, self.block_size)
 
     def _build_tree(self) -> Any:
         s, P = self.s, self.block_size
@@ -359,6 +374,10 @@ class SglangCache(sglang_scheduler.SglangTree):
 
     def _make_contract(self, version: str) -> Contract:
         base = self._contract_of(self.s.known, self.block_size)
+        if self.s.swa is not None:  # a window opens SWARadixCache (sglang_swa)
+            base = replace(base, options=("window",))
+        elif self.s.no_swa:
+            base = replace(base, citations=(*base.citations, ("options", self.s.no_swa)))
         if self.s.unscheduled:
             base = replace(base, notes=(*base.notes, "SGLang's scheduler code does not run "
                                         f"here ({self.s.unscheduled})"))
@@ -412,7 +431,7 @@ class SglangCache(sglang_scheduler.SglangTree):
         """SGLang's own results for one match and insert, evicted again."""
         P = self.block_size
         tokens = list(range(1, 2 * P + 1))
-        pages = self.alloc.alloc_pages(2) or []
+        pages = self._take_pages(2) or []
         value = self.s.torch.tensor([p * P + i for p in pages for i in range(P)])
         key = self._key(tokens, None)
         out = {"insert": self._insert_raw(key, value), "match_prefix": self._match_raw(key),
@@ -474,6 +493,18 @@ class SglangCache(sglang_scheduler.SglangTree):
     def _pages(self, slots: Sequence[int]) -> list[int]:
         return [x // self.block_size for x in slots[::self.block_size]]
 
+    def _free_pages(self) -> int:
+        """Pages free for a sequence to take."""
+        return len(self.alloc.free_pages)
+
+    def _evictable_tokens(self) -> int:
+        """Tokens the tree can evict."""
+        return int(self.tree.evictable_size())
+
+    def _take_pages(self, n: int) -> list[int] | None:
+        """`n` free pages, or None (nothing taken)."""
+        return self.alloc.alloc_pages(n)
+
     def _grow(self, seq: _Seq, num_tokens: int) -> bool:
         """Slots for `seq`'s tokens up to `num_tokens`, evicting only the shortfall;
         False (nothing changed) when free and evictable pages cannot cover them."""
@@ -481,12 +512,12 @@ class SglangCache(sglang_scheduler.SglangTree):
         need = -(-num_tokens // P) - len(seq.slots) // P
         if need <= 0:
             return True
-        short = need - len(self.alloc.free_pages)
+        short = need - self._free_pages()
         if short > 0:
-            if short * P > self.tree.evictable_size():
+            if short * P > self._evictable_tokens():
                 return False
             self._evict_tokens(short * P)
-        pages = self.alloc.alloc_pages(need)
+        pages = self._take_pages(need)
         if pages is None:
             return False
         for p in pages:

@@ -1,0 +1,449 @@
+"""SGLang's `SWARadixCache` (0.5.10 to 0.5.21: `mem_cache/swa_radix_cache.py`) behind the
+cache-level protocol, with `sglang.SglangCache` as its caller (runs in an SGLang venv).
+
+Opened when a family asks for a `window` on a release whose scheduler code does not run
+here. The pools are SGLang's, as its server builds them for a hybrid sliding-window
+model: `SWAKVPool` (layer 0 full attention, layer 1 the window) and
+`SWATokenToKVPoolAllocator`, a full and a window pool of the same size, each a
+`PagedTokenToKVPoolAllocator`. The tree is `SWARadixCache(CacheInitParams(...,
+sliding_window_size=window))`. What the adapter does as the tree's caller beyond
+RadixCache's (`SWA_REPLICATED` lists it, with the SGLang function each stands in for):
+
+- pages are taken whole from both pools and the full-to-window mapping written, as
+  `SWATokenToKVPoolAllocator.alloc_extend` does (its paged allocators fill pages with a
+  triton kernel that has no CPU path); frees are SGLang's (`free`, `free_swa`);
+- a shortfall evicts the full and the window shortfalls together
+  (`common.evict_from_tree_cache`);
+- a lock is `inc_lock_ref`'s window receipt (`swa_uuid_for_lock`), which `dec_lock_ref`
+  takes back; `insert` frees the caller's duplicate slots itself;
+- a decode step frees the window KV below the window (`ScheduleBatch.maybe_evict_swa` /
+  `_evict_swa`: `WINDOW_RULE`); a commit inserts only before the first decode step
+  (SGLang calls `cache_unfinished_req` after an extend, never after a decode step), and a
+  free is `cache_finished_req`: an insert that names what was freed of the window
+  (`swa_evicted_seqlen`, inserted as tombstones), the rest freed, the lock returned.
+
+0.5.5 (its `SWATokenToKVPoolAllocator` is token-granular, and its scheduler frees no
+window KV under a radix tree) and releases whose lock stubs `memory_pool` (0.5.12, 0.5.18:
+`SWAKVPool` subclasses its `KVCache`) are not opened: `swa_names` says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from harness.conform.adapters.sglang import SglangCache, SglangNames, _Seq
+from harness.conform.protocol import Contract, Stats
+from harness.conform.stubs import StubFinder
+
+TREE_MODULE = "sglang.srt.mem_cache.swa_radix_cache"
+POOL_MODULE = "sglang.srt.mem_cache.memory_pool"
+# where a paged SWATokenToKVPoolAllocator lives (0.5.10 to 0.5.11; 0.5.12 on)
+PAGED_SWA_ALLOCATORS = ("sglang.srt.mem_cache.swa_memory_pool",
+                        "sglang.srt.mem_cache.allocator.swa")
+
+# SGLang 0.5.10's window rule, each part where its own code says so (the contract's
+# `window` citation)
+WINDOW_RULE = (
+    "0.5.10: a running request frees its own window KV only at a decode step's "
+    "allocation (mem_cache/common.py:431 alloc_for_decode -> managers/schedule_batch.py:"
+    "2424-2435 maybe_evict_swa: when decode_batch_idx % sliding_window_size == 1, i.e. the "
+    "second decode step and every window after it, counted before :2120 increments it; an "
+    "extend frees none under a radix tree, :2436), from max(swa_evicted_seqlen, "
+    "cache_protected_len) up to (seqlen - 1 - window) floored to a page "
+    "(:2452-2476 _evict_swa, free_swa); a finished request inserts what it freed as window "
+    "tombstones (swa_radix_cache.py:444-493 cache_finished_req passes swa_evicted_seqlen; "
+    ":1016-1030 _insert_helper), a retraction frees its slots past what it inserted "
+    "(schedule_batch.py:2029 release_kv_cache(is_insert=False) -> cache_finished_req); "
+    "what is in the tree keeps its window KV, locked for the window (:658-697 "
+    "inc_lock_ref) and LRU-evictable below it, where evicting an inner node tombstones it "
+    "and keeps its full KV (:568-656 evict); a match ends only where the window before it "
+    "has window KV (:793-843 _match_prefix_helper)")
+SWA_REPLICATED: tuple[tuple[str, str, str], ...] = (
+    ("pages taken whole from the full and the window pool, the full-to-window mapping "
+     "written", "SWATokenToKVPoolAllocator.alloc_extend / alloc_decode",
+     "their paged allocators fill pages with a triton kernel (alloc_extend_kernel) that "
+     "has no CPU path"),
+    ("the full and window shortfalls evicted together before an allocation",
+     "common.evict_from_tree_cache", "the request pools are the adapter's"),
+    ("a decode step frees the request's window KV below the window",
+     "ScheduleBatch.maybe_evict_swa / _evict_swa", "ScheduleBatch needs a model config and "
+     "the scheduler's request pool"),
+    ("a free inserts with swa_evicted_seqlen, frees the rest and returns the lock",
+     "SWARadixCache.cache_finished_req", "it reads SGLang's Req and request pool"),
+    ("a commit inserts only before the first decode step",
+     "SchedulerOutputProcessorMixin.process_batch_result_prefill -> cache_unfinished_req",
+     "the scheduler loop runs a model"))
+
+
+def decode_frees_window(decode_step: int, window: int) -> bool:
+    """Whether a request's decode step `decode_step` (0 first; `req.decode_batch_idx`
+    before the step increments it) frees its window KV (0.5.10's `maybe_evict_swa`: the
+    second step, then every `window` steps)."""
+    return decode_step % window == 1
+
+
+def window_freed(swa_evicted: int, locked: int, pre_len: int, window: int,
+                 page: int) -> tuple[int, int]:
+    """The token range [start, end) of a request's row whose window KV 0.5.10's
+    `_evict_swa` frees, given what it freed before (`swa_evicted_seqlen`), what it
+    inserted (`cache_protected_len`, a whole number of pages), the tokens computed
+    (`pre_len`), the window and the page; `end` is its new `swa_evicted_seqlen`."""
+    assert locked % page == 0, (locked, page)
+    start = max(swa_evicted, locked)
+    return start, max(start, pre_len - window) // page * page
+
+
+def _has_module(name: str) -> bool:
+    """Whether module `name` exists (its parent a module, not a package: no)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def swa_names() -> tuple[SwaNames | None, str]:
+    """This release's SWARadixCache and SWA pools, or None and why they cannot be opened
+    here (no such module; a token-granular window allocator; an import the lock stubs)."""
+    if importlib.util.find_spec(TREE_MODULE) is None:
+        return None, "no mem_cache/swa_radix_cache.py in this release"
+    if not any(_has_module(m) for m in PAGED_SWA_ALLOCATORS):
+        # read before importing: 0.5.5's tree import reaches what its RadixCache uses
+        return None, ("SWATokenToKVPoolAllocator is token-granular (mem_cache/allocator.py, "
+                      "no page_size: pages of one token only), and the scheduler frees no "
+                      "window KV under SWARadixCache (mem_cache/common.py alloc_for_decode "
+                      "evicts only for SWAChunkCache)")
+    pools = importlib.util.find_spec(POOL_MODULE)
+    if pools is not None and isinstance(pools.loader, StubFinder):
+        # not imported: a half-imported tree leaves SGLang's later imports broken
+        return None, (f"this release's lock stubs {POOL_MODULE}, whose KVCache SWAKVPool "
+                      "subclasses (SWARadixCache imports it)")
+    try:
+        names = SwaNames()
+    except Exception as exc:  # this lock stubs what the SWA pools import
+        return None, (f"SWARadixCache does not import here ({type(exc).__name__}: "
+                      f"{str(exc).strip()[:200]})")
+    if "page_size" not in inspect.signature(names.Allocator.__init__).parameters:
+        return None, ("SWATokenToKVPoolAllocator is token-granular (no page_size: pages of "
+                      "one token only), and the scheduler frees no window KV under "
+                      "SWARadixCache (mem_cache/common.py alloc_for_decode evicts only for "
+                      "SWAChunkCache)")
+    if names.CacheInitParams is None:
+        return None, "SWARadixCache takes no CacheInitParams in this release"
+    return names, ""
+
+
+class SwaNames:
+    """The SGLang names the SWA adapter uses, imported once (after the stubs)."""
+
+    def __init__(self) -> None:
+        tree = importlib.import_module(TREE_MODULE)
+        self.SWARadixCache = tree.SWARadixCache
+        self.Allocator = tree.SWATokenToKVPoolAllocator
+        pool_module = importlib.import_module(self.Allocator.__module__)
+        self.SWAKVPool = pool_module.SWAKVPool
+        base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+        self.base = base
+        self.DecLockRefParams = getattr(base, "DecLockRefParams", None)
+        params = importlib.util.find_spec("sglang.srt.mem_cache.cache_init_params")
+        self.CacheInitParams = None if params is None else importlib.import_module(
+            "sglang.srt.mem_cache.cache_init_params").CacheInitParams
+
+
+@dataclass
+class _SwaSeq(_Seq):
+    decode_steps: int = 0  # ScheduleBatch's req.decode_batch_idx
+    swa_evicted: int = 0  # req.swa_evicted_seqlen: window KV freed below it
+
+
+class SwaCache(SglangCache):
+    """`CacheUnderTest` over one fresh `SWARadixCache` (page_size = block_size, window
+    `window` tokens) over SGLang's SWA pools, this adapter its caller."""
+
+    def __init__(self, s: SglangNames, version: str, num_blocks: int, block_size: int,
+                 record: bool, window: int) -> None:
+        assert s.swa is not None, "no SWARadixCache here"
+        self.w: SwaNames = s.swa
+        self.window = window
+        # 0.5.12 on (KVCacheEventMixin); before, BasePrefixCache's take_events: []
+        self.events = self.w.SWARadixCache.take_events is not self.w.base.BasePrefixCache.take_events
+        super().__init__(s, version, num_blocks, block_size, record)
+
+    def _build_allocator(self) -> Any:
+        torch, P, size = self.s.torch, self.block_size, self.num_blocks * self.block_size
+        self.kv = self.w.SWAKVPool(size=size, size_swa=size, page_size=P,
+                                   dtype=torch.float16, head_num=1, head_dim=8,
+                                   swa_attention_layer_ids=[1], full_attention_layer_ids=[0],
+                                   enable_kvcache_transpose=False, device="cpu")
+        return self.w.Allocator(size, size, P, torch.float16, "cpu", self.kv, False)
+
+    def _build_tree(self) -> Any:
+        params = self.w.CacheInitParams(  # type: ignore[misc]
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.alloc,
+            page_size=self.block_size, sliding_window_size=self.window,
+            **({"enable_kv_cache_events": self.record} if self.events else {}))
+        return self.w.SWARadixCache(params)
+
+    def _make_contract(self, version: str) -> Contract:
+        base = super()._make_contract(version)
+        citations = tuple(c for c in base.citations if c[0] != "eviction_policy")
+        if not self.events:
+            base = replace(base, events=False, event_fields=(), citations=(
+                *base.citations, ("events", "swa_radix_cache.py: SWARadixCache publishes no "
+                                            "KV events before 0.5.12 (no take_events)")))
+        return replace(
+            base, window=self.window, window_layout="window-pool",
+            replicated=(*base.replicated, *SWA_REPLICATED),
+            citations=(*citations,
+                       ("eviction_policy", "swa_radix_cache.py evict: whole least recently "
+                                           "used leaves (full), inner nodes tombstoned "
+                                           "(window)"),
+                       ("window", WINDOW_RULE)),
+            notes=(*base.notes, "SWARadixCache over SWAKVPool and SWATokenToKVPoolAllocator "
+                                "(full and window pools of the same size)"))
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """SGLang's KV events as the harness's dicts; none where the tree has none."""
+        return super().take_events() if self.events else []
+
+    # -- the pools and the tree --------------------------------------------------------------
+
+    def _free_pages(self) -> int:
+        return min(self.alloc.full_available_size(),
+                   self.alloc.swa_available_size()) // self.block_size
+
+    def _evictable_tokens(self) -> int:
+        return int(self.tree.full_evictable_size())
+
+    def _take_pages(self, n: int) -> list[int] | None:
+        """`n` pages from each pool, the full pages' window pages recorded in the
+        allocator's mapping (`alloc_extend`'s work without its kernel)."""
+        P, a = self.block_size, self.alloc
+        if n * P > min(a.full_available_size(), a.swa_available_size()):
+            return None
+        full, swa = a.full_attn_allocator.alloc(n * P), a.swa_attn_allocator.alloc(n * P)
+        assert full is not None and swa is not None
+        a.full_to_swa_index_mapping[full] = swa
+        return [int(x) // P for x in full[::P].tolist()]
+
+    def _evict_tokens(self, num_tokens: int) -> int:
+        """`common.evict_from_tree_cache`: the full and the window shortfall of an
+        allocation of `num_tokens` evicted together; returns the full slots freed."""
+        a = self.alloc
+        before = a.full_available_size()
+        self.tree.evict(self.s.EvictParams(
+            num_tokens=num_tokens,
+            swa_num_tokens=max(0, num_tokens - a.swa_available_size())))
+        return a.full_available_size() - before
+
+    def evict(self, num_blocks: int) -> int:
+        """The tree's `evict` of full-attention tokens (whole leaves)."""
+        before = self.alloc.full_available_size()
+        self.tree.evict(self.s.EvictParams(num_tokens=num_blocks * self.block_size))
+        return (self.alloc.full_available_size() - before) // self.block_size
+
+    def _lock(self, node: Any) -> Any:
+        return node, self.tree.inc_lock_ref(node).swa_uuid_for_lock
+
+    def _unlock(self, hold: Any) -> None:
+        node, uuid = hold
+        self.tree.dec_lock_ref(node, self.w.DecLockRefParams(swa_uuid_for_lock=uuid))
+
+    def _insert(self, key: Any, value: Any, protected: int, swa_evicted: int = 0) -> int:
+        """`insert` with the caller's locked length (`prev_prefix_len`) and what it freed
+        of the window (`swa_evicted_seqlen`); the tree frees the duplicates itself."""
+        params = self.s.InsertParams(key=key, value=value, prev_prefix_len=protected,
+                                     swa_evicted_seqlen=swa_evicted)
+        return int(self.tree.insert(params).prefix_len)
+
+    def _free_duplicates(self, slots: list[int]) -> None:
+        """Nothing: `insert` freed them."""
+
+    def _slots(self, slots: Sequence[int]) -> Any:
+        return self.s.torch.tensor(list(slots), dtype=self.s.torch.int64)
+
+    # -- the protocol beyond RadixCache's caller ---------------------------------------------
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Any,
+              first_chunk: int | None) -> Any:
+        got = super().admit(seq_id, tokens, scope, first_chunk)
+        if got is not None:
+            seq = self._seqs[seq_id]
+            self._seqs[seq_id] = _SwaSeq(**vars(seq))
+        return got
+
+    def _insert_committed(self, seq: _Seq) -> bool:
+        """`cache_unfinished_req`, called by SGLang after an extend only."""
+        assert isinstance(seq, _SwaSeq)
+        return False if seq.decode_steps else super()._insert_committed(seq)
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """As RadixCache's caller before the first decode step; after it a decode
+        step's result touches no cache (logged at the free)."""
+        seq = self._seqs[seq_id]
+        assert isinstance(seq, _SwaSeq)
+        if not seq.decode_steps:
+            super().commit(seq_id, num_tokens)
+            return
+        if num_tokens > seq.scheduled:
+            raise ValueError(f"commit({seq_id!r}, {num_tokens}): only {seq.scheduled} "
+                             "tokens were scheduled")
+        seq.committed = max(seq.committed, num_tokens)
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        """Decode steps: their pages (refused: nothing changed), then each step's
+        `maybe_evict_swa`."""
+        seq = self._seqs[seq_id]
+        assert isinstance(seq, _SwaSeq)
+        length = len(seq.tokens)
+        added = super().append(seq_id, tokens)
+        if added is None:
+            return None
+        for step in range(len(tokens)):
+            if decode_frees_window(seq.decode_steps, self.window):
+                self._evict_swa(seq, length + step)  # pre_len = seqlen - 1
+            seq.decode_steps += 1
+        return added
+
+    def _evict_swa(self, seq: _SwaSeq, pre_len: int) -> None:
+        """`ScheduleBatch._evict_swa`: free the window KV `window_freed` names."""
+        start, end = window_freed(seq.swa_evicted, seq.locked, pre_len, self.window,
+                                  self.block_size)
+        if end > start:
+            self.alloc.free_swa(self._slots(seq.slots[start:end]))
+        seq.swa_evicted = end
+
+    def free(self, seq_id: Hashable) -> None:
+        """`cache_finished_req`: insert the computed pages naming what was freed of the
+        window, free the rest, return the lock."""
+        seq = self._seqs.pop(seq_id)
+        assert isinstance(seq, _SwaSeq)
+        P = self.block_size
+        n = seq.committed // P * P
+        if n > seq.locked:
+            key = self._key(seq.tokens[:n], seq.scope)
+            self._insert(key, self._slots(seq.slots[:n]), seq.locked, seq.swa_evicted)
+            if seq.decode_steps:  # the decoded tokens are matchable from now
+                self._write({"kind": "commit", "seq_id": seq_id, "num_tokens": seq.committed})
+        else:
+            n = seq.locked
+        self.alloc.free(self._slots(seq.slots[n:]))
+        self._unlock(seq.hold)
+        self._write({"kind": "free", "seq_id": seq_id})
+
+    def preempt(self, seq_id: Hashable) -> None:
+        """Retraction: `cache_finished_req(is_insert=False)`."""
+        seq = self._seqs.pop(seq_id)
+        self.alloc.free(self._slots(seq.slots[seq.locked:]))
+        self._unlock(seq.hold)
+        self._preempted.append(seq_id)
+        self._write({"kind": "free", "seq_id": seq_id})
+
+    # -- gauges and checks ------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """The tree's gauges (it keeps no counters), in tokens, full and window."""
+        t = self.tree
+        engine: dict[str, int | float] = {
+            "evictable_size": t.full_evictable_size(), "protected_size": t.full_protected_size(),
+            "total_size": self._total(), "swa_evictable_size": t.swa_evictable_size(),
+            "swa_protected_size": t.swa_protected_size(),
+            "swa_available_size": self.alloc.swa_available_size()}
+        return Stats(engine, self._harness_stats())
+
+    def used_blocks(self) -> int:
+        """Full-attention pages neither free nor evictable in the tree."""
+        P = self.block_size
+        return self.num_blocks - self.alloc.full_available_size() // P \
+            - int(self.tree.full_evictable_size()) // P
+
+    def _pool_pages(self, allocator: Any) -> list[int]:
+        """A paged allocator's free pages, with repeats (read, not merged)."""
+        return [int(p) for p in allocator.free_pages.tolist()] + \
+            [int(p) for p in allocator.release_pages.tolist()]
+
+    def check_integrity(self) -> list[str]:
+        """Every full page is free, in the tree or held by one sequence, never two of
+        them, none free twice; the window pool's pages in use are the tree's window pages
+        and those sequences hold of their own; the tree's gauges add up."""
+        P, t = self.block_size, self.tree
+        out: list[str] = []
+        held: list[int] = []
+        for seq in self._seqs.values():
+            held += [x // P for x in seq.slots[seq.locked:][::P]]
+        free_list = self._pool_pages(self.alloc.full_attn_allocator)
+        free, tree_pages = set(free_list), self._tree_pages()
+        if len(held) != len(set(held)):
+            out.append(f"pages held by two sequences: {sorted(held)}")
+        if len(free_list) != len(free):
+            out.append(f"pages free twice: {sorted(p for p in free if free_list.count(p) > 1)}")
+        for what, a, b in (("held and free", set(held), free),
+                           ("in the tree and free", tree_pages, free),
+                           ("held and in the tree", set(held), tree_pages)):
+            if a & b:
+                out.append(f"pages both {what}: {sorted(a & b)}")
+        lost = set(range(1, self.num_blocks + 1)) - set(held) - tree_pages - free
+        if lost:
+            out.append(f"pages owned by nobody (leaked): {sorted(lost)}")
+        out += self._window_integrity()
+        if t.full_evictable_size() + t.full_protected_size() != self._total():
+            out.append(f"evictable {t.full_evictable_size()} + protected "
+                       f"{t.full_protected_size()} != total {self._total()}")
+        return out
+
+    def _window_integrity(self) -> list[str]:
+        """Window pages in use = the tree's (evictable and protected) + each sequence's
+        own past what it inserted and what it freed of the window; none free twice."""
+        P, t = self.block_size, self.tree
+        swa_free = self._pool_pages(self.alloc.swa_attn_allocator)
+        out = []
+        if len(swa_free) != len(set(swa_free)):
+            out.append(f"window pages free twice: "
+                       f"{sorted(p for p in set(swa_free) if swa_free.count(p) > 1)}")
+        held = sum((len(seq.slots) - max(seq.locked, getattr(seq, "swa_evicted", 0))) // P
+                   for seq in self._seqs.values())
+        used = self.num_blocks - len(set(swa_free))
+        tree = (t.swa_evictable_size() + t.swa_protected_size()) // P
+        if used != tree + held:
+            out.append(f"window pool: {used} pages in use, but the tree holds {tree} and "
+                       f"sequences {held} of their own")
+        return out
+
+    def leak_report(self) -> list[str]:
+        """With nothing live: tokens still locked in the tree."""
+        locked = self.tree.full_protected_size() + self.tree.swa_protected_size()
+        return [f"protected {locked} tokens (full and window) with no live request"] \
+            if locked else []
+
+    def engine_callables(self) -> dict[str, tuple[object, str]]:
+        """Every SGLang function the adapter calls."""
+        out = super().engine_callables()
+        t, a = self.tree, self.alloc
+        unused = ("RadixCache.__init__", "evictable_size", "protected_size",
+                *(() if self.events else ("take_events",)))
+        for gone in unused:
+            out.pop(gone, None)
+        out.update({
+            "SWARadixCache.__init__": (self.w.SWARadixCache, "__init__"),
+            "SWAKVPool.__init__": (self.w.SWAKVPool, "__init__"),
+            "SWATokenToKVPoolAllocator.__init__": (self.w.Allocator, "__init__"),
+            "free": (a, "free"), "free_swa": (a, "free_swa"),
+            "full_evictable_size": (t, "full_evictable_size"),
+            "full_protected_size": (t, "full_protected_size"),
+            "swa_evictable_size": (t, "swa_evictable_size"),
+            "swa_protected_size": (t, "swa_protected_size")})
+        return out
+
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The SGLang functions each op kind calls."""
+        calls = dict(super().engine_calls())
+        grow = ("full_evictable_size", "evict")
+        calls.update(reserve=grow, append=(*grow, "free_swa"),
+                     free=("RadixKey.__init__", "insert", "free", "dec_lock_ref"),
+                     preempt=("free", "dec_lock_ref"))
+        calls["admit"] = tuple(c for c in calls["admit"] if c != "evictable_size")
+        return calls
