@@ -80,6 +80,13 @@ SWA_REPLICATED: tuple[tuple[str, str, str], ...] = (
      "the scheduler loop runs a model"))
 
 
+# why a release's SWA pools cannot be driven here (mem_cache/allocator.py)
+TOKEN_GRANULAR = ("SWATokenToKVPoolAllocator is token-granular (mem_cache/allocator.py, no "
+                  "page_size: pages of one token only), and the scheduler frees no window KV "
+                  "under SWARadixCache (mem_cache/common.py alloc_for_decode evicts only for "
+                  "SWAChunkCache)")
+
+
 def decode_frees_window(decode_step: int, window: int) -> bool:
     """Whether a request's decode step `decode_step` (0 first; `req.decode_batch_idx`
     before the step increments it) frees its window KV (0.5.10's `maybe_evict_swa`: the
@@ -113,10 +120,7 @@ def swa_names() -> tuple[SwaNames | None, str]:
         return None, "no mem_cache/swa_radix_cache.py in this release"
     if not any(_has_module(m) for m in PAGED_SWA_ALLOCATORS):
         # read before importing: 0.5.5's tree import reaches what its RadixCache uses
-        return None, ("SWATokenToKVPoolAllocator is token-granular (mem_cache/allocator.py, "
-                      "no page_size: pages of one token only), and the scheduler frees no "
-                      "window KV under SWARadixCache (mem_cache/common.py alloc_for_decode "
-                      "evicts only for SWAChunkCache)")
+        return None, TOKEN_GRANULAR
     pools = importlib.util.find_spec(POOL_MODULE)
     if pools is not None and isinstance(pools.loader, StubFinder):
         # not imported: a half-imported tree leaves SGLang's later imports broken
@@ -128,12 +132,11 @@ def swa_names() -> tuple[SwaNames | None, str]:
         return None, (f"SWARadixCache does not import here ({type(exc).__name__}: "
                       f"{str(exc).strip()[:200]})")
     if "page_size" not in inspect.signature(names.Allocator.__init__).parameters:
-        return None, ("SWATokenToKVPoolAllocator is token-granular (no page_size: pages of "
-                      "one token only), and the scheduler frees no window KV under "
-                      "SWARadixCache (mem_cache/common.py alloc_for_decode evicts only for "
-                      "SWAChunkCache)")
+        return None, TOKEN_GRANULAR
     if names.CacheInitParams is None:
         return None, "SWARadixCache takes no CacheInitParams in this release"
+    if names.DecLockRefParams is None:
+        return None, "SWARadixCache's dec_lock_ref takes no DecLockRefParams in this release"
     return names, ""
 
 
@@ -148,7 +151,7 @@ class SwaNames:
         self.SWAKVPool = pool_module.SWAKVPool
         base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
         self.base = base
-        self.DecLockRefParams = getattr(base, "DecLockRefParams", None)
+        self.DecLockRefParams: Any = getattr(base, "DecLockRefParams", None)
         params = importlib.util.find_spec("sglang.srt.mem_cache.cache_init_params")
         self.CacheInitParams = None if params is None else importlib.import_module(
             "sglang.srt.mem_cache.cache_init_params").CacheInitParams
