@@ -138,7 +138,7 @@ class SchedulerNames:
         self.clip = schedule_policy.CLIP_MAX_NEW_TOKENS
         self.published: tuple[int, int | None] | None = None  # (page, state block)
         self.swa = _swa_names()
-        self.mamba = _mamba_names()
+        self.mamba, self.no_mamba = _mamba_names()
 
     def publish_config(self, page_size: int, state_tokens: int | None = None) -> None:
         """Publish the process's runtime config for `page_size` (SGLang keeps one per
@@ -178,25 +178,28 @@ def _swa_names() -> tuple[Any, Any, Any] | None:
     return SWAKVPool, SWATokenToKVPoolAllocator, ComponentType.SWA
 
 
-def _mamba_names() -> tuple[Any, Any, Any, Any, Any, Any] | None:
+def _mamba_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, str]:
     """A hybrid Mamba model's pools as SGLang's server builds them by default
     (`kv_cache_configurator.py` `_build_hybrid_req_pool`: `HybridReqToTokenPool`, its
     `MambaPool` and `MambaSlotAllocator`; `HybridLinearKVPool` over it), the tree's
     MAMBA component and the result processor that tracks decode states: (request pool,
     KV pool, Mamba2CacheParams, Mamba2StateShape, ComponentType.MAMBA,
-    SchedulerBatchResultProcessor), or None where this release's UnifiedRadixCache has
-    no MAMBA component."""
+    SchedulerBatchResultProcessor) and "", or None and why not: this release's
+    UnifiedRadixCache has no MAMBA component, or what the Mamba path imports is not in
+    this lock (0.5.22's lacks einops: its full-attention path runs all the same)."""
     if importlib.util.find_spec("sglang.srt.mem_cache.unified_cache.components.mamba") is None:
-        return None
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-    from sglang.srt.managers.scheduler_components.batch_result_processor import (
-        SchedulerBatchResultProcessor,
-    )
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
+        return None, "no MAMBA component in this release's UnifiedRadixCache"
+    try:
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.managers.scheduler_components.batch_result_processor import (
+            SchedulerBatchResultProcessor,
+        )
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    except ImportError as exc:
+        return None, f"the Mamba path does not import here ({type(exc).__name__}: {exc})"
     return (HybridReqToTokenPool, HybridLinearKVPool, Mamba2CacheParams, Mamba2StateShape,
-            ComponentType.MAMBA, SchedulerBatchResultProcessor)
+            ComponentType.MAMBA, SchedulerBatchResultProcessor), ""
 
 
 def set_environment() -> None:
@@ -296,8 +299,11 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     options: tuple[OptionName, ...] = ("chunk_budget",)
     if names.swa is not None and tree_kind == "unified":
         options = ("window", *options)
+    notes = (*base.notes, "SGLang's scheduler functions drive the tree")
     if names.mamba is not None and tree_kind == "unified":
         options = (*options, "state_interval")
+    elif tree_kind == "unified":
+        notes += (f"no state_interval: {names.no_mamba}",)
     if window is not None:
         citations += (("window", WINDOW_RULE),)
     if state_interval is not None:
@@ -314,7 +320,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                    window=window, state_interval=state_interval,
                    state_rule="extend-end" if state_interval is not None else "every-k",
                    window_layout="window-pool" if window is not None else "window-only",
-                   notes=(*base.notes, "SGLang's scheduler functions drive the tree"))
+                   notes=notes)
 
 
 class SglangTree:

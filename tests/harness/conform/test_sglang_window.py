@@ -33,7 +33,8 @@ def names(swa: bool) -> SimpleNamespace:
     release has the tree's SWA component (and no MAMBA one here: test_sglang_mamba.py),
     and 0.5.23's LoRA-naming event recorder."""
     return SimpleNamespace(swa=("pool", "allocator", "SWA") if swa else None, mamba=None,
-                           names_requests=True)
+                           no_mamba="the Mamba path does not import here (ModuleNotFoundError:"
+                                    " No module named 'einops')", names_requests=True)
 
 
 def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() -> None:
@@ -43,6 +44,11 @@ def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() ->
     assert sglang_scheduler.contract(base, names(False), "unified").options == \
         ("chunk_budget",)
     assert sglang_scheduler.contract(base, names(True), "radix").options == ("chunk_budget",)
+    # a release whose Mamba path does not import (0.5.22's lock has no einops) still runs
+    # its full-attention scheduler path, and says why it honours no state_interval
+    notes = sglang_scheduler.contract(base, names(True), "unified").notes
+    assert "no state_interval: the Mamba path does not import here (ModuleNotFoundError: " \
+           "No module named 'einops')" in notes
 
 
 def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> None:
