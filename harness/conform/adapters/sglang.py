@@ -37,7 +37,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from harness.conform.adapters import sglang_scheduler
+from harness.conform.adapters import sglang_hicache, sglang_scheduler
 from harness.conform.protocol import (
     Admission,
     CacheOptions,
@@ -245,6 +245,10 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
             base = settle(base, found, engine.detected)
         windowed = scheduler.swa is not None and tree_kind == "unified"
         hybrid = scheduler.mamba is not None and tree_kind == "unified"
+        if options.host_blocks is not None and scheduler.hicache and tree_kind == "unified":
+            return sglang_hicache.HostScheduled(
+                engine, scheduler, tree_kind, base, num_blocks, block_size, record,
+                None, options.chunk_budget, host_blocks=options.host_blocks)
         return sglang_scheduler.SglangScheduled(
             engine, scheduler, tree_kind, base, num_blocks, block_size, record,
             options.window if windowed else None, options.chunk_budget,
@@ -378,6 +382,8 @@ class SglangCache(sglang_scheduler.SglangTree):
             base = replace(base, options=("window",))
         elif self.s.no_swa:
             base = replace(base, citations=(*base.citations, ("options", self.s.no_swa)))
+        base = replace(base, citations=(*base.citations, (
+            "options", sglang_hicache.blocked_reason(self.s.known, "radix"))))
         if self.s.unscheduled:
             base = replace(base, notes=(*base.notes, "SGLang's scheduler code does not run "
                                         f"here ({self.s.unscheduled})"))

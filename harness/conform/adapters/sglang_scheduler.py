@@ -136,21 +136,30 @@ class SchedulerNames:
         self.publish = publish
         self.NO_SPEC = SpeculativeAlgorithm.NONE
         self.clip = schedule_policy.CLIP_MAX_NEW_TOKENS
-        self.published: tuple[int, int | None] | None = None  # (page, state block)
+        # (page, state block, host tier's ServerArgs)
+        self.published: tuple[Any, ...] | None = None
+        self.server_args: Any = None  # the ServerArgs published last
         self.swa = _swa_names()
+        # the hierarchical cache (UnifiedRadixCache.init_hicache over pool_host.mha)
+        self.hicache = importlib.util.find_spec("sglang.srt.mem_cache.pool_host.mha") \
+            is not None and importlib.util.find_spec(
+                "sglang.srt.mem_cache.unified_radix_cache") is not None
         self.mamba, self.no_mamba = _mamba_names()
 
-    def publish_config(self, page_size: int, state_tokens: int | None = None) -> None:
+    def publish_config(self, page_size: int, state_tokens: int | None = None,
+                       host: dict[str, Any] | None = None) -> None:
         """Publish the process's runtime config for `page_size` (SGLang keeps one per
         process; re-publishing replaces it); with `state_tokens`, a hybrid Mamba model's
         with the extra buffer and that Mamba cache chunk (preset as SGLang's own test
         fixture does for a model without an HF config,
         `test/kits/unified_radix_cache/fixtures.py` `build_fixture`), a decode state
         tracked every `state_tokens` tokens too (`mamba_track_interval`, 256 by default,
-        a multiple of the page: `arg_groups/mamba_hook.py:135`)."""
-        if self.published == (page_size, state_tokens):
+        a multiple of the page: `arg_groups/mamba_hook.py:135`); with `host`, those
+        ServerArgs too (a host tier's: `sglang_hicache.host_args`)."""
+        key = (page_size, state_tokens, tuple(sorted((host or {}).items())))
+        if self.published == key:
             return
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(host or {})
         if state_tokens is not None:
             extra.update(mamba_radix_cache_strategy="extra_buffer",
                          mamba_track_interval=state_tokens)
@@ -160,7 +169,7 @@ class SchedulerNames:
         if state_tokens is not None:
             args._mamba_cache_chunk_size = state_tokens
         self.publish(args, role="scheduler")
-        self.published = (page_size, state_tokens)
+        self.published, self.server_args = key, args
 
 
 def _swa_names() -> tuple[Any, Any, Any] | None:
@@ -251,14 +260,17 @@ def server_budget(chunk_budget: int | None, page_size: int) -> int | None:
 
 def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
              window: int | None = None, chunk_budget: int | None = None,
-             state_interval: int | None = None) -> Contract:
+             state_interval: int | None = None, host_blocks: int | None = None) -> Contract:
     """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
     `tree_kind`; with `window` (tokens), over a full-and-window UnifiedRadixCache
     (only where `names.swa` and the tree is "unified": `options` says so); with
     `chunk_budget` (tokens, whole pages: `server_budget`), PrefillAdder cutting the
     chunks ("page-budget"), else the caller ("caller-page-floor"); with
     `state_interval` (pages), over a full-and-Mamba one (where `names.mamba`); with a
-    window too, over a FULL+SWA+MAMBA one."""
+    window too, over a FULL+SWA+MAMBA one; with `host_blocks` (pages), over a
+    hierarchical one (`sglang_hicache`, where `names.hicache`)."""
+    from harness.conform.adapters import sglang_hicache  # it builds on this module
+
     citations = (*base.citations,
                  ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
                                   "(batch_result_processor.py, Scheduler.stash_chunked_"
@@ -304,6 +316,15 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         options = (*options, "state_interval")
     elif tree_kind == "unified":
         notes += (f"no state_interval: {names.no_mamba}",)
+    if names.hicache and tree_kind == "unified":
+        options = (*options, "host_blocks")
+    else:
+        citations += (("options", sglang_hicache.blocked_reason(base.version, tree_kind)),)
+    replicated = REPLICATED if state_interval is None \
+        else (*REPLICATED, sglang_mamba.PIN_STUB)
+    if host_blocks is not None:
+        citations += (("host_blocks", sglang_hicache.HOST_RULE),)
+        replicated = (*replicated, *sglang_hicache.REPLICATED)
     if window is not None:
         citations += (("window", WINDOW_RULE),)
     if state_interval is not None:
@@ -314,8 +335,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                    chunk_budget=chunk_budget,
                    admission_fits="prompt", admission_reserve=2,
                    limitations=limitations, event_fields=fields,
-                   replicated=REPLICATED if state_interval is None
-                   else (*REPLICATED, sglang_mamba.PIN_STUB),
+                   replicated=replicated, host_blocks=host_blocks,
                    citations=citations, options=options,
                    window=window, state_interval=state_interval,
                    state_rule="extend-end" if state_interval is not None else "every-k",
@@ -417,7 +437,7 @@ class SglangScheduled(SglangTree):
         self.window, self.state_interval = window, state_interval
         self.chunk_budget = server_budget(chunk_budget, P)  # each step's, or the op's
         state_tokens = None if state_interval is None else state_interval * P
-        names.publish_config(block_size, state_tokens)
+        names.publish_config(block_size, state_tokens, self._host_args())
         if state_interval is not None:
             assert names.mamba is not None and tree_kind == "unified", "no MAMBA tree here"
             self.rows = self._mamba_rows(names, num_blocks, 1 if window is None else 2)
@@ -453,11 +473,17 @@ class SglangScheduled(SglangTree):
         self.model = _ModelShape(vocab_size=1 << 20, is_encoder_decoder=False,
                                  hf_text_config=_TextConfig(state_tokens or P))
         self._contract = contract(base, names, tree_kind, self.window, self.chunk_budget,
-                                  self.state_interval)
+                                  self.state_interval, self.host_blocks)
         self._live: dict[Hashable, _Live] = {}
         self._retracted: dict[Hashable, Any] = {}  # seq -> its retracted Req
         self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
+
+    host_blocks: int | None = None  # a host tier's pages (sglang_hicache.HostScheduled)
+
+    def _host_args(self) -> dict[str, Any] | None:
+        """The ServerArgs of the cache's host tier (none here: `HostScheduled`'s)."""
+        return None
 
     def _mamba_rows(self, names: SchedulerNames, num_blocks: int, layer: int) -> Any:
         """A hybrid Mamba model's request pool (its Mamba layer `layer`), as SGLang's

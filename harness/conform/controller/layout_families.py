@@ -24,7 +24,8 @@ STATES = CacheOptions(state_interval=2)
 def host_tier(run: Run) -> None:
     """A pool of 8 behind which a host tier holds 8. A (4 blocks) is computed and freed;
     B (6 blocks) evicts two of A's, which move to the host; A again reuses all of its
-    prompt, two blocks from the host. C then fills the host past what it holds, and
+    prompt, two blocks from the host. C and D (6 blocks each, which an engine that admits
+    a prompt only with a page to spare still takes) then fill the host past what it holds, and
     what the host dropped is computed again."""
     a, b = toks(100, 16), toks(500, 24)
     for seq, prompt in (("A", a), ("B", b)):
@@ -36,7 +37,7 @@ def host_tier(run: Run) -> None:
                run.admit("A2", [*a, 1]), run.cap(17))
     run.commit("A2", 17)
     run.free("A2")
-    for seq, prompt in (("C", toks(700, 28)), ("D", toks(900, 28))):
+    for seq, prompt in (("C", toks(700, 24)), ("D", toks(900, 24))):
         run.admit(seq, prompt)
         run.commit(seq, len(prompt))
         run.free(seq)

@@ -1,0 +1,247 @@
+"""SGLang's host tier (HiCache) under the scheduler adapter (runs in an SGLang venv,
+0.5.23): a `UnifiedRadixCache` opened as SGLang's registry opens one with
+`--enable-hierarchical-cache` (`mem_cache/registry.py:193-196`: the tree, then
+`init_hicache(server_args, params)`), its host pool on the CPU, the "direct" io backend,
+write-through, the layer-first layout. `HostScheduled` is `sglang_scheduler`'s adapter
+with the scheduler's HiCache calls after each op (`check_hicache_events`, as
+`Scheduler` calls it before each step, `managers/scheduler.py:3889`; and
+`ready_to_load_host_cache` once a step's batch is formed, `:4354`).
+
+Two pieces of SGLang's host pool do not run on a CPU, and the adapter replaces them for
+its own calls only (the contract's `replicated` lists both, `REPLICATED`):
+
+- `unregistered`: the host buffer is page-locked by `pool_host/common.py:349`
+  `_cuda_host_register` (`torch.cuda.cudart()`), which a CPU-only torch refuses; while
+  the host pool is built, where no accelerator is, it is a no-op (page-locking changes
+  no value);
+- `kv_copy_bound` and `transfer_kv_direct`: `pool_host/mha.py` binds sgl-kernel's
+  compiled `transfer_kv_direct` only on CUDA/ROCm/XPU (`mha.py:60-89`) and calls it to
+  move pages between the tiers (`:513` `load_to_device_per_layer`, `:677`
+  `backup_from_device_all_layer`); where it is unbound, the adapter binds a torch copy
+  with the kernel's semantics around each op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from harness.conform.adapters.sglang_scheduler import SglangScheduled
+from harness.conform.protocol import Admission, Scope
+
+REGISTER_STUB = (
+    "pool_host/common.py _cuda_host_register is a no-op while the host pool is built "
+    "(init_hicache), when no accelerator is available "
+    "(harness.conform.adapters.sglang_hicache.unregistered)",
+    "mem_cache/pool_host/common.py:143-349 _cuda_host_register (0.5.23), the host "
+    "buffer page-locked with cudaHostRegister",
+    "a CPU-only torch cannot page-lock (torch.cuda.cudart() asserts); page-locking "
+    "changes no value")
+COPY_STUB = (
+    "a torch copy of each page in every layer stands in for transfer_kv_direct during "
+    "the adapter's ops, where pool_host/mha.py leaves it unbound "
+    "(harness.conform.adapters.sglang_hicache.transfer_kv_direct)",
+    "sgl_kernel.kvcacheio.transfer_kv_direct (torch.ops.sgl_kernel.transfer_kv_direct, "
+    "sgl-kernel csrc/kvcacheio/transfer.cu), bound at mem_cache/pool_host/mha.py:60-89, "
+    "called at :513 load_to_device_per_layer and :677 backup_from_device_all_layer",
+    "a compiled op of the sgl-kernel extension, which has no CPU build; the copy is the "
+    "transfer of the KV values between the tiers, which the harness does not judge")
+REPLICATED = (REGISTER_STUB, COPY_STUB)
+
+# SGLang's host-tier rule (0.5.23), the contract's `host_blocks` citation
+HOST_RULE = (
+    "--enable-hierarchical-cache: UnifiedRadixCache.init_hicache (mem_cache/registry.py:"
+    "193-196); host pool of hicache_ratio x the device pool's tokens plus a padding page "
+    "(pool_host/base.py:224-229); inclusive: write_through backs every node up on its first "
+    "insert (unified_radix_cache.py:558-559 write_through_threshold 1), so the adapter "
+    "sizes the host num_blocks + host_blocks pages (hicache_ratio, hicache_size=0), queued and flushed by "
+    "check_hicache_events (:3651-3683, flush_pending_backups -> start_writing); a device "
+    "eviction of a backed-up leaf keeps it on the host (_evict_device_leaf, :918-931); "
+    "match_prefix reports host-resident tokens as host_hit_length beyond the device "
+    "prefix and PrefillAdder loads them back (schedule_policy.py:1516-1520 "
+    "init_load_back, unified_radix_cache.py:3586) before the extend; the host evicts "
+    "its LRU leaves when a backup finds it short (:1745-1749 evict_host, :1433); events "
+    "name no host medium (events.py:214-222: GPU)")
+
+# what blocks the host tier where the adapter does not open it (read by hand)
+BLOCKED = {
+    "0.5.5": "memory_pool_host.py:15-16 imports sgl_kernel.kvcacheio at module level "
+             "(no CPU build), so hiradix_cache does not import; HiCacheController takes "
+             "torch.cuda.Stream() (managers/cache_controller.py:346)",
+    "0.5.12": "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module level "
+              "(no CPU build), so hiradix_cache does not import",
+    "0.5.18": "HiRadixCache imports the real device pools (hiradix_cache.py:45), which "
+              "this release's lock stubs (their imports reach the model configs)",
+}
+
+
+def blocked_reason(version: str, tree_kind: str) -> str:
+    """Why the adapter opens no host tier on `version` with a tree of `tree_kind`
+    ("radix" or "unified"): the release's blocker where it was read (`BLOCKED`)."""
+    if version in BLOCKED:
+        return f"host_blocks: {BLOCKED[version]}"
+    if tree_kind != "unified":
+        return ("host_blocks: SGLang's host tier here is the hierarchical "
+                "UnifiedRadixCache's (sglang_unified), not RadixCache's")
+    return "host_blocks: this release's host tier was not read (read: 0.5.23)"
+
+
+def host_args(host_blocks: int, num_blocks: int) -> dict[str, Any]:
+    """The `ServerArgs` of a host tier of `host_blocks` pages behind a device pool of
+    `num_blocks`. SGLang's host tier is inclusive (write-through backs up every page
+    the tree holds, so the host also holds a copy of what is on the device), where the
+    protocol's `host_blocks` counts the blocks held beyond the device's: the host pool
+    is sized `num_blocks + host_blocks` pages, as `hicache_ratio` (host tokens = ratio
+    x device tokens, `pool_host/base.py:226`), with `hicache_size` 0 (the size in GB
+    off)."""
+    return dict(enable_hierarchical_cache=True, hicache_io_backend="direct",
+                hicache_write_policy="write_through", hicache_mem_layout="layer_first",
+                hicache_size=0, hicache_ratio=(num_blocks + host_blocks) / num_blocks)
+
+
+@contextmanager
+def unregistered(torch: Any, common: Any) -> Iterator[None]:
+    """While inside, `common._cuda_host_register` (SGLang's `pool_host.common`) does
+    nothing, where `torch.accelerator.is_available()` is false (elsewhere nothing
+    changes); the original is back on exit, also when the body raises."""
+    if torch.accelerator.is_available():
+        yield
+        return
+    own = common._cuda_host_register
+
+    def _cuda_host_register(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    common._cuda_host_register = _cuda_host_register
+    try:
+        yield
+    finally:
+        common._cuda_host_register = own
+
+
+def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any],
+                       src_indices: Any, dst_indices: Any, page_size: int) -> None:
+    """sgl-kernel's `transfer_kv_direct` in torch: for each page (every `page_size`-th
+    index, from 0), the `page_size` rows of every layer at its first source index are
+    copied to the rows at its first destination index (the kernel's contract: the rows
+    of a page are consecutive). Raises RuntimeError, as the kernel's checks do, on
+    layer lists of different lengths, index tensors of different sizes, a page_size
+    < 1, or a size not a multiple of it. Mutates `dst_layers`."""
+    if len(src_layers) != len(dst_layers):
+        raise RuntimeError(f"transfer_kv_direct: {len(src_layers)} source layers, "
+                           f"{len(dst_layers)} destination layers")
+    src, dst = src_indices.cpu().tolist(), dst_indices.cpu().tolist()
+    if len(src) != len(dst):
+        raise RuntimeError(f"transfer_kv_direct: {len(src)} source indices, "
+                           f"{len(dst)} destination indices")
+    if page_size < 1 or len(src) % page_size:
+        raise RuntimeError(f"transfer_kv_direct: {len(src)} indices, page_size {page_size}")
+    for i in range(0, len(src), page_size):
+        s, d = int(src[i]), int(dst[i])
+        for source, target in zip(src_layers, dst_layers, strict=True):
+            target[d:d + page_size].copy_(source[s:s + page_size])
+
+
+@contextmanager
+def kv_copy_bound(mha: Any, copy: Any = transfer_kv_direct) -> Iterator[None]:
+    """While inside, `mha.transfer_kv_direct` (SGLang's `pool_host.mha`) is `copy`
+    (`transfer_kv_direct`, or a caller's that calls it) where that module left it
+    unbound (no sgl-kernel); where it is bound, nothing changes. Unbound again on exit,
+    also when the body raises."""
+    if hasattr(mha, "transfer_kv_direct"):
+        yield
+        return
+    mha.transfer_kv_direct = copy
+    try:
+        yield
+    finally:
+        del mha.transfer_kv_direct
+
+
+class HostScheduled(SglangScheduled):
+    """`SglangScheduled` over a hierarchical `UnifiedRadixCache` (full attention) with a
+    host tier of `host_blocks` pages; each op runs with the copy stand-in bound and is
+    followed by the scheduler's `check_hicache_events`."""
+
+    def __init__(self, *args: Any, host_blocks: int, **kwargs: Any) -> None:
+        from sglang.srt.mem_cache.pool_host import common, mha
+
+        self.host_blocks = host_blocks
+        self._host_common, self._mha = common, mha
+        super().__init__(*args, **kwargs)
+
+    def _host_args(self) -> dict[str, Any]:
+        return host_args(self.host_blocks, self.num_blocks)
+
+    def _build_tree(self) -> Any:
+        n, s = self.n, self.s
+        params = n.CacheInitParams(
+            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
+            page_size=self.block_size, enable_kv_cache_events=self.record,
+            kv_event_lora_names=self.lora_names, tree_components=(s.FULL,))
+        tree = s.UnifiedRadixCache(params)
+        with unregistered(n.torch, self._host_common):
+            tree.init_hicache(n.server_args, params)
+        return tree
+
+    @contextmanager
+    def _step(self) -> Iterator[None]:
+        """An op with the copy bound, then the scheduler's poll of HiCache's events."""
+        with ExitStack() as stack:
+            stack.enter_context(kv_copy_bound(self._mha, self._moved))
+            yield
+            self.tree.check_hicache_events()
+
+    def _moved(self, src_layers: Sequence[Any], dst_layers: Sequence[Any],
+               src_indices: Any, dst_indices: Any, page_size: int) -> None:
+        """`transfer_kv_direct`, and each page it moves logged as the harness's move
+        (device to host: "offload", host to device: "onboard"; host slots in pages)."""
+        transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size)
+        device = {id(x) for x in (*self.kv.k_buffer, *self.kv.v_buffer)}
+        kind = "onboard" if id(dst_layers[0]) in device else "offload"
+        P, seen = self.block_size, set()
+        for s, d in zip(src_indices.tolist()[::page_size], dst_indices.tolist()[::page_size],
+                        strict=True):
+            if (s // P, d // P) not in seen:
+                seen.add((s // P, d // P))
+                self._write({"kind": kind, "seq_id": "CACHE", "tokens": [],
+                             "num_tokens": P, "block_ids": [s // P, d // P]})
+
+    def _schedule(self, req: Any, chunk: int | None) -> Any:
+        batch = super()._schedule(req, chunk)
+        if batch is not None:
+            self.tree.ready_to_load_host_cache()
+        return batch
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
+              first_chunk: int | None) -> Admission | None:
+        with self._step():
+            return super().admit(seq_id, tokens, scope, first_chunk)
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        with self._step():
+            out = super().reserve(seq_id, num_tokens)
+            if out is not None:
+                self.tree.ready_to_load_host_cache()
+            return out
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        with self._step():
+            super().commit(seq_id, num_tokens)
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        with self._step():
+            return super().append(seq_id, tokens)
+
+    def free(self, seq_id: Hashable) -> None:
+        with self._step():
+            super().free(seq_id)
+
+    def preempt(self, seq_id: Hashable) -> None:
+        with self._step():
+            super().preempt(seq_id)
+
+    def evict(self, num_blocks: int) -> int:
+        with self._step():
+            return super().evict(num_blocks)
