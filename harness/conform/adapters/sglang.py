@@ -245,8 +245,9 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
             base = settle(base, found, engine.detected)
         windowed = scheduler.swa is not None and tree_kind == "unified"
         hybrid = scheduler.mamba is not None and tree_kind == "unified"
-        if options.host_blocks is not None and scheduler.hicache and tree_kind == "unified":
-            return sglang_hicache.HostScheduled(
+        if options.host_blocks is not None \
+                and sglang_hicache.honoured(scheduler.hicache, tree_kind, base.version):
+            return sglang_scheduler.HostScheduled(
                 engine, scheduler, tree_kind, base, num_blocks, block_size, record,
                 None, options.chunk_budget, host_blocks=options.host_blocks)
         return sglang_scheduler.SglangScheduled(
@@ -381,9 +382,9 @@ class SglangCache(sglang_scheduler.SglangTree):
         if self.s.swa is not None:  # a window opens SWARadixCache (sglang_swa)
             base = replace(base, options=("window",))
         elif self.s.no_swa:
-            base = replace(base, citations=(*base.citations, ("options", self.s.no_swa)))
-        base = replace(base, citations=(*base.citations, (
-            "options", sglang_hicache.blocked_reason(self.s.known, "radix"))))
+            base = replace(base, citations=(*base.citations, ("options.window", self.s.no_swa)))
+        base = replace(base, citations=(
+            *base.citations, sglang_hicache.blocked_reason(self.s.known, "radix")))
         if self.s.unscheduled:
             base = replace(base, notes=(*base.notes, "SGLang's scheduler code does not run "
                                         f"here ({self.s.unscheduled})"))

@@ -2,10 +2,12 @@
 0.5.23): a `UnifiedRadixCache` opened as SGLang's registry opens one with
 `--enable-hierarchical-cache` (`mem_cache/registry.py:193-196`: the tree, then
 `init_hicache(server_args, params)`), its host pool on the CPU, the "direct" io backend,
-write-through, the layer-first layout. `HostScheduled` is `sglang_scheduler`'s adapter
-with the scheduler's HiCache calls after each op (`check_hicache_events`, as
-`Scheduler` calls it before each step, `managers/scheduler.py:3889`; and
-`ready_to_load_host_cache` once a step's batch is formed, `:4354`).
+write-through, the layer-first layout (`host_args`). `sglang_scheduler.HostScheduled`
+is the scheduler adapter over it, each op run as `HostTier.step` (then
+`check_hicache_events`, as `Scheduler` calls it before each step,
+`managers/scheduler.py:3889`), and `ready_to_load_host_cache` once a step's batch is
+formed (`:4354`). The contract's parts are here too: the rule (`HOST_RULE`), where the
+adapter opens a host tier (`honoured`) and what blocks it elsewhere (`blocked_reason`).
 
 Two pieces of SGLang's host pool do not run on a CPU, and the adapter replaces them for
 its own calls only (the contract's `replicated` lists both, `REPLICATED`):
@@ -23,12 +25,9 @@ its own calls only (the contract's `replicated` lists both, `REPLICATED`):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
-
-from harness.conform.adapters.sglang_scheduler import SglangScheduled
-from harness.conform.protocol import Admission, Scope
 
 REGISTER_STUB = (
     "pool_host/common.py _cuda_host_register is a no-op while the host pool is built "
@@ -45,25 +44,30 @@ COPY_STUB = (
     "sgl_kernel.kvcacheio.transfer_kv_direct (torch.ops.sgl_kernel.transfer_kv_direct, "
     "sgl-kernel csrc/kvcacheio/transfer.cu), bound at mem_cache/pool_host/mha.py:60-89, "
     "called at :513 load_to_device_per_layer and :677 backup_from_device_all_layer",
-    "a compiled op of the sgl-kernel extension, which has no CPU build; the copy is the "
-    "transfer of the KV values between the tiers, which the harness does not judge")
+    "a compiled op of the sgl-kernel extension, which has no CPU build; the harness "
+    "follows which page moved where (the stand-in logs each as an offload or onboard), "
+    "not the values")
 REPLICATED = (REGISTER_STUB, COPY_STUB)
 
 # SGLang's host-tier rule (0.5.23), the contract's `host_blocks` citation
 HOST_RULE = (
     "--enable-hierarchical-cache: UnifiedRadixCache.init_hicache (mem_cache/registry.py:"
-    "193-196); host pool of hicache_ratio x the device pool's tokens plus a padding page "
-    "(pool_host/base.py:224-229); inclusive: write_through backs every node up on its first "
-    "insert (unified_radix_cache.py:558-559 write_through_threshold 1), so the adapter "
-    "sizes the host num_blocks + host_blocks pages (hicache_ratio, hicache_size=0), queued and flushed by "
-    "check_hicache_events (:3651-3683, flush_pending_backups -> start_writing); a device "
-    "eviction of a backed-up leaf keeps it on the host (_evict_device_leaf, :918-931); "
-    "match_prefix reports host-resident tokens as host_hit_length beyond the device "
-    "prefix and PrefillAdder loads them back (schedule_policy.py:1516-1520 "
-    "init_load_back, unified_radix_cache.py:3586) before the extend; the host evicts "
-    "its LRU leaves when a backup finds it short (:1745-1749 evict_host, :1433); events "
-    "name no host medium (events.py:214-222: GPU)")
+    "193-196); the host pool is hicache_ratio x the device pool's tokens plus a padding "
+    "page (pool_host/base.py:224-229); write_through backs every node up on its first "
+    "insert (unified_radix_cache.py:558-559, write_through_threshold 1), so the host is "
+    "inclusive and the adapter sizes it num_blocks + host_blocks pages (hicache_ratio, "
+    "hicache_size=0); backups are queued and run by check_hicache_events (:3651-3683, "
+    "flush_pending_backups -> start_writing); a device eviction of a backed-up leaf keeps "
+    "it on the host (_evict_device_leaf, :918-931); match_prefix reports host-resident "
+    "tokens past the device prefix as host_hit_length (mem_cache/common.py:249-258) and "
+    "PrefillAdder loads them back before the extend (schedule_policy.py:1516-1520 "
+    "init_load_back, unified_radix_cache.py:3586); the host evicts its LRU leaves when a "
+    "backup finds it short (:1745-1749 evict_host, :1433); a backup's BlockStored and a "
+    "host eviction's BlockRemoved name the host medium StorageMedium.CPU, 'CPU_PINNED' "
+    "(disaggregation/kv_events.py:265, unified_cache/unified_tree_core.py:1861, :2032), "
+    "the device's 'GPU'")
 
+READ = ("0.5.23",)  # the releases whose host tier was read by hand (HOST_RULE's)
 # what blocks the host tier where the adapter does not open it (read by hand)
 BLOCKED = {
     "0.5.5": "memory_pool_host.py:15-16 imports sgl_kernel.kvcacheio at module level "
@@ -76,15 +80,24 @@ BLOCKED = {
 }
 
 
-def blocked_reason(version: str, tree_kind: str) -> str:
+def honoured(hicache: bool, tree_kind: str, version: str) -> bool:
+    """Whether the adapter opens a host tier: the release has the hierarchical cache
+    (`hicache`: `SchedulerNames.hicache`), the tree is "unified" and the release was
+    read (`READ`)."""
+    return hicache and tree_kind == "unified" and version in READ
+
+
+def blocked_reason(version: str, tree_kind: str) -> tuple[str, str]:
     """Why the adapter opens no host tier on `version` with a tree of `tree_kind`
-    ("radix" or "unified"): the release's blocker where it was read (`BLOCKED`)."""
+    ("radix" or "unified"), as the contract's citation of the option
+    ("options.host_blocks", why): the release's blocker where it was read (`BLOCKED`)."""
     if version in BLOCKED:
-        return f"host_blocks: {BLOCKED[version]}"
+        return "options.host_blocks", BLOCKED[version]
     if tree_kind != "unified":
-        return ("host_blocks: SGLang's host tier here is the hierarchical "
+        return ("options.host_blocks", "SGLang's host tier here is the hierarchical "
                 "UnifiedRadixCache's (sglang_unified), not RadixCache's")
-    return "host_blocks: this release's host tier was not read (read: 0.5.23)"
+    return ("options.host_blocks",
+            f"this release's host tier was not read (read: {', '.join(READ)})")
 
 
 def host_args(host_blocks: int, num_blocks: int) -> dict[str, Any]:
@@ -159,43 +172,42 @@ def kv_copy_bound(mha: Any, copy: Any = transfer_kv_direct) -> Iterator[None]:
         del mha.transfer_kv_direct
 
 
-class HostScheduled(SglangScheduled):
-    """`SglangScheduled` over a hierarchical `UnifiedRadixCache` (full attention) with a
-    host tier of `host_blocks` pages; each op runs with the copy stand-in bound and is
-    followed by the scheduler's `check_hicache_events`."""
+class HostTier:
+    """What a scheduler adapter's cache with a host tier does besides its ops: open the
+    hierarchical tree, and run each op as SGLang's scheduler runs a step with HiCache
+    (`step`: the copy stand-in bound, each page it moves written to the harness log by
+    `write`, then `check_hicache_events`). `kv` is the device KV pool (its buffers tell
+    a load from a backup)."""
 
-    def __init__(self, *args: Any, host_blocks: int, **kwargs: Any) -> None:
+    def __init__(self, torch: Any, kv: Any, block_size: int,
+                 write: Callable[[dict[str, Any]], None]) -> None:
         from sglang.srt.mem_cache.pool_host import common, mha
 
-        self.host_blocks = host_blocks
-        self._host_common, self._mha = common, mha
-        super().__init__(*args, **kwargs)
+        self.torch, self.kv, self.block_size, self.write = torch, kv, block_size, write
+        self._common, self._mha = common, mha
+        self.tree: Any = None
 
-    def _host_args(self) -> dict[str, Any]:
-        return host_args(self.host_blocks, self.num_blocks)
-
-    def _build_tree(self) -> Any:
-        n, s = self.n, self.s
-        params = n.CacheInitParams(
-            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
-            page_size=self.block_size, enable_kv_cache_events=self.record,
-            kv_event_lora_names=self.lora_names, tree_components=(s.FULL,))
-        tree = s.UnifiedRadixCache(params)
-        with unregistered(n.torch, self._host_common):
-            tree.init_hicache(n.server_args, params)
+    def open_tree(self, tree_class: Any, server_args: Any, params: Any) -> Any:
+        """`tree_class(params)` then its `init_hicache(server_args, params)`, as SGLang's
+        registry opens a hierarchical cache, the host buffer not page-locked where no
+        accelerator is (`unregistered`)."""
+        tree = tree_class(params)
+        with unregistered(self.torch, self._common):
+            tree.init_hicache(server_args, params)
+        self.tree = tree
         return tree
 
     @contextmanager
-    def _step(self) -> Iterator[None]:
-        """An op with the copy bound, then the scheduler's poll of HiCache's events."""
-        with ExitStack() as stack:
-            stack.enter_context(kv_copy_bound(self._mha, self._moved))
+    def step(self) -> Iterator[None]:
+        """One op with the copy bound, then the scheduler's poll of HiCache's events
+        (only when the op did not raise)."""
+        with kv_copy_bound(self._mha, self._moved):
             yield
             self.tree.check_hicache_events()
 
     def _moved(self, src_layers: Sequence[Any], dst_layers: Sequence[Any],
                src_indices: Any, dst_indices: Any, page_size: int) -> None:
-        """`transfer_kv_direct`, and each page it moves logged as the harness's move
+        """`transfer_kv_direct`, and each page it moves written as the harness's move
         (device to host: "offload", host to device: "onboard"; host slots in pages)."""
         transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size)
         device = {id(x) for x in (*self.kv.k_buffer, *self.kv.v_buffer)}
@@ -205,43 +217,5 @@ class HostScheduled(SglangScheduled):
                         strict=True):
             if (s // P, d // P) not in seen:
                 seen.add((s // P, d // P))
-                self._write({"kind": kind, "seq_id": "CACHE", "tokens": [],
-                             "num_tokens": P, "block_ids": [s // P, d // P]})
-
-    def _schedule(self, req: Any, chunk: int | None) -> Any:
-        batch = super()._schedule(req, chunk)
-        if batch is not None:
-            self.tree.ready_to_load_host_cache()
-        return batch
-
-    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
-              first_chunk: int | None) -> Admission | None:
-        with self._step():
-            return super().admit(seq_id, tokens, scope, first_chunk)
-
-    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
-        with self._step():
-            out = super().reserve(seq_id, num_tokens)
-            if out is not None:
-                self.tree.ready_to_load_host_cache()
-            return out
-
-    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
-        with self._step():
-            super().commit(seq_id, num_tokens)
-
-    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
-        with self._step():
-            return super().append(seq_id, tokens)
-
-    def free(self, seq_id: Hashable) -> None:
-        with self._step():
-            super().free(seq_id)
-
-    def preempt(self, seq_id: Hashable) -> None:
-        with self._step():
-            super().preempt(seq_id)
-
-    def evict(self, num_blocks: int) -> int:
-        with self._step():
-            return super().evict(num_blocks)
+                self.write({"kind": kind, "seq_id": "CACHE", "tokens": [],
+                            "num_tokens": P, "block_ids": [s // P, d // P]})

@@ -29,7 +29,9 @@ than copying it (runs in an SGLang venv whose lock keeps the real device pools):
   (`SWAKVPool`, `SWATokenToKVPoolAllocator`), its rule `WINDOW_RULE`; one opened with a
   `state_interval` is FULL+MAMBA over SGLang's default hybrid Mamba pools
   (`HybridReqToTokenPool` with its `MambaPool`, `HybridLinearKVPool`), its extra
-  buffer on and its state block state_interval pages (`MAMBA_RULE`).
+  buffer on and its state block state_interval pages (`MAMBA_RULE`); one opened with
+  `host_blocks` is a hierarchical one with its host pool on the CPU (`HostScheduled`,
+  its pieces and rule in `sglang_hicache`).
 
 What stays replicated is listed in `REPLICATED` (the contract's `replicated`). The
 admission budget reserves no decode tokens (`SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=0`,
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harness.conform.adapters import sglang_mamba
+from harness.conform.adapters import sglang_hicache, sglang_mamba
 from harness.conform.protocol import (
     Admission,
     Contract,
@@ -268,9 +270,9 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     chunks ("page-budget"), else the caller ("caller-page-floor"); with
     `state_interval` (pages), over a full-and-Mamba one (where `names.mamba`); with a
     window too, over a FULL+SWA+MAMBA one; with `host_blocks` (pages), over a
-    hierarchical one (`sglang_hicache`, where `names.hicache`)."""
-    from harness.conform.adapters import sglang_hicache  # it builds on this module
-
+    hierarchical full-attention one (`HostScheduled`, where `sglang_hicache.honoured`;
+    opened apart from a window or a state_interval, so `options` leaves those out of a
+    host tier's contract and host_blocks out of theirs)."""
     citations = (*base.citations,
                  ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
                                   "(batch_result_processor.py, Scheduler.stash_chunked_"
@@ -316,10 +318,13 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         options = (*options, "state_interval")
     elif tree_kind == "unified":
         notes += (f"no state_interval: {names.no_mamba}",)
-    if names.hicache and tree_kind == "unified":
+    if not sglang_hicache.honoured(names.hicache, tree_kind, base.version):
+        citations += (sglang_hicache.blocked_reason(base.version, tree_kind),)
+    elif host_blocks is not None:  # a host tier is opened only apart from the others
+        options = tuple(x for x in options if x not in ("window", "state_interval"))
         options = (*options, "host_blocks")
-    else:
-        citations += (("options", sglang_hicache.blocked_reason(base.version, tree_kind)),)
+    elif window is None and state_interval is None:
+        options = (*options, "host_blocks")
     replicated = REPLICATED if state_interval is None \
         else (*REPLICATED, sglang_mamba.PIN_STUB)
     if host_blocks is not None:
@@ -479,7 +484,7 @@ class SglangScheduled(SglangTree):
         self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
-    host_blocks: int | None = None  # a host tier's pages (sglang_hicache.HostScheduled)
+    host_blocks: int | None = None  # a host tier's pages (HostScheduled's)
 
     def _host_args(self) -> dict[str, Any] | None:
         """The ServerArgs of the cache's host tier (none here: `HostScheduled`'s)."""
@@ -970,3 +975,65 @@ def normalise_event(event: Any) -> dict[str, Any]:
                    or getattr(getattr(event, "metadata", None), "cache_salt", None),
                    session_id=getattr(event, "session_id", None))
     return out
+
+
+class HostScheduled(SglangScheduled):
+    """`SglangScheduled` over a hierarchical `UnifiedRadixCache` (full attention) with a
+    host tier of `host_blocks` pages beyond the device's (`sglang_hicache`): each op
+    runs as `HostTier.step`, and a scheduled extend starts its load-back as the
+    scheduler does once a step's batch is formed (`ready_to_load_host_cache`)."""
+
+    def __init__(self, *args: Any, host_blocks: int, **kwargs: Any) -> None:
+        self.host_blocks = host_blocks
+        super().__init__(*args, **kwargs)
+
+    def _host_args(self) -> dict[str, Any]:
+        assert self.host_blocks is not None, "set before SglangScheduled.__init__"
+        return sglang_hicache.host_args(self.host_blocks, self.num_blocks)
+
+    def _build_tree(self) -> Any:
+        n, s = self.n, self.s
+        self.host = sglang_hicache.HostTier(n.torch, self.kv, self.block_size, self._write)
+        params = n.CacheInitParams(
+            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
+            page_size=self.block_size, enable_kv_cache_events=self.record,
+            kv_event_lora_names=self.lora_names, tree_components=(s.FULL,))
+        return self.host.open_tree(s.UnifiedRadixCache, n.server_args, params)
+
+    def _schedule(self, req: Any, chunk: int | None) -> Any:
+        batch = super()._schedule(req, chunk)
+        if batch is not None:
+            self.tree.ready_to_load_host_cache()
+        return batch
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
+              first_chunk: int | None) -> Admission | None:
+        with self.host.step():
+            return super().admit(seq_id, tokens, scope, first_chunk)
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        with self.host.step():
+            out = super().reserve(seq_id, num_tokens)
+            if out is not None:
+                self.tree.ready_to_load_host_cache()
+            return out
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        with self.host.step():
+            super().commit(seq_id, num_tokens)
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        with self.host.step():
+            return super().append(seq_id, tokens)
+
+    def free(self, seq_id: Hashable) -> None:
+        with self.host.step():
+            super().free(seq_id)
+
+    def preempt(self, seq_id: Hashable) -> None:
+        with self.host.step():
+            super().preempt(seq_id)
+
+    def evict(self, num_blocks: int) -> int:
+        with self.host.step():
+            return super().evict(num_blocks)

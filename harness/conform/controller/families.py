@@ -228,8 +228,9 @@ class Check:
     def skip_reason(self, contract: Contract,
                     open_with: Callable[[CacheOptions], Contract] | None = None) -> str | None:
         """Why this family cannot judge `contract`'s engine (a cache opened with no
-        options); None when it can (an option it does not honour: with the contract's
-        citation of `options`, the engine's reason). Where every option is honoured,
+        options); None when it can (an option it does not honour: with the engine's
+        reason, the contract's citations named `options` and `options.<name>` for
+        that option). Where every option is honoured,
         `needs` is judged on `open_with(options)`, the contract of the cache the family
         opens (an engine's scheduler may cut the chunks only under a budget)."""
         options = self.options_for(contract)
@@ -238,9 +239,9 @@ class Check:
         if open_with is not None and options.names() and not unhonoured:
             judged = open_with(options)
         missing = [why for has, why in map(_NEEDS.__getitem__, self.needs) if not has(judged)]
-        if unhonoured:  # with the engine's reason, where the contract cites one
-            why = "".join(f"; {text}" for name, text in contract.citations
-                          if name == "options")
+        if unhonoured:  # with the engine's reasons, where the contract cites them
+            cited = {"options", *(f"options.{n}" for n in unhonoured)}
+            why = "".join(f"; {text}" for name, text in contract.citations if name in cited)
             missing.append(f"the adapter opens no cache with {', '.join(unhonoured)} "
                            f"(it honours {list(contract.options) or 'no options'}{why})")
         return "; ".join(missing) or None

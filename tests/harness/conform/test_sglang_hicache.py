@@ -1,16 +1,35 @@
-"""The host tier's replicated pieces (`harness.conform.adapters.sglang_hicache`), engine
-free: the host-register no-op is scoped and restored, the copy stand-in copies what
-sgl-kernel's `transfer_kv_direct` copies, the host args size an inclusive host."""
+"""SGLang's host tier behind the protocol (`harness.conform.adapters.sglang_hicache`):
+engine free, the host-register no-op is scoped and restored, the copy stand-in copies
+what sgl-kernel's `transfer_kv_direct` copies, the host args size an inclusive host,
+and the contract honours host_blocks only where it opens it (saying why elsewhere); one
+op list that reuses from the host runs on the cached 0.5.23 install (skipped where it
+is not cached, as the engine smoke is)."""
 
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+from harness.conform import ops
+from harness.conform.adapters import sglang_hicache as H
+from harness.conform.adapters import sglang_scheduler
+from harness.conform.adapters.sglang import contract as radix_contract
+from harness.conform.adapters.sglang_unified import contract as unified_contract
+from harness.conform.controller import install
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.engine_spec import EngineSpec, open_target
+from harness.conform.controller.judge import Judge
+from harness.conform.controller.locks import pinned
+from harness.conform.controller.report import Report
+from harness.conform.controller.targets import Target
+from harness.conform.protocol import CacheOptions
 
-from harness.conform.adapters import sglang_hicache as H  # noqa: E402
+B = 4
+LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
 
 
 def _common() -> types.SimpleNamespace:
@@ -57,10 +76,10 @@ def test_the_copy_moves_whole_pages_as_a_per_index_copy_does() -> None:
     want = [d.clone() for d in dst]
     src_idx = torch.tensor([4, 5, 0, 1, 8, 9])
     dst_idx = torch.tensor([2, 3, 10, 11, 6, 7])
-    for s_, d_ in zip(src, want):
+    for s_, d_ in zip(src, want, strict=True):
         d_[dst_idx] = s_[src_idx]  # the plain per-index copy
     H.transfer_kv_direct(src, dst, src_idx, dst_idx, P)
-    for got, exp in zip(dst, want):
+    for got, exp in zip(dst, want, strict=True):
         assert torch.equal(got, exp)
 
 
@@ -81,7 +100,74 @@ def test_the_host_holds_the_device_copy_and_host_blocks_beyond() -> None:
 
 
 def test_blocked_releases_say_what_blocks_them() -> None:
-    assert "sgl_kernel.kvcacheio" in H.blocked_reason("0.5.5", "radix")
-    assert "sgl_kernel.kvcacheio" in H.blocked_reason("0.5.12", "radix")
-    assert "stubs" in H.blocked_reason("0.5.18", "radix")
-    assert "RadixCache" in H.blocked_reason("0.5.23", "radix")
+    reasons = {v: H.blocked_reason(v, "radix") for v in ("0.5.5", "0.5.12", "0.5.18")}
+    assert {name for name, _ in reasons.values()} == {"options.host_blocks"}
+    assert "sgl_kernel.kvcacheio" in reasons["0.5.5"][1]
+    assert "sgl_kernel.kvcacheio" in reasons["0.5.12"][1]
+    assert "stubs" in reasons["0.5.18"][1]
+
+
+def _names(hicache: bool) -> types.SimpleNamespace:
+    """What `sglang_scheduler.contract` reads of the scheduler's names (0.5.23's)."""
+    return types.SimpleNamespace(swa=("pool", "allocator", "SWA"), mamba=("pools",),
+                                 names_requests=True, hicache=hicache)
+
+
+def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> None:
+    base = unified_contract("0.5.23", B)
+    plain = sglang_scheduler.contract(base, _names(True), "unified")
+    assert plain.options == ("window", "chunk_budget", "state_interval", "host_blocks")
+    assert plain.host_blocks is None and not set(H.REPLICATED) & set(plain.replicated)
+    host = sglang_scheduler.contract(base, _names(True), "unified", host_blocks=8)
+    assert host.options == ("chunk_budget", "host_blocks")
+    assert host.host_blocks == 8 and not host.bounded_oracle
+    assert set(H.REPLICATED) <= set(host.replicated)
+    assert "registry.py:193-196" in dict(host.citations)["host_blocks"]
+    assert "mha.py:60-89" in H.COPY_STUB[1] and "common.py:143-349" in H.REGISTER_STUB[1]
+    windowed = sglang_scheduler.contract(base, _names(True), "unified", 8)
+    states = sglang_scheduler.contract(base, _names(True), "unified", state_interval=2)
+    assert "host_blocks" not in windowed.options + states.options
+
+
+def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
+    unread = sglang_scheduler.contract(unified_contract("0.5.22", B), _names(True), "unified")
+    radix = sglang_scheduler.contract(radix_contract("0.5.23", B), _names(True), "radix")
+    old = sglang_scheduler.contract(radix_contract("0.5.18", B), _names(False), "radix")
+    for contract, why in ((unread, "not read (read: 0.5.23)"), (radix, "not RadixCache's"),
+                          (old, "lock stubs")):
+        assert "host_blocks" not in contract.options
+        assert why in str(check_named("host_tier").skip_reason(contract))
+    # the reason is the option's: a family asking for another option does not show it
+    assert "host" not in str(check_named("hybrid_state").skip_reason(
+        sglang_scheduler.contract(radix_contract("0.5.23", B), _names(True), "radix")))
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> Iterator[Target]:
+    if install.installed(LOCK) is None:
+        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
+                    f"conform {LOCK.spec} installs it)")
+    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
+                         lambda _: None)
+    yield opened
+    opened.close()
+
+
+def test_a_prefix_evicted_from_the_device_is_reused_from_the_host(target: Target) -> None:
+    """A pool of 8 pages, a host of 8 beyond: A (4 pages) is written through to the
+    host; B (6 pages) evicts A from the device; A again reuses all 16 tokens, loaded
+    back from the host by SGLang's own match and load-back, the pages' moves logged
+    (provenance holds) and every oracle with them."""
+    contract = target.open(8, B, CacheOptions(host_blocks=8))
+    assert contract.host_blocks == 8
+    judge = Judge(contract, 8)
+    a, b = list(range(100, 116)), list(range(500, 524))
+    reports = target.apply_all([
+        ops.admit("A", a), ops.commit("A", 16), ops.free("A"),
+        ops.admit("B", b), ops.commit("B", 24), ops.free("B"),
+        ops.admit("A2", [*a, 1]), ops.commit("A2", 17), ops.free("A2")])
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)
+    assert reports[3].stats.engine["evictable_size"] == 0  # A left the device
+    assert reports[6].value["reused_tokens"] == 16

@@ -75,7 +75,7 @@ def test_every_mamba_slot_is_free_a_tree_state_or_one_requests_own() -> None:
 
 
 def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() -> None:
-    names = SimpleNamespace(swa=None, mamba=("pools",), names_requests=True)
+    names = SimpleNamespace(swa=None, mamba=("pools",), names_requests=True, hicache=False)
     base = unified_contract("0.5.23", B)
     plain = sglang_scheduler.contract(base, names, "unified")
     hybrid = sglang_scheduler.contract(base, names, "unified", state_interval=2)
@@ -85,7 +85,8 @@ def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() ->
     assert (hybrid.state_interval, hybrid.state_rule) == (2, "extend-end")
     assert hybrid.options == ("chunk_budget", "state_interval")
     both = sglang_scheduler.contract(base, SimpleNamespace(swa=("SWA",), mamba=("pools",),
-                                                           names_requests=True),
+                                                           names_requests=True,
+                                                           hicache=False),
                                      "unified", 8, state_interval=2)
     assert both.options == ("window", "chunk_budget", "state_interval")
     assert (both.window, both.window_layout, both.state_rule) == (8, "window-pool",

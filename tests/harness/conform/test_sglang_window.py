@@ -31,10 +31,11 @@ LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
 def names(swa: bool) -> SimpleNamespace:
     """What `sglang_scheduler.contract` reads of the scheduler's names: whether the
     release has the tree's SWA component (and no MAMBA one here: test_sglang_mamba.py),
-    and 0.5.23's LoRA-naming event recorder."""
+    and 0.5.23's LoRA-naming event recorder; no hierarchical cache (test_sglang_hicache.py)."""
     return SimpleNamespace(swa=("pool", "allocator", "SWA") if swa else None, mamba=None,
                            no_mamba="the Mamba path does not import here (ModuleNotFoundError:"
-                                    " No module named 'einops')", names_requests=True)
+                                    " No module named 'einops')", names_requests=True,
+                           hicache=False)
 
 
 def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() -> None:
