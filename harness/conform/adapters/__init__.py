@@ -9,6 +9,6 @@ Each module here imports the standard library and `harness.conform`'s shared mod
 """
 
 # engine -> the adapter module its worker loads (the only code a lock can lead to)
-ADAPTERS = {"vllm": "harness.conform.adapters.vllm_scheduler", "sglang": "harness.conform.adapters.sglang",
+ADAPTERS = {"vllm": "harness.conform.adapters.vllm_scheduler", "sglang": "harness.conform.adapters.sglang_radix",
             "sglang_unified": "harness.conform.adapters.sglang_unified",
             "shortfin": "harness.conform.adapters.shortfin"}

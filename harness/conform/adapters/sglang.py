@@ -185,20 +185,13 @@ def detect(s: SglangNames) -> dict[str, tuple[Any, str]]:
     return {"limitations": (limited, where)}
 
 
-def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
-    """Prime the probes, install `stubs`, import SGLang's RadixCache and return the
-    engine; `version` is used where SGLang has no metadata (a source tree). Raises
-    ImportError when it does not import, RuntimeError when a package to stub is
-    installed."""
-    return load_sglang(stubs, "sglang", MODULES, SglangNames, SglangCache, version,
-                       CONTRACT_RELEASES, "radix", contract)
-
-
 def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
                 names: Callable[[], Any], cache: Callable[..., CacheUnderTest],
                 version: str | None, releases: tuple[str, ...], tree_kind: str,
-                tree_contract: Callable[[str, int], Contract]) -> LoadedEngine:
-    """`load` for one of SGLang's trees: prime the probes, install `stubs`, import
+                tree_contract: Callable[[str, int], Contract],
+                window_cache: Callable[..., CacheUnderTest] | None = None) -> LoadedEngine:
+    """`load` for one of SGLang's trees (`sglang_radix`, `sglang_unified`); `version` is
+    used where SGLang has no metadata (a source tree). Prime the probes, install `stubs`, import
     `modules`, then `names()` once; `releases` are those whose contract is known
     (`tree_contract(release, block_size)`, the tree's contract). Where the release's
     scheduler code runs here (`sglang_scheduler.present`, and its modules import under
@@ -207,10 +200,11 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     tree's caller (where the scheduler code is there but does not import, its contract's
     notes say why). A cache opened with a `window` (`CacheOptions`) is a full-and-window
     UnifiedRadixCache under that code, where the tree is "unified" and the release has
-    its SWA component; without that code, SGLang's `SWARadixCache` over its SWA pools
-    with this module as its caller (`sglang_swa.SwaCache`), where the release's imports
-    and its pools allow (the contract's `options` says so; elsewhere none are honoured).
-    Raises as `load`."""
+    its SWA component; without that code, `window_cache(names, version, num_blocks,
+    block_size, record, window)` (`sglang_swa.SwaCache`: SGLang's `SWARadixCache` over
+    its SWA pools), where `names().swa` says the release's imports and its pools allow
+    (the contract's `options` says so; elsewhere none are honoured). Raises ImportError
+    when SGLang does not import, RuntimeError when a package to stub is installed."""
     prime_probes(stubs)
     finder = install(stubs)
     sglang_scheduler.set_environment()  # before SGLang reads it at import
@@ -234,11 +228,10 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     def configured(num_blocks: int, block_size: int, record: bool,
                    options: CacheOptions) -> CacheUnderTest:
         if scheduler is None:
-            if options.window is not None and engine.swa is not None:
-                from harness.conform.adapters import sglang_swa  # builds on this module
-
-                return sglang_swa.SwaCache(engine, found, num_blocks, block_size, record,
-                                           options.window)
+            if options.window is not None and engine.swa is not None \
+                    and window_cache is not None:
+                return window_cache(engine, found, num_blocks, block_size, record,
+                                    options.window)
             return cache(engine, found, num_blocks, block_size, record)
         base = tree_contract(known, block_size)
         if known != found:
@@ -292,11 +285,10 @@ class SglangNames:
         self.detected: dict[str, tuple[Any, str]] = {}
         # why SGLang's own scheduler code, present in this release, does not run here
         self.unscheduled = ""
-        # SWARadixCache and its pools, or why this release's cannot be opened (sglang_swa
-        # builds on this module: imported here)
-        from harness.conform.adapters import sglang_swa
-
-        self.swa, self.no_swa = sglang_swa.swa_names()
+        # SWARadixCache and its pools, or why this release's cannot be opened: the
+        # `sglang` engine's names say (`sglang_radix.RadixNames`); none here
+        self.swa: Any = None
+        self.no_swa = ""
 
 
 class PageAllocator:
@@ -340,7 +332,10 @@ class PageAllocator:
 
 
 @dataclass
-class _Seq:
+class TreeSeq:
+    """One live request as the tree's caller holds it (the SWA adapter's adds its window
+    bookkeeping)."""
+
     tokens: list[int]
     scope: Scope | None
     slots: list[int]  # its slots in order; [0, locked) are the tree's
@@ -363,7 +358,7 @@ class SglangCache(sglang_scheduler.SglangTree):
         self.alloc = self._build_allocator()
         self.tree = self._build_tree()
         self._contract = self._make_contract(version)
-        self._seqs: dict[Hashable, _Seq] = {}
+        self._seqs: dict[Hashable, TreeSeq] = {}
         self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
@@ -512,7 +507,7 @@ class SglangCache(sglang_scheduler.SglangTree):
         """`n` free pages, or None (nothing taken)."""
         return self.alloc.alloc_pages(n)
 
-    def _grow(self, seq: _Seq, num_tokens: int) -> bool:
+    def _grow(self, seq: TreeSeq, num_tokens: int) -> bool:
         """Slots for `seq`'s tokens up to `num_tokens`, evicting only the shortfall;
         False (nothing changed) when free and evictable pages cannot cover them."""
         P = self.block_size
@@ -544,7 +539,7 @@ class SglangCache(sglang_scheduler.SglangTree):
         left = len(tokens) - hit
         scheduled = hit + (left if first_chunk is None else min(left, first_chunk))
         hold = self._lock(node)  # eviction for its chunk must not take its hit
-        seq = _Seq(tokens, scope, list(slots), hold, hit, hit, scheduled)
+        seq = TreeSeq(tokens, scope, list(slots), hold, hit, hit, scheduled)
         if not self._grow(seq, scheduled):
             self._unlock(hold)
             return None
@@ -589,7 +584,7 @@ class SglangCache(sglang_scheduler.SglangTree):
             event["block_ids"] = seq.ids
         self._write(event)
 
-    def _insert_committed(self, seq: _Seq) -> bool:
+    def _insert_committed(self, seq: TreeSeq) -> bool:
         """Insert the computed whole pages and lock them; returns whether the sequence's
         pages changed (another request had inserted some first)."""
         P = self.block_size

@@ -36,7 +36,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from harness.conform.adapters.sglang import SglangCache, SglangNames, _Seq
+from harness.conform.adapters.sglang import SglangCache, SglangNames, TreeSeq
 from harness.conform.protocol import Contract, Stats
 from harness.conform.stubs import StubFinder
 
@@ -158,7 +158,7 @@ class SwaNames:
 
 
 @dataclass
-class _SwaSeq(_Seq):
+class _SwaSeq(TreeSeq):
     decode_steps: int = 0  # ScheduleBatch's req.decode_batch_idx
     swa_evicted: int = 0  # req.swa_evicted_seqlen: window KV freed below it
 
@@ -279,7 +279,7 @@ class SwaCache(SglangCache):
             self._seqs[seq_id] = _SwaSeq(**vars(seq))
         return got
 
-    def _insert_committed(self, seq: _Seq) -> bool:
+    def _insert_committed(self, seq: TreeSeq) -> bool:
         """`cache_unfinished_req`, called by SGLang after an extend only."""
         assert isinstance(seq, _SwaSeq)
         return False if seq.decode_steps else super()._insert_committed(seq)

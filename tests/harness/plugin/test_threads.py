@@ -4,6 +4,7 @@ real `-n 2` run whose workers, and the processes their tests start, see the shar
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -83,3 +84,9 @@ def test_every_worker_and_its_subprocesses_run_on_their_share(
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([f"kvharness: 2 xdist workers on {machine_cpus()} CPUs: "
                                  f"{expected} intra-op thread(s) each"])
+
+
+def test_this_suite_computes_on_one_thread_or_on_its_share() -> None:
+    """tests/conftest.py: one intra-op thread in a serial run; under xdist the worker's
+    share, which the plugin states as OMP_NUM_THREADS (as it does a user's)."""
+    assert torch.get_num_threads() == int(os.environ.get("OMP_NUM_THREADS", "1"))

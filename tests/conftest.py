@@ -1,0 +1,18 @@
+"""What every test of this suite shares: torch computes on one intra-op thread.
+
+The suite's tensors are small (tiny models, pages of a few tokens): a second thread buys
+them nothing, and on a machine shared with other jobs OpenMP's threads wait on each
+other's busy cores (docs/performance.md, "The gate": the CPU tests a quarter slower on
+two threads of the 2-core VM). OMP_NUM_THREADS, where the environment states it, is the
+user's choice and stays; under pytest-xdist each worker then takes its share of the CPUs
+(`harness.plugin.threads`, in the plugin's configure, after this file is read).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
