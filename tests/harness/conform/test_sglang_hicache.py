@@ -19,14 +19,12 @@ from harness.conform.adapters import sglang_hicache as H
 from harness.conform.adapters import sglang_scheduler
 from harness.conform.adapters.sglang import contract as radix_contract
 from harness.conform.adapters.sglang_unified import contract as unified_contract
-from harness.conform.controller import install
 from harness.conform.controller.checks import check_named
-from harness.conform.controller.engine_spec import EngineSpec, open_target
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
-from harness.conform.controller.report import Report
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
+from tests.harness.conform.cached_engines import open_cached
 
 B = 4
 LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
@@ -144,13 +142,7 @@ def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    if install.installed(LOCK) is None:
-        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
-                    f"conform {LOCK.spec} installs it)")
-    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
-                         lambda _: None)
-    yield opened
-    opened.close()
+    yield from open_cached(LOCK, tmp_path)
 
 
 def test_a_prefix_evicted_from_the_device_is_reused_from_the_host(target: Target) -> None:

@@ -16,13 +16,11 @@ import torch
 from harness.conform import ops
 from harness.conform.adapters import sglang_mamba, sglang_scheduler
 from harness.conform.adapters.sglang_unified import contract as unified_contract
-from harness.conform.controller import install
-from harness.conform.controller.engine_spec import EngineSpec, open_target
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
-from harness.conform.controller.report import Report
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
+from tests.harness.conform.cached_engines import open_cached
 
 B = 4
 LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
@@ -95,13 +93,7 @@ def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() ->
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    if install.installed(LOCK) is None:
-        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
-                    f"conform {LOCK.spec} installs it)")
-    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
-                         lambda _: None)
-    yield opened
-    opened.close()
+    yield from open_cached(LOCK, tmp_path)
 
 
 def test_a_decoded_state_block_is_kept_and_reused(target: Target) -> None:

@@ -12,13 +12,11 @@ import pytest
 
 from harness.conform import ops
 from harness.conform.adapters.sglang_swa import decode_frees_window, window_freed
-from harness.conform.controller import install
-from harness.conform.controller.engine_spec import EngineSpec, open_target
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import find_lock
-from harness.conform.controller.report import Report
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
+from tests.harness.conform.cached_engines import open_cached
 
 B = 4
 LOCK = find_lock("sglang", "0.5.10")
@@ -41,13 +39,7 @@ def test_window_kv_is_freed_below_the_window_never_below_the_tree(
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    if install.installed(LOCK) is None:
-        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
-                    f"conform {LOCK.spec} installs it)")
-    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
-                         lambda _: None)
-    yield opened
-    opened.close()
+    yield from open_cached(LOCK, tmp_path)
 
 
 def test_a_swa_radix_cache_frees_window_kv_and_still_reuses(target: Target) -> None:

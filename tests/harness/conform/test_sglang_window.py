@@ -16,13 +16,11 @@ import pytest
 from harness.conform import ops
 from harness.conform.adapters import sglang_scheduler
 from harness.conform.adapters.sglang_unified import contract as unified_contract
-from harness.conform.controller import install
-from harness.conform.controller.engine_spec import EngineSpec, open_target
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
-from harness.conform.controller.report import Report
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
+from tests.harness.conform.cached_engines import open_cached
 
 B = 4
 LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
@@ -77,13 +75,7 @@ def test_the_judge_counts_no_window_group_in_a_pool_of_its_own() -> None:
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    if install.installed(LOCK) is None:
-        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
-                    f"conform {LOCK.spec} installs it)")
-    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
-                         lambda _: None)
-    yield opened
-    opened.close()
+    yield from open_cached(LOCK, tmp_path)
 
 
 def test_a_window_cache_keeps_what_the_tree_holds_and_reuses_it(target: Target) -> None:

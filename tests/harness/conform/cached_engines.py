@@ -1,0 +1,31 @@
+"""`open_cached`: a conform worker over an engine release's cached install, for the
+engine tests that run where the engine cache holds it and skip, saying which command
+installs it, where it does not (CI's cache is empty)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.conform.controller import install
+from harness.conform.controller.engine_spec import EngineSpec, open_target
+from harness.conform.controller.locks import Lock
+from harness.conform.controller.report import Report
+from harness.conform.controller.targets import Target
+
+
+def open_cached(lock: Lock, tmp_path: Path) -> Iterator[Target]:
+    """Yield a Target over `lock`'s cached install (its worker in the release's venv),
+    closed afterwards, also when the test failed; skip the test where the install is not
+    cached. For a fixture: `yield from open_cached(LOCK, tmp_path)`."""
+    if install.installed(lock) is None:
+        pytest.skip(f"{lock.spec} is not installed in {install.cache_dir()} (kvharness "
+                    f"conform {lock.spec} installs it)")
+    opened = open_target(EngineSpec.parse(lock.spec), Report(lock.spec), tmp_path,
+                         lambda _: None)
+    try:
+        yield opened
+    finally:
+        opened.close()
