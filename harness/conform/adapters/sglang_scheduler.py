@@ -348,6 +348,29 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                    notes=notes)
 
 
+def page_problems(held: list[int], free_list: list[int], tree_pages: set[int],
+                  num_pages: int, holders: str) -> list[str]:
+    """What is wrong with the ownership of pages 1..num_pages (page 0 is SGLang's
+    padding): each must be free (`free_list`, a page listed twice is free twice), in the
+    tree (`tree_pages`) or held by one of the `holders` (`held`: a page once per holder
+    that holds it), never two of these. Empty when all is well."""
+    out: list[str] = []
+    free = set(free_list)
+    if len(held) != len(set(held)):
+        out.append(f"pages held by two {holders}: {sorted(held)}")
+    if len(free_list) != len(free):
+        out.append(f"pages free twice: {sorted(p for p in free if free_list.count(p) > 1)}")
+    for what, a, b in (("held and free", set(held), free),
+                       ("in the tree and free", tree_pages, free),
+                       ("held and in the tree", set(held), tree_pages)):
+        if a & b:
+            out.append(f"pages both {what}: {sorted(a & b)}")
+    lost = set(range(1, num_pages + 1)) - set(held) - tree_pages - free
+    if lost:
+        out.append(f"pages owned by nobody (leaked): {sorted(lost)}")
+    return out
+
+
 class SglangTree:
     """What the two SGLang adapters share over one tree: the retracted sequences, the
     harness log, eviction, the events, the contract and the harness's gauges. A subclass
@@ -860,22 +883,9 @@ class SglangScheduled(SglangTree):
     def check_integrity(self) -> list[str]:
         """Every page is free, in the tree or held by one live request, never two of
         them; no page is free twice; the tree's gauges add up."""
-        out: list[str] = []
-        held = self._held()
         free_list = [int(p) for p in self.full.get_all_free_pages().tolist()]
-        free, tree_pages = set(free_list), self._tree_pages()
-        if len(held) != len(set(held)):
-            out.append(f"pages held by two requests: {sorted(held)}")
-        if len(free_list) != len(free):
-            out.append(f"pages free twice: {sorted(p for p in free if free_list.count(p) > 1)}")
-        for what, a, b in (("held and free", set(held), free),
-                           ("in the tree and free", tree_pages, free),
-                           ("held and in the tree", set(held), tree_pages)):
-            if a & b:
-                out.append(f"pages both {what}: {sorted(a & b)}")
-        lost = set(range(1, self.num_blocks + 1)) - set(held) - tree_pages - free
-        if lost:
-            out.append(f"pages owned by nobody (leaked): {sorted(lost)}")
+        out = page_problems(self._held(), free_list, self._tree_pages(), self.num_blocks,
+                            "requests")
         t = self.tree
         if self.window is not None:
             out += self._window_integrity()

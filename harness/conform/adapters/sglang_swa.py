@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.conform.adapters.sglang import SglangCache, SglangNames, TreeSeq
+from harness.conform.adapters.sglang_scheduler import page_problems
 from harness.conform.protocol import Contract, Stats
 from harness.conform.stubs import StubFinder
 
@@ -374,24 +375,9 @@ class SwaCache(SglangCache):
         them, none free twice; the window pool's pages in use are the tree's window pages
         and those sequences hold of their own; the tree's gauges add up."""
         P, t = self.block_size, self.tree
-        out: list[str] = []
-        held: list[int] = []
-        for seq in self._seqs.values():
-            held += [x // P for x in seq.slots[seq.locked:][::P]]
-        free_list = self._pool_pages(self.alloc.full_attn_allocator)
-        free, tree_pages = set(free_list), self._tree_pages()
-        if len(held) != len(set(held)):
-            out.append(f"pages held by two sequences: {sorted(held)}")
-        if len(free_list) != len(free):
-            out.append(f"pages free twice: {sorted(p for p in free if free_list.count(p) > 1)}")
-        for what, a, b in (("held and free", set(held), free),
-                           ("in the tree and free", tree_pages, free),
-                           ("held and in the tree", set(held), tree_pages)):
-            if a & b:
-                out.append(f"pages both {what}: {sorted(a & b)}")
-        lost = set(range(1, self.num_blocks + 1)) - set(held) - tree_pages - free
-        if lost:
-            out.append(f"pages owned by nobody (leaked): {sorted(lost)}")
+        held = [x // P for seq in self._seqs.values() for x in seq.slots[seq.locked:][::P]]
+        out = page_problems(held, self._pool_pages(self.alloc.full_attn_allocator),
+                            self._tree_pages(), self.num_blocks, "sequences")
         out += self._window_integrity()
         if t.full_evictable_size() + t.full_protected_size() != self._total():
             out.append(f"evictable {t.full_evictable_size()} + protected "
