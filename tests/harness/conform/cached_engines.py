@@ -5,6 +5,7 @@ installs it, where it does not (CI's cache is empty)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ from harness.conform.controller.report import Report
 from harness.conform.controller.targets import Target
 
 
+@contextmanager
 def open_cached(lock: Lock, tmp_path: Path) -> Iterator[Target]:
-    """Yield a Target over `lock`'s cached install (its worker in the release's venv),
-    closed afterwards, also when the test failed; skip the test where the install is not
-    cached. For a fixture: `yield from open_cached(LOCK, tmp_path)`."""
+    """A Target over `lock`'s cached install (its worker in the release's venv), closed
+    on leaving, also when the test failed; skips the test where the install is not
+    cached."""
     if install.installed(lock) is None:
         pytest.skip(f"{lock.spec} is not installed in {install.cache_dir()} (kvharness "
                     f"conform {lock.spec} installs it)")

@@ -16,12 +16,12 @@ import pytest
 from harness.conform import ops
 from harness.conform.controller import install
 from harness.conform.controller.checks import CHECKS
-from harness.conform.controller.engine_spec import EngineSpec, open_target
 from harness.conform.controller.families import B
 from harness.conform.controller.locks import find_lock, pinned, supported
 from harness.conform.controller.report import Report
 from harness.conform.controller.runner import conform, replay_file
 from harness.conform.controller.targets import replay
+from tests.harness.conform.cached_engines import open_cached
 
 SEEDS = 8
 
@@ -154,17 +154,9 @@ def test_sglang_holds_the_pages_its_decoded_tokens_need(tmp_path: Path) -> None:
     # a held-out fuzz failure on a planted bug shrank to these two ops, which failed the
     # capacity oracle on the unplanted release too (5 pages expected, 4 held): the
     # adapter had logged the admission's tokens as the list its append then extended
-    lock = find_lock("sglang", "0.5.23")
-    if install.installed(lock) is None:
-        pytest.skip(f"{lock.spec} is not installed in {install.cache_dir()} (kvharness "
-                    f"conform {lock.spec} installs it)")
-    target = open_target(EngineSpec.parse(lock.spec), Report(lock.spec), tmp_path,
-                         lambda _: None)
-    try:
+    with open_cached(find_lock("sglang", "0.5.23"), tmp_path) as target:
         found = replay(target, [ops.admit("s26", range(1, 15)), ops.append("s26", [15, 16])],
                        12, B)
-    finally:
-        target.close()
     assert found == []
 
 

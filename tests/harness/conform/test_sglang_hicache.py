@@ -142,7 +142,8 @@ def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    yield from open_cached(LOCK, tmp_path)
+    with open_cached(LOCK, tmp_path) as opened:
+        yield opened
 
 
 def test_a_prefix_evicted_from_the_device_is_reused_from_the_host(target: Target) -> None:

@@ -93,7 +93,8 @@ def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() ->
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    yield from open_cached(LOCK, tmp_path)
+    with open_cached(LOCK, tmp_path) as opened:
+        yield opened
 
 
 def test_a_decoded_state_block_is_kept_and_reused(target: Target) -> None:

@@ -39,7 +39,8 @@ def test_window_kv_is_freed_below_the_window_never_below_the_tree(
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    yield from open_cached(LOCK, tmp_path)
+    with open_cached(LOCK, tmp_path) as opened:
+        yield opened
 
 
 def test_a_swa_radix_cache_frees_window_kv_and_still_reuses(target: Target) -> None:

@@ -75,7 +75,8 @@ def test_the_judge_counts_no_window_group_in_a_pool_of_its_own() -> None:
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    yield from open_cached(LOCK, tmp_path)
+    with open_cached(LOCK, tmp_path) as opened:
+        yield opened
 
 
 def test_a_window_cache_keeps_what_the_tree_holds_and_reuses_it(target: Target) -> None:
