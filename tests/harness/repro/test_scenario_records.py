@@ -33,6 +33,7 @@ from harness.repro.scenario_record import (
 from harness.repro.scenario_rerun import rerun
 from harness.reuse.assertions import ReuseMismatch
 from tests.hang_guard import run_child
+from tests.run_once import once_per_run
 from tests.scenarios.faults import OverCountingEngine
 from tests.scenarios.recording import check_record
 from tests.scenarios.support import NO_PARTIAL, EngineFactory, Models, ScenarioRun, prompts_of
@@ -85,21 +86,29 @@ OVER_COUNTING = "tests.scenarios.faults:OverCountingEngine"
 
 
 @pytest.fixture(scope="session")
-def repro_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Run the failing scenarios once (pytest in a fresh interpreter, as CI runs them);
-    returns each test's repro file by test name. Tests that edit one edit a copy."""
-    here = tmp_path_factory.mktemp("scenarios")
+def repro_files(tmp_path_factory: pytest.TempPathFactory,
+                pytestconfig: pytest.Config) -> dict[str, Path]:
+    """Run the failing scenarios once a test run (pytest in a fresh interpreter, as CI
+    runs them; xdist's workers share that one run); returns each test's repro file by
+    test name. Tests that edit one edit a copy."""
+    here = once_per_run(tmp_path_factory, pytestconfig, "scenarios", _run_failing_scenarios)
+    output = (here / "output.txt").read_text()
+    assert f"{len(NAMES)} failed" in output, output
+    files = {name: here / "out" / "repro" / f"test_s.py_{name}.json" for name in NAMES}
+    for path in files.values():
+        assert f"replay it: nox -s repro -- {path}" in output
+    return files
+
+
+def _run_failing_scenarios(here: Path) -> None:
+    """The failing scenarios' pytest run in `here`; what it printed in output.txt."""
     (here / "conftest.py").write_text(CONFTEST)
     (here / "test_s.py").write_text(TESTS)
     done = run_child(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
          "-p", "no:benchmark", "-q", "--kvh-results-dir", "out", "test_s.py"],
         cwd=here, env=_env())
-    assert f"{len(NAMES)} failed" in done.stdout, done.stdout + done.stderr
-    files = {name: here / "out" / "repro" / f"test_s.py_{name}.json" for name in NAMES}
-    for path in files.values():
-        assert f"replay it: nox -s repro -- {path}" in done.stdout
-    return files
+    (here / "output.txt").write_text(done.stdout + done.stderr)
 
 
 def _env() -> dict[str, str]:
