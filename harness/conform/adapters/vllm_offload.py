@@ -53,6 +53,28 @@ HOST_RULE = (
     "BlockStored/BlockRemoved with medium 'CPU' (offloading/scheduler.py:2378 "
     "take_events, v1/kv_offload/cpu/manager.py)")
 
+# Under a host tier an admission's reused tokens are vLLM's device hits plus the
+# connector's (Scheduler.connector_prefix_cache_stats, recorded by Scheduler.schedule
+# with num_external_computed_tokens, v1/core/sched/scheduler.py:1487-1506): the adapter
+# reads the connector's PrefixCacheStats under CONNECTOR_PREFIX and sums each pair.
+CONNECTOR_PREFIX = "connector_"
+SUMMED = ("hits", "preempted_hits")
+
+
+def summed(engine: dict[str, int | float]) -> dict[str, int | float]:
+    """`engine`'s counters plus, for each of `SUMMED`, the device's and the connector's
+    together, named "<name>+connector_<name>"."""
+    return {**engine, **{f"{n}+{CONNECTOR_PREFIX}{n}":
+                         engine.get(n, 0) + engine.get(CONNECTOR_PREFIX + n, 0)
+                         for n in SUMMED}}
+
+
+def counters(base: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """The contract's counters under a host tier: each of `SUMMED` read as the device's
+    and the connector's together (`summed`)."""
+    return tuple((f"{c}+{CONNECTOR_PREFIX}{c}" if c in SUMMED else c, m) for c, m in base)
+
+
 READ = ("0.33.0",)  # the releases whose offloading connector was read by hand
 
 
@@ -99,43 +121,74 @@ class WorkerStandIn:
     return, each block a job names written to the harness log by `write` (a store:
     "offload" [device block, host chunk]; a load: "onboard" [host chunk, device block]).
     `Output` and `WorkerMeta` are vLLM's `KVConnectorOutput` and
-    `OffloadingWorkerMetadata`."""
+    `OffloadingWorkerMetadata`.
+
+    A store copies what its request's KV is in the block, so its log entry waits
+    (`pending`) until the log holds that KV and goes before anything that may overwrite
+    the block: before the first entry of another request that writes KV (`entry`),
+    before a step's loads (the worker flushes and submits stores before it starts loads,
+    `offloading/worker.py:219-244`), and at the end of the op (`drain`). A finished or
+    preempted request's store that vLLM flushes because its block is reallocated in the
+    step (`jobs_to_flush`, copied before the step's forward) is thereby logged before
+    the new owner's entry."""
 
     def __init__(self, Output: Any, WorkerMeta: Any, block_size: int,
                  write: Callable[[dict[str, Any]], None]) -> None:
         self.Output, self.WorkerMeta = Output, WorkerMeta
         self.block_size, self.write = block_size, write
-        self.stores: list[dict[str, Any]] = []  # logged by `entry`, around the op's own
+        self.pending: list[tuple[str, dict[str, Any]]] = []  # (request id, "offload" entry)
+
+    def _flush(self, keep: Callable[[str], bool]) -> None:
+        """Write the pending stores of the requests `keep` does not hold back, in order."""
+        held = []
+        for req_id, store in self.pending:
+            if keep(req_id):
+                held.append((req_id, store))
+            else:
+                self.write(store)
+        self.pending = held
 
     def entry(self, event: dict[str, Any]) -> None:
-        """Log the op's own `event` with the stores its steps made: a store of a block
-        the event writes after it (its KV exists once the step ran), the others before
-        it (computed by an earlier op)."""
-        written = set(event.get("block_ids") or ())
-        stores, self.stores = self.stores, []
-        for store in stores:
-            if store["block_ids"][0] not in written:
-                self.write(store)
+        """Log the op's `event`: first the pending stores of other requests, unless it
+        is a "free" (which writes no KV); its own request's stay pending (their KV is
+        logged by this entry or a later one of the op)."""
+        if event["kind"] != "free":
+            own = str(event["seq_id"])
+            self._flush(lambda req_id: req_id == own)
         self.write(event)
-        for store in stores:
-            if store["block_ids"][0] in written:
-                self.write(store)
+
+    def drain(self) -> None:
+        """Write every pending store (the op is over: its KV is in the log)."""
+        self._flush(lambda req_id: False)
 
     def output(self, meta: Any) -> tuple[Any, set[str]]:
         """The step's connector output and the requests whose loads it finished.
         `meta` is the step's `OffloadingConnectorMetadata` (None: nothing to report)."""
-        done = self.WorkerMeta()
         recv: set[str] = set()
         if meta is None:
             return None, recv
-        for kind, jobs in (("offload", meta.store_jobs), ("onboard", meta.load_jobs)):
-            for job_id, job in jobs.items():
-                done.mark_completed(job_id)
-                if kind == "onboard" and not job.sync:
-                    recv.add(job.req_id)
-                for s, d in zip(job.src_spec.block_ids.tolist(),
-                                job.dst_spec.block_ids.tolist(), strict=True):
-                    (self.stores.append if kind == "offload" else self.write)({"kind": kind, "seq_id": "CACHE", "tokens": [],
-                                "num_tokens": self.block_size, "block_ids": [s, d]})
+        done = self.WorkerMeta()
+        for job_id, job in meta.store_jobs.items():
+            done.mark_completed(job_id)
+            self.pending += [(job.req_id, self._move("offload", s, d))
+                             for s, d in self._pairs(job)]
+        if meta.load_jobs:
+            loading = {job.req_id for job in meta.load_jobs.values()}
+            self._flush(lambda req_id: req_id in loading)
+        for job_id, job in meta.load_jobs.items():
+            done.mark_completed(job_id)
+            if not job.sync:
+                recv.add(job.req_id)
+            for s, d in self._pairs(job):
+                self.write(self._move("onboard", s, d))
         return self.Output(finished_recving=recv or None,
                            kv_connector_worker_meta=done if done.completed_jobs else None), recv
+
+    def _move(self, kind: str, src: int, dst: int) -> dict[str, Any]:
+        return {"kind": kind, "seq_id": "CACHE", "tokens": [], "num_tokens": self.block_size,
+                "block_ids": [src, dst]}
+
+    @staticmethod
+    def _pairs(job: Any) -> list[tuple[int, int]]:
+        return list(zip(job.src_spec.block_ids.tolist(), job.dst_spec.block_ids.tolist(),
+                        strict=True))

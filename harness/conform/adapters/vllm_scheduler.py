@@ -338,6 +338,7 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         window=options.window, window_layout="full-and-window",
         replicated=REPLICATED if host is None else (*REPLICATED, *vllm_offload.REPLICATED),
         host_blocks=host,
+        counters=base.counters if host is None else vllm_offload.counters(base.counters),
         state_interval=states,
         state_rule="every-k" if states is None else tail_rule if tail else "chunk-ends",
         citations=(*base.citations,
@@ -448,6 +449,8 @@ class SchedulerCache(VllmCache):
         self._step(self._budget)
         self._collector.events = []
         self._engine_stats.clear()
+        if self._worker is not None:  # the probe's stores are no op's
+            self._worker.pending.clear()
         return out
 
     def _write(self, event: dict[str, Any]) -> None:
@@ -456,6 +459,12 @@ class SchedulerCache(VllmCache):
             super()._write(event)
         else:
             self._worker.entry(event)
+
+    def take_log(self) -> list[dict[str, Any]]:
+        """The harness log since the last call, the op's pending host stores last."""
+        if self._worker is not None:
+            self._worker.drain()
+        return super().take_log()
 
     # -- one scheduler step ----------------------------------------------------------------
 
@@ -479,6 +488,9 @@ class SchedulerCache(VllmCache):
             stats = getattr(eco, "scheduler_stats", None)
             if stats is not None:
                 self._add_stats(stats.prefix_cache_stats)
+                if self._worker is not None:
+                    self._add_stats(stats.connector_prefix_cache_stats,
+                                    vllm_offload.CONNECTOR_PREFIX)
         scheduled = dict(out.num_scheduled_tokens)
         if loaded:  # a request that waited for its load runs at the op's next step
             for seq, n in self._step(budget).items():
@@ -682,8 +694,12 @@ class SchedulerCache(VllmCache):
         return [normalise_event(e, self._contract.event_fields) for e in raw]
 
     def stats(self) -> Stats:
-        """The prefix-cache stats every step's SchedulerStats carried, summed."""
-        return self._gauges()
+        """The prefix-cache stats every step's SchedulerStats carried, summed (under a
+        host tier also the connector's, `vllm_offload.summed`)."""
+        got = self._gauges()
+        if self._worker is None:
+            return got
+        return Stats(vllm_offload.summed(got.engine), got.harness)
 
     def leak_report(self) -> list[str]:
         """With nothing live: every block still referenced, and any request the scheduler
