@@ -25,12 +25,16 @@ WORKER_STUB = (
     "that step's own KVConnectorOutput (kv_connector_worker_meta.completed_jobs; a load "
     "that is not sync also in finished_recving), so a request waiting for its load "
     "(WAITING_FOR_REMOTE_KVS) is scheduled at the next step of the same op; no KV value "
-    "moves: the adapter logs each block a job names as an offload or onboard "
-    "(harness.conform.adapters.vllm_offload.WorkerStandIn)",
-    "distributed/kv_transfer/kv_connector/v1/offloading/worker.py:246-284 "
-    "start_kv_transfers and prepare_store_kv (stores deferred to the next step), "
-    ":286-321 get_finished, :323-329 build_connector_worker_meta (0.33.0); the copies "
-    "are v1/kv_offload/cpu/gpu_worker.py's (a CUDA stream, vllm._C swap_blocks_batch)",
+    "moves: the adapter logs each block a job names as an offload or onboard, a store "
+    "where the KV it copies is in the log: before another request's entry, before the "
+    "step's loads, else at the op's end (harness.conform.adapters.vllm_offload."
+    "WorkerStandIn)",
+    "distributed/kv_transfer/kv_connector/v1/offloading/worker.py:219-244 "
+    "handle_preemptions (jobs_to_flush and the last step's stores submitted, flushed "
+    "ones waited for, before the forward), :246-270 start_kv_transfers (loads), "
+    ":272-284 prepare_store_kv (stores deferred to the next step), :286-321 "
+    "get_finished, :323-329 build_connector_worker_meta (0.33.0); the copies are "
+    "v1/kv_offload/cpu/gpu_worker.py's (a CUDA stream, vllm._C swap_blocks_batch)",
     "the worker needs a CUDA-alike or XPU GPU (v1/kv_offload/cpu/spec.py:218-220); a "
     "synchronous report is one timing the real worker may take, never a later one")
 REPLICATED = (WORKER_STUB,)
