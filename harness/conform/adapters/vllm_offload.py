@@ -82,11 +82,25 @@ def counters(base: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
 READ = ("0.33.0",)  # the releases whose offloading connector was read by hand
 
 
+# Cached releases whose connector was tried as 0.33.0's and does not match it (2026-12-02)
+_CONFIG = ("its OffloadingConnector's config reads the model config's "
+           "get_total_num_kv_heads, which the adapter's text model (TextModel) does not answer")
+_NO_STORES = ("opened as 0.33.0's, its OffloadingConnector made no store job for a "
+              "computed block (the host_tier family's A was never offloaded), so its "
+              "scheduler side differs from 0.33.0's")
+MISMATCHED = {"0.26.0": _NO_STORES, "0.27.0": _NO_STORES,
+              "0.28.0": _CONFIG, "0.29.0": _CONFIG}
+
+
 def blocked_reason(version: str) -> tuple[str, str]:
     """Why the adapter opens no host tier on `version`, as the contract's citation of
-    the option ("options.host_blocks", why)."""
+    the option ("options.host_blocks", why): what was seen where the release was tried
+    (`MISMATCHED`), else that it was not read."""
+    why = MISMATCHED.get(version)
+    read = f"read: {', '.join(READ)}"
     return ("options.host_blocks",
-            f"this release's OffloadingConnector was not read (read: {', '.join(READ)})")
+            f"this release's OffloadingConnector does not match the one read ({read}): "
+            f"{why}" if why else f"this release's OffloadingConnector was not read ({read})")
 
 
 def host_chunks(host_blocks: int, num_blocks: int) -> int:

@@ -162,10 +162,14 @@ def test_the_host_contract_cites_the_rule_and_lists_the_worker_as_replicated() -
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
-    unread = _contract("0.29.0", CacheOptions())
-    assert "host_blocks" not in unread.options
-    assert "not read (read: 0.33.0)" in str(check_named("host_tier").skip_reason(unread))
-    assert dict(unread.citations)["options.host_blocks"] == O.blocked_reason("0.29.0")[1]
+    """Each release's own blocker, as the option's citation: a connector tried and
+    found unlike 0.33.0's says what differs; one never tried says it was not read."""
+    for version, why in (("0.29.0", "get_total_num_kv_heads"), ("0.27.0", "no store job"),
+                         ("0.24.0", "was not read (read: 0.33.0)")):
+        unread = _contract(version, CacheOptions())
+        assert "host_blocks" not in unread.options
+        assert why in str(check_named("host_tier").skip_reason(unread))
+        assert why in dict(unread.citations)["options.host_blocks"]
 
 
 def test_the_hits_are_the_device_s_and_the_connector_s_together() -> None:
