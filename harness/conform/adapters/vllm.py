@@ -557,15 +557,16 @@ class VllmCache:
         self._add_stats(self.manager.make_prefix_cache_stats())
         return self._gauges()
 
-    def _add_stats(self, s: Any) -> None:
-        """Add one PrefixCacheStats (None: nothing) to the running totals."""
+    def _add_stats(self, s: Any, prefix: str = "") -> None:
+        """Add one PrefixCacheStats (None: nothing) to the running totals, each counter
+        named `prefix` + its field."""
         if s is None:
             return
         pairs = ((f.name, getattr(s, f.name)) for f in dataclasses.fields(s)) \
             if dataclasses.is_dataclass(s) else vars(s).items()
         for k, x in pairs:
             if isinstance(x, int) and not isinstance(x, bool):
-                self._engine_stats[k] = self._engine_stats.get(k, 0) + x
+                self._engine_stats[prefix + k] = self._engine_stats.get(prefix + k, 0) + x
 
     def _gauges(self) -> Stats:
         """The totals so far, with the pool's gauges."""

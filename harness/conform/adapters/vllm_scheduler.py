@@ -33,6 +33,7 @@ import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from harness.conform.adapters import vllm_offload
 from harness.conform.adapters.vllm import (
     MAX_MODEL_LEN,
     MODULES,
@@ -70,6 +71,7 @@ def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
     got = import_vllm(stubs, version)
     try:
         scheduling = Scheduling(got.names)
+        scheduling.version = got.version
         scheduling.build(4, 4, True, CacheOptions())
     except Exception as exc:  # this release's scheduler does not run here: the manager
         return load_manager(got, f"{type(exc).__name__}: {exc}")  # alone, saying why
@@ -143,6 +145,9 @@ class TextModel:
     is_hybrid: bool = False
     is_attention_free: bool = False
     architectures: tuple[str, ...] = ()
+    use_mla: bool = False  # the offloading connector's config reads these three
+    model: str = "kvharness"
+    dtype: str = "float16"
 
 
 class Scheduling:
@@ -164,6 +169,7 @@ class Scheduling:
         self.ModelRunnerOutput = ModelRunnerOutput
         self.RequestStatus = RequestStatus
         self.StructuredOutputManager = StructuredOutputManager
+        self.version = ""  # set by `load`: where the offloading connector was read
         self.scheduler_params = set(inspect.signature(Scheduler.__init__).parameters)
         # its fields and InitVars (a pydantic dataclass's __init__ takes **kwargs)
         self.config_params = set(C.SchedulerConfig.__dataclass_fields__)
@@ -226,6 +232,13 @@ class Scheduling:
         C = self.C
         if options.state_interval is not None and self.no_states:
             raise ValueError(f"no Mamba group on this release: {self.no_states}")
+        if options.host_blocks is not None and self.version not in vllm_offload.READ:
+            raise ValueError(f"host_blocks={options.host_blocks}: "
+                             f"{vllm_offload.blocked_reason(self.version)[1]}")
+        if options.host_blocks is not None and (options.window or options.state_interval):
+            raise ValueError(f"host_blocks={options.host_blocks} with a window or a "
+                             "state_interval: the adapter opens a host tier over the full "
+                             "group alone")
         if options.state_interval is not None and options.window is not None:
             raise ValueError(f"options window={options.window} and state_interval="
                              f"{options.state_interval} together: the adapter opens a "
@@ -243,13 +256,20 @@ class Scheduling:
             events = C.KVEventsConfig(enable_kv_cache_events=record, publisher=PUBLISHER)
         except ValueError:  # the config takes "null" or "zmq" only (0.16.0 on)
             events = C.KVEventsConfig(enable_kv_cache_events=record, publisher="null")
-        config = C.VllmConfig(device_config=C.DeviceConfig(device="cpu"),
-                              scheduler_config=sched, cache_config=cache,
-                              kv_events_config=events)
-        config.model_config = TextModel(MAX_MODEL_LEN)
-        config.cache_config.num_gpu_blocks = num_blocks + 1
         groups = kv_cache_config(self.v, num_blocks, block_size, options.window,
                                  options.state_interval)
+        transfer = {}
+        if options.host_blocks is not None:
+            from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+            page = groups.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+            transfer["kv_transfer_config"] = vllm_offload.transfer_config(
+                C, vllm_offload.host_chunks(options.host_blocks, num_blocks), page,
+                CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+        config = C.VllmConfig(device_config=C.DeviceConfig(device="cpu"),
+                              scheduler_config=sched, cache_config=cache,
+                              kv_events_config=events, **transfer)
+        config.model_config = TextModel(MAX_MODEL_LEN)
+        config.cache_config.num_gpu_blocks = num_blocks + 1
         sched_block = hash_block = block_size
         if options.state_interval is not None:
             resolve = getattr(self.v.utils, "resolve_kv_cache_block_sizes", None)
@@ -272,13 +292,19 @@ class Scheduling:
         return scheduler, collector
 
 
-def honoured(options: CacheOptions, no_states: str) -> tuple[OptionName, ...]:
-    """The options a cache opened with `options` honours beside those set: a window or
-    a Mamba group, not both; no Mamba group where the release opens none (`no_states`
-    says why)."""
-    states = () if no_states or options.window is not None else ("state_interval",)
-    window = () if options.state_interval is not None else ("window",)
-    return (*window, "chunk_budget", "long_prefill_threshold", *states)
+def honoured(options: CacheOptions, no_states: str,
+             version: str = "") -> tuple[OptionName, ...]:
+    """The options a cache opened with `options` honours beside those set: a window, a
+    Mamba group or a host tier, one at a time; no Mamba group where the release opens
+    none (`no_states` says why); a host tier only where `version`'s offloading connector
+    was read (`vllm_offload.READ`)."""
+    apart = (options.window, options.state_interval, options.host_blocks)
+    states = () if no_states or any(x is not None for x in apart[::2]) \
+        else ("state_interval",)
+    window = () if any(x is not None for x in apart[1:]) else ("window",)
+    host = ("host_blocks",) if version in vllm_offload.READ \
+        and all(x is None for x in apart[:2]) else ()
+    return (*window, "chunk_budget", "long_prefill_threshold", *states, *host)
 
 
 def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
@@ -297,6 +323,10 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
     tail = states is not None and hash_block is not None \
         and hash_block < states * base.block_size
     shared = parse_version(base.version).release >= (0, 31)
+    host = options.host_blocks
+    host_citation = (("host_blocks", vllm_offload.HOST_RULE),) if host is not None \
+        else () if base.version in vllm_offload.READ \
+        else (vllm_offload.blocked_reason(base.version),)
     return dataclasses.replace(
         base, preemption="frees-keeps-cached" if preempt_op else "none",
         decode_refusal="preempts-last",
@@ -304,8 +334,11 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         chunk_budget=options.chunk_budget,
         long_prefill_threshold=options.long_prefill_threshold,
         admission_fits="prompt" if full_prompt else "chunk",
-        options=honoured(options, no_states),
-        window=options.window, window_layout="full-and-window", replicated=REPLICATED,
+        options=honoured(options, no_states, base.version),
+        window=options.window, window_layout="full-and-window",
+        replicated=REPLICATED if host is None else (*REPLICATED, *vllm_offload.REPLICATED),
+        host_blocks=host,
+        counters=base.counters if host is None else vllm_offload.counters(base.counters),
         state_interval=states,
         state_rule="every-k" if states is None else tail_rule if tail else "chunk-ends",
         citations=(*base.citations,
@@ -335,7 +368,7 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                                   "its last token); MambaManager.find_longest_cache_hit "
                                   "takes the rightmost kept state"),
                    *((("options", f"no state_interval: {no_states}"),) if no_states
-                     else ())),
+                     else ()), *host_citation),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
                             "update_from_output; stats are read from the step's "
                             "SchedulerStats"))
@@ -349,6 +382,15 @@ class SchedulerCache(VllmCache):
         self.s = s
         self.scheduler, self._collector = s.build(num_blocks, block_size, record, options)
         self._attach(v, self.scheduler.kv_cache_manager, num_blocks, block_size, record)
+        self._worker: vllm_offload.WorkerStandIn | None = None
+        if options.host_blocks is not None:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+                OffloadingWorkerMetadata,
+            )
+            from vllm.v1.outputs import KVConnectorOutput
+            self._worker = vllm_offload.WorkerStandIn(KVConnectorOutput,
+                                                      OffloadingWorkerMetadata,
+                                                      block_size, super()._write)
         full = bool(getattr(self.scheduler, "scheduler_reserve_full_isl", False))
         base = release_contract(v, version, block_size, hasattr(self.manager, "evict_blocks"))
         self._contract = scheduler_contract(base, options, full,
@@ -407,7 +449,22 @@ class SchedulerCache(VllmCache):
         self._step(self._budget)
         self._collector.events = []
         self._engine_stats.clear()
+        if self._worker is not None:  # the probe's stores are no op's
+            self._worker.pending.clear()
         return out
+
+    def _write(self, event: dict[str, Any]) -> None:
+        """The op's log entry, with the host stores its steps made (`WorkerStandIn.entry`)."""
+        if self._worker is None or event.get("seq_id") == "CACHE":
+            super()._write(event)
+        else:
+            self._worker.entry(event)
+
+    def take_log(self) -> list[dict[str, Any]]:
+        """The harness log since the last call, the op's pending host stores last."""
+        if self._worker is not None:
+            self._worker.drain()
+        return super().take_log()
 
     # -- one scheduler step ----------------------------------------------------------------
 
@@ -423,11 +480,22 @@ class SchedulerCache(VllmCache):
             sched.max_num_scheduled_tokens = self._budget
         ids = list(out.num_scheduled_tokens)
         runner = self.s.runner_output(ids)
+        loaded: set[str] = set()
+        if self._worker is not None:
+            runner.kv_connector_output, loaded = self._worker.output(
+                out.kv_connector_metadata)
         for eco in sched.update_from_output(out, runner).values():
             stats = getattr(eco, "scheduler_stats", None)
             if stats is not None:
                 self._add_stats(stats.prefix_cache_stats)
-        return dict(out.num_scheduled_tokens)
+                if self._worker is not None:
+                    self._add_stats(stats.connector_prefix_cache_stats,
+                                    vllm_offload.CONNECTOR_PREFIX)
+        scheduled = dict(out.num_scheduled_tokens)
+        if loaded:  # a request that waited for its load runs at the op's next step
+            for seq, n in self._step(budget).items():
+                scheduled[seq] = scheduled.get(seq, 0) + n
+        return scheduled
 
     def _running_step(self, seq_id: Hashable, budget: int) -> list[Hashable]:
         """A step with `seq_id` in Scheduler.running; parks it again while its prompt
@@ -626,8 +694,12 @@ class SchedulerCache(VllmCache):
         return [normalise_event(e, self._contract.event_fields) for e in raw]
 
     def stats(self) -> Stats:
-        """The prefix-cache stats every step's SchedulerStats carried, summed."""
-        return self._gauges()
+        """The prefix-cache stats every step's SchedulerStats carried, summed (under a
+        host tier also the connector's, `vllm_offload.summed`)."""
+        got = self._gauges()
+        if self._worker is None:
+            return got
+        return Stats(vllm_offload.summed(got.engine), got.harness)
 
     def leak_report(self) -> list[str]:
         """With nothing live: every block still referenced, and any request the scheduler

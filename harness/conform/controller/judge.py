@@ -165,9 +165,11 @@ class Judge:
             [Counter() for _ in range(other_groups(contract))]
         self.exact = True
         model = ORDER_MODELS.get(contract.eviction_policy)
-        # (a window or state group shares the pool: the full group's order is not alone)
+        # (a window or state group shares the pool: the full group's order is not alone;
+        # a host tier serves what the device order evicted)
         self.order = model(num_blocks, B) if model is not None and contract.window is None \
-            and contract.state_interval is None and contract.id_unit == "block" \
+            and contract.state_interval is None and contract.host_blocks is None \
+            and contract.id_unit == "block" \
             and not contract.bounded_oracle else None
         self.window_group = WindowGroup(contract.window, B) \
             if contract.window is not None and contract.window_layout == "full-and-window" \

@@ -1,0 +1,212 @@
+"""vLLM's CPU offloading connector under the scheduler adapter (runs in a vLLM venv,
+0.33.0): its scheduler side is vLLM's, its worker is the adapter's.
+
+A `VllmConfig` with `KVTransferConfig(kv_connector="OffloadingConnector",
+kv_connector_extra_config={"cpu_bytes_to_use": ...})` (`transfer_config`) gives a
+`Scheduler` whose connector is `OffloadingConnector` over an
+`OffloadingConnectorScheduler` and a `CPUOffloadingManager` (the host tier's LRU): the
+lookup of host-resident blocks, the store and load jobs of each step (the connector
+metadata), the host's allocation and eviction and its events are vLLM's. The transfers
+are the worker's (`offloading/worker.py`), which needs a GPU (`CPUOffloadingSpec.
+get_worker`, `v1/kv_offload/cpu/spec.py:218-220`), so the adapter stands in for it
+(`WorkerStandIn`): it keeps no KV values, and reports every job of a step done in that
+step's own `KVConnectorOutput`, as a synchronous worker would (`REPLICATED`). The
+contract's parts are here too: the rule (`HOST_RULE`), where the adapter opens a host
+tier (`READ`) and why not elsewhere (`blocked_reason`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+WORKER_STUB = (
+    "each store and load job in a step's OffloadingConnectorMetadata is reported done in "
+    "that step's own KVConnectorOutput (kv_connector_worker_meta.completed_jobs; a load "
+    "that is not sync also in finished_recving), so a request waiting for its load "
+    "(WAITING_FOR_REMOTE_KVS) is scheduled at the next step of the same op; no KV value "
+    "moves: the adapter logs each block a job names as an offload or onboard, a store "
+    "where the KV it copies is in the log: before another request's entry, before the "
+    "step's loads, else at the op's end (harness.conform.adapters.vllm_offload."
+    "WorkerStandIn)",
+    "distributed/kv_transfer/kv_connector/v1/offloading/worker.py:219-244 "
+    "handle_preemptions (jobs_to_flush and the last step's stores submitted, flushed "
+    "ones waited for, before the forward), :246-270 start_kv_transfers (loads), "
+    ":272-284 prepare_store_kv (stores deferred to the next step), :286-321 "
+    "get_finished, :323-329 build_connector_worker_meta (0.33.0); the copies are "
+    "v1/kv_offload/cpu/gpu_worker.py's (a CUDA stream, vllm._C swap_blocks_batch)",
+    "the worker needs a CUDA-alike or XPU GPU (v1/kv_offload/cpu/spec.py:218-220); a "
+    "synchronous report is one timing the real worker may take, never a later one")
+REPLICATED = (WORKER_STUB,)
+
+# vLLM's host-tier rule (0.33.0), the contract's `host_blocks` citation
+HOST_RULE = (
+    "kv_connector OffloadingConnector, CPU spec (v1/kv_offload/cpu/spec.py:97-175): the "
+    "host holds cpu_bytes_to_use // round_up(page bytes x blocks_per_chunk, 4096) chunks, "
+    "a chunk one GPU block unless kv_connector_extra_config sets block_size or "
+    "blocks_per_chunk (offloading/config.py:121-157); every computed full chunk is "
+    "stored at the step that computes it, not on eviction "
+    "(offloading/scheduler.py:1815 _build_store_jobs), so the host is inclusive and the "
+    "adapter sizes it num_blocks + host_blocks chunks; the lookup (:1068 _lookup, from "
+    "get_num_new_matched_tokens :1210) reports host-resident chunks past the device "
+    "prefix as external tokens, loaded asynchronously (WAITING_FOR_REMOTE_KVS) unless "
+    "sync_load_budget_bytes covers them (:1279), and complete only when the worker "
+    "reports the job (update_connector_output :2218-2310, finished_recving); the host "
+    "evicts its least recently used chunks not being loaded when a store finds it full "
+    "(v1/kv_offload/cpu/policies/lru.py, eviction_policy 'lru'); its events are "
+    "BlockStored/BlockRemoved with medium 'CPU' (offloading/scheduler.py:2378 "
+    "take_events, v1/kv_offload/cpu/manager.py)")
+
+# Under a host tier an admission's reused tokens are vLLM's device hits plus the
+# connector's (Scheduler.connector_prefix_cache_stats, recorded by Scheduler.schedule
+# with num_external_computed_tokens, v1/core/sched/scheduler.py:1487-1506): the adapter
+# reads the connector's PrefixCacheStats under CONNECTOR_PREFIX and sums each pair.
+CONNECTOR_PREFIX = "connector_"
+SUMMED = ("hits", "preempted_hits")
+
+
+def summed(engine: dict[str, int | float]) -> dict[str, int | float]:
+    """`engine`'s counters plus, for each of `SUMMED`, the device's and the connector's
+    together, named "<name>+connector_<name>"."""
+    return {**engine, **{f"{n}+{CONNECTOR_PREFIX}{n}":
+                         engine.get(n, 0) + engine.get(CONNECTOR_PREFIX + n, 0)
+                         for n in SUMMED}}
+
+
+def counters(base: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """The contract's counters under a host tier: each of `SUMMED` read as the device's
+    and the connector's together (`summed`)."""
+    return tuple((f"{c}+{CONNECTOR_PREFIX}{c}" if c in SUMMED else c, m) for c, m in base)
+
+
+READ = ("0.33.0",)  # the releases whose offloading connector was read by hand
+
+
+# Cached releases whose connector was tried as 0.33.0's and does not match it (2026-12-02)
+_CONFIG = ("its OffloadingConnector's config reads the model config's "
+           "get_total_num_kv_heads, which the adapter's text model (TextModel) does not answer")
+_NO_STORES = ("opened as 0.33.0's, its OffloadingConnector made no store job for a "
+              "computed block (the host_tier family's A was never offloaded), so its "
+              "scheduler side differs from 0.33.0's")
+MISMATCHED = {"0.26.0": _NO_STORES, "0.27.0": _NO_STORES,
+              "0.28.0": _CONFIG, "0.29.0": _CONFIG}
+
+
+def blocked_reason(version: str) -> tuple[str, str]:
+    """Why the adapter opens no host tier on `version`, as the contract's citation of
+    the option ("options.host_blocks", why): what was seen where the release was tried
+    (`MISMATCHED`), else that it was not read."""
+    why = MISMATCHED.get(version)
+    read = f"read: {', '.join(READ)}"
+    return ("options.host_blocks",
+            f"this release's OffloadingConnector does not match the one read ({read}): "
+            f"{why}" if why else f"this release's OffloadingConnector was not read ({read})")
+
+
+def host_chunks(host_blocks: int, num_blocks: int) -> int:
+    """The host's chunks for a host tier of `host_blocks` beyond a device pool of
+    `num_blocks`: vLLM's host is inclusive (every computed block is stored, so it also
+    holds what the device holds), where the protocol's `host_blocks` counts the blocks
+    held beyond the device's."""
+    return num_blocks + host_blocks
+
+
+def cpu_bytes(chunks: int, page_bytes: int, alignment: int) -> int:
+    """`cpu_bytes_to_use` that gives exactly `chunks` chunks of one GPU block of
+    `page_bytes` (the spec's own sizing: bytes // round_up(page_bytes, alignment)).
+    Raises ValueError on a count or size below 1."""
+    if chunks < 1 or page_bytes < 1 or alignment < 1:
+        raise ValueError(f"cpu_bytes: chunks={chunks}, page_bytes={page_bytes}, "
+                         f"alignment={alignment} must each be >= 1")
+    return chunks * (-(-page_bytes // alignment) * alignment)
+
+
+def transfer_config(C: Any, chunks: int, page_bytes: int, alignment: int) -> Any:
+    """The `KVTransferConfig` (`C`: vllm.config) of a CPU offloading connector of
+    `chunks` chunks of one block of `page_bytes` each."""
+    return C.KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes(chunks, page_bytes,
+                                                                 alignment),
+                                   # the host's BlockStored carry their tokens and parent
+                                   # (offloading/events.py:10-15), else placeholders
+                                   "self_describing_kv_events": True})
+
+
+class WorkerStandIn:
+    """The offloading worker, as the adapter runs it: `output(meta)` is the
+    `KVConnectorOutput` a worker that finished every job of the step's metadata would
+    return, each block a job names written to the harness log by `write` (a store:
+    "offload" [device block, host chunk]; a load: "onboard" [host chunk, device block]).
+    `Output` and `WorkerMeta` are vLLM's `KVConnectorOutput` and
+    `OffloadingWorkerMetadata`.
+
+    A store copies what its request's KV is in the block, so its log entry waits
+    (`pending`) until the log holds that KV and goes before anything that may overwrite
+    the block: before the first entry of another request that writes KV (`entry`),
+    before a step's loads (the worker flushes and submits stores before it starts loads,
+    `offloading/worker.py:219-244`), and at the end of the op (`drain`). A finished or
+    preempted request's store that vLLM flushes because its block is reallocated in the
+    step (`jobs_to_flush`, copied before the step's forward) is thereby logged before
+    the new owner's entry."""
+
+    def __init__(self, Output: Any, WorkerMeta: Any, block_size: int,
+                 write: Callable[[dict[str, Any]], None]) -> None:
+        self.Output, self.WorkerMeta = Output, WorkerMeta
+        self.block_size, self.write = block_size, write
+        self.pending: list[tuple[str, dict[str, Any]]] = []  # (request id, "offload" entry)
+
+    def _flush(self, keep: Callable[[str], bool]) -> None:
+        """Write the pending stores of the requests `keep` does not hold back, in order."""
+        held = []
+        for req_id, store in self.pending:
+            if keep(req_id):
+                held.append((req_id, store))
+            else:
+                self.write(store)
+        self.pending = held
+
+    def entry(self, event: dict[str, Any]) -> None:
+        """Log the op's `event`: first the pending stores of other requests, unless it
+        is a "free" (which writes no KV); its own request's stay pending (their KV is
+        logged by this entry or a later one of the op)."""
+        if event["kind"] != "free":
+            own = str(event["seq_id"])
+            self._flush(lambda req_id: req_id == own)
+        self.write(event)
+
+    def drain(self) -> None:
+        """Write every pending store (the op is over: its KV is in the log)."""
+        self._flush(lambda req_id: False)
+
+    def output(self, meta: Any) -> tuple[Any, set[str]]:
+        """The step's connector output and the requests whose loads it finished.
+        `meta` is the step's `OffloadingConnectorMetadata` (None: nothing to report)."""
+        recv: set[str] = set()
+        if meta is None:
+            return None, recv
+        done = self.WorkerMeta()
+        for job_id, job in meta.store_jobs.items():
+            done.mark_completed(job_id)
+            self.pending += [(job.req_id, self._move("offload", s, d))
+                             for s, d in self._pairs(job)]
+        if meta.load_jobs:
+            loading = {job.req_id for job in meta.load_jobs.values()}
+            self._flush(lambda req_id: req_id in loading)
+        for job_id, job in meta.load_jobs.items():
+            done.mark_completed(job_id)
+            if not job.sync:
+                recv.add(job.req_id)
+            for s, d in self._pairs(job):
+                self.write(self._move("onboard", s, d))
+        return self.Output(finished_recving=recv or None,
+                           kv_connector_worker_meta=done if done.completed_jobs else None), recv
+
+    def _move(self, kind: str, src: int, dst: int) -> dict[str, Any]:
+        return {"kind": kind, "seq_id": "CACHE", "tokens": [], "num_tokens": self.block_size,
+                "block_ids": [src, dst]}
+
+    @staticmethod
+    def _pairs(job: Any) -> list[tuple[int, int]]:
+        return list(zip(job.src_spec.block_ids.tolist(), job.dst_spec.block_ids.tolist(),
+                        strict=True))

@@ -1,0 +1,217 @@
+"""vLLM's host tier behind the protocol (`harness.conform.adapters.vllm_offload`): engine
+free, the worker stand-in reports every job of a step and logs each store where the
+KV it copies is in the log (a store vLLM flushes before a reallocated block is
+rewritten goes before the new owner's entry), the host is sized as vLLM's spec sizes
+it, the contract honours host_blocks only on the releases read (saying why elsewhere),
+the judge leaves the device-order model off under a host tier and reads the hits as
+the device's and the connector's together; one op list that reuses from the host runs
+on the cached 0.33.0 install (skipped where it is not cached, as the engine smoke is)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from harness.conform import ops
+from harness.conform.adapters import vllm_offload as O
+from harness.conform.adapters.vllm import contract as vllm_contract
+from harness.conform.adapters.vllm_scheduler import honoured, scheduler_contract
+from harness.conform.controller import install
+from harness.conform.controller.checks import check_named
+from harness.conform.controller.engine_spec import EngineSpec, open_target
+from harness.conform.controller.judge import Judge
+from harness.conform.controller.locks import pinned
+from harness.conform.controller.report import Report
+from harness.conform.controller.targets import Target
+from harness.conform.protocol import CacheOptions
+
+B = 4
+LOCK = next(lock for lock in pinned() if lock.spec == "vllm==0.33.0")
+
+
+# -- the worker stand-in -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Done:
+    """What the stand-in reads of vLLM's OffloadingWorkerMetadata (common.py)."""
+    completed_jobs: set[int] = dataclasses.field(default_factory=set)
+
+    def mark_completed(self, job_id: int) -> None:
+        self.completed_jobs.add(job_id)
+
+
+@dataclasses.dataclass
+class _Output:
+    """What the stand-in fills of vLLM's KVConnectorOutput (v1/outputs.py)."""
+    finished_recving: set[str] | None = None
+    kv_connector_worker_meta: _Done | None = None
+
+
+def _job(req_id: str, src: list[int], dst: list[int], sync: bool = False) -> Any:
+    spec = types.SimpleNamespace
+    return types.SimpleNamespace(req_id=req_id, sync=sync,
+                                 src_spec=spec(block_ids=torch.tensor(src)),
+                                 dst_spec=spec(block_ids=torch.tensor(dst)))
+
+
+def _meta(stores: dict[int, Any] | None = None, loads: dict[int, Any] | None = None) -> Any:
+    """An OffloadingConnectorMetadata's fields (common.py:70-75)."""
+    return types.SimpleNamespace(store_jobs=stores or {}, load_jobs=loads or {},
+                                 jobs_to_flush=set())
+
+
+def _worker() -> tuple[O.WorkerStandIn, list[dict[str, Any]]]:
+    log: list[dict[str, Any]] = []
+    return O.WorkerStandIn(_Output, _Done, B, log.append), log
+
+
+def _shape(log: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(e["kind"], e["block_ids"] if e["seq_id"] == "CACHE" else e["seq_id"])
+            for e in log]
+
+
+def test_every_job_is_reported_done_and_only_async_loads_as_received() -> None:
+    worker, log = _worker()
+    out, loaded = worker.output(_meta({1: _job("A", [3], [0])},
+                                      {2: _job("B", [5], [2]), 3: _job("C", [6], [4], True)}))
+    assert out.kv_connector_worker_meta.completed_jobs == {1, 2, 3}
+    assert out.finished_recving == loaded == {"B"}
+    # A's store goes before the step's loads, which may overwrite its block
+    assert _shape(log) == [("offload", [3, 0]), ("onboard", [5, 2]), ("onboard", [6, 4])]
+    assert worker.output(None) == (None, set())
+
+
+def test_a_flushed_store_of_a_finished_request_goes_before_the_new_owner() -> None:
+    """The shrunk 0.33.0 case: A's last block (3) is stored at the step after A
+    finished, the step that hands block 3 to B (vLLM flushes the store before B's
+    forward, jobs_to_flush): the host chunk holds A's KV, so the store is logged
+    before B's admission; B's own store waits for B's commit."""
+    worker, log = _worker()
+    worker.output(_meta({7: _job("A", [3], [0]), 8: _job("B", [3], [1])}))
+    worker.entry({"kind": "admit", "seq_id": "B", "block_ids": [3, 4]})
+    worker.entry({"kind": "commit", "seq_id": "B", "num_tokens": 8})
+    assert _shape(log) == [("offload", [3, 0]), ("admit", "B"), ("commit", "B")]
+    worker.drain()
+    assert _shape(log)[3:] == [("offload", [3, 1])]
+    assert worker.pending == []
+
+
+def test_a_free_writes_no_kv_so_it_flushes_nothing() -> None:
+    """A victim's free logged inside B's op keeps B's own store pending (its KV is
+    logged by B's admission after it)."""
+    worker, log = _worker()
+    worker.output(_meta({1: _job("B", [2], [0])}))
+    worker.entry({"kind": "free", "seq_id": "V"})
+    worker.entry({"kind": "admit", "seq_id": "B", "block_ids": [2]})
+    worker.drain()
+    assert _shape(log) == [("free", "V"), ("admit", "B"), ("offload", [2, 0])]
+
+
+def test_stores_go_before_the_loads_of_their_step() -> None:
+    """The worker submits (and flushes) stores before it starts a step's loads
+    (worker.py handle_preemptions, then start_kv_transfers): a load into the block a
+    pending store reads comes after the store; the loading request's own stay."""
+    worker, log = _worker()
+    worker.output(_meta({1: _job("A", [2], [0]), 2: _job("L", [5], [1])}))
+    worker.output(_meta(loads={3: _job("L", [3], [2])}))
+    assert _shape(log) == [("offload", [2, 0]), ("onboard", [3, 2])]
+    assert [r for r, _ in worker.pending] == ["L"]
+
+
+# -- the host's size -----------------------------------------------------------------------
+
+def test_the_host_is_inclusive_and_sized_in_aligned_chunks() -> None:
+    assert O.host_chunks(8, 6) == 14
+    assert O.cpu_bytes(3, 4096, 4096) == 3 * 4096
+    assert O.cpu_bytes(2, 5000, 4096) == 2 * 8192  # the spec rounds a chunk up
+    with pytest.raises(ValueError, match="chunks=0"):
+        O.cpu_bytes(0, 4096, 4096)
+
+
+# -- the contract ---------------------------------------------------------------------------
+
+def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> None:
+    assert "host_blocks" in honoured(CacheOptions(), "", "0.33.0")
+    assert "host_blocks" not in honoured(CacheOptions(), "", "0.29.0")
+    assert "host_blocks" not in honoured(CacheOptions(window=8), "", "0.33.0")
+    assert "host_blocks" not in honoured(CacheOptions(state_interval=2), "", "0.33.0")
+    host = honoured(CacheOptions(host_blocks=8), "", "0.33.0")
+    assert "window" not in host and "state_interval" not in host
+
+
+def _contract(version: str, options: CacheOptions) -> Any:
+    return scheduler_contract(vllm_contract(version, B, True), options, True, True)
+
+
+def test_the_host_contract_cites_the_rule_and_lists_the_worker_as_replicated() -> None:
+    host = _contract("0.33.0", CacheOptions(host_blocks=8))
+    assert host.host_blocks == 8 and "host_blocks" in host.options
+    assert set(O.REPLICATED) <= set(host.replicated)
+    assert "_build_store_jobs" in dict(host.citations)["host_blocks"]
+    assert dict(host.counters)["hits+connector_hits"] == "new_reused_tokens"
+    assert "hits" not in dict(host.counters)
+    plain = _contract("0.33.0", CacheOptions())
+    assert plain.host_blocks is None and not set(O.REPLICATED) & set(plain.replicated)
+    assert dict(plain.counters)["hits"] == "new_reused_tokens"
+
+
+def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
+    """Each release's own blocker, as the option's citation: a connector tried and
+    found unlike 0.33.0's says what differs; one never tried says it was not read."""
+    for version, why in (("0.29.0", "get_total_num_kv_heads"), ("0.27.0", "no store job"),
+                         ("0.24.0", "was not read (read: 0.33.0)")):
+        unread = _contract(version, CacheOptions())
+        assert "host_blocks" not in unread.options
+        assert why in str(check_named("host_tier").skip_reason(unread))
+        assert why in dict(unread.citations)["options.host_blocks"]
+
+
+def test_the_hits_are_the_device_s_and_the_connector_s_together() -> None:
+    got = O.summed({"hits": 4, "connector_hits": 8, "preempted_hits": 1, "queries": 20})
+    assert got["hits+connector_hits"] == 12 and got["preempted_hits+connector_preempted_hits"] == 1
+    assert got["queries"] == 20
+
+
+def test_the_judge_keeps_no_device_order_model_under_a_host_tier() -> None:
+    """A host serves what the device order evicted: the order model would call a host
+    hit a reuse of an evicted block."""
+    assert Judge(_contract("0.33.0", CacheOptions()), 8).order is not None
+    assert Judge(_contract("0.33.0", CacheOptions(host_blocks=8)), 8).order is None
+
+
+# -- on the engine --------------------------------------------------------------------------
+
+@pytest.fixture
+def target(tmp_path: Path) -> Iterator[Target]:
+    if install.installed(LOCK) is None:
+        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
+                    f"conform {LOCK.spec} installs it)")
+    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
+                         lambda _: None)
+    yield opened
+    opened.close()
+
+
+def test_a_block_reallocated_in_its_store_step_is_reused_from_the_host(target: Target) -> None:
+    """The shrunk 0.33.0 case, 6 blocks and a host of 8 beyond: A's block is stored at
+    the step that hands it to B (vLLM flushes the store first), so A2 reuses A's 4
+    tokens from the host, loaded by vLLM's own lookup and load, and every oracle
+    (provenance, events, counters) agrees."""
+    contract = target.open(6, B, CacheOptions(host_blocks=8))
+    assert contract.host_blocks == 8
+    judge = Judge(contract, 6)
+    reports = target.apply_all([
+        ops.admit("A", [1, 2, 3, 4]), ops.free("A"),
+        ops.admit("B", list(range(100, 121))), ops.free("B"),
+        ops.admit("A2", [1, 2, 3, 4, 26]), ops.free("A2")])
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)
+    assert reports[4].value["reused_tokens"] == 4
+    assert any(e["kind"] == "onboard" for e in reports[4].log)
