@@ -339,6 +339,9 @@ class Contract:
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.
+    unfuzzed: (option, why) for each of `options` the families open but the fuzz does
+      not draw: the engine keeps rules under that option the judge cannot state yet, so
+      a drawn op list would fail on the harness's own gap (said in every report).
     citations: field -> where the engine's own code or documentation states it.
     Raises ValueError naming the field for anything else.
     """
@@ -382,6 +385,7 @@ class Contract:
     state_rule: StateRule = "every-k"
     options: tuple[OptionName, ...] = ()
     replicated: tuple[tuple[str, str, str], ...] = ()
+    unfuzzed: tuple[tuple[OptionName, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -434,6 +438,10 @@ class Contract:
         for name in ("chunk_budget", "long_prefill_threshold", "window", "host_blocks",
                      "state_interval"):
             _count_or_none(getattr(self, name), f"Contract.{name}")
+        for option, why in self.unfuzzed:
+            if option not in self.options or not isinstance(why, str) or not why:
+                raise ValueError("Contract.unfuzzed entries are (one of options, why), got "
+                                 f"{(option, why)!r}")
         for entry in self.replicated:
             if len(entry) != 3 or not all(isinstance(x, str) and x for x in entry):
                 raise ValueError("Contract.replicated entries are (what, engine function, "
@@ -499,7 +507,7 @@ class Contract:
                      "event_fields", "options"):
             if name in values:
                 values[name] = tuple(values[name])
-        for name in ("counters", "limitations", "citations", "replicated"):
+        for name in ("counters", "limitations", "citations", "replicated", "unfuzzed"):
             if name in values:
                 values[name] = tuple(tuple(p) for p in values[name])
         try:

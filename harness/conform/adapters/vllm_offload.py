@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from harness.conform.protocol import OptionName
+
 WORKER_STUB = (
     "each store and load job in a step's OffloadingConnectorMetadata is reported done in "
     "that step's own KVConnectorOutput (kv_connector_worker_meta.completed_jobs; a load "
@@ -56,6 +58,17 @@ HOST_RULE = (
     "(v1/kv_offload/cpu/policies/lru.py, eviction_policy 'lru'); its events are "
     "BlockStored/BlockRemoved with medium 'CPU' (offloading/scheduler.py:2378 "
     "take_events, v1/kv_offload/cpu/manager.py)")
+
+# Why the fuzz does not draw a host tier (the contract's `unfuzzed`): two rules of 0.33.0's
+# host path the judge cannot state yet, each shrunk from 300 seeds' failures
+UNFUZZED: tuple[OptionName, str] = ("host_blocks", (
+    "two rules of vLLM's host path are not in the contract yet, so drawn op lists would "
+    "fail on the judge's gap: a hit loaded from the host that covers the whole prompt "
+    "reuses num_tokens - 1 (the last block loaded whole, its last token computed again: "
+    "scheduler.py:3515-3516 _update_waiting_for_remote_kv), and an asynchronous load is "
+    "admitted only within the free blocks less what in-flight prefills still need "
+    "(scheduler.py:1420-1430, :3432 _inflight_prefill_reserved_blocks); the host_tier "
+    "family runs"))
 
 # Under a host tier an admission's reused tokens are vLLM's device hits plus the
 # connector's (Scheduler.connector_prefix_cache_stats, recorded by Scheduler.schedule

@@ -335,6 +335,8 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         long_prefill_threshold=options.long_prefill_threshold,
         admission_fits="prompt" if full_prompt else "chunk",
         options=honoured(options, no_states, base.version),
+        unfuzzed=(vllm_offload.UNFUZZED,) if "host_blocks" in honoured(
+            options, no_states, base.version) else (),
         window=options.window, window_layout="full-and-window",
         replicated=REPLICATED if host is None else (*REPLICATED, *vllm_offload.REPLICATED),
         host_blocks=host,

@@ -22,14 +22,13 @@ from harness.conform import ops
 from harness.conform.adapters import vllm_offload as O
 from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.adapters.vllm_scheduler import honoured, scheduler_contract
-from harness.conform.controller import install
 from harness.conform.controller.checks import check_named
-from harness.conform.controller.engine_spec import EngineSpec, open_target
+from harness.conform.controller.fuzz import drawable
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
-from harness.conform.controller.report import Report
 from harness.conform.controller.targets import Target
-from harness.conform.protocol import CacheOptions
+from harness.conform.protocol import CacheOptions, Contract
+from tests.harness.conform.cached_engines import open_cached
 
 B = 4
 LOCK = next(lock for lock in pinned() if lock.spec == "vllm==0.33.0")
@@ -159,6 +158,10 @@ def test_the_host_contract_cites_the_rule_and_lists_the_worker_as_replicated() -
     plain = _contract("0.33.0", CacheOptions())
     assert plain.host_blocks is None and not set(O.REPLICATED) & set(plain.replicated)
     assert dict(plain.counters)["hits"] == "new_reused_tokens"
+    # the family opens a host tier; the fuzz does not draw one (two rules unstated)
+    assert dict(plain.unfuzzed)["host_blocks"] == O.UNFUZZED[1]
+    assert "host_blocks" not in drawable(plain) and "chunk_budget" in drawable(plain)
+    assert Contract.from_dict(plain.as_dict()) == plain
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
@@ -189,13 +192,8 @@ def test_the_judge_keeps_no_device_order_model_under_a_host_tier() -> None:
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
-    if install.installed(LOCK) is None:
-        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
-                    f"conform {LOCK.spec} installs it)")
-    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), tmp_path,
-                         lambda _: None)
-    yield opened
-    opened.close()
+    with open_cached(LOCK, tmp_path) as opened:
+        yield opened
 
 
 def test_a_block_reallocated_in_its_store_step_is_reused_from_the_host(target: Target) -> None:
