@@ -4,15 +4,21 @@ The suite's tensors are small (tiny models, pages of a few tokens): a second thr
 them nothing, and on a machine shared with other jobs OpenMP's threads wait on each
 other's busy cores (docs/performance.md, "The gate": the CPU tests a quarter slower on
 two threads of the 2-core VM). OMP_NUM_THREADS, where the environment states it, is the
-user's choice and stays; under pytest-xdist each worker then takes its share of the CPUs
-(`harness.plugin.threads`, in the plugin's configure, after this file is read).
+user's choice and stays; under pytest-xdist each worker states its share of the CPUs
+(`harness.plugin.threads`, in the plugin's configure) before it collects. Set once the
+tests are collected (before any runs), so an xdist controller, which collects none,
+never imports torch (1.2 s of its start-up, before the workers could start).
 """
 
 from __future__ import annotations
 
 import os
 
-import torch
+import pytest
 
-if "OMP_NUM_THREADS" not in os.environ:
-    torch.set_num_threads(1)
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)
