@@ -401,6 +401,10 @@ class SglangCache(sglang_scheduler.SglangTree):
 
     def _free_duplicates(self, slots: list[int]) -> None:
         """RadixCache leaves a caller's duplicate slots to the caller (`_insert_cache`)."""
+        self._free_slots(slots)
+
+    def _free_slots(self, slots: list[int]) -> None:
+        """Give `slots` back to the allocator (a list for the adapter's own allocator)."""
         self.alloc.free(slots)
 
     # -- for the self-test ---------------------------------------------------------------
@@ -626,7 +630,7 @@ class SglangCache(sglang_scheduler.SglangTree):
         """`cache_finished_req`: insert the computed pages, free the rest, unlock."""
         seq = self._seqs.pop(seq_id)
         self._insert_committed(seq)
-        self.alloc.free(seq.slots[seq.locked:])
+        self._free_slots(seq.slots[seq.locked:])
         self._unlock(seq.hold)
         self._write({"kind": "free", "seq_id": seq_id})
 
@@ -634,7 +638,7 @@ class SglangCache(sglang_scheduler.SglangTree):
         """Retraction: the sequence's pages past what it inserted are freed, nothing more
         is inserted, and it unlocks (`release_kv_cache(checkpoint=False)`)."""
         seq = self._seqs.pop(seq_id)
-        self.alloc.free(seq.slots[seq.locked:])
+        self._free_slots(seq.slots[seq.locked:])
         self._unlock(seq.hold)
         self._preempted.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
@@ -671,15 +675,7 @@ class SglangCache(sglang_scheduler.SglangTree):
         return out
 
     def _tree_pages(self) -> set[int]:
-        P = self.block_size
-        pages: set[int] = set()
-        stack = [self.tree.root_node]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if node is not self.tree.root_node and node.value is not None:
-                pages |= {int(x) // P for x in node.value.tolist()}
-        return pages
+        return sglang_scheduler.radix_tree_pages(self.tree, self.block_size)
 
     def leak_report(self) -> list[str]:
         """With nothing live: tokens still locked in the tree."""

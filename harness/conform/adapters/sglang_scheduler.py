@@ -348,6 +348,19 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                    notes=notes)
 
 
+def radix_tree_pages(tree: Any, page_size: int) -> set[int]:
+    """The pages a RadixCache's nodes hold, its nodes walked (its all_values_flatten fails
+    on an empty tree)."""
+    pages: set[int] = set()
+    stack = [tree.root_node]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node is not tree.root_node and node.value is not None:
+            pages |= {int(x) // page_size for x in node.value.tolist()}
+    return pages
+
+
 def page_problems(held: list[int], free_list: list[int], tree_pages: set[int],
                   num_pages: int, holders: str) -> list[str]:
     """What is wrong with the ownership of pages 1..num_pages (page 0 is SGLang's
@@ -924,14 +937,7 @@ class SglangScheduled(SglangTree):
         P = self.block_size
         if self.tree_kind == "unified":
             return {int(x) // P for x in self.tree.all_values_flatten().tolist()}
-        pages: set[int] = set()
-        stack = [self.tree.root_node]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if node is not self.tree.root_node and node.value is not None:
-                pages |= {int(x) // P for x in node.value.tolist()}
-        return pages
+        return radix_tree_pages(self.tree, P)
 
     def leak_report(self) -> list[str]:
         """With nothing live: tokens still locked in the tree, request rows still held."""

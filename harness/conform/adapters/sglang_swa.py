@@ -270,6 +270,11 @@ class SwaCache(SglangCache):
     def _slots(self, slots: Sequence[int]) -> Any:
         return self.s.torch.tensor(list(slots), dtype=self.s.torch.int64)
 
+    def _free_slots(self, slots: list[int]) -> None:
+        """SGLang's SWA allocator takes a tensor (the retraction's, the base's `preempt`:
+        `cache_finished_req(is_insert=False)`)."""
+        self.alloc.free(self._slots(slots))
+
     # -- the protocol beyond RadixCache's caller ---------------------------------------------
 
     def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Any,
@@ -335,16 +340,8 @@ class SwaCache(SglangCache):
                 self._write({"kind": "commit", "seq_id": seq_id, "num_tokens": seq.committed})
         else:
             n = seq.locked
-        self.alloc.free(self._slots(seq.slots[n:]))
+        self._free_slots(seq.slots[n:])
         self._unlock(seq.hold)
-        self._write({"kind": "free", "seq_id": seq_id})
-
-    def preempt(self, seq_id: Hashable) -> None:
-        """Retraction: `cache_finished_req(is_insert=False)`."""
-        seq = self._seqs.pop(seq_id)
-        self.alloc.free(self._slots(seq.slots[seq.locked:]))
-        self._unlock(seq.hold)
-        self._preempted.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
 
     # -- gauges and checks ------------------------------------------------------------------
