@@ -106,3 +106,31 @@ def test_a_window_cache_keeps_what_the_tree_holds_and_reuses_it(target: Target) 
     assert engine["swa_protected_size"] == 8  # the window's lock, one node of 8
     assert reports[-4].value["reused_tokens"] == 28
     assert reports[-2].value["reused_tokens"] == 16
+
+
+def test_page_ownership_problems_name_each_way_a_page_goes_wrong() -> None:
+    """`page_problems`, the integrity check all three SGLang adapters share: pages 1..4
+    (page 0 is SGLang's padding) each free, in the tree or held once."""
+    problems = sglang_scheduler.page_problems
+    assert problems([3], [1, 4], {2}, 4, "requests") == []
+    assert problems([3, 3], [1, 4], {2}, 4, "requests") == ["pages held by two requests: [3, 3]"]
+    assert problems([3], [1, 4, 4], {2}, 4, "requests") == ["pages free twice: [4]"]
+    assert problems([3], [1, 3, 4], {2}, 4, "requests") == ["pages both held and free: [3]"]
+    assert problems([2, 3], [1, 4], {2}, 4, "sequences") == \
+        ["pages both held and in the tree: [2]"]
+    assert problems([3], [1], {2}, 4, "requests") == ["pages owned by nobody (leaked): [4]"]
+    assert problems([3], [0, 1, 4], {2}, 4, "requests") == []  # page 0 is no page of the pool
+
+
+def test_a_radix_trees_pages_are_those_its_nodes_hold_past_the_root() -> None:
+    """`radix_tree_pages` walks the nodes (RadixCache's all_values_flatten fails on an
+    empty tree): slot // page size for every value but the root's."""
+    import torch
+
+    def node(value: list[int] | None, *children: SimpleNamespace) -> SimpleNamespace:
+        return SimpleNamespace(value=None if value is None else torch.tensor(value),
+                               children={i: c for i, c in enumerate(children)})
+
+    root = node([0, 1, 2, 3], node([4, 5, 6, 7], node([12, 13])), node([8, 9]))
+    assert sglang_scheduler.radix_tree_pages(SimpleNamespace(root_node=root), 4) == {1, 2, 3}
+    assert sglang_scheduler.radix_tree_pages(SimpleNamespace(root_node=node(None)), 4) == set()
