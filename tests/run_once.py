@@ -4,6 +4,7 @@ pytest-xdist workers ask for it (serially it is the session fixture's own once).
 from __future__ import annotations
 
 import fcntl
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,8 +18,8 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config
     """The folder `name` of this run's temporary root, filled by `make(folder)` once: the
     first process to ask runs it under an exclusive lock, the others wait for the lock and
     take what it left (xdist's workers share the parent of their temporary folders). A
-    `make` that raised left no mark, so the next process to ask runs it again. Returns
-    the folder."""
+    `make` that raised left no mark, so the next process to ask runs it again, in an
+    emptied folder (nothing of the half-made one is read). Returns the folder."""
     root = tmp_path_factory.getbasetemp()
     if hasattr(config, "workerinput"):
         root = root.parent  # every worker's basetemp lies in this run's folder
@@ -26,7 +27,8 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, config: pytest.Config
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (folder / DONE).exists():
-            folder.mkdir(exist_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
             make(folder)
             (folder / DONE).write_text("")
     return folder

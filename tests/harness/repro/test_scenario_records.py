@@ -342,3 +342,21 @@ def test_a_bounded_oracle_failure_reruns_with_the_bounded_oracle() -> None:
     assert record.failure.bounded and record.failure.exact
     status, message, _ = rerun(record)
     assert status == "reproduced" and "reusedBlocks" in message
+
+
+def test_a_run_once_that_raised_is_made_again_from_an_empty_folder(
+        tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> None:
+    calls: list[list[str]] = []
+
+    def make(folder: Path) -> None:
+        calls.append(sorted(p.name for p in folder.iterdir()))
+        (folder / "part").write_text("half")
+        if len(calls) == 1:
+            raise RuntimeError("the first make fails half-way")
+
+    with pytest.raises(RuntimeError):
+        once_per_run(tmp_path_factory, pytestconfig, "retried", make)
+    folder = once_per_run(tmp_path_factory, pytestconfig, "retried", make)
+    assert calls == [[], []]  # the second saw nothing of the first
+    assert once_per_run(tmp_path_factory, pytestconfig, "retried", make) == folder
+    assert len(calls) == 2  # made once it succeeded
