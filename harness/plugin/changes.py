@@ -68,13 +68,19 @@ def resolve_commit(rootdir: Path, ref: str) -> str:
 
 def changed_files(rootdir: Path, ref: str) -> tuple[str, ...]:
     """Repository-relative paths changed on this branch since it left `ref` (committed,
-    staged, unstaged, and untracked files), sorted. Raises GitError naming the ref (see
-    `resolve_commit`) or git's own words."""
+    staged, unstaged, and untracked files), sorted; Python's bytecode (`__pycache__`,
+    `*.pyc`), which running the tests writes where no .gitignore names it, is no change.
+    Raises GitError naming the ref (see `resolve_commit`) or git's own words."""
     base = _git(rootdir, "merge-base", "--end-of-options", resolve_commit(rootdir, ref),
                 "HEAD").strip()
     diff = _git(rootdir, "diff", "--name-only", base, "--")
     untracked = _git(rootdir, "ls-files", "--others", "--exclude-standard")
-    return tuple(sorted({line for line in (diff + untracked).splitlines() if line}))
+    return tuple(sorted({line for line in (diff + untracked).splitlines()
+                         if line and not _is_bytecode(line)}))
+
+
+def _is_bytecode(path: str) -> bool:
+    return path.endswith((".pyc", ".pyo")) or "__pycache__" in path.split("/")
 
 
 class ImportGraph:

@@ -128,6 +128,18 @@ def test_an_unclaimed_non_python_change_runs_everything(repo: pytest.Pytester) -
                                            "source_file_dependencies claims it")
 
 
+def test_bytecode_is_no_change(repo: pytest.Pytester) -> None:
+    """Running the tests writes `__pycache__` where no .gitignore names it (this
+    repository has none): an unclaimed non-Python file, which would run everything."""
+    (repo.path / "mylib" / "__pycache__").mkdir(exist_ok=True)
+    (repo.path / "mylib" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0" * 16)
+    (repo.path / "mylib" / "old.pyc").write_bytes(b"\0" * 16)
+    (repo.path / "README.md").write_text("# readme, edited\n")
+    result, manifest = _run(repo)
+    assert manifest["changed_files"] == ["README.md"] and manifest["run_all_because"] is None
+    assert _passed(result) == ["test_core"]
+
+
 def test_a_committed_change_on_a_branch_counts(repo: pytest.Pytester) -> None:
     _git(repo.path, "checkout", "-q", "-b", "topic")
     (repo.path / "mylib" / "a.py").write_text("def a(): return 1  # edited\n")
