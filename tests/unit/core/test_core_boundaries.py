@@ -12,10 +12,12 @@ from kvcache import KvCacheConfig, ReuseScope
 from kvcache.core.validate import check_int, check_positive_int, check_priority
 
 
+HEAVY = ("torch", "numpy", "flashinfer", "torch._dynamo")
+
+
 def _loaded_after(statement: str) -> set[str]:
-    """Heavy modules in sys.modules after `statement` in a fresh interpreter."""
-    code = (f"{statement}\nimport sys\n"
-            "print(' '.join(m for m in ('torch', 'numpy', 'flashinfer') if m in sys.modules))")
+    """Heavy modules (HEAVY) in sys.modules after `statement` in a fresh interpreter."""
+    code = f"{statement}\nimport sys\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     return set(out.stdout.split())
@@ -37,6 +39,20 @@ def test_imports_load_only_what_they_need(statement: str, allowed: set[str]) -> 
 
 def test_the_engine_loads_torch_but_not_flashinfer() -> None:
     assert _loaded_after("from kvcache import Engine") == {"torch", "numpy"}
+
+
+def test_loading_a_checkpoint_does_not_import_the_compiler(tmp_path) -> None:
+    """The loader builds its model on the meta device without initialising it: an
+    initialiser run there imports torch._dynamo, a second of every engine's start."""
+    statement = (
+        "from kvcache.model import ModelConfig, Transformer\n"
+        "from kvcache.model.checkpoint import load_pretrained, save_pretrained\n"
+        "config = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16,"
+        " num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)\n"
+        f"save_pretrained(Transformer(config, seed=1), {str(tmp_path)!r})\n"
+        f"assert load_pretrained({str(tmp_path)!r}).config == config"
+    )
+    assert _loaded_after(statement) == {"torch", "numpy"}
 
 
 def test_a_sequence_handle_is_read_only(make_manager) -> None:
