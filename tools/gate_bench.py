@@ -13,8 +13,10 @@ from a venv with the test extra (`pip install -e ".[test]"`), its bin first on P
 test runs `kvharness`).
 
 Each tree runs with its own spelling of the harness's flags (`--kvh-test-db` now,
-`--test-db` before the rename), read from `pytest --help` in that tree. A run that fails
-is still timed and said to have failed: its time is not a clean pass's.
+`--test-db` before the rename), read from `pytest --help` in that tree. Each tree's
+selection is collected once, untimed, before its passes, so no pass pays for compiling
+the bytecode a later one reads (where the tree's suite writes it). A run that fails is
+still timed and said to have failed: its time is not a clean pass's.
 """
 
 from __future__ import annotations
@@ -76,14 +78,14 @@ def flag_prefix(help_text: str) -> str:
                      "plugin is not loaded in this tree")
 
 
-def premerge_command(python: str, prefix: str, junit: Path, workers: int) -> list[str]:
+def premerge_command(python: str, prefix: str, junit: Path | None, workers: int) -> list[str]:
     """The pre-merge selection of the tree in the working folder, as `nox -s premerge`
     runs it: serially for `workers` 0, else under that many xdist workers, scheduled
-    as nox schedules them."""
+    as nox schedules them; with `junit` None, collected only."""
     xdist = ["-n", "0"] if workers == 0 else ["-n", str(workers), *SCHEDULING]
+    report = ["--collect-only"] if junit is None else [f"--junitxml={junit}"]
     return [python, "-m", "pytest", f"{prefix}test-db=test_lists/test-db",
-            f"{prefix}stage=pre_merge", f"--junitxml={junit}", "-q", "-p", "no:cacheprovider",
-            *xdist]
+            f"{prefix}stage=pre_merge", *report, "-q", "-p", "no:cacheprovider", *xdist]
 
 
 def junit_counts(path: Path) -> tuple[int, int]:
@@ -104,15 +106,28 @@ def tree_env(tree: Path) -> dict[str, str]:
     return env
 
 
+def tree_prefix(tree: Path, python: str) -> str:
+    """The harness's flag prefix in `tree` (see `flag_prefix`), from its `pytest --help`."""
+    shown = subprocess.run([python, "-m", "pytest", "--help"], cwd=tree, env=tree_env(tree),
+                           capture_output=True, text=True, check=False)
+    return flag_prefix(shown.stdout)
+
+
+def warm_up(tree: Path, python: str) -> None:
+    """Collect the pre-merge selection of `tree` once, untimed and unchecked (a pass that
+    cannot collect says so when it is timed)."""
+    subprocess.run(premerge_command(python, tree_prefix(tree, python), None, 0), cwd=tree,
+                   env=tree_env(tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   check=False)
+
+
 def timed_pass(label: str, commit: str, tree: Path, python: str, workers: int,
                out: Path) -> Run:
     """Run the pre-merge selection of `tree` once and time it (the wall clock around the
     pytest process, start-up and collection included)."""
     env = tree_env(tree)
-    shown = subprocess.run([python, "-m", "pytest", "--help"], cwd=tree, env=env,
-                           capture_output=True, text=True, check=False)
     junit = out / f"junit-{label}-n{workers}.xml"
-    args = premerge_command(python, flag_prefix(shown.stdout), junit, workers)
+    args = premerge_command(python, tree_prefix(tree, python), junit, workers)
     print(f"{label} {commit[:12]}: {' '.join(args[1:])}", flush=True)
     start = time.monotonic()
     done = subprocess.run(args, cwd=tree, env=env, stdout=subprocess.DEVNULL,
@@ -172,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             trees[label] = (export(ROOT, commit, tree), tree)
         plan = [("base", 0), ("head", 0)] + ([("head", args.parallel)] if args.parallel else [])
         pythons = {"base": args.base_python or args.python, "head": args.python}
+        for label, (_, tree) in trees.items():
+            warm_up(tree, pythons[label])
         runs = [timed_pass(label, trees[label][0], trees[label][1], pythons[label], workers,
                            args.out) for label, workers in plan]
     ratios, lines = summarize(runs)

@@ -71,6 +71,8 @@ def test_the_passes_run_as_the_premerge_session_runs_them(gate_bench: ModuleType
     # `nox -s premerge`'s flags, with the worker count given
     flags = _nox_parallel_flags()
     assert parallel[-len(flags):] == ["-n", "2", *flags[2:]]
+    collect = gate_bench.premerge_command("py", "--kvh-", None, 0)
+    assert collect == [*serial[:5], "--collect-only", *serial[6:]]
 
 
 def test_junit_counts_cases_and_failures(gate_bench: ModuleType, tmp_path: Path) -> None:
