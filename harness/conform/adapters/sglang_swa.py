@@ -96,8 +96,9 @@ TOKEN_GRANULAR = ("SWATokenToKVPoolAllocator is token-granular (mem_cache/alloca
 # AutoImageProcessor.register, which transformers 5.6.0/5.8.1/5.12.1 (each release's exact
 # pin) refuse without torchvision (utils/import_utils.py:2635 in 5.12.1: an
 # image_processing_ file that names TorchvisionBackend needs torchvision); 5.19.0 (0.5.22
-# on) asks it only of a TorchvisionBackend subclass (:2961), which is what lets 0.5.23's lock
-# import the real module under a torchvision stub
+# on) asks it only of a TorchvisionBackend subclass (:2961; huggingface/transformers#48607,
+# fixed by #48616), which is what lets 0.5.23's lock import the real module under a
+# torchvision stub
 STUBBED_POOLS = (f"this release's lock stubs {POOL_MODULE}, whose KVCache SWAKVPool "
                  "subclasses (SWARadixCache imports it): the real module imports "
                  "sglang.srt.configs, whose janus_pro.py registers an image processor with "
