@@ -23,8 +23,10 @@ RadixCache's (`SWA_REPLICATED` lists it, with the SGLang function each stands in
   (`swa_evicted_seqlen`, inserted as tombstones), the rest freed, the lock returned.
 
 0.5.5 (its `SWATokenToKVPoolAllocator` is token-granular, and its scheduler frees no
-window KV under a radix tree) and releases whose lock stubs `memory_pool` (0.5.12, 0.5.18:
-`SWAKVPool` subclasses its `KVCache`) are not opened: `swa_names` says why.
+window KV under a radix tree) and 0.5.12 to 0.5.21, whose locks stub `memory_pool`
+(`SWAKVPool` subclasses its `KVCache`), are not opened: `swa_names` says why
+(`STUBBED_POOLS`: the real module does not import under the transformers these releases
+pin; 0.5.23's lock imports it only because 0.5.22 on pin a later transformers).
 """
 
 from __future__ import annotations
@@ -88,6 +90,24 @@ TOKEN_GRANULAR = ("SWATokenToKVPoolAllocator is token-granular (mem_cache/alloca
                   "SWAChunkCache)")
 
 
+# why 0.5.12-0.5.21's locks stub memory_pool (read in each wheel; 0.5.18's lines): its
+# import of sglang.srt.configs (memory_pool.py:52) runs configs/__init__.py:24 ->
+# janus_pro.py:634 register_image_processor -> configs/utils.py:18
+# AutoImageProcessor.register, which transformers 5.6.0/5.8.1/5.12.1 (each release's exact
+# pin) refuse without torchvision (utils/import_utils.py:2635 in 5.12.1: an
+# image_processing_ file that names TorchvisionBackend needs torchvision); 5.19.0 (0.5.22
+# on) asks it only of a TorchvisionBackend subclass (:2961; huggingface/transformers#48607,
+# fixed by #48616), which is what lets 0.5.23's lock import the real module under a
+# torchvision stub
+STUBBED_POOLS = (f"this release's lock stubs {POOL_MODULE}, whose KVCache SWAKVPool "
+                 "subclasses (SWARadixCache imports it): the real module imports "
+                 "sglang.srt.configs, whose janus_pro.py registers an image processor with "
+                 "transformers' AutoImageProcessor at import, which the transformers this "
+                 "release pins (5.6.0 to 5.12.1) refuses without torchvision, and the "
+                 "registry's torchvision is a CUDA build that does not import with the CPU "
+                 "torch")
+
+
 def decode_frees_window(decode_step: int, window: int) -> bool:
     """Whether a request's decode step `decode_step` (0 first; `req.decode_batch_idx`
     before the step increments it) frees its window KV (0.5.10's `maybe_evict_swa`: the
@@ -125,8 +145,7 @@ def swa_names() -> tuple[SwaNames | None, str]:
     pools = importlib.util.find_spec(POOL_MODULE)
     if pools is not None and isinstance(pools.loader, StubFinder):
         # not imported: a half-imported tree leaves SGLang's later imports broken
-        return None, (f"this release's lock stubs {POOL_MODULE}, whose KVCache SWAKVPool "
-                      "subclasses (SWARadixCache imports it)")
+        return None, STUBBED_POOLS
     try:
         names = SwaNames()
     except Exception as exc:  # this lock stubs what the SWA pools import
