@@ -9,7 +9,9 @@ After every op (`Judge.observe`):
   contract's `eviction_policy` itself (`ORDER_MODELS`: it tells the model which blocks
   each allocation evicted), so otherwise after the first block leaves the cache (a
   BlockRemoved event) a prediction is an upper bound. Whole-block contracts reuse whole
-  blocks, and never the last prompt token.
+  blocks, and never the last prompt token; under a host tier whose `host_full_hit` is
+  "all-but-last" a prompt cached whole may reuse all but its last token (and the
+  engine counts the whole prompt as hits).
 - eviction: where `ORDER_MODELS` has the contract's policy, every allocation takes the
   blocks the policy names (vLLM's free queue: the least recently freed first, a
   request's last block first), and what they held is what was evicted.
@@ -21,7 +23,9 @@ After every op (`Judge.observe`):
   blocks live sequences hold equal the engine's count (with duplicates a
   non-deduplicating engine keeps: at least that many, and exactly the distinct blocks
   its sequences were given); a refusal was fair (`CapacityOracle.check_refusal`, the
-  duplicates such an engine keeps counted as unavailable) and changed nothing (state,
+  duplicates such an engine keeps counted as unavailable; an admission that may load
+  from a host tier whose `host_load_reserve` is "inflight-prefills" also needs what the
+  live sequences still need to hold their tokens) and changed nothing (state,
   counters, events, log).
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
   blocks the cache holds on its device (`cached_hashes`; a host tier's blocks are
@@ -56,7 +60,7 @@ admission holds only its first chunk's), while every position stays held.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 from harness.conform.controller.eviction import FreeQueue
@@ -313,13 +317,13 @@ class Judge:
             return max(0, want - len(self._ids[op.seq]))
         return None
 
-    def _whole_prompt_cached(self, tokens: list[int], scope: Any) -> bool:
+    def _whole_prompt_cached(self, tokens: Sequence[int], scope: Any) -> bool:
         """Whether the count oracle holds every block of `tokens` computed in `scope`
         (the last token too: `unreused_tail` more tokens past them; changes nothing)."""
         probe = [*tokens, *[0] * self.contract.unreused_tail]
         return self.reuse.probe(probe, scope) >= len(tokens)
 
-    def _may_load_from_host(self, tokens: list[int], scope: Any) -> bool:
+    def _may_load_from_host(self, tokens: Sequence[int], scope: Any) -> bool:
         """Whether an admission of `tokens` in `scope` may load blocks from the host
         tier. While the count oracle is exact no block has left the device, whose hit
         stops at the last token: the host loads only the last block of a prompt cached
