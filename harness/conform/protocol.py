@@ -88,6 +88,16 @@ WindowLayout = Literal["window-only", "full-and-window", "window-pool"]
 # extra buffer).
 StateRule = Literal["every-k", "chunk-ends", "chunk-ends-tail", "chunk-ends-prompt-tail",
                     "extend-end"]
+# What an admission whose whole prompt is cached reuses when the prompt's last block comes
+# from a host tier: what any admission reuses ("unreused-tail": the contract's
+# `unreused_tail`, whole blocks), or every token but the last ("all-but-last": the last
+# block is loaded whole and its last token computed again, vLLM's connector path).
+HostFullHit = Literal["unreused-tail", "all-but-last"]
+# What an admission that loads blocks from a host tier keeps free beyond its own blocks:
+# nothing more than any admission ("none"), or the blocks the prefills in flight still
+# need to hold their whole prompts ("inflight-prefills": vLLM admits an asynchronous load
+# only within the free blocks less those).
+HostLoadReserve = Literal["none", "inflight-prefills"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]
@@ -336,12 +346,14 @@ class Contract:
       options: the `CacheOptions`
       fields the adapter honours beside those the cache was opened with (an adapter
       that opens two options only apart leaves the other out).
+    host_full_hit: what an admission whose whole prompt is cached reuses where its last
+      block comes from the host tier (`HostFullHit`); host_load_reserve: what an
+      admission that loads from the host tier keeps free for the prefills in flight
+      (`HostLoadReserve`). A value other than the reference ("unreused-tail", "none")
+      needs a host tier (`host_blocks` set or among `options`).
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.
-    unfuzzed: (option, why) for each of `options` the families open but the fuzz does
-      not draw: the engine keeps rules under that option the judge cannot state yet, so
-      a drawn op list would fail on the harness's own gap (said in every report).
     citations: field -> where the engine's own code or documentation states it.
     Raises ValueError naming the field for anything else.
     """
@@ -384,8 +396,9 @@ class Contract:
     state_interval: int | None = None
     state_rule: StateRule = "every-k"
     options: tuple[OptionName, ...] = ()
+    host_full_hit: HostFullHit = "unreused-tail"
+    host_load_reserve: HostLoadReserve = "none"
     replicated: tuple[tuple[str, str, str], ...] = ()
-    unfuzzed: tuple[tuple[OptionName, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -403,7 +416,9 @@ class Contract:
                  "decode_refusal": get_args(DecodeRefusal), "chunking": get_args(Chunking),
                  "admission_fits": get_args(AdmissionFits),
                  "window_layout": get_args(WindowLayout),
-                 "state_rule": get_args(StateRule)}
+                 "state_rule": get_args(StateRule),
+                 "host_full_hit": get_args(HostFullHit),
+                 "host_load_reserve": get_args(HostLoadReserve)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
         reserve = self.admission_reserve
@@ -438,10 +453,13 @@ class Contract:
         for name in ("chunk_budget", "long_prefill_threshold", "window", "host_blocks",
                      "state_interval"):
             _count_or_none(getattr(self, name), f"Contract.{name}")
-        for option, why in self.unfuzzed:
-            if option not in self.options or not isinstance(why, str) or not why:
-                raise ValueError("Contract.unfuzzed entries are (one of options, why), got "
-                                 f"{(option, why)!r}")
+        host = self.host_blocks is not None or "host_blocks" in self.options
+        for name, reference in (("host_full_hit", "unreused-tail"),
+                                ("host_load_reserve", "none")):
+            if getattr(self, name) != reference and not host:
+                raise ValueError(f"Contract.{name} {getattr(self, name)!r} is a host tier's "
+                                 f"rule, but the contract has no host tier (host_blocks "
+                                 f"None, not among options {self.options!r})")
         for entry in self.replicated:
             if len(entry) != 3 or not all(isinstance(x, str) and x for x in entry):
                 raise ValueError("Contract.replicated entries are (what, engine function, "
@@ -507,7 +525,7 @@ class Contract:
                      "event_fields", "options"):
             if name in values:
                 values[name] = tuple(values[name])
-        for name in ("counters", "limitations", "citations", "replicated", "unfuzzed"):
+        for name in ("counters", "limitations", "citations", "replicated"):
             if name in values:
                 values[name] = tuple(tuple(p) for p in values[name])
         try:

@@ -75,6 +75,7 @@ def contract(block_size: int, options: CacheOptions | None = None) -> Contract:
         chunked_allocation=False,
         counters=COUNTERS, bounded_oracle=True, preemption="frees-keeps-cached",
         host_blocks=host, state_interval=interval, options=("host_blocks", "state_interval"),
+        host_full_hit="unreused-tail", host_load_reserve="none",
         event_fields=("parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
                       "medium"),
         citations=(("*", "docs/design.md: the reuse rules, partial reuse, eviction"),
@@ -86,6 +87,13 @@ def contract(block_size: int, options: CacheOptions | None = None) -> Contract:
                    ("event_fields", "kvcache/core/kv_events.py BlockStored"),
                    ("host_blocks", "kvcache/core/host_tier.py: an evicted full block moves "
                                    "to the host; an admission onboards it"),
+                   ("host_full_hit", "kvcache/core/admission.py: the match covers the "
+                                     "prompt less its last token (length - 1), host edges "
+                                     "as device ones"),
+                   ("host_load_reserve", "kvcache/core/admission.py plan: an admission "
+                                         "onboards its host hits within its own "
+                                         "allocation (need = new + onboard blocks), "
+                                         "keeping nothing for other sequences"),
                    ("state_interval", "KvCacheConfig.reuse_alignment_blocks: every match "
                                       "is cut to a multiple of this many blocks "
                                       "(docs/design.md, 'Hybrid models')")),

@@ -67,6 +67,19 @@ HOST_RULE = (
     "(disaggregation/kv_events.py:265, unified_cache/unified_tree_core.py:1861, :2032), "
     "the device's 'GPU'")
 
+# SGLang's two rules of a host hit (0.5.23), the citations of the contract's
+# `host_full_hit` ("unreused-tail") and `host_load_reserve` ("none")
+RULES = (
+    ("host_full_hit", "a host hit lies within the match, which is capped at L - 1 tokens "
+                      "for device and host alike (managers/schedule_batch.py:1766-1768 "
+                      "_compute_max_prefix_len; match_prefix's host_hit_length, "
+                      "mem_cache/common.py:249-258): the last prompt token is never "
+                      "reused, as without a host tier"),
+    ("host_load_reserve", "PrefillAdder loads a host hit back within the admission "
+                          "(managers/schedule_policy.py:1499-1523 prepare_load_back then "
+                          "init_load_back) under the admission's own budget (the loaded "
+                          "tokens, the extend, the new tokens and a page: "
+                          "admission_reserve); nothing is kept for prefills in flight"))
 READ = ("0.5.23",)  # the releases whose host tier was read by hand (HOST_RULE's)
 # what blocks the host tier where the adapter does not open it (read by hand)
 BLOCKED = {

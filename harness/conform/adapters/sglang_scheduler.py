@@ -328,7 +328,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     replicated = REPLICATED if state_interval is None \
         else (*REPLICATED, sglang_mamba.PIN_STUB)
     if host_blocks is not None:
-        citations += (("host_blocks", sglang_hicache.HOST_RULE),)
+        citations += (("host_blocks", sglang_hicache.HOST_RULE), *sglang_hicache.RULES)
         replicated = (*replicated, *sglang_hicache.REPLICATED)
     if window is not None:
         citations += (("window", WINDOW_RULE),)

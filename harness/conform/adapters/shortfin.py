@@ -148,6 +148,7 @@ def contract(version: str, block_size: int) -> Contract:
         dedup_on_commit=decoder, chunked_allocation=False,
         unreused_tail=block_size if decoder else 0, allocates_ahead=True,
         refusal_evicts=True, decode_steps=True, events=False,
+        host_full_hit="unreused-tail", host_load_reserve="none",  # no host tier
         citations=tuple(citations), notes=tuple(notes))
 
 

@@ -141,6 +141,8 @@ def contract(version: str, block_size: int, explicit_evict: bool,
         if parse_version(version).release >= (0, 23) else "lru-blocks-tail-first",
         explicit_evict=explicit_evict,
         dedup_on_commit=False, chunked_allocation=True, counters=counters,
+        # no host tier here: the scheduler's contract states its rules where one opens
+        host_full_hit="unreused-tail", host_load_reserve="none",
         event_fields=event_fields, replicated=REPLICATED,  # type: ignore[arg-type]
         citations=(
             ("matchable_at", _quoted("matchable_at", version)),

@@ -12,7 +12,8 @@ get_worker`, `v1/kv_offload/cpu/spec.py:218-220`), so the adapter stands in for 
 (`WorkerStandIn`): it keeps no KV values, and reports every job of a step done in that
 step's own `KVConnectorOutput`, as a synchronous worker would (`REPLICATED`). The
 contract's parts are here too: the rule (`HOST_RULE`), where the adapter opens a host
-tier (`READ`) and why not elsewhere (`blocked_reason`).
+tier (`READ`) and why not elsewhere (`blocked_reason`), and the two rules of a host hit
+(`FULL_HIT`, `LOAD_RESERVE`, cited by `RULES`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from harness.conform.protocol import OptionName
+from harness.conform.protocol import HostFullHit, HostLoadReserve
 
 WORKER_STUB = (
     "each store and load job in a step's OffloadingConnectorMetadata is reported done in "
@@ -59,16 +60,28 @@ HOST_RULE = (
     "BlockStored/BlockRemoved with medium 'CPU' (offloading/scheduler.py:2378 "
     "take_events, v1/kv_offload/cpu/manager.py)")
 
-# Why the fuzz does not draw a host tier (the contract's `unfuzzed`): two rules of 0.33.0's
-# host path the judge cannot state yet, each shrunk from 300 seeds' failures
-UNFUZZED: tuple[OptionName, str] = ("host_blocks", (
-    "two rules of vLLM's host path are not in the contract yet, so drawn op lists would "
-    "fail on the judge's gap: a hit loaded from the host that covers the whole prompt "
-    "reuses num_tokens - 1 (the last block loaded whole, its last token computed again: "
-    "scheduler.py:3515-3516 _update_waiting_for_remote_kv), and an asynchronous load is "
-    "admitted only within the free blocks less what in-flight prefills still need "
-    "(scheduler.py:1420-1430, :3432 _inflight_prefill_reserved_blocks); the host_tier "
-    "family runs"))
+# vLLM's two rules of a host hit (0.33.0), the contract's `host_full_hit` and
+# `host_load_reserve` with their citations
+FULL_HIT: HostFullHit = "all-but-last"
+FULL_HIT_RULE = (
+    "a prompt whose every block the device or the host holds is looked up whole by the "
+    "connector (offloading/scheduler.py:849-876 _lookup_complete_chunks: "
+    "max_hit_size_tokens = num_tokens with full attention alone), to which the device's "
+    "cap (v1/core/kv_cache_manager.py:301-302, num_tokens - 1) leaves the last block; "
+    "such a hit is always asynchronous (offloading/scheduler.py:1279-1292 _reserve_sync_load keeps a token to "
+    "compute), and when its load is done "
+    "_update_waiting_for_remote_kv sets num_computed_tokens = num_tokens - 1 "
+    "(v1/core/sched/scheduler.py:3515-3516, 0.33.0): the last block is loaded whole and "
+    "its last token computed again, so the admission reuses num_tokens - 1")
+LOAD_RESERVE: HostLoadReserve = "inflight-prefills"
+LOAD_RESERVE_RULE = (
+    "an asynchronous load is admitted by allocate_slots(..., reserved_blocks) only within "
+    "the free blocks less _inflight_prefill_reserved_blocks() (v1/core/sched/"
+    "scheduler.py:1420-1430, 0.33.0; :3432, the blocks each request of "
+    "_inflight_prefills still needs to hold its whole sequence, _request_remaining_blocks "
+    ":3404; v1/core/kv_cache_manager.py:582-587): a request is in flight while its "
+    "prompt is partly scheduled (:1593) or its load runs (:1542)")
+RULES = (("host_full_hit", FULL_HIT_RULE), ("host_load_reserve", LOAD_RESERVE_RULE))
 
 # Under a host tier an admission's reused tokens are vLLM's device hits plus the
 # connector's (Scheduler.connector_prefix_cache_stats, recorded by Scheduler.schedule

@@ -327,6 +327,8 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
     host_citation = (("host_blocks", vllm_offload.HOST_RULE),) if host is not None \
         else () if base.version in vllm_offload.READ \
         else (vllm_offload.blocked_reason(base.version),)
+    opts = honoured(options, no_states, base.version)
+    rules = "host_blocks" in opts  # the host hit's rules, where a host tier may open
     return dataclasses.replace(
         base, preemption="frees-keeps-cached" if preempt_op else "none",
         decode_refusal="preempts-last",
@@ -334,9 +336,9 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         chunk_budget=options.chunk_budget,
         long_prefill_threshold=options.long_prefill_threshold,
         admission_fits="prompt" if full_prompt else "chunk",
-        options=honoured(options, no_states, base.version),
-        unfuzzed=(vllm_offload.UNFUZZED,) if "host_blocks" in honoured(
-            options, no_states, base.version) else (),
+        options=opts,
+        host_full_hit=vllm_offload.FULL_HIT if rules else "unreused-tail",
+        host_load_reserve=vllm_offload.LOAD_RESERVE if rules else "none",
         window=options.window, window_layout="full-and-window",
         replicated=REPLICATED if host is None else (*REPLICATED, *vllm_offload.REPLICATED),
         host_blocks=host,
@@ -370,7 +372,8 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                                   "its last token); MambaManager.find_longest_cache_hit "
                                   "takes the rightmost kept state"),
                    *((("options", f"no state_interval: {no_states}"),) if no_states
-                     else ()), *host_citation),
+                     else ()), *host_citation,
+                   *(vllm_offload.RULES if rules else ())),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
                             "update_from_output; stats are read from the step's "
                             "SchedulerStats"))

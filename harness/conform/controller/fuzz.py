@@ -36,7 +36,7 @@ from harness.conform.controller.families import B
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op
-from harness.conform.protocol import CacheOptions, Contract, Scope, lora_id_text
+from harness.conform.protocol import CacheOptions, Scope, lora_id_text
 
 FUZZ_SCOPES: tuple[Scope | None, ...] = (
     None, None, None, Scope(salt="x"), Scope(salt=lora_id_text(1)), Scope.lora("x", 1),
@@ -160,13 +160,6 @@ class _Draw:
             s.scheduled = s.length
 
 
-def drawable(contract: Contract) -> tuple[str, ...]:
-    """The options the fuzz may draw on `contract`'s engine: those it honours, less those
-    it keeps out of the fuzz (`Contract.unfuzzed`)."""
-    kept_out = {option for option, _ in contract.unfuzzed}
-    return tuple(o for o in contract.options if o not in kept_out)
-
-
 def fuzz_options(seed: int, honoured: Callable[[CacheOptions], tuple[str, ...]],
                  num_blocks: int) -> CacheOptions:
     """The options seed `seed` opens its cache of `num_blocks` with, among those
@@ -177,8 +170,7 @@ def fuzz_options(seed: int, honoured: Callable[[CacheOptions], tuple[str, ...]],
     (what the oracle's two-tier model is exact for, harness.oracle.tiers); a recurrent
     state is kept every 1 to 3 blocks; those two come from a stream of their own too,
     each drawn only where the cache opened with the options drawn before it honours it
-    (an adapter may open two options only apart). Where `honoured` leaves an option out
-    for the fuzz (a contract's `unfuzzed`), it is never drawn."""
+    (an adapter may open two options only apart)."""
     r = random.Random(f"options-{seed}")
     first = honoured(CacheOptions())
     if not first or r.random() < 0.5:
@@ -199,7 +191,7 @@ def fuzz(target: Target, seed: int, num_ops: int = DEFAULT_OPS) -> FuzzOutcome:
     """Run seed `seed` (stops at the first violation); see the module docstring."""
     draw = _Draw(seed)
     num_blocks = draw.rng.choice(POOL_SIZES)
-    options = fuzz_options(seed, lambda chosen: drawable(target.open(num_blocks, B, chosen)),
+    options = fuzz_options(seed, lambda chosen: target.open(num_blocks, B, chosen).options,
                            num_blocks)
     contract = target.open(num_blocks, B, options)
     draw.decode_steps = contract.decode_steps

@@ -9,7 +9,9 @@ After every op (`Judge.observe`):
   contract's `eviction_policy` itself (`ORDER_MODELS`: it tells the model which blocks
   each allocation evicted), so otherwise after the first block leaves the cache (a
   BlockRemoved event) a prediction is an upper bound. Whole-block contracts reuse whole
-  blocks, and never the last prompt token.
+  blocks, and never the last prompt token; under a host tier whose `host_full_hit` is
+  "all-but-last" a prompt cached whole may reuse all but its last token (and the
+  engine counts the whole prompt as hits).
 - eviction: where `ORDER_MODELS` has the contract's policy, every allocation takes the
   blocks the policy names (vLLM's free queue: the least recently freed first, a
   request's last block first), and what they held is what was evicted.
@@ -21,7 +23,9 @@ After every op (`Judge.observe`):
   blocks live sequences hold equal the engine's count (with duplicates a
   non-deduplicating engine keeps: at least that many, and exactly the distinct blocks
   its sequences were given); a refusal was fair (`CapacityOracle.check_refusal`, the
-  duplicates such an engine keeps counted as unavailable) and changed nothing (state,
+  duplicates such an engine keeps counted as unavailable; an admission that may load
+  from a host tier whose `host_load_reserve` is "inflight-prefills" also needs what the
+  live sequences still need to hold their tokens) and changed nothing (state,
   counters, events, log).
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
   blocks the cache holds on its device (`cached_hashes`; a host tier's blocks are
@@ -56,7 +60,7 @@ admission holds only its first chunk's), while every position stays held.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 from harness.conform.controller.eviction import FreeQueue
@@ -296,6 +300,9 @@ class Judge:
                 and self.contract.admission_fits == "chunk" else None
             # an engine may keep blocks free beyond what its admission must fit
             reserve = self.contract.admission_reserve
+            if self.contract.host_load_reserve == "inflight-prefills" \
+                    and self._may_load_from_host(op.tokens, scope):
+                reserve += self._inflight_reserve()
             return self.capacity.admission_need(op.tokens, scope, num_cached=cached,
                                                 first_chunk=chunk, unreused_tail=tail) \
                 + reserve
@@ -309,6 +316,32 @@ class Judge:
             want = _blocks(min(op.num_tokens, len(self._tokens[op.seq])), B)
             return max(0, want - len(self._ids[op.seq]))
         return None
+
+    def _whole_prompt_cached(self, tokens: Sequence[int], scope: Any) -> bool:
+        """Whether the count oracle holds every block of `tokens` computed in `scope`
+        (the last token too: `unreused_tail` more tokens past them; changes nothing)."""
+        probe = [*tokens, *[0] * self.contract.unreused_tail]
+        return self.reuse.probe(probe, scope) >= len(tokens)
+
+    def _may_load_from_host(self, tokens: Sequence[int], scope: Any) -> bool:
+        """Whether an admission of `tokens` in `scope` may load blocks from the host
+        tier. While the count oracle is exact no block has left the device, whose hit
+        stops at the last token: the host loads only the last block of a prompt cached
+        whole. Past that (or with the count oracle stopped) any admission may."""
+        if self.contract.host_blocks is None:
+            return False
+        if not self.exact or "count" in self.broken:
+            return True
+        return self._whole_prompt_cached(tokens, scope)
+
+    def _inflight_reserve(self) -> int:
+        """The blocks the live sequences still need to hold all their tokens: what the
+        prefills in flight (a prompt scheduled in part) keep free from a host load
+        (`Contract.host_load_reserve`). A decoding sequence holds a block for each of
+        its tokens, so it adds none."""
+        B = self.contract.block_size
+        return sum(max(0, _blocks(len(self._tokens[seq]), B) - len(ids))
+                   for seq, ids in self._ids.items())
 
     # -- the event log: count, provenance, capacity ----------------------------------------
 
@@ -415,11 +448,18 @@ class Judge:
         got, prompt = ev.num_tokens, len(ev.tokens)
         which = "resumed" if ev.seq_id in self._preempted else "new"
         self._preempted.discard(ev.seq_id)
-        self.totals.update({"requests": 1, "prompt_tokens": prompt, "reused_tokens": got,
-                            "reused_blocks": _blocks(got, B),
-                            "missed_blocks": _blocks(prompt, B) - _blocks(got, B),
+        # under host_full_hit "all-but-last" a reuse of all but the last token, not whole
+        # blocks, is a prompt cached whole whose last block the host loaded: the engine
+        # counts the loaded tokens, the whole prompt, as hits
+        rule = self.contract.host_full_hit == "all-but-last" \
+            and self.contract.host_blocks is not None
+        loaded_whole = rule and got == prompt - 1 and got % B != 0
+        counted = prompt if loaded_whole else got
+        self.totals.update({"requests": 1, "prompt_tokens": prompt, "reused_tokens": counted,
+                            "reused_blocks": _blocks(counted, B),
+                            "missed_blocks": _blocks(prompt, B) - _blocks(counted, B),
                             f"{which}_requests": 1, f"{which}_prompt_tokens": prompt,
-                            f"{which}_reused_tokens": got})
+                            f"{which}_reused_tokens": counted})
         if isinstance(r.value, dict) and r.value.get("reused_tokens") != got:
             say("log", "returned other", f"{r.op.describe()} returned {r.value} but logged "
                                          f"{got} reused tokens")
@@ -428,21 +468,30 @@ class Judge:
         if got > limit:
             say("count", "tail", f"{what}: the last {self.contract.unreused_tail} prompt "
                                  f"token(s) are never reused (at most {limit})")
-        if not self.contract.partial_reuse and got % B:
+        # a prompt cached whole, its last block on the host, reuses all but its last
+        # token where the contract says so (`Contract.host_full_hit`)
+        whole = rule and "count" not in self.broken \
+            and self._whole_prompt_cached(ev.tokens, ev.scope)
+        if not self.contract.partial_reuse and got % B and not loaded_whole:
             say("count", "partial", f"{what}: not whole blocks of {B}, which the contract "
                                     "promises")
         pred = self._feed("count", "", say, self.reuse.apply, ev)
         if pred is None:
             return
         want = self._predicted[ev.seq_id] = pred.reused_tokens
-        rule = ""
+        why = ""
+        if whole and got == prompt - 1:
+            # its last block loaded from the host, its last token computed again; where
+            # the host does not hold that block (vLLM stores a block a decode step filled
+            # only when its request finishes), the device's hit, `want`, stands
+            want = prompt - 1
         if self.states is not None:
             full, want = want, self.states.cut(ev.tokens, ev.scope, want)
             self.states.matched(ev.seq_id, full, want)
-            rule = (f" (its full-attention match cut to the last recurrent state kept at a "
-                    f"step's end, {self.contract.state_rule})")
+            why = (f" (its full-attention match cut to the last recurrent state kept at a "
+                   f"step's end, {self.contract.state_rule})")
         if self.exact and got != want:
-            say("count", "reuse", f"{what}; the count oracle predicts {want}{rule}")
+            say("count", "reuse", f"{what}; the count oracle predicts {want}{why}")
         elif not self.exact and got > want:
             say("count", "reuse", f"{what}, more than was ever computed in its scope "
                                   f"({want}; blocks were evicted since, so that is an "

@@ -278,3 +278,77 @@ def test_an_admission_reserve_must_be_a_count() -> None:
     with pytest.raises(ValueError, match=r"Contract\.admission_reserve must be an int >= 0, "
                                          r"got -1"):
         replace(kvcache_contract(B), admission_reserve=-1)
+
+
+# -- host_full_hit, host_load_reserve -----------------------------------------------------
+
+# a host tier as vLLM's connector fronts it: whole blocks, chunked allocation, the count
+# oracle unbounded (exact until a block leaves), no router events or counters here
+HOSTED = replace(kvcache_contract(B, CacheOptions(host_blocks=8)), partial_reuse=False,
+                 copy_on_partial_reuse=False, bounded_oracle=False, chunked_allocation=True,
+                 events=False, counters=())
+
+
+@pytest.mark.parametrize(("rule", "found"), [
+    pytest.param("all-but-last", [], id="all-but-last"),
+    pytest.param("unreused-tail", ["count"], id="unreused-tail")])
+def test_a_prompt_cached_whole_reuses_all_but_its_last_token_where_the_contract_says(
+        rule: str, found: list[str]) -> None:
+    """A (16 tokens) computed and freed; A again reuses 15: its last block loaded whole
+    from the host, its last token computed again (vLLM 0.33.0). Under the reference
+    that is no whole number of blocks."""
+    reports = computed_then_freed("A", A18[:16], [0, 1, 2, 3])
+    reports.append(admitted("A2", A18[:16], 15, [0, 1, 2, 3], 4, cached=4))
+    got = judged(replace(HOSTED, host_full_hit=rule), reports, num_blocks=8)
+    assert [v.oracle for v in got] == found
+    if found:
+        assert "reused 15 tokens: not whole blocks of 4" in got[0].message
+
+
+def test_all_but_the_last_token_of_a_prompt_not_cached_whole_is_a_count_violation() -> None:
+    """The rule covers a prompt cached whole only: 15 of a prompt whose last block was
+    never computed is more than the cache holds."""
+    reports = computed_then_freed("A", A18[:12], [0, 1, 2])
+    reports.append(admitted("A2", A18[:16], 15, [0, 1, 2, 3], 4, cached=3))
+    got = judged(replace(HOSTED, host_full_hit="all-but-last"), reports, num_blocks=8)
+    assert [v.oracle for v in got][:2] == ["count", "provenance"]  # and it read no KV
+    assert "reused 15 tokens; the count oracle predicts 12" in got[0].message
+
+
+@pytest.mark.parametrize(("rule", "found"), [
+    pytest.param("inflight-prefills", [], id="inflight-prefills"),
+    pytest.param("none", ["capacity"], id="none")])
+def test_a_host_load_refused_for_what_a_prefill_in_flight_needs(
+        rule: str, found: list[str]) -> None:
+    """The shrunk vLLM 0.33.0 case, a pool of 3: S (one block) is computed and stays
+    live; P (5 tokens) has its first chunk of 2 scheduled, one block of the two it needs;
+    S2, S's prompt again, would load S's block from the host into the last free block,
+    which P's prefill still needs: vLLM refuses it (host_load_reserve
+    'inflight-prefills'); under 'none' the refusal is unfair."""
+    s, p = [1, 2, 3, 3], [7, 8, 9, 10, 11]
+    reports = [admitted("S", s, 0, [0], 1),
+               step(ops.commit("S", 4), [{"kind": "commit", "seq_id": "S", "num_tokens": 4}],
+                    1, cached=1),
+               step(ops.admit("P", p, first_chunk=2),
+                    [{"kind": "admit", "seq_id": "P", "tokens": p, "num_tokens": 0,
+                      "scope": None, "block_ids": [1]}], 2, cached=1,
+                    value={"reused_tokens": 0, "block_ids": [1], "scheduled_tokens": 2}),
+               step(ops.admit("S2", s), [], 2, status="refused", cached=1)]
+    got = judged(replace(HOSTED, host_load_reserve=rule), reports, num_blocks=3)
+    assert [v.oracle for v in got] == found
+    if found:
+        assert "needs 1, 1 of 3 free or evictable" in got[0].message
+
+
+def test_a_host_rule_is_a_closed_choice_and_needs_a_host_tier() -> None:
+    with pytest.raises(ValueError, match=r"Contract\.host_full_hit must be one of "
+                                         r"\('unreused-tail', 'all-but-last'\), got 'all'"):
+        replace(HOSTED, host_full_hit="all")
+    with pytest.raises(ValueError, match=r"Contract\.host_load_reserve must be one of "
+                                         r"\('none', 'inflight-prefills'\), got 'prefills'"):
+        replace(HOSTED, host_load_reserve="prefills")
+    with pytest.raises(ValueError, match=r"Contract\.host_load_reserve 'inflight-prefills' "
+                                         r"is a host tier's rule, but the contract has no "
+                                         r"host tier"):
+        replace(TRIE, host_load_reserve="inflight-prefills")
+    assert Contract.from_dict(HOSTED.as_dict()) == HOSTED

@@ -5,14 +5,11 @@ op of the same kind), on a smaller pool with renamed tokens, and replay from JSO
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-
-import pytest
 
 from harness.conform import ops
 from harness.conform.adapters import kvcache
 from harness.conform.controller.families import B
-from harness.conform.controller.fuzz import _ddmin, drawable, fuzz, fuzz_options, shrink
+from harness.conform.controller.fuzz import _ddmin, fuzz, shrink
 from harness.conform.controller.targets import LocalTarget, replay
 from harness.conform.ops import ops_from_json, ops_to_json
 from harness.conform.protocol import lora_id_text
@@ -86,16 +83,3 @@ def test_ddmin_keeps_exactly_what_the_failure_needs() -> None:
 
     assert [op.num_blocks for op in _ddmin(items, fails)] == [3, 11, 17]
 
-
-def test_an_option_the_contract_keeps_out_of_the_fuzz_is_never_drawn() -> None:
-    """`Contract.unfuzzed`: a family may open the option, the fuzz never draws it (here
-    over 100 seeds, where the same seeds draw it when it is not kept out)."""
-    base = kvcache.contract(B)
-    kept = replace(base, options=("chunk_budget", "host_blocks"),
-                   unfuzzed=(("host_blocks", "a rule the judge cannot state yet"),))
-    drawn = [fuzz_options(s, lambda _: drawable(kept), 16) for s in range(100)]
-    assert not any(o.host_blocks for o in drawn) and any(o.chunk_budget for o in drawn)
-    free = replace(kept, unfuzzed=())
-    assert any(fuzz_options(s, lambda _: drawable(free), 16).host_blocks for s in range(100))
-    with pytest.raises(ValueError, match=r"Contract\.unfuzzed entries are \(one of options"):
-        replace(base, options=(), unfuzzed=(("host_blocks", "why"),))

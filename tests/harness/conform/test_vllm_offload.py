@@ -23,7 +23,7 @@ from harness.conform.adapters import vllm_offload as O
 from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.adapters.vllm_scheduler import honoured, scheduler_contract
 from harness.conform.controller.checks import check_named
-from harness.conform.controller.fuzz import drawable
+from harness.conform.controller.fuzz import fuzz
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
 from harness.conform.controller.targets import Target
@@ -158,10 +158,16 @@ def test_the_host_contract_cites_the_rule_and_lists_the_worker_as_replicated() -
     plain = _contract("0.33.0", CacheOptions())
     assert plain.host_blocks is None and not set(O.REPLICATED) & set(plain.replicated)
     assert dict(plain.counters)["hits"] == "new_reused_tokens"
-    # the family opens a host tier; the fuzz does not draw one (two rules unstated)
-    assert dict(plain.unfuzzed)["host_blocks"] == O.UNFUZZED[1]
-    assert "host_blocks" not in drawable(plain) and "chunk_budget" in drawable(plain)
-    assert Contract.from_dict(plain.as_dict()) == plain
+    # the host hit's two rules, wherever a host tier may open, each cited
+    for contract in (host, plain):
+        assert (contract.host_full_hit, contract.host_load_reserve) == (
+            "all-but-last", "inflight-prefills")
+        assert "scheduler.py:3515-3516" in dict(contract.citations)["host_full_hit"]
+        assert "scheduler.py:1420-1430" in dict(contract.citations)["host_load_reserve"]
+        assert Contract.from_dict(contract.as_dict()) == contract
+    windowed = _contract("0.33.0", CacheOptions(window=8))
+    assert "host_blocks" not in windowed.options
+    assert (windowed.host_full_hit, windowed.host_load_reserve) == ("unreused-tail", "none")
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
@@ -213,3 +219,15 @@ def test_a_block_reallocated_in_its_store_step_is_reused_from_the_host(target: T
     assert all(r.integrity == () for r in reports)
     assert reports[4].value["reused_tokens"] == 4
     assert any(e["kind"] == "onboard" for e in reports[4].log)
+
+
+@pytest.mark.parametrize("seed", [44, 140, 163])
+def test_the_fuzz_draws_a_host_tier_and_vllm_keeps_its_two_rules(target: Target,
+                                                                  seed: int) -> None:
+    """Seeds whose op lists vLLM 0.33.0 answers with a full-prompt host hit (140: a
+    prompt preempted and resumed reuses num_tokens - 1) or an async load refused for an
+    in-flight prefill's blocks (44, 163): the fuzz draws a host tier, and the judge,
+    following the contract's host_full_hit and host_load_reserve, finds nothing."""
+    out = fuzz(target, seed)
+    assert out.options.host_blocks is not None
+    assert out.violation is None, out.violation
