@@ -618,8 +618,9 @@ class SchedulerCache(VllmCache):
         return req.num_computed_tokens
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
-        """Append the tokens to the request, then a step: the scheduler schedules them,
-        preempting the last running requests (maybe this one) until they fit. Under a
+        """Append the tokens to the request, then the steps that schedule them (one
+        where the chunk budget allows them all), preempting the last running requests
+        (maybe this one) until they fit. Under a
         Mamba group, one token a step, as a decoder samples them: several unscheduled
         output tokens are a resumed request's catch-up prefill to vLLM, which
         `Scheduler._mamba_block_aligned_split` stops at a state checkpoint. Returns the
@@ -637,8 +638,9 @@ class SchedulerCache(VllmCache):
         return tuple(added)
 
     def _append_step(self, seq_id: Hashable, tokens: list[int]) -> list[int | None] | None:
-        """`tokens` into the request and one step, logged; the blocks it allocated, or
-        None when the step preempted this sequence."""
+        """`tokens` into the request and the steps that schedule them all (more than one
+        where the chunk budget is below their count), logged; the blocks they allocated,
+        or None when a step preempted this sequence."""
         req = self._reqs[seq_id]
         before = self._ids(seq_id)
         req.append_output_token_ids(tokens)
@@ -648,6 +650,11 @@ class SchedulerCache(VllmCache):
         if take_prefill_stats is not None:
             take_prefill_stats()
         victims = self._running_step(seq_id, len(tokens))
+        while seq_id not in victims and req.num_computed_tokens < req.num_tokens:
+            done = req.num_computed_tokens
+            victims += self._running_step(seq_id, req.num_tokens - done)
+            if seq_id not in victims and req.num_computed_tokens == done:
+                break  # the scheduler schedules it no further: left to the oracles
         self._log_victims(victims, but=seq_id)
         added = [] if seq_id in victims else self._ids(seq_id)[len(before):]
         self._write({"kind": "append", "seq_id": seq_id, "tokens": tokens,
