@@ -34,9 +34,9 @@ WINDOW_RULE = (
 
 class WindowScheduled(SglangScheduled):
     """`SglangScheduled` over a UnifiedRadixCache with its SWA component too (window
-    `contract.window` tokens), over SGLang's SWA pools; a request pool of its own
-    subclass's where it has one (`sglang_mamba.WindowMambaScheduled`: the Mamba layer
-    then layer 2)."""
+    `contract.window` tokens), over SGLang's SWA pools and the request pool of the
+    plain path (or, with a Mamba component too, the Mamba one:
+    `sglang_mamba.WindowMambaScheduled`)."""
 
     def _kv_pools(self) -> tuple[Any, Any, Any]:
         """(SWAKVPool, SWATokenToKVPoolAllocator over it, its full-attention allocator):
@@ -68,10 +68,10 @@ class WindowScheduled(SglangScheduled):
                 "swa_protected_size": self.tree.swa_protected_size()}
 
     def _problems(self) -> list[str]:
-        """Besides the other components': the window pool's pages in use are the tree's window pages (evictable and
-        protected) and those live requests hold of their own: their rows past what they
-        checkpointed, less what SGLang freed below the window ([swa_dead_lo, the
-        request's SWA eviction cursor))."""
+        """Besides the other components': the window pool's pages in use are the tree's
+        window pages (evictable and protected) and those live requests hold of their
+        own: their rows past what they checkpointed, less what SGLang freed below the
+        window ([swa_dead_lo, the request's SWA eviction cursor))."""
         P, swa = self.block_size, self.n.swa[2]  # type: ignore[index]
         held = 0
         for live in self._live.values():
