@@ -37,7 +37,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from harness.conform.adapters import sglang_hicache, sglang_scheduler
+from harness.conform.adapters import sglang_hicache, sglang_options, sglang_scheduler
+from harness.conform.adapters.sglang_tree import SglangTree, page_problems, radix_tree_pages
 from harness.conform.protocol import (
     Admission,
     CacheOptions,
@@ -197,7 +198,8 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     `modules`, then `names()` once; `releases` are those whose contract is known
     (`tree_contract(release, block_size)`, the tree's contract). Where the release's
     scheduler code runs here (`sglang_scheduler.present`, and its modules import under
-    the lock's stubs) each fresh cache is that code over the tree (`tree_kind`);
+    the lock's stubs) each fresh cache is that code over the tree (`tree_kind`), as
+    `sglang_options.scheduled` opens it;
     otherwise `cache(names, version, num_blocks, block_size, record)`, the adapter as the
     tree's caller (where the scheduler code is there but does not import, its contract's
     notes say why). A cache opened with a `window` (`CacheOptions`) is a full-and-window
@@ -238,17 +240,8 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
         base = tree_contract(known, block_size)
         if known != found:
             base = settle(base, found, engine.detected)
-        windowed = scheduler.swa is not None and tree_kind == "unified"
-        hybrid = scheduler.mamba is not None and tree_kind == "unified"
-        if options.host_blocks is not None \
-                and sglang_hicache.honoured(scheduler.hicache, tree_kind, base.version):
-            return sglang_scheduler.HostScheduled(
-                engine, scheduler, tree_kind, base, num_blocks, block_size, record,
-                None, options.chunk_budget, host_blocks=options.host_blocks)
-        return sglang_scheduler.SglangScheduled(
-            engine, scheduler, tree_kind, base, num_blocks, block_size, record,
-            options.window if windowed else None, options.chunk_budget,
-            state_interval=options.state_interval if hybrid else None)
+        return sglang_options.scheduled(engine, scheduler, tree_kind, base, num_blocks,
+                                        block_size, record, options)
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
         return configured(num_blocks, block_size, record, CacheOptions())
@@ -348,7 +341,7 @@ class TreeSeq:
     ids: list[int] = field(default_factory=list)  # page ids, as logged
 
 
-class SglangCache(sglang_scheduler.SglangTree):
+class SglangCache(SglangTree):
     """`CacheUnderTest` over one fresh `RadixCache` with page_size = block_size."""
 
     def __init__(self, s: SglangNames, version: str, num_blocks: int, block_size: int,
@@ -666,8 +659,8 @@ class SglangCache(sglang_scheduler.SglangTree):
         P = self.block_size
         held = [x // P for seq in self._seqs.values() for x in seq.slots[seq.locked:][::P]]
         # the adapter's allocator keeps a set of free pages: a double free is recorded
-        out = sglang_scheduler.page_problems(held, sorted(self.alloc.free_pages),
-                                             self._tree_pages(), self.num_blocks, "sequences")
+        out = page_problems(held, sorted(self.alloc.free_pages), self._tree_pages(),
+                            self.num_blocks, "sequences")
         if self.alloc.double_frees:
             out.append(f"pages freed twice: {self.alloc.double_frees}")
         t = self.tree
@@ -677,7 +670,7 @@ class SglangCache(sglang_scheduler.SglangTree):
         return out
 
     def _tree_pages(self) -> set[int]:
-        return sglang_scheduler.radix_tree_pages(self.tree, self.block_size)
+        return radix_tree_pages(self.tree, self.block_size)
 
     def leak_report(self) -> list[str]:
         """With nothing live: tokens still locked in the tree."""

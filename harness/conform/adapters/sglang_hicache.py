@@ -2,11 +2,11 @@
 0.5.23): a `UnifiedRadixCache` opened as SGLang's registry opens one with
 `--enable-hierarchical-cache` (`mem_cache/registry.py:193-196`: the tree, then
 `init_hicache(server_args, params)`), its host pool on the CPU, the "direct" io backend,
-write-through, the layer-first layout (`host_args`). `sglang_scheduler.HostScheduled`
-is the scheduler adapter over it, each op run as `HostTier.step` (then
-`check_hicache_events`, as `Scheduler` calls it before each step,
-`managers/scheduler.py:3889`), and `ready_to_load_host_cache` once a step's batch is
-formed (`:4354`). The contract's parts are here too: the rule (`HOST_RULE`), where the
+write-through, the layer-first layout (`host_args`). `HostScheduled` (a
+`sglang_scheduler.SglangScheduled`) is the scheduler adapter over it, each op run as
+`HostTier.step` (then `check_hicache_events`, as `Scheduler` calls it before each
+step, `managers/scheduler.py:3889`), and `ready_to_load_host_cache` once a step's batch
+is formed (`:4354`). The contract's parts are here too: the rule (`HOST_RULE`), where the
 adapter opens a host tier (`honoured`) and what blocks it elsewhere (`blocked_reason`).
 
 Two pieces of SGLang's host pool do not run on a CPU, and the adapter replaces them for
@@ -25,9 +25,12 @@ its own calls only (the contract's `replicated` lists both, `REPLICATED`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+from harness.conform.adapters.sglang_scheduler import SglangScheduled
+from harness.conform.protocol import Admission, Scope
 
 REGISTER_STUB = (
     "pool_host/common.py _cuda_host_register is a no-op while the host pool is built "
@@ -232,3 +235,57 @@ class HostTier:
                 seen.add((s // P, d // P))
                 self.write({"kind": kind, "seq_id": "CACHE", "tokens": [],
                             "num_tokens": P, "block_ids": [s // P, d // P]})
+
+
+class HostScheduled(SglangScheduled):
+    """`SglangScheduled` over a hierarchical `UnifiedRadixCache` (full attention) with a
+    host tier of `contract.host_blocks` pages beyond the device's: each op runs as
+    `HostTier.step`, and a scheduled extend starts its load-back as the scheduler does
+    once a step's batch is formed (`ready_to_load_host_cache`)."""
+
+    def _host_args(self) -> dict[str, Any]:
+        assert self._contract.host_blocks is not None, "a host tier's contract has its size"
+        return host_args(self._contract.host_blocks, self.num_blocks)
+
+    def _open_unified(self, params: Any) -> Any:
+        """The tree with its host tier (`HostTier.open_tree`)."""
+        self.host = HostTier(self.n.torch, self.kv, self.block_size, self._write)
+        return self.host.open_tree(self.s.UnifiedRadixCache, self.n.server_args, params)
+
+    def _schedule(self, req: Any, chunk: int | None) -> Any:
+        batch = super()._schedule(req, chunk)
+        if batch is not None:
+            self.tree.ready_to_load_host_cache()
+        return batch
+
+    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
+              first_chunk: int | None) -> Admission | None:
+        with self.host.step():
+            return super().admit(seq_id, tokens, scope, first_chunk)
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        with self.host.step():
+            out = super().reserve(seq_id, num_tokens)
+            if out is not None:
+                self.tree.ready_to_load_host_cache()
+            return out
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        with self.host.step():
+            super().commit(seq_id, num_tokens)
+
+    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
+        with self.host.step():
+            return super().append(seq_id, tokens)
+
+    def free(self, seq_id: Hashable) -> None:
+        with self.host.step():
+            super().free(seq_id)
+
+    def preempt(self, seq_id: Hashable) -> None:
+        with self.host.step():
+            super().preempt(seq_id)
+
+    def evict(self, num_blocks: int) -> int:
+        with self.host.step():
+            return super().evict(num_blocks)

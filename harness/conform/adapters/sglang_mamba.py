@@ -1,6 +1,9 @@
-"""What a FULL+MAMBA `UnifiedRadixCache` needs of the SGLang scheduler adapter beyond the
-full-attention path (`sglang_scheduler.SglangScheduled` opened with a `state_interval`;
-runs in an SGLang venv, 0.5.23):
+"""SGLang's own scheduler code over a FULL+MAMBA `UnifiedRadixCache` (0.5.23; runs in an
+SGLang venv): `MambaScheduled`, `sglang_scheduler.SglangScheduled` opened with a
+`state_interval`, over SGLang's default hybrid Mamba pools (`HybridReqToTokenPool` with
+its `MambaPool`, `HybridLinearKVPool`), its extra buffer on and its state block
+`state_interval` pages, its rule `MAMBA_RULE`; with a window too, FULL+SWA+MAMBA
+(`WindowMambaScheduled`). What it needs beyond the full-attention path:
 
 - `unpinned`: a decode step's `ScheduleBatch.prepare_for_decode` page-locks the Mamba
   track mask before copying it to the device (`managers/schedule_batch.py:3830`,
@@ -28,6 +31,28 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from harness.conform.adapters.sglang_scheduler import (
+    MAX_CONTEXT,
+    MAX_REQUESTS,
+    LiveRequest,
+    SglangScheduled,
+)
+from harness.conform.adapters.sglang_window import WindowScheduled
+
+# SGLang's Mamba snapshot rule (0.5.23, extra buffer), each part where its own code says
+# so; the contract's `state_interval` citation (its `state_rule` "extend-end")
+MAMBA_RULE = (
+    "UnifiedRadixCache(FULL, MAMBA, enable_mamba_extra_buffer) over HybridReqToTokenPool + "
+    "HybridLinearKVPool (kv_cache_configurator.py _build_hybrid_req_pool): states lie on "
+    "the grid g = lcm(mamba_cache_chunk_size, page) (runtime_context.py:1958-1971); an "
+    "extend keeps one, at prefix_len + floor(extend_len / g) * g, none when shorter "
+    "than g (managers/schedule_batch.py:3175-3183, :3232), or the branching point its "
+    "match named when that lies inside it on its grid (unified_cache/components/"
+    "mamba.py:176-194, schedule_batch.py:3216-3231); checkpoint_kv_cache inserts the "
+    "full KV only up to the last state (mamba.py prepare_for_caching_req), a finished "
+    "request donates its last state (mamba.py:582-612 _select_finished_checkpoint); a "
+    "match ends on the deepest kept state")
 
 # the contract's `replicated` entry for `unpinned` (what, the engine code it stands in
 # for, why)
@@ -129,3 +154,84 @@ def gauges(rows: Any, tree: Any) -> dict[str, int | float]:
     return {"mamba_available_size": rows.mamba_allocator.available_size(),
             "mamba_evictable_size": tree.mamba_evictable_size(),
             "mamba_protected_size": tree.mamba_protected_size()}
+
+
+class MambaScheduled(SglangScheduled):
+    """`SglangScheduled` over a UnifiedRadixCache with its MAMBA component too (a state
+    block of `contract.state_interval` pages), over SGLang's hybrid Mamba pools (its
+    Mamba layer `mamba_layer`)."""
+
+    mamba_layer = 1  # layer 0 full attention
+
+    def _state_tokens(self) -> int | None:
+        assert self._contract.state_interval is not None
+        return self._contract.state_interval * self.block_size
+
+    def _request_pool(self) -> Any:
+        """A hybrid Mamba model's request pool, as SGLang's server builds it by default:
+        it holds the Mamba pool, with slots for each request row, its two extra-buffer
+        slots and a state per page the tree can hold, so the tree never evicts a state
+        for want of slots."""
+        n = self.n
+        assert n.mamba is not None and self.tree_kind == "unified", "no MAMBA tree here"
+        rows, _, params, shape = n.mamba[:4]
+        state = params(shape=shape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
+                                          num_heads=2, head_dim=16, state_size=8,
+                                          conv_kernel=4), layers=[self.mamba_layer])
+        return rows(size=MAX_REQUESTS, mamba_size=3 * MAX_REQUESTS + self.num_blocks,
+                    mamba_spec_state_size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
+                    device="cpu", enable_memory_saver=False, cache_params=state,
+                    mamba_layer_ids=[self.mamba_layer], enable_mamba_extra_buffer=True,
+                    enable_overlap_schedule=False)
+
+    def _kv_pools(self) -> tuple[Any, Any, Any]:
+        """A hybrid Mamba model's KV pool (layer 0 full attention; layer 1 Mamba, in the
+        request pool) and its page allocator, as SGLang's server builds them by
+        default."""
+        n, P = self.n, self.block_size
+        assert n.mamba is not None
+        kv = n.mamba[1](size=self.num_blocks * P, dtype=n.torch.float16, page_size=P,
+                        head_num=1, head_dim=8, full_attention_layer_ids=[0], device="cpu",
+                        enable_memory_saver=False, mamba_pool=self.rows.mamba_pool)
+        alloc = n.PagedAllocator(self.num_blocks * P, P, n.torch.float16, "cpu", kv,
+                                 need_sort=False)
+        return kv, alloc, alloc
+
+    def _components(self) -> tuple[Any, ...]:
+        return (*super()._components(), self.n.mamba[4])  # type: ignore[index]
+
+    def _tree_params(self) -> dict[str, Any]:
+        return {**super()._tree_params(), "enable_mamba_extra_buffer": True}
+
+    def _refused(self, req: Any) -> None:
+        drop_waiting(self.n.common, self.tree, req)
+
+    def _prepare_decode(self, batch: Any) -> None:
+        """`prepare_for_decode` with its track mask not page-locked where no accelerator
+        is (`unpinned`)."""
+        with unpinned(self.n.torch):
+            super()._prepare_decode(batch)
+
+    def _decode_result(self, live: LiveRequest) -> None:
+        """The result processor records the state the step tracked
+        (`track_decode_state`)."""
+        super()._decode_result(live)
+        assert self.n.mamba is not None
+        track_decode_state(self.n.mamba[5], self.tree, live.req, live.batch)
+
+    def _gauges(self) -> dict[str, int | float]:
+        return {**super()._gauges(), **gauges(self.rows, self.tree)}
+
+    def _problems(self) -> list[str]:
+        return super()._problems() + slot_problems(
+            self.rows, self.tree, [live.req for live in self._live.values()])
+
+
+class WindowMambaScheduled(MambaScheduled, WindowScheduled):
+    """FULL+SWA+MAMBA: the window's KV pools (`WindowScheduled`) over the Mamba request
+    pool, the Mamba layer layer 2 (as SGLang's server pools a hybrid SWA and Mamba model
+    by default, kv_cache_configurator.py _build_hybrid_swa_kv_pool and
+    _build_hybrid_req_pool); every other hook is both classes' in turn."""
+
+    mamba_layer = 2  # layer 0 full attention, layer 1 the window
+    _kv_pools = WindowScheduled._kv_pools

@@ -24,14 +24,11 @@ than copying it (runs in an SGLang venv whose lock keeps the real device pools):
   tokens enter the tree only then), an aborted one `release_kv_cache(checkpoint=False)`,
   a preempted one `release_req` (SGLang's retraction), resumed as the same `Req`;
 - the tree is `RadixCache` or `UnifiedRadixCache` (full attention), built with
-  `KvEventLoraNames` that the adapter fills as the scheduler does; a `UnifiedRadixCache`
-  opened with a window is FULL+SWA over SGLang's default hybrid sliding-window pools
-  (`SWAKVPool`, `SWATokenToKVPoolAllocator`), its rule `WINDOW_RULE`; one opened with a
-  `state_interval` is FULL+MAMBA over SGLang's default hybrid Mamba pools
-  (`HybridReqToTokenPool` with its `MambaPool`, `HybridLinearKVPool`), its extra
-  buffer on and its state block state_interval pages (`MAMBA_RULE`); one opened with
-  `host_blocks` is a hierarchical one with its host pool on the CPU (`HostScheduled`,
-  its pieces and rule in `sglang_hicache`).
+  `KvEventLoraNames` that the adapter fills as the scheduler does. A UnifiedRadixCache
+  opened with more is a subclass's, through `SglangScheduled`'s hooks: with a window
+  FULL+SWA (`sglang_window`), with a `state_interval` FULL+MAMBA (`sglang_mamba`), with
+  `host_blocks` a hierarchical one (`sglang_hicache`); `sglang_options` chooses it
+  and writes its contract. `SchedulerNames` says which of them this release has.
 
 What stays replicated is listed in `REPLICATED` (the contract's `replicated`). The
 admission budget reserves no decode tokens (`SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=0`,
@@ -50,16 +47,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harness.conform.adapters import sglang_hicache, sglang_mamba
-from harness.conform.protocol import (
-    Admission,
-    Contract,
-    OptionName,
-    Scope,
-    Stats,
-    event_kind,
-    lora_id_text,
-)
+from harness.conform.adapters.sglang_tree import SglangTree, page_problems, radix_tree_pages
+from harness.conform.protocol import Admission, Contract, Scope, Stats, lora_id_text
 
 # SGLang's admission estimate of the tokens a request will decode, clipped to this
 # (`schedule_policy.CLIP_MAX_NEW_TOKENS`, read at import): none, see the docstring
@@ -218,38 +207,6 @@ def set_environment() -> None:
     os.environ[CLIP_ENV[0]] = CLIP_ENV[1]
 
 
-# SGLang's window rule (0.5.23), each part where its own code says so; the contract's
-# `window` citation
-WINDOW_RULE = (
-    "UnifiedRadixCache(FULL, SWA) over SWAKVPool + SWATokenToKVPoolAllocator, the "
-    "default pools of a hybrid sliding-window model (mem_cache/kv_cache_configurator.py "
-    "SWATokenToKVPoolAllocator, without --enable-unified-memory): the window group has a "
-    "pool of its own as large as the full group's. A running request frees its own "
-    "slots' window KV only at a decode step's allocation (managers/schedule_batch.py:4087 "
-    "maybe_evict_swa: decode_batch_idx >= 1; an extend frees none where the tree shares "
-    "prefixes, :4107), below seqlen - ceil(max(window, page)) pages, never below what it "
-    "checkpointed into the tree (mem_cache/common.py:100-118 free_swa_out_of_window_slots); "
-    "what is in the tree keeps its window KV, locked for the window and LRU-evictable "
-    "below it, where an eviction tombstones an inner node (its full KV stays; "
-    "unified_cache/components/swa.py:694-724 evict_component); a match ends only where "
-    "the window before it has window KV (swa.py:369-375 create_match_validator)")
-
-
-# SGLang's Mamba snapshot rule (0.5.23, extra buffer), each part where its own code says
-# so; the contract's `state_interval` citation (its `state_rule` "extend-end")
-MAMBA_RULE = (
-    "UnifiedRadixCache(FULL, MAMBA, enable_mamba_extra_buffer) over HybridReqToTokenPool + "
-    "HybridLinearKVPool (kv_cache_configurator.py _build_hybrid_req_pool): states lie on "
-    "the grid g = lcm(mamba_cache_chunk_size, page) (runtime_context.py:1958-1971); an "
-    "extend keeps one, at prefix_len + floor(extend_len / g) * g, none when shorter "
-    "than g (managers/schedule_batch.py:3175-3183, :3232), or the branching point its "
-    "match named when that lies inside it on its grid (unified_cache/components/"
-    "mamba.py:176-194, schedule_batch.py:3216-3231); checkpoint_kv_cache inserts the "
-    "full KV only up to the last state (mamba.py prepare_for_caching_req), a finished "
-    "request donates its last state (mamba.py:582-612 _select_finished_checkpoint); a "
-    "match ends on the deepest kept state")
-
-
 def server_budget(chunk_budget: int | None, page_size: int) -> int | None:
     """The `--chunked-prefill-size` a server takes for an asked `chunk_budget`: whole
     pages (SGLang's validation refuses any other, arg_groups/validation_hook.py:244
@@ -260,19 +217,13 @@ def server_budget(chunk_budget: int | None, page_size: int) -> int | None:
     return max(chunk_budget // page_size, 1) * page_size
 
 
-def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
-             window: int | None = None, chunk_budget: int | None = None,
-             state_interval: int | None = None, host_blocks: int | None = None) -> Contract:
-    """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
-    `tree_kind`; with `window` (tokens), over a full-and-window UnifiedRadixCache
-    (only where `names.swa` and the tree is "unified": `options` says so); with
-    `chunk_budget` (tokens, whole pages: `server_budget`), PrefillAdder cutting the
-    chunks ("page-budget"), else the caller ("caller-page-floor"); with
-    `state_interval` (pages), over a full-and-Mamba one (where `names.mamba`); with a
-    window too, over a FULL+SWA+MAMBA one; with `host_blocks` (pages), over a
-    hierarchical full-attention one (`HostScheduled`, where `sglang_hicache.honoured`;
-    opened apart from a window or a state_interval, so `options` leaves those out of a
-    host tier's contract and host_blocks out of theirs)."""
+def contract(base: Contract, names: SchedulerNames, chunk_budget: int | None = None
+             ) -> Contract:
+    """`base` (the tree's contract) as SGLang's scheduler code makes it over its
+    full-attention component: with `chunk_budget` (tokens, whole pages:
+    `server_budget`), PrefillAdder cutting the chunks ("page-budget"), else the caller
+    ("caller-page-floor"). The options beyond the chunk budget, and what each adds, are
+    `sglang_options.contract`'s."""
     citations = (*base.citations,
                  ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
                                   "(batch_result_processor.py, Scheduler.stash_chunked_"
@@ -310,142 +261,18 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                                               "_namespace_seed: the default format "
                                               "namespaces an extra key KvEventLoraNames "
                                               "names (a LoRA's), not a caller's own"),)
-    options: tuple[OptionName, ...] = ("chunk_budget",)
-    if names.swa is not None and tree_kind == "unified":
-        options = ("window", *options)
-    notes = (*base.notes, "SGLang's scheduler functions drive the tree")
-    if names.mamba is not None and tree_kind == "unified":
-        options = (*options, "state_interval")
-    elif tree_kind == "unified":
-        notes += (f"no state_interval: {names.no_mamba}",)
-    if not sglang_hicache.honoured(names.hicache, tree_kind, base.version):
-        citations += (sglang_hicache.blocked_reason(base.version, tree_kind),)
-    elif host_blocks is not None:  # a host tier is opened only apart from the others
-        options = tuple(x for x in options if x not in ("window", "state_interval"))
-        options = (*options, "host_blocks")
-    elif window is None and state_interval is None:
-        options = (*options, "host_blocks")
-    replicated = REPLICATED if state_interval is None \
-        else (*REPLICATED, sglang_mamba.PIN_STUB)
-    if host_blocks is not None:
-        citations += (("host_blocks", sglang_hicache.HOST_RULE), *sglang_hicache.RULES)
-        replicated = (*replicated, *sglang_hicache.REPLICATED)
-    if window is not None:
-        citations += (("window", WINDOW_RULE),)
-    if state_interval is not None:
-        citations += (("state_interval", MAMBA_RULE),)
     return replace(base, matchable_at="extend", decode_steps=True, refusal_evicts=True,
                    preemption="retracts-decode",
                    chunking="caller-page-floor" if chunk_budget is None else "page-budget",
                    chunk_budget=chunk_budget,
                    admission_fits="prompt", admission_reserve=2,
-                   limitations=limitations, event_fields=fields,
-                   replicated=replicated, host_blocks=host_blocks,
-                   citations=citations, options=options,
-                   window=window, state_interval=state_interval,
-                   state_rule="extend-end" if state_interval is not None else "every-k",
-                   window_layout="window-pool" if window is not None else "window-only",
-                   notes=notes)
-
-
-def radix_tree_pages(tree: Any, page_size: int) -> set[int]:
-    """The pages a RadixCache's nodes hold, its nodes walked (its all_values_flatten fails
-    on an empty tree)."""
-    pages: set[int] = set()
-    stack = [tree.root_node]
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        if node is not tree.root_node and node.value is not None:
-            pages |= {int(x) // page_size for x in node.value.tolist()}
-    return pages
-
-
-def page_problems(held: list[int], free_list: list[int], tree_pages: set[int],
-                  num_pages: int, holders: str) -> list[str]:
-    """What is wrong with the ownership of pages 1..num_pages (page 0 is SGLang's
-    padding): each must be free (`free_list`, a page listed twice is free twice), in the
-    tree (`tree_pages`) or held by one of the `holders` (`held`: a page once per holder
-    that holds it), never two of these. Empty when all is well."""
-    out: list[str] = []
-    free = set(free_list)
-    if len(held) != len(set(held)):
-        out.append(f"pages held by two {holders}: {sorted(held)}")
-    if len(free_list) != len(free):
-        out.append(f"pages free twice: {sorted(p for p in free if free_list.count(p) > 1)}")
-    for what, a, b in (("held and free", set(held), free),
-                       ("in the tree and free", tree_pages, free),
-                       ("held and in the tree", set(held), tree_pages)):
-        if a & b:
-            out.append(f"pages both {what}: {sorted(a & b)}")
-    lost = set(range(1, num_pages + 1)) - set(held) - tree_pages - free
-    if lost:
-        out.append(f"pages owned by nobody (leaked): {sorted(lost)}")
-    return out
-
-
-class SglangTree:
-    """What the two SGLang adapters share over one tree: the retracted sequences, the
-    harness log, eviction, the events, the contract and the harness's gauges. A subclass
-    sets `tree`, `block_size`, `num_blocks`, `record`, `_contract`, `_preempted` and
-    `_log`, and defines `_evict_tokens`, `used_blocks` and `stats`."""
-
-    tree: Any
-    block_size: int
-    num_blocks: int
-    record: bool
-    _contract: Contract
-    _preempted: list[Hashable]
-    _log: list[dict[str, Any]]
-
-    @property
-    def contract(self) -> Contract:
-        """The contract of this release and tree."""
-        return self._contract
-
-    def _evict_tokens(self, num_tokens: int) -> int:
-        raise NotImplementedError
-
-    def used_blocks(self) -> int:
-        raise NotImplementedError
-
-    def _total(self) -> int:
-        """Tokens in the tree (a unified tree's `total_size` is per component: its first)."""
-        total = self.tree.total_size()
-        return int(total[0] if isinstance(total, tuple) else total)
-
-    def _harness_stats(self) -> dict[str, int | float]:
-        """The harness's gauges, in blocks."""
-        P, used = self.block_size, self.used_blocks()
-        return {"maxNumBlocks": self.num_blocks, "usedNumBlocks": used,
-                "freeNumBlocks": self.num_blocks - used, "cachedNumBlocks": self._total() // P,
-                "tokensPerBlock": P}
-
-    def take_preempted(self) -> list[Hashable]:
-        """The sequences `preempt` retracted since the last call."""
-        out, self._preempted = self._preempted, []
-        return out
-
-    def evict(self, num_blocks: int) -> int:
-        """The tree's `evict(num_tokens)`: whole leaves, so possibly more than asked."""
-        return self._evict_tokens(num_blocks * self.block_size) // self.block_size
-
-    def take_events(self) -> list[dict[str, Any]]:
-        """SGLang's KV events as the harness's dicts (hashes as text)."""
-        return [normalise_event(e) for e in self.tree.take_events()] if self.record else []
-
-    def take_log(self) -> list[dict[str, Any]]:
-        """The harness log since the last call."""
-        out, self._log = self._log, []
-        return out
-
-    def cached_hashes(self) -> None:
-        """The tree's state names no event hashes (they are computed as events go)."""
-        return None
+                   limitations=limitations, event_fields=fields, replicated=REPLICATED,
+                   citations=citations, options=("chunk_budget",),
+                   notes=(*base.notes, "SGLang's scheduler functions drive the tree"))
 
 
 @dataclass
-class _Live:
+class LiveRequest:
     """One live request."""
 
     req: Any  # SGLang's Req
@@ -461,124 +288,106 @@ class _Live:
 class SglangScheduled(SglangTree):
     """`CacheUnderTest` over SGLang's scheduler functions and one fresh tree
     (`tree_kind` "radix": RadixCache, "unified": UnifiedRadixCache's full-attention
-    component), page_size = block_size; with `window` its SWA component too, with
-    `state_interval` (pages per Mamba state block) its MAMBA component."""
+    component), page_size = block_size, opened as `contract` says (its `chunk_budget`,
+    whole pages: `server_budget`; the options that make another tree are its
+    subclasses': `sglang_window.WindowScheduled`, `sglang_mamba.MambaScheduled`,
+    `sglang_hicache.HostScheduled`, chosen by `sglang_options.scheduled`).
 
-    def __init__(self, s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
-                 num_blocks: int, block_size: int, record: bool,
-                 window: int | None = None, chunk_budget: int | None = None,
-                 state_interval: int | None = None) -> None:
+    What a subclass's tree adds, it adds through these hooks (each doing what the plain
+    full-attention path does): `_state_tokens` and `_host_args` (the published config),
+    `_request_pool` and `_kv_pools` (SGLang's pools), `_components`, `_tree_params` and
+    `_open_unified` (the tree), `_refused`, `_prepare_decode` and `_decode_result` (the
+    steps), `_gauges` and `_problems` (the stats and the integrity check)."""
+
+    def __init__(self, s: Any, names: SchedulerNames, tree_kind: str, contract: Contract,
+                 num_blocks: int, block_size: int, record: bool) -> None:
         self.s, self.n = s, names  # the tree's names (SglangNames), the scheduler's
         self.tree_kind = tree_kind
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.record = record
-        torch = names.torch
-        P = block_size
-        self.window, self.state_interval = window, state_interval
-        self.chunk_budget = server_budget(chunk_budget, P)  # each step's, or the op's
-        state_tokens = None if state_interval is None else state_interval * P
-        names.publish_config(block_size, state_tokens, self._host_args())
-        if state_interval is not None:
-            assert names.mamba is not None and tree_kind == "unified", "no MAMBA tree here"
-            self.rows = self._mamba_rows(names, num_blocks, 1 if window is None else 2)
-        else:
-            self.rows = names.ReqToTokenPool(size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
-                                             device="cpu", enable_memory_saver=False)
-        if window is None and state_interval is not None:
-            self._open_mamba_kv(names, num_blocks, P)
-        elif window is None:
-            self.kv = names.MHATokenToKVPool(num_blocks * P, P, torch.float16, head_num=1,
-                                             head_dim=8, layer_num=1, device="cpu",
-                                             enable_memory_saver=False)
-            self.alloc = names.PagedAllocator(num_blocks * P, P, torch.float16, "cpu",
-                                              self.kv, need_sort=False)
-            self.full = self.alloc  # the full-attention pages' allocator
-        else:  # layer 0 full attention, layer 1 the window; a pool each, equal sizes
-            # (with a state_interval, layer 2 Mamba: its states in the request pool, as
-            # SGLang's server pools a hybrid SWA and Mamba model by default,
-            # kv_cache_configurator.py _build_hybrid_swa_kv_pool and
-            # _build_hybrid_req_pool)
-            assert names.swa is not None and tree_kind == "unified", "no SWA tree here"
-            pool, allocator, _ = names.swa
-            self.kv = pool(size=num_blocks * P, size_swa=num_blocks * P, page_size=P,
-                           dtype=torch.float16, head_num=1, head_dim=8,
-                           swa_attention_layer_ids=[1], full_attention_layer_ids=[0],
-                           device="cpu", enable_memory_saver=False)
-            self.alloc = allocator(num_blocks * P, num_blocks * P, page_size=P,
-                                   dtype=torch.float16, device="cpu", kvcache=self.kv,
-                                   need_sort=False, req_to_token_pool=self.rows)
-            self.full = self.alloc.full_attn_allocator
+        self._contract = contract
+        self.chunk_budget = contract.chunk_budget  # each step's, or the op's
+        names.publish_config(block_size, self._state_tokens(), self._host_args())
+        self.rows = self._request_pool()
+        self.kv, self.alloc, self.full = self._kv_pools()  # full: the full-attention pages'
         self.lora_names = names.LoraNames()
         self.tree = self._build_tree()
         self.model = _ModelShape(vocab_size=1 << 20, is_encoder_decoder=False,
-                                 hf_text_config=_TextConfig(state_tokens or P))
-        self._contract = contract(base, names, tree_kind, self.window, self.chunk_budget,
-                                  self.state_interval, self.host_blocks)
-        self._live: dict[Hashable, _Live] = {}
+                                 hf_text_config=_TextConfig(self._state_tokens() or block_size))
+        self._live: dict[Hashable, LiveRequest] = {}
         self._retracted: dict[Hashable, Any] = {}  # seq -> its retracted Req
         self._preempted: list[Hashable] = []  # retracted since take_preempted
         self._log: list[dict[str, Any]] = []
 
-    host_blocks: int | None = None  # a host tier's pages (HostScheduled's)
+    # -- the hooks of a tree with more than full attention -----------------------------------
+
+    def _state_tokens(self) -> int | None:
+        """Tokens per Mamba state block (none here: `MambaScheduled`'s)."""
+        return None
 
     def _host_args(self) -> dict[str, Any] | None:
         """The ServerArgs of the cache's host tier (none here: `HostScheduled`'s)."""
         return None
 
-    def _mamba_rows(self, names: SchedulerNames, num_blocks: int, layer: int) -> Any:
-        """A hybrid Mamba model's request pool (its Mamba layer `layer`), as SGLang's
-        server builds it by default: it holds the Mamba pool, with slots for each request
-        row, its two extra-buffer slots and a state per page the tree can hold, so the
-        tree never evicts a state for want of slots."""
-        assert names.mamba is not None
-        rows, _, params, shape = names.mamba[:4]
-        state = params(shape=shape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
-                                          num_heads=2, head_dim=16, state_size=8,
-                                          conv_kernel=4), layers=[layer])
-        return rows(size=MAX_REQUESTS, mamba_size=3 * MAX_REQUESTS + num_blocks,
-                    mamba_spec_state_size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
-                    device="cpu", enable_memory_saver=False, cache_params=state,
-                    mamba_layer_ids=[layer], enable_mamba_extra_buffer=True,
-                    enable_overlap_schedule=False)
+    def _request_pool(self) -> Any:
+        """SGLang's request pool: a `ReqToTokenPool` of `MAX_REQUESTS` rows."""
+        return self.n.ReqToTokenPool(size=MAX_REQUESTS, max_context_len=MAX_CONTEXT,
+                                     device="cpu", enable_memory_saver=False)
 
-    def _open_mamba_kv(self, names: SchedulerNames, num_blocks: int, P: int) -> None:
-        """A hybrid Mamba model's KV pool (layer 0 full attention; layer 1 Mamba, in the
-        request pool) and its page allocator, as SGLang's server builds them by
-        default."""
-        assert names.mamba is not None
-        kv, torch = names.mamba[1], names.torch
-        self.kv = kv(size=num_blocks * P, dtype=torch.float16, page_size=P, head_num=1,
-                     head_dim=8, full_attention_layer_ids=[0], device="cpu",
-                     enable_memory_saver=False, mamba_pool=self.rows.mamba_pool)
-        self.alloc = names.PagedAllocator(num_blocks * P, P, torch.float16, "cpu", self.kv,
-                                          need_sort=False)
-        self.full = self.alloc
+    def _kv_pools(self) -> tuple[Any, Any, Any]:
+        """(KV pool, allocator, the full-attention pages' allocator): a one-layer
+        `MHATokenToKVPool` and a `PagedTokenToKVPoolAllocator` over it (the same)."""
+        n, P = self.n, self.block_size
+        kv = n.MHATokenToKVPool(self.num_blocks * P, P, n.torch.float16, head_num=1,
+                                head_dim=8, layer_num=1, device="cpu",
+                                enable_memory_saver=False)
+        alloc = n.PagedAllocator(self.num_blocks * P, P, n.torch.float16, "cpu", kv,
+                                 need_sort=False)
+        return kv, alloc, alloc
+
+    def _components(self) -> tuple[Any, ...]:
+        """A UnifiedRadixCache's components, in SGLang's order: FULL here."""
+        return (self.s.FULL,)
+
+    def _tree_params(self) -> dict[str, Any]:
+        """The `CacheInitParams` a UnifiedRadixCache's components add: none here."""
+        return {}
 
     def _build_tree(self) -> Any:
-        n, s, P = self.n, self.s, self.block_size
+        n, s = self.n, self.s
         params: dict[str, Any] = dict(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
-            page_size=P, enable_kv_cache_events=self.record,
+            page_size=self.block_size, enable_kv_cache_events=self.record,
             kv_event_lora_names=self.lora_names)
-        if self.state_interval is not None:  # FULL, MAMBA; with a window FULL, SWA, MAMBA
-            assert n.mamba is not None
-            window: dict[str, Any] = {}
-            if self.window is not None:
-                assert n.swa is not None
-                window = {"sliding_window_size": self.window}
-            components = (s.FULL, *((n.swa[2],) if window else ()), n.mamba[4])  # type: ignore[index]
-            return s.UnifiedRadixCache(n.CacheInitParams(
-                **params, **window, tree_components=components,
-                enable_mamba_extra_buffer=True))
-        if self.tree_kind == "unified" and self.window is not None:
-            assert n.swa is not None
-            return s.UnifiedRadixCache(n.CacheInitParams(
-                **params, sliding_window_size=self.window, tree_components=(s.FULL, n.swa[2])))
         if self.tree_kind == "unified":
-            return s.UnifiedRadixCache(n.CacheInitParams(**params,
-                                                         tree_components=(s.FULL,)))
+            return self._open_unified(n.CacheInitParams(
+                **params, **self._tree_params(), tree_components=self._components()))
         return s.RadixCache(n.CacheInitParams(**params))
+
+    def _open_unified(self, params: Any) -> Any:
+        """A UnifiedRadixCache from its `CacheInitParams`."""
+        return self.s.UnifiedRadixCache(params)
+
+    def _refused(self, req: Any) -> None:
+        """A request the adder did not admit leaves the queue: nothing to give back here."""
+
+    def _prepare_decode(self, batch: Any) -> None:
+        """A decode step's allocation: `prepare_for_decode`."""
+        batch.prepare_for_decode()
+
+    def _decode_result(self, live: LiveRequest) -> None:
+        """A decode step's forward pass is done: the full-attention path's result touches
+        no cache."""
+        live.decoding = False
+
+    def _gauges(self) -> dict[str, int | float]:
+        """The gauges of the tree's other components and their pools: none here."""
+        return {}
+
+    def _problems(self) -> list[str]:
+        """What is wrong with the tree's other components and their pools: nothing here."""
+        return []
 
     # -- for the self-test -----------------------------------------------------------------
 
@@ -725,12 +534,11 @@ class SglangScheduled(SglangTree):
             else max(first_chunk, self.block_size)
         batch = self._schedule(req, chunk)
         if batch is None:
-            if self.state_interval is not None:
-                sglang_mamba.drop_waiting(self.n.common, self.tree, req)
+            self._refused(req)
             if resumed is not None:
                 self._retracted[seq_id] = resumed
             return None
-        live = _Live(req, batch, scope, len(tokens))
+        live = LiveRequest(req, batch, scope, len(tokens))
         live.ids = self._pages(self._row(req, req.extend_end))
         self._live[seq_id] = live
         self._write({"kind": "admit", "seq_id": seq_id, "tokens": tokens,
@@ -786,7 +594,7 @@ class SglangScheduled(SglangTree):
         self.n.common.checkpoint_kv_cache(req, self.tree)
         self._log_commit(seq_id, live, req.extend_end, self._row(req, req.extend_end))
 
-    def _log_commit(self, seq_id: Hashable, live: _Live, num_tokens: int,
+    def _log_commit(self, seq_id: Hashable, live: LiveRequest, num_tokens: int,
                     row: list[int]) -> None:
         event: dict[str, Any] = {"kind": "commit", "seq_id": seq_id, "num_tokens": num_tokens}
         ids = self._pages(row)
@@ -814,24 +622,6 @@ class SglangScheduled(SglangTree):
         self._write({"kind": "append", "seq_id": seq_id, "tokens": [token],
                      "block_ids": added})
         return tuple(added)
-
-    def _prepare_decode(self, batch: Any) -> None:
-        """`prepare_for_decode`; on a Mamba cache with its track mask not page-locked
-        where no accelerator is (`sglang_mamba.unpinned`)."""
-        if self.state_interval is None:
-            batch.prepare_for_decode()
-            return
-        with sglang_mamba.unpinned(self.n.torch):
-            batch.prepare_for_decode()
-
-    def _decode_result(self, live: _Live) -> None:
-        """A decode step's forward pass is done: on a Mamba cache the result processor
-        records the state the step tracked (`sglang_mamba.track_decode_state`); the
-        full-attention path's result touches no cache."""
-        live.decoding = False
-        if self.state_interval is not None:
-            assert self.n.mamba is not None
-            sglang_mamba.track_decode_state(self.n.mamba[5], self.tree, live.req, live.batch)
 
     def free(self, seq_id: Hashable) -> None:
         """A request every token of which is computed finishes:
@@ -868,13 +658,7 @@ class SglangScheduled(SglangTree):
         engine: dict[str, int | float] = {
             "evictable_size": self.tree.evictable_size(),
             "protected_size": self.tree.protected_size(), "total_size": self._total(),
-            "available_size": self.full.available_size()}
-        if self.window is not None:
-            engine.update(swa_available_size=self.alloc.swa_available_size(),
-                          swa_evictable_size=self.tree.swa_evictable_size(),
-                          swa_protected_size=self.tree.swa_protected_size())
-        if self.state_interval is not None:
-            engine.update(sglang_mamba.gauges(self.rows, self.tree))
+            "available_size": self.full.available_size(), **self._gauges()}
         return Stats(engine, self._harness_stats())
 
     def used_blocks(self) -> int:
@@ -900,35 +684,11 @@ class SglangScheduled(SglangTree):
         out = page_problems(self._held(), free_list, self._tree_pages(), self.num_blocks,
                             "requests")
         t = self.tree
-        if self.window is not None:
-            out += self._window_integrity()
-        if self.state_interval is not None:
-            out += sglang_mamba.slot_problems(self.rows, self.tree,
-                                              [live.req for live in self._live.values()])
+        out += self._problems()
         if t.evictable_size() + t.protected_size() != self._total():
             out.append(f"evictable {t.evictable_size()} + protected {t.protected_size()} "
                        f"!= total {self._total()}")
         return out
-
-    def _window_integrity(self) -> list[str]:
-        """The window pool's pages in use are the tree's window pages (evictable and
-        protected) and those live requests hold of their own: their rows past what they
-        checkpointed, less what SGLang freed below the window ([swa_dead_lo, the
-        request's SWA eviction cursor))."""
-        P, swa = self.block_size, self.n.swa[2]  # type: ignore[index]
-        held = 0
-        for live in self._live.values():
-            kv = live.req.kv
-            lo, hi = kv.swa_dead_lo(P), kv.get_evicted_seqlen(swa)
-            row = self._row(live.req, kv.kv_allocated_len)
-            held += len({row[i] // P for i in range(kv.cache_protected_len, len(row))
-                         if not lo <= i < hi})
-        used = self.num_blocks - self.alloc.swa_available_size() // P
-        tree = (self.tree.swa_evictable_size() + self.tree.swa_protected_size()) // P
-        if used != tree + held:
-            return [f"window pool: {used} pages in use, but the tree holds {tree} and live "
-                    f"requests {held} of their own"]
-        return []
 
     def _tree_pages(self) -> set[int]:
         """The pages the tree holds: RadixCache's nodes walked (its all_values_flatten
@@ -966,90 +726,3 @@ class _ModelShape:
     vocab_size: int
     is_encoder_decoder: bool
     hf_text_config: _TextConfig
-
-
-def _text(h: Any) -> str | None:
-    if h is None:
-        return None
-    return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
-
-
-def normalise_event(event: Any) -> dict[str, Any]:
-    """One of SGLang's KV events as the harness's dict (hashes as text; the fields beyond
-    the hash a release does not have are None)."""
-    kind = event_kind(event)
-    out: dict[str, Any] = {"type": kind}
-    if kind in ("BlockStored", "BlockRemoved"):
-        out["block_hashes"] = [_text(h) for h in event.block_hashes]
-        medium = getattr(event, "medium", None)
-        out["medium"] = "GPU" if medium is None else str(getattr(medium, "value", medium))
-    if kind == "BlockStored":
-        out.update(parent_block_hash=_text(event.parent_block_hash),
-                   token_ids=[int(t) for t in event.token_ids], block_size=event.block_size,
-                   salt=None, lora_id=None, lora_name=getattr(event, "lora_name", None),
-                   cache_salt=getattr(event, "cache_salt", None)
-                   or getattr(getattr(event, "metadata", None), "cache_salt", None),
-                   session_id=getattr(event, "session_id", None))
-    return out
-
-
-class HostScheduled(SglangScheduled):
-    """`SglangScheduled` over a hierarchical `UnifiedRadixCache` (full attention) with a
-    host tier of `host_blocks` pages beyond the device's (`sglang_hicache`): each op
-    runs as `HostTier.step`, and a scheduled extend starts its load-back as the
-    scheduler does once a step's batch is formed (`ready_to_load_host_cache`)."""
-
-    def __init__(self, *args: Any, host_blocks: int, **kwargs: Any) -> None:
-        self.host_blocks = host_blocks
-        super().__init__(*args, **kwargs)
-
-    def _host_args(self) -> dict[str, Any]:
-        assert self.host_blocks is not None, "set before SglangScheduled.__init__"
-        return sglang_hicache.host_args(self.host_blocks, self.num_blocks)
-
-    def _build_tree(self) -> Any:
-        n, s = self.n, self.s
-        self.host = sglang_hicache.HostTier(n.torch, self.kv, self.block_size, self._write)
-        params = n.CacheInitParams(
-            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
-            page_size=self.block_size, enable_kv_cache_events=self.record,
-            kv_event_lora_names=self.lora_names, tree_components=(s.FULL,))
-        return self.host.open_tree(s.UnifiedRadixCache, n.server_args, params)
-
-    def _schedule(self, req: Any, chunk: int | None) -> Any:
-        batch = super()._schedule(req, chunk)
-        if batch is not None:
-            self.tree.ready_to_load_host_cache()
-        return batch
-
-    def admit(self, seq_id: Hashable, tokens: Sequence[int], scope: Scope | None,
-              first_chunk: int | None) -> Admission | None:
-        with self.host.step():
-            return super().admit(seq_id, tokens, scope, first_chunk)
-
-    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
-        with self.host.step():
-            out = super().reserve(seq_id, num_tokens)
-            if out is not None:
-                self.tree.ready_to_load_host_cache()
-            return out
-
-    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
-        with self.host.step():
-            super().commit(seq_id, num_tokens)
-
-    def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
-        with self.host.step():
-            return super().append(seq_id, tokens)
-
-    def free(self, seq_id: Hashable) -> None:
-        with self.host.step():
-            super().free(seq_id)
-
-    def preempt(self, seq_id: Hashable) -> None:
-        with self.host.step():
-            super().preempt(seq_id)
-
-    def evict(self, num_blocks: int) -> int:
-        with self.host.step():
-            return super().evict(num_blocks)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.conform.adapters.sglang import SglangCache, SglangNames, TreeSeq
-from harness.conform.adapters.sglang_scheduler import page_problems
+from harness.conform.adapters.sglang_tree import page_problems
 from harness.conform.protocol import Contract, Stats
 from harness.conform.stubs import StubFinder
 

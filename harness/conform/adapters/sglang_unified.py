@@ -1,5 +1,5 @@
 """SGLang's `UnifiedRadixCache` with its full-attention component (and, under SGLang's
-own scheduler code with a window, its SWA component: `sglang_scheduler`) behind the
+own scheduler code with a window, its SWA component: `sglang_window`) behind the
 cache-level protocol (runs in an SGLang venv): the tree 0.5.22 and 0.5.23 build by default
 (`mem_cache/registry.py` `default_radix_cache_factory` -> `create_unified_radix_cache`).
 
@@ -47,7 +47,7 @@ def contract(version: str, block_size: int) -> Contract:
                                      "actions (FreeDeviceKV) free the duplicate slots"))
     return replace(base, engine="sglang_unified", citations=citations,
                    notes=(*base.notes, "the full-attention component; with a window, the SWA "
-                                      "component too (sglang_scheduler.WINDOW_RULE)"))
+                                      "component too (sglang_window.WINDOW_RULE)"))
 
 
 class UnifiedNames(SglangNames):

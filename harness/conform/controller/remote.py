@@ -66,6 +66,7 @@ _FIELDS: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
                  "functions": _OBJECT, "calls": _OBJECT},
     "open": {"contract": _OBJECT},
     "ops": {"reports": _ARRAY},
+    "code": {"functions": _OBJECT, "calls": _OBJECT},
     "bench": {"rows": _ARRAY},
 }
 QUOTED_CHARS = 200  # how much of a malformed reply an error quotes
@@ -249,6 +250,11 @@ class WorkerTarget:
         """The worker's self-test: problems ([] = passed), sources, substitutes."""
         reply = self._call({"cmd": "selftest"}, LOAD_TIMEOUT)
         return {k: v for k, v in reply.items() if k != "ok"}
+
+    def engine_code(self) -> dict[str, Any]:
+        """The open cache's engine code (`worker.selftest.engine_code`)."""
+        reply = self._call({"cmd": "code"})
+        return {"functions": reply["functions"], "calls": reply["calls"]}
 
     def bench(self, quick: bool) -> list[dict[str, Any]]:
         """The benchmark rows, measured inside the worker."""

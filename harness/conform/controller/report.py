@@ -43,7 +43,9 @@ class CheckResult:
     limitation), so a replay judges them again; `known` the finding the harness already
     knows that this is (`harness.conform.controller.known_findings`: its number,
     upstream issue, fix and first fixed release), else empty; `limitation` the upstream
-    link of a known limitation; `also` the other findings of the same run. A check that
+    link of a known limitation; `also` the other findings of the same run; `went_through`
+    the engine functions (`path: Qualified.name`) the op at `step` calls on a cache
+    opened as this one was (`Target.engine_code`), None where the adapter does not say. A check that
     did not pass is written beside the report as its own replay file too
     (`harness.conform.controller.replay_file`)."""
 
@@ -67,6 +69,7 @@ class CheckResult:
     observed: dict[str, Any] = field(default_factory=dict)
     also: tuple[str, ...] = ()
     stats: dict[str, Any] = field(default_factory=dict)
+    went_through: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -191,19 +194,14 @@ def _verdict(report: Report) -> str:
     return f"**violations found** (exit 1): {len(report.failed)} of {n} checks failed"
 
 
-def _went_through(report: Report, c: CheckResult) -> list[str]:
+def _went_through(c: CheckResult) -> list[str]:
     """The engine code the op where `c` shows went through, file by file (what the
-    adapter said in the self-test); [] where the report does not say."""
-    if c.step is None or not 0 <= c.step < len(c.ops):
-        return []
-    kind = c.ops[c.step].get("kind", "")
-    names = report.self_test.get("calls", {}).get(kind)
-    functions = report.self_test.get("functions", {})
-    if names is None:
+    adapter said of the cache it ran on); [] where the report does not say."""
+    if c.step is None or not 0 <= c.step < len(c.ops) or c.went_through is None:
         return []
     by_file: dict[str, list[str]] = {}
-    for name in names:
-        path, _, qualname = functions.get(name, f"?: {name}").partition(": ")
+    for function in c.went_through:
+        path, _, qualname = function.partition(": ")
         by_file.setdefault(path, []).append(qualname)
     where = "; ".join(f"{code(path)}: {', '.join(q)}" for path, q in by_file.items())
     return [f"- the failing op, {code(c.ops_text[c.step])}, goes through "
@@ -298,7 +296,7 @@ def markdown(report: Report) -> list[str]:
         out += [f"{text}    <- {c.oracle} here" if i == c.step else text
                 for i, text in enumerate(c.ops_text)]
         out += ["```", ""]
-        out += _went_through(report, c) + _known(c.known)
+        out += _went_through(c) + _known(c.known)
         out += [f"- also: {a}" for a in c.also] + ([""] if c.also else [])
     if report.bench:
         out += ["## Speed (tokens/s, same process)", ""]

@@ -41,6 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from harness.conform.adapters import ADAPTERS
 from harness.conform.controller import install
 from harness.conform.controller.locks import (
     LOCK_DIR,
@@ -303,12 +304,18 @@ def next_round(problem: str, engine: str, version: str, names: list[str], stubs:
     if problem.startswith("selftest:"):  # it loaded: the adapter's calls do not fit
         raise ResolveError(
             f"{engine} {version} loads, but the adapter's probe of its API fails: the "
-            f"adapter (harness/conform/adapters/{engine}.py) needs to follow this release "
+            f"adapter ({adapter_file(engine)}) needs to follow this release "
             f"before it can be locked:\n{problem}")
     raise ResolveError(
         f"{engine} {version} does not load with the stubs of {start.version}'s lock and "
         f"its closure; write its lock by hand (docs/conformance.md, 'Adding an engine'), "
         f"starting from {start.path}:\n{problem}")
+
+
+def adapter_file(engine: str) -> str:
+    """The file of the adapter `engine`'s worker loads (`ADAPTERS`, the registry: it need
+    not be named for the engine), relative to the repository root."""
+    return ADAPTERS[engine].replace(".", "/") + ".py"
 
 
 def borrowed_stub(engine: str, version: str, module: str, lock_dir: Path = LOCK_DIR

@@ -126,6 +126,17 @@ def run_check(target: Target, check: Check) -> CheckResult:
     return _result(target, Finished.of_check(check, run, time.perf_counter() - start))
 
 
+def _went_through(target: Target, op: dict[str, Any]) -> tuple[str, ...] | None:
+    """The engine functions an op like `op` goes through on the cache open on `target`
+    (`Target.engine_code`; `path: Qualified.name`, `?: name` where its source was not
+    found), None where the adapter names none for its kind."""
+    code = target.engine_code()
+    names = code["calls"].get(op.get("kind", ""))
+    if names is None:
+        return None
+    return tuple(code["functions"].get(name, f"?: {name}") for name in names)
+
+
 def _result(target: Target, done: Finished) -> CheckResult:
     """The verdict on `done`: its first violation with the op list shrunk to one that
     still shows it (replayed on `target`), else its first unmet expectation that is a
@@ -149,17 +160,20 @@ def _result(target: Target, done: Finished) -> CheckResult:
                                    done.options)
                  if v.oracle == first.oracle]
         found = again[0] if again else first._replace(step=len(shown.ops) - 1)
+        ops = ops_to_json(shown.ops)  # the replay left a cache opened as the check's open
         return CheckResult(status="fail", oracle=first.oracle, message=found.message,
-                           ops=tuple(ops_to_json(shown.ops)),
-                           ops_text=tuple(op.describe() for op in shown.ops),
+                           ops=tuple(ops), ops_text=tuple(op.describe() for op in shown.ops),
                            step=found.step, also=tuple(also),
+                           went_through=_went_through(target, ops[found.step]),
                            **{**base, "num_blocks": shown.num_blocks})
     if failures or limitations:
         unmet = (failures or limitations)[0]
+        ops = ops_to_json(done.ops)  # the check's own cache is still open
         return CheckResult(status="fail" if failures else "limitation",
                            oracle="scenario", message=unmet.message,
                            limitation=unmet.limitation or "",
-                           ops=tuple(ops_to_json(done.ops)),
+                           ops=tuple(ops), went_through=None if unmet.step is None
+                           else _went_through(target, ops[unmet.step]),
                            ops_text=tuple(op.describe() for op in done.ops),
                            expectations=tuple(e.as_dict() for e in done.expectations),
                            step=unmet.step, also=tuple(also[1:]), **base)

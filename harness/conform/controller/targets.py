@@ -16,7 +16,7 @@ from harness.conform.controller.judge import Judge, Violation
 from harness.conform.ops import Op
 from harness.conform.protocol import CacheOptions, Contract, LoadedEngine, open_cache
 from harness.conform.worker.bench import run_bench
-from harness.conform.worker.selftest import self_test_engine
+from harness.conform.worker.selftest import engine_code, self_test_engine
 from harness.conform.worker.session import Session, StepReport
 
 
@@ -45,6 +45,12 @@ class Target(Protocol):
     def self_test(self) -> dict[str, Any]:
         """The self-test (`harness.conform.worker.selftest`) on a cache of its own:
         problems ([] = passed), sources, substitutes. Leaves the open cache alone."""
+        ...
+
+    def engine_code(self) -> dict[str, Any]:
+        """The engine code the open cache goes through (`harness.conform.worker.selftest.
+        engine_code`: functions, calls), as it was opened; ValueError before any
+        `open`."""
         ...
 
     def bench(self, quick: bool) -> list[dict[str, Any]]:
@@ -90,6 +96,12 @@ class LocalTarget:
     def self_test(self) -> dict[str, Any]:
         """The self-test on a fresh cache of the engine's."""
         return self_test_engine(self.engine)._asdict()
+
+    def engine_code(self) -> dict[str, Any]:
+        """The open cache's engine code; ValueError before any `open`."""
+        if self._session is None:
+            raise ValueError(f"{self.name}: engine_code before open")
+        return engine_code(self._session.cache, self.engine.package_dir)  # type: ignore[arg-type]
 
     def bench(self, quick: bool) -> list[dict[str, Any]]:
         """kvcache's own rows (the baseline every engine's bench sits beside)."""

@@ -168,6 +168,18 @@ def _calls(cache: Adapted, callables: Callables) -> tuple[dict[str, list[str]], 
     return calls, problems
 
 
+def engine_code(cache: Adapted, package_dir: str) -> dict[str, Any]:
+    """The engine code `cache` goes through: "functions" (each engine function it calls
+    whose source lies inside `package_dir`, as `path/from/the/package's/parent.py:
+    Qualified.name`) and "calls" (op kind -> the names of those it calls), of this very
+    cache, opened with whatever options it was: what a report names for a failing op
+    (the self-test's own are of a plain cache's). Checks nothing, mutates nothing."""
+    callables = cache.engine_callables()
+    sources = check_callables(callables, package_dir)[1]
+    return {"functions": _functions(callables, sources, package_dir),
+            "calls": _calls(cache, callables)[0]}
+
+
 def self_test(cache: Adapted, package_dir: str, modules: tuple[str, ...]) -> SelfTestResult:
     """Run the self-test on `cache` (a fresh one: its probe is undone, but its counters
     may have moved). Returns the problems found ([] = passed)."""

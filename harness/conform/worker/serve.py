@@ -14,6 +14,7 @@ code to import. Replies are {"ok": true, ...} or {"ok": false, "error": ...}, wi
     selftest                       -> problems, sources, substitutes, functions, calls
     open    num_blocks, block_size[, options] -> contract
     ops     ops (a list)           -> reports (one StepReport dict per op)
+    code                           -> functions, calls (the open cache's engine code)
     bench   quick                  -> rows
     close                          -> (the worker exits)
 
@@ -38,7 +39,7 @@ from harness.conform.adapters import ADAPTERS
 from harness.conform.ops import ops_from_json
 from harness.conform.protocol import CacheOptions, LoadedEngine, open_cache
 from harness.conform.stubs import StubSpec, StubUsedError
-from harness.conform.worker.selftest import self_test_engine
+from harness.conform.worker.selftest import engine_code, self_test_engine
 from harness.conform.worker.session import Session
 
 
@@ -70,6 +71,10 @@ class Worker:
             session = self.session
             return {"reports": [session.apply(op).as_dict()
                                 for op in ops_from_json(msg["ops"])]}
+        if cmd == "code":
+            if self.session is None:
+                raise ValueError("code before open")
+            return engine_code(self.session.cache, engine.package_dir)  # type: ignore[arg-type]
         if cmd == "bench":
             from harness.conform.worker.bench import run_bench  # only benchmarks need it
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.conform.adapters import kvcache
+from harness.conform.controller.checks import check_named
 from harness.conform.controller.report import CheckResult, Report, markdown, write_report
+from harness.conform.controller.runner import check_all
+from harness.conform.controller.targets import LocalTarget
+from tests.harness.conform import faults
 
 
 def _report() -> Report:
@@ -80,3 +85,37 @@ def test_a_resolved_locks_first_lines_say_how_and_how_to_commit_it(tmp_path: Pat
     assert "added: blake3 (the import asked for blake3)" in lines[0]
     assert "`kvharness conform lock vllm==0.30.0` writes it into the repository's locks" in lines[1]
     assert _lock_lines(load_lock(LOCK_DIR / lock_name("vllm", "0.28.0", DEFAULT_PYTHON))) == []
+
+
+class _HostTierSettles(faults.SilentStores):
+    """SilentStores (so a check fails) whose cache, opened with a host tier, says a commit
+    goes through the host tier's code too: as SGLang's window cache goes through
+    SWARadixCache (swa_radix_cache.py), not the plain cache's RadixCache."""
+
+    def engine_callables(self) -> dict[str, tuple[object, str]]:
+        out = super().engine_callables()
+        if self.manager.state.host is not None:
+            out["settle"] = (self.manager.state.host, "settle")
+        return out
+
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        calls = super().engine_calls()
+        if self.manager.state.host is not None:
+            calls["commit"] = (*calls["commit"], "settle")
+        return calls
+
+
+def test_a_finding_names_the_code_of_the_cache_it_ran_on() -> None:
+    """The self-test runs on a plain cache; a check opened with options (here a host
+    tier) names what its own cache's op went through."""
+    target = LocalTarget(kvcache.load(_HostTierSettles))
+    report = Report("kvcache", "kvcache", "test", self_test=target.self_test())
+    check_all(target, report, [check_named("host_tier")], 0, lambda _: None)
+    (found,) = report.checks
+    assert (found.status, found.options, found.ops[found.step or 0]["kind"]) == \
+        ("fail", {"host_blocks": 8}, "commit")
+    assert "settle" not in report.self_test["calls"]["commit"]
+    assert found.went_through == ("kvcache/core/manager.py: KvCacheManager.commit",
+                                  "kvcache/core/host_tier.py: HostTier.settle")
+    assert "goes through `kvcache/core/manager.py`: KvCacheManager.commit; " \
+        "`kvcache/core/host_tier.py`: HostTier.settle" in "\n".join(markdown(report))

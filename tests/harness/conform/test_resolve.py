@@ -6,6 +6,7 @@ the worker's load fails (a stub borrowed, a package added, a stub name, or the e
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,9 +151,17 @@ def test_a_failure_nothing_reliable_fixes_ends_the_resolution(problem: str,
         _round(problem, "sglang", "0.5.7", names=["regex"])
 
 
-def test_an_api_the_adapter_does_not_follow_is_named_as_the_adapters() -> None:
-    with pytest.raises(ResolveError, match=r"sglang 0\.5\.8\.post1 loads, but the adapter's "
-                       r"probe of its API fails: the adapter \(harness/conform/adapters/sglang"
-                       r"\.py\) needs to follow this release"):
-        _round("AttributeError: 'RadixKey' object has no attribute 'key'", "sglang",
-               "0.5.8.post1", cmd="selftest")
+@pytest.mark.parametrize(("engine", "version", "adapter"), [
+    pytest.param("sglang", "0.5.8.post1", "sglang_radix", id="sglang"),
+    pytest.param("vllm", "0.30.0", "vllm_scheduler", id="vllm"),
+])
+def test_an_api_the_adapter_does_not_follow_is_named_as_the_adapters(
+        engine: str, version: str, adapter: str) -> None:
+    """The file named is the module the engine's worker loads (`ADAPTERS`), which need
+    not be named for the engine."""
+    with pytest.raises(ResolveError, match=rf"{engine} {re.escape(version)} loads, but the "
+                       r"adapter's probe of its API fails: the adapter \(harness/conform/"
+                       rf"adapters/{adapter}\.py\) needs to follow this release"):
+        _round("AttributeError: 'RadixKey' object has no attribute 'key'", engine, version,
+               cmd="selftest")
+    assert (Path(__file__).parents[3] / "harness/conform/adapters" / f"{adapter}.py").is_file()

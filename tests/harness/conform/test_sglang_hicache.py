@@ -16,7 +16,7 @@ import torch
 
 from harness.conform import ops
 from harness.conform.adapters import sglang_hicache as H
-from harness.conform.adapters import sglang_scheduler
+from harness.conform.adapters import sglang_options
 from harness.conform.adapters.sglang import contract as radix_contract
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.checks import check_named
@@ -106,38 +106,38 @@ def test_blocked_releases_say_what_blocks_them() -> None:
 
 
 def _names(hicache: bool) -> types.SimpleNamespace:
-    """What `sglang_scheduler.contract` reads of the scheduler's names (0.5.23's)."""
+    """What `sglang_options.contract` reads of the scheduler's names (0.5.23's)."""
     return types.SimpleNamespace(swa=("pool", "allocator", "SWA"), mamba=("pools",),
                                  names_requests=True, hicache=hicache)
 
 
 def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> None:
     base = unified_contract("0.5.23", B)
-    plain = sglang_scheduler.contract(base, _names(True), "unified")
+    plain = sglang_options.contract(base, _names(True), "unified")
     assert plain.options == ("window", "chunk_budget", "state_interval", "host_blocks")
     assert plain.host_blocks is None and not set(H.REPLICATED) & set(plain.replicated)
-    host = sglang_scheduler.contract(base, _names(True), "unified", host_blocks=8)
+    host = sglang_options.contract(base, _names(True), "unified", host_blocks=8)
     assert host.options == ("chunk_budget", "host_blocks")
     assert host.host_blocks == 8 and not host.bounded_oracle
     assert set(H.REPLICATED) <= set(host.replicated)
     assert "registry.py:193-196" in dict(host.citations)["host_blocks"]
     assert "mha.py:60-89" in H.COPY_STUB[1] and "common.py:143-349" in H.REGISTER_STUB[1]
-    windowed = sglang_scheduler.contract(base, _names(True), "unified", 8)
-    states = sglang_scheduler.contract(base, _names(True), "unified", state_interval=2)
+    windowed = sglang_options.contract(base, _names(True), "unified", 8)
+    states = sglang_options.contract(base, _names(True), "unified", state_interval=2)
     assert "host_blocks" not in windowed.options + states.options
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
-    unread = sglang_scheduler.contract(unified_contract("0.5.22", B), _names(True), "unified")
-    radix = sglang_scheduler.contract(radix_contract("0.5.23", B), _names(True), "radix")
-    old = sglang_scheduler.contract(radix_contract("0.5.18", B), _names(False), "radix")
+    unread = sglang_options.contract(unified_contract("0.5.22", B), _names(True), "unified")
+    radix = sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")
+    old = sglang_options.contract(radix_contract("0.5.18", B), _names(False), "radix")
     for contract, why in ((unread, "not read (read: 0.5.23)"), (radix, "not RadixCache's"),
                           (old, "lock stubs")):
         assert "host_blocks" not in contract.options
         assert why in str(check_named("host_tier").skip_reason(contract))
     # the reason is the option's: a family asking for another option does not show it
     assert "host" not in str(check_named("hybrid_state").skip_reason(
-        sglang_scheduler.contract(radix_contract("0.5.23", B), _names(True), "radix")))
+        sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness.conform import ops
-from harness.conform.adapters import sglang_mamba, sglang_scheduler
+from harness.conform.adapters import sglang_mamba, sglang_options
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
@@ -75,14 +75,14 @@ def test_every_mamba_slot_is_free_a_tree_state_or_one_requests_own() -> None:
 def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() -> None:
     names = SimpleNamespace(swa=None, mamba=("pools",), names_requests=True, hicache=False)
     base = unified_contract("0.5.23", B)
-    plain = sglang_scheduler.contract(base, names, "unified")
-    hybrid = sglang_scheduler.contract(base, names, "unified", state_interval=2)
+    plain = sglang_options.contract(base, names, "unified")
+    hybrid = sglang_options.contract(base, names, "unified", state_interval=2)
     assert sglang_mamba.PIN_STUB not in plain.replicated
     assert sglang_mamba.PIN_STUB in hybrid.replicated
     assert "schedule_batch.py:3830" in sglang_mamba.PIN_STUB[1]
     assert (hybrid.state_interval, hybrid.state_rule) == (2, "extend-end")
     assert hybrid.options == ("chunk_budget", "state_interval")
-    both = sglang_scheduler.contract(base, SimpleNamespace(swa=("SWA",), mamba=("pools",),
+    both = sglang_options.contract(base, SimpleNamespace(swa=("SWA",), mamba=("pools",),
                                                            names_requests=True,
                                                            hicache=False),
                                      "unified", 8, state_interval=2)

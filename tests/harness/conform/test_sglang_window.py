@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness.conform import ops
-from harness.conform.adapters import sglang_scheduler
+from harness.conform.adapters import sglang_options, sglang_tree
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
@@ -27,7 +27,7 @@ LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
 
 
 def names(swa: bool) -> SimpleNamespace:
-    """What `sglang_scheduler.contract` reads of the scheduler's names: whether the
+    """What `sglang_options.contract` reads of the scheduler's names: whether the
     release has the tree's SWA component (and no MAMBA one here: test_sglang_mamba.py),
     and 0.5.23's LoRA-naming event recorder; no hierarchical cache (test_sglang_hicache.py)."""
     return SimpleNamespace(swa=("pool", "allocator", "SWA") if swa else None, mamba=None,
@@ -38,22 +38,22 @@ def names(swa: bool) -> SimpleNamespace:
 
 def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() -> None:
     base = unified_contract("0.5.23", B)
-    assert sglang_scheduler.contract(base, names(True), "unified").options == \
+    assert sglang_options.contract(base, names(True), "unified").options == \
         ("window", "chunk_budget")
-    assert sglang_scheduler.contract(base, names(False), "unified").options == \
+    assert sglang_options.contract(base, names(False), "unified").options == \
         ("chunk_budget",)
-    assert sglang_scheduler.contract(base, names(True), "radix").options == ("chunk_budget",)
+    assert sglang_options.contract(base, names(True), "radix").options == ("chunk_budget",)
     # a release whose Mamba path does not import (0.5.22's lock has no einops) still runs
     # its full-attention scheduler path, and says why it honours no state_interval
-    notes = sglang_scheduler.contract(base, names(True), "unified").notes
+    notes = sglang_options.contract(base, names(True), "unified").notes
     assert "no state_interval: the Mamba path does not import here (ModuleNotFoundError: " \
            "No module named 'einops')" in notes
 
 
 def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> None:
     base = unified_contract("0.5.23", B)
-    plain = sglang_scheduler.contract(base, names(True), "unified")
-    windowed = sglang_scheduler.contract(base, names(True), "unified", 8)
+    plain = sglang_options.contract(base, names(True), "unified")
+    windowed = sglang_options.contract(base, names(True), "unified", 8)
     assert (plain.window, plain.window_layout) == (None, "window-only")
     assert (windowed.window, windowed.window_layout) == (8, "window-pool")
     cited = dict(windowed.citations)["window"]
@@ -66,7 +66,7 @@ def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> N
 def test_the_judge_counts_no_window_group_in_a_pool_of_its_own() -> None:
     """vLLM's window rule (WindowGroup) is for a window group sharing the full group's
     pool; under "window-pool" the usedNumBlocks are the full group's alone."""
-    base = sglang_scheduler.contract(unified_contract("0.5.23", B), names(True),
+    base = sglang_options.contract(unified_contract("0.5.23", B), names(True),
                                      "unified", 8)
     assert Judge(base, 16).window_group is None
     shared = replace(base, window_layout="full-and-window")
@@ -111,7 +111,7 @@ def test_a_window_cache_keeps_what_the_tree_holds_and_reuses_it(target: Target) 
 def test_page_ownership_problems_name_each_way_a_page_goes_wrong() -> None:
     """`page_problems`, the integrity check all three SGLang adapters share: pages 1..4
     (page 0 is SGLang's padding) each free, in the tree or held once."""
-    problems = sglang_scheduler.page_problems
+    problems = sglang_tree.page_problems
     assert problems([3], [1, 4], {2}, 4, "requests") == []
     assert problems([3, 3], [1, 4], {2}, 4, "requests") == ["pages held by two requests: [3, 3]"]
     assert problems([3], [1, 4, 4], {2}, 4, "requests") == ["pages free twice: [4]"]
@@ -132,5 +132,5 @@ def test_a_radix_trees_pages_are_those_its_nodes_hold_past_the_root() -> None:
                                children={i: c for i, c in enumerate(children)})
 
     root = node([0, 1, 2, 3], node([4, 5, 6, 7], node([12, 13])), node([8, 9]))
-    assert sglang_scheduler.radix_tree_pages(SimpleNamespace(root_node=root), 4) == {1, 2, 3}
-    assert sglang_scheduler.radix_tree_pages(SimpleNamespace(root_node=node(None)), 4) == set()
+    assert sglang_tree.radix_tree_pages(SimpleNamespace(root_node=root), 4) == {1, 2, 3}
+    assert sglang_tree.radix_tree_pages(SimpleNamespace(root_node=node(None)), 4) == set()

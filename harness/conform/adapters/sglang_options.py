@@ -1,0 +1,94 @@
+"""Which of SGLang's scheduler adapters a cache's options open, and the contract it makes
+(runs in an SGLang venv, where `sglang.load_sglang` found SGLang's scheduler code):
+`scheduled` opens `sglang_scheduler.SglangScheduled` over the full-attention tree, or
+over a UnifiedRadixCache with more: `sglang_window.WindowScheduled` (a window),
+`sglang_mamba.MambaScheduled` (a `state_interval`), `sglang_mamba.WindowMambaScheduled`
+(both), `sglang_hicache.HostScheduled` (`host_blocks`, opened apart from the others);
+`contract` is the scheduler's contract with the options the release honours and the
+rule of each one opened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from harness.conform.adapters import sglang_hicache, sglang_mamba, sglang_scheduler
+from harness.conform.adapters.sglang_hicache import HostScheduled
+from harness.conform.adapters.sglang_mamba import MambaScheduled, WindowMambaScheduled
+from harness.conform.adapters.sglang_scheduler import SchedulerNames, SglangScheduled
+from harness.conform.adapters.sglang_window import WINDOW_RULE, WindowScheduled
+from harness.conform.protocol import CacheOptions, Contract, OptionName
+
+# (a window, a state_interval) -> the scheduler adapter over that tree
+CLASSES: dict[tuple[bool, bool], type[SglangScheduled]] = {
+    (False, False): SglangScheduled, (True, False): WindowScheduled,
+    (False, True): MambaScheduled, (True, True): WindowMambaScheduled}
+
+
+def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
+             window: int | None = None, chunk_budget: int | None = None,
+             state_interval: int | None = None, host_blocks: int | None = None) -> Contract:
+    """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
+    `tree_kind` (`sglang_scheduler.contract`, `chunk_budget` there); with `window`
+    (tokens), over a full-and-window UnifiedRadixCache (only where `names.swa` and the
+    tree is "unified": `options` says so); with `state_interval` (pages), over a
+    full-and-Mamba one (where `names.mamba`); with a window too, over a FULL+SWA+MAMBA
+    one; with `host_blocks` (pages), over a hierarchical full-attention one
+    (`HostScheduled`, where `sglang_hicache.honoured`; opened apart from a window or a
+    state_interval, so `options` leaves those out of a host tier's contract and
+    host_blocks out of theirs)."""
+    terms = sglang_scheduler.contract(base, names, chunk_budget)
+    options: tuple[OptionName, ...] = terms.options
+    citations, notes, replicated = terms.citations, terms.notes, terms.replicated
+    if names.swa is not None and tree_kind == "unified":
+        options = ("window", *options)
+    if names.mamba is not None and tree_kind == "unified":
+        options = (*options, "state_interval")
+    elif tree_kind == "unified":
+        notes += (f"no state_interval: {names.no_mamba}",)
+    if not sglang_hicache.honoured(names.hicache, tree_kind, base.version):
+        citations += (sglang_hicache.blocked_reason(base.version, tree_kind),)
+    elif host_blocks is not None:  # a host tier is opened only apart from the others
+        options = tuple(x for x in options if x not in ("window", "state_interval"))
+        options = (*options, "host_blocks")
+    elif window is None and state_interval is None:
+        options = (*options, "host_blocks")
+    if state_interval is not None:
+        replicated = (*replicated, sglang_mamba.PIN_STUB)
+    if host_blocks is not None:
+        citations += (("host_blocks", sglang_hicache.HOST_RULE), *sglang_hicache.RULES)
+        replicated = (*replicated, *sglang_hicache.REPLICATED)
+    if window is not None:
+        citations += (("window", WINDOW_RULE),)
+    if state_interval is not None:
+        citations += (("state_interval", sglang_mamba.MAMBA_RULE),)
+    return replace(terms, replicated=replicated, host_blocks=host_blocks,
+                   citations=citations, options=options,
+                   window=window, state_interval=state_interval,
+                   state_rule="extend-end" if state_interval is not None else "every-k",
+                   window_layout="window-pool" if window is not None else "window-only",
+                   notes=notes)
+
+
+def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
+              num_blocks: int, block_size: int, record: bool,
+              options: CacheOptions) -> SglangScheduled:
+    """A fresh cache of SGLang's scheduler code over a tree of `tree_kind` (`s`, the
+    tree's names), its contract `contract(base, ...)`: with a host tier where
+    `options.host_blocks` asks for one and the release has it; else with the window and
+    the state_interval `options` asks for, where the release has them (a "unified" tree
+    only: elsewhere they are not honoured, and `open_cache` refuses them). The chunk
+    budget is the server's (`server_budget`)."""
+    budget = sglang_scheduler.server_budget(options.chunk_budget, block_size)
+    if options.host_blocks is not None \
+            and sglang_hicache.honoured(names.hicache, tree_kind, base.version):
+        terms = contract(base, names, tree_kind, None, budget,
+                         host_blocks=options.host_blocks)
+        return HostScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
+    unified = tree_kind == "unified"
+    window = options.window if names.swa is not None and unified else None
+    state_interval = options.state_interval if names.mamba is not None and unified else None
+    terms = contract(base, names, tree_kind, window, budget, state_interval)
+    opened = CLASSES[window is not None, state_interval is not None]
+    return opened(s, names, tree_kind, terms, num_blocks, block_size, record)
