@@ -11,7 +11,6 @@ import pytest
 from kvcache import KvCacheConfig, ReuseScope
 from kvcache.core.validate import check_int, check_positive_int, check_priority
 
-
 HEAVY = ("torch", "numpy", "flashinfer", "torch._dynamo")
 
 
