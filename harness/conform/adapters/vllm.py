@@ -308,6 +308,7 @@ def _hash_text(h: Any) -> str:
 
 
 MAX_MODEL_LEN = 1 << 16
+NUM_KV_HEADS = 1  # the KV heads of the adapter's one attention layer (kv_cache_config)
 
 
 def kv_cache_config(v: VllmNames, num_blocks: int, block_size: int,
@@ -319,7 +320,7 @@ def kv_cache_config(v: VllmNames, num_blocks: int, block_size: int,
     `MambaSpec.mamba_cache_mode`; TypeError before)."""
     def spec(cls: Any, **extra: Any) -> Any:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(block_size=block_size, num_kv_heads=1, head_size=8,
+        return cls(block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=8,
                    dtype=v.torch.float32,
                    **({"use_mla": False} if "use_mla" in names else {}), **extra)
 

@@ -105,17 +105,49 @@ def counters(base: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
     return tuple((f"{c}+{CONNECTOR_PREFIX}{c}" if c in SUMMED else c, m) for c, m in base)
 
 
-READ = ("0.33.0",)  # the releases whose offloading connector was read by hand
+# The host-tier rule of each release before 0.33.0 read by hand: 0.33.0's (`HOST_RULE`)
+# with its own lines, the host sized from the GPU tensors (`gpu_tensors`) and every load
+# asynchronous (its TransferJob has no sync; no sync_load_budget_bytes)
+_OLD_RULE = (
+    "kv_connector OffloadingConnector, CPU spec (v1/kv_offload/cpu/spec.py:{spec}): the "
+    "host holds cpu_bytes_to_use // round_up(worker_kv_bytes_per_block x "
+    "blocks_per_chunk, 4096) chunks, the block's bytes read from kv_cache_config."
+    "kv_cache_tensors (offloading/config.py:{bytes}), a chunk one GPU block unless "
+    "kv_connector_extra_config sets block_size or blocks_per_chunk; every computed full "
+    "chunk is stored at the step that computes it, not on eviction "
+    "(offloading/scheduler.py:{store} _build_store_jobs), so the host is inclusive and "
+    "the adapter sizes it num_blocks + host_blocks chunks; the lookup (:{lookup} _lookup, "
+    "from get_num_new_matched_tokens :{matched}) reports host-resident chunks past the "
+    "device prefix as external tokens, always loaded asynchronously "
+    "(WAITING_FOR_REMOTE_KVS, :{sync}), and complete only when the worker reports the "
+    "job (update_connector_output :{update}, finished_recving); the host evicts its "
+    "least recently used chunks not being loaded when a store finds it full "
+    "(v1/kv_offload/cpu/policies/lru.py, eviction_policy 'lru'); its events are "
+    "BlockStored/BlockRemoved with medium 'CPU' (offloading/scheduler.py:{events} "
+    "take_events, v1/kv_offload/cpu/manager.py)")
+HOST_RULES = {
+    "0.26.0": _OLD_RULE.format(spec="75-113", bytes="90-103", store=926, lookup=539,
+                               matched=720, sync=775, update=1173, events=1310),
+    "0.27.0": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1023, lookup=631,
+                               matched=816, sync=871, update=1280, events=1416),
+    "0.28.0": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1248, lookup=876,
+                               matched=936, sync=991, update=1507, events=1643),
+    "0.29.0": _OLD_RULE.format(spec="94-135", bytes="96-101", store=1322, lookup=876,
+                               matched=936, sync=991, update=1584, events=1720),
+    "0.33.0": HOST_RULE,
+}
+READ = tuple(HOST_RULES)  # the releases whose offloading connector was read by hand
 
 
-# Cached releases whose connector was tried as 0.33.0's and does not match it (2026-12-02)
-_CONFIG = ("its OffloadingConnector's config reads the model config's "
-           "get_total_num_kv_heads, which the adapter's text model (TextModel) does not answer")
-_NO_STORES = ("opened as 0.33.0's, its OffloadingConnector made no store job for a "
-              "computed block (the host_tier family's A was never offloaded), so its "
-              "scheduler side differs from 0.33.0's")
-MISMATCHED = {"0.26.0": _NO_STORES, "0.27.0": _NO_STORES,
-              "0.28.0": _CONFIG, "0.29.0": _CONFIG}
+def host_rule(version: str) -> str:
+    """The host-tier rule of `version`, a release in `READ`, with its own lines (the
+    contract's `host_blocks` citation). Raises KeyError on a release not read."""
+    return HOST_RULES[version]
+
+
+# Cached releases whose connector was tried and does not match the one read: none since
+# 0.26.0-0.29.0 were opened (2026-12-02); a release lands here with what was seen
+MISMATCHED: dict[str, str] = {}
 
 
 def blocked_reason(version: str) -> tuple[str, str]:
@@ -157,6 +189,20 @@ def transfer_config(C: Any, chunks: int, page_bytes: int, alignment: int) -> Any
                                    # the host's BlockStored carry their tokens and parent
                                    # (offloading/events.py:10-15), else placeholders
                                    "self_describing_kv_events": True})
+
+
+def gpu_tensors(Tensor: Any, page_bytes: int, num_blocks: int, layer: str) -> list[Any]:
+    """The GPU allocation of the adapter's one attention layer, as vLLM's
+    `KVCacheConfig.kv_cache_tensors` describes it (`Tensor`: its `KVCacheTensor`): one
+    tensor of `num_blocks` pages of `page_bytes`, layer-outermost (not packed). No GPU
+    allocates it; the host reads its size: before 0.33.0 the offloading config sizes a
+    block only from these tensors, 0 without them, so the host would get no chunk
+    (0.26.0 offloading/config.py:90-103, 0.27.0 :98-111, 0.28.0 :98-111, 0.29.0 :96-101;
+    0.33.0 falls back to the groups' specs, :186-189, and reads the same bytes here)."""
+    size = page_bytes * num_blocks
+    if "shared_by" in Tensor.__dataclass_fields__:  # 0.28.0 and before
+        return [Tensor(size=size, shared_by=[layer])]
+    return [Tensor(size=size, layers=[layer], layer_stride=size, block_stride=page_bytes)]
 
 
 class WorkerStandIn:
@@ -221,7 +267,10 @@ class WorkerStandIn:
             self._flush(lambda req_id: req_id in loading)
         for job_id, job in meta.load_jobs.items():
             done.mark_completed(job_id)
-            if not job.sync:
+            # a TransferJob has no sync before 0.33.0 (common.py:53-64): every load
+            # there is asynchronous (get_num_new_matched_tokens returns num_hit_tokens,
+            # bool(num_hit_tokens): 0.26.0 scheduler.py:775, 0.28.0 and 0.29.0 :991)
+            if not getattr(job, "sync", False):
                 recv.add(job.req_id)
             for s, d in self._pairs(job):
                 self.write(self._move("onboard", s, d))

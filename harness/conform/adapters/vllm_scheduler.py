@@ -37,6 +37,7 @@ from harness.conform.adapters import vllm_offload
 from harness.conform.adapters.vllm import (
     MAX_MODEL_LEN,
     MODULES,
+    NUM_KV_HEADS,
     VllmCache,
     VllmNames,
     import_vllm,
@@ -93,7 +94,8 @@ def load(stubs: StubSpec, version: str | None = None) -> LoadedEngine:
 
 REPLICATED = (
     ("the model config: a text-only decoder (uses_mrope, uses_xdrope, is_encoder_decoder, "
-     "runner_type 'generate', no multimodal inputs, max_model_len) with no tokenizer",
+     "runner_type 'generate', no multimodal inputs, max_model_len, its one layer's KV "
+     "heads) with no tokenizer",
      "vllm.config.ModelConfig",
      "building one inspects a model class (the model executor's imports, in a "
      "subprocess); the scheduler reads only these attributes of it"),
@@ -148,6 +150,14 @@ class TextModel:
     use_mla: bool = False  # the offloading connector's config reads these three
     model: str = "kvharness"
     dtype: str = "float16"
+
+    def get_total_num_kv_heads(self) -> int:
+        """The KV heads of the model's attention layer, over every tensor-parallel rank
+        (one rank here): the kv_cache_config's (`NUM_KV_HEADS`). The offloading
+        connector's config compares it with the group's spec where the V1 model runner
+        runs (0.28.0 offloading/config.py:150, 0.29.0 :140; 0.33.0's reads it there
+        too, behind use_v2_model_runner, which is true there)."""
+        return NUM_KV_HEADS
 
 
 class Scheduling:
@@ -260,8 +270,12 @@ class Scheduling:
                                  options.state_interval)
         transfer = {}
         if options.host_blocks is not None:
+            from vllm.v1.kv_cache_interface import KVCacheTensor
             from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
             page = groups.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+            groups.kv_cache_tensors = vllm_offload.gpu_tensors(
+                KVCacheTensor, page, groups.num_blocks,
+                groups.kv_cache_groups[0].layer_names[0])
             transfer["kv_transfer_config"] = vllm_offload.transfer_config(
                 C, vllm_offload.host_chunks(options.host_blocks, num_blocks), page,
                 CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
@@ -324,7 +338,8 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         and hash_block < states * base.block_size
     shared = parse_version(base.version).release >= (0, 31)
     host = options.host_blocks
-    host_citation = (("host_blocks", vllm_offload.HOST_RULE),) if host is not None \
+    host_citation = (("host_blocks", vllm_offload.host_rule(base.version)),) \
+        if host is not None \
         else () if base.version in vllm_offload.READ \
         else (vllm_offload.blocked_reason(base.version),)
     opts = honoured(options, no_states, base.version)

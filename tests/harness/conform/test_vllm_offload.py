@@ -5,7 +5,8 @@ rewritten goes before the new owner's entry), the host is sized as vLLM's spec s
 it, the contract honours host_blocks only on the releases read (saying why elsewhere),
 the judge leaves the device-order model off under a host tier and reads the hits as
 the device's and the connector's together; one op list that reuses from the host runs
-on the cached 0.33.0 install (skipped where it is not cached, as the engine smoke is)."""
+on each cached install of a release read, 0.26.0-0.29.0 and 0.33.0 (skipped where it is
+not cached, as the engine smoke is)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,19 @@ import torch
 
 from harness.conform import ops
 from harness.conform.adapters import vllm_offload as O
+from harness.conform.adapters.vllm import NUM_KV_HEADS
 from harness.conform.adapters.vllm import contract as vllm_contract
-from harness.conform.adapters.vllm_scheduler import honoured, scheduler_contract
+from harness.conform.adapters.vllm_scheduler import TextModel, honoured, scheduler_contract
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.fuzz import fuzz
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.locks import pinned
+from harness.conform.controller.locks import find_lock
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions, Contract
 from tests.harness.conform.cached_engines import open_cached
 
 B = 4
-LOCK = next(lock for lock in pinned() if lock.spec == "vllm==0.33.0")
+OPENED = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.33.0")  # one engine case each
 
 
 # -- the worker stand-in -----------------------------------------------------------------
@@ -86,6 +88,28 @@ def test_every_job_is_reported_done_and_only_async_loads_as_received() -> None:
     assert worker.output(None) == (None, set())
 
 
+@dataclasses.dataclass
+class _OldJob:
+    """0.26.0-0.29.0's TransferJob (common.py:53-64): no sync field."""
+    req_id: str
+    src_spec: Any
+    dst_spec: Any
+
+
+def test_a_load_job_without_sync_is_asynchronous() -> None:
+    """Before 0.33.0 a TransferJob has no sync and every host hit loads asynchronously
+    (get_num_new_matched_tokens returns (n, True), 0.29.0 scheduler.py:991): the
+    stand-in reports the load in finished_recving, so the request leaves
+    WAITING_FOR_REMOTE_KVS."""
+    worker, log = _worker()
+    job = _job("A", [5], [2])
+    out, loaded = worker.output(_meta(loads={1: _OldJob(job.req_id, job.src_spec,
+                                                        job.dst_spec)}))
+    assert out.finished_recving == loaded == {"A"}
+    assert out.kv_connector_worker_meta.completed_jobs == {1}
+    assert _shape(log) == [("onboard", [5, 2])]
+
+
 def test_a_flushed_store_of_a_finished_request_goes_before_the_new_owner() -> None:
     """The shrunk 0.33.0 case: A's last block (3) is stored at the step after A
     finished, the step that hands block 3 to B (vLLM flushes the store before B's
@@ -133,11 +157,52 @@ def test_the_host_is_inclusive_and_sized_in_aligned_chunks() -> None:
         O.cpu_bytes(0, 4096, 4096)
 
 
+@dataclasses.dataclass
+class _SharedByTensor:
+    """0.26.0-0.28.0's KVCacheTensor (v1/kv_cache_interface.py, 0.28.0:929-937)."""
+    size: int
+    shared_by: list[str]
+    offset: int = 0
+    block_stride: int = 0
+
+
+@dataclasses.dataclass
+class _LayersTensor:
+    """0.29.0 on's KVCacheTensor (v1/kv_cache_interface.py, 0.29.0:1165-1185)."""
+    size: int
+    layers: list[str]
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
+
+
+@pytest.mark.parametrize("tensor", [_SharedByTensor, _LayersTensor])
+def test_the_gpu_tensor_gives_the_host_one_page_per_block(tensor: Any) -> None:
+    """Before 0.33.0 the offloading config reads a block's bytes only from the GPU
+    tensors: size // num_blocks (not packed: 0.28.0 offloading/config.py:98-111; 0.29.0
+    reads the first one's size, :96-101). Without them the host had no chunk, so no
+    store was ever made (what 0.26.0-0.29.0 were refused for)."""
+    got = O.gpu_tensors(tensor, 64, 9, "layer.0")
+    assert len(got) == 1 and got[0].size // 9 == 64 and got[0].offset == 0
+    if tensor is _SharedByTensor:
+        assert got[0].shared_by == ["layer.0"] and got[0].block_stride == 0
+    else:
+        assert got[0].layers == ["layer.0"]
+        assert (got[0].layer_stride, got[0].block_stride) == (9 * 64, 64)
+
+
+def test_the_text_model_answers_the_kv_heads_of_the_adapter_s_layer() -> None:
+    """0.28.0 and 0.29.0's offloading config compares the model's total KV heads with
+    the group's spec (offloading/config.py:150 / :140): the adapter's one layer's."""
+    assert TextModel(16).get_total_num_kv_heads() == NUM_KV_HEADS
+
+
 # -- the contract ---------------------------------------------------------------------------
 
 def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> None:
     assert "host_blocks" in honoured(CacheOptions(), "", "0.33.0")
-    assert "host_blocks" not in honoured(CacheOptions(), "", "0.29.0")
+    assert "host_blocks" in honoured(CacheOptions(), "", "0.26.0")
+    assert "host_blocks" not in honoured(CacheOptions(), "", "0.25.1")
     assert "host_blocks" not in honoured(CacheOptions(window=8), "", "0.33.0")
     assert "host_blocks" not in honoured(CacheOptions(state_interval=2), "", "0.33.0")
     host = honoured(CacheOptions(host_blocks=8), "", "0.33.0")
@@ -170,11 +235,26 @@ def test_the_host_contract_cites_the_rule_and_lists_the_worker_as_replicated() -
     assert (windowed.host_full_hit, windowed.host_load_reserve) == ("unreused-tail", "none")
 
 
-def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.28.0", "0.29.0"])
+def test_each_release_read_cites_its_own_host_rule(version: str) -> None:
+    """A host tier on a release read before 0.33.0 cites that release's own lines (its
+    _build_store_jobs, and its loads always asynchronous), not 0.33.0's."""
+    host = _contract(version, CacheOptions(host_blocks=8))
+    rule = dict(host.citations)["host_blocks"]
+    assert rule == O.host_rule(version) != O.HOST_RULE
+    assert "_build_store_jobs" in rule and "always loaded asynchronously" in rule
+    assert "host_blocks" in host.options
+
+
+def test_where_no_host_tier_opens_the_skip_says_what_blocks_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Each release's own blocker, as the option's citation: a connector tried and
-    found unlike 0.33.0's says what differs; one never tried says it was not read."""
-    for version, why in (("0.29.0", "get_total_num_kv_heads"), ("0.27.0", "no store job"),
-                         ("0.24.0", "was not read (read: 0.33.0)")):
+    found unlike the ones read says what differs; one never tried says it was not
+    read."""
+    monkeypatch.setitem(O.MISMATCHED, "0.25.1", "its connector differs")
+    for version, why in (("0.25.1", "does not match the one read"),
+                         ("0.25.1", "its connector differs"),
+                         ("0.24.0", "was not read (read: 0.26.0")):
         unread = _contract(version, CacheOptions())
         assert "host_blocks" not in unread.options
         assert why in str(check_named("host_tier").skip_reason(unread))
@@ -196,17 +276,17 @@ def test_the_judge_keeps_no_device_order_model_under_a_host_tier() -> None:
 
 # -- on the engine --------------------------------------------------------------------------
 
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[Target]:
-    with open_cached(LOCK, tmp_path) as opened:
+@pytest.fixture(params=OPENED)
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    with open_cached(find_lock("vllm", request.param), tmp_path) as opened:
         yield opened
 
 
 def test_a_block_reallocated_in_its_store_step_is_reused_from_the_host(target: Target) -> None:
-    """The shrunk 0.33.0 case, 6 blocks and a host of 8 beyond: A's block is stored at
-    the step that hands it to B (vLLM flushes the store first), so A2 reuses A's 4
-    tokens from the host, loaded by vLLM's own lookup and load, and every oracle
-    (provenance, events, counters) agrees."""
+    """The shrunk 0.33.0 case, on each release read, 6 blocks and a host of 8 beyond:
+    A's block is stored at the step that hands it to B (vLLM flushes the store first),
+    so A2 reuses A's 4 tokens from the host, loaded by vLLM's own lookup and load, and
+    every oracle (provenance, events, counters) agrees."""
     contract = target.open(6, B, CacheOptions(host_blocks=8))
     assert contract.host_blocks == 8
     judge = Judge(contract, 6)
