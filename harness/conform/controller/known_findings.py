@@ -112,6 +112,10 @@ KNOWN: tuple[KnownFinding, ...] = (
                                                   "scope_event_hashes"), ("count",),
                  "a LoRA name re-pointed at another adapter reads the first adapter's KV",
                  f"{_VLLM}/issues/30931", None),
+    KnownFinding(18, "vllm", "0.26.0", "0.27.0", ("host_tier",), ("api",),
+                 "a request aborted mid-prefill under the CPU offloading connector makes "
+                 "the next step's store jobs raise",
+                 f"{_VLLM}/issues/49118", f"{_VLLM}/pull/49285", says="AssertionError"),
     KnownFinding(16, "sglang", "0.5.18", None, ("extra_key_isolation",), ("count",),
                  "a caller extra key equal to a LoRA's id reads that adapter's KV",
                  f"{_SGLANG}/issues/24638", None),

@@ -26,7 +26,8 @@ def host_tier(run: Run) -> None:
     B (6 blocks) evicts two of A's, which move to the host; A again reuses all of its
     prompt, two blocks from the host. C and D (6 blocks each, which an engine that admits
     a prompt only with a page to spare still takes) then fill the host past what it holds, and
-    what the host dropped is computed again."""
+    what the host dropped is computed again. E (6 blocks) is aborted after its first
+    chunk of 2 blocks, and F is then admitted: the host stores only what was computed."""
     a, b = toks(100, 16), toks(500, 24)
     for seq, prompt in (("A", a), ("B", b)):
         run.admit(seq, prompt)
@@ -44,6 +45,12 @@ def host_tier(run: Run) -> None:
     run.observed["B again (after the host dropped what C and D pushed out) reuses"] = \
         run.admit("B2", [*b, 1])
     run.free("B2")
+    run.admit("E", toks(1100, 24), first_chunk=8)
+    run.commit("E", 8)
+    run.free("E")  # aborted mid-prefill
+    run.admit("F", toks(1300, 8))
+    run.expect_admitted("F (2 blocks), after E was aborted mid-prefill, is admitted")
+    run.free("F")
 
 
 def hybrid_state(run: Run) -> None:

@@ -64,6 +64,8 @@ FINDINGS = [
     pytest.param("sglang==0.5.5", "cold_then_warm", "events", 6, id="sglang-0.5.5-lookup-churn"),
     pytest.param("sglang==0.5.5", "repeated_blocks", "events", 7,
                  id="sglang-0.5.5-position-blind-hashes"),
+    pytest.param("vllm==0.26.0", "host_tier", "api", 18,
+                 id="vllm-0.26.0-abort-mid-prefill-under-offloading"),
     pytest.param("sglang==0.5.23", "extra_key_isolation", "count", 16,
                  id="sglang-0.5.23-extra-key-is-lora-id"),
     pytest.param("sglang==0.5.22", "extra_key_isolation", "count", 16,
