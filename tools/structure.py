@@ -184,14 +184,18 @@ def _long_functions(source: Source, rel: str, max_lines: int) -> list[Finding]:
 
 
 def _foreign_underscores(source: Source, rel: str) -> list[Finding]:
-    """`x._field` where x is not self or cls: another object's underscore field (a
-    NamedTuple's `_replace` and its kin are public, and not counted)."""
+    """`x._field` where x is not self, cls or `super()` (the object's own fields, a
+    base class's hook among them): another object's underscore field (a NamedTuple's
+    `_replace` and its kin are public, and not counted)."""
     found = []
     for node in source.attributes:
         if not _is_private(node.attr) or node.attr in NAMEDTUPLE_API:
             continue
         owner = node.value
         if isinstance(owner, ast.Name) and owner.id in SELF_NAMES:
+            continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) \
+                and owner.func.id == "super":
             continue
         found.append(Finding(rel, node.lineno, f"{ast.unparse(owner)}.{node.attr}"))
     return found

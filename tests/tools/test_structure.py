@@ -27,7 +27,7 @@ TREE = {
 
         class A:
             def own(self):
-                return self._x
+                return self._x + super()._hook()
 
             def other(self, b):
                 b._y = 1
@@ -57,8 +57,8 @@ def test_figures_per_package(structure: ModuleType, tmp_path: Path) -> None:
     assert sorted(figures) == ["pkg", "pkg.sub"]
     top, sub = figures["pkg"], figures["pkg.sub"]
     assert (top.files, sub.files) == (4, 3)
-    # b._y and b._z are another object's fields; self._x, b.__dict__ and a NamedTuple's
-    # public _replace and _asdict are not
+    # b._y and b._z are another object's fields; self._x, a base's super()._hook,
+    # b.__dict__ and a NamedTuple's public _replace and _asdict are not
     assert [f.what for f in top.foreign_underscores] == ["b._y", "b._z"]
     assert [str(f) for f in top.private_imports] == ["pkg/a.py:1: from pkg.b import _private"]
     assert [f.what for f in sub.long_functions] == ["long: 62 lines"]
