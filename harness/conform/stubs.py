@@ -12,6 +12,11 @@ from a lock file's `stubs` (`StubSpec`):
   submodules are raising modules too); reading any attribute it does not define raises
   `StubUsedError`. `names` defines the few names an engine imports at module level
   (`from x import f`): each is a function that raises `StubUsedError` when called.
+- *overrides*: keys into `OVERRIDES`, the harness's own registry of a dependency's
+  checks it answers itself (each says exactly what it replaces), applied by `install`
+  after the finder: a check that would refuse what an engine does at import because a
+  stubbed package is missing. Each needs its package primed and raising, so nothing of
+  it is provided: a real use still touches the stub.
 
 Never a MagicMock: a mocked decorator would replace the function under test, and a
 truthy mocked probe (`is_xpu()`) would take the wrong branch. `StubUsedError` is not an
@@ -22,6 +27,7 @@ self-test refuses both). Standard library only.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import re
@@ -71,6 +77,44 @@ def raising_function(qualname: str, reason: str) -> Callable[..., Any]:
     return stub
 
 
+def _says_available() -> bool:
+    """The answer an override gives (the package stays a raising stub)."""
+    return True
+
+
+def _torchvision_backend() -> None:
+    """transformers' backend check for torchvision answers "available" from now on."""
+    utils = importlib.import_module("transformers.utils.import_utils")
+    _, message = utils.BACKENDS_MAPPING["torchvision"]
+    utils.BACKENDS_MAPPING["torchvision"] = (_says_available, message)
+
+
+@dataclass(frozen=True)
+class Override:
+    """A dependency's check the harness answers itself: `target` what it replaces,
+    `what` its effect, `stub` the package it is about (primed and raising in the same
+    spec), `apply` does it (mutates the dependency; once per process)."""
+
+    target: str
+    what: str
+    stub: str
+    apply: Callable[[], None]
+
+
+# the overrides a lock may name (`stubs.overrides`), by key
+OVERRIDES: dict[str, Override] = {
+    "transformers-torchvision-backend": Override(
+        "transformers.utils.import_utils.BACKENDS_MAPPING['torchvision']",
+        "transformers' backend check for torchvision (what its lazy modules ask before "
+        "importing a name, and requires_backends) answers available, so the "
+        "AutoImageProcessor.register SGLang 0.5.12-0.5.21 make at import "
+        "(configs/utils.py:18, from janus_pro.py) is accepted under the transformers they "
+        "pin (5.6.0-5.12.1 refuse it without torchvision: huggingface/transformers#48607); "
+        "is_torchvision_available() keeps its primed False and torchvision stays a raising "
+        "stub, so any real use of it raises StubUsedError",
+        "torchvision", _torchvision_backend)}
+
+
 @dataclass(frozen=True)
 class StubSpec:
     """What to stub, each module with the reason it cannot run here.
@@ -78,12 +122,14 @@ class StubSpec:
     absent/raising: module -> reason. names: raising module -> the names it defines
     as raising functions. prime: packages whose availability an engine's dependency
     caches, to be asked before they are stubbed (the adapter knows which probe).
+    overrides: keys of `OVERRIDES`, applied by `install`.
     """
 
     absent: Mapping[str, str] = field(default_factory=dict)
     raising: Mapping[str, str] = field(default_factory=dict)
     names: Mapping[str, Sequence[str]] = field(default_factory=dict)
     prime: Sequence[str] = ()
+    overrides: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         for kind in ("absent", "raising"):
@@ -105,23 +151,34 @@ class StubSpec:
                     raise ValueError(f"stubs.names[{module!r}]: {name!r} is not a name")
         for package in self.prime:
             _check_module(package, "stubs.prime")
+        for key in self.overrides:
+            if not isinstance(key, str) or key not in OVERRIDES:
+                raise ValueError(f"stubs.overrides: {key!r} is not an override the harness "
+                                 f"knows; known: {sorted(OVERRIDES)}")
+            package = OVERRIDES[key].stub
+            if package not in self.raising or package not in self.prime:
+                raise ValueError(f"stubs.overrides: {key!r} needs {package!r} raising and "
+                                 "primed (nothing of it is provided)")
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "stubs") -> StubSpec:
         """Parse a lock file's `stubs`; ValueError naming `where` otherwise."""
-        data = check_keys(data, ("absent", "raising", "names", "prime"), where)
+        data = check_keys(data, ("absent", "raising", "names", "prime", "overrides"), where)
         try:
             return cls(dict(data.get("absent", {})), dict(data.get("raising", {})),
                        {k: tuple(v) for k, v in dict(data.get("names", {})).items()},
-                       tuple(data.get("prime", ())))
+                       tuple(data.get("prime", ())), tuple(data.get("overrides", ())))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from None
 
     def as_dict(self) -> dict[str, Any]:
-        """The lock file's form."""
-        return {"absent": dict(self.absent), "raising": dict(self.raising),
-                "names": {k: list(v) for k, v in self.names.items()},
-                "prime": list(self.prime)}
+        """The lock file's form (`overrides` only where there are some)."""
+        out: dict[str, Any] = {"absent": dict(self.absent), "raising": dict(self.raising),
+                               "names": {k: list(v) for k, v in self.names.items()},
+                               "prime": list(self.prime)}
+        if self.overrides:
+            out["overrides"] = list(self.overrides)
+        return out
 
     @property
     def empty(self) -> bool:
@@ -172,9 +229,11 @@ class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install(spec: StubSpec) -> StubFinder:
-    """Put a finder for `spec` first on sys.meta_path and return it (mutates the
-    interpreter; once per process). Raises ValueError when a stubbed module is already
-    imported (a stub installed late stubs nothing) or an absent one is installed."""
+    """Put a finder for `spec` first on sys.meta_path, apply `spec.overrides` (after the
+    caller primed the probes) and return the finder (mutates the interpreter; once per
+    process). Raises ValueError when a stubbed module is already imported (a stub
+    installed late stubs nothing) or an absent one is installed, RuntimeError naming the
+    override when one does not apply to the installed dependency."""
     early = sorted(m for m in sys.modules if _root(m, {**spec.absent, **spec.raising}))
     if early:
         raise ValueError(f"stubs: {early} are already imported; install the stubs first")
@@ -184,6 +243,13 @@ def install(spec: StubSpec) -> StubFinder:
         raise ValueError(f"stubs: {present} must be absent but are installed here")
     finder = StubFinder(spec)
     sys.meta_path.insert(0, finder)
+    for key in spec.overrides:
+        try:
+            OVERRIDES[key].apply()
+        except (ImportError, AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise RuntimeError(f"stubs.overrides: {key!r} does not apply here "
+                               f"({OVERRIDES[key].target}: {type(exc).__name__}: {exc})"
+                               ) from exc
     return finder
 
 

@@ -1135,6 +1135,14 @@ def _lock_with(**changes: object) -> dict[str, object]:
                  id="conform-lock-stubs-key"),
     pytest.param({"version": "latest"}, r"version: 'latest' is not a version like 0\.33\.0",
                  id="conform-lock-version"),
+    pytest.param({"stubs": {**_lock_with()["stubs"], "overrides": ["transformers.utils"]}},
+                 r"stubs: stubs\.overrides: 'transformers\.utils' is not an override the "
+                 r"harness knows; known: \['transformers-torchvision-backend'\]",
+                 id="conform-lock-override"),
+    pytest.param({"stubs": {**_lock_with()["stubs"], "prime": [],
+                            "overrides": ["transformers-torchvision-backend"]}},
+                 r"stubs: stubs\.overrides: 'transformers-torchvision-backend' needs "
+                 r"'torchvision' raising and primed", id="conform-lock-override-unprimed"),
     pytest.param({"resolved": {"how": "pip", "module": "os"}}, r"resolved: expected an object "
                  r"with keys among \['added', 'base', 'date', 'how', 'pip', 'python'\]",
                  id="conform-lock-resolved"),

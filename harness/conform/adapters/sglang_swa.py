@@ -17,16 +17,19 @@ RadixCache's (`SWA_REPLICATED` lists it, with the SGLang function each stands in
 - a lock is `inc_lock_ref`'s window receipt (`swa_uuid_for_lock`), which `dec_lock_ref`
   takes back; `insert` frees the caller's duplicate slots itself;
 - a decode step frees the window KV below the window (`ScheduleBatch.maybe_evict_swa` /
-  `_evict_swa`: `WINDOW_RULE`); a commit inserts only before the first decode step
+  `_evict_swa`, 0.5.18's `free_swa_out_of_window_slots`: each release's
+  `WINDOW_RULES`); a commit inserts only before the first decode step
   (SGLang calls `cache_unfinished_req` after an extend, never after a decode step), and a
   free is `cache_finished_req`: an insert that names what was freed of the window
   (`swa_evicted_seqlen`, inserted as tombstones), the rest freed, the lock returned.
 
+0.5.12 and 0.5.18 open because their locks import the real `memory_pool` (the
+override `transformers-torchvision-backend`, `harness.conform.stubs.OVERRIDES`, lets the
+image-processor registration its import makes pass under the transformers they pin).
 0.5.5 (its `SWATokenToKVPoolAllocator` is token-granular, and its scheduler frees no
-window KV under a radix tree) and 0.5.12 to 0.5.21, whose locks stub `memory_pool`
-(`SWAKVPool` subclasses its `KVCache`), are not opened: `swa_names` says why
-(`STUBBED_POOLS`: the real module does not import under the transformers these releases
-pin; 0.5.23's lock imports it only because 0.5.22 on pin a later transformers).
+window KV under a radix tree) and the other releases to 0.5.21, whose locks still stub
+`memory_pool` (`SWAKVPool` subclasses its `KVCache`), are not opened: `swa_names` says
+why (`STUBBED_POOLS`).
 """
 
 from __future__ import annotations
@@ -42,30 +45,64 @@ from harness.conform.adapters.sglang import SglangCache, SglangNames, TreeSeq
 from harness.conform.adapters.sglang_tree import page_problems
 from harness.conform.protocol import Contract, Stats
 from harness.conform.stubs import StubFinder
+from harness.conform.versions import nearest
 
 TREE_MODULE = "sglang.srt.mem_cache.swa_radix_cache"
 POOL_MODULE = "sglang.srt.mem_cache.memory_pool"
+SWA_POOL_MODULE = "sglang.srt.mem_cache.swa_memory_pool"  # SWAKVPool's, every release here
 # where a paged SWATokenToKVPoolAllocator lives (0.5.10 to 0.5.11; 0.5.12 on)
 PAGED_SWA_ALLOCATORS = ("sglang.srt.mem_cache.swa_memory_pool",
                         "sglang.srt.mem_cache.allocator.swa")
 
-# SGLang 0.5.10's window rule, each part where its own code says so (the contract's
-# `window` citation)
-WINDOW_RULE = (
-    "0.5.10: a running request frees its own window KV only at a decode step's "
-    "allocation (mem_cache/common.py:431 alloc_for_decode -> managers/schedule_batch.py:"
-    "2424-2435 maybe_evict_swa: when decode_batch_idx % sliding_window_size == 1, i.e. the "
-    "second decode step and every window after it, counted before :2120 increments it; an "
-    "extend frees none under a radix tree, :2436), from max(swa_evicted_seqlen, "
-    "cache_protected_len) up to (seqlen - 1 - window) floored to a page "
-    "(:2452-2476 _evict_swa, free_swa); a finished request inserts what it freed as window "
-    "tombstones (swa_radix_cache.py:444-493 cache_finished_req passes swa_evicted_seqlen; "
-    ":1016-1030 _insert_helper), a retraction frees its slots past what it inserted "
-    "(schedule_batch.py:2029 release_kv_cache(is_insert=False) -> cache_finished_req); "
-    "what is in the tree keeps its window KV, locked for the window (:658-697 "
-    "inc_lock_ref) and LRU-evictable below it, where evicting an inner node tombstones it "
-    "and keeps its full KV (:568-656 evict); a match ends only where the window before it "
-    "has window KV (:793-843 _match_prefix_helper)")
+# each release's window rule where its own code says so (the contract's `window`
+# citation), by the release that introduced it (`window_rule`)
+WINDOW_RULES = {
+    "0.5.10": (
+        "0.5.10: a running request frees its own window KV only at a decode step's "
+        "allocation (mem_cache/common.py:431 alloc_for_decode -> managers/schedule_batch.py:"
+        "2424-2435 maybe_evict_swa: when decode_batch_idx % sliding_window_size == 1, i.e. the "
+        "second decode step and every window after it, counted before :2120 increments it; an "
+        "extend frees none under a radix tree, :2436), from max(swa_evicted_seqlen, "
+        "cache_protected_len) up to (seqlen - 1 - window) floored to a page "
+        "(:2452-2476 _evict_swa, free_swa); a finished request inserts what it freed as window "
+        "tombstones (swa_radix_cache.py:444-493 cache_finished_req passes swa_evicted_seqlen; "
+        ":1016-1030 _insert_helper), a retraction frees its slots past what it inserted "
+        "(schedule_batch.py:2029 release_kv_cache(is_insert=False) -> cache_finished_req); "
+        "what is in the tree keeps its window KV, locked for the window (:658-697 "
+        "inc_lock_ref) and LRU-evictable below it, where evicting an inner node tombstones it "
+        "and keeps its full KV (:568-656 evict); a match ends only where the window before it "
+        "has window KV (:793-843 _match_prefix_helper)"),
+    "0.5.12": (
+        "0.5.12: a running request frees its own window KV only at a decode step's "
+        "allocation (mem_cache/common.py:524-532 alloc_for_decode -> managers/"
+        "schedule_batch.py:2655-2681 maybe_evict_swa: when decode_batch_idx % interval == 1, "
+        "interval = max(page, window * SGLANG_SWA_EVICTION_INTERVAL_MULTIPLIER (1.0, "
+        "environ.py:268)) floored to a page, :2666-2674; counted before :2345 increments it), "
+        "from max(swa_evicted_seqlen, cache_protected_len) up to (seqlen - 1 - window - page) "
+        "floored to a page, one page short of the insert boundary (:2714-2745 _evict_swa); a "
+        "finished request inserts what it freed as window tombstones (swa_radix_cache.py:435 "
+        "cache_finished_req passes swa_evicted_seqlen, :465; :1089 _insert_helper); the "
+        "tree's locks, eviction and matches as 0.5.10's (:667 inc_lock_ref, :560 evict, :863 "
+        "_match_prefix_helper); the leaf-lock release after a window is off by default "
+        "(SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW False, environ.py:598)"),
+    "0.5.18": (
+        "0.5.18: a running request frees its own window KV only at a decode step's "
+        "allocation (mem_cache/allocation.py:512-520 alloc_for_decode -> managers/"
+        "schedule_batch.py:3324-3351 maybe_evict_swa: from the second decode step, once "
+        "seqlen - 1 - window >= swa_evicted_seqlen + SGLANG_SWA_EVICTION_INTERVAL (128, "
+        "environ.py:593), :3345-3351; counted before :3073 increments it), from "
+        "max(swa_evicted_seqlen, cache_protected_len) up to (seqlen - 1 - max(window, page)) "
+        "floored to a page (mem_cache/common.py:52-104 free_swa_out_of_window_slots; no "
+        "retain floor for SWARadixCache, base_prefix_cache.py:385); a finished request "
+        "inserts what it freed as window tombstones (swa_radix_cache.py:461 "
+        "cache_finished_req passes req.kv.swa_evicted_seqlen, :495; :1135 _insert_helper); "
+        "the tree's locks, eviction and matches as 0.5.10's (:700 inc_lock_ref, :593 evict, "
+        ":899 _match_prefix_helper); the leaf-lock release after a window is off by default "
+        "(environ.py:600)"),
+}
+# 0.5.18's SGLANG_SWA_EVICTION_INTERVAL default (environ.py:593): the tokens that must have
+# slid out of the window since the last free before a decode step frees again
+EVICTION_INTERVAL_0518 = 128
 SWA_REPLICATED: tuple[tuple[str, str, str], ...] = (
     ("pages taken whole from the full and the window pool, the full-to-window mapping "
      "written", "SWATokenToKVPoolAllocator.alloc_extend / alloc_decode",
@@ -90,7 +127,8 @@ TOKEN_GRANULAR = ("SWATokenToKVPoolAllocator is token-granular (mem_cache/alloca
                   "SWAChunkCache)")
 
 
-# why 0.5.12-0.5.21's locks stub memory_pool (read in each wheel; 0.5.18's lines): its
+# why the 0.5.13-0.5.21 locks stub memory_pool (0.5.12's and 0.5.18's did until the
+# override; read in each wheel, 0.5.18's lines): its
 # import of sglang.srt.configs (memory_pool.py:52) runs configs/__init__.py:24 ->
 # janus_pro.py:634 register_image_processor -> configs/utils.py:18
 # AutoImageProcessor.register, which transformers 5.6.0/5.8.1/5.12.1 (each release's exact
@@ -98,32 +136,51 @@ TOKEN_GRANULAR = ("SWATokenToKVPoolAllocator is token-granular (mem_cache/alloca
 # image_processing_ file that names TorchvisionBackend needs torchvision); 5.19.0 (0.5.22
 # on) asks it only of a TorchvisionBackend subclass (:2961; huggingface/transformers#48607,
 # fixed by #48616), which is what lets 0.5.23's lock import the real module under a
-# torchvision stub
+# torchvision stub; a lock naming the override transformers-torchvision-backend
+# (stubs.OVERRIDES) imports it under 5.6.0-5.12.1 too
 STUBBED_POOLS = (f"this release's lock stubs {POOL_MODULE}, whose KVCache SWAKVPool "
                  "subclasses (SWARadixCache imports it): the real module imports "
                  "sglang.srt.configs, whose janus_pro.py registers an image processor with "
                  "transformers' AutoImageProcessor at import, which the transformers this "
                  "release pins (5.6.0 to 5.12.1) refuses without torchvision, and the "
                  "registry's torchvision is a CUDA build that does not import with the CPU "
-                 "torch")
+                 "torch; a lock that also pins the pure packages memory_pool's import "
+                 "reaches and names the override transformers-torchvision-backend opens it, "
+                 "as 0.5.12's and 0.5.18's do")
 
 
-def decode_frees_window(decode_step: int, window: int) -> bool:
+def window_rule(version: str) -> str:
+    """The key of `WINDOW_RULES` whose rule `version` runs (the newest at or before it;
+    `swa_names` opens nothing before 0.5.10)."""
+    rule = nearest(version, WINDOW_RULES)
+    assert rule is not None
+    return rule
+
+
+def decode_frees_window(rule: str, decode_step: int, window: int, page: int,
+                        pre_len: int, swa_evicted: int) -> bool:
     """Whether a request's decode step `decode_step` (0 first; `req.decode_batch_idx`
-    before the step increments it) frees its window KV (0.5.10's `maybe_evict_swa`: the
-    second step, then every `window` steps)."""
-    return decode_step % window == 1
+    before the step increments it), with `pre_len` tokens computed and its window KV freed
+    below `swa_evicted`, frees window KV under release `rule`'s `maybe_evict_swa`."""
+    if rule == "0.5.10":
+        return decode_step % window == 1
+    if rule == "0.5.12":
+        interval = max(page, window) // page * page
+        return decode_step % interval == 1
+    return decode_step >= 1 and pre_len - window >= swa_evicted + EVICTION_INTERVAL_0518
 
 
-def window_freed(swa_evicted: int, locked: int, pre_len: int, window: int,
+def window_freed(rule: str, swa_evicted: int, locked: int, pre_len: int, window: int,
                  page: int) -> tuple[int, int]:
-    """The token range [start, end) of a request's row whose window KV 0.5.10's
-    `_evict_swa` frees, given what it freed before (`swa_evicted_seqlen`), what it
-    inserted (`cache_protected_len`, a whole number of pages), the tokens computed
-    (`pre_len`), the window and the page; `end` is its new `swa_evicted_seqlen`."""
+    """The token range [start, end) of a request's row whose window KV release `rule`
+    frees (0.5.10 and 0.5.12's `_evict_swa`, 0.5.18's `free_swa_out_of_window_slots`),
+    given what it freed before (`swa_evicted_seqlen`), what it inserted
+    (`cache_protected_len`, a whole number of pages), the tokens computed (`pre_len`), the
+    window and the page; `end` is its new `swa_evicted_seqlen`."""
     assert locked % page == 0, (locked, page)
     start = max(swa_evicted, locked)
-    return start, max(start, pre_len - window) // page * page
+    kept = {"0.5.10": window, "0.5.12": window + page}.get(rule, max(window, page))
+    return start, max(start, pre_len - kept) // page * page
 
 
 def _has_module(name: str) -> bool:
@@ -167,8 +224,9 @@ class SwaNames:
         tree = importlib.import_module(TREE_MODULE)
         self.SWARadixCache = tree.SWARadixCache
         self.Allocator = tree.SWATokenToKVPoolAllocator
-        pool_module = importlib.import_module(self.Allocator.__module__)
-        self.SWAKVPool = pool_module.SWAKVPool
+        # swa_memory_pool.py:28 (0.5.10), :29 (0.5.12), :19 (0.5.18): beside the
+        # allocator until 0.5.12, which moved to allocator/swa.py by 0.5.18
+        self.SWAKVPool = importlib.import_module(SWA_POOL_MODULE).SWAKVPool
         base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
         self.base = base
         self.DecLockRefParams: Any = getattr(base, "DecLockRefParams", None)
@@ -192,16 +250,21 @@ class SwaCache(SglangCache):
         assert s.swa is not None, "no SWARadixCache here"
         self.w: SwaNames = s.swa
         self.window = window
+        self.rule = window_rule(version)
         # 0.5.12 on (KVCacheEventMixin); before, BasePrefixCache's take_events: []
         self.events = self.w.SWARadixCache.take_events is not self.w.base.BasePrefixCache.take_events
         super().__init__(s, version, num_blocks, block_size, record)
 
     def _build_allocator(self) -> Any:
         torch, P, size = self.s.torch, self.block_size, self.num_blocks * self.block_size
+        # enable_kvcache_transpose: 0.5.10-0.5.12 (swa_memory_pool.py:42 in 0.5.12), gone
+        # by 0.5.18 (:22-35, whose **kwargs reach MHATokenToKVPool, which has no such name)
+        transpose = ({"enable_kvcache_transpose": False} if "enable_kvcache_transpose" in
+                     inspect.signature(self.w.SWAKVPool.__init__).parameters else {})
         self.kv = self.w.SWAKVPool(size=size, size_swa=size, page_size=P,
                                    dtype=torch.float16, head_num=1, head_dim=8,
                                    swa_attention_layer_ids=[1], full_attention_layer_ids=[0],
-                                   enable_kvcache_transpose=False, device="cpu")
+                                   device="cpu", **transpose)
         return self.w.Allocator(size, size, P, torch.float16, "cpu", self.kv, False)
 
     def _build_tree(self) -> Any:
@@ -225,7 +288,7 @@ class SwaCache(SglangCache):
                        ("eviction_policy", "swa_radix_cache.py evict: whole least recently "
                                            "used leaves (full), inner nodes tombstoned "
                                            "(window)"),
-                       ("window", WINDOW_RULE)),
+                       ("window", WINDOW_RULES[self.rule])),
             notes=(*base.notes, "SWARadixCache over SWAKVPool and SWATokenToKVPoolAllocator "
                                 "(full and window pools of the same size)"))
 
@@ -332,15 +395,16 @@ class SwaCache(SglangCache):
         if added is None:
             return None
         for step in range(len(tokens)):
-            if decode_frees_window(seq.decode_steps, self.window):
+            if decode_frees_window(self.rule, seq.decode_steps, self.window, self.block_size,
+                                   length + step, seq.swa_evicted):
                 self._evict_swa(seq, length + step)  # pre_len = seqlen - 1
             seq.decode_steps += 1
         return added
 
     def _evict_swa(self, seq: _SwaSeq, pre_len: int) -> None:
         """`ScheduleBatch._evict_swa`: free the window KV `window_freed` names."""
-        start, end = window_freed(seq.swa_evicted, seq.locked, pre_len, self.window,
-                                  self.block_size)
+        start, end = window_freed(self.rule, seq.swa_evicted, seq.locked, pre_len,
+                                  self.window, self.block_size)
         if end > start:
             self.alloc.free_swa(self._slots(seq.slots[start:end]))
         seq.swa_evicted = end

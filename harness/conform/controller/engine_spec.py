@@ -40,6 +40,7 @@ from harness.conform.controller.report import Report
 from harness.conform.controller.resolve import resolve, resolved_dir
 from harness.conform.controller.targets import LocalTarget, Target
 from harness.conform.controller.tree import package_root, tree_version
+from harness.conform.stubs import OVERRIDES
 from harness.conform.versions import VERSION_PATTERN, parse_version
 
 _SPEC = re.compile(rf"([a-z][a-z0-9_-]*)(?:==({VERSION_PATTERN})|@(.+))?")
@@ -229,6 +230,9 @@ def _worker_target(spec: EngineSpec, report: Report, folder: Path, say: Say) -> 
     start = time.perf_counter()
     engine = _engine(spec, report, say)
     report.engine, report.version = spec.engine, engine.version
+    if engine.lock.stubs.overrides:  # what the worker answers for a dependency
+        report.source["overrides"] = {key: f"{OVERRIDES[key].target}: {OVERRIDES[key].what}"
+                                      for key in engine.lock.stubs.overrides}
     report.seconds["install"] = time.perf_counter() - start
     say(f"importing {spec.engine} {engine.version} in {engine.python}")
     start = time.perf_counter()

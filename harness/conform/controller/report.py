@@ -78,7 +78,8 @@ class Report:
     found, 2 could not run (`reason` says why); `verdict` tells the first two apart.
     `run`: the day it ran (UTC) and the machine (`this_run`), which the version matrix
     shows. `source`: where the engine came from (a release's lock, committed or resolved
-    and how; a source tree; the interpreter's own install); `contract_basis`: the known
+    and how; a source tree; the interpreter's own install; `overrides`: the dependency
+    checks the worker answered itself, `stubs.OVERRIDES`); `contract_basis`: the known
     release whose contract the run used and the fields detected in the engine's code.
     Every timing is a key named `seconds` (the run's steps: install, import, self_test,
     checks, bench, total; each check's; the install's and the worker's import), and
@@ -240,6 +241,8 @@ def _source(report: Report) -> list[str]:
     elif src.get("kind") == "installed":
         out.append(f"Installed in {code(str(src.get('interpreter')))} (stubs of "
                    f"{code(str(src.get('stubs_from')))})")
+    for key, what in src.get("overrides", {}).items():
+        out.append(f"Override {code(key)} (the lock's `stubs.overrides`): {what}")
     if basis and basis.get("known") != basis.get("version"):
         detected = basis.get("detected", {})
         out.append(f"Contract: {report.engine} {basis.get('known')}'s (the nearest release "

@@ -45,7 +45,8 @@ def test_scope_json_round_trip_and_the_default_scope() -> None:
     pytest.param(Contract.from_dict, 7, "here: expected an object, got int", id="contract"),
     pytest.param(Op.from_dict, "free", "here: expected an object, got str", id="op"),
     pytest.param(StubSpec.from_dict, {"absent": {}, "mock": 1, "fake": 2},
-                 "here: unknown keys ['fake', 'mock']; known: absent, raising, names, prime",
+                 "here: unknown keys ['fake', 'mock']; known: absent, raising, names, prime, "
+                 "overrides",
                  id="stubs"),
     pytest.param(Scope.from_dict, {"salt": "x", "lora": 1}, "here: unknown keys ['lora']; "
                  "known: salt, lora_name, lora_id, lora_path, extra_key", id="scope-keys"),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.conform import ops
-from harness.conform.adapters.sglang_swa import decode_frees_window, window_freed
+from harness.conform.adapters.sglang_swa import decode_frees_window, window_freed, window_rule
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import find_lock
 from harness.conform.controller.targets import Target
@@ -22,25 +22,81 @@ B = 4
 LOCK = find_lock("sglang", "0.5.10")
 
 
-def test_decode_frees_window_kv_at_the_second_step_then_every_window() -> None:
-    assert [s for s in range(20) if decode_frees_window(s, 8)] == [1, 9, 17]
+@pytest.mark.parametrize(("rule", "window", "want"), [
+    pytest.param("0.5.10", 8, [1, 9, 17], id="0.5.10-every-window"),
+    pytest.param("0.5.10", 6, [1, 7, 13, 19], id="0.5.10-window-6"),
+    pytest.param("0.5.12", 8, [1, 9, 17], id="0.5.12-window-in-pages"),
+    pytest.param("0.5.12", 6, [1, 5, 9, 13, 17], id="0.5.12-floored-to-a-page"),
+])
+def test_decode_frees_window_kv_at_the_second_step_then_every_interval(
+        rule: str, window: int, want: list[int]) -> None:
+    assert [s for s in range(20) if decode_frees_window(rule, s, window, B, 0, 0)] == want
 
 
-@pytest.mark.parametrize(("before", "locked", "pre_len", "want"), [
-    pytest.param(0, 24, 25, (24, 24), id="inside-the-window"),
-    pytest.param(0, 24, 41, (24, 32), id="below-the-window-past-the-tree"),
-    pytest.param(32, 24, 43, (32, 32), id="floored-to-a-page"),
-    pytest.param(0, 0, 22, (0, 12), id="nothing-inserted"),
+@pytest.mark.parametrize(("step", "pre_len", "swa_evicted", "want"), [
+    pytest.param(0, 200, 0, False, id="never-the-first-step"),
+    pytest.param(1, 135, 0, False, id="127-slid-out"),
+    pytest.param(1, 136, 0, True, id="128-slid-out"),
+    pytest.param(5, 167, 32, False, id="127-past-the-last-free"),
+    pytest.param(5, 168, 32, True, id="128-past-the-last-free"),
+])
+def test_0_5_18_frees_window_kv_once_128_tokens_slid_out(step: int, pre_len: int,
+                                                        swa_evicted: int, want: bool) -> None:
+    assert decode_frees_window("0.5.18", step, 8, B, pre_len, swa_evicted) is want
+
+
+@pytest.mark.parametrize(("rule", "before", "locked", "pre_len", "window", "want"), [
+    pytest.param("0.5.10", 0, 24, 25, 8, (24, 24), id="0.5.10-inside-the-window"),
+    pytest.param("0.5.10", 0, 24, 41, 8, (24, 32), id="0.5.10-below-the-window"),
+    pytest.param("0.5.10", 32, 24, 43, 8, (32, 32), id="0.5.10-floored-to-a-page"),
+    pytest.param("0.5.10", 0, 0, 22, 8, (0, 12), id="0.5.10-nothing-inserted"),
+    pytest.param("0.5.12", 0, 24, 41, 8, (24, 28), id="0.5.12-a-page-short"),
+    pytest.param("0.5.12", 0, 0, 22, 8, (0, 8), id="0.5.12-nothing-inserted"),
+    pytest.param("0.5.18", 0, 24, 41, 8, (24, 32), id="0.5.18-the-window"),
+    pytest.param("0.5.18", 0, 0, 22, 2, (0, 16), id="0.5.18-at-least-a-page"),
 ])
 def test_window_kv_is_freed_below_the_window_never_below_the_tree(
-        before: int, locked: int, pre_len: int, want: tuple[int, int]) -> None:
-    assert window_freed(before, locked, pre_len, 8, B) == want
+        rule: str, before: int, locked: int, pre_len: int, window: int,
+        want: tuple[int, int]) -> None:
+    assert window_freed(rule, before, locked, pre_len, window, B) == want
+
+
+@pytest.mark.parametrize(("version", "rule"), [
+    pytest.param("0.5.10", "0.5.10", id="0.5.10"), pytest.param("0.5.11", "0.5.10", id="0.5.11"),
+    pytest.param("0.5.12.post1", "0.5.12", id="0.5.12.post1"),
+    pytest.param("0.5.18", "0.5.18", id="0.5.18"),
+])
+def test_each_release_runs_the_newest_window_rule_before_it(version: str, rule: str) -> None:
+    assert window_rule(version) == rule
 
 
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Target]:
     with open_cached(LOCK, tmp_path) as opened:
         yield opened
+
+
+def _decode_run(target: Target, num_blocks: int, decoded: int) -> tuple[Judge, list, list]:
+    """A window of 8: A's 24 tokens in chunks of 8 (the tree holds them), `decoded`
+    tokens decoded one a step, A freed; B extending A, then D sharing A's first 16. The
+    reports and the judge's findings."""
+    contract = target.open(num_blocks, B, CacheOptions(window=8))
+    assert (contract.window, contract.window_layout) == (8, "window-pool")
+    judge = Judge(contract, num_blocks)
+    a, out = list(range(100, 124)), [900 + i for i in range(decoded)]
+    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8),
+               ops.reserve("A", 16), ops.commit("A", 16),
+               ops.reserve("A", 24), ops.commit("A", 24)]
+    for i, t in enumerate(out):
+        op_list += [ops.append("A", [t]), ops.commit("A", 25 + i)]
+    op_list += [ops.free("A"), ops.admit("B", [*a, *out, 1]), ops.free("B"),
+                ops.admit("D", [*a[:16], *range(700, 708)]), ops.free("D")]
+    reports = target.apply_all(op_list)
+    return judge, reports, [v for r in reports for v in judge.observe(r)]
+
+
+def _swa_free_after_step(reports: list, step: int) -> int:
+    return int(reports[6 + 2 * step + 1].stats.engine["swa_available_size"])
 
 
 def test_a_swa_radix_cache_frees_window_kv_and_still_reuses(target: Target) -> None:
@@ -69,4 +125,37 @@ def test_a_swa_radix_cache_frees_window_kv_and_still_reuses(target: Target) -> N
     assert before["swa_available_size"] == 16 * B - 11 * B  # 11 pages, nothing freed
     assert after["swa_available_size"] == before["swa_available_size"] + 2 * B
     assert reports[-4].value["reused_tokens"] == 44
+    assert reports[-2].value["reused_tokens"] == 16
+
+
+def test_0_5_12s_swa_radix_cache_frees_a_page_short_of_the_window(tmp_path: Path) -> None:
+    """0.5.12 (its real pools under the lock's override): the run above, whose 18th step
+    frees only [24, 28) (the window and a page kept); B still reuses all 44, D 16; every
+    oracle and the window pool's accounting hold, and the tree publishes KV events."""
+    with open_cached(find_lock("sglang", "0.5.12"), tmp_path) as target:
+        judge, reports, found = _decode_run(target, 16, 20)
+    assert found == [], found
+    assert judge.contract.events  # KVCacheEventMixin from 0.5.12
+    assert all(r.integrity == () for r in reports)
+    before, after = (_swa_free_after_step(reports, step) for step in (16, 17))
+    assert before == 16 * B - 11 * B  # 11 pages, nothing freed
+    assert after == before + 1 * B
+    assert reports[-4].value["reused_tokens"] == 44
+    assert reports[-2].value["reused_tokens"] == 16
+
+
+def test_0_5_18s_swa_radix_cache_frees_window_kv_once_128_tokens_slid_out(
+        tmp_path: Path) -> None:
+    """0.5.18: 116 decoded tokens; nothing is freed until 128 have slid out of the window
+    (step 112, 136 tokens computed), which frees [24, 128) (26 pages) while the step takes
+    a page; B extending A reuses all 140 (12 tokens of window KV after the tombstones),
+    D 16."""
+    with open_cached(find_lock("sglang", "0.5.18"), tmp_path) as target:
+        _, reports, found = _decode_run(target, 48, 116)
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)
+    before, after = (_swa_free_after_step(reports, step) for step in (111, 112))
+    assert before == 48 * B - 34 * B  # 34 pages, nothing freed
+    assert after == before - B + 26 * B
+    assert reports[-4].value["reused_tokens"] == 140
     assert reports[-2].value["reused_tokens"] == 16
