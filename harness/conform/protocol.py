@@ -98,6 +98,12 @@ HostFullHit = Literal["unreused-tail", "all-but-last"]
 # need to hold their whole prompts ("inflight-prefills": vLLM admits an asynchronous load
 # only within the free blocks less those).
 HostLoadReserve = Literal["none", "inflight-prefills"]
+# Which blocks a host tier holds: those the device evicted ("on-eviction": a full block
+# moves there when evicted), every full block once computed ("when-computed": a copy
+# written through), or only the full blocks within a request's prompt, once computed or
+# hit ("prompt-only": a block a decode step filled is never stored, nor is one its
+# prompt only partly spans; vLLM's offload_prompt_only, on by default).
+HostStores = Literal["on-eviction", "when-computed", "prompt-only"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval"]
@@ -350,7 +356,11 @@ class Contract:
       block comes from the host tier (`HostFullHit`); host_load_reserve: what an
       admission that loads from the host tier keeps free for the prefills in flight
       (`HostLoadReserve`). A value other than the reference ("unreused-tail", "none")
-      needs a host tier (`host_blocks` set or among `options`).
+      needs a host tier (`host_blocks` set or among `options`). host_stores: which
+      blocks the host holds (`HostStores`; the reference "on-eviction" needs no host
+      tier, any other value does): under "all-but-last" the judge predicts the host's
+      num_tokens - 1 only where the host holds the prompt's last block, else the
+      device's hit.
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.
@@ -398,6 +408,7 @@ class Contract:
     options: tuple[OptionName, ...] = ()
     host_full_hit: HostFullHit = "unreused-tail"
     host_load_reserve: HostLoadReserve = "none"
+    host_stores: HostStores = "on-eviction"
     replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
@@ -418,7 +429,8 @@ class Contract:
                  "window_layout": get_args(WindowLayout),
                  "state_rule": get_args(StateRule),
                  "host_full_hit": get_args(HostFullHit),
-                 "host_load_reserve": get_args(HostLoadReserve)}
+                 "host_load_reserve": get_args(HostLoadReserve),
+                 "host_stores": get_args(HostStores)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
         reserve = self.admission_reserve
@@ -455,7 +467,8 @@ class Contract:
             _count_or_none(getattr(self, name), f"Contract.{name}")
         host = self.host_blocks is not None or "host_blocks" in self.options
         for name, reference in (("host_full_hit", "unreused-tail"),
-                                ("host_load_reserve", "none")):
+                                ("host_load_reserve", "none"),
+                                ("host_stores", "on-eviction")):
             if getattr(self, name) != reference and not host:
                 raise ValueError(f"Contract.{name} {getattr(self, name)!r} is a host tier's "
                                  f"rule, but the contract has no host tier (host_blocks "

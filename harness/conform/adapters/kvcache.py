@@ -75,7 +75,7 @@ def contract(block_size: int, options: CacheOptions | None = None) -> Contract:
         chunked_allocation=False,
         counters=COUNTERS, bounded_oracle=True, preemption="frees-keeps-cached",
         host_blocks=host, state_interval=interval, options=("host_blocks", "state_interval"),
-        host_full_hit="unreused-tail", host_load_reserve="none",
+        host_full_hit="unreused-tail", host_load_reserve="none", host_stores="on-eviction",
         event_fields=("parent_block_hash", "token_ids", "block_size", "salt", "lora_id",
                       "medium"),
         citations=(("*", "docs/design.md: the reuse rules, partial reuse, eviction"),
@@ -90,6 +90,9 @@ def contract(block_size: int, options: CacheOptions | None = None) -> Contract:
                    ("host_full_hit", "kvcache/core/admission.py: the match covers the "
                                      "prompt less its last token (length - 1), host edges "
                                      "as device ones"),
+                   ("host_stores", "kvcache/core/host_tier.py: a full cached block "
+                                   "evicted from the device pool is offloaded (moved, "
+                                   "decoded or not); nothing is copied there before"),
                    ("host_load_reserve", "kvcache/core/admission.py plan: an admission "
                                          "onboards its host hits within its own "
                                          "allocation (need = new + onboard blocks), "

@@ -71,7 +71,8 @@ HOST_RULE = (
     "the device's 'GPU'")
 
 # SGLang's two rules of a host hit (0.5.23), the citations of the contract's
-# `host_full_hit` ("unreused-tail") and `host_load_reserve` ("none")
+# `host_full_hit` ("unreused-tail") and `host_load_reserve` ("none"), and its
+# `host_stores` ("when-computed")
 RULES = (
     ("host_full_hit", "a host hit lies within the match, which is capped at L - 1 tokens "
                       "for device and host alike (managers/schedule_batch.py:1766-1768 "
@@ -82,7 +83,10 @@ RULES = (
                           "(managers/schedule_policy.py:1499-1523 prepare_load_back then "
                           "init_load_back) under the admission's own budget (the loaded "
                           "tokens, the extend, the new tokens and a page: "
-                          "admission_reserve); nothing is kept for prefills in flight"))
+                          "admission_reserve); nothing is kept for prefills in flight"),
+    ("host_stores", "write_through backs every node up on its first insert "
+                    "(unified_radix_cache.py:558-559, write_through_threshold 1): the host "
+                    "holds every computed page, decoded ones too"))
 READ = ("0.5.23",)  # the releases whose host tier was read by hand (HOST_RULE's)
 # what blocks the host tier where the adapter does not open it (read by hand)
 BLOCKED = {

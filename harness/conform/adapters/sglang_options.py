@@ -64,6 +64,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     if state_interval is not None:
         citations += (("state_interval", sglang_mamba.MAMBA_RULE),)
     return replace(terms, replicated=replicated, host_blocks=host_blocks,
+                   host_stores="when-computed" if "host_blocks" in options else "on-eviction",
                    citations=citations, options=options,
                    window=window, state_interval=state_interval,
                    state_rule="extend-end" if state_interval is not None else "every-k",

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from harness.conform.protocol import HostFullHit, HostLoadReserve
+from harness.conform.protocol import HostFullHit, HostLoadReserve, HostStores
 
 WORKER_STUB = (
     "each store and load job in a step's OffloadingConnectorMetadata is reported done in "
@@ -47,8 +47,9 @@ HOST_RULE = (
     "kv_connector OffloadingConnector, CPU spec (v1/kv_offload/cpu/spec.py:97-175): the "
     "host holds cpu_bytes_to_use // round_up(page bytes x blocks_per_chunk, 4096) chunks, "
     "a chunk one GPU block unless kv_connector_extra_config sets block_size or "
-    "blocks_per_chunk (offloading/config.py:121-157); every computed full chunk is "
-    "stored at the step that computes it, not on eviction "
+    "blocks_per_chunk (offloading/config.py:121-157); every computed full chunk of a "
+    "request's prompt is stored at the step that computes it (host_stores), not on "
+    "eviction "
     "(offloading/scheduler.py:1815 _build_store_jobs), so the host is inclusive and the "
     "adapter sizes it num_blocks + host_blocks chunks; the lookup (:1068 _lookup, from "
     "get_num_new_matched_tokens :1210) reports host-resident chunks past the device "
@@ -83,6 +84,39 @@ LOAD_RESERVE_RULE = (
     "prompt is partly scheduled (:1593) or its load runs (:1542)")
 RULES = (("host_full_hit", FULL_HIT_RULE), ("host_load_reserve", LOAD_RESERVE_RULE))
 
+# Which blocks vLLM's host holds, the contract's `host_stores`, read in each release in
+# `READ`: kv_connector_extra_config offload_prompt_only defaults to True (v1/kv_offload/
+# base.py), and a store job reaches no further than _calc_num_offloadable_tokens, which
+# then caps it at req.num_prompt_tokens (offloading/scheduler.py), a finished request's
+# too; a preempted request keeps its num_prompt_tokens when it resumes
+STORES: HostStores = "prompt-only"
+_STORES_RULE = (
+    "offload_prompt_only defaults to True (v1/kv_offload/base.py:{base}), so "
+    "_calc_num_offloadable_tokens (offloading/scheduler.py:{calc}) caps every store job "
+    "at req.num_prompt_tokens: the host holds the full chunks within a request's prompt "
+    "(first added; a resumed request's decoded tokens are not its prompt), stored at the "
+    "step that computes them{hits}; a chunk a decode step filled, or one the prompt only "
+    "partly spans, is never stored{finish}")
+STORES_RULES = {
+    "0.26.0": _STORES_RULE.format(base="510-511", calc="447-456", hits="", finish=""),
+    "0.27.0": _STORES_RULE.format(base="597-598", calc="534-543", hits="", finish=""),
+    "0.28.0": _STORES_RULE.format(base="597-598", calc="588-597", hits="", finish=""),
+    "0.29.0": _STORES_RULE.format(base="598-599", calc="588-597", hits="", finish=""),
+    "0.33.0": _STORES_RULE.format(
+        base="729-731", calc="762-771",
+        hits=" or, hit on the device, at its admission (get_num_new_matched_tokens "
+             "restarts next_stored_chunk_idx at 0, :1241-1245)",
+        finish=", not even when its request finishes (_build_store_jobs :1832-1836 "
+               "clamps a finished request to max(num_prompt_tokens, num_tokens - 1), "
+               "then the cap applies)"),
+}
+
+
+def stores_rule(version: str) -> str:
+    """The citation of `version`'s `host_stores` (a release in `READ`). Raises KeyError
+    on a release not read."""
+    return STORES_RULES[version]
+
 # Under a host tier an admission's reused tokens are vLLM's device hits plus the
 # connector's (Scheduler.connector_prefix_cache_stats, recorded by Scheduler.schedule
 # with num_external_computed_tokens, v1/core/sched/scheduler.py:1487-1506): the adapter
@@ -114,7 +148,8 @@ _OLD_RULE = (
     "blocks_per_chunk, 4096) chunks, the block's bytes read from kv_cache_config."
     "kv_cache_tensors (offloading/config.py:{bytes}), a chunk one GPU block unless "
     "kv_connector_extra_config sets block_size or blocks_per_chunk; every computed full "
-    "chunk is stored at the step that computes it, not on eviction "
+    "chunk of a request's prompt is stored at the step that computes it (host_stores), "
+    "not on eviction "
     "(offloading/scheduler.py:{store} _build_store_jobs), so the host is inclusive and "
     "the adapter sizes it num_blocks + host_blocks chunks; the lookup (:{lookup} _lookup, "
     "from get_num_new_matched_tokens :{matched}) reports host-resident chunks past the "

@@ -354,6 +354,7 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         options=opts,
         host_full_hit=vllm_offload.FULL_HIT if rules else "unreused-tail",
         host_load_reserve=vllm_offload.LOAD_RESERVE if rules else "none",
+        host_stores=vllm_offload.STORES if rules else "on-eviction",
         window=options.window, window_layout="full-and-window",
         replicated=REPLICATED if host is None else (*REPLICATED, *vllm_offload.REPLICATED),
         host_blocks=host,
@@ -388,7 +389,9 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                                   "takes the rightmost kept state"),
                    *((("options", f"no state_interval: {no_states}"),) if no_states
                      else ()), *host_citation,
-                   *(vllm_offload.RULES if rules else ())),
+                   *(vllm_offload.RULES if rules else ()),
+                   *((("host_stores", vllm_offload.stores_rule(base.version)),) if rules
+                     else ())),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
                             "update_from_output; stats are read from the step's "
                             "SchedulerStats"))

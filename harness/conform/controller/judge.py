@@ -10,8 +10,10 @@ After every op (`Judge.observe`):
   each allocation evicted), so otherwise after the first block leaves the cache (a
   BlockRemoved event) a prediction is an upper bound. Whole-block contracts reuse whole
   blocks, and never the last prompt token; under a host tier whose `host_full_hit` is
-  "all-but-last" a prompt cached whole may reuse all but its last token (and the
-  engine counts the whole prompt as hits).
+  "all-but-last" a prompt cached whole whose last block the host holds reuses all but
+  its last token (and the engine counts the whole prompt as hits), and one whose last
+  block it lacks the device's hit: which blocks it holds follows the contract's
+  `host_stores` (`Judge._host_holds`).
 - eviction: where `ORDER_MODELS` has the contract's policy, every allocation takes the
   blocks the policy names (vLLM's free queue: the least recently freed first, a
   request's last block first), and what they held is what was evicted.
@@ -191,6 +193,12 @@ class Judge:
         self._prefixes: set[tuple[int, ...]] = set()
         self._predicted: dict[Hashable, int] = {}  # live seq -> the reuse the oracle predicted
         self._preempted: set[Hashable] = set()  # preempted, not yet resumed
+        # each sequence's prompt as first admitted (a resumption keeps it: `host_stores`
+        # "prompt-only" stores no block past it), and its scope
+        self._prompts: dict[Hashable, tuple[int, Any]] = {}
+        # (scope, tokens) of each full block the host holds under `host_stores`
+        # "prompt-only", while the count oracle is exact (no block left the device)
+        self._hosted: set[tuple[Any, tuple[int, ...]]] = set()
         self._allocated = 0  # blocks the step's log says it allocated
 
     # -- one step ------------------------------------------------------------------------
@@ -327,12 +335,36 @@ class Judge:
         """Whether an admission of `tokens` in `scope` may load blocks from the host
         tier. While the count oracle is exact no block has left the device, whose hit
         stops at the last token: the host loads only the last block of a prompt cached
-        whole. Past that (or with the count oracle stopped) any admission may."""
+        whole, where it holds that block (`_host_holds`). Past that (or with the count
+        oracle stopped) any admission may."""
         if self.contract.host_blocks is None:
             return False
         if not self.exact or "count" in self.broken:
             return True
-        return self._whole_prompt_cached(tokens, scope)
+        return self._whole_prompt_cached(tokens, scope) and self._host_holds(tokens, scope)
+
+    def _host_holds(self, tokens: Sequence[int], scope: Any) -> bool:
+        """Whether the host tier holds the block ending at the last of `tokens` (a
+        prompt the count oracle holds whole), under the contract's `host_stores`:
+        "when-computed", every computed block; "prompt-only", a block within the prompt
+        some sequence was first admitted with, once that sequence computed or hit it
+        (`_store`); "on-eviction", none while no block has left the device. Once one
+        has (the count oracle's prediction an upper bound), any block may be there."""
+        rule = self.contract.host_stores
+        if not self.exact or rule == "when-computed":
+            return True
+        return rule == "prompt-only" and (scope, tuple(tokens)) in self._hosted
+
+    def _store(self, seq: Hashable, computed: int) -> None:
+        """Under `host_stores` "prompt-only", the host holds `seq`'s full blocks within
+        its first prompt up to `computed` tokens (computed or hit)."""
+        if self.contract.host_stores != "prompt-only" or seq not in self._tokens:
+            return
+        B = self.contract.block_size
+        prompt, scope = self._prompts[seq]
+        tokens = self._tokens[seq]
+        self._hosted.update((scope, tuple(tokens[:n]))
+                            for n in range(B, min(computed, prompt) + 1, B))
 
     def _inflight_reserve(self) -> int:
         """The blocks the live sequences still need to hold all their tokens: what the
@@ -448,6 +480,8 @@ class Judge:
         got, prompt = ev.num_tokens, len(ev.tokens)
         which = "resumed" if ev.seq_id in self._preempted else "new"
         self._preempted.discard(ev.seq_id)
+        if which == "new" or ev.seq_id not in self._prompts:
+            self._prompts[ev.seq_id] = (prompt, ev.scope)
         # under host_full_hit "all-but-last" a reuse of all but the last token, not whole
         # blocks, is a prompt cached whole whose last block the host loaded: the engine
         # counts the loaded tokens, the whole prompt, as hits
@@ -480,10 +514,10 @@ class Judge:
             return
         want = self._predicted[ev.seq_id] = pred.reused_tokens
         why = ""
-        if whole and got == prompt - 1:
+        if whole and self._host_holds(ev.tokens, ev.scope):
             # its last block loaded from the host, its last token computed again; where
-            # the host does not hold that block (vLLM stores a block a decode step filled
-            # only when its request finishes), the device's hit, `want`, stands
+            # the host does not hold that block (vLLM stores no block past a request's
+            # prompt: `host_stores` "prompt-only"), the device's hit, `want`, stands
             want = prompt - 1
         if self.states is not None:
             full, want = want, self.states.cut(ev.tokens, ev.scope, want)
@@ -503,12 +537,15 @@ class Judge:
             self._ids[sid] = list(ev.block_ids)
             self._tokens[sid] = list(ev.tokens)
             self._spelled(self._tokens[sid], 0)
+            self._store(sid, ev.num_tokens)
         elif ev.kind == "append" and sid in self._ids:
             self._ids[sid] += list(ev.block_ids)
             self._tokens[sid] += ev.tokens
             self._spelled(self._tokens[sid], len(self._tokens[sid]) - len(ev.tokens))
         elif ev.kind == "commit" and ev.block_ids and sid in self._ids:
             self._ids[sid] = list(ev.block_ids)
+        if ev.kind == "commit":
+            self._store(sid, ev.num_tokens)
         elif ev.kind == "free":
             self._ids.pop(sid, None)
             self._tokens.pop(sid, None)

@@ -280,13 +280,14 @@ def test_an_admission_reserve_must_be_a_count() -> None:
         replace(kvcache_contract(B), admission_reserve=-1)
 
 
-# -- host_full_hit, host_load_reserve -----------------------------------------------------
+# -- host_full_hit, host_load_reserve, host_stores ----------------------------------------
 
 # a host tier as vLLM's connector fronts it: whole blocks, chunked allocation, the count
-# oracle unbounded (exact until a block leaves), no router events or counters here
+# oracle unbounded (exact until a block leaves), only prompt blocks stored, no router
+# events or counters here
 HOSTED = replace(kvcache_contract(B, CacheOptions(host_blocks=8)), partial_reuse=False,
                  copy_on_partial_reuse=False, bounded_oracle=False, chunked_allocation=True,
-                 events=False, counters=())
+                 events=False, counters=(), host_stores="prompt-only")
 
 
 @pytest.mark.parametrize(("rule", "found"), [
@@ -313,6 +314,61 @@ def test_all_but_the_last_token_of_a_prompt_not_cached_whole_is_a_count_violatio
     got = judged(replace(HOSTED, host_full_hit="all-but-last"), reports, num_blocks=8)
     assert [v.oracle for v in got][:2] == ["count", "provenance"]  # and it read no KV
     assert "reused 15 tokens; the count oracle predicts 12" in got[0].message
+
+
+@pytest.mark.parametrize(("reused", "found"), [
+    pytest.param(15, [], id="host-hit-15"),
+    pytest.param(12, ["count"], id="device-hit-12")])
+def test_a_prompt_cached_whole_on_the_host_reuses_all_but_its_last_token_only(
+        reused: int, found: list[str]) -> None:
+    """A (16 tokens, its prompt) computed and freed: the host holds all four blocks, so
+    A again loads the last from there and reuses 15; the device's hit alone (12) is an
+    engine that did not look at its host."""
+    reports = computed_then_freed("A", A18[:16], [0, 1, 2, 3])
+    ids = [0, 1, 2, 3 if reused == 15 else 4]  # a host load lands in A's last block
+    reports.append(admitted("A2", A18[:16], reused, ids, 4, cached=4))
+    got = judged(replace(HOSTED, host_full_hit="all-but-last"), reports, num_blocks=8)
+    assert [v.oracle for v in got] == found
+    if found:
+        assert "reused 12 tokens; the count oracle predicts 15" in got[0].message
+
+
+def decoded_then_preempted(stores: str, reused: int) -> list[Violation]:
+    """A's prompt (12 tokens) computed, a decode of 4 filling its fourth block, A
+    preempted, then resumed with all 16 (reusing `reused`), under `host_stores`."""
+    decoded = A18[12:16]
+    reports = [admitted("A", A18[:12], 0, [0, 1, 2], 3),
+               step(ops.commit("A", 12), [{"kind": "commit", "seq_id": "A",
+                                           "num_tokens": 12}], 3, cached=3),
+               step(ops.append("A", decoded), [{"kind": "append", "seq_id": "A",
+                                                "tokens": decoded, "block_ids": [3]}], 4,
+                    cached=3),
+               step(ops.commit("A", 16), [{"kind": "commit", "seq_id": "A",
+                                           "num_tokens": 16}], 4, cached=4),
+               replace(step(ops.preempt("A"), [{"kind": "free", "seq_id": "A"}], 0,
+                            cached=4), preempted=("A",)),
+               admitted("A", A18[:16], reused, [0, 1, 2, 3 if reused == 15 else 4], 4,
+                        cached=4)]
+    contract = replace(HOSTED, host_full_hit="all-but-last", host_stores=stores)
+    return judged(contract, reports, num_blocks=8)
+
+
+@pytest.mark.parametrize(("stores", "reused", "found"), [
+    pytest.param("prompt-only", 12, [], id="prompt-only-device-hit"),
+    pytest.param("prompt-only", 15, ["count"], id="prompt-only-not-on-the-host"),
+    pytest.param("when-computed", 15, [], id="when-computed-host-hit"),
+    pytest.param("when-computed", 12, ["count"], id="when-computed-device-hit")])
+def test_a_block_a_decode_filled_is_on_the_host_only_where_the_contract_stores_it(
+        stores: str, reused: int, found: list[str]) -> None:
+    """vLLM stores no block past a request's prompt (`host_stores` "prompt-only"): A's
+    decoded block, on the device when A is preempted, is not on the host, so A resumes
+    with the device's hit (12), and 15 is a load of a block the host never got. Where
+    every computed block is stored ("when-computed") it is the other way round."""
+    got = decoded_then_preempted(stores, reused)
+    assert [v.oracle for v in got] == found
+    if found:
+        assert f"reused {reused} tokens; the count oracle predicts {27 - reused}" \
+            in got[0].message
 
 
 @pytest.mark.parametrize(("rule", "found"), [
@@ -347,6 +403,13 @@ def test_a_host_rule_is_a_closed_choice_and_needs_a_host_tier() -> None:
     with pytest.raises(ValueError, match=r"Contract\.host_load_reserve must be one of "
                                          r"\('none', 'inflight-prefills'\), got 'prefills'"):
         replace(HOSTED, host_load_reserve="prefills")
+    with pytest.raises(ValueError, match=r"Contract\.host_stores must be one of "
+                                         r"\('on-eviction', 'when-computed', 'prompt-only'\), "
+                                         r"got 'at-finish'"):
+        replace(HOSTED, host_stores="at-finish")
+    with pytest.raises(ValueError, match=r"Contract\.host_stores 'prompt-only' is a host "
+                                         r"tier's rule, but the contract has no host tier"):
+        replace(TRIE, host_stores="prompt-only")
     with pytest.raises(ValueError, match=r"Contract\.host_load_reserve 'inflight-prefills' "
                                          r"is a host tier's rule, but the contract has no "
                                          r"host tier"):

@@ -229,10 +229,14 @@ def test_the_host_contract_cites_the_rule_and_lists_the_worker_as_replicated() -
             "all-but-last", "inflight-prefills")
         assert "scheduler.py:3515-3516" in dict(contract.citations)["host_full_hit"]
         assert "scheduler.py:1420-1430" in dict(contract.citations)["host_load_reserve"]
+        assert contract.host_stores == "prompt-only"
+        assert "v1/kv_offload/base.py:729-731" in dict(contract.citations)["host_stores"]
         assert Contract.from_dict(contract.as_dict()) == contract
     windowed = _contract("0.33.0", CacheOptions(window=8))
     assert "host_blocks" not in windowed.options
-    assert (windowed.host_full_hit, windowed.host_load_reserve) == ("unreused-tail", "none")
+    assert (windowed.host_full_hit, windowed.host_load_reserve, windowed.host_stores) == (
+        "unreused-tail", "none", "on-eviction")
+    assert "host_stores" not in dict(windowed.citations)
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.28.0", "0.29.0"])
@@ -244,6 +248,10 @@ def test_each_release_read_cites_its_own_host_rule(version: str) -> None:
     assert rule == O.host_rule(version) != O.HOST_RULE
     assert "_build_store_jobs" in rule and "always loaded asynchronously" in rule
     assert "host_blocks" in host.options
+    # its own offload_prompt_only default and store cap, which 0.33.0 moved
+    assert host.host_stores == "prompt-only"
+    assert dict(host.citations)["host_stores"] == O.stores_rule(version) \
+        != O.stores_rule("0.33.0")
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it(
