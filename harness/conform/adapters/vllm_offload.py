@@ -83,6 +83,25 @@ LOAD_RESERVE_RULE = (
     ":3404; v1/core/kv_cache_manager.py:582-587): a request is in flight while its "
     "prompt is partly scheduled (:1593) or its load runs (:1542)")
 RULES = (("host_full_hit", FULL_HIT_RULE), ("host_load_reserve", LOAD_RESERVE_RULE))
+# The same two rules' own lines in the earlier releases whose host tier opens (read
+# 2026-12-02): v1/core/sched/scheduler.py's `num_computed_tokens = num_tokens - 1` in
+# _update_waiting_for_remote_kv, and the allocation that reserves
+# _inflight_prefill_reserved_blocks() with that method's definition
+_RULE_LINES = {"0.26.0": (2582, 933, 2536), "0.27.0": (2674, 971, 2628),
+               "0.28.0": (2762, 1031, 2716), "0.29.0": (2855, 1075, 2809)}
+
+
+def rules(version: str) -> tuple[tuple[str, str], ...]:
+    """The citations of the host hit's two rules (`RULES`) for `version`, with its own
+    lines where it is an earlier release whose host tier opens."""
+    lines = _RULE_LINES.get(version)
+    if lines is None:
+        return RULES
+    full, use, define = lines
+    return (("host_full_hit", f"{FULL_HIT_RULE}; {version}: the same assignment at "
+                              f"v1/core/sched/scheduler.py:{full}"),
+            ("host_load_reserve", f"{LOAD_RESERVE_RULE}; {version}: the same reserve at "
+                                  f"v1/core/sched/scheduler.py:{use}, defined at :{define}"))
 
 # Which blocks vLLM's host holds, the contract's `host_stores`, read in each release in
 # `READ`: kv_connector_extra_config offload_prompt_only defaults to True (v1/kv_offload/

@@ -389,7 +389,7 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                                   "takes the rightmost kept state"),
                    *((("options", f"no state_interval: {no_states}"),) if no_states
                      else ()), *host_citation,
-                   *(vllm_offload.RULES if rules else ()),
+                   *(vllm_offload.rules(base.version) if rules else ()),
                    *((("host_stores", vllm_offload.stores_rule(base.version)),) if rules
                      else ())),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
