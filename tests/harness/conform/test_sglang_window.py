@@ -137,6 +137,17 @@ def test_a_short_window_pool_tombstones_below_the_window_and_shortens_a_match(
         target.open(32, B, CacheOptions(window=8, window_pool=3))
 
 
+def test_a_refused_first_admission_publishes_nothing(target: Target) -> None:
+    """The tree's `reset` in its `__init__` publishes AllBlocksCleared; the adapter takes
+    it when it opens the tree, so a first admission refused (2 pages, SGLang keeps 2
+    free) publishes nothing and the refusal oracle finds no change (it found one when
+    the event reached the first op)."""
+    contract = target.open(2, B, CacheOptions(window=2))
+    report = target.apply(ops.admit("A", [1]))
+    assert (report.status, report.events) == ("refused", ())
+    assert Judge(contract, 2).observe(report) == []
+
+
 def test_page_ownership_problems_name_each_way_a_page_goes_wrong() -> None:
     """`page_problems`, the integrity check all three SGLang adapters share: pages 1..4
     (page 0 is SGLang's padding) each free, in the tree or held once."""
