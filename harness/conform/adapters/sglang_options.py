@@ -17,7 +17,7 @@ from harness.conform.adapters import sglang_hicache, sglang_mamba, sglang_schedu
 from harness.conform.adapters.sglang_hicache import HostScheduled
 from harness.conform.adapters.sglang_mamba import MambaScheduled, WindowMambaScheduled
 from harness.conform.adapters.sglang_scheduler import SchedulerNames, SglangScheduled
-from harness.conform.adapters.sglang_window import WINDOW_RULE, WindowScheduled
+from harness.conform.adapters.sglang_window import WINDOW_POOL_RULE, WINDOW_RULE, WindowScheduled
 from harness.conform.protocol import CacheOptions, Contract, OptionName
 
 # (a window, a state_interval) -> the scheduler adapter over that tree
@@ -28,13 +28,15 @@ CLASSES: dict[tuple[bool, bool], type[SglangScheduled]] = {
 
 def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
              window: int | None = None, chunk_budget: int | None = None,
-             state_interval: int | None = None, host_blocks: int | None = None) -> Contract:
+             state_interval: int | None = None, host_blocks: int | None = None,
+             window_pool: int | None = None) -> Contract:
     """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
     `tree_kind` (`sglang_scheduler.contract`, `chunk_budget` there); with `window`
     (tokens), over a full-and-window UnifiedRadixCache (only where `names.swa` and the
     tree is "unified": `options` says so); with `state_interval` (pages), over a
     full-and-Mamba one (where `names.mamba`); with a window too, over a FULL+SWA+MAMBA
-    one; with `host_blocks` (pages), over a hierarchical full-attention one
+    one (its window pool `window_pool` pages where set, `sglang_window.window_pool_tokens`:
+    honoured with a window only); with `host_blocks` (pages), over a hierarchical full-attention one
     (`HostScheduled`, where `sglang_hicache.honoured`; opened apart from a window or a
     state_interval, so `options` leaves those out of a host tier's contract and
     host_blocks out of theirs)."""
@@ -42,7 +44,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     options: tuple[OptionName, ...] = terms.options
     citations, notes, replicated = terms.citations, terms.notes, terms.replicated
     if names.swa is not None and tree_kind == "unified":
-        options = ("window", *options)
+        options = ("window", *options, "window_pool")
     if names.mamba is not None and tree_kind == "unified":
         options = (*options, "state_interval")
     elif tree_kind == "unified":
@@ -50,7 +52,8 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     if not sglang_hicache.honoured(names.hicache, tree_kind, base.version):
         citations += (sglang_hicache.blocked_reason(base.version, tree_kind),)
     elif host_blocks is not None:  # a host tier is opened only apart from the others
-        options = tuple(x for x in options if x not in ("window", "state_interval"))
+        options = tuple(x for x in options
+                        if x not in ("window", "window_pool", "state_interval"))
         options = (*options, "host_blocks")
     elif window is None and state_interval is None:
         options = (*options, "host_blocks")
@@ -61,12 +64,14 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         replicated = (*replicated, *sglang_hicache.REPLICATED)
     if window is not None:
         citations += (("window", WINDOW_RULE),)
+    if window_pool is not None:
+        citations += (("window_pool", WINDOW_POOL_RULE),)
     if state_interval is not None:
         citations += (("state_interval", sglang_mamba.MAMBA_RULE),)
     return replace(terms, replicated=replicated, host_blocks=host_blocks,
                    host_stores="when-computed" if "host_blocks" in options else "on-eviction",
                    citations=citations, options=options,
-                   window=window, state_interval=state_interval,
+                   window=window, state_interval=state_interval, window_pool=window_pool,
                    state_rule="extend-end" if state_interval is not None else "every-k",
                    window_layout="window-pool" if window is not None else "window-only",
                    notes=notes)
@@ -77,10 +82,12 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
               options: CacheOptions) -> SglangScheduled:
     """A fresh cache of SGLang's scheduler code over a tree of `tree_kind` (`s`, the
     tree's names), its contract `contract(base, ...)`: with a host tier where
-    `options.host_blocks` asks for one and the release has it; else with the window and
-    the state_interval `options` asks for, where the release has them (a "unified" tree
-    only: elsewhere they are not honoured, and `open_cache` refuses them). The chunk
-    budget is the server's (`server_budget`)."""
+    `options.host_blocks` asks for one and the release has it; else with the window (and
+    its pool) and the state_interval `options` asks for, where the release has them (a
+    "unified" tree only: elsewhere they are not honoured, and `open_cache` refuses them).
+    The chunk budget is the server's (`server_budget`). Raises ValueError naming a
+    `window_pool` asked for without a window, or one SGLang's server would refuse
+    (`sglang_window.window_pool_tokens`)."""
     budget = sglang_scheduler.server_budget(options.chunk_budget, block_size)
     if options.host_blocks is not None \
             and sglang_hicache.honoured(names.hicache, tree_kind, base.version):
@@ -90,6 +97,11 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     unified = tree_kind == "unified"
     window = options.window if names.swa is not None and unified else None
     state_interval = options.state_interval if names.mamba is not None and unified else None
-    terms = contract(base, names, tree_kind, window, budget, state_interval)
+    if options.window_pool is not None and options.window is None:
+        raise ValueError(f"CacheOptions.window_pool {options.window_pool} sizes a window's "
+                         "pool, but no window was asked for")
+    window_pool = options.window_pool if window is not None else None
+    terms = contract(base, names, tree_kind, window, budget, state_interval,
+                     window_pool=window_pool)
     opened = CLASSES[window is not None, state_interval is not None]
     return opened(s, names, tree_kind, terms, num_blocks, block_size, record)
