@@ -420,7 +420,8 @@ class SwaCache(SglangCache):
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
         """Decode steps: their pages (refused: nothing changed), then each step's
-        `maybe_evict_swa`."""
+        `maybe_evict_swa`, where the tokens before the step are computed (SGLang decodes
+        only after a request's extend is done, so it never frees KV not yet written)."""
         seq = self._seqs[seq_id]
         assert isinstance(seq, _SwaSeq)
         length = len(seq.tokens)
@@ -428,8 +429,9 @@ class SwaCache(SglangCache):
         if added is None:
             return None
         for step in range(len(tokens)):
-            if decode_frees_window(self.rule, seq.decode_steps, self.window, self.block_size,
-                                   length + step, seq.swa_evicted):
+            if seq.committed >= length + step and decode_frees_window(
+                    self.rule, seq.decode_steps, self.window, self.block_size, length + step,
+                    seq.swa_evicted):
                 self._evict_swa(seq, length + step)  # pre_len = seqlen - 1
             seq.decode_steps += 1
         return added

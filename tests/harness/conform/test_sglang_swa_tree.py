@@ -185,3 +185,18 @@ def test_a_short_window_pool_tombstones_below_the_window_and_shortens_a_match(
     assert reports[8].status == "done"  # the decode step
     assert [r.stats.harness["windowGapTokens"] for r in reports[7:10]] == [0, 8, 8]
     assert reports[11].value["reused_tokens"] == 0
+
+
+def test_an_append_before_the_prompt_is_computed_frees_no_window_kv(target: Target) -> None:
+    """SGLang decodes only after a request's extend is done, so `maybe_evict_swa` never
+    frees KV not yet computed: an append the protocol makes before the prompt's commit
+    frees no window KV (the adapter freed [0, 8) there, which the tree then held as live
+    window KV: a false integrity finding, shrunk from a fuzz seed with a window pool)."""
+    contract = target.open(3, B, CacheOptions(window=3))
+    judge = Judge(contract, 3)
+    reports = target.apply_all([ops.admit("s4", list(range(1, 11))),
+                                ops.append("s4", [11, 12]), ops.commit("s4", 9),
+                                ops.free("s4")])
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)
