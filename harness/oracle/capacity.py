@@ -37,6 +37,9 @@ track: given the match the cache reports (n tokens, k = n // B full blocks), an 
 needs its new positions, up to the end of its first chunk, from k on, plus the matched
 positions from first(n) to k that no live sequence holds (taking them makes them
 unevictable). That is a lower bound: a copied partial block may also protect its source.
+Where the match is only bounded from above (a model that lost track of evictions), the
+need is the most over every match up to the bound: no match is not the most where a
+first chunk counts from the match's end.
 An append needs its new blocks; a reserve that gives fewer than asked must give all
 `available`.
 """
@@ -216,25 +219,40 @@ class CapacityOracle:
 
     def admission_need(self, tokens: Sequence[int], scope: Any = None, *,
                        num_cached: int | None = None, first_chunk: int | None = None,
-                       unreused_tail: int = 1) -> int:
+                       unreused_tail: int = 1, match_known: bool = True) -> int:
         """Blocks an admission of `tokens` in `scope` takes from the available ones (at
         least). Full attention: all it occupies but the leading full blocks live
         sequences already hold (a lookup reaches all but the last `unreused_tail`
         tokens). Sliding window: the positions from its match's k full blocks to the end
         of `first_chunk`, plus the matched ones inside its window that no live sequence
-        holds; `num_cached` (the match the cache reports) is required."""
+        holds; `num_cached` (the match the cache reports) is required. Unless
+        `match_known`, `num_cached` only bounds the match from above (a model that lost
+        track of evictions): the most need over every match up to it, so that a refusal
+        is found unfair only where any of them would have fitted (no match is not the
+        most need: a longer one moves a first chunk's end further on and takes its
+        unheld blocks from the evictable ones). Raises ValueError for a window's missing
+        or out-of-range `num_cached`; changes nothing."""
         n = len(tokens)
         B = self.tokens_per_block
         if self.window_left is not None:
             if num_cached is None or not 0 <= num_cached < max(n, 1):
                 raise ValueError(f"admission_need under a window: num_cached must lie in "
                                  f"[0, {n}), got {num_cached!r}")
-            k = num_cached // B if self.block_reuse else 0
+            top = num_cached // B if self.block_reuse else 0
             root = self._prefixes.root(normalize_scope(scope, "scope"))
-            prefix = self._prefixes.extend(root, tokens[:k * B])
-            unheld = sum(prefix[(i + 1) * B - 1] not in self._shared
-                         for i in range(self.first_held(num_cached), k))
-            return self.admission_blocks(n, num_cached, first_chunk) - k + unheld
+            prefix = self._prefixes.extend(root, tokens[:top * B])
+            unheld = [0]  # unheld[i]: matched blocks before position i no live seq holds
+            for i in range(top):
+                unheld.append(unheld[-1] + (prefix[(i + 1) * B - 1] not in self._shared))
+
+            def need_at(cached: int) -> int:
+                k = cached // B if self.block_reuse else 0
+                first = min(self.first_held(cached), k)
+                return self.admission_blocks(n, cached, first_chunk) - k \
+                    + unheld[k] - unheld[first]
+
+            return need_at(num_cached) if match_known \
+                else max(need_at(c) for c in range(num_cached + 1))
         need = self._blocks(n)
         reach = n - unreused_tail
         if not self.block_reuse or reach < 1:

@@ -25,7 +25,9 @@ After every op (`Judge.observe`):
   blocks live sequences hold equal the engine's count (with duplicates a
   non-deduplicating engine keeps: at least that many, and exactly the distinct blocks
   its sequences were given); a refusal was fair (`CapacityOracle.check_refusal`, the
-  duplicates such an engine keeps counted as unavailable; an admission that may load
+  duplicates such an engine keeps counted as unavailable; once the count oracle has
+  lost track of an eviction, an admission needs the most any match up to its probe
+  would; an admission that may load
   from a host tier whose `host_load_reserve` is "inflight-prefills" also needs what the
   live sequences still need to hold their tokens) and changed nothing (state,
   counters, events, log).
@@ -310,9 +312,12 @@ class Judge:
             return None  # what both groups (or pools) need is the engine's own: not judged
         if op.kind == "admit":
             scope = self.contract.scope_key(op.scope)
-            # after an eviction the oracle over-predicts hits: assume none (the most need)
-            cached = max(0, min(self.reuse.probe(op.tokens, scope), len(op.tokens) - tail)) \
-                if self.exact and "count" not in self.broken else 0
+            # after an eviction the count oracle over-predicts hits: its probe only bounds
+            # the match, so the most need over every match up to it is asked (no match is
+            # not the most where a first chunk counts from the match's end)
+            known = "count" not in self.broken
+            cached = max(0, min(self.reuse.probe(op.tokens, scope) if known else len(op.tokens),
+                                len(op.tokens) - max(tail, 1)))
             chunk = op.first_chunk if self.contract.chunked_allocation \
                 and self.contract.admission_fits == "chunk" else None
             # an engine may keep blocks free beyond what its admission must fit
@@ -321,7 +326,8 @@ class Judge:
                     and self._may_load_from_host(op.tokens, scope):
                 reserve += self._inflight_reserve()
             return self.capacity.admission_need(op.tokens, scope, num_cached=cached,
-                                                first_chunk=chunk, unreused_tail=tail) \
+                                                first_chunk=chunk, unreused_tail=tail,
+                                                match_known=self.exact and known) \
                 + reserve
         assert op.seq is not None or op.kind == "evict"
         if self.contract.allocates_ahead and op.kind in ("append", "reserve"):

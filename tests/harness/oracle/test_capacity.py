@@ -159,3 +159,46 @@ def test_a_decoded_token_takes_a_block_only_when_it_starts_one(window: int | Non
     assert cap.needed == 5
     cap.apply(Event("free", "s26"))
     assert (cap.needed, cap.live) == (0, frozenset())
+
+
+def _after_an_eviction() -> CapacityOracle:
+    """SGLang 0.5.10's fuzz seed 12 without an engine, as the conformance judge counts it
+    (a window wider than any context): X's 16 tokens cached and freed; Y, in a LoRA's
+    scope, holds 4 private blocks of the 6, so 2 are free or evictable, [1-4] among them
+    if the engine kept it."""
+    cap = CapacityOracle(4, 6, sliding_window=2**40)
+    cap.apply(Event("admit", "X", tuple(range(1, 17)), 0, None, (1, 2, 3, 4)))
+    cap.apply(Event("commit", "X", (), 16))
+    cap.apply(Event("free", "X"))
+    cap.apply(Event("admit", "Y", (1, 2, 3, 4, 14, 10, 1, 5, 15, 16, 17, 6), 0,
+                    (("lora_id", 1),), (5, 6, 3)))
+    cap.apply(Event("append", "Y", (3,), 0, None, (4,)))
+    assert (cap.needed, cap.available) == (4, 2)
+    return cap
+
+
+def test_a_chunked_admission_needs_the_most_any_match_up_to_the_bound_would() -> None:
+    """A first chunk counts from the match's end, so a match of [1-4] that nobody holds
+    needs that block (now locked) and the chunk's 2 new ones: 3, where no match needs 2.
+    When the match is only bounded (the model lost track of evictions) the need is the
+    most of them: refusing Z with 2 free or evictable is fair (the judge had assumed no
+    match, the least need here, and called it unfair)."""
+    cap = _after_an_eviction()
+    z = [1, 2, 3, 4, 5, 6, 8, 7, 3]
+    assert cap.admission_need(z, num_cached=4, first_chunk=5) == 3
+    assert cap.admission_need(z, num_cached=0, first_chunk=5) == 2
+    need = cap.admission_need(z, num_cached=4, first_chunk=5, match_known=False)
+    assert need == 3
+    cap.check_refusal(need, "admit(Z)")  # fair: 3 > 2
+
+
+def test_a_refusal_every_bounded_match_would_fit_is_still_unfair() -> None:
+    """The most need over the matches still catches a refusal that any of them fits:
+    Z's 5 tokens need 2 blocks at most, and with Y freed all 6 are free or evictable."""
+    cap = _after_an_eviction()
+    cap.apply(Event("free", "Y"))
+    z = [1, 2, 3, 4, 5]
+    need = cap.admission_need(z, num_cached=4, first_chunk=5, match_known=False)
+    assert need == 2
+    with pytest.raises(CapacityError, match=r"needs 2, 6 of 6 free or evictable"):
+        cap.check_refusal(need, "admit(Z)")
