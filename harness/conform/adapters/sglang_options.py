@@ -13,8 +13,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from harness.conform.adapters import sglang_hicache, sglang_mamba, sglang_scheduler
+from harness.conform.adapters import (
+    sglang_hicache,
+    sglang_legacy,
+    sglang_mamba,
+    sglang_scheduler,
+)
 from harness.conform.adapters.sglang_hicache import HostScheduled
+from harness.conform.adapters.sglang_legacy import LegacyScheduled
 from harness.conform.adapters.sglang_mamba import MambaScheduled, WindowMambaScheduled
 from harness.conform.adapters.sglang_scheduler import SchedulerNames, SglangScheduled
 from harness.conform.adapters.sglang_window import WINDOW_RULE, WindowScheduled
@@ -74,14 +80,22 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
 
 def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
               num_blocks: int, block_size: int, record: bool,
-              options: CacheOptions) -> SglangScheduled:
+              options: CacheOptions, tree_window: bool = False) -> SglangScheduled:
     """A fresh cache of SGLang's scheduler code over a tree of `tree_kind` (`s`, the
     tree's names), its contract `contract(base, ...)`: with a host tier where
     `options.host_blocks` asks for one and the release has it; else with the window and
     the state_interval `options` asks for, where the release has them (a "unified" tree
     only: elsewhere they are not honoured, and `open_cache` refuses them). The chunk
-    budget is the server's (`server_budget`)."""
+    budget is the server's (`server_budget`). Before 0.5.22 (no `checkpoint_kv_cache`)
+    it is `sglang_legacy.LegacyScheduled`, full attention only; `tree_window`: the
+    tree's caller opens a window apart (`sglang.load_sglang`), so its contract lists
+    the option."""
     budget = sglang_scheduler.server_budget(options.chunk_budget, block_size)
+    if not names.checkpoints:  # before 0.5.22: full attention only (`sglang_legacy`)
+        terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
+        if tree_window:
+            terms = replace(terms, options=("window", *terms.options))
+        return LegacyScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
     if options.host_blocks is not None \
             and sglang_hicache.honoured(names.hicache, tree_kind, base.version):
         terms = contract(base, names, tree_kind, None, budget,
