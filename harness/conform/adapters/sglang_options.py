@@ -88,12 +88,12 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     only: elsewhere they are not honoured, and `open_cache` refuses them). The chunk
     budget is the server's (`server_budget`). Before 0.5.22 (no `checkpoint_kv_cache`)
     it is `sglang_legacy.LegacyScheduled`, full attention only; `tree_window`: the
-    tree's caller opens a window apart (`sglang.load_sglang`), so its contract lists
-    the option."""
+    tree's caller opens a window apart (`sglang.load_sglang`, without a chunk budget),
+    so the contract of a cache opened without a chunk budget lists the option."""
     budget = sglang_scheduler.server_budget(options.chunk_budget, block_size)
     if not names.checkpoints:  # before 0.5.22: full attention only (`sglang_legacy`)
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
-        if tree_window:
+        if tree_window and options.chunk_budget is None:  # a window is opened apart
             terms = replace(terms, options=("window", *terms.options))
         return LegacyScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
     if options.host_blocks is not None \
