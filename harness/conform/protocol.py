@@ -106,7 +106,7 @@ HostLoadReserve = Literal["none", "inflight-prefills"]
 HostStores = Literal["on-eviction", "when-computed", "prompt-only"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
-                     "state_interval"]
+                     "state_interval", "window_pool"]
 
 
 def _str_or_none(value: Any, where: str) -> None:
@@ -195,10 +195,12 @@ class CacheOptions:
     has a full-attention group and a sliding-window group, as a hybrid model's), the
     scheduler's token budget per step and long-prefill threshold (tokens) where the
     engine's scheduler cuts prompts into chunks, a host tier of `host_blocks` blocks
-    behind the device pool, and a hybrid model's recurrent state kept every
-    `state_interval` blocks (a match then ends on such a block). None leaves the
-    adapter's default (full attention only; a budget no prompt reaches; no host tier; no
-    recurrent state). An adapter honours the fields its contract lists in `options`.
+    behind the device pool, a hybrid model's recurrent state kept every
+    `state_interval` blocks (a match then ends on such a block), and, with a window
+    whose group has a pool of its own, that pool's size (`window_pool` blocks, smaller
+    than the full pool). None leaves the adapter's default (full attention only; a
+    budget no prompt reaches; no host tier; no recurrent state; a window pool as large
+    as the full one). An adapter honours the fields its contract lists in `options`.
     Raises ValueError naming the bad field."""
 
     window: int | None = None
@@ -206,6 +208,7 @@ class CacheOptions:
     long_prefill_threshold: int | None = None
     host_blocks: int | None = None
     state_interval: int | None = None
+    window_pool: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -250,7 +253,8 @@ class Stats(NamedTuple):
     `allocates_ahead`; windowNumBlocks: of the used blocks, those of the sliding-window
     group, where the contract's `window_layout` is "full-and-window"; stateNumBlocks: of
     the used blocks, those of the recurrent-state group, under a chunk-end
-    `state_rule`)."""
+    `state_rule`; windowGapTokens: tokens the tree holds full-attention KV of without
+    window KV, where the window group has a pool of its own: "window-pool")."""
 
     engine: dict[str, int | float]
     harness: dict[str, int | float]
@@ -342,7 +346,13 @@ class Contract:
       the window group's blocks are counted apart (windowNumBlocks); under
       "window-pool" the window group has a pool of its own, which the judge does not
       count (the engine's rule of what a request holds there is the `window`
-      citation's) and the adapter's integrity check accounts for. host_blocks: the
+      citation's) and the adapter's integrity check accounts for. window_pool: under
+      "window-pool", that pool's size in blocks where it is smaller than the full pool
+      (None: as large): there an allocation that finds it short evicts window KV from
+      the tree, which may shorten a later match (the judge allows a match shorter than
+      the count oracle's prediction once the tree holds tokens without window KV, the
+      windowGapTokens gauge; which ones is the engine's), and what an admission needs
+      of it is not judged. host_blocks: the
       host tier behind the device pool (blocks; None: none): an evicted block moves
       there and a later admission reuses it from there. state_interval: the recurrent
       state is kept with every block ending a multiple of this many blocks (None: no
@@ -402,6 +412,7 @@ class Contract:
     event_fields: tuple[EventField, ...] = ()
     window: int | None = None
     window_layout: WindowLayout = "window-only"
+    window_pool: int | None = None
     host_blocks: int | None = None
     state_interval: int | None = None
     state_rule: StateRule = "every-k"
@@ -463,8 +474,13 @@ class Contract:
             for v in getattr(self, name):
                 _choice(v, allowed, f"Contract.{name} entry")
         for name in ("chunk_budget", "long_prefill_threshold", "window", "host_blocks",
-                     "state_interval"):
+                     "state_interval", "window_pool"):
             _count_or_none(getattr(self, name), f"Contract.{name}")
+        if self.window_pool is not None and (self.window is None
+                                             or self.window_layout != "window-pool"):
+            raise ValueError(f"Contract.window_pool {self.window_pool!r} needs a window whose "
+                             f"group has a pool of its own (window {self.window!r}, "
+                             f"window_layout {self.window_layout!r})")
         host = self.host_blocks is not None or "host_blocks" in self.options
         for name, reference in (("host_full_hit", "unreused-tail"),
                                 ("host_load_reserve", "none"),

@@ -988,6 +988,33 @@ def test_conform_refuses_a_version_that_would_not_run(tmp_path: Path) -> None:
 IDS.add("conform-kvcache-version")
 
 
+def test_a_window_pool_sglangs_server_would_refuse_is_refused_by_name() -> None:
+    from types import SimpleNamespace
+
+    from harness.conform.adapters import sglang_options
+    from harness.conform.adapters.sglang_unified import contract as unified_contract
+    from harness.conform.adapters.sglang_window import window_pool_tokens
+    from harness.conform.protocol import CacheOptions
+
+    with pytest.raises(ValueError, match=re.escape(
+            "CacheOptions.window_pool 3 (12 tokens) cannot hold one request: SGLang refuses "
+            "a window pool of at most the window (8) plus a page (4)")):
+        window_pool_tokens(3, 32, 4, 8)
+    with pytest.raises(ValueError, match=re.escape(
+            "CacheOptions.window_pool 33 is larger than the full pool (32 blocks): SGLang's "
+            "swa_full_tokens_ratio must lie in (0, 1]")):
+        window_pool_tokens(33, 32, 4, 8)
+    names = SimpleNamespace(swa=("pool", "allocator", "SWA"), mamba=None, hicache=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "CacheOptions.window_pool 8 sizes a window's pool, but no window was asked for")):
+        sglang_options.scheduled(None, names, "unified",  # type: ignore[arg-type]
+                                 unified_contract("0.5.23", 4), 32, 4, False,
+                                 CacheOptions(window_pool=8))
+
+
+IDS.add("conform-window-pool-small")
+
+
 @pytest.mark.parametrize("spec", cases(
     pytest.param("ABS", id="conform-spec-absolute-path"),
     pytest.param("../../../x", id="conform-spec-relative-path"),

@@ -250,7 +250,7 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
         if tree_window and options.window is not None:
             assert window_cache is not None
             return window_cache(engine, found, num_blocks, block_size, record,
-                                options.window)
+                                options.window, options.window_pool)
         if scheduler is None:
             return cache(engine, found, num_blocks, block_size, record)
         base = tree_contract(known, block_size)
@@ -386,7 +386,7 @@ class SglangCache(SglangTree):
     def _make_contract(self, version: str) -> Contract:
         base = self._contract_of(self.s.known, self.block_size)
         if self.s.swa is not None:  # a window opens SWARadixCache (sglang_swa)
-            base = replace(base, options=("window",))
+            base = replace(base, options=("window", "window_pool"))
         elif self.s.no_swa:
             base = replace(base, citations=(*base.citations, ("options.window", self.s.no_swa)))
         base = replace(base, citations=(
@@ -518,6 +518,16 @@ class SglangCache(SglangTree):
         """Tokens the tree can evict."""
         return int(self.tree.evictable_size())
 
+    def _make_room(self, need: int) -> bool:
+        """Evict what `need` pages lack of free ones; False (nothing evicted) when the
+        tree cannot evict that much."""
+        short = need - self._free_pages()
+        if short > 0:
+            if short * self.block_size > self._evictable_tokens():
+                return False
+            self._evict_tokens(short * self.block_size)
+        return True
+
     def _take_pages(self, n: int) -> list[int] | None:
         """`n` free pages, or None (nothing taken)."""
         return self.alloc.alloc_pages(n)
@@ -529,11 +539,8 @@ class SglangCache(SglangTree):
         need = -(-num_tokens // P) - len(seq.slots) // P
         if need <= 0:
             return True
-        short = need - self._free_pages()
-        if short > 0:
-            if short * P > self._evictable_tokens():
-                return False
-            self._evict_tokens(short * P)
+        if not self._make_room(need):
+            return False
         pages = self._take_pages(need)
         if pages is None:
             return False

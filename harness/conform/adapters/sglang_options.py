@@ -23,7 +23,7 @@ from harness.conform.adapters.sglang_hicache import HostScheduled
 from harness.conform.adapters.sglang_legacy import LegacyScheduled
 from harness.conform.adapters.sglang_mamba import MambaScheduled, WindowMambaScheduled
 from harness.conform.adapters.sglang_scheduler import SchedulerNames, SglangScheduled
-from harness.conform.adapters.sglang_window import WINDOW_RULE, WindowScheduled
+from harness.conform.adapters.sglang_window import WINDOW_POOL_RULE, WINDOW_RULE, WindowScheduled
 from harness.conform.protocol import CacheOptions, Contract, OptionName
 
 # (a window, a state_interval) -> the scheduler adapter over that tree
@@ -34,13 +34,15 @@ CLASSES: dict[tuple[bool, bool], type[SglangScheduled]] = {
 
 def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
              window: int | None = None, chunk_budget: int | None = None,
-             state_interval: int | None = None, host_blocks: int | None = None) -> Contract:
+             state_interval: int | None = None, host_blocks: int | None = None,
+             window_pool: int | None = None) -> Contract:
     """`base` (the tree's contract) as SGLang's scheduler code makes it over a tree of
     `tree_kind` (`sglang_scheduler.contract`, `chunk_budget` there); with `window`
     (tokens), over a full-and-window UnifiedRadixCache (only where `names.swa` and the
     tree is "unified": `options` says so); with `state_interval` (pages), over a
     full-and-Mamba one (where `names.mamba`); with a window too, over a FULL+SWA+MAMBA
-    one; with `host_blocks` (pages), over a hierarchical full-attention one
+    one (its window pool `window_pool` pages where set, `sglang_window.window_pool_tokens`:
+    honoured with a window only); with `host_blocks` (pages), over a hierarchical full-attention one
     (`HostScheduled`, where `sglang_hicache.honoured`; opened apart from a window or a
     state_interval, so `options` leaves those out of a host tier's contract and
     host_blocks out of theirs)."""
@@ -48,7 +50,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     options: tuple[OptionName, ...] = terms.options
     citations, notes, replicated = terms.citations, terms.notes, terms.replicated
     if names.swa is not None and tree_kind == "unified":
-        options = ("window", *options)
+        options = ("window", *options, "window_pool")
     if names.mamba is not None and tree_kind == "unified":
         options = (*options, "state_interval")
     elif tree_kind == "unified":
@@ -56,7 +58,8 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     if not sglang_hicache.honoured(names.hicache, tree_kind, base.version):
         citations += (sglang_hicache.blocked_reason(base.version, tree_kind),)
     elif host_blocks is not None:  # a host tier is opened only apart from the others
-        options = tuple(x for x in options if x not in ("window", "state_interval"))
+        options = tuple(x for x in options
+                        if x not in ("window", "window_pool", "state_interval"))
         options = (*options, "host_blocks")
     elif window is None and state_interval is None:
         options = (*options, "host_blocks")
@@ -67,12 +70,14 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         replicated = (*replicated, *sglang_hicache.REPLICATED)
     if window is not None:
         citations += (("window", WINDOW_RULE),)
+    if window_pool is not None:
+        citations += (("window_pool", WINDOW_POOL_RULE),)
     if state_interval is not None:
         citations += (("state_interval", sglang_mamba.MAMBA_RULE),)
     return replace(terms, replicated=replicated, host_blocks=host_blocks,
                    host_stores="when-computed" if "host_blocks" in options else "on-eviction",
                    citations=citations, options=options,
-                   window=window, state_interval=state_interval,
+                   window=window, state_interval=state_interval, window_pool=window_pool,
                    state_rule="extend-end" if state_interval is not None else "every-k",
                    window_layout="window-pool" if window is not None else "window-only",
                    notes=notes)
@@ -83,18 +88,23 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
               options: CacheOptions, tree_window: bool = False) -> SglangScheduled:
     """A fresh cache of SGLang's scheduler code over a tree of `tree_kind` (`s`, the
     tree's names), its contract `contract(base, ...)`: with a host tier where
-    `options.host_blocks` asks for one and the release has it; else with the window and
-    the state_interval `options` asks for, where the release has them (a "unified" tree
-    only: elsewhere they are not honoured, and `open_cache` refuses them). The chunk
-    budget is the server's (`server_budget`). Before 0.5.22 (no `checkpoint_kv_cache`)
-    it is `sglang_legacy.LegacyScheduled`, full attention only; `tree_window`: the
-    tree's caller opens a window apart (`sglang.load_sglang`, without a chunk budget),
-    so the contract of a cache opened without a chunk budget lists the option."""
+    `options.host_blocks` asks for one and the release has it; else with the window (and
+    its pool) and the state_interval `options` asks for, where the release has them (a
+    "unified" tree only: elsewhere they are not honoured, and `open_cache` refuses them).
+    The chunk budget is the server's (`server_budget`). Raises ValueError naming a
+    `window_pool` asked for without a window, or one SGLang's server would refuse
+    (`sglang_window.window_pool_tokens`). Before 0.5.22 (no `checkpoint_kv_cache`) it is
+    `sglang_legacy.LegacyScheduled`, full attention only; `tree_window`: the tree's
+    caller opens a window apart (`sglang.load_sglang`, without a chunk budget), so the
+    contract of a cache opened without a chunk budget lists the window's options."""
     budget = sglang_scheduler.server_budget(options.chunk_budget, block_size)
+    if options.window_pool is not None and options.window is None:
+        raise ValueError(f"CacheOptions.window_pool {options.window_pool} sizes a window's "
+                         "pool, but no window was asked for")
     if not names.checkpoints:  # before 0.5.22: full attention only (`sglang_legacy`)
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
         if tree_window and options.chunk_budget is None:  # a window is opened apart
-            terms = replace(terms, options=("window", *terms.options))
+            terms = replace(terms, options=("window", *terms.options, "window_pool"))
         return LegacyScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
     if options.host_blocks is not None \
             and sglang_hicache.honoured(names.hicache, tree_kind, base.version):
@@ -104,6 +114,8 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     unified = tree_kind == "unified"
     window = options.window if names.swa is not None and unified else None
     state_interval = options.state_interval if names.mamba is not None and unified else None
-    terms = contract(base, names, tree_kind, window, budget, state_interval)
+    window_pool = options.window_pool if window is not None else None
+    terms = contract(base, names, tree_kind, window, budget, state_interval,
+                     window_pool=window_pool)
     opened = CLASSES[window is not None, state_interval is not None]
     return opened(s, names, tree_kind, terms, num_blocks, block_size, record)

@@ -325,6 +325,8 @@ class SglangScheduled(SglangTree):
         self.kv, self.alloc, self.full = self._kv_pools()  # full: the full-attention pages'
         self.lora_names = names.LoraNames() if names.LoraNames is not None else None
         self.tree = self._build_tree()
+        if record:  # the tree's reset in its __init__ publishes AllBlocksCleared: no op's
+            self.tree.take_events()
         self.model = _ModelShape(vocab_size=1 << 20, is_encoder_decoder=False,
                                  hf_text_config=_TextConfig(self._state_tokens() or block_size))
         self._live: dict[Hashable, LiveRequest] = {}

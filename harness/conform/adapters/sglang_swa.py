@@ -43,6 +43,7 @@ from typing import Any
 
 from harness.conform.adapters.sglang import SglangCache, SglangNames, TreeSeq
 from harness.conform.adapters.sglang_tree import page_problems
+from harness.conform.adapters.sglang_window import window_pool_tokens
 from harness.conform.protocol import Contract, Stats
 from harness.conform.stubs import StubFinder
 from harness.conform.versions import nearest
@@ -103,6 +104,19 @@ WINDOW_RULES = {
 # 0.5.18's SGLANG_SWA_EVICTION_INTERVAL default (environ.py:593): the tokens that must have
 # slid out of the window since the last free before a decode step frees again
 EVICTION_INTERVAL_0518 = 128
+# how 0.5.10 sizes a smaller window pool and what it does; the contract's `window_pool`
+# citation where one is opened
+WINDOW_POOL_RULE = (
+    "0.5.10: a server sizes the window pool as swa_tokens = align_page_size(int(full_tokens "
+    "* swa_full_tokens_ratio)) (model_executor/model_runner_kv_cache_mixin.py:366; the ratio "
+    "defaults to 0.8, server_args.py:360, and must lie in (0, 1], :3418); 0.5.10 checks no "
+    "floor, so a pool not above the window plus a page, which admits nothing, is refused "
+    "here as 0.5.23 refuses it (sglang_window.window_pool_tokens); the caller's allocation "
+    "evicts the window shortfall too (evict_from_tree_cache, replicated), which tombstones "
+    "an inner node (mem_cache/swa_radix_cache.py:629-630 _tombstone_internal_node, full KV "
+    "kept), and a later match ends where the window before it lacks window KV (:793-843); "
+    "0.5.12 and 0.5.18 size it the same way (model_executor/pool_configurator.py:274 and "
+    ":562, the ratio 0.8 by default)")
 SWA_REPLICATED: tuple[tuple[str, str, str], ...] = (
     ("pages taken whole from the full and the window pool, the full-to-window mapping "
      "written", "SWATokenToKVPoolAllocator.alloc_extend / alloc_decode",
@@ -246,11 +260,15 @@ class SwaCache(SglangCache):
     `window` tokens) over SGLang's SWA pools, this adapter its caller."""
 
     def __init__(self, s: SglangNames, version: str, num_blocks: int, block_size: int,
-                 record: bool, window: int) -> None:
+                 record: bool, window: int, window_pool: int | None = None) -> None:
         assert s.swa is not None, "no SWARadixCache here"
         self.w: SwaNames = s.swa
         self.window = window
         self.rule = window_rule(version)
+        self.window_pool = window_pool  # pages; None: as many as the full pool
+        # as a server sizes it for a swa_full_tokens_ratio (WINDOW_POOL_RULE); raises
+        # ValueError naming a pool larger than the full one or not above window + page
+        self.swa_size = window_pool_tokens(window_pool, num_blocks, block_size, window)
         # 0.5.12 on (KVCacheEventMixin); before, BasePrefixCache's take_events: []
         self.events = self.w.SWARadixCache.take_events is not self.w.base.BasePrefixCache.take_events
         super().__init__(s, version, num_blocks, block_size, record)
@@ -261,11 +279,11 @@ class SwaCache(SglangCache):
         # by 0.5.18 (:22-35, whose **kwargs reach MHATokenToKVPool, which has no such name)
         transpose = ({"enable_kvcache_transpose": False} if "enable_kvcache_transpose" in
                      inspect.signature(self.w.SWAKVPool.__init__).parameters else {})
-        self.kv = self.w.SWAKVPool(size=size, size_swa=size, page_size=P,
+        self.kv = self.w.SWAKVPool(size=size, size_swa=self.swa_size, page_size=P,
                                    dtype=torch.float16, head_num=1, head_dim=8,
                                    swa_attention_layer_ids=[1], full_attention_layer_ids=[0],
                                    device="cpu", **transpose)
-        return self.w.Allocator(size, size, P, torch.float16, "cpu", self.kv, False)
+        return self.w.Allocator(size, self.swa_size, P, torch.float16, "cpu", self.kv, False)
 
     def _build_tree(self) -> Any:
         params = self.w.CacheInitParams(  # type: ignore[misc]
@@ -282,15 +300,17 @@ class SwaCache(SglangCache):
                 *base.citations, ("events", "swa_radix_cache.py: SWARadixCache publishes no "
                                             "KV events before 0.5.12 (no take_events)")))
         return replace(
-            base, window=self.window, window_layout="window-pool",
+            base, window=self.window, window_layout="window-pool", window_pool=self.window_pool,
             replicated=(*base.replicated, *SWA_REPLICATED),
             citations=(*citations,
                        ("eviction_policy", "swa_radix_cache.py evict: whole least recently "
                                            "used leaves (full), inner nodes tombstoned "
                                            "(window)"),
-                       ("window", WINDOW_RULES[self.rule])),
+                       ("window", WINDOW_RULES[self.rule]),
+                       *((("window_pool", WINDOW_POOL_RULE),) if self.window_pool else ())),
             notes=(*base.notes, "SWARadixCache over SWAKVPool and SWATokenToKVPoolAllocator "
-                                "(full and window pools of the same size)"))
+                                "(full and window pools of the same size, unless "
+                                "window_pool sizes the window's smaller)"))
 
     def take_events(self) -> list[dict[str, Any]]:
         """SGLang's KV events as the harness's dicts; none where the tree has none."""
@@ -325,6 +345,19 @@ class SwaCache(SglangCache):
             num_tokens=num_tokens,
             swa_num_tokens=max(0, num_tokens - a.swa_available_size())))
         return a.full_available_size() - before
+
+    def _make_room(self, need: int) -> bool:
+        """`common.evict_from_tree_cache` for `need` pages: each pool's shortfall evicted
+        together (full KV: whole leaves; window KV: tombstones too); False (nothing
+        evicted) when either pool's shortfall exceeds what the tree can evict of it."""
+        a, t, n = self.alloc, self.tree, need * self.block_size
+        full = max(0, n - a.full_available_size())
+        swa = max(0, n - a.swa_available_size())
+        if full > t.full_evictable_size() or swa > t.swa_evictable_size():
+            return False
+        if full or swa:
+            t.evict(self.s.EvictParams(num_tokens=full, swa_num_tokens=swa))
+        return True
 
     def evict(self, num_blocks: int) -> int:
         """The tree's `evict` of full-attention tokens (whole leaves)."""
@@ -387,7 +420,8 @@ class SwaCache(SglangCache):
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
         """Decode steps: their pages (refused: nothing changed), then each step's
-        `maybe_evict_swa`."""
+        `maybe_evict_swa`, where the tokens before the step are computed (SGLang decodes
+        only after a request's extend is done, so it never frees KV not yet written)."""
         seq = self._seqs[seq_id]
         assert isinstance(seq, _SwaSeq)
         length = len(seq.tokens)
@@ -395,8 +429,9 @@ class SwaCache(SglangCache):
         if added is None:
             return None
         for step in range(len(tokens)):
-            if decode_frees_window(self.rule, seq.decode_steps, self.window, self.block_size,
-                                   length + step, seq.swa_evicted):
+            if seq.committed >= length + step and decode_frees_window(
+                    self.rule, seq.decode_steps, self.window, self.block_size, length + step,
+                    seq.swa_evicted):
                 self._evict_swa(seq, length + step)  # pre_len = seqlen - 1
             seq.decode_steps += 1
         return added
@@ -437,7 +472,9 @@ class SwaCache(SglangCache):
             "total_size": self._total(), "swa_evictable_size": t.swa_evictable_size(),
             "swa_protected_size": t.swa_protected_size(),
             "swa_available_size": self.alloc.swa_available_size()}
-        return Stats(engine, self._harness_stats())
+        gap = t.full_evictable_size() + t.full_protected_size() \
+            - t.swa_evictable_size() - t.swa_protected_size()
+        return Stats(engine, {**self._harness_stats(), "windowGapTokens": int(gap)})
 
     def used_blocks(self) -> int:
         """Full-attention pages neither free nor evictable in the tree."""
@@ -475,7 +512,7 @@ class SwaCache(SglangCache):
                        f"{sorted(p for p in set(swa_free) if swa_free.count(p) > 1)}")
         held = sum((len(seq.slots) - max(seq.locked, getattr(seq, "swa_evicted", 0))) // P
                    for seq in self._seqs.values())
-        used = self.num_blocks - len(set(swa_free))
+        used = self.swa_size // P - len(set(swa_free))
         tree = (t.swa_evictable_size() + t.swa_protected_size()) // P
         if used != tree + held:
             out.append(f"window pool: {used} pages in use, but the tree holds {tree} and "

@@ -171,7 +171,10 @@ def fuzz_options(seed: int, honoured: Callable[[CacheOptions], tuple[str, ...]],
     state is kept every 1 to 3 blocks; those two come from a stream of their own too.
     Every option is kept only where the cache opened with the options drawn before it
     honours it (an adapter may open two options only apart: SGLang 0.5.18's window is
-    the tree adapter's, its chunk budget the scheduler code's)."""
+    the tree adapter's, its chunk budget the scheduler code's). With a window, half the
+    caches that honour it get a window pool smaller than the full one, from a stream of
+    its own too: from the smallest SGLang's server takes (more than the window and a
+    page) to a block short of the full pool."""
     r = random.Random(f"options-{seed}")
     first = honoured(CacheOptions())
     if not first or r.random() < 0.5:
@@ -188,6 +191,12 @@ def fuzz_options(seed: int, honoured: Callable[[CacheOptions], tuple[str, ...]],
     for k, v in layouts.items():
         if k in honoured(CacheOptions(**chosen)) and layout.random() < 0.5:
             chosen[k] = v
+    window = chosen.get("window")
+    pool = random.Random(f"window-pool-{seed}")
+    smallest = (window + B) // B + 1 if window is not None else num_blocks
+    if window is not None and smallest < num_blocks \
+            and "window_pool" in honoured(CacheOptions(**chosen)) and pool.random() < 0.5:
+        chosen["window_pool"] = pool.randint(smallest, num_blocks - 1)
     return CacheOptions(**chosen)
 
 
@@ -233,8 +242,8 @@ class Shrunk(NamedTuple):
 def shrink(target: Target, op_list: list[Op], num_blocks: int, first: Violation,
            budget: int = SHRINK_BUDGET, options: CacheOptions | None = None) -> Shrunk:
     """A shorter op list, on a pool no larger, whose first violation is `first`'s (the
-    first violation of `op_list` on `num_blocks` blocks, a cache opened with `options`):
-    the same oracle, the same kind, at an op of the same kind. `op_list` itself when
+    first violation of `op_list` on `num_blocks` blocks, a cache opened with `options`,
+    never below its window pool): the same oracle, the same kind, at an op of the same kind. `op_list` itself when
     nothing smaller does. At most `budget` replays; changes nothing but the target's
     open cache."""
     left = [budget]
@@ -252,13 +261,15 @@ def shrink(target: Target, op_list: list[Op], num_blocks: int, first: Violation,
         return lambda candidate: fails(candidate, pool)
 
     pool = num_blocks
+    # a window pool no larger than the full one (`CacheOptions.window_pool`) bounds it
+    least = max(1, options.window_pool or 1) if options is not None else 1
     current = _ddmin(list(op_list), on(pool))
     while True:  # a smaller pool lets prompts shrink, and shorter prompts fit smaller pools
         before = (current, pool)
         current = _simplify(current, on(pool))
-        while pool > 1 and fails(current, pool // 2):  # halve, then one block at a time
+        while pool // 2 >= least and fails(current, pool // 2):  # halve, then one by one
             pool //= 2
-        while pool > 1 and fails(current, pool - 1):
+        while pool > least and fails(current, pool - 1):
             pool -= 1
         current = _ddmin(current, on(pool))
         if (current, pool) == before:

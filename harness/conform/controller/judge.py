@@ -44,6 +44,14 @@ After every op (`Judge.observe`):
   `state_group.StateGroup` kept
   (the stateNumBlocks gauge counts the state group's blocks, left out of the used
   blocks as a window group's are).
+- count, window pool: under a "window-pool" layout whose window pool is smaller than
+  the full one (`Contract.window_pool`), an allocation that finds it short evicts
+  window KV from the tree and keeps the full KV (SGLang's tombstones), and a match ends
+  before a node the window before which lacks window KV: once the tree holds tokens
+  without window KV (the windowGapTokens gauge before the admission) a match may stop
+  short of the count oracle's prediction, on a block boundary (`_window_gap_allows`);
+  which tokens lack it is the engine's, and what an admission needs of the window pool
+  is not judged (a refusal's fairness is judged only without it).
 - capacity, window group: under a "full-and-window" layout the window group holds what
   `window_group.WindowGroup` says (the windowNumBlocks gauge), and the full-attention
   checks above count the used blocks less those.
@@ -297,8 +305,9 @@ class Judge:
         the capacity model while it follows the cache."""
         B = self.contract.block_size
         tail = self.contract.unreused_tail
-        if self.window_group is not None or self.states is not None:
-            return None  # what both groups need is the engine's own sum: not judged
+        if self.window_group is not None or self.states is not None \
+                or self.contract.window_pool is not None:
+            return None  # what both groups (or pools) need is the engine's own: not judged
         if op.kind == "admit":
             scope = self.contract.scope_key(op.scope)
             # after an eviction the oracle over-predicts hits: assume none (the most need)
@@ -524,12 +533,22 @@ class Judge:
             self.states.matched(ev.seq_id, full, want)
             why = (f" (its full-attention match cut to the last recurrent state kept at a "
                    f"step's end, {self.contract.state_rule})")
-        if self.exact and got != want:
+        if self.exact and got != want and not self._window_gap_allows(got, want):
             say("count", "reuse", f"{what}; the count oracle predicts {want}{why}")
         elif not self.exact and got > want:
             say("count", "reuse", f"{what}, more than was ever computed in its scope "
                                   f"({want}; blocks were evicted since, so that is an "
                                   "upper bound)")
+
+    def _window_gap_allows(self, got: int, want: int) -> bool:
+        """Whether a match of `got` tokens where the count oracle predicts `want` is one
+        a smaller window pool's tombstones explain (`Contract.window_pool`): shorter, on a
+        block boundary, with tokens in the tree lacking window KV before the admission
+        (the last report's windowGapTokens)."""
+        if self.contract.window_pool is None or self._last is None:
+            return False
+        gap = self._last.stats.harness.get("windowGapTokens", 0)
+        return got < want and got % self.contract.block_size == 0 and int(gap) > 0
 
     def _track(self, ev: Any) -> None:
         sid = ev.seq_id

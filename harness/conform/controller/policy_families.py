@@ -16,6 +16,9 @@ from the contract's fields (blocks of B = 4 tokens, numbers checkable by hand):
                          chunks and decoded past the window holds only the window's
                          blocks (the judge), and what it computed is reused, at its end
                          and in its middle
+    window_pool_short    the same window over a window pool smaller than the full one
+                         (`window_pool`): an allocation that finds it short evicts window
+                         KV below the window, and a later match ends before it
 
 Each is skipped, saying why, where the contract lacks what it needs.
 """
@@ -224,6 +227,35 @@ def sliding_window(run: Run) -> None:
     run.free("D")
 
 
+SHORT_POOL = CacheOptions(window=8, window_pool=8)
+
+
+def window_pool_short(run: Run) -> None:
+    """A window of 8 tokens over a window pool of 8 blocks (32 tokens; the full pool
+    32): A's 32-token prompt in chunks of 8, each chunk a node of the tree, then a
+    decoded token; an allocation that finds the window pool short (0.5.23's scheduler:
+    the last chunk's, keeping a page in reserve; 0.5.10's caller: the decode step's)
+    evicts the window KV of the least recently used node below A's window, its first 8
+    tokens (SGLang tombstones the node and keeps its full KV). Once A is freed, B sharing A's first 12 tokens
+    reuses 0: the 4 tokens past the tombstone do not fill a window (the count oracle
+    says 12; the judge allows the shortfall only with tokens in the tree lacking window
+    KV, windowGapTokens)."""
+    a = toks(100, 32)
+    run.admit("A", a, first_chunk=8)
+    run.commit("A", 8)
+    for end in (16, 24, 32):
+        run.expect(f"A's chunk up to {end} is scheduled", run.reserve("A", end), end)
+        run.commit("A", end)
+    run.append("A", [900])
+    run.commit("A", 33)
+    run.observed["tokens without window KV after A's decode step"] = \
+        run.reports[-1].stats.harness.get("windowGapTokens")
+    run.free("A")
+    run.expect("B sharing A's first 12 tokens reuses", run.admit("B", [*a[:12], *toks(700, 12)]),
+               0)
+    run.free("B")
+
+
 CHECKS: tuple[Check, ...] = (
     Check("eviction_order", "eviction order", "under pressure the contract's policy names "
           "the block that goes first", 10, eviction_order),
@@ -241,4 +273,7 @@ CHECKS: tuple[Check, ...] = (
     Check("sliding_window", "sliding window", "a window of 8: chunks and decode release "
           "blocks before it; what was computed is reused", 32, sliding_window,
           options=WINDOW),
+    Check("window_pool_short", "sliding window", "a window pool smaller than the full "
+          "one: an allocation evicts window KV below the window, and a later match ends "
+          "before it", 32, window_pool_short, options=SHORT_POOL),
 )

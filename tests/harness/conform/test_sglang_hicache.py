@@ -114,7 +114,8 @@ def _names(hicache: bool) -> types.SimpleNamespace:
 def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> None:
     base = unified_contract("0.5.23", B)
     plain = sglang_options.contract(base, _names(True), "unified")
-    assert plain.options == ("window", "chunk_budget", "state_interval", "host_blocks")
+    assert plain.options == ("window", "chunk_budget", "window_pool", "state_interval",
+                            "host_blocks")
     assert plain.host_blocks is None and not set(H.REPLICATED) & set(plain.replicated)
     host = sglang_options.contract(base, _names(True), "unified", host_blocks=8)
     assert host.options == ("chunk_budget", "host_blocks")

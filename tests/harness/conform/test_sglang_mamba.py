@@ -86,7 +86,7 @@ def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() ->
                                                            names_requests=True,
                                                            hicache=False),
                                      "unified", 8, state_interval=2)
-    assert both.options == ("window", "chunk_budget", "state_interval")
+    assert both.options == ("window", "chunk_budget", "window_pool", "state_interval")
     assert (both.window, both.window_layout, both.state_rule) == (8, "window-pool",
                                                                   "extend-end")
 

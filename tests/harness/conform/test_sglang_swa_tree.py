@@ -159,3 +159,44 @@ def test_0_5_18s_swa_radix_cache_frees_window_kv_once_128_tokens_slid_out(
     assert after == before - B + 26 * B
     assert reports[-4].value["reused_tokens"] == 140
     assert reports[-2].value["reused_tokens"] == 16
+
+
+def test_a_short_window_pool_tombstones_below_the_window_and_shortens_a_match(
+        target: Target) -> None:
+    """A window of 8 over a window pool of 8 pages (the full pool 32): A's 32 tokens in
+    chunks of 8 fill it; A's first decode step needs a ninth window page, and the
+    caller's eviction (evict_from_tree_cache: the window shortfall) tombstones A's least
+    recently used node below the window, its first 8 tokens, though A holds the full KV
+    locked (the adapter refused that step while it counted only full KV as evictable).
+    B sharing A's first 12 tokens then reuses 0; the judge allows the shortfall."""
+    contract = target.open(32, B, CacheOptions(window=8, window_pool=8))
+    assert contract.window_pool == 8 and "window_pool" in contract.options
+    judge = Judge(contract, 32)
+    a = list(range(100, 132))
+    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8)]
+    for end in (16, 24, 32):
+        op_list += [ops.reserve("A", end), ops.commit("A", end)]
+    op_list += [ops.append("A", [900]), ops.commit("A", 33), ops.free("A"),
+                ops.admit("B", [*a[:12], *range(700, 712)]), ops.free("B")]
+    reports = target.apply_all(op_list)
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)
+    assert reports[8].status == "done"  # the decode step
+    assert [r.stats.harness["windowGapTokens"] for r in reports[7:10]] == [0, 8, 8]
+    assert reports[11].value["reused_tokens"] == 0
+
+
+def test_an_append_before_the_prompt_is_computed_frees_no_window_kv(target: Target) -> None:
+    """SGLang decodes only after a request's extend is done, so `maybe_evict_swa` never
+    frees KV not yet computed: an append the protocol makes before the prompt's commit
+    frees no window KV (the adapter freed [0, 8) there, which the tree then held as live
+    window KV: a false integrity finding, shrunk from a fuzz seed with a window pool)."""
+    contract = target.open(3, B, CacheOptions(window=3))
+    judge = Judge(contract, 3)
+    reports = target.apply_all([ops.admit("s4", list(range(1, 11))),
+                                ops.append("s4", [11, 12]), ops.commit("s4", 9),
+                                ops.free("s4")])
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)

@@ -18,6 +18,7 @@ from harness.conform.adapters import sglang_options, sglang_tree
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
+from harness.conform.controller.remote import WorkerError
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
 from tests.harness.conform.cached_engines import open_cached
@@ -39,7 +40,7 @@ def names(swa: bool) -> SimpleNamespace:
 def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() -> None:
     base = unified_contract("0.5.23", B)
     assert sglang_options.contract(base, names(True), "unified").options == \
-        ("window", "chunk_budget")
+        ("window", "chunk_budget", "window_pool")
     assert sglang_options.contract(base, names(False), "unified").options == \
         ("chunk_budget",)
     assert sglang_options.contract(base, names(True), "radix").options == ("chunk_budget",)
@@ -106,6 +107,45 @@ def test_a_window_cache_keeps_what_the_tree_holds_and_reuses_it(target: Target) 
     assert engine["swa_protected_size"] == 8  # the window's lock, one node of 8
     assert reports[-4].value["reused_tokens"] == 28
     assert reports[-2].value["reused_tokens"] == 16
+
+
+def test_a_short_window_pool_tombstones_below_the_window_and_shortens_a_match(
+        target: Target) -> None:
+    """A window of 8 over a window pool of 8 pages (the full pool 32): A's 32 tokens in
+    chunks of 8 fill it; its last chunk's allocation finds the pool short and evicts the
+    window KV of A's least recently used node below the window, its first 8 tokens
+    (tombstoned: their full KV stays). B sharing A's first 12 tokens then reuses 0 (the
+    4 tokens past the tombstone fill no window); the judge allows B's shortfall (the
+    count oracle says 12), and the window pool's accounting holds."""
+    contract = target.open(32, B, CacheOptions(window=8, window_pool=8))
+    assert contract.window_pool == 8
+    judge = Judge(contract, 32)
+    a = list(range(100, 132))
+    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8)]
+    for end in (16, 24, 32):
+        op_list += [ops.reserve("A", end), ops.commit("A", end)]
+    op_list += [ops.append("A", [900]), ops.commit("A", 33), ops.free("A"),
+                ops.admit("B", [*a[:12], *range(700, 712)]), ops.free("B")]
+    reports = target.apply_all(op_list)
+    found = [v for r in reports for v in judge.observe(r)]
+    assert found == [], found
+    assert all(r.integrity == () for r in reports)
+    assert [r.stats.harness["windowGapTokens"] for r in reports[5:8]] == [0, 8, 8]
+    assert reports[11].value["reused_tokens"] == 0
+    # the worker's ValueError, named in its reply
+    with pytest.raises(WorkerError, match=r"window_pool 3 .* cannot hold one request"):
+        target.open(32, B, CacheOptions(window=8, window_pool=3))
+
+
+def test_a_refused_first_admission_publishes_nothing(target: Target) -> None:
+    """The tree's `reset` in its `__init__` publishes AllBlocksCleared; the adapter takes
+    it when it opens the tree, so a first admission refused (2 pages, SGLang keeps 2
+    free) publishes nothing and the refusal oracle finds no change (it found one when
+    the event reached the first op)."""
+    contract = target.open(2, B, CacheOptions(window=2))
+    report = target.apply(ops.admit("A", [1]))
+    assert (report.status, report.events) == ("refused", ())
+    assert Judge(contract, 2).observe(report) == []
 
 
 def test_page_ownership_problems_name_each_way_a_page_goes_wrong() -> None:
