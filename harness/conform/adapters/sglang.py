@@ -1,9 +1,10 @@
 """SGLang's `RadixCache` behind the cache-level protocol (runs in an SGLang venv).
 
 From 0.5.22, whose scheduler code runs on a CPU, SGLang's own caller code drives the
-tree (`sglang_scheduler`, chosen in `load_sglang`). Before, the tree only matches,
-inserts, locks and evicts, and this module is its scheduler (`TREE_CALLER_REPLICATED`
-lists what it stands in for):
+tree (`sglang_scheduler`, chosen in `load_sglang`), and on 0.5.18 too, its older form
+(`sglang_legacy`). On the other releases the tree only matches, inserts, locks and
+evicts, and this module is its scheduler (`TREE_CALLER_REPLICATED` lists what it stands
+in for):
 
 - slots come from a page allocator of its own (`PageAllocator`; these releases' locks
   stub the device pools), page 0 reserved as SGLang reserves slot 0 for padding; block
@@ -37,7 +38,12 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from harness.conform.adapters import sglang_hicache, sglang_options, sglang_scheduler
+from harness.conform.adapters import (
+    sglang_hicache,
+    sglang_legacy,
+    sglang_options,
+    sglang_scheduler,
+)
 from harness.conform.adapters.sglang_tree import SglangTree, page_problems, radix_tree_pages
 from harness.conform.protocol import (
     Admission,
@@ -204,7 +210,8 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     tree's caller (where the scheduler code is there but does not import, its contract's
     notes say why). A cache opened with a `window` (`CacheOptions`) is a full-and-window
     UnifiedRadixCache under that code, where the tree is "unified" and the release has
-    its SWA component; without that code, `window_cache(names, version, num_blocks,
+    its SWA component; without that code, or with the code of a release before 0.5.22
+    (`sglang_legacy`, full attention only), `window_cache(names, version, num_blocks,
     block_size, record, window)` (`sglang_swa.SwaCache`: SGLang's `SWARadixCache` over
     its SWA pools), where `names().swa` says the release's imports and its pools allow
     (the contract's `options` says so; elsewhere none are honoured). Raises ImportError
@@ -228,20 +235,29 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
             modules = (*modules, *sglang_scheduler.MODULES)
         except Exception as exc:  # this lock stubs what the scheduler code imports
             engine.unscheduled = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    if scheduler is not None and not scheduler.checkpoints \
+            and (tree_kind != "radix" or found not in sglang_legacy.READ):
+        scheduler = None  # before 0.5.22: the releases read, over RadixCache only
+        engine.unscheduled = (f"its code before 0.5.22 is driven over RadixCache on "
+                              f"{', '.join(sglang_legacy.READ)} only (read there)")
+
+    # a window the tree's caller opens (SWARadixCache), where no scheduler code opens one
+    tree_window = engine.swa is not None and window_cache is not None \
+        and (scheduler is None or not scheduler.checkpoints)
 
     def configured(num_blocks: int, block_size: int, record: bool,
                    options: CacheOptions) -> CacheUnderTest:
+        if tree_window and options.window is not None:
+            assert window_cache is not None
+            return window_cache(engine, found, num_blocks, block_size, record,
+                                options.window, options.window_pool)
         if scheduler is None:
-            if options.window is not None and engine.swa is not None \
-                    and window_cache is not None:
-                return window_cache(engine, found, num_blocks, block_size, record,
-                                    options.window, options.window_pool)
             return cache(engine, found, num_blocks, block_size, record)
         base = tree_contract(known, block_size)
         if known != found:
             base = settle(base, found, engine.detected)
         return sglang_options.scheduled(engine, scheduler, tree_kind, base, num_blocks,
-                                        block_size, record, options)
+                                        block_size, record, options, tree_window)
 
     def new(num_blocks: int, block_size: int, record: bool) -> CacheUnderTest:
         return configured(num_blocks, block_size, record, CacheOptions())

@@ -13,8 +13,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from harness.conform.adapters import sglang_hicache, sglang_mamba, sglang_scheduler
+from harness.conform.adapters import (
+    sglang_hicache,
+    sglang_legacy,
+    sglang_mamba,
+    sglang_scheduler,
+)
 from harness.conform.adapters.sglang_hicache import HostScheduled
+from harness.conform.adapters.sglang_legacy import LegacyScheduled
 from harness.conform.adapters.sglang_mamba import MambaScheduled, WindowMambaScheduled
 from harness.conform.adapters.sglang_scheduler import SchedulerNames, SglangScheduled
 from harness.conform.adapters.sglang_window import WINDOW_POOL_RULE, WINDOW_RULE, WindowScheduled
@@ -79,7 +85,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
 
 def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
               num_blocks: int, block_size: int, record: bool,
-              options: CacheOptions) -> SglangScheduled:
+              options: CacheOptions, tree_window: bool = False) -> SglangScheduled:
     """A fresh cache of SGLang's scheduler code over a tree of `tree_kind` (`s`, the
     tree's names), its contract `contract(base, ...)`: with a host tier where
     `options.host_blocks` asks for one and the release has it; else with the window (and
@@ -87,8 +93,19 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     "unified" tree only: elsewhere they are not honoured, and `open_cache` refuses them).
     The chunk budget is the server's (`server_budget`). Raises ValueError naming a
     `window_pool` asked for without a window, or one SGLang's server would refuse
-    (`sglang_window.window_pool_tokens`)."""
+    (`sglang_window.window_pool_tokens`). Before 0.5.22 (no `checkpoint_kv_cache`) it is
+    `sglang_legacy.LegacyScheduled`, full attention only; `tree_window`: the tree's
+    caller opens a window apart (`sglang.load_sglang`, without a chunk budget), so the
+    contract of a cache opened without a chunk budget lists the window's options."""
     budget = sglang_scheduler.server_budget(options.chunk_budget, block_size)
+    if options.window_pool is not None and options.window is None:
+        raise ValueError(f"CacheOptions.window_pool {options.window_pool} sizes a window's "
+                         "pool, but no window was asked for")
+    if not names.checkpoints:  # before 0.5.22: full attention only (`sglang_legacy`)
+        terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
+        if tree_window and options.chunk_budget is None:  # a window is opened apart
+            terms = replace(terms, options=("window", *terms.options, "window_pool"))
+        return LegacyScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
     if options.host_blocks is not None \
             and sglang_hicache.honoured(names.hicache, tree_kind, base.version):
         terms = contract(base, names, tree_kind, None, budget,
@@ -97,9 +114,6 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     unified = tree_kind == "unified"
     window = options.window if names.swa is not None and unified else None
     state_interval = options.state_interval if names.mamba is not None and unified else None
-    if options.window_pool is not None and options.window is None:
-        raise ValueError(f"CacheOptions.window_pool {options.window_pool} sizes a window's "
-                         "pool, but no window was asked for")
     window_pool = options.window_pool if window is not None else None
     terms = contract(base, names, tree_kind, window, budget, state_interval,
                      window_pool=window_pool)

@@ -1,4 +1,5 @@
-"""SGLang's own scheduler code driving its prefix cache (0.5.22 on), behind the protocol.
+"""SGLang's own scheduler code driving its prefix cache (0.5.22 on; 0.5.18's older form
+is `sglang_legacy`'s hooks), behind the protocol.
 
 From 0.5.22 the code that calls the tree runs on a CPU, so the adapter calls it rather
 than copying it (runs in an SGLang venv whose lock keeps the real device pools):
@@ -80,15 +81,16 @@ REPLICATED: tuple[tuple[str, str, str], ...] = (
 
 
 def present() -> bool:
-    """Whether this release's scheduler code is the kind the adapter drives (0.5.22 on:
-    a published runtime config, `checkpoint_kv_cache` and `release_kv_cache`; 0.5.18
-    has the first two only), read from its files without importing them; call after
+    """Whether this release's scheduler code is the kind the adapter drives: a published
+    runtime config and `release_kv_cache` (0.5.18 on; 0.5.22 on add
+    `checkpoint_kv_cache`, and before it `sglang_legacy` drives the tree's
+    `cache_unfinished_req`), read from its files without importing them; call after
     `sglang.srt.mem_cache` is imported."""
     if importlib.util.find_spec("sglang.srt.runtime_context") is None:
         return False
     common = importlib.util.find_spec("sglang.srt.mem_cache.common")
     text = Path(common.origin).read_text() if common and common.origin else ""
-    return all(f"def {name}(" in text for name in ("checkpoint_kv_cache", "release_kv_cache"))
+    return "def release_kv_cache(" in text
 
 
 class SchedulerNames:
@@ -117,11 +119,17 @@ class SchedulerNames:
         self.MHATokenToKVPool = memory_pool.MHATokenToKVPool
         self.PagedAllocator = paged.PagedTokenToKVPoolAllocator
         self.CacheInitParams = CacheInitParams
-        # the table of LoRA names the scheduler fills for KV events: from 0.5.23 it
-        # also names each request's namespace (register(req, name)), which makes the
-        # default event format namespace a LoRA's blocks
-        self.LoraNames = getattr(events, "KvEventLoraNames", None) or events.LoRANameTable
-        self.names_requests = "req" in inspect.signature(self.LoraNames.register).parameters
+        # the result processor's checkpoint (0.5.22 on); before, the tree's own
+        # cache_unfinished_req (`sglang_legacy.LegacyScheduled`)
+        self.checkpoints = hasattr(common, "checkpoint_kv_cache")
+        # the table of LoRA names the scheduler fills for KV events (0.5.22 on; None
+        # before, whose events name no LoRA): from 0.5.23 it also names each request's
+        # namespace (register(req, name)), which makes the default event format
+        # namespace a LoRA's blocks
+        self.LoraNames: Any = getattr(events, "KvEventLoraNames", None) \
+            or getattr(events, "LoRANameTable", None)
+        self.names_requests = self.LoraNames is not None and \
+            "req" in inspect.signature(self.LoraNames.register).parameters
         self.SamplingParams = SamplingParams
         self.ServerArgs = ServerArgs
         self.publish = publish
@@ -217,6 +225,17 @@ def server_budget(chunk_budget: int | None, page_size: int) -> int | None:
     return max(chunk_budget // page_size, 1) * page_size
 
 
+# where 0.5.22's result processor settles matchable_at and preemption
+PROCESSOR_CITATIONS: tuple[tuple[str, str], ...] = (
+    ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
+                     "(batch_result_processor.py, Scheduler.stash_chunked_request); "
+                     "release_kv_cache(checkpoint=True) inserts the decoded tokens when "
+                     "the request ends"),
+    ("preemption", "schedule_batch.py release_req: release_kv_cache(checkpoint=False) "
+                   "('TODO: for preempted requests, we may want to insert into the "
+                   "tree'), then evict_from_tree_cache for the remaining requests"))
+
+
 def contract(base: Contract, names: SchedulerNames, chunk_budget: int | None = None
              ) -> Contract:
     """`base` (the tree's contract) as SGLang's scheduler code makes it over its
@@ -225,19 +244,12 @@ def contract(base: Contract, names: SchedulerNames, chunk_budget: int | None = N
     ("caller-page-floor"). The options beyond the chunk budget, and what each adds, are
     `sglang_options.contract`'s."""
     citations = (*base.citations,
-                 ("matchable_at", "mem_cache/common.py checkpoint_kv_cache after an extend "
-                                  "(batch_result_processor.py, Scheduler.stash_chunked_"
-                                  "request); release_kv_cache(checkpoint=True) inserts "
-                                  "the decoded tokens when the request ends"),
+                 *PROCESSOR_CITATIONS,
                  ("decode_steps", "ScheduleBatch.prepare_for_decode: one token per "
                                   "request per step, after the extend's result"),
                  ("refusal_evicts", "allocator.check_decode_capacity and "
                                     "alloc_paged_token_slots_extend evict before they "
                                     "can fail"),
-                 ("preemption", "schedule_batch.py release_req: release_kv_cache("
-                                "checkpoint=False) ('TODO: for preempted requests, we "
-                                "may want to insert into the tree'), then "
-                                "evict_from_tree_cache for the remaining requests"),
                  ("chunking", "schedule_policy.py PrefillAdder._select_prefill_"
                               "admission: a cut chunk ends on a page boundary; "
                               "add_chunked_req continues up to rem_chunk_tokens (the "
@@ -311,7 +323,7 @@ class SglangScheduled(SglangTree):
         names.publish_config(block_size, self._state_tokens(), self._host_args())
         self.rows = self._request_pool()
         self.kv, self.alloc, self.full = self._kv_pools()  # full: the full-attention pages'
-        self.lora_names = names.LoraNames()
+        self.lora_names = names.LoraNames() if names.LoraNames is not None else None
         self.tree = self._build_tree()
         if record:  # the tree's reset in its __init__ publishes AllBlocksCleared: no op's
             self.tree.take_events()
@@ -360,8 +372,9 @@ class SglangScheduled(SglangTree):
         n, s = self.n, self.s
         params: dict[str, Any] = dict(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
-            page_size=self.block_size, enable_kv_cache_events=self.record,
-            kv_event_lora_names=self.lora_names)
+            page_size=self.block_size, enable_kv_cache_events=self.record)
+        if self.lora_names is not None:
+            params["kv_event_lora_names"] = self.lora_names
         if self.tree_kind == "unified":
             return self._open_unified(n.CacheInitParams(
                 **params, **self._tree_params(), tree_components=self._components()))
@@ -390,6 +403,51 @@ class SglangScheduled(SglangTree):
     def _problems(self) -> list[str]:
         """What is wrong with the tree's other components and their pools: nothing here."""
         return []
+
+    # -- the hooks of a release's Req and result processor (`sglang_legacy`'s before 0.5.22)
+
+    def _prefix_len(self, req: Any) -> int:
+        """The tokens of `req` computed before its scheduled extend (matched or earlier)."""
+        return int(req.prefix_len)
+
+    def _extend_end(self, req: Any) -> int:
+        """Where `req`'s scheduled extend ends."""
+        return int(req.extend_end)
+
+    def _unschedule(self, req: Any) -> None:
+        """A chunk whose allocation failed was not scheduled: its extend ends where it
+        starts."""
+        req.extend_end = req.prefix_len
+
+    def _row_index(self, req: Any) -> int:
+        """`req`'s row of the request pool."""
+        return int(req.kv.req_pool_idx)
+
+    def _committed_len(self, req: Any) -> int:
+        """The tokens of `req` whose KV the forward passes wrote."""
+        return int(req.kv.kv_committed_len)
+
+    def _protected_len(self, req: Any) -> int:
+        """The tokens of `req`'s row that are the tree's (locked for it)."""
+        return int(req.kv.cache_protected_len)
+
+    def _checkpoint(self, req: Any, last: bool) -> None:
+        """The result processor's cache call after an extend (`last`: it computed the
+        whole prompt): `checkpoint_kv_cache`."""
+        self.n.common.checkpoint_kv_cache(req, self.tree)
+
+    def _release(self, req: Any, checkpoint: bool) -> None:
+        """A request ends: `release_kv_cache`, inserting its computed tokens where
+        `checkpoint` (it finished), else aborted."""
+        self.n.common.release_kv_cache(req, self.tree, checkpoint=checkpoint)
+
+    def _free_pages(self) -> Any:
+        """The full-attention allocator's free pages, with repeats (its own census)."""
+        return self.full.get_all_free_pages()
+
+    def _retraction_args(self) -> dict[str, Any]:
+        """The arguments `release_req` takes beyond the pools and the tree: none here."""
+        return {}
 
     # -- for the self-test -----------------------------------------------------------------
 
@@ -448,9 +506,9 @@ class SglangScheduled(SglangTree):
         out: dict[str, Any] = {"match": req.init_next_round_input(self.tree)}
         batch = self._schedule(req, None)
         assert batch is not None, "the self-test's probe did not fit an empty pool"
-        self.n.common.checkpoint_kv_cache(req, self.tree)
+        self._checkpoint(req, last=True)
         req.finished_reason = self.n.FINISH_LENGTH(length=0)
-        self.n.common.release_kv_cache(req, self.tree, checkpoint=True)
+        self._release(req, checkpoint=True)
         out.update(req=vars(req), batch=vars(batch), evictable_size=self.tree.evictable_size())
         self._evict_tokens(2 * P)
         out["take_events"] = self.tree.take_events() if self.record else []
@@ -466,7 +524,7 @@ class SglangScheduled(SglangTree):
                     n.SamplingParams(max_new_tokens=_UNLIMITED), lora_id=lora,
                     extra_key=None if scope is None else scope.extra_key,
                     cache_salt=None if scope is None else scope.salt)
-        if lora is not None:
+        if lora is not None and self.lora_names is not None:
             assert scope is not None and scope.lora_name is not None
             # as Scheduler.load_lora_adapter and (0.5.23) _record_kv_event_lora_name do
             self.lora_names.register(lora_id=lora, lora_name=scope.lora_name)
@@ -500,7 +558,7 @@ class SglangScheduled(SglangTree):
         return batch
 
     def _row(self, req: Any, end: int) -> list[int]:
-        return [int(x) for x in self.rows.req_to_token[req.kv.req_pool_idx, :end].tolist()]
+        return [int(x) for x in self.rows.req_to_token[self._row_index(req), :end].tolist()]
 
     def _pages(self, slots: Sequence[int]) -> list[int]:
         return [x // self.block_size for x in slots[::self.block_size]]
@@ -541,12 +599,13 @@ class SglangScheduled(SglangTree):
                 self._retracted[seq_id] = resumed
             return None
         live = LiveRequest(req, batch, scope, len(tokens))
-        live.ids = self._pages(self._row(req, req.extend_end))
+        end = self._extend_end(req)
+        live.ids = self._pages(self._row(req, end))
         self._live[seq_id] = live
         self._write({"kind": "admit", "seq_id": seq_id, "tokens": tokens,
-                     "num_tokens": req.prefix_len,
+                     "num_tokens": self._prefix_len(req),
                      "scope": self._contract.scope_key(scope), "block_ids": live.ids})
-        return Admission(req.prefix_len, tuple(live.ids), req.extend_end)
+        return Admission(self._prefix_len(req), tuple(live.ids), end)
 
     def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
         """The next chunk, as the scheduler continues a chunked request:
@@ -556,11 +615,11 @@ class SglangScheduled(SglangTree):
         live = self._live[seq_id]
         req = live.req
         target = min(num_tokens, live.length)
-        if target <= req.extend_end:
-            return req.extend_end
+        if target <= self._extend_end(req):
+            return self._extend_end(req)
         assert not live.extending, "Session schedules a chunk only after the last one"
         req.init_next_round_input()
-        adder = self._adder(min(target - req.prefix_len, self.chunk_budget or target))
+        adder = self._adder(min(target - self._prefix_len(req), self.chunk_budget or target))
         chunked = adder.add_chunked_req(req)
         batch = self._batch([req], chunked)
         try:
@@ -568,15 +627,15 @@ class SglangScheduled(SglangTree):
         except RuntimeError as exc:
             if "out of memory" not in str(exc):
                 raise
-            req.extend_end = req.prefix_len  # the chunk was not scheduled
+            self._unschedule(req)  # the chunk was not scheduled
             return None
         live.batch, live.extending = batch, True
         before = len(live.ids)
-        live.ids = self._pages(self._row(req, req.extend_end))
+        live.ids = self._pages(self._row(req, self._extend_end(req)))
         if len(live.ids) > before:
             self._write({"kind": "append", "seq_id": seq_id, "tokens": [],
                          "block_ids": live.ids[before:]})
-        return int(req.extend_end)
+        return int(self._extend_end(req))
 
     def commit(self, seq_id: Hashable, num_tokens: int) -> None:
         """The forward pass is done up to `num_tokens`; when that is every scheduled
@@ -590,11 +649,12 @@ class SglangScheduled(SglangTree):
         live.committed = max(live.committed, num_tokens)
         if live.decoding and num_tokens == live.length:
             self._decode_result(live)
-        if not live.extending or num_tokens < req.extend_end:
+        end = self._extend_end(req)
+        if not live.extending or num_tokens < end:
             return
         live.extending = False
-        self.n.common.checkpoint_kv_cache(req, self.tree)
-        self._log_commit(seq_id, live, req.extend_end, self._row(req, req.extend_end))
+        self._checkpoint(req, last=end == live.length)
+        self._log_commit(seq_id, live, end, self._row(req, end))
 
     def _log_commit(self, seq_id: Hashable, live: LiveRequest, num_tokens: int,
                     row: list[int]) -> None:
@@ -632,11 +692,12 @@ class SglangScheduled(SglangTree):
         live = self._live.pop(seq_id)
         req = live.req
         done = live.committed == live.length and not live.extending
-        row_index, end = req.kv.req_pool_idx, req.kv.kv_committed_len
+        row_index, end = self._row_index(req), self._committed_len(req)
+        prefix = self._prefix_len(req)
         if done:
             req.finished_reason = self.n.FINISH_LENGTH(length=len(req.output_ids))
-        self.n.common.release_kv_cache(req, self.tree, checkpoint=done)
-        if done and end > req.prefix_len:
+        self._release(req, checkpoint=done)
+        if done and end > prefix:
             # the row as release_kv_cache's checkpoint left it (rows are not cleared)
             row = [int(x) for x in self.rows.req_to_token[row_index, :end].tolist()]
             self._log_commit(seq_id, live, end, row)
@@ -650,7 +711,7 @@ class SglangScheduled(SglangTree):
         self.n.schedule_batch.release_req(
             req=live.req, remaing_req_count=others, req_to_token_pool=self.rows,
             token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree,
-            hisparse_coordinator=None)
+            hisparse_coordinator=None, **self._retraction_args())
         self._retracted[seq_id] = live.req
         self._preempted.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
@@ -676,13 +737,13 @@ class SglangScheduled(SglangTree):
         for live in self._live.values():
             kv = live.req.kv
             held += self._pages(self._row(live.req, kv.kv_allocated_len)[
-                kv.cache_protected_len:])
+                self._protected_len(live.req):])
         return held
 
     def check_integrity(self) -> list[str]:
         """Every page is free, in the tree or held by one live request, never two of
         them; no page is free twice; the tree's gauges add up."""
-        free_list = [int(p) for p in self.full.get_all_free_pages().tolist()]
+        free_list = [int(p) for p in self._free_pages().tolist()]
         out = page_problems(self._held(), free_list, self._tree_pages(), self.num_blocks,
                             "requests")
         t = self.tree

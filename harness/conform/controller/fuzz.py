@@ -168,19 +168,23 @@ def fuzz_options(seed: int, honoured: Callable[[CacheOptions], tuple[str, ...]],
     honoured one with an even chance, small enough to bite (from a stream of their own:
     the seed's ops do not move). A host tier holds two or three times the device pool
     (what the oracle's two-tier model is exact for, harness.oracle.tiers); a recurrent
-    state is kept every 1 to 3 blocks; those two come from a stream of their own too,
-    each drawn only where the cache opened with the options drawn before it honours it
-    (an adapter may open two options only apart). With a window, half the caches that
-    honour it get a window pool smaller than the full one, from a stream of its own too:
-    from the smallest SGLang's server takes (more than the window and a page) to a
-    block short of the full pool."""
+    state is kept every 1 to 3 blocks; those two come from a stream of their own too.
+    Every option is kept only where the cache opened with the options drawn before it
+    honours it (an adapter may open two options only apart: SGLang 0.5.18's window is
+    the tree adapter's, its chunk budget the scheduler code's). With a window, half the
+    caches that honour it get a window pool smaller than the full one, from a stream of
+    its own too: from the smallest SGLang's server takes (more than the window and a
+    page) to a block short of the full pool."""
     r = random.Random(f"options-{seed}")
     first = honoured(CacheOptions())
     if not first or r.random() < 0.5:
         return CacheOptions()
     picks = {"window": r.randrange(2, 4 * B), "chunk_budget": r.randrange(1, 4 * B),
              "long_prefill_threshold": r.randrange(1, 3 * B)}
-    chosen = {k: v for k, v in picks.items() if k in first and r.random() < 0.5}
+    chosen: dict[str, int] = {}
+    for k, v in picks.items():  # each drawn as before, kept where the others drawn allow it
+        if k in first and r.random() < 0.5 and k in honoured(CacheOptions(**chosen)):
+            chosen[k] = v
     layout = random.Random(f"layout-{seed}")
     layouts = {"host_blocks": layout.randint(2, 3) * num_blocks,
                "state_interval": layout.randint(1, 3)}

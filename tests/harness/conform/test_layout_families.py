@@ -98,6 +98,26 @@ def test_the_fuzz_never_draws_options_the_adapter_opens_only_apart() -> None:
     assert any(o.window and o.state_interval for o in both)
 
 
+def test_the_fuzz_never_draws_a_window_and_a_chunk_budget_opened_only_apart() -> None:
+    """SGLang 0.5.18 opens a window under the tree adapter and a chunk budget under its
+    scheduler code: a cache opened with one does not list the other, and no seed draws
+    both; where they are honoured together the draws are as before."""
+    def apart(chosen: CacheOptions) -> tuple[str, ...]:
+        if chosen.window is not None:
+            return ("window",)
+        return ("chunk_budget",) if chosen.chunk_budget is not None \
+            else ("window", "chunk_budget")
+
+    drawn = [fuzz_options(seed, apart, 12) for seed in range(64)]
+    assert not [o for o in drawn if o.window is not None and o.chunk_budget is not None]
+    assert any(o.window for o in drawn) and any(o.chunk_budget for o in drawn)
+    both = [fuzz_options(seed, lambda _: ("window", "chunk_budget"), 12)
+            for seed in range(64)]
+    assert any(o.window and o.chunk_budget for o in both)
+    # the draws do not move: the window (drawn first) is every seed's as before
+    assert [o.window for o in drawn] == [o.window for o in both]
+
+
 def test_a_family_skips_with_the_engines_reason_for_an_option_it_refuses() -> None:
     refused = replace(sglang_contract("0.5.23", 4), citations=(
         ("options", "no state_interval: AssertionError: block_size must be divisible by "

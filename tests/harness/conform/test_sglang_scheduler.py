@@ -1,8 +1,9 @@
-"""SGLang's own scheduler code behind the protocol, on the newest SGLang release where its
-cached install exists (skipped otherwise, as the engine smoke is): what its retraction,
-its checkpoints, the chunks PrefillAdder cuts and its admission reserve do, op by op,
+"""SGLang's own scheduler code behind the protocol, on the newest SGLang release and on
+0.5.18 (its code before `checkpoint_kv_cache`: `sglang_legacy`), each where its cached
+install exists (skipped otherwise, as the engine smoke is): what its retraction, its
+checkpoints, the chunks PrefillAdder cuts and its admission reserve do, op by op,
 judged by every oracle, and the caller extra key reaching a LoRA's KV
-(sgl-project/sglang#24638). One worker serves the session."""
+(sgl-project/sglang#24638). One worker per release serves the session."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from harness.conform import ops
 from harness.conform.controller import install
 from harness.conform.controller.engine_spec import EngineSpec, open_target
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.locks import pinned
+from harness.conform.controller.locks import find_lock, pinned
 from harness.conform.controller.report import Report
 from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
@@ -22,18 +23,21 @@ from harness.conform.protocol import CacheOptions, Scope, lora_id_text
 from harness.conform.worker.session import StepReport
 
 B = 4
-LOCK = next(lock for lock in pinned() if lock.engine == "sglang")
+LOCKS = [next(lock for lock in pinned() if lock.engine == "sglang"),
+         find_lock("sglang", "0.5.18")]
 PROMPT = list(range(100, 110))  # 10 tokens: 2 whole pages
 OUT = [900, 901, 902]
 
 
-@pytest.fixture(scope="session")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    if install.installed(LOCK) is None:
-        pytest.skip(f"{LOCK.spec} is not installed in {install.cache_dir()} (kvharness "
-                    f"conform {LOCK.spec} installs it)")
+@pytest.fixture(scope="session", params=LOCKS, ids=[lock.spec for lock in LOCKS])
+def target(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    lock = request.param
+    if install.installed(lock) is None:
+        pytest.skip(f"{lock.spec} is not installed in {install.cache_dir()} (kvharness "
+                    f"conform {lock.spec} installs it)")
     folder = tmp_path_factory.mktemp("sglang")
-    opened = open_target(EngineSpec.parse(LOCK.spec), Report(LOCK.spec), folder,
+    opened = open_target(EngineSpec.parse(lock.spec), Report(lock.spec), folder,
                          lambda _: None)
     yield opened
     opened.close()

@@ -1,0 +1,197 @@
+"""SGLang's own scheduler code before 0.5.22 driving its RadixCache (0.5.18 to 0.5.21:
+a published runtime config and `release_kv_cache`, no `checkpoint_kv_cache`), behind
+the protocol: `LegacyScheduled`, `SglangScheduled` with that release's Req fields and
+result processor (runs in an SGLang venv).
+
+What differs from 0.5.22's path, each read from 0.5.18's code:
+
+- a Req keeps its row and lengths on itself (`req_pool_idx`, `kv_committed_len`,
+  `cache_protected_len`), its computed prefix as `prefix_indices` and its scheduled
+  extend as `extend_range` (`Req.set_extend_range`, `get_fill_ids`);
+- after an extend the result processor calls the tree's `cache_unfinished_req`
+  (`maybe_cache_unfinished_req`: `chunked=True` from `Scheduler.stash_chunked_request`
+  after a middle chunk, without from `process_batch_result_prefill` after the last);
+- a request ends with `release_kv_cache(req, tree, is_insert)` (the tree's
+  `cache_finished_req`), and `release_req` takes the published `ServerArgs`;
+- there is no table of LoRA names (the events name no LoRA);
+- `PagedTokenToKVPoolAllocator.alloc_extend` and `alloc_decode` launch triton kernels
+  on every device (0.5.22 has CPU paths), and triton has no CPU driver: the two
+  launches run in torch (`install_torch_kernels`), the extend's through SGLang's own
+  `alloc_extend_naive` (its torch twin of `alloc_extend_kernel`, the NPU allocator's),
+  the decode's as `alloc_decode_kernel` computes it; the methods around them (the page
+  count, the refusal, the free list) are SGLang's.
+
+A window, a Mamba state or a host tier is not opened here: these releases'
+UnifiedRadixCache has none of the components `sglang_options` opens them with (a window
+on the `sglang` engine is `sglang_swa.SwaCache`, `sglang.load_sglang` says when).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from harness.conform.adapters.sglang_scheduler import (
+    PROCESSOR_CITATIONS,
+    REPLICATED,
+    SglangScheduled,
+)
+from harness.conform.protocol import Contract
+
+# the releases whose scheduler code this module was read against (`sglang.load_sglang`
+# drives no other's: each release before 0.5.22 renames a Req field or a call)
+READ = ("0.5.18",)
+# (the contract's field, where 0.5.18's code settles it), in place of 0.5.22's citations
+CITATIONS: tuple[tuple[str, str], ...] = (
+    ("matchable_at", "mem_cache/common.py maybe_cache_unfinished_req (the tree's "
+                     "cache_unfinished_req) after an extend (batch_result_processor.py "
+                     "process_batch_result_prefill, Scheduler.stash_chunked_request); "
+                     "release_kv_cache(is_insert=True) (cache_finished_req) inserts the "
+                     "decoded tokens when the request ends"),
+    ("preemption", "schedule_batch.py release_req: release_kv_cache(is_insert=False) "
+                   "('TODO (csy): for preempted requests, we may want to insert into the "
+                   "tree'), then evict_from_tree_cache for the remaining requests"))
+
+# what stays replicated beyond 0.5.22's (`sglang_scheduler.REPLICATED`)
+KERNELS_REPLICATED = (
+    "the slots of an extend and of a decode step in the request's pages and new free "
+    "pages: alloc_extend_naive (SGLang's torch twin) and alloc_decode_kernel's rule in "
+    "torch", "PagedTokenToKVPoolAllocator.alloc_extend / alloc_decode "
+    "(alloc_extend_kernel, alloc_decode_kernel)",
+    "triton kernels, and triton has no CPU driver")
+# 0.5.22's, an aborted request's release in 0.5.18's words (`is_insert`)
+LEGACY_REPLICATED: tuple[tuple[str, str, str], ...] = (
+    *((what.replace("checkpoint=False", "is_insert=False"), where, why)
+      for what, where, why in REPLICATED), KERNELS_REPLICATED)
+
+
+def contract(terms: Contract) -> Contract:
+    """`terms` (0.5.22's scheduler contract, `sglang_options.contract`) as 0.5.18's code
+    makes it: its result processor's citations (`CITATIONS`) and `LEGACY_REPLICATED`."""
+    citations = tuple(c for c in terms.citations if c not in PROCESSOR_CITATIONS)
+    return replace(terms, citations=(*citations, *CITATIONS), replicated=LEGACY_REPLICATED)
+
+
+class TorchLaunch:
+    """A triton kernel's launch, `kernel[grid](*args)`, done in torch by `run(*args)`."""
+
+    def __init__(self, run: Callable[..., None]) -> None:
+        self.run = run
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return self.run
+
+
+def extend_slots(naive: Callable[..., None]) -> Callable[..., None]:
+    """`alloc_extend_kernel`'s launch through SGLang's `alloc_extend_naive`: the slots
+    of each request's extend written to `out_indices`; nothing written when the free
+    pages are short (`alloc_extend` then returns None without reading them)."""
+
+    def run(prefix_lens: Any, seq_lens: Any, last_loc: Any, free_pages: Any,
+            out_indices: Any, bs_upper: int, page_size: int) -> None:
+        new = (seq_lens + page_size - 1) // page_size - (prefix_lens + page_size - 1) \
+            // page_size
+        if int(new.sum()) <= len(free_pages):
+            naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
+                  out_indices.device)
+    return run
+
+
+def decode_slots(torch: Any) -> Callable[..., None]:
+    """`alloc_decode_kernel`'s launch: a request whose new token (its last, at
+    seq_len - 1) starts a page takes the next free page's first slot, in batch order;
+    the others the slot after their last (`last_loc + 1`). Nothing written when the
+    free pages are short (`alloc_decode` then returns None)."""
+
+    def run(seq_lens: Any, last_loc: Any, free_pages: Any, out_indices: Any,
+            bs_upper: int, page_size: int) -> None:
+        starts = ((seq_lens - 1) % page_size == 0).to(torch.int64)
+        taken = int(starts.sum())
+        if taken > len(free_pages):
+            return
+        out = last_loc.to(torch.int64) + 1
+        if taken:
+            first = torch.cumsum(starts, 0) - starts
+            pages = free_pages[first.clamp(max=len(free_pages) - 1)] * page_size
+            out = torch.where(starts.bool(), pages, out)
+        out_indices.copy_(out)
+    return run
+
+
+def install_torch_kernels(paged: Any, torch: Any) -> None:
+    """Replace the two triton launches of SGLang's `allocator.paged` module (its
+    `alloc_extend_kernel` and `alloc_decode_kernel` names) by their torch runs; once
+    per process (the module is shared), idempotent."""
+    if not isinstance(paged.alloc_extend_kernel, TorchLaunch):
+        paged.alloc_extend_kernel = TorchLaunch(extend_slots(paged.alloc_extend_naive))
+    if not isinstance(paged.alloc_decode_kernel, TorchLaunch):
+        paged.alloc_decode_kernel = TorchLaunch(decode_slots(torch))
+
+
+class LegacyScheduled(SglangScheduled):
+    """`SglangScheduled` over RadixCache on a release with SGLang's scheduler code but no
+    `checkpoint_kv_cache` (0.5.18 to 0.5.21): the Req and result-processor hooks as the
+    module docstring says."""
+
+    def _kv_pools(self) -> tuple[Any, Any, Any]:
+        """0.5.22's pools, their allocator's triton launches run in torch."""
+        install_torch_kernels(importlib.import_module(self.n.PagedAllocator.__module__),
+                              self.n.torch)
+        return super()._kv_pools()
+
+    def _prefix_len(self, req: Any) -> int:
+        return len(req.prefix_indices)
+
+    def _extend_end(self, req: Any) -> int:
+        return int(req.extend_range.end)
+
+    def _unschedule(self, req: Any) -> None:
+        prefix = len(req.prefix_indices)
+        req.set_extend_range(prefix, prefix)
+
+    def _row_index(self, req: Any) -> int:
+        return int(req.req_pool_idx)
+
+    def _committed_len(self, req: Any) -> int:
+        return int(req.kv_committed_len)
+
+    def _protected_len(self, req: Any) -> int:
+        return int(req.cache_protected_len)
+
+    def _checkpoint(self, req: Any, last: bool) -> None:
+        """`maybe_cache_unfinished_req`: chunked after a middle chunk, as the scheduler
+        stashes one."""
+        self.n.common.maybe_cache_unfinished_req(req, self.tree, chunked=not last)
+
+    def _release(self, req: Any, checkpoint: bool) -> None:
+        self.n.common.release_kv_cache(req, self.tree, is_insert=checkpoint)
+
+    def _free_pages(self) -> Any:
+        """The allocator's free and released pages (no census method before 0.5.22)."""
+        return self.n.torch.cat((self.full.free_pages, self.full.release_pages))
+
+    def _retraction_args(self) -> dict[str, Any]:
+        """`release_req` reads the published ServerArgs (its disaggregation mode)."""
+        return {"server_args": self.n.server_args}
+
+    def engine_callables(self) -> dict[str, tuple[object, str]]:
+        """Every SGLang function the adapter calls."""
+        out = super().engine_callables()
+        for gone in ("match_kv_cache", "checkpoint_kv_cache", "checkpoint",
+                     "LoRA names .register"):
+            del out[gone]
+        out.update({
+            "maybe_cache_unfinished_req": (self.n.common, "maybe_cache_unfinished_req"),
+            "cache_unfinished_req": (self.tree, "cache_unfinished_req"),
+            "cache_finished_req": (self.tree, "cache_finished_req")})
+        return out
+
+    def engine_calls(self) -> dict[str, tuple[str, ...]]:
+        """The SGLang functions each op kind calls."""
+        out = super().engine_calls()
+        out["admit"] = (*(x for x in out["admit"] if x != "match_kv_cache"), "match_prefix")
+        out["commit"] = ("maybe_cache_unfinished_req", "cache_unfinished_req")
+        out["free"] = ("release_kv_cache", "cache_finished_req")
+        return out
