@@ -368,6 +368,8 @@ class SglangCache(SglangTree):
         self.record = record
         self.alloc = self._build_allocator()
         self.tree = self._build_tree()
+        if record:  # the tree's reset in its __init__ publishes AllBlocksCleared (0.5.10):
+            self.tree.take_events()  # no op's
         self._contract = self._make_contract(version)
         self._seqs: dict[Hashable, TreeSeq] = {}
         self._preempted: list[Hashable] = []  # retracted since take_preempted

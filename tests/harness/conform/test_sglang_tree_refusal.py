@@ -1,7 +1,9 @@
-"""SGLang 0.5.10's `RadixCache` refusing a chunked admission after an eviction, judged
-on the cached install (skipped where it is not cached, as the engine smoke is): its
-first chunk counts from its match's end and its lock takes the matched page from the
-evictable ones (`PrefillAdder.add_one_req`), so a match needs more than none does."""
+"""SGLang 0.5.10's `RadixCache` refusing, judged on the cached install (skipped where it
+is not cached, as the engine smoke is): a chunked admission after an eviction, whose
+first chunk counts from its match's end and whose lock takes the matched page from the
+evictable ones (`PrefillAdder.add_one_req`), so a match needs more than none does; and a
+first admission, which the tree's construction-time `AllBlocksCleared` must not make
+look as if it changed the cache."""
 
 from __future__ import annotations
 
@@ -33,3 +35,16 @@ def test_a_chunked_admission_refused_for_its_matched_page_is_fair(tmp_path: Path
         found = [v for r in reports for v in judge.observe(r)]
     assert reports[-1].status == "refused", reports[-1]
     assert found == [], found
+
+
+def test_a_refused_first_admission_publishes_nothing(tmp_path: Path) -> None:
+    """The tree's reset in its constructor publishes `AllBlocksCleared`; the adapter takes
+    it at open, so a refused first op has published nothing (it had been judged as a
+    refusal that changed the cache)."""
+    with open_cached(find_lock("sglang", "0.5.10"), tmp_path) as target:
+        judge = Judge(target.open(2, 4), 2)
+        reports = target.apply_all([ops.admit("a", list(range(1, 20))),
+                                    ops.admit("b", [1, 2, 3])])
+        found = [v for r in reports for v in judge.observe(r)]
+    assert [r.status for r in reports] == ["refused", "done"]
+    assert reports[0].events == () and found == [], found
