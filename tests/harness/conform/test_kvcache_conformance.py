@@ -15,7 +15,7 @@ from harness.conform.controller.checks import CHECKS
 from harness.conform.controller.families import B
 from harness.conform.controller.runner import conform
 from harness.conform.controller.targets import LocalTarget, replay
-from harness.conform.protocol import Scope
+from harness.conform.protocol import CacheOptions, Scope
 
 
 def test_kvcache_passes_every_check_and_the_fuzz(tmp_path: Path) -> None:
@@ -102,3 +102,18 @@ def test_a_copy_source_that_would_take_the_last_block_is_claimed_instead() -> No
                # and 3 to be had only by taking block 1 itself
                ops.admit("s22", [*s16[:9], 25, 2, 10, 1, 6, 12])]
     assert replay(LocalTarget(kvcache.load()), op_list, 12, B) == []
+
+
+def test_an_append_that_offloads_applies_the_offload_before_its_pass() -> None:
+    """Fuzz seed 176 of 300 (a host tier): s7's append evicts s6's block 0 to host slot
+    0, and s7 then writes block 0. The adapter applied the queued offload only at the
+    next admission, after that write, so the host slot held s7's KV and s17's partial
+    onboard from it read KV not its own (a provenance finding against the adapter)."""
+    s7 = [5, 4, 6, 7, 8, 9, 10, 8, 11, 12, 13, 14, 15, 16, 17, 18]
+    op_list = [ops.admit("s6", [1, 2, 3, 4]), ops.commit("s6", 4),
+               ops.admit("s7", s7), ops.free("s6"),
+               ops.append("s7", [13, 5]),  # a fifth block: s6's, offloaded
+               ops.commit("s7", 18), ops.free("s7"),
+               ops.admit("s17", [1, 2])]  # 1 token onboarded from host slot 0
+    options = CacheOptions(host_blocks=24, state_interval=1)
+    assert replay(LocalTarget(kvcache.load()), op_list, 5, B, options) == []
