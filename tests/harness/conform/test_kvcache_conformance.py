@@ -155,3 +155,24 @@ def test_an_append_that_offloads_applies_the_offload_before_its_pass() -> None:
                ops.admit("s17", [1, 2])]  # 1 token onboarded from host slot 0
     options = CacheOptions(host_blocks=24, state_interval=1)
     assert replay(LocalTarget(kvcache.load()), op_list, 5, B, options) == []
+
+
+
+def test_of_two_equal_copy_sources_the_oracle_copies_the_cache_s() -> None:
+    """Fuzz seed 127 of 300 once a copy source's release ticked: s14 shares 2 tokens with
+    s9's [6, 38, 31, 34] and s1's [6, 38, 24, 23], both followed. The cache copies from
+    the first cached, s9's, which so outlives s1's when s17 evicts, and s20 claims 2
+    tokens of it; the count oracle copied from the most recently cached, s1's, and
+    predicted 3."""
+    op_list = [ops.admit("s1", [6, 38, 24, 23, 33, 8]),
+               ops.admit("s9", [6, 38, 31, 34, 19]), ops.commit("s9", 5), ops.free("s9"),
+               ops.commit("s1", 6), ops.free("s1"),
+               ops.admit("s11", [6, 38, 24, 23, 2, 31, 21, 37, 20], SALT),
+               ops.admit("s12", [17]),
+               ops.admit("s14", [6, 38, 17, 25, 26]),
+               ops.admit("s15", [38, 37, 7, 2, 2, 28, 7, 25, 17, 16, 15, 20]),
+               ops.admit("s16", [38, 37, 10, 32, 34, 16, 3, 7, 7]),
+               ops.append("s15", [5]),
+               ops.admit("s17", [1, 27, 33, 4, 4]),
+               ops.admit("s20", [6, 38, 24, 23])]
+    assert replay(LocalTarget(kvcache.load()), op_list, 16, B) == []

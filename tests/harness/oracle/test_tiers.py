@@ -185,3 +185,27 @@ def test_a_copy_source_is_released_after_the_frees_before_it() -> None:
     cached = {tokens for _, tokens in oracle.cached_blocks()}
     assert cached == {(1, 2), (1, 2, 3, 4)}
     assert oracle.probe((1, 2, 3, 4, 0)) == 4 and oracle.probe((7, 8, 0)) == 0
+
+
+def test_of_equal_copy_sources_the_first_cached_is_copied_and_kept() -> None:
+    """As the cache (docs/design.md "Choosing the partial block"): of equal copy sources
+    the first cached is copied, and so touched. B=2, 6 blocks: a caches [5,6] + tail
+    [7], b (copying [5] from [5,6]) [5,8] + tail [9]; r shares [5] with both and copies
+    it from a's [5,6]; s then evicts 3 blocks, the two tails and b's [5,8]. The oracle
+    used to copy from the most recently cached, b's, and so kept that one instead
+    (conformance fuzz seed 127 of 300)."""
+    cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=6, enable_block_reuse=True)
+    mgr = KvCacheManager(cfg, record_events=True)
+    for seq_id, prompt in [("a", [5, 6, 7]), ("b", [5, 8, 9])]:
+        mgr.add_sequence(seq_id, prompt)
+        mgr.take_copy_ops()
+        mgr.commit(seq_id, len(prompt))
+        mgr.free_sequence(seq_id)
+    r = mgr.add_sequence("r", [5, 0, 0])
+    assert r.num_cached_tokens == 1 and len(mgr.take_copy_ops()) == 1
+    mgr.add_sequence("s", [20, 21, 22, 23, 24, 25])
+    oracle = ReuseOracle(OracleConfig.from_cache_config(cfg, bounded=True))
+    prediction = oracle.replay(mgr.state.events or ())
+    assert prediction.requests["r"].partial_action == "copy"
+    assert {tokens for _, tokens in oracle.cached_blocks()} == {(5, 6)}
+    assert [mgr.probe_reuse(p) for p in ([5, 6, 0], [5, 8, 0])] == [2, 1]
