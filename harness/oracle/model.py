@@ -200,7 +200,10 @@ class ReuseOracle:
         if not self.cfg.enable_partial_reuse or remaining == 0:
             return _Match(tuple(hits), 0, None, False)
         wanted = prompt[start : start + min(remaining, B)]
-        # (shared, claimable, -tokens a claim takes out of the cache, stamp): max wins
+        # (shared, claimable, -tokens a claim takes out of the cache, the stamp of a
+        # claim, less that of a copy): max wins, so of equal claims the most recently
+        # cached, of equal copy sources the first cached (its admission touches it,
+        # which a bounded pool's eviction order sees; docs/design.md)
         best: tuple[int, bool, int, int] | None = None
         source: FullKey | PartialKey | None = None
         for cand in self._children.get((scope, prompt[:start]), ()):
@@ -209,7 +212,9 @@ class ReuseOracle:
             if not (claimable or self.cfg.copy_on_partial_reuse):
                 continue
             shared = _common_prefix(block, wanted)
-            rank = (shared, claimable, -len(block) if claimable else 0, self._cached[cand])
+            stamp = self._cached[cand]
+            rank = (shared, claimable, -len(block) if claimable else 0,
+                    stamp if claimable else -stamp)
             if shared >= 1 and (best is None or rank > best):
                 best, source = rank, cand
         if best is None:

@@ -24,7 +24,8 @@ for a full block, (scope, prefix, tail) for a partial leaf.
   deepest first, then the source becomes the sequence's block.
 - An admission holds its device hits and pins its host hits, allocates its new blocks
   and one per host hit (the onboards), then moves the host hits to the device. A copy
-  source counts as held by the admission and released at once.
+  source counts as held by the admission and released at once, after every block
+  released before (the clock advances first).
 - A commit of a block cached on the host moves it to the device (the sequence's copy).
 
 Exact for the cache, with any mix of priorities, when partial reuse is off and the host
@@ -61,7 +62,7 @@ class Tiers:
         self.pinned: set[Key] = set()
         self._arriving: set[Key] = set()  # offloaded by the allocation under way
         self.private = 0  # device blocks of live sequences outside the tree
-        self.clock = 0  # advanced once per free, as the cache's
+        self.clock = 0  # advanced once per free and per copy, as the cache's
         self.evicted = self.offloaded = self.onboarded = self.dropped = 0
         # blocks handed out other than reuse hits (onboards excluded), those of them that
         # came from the free list, those allocated for appended tokens
@@ -198,7 +199,9 @@ class Tiers:
         return True
 
     def _touch(self, tier: dict[Key, Rank], key: Key, priority: int) -> None:
-        """`key` held by an admission of `priority` and released at once (a copy source)."""
+        """`key` held by an admission of `priority` and released at once (a copy source):
+        a release after every earlier one, so the clock advances first."""
+        self.clock += 1
         old, time = tier[key]
         tier[key] = (max(old, priority), time) if self._held(key) else (priority, self.clock)
 

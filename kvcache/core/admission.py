@@ -241,7 +241,10 @@ def _copy_partial(state: CacheState, seq_id: Hashable, hit: PartialHit, source: 
                   target: int) -> int:
     """Queue the copy of the partial hit's tokens from the held `source` into the new
     sequence's block `target`, and let go of the source. Returns how many blocks that
-    onboards: 1 from a host block (which is pinned, not held), else 0."""
+    onboards: 1 from a host block (which is pinned, not held), else 0. The source is
+    released a tick after the last free: it was used after every block released so far,
+    so least recently released goes by that, not by the heap's push order."""
+    state.pool.tick()
     if source.host:  # the KV is in a host slot: onboarded, and the pin dropped
         host = state.host
         assert host is not None

@@ -6,8 +6,9 @@ commit, priority LRU eviction (after which, as for every engine, the count oracl
 predictions are upper bounds: with partial reuse on its bounded model is no bound, since
 an admission may claim its copy source under pressure), no explicit eviction. The manager records its own event log (`record_events=True`), so the adapter
 only relabels each admission's scope with the contract's key; the copies an admission
-queues (partial hits) are applied at once, as an engine applies them before its next
-forward pass.
+queues (partial hits), and the offloads an admission's or an append's evictions queue
+(a host tier), are applied at once, as an engine applies them before its next forward
+pass.
 
 kvcache is loaded inside `KvcacheCache.__init__` (the harness imports it at run time only
 there, docs/architecture.md).
@@ -152,7 +153,7 @@ class KvcacheCache:
     def engine_calls(self) -> dict[str, tuple[str, ...]]:
         """The kvcache functions each op kind calls."""
         return {"admit": ("add_sequence", "take_copy_ops"), "reserve": ("reserve",),
-                "commit": ("commit",), "append": ("append_tokens",),
+                "commit": ("commit",), "append": ("append_tokens", "take_copy_ops"),
                 "free": ("free_sequence",), "preempt": ("free_sequence",), "evict": ()}
 
     def raw_probe(self) -> dict[str, Any]:
@@ -194,12 +195,15 @@ class KvcacheCache:
         self.manager.commit(seq_id, num_tokens)
 
     def append(self, seq_id: Hashable, tokens: Sequence[int]) -> tuple[int | None, ...] | None:
-        """`append_tokens`; the block ids it added."""
+        """`append_tokens`; the block ids it added. The offloads its evictions queue (a
+        host tier) are applied at once, as for an admission: before the forward pass
+        that writes the blocks they empty."""
         before = len(self._seq(seq_id, "append_tokens").block_ids)
         try:
             self.manager.append_tokens(seq_id, tokens)
         except self._kvcache.OutOfBlocksError:
             return None
+        self.manager.take_copy_ops()
         return tuple(self._seq(seq_id, "append_tokens").block_ids[before:])
 
     def free(self, seq_id: Hashable) -> None:

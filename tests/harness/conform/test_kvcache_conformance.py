@@ -15,7 +15,7 @@ from harness.conform.controller.checks import CHECKS
 from harness.conform.controller.families import B
 from harness.conform.controller.runner import conform
 from harness.conform.controller.targets import LocalTarget, replay
-from harness.conform.protocol import Scope
+from harness.conform.protocol import CacheOptions, Scope
 
 
 def test_kvcache_passes_every_check_and_the_fuzz(tmp_path: Path) -> None:
@@ -102,3 +102,77 @@ def test_a_copy_source_that_would_take_the_last_block_is_claimed_instead() -> No
                # and 3 to be had only by taking block 1 itself
                ops.admit("s22", [*s16[:9], 25, 2, 10, 1, 6, 12])]
     assert replay(LocalTarget(kvcache.load()), op_list, 12, B) == []
+
+
+SALT = Scope(salt="00000000000000000000000000000001")
+
+
+def test_a_copy_source_is_evicted_after_the_blocks_freed_before_its_admission() -> None:
+    """Fuzz seed 228 of 300: s16 copies from [26, 37, 39, 27] after s14's free, so s14's
+    salted blocks were released before it and go first when s21 evicts; s23 then reuses
+    8 tokens. kvcache released the copy source at s14's tick and the heap's push order
+    evicted it after a salted block (s23 reused 9); the count oracle, at the same tick,
+    broke the tie by depth."""
+    s6 = [27, 20, 24, 39, 26, 37, 39, 27, 24, 19, 39, 21]
+    s14 = [5, 39, 22, 17, 38, 27, 16, 26, 22, 29, 18, 22, 5, 14]
+    op_list = [ops.admit("s6", s6), ops.commit("s6", 12), ops.free("s6"),
+               ops.admit("s14", s14, SALT), ops.commit("s14", 14), ops.free("s14"),
+               ops.admit("s16", s6[:6]),  # [27, 20, 24, 39] and 2 tokens copied
+               ops.admit("s19", [27, 20, 24, 12, 5, 34, 13, 7, 18, 30, 31, 27, 36]),
+               ops.admit("s20", [*s14[:8], 26, 28, 29, 22, 11]),
+               ops.admit("s21", [37, 15, 15, 30, 37, 39, 30, 30, 38]),  # evicts 3
+               ops.admit("s23", s14[:10], SALT)]
+    assert replay(LocalTarget(kvcache.load()), op_list, 16, B) == []
+
+
+def test_an_eviction_tie_after_a_copy_goes_to_the_older_release() -> None:
+    """Fuzz seed 127 of 300: s14 copies 2 tokens from [6, 38, 24, 23] after s12's free;
+    s17's eviction then takes [33, 8] and s12's [17], keeping the copy source, and s20
+    reuses 3 tokens of it (the count oracle had evicted it, the deeper of two blocks
+    released at one tick)."""
+    op_list = [ops.admit("s1", [6, 38, 24, 23, 33, 8]), ops.commit("s1", 6), ops.free("s1"),
+               ops.admit("s12", [17]), ops.commit("s12", 1), ops.preempt("s12"),
+               ops.admit("s11", [6, 38, 24, 23, 2, 31, 21, 37, 20], SALT),
+               ops.admit("s14", [6, 38, 17, 25, 26]),
+               ops.admit("s15", [38, 37, 7, 2, 2, 28, 7, 25, 17, 16, 15, 20]),
+               ops.admit("s16", [38, 37, 10, 32, 34, 16, 3, 7, 7]),
+               ops.append("s15", [5]),
+               ops.admit("s17", [1, 27, 33, 4, 4]),
+               ops.admit("s20", [6, 38, 24, 23])]
+    assert replay(LocalTarget(kvcache.load()), op_list, 15, B) == []
+
+
+def test_an_append_that_offloads_applies_the_offload_before_its_pass() -> None:
+    """Fuzz seed 176 of 300 (a host tier): s7's append evicts s6's block 0 to host slot
+    0, and s7 then writes block 0. The adapter applied the queued offload only at the
+    next admission, after that write, so the host slot held s7's KV and s17's partial
+    onboard from it read KV not its own (a provenance finding against the adapter)."""
+    s7 = [5, 4, 6, 7, 8, 9, 10, 8, 11, 12, 13, 14, 15, 16, 17, 18]
+    op_list = [ops.admit("s6", [1, 2, 3, 4]), ops.commit("s6", 4),
+               ops.admit("s7", s7), ops.free("s6"),
+               ops.append("s7", [13, 5]),  # a fifth block: s6's, offloaded
+               ops.commit("s7", 18), ops.free("s7"),
+               ops.admit("s17", [1, 2])]  # 1 token onboarded from host slot 0
+    options = CacheOptions(host_blocks=24, state_interval=1)
+    assert replay(LocalTarget(kvcache.load()), op_list, 5, B, options) == []
+
+
+
+def test_of_two_equal_copy_sources_the_oracle_copies_the_cache_s() -> None:
+    """Fuzz seed 127 of 300 once a copy source's release ticked: s14 shares 2 tokens with
+    s9's [6, 38, 31, 34] and s1's [6, 38, 24, 23], both followed. The cache copies from
+    the first cached, s9's, which so outlives s1's when s17 evicts, and s20 claims 2
+    tokens of it; the count oracle copied from the most recently cached, s1's, and
+    predicted 3."""
+    op_list = [ops.admit("s1", [6, 38, 24, 23, 33, 8]),
+               ops.admit("s9", [6, 38, 31, 34, 19]), ops.commit("s9", 5), ops.free("s9"),
+               ops.commit("s1", 6), ops.free("s1"),
+               ops.admit("s11", [6, 38, 24, 23, 2, 31, 21, 37, 20], SALT),
+               ops.admit("s12", [17]),
+               ops.admit("s14", [6, 38, 17, 25, 26]),
+               ops.admit("s15", [38, 37, 7, 2, 2, 28, 7, 25, 17, 16, 15, 20]),
+               ops.admit("s16", [38, 37, 10, 32, 34, 16, 3, 7, 7]),
+               ops.append("s15", [5]),
+               ops.admit("s17", [1, 27, 33, 4, 4]),
+               ops.admit("s20", [6, 38, 24, 23])]
+    assert replay(LocalTarget(kvcache.load()), op_list, 16, B) == []

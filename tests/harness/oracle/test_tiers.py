@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.oracle import OracleConfig, ReuseOracle
+from harness.oracle import Event, OracleConfig, ReuseOracle
 from kvcache import KvCacheConfig, KvCacheManager, OutOfBlocksError, ReuseScope
 from tests.unit.support import tree_blocks
 
@@ -164,3 +164,48 @@ def test_a_bounded_oracle_needs_good_pool_sizes(config: dict[str, int], match: s
         OracleConfig.from_cache_config(config, "cfg", bounded=True)
     with pytest.raises(ValueError, match="host_cache_blocks needs max_num_blocks"):
         OracleConfig(tokens_per_block=2, host_cache_blocks=4)
+
+
+def test_a_copy_source_is_released_after_the_frees_before_it() -> None:
+    """The oracle alone (the cache's rule, docs/design.md "Eviction"): a copy source is
+    released a tick after the last free. B=2, 7 blocks: p caches [1,2] [3,4] [5,6], q
+    [7,8] + tail [9]; r copies 1 token from [3,4] and holds [1,2]; s then evicts 3 blocks:
+    [5,6], q's tail and q's [7,8] (released before r's admission), not [3,4]. At the
+    tick of q's free the copy source tied with q's blocks and went before [7,8], the
+    deeper block first (conformance fuzz seeds 127 and 228, 300 seeds)."""
+    oracle = ReuseOracle(OracleConfig(2, max_num_blocks=7))
+    for i, prompt in enumerate([(1, 2, 3, 4, 5, 6), (7, 8, 9)]):
+        oracle.apply(Event("admit", i, prompt, 0))
+        oracle.apply(Event("commit", i, (), len(prompt)))
+        oracle.apply(Event("free", i))
+    r = oracle.apply(Event("admit", "r", (1, 2, 3, 9, 9), 0))
+    assert r is not None and (r.reused_tokens, r.partial_action) == (3, "copy")
+    s = oracle.apply(Event("admit", "s", (20, 21, 22, 23, 24, 25), 0))
+    assert s is not None and oracle.prediction().totals.as_dict()["evictedBlocks"] == 3
+    cached = {tokens for _, tokens in oracle.cached_blocks()}
+    assert cached == {(1, 2), (1, 2, 3, 4)}
+    assert oracle.probe((1, 2, 3, 4, 0)) == 4 and oracle.probe((7, 8, 0)) == 0
+
+
+def test_of_equal_copy_sources_the_first_cached_is_copied_and_kept() -> None:
+    """As the cache (docs/design.md "Choosing the partial block"): of equal copy sources
+    the first cached is copied, and so touched. B=2, 6 blocks: a caches [5,6] + tail
+    [7], b (copying [5] from [5,6]) [5,8] + tail [9]; r shares [5] with both and copies
+    it from a's [5,6]; s then evicts 3 blocks, the two tails and b's [5,8]. The oracle
+    used to copy from the most recently cached, b's, and so kept that one instead
+    (conformance fuzz seed 127 of 300)."""
+    cfg = KvCacheConfig(tokens_per_block=2, max_num_blocks=6, enable_block_reuse=True)
+    mgr = KvCacheManager(cfg, record_events=True)
+    for seq_id, prompt in [("a", [5, 6, 7]), ("b", [5, 8, 9])]:
+        mgr.add_sequence(seq_id, prompt)
+        mgr.take_copy_ops()
+        mgr.commit(seq_id, len(prompt))
+        mgr.free_sequence(seq_id)
+    r = mgr.add_sequence("r", [5, 0, 0])
+    assert r.num_cached_tokens == 1 and len(mgr.take_copy_ops()) == 1
+    mgr.add_sequence("s", [20, 21, 22, 23, 24, 25])
+    oracle = ReuseOracle(OracleConfig.from_cache_config(cfg, bounded=True))
+    prediction = oracle.replay(mgr.state.events or ())
+    assert prediction.requests["r"].partial_action == "copy"
+    assert {tokens for _, tokens in oracle.cached_blocks()} == {(5, 6)}
+    assert [mgr.probe_reuse(p) for p in ([5, 6, 0], [5, 8, 0])] == [2, 1]

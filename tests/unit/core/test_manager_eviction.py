@@ -133,6 +133,28 @@ def test_a_copy_source_with_a_child_node_is_claimed_too(make_manager) -> None:
     mgr.free_sequence("b")
 
 
+def test_a_copy_source_is_released_after_the_last_free(make_manager) -> None:
+    """A copy source is used by its admission, after every free before it: least recently
+    released, the blocks that free let go of are evicted before it. 2 tokens a block, 7
+    blocks: p caches [1,2] [3,4] [5,6] (freed first), q [7,8] + tail [9]; r copies
+    [3] from [3,4] (which [5,6] follows) and holds [1,2]. s then needs 3 blocks: [5,6],
+    q's tail and q's [7,8], not the copy source (once released at q's tick, it went
+    second to last by the heap's push order: fuzz seeds 127 and 228 of the conformance
+    run, 300 seeds)."""
+    mgr = make_manager(2, 7, checked=True)
+    cached(mgr, "p", [1, 2, 3, 4, 5, 6])
+    cached(mgr, "q", [7, 8, 9])
+    r = mgr.add_sequence("r", [1, 2, 3, 9, 9])
+    assert r.num_cached_tokens == 3 and len(mgr.take_copy_ops()) == 1
+    assert mgr.stats().free_num_blocks == 4  # none free; [3,4] [5,6] [7,8] [9] evictable
+    mgr.add_sequence("s", [20, 21, 22, 23, 24, 25])
+    assert mgr.stats().evicted_blocks == 3
+    assert mgr.probe_reuse([1, 2, 3, 4, 0]) == 4
+    assert mgr.probe_reuse([7, 8, 0]) == 0
+    mgr.free_sequence("r")
+    mgr.free_sequence("s")
+
+
 def test_a_deduplicated_commit_releases_its_duplicate(make_manager) -> None:
     """2 tokens a block, 3 blocks, partial reuse off. X and Y both compute [1, 1]; X
     commits first. Y's commit switches Y to X's cached block and gives its own back: 2
