@@ -17,6 +17,7 @@ from harness.conform.controller.locks import find_lock
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
 from tests.harness.conform.cached_engines import open_cached
+from tests.harness.conform.window_ops import short_window_pool_ops
 
 B = 4
 LOCK = find_lock("sglang", "0.5.10")
@@ -105,20 +106,8 @@ def test_a_swa_radix_cache_frees_window_kv_and_still_reuses(target: Target) -> N
     tombstone. B extending A still reuses all 44 (12 tokens of window KV after the
     tombstone cover the window), D sharing its first 16 reuses 16; every oracle and the
     window pool's accounting hold."""
-    contract = target.open(16, B, CacheOptions(window=8))
-    assert (contract.window, contract.window_layout) == (8, "window-pool")
-    assert not contract.events  # 0.5.10's SWARadixCache publishes none
-    judge = Judge(contract, 16)
-    a, out = list(range(100, 124)), [900 + i for i in range(20)]
-    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8),
-               ops.reserve("A", 16), ops.commit("A", 16),
-               ops.reserve("A", 24), ops.commit("A", 24)]
-    for i, t in enumerate(out):
-        op_list += [ops.append("A", [t]), ops.commit("A", 25 + i)]
-    op_list += [ops.free("A"), ops.admit("B", [*a, *out, 1]), ops.free("B"),
-                ops.admit("D", [*a[:16], *range(700, 708)]), ops.free("D")]
-    reports = target.apply_all(op_list)
-    found = [v for r in reports for v in judge.observe(r)]
+    judge, reports, found = _decode_run(target, 16, 20)
+    assert not judge.contract.events  # 0.5.10's SWARadixCache publishes none
     assert found == [], found
     assert all(r.integrity == () for r in reports)
     before, after = (reports[6 + 2 * step + 1].stats.engine for step in (16, 17))
@@ -172,13 +161,7 @@ def test_a_short_window_pool_tombstones_below_the_window_and_shortens_a_match(
     contract = target.open(32, B, CacheOptions(window=8, window_pool=8))
     assert contract.window_pool == 8 and "window_pool" in contract.options
     judge = Judge(contract, 32)
-    a = list(range(100, 132))
-    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8)]
-    for end in (16, 24, 32):
-        op_list += [ops.reserve("A", end), ops.commit("A", end)]
-    op_list += [ops.append("A", [900]), ops.commit("A", 33), ops.free("A"),
-                ops.admit("B", [*a[:12], *range(700, 712)]), ops.free("B")]
-    reports = target.apply_all(op_list)
+    reports = target.apply_all(short_window_pool_ops())
     found = [v for r in reports for v in judge.observe(r)]
     assert found == [], found
     assert all(r.integrity == () for r in reports)

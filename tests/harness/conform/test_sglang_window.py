@@ -22,6 +22,7 @@ from harness.conform.controller.remote import WorkerError
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
 from tests.harness.conform.cached_engines import open_cached
+from tests.harness.conform.window_ops import short_window_pool_ops
 
 B = 4
 LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
@@ -120,13 +121,7 @@ def test_a_short_window_pool_tombstones_below_the_window_and_shortens_a_match(
     contract = target.open(32, B, CacheOptions(window=8, window_pool=8))
     assert contract.window_pool == 8
     judge = Judge(contract, 32)
-    a = list(range(100, 132))
-    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8)]
-    for end in (16, 24, 32):
-        op_list += [ops.reserve("A", end), ops.commit("A", end)]
-    op_list += [ops.append("A", [900]), ops.commit("A", 33), ops.free("A"),
-                ops.admit("B", [*a[:12], *range(700, 712)]), ops.free("B")]
-    reports = target.apply_all(op_list)
+    reports = target.apply_all(short_window_pool_ops())
     found = [v for r in reports for v in judge.observe(r)]
     assert found == [], found
     assert all(r.integrity == () for r in reports)
