@@ -17,7 +17,7 @@ from harness.conform.controller.locks import find_lock
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
 from tests.harness.conform.cached_engines import open_cached
-from tests.harness.conform.window_ops import short_window_pool_ops
+from tests.harness.conform.window_ops import decode_run_ops, short_window_pool_ops
 
 B = 4
 LOCK = find_lock("sglang", "0.5.10")
@@ -84,15 +84,7 @@ def _decode_run(target: Target, num_blocks: int, decoded: int) -> tuple[Judge, l
     contract = target.open(num_blocks, B, CacheOptions(window=8))
     assert (contract.window, contract.window_layout) == (8, "window-pool")
     judge = Judge(contract, num_blocks)
-    a, out = list(range(100, 124)), [900 + i for i in range(decoded)]
-    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8),
-               ops.reserve("A", 16), ops.commit("A", 16),
-               ops.reserve("A", 24), ops.commit("A", 24)]
-    for i, t in enumerate(out):
-        op_list += [ops.append("A", [t]), ops.commit("A", 25 + i)]
-    op_list += [ops.free("A"), ops.admit("B", [*a, *out, 1]), ops.free("B"),
-                ops.admit("D", [*a[:16], *range(700, 708)]), ops.free("D")]
-    reports = target.apply_all(op_list)
+    reports = target.apply_all(decode_run_ops(decoded))
     return judge, reports, [v for r in reports for v in judge.observe(r)]
 
 

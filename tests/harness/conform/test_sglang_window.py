@@ -22,7 +22,7 @@ from harness.conform.controller.remote import WorkerError
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
 from tests.harness.conform.cached_engines import open_cached
-from tests.harness.conform.window_ops import short_window_pool_ops
+from tests.harness.conform.window_ops import decode_run_ops, short_window_pool_ops
 
 B = 4
 LOCK = next(lock for lock in pinned() if lock.engine == "sglang_unified")
@@ -90,14 +90,7 @@ def test_a_window_cache_keeps_what_the_tree_holds_and_reuses_it(target: Target) 
     contract = target.open(16, B, CacheOptions(window=8))
     assert (contract.window, contract.window_layout) == (8, "window-pool")
     judge = Judge(contract, 16)
-    a, out = list(range(100, 124)), [900, 901, 902, 903, 904]
-    op_list = [ops.admit("A", a, first_chunk=8), ops.commit("A", 8),
-               ops.reserve("A", 16), ops.commit("A", 16),
-               ops.reserve("A", 24), ops.commit("A", 24)]
-    for i, t in enumerate(out):
-        op_list += [ops.append("A", [t]), ops.commit("A", 25 + i)]
-    op_list += [ops.free("A"), ops.admit("B", [*a, *out, 1]), ops.free("B"),
-                ops.admit("D", [*a[:16], *range(700, 708)]), ops.free("D")]
+    op_list = decode_run_ops(5)
     reports = target.apply_all(op_list)
     found = [v for r in reports for v in judge.observe(r)]
     assert found == [], found
