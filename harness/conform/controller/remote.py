@@ -85,12 +85,17 @@ def _package_links() -> Path:
 def worker_environment(python: Path, links: Path, source: Path | None) -> dict[str, str]:
     """The worker's environment: this one's, but its Python path is `links` (then
     `source`, a source tree's package root), no user site, PYTHONHASHSEED fixed
-    (`HASH_SEED`) whatever it is here, and `python`'s folder first on PATH."""
+    (`HASH_SEED`) whatever it is here, `python`'s folder first on PATH, and the C++
+    extensions torch builds at run time kept in `python`'s venv (`torch_extensions`
+    beside its bin): SGLang 0.5.19 on builds its event hash so, under one name for every
+    release (0.5.23's source differs), and two releases' workers sharing torch's default
+    folder rebuild it under each other's feet."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     path = [str(links)] + ([str(source)] if source is not None else [])
     env.update(PYTHONPATH=os.pathsep.join(path), PYTHONNOUSERSITE="1",
                PYTHONHASHSEED=HASH_SEED,
-               PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}")
+               PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}",
+               TORCH_EXTENSIONS_DIR=str(python.parent.parent / "torch_extensions"))
     return env
 
 

@@ -56,3 +56,15 @@ def test_the_worker_runs_with_a_fixed_hash_seed(here: str | None, tmp_path: Path
     env = worker_environment(Path("/venv/bin/python"), tmp_path / "links", tmp_path / "src")
     assert env["PYTHONHASHSEED"] == HASH_SEED
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "links"), str(tmp_path / "src")]
+
+
+def test_each_release_builds_its_cpp_extensions_in_its_own_venv(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang 0.5.19 on JIT-builds its event hash under one name for every release: a
+    worker's builds stay in its venv, so two releases' workers never rebuild one
+    extension under each other (whatever folder is set here)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "shared"))
+    envs = [worker_environment(Path(f"/{v}/venv/bin/python"), tmp_path, None)
+            for v in ("0.5.21", "0.5.23")]
+    assert [e["TORCH_EXTENSIONS_DIR"] for e in envs] == \
+        ["/0.5.21/venv/torch_extensions", "/0.5.23/venv/torch_extensions"]
