@@ -105,6 +105,8 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
         if tree_window and options.chunk_budget is None:  # a window is opened apart
             terms = replace(terms, options=("window", *terms.options, "window_pool"))
+        elif not tree_window and s.no_swa:  # why none opens here
+            terms = replace(terms, citations=(*terms.citations, ("options.window", s.no_swa)))
         return LegacyScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
     if options.host_blocks is not None \
             and sglang_hicache.honoured(names.hicache, tree_kind, base.version):

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.conform.adapters.sglang import SglangCache, SglangNames, TreeSeq
-from harness.conform.adapters.sglang_tree import page_problems
+from harness.conform.adapters.sglang_tree import has_module, page_problems
 from harness.conform.adapters.sglang_window import window_pool_tokens
 from harness.conform.protocol import Contract, Stats
 from harness.conform.stubs import StubFinder
@@ -197,20 +197,15 @@ def window_freed(rule: str, swa_evicted: int, locked: int, pre_len: int, window:
     return start, max(start, pre_len - kept) // page * page
 
 
-def _has_module(name: str) -> bool:
-    """Whether module `name` exists (its parent a module, not a package: no)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def swa_names() -> tuple[SwaNames | None, str]:
     """This release's SWARadixCache and SWA pools, or None and why they cannot be opened
     here (no such module; a token-granular window allocator; an import the lock stubs)."""
     if importlib.util.find_spec(TREE_MODULE) is None:
-        return None, "no mem_cache/swa_radix_cache.py in this release"
-    if not any(_has_module(m) for m in PAGED_SWA_ALLOCATORS):
+        unified = importlib.util.find_spec("sglang.srt.mem_cache.unified_cache") is not None
+        return None, ("no mem_cache/swa_radix_cache.py in this release" + (
+            ": a window is UnifiedRadixCache's SWA component (the `sglang_unified` "
+            "engine)" if unified else ""))
+    if not any(has_module(m) for m in PAGED_SWA_ALLOCATORS):
         # read before importing: 0.5.5's tree import reaches what its RadixCache uses
         return None, TOKEN_GRANULAR
     pools = importlib.util.find_spec(POOL_MODULE)
@@ -483,7 +478,10 @@ class SwaCache(SglangCache):
             - int(self.tree.full_evictable_size()) // P
 
     def _pool_pages(self, allocator: Any) -> list[int]:
-        """A paged allocator's free pages, with repeats (read, not merged)."""
+        """A paged allocator's free pages, with repeats (read, not merged): its own census
+        from 0.5.20 (staged pages in place of released ones), its two lists before."""
+        if hasattr(allocator, "get_all_free_pages"):
+            return [int(p) for p in allocator.get_all_free_pages().tolist()]
         return [int(p) for p in allocator.free_pages.tolist()] + \
             [int(p) for p in allocator.release_pages.tolist()]
 

@@ -3,16 +3,26 @@ and `sglang_scheduler.SglangScheduled`, SGLang's own scheduler code as its calle
 plumbing of one tree (`SglangTree`: the retracted sequences, the harness log, eviction,
 the events, the contract, the harness's gauges), the page-ownership check every SGLang
 adapter runs (`page_problems`), RadixCache's pages read from its nodes
-(`radix_tree_pages`) and SGLang's KV events as the harness's dicts (`normalise_event`).
-Runs in an SGLang venv, but imports nothing of SGLang itself.
+(`radix_tree_pages`), SGLang's KV events as the harness's dicts (`normalise_event`) and
+whether a release has a module (`has_module`). Runs in an SGLang venv, but imports nothing of SGLang itself.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Hashable
 from typing import Any
 
 from harness.conform.protocol import Contract, event_kind
+
+
+def has_module(name: str) -> bool:
+    """Whether this release has module `name`, read without importing it (a missing
+    parent package, or a parent that is a module: no)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def radix_tree_pages(tree: Any, page_size: int) -> set[int]:
