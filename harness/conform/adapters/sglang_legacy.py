@@ -3,16 +3,18 @@ a published runtime config and `release_kv_cache`, no `checkpoint_kv_cache`), be
 the protocol: `LegacyScheduled`, `SglangScheduled` with that release's Req fields and
 result processor (runs in an SGLang venv).
 
-What differs from 0.5.22's path, each read from 0.5.18's code:
+What differs from 0.5.22's path, each read from 0.5.18's to 0.5.21's code:
 
-- a Req keeps its row and lengths on itself (`req_pool_idx`, `kv_committed_len`,
-  `cache_protected_len`), its computed prefix as `prefix_indices` and its scheduled
-  extend as `extend_range` (`Req.set_extend_range`, `get_fill_ids`);
+- a Req keeps its computed prefix as `prefix_indices` and its scheduled extend as
+  `extend_range` (`Req.set_extend_range`, `get_fill_ids`); its row and lengths
+  (`req_pool_idx`, `kv_committed_len`, `cache_protected_len`) are on itself in 0.5.18
+  and on its `ReqKvInfo` (`req.kv`, as in 0.5.22) from 0.5.19;
 - after an extend the result processor calls the tree's `cache_unfinished_req`
   (`maybe_cache_unfinished_req`: `chunked=True` from `Scheduler.stash_chunked_request`
   after a middle chunk, without from `process_batch_result_prefill` after the last);
-- a request ends with `release_kv_cache(req, tree, is_insert)` (the tree's
-  `cache_finished_req`), and `release_req` takes the published `ServerArgs`;
+- a request ends with `release_kv_cache(req, tree, is_insert)`, which inserts through
+  the tree's `cache_finished_req` (0.5.18-0.5.20) or `insert_req` (0.5.21), and
+  `release_req` takes the published `ServerArgs`;
 - there is no table of LoRA names (the events name no LoRA);
 - `PagedTokenToKVPoolAllocator.alloc_extend` and `alloc_decode` launch triton kernels
   on every device (0.5.22 has CPU paths), and triton has no CPU driver: the two
@@ -29,6 +31,7 @@ on the `sglang` engine is `sglang_swa.SwaCache`, `sglang.load_sglang` says when)
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -38,18 +41,20 @@ from harness.conform.adapters.sglang_scheduler import (
     REPLICATED,
     SglangScheduled,
 )
-from harness.conform.protocol import Contract
+from harness.conform.protocol import Contract, Scope
 
 # the releases whose scheduler code this module was read against (`sglang.load_sglang`
 # drives no other's: each release before 0.5.22 renames a Req field or a call)
-READ = ("0.5.18",)
+READ = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
+        "0.5.20", "0.5.21")
 # (the contract's field, where 0.5.18's code settles it), in place of 0.5.22's citations
 CITATIONS: tuple[tuple[str, str], ...] = (
     ("matchable_at", "mem_cache/common.py maybe_cache_unfinished_req (the tree's "
                      "cache_unfinished_req) after an extend (batch_result_processor.py "
                      "process_batch_result_prefill, Scheduler.stash_chunked_request); "
-                     "release_kv_cache(is_insert=True) (cache_finished_req) inserts the "
-                     "decoded tokens when the request ends"),
+                     "release_kv_cache(is_insert=True) (the tree's cache_finished_req, "
+                     "0.5.21 insert_req) inserts the decoded tokens when the request "
+                     "ends"),
     ("preemption", "schedule_batch.py release_req: release_kv_cache(is_insert=False) "
                    "('TODO (csy): for preempted requests, we may want to insert into the "
                    "tree'), then evict_from_tree_cache for the remaining requests"))
@@ -145,20 +150,28 @@ class LegacyScheduled(SglangScheduled):
         return len(req.prefix_indices)
 
     def _extend_end(self, req: Any) -> int:
-        return int(req.extend_range.end)
+        """`extend_range`'s end (0.5.16 on), `fill_len` before."""
+        return int(req.extend_range.end if hasattr(req, "set_extend_range") else req.fill_len)
 
     def _unschedule(self, req: Any) -> None:
         prefix = len(req.prefix_indices)
-        req.set_extend_range(prefix, prefix)
+        if hasattr(req, "set_extend_range"):
+            req.set_extend_range(prefix, prefix)
+        else:  # 0.5.13-0.5.14: PrefillAdder sets both (schedule_policy.py _update_prefill_budget)
+            req.fill_len = prefix
+            req.set_extend_input_len(0)
 
-    def _row_index(self, req: Any) -> int:
-        return int(req.req_pool_idx)
+    def _kv_field(self, req: Any, name: str) -> int:
+        """On `req`'s `ReqKvInfo` where that declares the field (all four from 0.5.19,
+        `kv_allocated_len` from 0.5.16; no `ReqKvInfo` before), else on the Req."""
+        info = getattr(self.n.schedule_batch, "ReqKvInfo", None)
+        held = req.kv if name in getattr(info, "__annotations__", {}) else req
+        return int(getattr(held, name))
 
-    def _committed_len(self, req: Any) -> int:
-        return int(req.kv_committed_len)
-
-    def _protected_len(self, req: Any) -> int:
-        return int(req.cache_protected_len)
+    def _insert_call(self) -> str:
+        """The tree method `release_kv_cache` inserts through (module docstring)."""
+        return "cache_finished_req" if hasattr(self.tree, "cache_finished_req") \
+            else "insert_req"
 
     def _checkpoint(self, req: Any, last: bool) -> None:
         """`maybe_cache_unfinished_req`: chunked after a middle chunk, as the scheduler
@@ -168,13 +181,25 @@ class LegacyScheduled(SglangScheduled):
     def _release(self, req: Any, checkpoint: bool) -> None:
         self.n.common.release_kv_cache(req, self.tree, is_insert=checkpoint)
 
+    def _scope_keys(self, scope: Scope | None) -> dict[str, Any]:
+        """Before 0.5.18 a Req has no `cache_salt`: the salt travels as its extra key
+        (the contract's scope kinds then leave the caller's extra key out)."""
+        if "cache_salt" in inspect.signature(self.n.Req.__init__).parameters:
+            return super()._scope_keys(scope)
+        return {"extra_key": None if scope is None else scope.salt}
+
     def _free_pages(self) -> Any:
-        """The allocator's free and released pages (no census method before 0.5.22)."""
+        """The allocator's free and released pages: its own census from 0.5.20, the two
+        lists before."""
+        if hasattr(self.full, "get_all_free_pages"):
+            return super()._free_pages()
         return self.n.torch.cat((self.full.free_pages, self.full.release_pages))
 
     def _retraction_args(self) -> dict[str, Any]:
-        """`release_req` reads the published ServerArgs (its disaggregation mode)."""
-        return {"server_args": self.n.server_args}
+        """`release_req` reads the published ServerArgs (its disaggregation mode) in
+        0.5.18; from 0.5.19 it takes none."""
+        wants = inspect.signature(self.n.schedule_batch.release_req).parameters
+        return {"server_args": self.n.server_args} if "server_args" in wants else {}
 
     def engine_callables(self) -> dict[str, tuple[object, str]]:
         """Every SGLang function the adapter calls."""
@@ -185,7 +210,7 @@ class LegacyScheduled(SglangScheduled):
         out.update({
             "maybe_cache_unfinished_req": (self.n.common, "maybe_cache_unfinished_req"),
             "cache_unfinished_req": (self.tree, "cache_unfinished_req"),
-            "cache_finished_req": (self.tree, "cache_finished_req")})
+            self._insert_call(): (self.tree, self._insert_call())})
         return out
 
     def engine_calls(self) -> dict[str, tuple[str, ...]]:
@@ -193,5 +218,5 @@ class LegacyScheduled(SglangScheduled):
         out = super().engine_calls()
         out["admit"] = (*(x for x in out["admit"] if x != "match_kv_cache"), "match_prefix")
         out["commit"] = ("maybe_cache_unfinished_req", "cache_unfinished_req")
-        out["free"] = ("release_kv_cache", "cache_finished_req")
+        out["free"] = ("release_kv_cache", self._insert_call())
         return out

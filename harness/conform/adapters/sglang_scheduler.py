@@ -43,12 +43,17 @@ import importlib.util
 import inspect
 import os
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from harness.conform.adapters.sglang_tree import SglangTree, page_problems, radix_tree_pages
+from harness.conform.adapters.sglang_tree import (
+    SglangTree,
+    has_module,
+    page_problems,
+    radix_tree_pages,
+)
 from harness.conform.protocol import Admission, Contract, Scope, Stats, lora_id_text
 
 # SGLang's admission estimate of the tokens a request will decode, clipped to this
@@ -59,7 +64,7 @@ MAX_CONTEXT = 2048  # tokens per row
 _UNLIMITED = 1 << 30  # max_new_tokens, rem_input_tokens: no limit the protocol knows
 MODULES = ("sglang.srt.managers.schedule_batch", "sglang.srt.managers.schedule_policy",
            "sglang.srt.mem_cache.common", "sglang.srt.mem_cache.memory_pool",
-           "sglang.srt.mem_cache.allocator.paged", "sglang.srt.runtime_context")
+           "sglang.srt.mem_cache.allocator.paged", "sglang.srt.server_args")
 
 REPLICATED: tuple[tuple[str, str, str], ...] = (
     ("the order of a step's cache calls: admission, allocation, then (when the op list "
@@ -81,16 +86,17 @@ REPLICATED: tuple[tuple[str, str, str], ...] = (
 
 
 def present() -> bool:
-    """Whether this release's scheduler code is the kind the adapter drives: a published
-    runtime config and `release_kv_cache` (0.5.18 on; 0.5.22 on add
-    `checkpoint_kv_cache`, and before it `sglang_legacy` drives the tree's
-    `cache_unfinished_req`), read from its files without importing them; call after
-    `sglang.srt.mem_cache` is imported."""
-    if importlib.util.find_spec("sglang.srt.runtime_context") is None:
-        return False
-    common = importlib.util.find_spec("sglang.srt.mem_cache.common")
-    text = Path(common.origin).read_text() if common and common.origin else ""
-    return "def release_kv_cache(" in text
+    """Whether this release's scheduler code is the kind the adapter drives:
+    `release_kv_cache` in its cache module and a retraction that is a function of its
+    own, `schedule_batch.release_req` (0.5.13 on; 0.5.22 on add `checkpoint_kv_cache`,
+    and before it `sglang_legacy` drives the tree's `cache_unfinished_req`), read from
+    its files without importing them; call after `sglang.srt.mem_cache` is imported."""
+    def text(module: str) -> str:
+        spec = importlib.util.find_spec(module)
+        return Path(spec.origin).read_text() if spec and spec.origin else ""
+
+    return "def release_kv_cache(" in text("sglang.srt.mem_cache.common") \
+        and "\ndef release_req(" in text("sglang.srt.managers.schedule_batch")
 
 
 class SchedulerNames:
@@ -103,7 +109,6 @@ class SchedulerNames:
         from sglang.srt.mem_cache import common, events, memory_pool
         from sglang.srt.mem_cache.allocator import paged
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.runtime_context import publish
         from sglang.srt.sampling.sampling_params import SamplingParams
         from sglang.srt.server_args import ServerArgs
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -132,7 +137,7 @@ class SchedulerNames:
             "req" in inspect.signature(self.LoraNames.register).parameters
         self.SamplingParams = SamplingParams
         self.ServerArgs = ServerArgs
-        self.publish = publish
+        self.publish = _publisher()
         self.NO_SPEC = SpeculativeAlgorithm.NONE
         self.clip = schedule_policy.CLIP_MAX_NEW_TOKENS
         # (page, state block, host tier's ServerArgs)
@@ -140,9 +145,8 @@ class SchedulerNames:
         self.server_args: Any = None  # the ServerArgs published last
         self.swa = _swa_names()
         # the hierarchical cache (UnifiedRadixCache.init_hicache over pool_host.mha)
-        self.hicache = importlib.util.find_spec("sglang.srt.mem_cache.pool_host.mha") \
-            is not None and importlib.util.find_spec(
-                "sglang.srt.mem_cache.unified_radix_cache") is not None
+        self.hicache = has_module("sglang.srt.mem_cache.pool_host.mha") \
+            and has_module("sglang.srt.mem_cache.unified_radix_cache")
         self.mamba, self.no_mamba = _mamba_names()
 
     def publish_config(self, page_size: int, state_tokens: int | None = None,
@@ -171,13 +175,28 @@ class SchedulerNames:
         self.published, self.server_args = key, args
 
 
+def _publisher() -> Callable[..., Any]:
+    """How the server publishes its ServerArgs to the process: `runtime_context.publish`
+    (0.5.17 on), else `server_args.set_global_server_args_for_scheduler` (0.5.13-0.5.16;
+    0.5.16's is `get_context().set_server_args`), which takes no role."""
+    from sglang.srt import server_args
+
+    if has_module("sglang.srt.runtime_context"):
+        publish = getattr(importlib.import_module("sglang.srt.runtime_context"), "publish",
+                          None)
+        if publish is not None:
+            return cast(Callable[..., Any], publish)
+    legacy = server_args.set_global_server_args_for_scheduler
+    return lambda args, role: legacy(args)
+
+
 def _swa_names() -> tuple[Any, Any, Any] | None:
     """A hybrid model's sliding-window pools as SGLang's server builds them by default
     (`kv_cache_configurator.py`: `SWAKVPool` and `SWATokenToKVPoolAllocator`, two paged
     allocators, so their CPU paths) and the tree's SWA component: (pool, allocator,
     ComponentType.SWA), or None where this release's UnifiedRadixCache has no SWA
     component (it is then not the tree the adapter drives)."""
-    if importlib.util.find_spec("sglang.srt.mem_cache.unified_cache.components.swa") is None:
+    if not has_module("sglang.srt.mem_cache.unified_cache.components.swa"):
         return None
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -195,7 +214,7 @@ def _mamba_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, str]:
     SchedulerBatchResultProcessor) and "", or None and why not: this release's
     UnifiedRadixCache has no MAMBA component, or what the Mamba path imports is not in
     this lock (0.5.22's lacks einops: its full-attention path runs all the same)."""
-    if importlib.util.find_spec("sglang.srt.mem_cache.unified_cache.components.mamba") is None:
+    if not has_module("sglang.srt.mem_cache.unified_cache.components.mamba"):
         return None, "no MAMBA component in this release's UnifiedRadixCache"
     try:
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
@@ -419,17 +438,22 @@ class SglangScheduled(SglangTree):
         starts."""
         req.extend_end = req.prefix_len
 
+    def _kv_field(self, req: Any, name: str) -> int:
+        """One of `req`'s row and lengths (`req_pool_idx`, `kv_committed_len`,
+        `kv_allocated_len`, `cache_protected_len`): on its `ReqKvInfo`."""
+        return int(getattr(req.kv, name))
+
     def _row_index(self, req: Any) -> int:
         """`req`'s row of the request pool."""
-        return int(req.kv.req_pool_idx)
+        return self._kv_field(req, "req_pool_idx")
 
     def _committed_len(self, req: Any) -> int:
         """The tokens of `req` whose KV the forward passes wrote."""
-        return int(req.kv.kv_committed_len)
+        return self._kv_field(req, "kv_committed_len")
 
     def _protected_len(self, req: Any) -> int:
         """The tokens of `req`'s row that are the tree's (locked for it)."""
-        return int(req.kv.cache_protected_len)
+        return self._kv_field(req, "cache_protected_len")
 
     def _checkpoint(self, req: Any, last: bool) -> None:
         """The result processor's cache call after an extend (`last`: it computed the
@@ -522,8 +546,7 @@ class SglangScheduled(SglangTree):
         lora = None if scope is None or scope.lora_id is None else lora_id_text(scope.lora_id)
         req = n.Req(str(seq_id), "", array("q", tokens),
                     n.SamplingParams(max_new_tokens=_UNLIMITED), lora_id=lora,
-                    extra_key=None if scope is None else scope.extra_key,
-                    cache_salt=None if scope is None else scope.salt)
+                    **self._scope_keys(scope))
         if lora is not None and self.lora_names is not None:
             assert scope is not None and scope.lora_name is not None
             # as Scheduler.load_lora_adapter and (0.5.23) _record_kv_event_lora_name do
@@ -531,6 +554,12 @@ class SglangScheduled(SglangTree):
             if self.n.names_requests:
                 self.lora_names.register(req, scope.lora_name)
         return req
+
+    def _scope_keys(self, scope: Scope | None) -> dict[str, Any]:
+        """The Req's key arguments for `scope` beyond its LoRA: the caller's extra key
+        and the salt, each in its own field."""
+        return {"extra_key": None if scope is None else scope.extra_key,
+                "cache_salt": None if scope is None else scope.salt}
 
     def _running(self) -> Any:
         """The running batch PrefillAdder reserves for: the requests past their prefill."""
@@ -643,9 +672,10 @@ class SglangScheduled(SglangTree):
         when it is a decode step's token, `_decode_result` processes that step."""
         live = self._live[seq_id]
         req = live.req
-        if num_tokens > req.kv.kv_allocated_len:
+        scheduled = self._kv_field(req, "kv_allocated_len")
+        if num_tokens > scheduled:
             raise ValueError(f"commit({seq_id!r}, {num_tokens}): only "
-                             f"{req.kv.kv_allocated_len} tokens were scheduled")
+                             f"{scheduled} tokens were scheduled")
         live.committed = max(live.committed, num_tokens)
         if live.decoding and num_tokens == live.length:
             self._decode_result(live)
@@ -679,7 +709,7 @@ class SglangScheduled(SglangTree):
         live.length += 1
         live.decoding = True
         before = len(live.ids)
-        live.ids = self._pages(self._row(req, req.kv.kv_allocated_len))
+        live.ids = self._pages(self._row(req, self._kv_field(req, "kv_allocated_len")))
         added = live.ids[before:]
         self._write({"kind": "append", "seq_id": seq_id, "tokens": [token],
                      "block_ids": added})
@@ -735,9 +765,8 @@ class SglangScheduled(SglangTree):
         part), with repeats."""
         held: list[int] = []
         for live in self._live.values():
-            kv = live.req.kv
-            held += self._pages(self._row(live.req, kv.kv_allocated_len)[
-                self._protected_len(live.req):])
+            held += self._pages(self._row(live.req, self._kv_field(
+                live.req, "kv_allocated_len"))[self._protected_len(live.req):])
         return held
 
     def check_integrity(self) -> list[str]:
