@@ -156,8 +156,9 @@ TREE_CALLER_REPLICATED: tuple[tuple[str, str, str], ...] = (
     ("the lookup capped at L - 1 tokens", "Req._compute_max_prefix_len / match_kv_cache",
      "as above"),
     ("admission: free plus evictable pages cover the reused tokens and the first chunk, "
-     "the shortfall evicted", "PrefillAdder.add_one_req, alloc_paged_token_slots_extend",
-     "as above"),
+     "the shortfall evicted (SGLang's own evict_from_tree_cache evicts the allocation's "
+     "whole size before 0.5.17: finding 19, which this copy cannot show)",
+     "PrefillAdder.add_one_req, alloc_paged_token_slots_extend", "as above"),
     ("slot allocation by pages, page 0 reserved", "PagedTokenToKVPoolAllocator",
      "as above"),
     ("an insert after every commit, its duplicate slots freed, the lock moved down",

@@ -116,6 +116,9 @@ KNOWN: tuple[KnownFinding, ...] = (
                  "a request aborted mid-prefill under the CPU offloading connector makes "
                  "the next step's store jobs raise",
                  f"{_VLLM}/issues/49118", f"{_VLLM}/pull/49285", says="AssertionError"),
+    KnownFinding(19, "sglang", "0.5.5", "0.5.17", ("eviction_order",), ("scenario",),
+                 "an allocation short of free pages evicts its whole size from the tree, "
+                 "not the shortfall", None, f"{_SGLANG}/pull/32016"),
     KnownFinding(16, "sglang", "0.5.18", None, ("extra_key_isolation",), ("count",),
                  "a caller extra key equal to a LoRA's id reads that adapter's KV",
                  f"{_SGLANG}/issues/24638", None),

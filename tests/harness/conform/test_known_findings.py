@@ -32,6 +32,10 @@ from tests.harness.conform import faults
     pytest.param("sglang", "0.5.6.post2", "cold_then_warm", "events", "", 6,
                  id="sglang-post-release"),
     pytest.param("sglang", "0.5.7", "cold_then_warm", "events", "", None, id="sglang-fixed"),
+    pytest.param("sglang", "0.5.16", "eviction_order", "scenario", "", 19,
+                 id="sglang-whole-size-eviction"),
+    pytest.param("sglang", "0.5.17", "eviction_order", "scenario", "", None,
+                 id="sglang-shortfall-eviction"),
     pytest.param("shortfin", "3.3.0", "decode_growth", "capacity",
                  "after append(A, tokens [902]): ...", 14, id="shortfin-by-message-14"),
     pytest.param("shortfin", "3.6.0", "decode_growth", "capacity", "after free(A): ...", 8,
@@ -52,7 +56,7 @@ def test_releases_order_as_the_registry_reads_them() -> None:
              "0.5.10", "0.31", "0.31.0.post1", "0.33.1.dev3+gabc1234", "0.34.0"]
     assert sorted(order, key=lambda v: parse_version(v).key) == order
     assert parse_version("0.31").key == parse_version("0.31.0").key
-    assert {k.number for k in KNOWN} == set(range(1, 19))
+    assert {k.number for k in KNOWN} == set(range(1, 20))
 
 
 def test_report_md_names_the_engine_code_and_the_known_finding(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """SGLang's own scheduler code behind the protocol, on the newest SGLang release and on
-0.5.18 (its code before `checkpoint_kv_cache`: `sglang_legacy`), each where its cached
-install exists (skipped otherwise, as the engine smoke is): what its retraction, its
-checkpoints, the chunks PrefillAdder cuts and its admission reserve do, op by op,
-judged by every oracle, and the caller extra key reaching a LoRA's KV
-(sgl-project/sglang#24638). One worker per release serves the session."""
+one release of each form of its code before `checkpoint_kv_cache` (`sglang_legacy`):
+0.5.21 (`ReqKvInfo` holds the row, the tree's `insert_req`), 0.5.18 (the row on the
+Req), 0.5.16 (no `cache_salt`, the server's own publish shim) and 0.5.14 (`fill_len`),
+each where its cached install exists (skipped otherwise, as the engine smoke is): what
+its retraction, its checkpoints, the chunks PrefillAdder cuts, its admission reserve and
+its eviction do, op by op, judged by every oracle, and the caller extra key reaching a
+LoRA's KV (sgl-project/sglang#24638). One worker per release serves the session."""
 
 from __future__ import annotations
 
@@ -13,18 +15,22 @@ import pytest
 
 from harness.conform import ops
 from harness.conform.controller import install
+from harness.conform.controller.checks import check_named
 from harness.conform.controller.engine_spec import EngineSpec, open_target
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import find_lock, pinned
 from harness.conform.controller.report import Report
+from harness.conform.controller.runner import check_all
 from harness.conform.controller.targets import Target
 from harness.conform.ops import Op
 from harness.conform.protocol import CacheOptions, Scope, lora_id_text
+from harness.conform.versions import parse_version
 from harness.conform.worker.session import StepReport
 
 B = 4
 LOCKS = [next(lock for lock in pinned() if lock.engine == "sglang"),
-         find_lock("sglang", "0.5.18")]
+         *(find_lock("sglang", v) for v in ("0.5.21", "0.5.18", "0.5.16", "0.5.14"))]
+SALTED = "0.5.18"  # the first release whose Req has a cache_salt beside its extra key
 PROMPT = list(range(100, 110))  # 10 tokens: 2 whole pages
 OUT = [900, 901, 902]
 
@@ -66,7 +72,9 @@ def test_the_contract_says_what_sglangs_scheduler_code_does(target: Target) -> N
     assert (c.matchable_at, c.preemption, c.chunking, c.admission_fits,
             c.admission_reserve) == ("extend", "retracts-decode", "caller-page-floor",
                                      "prompt", 2)
-    assert c.decode_steps and c.refusal_evicts and "extra_key" in c.scope_kinds
+    assert c.decode_steps and c.refusal_evicts
+    # before 0.5.18 the salt travels as the extra key: a caller's has no field of its own
+    assert ("extra_key" in c.scope_kinds) == released(target, SALTED)
     assert {what for what, _, _ in c.replicated} and all(fn for _, fn, _ in c.replicated)
 
 
@@ -153,6 +161,8 @@ def test_an_extra_key_equal_to_a_loras_id_reads_that_loras_kv(target: Target) ->
     """sgl-project/sglang#24638, still in this release: Req.__init__ joins the extra key
     and the LoRA id into one string, so a base request naming the id reuses the LoRA's
     KV (the count and provenance oracles both say so)."""
+    if not released(target, SALTED):
+        pytest.skip("before 0.5.18 the extra key is the salt's field (finding 4)")
     judge = Judge(target.open(16, B), 16)
     lora = Scope.lora("a", 1)
     found = [v for r in target.apply_all([
@@ -161,3 +171,23 @@ def test_an_extra_key_equal_to_a_loras_id_reads_that_loras_kv(target: Target) ->
         for v in judge.observe(r)]
     assert [v.oracle for v in found] == ["count", "provenance"]
     assert "reused 8 tokens; the count oracle predicts 0" in found[0].message
+
+
+def test_an_allocation_evicts_only_its_shortfall_from_0_5_17(target: Target) -> None:
+    """`evict_from_tree_cache` asks the tree for the shortfall from 0.5.17
+    (sgl-project/sglang#32016); before, for the allocation's whole size, so C's five
+    pages with four free evict B's leaf beside A's (finding 19 of docs/conformance.md)."""
+    engine, version = target.name.split()
+    report = Report(f"{engine}=={version}", engine, version)
+    check_all(target, report, [check_named("eviction_order")], 0, lambda _: None)
+    found = report.checks[0]
+    if released(target, "0.5.17"):
+        assert found.status == "pass", found.message
+    else:
+        assert (found.status, found.oracle) == ("fail", "scenario")
+        assert found.known["number"] == 19
+
+
+def released(target: Target, version: str) -> bool:
+    """Whether `target`'s release is `version` or later."""
+    return parse_version(target.name.split()[1]).key >= parse_version(version).key
