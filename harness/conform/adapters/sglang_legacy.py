@@ -1,27 +1,38 @@
-"""SGLang's own scheduler code before 0.5.22 driving its RadixCache (0.5.18 to 0.5.21:
-a published runtime config and `release_kv_cache`, no `checkpoint_kv_cache`), behind
-the protocol: `LegacyScheduled`, `SglangScheduled` with that release's Req fields and
-result processor (runs in an SGLang venv).
+"""SGLang's own scheduler code before 0.5.22 driving its RadixCache (0.5.10 to 0.5.21:
+`release_kv_cache` and `release_req`, no `checkpoint_kv_cache`), behind the protocol:
+`LegacyScheduled`, `SglangScheduled` with each release's Req fields and result
+processor (runs in an SGLang venv). `READ` lists the releases read.
 
-What differs from 0.5.22's path, each read from 0.5.18's to 0.5.21's code:
+What differs from 0.5.22's path, each read from those releases' code (the hooks test
+for the feature, not the version, but for the admission reserve):
 
 - a Req keeps its computed prefix as `prefix_indices` and its scheduled extend as
-  `extend_range` (`Req.set_extend_range`, `get_fill_ids`); its row and lengths
-  (`req_pool_idx`, `kv_committed_len`, `cache_protected_len`) are on itself in 0.5.18
-  and on its `ReqKvInfo` (`req.kv`, as in 0.5.22) from 0.5.19;
+  `extend_range` (0.5.16 on), `fill_len` (0.5.13-0.5.14) or the length of `fill_ids`
+  (before: the Req's tokens are lists, `origin_input_ids: List[int]`); its row and
+  lengths (`req_pool_idx`, `kv_committed_len`, `kv_allocated_len`,
+  `cache_protected_len`) are on itself, on its `ReqKvInfo` (`req.kv`, as in 0.5.22)
+  where that declares them (all from 0.5.19);
 - after an extend the result processor calls the tree's `cache_unfinished_req`
-  (`maybe_cache_unfinished_req`: `chunked=True` from `Scheduler.stash_chunked_request`
-  after a middle chunk, without from `process_batch_result_prefill` after the last);
+  (through `maybe_cache_unfinished_req` from 0.5.12: `chunked=True` from
+  `Scheduler.stash_chunked_request` after a middle chunk, without from
+  `process_batch_result_prefill` after the last);
 - a request ends with `release_kv_cache(req, tree, is_insert)`, which inserts through
-  the tree's `cache_finished_req` (0.5.18-0.5.20) or `insert_req` (0.5.21), and
-  `release_req` takes the published `ServerArgs`;
+  the tree's `cache_finished_req` (to 0.5.20) or `insert_req` (0.5.21); a retraction is
+  `release_req`, a function from 0.5.13 (taking the published `ServerArgs` in
+  0.5.16-0.5.18) and a method of the request's batch before;
+- the runtime config is published by `runtime_context.publish` from 0.5.17, by the
+  server's `set_global_server_args_for_scheduler` before (`sglang_scheduler`);
+- before 0.5.18 a Req has no `cache_salt`: the salt travels as its extra key;
+- before 0.5.13 `prepare_for_decode` reads the step's sampled tokens from the batch's
+  `output_ids` (`Scheduler.run_batch` sets them); before 0.5.12 PrefillAdder keeps no
+  page beyond the prompt (`contract`);
 - there is no table of LoRA names (the events name no LoRA);
 - `PagedTokenToKVPoolAllocator.alloc_extend` and `alloc_decode` launch triton kernels
   on every device (0.5.22 has CPU paths), and triton has no CPU driver: the two
   launches run in torch (`install_torch_kernels`), the extend's through SGLang's own
   `alloc_extend_naive` (its torch twin of `alloc_extend_kernel`, the NPU allocator's),
   the decode's as `alloc_decode_kernel` computes it; the methods around them (the page
-  count, the refusal, the free list) are SGLang's.
+  count, the refusal, the free list, the eviction) are SGLang's.
 
 A window, a Mamba state or a host tier is not opened here: these releases'
 UnifiedRadixCache has none of the components `sglang_options` opens them with (a window
@@ -32,22 +43,24 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from harness.conform.adapters.sglang_scheduler import (
     PROCESSOR_CITATIONS,
     REPLICATED,
+    LiveRequest,
     SglangScheduled,
 )
 from harness.conform.protocol import Contract, Scope
+from harness.conform.versions import parse_version
 
 # the releases whose scheduler code this module was read against (`sglang.load_sglang`
 # drives no other's: each release before 0.5.22 renames a Req field or a call)
-READ = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
-        "0.5.20", "0.5.21")
-# (the contract's field, where 0.5.18's code settles it), in place of 0.5.22's citations
+READ = ("0.5.10", "0.5.10.post1", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1",
+        "0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21")
+# (the contract's field, where these releases' code settles it), in place of 0.5.22's citations
 CITATIONS: tuple[tuple[str, str], ...] = (
     ("matchable_at", "mem_cache/common.py maybe_cache_unfinished_req (the tree's "
                      "cache_unfinished_req) after an extend (batch_result_processor.py "
@@ -58,6 +71,14 @@ CITATIONS: tuple[tuple[str, str], ...] = (
     ("preemption", "schedule_batch.py release_req: release_kv_cache(is_insert=False) "
                    "('TODO (csy): for preempted requests, we may want to insert into the "
                    "tree'), then evict_from_tree_cache for the remaining requests"))
+
+# the first release whose PrefillAdder keeps a page beyond the prompt (0.5.11 has no lock)
+PAGE_RESERVED = "0.5.12"
+RESERVE_CITATION = (
+    "admission_reserve", "schedule_policy.py PrefillAdder.add_one_req (0.5.10): "
+    "total_tokens = extend_input_len + the clipped new tokens, refused when >= "
+    "rem_total_tokens (free plus evictable); 0.5.12 adds page_size ('Reserve page_size "
+    "for page-alignment overhead')")
 
 # what stays replicated beyond 0.5.22's (`sglang_scheduler.REPLICATED`)
 KERNELS_REPLICATED = (
@@ -73,10 +94,16 @@ LEGACY_REPLICATED: tuple[tuple[str, str, str], ...] = (
 
 
 def contract(terms: Contract) -> Contract:
-    """`terms` (0.5.22's scheduler contract, `sglang_options.contract`) as 0.5.18's code
-    makes it: its result processor's citations (`CITATIONS`) and `LEGACY_REPLICATED`."""
-    citations = tuple(c for c in terms.citations if c not in PROCESSOR_CITATIONS)
-    return replace(terms, citations=(*citations, *CITATIONS), replicated=LEGACY_REPLICATED)
+    """`terms` (0.5.22's scheduler contract, `sglang_options.contract`) as these
+    releases' code makes it: their result processor's citations (`CITATIONS`),
+    `LEGACY_REPLICATED`, and before 0.5.12 an admission that keeps no page beyond its
+    prompt (`RESERVE_CITATION`)."""
+    citations = (*(c for c in terms.citations if c not in PROCESSOR_CITATIONS), *CITATIONS)
+    reserve = terms.admission_reserve
+    if parse_version(terms.version).key < parse_version(PAGE_RESERVED).key:
+        reserve, citations = 1, (*citations, RESERVE_CITATION)
+    return replace(terms, citations=citations, replicated=LEGACY_REPLICATED,
+                   admission_reserve=reserve)
 
 
 class TorchLaunch:
@@ -137,7 +164,7 @@ def install_torch_kernels(paged: Any, torch: Any) -> None:
 
 class LegacyScheduled(SglangScheduled):
     """`SglangScheduled` over RadixCache on a release with SGLang's scheduler code but no
-    `checkpoint_kv_cache` (0.5.18 to 0.5.21): the Req and result-processor hooks as the
+    `checkpoint_kv_cache` (0.5.10 to 0.5.21): the Req and result-processor hooks as the
     module docstring says."""
 
     def _kv_pools(self) -> tuple[Any, Any, Any]:
@@ -150,16 +177,23 @@ class LegacyScheduled(SglangScheduled):
         return len(req.prefix_indices)
 
     def _extend_end(self, req: Any) -> int:
-        """`extend_range`'s end (0.5.16 on), `fill_len` before."""
-        return int(req.extend_range.end if hasattr(req, "set_extend_range") else req.fill_len)
+        """`extend_range`'s end (0.5.16 on), `fill_len` (0.5.13-0.5.14), the length of
+        `fill_ids` before."""
+        if hasattr(req, "set_extend_range"):
+            return int(req.extend_range.end)
+        return int(req.fill_len if hasattr(req, "fill_len") else len(req.fill_ids))
 
     def _unschedule(self, req: Any) -> None:
         prefix = len(req.prefix_indices)
         if hasattr(req, "set_extend_range"):
             req.set_extend_range(prefix, prefix)
-        else:  # 0.5.13-0.5.14: PrefillAdder sets both (schedule_policy.py _update_prefill_budget)
+            return
+        # before 0.5.16 PrefillAdder sets both (schedule_policy.py add_chunked_req)
+        if hasattr(req, "fill_len"):
             req.fill_len = prefix
-            req.set_extend_input_len(0)
+        else:
+            req.fill_ids = req.fill_ids[:prefix]
+        req.set_extend_input_len(0)
 
     def _kv_field(self, req: Any, name: str) -> int:
         """On `req`'s `ReqKvInfo` where that declares the field (all four from 0.5.19,
@@ -174,12 +208,36 @@ class LegacyScheduled(SglangScheduled):
             else "insert_req"
 
     def _checkpoint(self, req: Any, last: bool) -> None:
-        """`maybe_cache_unfinished_req`: chunked after a middle chunk, as the scheduler
+        """`maybe_cache_unfinished_req` (0.5.12 on; before, the tree's
+        `cache_unfinished_req` straight): chunked after a middle chunk, as the scheduler
         stashes one."""
-        self.n.common.maybe_cache_unfinished_req(req, self.tree, chunked=not last)
+        if hasattr(self.n.common, "maybe_cache_unfinished_req"):
+            self.n.common.maybe_cache_unfinished_req(req, self.tree, chunked=not last)
+        else:
+            self.tree.cache_unfinished_req(req, chunked=not last)
 
     def _release(self, req: Any, checkpoint: bool) -> None:
         self.n.common.release_kv_cache(req, self.tree, is_insert=checkpoint)
+
+    def _lists(self) -> bool:
+        """Whether this release's Req keeps its tokens in lists (`origin_input_ids:
+        List[int]`, before 0.5.13), not arrays."""
+        wants = inspect.signature(self.n.Req.__init__).parameters["origin_input_ids"]
+        return "List" in str(wants.annotation)
+
+    def _input_ids(self, tokens: Sequence[int]) -> Any:
+        """An `array('q')` from 0.5.13, a list before (which `init_next_round_input`
+        joins to a list of output ids)."""
+        return list(tokens) if self._lists() else super()._input_ids(tokens)
+
+    def _prepare_decode(self, batch: Any) -> None:
+        """Before 0.5.13 `prepare_for_decode` reads the step's sampled tokens from the
+        batch's `output_ids`, which `Scheduler.run_batch` sets from the model's output:
+        here each request's last output token, the op's."""
+        if self._lists():
+            batch.output_ids = self.n.torch.tensor(
+                [int(r.output_ids[-1]) for r in batch.reqs], dtype=self.n.torch.int64)
+        super()._prepare_decode(batch)
 
     def _scope_keys(self, scope: Scope | None) -> dict[str, Any]:
         """Before 0.5.18 a Req has no `cache_salt`: the salt travels as its extra key
@@ -195,6 +253,15 @@ class LegacyScheduled(SglangScheduled):
             return super()._free_pages()
         return self.n.torch.cat((self.full.free_pages, self.full.release_pages))
 
+    def _retract(self, live: LiveRequest, others: int) -> None:
+        """`release_req`: a function from 0.5.13, before a method of the request's batch
+        (`ScheduleBatch.release_req(idx, remaing_req_count, server_args)`)."""
+        if hasattr(self.n.schedule_batch, "release_req"):
+            super()._retract(live, others)
+            return
+        batch = live.batch
+        batch.release_req(batch.reqs.index(live.req), others, self.n.server_args)
+
     def _retraction_args(self) -> dict[str, Any]:
         """`release_req` reads the published ServerArgs (its disaggregation mode) in
         0.5.18; from 0.5.19 it takes none."""
@@ -208,15 +275,21 @@ class LegacyScheduled(SglangScheduled):
                      "LoRA names .register"):
             del out[gone]
         out.update({
-            "maybe_cache_unfinished_req": (self.n.common, "maybe_cache_unfinished_req"),
             "cache_unfinished_req": (self.tree, "cache_unfinished_req"),
             self._insert_call(): (self.tree, self._insert_call())})
+        if hasattr(self.n.common, "maybe_cache_unfinished_req"):
+            out["maybe_cache_unfinished_req"] = (self.n.common, "maybe_cache_unfinished_req")
+        if not hasattr(self.n.Req, "_compute_max_prefix_len"):  # inline before 0.5.13
+            del out["Req._compute_max_prefix_len"]
+        if not hasattr(self.n.schedule_batch, "release_req"):  # `_retract`
+            out["release_req"] = (self.n.ScheduleBatch, "release_req")
         return out
 
     def engine_calls(self) -> dict[str, tuple[str, ...]]:
         """The SGLang functions each op kind calls."""
         out = super().engine_calls()
         out["admit"] = (*(x for x in out["admit"] if x != "match_kv_cache"), "match_prefix")
-        out["commit"] = ("maybe_cache_unfinished_req", "cache_unfinished_req")
+        out["commit"] = (*(["maybe_cache_unfinished_req"] if hasattr(
+            self.n.common, "maybe_cache_unfinished_req") else []), "cache_unfinished_req")
         out["free"] = ("release_kv_cache", self._insert_call())
         return out

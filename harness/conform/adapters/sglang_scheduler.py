@@ -62,9 +62,11 @@ CLIP_ENV = ("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "0")
 MAX_REQUESTS = 128  # rows of the ReqToTokenPool
 MAX_CONTEXT = 2048  # tokens per row
 _UNLIMITED = 1 << 30  # max_new_tokens, rem_input_tokens: no limit the protocol knows
+PAGED = "sglang.srt.mem_cache.allocator.paged"
+EVENTS = "sglang.srt.mem_cache.events"
 MODULES = ("sglang.srt.managers.schedule_batch", "sglang.srt.managers.schedule_policy",
            "sglang.srt.mem_cache.common", "sglang.srt.mem_cache.memory_pool",
-           "sglang.srt.mem_cache.allocator.paged", "sglang.srt.server_args")
+           "sglang.srt.mem_cache.allocator", "sglang.srt.server_args")
 
 REPLICATED: tuple[tuple[str, str, str], ...] = (
     ("the order of a step's cache calls: admission, allocation, then (when the op list "
@@ -76,9 +78,12 @@ REPLICATED: tuple[tuple[str, str, str], ...] = (
      "SchedulerBatchResultProcessor.process_batch_result_prefill / _decode, "
      "Scheduler.process_pending_chunked_abort",
      "the finish conditions (stop tokens, max_new_tokens) are the model's output"),
-    ("a decode step's sampled token appended to Req.output_ids",
-     "process_batch_result_decode", "no model samples it; the op list gives it"),
-    ("the ModelConfig a batch reads (vocab_size, is_encoder_decoder)",
+    ("a decode step's sampled token appended to Req.output_ids (before 0.5.13 also the "
+     "batch's output_ids, which its prepare_for_decode reads)",
+     "process_batch_result_decode (before 0.5.13 Scheduler.run_batch)",
+     "no model samples it; the op list gives it"),
+    ("the ModelConfig a batch reads (vocab_size, is_encoder_decoder; is_matryoshka before "
+     "0.5.13)",
      "ModelConfig", "it is built from a model checkpoint"),
     ("which requests a retraction picks (the op list names it)",
      "ScheduleBatch.retract_decode", "the protocol preempts one named sequence"),
@@ -87,16 +92,18 @@ REPLICATED: tuple[tuple[str, str, str], ...] = (
 
 def present() -> bool:
     """Whether this release's scheduler code is the kind the adapter drives:
-    `release_kv_cache` in its cache module and a retraction that is a function of its
-    own, `schedule_batch.release_req` (0.5.13 on; 0.5.22 on add `checkpoint_kv_cache`,
-    and before it `sglang_legacy` drives the tree's `cache_unfinished_req`), read from
-    its files without importing them; call after `sglang.srt.mem_cache` is imported."""
+    `release_kv_cache` in its cache module and SGLang's retraction, `release_req` (a
+    function of `schedule_batch` from 0.5.13, a `ScheduleBatch` method before; 0.5.22 on
+    add `checkpoint_kv_cache`, and before it `sglang_legacy` drives the tree's
+    `cache_unfinished_req`), read from its files without importing them; call after
+    `sglang.srt.mem_cache` is imported."""
     def text(module: str) -> str:
         spec = importlib.util.find_spec(module)
         return Path(spec.origin).read_text() if spec and spec.origin else ""
 
+    batch = text("sglang.srt.managers.schedule_batch")
     return "def release_kv_cache(" in text("sglang.srt.mem_cache.common") \
-        and "\ndef release_req(" in text("sglang.srt.managers.schedule_batch")
+        and ("\ndef release_req(" in batch or "    def release_req(self, idx" in batch)
 
 
 class SchedulerNames:
@@ -106,8 +113,7 @@ class SchedulerNames:
     def __init__(self) -> None:
         import torch
         from sglang.srt.managers import schedule_batch, schedule_policy
-        from sglang.srt.mem_cache import common, events, memory_pool
-        from sglang.srt.mem_cache.allocator import paged
+        from sglang.srt.mem_cache import common, memory_pool
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.sampling.sampling_params import SamplingParams
         from sglang.srt.server_args import ServerArgs
@@ -122,6 +128,9 @@ class SchedulerNames:
         self.PrefillAdder = schedule_policy.PrefillAdder
         self.ReqToTokenPool = memory_pool.ReqToTokenPool
         self.MHATokenToKVPool = memory_pool.MHATokenToKVPool
+        # the paged allocator's module: a package's `paged` from 0.5.13, a module before
+        paged = importlib.import_module(
+            PAGED if has_module(PAGED) else "sglang.srt.mem_cache.allocator")
         self.PagedAllocator = paged.PagedTokenToKVPoolAllocator
         self.CacheInitParams = CacheInitParams
         # the result processor's checkpoint (0.5.22 on); before, the tree's own
@@ -131,6 +140,7 @@ class SchedulerNames:
         # before, whose events name no LoRA): from 0.5.23 it also names each request's
         # namespace (register(req, name)), which makes the default event format
         # namespace a LoRA's blocks
+        events = importlib.import_module(EVENTS) if has_module(EVENTS) else None  # 0.5.12 on
         self.LoraNames: Any = getattr(events, "KvEventLoraNames", None) \
             or getattr(events, "LoRANameTable", None)
         self.names_requests = self.LoraNames is not None and \
@@ -469,6 +479,13 @@ class SglangScheduled(SglangTree):
         """The full-attention allocator's free pages, with repeats (its own census)."""
         return self.full.get_all_free_pages()
 
+    def _retract(self, live: LiveRequest, others: int) -> None:
+        """`release_req` of `live`'s request, `others` still decoding."""
+        self.n.schedule_batch.release_req(
+            req=live.req, remaing_req_count=others, req_to_token_pool=self.rows,
+            token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree,
+            hisparse_coordinator=None, **self._retraction_args())
+
     def _retraction_args(self) -> dict[str, Any]:
         """The arguments `release_req` takes beyond the pools and the tree: none here."""
         return {}
@@ -544,7 +561,7 @@ class SglangScheduled(SglangTree):
         """SGLang's Req: its __init__ joins the extra key and the LoRA id."""
         n = self.n
         lora = None if scope is None or scope.lora_id is None else lora_id_text(scope.lora_id)
-        req = n.Req(str(seq_id), "", array("q", tokens),
+        req = n.Req(str(seq_id), "", self._input_ids(tokens),
                     n.SamplingParams(max_new_tokens=_UNLIMITED), lora_id=lora,
                     **self._scope_keys(scope))
         if lora is not None and self.lora_names is not None:
@@ -554,6 +571,10 @@ class SglangScheduled(SglangTree):
             if self.n.names_requests:
                 self.lora_names.register(req, scope.lora_name)
         return req
+
+    def _input_ids(self, tokens: Sequence[int]) -> Any:
+        """A Req's prompt as its `__init__` takes it: an `array('q')`."""
+        return array("q", tokens)
 
     def _scope_keys(self, scope: Scope | None) -> dict[str, Any]:
         """The Req's key arguments for `scope` beyond its LoRA: the caller's extra key
@@ -738,10 +759,7 @@ class SglangScheduled(SglangTree):
         without inserting it, then evictions for the requests still decoding)."""
         live = self._live.pop(seq_id)
         others = sum(1 for other in self._live.values() if not other.extending)
-        self.n.schedule_batch.release_req(
-            req=live.req, remaing_req_count=others, req_to_token_pool=self.rows,
-            token_to_kv_pool_allocator=self.alloc, tree_cache=self.tree,
-            hisparse_coordinator=None, **self._retraction_args())
+        self._retract(live, others)
         self._retracted[seq_id] = live.req
         self._preempted.append(seq_id)
         self._write({"kind": "free", "seq_id": seq_id})
@@ -818,3 +836,4 @@ class _ModelShape:
     vocab_size: int
     is_encoder_decoder: bool
     hf_text_config: _TextConfig
+    is_matryoshka: bool = False  # 0.5.12's prepare_for_extend asks (an embedding model's)
