@@ -59,7 +59,7 @@ from harness.conform.protocol import (
     lora_id_text,
     settle,
 )
-from harness.conform.stubs import StubSpec, install
+from harness.conform.stubs import StubSpec, StubUsedError, install
 from harness.conform.versions import nearest
 
 MODULES = ("sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.base_prefix_cache")
@@ -216,7 +216,9 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     block_size, record, window)` (`sglang_swa.SwaCache`: SGLang's `SWARadixCache` over
     its SWA pools), where `names().swa` says the release's imports and its pools allow
     (the contract's `options` says so; elsewhere none are honoured). Raises ImportError
-    when SGLang does not import, RuntimeError when a package to stub is installed."""
+    when SGLang does not import, RuntimeError when a package to stub is installed,
+    StubUsedError when the scheduler code touches a stub at import (a name the lock's
+    stub should raise on use: `resolve` adds it)."""
     prime_probes(stubs)
     finder = install(stubs)
     sglang_scheduler.set_environment()  # before SGLang reads it at import
@@ -228,19 +230,22 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     known = nearest(found, releases) or found
     engine.known, engine.detected = known, (detect(engine) if known != found else {})
     scheduler = None
-    if sglang_scheduler.present():
+    read = sglang_scheduler.checkpointing() \
+        or (tree_kind == "radix" and found in sglang_legacy.READ)
+    if sglang_scheduler.present() and not read:
+        # before 0.5.22: the releases read, over RadixCache only
+        engine.unscheduled = (f"its code before 0.5.22 is driven over RadixCache on "
+                              f"{', '.join(sglang_legacy.READ)} only (read there)")
+    elif sglang_scheduler.present():
         try:
             for module in sglang_scheduler.MODULES:
                 importlib.import_module(module)
             scheduler = sglang_scheduler.SchedulerNames()
             modules = (*modules, *sglang_scheduler.MODULES)
+        except StubUsedError:  # a name the lock's stub lacks: the lock's to fix (exit 2)
+            raise
         except Exception as exc:  # this lock stubs what the scheduler code imports
             engine.unscheduled = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
-    if scheduler is not None and not scheduler.checkpoints \
-            and (tree_kind != "radix" or found not in sglang_legacy.READ):
-        scheduler = None  # before 0.5.22: the releases read, over RadixCache only
-        engine.unscheduled = (f"its code before 0.5.22 is driven over RadixCache on "
-                              f"{', '.join(sglang_legacy.READ)} only (read there)")
 
     # a window the tree's caller opens (SWARadixCache), where no scheduler code opens one
     tree_window = engine.swa is not None and window_cache is not None \

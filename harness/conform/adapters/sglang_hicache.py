@@ -31,6 +31,7 @@ from typing import Any
 
 from harness.conform.adapters.sglang_scheduler import SglangScheduled
 from harness.conform.protocol import Admission, Scope
+from harness.conform.versions import parse_version
 
 REGISTER_STUB = (
     "pool_host/common.py _cuda_host_register is a no-op while the host pool is built "
@@ -95,9 +96,13 @@ BLOCKED = {
              "torch.cuda.Stream() (managers/cache_controller.py:346)",
     "0.5.12": "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module level "
               "(no CPU build), so hiradix_cache does not import",
-    "0.5.18": "HiRadixCache imports the real device pools (hiradix_cache.py:45), which "
-              "this release's lock stubs (their imports reach the model configs)",
 }
+# the first release whose only host tier is UnifiedRadixCache's (no hiradix_cache.py)
+UNIFIED_ONLY = "0.5.21"
+HIRADIX = ("HiRadixCache, this release's host tier beside RadixCache, is not driven here: "
+           "its HiCacheController runs write and load threads over device streams, and "
+           "the adapter opens a host tier only as UnifiedRadixCache.init_hicache "
+           "(sglang_unified)")
 
 
 def honoured(hicache: bool, tree_kind: str, version: str) -> bool:
@@ -110,9 +115,13 @@ def honoured(hicache: bool, tree_kind: str, version: str) -> bool:
 def blocked_reason(version: str, tree_kind: str) -> tuple[str, str]:
     """Why the adapter opens no host tier on `version` with a tree of `tree_kind`
     ("radix" or "unified"), as the contract's citation of the option
-    ("options.host_blocks", why): the release's blocker where it was read (`BLOCKED`)."""
+    ("options.host_blocks", why): the release's blocker where it was read (`BLOCKED`),
+    else why its tree's host tier is not opened (`HIRADIX` before `UNIFIED_ONLY`)."""
     if version in BLOCKED:
         return "options.host_blocks", BLOCKED[version]
+    if tree_kind != "unified" and parse_version(version).key < \
+            parse_version(UNIFIED_ONLY).key:
+        return "options.host_blocks", HIRADIX
     if tree_kind != "unified":
         return ("options.host_blocks", "SGLang's host tier here is the hierarchical "
                 "UnifiedRadixCache's (sglang_unified), not RadixCache's")

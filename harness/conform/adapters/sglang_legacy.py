@@ -1,7 +1,9 @@
-"""SGLang's own scheduler code before 0.5.22 driving its RadixCache (0.5.10 to 0.5.21:
+"""SGLang's own scheduler code before 0.5.22 driving its RadixCache (0.5.9 to 0.5.21:
 `release_kv_cache` and `release_req`, no `checkpoint_kv_cache`), behind the protocol:
 `LegacyScheduled`, `SglangScheduled` with each release's Req fields and result
-processor (runs in an SGLang venv). `READ` lists the releases read.
+processor (runs in an SGLang venv). `READ` lists the releases read; 0.5.6-0.5.8 have
+the same calls, but their allocator has no `alloc_extend_naive`, the torch twin of its
+extend kernel that the adapter runs in the kernel's place (below).
 
 What differs from 0.5.22's path, each read from those releases' code (the hooks test
 for the feature, not the version, but for the admission reserve):
@@ -58,8 +60,8 @@ from harness.conform.versions import parse_version
 
 # the releases whose scheduler code this module was read against (`sglang.load_sglang`
 # drives no other's: each release before 0.5.22 renames a Req field or a call)
-READ = ("0.5.10", "0.5.10.post1", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1",
-        "0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21")
+READ = ("0.5.9", "0.5.10", "0.5.10.post1", "0.5.12", "0.5.12.post1", "0.5.13",
+        "0.5.13.post1", "0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21")
 # (the contract's field, where these releases' code settles it), in place of 0.5.22's citations
 CITATIONS: tuple[tuple[str, str], ...] = (
     ("matchable_at", "mem_cache/common.py maybe_cache_unfinished_req (the tree's "
@@ -122,7 +124,8 @@ def extend_slots(naive: Callable[..., None]) -> Callable[..., None]:
     pages are short (`alloc_extend` then returns None without reading them)."""
 
     def run(prefix_lens: Any, seq_lens: Any, last_loc: Any, free_pages: Any,
-            out_indices: Any, bs_upper: int, page_size: int) -> None:
+            out_indices: Any, bs_upper: int, page_size: int, *sizing: int) -> None:
+        # sizing: 0.5.9's launch also passes max_num_extend_tokens, a triton block size
         new = (seq_lens + page_size - 1) // page_size - (prefix_lens + page_size - 1) \
             // page_size
         if int(new.sum()) <= len(free_pages):
@@ -164,7 +167,7 @@ def install_torch_kernels(paged: Any, torch: Any) -> None:
 
 class LegacyScheduled(SglangScheduled):
     """`SglangScheduled` over RadixCache on a release with SGLang's scheduler code but no
-    `checkpoint_kv_cache` (0.5.10 to 0.5.21): the Req and result-processor hooks as the
+    `checkpoint_kv_cache` (0.5.9 to 0.5.21): the Req and result-processor hooks as the
     module docstring says."""
 
     def _kv_pools(self) -> tuple[Any, Any, Any]:

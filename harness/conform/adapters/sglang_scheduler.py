@@ -94,16 +94,24 @@ def present() -> bool:
     """Whether this release's scheduler code is the kind the adapter drives:
     `release_kv_cache` in its cache module and SGLang's retraction, `release_req` (a
     function of `schedule_batch` from 0.5.13, a `ScheduleBatch` method before; 0.5.22 on
-    add `checkpoint_kv_cache`, and before it `sglang_legacy` drives the tree's
-    `cache_unfinished_req`), read from its files without importing them; call after
-    `sglang.srt.mem_cache` is imported."""
-    def text(module: str) -> str:
-        spec = importlib.util.find_spec(module)
-        return Path(spec.origin).read_text() if spec and spec.origin else ""
-
-    batch = text("sglang.srt.managers.schedule_batch")
-    return "def release_kv_cache(" in text("sglang.srt.mem_cache.common") \
+    add `checkpoint_kv_cache`, `checkpointing`, and before it `sglang_legacy` drives the
+    tree's `cache_unfinished_req`), read from its files without importing them; call
+    after `sglang.srt.mem_cache` is imported."""
+    batch = _source("sglang.srt.managers.schedule_batch")
+    return "def release_kv_cache(" in _source("sglang.srt.mem_cache.common") \
         and ("\ndef release_req(" in batch or "    def release_req(self, idx" in batch)
+
+
+def checkpointing() -> bool:
+    """Whether the result processor checkpoints through `checkpoint_kv_cache` (0.5.22
+    on), read from the release's cache module as `present` reads."""
+    return "def checkpoint_kv_cache(" in _source("sglang.srt.mem_cache.common")
+
+
+def _source(module: str) -> str:
+    """`module`'s source text, read without importing it; "" where it has none."""
+    spec = importlib.util.find_spec(module)
+    return Path(spec.origin).read_text() if spec and spec.origin else ""
 
 
 class SchedulerNames:

@@ -1,4 +1,4 @@
-"""The torch runs of the two triton launches SGLang 0.5.18's paged allocator makes
+"""The torch runs of the two triton launches SGLang 0.5.9-0.5.21's paged allocator makes
 (`sglang_legacy`): `alloc_decode_kernel`'s rule, the extend's refusal before SGLang's
 `alloc_extend_naive` reads a free page that is not there, and the swap of a module's
 kernel names. Engine-free (torch only); `test_sglang_scheduler.py` runs them under
@@ -61,6 +61,19 @@ def test_an_extend_short_of_pages_never_reaches_the_naive_fill() -> None:
     run(torch.tensor([3]), torch.tensor([12]), torch.tensor([6]), torch.tensor([5, 8]),
         out, 1, P)
     assert len(calls) == 1 and calls[0][-2:] == (P, out.device)
+
+
+def test_an_extend_launch_with_0_5_9s_block_size_fills_the_same_slots() -> None:
+    """0.5.9's launch passes max_num_extend_tokens after the page size (a triton block
+    size): the torch run takes it and hands the naive fill the same arguments."""
+    calls: list[tuple[Any, ...]] = []
+    run = extend_slots(lambda *args: calls.append(args))
+    out = torch.empty((9,), dtype=torch.int64)
+    args = (torch.tensor([3]), torch.tensor([12]), torch.tensor([6]), torch.tensor([5, 8]),
+            out, 1, P)
+    run(*args)
+    run(*args, 16)
+    assert len(calls) == 2 and calls[0] == calls[1]
 
 
 def test_the_kernels_are_swapped_once() -> None:
