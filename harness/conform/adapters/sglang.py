@@ -41,6 +41,7 @@ from typing import Any
 from harness.conform.adapters import (
     sglang_hicache,
     sglang_legacy,
+    sglang_mamba,
     sglang_options,
     sglang_scheduler,
 )
@@ -398,7 +399,8 @@ class SglangCache(SglangTree):
         elif self.s.no_swa:
             base = replace(base, citations=(*base.citations, ("options.window", self.s.no_swa)))
         base = replace(base, citations=(
-            *base.citations, sglang_hicache.blocked_reason(self.s.known, "radix")))
+            *base.citations, sglang_hicache.blocked_reason(self.s.known, "radix"),
+            sglang_mamba.radix_reason(self.s.known)))
         if self.s.unscheduled:
             base = replace(base, notes=(*base.notes, "SGLang's scheduler code does not run "
                                         f"here ({self.s.unscheduled})"))

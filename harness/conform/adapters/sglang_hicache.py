@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from harness.conform.adapters.sglang_scheduler import SglangScheduled
+from harness.conform.adapters.sglang_tree import UNIFIED_ONLY
 from harness.conform.protocol import Admission, Scope
 from harness.conform.versions import parse_version
 
@@ -97,8 +98,6 @@ BLOCKED = {
     "0.5.12": "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module level "
               "(no CPU build), so hiradix_cache does not import",
 }
-# the first release whose only host tier is UnifiedRadixCache's (no hiradix_cache.py)
-UNIFIED_ONLY = "0.5.21"
 HIRADIX = ("HiRadixCache, this release's host tier beside RadixCache, is not driven here: "
            "its HiCacheController runs write and load threads over device streams, and "
            "the adapter opens a host tier only as UnifiedRadixCache.init_hicache "

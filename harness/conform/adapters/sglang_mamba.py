@@ -38,7 +38,9 @@ from harness.conform.adapters.sglang_scheduler import (
     LiveRequest,
     SglangScheduled,
 )
+from harness.conform.adapters.sglang_tree import UNIFIED_ONLY
 from harness.conform.adapters.sglang_window import WindowScheduled
+from harness.conform.versions import parse_version
 
 # SGLang's Mamba snapshot rule (0.5.23, extra buffer), each part where its own code says
 # so; the contract's `state_interval` citation (its `state_rule` "extend-end")
@@ -56,6 +58,21 @@ MAMBA_RULE = (
 
 # the contract's `replicated` entry for `unpinned` (what, the engine code it stands in
 # for, why)
+MAMBA_RADIX = ("MambaRadixCache, this release's hybrid-state tree beside RadixCache, is not "
+               "driven here: the adapter opens a Mamba state only as UnifiedRadixCache's "
+               "MAMBA component (sglang_unified)")
+
+
+def radix_reason(version: str) -> tuple[str, str]:
+    """Why a RadixCache release opens no cache with a `state_interval`, as the contract's
+    citation of the option: its MambaRadixCache is not driven (`MAMBA_RADIX`), or from
+    `UNIFIED_ONLY` the state is UnifiedRadixCache's alone."""
+    if parse_version(version).key < parse_version(UNIFIED_ONLY).key:
+        return "options.state_interval", MAMBA_RADIX
+    return ("options.state_interval", "a Mamba state here is UnifiedRadixCache's MAMBA "
+            "component (sglang_unified), not RadixCache's")
+
+
 PIN_STUB = (
     "Tensor.pin_memory returns the tensor itself during ScheduleBatch.prepare_for_decode "
     "when no accelerator is available (harness.conform.adapters.sglang_mamba.unpinned)",

@@ -55,6 +55,8 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         options = (*options, "state_interval")
     elif tree_kind == "unified":
         notes += (f"no state_interval: {names.no_mamba}",)
+    else:
+        citations += (sglang_mamba.radix_reason(base.version),)
     if not sglang_hicache.honoured(names.hicache, tree_kind, base.version):
         citations += (sglang_hicache.blocked_reason(base.version, tree_kind),)
     elif host_blocks is not None:  # a host tier is opened only apart from the others

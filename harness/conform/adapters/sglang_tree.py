@@ -15,6 +15,10 @@ from typing import Any
 
 from harness.conform.protocol import Contract, event_kind
 
+# the first release whose host tier, window and Mamba state are only UnifiedRadixCache's
+# components (its wheel has no hiradix_cache.py, swa_radix_cache.py, mamba_radix_cache.py)
+UNIFIED_ONLY = "0.5.21"
+
 
 def has_module(name: str) -> bool:
     """Whether this release has module `name`, read without importing it (a missing

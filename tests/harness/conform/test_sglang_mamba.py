@@ -15,7 +15,9 @@ import torch
 
 from harness.conform import ops
 from harness.conform.adapters import sglang_mamba, sglang_options
+from harness.conform.adapters.sglang import contract as radix_contract
 from harness.conform.adapters.sglang_unified import contract as unified_contract
+from harness.conform.controller.checks import check_named
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
 from harness.conform.controller.targets import Target
@@ -89,6 +91,20 @@ def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() ->
     assert both.options == ("window", "chunk_budget", "window_pool", "state_interval")
     assert (both.window, both.window_layout, both.state_rule) == (8, "window-pool",
                                                                   "extend-end")
+
+
+@pytest.mark.parametrize(("version", "why"), [
+    pytest.param("0.5.18", "MambaRadixCache", id="beside-radix-cache"),
+    pytest.param("0.5.23", "not RadixCache's", id="unified-only")])
+def test_a_radix_cache_release_says_why_it_opens_no_mamba_state(version: str,
+                                                                why: str) -> None:
+    """Over RadixCache no cache opens with a state_interval: up to 0.5.20 the release's
+    MambaRadixCache is what is not driven, from 0.5.21 the state is the unified tree's
+    alone; the hybrid family's skip says which."""
+    names = SimpleNamespace(swa=None, mamba=None, names_requests=False, hicache=False)
+    terms = sglang_options.contract(radix_contract(version, B), names, "radix")
+    assert "state_interval" not in terms.options
+    assert why in str(check_named("hybrid_state").skip_reason(terms))
 
 
 @pytest.fixture
