@@ -1,9 +1,11 @@
-"""SGLang 0.5.10's `RadixCache` refusing, judged on the cached install (skipped where it
-is not cached, as the engine smoke is): a chunked admission after an eviction, whose
-first chunk counts from its match's end and whose lock takes the matched page from the
-evictable ones (`PrefillAdder.add_one_req`), so a match needs more than none does; and a
-first admission, which the tree's construction-time `AllBlocksCleared` must not make
-look as if it changed the cache."""
+"""SGLang 0.5.10 admitting and refusing, judged on the cached install (skipped where it
+is not cached, as the engine smoke is), now through its own scheduler code
+(`sglang_legacy`): a chunked admission after its allocator over-evicted the prefix it
+would have matched (finding 19), which the judge must not take for anything else (the
+bounded-match refusal this case first showed under the tree adapter's copy of
+`PrefillAdder` is `tests/harness/oracle/test_capacity.py`'s now); and a first admission,
+which the tree's construction-time `AllBlocksCleared` must not make look as if it
+changed the cache."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from harness.conform.protocol import Scope
 from tests.harness.conform.cached_engines import open_cached
 
 
-def test_a_chunked_admission_refused_for_its_matched_page_is_fair(tmp_path: Path) -> None:
-    """Fuzz seed 12 of window_pool_short: s1's 16 tokens cached and freed; s3, in LoRA
-    y's scope, evicts s1's last two pages and holds 4 of the 6; s7 matches s1's page
-    [1-4], which with its first chunk of 5 needs 3 pages against 2 free or evictable.
-    SGLang refuses it, fairly; the judge, whose count oracle lost track of the eviction,
-    had assumed no match (2 pages) and called the refusal unfair."""
+def test_an_over_evicted_prefix_leaves_a_chunked_admission_unmatched_and_judged_so(
+        tmp_path: Path) -> None:
+    """Fuzz seed 12 of window_pool_short, on 0.5.10's own code: s1's 16 tokens cached and
+    freed; s3 (12 tokens, LoRA y) finds 2 pages free and evicts all 4 of s1's, its whole
+    size and a page rather than the shortfall (finding 19); s3's decode step is skipped
+    (its prompt is not computed); s7 matches nothing and PrefillAdder cuts its first
+    chunk of 5 to a page. Every oracle stays silent: the count oracle, bounded after the
+    eviction, allows the empty match."""
     with open_cached(find_lock("sglang", "0.5.10"), tmp_path) as target:
         contract = target.open(6, 4)
         judge = Judge(contract, 6)
@@ -33,7 +37,10 @@ def test_a_chunked_admission_refused_for_its_matched_page_is_fair(tmp_path: Path
             ops.append("s3", [3]),
             ops.admit("s7", [1, 2, 3, 4, 5, 6, 8, 7, 3], first_chunk=5)])
         found = [v for r in reports for v in judge.observe(r)]
-    assert reports[-1].status == "refused", reports[-1]
+    assert [r.status for r in reports[-3:]] == ["done", "skipped", "done"]
+    assert reports[-3].stats.harness["cachedNumBlocks"] == 0  # all of s1's pages went
+    assert (reports[-1].value["reused_tokens"], reports[-1].value["scheduled_tokens"]) \
+        == (0, 4)
     assert found == [], found
 
 
