@@ -6,8 +6,13 @@ write-through, the layer-first layout (`host_args`). `HostScheduled` (a
 `sglang_scheduler.SglangScheduled`) is the scheduler adapter over it, each op run as
 `HostTier.step` (then `check_hicache_events`, as `Scheduler` calls it before each
 step, `managers/scheduler.py:3889`), and `ready_to_load_host_cache` once a step's batch
-is formed (`:4354`). The contract's parts are here too: the rule (`HOST_RULE`), where the
-adapter opens a host tier (`honoured`) and what blocks it elsewhere (`blocked_reason`).
+is formed (`:4354`). Before 0.5.21 the host tier is `HiRadixCache` beside RadixCache:
+`HiRadixScheduled` opens it on 0.5.16-0.5.20 (`HIRADIX_READ`) under that release's own
+scheduler code (`sglang_legacy`), `HiRadixCache(params, server_args)` building its host
+pool itself, in a process group of one (`single_process_group`: it asks its
+tensor-parallel group's size). The contract's parts are here too: the rules
+(`HOST_RULE`, `HIRADIX_RULE`, `rules`), where the adapter opens a host tier (`honoured`,
+`honoured_radix`) and what blocks it elsewhere (`blocked_reason`).
 
 Two pieces of SGLang's host pool do not run on a CPU, and the adapter replaces them for
 its own calls only (the contract's `replicated` lists both, `REPLICATED`):
@@ -29,6 +34,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from harness.conform.adapters.sglang_legacy import LegacyScheduled
 from harness.conform.adapters.sglang_scheduler import SglangScheduled
 from harness.conform.adapters.sglang_tree import UNIFIED_ONLY
 from harness.conform.protocol import Admission, Scope
@@ -90,6 +96,47 @@ RULES = (
                     "(unified_radix_cache.py:558-559, write_through_threshold 1): the host "
                     "holds every computed page, decoded ones too"))
 READ = ("0.5.23",)  # the releases whose host tier was read by hand (HOST_RULE's)
+
+# HiRadixCache's rule (0.5.20), the contract's `host_blocks` citation on RadixCache
+HIRADIX_RULE = (
+    "--enable-hierarchical-cache before 0.5.21: HiRadixCache(CacheInitParams, ServerArgs), "
+    "a RadixCache subclass that builds its host pool itself (mem_cache/hiradix_cache.py:"
+    "83-120; hicache_ratio x the device pool's tokens, rounded up a page, pool_host/"
+    "base.py:156-159) and asks its tensor-parallel group's size (:126, a process group "
+    "of one here); write_through backs a node up on its first insert (write_through_"
+    "threshold 1, :208-210, :1006-1008), starting the copy inside the insert "
+    "(write_backup, :857-927) only where its parent is backed up, so the host is "
+    "inclusive and the adapter sizes it num_blocks + host_blocks pages; a device eviction "
+    "of a backed-up leaf keeps it on the host (_evict_backuped, :1295-1299); match_prefix "
+    "reports host-resident tokens past the device prefix as host_hit_length "
+    "(:1757-1771), which PrefillAdder loads back before the extend "
+    "(managers/schedule_policy.py:1400-1410 init_load_back); the host evicts its LRU "
+    "leaves when a backup finds it short (evict_host, :1356); a backup's BlockStored and "
+    "a host eviction's BlockRemoved name StorageMedium.CPU (:927, :1377), the device's "
+    "GPU")
+# its two rules of a host hit and its stores (0.5.20)
+HIRADIX_RULES = (
+    ("host_full_hit", "a host hit lies within the match, capped at L - 1 tokens "
+                      "(managers/schedule_batch.py:1631-1636 _compute_max_prefix_len; "
+                      "match_prefix's host_hit_length, mem_cache/hiradix_cache.py:"
+                      "1757-1771)"),
+    ("host_load_reserve", "PrefillAdder loads a host hit back within the admission "
+                          "(managers/schedule_policy.py:1400-1410 init_load_back) under "
+                          "the admission's own budget; nothing is kept for prefills in "
+                          "flight"),
+    ("host_stores", "write_through backs a node up on its first insert "
+                    "(mem_cache/hiradix_cache.py:1006-1008): the host holds every "
+                    "computed page, decoded ones too"))
+# the releases whose HiRadixCache was read (HIRADIX_RULE's)
+HIRADIX_READ = ("0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20")
+
+
+def rules(tree_kind: str) -> tuple[tuple[str, str], ...]:
+    """The host tier's citations for a tree of `tree_kind`: HiRadixCache's (RadixCache's
+    host tier, "radix") or UnifiedRadixCache's."""
+    if tree_kind == "radix":
+        return (("host_blocks", HIRADIX_RULE), *HIRADIX_RULES)
+    return (("host_blocks", HOST_RULE), *RULES)
 # what blocks the host tier where the adapter does not open it (read by hand)
 BLOCKED = {
     "0.5.5": "memory_pool_host.py:15-16 imports sgl_kernel.kvcacheio at module level "
@@ -98,10 +145,16 @@ BLOCKED = {
     "0.5.12": "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module level "
               "(no CPU build), so hiradix_cache does not import",
 }
-HIRADIX = ("HiRadixCache, this release's host tier beside RadixCache, is not driven here: "
-           "its HiCacheController runs write and load threads over device streams, and "
-           "the adapter opens a host tier only as UnifiedRadixCache.init_hicache "
-           "(sglang_unified)")
+HIRADIX = ("HiRadixCache, this release's host tier beside RadixCache, was not read: the "
+           "adapter opens it on 0.5.16-0.5.20 (HIRADIX_READ; before 0.5.16 its host pool "
+           "is mem_cache/memory_pool_host.py, not the pool_host package the adapter's "
+           "copy stand-in binds)")
+
+
+def honoured_radix(version: str) -> bool:
+    """Whether the adapter opens `HiRadixCache` (RadixCache's host tier) on `version`
+    under its own scheduler code: the release was read (`HIRADIX_READ`)."""
+    return version in HIRADIX_READ
 
 
 def honoured(hicache: bool, tree_kind: str, version: str) -> bool:
@@ -214,6 +267,7 @@ class HostTier:
         self.torch, self.kv, self.block_size, self.write = torch, kv, block_size, write
         self._common, self._mha = common, mha
         self.tree: Any = None
+        self._offloads: list[dict[str, Any]] = []  # this step's backups, logged at its end
 
     def open_tree(self, tree_class: Any, server_args: Any, params: Any) -> Any:
         """`tree_class(params)` then its `init_hicache(server_args, params)`, as SGLang's
@@ -225,13 +279,29 @@ class HostTier:
         self.tree = tree
         return tree
 
+    def open_hiradix(self, tree_class: Any, server_args: Any, params: Any) -> Any:
+        """`tree_class(params, server_args)`, SGLang's `HiRadixCache` (before 0.5.21),
+        which builds its host pool itself, not page-locked where no accelerator is."""
+        with unregistered(self.torch, self._common):
+            self.tree = tree_class(params, server_args)
+        return self.tree
+
     @contextmanager
     def step(self) -> Iterator[None]:
         """One op with the copy bound, then the scheduler's poll of HiCache's events
-        (only when the op did not raise)."""
-        with kv_copy_bound(self._mha, self._moved):
-            yield
-            self.tree.check_hicache_events()
+        (only when the op did not raise). The op's backups are written to the log after
+        the op's own entries: a backup copies KV the step's forward pass wrote, which the
+        op logs as its commit once the result processor's cache calls are done
+        (HiRadixCache starts a write-through backup inside them; UnifiedRadixCache
+        queues it for `check_hicache_events`)."""
+        self._offloads = []
+        try:
+            with kv_copy_bound(self._mha, self._moved):
+                yield
+                self.tree.check_hicache_events()
+        finally:
+            for event in self._offloads:
+                self.write(event)
 
     def _moved(self, src_layers: Sequence[Any], dst_layers: Sequence[Any],
                src_indices: Any, dst_indices: Any, page_size: int) -> None:
@@ -245,8 +315,12 @@ class HostTier:
                         strict=True):
             if (s // P, d // P) not in seen:
                 seen.add((s // P, d // P))
-                self.write({"kind": kind, "seq_id": "CACHE", "tokens": [],
-                            "num_tokens": P, "block_ids": [s // P, d // P]})
+                event = {"kind": kind, "seq_id": "CACHE", "tokens": [], "num_tokens": P,
+                         "block_ids": [s // P, d // P]}
+                if kind == "offload":
+                    self._offloads.append(event)
+                else:
+                    self.write(event)
 
 
 class HostScheduled(SglangScheduled):
@@ -301,3 +375,30 @@ class HostScheduled(SglangScheduled):
     def evict(self, num_blocks: int) -> int:
         with self.host.step():
             return super().evict(num_blocks)
+
+
+class HiRadixScheduled(HostScheduled, LegacyScheduled):
+    """`HostScheduled` over `HiRadixCache`, the host tier beside RadixCache before 0.5.21,
+    driven by that release's own scheduler code (`sglang_legacy.LegacyScheduled`): the
+    tree is `HiRadixCache(CacheInitParams, ServerArgs)`, as SGLang's server builds it with
+    `--enable-hierarchical-cache`, its host pool sized by `host_args`."""
+
+    def _build_tree(self) -> Any:
+        params = self.n.CacheInitParams(
+            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
+            page_size=self.block_size, enable_kv_cache_events=self.record)
+        self.host = HostTier(self.n.torch, self.kv, self.block_size, self._write)
+        from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+        single_process_group(self.n.torch)
+        return self.host.open_hiradix(HiRadixCache, self.n.server_args, params)
+
+
+def single_process_group(torch: Any) -> None:
+    """A default process group of one (gloo, in-memory store) where none is: HiRadixCache
+    asks its tensor-parallel group's size at construction and reduces over it after a
+    load-back (`torch.distributed.get_world_size(group=params.tp_cache_group)`, None: the
+    default group), as a server of one GPU has; once per process."""
+    dist = torch.distributed
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

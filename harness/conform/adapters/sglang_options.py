@@ -19,7 +19,7 @@ from harness.conform.adapters import (
     sglang_mamba,
     sglang_scheduler,
 )
-from harness.conform.adapters.sglang_hicache import HostScheduled
+from harness.conform.adapters.sglang_hicache import HiRadixScheduled, HostScheduled
 from harness.conform.adapters.sglang_legacy import LegacyScheduled
 from harness.conform.adapters.sglang_mamba import MambaScheduled, WindowMambaScheduled
 from harness.conform.adapters.sglang_scheduler import SchedulerNames, SglangScheduled
@@ -57,7 +57,8 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         notes += (f"no state_interval: {names.no_mamba}",)
     else:
         citations += (sglang_mamba.radix_reason(base.version),)
-    if not sglang_hicache.honoured(names.hicache, tree_kind, base.version):
+    if not (sglang_hicache.honoured(names.hicache, tree_kind, base.version)
+            or (tree_kind == "radix" and sglang_hicache.honoured_radix(base.version))):
         citations += (sglang_hicache.blocked_reason(base.version, tree_kind),)
     elif host_blocks is not None:  # a host tier is opened only apart from the others
         options = tuple(x for x in options
@@ -68,7 +69,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     if state_interval is not None:
         replicated = (*replicated, sglang_mamba.PIN_STUB)
     if host_blocks is not None:
-        citations += (("host_blocks", sglang_hicache.HOST_RULE), *sglang_hicache.RULES)
+        citations += sglang_hicache.rules(tree_kind)
         replicated = (*replicated, *sglang_hicache.REPLICATED)
     if window is not None:
         citations += (("window", WINDOW_RULE),)
@@ -103,6 +104,11 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     if options.window_pool is not None and options.window is None:
         raise ValueError(f"CacheOptions.window_pool {options.window_pool} sizes a window's "
                          "pool, but no window was asked for")
+    if not names.checkpoints and options.host_blocks is not None \
+            and sglang_hicache.honoured_radix(base.version):
+        terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget,
+                                                host_blocks=options.host_blocks))
+        return HiRadixScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
     if not names.checkpoints:  # before 0.5.22: full attention only (`sglang_legacy`)
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
         if tree_window and options.chunk_budget is None:  # a window is opened apart

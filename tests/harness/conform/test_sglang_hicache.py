@@ -21,7 +21,7 @@ from harness.conform.adapters.sglang import contract as radix_contract
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.locks import pinned
+from harness.conform.controller.locks import find_lock, pinned
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
 from tests.harness.conform.cached_engines import open_cached
@@ -98,12 +98,12 @@ def test_the_host_holds_the_device_copy_and_host_blocks_beyond() -> None:
 
 
 def test_blocked_releases_say_what_blocks_them() -> None:
-    reasons = {v: H.blocked_reason(v, "radix") for v in ("0.5.5", "0.5.12", "0.5.18")}
+    reasons = {v: H.blocked_reason(v, "radix") for v in ("0.5.5", "0.5.12", "0.5.14")}
     assert {name for name, _ in reasons.values()} == {"options.host_blocks"}
     assert "sgl_kernel.kvcacheio" in reasons["0.5.5"][1]
     assert "sgl_kernel.kvcacheio" in reasons["0.5.12"][1]
-    # 0.5.13-0.5.20 import HiRadixCache here; its controller is what is not driven
-    assert reasons["0.5.18"][1] == H.HIRADIX
+    # 0.5.13-0.5.14 import HiRadixCache here, over a host pool module not read
+    assert reasons["0.5.14"][1] == H.HIRADIX
 
 
 def _names(hicache: bool) -> types.SimpleNamespace:
@@ -129,10 +129,22 @@ def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> N
     assert "host_blocks" not in windowed.options + states.options
 
 
+def test_radix_cache_releases_read_open_hiradix_cache_with_its_own_rule() -> None:
+    """0.5.16-0.5.20's host tier is HiRadixCache beside RadixCache: its contract honours
+    host_blocks and cites HiRadixCache's lines, not UnifiedRadixCache's."""
+    plain = sglang_options.contract(radix_contract("0.5.18", B), _names(False), "radix")
+    assert "host_blocks" in plain.options
+    host = sglang_options.contract(radix_contract("0.5.18", B), _names(False), "radix",
+                                   host_blocks=8)
+    cited = dict(host.citations)
+    assert cited["host_blocks"] == H.HIRADIX_RULE and "hiradix_cache.py" in cited["host_stores"]
+    assert host.host_blocks == 8 and set(H.REPLICATED) <= set(host.replicated)
+
+
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
     unread = sglang_options.contract(unified_contract("0.5.22", B), _names(True), "unified")
     radix = sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")
-    old = sglang_options.contract(radix_contract("0.5.18", B), _names(False), "radix")
+    old = sglang_options.contract(radix_contract("0.5.14", B), _names(False), "radix")
     for contract, why in ((unread, "not read (read: 0.5.23)"), (radix, "not RadixCache's"),
                           (old, "HiRadixCache")):
         assert "host_blocks" not in contract.options
@@ -142,9 +154,12 @@ def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
         sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")))
 
 
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[Target]:
-    with open_cached(LOCK, tmp_path) as opened:
+@pytest.fixture(params=[LOCK, find_lock("sglang", "0.5.20")],
+                ids=["unified-radix-cache", "hiradix-cache-0.5.20"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    """The newest `sglang_unified` (UnifiedRadixCache.init_hicache) and SGLang 0.5.20
+    (HiRadixCache beside RadixCache, under its own scheduler code)."""
+    with open_cached(request.param, tmp_path) as opened:
         yield opened
 
 
