@@ -36,9 +36,10 @@ for the feature, not the version, but for the admission reserve):
   the decode's as `alloc_decode_kernel` computes it; the methods around them (the page
   count, the refusal, the free list, the eviction) are SGLang's.
 
-A window, a Mamba state or a host tier is not opened here: these releases'
-UnifiedRadixCache has none of the components `sglang_options` opens them with (a window
-on the `sglang` engine is `sglang_swa.SwaCache`, `sglang.load_sglang` says when).
+A window or a Mamba state is not opened here: these releases' UnifiedRadixCache has
+none of the components `sglang_options` opens them with (a window on the `sglang`
+engine is `sglang_swa.SwaCache`, `sglang.load_sglang` says when); a host tier is their
+HiRadixCache, `sglang_hicache.HiRadixScheduled` over this class.
 """
 
 from __future__ import annotations

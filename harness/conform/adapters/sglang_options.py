@@ -97,9 +97,11 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     The chunk budget is the server's (`server_budget`). Raises ValueError naming a
     `window_pool` asked for without a window, or one SGLang's server would refuse
     (`sglang_window.window_pool_tokens`). Before 0.5.22 (no `checkpoint_kv_cache`) it is
-    `sglang_legacy.LegacyScheduled`, full attention only; `tree_window`: the tree's
-    caller opens a window apart (`sglang.load_sglang`, without a chunk budget), so the
-    contract of a cache opened without a chunk budget lists the window's options."""
+    `sglang_legacy.LegacyScheduled`, full attention only, or with a host tier its
+    HiRadixCache (`sglang_hicache.HiRadixScheduled`, where `honoured_radix`);
+    `tree_window`: the tree's caller opens a window apart (`sglang.load_sglang`, without
+    a chunk budget), so the contract of a cache opened without a chunk budget lists the
+    window's options."""
     budget = sglang_scheduler.server_budget(options.chunk_budget, block_size)
     if options.window_pool is not None and options.window is None:
         raise ValueError(f"CacheOptions.window_pool {options.window_pool} sizes a window's "
