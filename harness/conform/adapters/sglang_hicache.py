@@ -137,6 +137,8 @@ def rules(tree_kind: str) -> tuple[tuple[str, str], ...]:
     if tree_kind == "radix":
         return (("host_blocks", HIRADIX_RULE), *HIRADIX_RULES)
     return (("host_blocks", HOST_RULE), *RULES)
+
+
 # what blocks the host tier where the adapter does not open it (read by hand)
 BLOCKED = {
     "0.5.5": "memory_pool_host.py:15-16 imports sgl_kernel.kvcacheio at module level "
@@ -384,14 +386,12 @@ class HiRadixScheduled(HostScheduled, LegacyScheduled):
     `--enable-hierarchical-cache`, its host pool sized by `host_args`."""
 
     def _build_tree(self) -> Any:
-        params = self.n.CacheInitParams(
-            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
-            page_size=self.block_size, enable_kv_cache_events=self.record)
-        self.host = HostTier(self.n.torch, self.kv, self.block_size, self._write)
         from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 
+        self.host = HostTier(self.n.torch, self.kv, self.block_size, self._write)
         single_process_group(self.n.torch)
-        return self.host.open_hiradix(HiRadixCache, self.n.server_args, params)
+        return self.host.open_hiradix(HiRadixCache, self.n.server_args,
+                                      self.n.CacheInitParams(**self._cache_params()))
 
 
 def single_process_group(torch: Any) -> None:

@@ -405,13 +405,19 @@ class SglangScheduled(SglangTree):
         """The `CacheInitParams` a UnifiedRadixCache's components add: none here."""
         return {}
 
-    def _build_tree(self) -> Any:
-        n, s = self.n, self.s
+    def _cache_params(self) -> dict[str, Any]:
+        """The `CacheInitParams` every tree here takes: the pools, the page, the events
+        (and the LoRA names they carry, where the release has the table)."""
         params: dict[str, Any] = dict(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
             page_size=self.block_size, enable_kv_cache_events=self.record)
         if self.lora_names is not None:
             params["kv_event_lora_names"] = self.lora_names
+        return params
+
+    def _build_tree(self) -> Any:
+        n, s = self.n, self.s
+        params = self._cache_params()
         if self.tree_kind == "unified":
             return self._open_unified(n.CacheInitParams(
                 **params, **self._tree_params(), tree_components=self._components()))
