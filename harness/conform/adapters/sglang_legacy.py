@@ -21,7 +21,7 @@ for the feature, not the version, but for the admission reserve):
 - a request ends with `release_kv_cache(req, tree, is_insert)`, which inserts through
   the tree's `cache_finished_req` (to 0.5.20) or `insert_req` (0.5.21); a retraction is
   `release_req`, a function from 0.5.13 (taking the published `ServerArgs` in
-  0.5.16-0.5.18) and a method of the request's batch before;
+  0.5.13-0.5.18) and a method of the request's batch before;
 - the runtime config is published by `runtime_context.publish` from 0.5.17, by the
   server's `set_global_server_args_for_scheduler` before (`sglang_scheduler`);
 - before 0.5.18 a Req has no `cache_salt`: the salt travels as its extra key;
@@ -267,8 +267,8 @@ class LegacyScheduled(SglangScheduled):
         batch.release_req(batch.reqs.index(live.req), others, self.n.server_args)
 
     def _retraction_args(self) -> dict[str, Any]:
-        """`release_req` reads the published ServerArgs (its disaggregation mode) in
-        0.5.18; from 0.5.19 it takes none."""
+        """`release_req` (the function, 0.5.13 on) reads the published ServerArgs (its
+        disaggregation mode) in 0.5.13-0.5.18; from 0.5.19 it takes none."""
         wants = inspect.signature(self.n.schedule_batch.release_req).parameters
         return {"server_args": self.n.server_args} if "server_args" in wants else {}
 
