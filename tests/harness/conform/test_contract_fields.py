@@ -396,22 +396,28 @@ def test_a_host_load_refused_for_what_a_prefill_in_flight_needs(
         assert "needs 1, 1 of 3 free or evictable" in got[0].message
 
 
-def test_a_host_rule_is_a_closed_choice_and_needs_a_host_tier() -> None:
-    with pytest.raises(ValueError, match=r"Contract\.host_full_hit must be one of "
-                                         r"\('unreused-tail', 'all-but-last'\), got 'all'"):
-        replace(HOSTED, host_full_hit="all")
-    with pytest.raises(ValueError, match=r"Contract\.host_load_reserve must be one of "
-                                         r"\('none', 'inflight-prefills'\), got 'prefills'"):
-        replace(HOSTED, host_load_reserve="prefills")
-    with pytest.raises(ValueError, match=r"Contract\.host_stores must be one of "
-                                         r"\('on-eviction', 'when-computed', 'prompt-only'\), "
-                                         r"got 'at-finish'"):
-        replace(HOSTED, host_stores="at-finish")
-    with pytest.raises(ValueError, match=r"Contract\.host_stores 'prompt-only' is a host "
-                                         r"tier's rule, but the contract has no host tier"):
-        replace(TRIE, host_stores="prompt-only")
-    with pytest.raises(ValueError, match=r"Contract\.host_load_reserve 'inflight-prefills' "
-                                         r"is a host tier's rule, but the contract has no "
-                                         r"host tier"):
-        replace(TRIE, host_load_reserve="inflight-prefills")
+@pytest.mark.parametrize(("base", "field", "value", "message"), [
+    pytest.param("hosted", "host_full_hit", "all",
+                 r"Contract\.host_full_hit must be one of \('unreused-tail', "
+                 r"'all-but-last'\), got 'all'", id="full-hit-choice"),
+    pytest.param("hosted", "host_load_reserve", "prefills",
+                 r"Contract\.host_load_reserve must be one of \('none', "
+                 r"'inflight-prefills'\), got 'prefills'", id="load-reserve-choice"),
+    pytest.param("hosted", "host_stores", "at-finish",
+                 r"Contract\.host_stores must be one of \('on-eviction', 'when-computed', "
+                 r"'prompt-only'\), got 'at-finish'", id="stores-choice"),
+    pytest.param("trie", "host_stores", "prompt-only",
+                 r"Contract\.host_stores 'prompt-only' is a host tier's rule, but the "
+                 r"contract has no host tier", id="stores-needs-a-host"),
+    pytest.param("trie", "host_load_reserve", "inflight-prefills",
+                 r"Contract\.host_load_reserve 'inflight-prefills' is a host tier's rule, "
+                 r"but the contract has no host tier", id="load-reserve-needs-a-host"),
+])
+def test_a_host_rule_is_a_closed_choice_and_needs_a_host_tier(
+        base: str, field: str, value: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        replace(HOSTED if base == "hosted" else TRIE, **{field: value})
+
+
+def test_a_hosted_contract_round_trips() -> None:
     assert Contract.from_dict(HOSTED.as_dict()) == HOSTED

@@ -125,6 +125,17 @@ def test_a_copy_source_is_evicted_after_the_blocks_freed_before_its_admission() 
     assert replay(LocalTarget(kvcache.load()), op_list, 16, B) == []
 
 
+# fuzz seed 127 of 300 from s14's admission on: s14 copies from a cached [6, 38, ...],
+# s15-s17 fill the pool so that s17's eviction chooses, s20 claims what is left
+SEED_127_AFTER_S12 = [
+    ops.admit("s14", [6, 38, 17, 25, 26]),
+    ops.admit("s15", [38, 37, 7, 2, 2, 28, 7, 25, 17, 16, 15, 20]),
+    ops.admit("s16", [38, 37, 10, 32, 34, 16, 3, 7, 7]),
+    ops.append("s15", [5]),
+    ops.admit("s17", [1, 27, 33, 4, 4]),
+    ops.admit("s20", [6, 38, 24, 23])]
+
+
 def test_an_eviction_tie_after_a_copy_goes_to_the_older_release() -> None:
     """Fuzz seed 127 of 300: s14 copies 2 tokens from [6, 38, 24, 23] after s12's free;
     s17's eviction then takes [33, 8] and s12's [17], keeping the copy source, and s20
@@ -133,12 +144,7 @@ def test_an_eviction_tie_after_a_copy_goes_to_the_older_release() -> None:
     op_list = [ops.admit("s1", [6, 38, 24, 23, 33, 8]), ops.commit("s1", 6), ops.free("s1"),
                ops.admit("s12", [17]), ops.commit("s12", 1), ops.preempt("s12"),
                ops.admit("s11", [6, 38, 24, 23, 2, 31, 21, 37, 20], SALT),
-               ops.admit("s14", [6, 38, 17, 25, 26]),
-               ops.admit("s15", [38, 37, 7, 2, 2, 28, 7, 25, 17, 16, 15, 20]),
-               ops.admit("s16", [38, 37, 10, 32, 34, 16, 3, 7, 7]),
-               ops.append("s15", [5]),
-               ops.admit("s17", [1, 27, 33, 4, 4]),
-               ops.admit("s20", [6, 38, 24, 23])]
+               *SEED_127_AFTER_S12]
     assert replay(LocalTarget(kvcache.load()), op_list, 15, B) == []
 
 
@@ -157,7 +163,6 @@ def test_an_append_that_offloads_applies_the_offload_before_its_pass() -> None:
     assert replay(LocalTarget(kvcache.load()), op_list, 5, B, options) == []
 
 
-
 def test_of_two_equal_copy_sources_the_oracle_copies_the_cache_s() -> None:
     """Fuzz seed 127 of 300 once a copy source's release ticked: s14 shares 2 tokens with
     s9's [6, 38, 31, 34] and s1's [6, 38, 24, 23], both followed. The cache copies from
@@ -168,11 +173,5 @@ def test_of_two_equal_copy_sources_the_oracle_copies_the_cache_s() -> None:
                ops.admit("s9", [6, 38, 31, 34, 19]), ops.commit("s9", 5), ops.free("s9"),
                ops.commit("s1", 6), ops.free("s1"),
                ops.admit("s11", [6, 38, 24, 23, 2, 31, 21, 37, 20], SALT),
-               ops.admit("s12", [17]),
-               ops.admit("s14", [6, 38, 17, 25, 26]),
-               ops.admit("s15", [38, 37, 7, 2, 2, 28, 7, 25, 17, 16, 15, 20]),
-               ops.admit("s16", [38, 37, 10, 32, 34, 16, 3, 7, 7]),
-               ops.append("s15", [5]),
-               ops.admit("s17", [1, 27, 33, 4, 4]),
-               ops.admit("s20", [6, 38, 24, 23])]
+               ops.admit("s12", [17]), *SEED_127_AFTER_S12]
     assert replay(LocalTarget(kvcache.load()), op_list, 16, B) == []
