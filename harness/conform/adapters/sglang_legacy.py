@@ -48,6 +48,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import cached_property
 from typing import Any
 
 from harness.conform.adapters.sglang_scheduler import (
@@ -223,22 +224,29 @@ class LegacyScheduled(SglangScheduled):
     def _release(self, req: Any, checkpoint: bool) -> None:
         self.n.common.release_kv_cache(req, self.tree, is_insert=checkpoint)
 
+    @cached_property
     def _lists(self) -> bool:
         """Whether this release's Req keeps its tokens in lists (`origin_input_ids:
         List[int]`, before 0.5.13), not arrays."""
         wants = inspect.signature(self.n.Req.__init__).parameters["origin_input_ids"]
         return "List" in str(wants.annotation)
 
+    @cached_property
+    def _salted(self) -> bool:
+        """Whether this release's Req takes a `cache_salt` beside its extra key (0.5.18
+        on)."""
+        return "cache_salt" in inspect.signature(self.n.Req.__init__).parameters
+
     def _input_ids(self, tokens: Sequence[int]) -> Any:
         """An `array('q')` from 0.5.13, a list before (which `init_next_round_input`
         joins to a list of output ids)."""
-        return list(tokens) if self._lists() else super()._input_ids(tokens)
+        return list(tokens) if self._lists else super()._input_ids(tokens)
 
     def _prepare_decode(self, batch: Any) -> None:
         """Before 0.5.13 `prepare_for_decode` reads the step's sampled tokens from the
         batch's `output_ids`, which `Scheduler.run_batch` sets from the model's output:
         here each request's last output token, the op's."""
-        if self._lists():
+        if self._lists:
             batch.output_ids = self.n.torch.tensor(
                 [int(r.output_ids[-1]) for r in batch.reqs], dtype=self.n.torch.int64)
         super()._prepare_decode(batch)
@@ -246,7 +254,7 @@ class LegacyScheduled(SglangScheduled):
     def _scope_keys(self, scope: Scope | None) -> dict[str, Any]:
         """Before 0.5.18 a Req has no `cache_salt`: the salt travels as its extra key
         (the contract's scope kinds then leave the caller's extra key out)."""
-        if "cache_salt" in inspect.signature(self.n.Req.__init__).parameters:
+        if self._salted:
             return super()._scope_keys(scope)
         return {"extra_key": None if scope is None else scope.salt}
 
