@@ -100,13 +100,16 @@ LEGACY_REPLICATED: tuple[tuple[str, str, str], ...] = (
 def contract(terms: Contract) -> Contract:
     """`terms` (0.5.22's scheduler contract, `sglang_options.contract`) as these
     releases' code makes it: their result processor's citations (`CITATIONS`),
-    `LEGACY_REPLICATED`, and before 0.5.12 an admission that keeps no page beyond its
+    `LEGACY_REPLICATED` in place of 0.5.22's `REPLICATED` (the options' own entries kept),
+    and before 0.5.12 an admission that keeps no page beyond its
     prompt (`RESERVE_CITATION`)."""
     citations = (*(c for c in terms.citations if c not in PROCESSOR_CITATIONS), *CITATIONS)
     reserve = terms.admission_reserve
     if parse_version(terms.version).key < parse_version(PAGE_RESERVED).key:
         reserve, citations = 1, (*citations, RESERVE_CITATION)
-    return replace(terms, citations=citations, replicated=LEGACY_REPLICATED,
+    # the options' own entries (a host tier's, a Mamba state's) stay
+    replicated = (*LEGACY_REPLICATED, *(r for r in terms.replicated if r not in REPLICATED))
+    return replace(terms, citations=citations, replicated=replicated,
                    admission_reserve=reserve)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from harness.conform import ops
 from harness.conform.adapters import sglang_hicache as H
-from harness.conform.adapters import sglang_options
+from harness.conform.adapters import sglang_legacy, sglang_options
 from harness.conform.adapters.sglang import contract as radix_contract
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.checks import check_named
@@ -139,6 +139,9 @@ def test_radix_cache_releases_read_open_hiradix_cache_with_its_own_rule() -> Non
     cited = dict(host.citations)
     assert cited["host_blocks"] == H.HIRADIX_RULE and "hiradix_cache.py" in cited["host_stores"]
     assert host.host_blocks == 8 and set(H.REPLICATED) <= set(host.replicated)
+    # as the legacy scheduler code opens it: its own replicated parts, the host tier's kept
+    legacy = sglang_legacy.contract(host)
+    assert set(H.REPLICATED) | set(sglang_legacy.LEGACY_REPLICATED) == set(legacy.replicated)
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
