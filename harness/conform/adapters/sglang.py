@@ -400,7 +400,9 @@ class SglangCache(SglangTree):
             base = replace(base, citations=(*base.citations, ("options.window", self.s.no_swa)))
         base = replace(base, citations=(
             *base.citations, sglang_hicache.blocked_reason(self.s.known, "radix"),
-            sglang_mamba.radix_reason(self.s.known)))
+            sglang_mamba.radix_reason(self.s.known, "it is opened only under the "
+                                      "release's own scheduler code (sglang_mamba_radix), "
+                                      "which the tree's caller is not")))
         if self.s.unscheduled:
             base = replace(base, notes=(*base.notes, "SGLang's scheduler code does not run "
                                         f"here ({self.s.unscheduled})"))

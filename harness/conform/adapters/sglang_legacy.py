@@ -39,7 +39,8 @@ for the feature, not the version, but for the admission reserve):
 A window or a Mamba state is not opened here: these releases' UnifiedRadixCache has
 none of the components `sglang_options` opens them with (a window on the `sglang`
 engine is `sglang_swa.SwaCache`, `sglang.load_sglang` says when); a host tier is their
-HiRadixCache, `sglang_hicache.HiRadixScheduled` over this class.
+HiRadixCache, `sglang_hicache.HiRadixScheduled` over this class, and a Mamba state
+their MambaRadixCache where the server builds it, `sglang_mamba_radix.MambaRadixScheduled`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ its `MambaPool`, `HybridLinearKVPool`), its extra buffer on and its state block
   `track_mask_cpu.pin_memory()`), which a CPU-only torch refuses ("Cannot access
   accelerator device when none is available"). Page-locking is a transfer optimisation
   that changes no value, so for that call only, and only where no accelerator is
-  available, `Tensor.pin_memory` returns the tensor itself (`PIN_STUB` lists it with
-  the contract's replicated parts);
+  available, `Tensor.pin_memory` returns the tensor itself (and `torch.tensor` drops a
+  `pin_memory=True`, the form 0.5.10-0.5.14 use too) (`PIN_STUB` lists it with the
+  contract's replicated parts);
 - `track_decode_state`: the result processor's decode-state bookkeeping for one request
   after a decode step's forward pass, SGLang's own
   `SchedulerBatchResultProcessor._handle_finish_state_updated_req`
@@ -19,7 +20,7 @@ its `MambaPool`, `HybridLinearKVPool`), its extra buffer on and its state block
   mask, records the tracked state's length, `_mamba_prefix_cache_update` swaps the
   ping-pong slot) on a processor that has only the tree (`tree_cache`, all a request
   that has not finished reads);
-- `drop_waiting`: a refused request gives back the Mamba slot its match took, as
+- `_refused`: a refused request gives back the Mamba slot its match took, as
   SGLang's abort of a queued request does;
 - `slot_problems`: the Mamba slot pool's integrity (every slot free, a state of the
   tree, or a live request's own, never two of them) and `gauges`, its sizes in SGLang's
@@ -28,9 +29,10 @@ its `MambaPool`, `HybridLinearKVPool`), its extra buffer on and its state block
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from harness.conform.adapters.sglang_scheduler import (
     MAX_CONTEXT,
@@ -56,26 +58,22 @@ MAMBA_RULE = (
     "request donates its last state (mamba.py:582-612 _select_finished_checkpoint); a "
     "match ends on the deepest kept state")
 
-# the contract's `replicated` entry for `unpinned` (what, the engine code it stands in
-# for, why)
-MAMBA_RADIX = ("MambaRadixCache, this release's hybrid-state tree beside RadixCache, is not "
-               "driven here: the adapter opens a Mamba state only as UnifiedRadixCache's "
-               "MAMBA component (sglang_unified)")
 
-
-def radix_reason(version: str) -> tuple[str, str]:
+def radix_reason(version: str, why: str) -> tuple[str, str]:
     """Why a RadixCache release opens no cache with a `state_interval`, as the contract's
-    citation of the option: its MambaRadixCache is not driven (`MAMBA_RADIX`), or from
-    `UNIFIED_ONLY` the state is UnifiedRadixCache's alone."""
+    citation of the option: its MambaRadixCache is not driven (`why`,
+    `SchedulerNames.no_mamba_radix`), or from `UNIFIED_ONLY` the state is
+    UnifiedRadixCache's alone."""
     if parse_version(version).key < parse_version(UNIFIED_ONLY).key:
-        return "options.state_interval", MAMBA_RADIX
+        return "options.state_interval", f"MambaRadixCache is not driven here: {why}"
     return ("options.state_interval", "a Mamba state here is UnifiedRadixCache's MAMBA "
             "component (sglang_unified), not RadixCache's")
 
 
 PIN_STUB = (
-    "Tensor.pin_memory returns the tensor itself during ScheduleBatch.prepare_for_decode "
-    "when no accelerator is available (harness.conform.adapters.sglang_mamba.unpinned)",
+    "Tensor.pin_memory returns the tensor itself (and torch.tensor drops pin_memory=True) "
+    "during ScheduleBatch.prepare_for_decode when no accelerator is available "
+    "(harness.conform.adapters.sglang_mamba.unpinned)",
     "managers/schedule_batch.py:3830 track_mask_cpu.pin_memory() (0.5.23), the Mamba "
     "track mask page-locked before its copy to the device",
     "a CPU-only torch cannot page-lock; page-locking changes no value")
@@ -83,59 +81,74 @@ PIN_STUB = (
 
 @contextmanager
 def unpinned(torch: Any) -> Iterator[None]:
-    """While inside, `torch.Tensor.pin_memory` returns the tensor itself, where
-    `torch.accelerator.is_available()` is false (elsewhere nothing changes); the original
-    is back on exit, also when the body raises. Not thread-safe: the worker is one
-    thread."""
+    """While inside, `torch.Tensor.pin_memory` returns the tensor itself and
+    `torch.tensor(..., pin_memory=True)` builds the tensor unpinned (0.5.10-0.5.14 ask
+    the factory for the track indices), where `torch.accelerator.is_available()` is false
+    (elsewhere nothing changes); the originals are back on exit, also when the body
+    raises. Not thread-safe: the worker is one thread."""
     if torch.accelerator.is_available():
         yield
         return
     own = torch.Tensor.__dict__.get("pin_memory")  # else inherited from TensorBase
+    factory = torch.tensor
 
     def pin_memory(self: Any, *_args: Any, **_kwargs: Any) -> Any:
         return self
 
-    torch.Tensor.pin_memory = pin_memory
+    def tensor(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return factory(*args, **kwargs)
+
+    torch.Tensor.pin_memory, torch.tensor = pin_memory, tensor
     try:
         yield
     finally:
+        torch.tensor = factory
         if own is None:
             del torch.Tensor.pin_memory
         else:
             torch.Tensor.pin_memory = own
 
 
-def track_decode_state(processor_class: Any, tree: Any, req: Any, batch: Any) -> None:
+def track_decode_state(processor_class: Any, tree: Any, req: Any, batch: Any,
+                       server_args: Any) -> None:
     """SGLang's result processing of one decode step for `req` (row 0 of `batch`, the
     batch `prepare_for_decode` prepared), not finished: its tracked Mamba state
-    (`_handle_finish_state_updated_req` on a processor that holds only `tree`; no model
-    output: the logits are None and the non-speculative path reads none).
-    Mutates `req.kv`'s track fields as SGLang's scheduler would."""
+    (`_handle_finish_state_updated_req` on a processor that holds only `tree`, and the
+    published `server_args` where it declares them, 0.5.13-0.5.14; no model output: the
+    logits are None and the non-speculative path reads none). Mutates the request's
+    track fields as SGLang's scheduler would."""
     assert not req.finished(), "a finished request is released by the adapter's free"
     processor = processor_class.__new__(processor_class)
     # a frozen dataclass with slots: set as its own __init__ does; a field left unset
     # raises AttributeError where read
     object.__setattr__(processor, "tree_cache", tree)
+    if "server_args" in getattr(processor_class, "__dataclass_fields__", {}):
+        object.__setattr__(processor, "server_args", server_args)
     processor._handle_finish_state_updated_req(req, batch, None, 0, None)
 
 
-def drop_waiting(common: Any, tree: Any, req: Any) -> None:
-    """A request the adder did not admit leaves the queue (the protocol's refusal): as
-    SGLang aborts a queued request (`managers/scheduler.py:5716-5722`: "For mamba radix
-    cache"), `release_kv_cache(checkpoint=False)` gives back the Mamba slot its match
-    took for the state it copies (`mem_cache/common.py:404-415`), so a refusal leaves the
-    Mamba pool as it was. Nothing where it holds none."""
-    if req.kv.holds_mamba:
-        common.release_kv_cache(req, tree, checkpoint=False)
+def mamba_info(req: Any) -> Any:
+    """Where `req` keeps its Mamba fields (`mamba_pool_idx`, the ping-pong track buffer):
+    its `ReqKvInfo` (`req.kv`) where that declares them (0.5.19 on), else the Req."""
+    kv = getattr(req, "kv", None)
+    return kv if hasattr(kv, "mamba_pool_idx") else req
+
+
+def holds_mamba(req: Any) -> bool:
+    """Whether `req` holds a working Mamba slot (`ReqKvInfo.holds_mamba`; SGLang's
+    `mamba_pool_idx is not None` before it)."""
+    return mamba_info(req).mamba_pool_idx is not None
 
 
 def request_slots(req: Any) -> list[int]:
-    """The Mamba slots `req` holds: its working slot and its ping-pong track slots."""
-    kv = req.kv
+    """The Mamba slots `req` holds: its working slot and its ping-pong track slots (an
+    empty one is marked in `mamba_ping_pong_empty` from 0.5.21, -1 before)."""
+    kv = mamba_info(req)
     out = [] if kv.mamba_pool_idx is None else [int(kv.mamba_pool_idx)]
     if kv.mamba_ping_pong_track_buffer is not None:
-        out += [int(x) for x, empty in zip(kv.mamba_ping_pong_track_buffer.tolist(),
-                                           kv.mamba_ping_pong_empty, strict=True) if not empty]
+        track = [int(x) for x in kv.mamba_ping_pong_track_buffer.tolist()]
+        empty = getattr(kv, "mamba_ping_pong_empty", None) or [x == -1 for x in track]
+        out += [x for x, gone in zip(track, empty, strict=True) if not gone]
     return out
 
 
@@ -180,6 +193,13 @@ class MambaScheduled(SglangScheduled):
 
     mamba_layer = 1  # layer 0 full attention
 
+    @property
+    def _mamba(self) -> tuple[Any, ...]:
+        """The Mamba names (`SchedulerNames.mamba`: the pools, the tree's MAMBA component,
+        the result processor)."""
+        assert self.n.mamba is not None and self.tree_kind == "unified", "no MAMBA tree here"
+        return cast(tuple[Any, ...], self.n.mamba)
+
     def _state_tokens(self) -> int | None:
         assert self._contract.state_interval is not None
         return self._contract.state_interval * self.block_size
@@ -189,9 +209,7 @@ class MambaScheduled(SglangScheduled):
         it holds the Mamba pool, with slots for each request row, its two extra-buffer
         slots and a state per page the tree can hold, so the tree never evicts a state
         for want of slots."""
-        n = self.n
-        assert n.mamba is not None and self.tree_kind == "unified", "no MAMBA tree here"
-        rows, _, params, shape = n.mamba[:4]
+        rows, _, params, shape = self._mamba[:4]
         state = params(shape=shape.create(tp_world_size=1, intermediate_size=32, n_groups=1,
                                           num_heads=2, head_dim=16, state_size=8,
                                           conv_kernel=4), layers=[self.mamba_layer])
@@ -206,22 +224,31 @@ class MambaScheduled(SglangScheduled):
         request pool) and its page allocator, as SGLang's server builds them by
         default."""
         n, P = self.n, self.block_size
-        assert n.mamba is not None
-        kv = n.mamba[1](size=self.num_blocks * P, dtype=n.torch.float16, page_size=P,
-                        head_num=1, head_dim=8, full_attention_layer_ids=[0], device="cpu",
-                        enable_memory_saver=False, mamba_pool=self.rows.mamba_pool)
+        pool = self._mamba[1]
+        # 0.5.14 asks whether to transpose the KV layout (no default): SGLang's own is no
+        extra = {"enable_kvcache_transpose": False} \
+            if "enable_kvcache_transpose" in inspect.signature(pool).parameters else {}
+        kv = pool(size=self.num_blocks * P, dtype=n.torch.float16, page_size=P, head_num=1,
+                  head_dim=8, full_attention_layer_ids=[0], device="cpu",
+                  enable_memory_saver=False, mamba_pool=self.rows.mamba_pool, **extra)
         alloc = n.PagedAllocator(self.num_blocks * P, P, n.torch.float16, "cpu", kv,
                                  need_sort=False)
         return kv, alloc, alloc
 
     def _components(self) -> tuple[Any, ...]:
-        return (*super()._components(), self.n.mamba[4])  # type: ignore[index]
+        return (*super()._components(), self._mamba[4])
 
     def _tree_params(self) -> dict[str, Any]:
         return {**super()._tree_params(), "enable_mamba_extra_buffer": True}
 
     def _refused(self, req: Any) -> None:
-        drop_waiting(self.n.common, self.tree, req)
+        """A request the adder did not admit leaves the queue (the protocol's refusal): as
+        SGLang aborts a queued request (`managers/scheduler.py:5716-5722` in 0.5.23,
+        "For mamba radix cache"), its release without checkpoint gives back the Mamba
+        slot its match took for the state it copies (`mem_cache/common.py:404-415`), so a
+        refusal leaves the Mamba pool as it was. Nothing where it holds none."""
+        if holds_mamba(req):
+            self._release(req, checkpoint=False)
 
     def _prepare_decode(self, batch: Any) -> None:
         """`prepare_for_decode` with its track mask not page-locked where no accelerator
@@ -233,8 +260,8 @@ class MambaScheduled(SglangScheduled):
         """The result processor records the state the step tracked
         (`track_decode_state`)."""
         super()._decode_result(live)
-        assert self.n.mamba is not None
-        track_decode_state(self.n.mamba[5], self.tree, live.req, live.batch)
+        track_decode_state(self._mamba[5], self.tree, live.req, live.batch,
+                           self.n.server_args)
 
     def _gauges(self) -> dict[str, int | float]:
         return {**super()._gauges(), **gauges(self.rows, self.tree)}

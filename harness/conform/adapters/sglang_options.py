@@ -4,7 +4,10 @@
 over a UnifiedRadixCache with more: `sglang_window.WindowScheduled` (a window),
 `sglang_mamba.MambaScheduled` (a `state_interval`), `sglang_mamba.WindowMambaScheduled`
 (both), `sglang_hicache.HostScheduled` (`host_blocks`, opened apart from the others);
-`contract` is the scheduler's contract with the options the release honours and the
+before 0.5.22 over RadixCache, `sglang_legacy.LegacyScheduled`, with a host tier
+`sglang_hicache.HiRadixScheduled` and with a `state_interval`
+`sglang_mamba_radix.MambaRadixScheduled` (where the release's server builds those
+trees); `contract` is the scheduler's contract with the options the release honours and the
 rule of each one opened.
 """
 
@@ -17,11 +20,13 @@ from harness.conform.adapters import (
     sglang_hicache,
     sglang_legacy,
     sglang_mamba,
+    sglang_mamba_radix,
     sglang_scheduler,
 )
 from harness.conform.adapters.sglang_hicache import HiRadixScheduled, HostScheduled
 from harness.conform.adapters.sglang_legacy import LegacyScheduled
 from harness.conform.adapters.sglang_mamba import MambaScheduled, WindowMambaScheduled
+from harness.conform.adapters.sglang_mamba_radix import MambaRadixScheduled
 from harness.conform.adapters.sglang_scheduler import SchedulerNames, SglangScheduled
 from harness.conform.adapters.sglang_window import WINDOW_POOL_RULE, WINDOW_RULE, WindowScheduled
 from harness.conform.protocol import CacheOptions, Contract, OptionName
@@ -40,7 +45,8 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     `tree_kind` (`sglang_scheduler.contract`, `chunk_budget` there); with `window`
     (tokens), over a full-and-window UnifiedRadixCache (only where `names.swa` and the
     tree is "unified": `options` says so); with `state_interval` (pages), over a
-    full-and-Mamba one (where `names.mamba`); with a window too, over a FULL+SWA+MAMBA
+    full-and-Mamba one (where `names.mamba`; over RadixCache, a MambaRadixCache where
+    `names.mamba_radix`, else the contract cites why none opens); with a window too, over a FULL+SWA+MAMBA
     one (its window pool `window_pool` pages where set, `sglang_window.window_pool_tokens`:
     honoured with a window only); with `host_blocks` (pages), over a hierarchical full-attention one
     (`HostScheduled`, where `sglang_hicache.honoured`; opened apart from a window or a
@@ -55,8 +61,10 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         options = (*options, "state_interval")
     elif tree_kind == "unified":
         notes += (f"no state_interval: {names.no_mamba}",)
+    elif names.mamba_radix is not None:  # before 0.5.21: MambaRadixCache
+        options = (*options, "state_interval")
     else:
-        citations += (sglang_mamba.radix_reason(base.version),)
+        citations += (sglang_mamba.radix_reason(base.version, names.no_mamba_radix),)
     if not (sglang_hicache.honoured(names.hicache, tree_kind, base.version)
             or (tree_kind == "radix" and sglang_hicache.honoured_radix(base.version))):
         citations += (sglang_hicache.blocked_reason(base.version, tree_kind),)
@@ -67,7 +75,8 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     elif window is None and state_interval is None:
         options = (*options, "host_blocks")
     if state_interval is not None:
-        replicated = (*replicated, sglang_mamba.PIN_STUB)
+        replicated = (*replicated, sglang_mamba.PIN_STUB if tree_kind == "unified"
+                      else sglang_mamba_radix.PIN_STUB)
     if host_blocks is not None:
         citations += sglang_hicache.rules(tree_kind)
         replicated = (*replicated, *sglang_hicache.REPLICATED)
@@ -76,7 +85,9 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     if window_pool is not None:
         citations += (("window_pool", WINDOW_POOL_RULE),)
     if state_interval is not None:
-        citations += (("state_interval", sglang_mamba.MAMBA_RULE),)
+        rule = sglang_mamba.MAMBA_RULE if tree_kind == "unified" \
+            else sglang_mamba_radix.MAMBA_RADIX_RULE
+        citations += (("state_interval", rule),)
     return replace(terms, replicated=replicated, host_blocks=host_blocks,
                    host_stores="when-computed" if "host_blocks" in options else "on-eviction",
                    citations=citations, options=options,
@@ -98,7 +109,9 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     `window_pool` asked for without a window, or one SGLang's server would refuse
     (`sglang_window.window_pool_tokens`). Before 0.5.22 (no `checkpoint_kv_cache`) it is
     `sglang_legacy.LegacyScheduled`, full attention only, or with a host tier its
-    HiRadixCache (`sglang_hicache.HiRadixScheduled`, where `honoured_radix`);
+    HiRadixCache (`sglang_hicache.HiRadixScheduled`, where `honoured_radix`), or with a
+    `state_interval` its MambaRadixCache (`sglang_mamba_radix.MambaRadixScheduled`,
+    where `names.mamba_radix`);
     `tree_window`: the tree's caller opens a window apart (`sglang.load_sglang`, without
     a chunk budget), so the contract of a cache opened without a chunk budget lists the
     window's options."""
@@ -111,6 +124,12 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget,
                                                 host_blocks=options.host_blocks))
         return HiRadixScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
+    if not names.checkpoints and options.state_interval is not None \
+            and names.mamba_radix is not None and tree_kind == "radix":
+        terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget,
+                                                options.state_interval))
+        return MambaRadixScheduled(s, names, tree_kind, terms, num_blocks, block_size,
+                                   record)
     if not names.checkpoints:  # before 0.5.22: full attention only (`sglang_legacy`)
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
         if tree_window and options.chunk_budget is None:  # a window is opened apart

@@ -64,6 +64,13 @@ MAX_CONTEXT = 2048  # tokens per row
 _UNLIMITED = 1 << 30  # max_new_tokens, rem_input_tokens: no limit the protocol knows
 PAGED = "sglang.srt.mem_cache.allocator.paged"
 EVENTS = "sglang.srt.mem_cache.events"
+PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor"
+MAMBA_RADIX = "sglang.srt.mem_cache.mamba_radix_cache"
+# why MambaRadixCache is not driven from 0.5.16 (`_mamba_radix_names`)
+UNIFIED_MAMBA = ("this release's server builds a hybrid Mamba model's tree as "
+                 "UnifiedRadixCache's MAMBA component (mem_cache/registry.py "
+                 "default_radix_cache_factory), not MambaRadixCache; the unified tree's "
+                 "is driven from 0.5.22 (sglang_unified)")
 MODULES = ("sglang.srt.managers.schedule_batch", "sglang.srt.managers.schedule_policy",
            "sglang.srt.mem_cache.common", "sglang.srt.mem_cache.memory_pool",
            "sglang.srt.mem_cache.allocator", "sglang.srt.server_args")
@@ -166,6 +173,9 @@ class SchedulerNames:
         self.hicache = has_module("sglang.srt.mem_cache.pool_host.mha") \
             and has_module("sglang.srt.mem_cache.unified_radix_cache")
         self.mamba, self.no_mamba = _mamba_names()
+        # before 0.5.21 a Mamba state is MambaRadixCache's, beside RadixCache
+        self.mamba_radix, self.no_mamba_radix = _mamba_radix_names() \
+            if not self.checkpoints else (None, "")
 
     def publish_config(self, page_size: int, state_tokens: int | None = None,
                        host: dict[str, Any] | None = None) -> None:
@@ -182,8 +192,11 @@ class SchedulerNames:
             return
         extra: dict[str, Any] = dict(host or {})
         if state_tokens is not None:
-            extra.update(mamba_radix_cache_strategy="extra_buffer",
-                         mamba_track_interval=state_tokens)
+            # the option's name before 0.5.14
+            strategy = "mamba_scheduler_strategy" \
+                if hasattr(self.ServerArgs, "mamba_scheduler_strategy") \
+                else "mamba_radix_cache_strategy"
+            extra.update({strategy: "extra_buffer", "mamba_track_interval": state_tokens})
         args = self.ServerArgs(model_path="dummy", device="cpu", page_size=page_size,
                                attention_backend="torch_native",
                                disable_overlap_schedule=True, **extra)
@@ -245,6 +258,37 @@ def _mamba_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, str]:
         return None, f"the Mamba path does not import here ({type(exc).__name__}: {exc})"
     return (HybridReqToTokenPool, HybridLinearKVPool, Mamba2CacheParams, Mamba2StateShape,
             ComponentType.MAMBA, SchedulerBatchResultProcessor), ""
+
+
+def _mamba_radix_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, str]:
+    """`_mamba_names` for a release before 0.5.22 whose server builds a hybrid Mamba
+    model's tree as `MambaRadixCache` (the scheduler's `init_cache` before 0.5.13,
+    `mem_cache/registry.py` in 0.5.13-0.5.14; from 0.5.16 the registry builds
+    UnifiedRadixCache's MAMBA component, and MambaRadixCache is a module the server does
+    not use): the same pools, the tree class in the component's place and the result
+    processor; or None and why not. Before 0.5.13 the state grid is the FLA kernel's
+    chunk (`ServerArgs.mamba_cache_chunk_size`: max(64, page), a constant no server
+    option moves), so no state block of a few pages opens there."""
+    if not has_module(MAMBA_RADIX):
+        return None, "no MambaRadixCache in this release"
+    if "MambaRadixCache(" not in _source("sglang.srt.mem_cache.registry") \
+            and "MambaRadixCache(params" not in _source("sglang.srt.managers.scheduler"):
+        return None, UNIFIED_MAMBA
+    if "_mamba_cache_chunk_size" not in _source("sglang.srt.server_args") \
+            or not has_module(PROCESSOR):
+        return None, ("its state grid is max(FLA_CHUNK_SIZE = 64, page) tokens "
+                      "(server_args.py ServerArgs.mamba_cache_chunk_size), which no "
+                      "option moves: a state block of a few pages cannot be opened")
+    try:
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+        processor = importlib.import_module(PROCESSOR).SchedulerBatchResultProcessor
+    except ImportError as exc:
+        return None, f"the Mamba path does not import here ({type(exc).__name__}: {exc})"
+    return (HybridReqToTokenPool, HybridLinearKVPool, Mamba2CacheParams, Mamba2StateShape,
+            MambaRadixCache, processor), ""
 
 
 def set_environment() -> None:
@@ -346,7 +390,8 @@ class SglangScheduled(SglangTree):
     full-attention path does): `_state_tokens` and `_host_args` (the published config),
     `_request_pool` and `_kv_pools` (SGLang's pools), `_components`, `_tree_params` and
     `_open_unified` (the tree), `_refused`, `_prepare_decode` and `_decode_result` (the
-    steps), `_gauges` and `_problems` (the stats and the integrity check)."""
+    steps), `_evictable` and `_protected` (the tree's full-attention gauges), `_gauges`
+    and `_problems` (the stats and the integrity check)."""
 
     def __init__(self, s: Any, names: SchedulerNames, tree_kind: str, contract: Contract,
                  num_blocks: int, block_size: int, record: bool) -> None:
@@ -438,6 +483,14 @@ class SglangScheduled(SglangTree):
         """A decode step's forward pass is done: the full-attention path's result touches
         no cache."""
         live.decoding = False
+
+    def _evictable(self) -> int:
+        """The tree's evictable full-attention tokens (`evictable_size`)."""
+        return int(self.tree.evictable_size())
+
+    def _protected(self) -> int:
+        """The tree's locked full-attention tokens (`protected_size`)."""
+        return int(self.tree.protected_size())
 
     def _gauges(self) -> dict[str, int | float]:
         """The gauges of the tree's other components and their pools: none here."""
@@ -564,7 +617,7 @@ class SglangScheduled(SglangTree):
         self._checkpoint(req, last=True)
         req.finished_reason = self.n.FINISH_LENGTH(length=0)
         self._release(req, checkpoint=True)
-        out.update(req=vars(req), batch=vars(batch), evictable_size=self.tree.evictable_size())
+        out.update(req=vars(req), batch=vars(batch), evictable_size=self._evictable())
         self._evict_tokens(2 * P)
         out["take_events"] = self.tree.take_events() if self.record else []
         return out
@@ -781,8 +834,8 @@ class SglangScheduled(SglangTree):
     def stats(self) -> Stats:
         """The tree's gauges (SGLang keeps no prefix-cache counters in it), in tokens."""
         engine: dict[str, int | float] = {
-            "evictable_size": self.tree.evictable_size(),
-            "protected_size": self.tree.protected_size(), "total_size": self._total(),
+            "evictable_size": self._evictable(),
+            "protected_size": self._protected(), "total_size": self._total(),
             "available_size": self.full.available_size(), **self._gauges()}
         return Stats(engine, self._harness_stats())
 
@@ -790,7 +843,7 @@ class SglangScheduled(SglangTree):
         """Pages neither free in SGLang's allocator nor evictable in its tree."""
         P = self.block_size
         return self.num_blocks - self.full.available_size() // P \
-            - int(self.tree.evictable_size()) // P
+            - self._evictable() // P
 
     def _held(self) -> list[int]:
         """The pages live requests hold outside the tree (their rows past the tree's
@@ -807,10 +860,9 @@ class SglangScheduled(SglangTree):
         free_list = [int(p) for p in self._free_pages().tolist()]
         out = page_problems(self._held(), free_list, self._tree_pages(), self.num_blocks,
                             "requests")
-        t = self.tree
         out += self._problems()
-        if t.evictable_size() + t.protected_size() != self._total():
-            out.append(f"evictable {t.evictable_size()} + protected {t.protected_size()} "
+        if self._evictable() + self._protected() != self._total():
+            out.append(f"evictable {self._evictable()} + protected {self._protected()} "
                        f"!= total {self._total()}")
         return out
 
@@ -826,8 +878,8 @@ class SglangScheduled(SglangTree):
     def leak_report(self) -> list[str]:
         """With nothing live: tokens still locked in the tree, request rows still held."""
         out = []
-        if self.tree.protected_size():
-            out.append(f"protected_size {self.tree.protected_size()}: tokens locked with "
+        if self._protected():
+            out.append(f"protected_size {self._protected()}: tokens locked with "
                        "no live request")
         rows = self.rows.available_size()
         if rows != MAX_REQUESTS:

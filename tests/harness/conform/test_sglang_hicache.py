@@ -18,6 +18,7 @@ from harness.conform import ops
 from harness.conform.adapters import sglang_hicache as H
 from harness.conform.adapters import sglang_legacy, sglang_options
 from harness.conform.adapters.sglang import contract as radix_contract
+from harness.conform.adapters.sglang_scheduler import UNIFIED_MAMBA
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.judge import Judge
@@ -109,6 +110,7 @@ def test_blocked_releases_say_what_blocks_them() -> None:
 def _names(hicache: bool) -> types.SimpleNamespace:
     """What `sglang_options.contract` reads of the scheduler's names (0.5.23's)."""
     return types.SimpleNamespace(swa=("pool", "allocator", "SWA"), mamba=("pools",),
+                                 mamba_radix=None, no_mamba_radix=UNIFIED_MAMBA,
                                  names_requests=True, hicache=hicache)
 
 

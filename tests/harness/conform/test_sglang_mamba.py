@@ -14,12 +14,17 @@ import pytest
 import torch
 
 from harness.conform import ops
-from harness.conform.adapters import sglang_mamba, sglang_options
+from harness.conform.adapters import (
+    sglang_legacy,
+    sglang_mamba,
+    sglang_mamba_radix,
+    sglang_options,
+)
 from harness.conform.adapters.sglang import contract as radix_contract
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.locks import pinned
+from harness.conform.controller.locks import find_lock, pinned
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
 from tests.harness.conform.cached_engines import open_cached
@@ -34,14 +39,19 @@ def test_pin_memory_is_the_identity_only_inside_and_is_restored_after_a_raise() 
     t = torch.zeros(3)
     with pytest.raises(RuntimeError, match="accelerator"):
         t.pin_memory()  # what prepare_for_decode meets on a CPU
+    factory = torch.tensor
+    with pytest.raises(RuntimeError, match="pin_memory"):
+        torch.tensor([1, 0], pin_memory=True)  # 0.5.10-0.5.14's track indices
     with sglang_mamba.unpinned(torch):
         assert t.pin_memory() is t
-    assert torch.Tensor.pin_memory is before
+        built = torch.tensor([1, 0], dtype=torch.int64, pin_memory=True)
+        assert built.tolist() == [1, 0] and built.dtype == torch.int64
+    assert torch.Tensor.pin_memory is before and torch.tensor is factory
     assert "pin_memory" not in torch.Tensor.__dict__  # inherited again, as before
     with pytest.raises(KeyError), sglang_mamba.unpinned(torch):
         assert t.pin_memory() is t
         raise KeyError("the call raised")
-    assert torch.Tensor.pin_memory is before
+    assert torch.Tensor.pin_memory is before and torch.tensor is factory
 
 
 def _req(working: int | None, track: list[int], empty: list[bool]) -> SimpleNamespace:
@@ -94,22 +104,48 @@ def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() ->
 
 
 @pytest.mark.parametrize(("version", "why"), [
-    pytest.param("0.5.18", "MambaRadixCache", id="beside-radix-cache"),
+    pytest.param("0.5.18", "MambaRadixCache is not driven here: its server builds "
+                 "UnifiedRadixCache's", id="beside-radix-cache"),
     pytest.param("0.5.23", "not RadixCache's", id="unified-only")])
 def test_a_radix_cache_release_says_why_it_opens_no_mamba_state(version: str,
                                                                 why: str) -> None:
-    """Over RadixCache no cache opens with a state_interval: up to 0.5.20 the release's
-    MambaRadixCache is what is not driven, from 0.5.21 the state is the unified tree's
-    alone; the hybrid family's skip says which."""
-    names = SimpleNamespace(swa=None, mamba=None, names_requests=False, hicache=False)
+    """Where no MambaRadixCache is driven, no cache over RadixCache opens with a
+    state_interval: up to 0.5.20 the skip gives the reason the scheduler's names found
+    (`no_mamba_radix`), from 0.5.21 the state is the unified tree's alone."""
+    names = SimpleNamespace(swa=None, mamba=None, mamba_radix=None,
+                            no_mamba_radix="its server builds UnifiedRadixCache's",
+                            names_requests=False, hicache=False)
     terms = sglang_options.contract(radix_contract(version, B), names, "radix")
     assert "state_interval" not in terms.options
     assert why in str(check_named("hybrid_state").skip_reason(terms))
 
 
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[Target]:
-    with open_cached(LOCK, tmp_path) as opened:
+def test_a_mamba_radix_contract_cites_its_own_rule_and_pin_stub() -> None:
+    """Where the release's server builds MambaRadixCache, a RadixCache release honours a
+    state_interval: its contract cites MambaRadixCache's rule (0.5.14's lines) and the
+    pin stub at those releases' line, and the legacy contract keeps both."""
+    names = SimpleNamespace(swa=None, mamba=None, mamba_radix=("pools",), no_mamba_radix="",
+                            names_requests=False, hicache=False)
+    base = radix_contract("0.5.14", B)
+    assert "state_interval" in sglang_options.contract(base, names, "radix").options
+    terms = sglang_legacy.contract(sglang_options.contract(base, names, "radix",
+                                                           state_interval=2))
+    assert (terms.state_interval, terms.state_rule) == (2, "extend-end")
+    assert ("state_interval", sglang_mamba_radix.MAMBA_RADIX_RULE) in terms.citations
+    assert sglang_mamba_radix.PIN_STUB in terms.replicated
+    assert sglang_mamba.PIN_STUB not in terms.replicated
+    assert set(sglang_legacy.LEGACY_REPLICATED) <= set(terms.replicated)
+
+
+# the trees with a Mamba state: UnifiedRadixCache's MAMBA component (0.5.23), and
+# MambaRadixCache under the legacy scheduler code of a release whose server builds it
+TREES = [pytest.param(LOCK, id="unified-0.5.23"),
+         pytest.param(find_lock("sglang", "0.5.14"), id="mamba-radix-0.5.14")]
+
+
+@pytest.fixture(params=TREES)
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    with open_cached(request.param, tmp_path) as opened:
         yield opened
 
 
@@ -122,7 +158,10 @@ def test_a_decoded_state_block_is_kept_and_reused(target: Target) -> None:
 
 
 def test_a_decoded_state_block_is_kept_with_a_window_too_wide(target: Target) -> None:
-    """The same with a window of 8: FULL+SWA+MAMBA, the window pool's accounting too."""
+    """The same with a window of 8: FULL+SWA+MAMBA, the window pool's accounting too
+    (UnifiedRadixCache only: MambaRadixCache keeps no window)."""
+    if "window" not in target.open(16, B, CacheOptions(state_interval=2)).options:
+        pytest.skip("MambaRadixCache has no window beside its Mamba state")
     _decode_past_a_state_block(target, 8)
 
 

@@ -34,8 +34,9 @@ def names(swa: bool) -> SimpleNamespace:
     and 0.5.23's LoRA-naming event recorder; no hierarchical cache (test_sglang_hicache.py)."""
     return SimpleNamespace(swa=("pool", "allocator", "SWA") if swa else None, mamba=None,
                            no_mamba="the Mamba path does not import here (ModuleNotFoundError:"
-                                    " No module named 'einops')", names_requests=True,
-                           hicache=False)
+                                    " No module named 'einops')", mamba_radix=None,
+                           no_mamba_radix="no MambaRadixCache in this release",
+                           names_requests=True, hicache=False)
 
 
 def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() -> None:
