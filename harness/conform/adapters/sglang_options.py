@@ -60,7 +60,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     if names.mamba is not None and tree_kind == "unified":
         options = (*options, "state_interval")
     elif tree_kind == "unified":
-        notes += (f"no state_interval: {names.no_mamba}",)
+        citations += (("options.state_interval", names.no_mamba),)
     elif names.mamba_radix is not None:  # before 0.5.21: MambaRadixCache
         options = (*options, "state_interval")
     else:

@@ -16,6 +16,7 @@ import pytest
 from harness.conform import ops
 from harness.conform.adapters import sglang_options, sglang_tree
 from harness.conform.adapters.sglang_unified import contract as unified_contract
+from harness.conform.controller.checks import check_named
 from harness.conform.controller.judge import Judge
 from harness.conform.controller.locks import pinned
 from harness.conform.controller.remote import WorkerError
@@ -47,10 +48,10 @@ def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() ->
         ("chunk_budget",)
     assert sglang_options.contract(base, names(True), "radix").options == ("chunk_budget",)
     # a release whose Mamba path does not import (0.5.22's lock has no einops) still runs
-    # its full-attention scheduler path, and says why it honours no state_interval
-    notes = sglang_options.contract(base, names(True), "unified").notes
-    assert "no state_interval: the Mamba path does not import here (ModuleNotFoundError: " \
-           "No module named 'einops')" in notes
+    # its full-attention scheduler path, and the hybrid family's skip says why
+    terms = sglang_options.contract(base, names(True), "unified")
+    assert "the Mamba path does not import here (ModuleNotFoundError: No module named " \
+           "'einops')" in str(check_named("hybrid_state").skip_reason(terms))
 
 
 def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> None:
