@@ -1,5 +1,6 @@
-"""SGLang's `SWARadixCache` (0.5.10 to 0.5.21: `mem_cache/swa_radix_cache.py`) behind the
-cache-level protocol, with `sglang.SglangCache` as its caller (runs in an SGLang venv).
+"""SGLang's `SWARadixCache` (0.5.8 to 0.5.20 here: `mem_cache/swa_radix_cache.py`) behind
+the cache-level protocol, with `sglang.SglangCache` as its caller (runs in an SGLang
+venv).
 
 Opened when a family asks for a `window` on a release whose scheduler code does not run
 here. The pools are SGLang's, as its server builds them for a hybrid sliding-window
@@ -23,13 +24,17 @@ RadixCache's (`SWA_REPLICATED` lists it, with the SGLang function each stands in
   free is `cache_finished_req`: an insert that names what was freed of the window
   (`swa_evicted_seqlen`, inserted as tombstones), the rest freed, the lock returned.
 
-0.5.12 and 0.5.18 open because their locks import the real `memory_pool` (the
-override `transformers-torchvision-backend`, `harness.conform.stubs.OVERRIDES`, lets the
-image-processor registration its import makes pass under the transformers they pin).
-0.5.5 (its `SWATokenToKVPoolAllocator` is token-granular, and its scheduler frees no
-window KV under a radix tree) and the other releases to 0.5.21, whose locks still stub
-`memory_pool` (`SWAKVPool` subclasses its `KVCache`), are not opened: `swa_names` says
-why (`STUBBED_POOLS`).
+It opens where the release's lock imports the real `memory_pool` (0.5.8-0.5.20; 0.5.12's
+and 0.5.18's through the override `transformers-torchvision-backend`,
+`harness.conform.stubs.OVERRIDES`, which lets the image-processor registration its
+import makes pass under the transformers they pin). The tree's calls take parameter
+objects from 0.5.9 (`InsertParams`, `EvictParams`; from 0.5.10 also `DecLockRefParams`,
+a lock's receipt in an `IncLockRefResult`) and positional arguments before;
+0.5.8-0.5.9's scheduler frees window KV as 0.5.10's does. Not opened, `swa_names` saying why: 0.5.5 (its
+`SWATokenToKVPoolAllocator` is token-granular, and its scheduler frees no window KV
+under a radix tree), 0.5.6-0.5.7 (the tree frees a running request's window KV itself,
+`OWN_EVICT_SWA`), a lock that stubs `memory_pool` (`STUBBED_POOLS`), and 0.5.21 (no
+such module).
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ PAGED_SWA_ALLOCATORS = ("sglang.srt.mem_cache.swa_memory_pool",
 # citation), by the release that introduced it (`window_rule`)
 WINDOW_RULES = {
     "0.5.10": (
-        "0.5.10: a running request frees its own window KV only at a decode step's "
+        "0.5.10 (0.5.8-0.5.9 the same: their maybe_evict_swa is 0.5.10's): a running "
+        "request frees its own window KV only at a decode step's "
         "allocation (mem_cache/common.py:431 alloc_for_decode -> managers/schedule_batch.py:"
         "2424-2435 maybe_evict_swa: when decode_batch_idx % sliding_window_size == 1, i.e. the "
         "second decode step and every window after it, counted before :2120 increments it; an "
@@ -140,6 +146,14 @@ TOKEN_GRANULAR = ("SWATokenToKVPoolAllocator is token-granular (mem_cache/alloca
                   "under SWARadixCache (mem_cache/common.py alloc_for_decode evicts only for "
                   "SWAChunkCache)")
 
+# 0.5.6-0.5.7: SWARadixCache(params, sliding_window_size), and the window KV a running
+# request frees is freed by the tree's own evict_swa (mem_cache/common.py
+# alloc_for_extend / alloc_for_decode call batch.tree_cache.evict_swa), not the batch's
+OWN_EVICT_SWA = ("this release's SWARadixCache takes the window beside its CacheInitParams "
+                 "and frees a running request's window KV itself (mem_cache/common.py "
+                 "alloc_for_decode -> tree_cache.evict_swa), a caller form the adapter does "
+                 "not replicate (it replicates ScheduleBatch.maybe_evict_swa, 0.5.8 on)")
+
 
 # why the 0.5.13-0.5.21 locks stub memory_pool (0.5.12's and 0.5.18's did until the
 # override; read in each wheel, 0.5.18's lines): its
@@ -165,7 +179,7 @@ STUBBED_POOLS = (f"this release's lock stubs {POOL_MODULE}, whose KVCache SWAKVP
 
 def window_rule(version: str) -> str:
     """The key of `WINDOW_RULES` whose rule `version` runs (the newest at or before it;
-    `swa_names` opens nothing before 0.5.10)."""
+    0.5.8-0.5.9 run 0.5.10's, `swa_names` opens nothing before 0.5.8)."""
     rule = nearest(version, WINDOW_RULES)
     assert rule is not None
     return rule
@@ -221,8 +235,8 @@ def swa_names() -> tuple[SwaNames | None, str]:
         return None, TOKEN_GRANULAR
     if names.CacheInitParams is None:
         return None, "SWARadixCache takes no CacheInitParams in this release"
-    if names.DecLockRefParams is None:
-        return None, "SWARadixCache's dec_lock_ref takes no DecLockRefParams in this release"
+    if "sliding_window_size" in inspect.signature(names.SWARadixCache.__init__).parameters:
+        return None, OWN_EVICT_SWA
     return names, ""
 
 
@@ -336,10 +350,17 @@ class SwaCache(SglangCache):
         allocation of `num_tokens` evicted together; returns the full slots freed."""
         a = self.alloc
         before = a.full_available_size()
-        self.tree.evict(self.s.EvictParams(
-            num_tokens=num_tokens,
-            swa_num_tokens=max(0, num_tokens - a.swa_available_size())))
+        self._evict_both(num_tokens, max(0, num_tokens - a.swa_available_size()))
         return a.full_available_size() - before
+
+    def _evict_both(self, full: int, swa: int) -> None:
+        """The tree's `evict` of `full` full-attention and `swa` window tokens: an
+        `EvictParams` from 0.5.9, positional before (`evict(full_num_tokens,
+        swa_num_tokens)`)."""
+        if self.s.EvictParams is None:
+            self.tree.evict(full, swa)
+        else:
+            self.tree.evict(self.s.EvictParams(num_tokens=full, swa_num_tokens=swa))
 
     def _make_room(self, need: int) -> bool:
         """`common.evict_from_tree_cache` for `need` pages: each pool's shortfall evicted
@@ -351,25 +372,36 @@ class SwaCache(SglangCache):
         if full > t.full_evictable_size() or swa > t.swa_evictable_size():
             return False
         if full or swa:
-            t.evict(self.s.EvictParams(num_tokens=full, swa_num_tokens=swa))
+            self._evict_both(full, swa)
         return True
 
     def evict(self, num_blocks: int) -> int:
         """The tree's `evict` of full-attention tokens (whole leaves)."""
         before = self.alloc.full_available_size()
-        self.tree.evict(self.s.EvictParams(num_tokens=num_blocks * self.block_size))
+        self._evict_both(num_blocks * self.block_size, 0)
         return (self.alloc.full_available_size() - before) // self.block_size
 
     def _lock(self, node: Any) -> Any:
-        return node, self.tree.inc_lock_ref(node).swa_uuid_for_lock
+        """`inc_lock_ref`'s window receipt: its result's `swa_uuid_for_lock` (0.5.10 on),
+        the uuid itself before."""
+        got = self.tree.inc_lock_ref(node)
+        return node, getattr(got, "swa_uuid_for_lock", got)
 
     def _unlock(self, hold: Any) -> None:
+        """`dec_lock_ref` with the receipt: in a `DecLockRefParams` (0.5.10 on), as its
+        second argument before (0.5.8-0.5.9: `dec_lock_ref(node, swa_uuid_for_lock)`)."""
         node, uuid = hold
-        self.tree.dec_lock_ref(node, self.w.DecLockRefParams(swa_uuid_for_lock=uuid))
+        if self.w.DecLockRefParams is None:
+            self.tree.dec_lock_ref(node, uuid)
+        else:
+            self.tree.dec_lock_ref(node, self.w.DecLockRefParams(swa_uuid_for_lock=uuid))
 
     def _insert(self, key: Any, value: Any, protected: int, swa_evicted: int = 0) -> int:
         """`insert` with the caller's locked length (`prev_prefix_len`) and what it freed
-        of the window (`swa_evicted_seqlen`); the tree frees the duplicates itself."""
+        of the window (`swa_evicted_seqlen`); the tree frees the duplicates itself. An
+        `InsertParams` from 0.5.9, positional before."""
+        if self.s.InsertParams is None:
+            return int(self.tree.insert(key, value, protected, swa_evicted))
         params = self.s.InsertParams(key=key, value=value, prev_prefix_len=protected,
                                      swa_evicted_seqlen=swa_evicted)
         return int(self.tree.insert(params).prefix_len)

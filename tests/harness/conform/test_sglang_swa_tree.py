@@ -1,7 +1,8 @@
 """SGLang's `SWARadixCache` (before 0.5.22) behind the protocol: the window rule of
 0.5.10's scheduler, which the adapter replicates as the tree's caller, checked without an
-engine; one sliding-window op list runs on the cached 0.5.10 install (skipped where it is
-not cached, as the engine smoke is)."""
+engine; the sliding-window op lists run on the cached 0.5.8, 0.5.9 and 0.5.10 installs
+(and 0.5.12's, 0.5.18's own; each skipped where it is not cached, as the engine smoke
+is)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from tests.harness.conform.cached_engines import open_cached
 from tests.harness.conform.window_ops import decode_run_ops, short_window_pool_ops
 
 B = 4
-LOCK = find_lock("sglang", "0.5.10")
 
 
 @pytest.mark.parametrize(("rule", "window", "want"), [
@@ -63,6 +63,7 @@ def test_window_kv_is_freed_below_the_window_never_below_the_tree(
 
 
 @pytest.mark.parametrize(("version", "rule"), [
+    pytest.param("0.5.8", "0.5.10", id="0.5.8"), pytest.param("0.5.9", "0.5.10", id="0.5.9"),
     pytest.param("0.5.10", "0.5.10", id="0.5.10"), pytest.param("0.5.11", "0.5.10", id="0.5.11"),
     pytest.param("0.5.12.post1", "0.5.12", id="0.5.12.post1"),
     pytest.param("0.5.18", "0.5.18", id="0.5.18"),
@@ -71,9 +72,12 @@ def test_each_release_runs_the_newest_window_rule_before_it(version: str, rule: 
     assert window_rule(version) == rule
 
 
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[Target]:
-    with open_cached(LOCK, tmp_path) as opened:
+@pytest.fixture(params=["0.5.10", "0.5.9", "0.5.8"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    """0.5.10's SWARadixCache, and 0.5.9's and 0.5.8's (the same window rule; their
+    tree's calls the older forms: positional insert and evict on 0.5.8, the lock's
+    receipt a bare uuid on both)."""
+    with open_cached(find_lock("sglang", request.param), tmp_path) as opened:
         yield opened
 
 
