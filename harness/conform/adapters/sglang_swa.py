@@ -30,11 +30,10 @@ and 0.5.18's through the override `transformers-torchvision-backend`,
 import makes pass under the transformers they pin). The tree's calls take parameter
 objects from 0.5.9 (`InsertParams`, `EvictParams`; from 0.5.10 also `DecLockRefParams`,
 a lock's receipt in an `IncLockRefResult`) and positional arguments before;
-0.5.8-0.5.9's scheduler frees window KV as 0.5.10's does. Not opened, `swa_names` saying why: 0.5.5 (its
-`SWATokenToKVPoolAllocator` is token-granular, and its scheduler frees no window KV
-under a radix tree), 0.5.6-0.5.7 (the tree frees a running request's window KV itself,
-`OWN_EVICT_SWA`), a lock that stubs `memory_pool` (`STUBBED_POOLS`), and 0.5.21 (no
-such module).
+0.5.8-0.5.9's scheduler frees window KV as 0.5.10's does. Not opened, `swa_names` saying why: 0.5.5-0.5.7 (their
+`SWATokenToKVPoolAllocator` is token-granular, and their scheduler frees no window KV
+under a radix tree, `TOKEN_GRANULAR`), a lock that stubs `memory_pool`
+(`STUBBED_POOLS`), and 0.5.21 (no such module).
 """
 
 from __future__ import annotations
@@ -146,15 +145,6 @@ TOKEN_GRANULAR = ("SWATokenToKVPoolAllocator is token-granular (mem_cache/alloca
                   "under SWARadixCache (mem_cache/common.py alloc_for_decode evicts only for "
                   "SWAChunkCache)")
 
-# 0.5.6-0.5.7: SWARadixCache(params, sliding_window_size), and the window KV a running
-# request frees is freed by the tree's own evict_swa (mem_cache/common.py
-# alloc_for_extend / alloc_for_decode call batch.tree_cache.evict_swa), not the batch's
-OWN_EVICT_SWA = ("this release's SWARadixCache takes the window beside its CacheInitParams "
-                 "and frees a running request's window KV itself (mem_cache/common.py "
-                 "alloc_for_decode -> tree_cache.evict_swa), a caller form the adapter does "
-                 "not replicate (it replicates ScheduleBatch.maybe_evict_swa, 0.5.8 on)")
-
-
 # why the 0.5.13-0.5.21 locks stub memory_pool (0.5.12's and 0.5.18's did until the
 # override; read in each wheel, 0.5.18's lines): its
 # import of sglang.srt.configs (memory_pool.py:52) runs configs/__init__.py:24 ->
@@ -179,7 +169,7 @@ STUBBED_POOLS = (f"this release's lock stubs {POOL_MODULE}, whose KVCache SWAKVP
 
 def window_rule(version: str) -> str:
     """The key of `WINDOW_RULES` whose rule `version` runs (the newest at or before it;
-    0.5.8-0.5.9 run 0.5.10's, `swa_names` opens nothing before 0.5.8)."""
+    0.5.8-0.5.9 run 0.5.10's; `swa_names` opens nothing before 0.5.8)."""
     rule = nearest(version, WINDOW_RULES)
     assert rule is not None
     return rule
@@ -235,8 +225,6 @@ def swa_names() -> tuple[SwaNames | None, str]:
         return None, TOKEN_GRANULAR
     if names.CacheInitParams is None:
         return None, "SWARadixCache takes no CacheInitParams in this release"
-    if "sliding_window_size" in inspect.signature(names.SWARadixCache.__init__).parameters:
-        return None, OWN_EVICT_SWA
     return names, ""
 
 
