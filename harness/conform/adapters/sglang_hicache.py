@@ -7,10 +7,11 @@ write-through, the layer-first layout (`host_args`). `HostScheduled` (a
 `HostTier.step` (then `check_hicache_events`, as `Scheduler` calls it before each
 step, `managers/scheduler.py:3889`), and `ready_to_load_host_cache` once a step's batch
 is formed (`:4354`). Before 0.5.21 the host tier is `HiRadixCache` beside RadixCache:
-`HiRadixScheduled` opens it on 0.5.16-0.5.20 (`HIRADIX_READ`) under that release's own
+`HiRadixScheduled` opens it on 0.5.14-0.5.20 (`HIRADIX_READ`) under that release's own
 scheduler code (`sglang_legacy`), `HiRadixCache(params, server_args)` building its host
-pool itself, in a process group of one (`single_process_group`: it asks its
-tensor-parallel group's size). The contract's parts are here too: the rules
+pool itself (in `pool_host.mha` from 0.5.16, in `memory_pool_host.py` before), in a
+process group of one (`single_process_group`: it asks its tensor-parallel group's
+size). The contract's parts are here too: the rules
 (`HOST_RULE`, `HIRADIX_RULE`, `rules`), where the adapter opens a host tier (`honoured`,
 `honoured_radix`) and what blocks it elsewhere (`blocked_reason`).
 
@@ -21,7 +22,8 @@ its own calls only (the contract's `replicated` lists both, `REPLICATED`):
   `_cuda_host_register` (`torch.cuda.cudart()`), which a CPU-only torch refuses; while
   the host pool is built, where no accelerator is, it is a no-op (page-locking changes
   no value);
-- `kv_copy_bound` and `transfer_kv_direct`: `pool_host/mha.py` binds sgl-kernel's
+- `kv_copy_bound` and `transfer_kv_direct`: `pool_host/mha.py` (before 0.5.16
+  `memory_pool_host.py:51-66`) binds sgl-kernel's
   compiled `transfer_kv_direct` only on CUDA/ROCm/XPU (`mha.py:60-89`) and calls it to
   move pages between the tiers (`:513` `load_to_device_per_layer`, `:677`
   `backup_from_device_all_layer`); where it is unbound, the adapter binds a torch copy
@@ -30,13 +32,14 @@ its own calls only (the contract's `replicated` lists both, `REPLICATED`):
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from harness.conform.adapters.sglang_legacy import LegacyScheduled
 from harness.conform.adapters.sglang_scheduler import SglangScheduled
-from harness.conform.adapters.sglang_tree import UNIFIED_ONLY
+from harness.conform.adapters.sglang_tree import UNIFIED_ONLY, has_module
 from harness.conform.protocol import Admission, Scope
 from harness.conform.versions import parse_version
 
@@ -59,6 +62,9 @@ COPY_STUB = (
     "follows which page moved where (the stand-in logs each as an offload or onboard), "
     "not the values")
 REPLICATED = (REGISTER_STUB, COPY_STUB)
+# where the MHA host pool lives: its own module from 0.5.16, memory_pool_host.py before
+HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha",
+                     "sglang.srt.mem_cache.memory_pool_host")
 
 # SGLang's host-tier rule (0.5.23), the contract's `host_blocks` citation
 HOST_RULE = (
@@ -127,15 +133,38 @@ HIRADIX_RULES = (
     ("host_stores", "write_through backs a node up on its first insert "
                     "(mem_cache/hiradix_cache.py:1006-1008): the host holds every "
                     "computed page, decoded ones too"))
-# the releases whose HiRadixCache was read (HIRADIX_RULE's)
-HIRADIX_READ = ("0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20")
+# HiRadixCache's rule before 0.5.16 (0.5.14's lines): the same behaviour, its host pool
+# in memory_pool_host.py
+HIRADIX_RULE_0514 = (
+    "--enable-hierarchical-cache in 0.5.14: HiRadixCache(CacheInitParams, "
+    "ServerArgs) builds its host pool itself (mem_cache/hiradix_cache.py:78-88, "
+    "memory_pool_host.py MHATokenToKVPoolHost; hicache_ratio x the device pool's tokens "
+    "plus a padding page, pool_host/base.py:60-66) and asks its tensor-parallel group's "
+    "size (pool_host/base.py:108, a process group of one here); write_through backs a "
+    "node up on its first hit (write_through_threshold 1, hiradix_cache.py:180-182; "
+    "_inc_hit_count :896-905 from the insert), starting the copy inside the insert "
+    "(write_backup :759-790), so the host is inclusive and the adapter sizes it "
+    "num_blocks + host_blocks pages; a device eviction of a backed-up leaf keeps it on "
+    "the host (_evict_backuped :1081-1090); match_prefix reports host-resident tokens past "
+    "the device prefix as host_hit_length (:1438-1468), which PrefillAdder loads back "
+    "before the extend (managers/schedule_policy.py:931-935 init_load_back); the host "
+    "evicts its LRU leaves when a backup finds it short (write_backup :774, evict_host "
+    ":1106); a backup's BlockStored and a host eviction's BlockRemoved name "
+    "StorageMedium.CPU (:829, :1127), the device's GPU")
+# the first release whose HiRadixCache keeps its host pool in pool_host (HIRADIX_RULE's)
+POOL_HOST_PACKAGE = "0.5.16"
+# the releases whose HiRadixCache was read (HIRADIX_RULE's, HIRADIX_RULE_0514's)
+HIRADIX_READ = ("0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20")
 
 
-def rules(tree_kind: str) -> tuple[tuple[str, str], ...]:
-    """The host tier's citations for a tree of `tree_kind`: HiRadixCache's (RadixCache's
-    host tier, "radix") or UnifiedRadixCache's."""
+def rules(tree_kind: str, version: str) -> tuple[tuple[str, str], ...]:
+    """The host tier's citations for a tree of `tree_kind` on `version`: HiRadixCache's
+    (RadixCache's host tier, "radix": 0.5.14's lines before `POOL_HOST_PACKAGE`, 0.5.20's
+    from it) or UnifiedRadixCache's."""
     if tree_kind == "radix":
-        return (("host_blocks", HIRADIX_RULE), *HIRADIX_RULES)
+        older = parse_version(version).key < parse_version(POOL_HOST_PACKAGE).key
+        return (("host_blocks", HIRADIX_RULE_0514 if older else HIRADIX_RULE),
+                *HIRADIX_RULES)
     return (("host_blocks", HOST_RULE), *RULES)
 
 
@@ -146,11 +175,14 @@ BLOCKED = {
              "torch.cuda.Stream() (managers/cache_controller.py:346)",
     "0.5.12": "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module level "
               "(no CPU build), so hiradix_cache does not import",
+    **dict.fromkeys(("0.5.13", "0.5.13.post1"), (
+        "memory_pool_host.py:180-203 alloc_with_host_register page-locks the host buffer "
+        "inline with torch.cuda.cudart().cudaHostRegister (no pool_host package yet), "
+        "which a CPU-only torch refuses and the adapter's no-op for pool_host/common.py's "
+        "_cuda_host_register (0.5.14 on) does not reach")),
 }
 HIRADIX = ("HiRadixCache, this release's host tier beside RadixCache, was not read: the "
-           "adapter opens it on 0.5.16-0.5.20 (HIRADIX_READ; before 0.5.16 its host pool "
-           "is mem_cache/memory_pool_host.py, not the pool_host package the adapter's "
-           "copy stand-in binds)")
+           "adapter opens it on 0.5.14-0.5.20 (HIRADIX_READ)")
 
 
 def honoured_radix(version: str) -> bool:
@@ -264,10 +296,14 @@ class HostTier:
 
     def __init__(self, torch: Any, kv: Any, block_size: int,
                  write: Callable[[dict[str, Any]], None]) -> None:
-        from sglang.srt.mem_cache.pool_host import common, mha
+        from sglang.srt.mem_cache.pool_host import common
 
         self.torch, self.kv, self.block_size, self.write = torch, kv, block_size, write
-        self._common, self._mha = common, mha
+        # the module whose MHA host pool calls transfer_kv_direct: pool_host.mha from
+        # 0.5.16, mem_cache/memory_pool_host.py before (its own unbound global there too)
+        self._common = common
+        self._mha = importlib.import_module(
+            HOST_POOL_MODULES[0] if has_module(HOST_POOL_MODULES[0]) else HOST_POOL_MODULES[1])
         self.tree: Any = None
         self._offloads: list[dict[str, Any]] = []  # this step's backups, logged at its end
 

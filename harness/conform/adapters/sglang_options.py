@@ -78,7 +78,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         replicated = (*replicated, sglang_mamba.PIN_STUB if tree_kind == "unified"
                       else sglang_mamba_radix.PIN_STUB)
     if host_blocks is not None:
-        citations += sglang_hicache.rules(tree_kind)
+        citations += sglang_hicache.rules(tree_kind, base.version)
         replicated = (*replicated, *sglang_hicache.REPLICATED)
     if window is not None:
         citations += (("window", WINDOW_RULE),)

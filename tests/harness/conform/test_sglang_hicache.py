@@ -99,12 +99,14 @@ def test_the_host_holds_the_device_copy_and_host_blocks_beyond() -> None:
 
 
 def test_blocked_releases_say_what_blocks_them() -> None:
-    reasons = {v: H.blocked_reason(v, "radix") for v in ("0.5.5", "0.5.12", "0.5.14")}
+    reasons = {v: H.blocked_reason(v, "radix")
+               for v in ("0.5.5", "0.5.12", "0.5.10", "0.5.13.post1")}
     assert {name for name, _ in reasons.values()} == {"options.host_blocks"}
     assert "sgl_kernel.kvcacheio" in reasons["0.5.5"][1]
     assert "sgl_kernel.kvcacheio" in reasons["0.5.12"][1]
-    # 0.5.13-0.5.14 import HiRadixCache here, over a host pool module not read
-    assert reasons["0.5.14"][1] == H.HIRADIX
+    # 0.5.9-0.5.10's HiRadixCache was not read; 0.5.13's host pool registers inline
+    assert reasons["0.5.10"][1] == H.HIRADIX
+    assert "cudaHostRegister" in reasons["0.5.13.post1"][1]
 
 
 def _names(hicache: bool) -> types.SimpleNamespace:
@@ -132,8 +134,9 @@ def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> N
 
 
 def test_radix_cache_releases_read_open_hiradix_cache_with_its_own_rule() -> None:
-    """0.5.16-0.5.20's host tier is HiRadixCache beside RadixCache: its contract honours
-    host_blocks and cites HiRadixCache's lines, not UnifiedRadixCache's."""
+    """0.5.14-0.5.20's host tier is HiRadixCache beside RadixCache: its contract honours
+    host_blocks and cites HiRadixCache's lines (0.5.14's before its host pool moved to
+    pool_host in 0.5.16), not UnifiedRadixCache's."""
     plain = sglang_options.contract(radix_contract("0.5.18", B), _names(False), "radix")
     assert "host_blocks" in plain.options
     host = sglang_options.contract(radix_contract("0.5.18", B), _names(False), "radix",
@@ -144,12 +147,16 @@ def test_radix_cache_releases_read_open_hiradix_cache_with_its_own_rule() -> Non
     # as the legacy scheduler code opens it: its own replicated parts, the host tier's kept
     legacy = sglang_legacy.contract(host)
     assert set(H.REPLICATED) | set(sglang_legacy.LEGACY_REPLICATED) == set(legacy.replicated)
+    older = sglang_options.contract(radix_contract("0.5.14", B), _names(False), "radix",
+                                    host_blocks=8)
+    assert dict(older.citations)["host_blocks"] == H.HIRADIX_RULE_0514
+    assert "memory_pool_host.py" in H.HIRADIX_RULE_0514
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
     unread = sglang_options.contract(unified_contract("0.5.22", B), _names(True), "unified")
     radix = sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")
-    old = sglang_options.contract(radix_contract("0.5.14", B), _names(False), "radix")
+    old = sglang_options.contract(radix_contract("0.5.10", B), _names(False), "radix")
     for contract, why in ((unread, "not read (read: 0.5.23)"), (radix, "not RadixCache's"),
                           (old, "HiRadixCache")):
         assert "host_blocks" not in contract.options
@@ -159,11 +166,12 @@ def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
         sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")))
 
 
-@pytest.fixture(params=[LOCK, find_lock("sglang", "0.5.20")],
-                ids=["unified-radix-cache", "hiradix-cache-0.5.20"])
+@pytest.fixture(params=[LOCK, find_lock("sglang", "0.5.20"), find_lock("sglang", "0.5.14")],
+                ids=["unified-radix-cache", "hiradix-cache-0.5.20", "hiradix-cache-0.5.14"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
-    """The newest `sglang_unified` (UnifiedRadixCache.init_hicache) and SGLang 0.5.20
-    (HiRadixCache beside RadixCache, under its own scheduler code)."""
+    """The newest `sglang_unified` (UnifiedRadixCache.init_hicache), and SGLang 0.5.20
+    and 0.5.14 (HiRadixCache beside RadixCache, under its own scheduler code; 0.5.14's
+    host pool in memory_pool_host.py)."""
     with open_cached(request.param, tmp_path) as opened:
         yield opened
 
