@@ -151,6 +151,10 @@ class SchedulerNames:
         # the result processor's checkpoint (0.5.22 on); before, the tree's own
         # cache_unfinished_req (`sglang_legacy.LegacyScheduled`)
         self.checkpoints = hasattr(common, "checkpoint_kv_cache")
+        # where an extend's allocation evicts and takes pages (the report's trace):
+        # common.py before 0.5.16, allocation.py from it
+        self.allocation = common if hasattr(common, "alloc_paged_token_slots_extend") \
+            else importlib.import_module("sglang.srt.mem_cache.allocation")
         # the table of LoRA names the scheduler fills for KV events (0.5.22 on; None
         # before, whose events name no LoRA): from 0.5.23 it also names each request's
         # namespace (register(req, name)), which makes the default event format
@@ -577,6 +581,8 @@ class SglangScheduled(SglangTree):
             "ScheduleBatch.prepare_for_extend": (n.ScheduleBatch, "prepare_for_extend"),
             "ScheduleBatch.prepare_for_decode": (n.ScheduleBatch, "prepare_for_decode"),
             "ScheduleBatch.check_decode_mem": (n.ScheduleBatch, "check_decode_mem"),
+            "alloc_paged_token_slots_extend": (n.allocation, "alloc_paged_token_slots_extend"),
+            "evict_from_tree_cache": (n.common, "evict_from_tree_cache"),
             "ReqToTokenPool.__init__": (n.ReqToTokenPool, "__init__"),
             "PagedTokenToKVPoolAllocator.__init__": (n.PagedAllocator, "__init__"),
             "PagedTokenToKVPoolAllocator.alloc_extend": (n.PagedAllocator, "alloc_extend"),
@@ -592,9 +598,10 @@ class SglangScheduled(SglangTree):
 
     def engine_calls(self) -> dict[str, tuple[str, ...]]:
         """The SGLang functions each op kind calls (an allocation evicts leaves when the
-        pool is short)."""
+        pool is short: `evict_from_tree_cache` asks the tree's `evict`)."""
         extend = ("PrefillAdder.__init__", "ScheduleBatch.init_new",
-                  "ScheduleBatch.prepare_for_extend", "PagedTokenToKVPoolAllocator.alloc_extend",
+                  "ScheduleBatch.prepare_for_extend", "alloc_paged_token_slots_extend",
+                  "evict_from_tree_cache", "PagedTokenToKVPoolAllocator.alloc_extend",
                   "evict")
         return {"admit": ("Req.__init__", "Req.init_next_round_input", "match_kv_cache",
                           "PrefillAdder.add_one_req", *extend),

@@ -192,6 +192,9 @@ def test_an_allocation_evicts_only_its_shortfall_from_0_5_17(target: Target) -> 
     else:
         assert (found.status, found.oracle) == ("fail", "scenario")
         assert found.known["number"] == 19
+        # the report's trace names the function where the finding lives
+        assert found.went_through is not None
+        assert any(f.endswith("common.py: evict_from_tree_cache") for f in found.went_through)
 
 
 def released(target: Target, version: str) -> bool:
