@@ -86,9 +86,13 @@ RULES = (("host_full_hit", FULL_HIT_RULE), ("host_load_reserve", LOAD_RESERVE_RU
 # The same two rules' own lines in the earlier releases whose host tier opens (read
 # 2026-12-02): v1/core/sched/scheduler.py's `num_computed_tokens = num_tokens - 1` in
 # _update_waiting_for_remote_kv, and the allocation that reserves
-# _inflight_prefill_reserved_blocks() with that method's definition
+# _inflight_prefill_reserved_blocks() with that method's definition (0.27.1's file is
+# 0.27.0's byte for byte)
 _RULE_LINES = {"0.26.0": (2582, 933, 2536), "0.27.0": (2674, 971, 2628),
-               "0.28.0": (2762, 1031, 2716), "0.29.0": (2855, 1075, 2809)}
+               "0.27.1": (2674, 971, 2628),
+               "0.28.0": (2762, 1031, 2716), "0.29.0": (2855, 1075, 2809),
+               "0.30.0": (2958, 1157, 2912), "0.31.0": (3096, 1202, 3032),
+               "0.32.0": (3172, 1249, 3088)}
 
 
 def rules(version: str) -> tuple[tuple[str, str], ...]:
@@ -116,18 +120,28 @@ _STORES_RULE = (
     "(first added; a resumed request's decoded tokens are not its prompt), stored at the "
     "step that computes them{hits}; a chunk a decode step filled, or one the prompt only "
     "partly spans, is never stored{finish}")
+_FINISH = (", not even when its request finishes (_build_store_jobs :{lines} clamps a "
+           "finished request to max(num_prompt_tokens, num_tokens - 1), then the cap "
+           "applies)")
 STORES_RULES = {
     "0.26.0": _STORES_RULE.format(base="510-511", calc="447-456", hits="", finish=""),
     "0.27.0": _STORES_RULE.format(base="597-598", calc="534-543", hits="", finish=""),
+    "0.27.1": _STORES_RULE.format(base="597-598", calc="534-543", hits="", finish=""),
     "0.28.0": _STORES_RULE.format(base="597-598", calc="588-597", hits="", finish=""),
     "0.29.0": _STORES_RULE.format(base="598-599", calc="588-597", hits="", finish=""),
+    # 0.30.0-0.32.0 clamp a finished request as 0.33.0 does, but restart no store index
+    # at admission (next_stored_chunk_idx = 0 only in reset_cache)
+    "0.30.0": _STORES_RULE.format(base="601-602", calc="631-640", hits="",
+                                  finish=_FINISH.format(lines="1481-1485")),
+    "0.31.0": _STORES_RULE.format(base="607-608", calc="660-669", hits="",
+                                  finish=_FINISH.format(lines="1518-1522")),
+    "0.32.0": _STORES_RULE.format(base="620-621", calc="663-672", hits="",
+                                  finish=_FINISH.format(lines="1587-1591")),
     "0.33.0": _STORES_RULE.format(
         base="729-731", calc="762-771",
         hits=" or, hit on the device, at its admission (get_num_new_matched_tokens "
              "restarts next_stored_chunk_idx at 0, :1241-1245)",
-        finish=", not even when its request finishes (_build_store_jobs :1832-1836 "
-               "clamps a finished request to max(num_prompt_tokens, num_tokens - 1), "
-               "then the cap applies)"),
+        finish=_FINISH.format(lines="1832-1836")),
 }
 
 
@@ -160,7 +174,9 @@ def counters(base: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
 
 # The host-tier rule of each release before 0.33.0 read by hand: 0.33.0's (`HOST_RULE`)
 # with its own lines, the host sized from the GPU tensors (`gpu_tensors`) and every load
-# asynchronous (its TransferJob has no sync; no sync_load_budget_bytes)
+# asynchronous (its TransferJob has no sync; no sync_load_budget_bytes, 0.30.0-0.32.0
+# included: common.py is 0.29.0's, get_num_new_matched_tokens returns
+# bool(num_hit_tokens)); 0.27.1's connector and scheduler files are 0.27.0's
 _OLD_RULE = (
     "kv_connector OffloadingConnector, CPU spec (v1/kv_offload/cpu/spec.py:{spec}): the "
     "host holds cpu_bytes_to_use // round_up(worker_kv_bytes_per_block x "
@@ -184,10 +200,18 @@ HOST_RULES = {
                                matched=720, sync=775, update=1173, events=1310),
     "0.27.0": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1023, lookup=631,
                                matched=816, sync=871, update=1280, events=1416),
+    "0.27.1": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1023, lookup=631,
+                               matched=816, sync=871, update=1280, events=1416),
     "0.28.0": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1248, lookup=876,
                                matched=936, sync=991, update=1507, events=1643),
     "0.29.0": _OLD_RULE.format(spec="94-135", bytes="96-101", store=1322, lookup=876,
                                matched=936, sync=991, update=1584, events=1720),
+    "0.30.0": _OLD_RULE.format(spec="94-135", bytes="137-147", store=1464, lookup=951,
+                               matched=1016, sync=1074, update=1806, events=1942),
+    "0.31.0": _OLD_RULE.format(spec="94-135", bytes="137-147", store=1501, lookup=963,
+                               matched=1036, sync=1094, update=1841, events=1977),
+    "0.32.0": _OLD_RULE.format(spec="93-134", bytes="137-147", store=1570, lookup=966,
+                               matched=1039, sync=1097, update=1910, events=2046),
     "0.33.0": HOST_RULE,
 }
 READ = tuple(HOST_RULES)  # the releases whose offloading connector was read by hand
@@ -200,7 +224,7 @@ def host_rule(version: str) -> str:
 
 
 # Cached releases whose connector was tried and does not match the one read: none since
-# 0.26.0-0.29.0 were opened (2026-12-02); a release lands here with what was seen
+# 0.26.0-0.32.0 were opened (2026-12-02); a release lands here with what was seen
 MISMATCHED: dict[str, str] = {}
 
 
@@ -249,10 +273,11 @@ def gpu_tensors(Tensor: Any, page_bytes: int, num_blocks: int, layer: str) -> li
     """The GPU allocation of the adapter's one attention layer, as vLLM's
     `KVCacheConfig.kv_cache_tensors` describes it (`Tensor`: its `KVCacheTensor`): one
     tensor of `num_blocks` pages of `page_bytes`, layer-outermost (not packed). No GPU
-    allocates it; the host reads its size: before 0.33.0 the offloading config sizes a
+    allocates it; the host reads its size: before 0.30.0 the offloading config sizes a
     block only from these tensors, 0 without them, so the host would get no chunk
-    (0.26.0 offloading/config.py:90-103, 0.27.0 :98-111, 0.28.0 :98-111, 0.29.0 :96-101;
-    0.33.0 falls back to the groups' specs, :186-189, and reads the same bytes here)."""
+    (0.26.0 offloading/config.py:90-103, 0.27.0 and 0.27.1 :98-111, 0.28.0 :98-111,
+    0.29.0 :96-101; 0.30.0-0.32.0 :137-147 and 0.33.0 fall back to the groups' specs,
+    :148-151 and :186-189, and read the same bytes here)."""
     size = page_bytes * num_blocks
     if "shared_by" in Tensor.__dataclass_fields__:  # 0.28.0 and before
         return [Tensor(size=size, shared_by=[layer])]

@@ -5,8 +5,8 @@ rewritten goes before the new owner's entry), the host is sized as vLLM's spec s
 it, the contract honours host_blocks only on the releases read (saying why elsewhere),
 the judge leaves the device-order model off under a host tier and reads the hits as
 the device's and the connector's together; one op list that reuses from the host runs
-on each cached install of a release read, 0.26.0-0.29.0 and 0.33.0 (skipped where it is
-not cached, as the engine smoke is)."""
+on each cached install of a release read, 0.26.0-0.33.0 (skipped where it is not cached,
+as the engine smoke is)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from harness.conform.protocol import CacheOptions, Contract
 from tests.harness.conform.cached_engines import open_cached
 
 B = 4
-OPENED = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.33.0")  # one engine case each
+OPENED = ("0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+          "0.33.0")  # one engine case each
 
 
 # -- the worker stand-in -----------------------------------------------------------------
@@ -178,9 +179,10 @@ class _LayersTensor:
 
 @pytest.mark.parametrize("tensor", [_SharedByTensor, _LayersTensor])
 def test_the_gpu_tensor_gives_the_host_one_page_per_block(tensor: Any) -> None:
-    """Before 0.33.0 the offloading config reads a block's bytes only from the GPU
+    """Before 0.30.0 the offloading config reads a block's bytes only from the GPU
     tensors: size // num_blocks (not packed: 0.28.0 offloading/config.py:98-111; 0.29.0
-    reads the first one's size, :96-101). Without them the host had no chunk, so no
+    reads the first one's size, :96-101; 0.30.0-0.32.0 the same first, :137-147). Without
+    them the host had no chunk, so no
     store was ever made (what 0.26.0-0.29.0 were refused for)."""
     got = O.gpu_tensors(tensor, 64, 9, "layer.0")
     assert len(got) == 1 and got[0].size // 9 == 64 and got[0].offset == 0
@@ -239,7 +241,8 @@ def test_the_host_contract_cites_the_rule_and_lists_the_worker_as_replicated() -
     assert "host_stores" not in dict(windowed.citations)
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.28.0", "0.29.0"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0",
+                                     "0.30.0", "0.31.0", "0.32.0"])
 def test_each_release_read_cites_its_own_host_rule(version: str) -> None:
     """A host tier on a release read before 0.33.0 cites that release's own lines (its
     _build_store_jobs, and its loads always asynchronous), not 0.33.0's."""
@@ -259,6 +262,28 @@ def test_each_release_read_cites_its_own_host_rule(version: str) -> None:
     for field, rule in O.RULES:
         assert cited[field].startswith(rule) and cited[field] != rule
         assert f"; {version}: the same " in cited[field]
+
+
+def test_0_30_to_0_32_load_as_0_29_and_clamp_a_finished_request_as_0_33() -> None:
+    """0.30.0-0.32.0: no sync_load_budget_bytes (every load asynchronous, sized from the
+    GPU tensors, 0.29.0's form) but 0.33.0's clamp of a finished request's store, without
+    0.33.0's restart of the store index at admission; 0.27.1 is 0.27.0 at 0.27.0's
+    lines."""
+    assert O.READ == ("0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0",
+                      "0.31.0", "0.32.0", "0.33.0")
+    for version, finish in (("0.30.0", ":1481-1485"), ("0.31.0", ":1518-1522"),
+                            ("0.32.0", ":1587-1591")):
+        host, stores = O.host_rule(version), O.stores_rule(version)
+        assert "sync_load_budget_bytes" not in host and "worker_kv_bytes_per_block" in host
+        assert f"_build_store_jobs {finish} clamps a finished request" in stores
+        assert "next_stored_chunk_idx" not in stores
+    assert "clamps a finished request" not in O.stores_rule("0.29.0")
+    assert "next_stored_chunk_idx" in O.stores_rule("0.33.0")
+    assert O.host_rule("0.27.1") == O.host_rule("0.27.0")
+    assert O.stores_rule("0.27.1") == O.stores_rule("0.27.0")
+    assert [r.replace("0.27.1", "0.27.0") for _, r in O.rules("0.27.1")] \
+        == [r for _, r in O.rules("0.27.0")]
+    assert "scheduler.py:1249, defined at :3088" in dict(O.rules("0.32.0"))["host_load_reserve"]
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it(
