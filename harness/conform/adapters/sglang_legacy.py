@@ -1,9 +1,7 @@
-"""SGLang's own scheduler code before 0.5.22 driving its RadixCache (0.5.9 to 0.5.21:
+"""SGLang's own scheduler code before 0.5.22 driving its RadixCache (0.5.6 to 0.5.21:
 `release_kv_cache` and `release_req`, no `checkpoint_kv_cache`), behind the protocol:
 `LegacyScheduled`, `SglangScheduled` with each release's Req fields and result
-processor (runs in an SGLang venv). `READ` lists the releases read; 0.5.6-0.5.8 have
-the same calls, but their allocator has no `alloc_extend_naive`, the torch twin of its
-extend kernel that the adapter runs in the kernel's place (below).
+processor (runs in an SGLang venv). `READ` lists the releases read.
 
 What differs from 0.5.22's path, each read from those releases' code (the hooks test
 for the feature, not the version, but for the admission reserve):
@@ -17,7 +15,10 @@ for the feature, not the version, but for the admission reserve):
 - after an extend the result processor calls the tree's `cache_unfinished_req`
   (through `maybe_cache_unfinished_req` from 0.5.12: `chunked=True` from
   `Scheduler.stash_chunked_request` after a middle chunk, without from
-  `process_batch_result_prefill` after the last);
+  `process_batch_result_prefill` after the last); to 0.5.8 the scheduler also frees a
+  chunked request's row there, and its next chunk's allocation takes a new one
+  (`_stash_frees_row`; a request freed between its chunks first takes that row, as
+  the chunk SGLang still runs for it would: `STASH_REPLICATED`);
 - a request ends with `release_kv_cache(req, tree, is_insert)`, which inserts through
   the tree's `cache_finished_req` (to 0.5.20) or `insert_req` (0.5.21); a retraction is
   `release_req`, a function from 0.5.13 (taking the published `ServerArgs` in
@@ -32,9 +33,11 @@ for the feature, not the version, but for the admission reserve):
 - `PagedTokenToKVPoolAllocator.alloc_extend` and `alloc_decode` launch triton kernels
   on every device (0.5.22 has CPU paths), and triton has no CPU driver: the two
   launches run in torch (`install_torch_kernels`), the extend's through SGLang's own
-  `alloc_extend_naive` (its torch twin of `alloc_extend_kernel`, the NPU allocator's),
-  the decode's as `alloc_decode_kernel` computes it; the methods around them (the page
-  count, the refusal, the free list, the eviction) are SGLang's.
+  `alloc_extend_naive` (its torch twin of `alloc_extend_kernel`, the NPU allocator's;
+  0.5.6-0.5.8 have none, and there the kernel's rule runs, `extend_slots_rule`), the
+  decode's as `alloc_decode_kernel` computes it; the methods around them (the page
+  count, the refusal, the free list, the eviction) are SGLang's;
+- before 0.5.9 the tree's `evict` takes the token count, not an `EvictParams`.
 
 A window or a Mamba state is not opened here: these releases' UnifiedRadixCache has
 none of the components `sglang_options` opens them with (a window on the `sglang`
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from functools import cached_property
 from typing import Any
@@ -57,13 +60,15 @@ from harness.conform.adapters.sglang_scheduler import (
     REPLICATED,
     LiveRequest,
     SglangScheduled,
+    source_text,
 )
 from harness.conform.protocol import Contract, Scope
 from harness.conform.versions import parse_version
 
 # the releases whose scheduler code this module was read against (`sglang.load_sglang`
 # drives no other's: each release before 0.5.22 renames a Req field or a call)
-READ = ("0.5.9", "0.5.10", "0.5.10.post1", "0.5.12", "0.5.12.post1", "0.5.13",
+READ = ("0.5.6", "0.5.6.post1", "0.5.6.post2", "0.5.7", "0.5.8", "0.5.8.post1", "0.5.9",
+        "0.5.10", "0.5.10.post1", "0.5.12", "0.5.12.post1", "0.5.13",
         "0.5.13.post1", "0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21")
 # (the contract's field, where these releases' code settles it), in place of 0.5.22's citations
 CITATIONS: tuple[tuple[str, str], ...] = (
@@ -88,10 +93,21 @@ RESERVE_CITATION = (
 # what stays replicated beyond 0.5.22's (`sglang_scheduler.REPLICATED`)
 KERNELS_REPLICATED = (
     "the slots of an extend and of a decode step in the request's pages and new free "
-    "pages: alloc_extend_naive (SGLang's torch twin) and alloc_decode_kernel's rule in "
-    "torch", "PagedTokenToKVPoolAllocator.alloc_extend / alloc_decode "
+    "pages: alloc_extend_naive (SGLang's torch twin; before 0.5.9 alloc_extend_kernel's "
+    "rule in torch) and alloc_decode_kernel's rule in torch",
+    "PagedTokenToKVPoolAllocator.alloc_extend / alloc_decode "
     "(alloc_extend_kernel, alloc_decode_kernel)",
     "triton kernels, and triton has no CPU driver")
+# to 0.5.8, what the adapter does for a chunked request freed between its chunks
+STASH_REPLICATED = (
+    "a chunked request freed (or preempted) between its chunks, its row freed by the "
+    "stash, first takes a row with its computed prefix written in it, then is released",
+    "Scheduler.abort_request (0.5.8: a running request is marked to_finish and released "
+    "after one more forward pass) -> the next chunk's alloc_for_extend (alloc_req_slots, "
+    "write_cache_indices)",
+    "the protocol's free ends the request at once; SGLang would compute one more chunk "
+    "first")
+STASH_UNTIL = "0.5.9"  # the first release whose chunked request keeps its row
 # 0.5.22's, an aborted request's release in 0.5.18's words (`is_insert`)
 LEGACY_REPLICATED: tuple[tuple[str, str, str], ...] = (
     *((what.replace("checkpoint=False", "is_insert=False"), where, why)
@@ -101,8 +117,8 @@ LEGACY_REPLICATED: tuple[tuple[str, str, str], ...] = (
 def contract(terms: Contract) -> Contract:
     """`terms` (0.5.22's scheduler contract, `sglang_options.contract`) as these
     releases' code makes it: their result processor's citations (`CITATIONS`),
-    `LEGACY_REPLICATED` in place of 0.5.22's `REPLICATED` (the options' own entries kept),
-    and before 0.5.12 an admission that keeps no page beyond its
+    `LEGACY_REPLICATED` in place of 0.5.22's `REPLICATED` (the options' own entries kept;
+    before 0.5.9 also `STASH_REPLICATED`), and before 0.5.12 an admission that keeps no page beyond its
     prompt (`RESERVE_CITATION`)."""
     citations = (*(c for c in terms.citations if c not in PROCESSOR_CITATIONS), *CITATIONS)
     reserve = terms.admission_reserve
@@ -110,6 +126,8 @@ def contract(terms: Contract) -> Contract:
         reserve, citations = 1, (*citations, RESERVE_CITATION)
     # the options' own entries (a host tier's, a Mamba state's) stay
     replicated = (*LEGACY_REPLICATED, *(r for r in terms.replicated if r not in REPLICATED))
+    if parse_version(terms.version).key < parse_version(STASH_UNTIL).key:
+        replicated = (*replicated, STASH_REPLICATED)
     return replace(terms, citations=citations, replicated=replicated,
                    admission_reserve=reserve)
 
@@ -140,6 +158,32 @@ def extend_slots(naive: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
+def extend_slots_rule(torch: Any) -> Callable[..., None]:
+    """`alloc_extend_kernel`'s launch in torch where the release has no torch twin of it
+    (0.5.6-0.5.8: no `alloc_extend_naive`), as the kernel computes it
+    (`mem_cache/allocator.py:175-250` in 0.5.8): request by request, in batch order,
+    from its slot in the output (the extend lengths before it), the rest of its last
+    partial page (`last_loc + 1` on), then its new pages, taken from `free_pages` after
+    those of the requests before it, slot by slot. Nothing written when the free pages
+    are short (`alloc_extend` then returns None without reading them)."""
+
+    def run(prefix_lens: Any, seq_lens: Any, last_loc: Any, free_pages: Any,
+            out_indices: Any, bs_upper: int, page_size: int, *sizing: int) -> None:
+        P = page_size
+        pre, seq, last = prefix_lens.tolist(), seq_lens.tolist(), last_loc.tolist()
+        new = [-(-s // P) + (p // -P) for p, s in zip(pre, seq, strict=True)]
+        if sum(new) > len(free_pages):
+            return
+        free, out, taken = free_pages.tolist(), [], 0
+        for p, s, loc, pages in zip(pre, seq, last, new, strict=True):
+            aligned = min(s, -(-p // P) * P)  # the end of the partial page the prefix left
+            out += [int(loc) + 1 + k for k in range(aligned - p)]
+            out += [int(free[taken + (t - aligned) // P]) * P + t % P for t in range(aligned, s)]
+            taken += pages
+        out_indices.copy_(torch.tensor(out, dtype=out_indices.dtype))
+    return run
+
+
 def decode_slots(torch: Any) -> Callable[..., None]:
     """`alloc_decode_kernel`'s launch: a request whose new token (its last, at
     seq_len - 1) starts a page takes the next free page's first slot, in batch order;
@@ -166,14 +210,16 @@ def install_torch_kernels(paged: Any, torch: Any) -> None:
     `alloc_extend_kernel` and `alloc_decode_kernel` names) by their torch runs; once
     per process (the module is shared), idempotent."""
     if not isinstance(paged.alloc_extend_kernel, TorchLaunch):
-        paged.alloc_extend_kernel = TorchLaunch(extend_slots(paged.alloc_extend_naive))
+        naive = getattr(paged, "alloc_extend_naive", None)
+        paged.alloc_extend_kernel = TorchLaunch(
+            extend_slots(naive) if naive is not None else extend_slots_rule(torch))
     if not isinstance(paged.alloc_decode_kernel, TorchLaunch):
         paged.alloc_decode_kernel = TorchLaunch(decode_slots(torch))
 
 
 class LegacyScheduled(SglangScheduled):
     """`SglangScheduled` over RadixCache on a release with SGLang's scheduler code but no
-    `checkpoint_kv_cache` (0.5.9 to 0.5.21): the Req and result-processor hooks as the
+    `checkpoint_kv_cache` (0.5.6 to 0.5.21): the Req and result-processor hooks as the
     module docstring says."""
 
     def _kv_pools(self) -> tuple[Any, Any, Any]:
@@ -219,13 +265,80 @@ class LegacyScheduled(SglangScheduled):
     def _checkpoint(self, req: Any, last: bool) -> None:
         """`maybe_cache_unfinished_req` (0.5.12 on; before, the tree's
         `cache_unfinished_req` straight): chunked after a middle chunk, as the scheduler
-        stashes one."""
+        stashes one; where its `Scheduler.stash_chunked_request` also frees the row
+        (`_stash_frees_row`), so does the adapter, and the next chunk's allocation takes
+        a new one."""
         if hasattr(self.n.common, "maybe_cache_unfinished_req"):
             self.n.common.maybe_cache_unfinished_req(req, self.tree, chunked=not last)
         else:
             self.tree.cache_unfinished_req(req, chunked=not last)
+        if not last and self._stash_frees_row:
+            row = self._row_index(req)
+            self.rows.free(row)
+            self._stashed[id(req)] = row
+
+    @cached_property
+    def _stashed(self) -> dict[int, int]:
+        """The requests (by id) whose row the stash freed -> that row, until a chunk's
+        allocation gives them a new one or they end (`_restore_row`)."""
+        return {}
+
+    def _between_chunks(self, req: Any) -> bool:
+        """Whether `req`'s row is the one the stash freed (no chunk's allocation since)."""
+        freed = self._stashed.get(id(req))
+        return freed is not None and freed == self._row_index(req)
+
+    def _restore_row(self, req: Any) -> None:
+        """A request between its chunks, its row freed by the stash, ends (freed or
+        preempted): it first takes a row with its computed prefix written in it, as the
+        allocation of the chunk SGLang still runs for it does (`alloc_for_extend`'s
+        `alloc_req_slots` and `write_cache_indices`; 0.5.8's `abort_request` marks a
+        running request `to_finish` and releases it after that chunk), so its release
+        frees what it holds once. Nothing for any other request."""
+        if not self._between_chunks(req):
+            return
+        del self._stashed[id(req)]
+        row = int(self.rows.alloc(1)[0])
+        prefix = req.prefix_indices
+        self.rows.write((row, slice(0, len(prefix))), prefix)
+        req.req_pool_idx = row
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        """The next chunk; where the stash freed the request's row, its allocation takes
+        a new one, which a refused chunk gives back (its pages were not allocated)."""
+        req = self._live[seq_id].req
+        if not self._between_chunks(req):
+            return super().reserve(seq_id, num_tokens)
+        free = list(self.rows.free_slots)
+        out = super().reserve(seq_id, num_tokens)
+        if out is None:
+            left = set(self.rows.free_slots)
+            taken = [x for x in free if x not in left]
+            if taken:
+                self.rows.free(taken)
+        return out
+
+    def _row(self, req: Any, end: int) -> list[int]:
+        """A stashed request's computed slots are its `prefix_indices` (its freed row
+        may be another request's by now)."""
+        if self._between_chunks(req):
+            return [int(x) for x in req.prefix_indices[:end].tolist()]
+        return super()._row(req, end)
+
+    @cached_property
+    def _stash_frees_row(self) -> bool:
+        """Whether this release's scheduler frees a chunked request's row after its
+        middle chunk ("chunked request keeps its rid but will get a new req_pool_idx":
+        `Scheduler.get_next_batch_to_run` in 0.5.6-0.5.7, `stash_chunked_request` in
+        0.5.8; from 0.5.9 the request keeps its row), read from its source without
+        importing it."""
+        source = source_text("sglang.srt.managers.scheduler")
+        return any(code in source for code in (
+            "self.req_to_token_pool.free(self.chunked_req.req_pool_idx)",
+            "self.req_to_token_pool.free(req.req_pool_idx)"))
 
     def _release(self, req: Any, checkpoint: bool) -> None:
+        self._restore_row(req)
         self.n.common.release_kv_cache(req, self.tree, is_insert=checkpoint)
 
     @cached_property
@@ -272,6 +385,7 @@ class LegacyScheduled(SglangScheduled):
     def _retract(self, live: LiveRequest, others: int) -> None:
         """`release_req`: a function from 0.5.13, before a method of the request's batch
         (`ScheduleBatch.release_req(idx, remaing_req_count, server_args)`)."""
+        self._restore_row(live.req)
         if hasattr(self.n.schedule_batch, "release_req"):
             super()._retract(live, others)
             return

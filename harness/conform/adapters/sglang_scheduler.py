@@ -104,18 +104,18 @@ def present() -> bool:
     add `checkpoint_kv_cache`, `checkpointing`, and before it `sglang_legacy` drives the
     tree's `cache_unfinished_req`), read from its files without importing them; call
     after `sglang.srt.mem_cache` is imported."""
-    batch = _source("sglang.srt.managers.schedule_batch")
-    return "def release_kv_cache(" in _source("sglang.srt.mem_cache.common") \
+    batch = source_text("sglang.srt.managers.schedule_batch")
+    return "def release_kv_cache(" in source_text("sglang.srt.mem_cache.common") \
         and ("\ndef release_req(" in batch or "    def release_req(self, idx" in batch)
 
 
 def checkpointing() -> bool:
     """Whether the result processor checkpoints through `checkpoint_kv_cache` (0.5.22
     on), read from the release's cache module as `present` reads."""
-    return "def checkpoint_kv_cache(" in _source("sglang.srt.mem_cache.common")
+    return "def checkpoint_kv_cache(" in source_text("sglang.srt.mem_cache.common")
 
 
-def _source(module: str) -> str:
+def source_text(module: str) -> str:
     """`module`'s source text, read without importing it; "" where it has none."""
     spec = importlib.util.find_spec(module)
     return Path(spec.origin).read_text() if spec and spec.origin else ""
@@ -275,10 +275,10 @@ def _mamba_radix_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, st
     option moves), so no state block of a few pages opens there."""
     if not has_module(MAMBA_RADIX):
         return None, "no MambaRadixCache in this release"
-    if "MambaRadixCache(" not in _source("sglang.srt.mem_cache.registry") \
-            and "MambaRadixCache(params" not in _source("sglang.srt.managers.scheduler"):
+    if "MambaRadixCache(" not in source_text("sglang.srt.mem_cache.registry") \
+            and "MambaRadixCache(params" not in source_text("sglang.srt.managers.scheduler"):
         return None, UNIFIED_MAMBA
-    if "_mamba_cache_chunk_size" not in _source("sglang.srt.server_args") \
+    if "_mamba_cache_chunk_size" not in source_text("sglang.srt.server_args") \
             or not has_module(PROCESSOR):
         return None, ("its state grid is max(FLA_CHUNK_SIZE = 64, page) tokens "
                       "(server_args.py ServerArgs.mamba_cache_chunk_size), which no "
@@ -688,9 +688,13 @@ class SglangScheduled(SglangTree):
         return [x // self.block_size for x in slots[::self.block_size]]
 
     def _evict_tokens(self, num_tokens: int) -> int:
-        """The tree's own evict; returns the slots it freed."""
+        """The tree's own evict (an `EvictParams` from 0.5.9, the token count before);
+        returns the slots it freed."""
         before = self.full.available_size()
-        self.tree.evict(self.s.EvictParams(num_tokens=num_tokens))
+        if self.s.EvictParams is None:
+            self.tree.evict(num_tokens)
+        else:
+            self.tree.evict(self.s.EvictParams(num_tokens=num_tokens))
         return self.full.available_size() - before
 
     def _write(self, event: dict[str, Any]) -> None:

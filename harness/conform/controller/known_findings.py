@@ -119,6 +119,11 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(19, "sglang", "0.5.5", "0.5.17", ("eviction_order",), ("scenario",),
                  "an allocation short of free pages evicts its whole size from the tree, "
                  "not the shortfall", None, f"{_SGLANG}/pull/32016"),
+    KnownFinding(20, "sglang", "0.5.6", "0.5.9", ("multi_turn", "decode_growth",
+                                                 "decoded_then_edited"), ("count",),
+                 "a finished request's decoded tokens never enter the tree "
+                 "(cache_finished_req keys its insert on fill_ids, the prompt)",
+                 None, f"{_SGLANG}/pull/16521"),
     KnownFinding(16, "sglang", "0.5.18", None, ("extra_key_isolation",), ("count",),
                  "a caller extra key equal to a LoRA's id reads that adapter's KV",
                  f"{_SGLANG}/issues/24638", None),

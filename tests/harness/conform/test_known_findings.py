@@ -36,6 +36,10 @@ from tests.harness.conform import faults
                  id="sglang-whole-size-eviction"),
     pytest.param("sglang", "0.5.17", "eviction_order", "scenario", "", None,
                  id="sglang-shortfall-eviction"),
+    pytest.param("sglang", "0.5.8", "multi_turn", "count", "", 20,
+                 id="sglang-prompt-only-insert"),
+    pytest.param("sglang", "0.5.9", "decode_growth", "count", "", None,
+                 id="sglang-decoded-tokens-inserted"),
     pytest.param("shortfin", "3.3.0", "decode_growth", "capacity",
                  "after append(A, tokens [902]): ...", 14, id="shortfin-by-message-14"),
     pytest.param("shortfin", "3.6.0", "decode_growth", "capacity", "after free(A): ...", 8,
@@ -56,7 +60,7 @@ def test_releases_order_as_the_registry_reads_them() -> None:
              "0.5.10", "0.31", "0.31.0.post1", "0.33.1.dev3+gabc1234", "0.34.0"]
     assert sorted(order, key=lambda v: parse_version(v).key) == order
     assert parse_version("0.31").key == parse_version("0.31.0").key
-    assert {k.number for k in KNOWN} == set(range(1, 20))
+    assert {k.number for k in KNOWN} == set(range(1, 21))
 
 
 def test_report_md_names_the_engine_code_and_the_known_finding(tmp_path: Path) -> None:
