@@ -1,10 +1,10 @@
 """SGLang's `RadixCache` behind the cache-level protocol (runs in an SGLang venv).
 
 From 0.5.22, whose scheduler code runs on a CPU, SGLang's own caller code drives the
-tree (`sglang_scheduler`, chosen in `load_sglang`), and on 0.5.18 too, its older form
-(`sglang_legacy`). On the other releases the tree only matches, inserts, locks and
-evicts, and this module is its scheduler (`TREE_CALLER_REPLICATED` lists what it stands
-in for):
+tree (`sglang_scheduler`, chosen in `load_sglang`), and on 0.5.6-0.5.21 too, its older
+forms (`sglang_legacy`). On the other releases (0.5.5, a source tree whose scheduler
+code does not import here) the tree only matches, inserts, locks and evicts, and this
+module is its scheduler (`TREE_CALLER_REPLICATED` lists what it stands in for):
 
 - slots come from a page allocator of its own (`PageAllocator`; these releases' locks
   stub the device pools), page 0 reserved as SGLang reserves slot 0 for padding; block
