@@ -31,6 +31,7 @@ from harness.conform.controller.locks import (
     NOT_RUNNABLE_HERE,
     Lock,
     UnsupportedVersion,
+    base_of,
     distribution,
     find_lock,
     nearest_lock,
@@ -167,7 +168,7 @@ def _lock_lines(lock: Lock) -> list[str]:
         return []
     r = lock.resolved
     return [f"{lock.spec} is unlocked: its lock was resolved on {r.get('date')} from "
-            f"{lock.engine} {r.get('base')}'s lock (the closure under {lock.spec}'s own "
+            f"{base_of(lock.engine, r.get('base'))}'s lock (the closure under {lock.spec}'s own "
             f"specifiers, pinned by pip {r.get('pip')}'s resolver for Python "
             f"{r.get('python')}, proven by the worker's load and self-test"
             + (f"; added: {', '.join(r['added'])}" if r.get("added") else "") + ")",

@@ -232,11 +232,30 @@ def pinned(lock_dir: Path = LOCK_DIR) -> list[Lock]:
             for engine, versions in supported(lock_dir).items() if versions]
 
 
+def base_of(engine: str, base: str | None) -> str:
+    """The lock a resolved lock of `engine` started from, as `ENGINE VERSION`: its
+    `resolved.base` is a version of `engine`, or `ENGINE==VERSION` where it started from
+    another engine's lock of the same package (`nearest_lock`); "?" where none is said."""
+    if not base:
+        return "?"
+    other, sep, version = base.partition("==")
+    return f"{other} {version}" if sep else f"{engine} {base}"
+
+
 def nearest_lock(engine: str, version: str, lock_dir: Path = LOCK_DIR) -> Lock | None:
     """The committed lock a release without one starts from (`versions.nearest`), for
-    any Python (this interpreter's first); None when the engine has none."""
+    any Python (this interpreter's first); None when the engine has none. An engine
+    that installs another's package (`DISTRIBUTIONS`: `sglang_unified` is `sglang`'s
+    wheel) starts from that engine's lock of the very same release where there is one
+    (the same wheel: its pins and stubs), before its own nearest release."""
+    siblings = [e for e in ADAPTERS if e != engine and distribution(e) == distribution(engine)]
     for python in dict.fromkeys((python_tag(), DEFAULT_PYTHON)):
-        found = _locks_in(lock_dir, python).get(engine, {})
+        locks = _locks_in(lock_dir, python)
+        found = locks.get(engine, {})
+        if version not in found:
+            for sibling in siblings:
+                if version in locks.get(sibling, {}):
+                    return load_lock(locks[sibling][version])
         near = nearest(version, found)
         if near is not None:
             return load_lock(found[near])

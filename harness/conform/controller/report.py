@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from harness.conform.controller.locks import base_of
 from harness.reports.markdown import code, table
 
 Status = Literal["pass", "fail", "limitation", "skip"]
@@ -230,7 +231,8 @@ def _source(report: Report) -> list[str]:
         out.append(f"Lock: {code(str(src.get('lock')))}, committed" if src.get("committed")
                    else f"Lock: {code(str(src.get('lock')))}, **unlocked** (resolved "
                    f"{resolved.get('date') if resolved else '?'} from "
-                   f"{report.engine} {resolved.get('base') if resolved else '?'}'s lock: "
+                   f"{base_of(report.engine, resolved.get('base') if resolved else None)}"
+                   "'s lock: "
                    f"{resolved.get('how') if resolved else ''}"
                    + (f"; added {', '.join(resolved['added'])}" if resolved and
                       resolved.get("added") else "") + ")")

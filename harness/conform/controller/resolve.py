@@ -2,8 +2,10 @@
 
 The procedure the committed locks were made by, as code (`resolve`):
 
-1. start from the nearest committed lock (`locks.nearest_lock`): its pinned names are the
-   cache modules' import closure as it was, its stubs what could not run on a CPU;
+1. start from the nearest committed lock (`locks.nearest_lock`; for an engine that
+   installs another's package, that engine's lock of the same release where there is
+   one, named in `resolved.base` as ENGINE==VERSION): its pinned names are the cache
+   modules' import closure as it was, its stubs what could not run on a CPU;
 2. download the release's wheel into the engine cache (`<cache>/wheels`, kept) and read
    its METADATA: Requires-Python must admit this interpreter, and each name of the
    closure takes the engine's own specifier for it where it gives one (`requirements`);
@@ -229,7 +231,7 @@ def resolve(engine: str, version: str, base: Path, say: Say = print,
     home = base / f"{engine}-{version}"
     log = install.make_home(home)
     say(f"{engine} {version} has no lock: resolving one from its wheel and the nearest "
-        f"lock ({start.version}, Python {start.python}); log in {log}")
+        f"lock ({start.engine} {start.version}, Python {start.python}); log in {log}")
     wheel = download_wheel(engine, version, base, log, say)
     metadata = read_metadata(wheel)
     wants = requires_python(metadata)
@@ -376,7 +378,8 @@ def _write(engine: str, version: str, python: str, wheel: Path, pins: list[str],
         engine, version, python,
         Wheel(wheel.name, install.sha256_of(wheel), wheel.stat().st_size), tuple(pins),
         stubs, start.notes, path,
-        {"base": start.version, "python": python, "pip": _pip_version(),
+        {"base": start.version if start.engine == engine else
+         f"{start.engine}=={start.version}", "python": python, "pip": _pip_version(),
          "date": time.strftime("%Y-%m-%d"), "added": list(added),
          "how": "harness.conform.controller.resolve: the base lock's closure under the "
                 "release's own specifiers, pinned by pip's resolver, proven by the worker's "

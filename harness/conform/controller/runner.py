@@ -45,7 +45,7 @@ from harness.conform.controller.families import Check, Run
 from harness.conform.controller.fuzz import fuzz, shrink
 from harness.conform.controller.install import InstallError, cache_dir
 from harness.conform.controller.judge import Violation
-from harness.conform.controller.locks import LOCK_DIR, LockError, UnsupportedVersion
+from harness.conform.controller.locks import LOCK_DIR, LockError, UnsupportedVersion, base_of
 from harness.conform.controller.remote import StubTouched, WorkerError
 from harness.conform.controller.report import (
     EXIT_CANNOT_RUN,
@@ -366,6 +366,7 @@ def write_lock(spec_text: str, lock_dir: Path = LOCK_DIR, say: Say = print) -> i
         say(f"{lock.spec} is locked already: {target}")
         return EXIT_PASSED
     target.write_bytes(lock.path.read_bytes())  # byte for byte: the venv's stamp holds
-    say(f"wrote {target} (resolved {lock.resolved.get('date') if lock.resolved else ''} "
-        f"from {lock.engine} {lock.resolved.get('base') if lock.resolved else ''}); commit it")
+    resolved = lock.resolved or {}
+    say(f"wrote {target} (resolved {resolved.get('date', '')} from "
+        f"{base_of(lock.engine, resolved.get('base'))}); commit it")
     return EXIT_PASSED

@@ -151,6 +151,19 @@ def test_a_new_release_starts_from_the_nearest_lock(version: str, want: str,
     assert lock is not None and lock.version == want
 
 
+def test_an_engine_of_anothers_package_starts_from_its_lock_of_the_same_release(
+        tmp_path: Path) -> None:
+    """sglang_unified installs sglang's wheel: a release sglang has a lock of starts from
+    that lock (the same wheel, the same pins), before sglang_unified's own nearest; a
+    release neither has starts from sglang_unified's own nearest."""
+    for name in ("sglang-0.5.21", "sglang_unified-0.5.22"):
+        (tmp_path / f"{name}.json").write_bytes((LOCK_DIR / f"{name}.json").read_bytes())
+    same = nearest_lock("sglang_unified", "0.5.21", tmp_path)
+    assert same is not None and (same.engine, same.version) == ("sglang", "0.5.21")
+    near = nearest_lock("sglang_unified", "0.5.20", tmp_path)
+    assert near is not None and (near.engine, near.version) == ("sglang_unified", "0.5.22")
+
+
 def test_the_unified_tree_installs_sglangs_own_wheel_with_its_pools_real() -> None:
     """sglang_unified drives UnifiedRadixCache: the same wheel as sglang's lock, pip asked
     for `sglang==`, its own venv, and the device pools and metrics real (never stubbed:
