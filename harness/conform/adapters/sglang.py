@@ -231,11 +231,10 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
     known = nearest(found, releases) or found
     engine.known, engine.detected = known, (detect(engine) if known != found else {})
     scheduler = None
-    read = sglang_scheduler.checkpointing() \
-        or (tree_kind == "radix" and found in sglang_legacy.READ)
+    read = sglang_scheduler.checkpointing() or found in sglang_legacy.READ
     if sglang_scheduler.present() and not read:
-        # before 0.5.22: the releases read, over RadixCache only
-        engine.unscheduled = (f"its code before 0.5.22 is driven over RadixCache on "
+        # before 0.5.22: the releases read
+        engine.unscheduled = (f"its code before 0.5.22 is driven on "
                               f"{', '.join(sglang_legacy.READ)} only (read there)")
     elif sglang_scheduler.present():
         try:

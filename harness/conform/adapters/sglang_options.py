@@ -97,6 +97,25 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                    notes=notes)
 
 
+# the options a UnifiedRadixCache honours through its other components, and why none
+# opens under the scheduler code before 0.5.22
+COMPONENT_OPTIONS: tuple[OptionName, ...] = ("window", "window_pool", "state_interval",
+                                             "host_blocks")
+LEGACY_UNIFIED = ("UnifiedRadixCache's SWA and MAMBA components and its host tier are "
+                  "driven from 0.5.22 (checkpoint_kv_cache); under this release's older "
+                  "scheduler code (sglang_legacy) its full-attention component alone")
+
+
+def full_attention_only(terms: Contract) -> Contract:
+    """`terms` of a UnifiedRadixCache under the scheduler code before 0.5.22: none of
+    `COMPONENT_OPTIONS`, each cited as `LEGACY_UNIFIED` (in place of its other
+    reasons)."""
+    cited = {f"options.{o}" for o in COMPONENT_OPTIONS}
+    return replace(terms, options=tuple(o for o in terms.options if o not in COMPONENT_OPTIONS),
+                   citations=(*(c for c in terms.citations if c[0] not in cited),
+                              *((f"options.{o}", LEGACY_UNIFIED) for o in COMPONENT_OPTIONS)))
+
+
 def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
               num_blocks: int, block_size: int, record: bool,
               options: CacheOptions, tree_window: bool = False) -> SglangScheduled:
@@ -132,6 +151,8 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
                                    record)
     if not names.checkpoints:  # before 0.5.22: full attention only (`sglang_legacy`)
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
+        if tree_kind == "unified":
+            terms = full_attention_only(terms)
         if tree_window and options.chunk_budget is None:  # a window is opened apart
             terms = replace(terms, options=("window", *terms.options, "window_pool"))
         elif not tree_window and s.no_swa:  # why none opens here

@@ -127,7 +127,7 @@ KNOWN: tuple[KnownFinding, ...] = (
     KnownFinding(16, "sglang", "0.5.18", None, ("extra_key_isolation",), ("count",),
                  "a caller extra key equal to a LoRA's id reads that adapter's KV",
                  f"{_SGLANG}/issues/24638", None),
-    KnownFinding(16, "sglang_unified", "0.5.22", None, ("extra_key_isolation",), ("count",),
+    KnownFinding(16, "sglang_unified", "0.5.18", None, ("extra_key_isolation",), ("count",),
                  "a caller extra key equal to a LoRA's id reads that adapter's KV",
                  f"{_SGLANG}/issues/24638", None),
 )

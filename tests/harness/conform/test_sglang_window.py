@@ -54,6 +54,18 @@ def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() ->
            "'einops')" in str(check_named("hybrid_state").skip_reason(terms))
 
 
+def test_a_unified_tree_under_the_older_scheduler_code_honours_full_attention_only() -> None:
+    """0.5.19-0.5.21's server builds UnifiedRadixCache, driven here by that release's
+    own scheduler code (sglang_legacy): its full-attention component alone, so a window,
+    a state_interval and a host tier are not honoured, each family's skip saying why."""
+    terms = sglang_options.full_attention_only(
+        sglang_options.contract(unified_contract("0.5.21", B), names(True), "unified"))
+    assert terms.options == ("chunk_budget",)
+    for family in ("sliding_window", "hybrid_state", "host_tier"):
+        reason = str(check_named(family).skip_reason(terms))
+        assert sglang_options.LEGACY_UNIFIED in reason and reason.count("driven from") == 1
+
+
 def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> None:
     base = unified_contract("0.5.23", B)
     plain = sglang_options.contract(base, names(True), "unified")
