@@ -242,8 +242,8 @@ def load_sglang(stubs: StubSpec, name: str, modules: tuple[str, ...],
                 importlib.import_module(module)
             scheduler = sglang_scheduler.SchedulerNames()
             modules = (*modules, *sglang_scheduler.MODULES)
-        except StubUsedError:  # a name the lock's stub lacks: the lock's to fix (exit 2)
-            raise
+        except (StubUsedError, ModuleNotFoundError):  # the lock's to fix (exit 2): a name
+            raise  # its stub lacks, a module it does not pin (`resolve` adds either)
         except Exception as exc:  # this lock stubs what the scheduler code imports
             engine.unscheduled = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
 

@@ -248,7 +248,8 @@ def _mamba_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, str]:
     KV pool, Mamba2CacheParams, Mamba2StateShape, ComponentType.MAMBA,
     SchedulerBatchResultProcessor) and "", or None and why not: this release's
     UnifiedRadixCache has no MAMBA component, or what the Mamba path imports is not in
-    this lock (0.5.22's lacks einops: its full-attention path runs all the same)."""
+    this lock; a module the lock lacks (ModuleNotFoundError) is raised, the lock's to
+    fix: `resolve` adds it."""
     if not has_module("sglang.srt.mem_cache.unified_cache.components.mamba"):
         return None, "no MAMBA component in this release's UnifiedRadixCache"
     try:
@@ -258,6 +259,8 @@ def _mamba_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, str]:
         )
         from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    except ModuleNotFoundError:  # a package the lock lacks: the lock's to fix (exit 2)
+        raise
     except ImportError as exc:
         return None, f"the Mamba path does not import here ({type(exc).__name__}: {exc})"
     return (HybridReqToTokenPool, HybridLinearKVPool, Mamba2CacheParams, Mamba2StateShape,
