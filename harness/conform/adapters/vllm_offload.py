@@ -125,8 +125,8 @@ _FINISH = (", not even when its request finishes (_build_store_jobs :{lines} cla
            "applies)")
 STORES_RULES = {
     "0.26.0": _STORES_RULE.format(base="510-511", calc="447-456", hits="", finish=""),
-    "0.27.0": _STORES_RULE.format(base="597-598", calc="534-543", hits="", finish=""),
-    "0.27.1": _STORES_RULE.format(base="597-598", calc="534-543", hits="", finish=""),
+    **dict.fromkeys(("0.27.0", "0.27.1"), _STORES_RULE.format(
+        base="597-598", calc="534-543", hits="", finish="")),
     "0.28.0": _STORES_RULE.format(base="597-598", calc="588-597", hits="", finish=""),
     "0.29.0": _STORES_RULE.format(base="598-599", calc="588-597", hits="", finish=""),
     # 0.30.0-0.32.0 clamp a finished request as 0.33.0 does, but restart no store index
@@ -195,13 +195,12 @@ _OLD_RULE = (
     "(v1/kv_offload/cpu/policies/lru.py, eviction_policy 'lru'); its events are "
     "BlockStored/BlockRemoved with medium 'CPU' (offloading/scheduler.py:{events} "
     "take_events, v1/kv_offload/cpu/manager.py)")
+_RULE_0_27 = _OLD_RULE.format(spec="77-118", bytes="98-111", store=1023, lookup=631,
+                              matched=816, sync=871, update=1280, events=1416)
 HOST_RULES = {
     "0.26.0": _OLD_RULE.format(spec="75-113", bytes="90-103", store=926, lookup=539,
                                matched=720, sync=775, update=1173, events=1310),
-    "0.27.0": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1023, lookup=631,
-                               matched=816, sync=871, update=1280, events=1416),
-    "0.27.1": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1023, lookup=631,
-                               matched=816, sync=871, update=1280, events=1416),
+    "0.27.0": _RULE_0_27, "0.27.1": _RULE_0_27,
     "0.28.0": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1248, lookup=876,
                                matched=936, sync=991, update=1507, events=1643),
     "0.29.0": _OLD_RULE.format(spec="94-135", bytes="96-101", store=1322, lookup=876,
