@@ -1,4 +1,5 @@
-"""SGLang's own scheduler code before 0.5.22 driving its RadixCache (0.5.6 to 0.5.21:
+"""SGLang's own scheduler code before 0.5.22 driving its RadixCache, or on the
+`sglang_unified` engine UnifiedRadixCache's full-attention component (0.5.6 to 0.5.21:
 `release_kv_cache` and `release_req`, no `checkpoint_kv_cache`), behind the protocol:
 `LegacyScheduled`, `SglangScheduled` with each release's Req fields and result
 processor (runs in an SGLang venv). `READ` lists the releases read.
@@ -39,11 +40,12 @@ for the feature, not the version, but for the admission reserve):
   count, the refusal, the free list, the eviction) are SGLang's;
 - before 0.5.9 the tree's `evict` takes the token count, not an `EvictParams`.
 
-A window or a Mamba state is not opened here: these releases' UnifiedRadixCache has
-none of the components `sglang_options` opens them with (a window on the `sglang`
-engine is `sglang_swa.SwaCache`, `sglang.load_sglang` says when); a host tier is their
-HiRadixCache, `sglang_hicache.HiRadixScheduled` over this class, and a Mamba state
-their MambaRadixCache where the server builds it, `sglang_mamba_radix.MambaRadixScheduled`.
+UnifiedRadixCache's other components and its host tier are not opened here
+(`sglang_options.full_attention_only` says so in the contract). On the `sglang`
+engine a window is `sglang_swa.SwaCache` (`sglang.load_sglang` says when), a host tier
+their HiRadixCache (`sglang_hicache.HiRadixScheduled` over this class) and a Mamba
+state their MambaRadixCache where the server builds it
+(`sglang_mamba_radix.MambaRadixScheduled`).
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ def install_torch_kernels(paged: Any, torch: Any) -> None:
 
 
 class LegacyScheduled(SglangScheduled):
-    """`SglangScheduled` over RadixCache on a release with SGLang's scheduler code but no
+    """`SglangScheduled` over RadixCache (or UnifiedRadixCache's full-attention component)
+    on a release with SGLang's scheduler code but no
     `checkpoint_kv_cache` (0.5.6 to 0.5.21): the Req and result-processor hooks as the
     module docstring says."""
 
@@ -265,9 +268,8 @@ class LegacyScheduled(SglangScheduled):
     def _checkpoint(self, req: Any, last: bool) -> None:
         """`maybe_cache_unfinished_req` (0.5.12 on; before, the tree's
         `cache_unfinished_req` straight): chunked after a middle chunk, as the scheduler
-        stashes one; where its `Scheduler.stash_chunked_request` also frees the row
-        (`_stash_frees_row`), so does the adapter, and the next chunk's allocation takes
-        a new one."""
+        stashes one; where the scheduler also frees the row then (`_stash_frees_row`),
+        so does the adapter, and the next chunk's allocation takes a new one."""
         if hasattr(self.n.common, "maybe_cache_unfinished_req"):
             self.n.common.maybe_cache_unfinished_req(req, self.tree, chunked=not last)
         else:

@@ -10,9 +10,9 @@ its `MambaPool`, `HybridLinearKVPool`), its extra buffer on and its state block
   `track_mask_cpu.pin_memory()`), which a CPU-only torch refuses ("Cannot access
   accelerator device when none is available"). Page-locking is a transfer optimisation
   that changes no value, so for that call only, and only where no accelerator is
-  available, `Tensor.pin_memory` returns the tensor itself (and `torch.tensor` drops a
-  `pin_memory=True`, the form 0.5.10-0.5.14 use too) (`PIN_STUB` lists it with the
-  contract's replicated parts);
+  available, `Tensor.pin_memory` returns the tensor itself, and `torch.tensor` drops a
+  `pin_memory=True`, the form MambaRadixCache's releases use too (`PIN_STUB` lists it
+  with the contract's replicated parts);
 - `track_decode_state`: the result processor's decode-state bookkeeping for one request
   after a decode step's forward pass, SGLang's own
   `SchedulerBatchResultProcessor._handle_finish_state_updated_req`
@@ -82,8 +82,8 @@ PIN_STUB = (
 @contextmanager
 def unpinned(torch: Any) -> Iterator[None]:
     """While inside, `torch.Tensor.pin_memory` returns the tensor itself and
-    `torch.tensor(..., pin_memory=True)` builds the tensor unpinned (0.5.10-0.5.14 ask
-    the factory for the track indices), where `torch.accelerator.is_available()` is false
+    `torch.tensor(..., pin_memory=True)` builds the tensor unpinned (0.5.14 and earlier
+    ask the factory for the track indices), where `torch.accelerator.is_available()` is false
     (elsewhere nothing changes); the originals are back on exit, also when the body
     raises. Not thread-safe: the worker is one thread."""
     if torch.accelerator.is_available():

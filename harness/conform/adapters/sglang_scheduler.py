@@ -292,6 +292,8 @@ def _mamba_radix_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, st
         from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
         processor = importlib.import_module(PROCESSOR).SchedulerBatchResultProcessor
+    except ModuleNotFoundError:  # as in `_mamba_names`: the lock's to fix
+        raise
     except ImportError as exc:
         return None, f"the Mamba path does not import here ({type(exc).__name__}: {exc})"
     return (HybridReqToTokenPool, HybridLinearKVPool, Mamba2CacheParams, Mamba2StateShape,
