@@ -50,9 +50,9 @@ MAMBA_RADIX_RULE = (
 # the contract's `replicated` entry for `sglang_mamba.unpinned` on these releases
 PIN_STUB = (
     sglang_mamba.PIN_STUB[0],
-    "managers/schedule_batch.py ScheduleBatch.prepare_for_decode (0.5.14 :1596 and "
-    ":2680, 0.5.12 :2384 and :2396, 0.5.10 :2159 and :2171): the Mamba track indices "
-    "built page-locked and the track mask page-locked before their copies to the device",
+    "managers/schedule_batch.py ScheduleBatch.prepare_for_decode (0.5.14: :1593-1597 "
+    "set_mamba_track_indices_from_reqs, :2680): the Mamba track indices built "
+    "page-locked and the track mask page-locked before their copies to the device",
     sglang_mamba.PIN_STUB[2])
 
 

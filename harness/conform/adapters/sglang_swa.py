@@ -30,10 +30,10 @@ and 0.5.18's through the override `transformers-torchvision-backend`,
 import makes pass under the transformers they pin). The tree's calls take parameter
 objects from 0.5.9 (`InsertParams`, `EvictParams`; from 0.5.10 also `DecLockRefParams`,
 a lock's receipt in an `IncLockRefResult`) and positional arguments before;
-0.5.8-0.5.9's scheduler frees window KV as 0.5.10's does. Not opened, `swa_names` saying why: 0.5.5-0.5.7 (their
-`SWATokenToKVPoolAllocator` is token-granular, and their scheduler frees no window KV
-under a radix tree, `TOKEN_GRANULAR`), a lock that stubs `memory_pool`
-(`STUBBED_POOLS`), and 0.5.21 (no such module).
+0.5.8-0.5.9's scheduler frees window KV as 0.5.10's does. Not opened, `swa_names`
+saying why: 0.5.5-0.5.7 (their `SWATokenToKVPoolAllocator` is token-granular, and their
+scheduler frees no window KV under a radix tree, `TOKEN_GRANULAR`), a lock that stubs
+`memory_pool` (`STUBBED_POOLS`), and 0.5.21 (no such module).
 """
 
 from __future__ import annotations

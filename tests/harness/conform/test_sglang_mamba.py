@@ -1,8 +1,10 @@
 """SGLang's Mamba cache behind the protocol: a FULL+MAMBA `UnifiedRadixCache` over
-SGLang's hybrid Mamba pools, driven by its scheduler code (`sglang_unified`, 0.5.23).
-The pin shim, the slot integrity and the contract are checked without an engine; one
-op list that decodes past a state block runs on the cached 0.5.23 install (skipped
-where it is not cached, as the engine smoke is)."""
+SGLang's hybrid Mamba pools, driven by its scheduler code (`sglang_unified`, 0.5.23),
+and 0.5.14's `MambaRadixCache` under that release's older code (`sglang_mamba_radix`).
+The pin shim, the slot integrity and the contracts are checked without an engine; the
+op lists that decode past a state block and refuse an admission run on the cached
+0.5.23 and 0.5.14 installs (each skipped where it is not cached, as the engine smoke
+is)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def test_pin_memory_is_the_identity_only_inside_and_is_restored_after_a_raise() 
         t.pin_memory()  # what prepare_for_decode meets on a CPU
     factory = torch.tensor
     with pytest.raises(RuntimeError, match="pin_memory"):
-        torch.tensor([1, 0], pin_memory=True)  # 0.5.10-0.5.14's track indices
+        torch.tensor([1, 0], pin_memory=True)  # 0.5.14's track indices
     with sglang_mamba.unpinned(torch):
         assert t.pin_memory() is t
         built = torch.tensor([1, 0], dtype=torch.int64, pin_memory=True)
