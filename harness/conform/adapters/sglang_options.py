@@ -7,8 +7,8 @@ over a UnifiedRadixCache with more: `sglang_window.WindowScheduled` (a window),
 before 0.5.22 over RadixCache, `sglang_legacy.LegacyScheduled`, with a host tier
 `sglang_hicache.HiRadixScheduled` and with a `state_interval`
 `sglang_mamba_radix.MambaRadixScheduled` (where the release's server builds those
-trees); `contract` is the scheduler's contract with the options the release honours and the
-rule of each one opened.
+trees); `contract` is the scheduler's contract with the options the release honours and
+the rule of each one opened.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     (tokens), over a full-and-window UnifiedRadixCache (only where `names.swa` and the
     tree is "unified": `options` says so); with `state_interval` (pages), over a
     full-and-Mamba one (where `names.mamba`; over RadixCache, a MambaRadixCache where
-    `names.mamba_radix`, else the contract cites why none opens); with a window too, over a FULL+SWA+MAMBA
-    one (its window pool `window_pool` pages where set, `sglang_window.window_pool_tokens`:
-    honoured with a window only); with `host_blocks` (pages), over a hierarchical full-attention one
-    (`HostScheduled`, where `sglang_hicache.honoured`; opened apart from a window or a
+    `names.mamba_radix`, else the contract cites why none opens); with a window too,
+    over a FULL+SWA+MAMBA one (its window pool `window_pool` pages where set,
+    `sglang_window.window_pool_tokens`: honoured with a window only); with `host_blocks`
+    (pages), over a hierarchical full-attention one (`HostScheduled`, where `sglang_hicache.honoured`; opened apart from a window or a
     state_interval, so `options` leaves those out of a host tier's contract and
     host_blocks out of theirs)."""
     terms = sglang_scheduler.contract(base, names, chunk_budget)
@@ -61,7 +61,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
         options = (*options, "state_interval")
     elif tree_kind == "unified":
         citations += (("options.state_interval", names.no_mamba),)
-    elif names.mamba_radix is not None:  # before 0.5.21: MambaRadixCache
+    elif names.mamba_radix is not None:  # 0.5.13-0.5.14: MambaRadixCache, the server's
         options = (*options, "state_interval")
     else:
         citations += (sglang_mamba.radix_reason(base.version, names.no_mamba_radix),)
