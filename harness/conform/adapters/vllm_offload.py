@@ -222,9 +222,23 @@ def host_rule(version: str) -> str:
     return HOST_RULES[version]
 
 
-# Cached releases whose connector was tried and does not match the one read: none since
-# 0.26.0-0.32.0 were opened (2026-12-02); a release lands here with what was seen
-MISMATCHED: dict[str, str] = {}
+# Cached releases whose connector was tried and does not match the one read, with what
+# was seen (read 2026-12-02; the two host-hit rules hold on both, the rest not as the
+# rules above state it)
+_BEFORE_CONFIG = (
+    "there is no offloading/config.py (0.26.0 on): the host is sized in "
+    "v1/kv_offload/cpu/spec.py __init__ ({spec}) from kv_bytes_per_block x "
+    "block_size_factor, only kv_connector_extra_config block_size sets the factor (no "
+    "blocks_per_chunk, v1/kv_offload/base.py:{base}), and the prompt-only store cap is "
+    "inline in _build_store_jobs (offloading/scheduler.py:{cap}), no "
+    "_calc_num_offloadable_tokens{more}")
+MISMATCHED: dict[str, str] = {
+    "0.24.0": _BEFORE_CONFIG.format(
+        spec="60-112", base="500-515", cap="855-858",
+        more="; its TransferJob holds one transfer_spec, not src_spec and dst_spec "
+             "(offloading/common.py:63), which the worker stand-in reads"),
+    "0.25.1": _BEFORE_CONFIG.format(spec="54-106", base="551-566", cap="868-871", more=""),
+}
 
 
 def blocked_reason(version: str) -> tuple[str, str]:

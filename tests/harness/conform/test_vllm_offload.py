@@ -291,10 +291,12 @@ def test_where_no_host_tier_opens_the_skip_says_what_blocks_it(
     """Each release's own blocker, as the option's citation: a connector tried and
     found unlike the ones read says what differs; one never tried says it was not
     read."""
-    monkeypatch.setitem(O.MISMATCHED, "0.25.1", "its connector differs")
-    for version, why in (("0.25.1", "does not match the one read"),
-                         ("0.25.1", "its connector differs"),
-                         ("0.24.0", "was not read (read: 0.26.0")):
+    monkeypatch.setitem(O.MISMATCHED, "0.20.2", "its connector differs")
+    for version, why in (("0.20.2", "does not match the one read"),
+                         ("0.20.2", "its connector differs"),
+                         ("0.25.1", "there is no offloading/config.py"),
+                         ("0.24.0", "transfer_spec"),
+                         ("0.23.0", "was not read (read: 0.26.0")):
         unread = _contract(version, CacheOptions())
         assert "host_blocks" not in unread.options
         assert why in str(check_named("host_tier").skip_reason(unread))
