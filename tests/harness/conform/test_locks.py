@@ -17,6 +17,7 @@ from harness.conform.controller.locks import (
     Lock,
     LockError,
     UnsupportedVersion,
+    base_of,
     find_lock,
     load_lock,
     lock_data,
@@ -162,6 +163,12 @@ def test_an_engine_of_anothers_package_starts_from_its_lock_of_the_same_release(
     assert same is not None and (same.engine, same.version) == ("sglang", "0.5.21")
     near = nearest_lock("sglang_unified", "0.5.20", tmp_path)
     assert near is not None and (near.engine, near.version) == ("sglang_unified", "0.5.22")
+
+
+def test_a_resolved_locks_base_names_its_engine() -> None:
+    assert base_of("vllm", "0.28.0") == "vllm 0.28.0"
+    assert base_of("sglang_unified", "sglang==0.5.21") == "sglang 0.5.21"
+    assert base_of("sglang", None) == "?"
 
 
 def test_the_unified_tree_installs_sglangs_own_wheel_with_its_pools_real() -> None:

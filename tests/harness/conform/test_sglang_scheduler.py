@@ -132,6 +132,33 @@ def test_prefill_adder_cuts_the_first_chunk_to_whole_pages(target: Target, first
     assert reports[0].value["scheduled_tokens"] == scheduled
 
 
+def test_a_request_freed_between_its_chunks_holds_nothing_after(target: Target) -> None:
+    """A's first chunk (4 of 9 tokens) is computed, then A ends before its next chunk:
+    to 0.5.8 the scheduler freed A's row at the chunk, so its release takes a row first
+    (no double free, no row left held); from 0.5.9 A kept its row. A later request
+    still reuses the page A checkpointed; every oracle silent, nothing leaked."""
+    a = list(range(100, 109))
+    reports = run(target, [ops.admit("A", a, first_chunk=4), ops.commit("A", 4),
+                           ops.admit("B", list(range(300, 318))), ops.free("A"),
+                           ops.admit("C", a), ops.free("C"), ops.free("B")])
+    assert reports[3].integrity == () and reports[-1].leaks == ()
+    assert reports[4].value["reused_tokens"] == 4
+
+
+def test_a_refused_next_chunk_takes_no_row(target: Target) -> None:
+    """Four pages: A's first chunk holds one; B's 7 tokens hold two and its second
+    decode step the last; A's next chunk finds no page and is refused, which leaves the
+    request rows as they were (to 0.5.8 the allocation had taken a new row for A before
+    its pages failed), so nothing is held at the end."""
+    b = [ops.admit("B", list(range(300, 307))), ops.commit("B", 7),
+         ops.append("B", [1]), ops.commit("B", 8), ops.append("B", [2]), ops.commit("B", 9)]
+    reports = run(target, [ops.admit("A", list(range(100, 109)), first_chunk=4),
+                           ops.commit("A", 4), *b, ops.reserve("A", 9), ops.free("B"),
+                           ops.free("A")], num_blocks=4)
+    assert reports[7].used_blocks == 4 and reports[8].status == "refused"
+    assert reports[-1].leaks == ()
+
+
 def test_a_later_chunk_is_scheduled_as_asked_once_the_last_one_is_computed(
         target: Target) -> None:
     reports = run(target, [ops.admit("A", list(range(100, 118)), first_chunk=4),
