@@ -7,7 +7,7 @@ write-through, the layer-first layout (`host_args`). `HostScheduled` (a
 `HostTier.step` (then `check_hicache_events`, as `Scheduler` calls it before each
 step, `managers/scheduler.py:3889`), and `ready_to_load_host_cache` once a step's batch
 is formed (`:4354`). Before 0.5.21 the host tier is `HiRadixCache` beside RadixCache:
-`HiRadixScheduled` opens it on 0.5.14-0.5.20 (`HIRADIX_READ`) under that release's own
+`HiRadixScheduled` opens it on 0.5.13-0.5.20 (`HIRADIX_READ`) under that release's own
 scheduler code (`sglang_legacy`), `HiRadixCache(params, server_args)` building its host
 pool itself (in `pool_host.mha` from 0.5.16, in `memory_pool_host.py` before), in a
 process group of one (`single_process_group`: it asks its tensor-parallel group's
@@ -21,7 +21,10 @@ its own calls only (the contract's `replicated` lists both, `REPLICATED`):
 - `unregistered`: the host buffer is page-locked by `pool_host/common.py:349`
   `_cuda_host_register` (`torch.cuda.cudart()`), which a CPU-only torch refuses; while
   the host pool is built, where no accelerator is, it is a no-op (page-locking changes
-  no value);
+  no value). 0.5.13 page-locks inline instead (`memory_pool_host.py:180-203`
+  `alloc_with_host_register`, chosen by the device pool's device in
+  `ALLOC_MEMORY_FUNCS`): there the same function runs with `pin_memory` off
+  (`REGISTER_STUB_0513`);
 - `kv_copy_bound` and `transfer_kv_direct`: `pool_host/mha.py` (before 0.5.16
   `memory_pool_host.py:51-66`) binds sgl-kernel's
   compiled `transfer_kv_direct` only on CUDA/ROCm/XPU (`mha.py:60-89`) and calls it to
@@ -61,10 +64,25 @@ COPY_STUB = (
     "a compiled op of the sgl-kernel extension, which has no CPU build; the harness "
     "follows which page moved where (the stand-in logs each as an offload or onboard), "
     "not the values")
+# 0.5.13's page-locking: inline in the host pool's allocation (no pool_host package yet)
+REGISTER_STUB_0513 = (
+    "memory_pool_host.py alloc_with_host_register runs with pin_memory=False while the "
+    "host pool is built (HiRadixCache's construction), when no accelerator is available: "
+    "ALLOC_MEMORY_FUNCS[device] is that call for the device pool's device "
+    "(harness.conform.adapters.sglang_hicache.unregistered)",
+    "mem_cache/memory_pool_host.py:180-203 alloc_with_host_register (0.5.13), called "
+    "through ALLOC_MEMORY_FUNCS (:220-226) at :466-472, the host buffer page-locked with "
+    "cudaHostRegister",
+    "a CPU-only torch cannot page-lock (torch.cuda.cudart() asserts); page-locking "
+    "changes no value, and the buffer is allocated by the same function as before")
 REPLICATED = (REGISTER_STUB, COPY_STUB)
 # where the MHA host pool lives: its own module from 0.5.16, memory_pool_host.py before
 HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha",
                      "sglang.srt.mem_cache.memory_pool_host")
+# where the host buffer is page-locked: pool_host/common.py from 0.5.14, inline in
+# memory_pool_host.py before (REGISTER_STUB's, REGISTER_STUB_0513's)
+REGISTER_MODULES = ("sglang.srt.mem_cache.pool_host.common",
+                    "sglang.srt.mem_cache.memory_pool_host")
 
 # SGLang's host-tier rule (0.5.23), the contract's `host_blocks` citation
 HOST_RULE = (
@@ -151,10 +169,32 @@ HIRADIX_RULE_0514 = (
     "evicts its LRU leaves when a backup finds it short (write_backup :774, evict_host "
     ":1106); a backup's BlockStored and a host eviction's BlockRemoved name "
     "StorageMedium.CPU (:829, :1127), the device's GPU")
+# HiRadixCache's rule in 0.5.13 (and 0.5.13.post1, the same files): 0.5.14's behaviour,
+# its host pool's class named directly, the tensor-parallel size asked by the tree itself
+HIRADIX_RULE_0513 = (
+    "--enable-hierarchical-cache in 0.5.13: HiRadixCache(CacheInitParams, "
+    "ServerArgs) builds its host pool itself (mem_cache/hiradix_cache.py:80-88, "
+    "memory_pool_host.py MHATokenToKVPoolHost; hicache_ratio x the device pool's tokens "
+    "plus a padding page, memory_pool_host.py:251-257) and asks its tensor-parallel "
+    "group's size (hiradix_cache.py:108, a process group of one here); write_through "
+    "backs a node up on its first hit (write_through_threshold 1, :180-182; "
+    "_inc_hit_count :896-905 from the insert), starting the copy inside the insert "
+    "(write_backup :759-790), so the host is inclusive and the adapter sizes it "
+    "num_blocks + host_blocks pages; a device eviction of a backed-up leaf keeps it on "
+    "the host (_evict_backuped :1081-1090); match_prefix reports host-resident tokens "
+    "past the device prefix as host_hit_length (:1431-1461), which PrefillAdder loads "
+    "back before the extend (managers/schedule_policy.py:931-935 init_load_back); the "
+    "host evicts its LRU leaves when a backup finds it short (write_backup :774, "
+    "evict_host :1106); a backup's BlockStored and a host eviction's BlockRemoved name "
+    "StorageMedium.CPU (:829, :1127), the device's GPU")
 # the first release whose HiRadixCache keeps its host pool in pool_host (HIRADIX_RULE's)
 POOL_HOST_PACKAGE = "0.5.16"
-# the releases whose HiRadixCache was read (HIRADIX_RULE's, HIRADIX_RULE_0514's)
-HIRADIX_READ = ("0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20")
+# the first release that page-locks in pool_host/common.py (REGISTER_STUB's)
+POOL_HOST_COMMON = "0.5.14"
+# the releases whose HiRadixCache was read (HIRADIX_RULE's, HIRADIX_RULE_0514's,
+# HIRADIX_RULE_0513's)
+HIRADIX_READ = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.16", "0.5.17", "0.5.18",
+                "0.5.19", "0.5.20")
 
 
 def rules(tree_kind: str, version: str) -> tuple[tuple[str, str], ...]:
@@ -162,10 +202,21 @@ def rules(tree_kind: str, version: str) -> tuple[tuple[str, str], ...]:
     (RadixCache's host tier, "radix": 0.5.14's lines before `POOL_HOST_PACKAGE`, 0.5.20's
     from it) or UnifiedRadixCache's."""
     if tree_kind == "radix":
-        older = parse_version(version).key < parse_version(POOL_HOST_PACKAGE).key
-        return (("host_blocks", HIRADIX_RULE_0514 if older else HIRADIX_RULE),
-                *HIRADIX_RULES)
+        key = parse_version(version).key
+        rule = (HIRADIX_RULE if key >= parse_version(POOL_HOST_PACKAGE).key
+                else HIRADIX_RULE_0514 if key >= parse_version(POOL_HOST_COMMON).key
+                else HIRADIX_RULE_0513)
+        return (("host_blocks", rule), *HIRADIX_RULES)
     return (("host_blocks", HOST_RULE), *RULES)
+
+
+def replicated(version: str) -> tuple[tuple[str, str, str], ...]:
+    """What the adapter's host tier stands in for on `version` (the contract's
+    `replicated`): the page-locking no-op (inline before `POOL_HOST_COMMON`) and the
+    copy."""
+    if parse_version(version).key < parse_version(POOL_HOST_COMMON).key:
+        return (REGISTER_STUB_0513, COPY_STUB)
+    return REPLICATED
 
 
 # what blocks the host tier where the adapter does not open it (read by hand)
@@ -175,14 +226,9 @@ BLOCKED = {
              "torch.cuda.Stream() (managers/cache_controller.py:346)",
     "0.5.12": "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module level "
               "(no CPU build), so hiradix_cache does not import",
-    **dict.fromkeys(("0.5.13", "0.5.13.post1"), (
-        "memory_pool_host.py:180-203 alloc_with_host_register page-locks the host buffer "
-        "inline with torch.cuda.cudart().cudaHostRegister (no pool_host package yet), "
-        "which a CPU-only torch refuses and the adapter's no-op for pool_host/common.py's "
-        "_cuda_host_register (0.5.14 on) does not reach")),
 }
 HIRADIX = ("HiRadixCache, this release's host tier beside RadixCache, was not read: the "
-           "adapter opens it on 0.5.14-0.5.20 (HIRADIX_READ)")
+           "adapter opens it on 0.5.13-0.5.20 (HIRADIX_READ)")
 
 
 def honoured_radix(version: str) -> bool:
@@ -229,23 +275,45 @@ def host_args(host_blocks: int, num_blocks: int) -> dict[str, Any]:
 
 
 @contextmanager
-def unregistered(torch: Any, common: Any) -> Iterator[None]:
-    """While inside, `common._cuda_host_register` (SGLang's `pool_host.common`) does
-    nothing, where `torch.accelerator.is_available()` is false (elsewhere nothing
-    changes); the original is back on exit, also when the body raises."""
+def unregistered(torch: Any, pool: Any, device: str = "cpu") -> Iterator[None]:
+    """While inside, where `torch.accelerator.is_available()` is false, SGLang's host
+    pool allocates its buffer without page-locking it (elsewhere nothing changes):
+    `pool` is the module that page-locks, `pool_host.common` (0.5.14 on), whose
+    `_cuda_host_register` does nothing, or `memory_pool_host` (0.5.13), whose
+    `ALLOC_MEMORY_FUNCS[device]` (`device`: the device pool's) is its own
+    `alloc_with_host_register` called with `pin_memory` off. Restored on exit, also when
+    the body raises."""
     if torch.accelerator.is_available():
         yield
         return
-    own = common._cuda_host_register
+    if hasattr(pool, "_cuda_host_register"):
+        own = pool._cuda_host_register
 
-    def _cuda_host_register(*_args: Any, **_kwargs: Any) -> None:
-        return None
+        def _cuda_host_register(*_args: Any, **_kwargs: Any) -> None:
+            return None
 
-    common._cuda_host_register = _cuda_host_register
+        pool._cuda_host_register = _cuda_host_register
+        try:
+            yield
+        finally:
+            pool._cuda_host_register = own
+        return
+    funcs, alloc = pool.ALLOC_MEMORY_FUNCS, pool.alloc_with_host_register
+    had, was = device in funcs, funcs.get(device)
+
+    def alloc_unpinned(dims: Any, dtype: Any, device: str, pin_memory: bool,
+                       allocator: Any) -> Any:
+        return alloc(dims, dtype=dtype, device=device, pin_memory=False,
+                     allocator=allocator)
+
+    funcs[device] = alloc_unpinned
     try:
         yield
     finally:
-        common._cuda_host_register = own
+        if had:
+            funcs[device] = was
+        else:
+            del funcs[device]
 
 
 def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any],
@@ -296,14 +364,15 @@ class HostTier:
 
     def __init__(self, torch: Any, kv: Any, block_size: int,
                  write: Callable[[dict[str, Any]], None]) -> None:
-        from sglang.srt.mem_cache.pool_host import common
-
         self.torch, self.kv, self.block_size, self.write = torch, kv, block_size, write
         # the module whose MHA host pool calls transfer_kv_direct: pool_host.mha from
         # 0.5.16, mem_cache/memory_pool_host.py before (its own unbound global there too)
-        self._common = common
         self._mha = importlib.import_module(
             HOST_POOL_MODULES[0] if has_module(HOST_POOL_MODULES[0]) else HOST_POOL_MODULES[1])
+        # the module that page-locks the host buffer: pool_host.common from 0.5.14,
+        # memory_pool_host.py (inline) before
+        self._pins = importlib.import_module(
+            REGISTER_MODULES[0] if has_module(REGISTER_MODULES[0]) else REGISTER_MODULES[1])
         self.tree: Any = None
         self._offloads: list[dict[str, Any]] = []  # this step's backups, logged at its end
 
@@ -312,7 +381,7 @@ class HostTier:
         registry opens a hierarchical cache, the host buffer not page-locked where no
         accelerator is (`unregistered`)."""
         tree = tree_class(params)
-        with unregistered(self.torch, self._common):
+        with unregistered(self.torch, self._pins, self.kv.device):
             tree.init_hicache(server_args, params)
         self.tree = tree
         return tree
@@ -320,7 +389,7 @@ class HostTier:
     def open_hiradix(self, tree_class: Any, server_args: Any, params: Any) -> Any:
         """`tree_class(params, server_args)`, SGLang's `HiRadixCache` (before 0.5.21),
         which builds its host pool itself, not page-locked where no accelerator is."""
-        with unregistered(self.torch, self._common):
+        with unregistered(self.torch, self._pins, self.kv.device):
             self.tree = tree_class(params, server_args)
         return self.tree
 

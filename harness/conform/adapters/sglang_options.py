@@ -79,7 +79,7 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                       else sglang_mamba_radix.PIN_STUB)
     if host_blocks is not None:
         citations += sglang_hicache.rules(tree_kind, base.version)
-        replicated = (*replicated, *sglang_hicache.REPLICATED)
+        replicated = (*replicated, *sglang_hicache.replicated(base.version))
     if window is not None:
         citations += (("window", WINDOW_RULE),)
     if window_pool is not None:

@@ -7,6 +7,7 @@ is not cached, as the engine smoke is)."""
 
 from __future__ import annotations
 
+import collections
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +55,44 @@ def test_host_register_is_restored_when_the_body_raises() -> None:
     assert common._cuda_host_register is own
 
 
+def _pool_host_0513() -> types.SimpleNamespace:
+    """0.5.13's memory_pool_host, as far as page-locking goes: `ALLOC_MEMORY_FUNCS`, a
+    defaultdict keyed by the device pool's device whose default (and its "cpu" entry) is
+    `alloc_with_host_register`, which page-locks where `pin_memory` is set; here it
+    records its arguments and refuses to page-lock, as a CPU-only torch does."""
+    calls: list[bool] = []
+
+    def alloc_with_host_register(dims, dtype, device, pin_memory, allocator):
+        calls.append(pin_memory)
+        if pin_memory:
+            raise AssertionError("Torch not compiled with CUDA enabled")
+        return torch.empty(dims, dtype=dtype, device=device)
+
+    funcs = collections.defaultdict(lambda: alloc_with_host_register)
+    return types.SimpleNamespace(ALLOC_MEMORY_FUNCS=funcs, calls=calls,
+                                 alloc_with_host_register=alloc_with_host_register)
+
+
+@pytest.mark.parametrize("present", [False, True], ids=["key-absent", "key-present"])
+def test_0513s_inline_page_lock_allocates_unpinned_inside_and_is_restored(present) -> None:
+    """0.5.13 page-locks inside the host pool's allocation: inside, the device's entry
+    is the same allocation with pin_memory off; on exit (also when the body raises) the
+    table is as it was, an entry present before back, an absent one absent again."""
+    pool = _pool_host_0513()
+    if present:
+        pool.ALLOC_MEMORY_FUNCS["cpu"] = pool.alloc_with_host_register
+    with pytest.raises(RuntimeError, match="boom"), H.unregistered(torch, pool, "cpu"):
+        buffer = pool.ALLOC_MEMORY_FUNCS["cpu"]((2, 3), dtype=torch.float16, device="cpu",
+                                                pin_memory=True, allocator=None)
+        assert buffer.shape == (2, 3) and buffer.dtype == torch.float16
+        raise RuntimeError("boom")
+    assert pool.calls == [False]
+    assert ("cpu" in pool.ALLOC_MEMORY_FUNCS) is present
+    with pytest.raises(AssertionError, match="CUDA"):  # page-locking again outside
+        pool.ALLOC_MEMORY_FUNCS["cpu"]((2,), dtype=torch.float16, device="cpu",
+                                       pin_memory=True, allocator=None)
+
+
 def test_the_copy_is_bound_only_inside_and_only_where_unbound() -> None:
     mha = types.SimpleNamespace()
     with H.kv_copy_bound(mha):
@@ -99,14 +138,13 @@ def test_the_host_holds_the_device_copy_and_host_blocks_beyond() -> None:
 
 
 def test_blocked_releases_say_what_blocks_them() -> None:
-    reasons = {v: H.blocked_reason(v, "radix")
-               for v in ("0.5.5", "0.5.12", "0.5.10", "0.5.13.post1")}
+    reasons = {v: H.blocked_reason(v, "radix") for v in ("0.5.5", "0.5.12", "0.5.10")}
     assert {name for name, _ in reasons.values()} == {"options.host_blocks"}
     assert "sgl_kernel.kvcacheio" in reasons["0.5.5"][1]
     assert "sgl_kernel.kvcacheio" in reasons["0.5.12"][1]
-    # 0.5.9-0.5.10's HiRadixCache was not read; 0.5.13's host pool registers inline
+    # 0.5.9-0.5.10's HiRadixCache was not read
     assert reasons["0.5.10"][1] == H.HIRADIX
-    assert "cudaHostRegister" in reasons["0.5.13.post1"][1]
+    assert H.honoured_radix("0.5.13.post1") and not H.honoured_radix("0.5.12")
 
 
 def _names(hicache: bool) -> types.SimpleNamespace:
@@ -151,6 +189,13 @@ def test_radix_cache_releases_read_open_hiradix_cache_with_its_own_rule() -> Non
                                     host_blocks=8)
     assert dict(older.citations)["host_blocks"] == H.HIRADIX_RULE_0514
     assert "memory_pool_host.py" in H.HIRADIX_RULE_0514
+    assert H.REGISTER_STUB in older.replicated
+    # 0.5.13 page-locks inline: its own rule, its own stand-in for the page-lock
+    inline = sglang_options.contract(radix_contract("0.5.13", B), _names(False), "radix",
+                                     host_blocks=8)
+    assert dict(inline.citations)["host_blocks"] == H.HIRADIX_RULE_0513
+    assert H.REGISTER_STUB_0513 in inline.replicated
+    assert H.REGISTER_STUB not in inline.replicated and H.COPY_STUB in inline.replicated
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
@@ -166,12 +211,14 @@ def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
         sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")))
 
 
-@pytest.fixture(params=[LOCK, find_lock("sglang", "0.5.20"), find_lock("sglang", "0.5.14")],
-                ids=["unified-radix-cache", "hiradix-cache-0.5.20", "hiradix-cache-0.5.14"])
+@pytest.fixture(params=[LOCK, find_lock("sglang", "0.5.20"), find_lock("sglang", "0.5.14"),
+                        find_lock("sglang", "0.5.13")],
+                ids=["unified-radix-cache", "hiradix-cache-0.5.20", "hiradix-cache-0.5.14",
+                     "hiradix-cache-0.5.13"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
-    """The newest `sglang_unified` (UnifiedRadixCache.init_hicache), and SGLang 0.5.20
-    and 0.5.14 (HiRadixCache beside RadixCache, under its own scheduler code; 0.5.14's
-    host pool in memory_pool_host.py)."""
+    """The newest `sglang_unified` (UnifiedRadixCache.init_hicache), and SGLang 0.5.20,
+    0.5.14 and 0.5.13 (HiRadixCache beside RadixCache, under its own scheduler code;
+    0.5.14's host pool in memory_pool_host.py, 0.5.13's page-locked inline there)."""
     with open_cached(request.param, tmp_path) as opened:
         yield opened
 
