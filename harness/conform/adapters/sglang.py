@@ -140,7 +140,7 @@ def contract(version: str, block_size: int) -> Contract:
         limitations=((("scope_in_event_hash", "lora", EVENT_HASH_RFC),) if salted else ()),
         eviction_policy="lru-leaves", explicit_evict=True, dedup_on_commit=True,
         chunked_allocation=True, preemption="retracts-decode",
-        # a host tier's hits are reused and admitted as device hits (sglang_hicache.RULES)
+        # a host tier's hits are reused and admitted as device hits (sglang_hicache.unified_rules)
         host_full_hit="unreused-tail", host_load_reserve="none",
         event_fields=(*EVENT_FIELDS, "cache_salt") if salted else EVENT_FIELDS,
         replicated=TREE_CALLER_REPLICATED,

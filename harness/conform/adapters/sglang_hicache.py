@@ -1,5 +1,6 @@
 """SGLang's host tier (HiCache) under the scheduler adapter (runs in an SGLang venv,
-0.5.23): a `UnifiedRadixCache` opened as SGLang's registry opens one with
+0.5.22 on, and 0.5.19-0.5.21 under their older code: `sglang_legacy_unified`): a
+`UnifiedRadixCache` opened as SGLang's registry opens one with
 `--enable-hierarchical-cache` (`mem_cache/registry.py:193-196`: the tree, then
 `init_hicache(server_args, params)`), its host pool on the CPU, the "direct" io backend,
 write-through, the layer-first layout (`host_args`). `HostScheduled` (a
@@ -11,9 +12,9 @@ is formed (`:4354`). Before 0.5.21 the host tier is `HiRadixCache` beside RadixC
 scheduler code (`sglang_legacy`), `HiRadixCache(params, server_args)` building its host
 pool itself (in `pool_host.mha` from 0.5.16, in `memory_pool_host.py` before), in a
 process group of one (`single_process_group`: it asks its tensor-parallel group's
-size). The contract's parts are here too: the rules
-(`HOST_RULE`, `HIRADIX_RULE`, `rules`), where the adapter opens a host tier (`honoured`,
-`honoured_radix`) and what blocks it elsewhere (`blocked_reason`).
+size). The contract's parts are here too: the rules, each release's at its own lines
+(`unified_rules`, `HIRADIX_RULE`, `rules`), where the adapter opens a host tier
+(`honoured`, `honoured_radix`) and what blocks it elsewhere (`blocked_reason`).
 
 Two pieces of SGLang's host pool do not run on a CPU, and the adapter replaces them for
 its own calls only (the contract's `replicated` lists both, `REPLICATED`):
@@ -84,42 +85,114 @@ HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha",
 REGISTER_MODULES = ("sglang.srt.mem_cache.pool_host.common",
                     "sglang.srt.mem_cache.memory_pool_host")
 
-# SGLang's host-tier rule (0.5.23), the contract's `host_blocks` citation
-HOST_RULE = (
+# SGLang's host-tier rule on UnifiedRadixCache, the contract's `host_blocks` citation:
+# `_HOST` with each release's lines (`HOST_LINES`). 0.5.21 on queue a backup for
+# check_hicache_events (`_QUEUED`); 0.5.19-0.5.20 start its copy inside the insert
+# (`_STARTED`), and skip the backup of a chunked request's middle chunk (`_CHUNKED`)
+# until its next unchunked insert, as 0.5.21 does
+_HOST = (
     "--enable-hierarchical-cache: UnifiedRadixCache.init_hicache (mem_cache/registry.py:"
-    "193-196); the host pool is hicache_ratio x the device pool's tokens plus a padding "
-    "page (pool_host/base.py:224-229); write_through backs every node up on its first "
-    "insert (unified_radix_cache.py:558-559, write_through_threshold 1), so the host is "
-    "inclusive and the adapter sizes it num_blocks + host_blocks pages (hicache_ratio, "
-    "hicache_size=0); backups are queued and run by check_hicache_events (:3651-3683, "
-    "flush_pending_backups -> start_writing); a device eviction of a backed-up leaf keeps "
-    "it on the host (_evict_device_leaf, :918-931); match_prefix reports host-resident "
-    "tokens past the device prefix as host_hit_length (mem_cache/common.py:249-258) and "
-    "PrefillAdder loads them back before the extend (schedule_policy.py:1516-1520 "
-    "init_load_back, unified_radix_cache.py:3586); the host evicts its LRU leaves when a "
-    "backup finds it short (:1745-1749 evict_host, :1433); a backup's BlockStored and a "
-    "host eviction's BlockRemoved name the host medium StorageMedium.CPU, 'CPU_PINNED' "
-    "(disaggregation/kv_events.py:265, unified_cache/unified_tree_core.py:1861, :2032), "
-    "the device's 'GPU'")
+    "{registry}); the host pool is hicache_ratio x the device pool's tokens plus a padding "
+    "page (pool_host/base.py:{base}); write_through backs every node up on its first "
+    "insert (unified_radix_cache.py:{threshold}, write_through_threshold 1{chunked}), so "
+    "the host is inclusive and the adapter sizes it num_blocks + host_blocks pages "
+    "(hicache_ratio, hicache_size=0); {backup}; a device eviction of a backed-up leaf "
+    "keeps it on the host (_evict_device_leaf, :{evict_leaf}); match_prefix reports "
+    "host-resident tokens past the device prefix as host_hit_length ({hit}) and "
+    "PrefillAdder loads them back before the extend (schedule_policy.py:{load} "
+    "init_load_back, unified_radix_cache.py:{init_load}); the host evicts its LRU leaves "
+    "when a backup finds it short (:{short} evict_host, :{evict_host}); a backup's "
+    "BlockStored and a host eviction's BlockRemoved name the host medium "
+    "StorageMedium.CPU, 'CPU_PINNED' (disaggregation/kv_events.py:{media}, "
+    "unified_cache/unified_tree_core.py:{stored} finish_write_through, :{removed} "
+    "_evict_host_leaf), the device's 'GPU'")
+_QUEUED = ("backups are queued (mem_cache/hybrid_cache/hybrid_cache_controller.py:{write} "
+           "write, flush=False) and run by check_hicache_events (unified_radix_cache.py:"
+           "{check}, flush_pending_backups -> start_writing)")
+_STARTED = ("each backup's copy starts inside the insert (mem_cache/hybrid_cache/"
+            "hybrid_cache_controller.py:{write} write, then start_writing; there is no "
+            "flush_pending_backups) and check_hicache_events (unified_radix_cache.py:"
+            "{check}) reaps its completion")
+_CHUNKED = ("; an insert of a chunked request's middle chunk backs nothing up, its pages "
+            "reaching the host with the request's next unchunked insert "
+            "(unified_cache/unified_tree_core.py:{inc} _inc_hit_count_and_check)")
+# (the host hit's two rules and the host's stores, below, at the same lines)
+_FULL_HIT = (
+    "a host hit lies within the match, which is capped at L - 1 tokens for device and host "
+    "alike (managers/schedule_batch.py:{cap} _compute_max_prefix_len; match_prefix's "
+    "host_hit_length, {hit}): the last prompt token is never reused, as without a host "
+    "tier")
+_LOAD_BUDGET = (
+    "PrefillAdder loads a host hit back within the admission (managers/schedule_policy.py:"
+    "{prepare} prepare_load_back then init_load_back) under the admission's own budget "
+    "(the loaded tokens, the extend, the new tokens and a page: admission_reserve); "
+    "nothing is kept for prefills in flight")
+_LOAD_CHARGED = (
+    "PrefillAdder charges the admission the prompt past the device prefix (its host hit "
+    "included), the new tokens and a page (managers/schedule_policy.py:{total} "
+    "total_tokens, checked at :{gate}), then loads the hit back (init_load_back, "
+    ":{load}): the admission's own budget (admission_reserve); nothing is kept for "
+    "prefills in flight")
+_STORES = (
+    "write_through backs every node up on its first insert (unified_radix_cache.py:"
+    "{threshold}, write_through_threshold 1{chunked}): the host holds every computed page, "
+    "decoded ones too")
+HOST_LINES: dict[str, dict[str, str]] = {
+    "0.5.19": dict(registry="188-192", base="151-159", threshold="470-472",
+                   chunked=_CHUNKED.format(inc="905-909"),
+                   backup=_STARTED.format(write="309-337", check="2781-2830"),
+                   evict_leaf="671-679",
+                   hit="managers/schedule_batch.py:1467-1485 Req.init_next_round_input",
+                   load="1289-1296", init_load="2734", short="1373-1377",
+                   evict_host="1111-1121", media="251-255", stored="2175", removed="1559",
+                   cap="1509-1514",
+                   load_rule=_LOAD_CHARGED.format(total="1202", gate="1212",
+                                                  load="1289-1296")),
+    "0.5.20": dict(registry="191-195", base="151-159", threshold="500-502",
+                   chunked=_CHUNKED.format(inc="1010"),
+                   backup=_STARTED.format(write="324-352", check="3280-3313"),
+                   evict_leaf="770-783",
+                   hit="managers/schedule_batch.py:1587-1607 Req.init_next_round_input",
+                   load="1400-1410", init_load="3233", short="1580-1584",
+                   evict_host="1302-1312", media="260-264", stored="2520", removed="1797",
+                   cap="1631-1636",
+                   load_rule=_LOAD_CHARGED.format(total="1364", gate="1372",
+                                                  load="1400-1410")),
+    "0.5.21": dict(registry="194-198", base="200-208", threshold="497-499",
+                   chunked=_CHUNKED.format(inc="1056"),
+                   backup=_QUEUED.format(write="513-536", check="3449-3485"),
+                   evict_leaf="796-809",
+                   hit="managers/schedule_batch.py:1658-1678 Req.init_next_round_input",
+                   load="1400-1409", init_load="3402", short="1662-1666",
+                   evict_host="1368-1378", media="259-263", stored="2687", removed="1947",
+                   cap="1702-1712",
+                   load_rule=_LOAD_CHARGED.format(total="1366", gate="1377",
+                                                  load="1400-1409")),
+    "0.5.22": dict(registry="192-196", base="211-219", threshold="525-527", chunked="",
+                   backup=_QUEUED.format(write="540-563", check="3507-3539"),
+                   evict_leaf="838-851", hit="mem_cache/common.py:227-243",
+                   load="1439-1446", init_load="3442", short="1663-1667",
+                   evict_host="1351-1361", media="261-265", stored="2767", removed="2003",
+                   cap="1696-1706", load_rule=_LOAD_BUDGET.format(prepare="1425-1446")),
+    "0.5.23": dict(registry="193-196", base="224-229", threshold="558-559", chunked="",
+                   backup=_QUEUED.format(write="555-580", check="3651-3683"),
+                   evict_leaf="918-931", hit="mem_cache/common.py:249-258",
+                   load="1516-1520", init_load="3586", short="1745-1749",
+                   evict_host="1433", media="265", stored="2849", removed="2059",
+                   cap="1766-1768", load_rule=_LOAD_BUDGET.format(prepare="1499-1523")),
+}
+READ = tuple(HOST_LINES)  # the releases whose UnifiedRadixCache host tier was read by hand
 
-# SGLang's two rules of a host hit (0.5.23), the citations of the contract's
-# `host_full_hit` ("unreused-tail") and `host_load_reserve` ("none"), and its
-# `host_stores` ("when-computed")
-RULES = (
-    ("host_full_hit", "a host hit lies within the match, which is capped at L - 1 tokens "
-                      "for device and host alike (managers/schedule_batch.py:1766-1768 "
-                      "_compute_max_prefix_len; match_prefix's host_hit_length, "
-                      "mem_cache/common.py:249-258): the last prompt token is never "
-                      "reused, as without a host tier"),
-    ("host_load_reserve", "PrefillAdder loads a host hit back within the admission "
-                          "(managers/schedule_policy.py:1499-1523 prepare_load_back then "
-                          "init_load_back) under the admission's own budget (the loaded "
-                          "tokens, the extend, the new tokens and a page: "
-                          "admission_reserve); nothing is kept for prefills in flight"),
-    ("host_stores", "write_through backs every node up on its first insert "
-                    "(unified_radix_cache.py:558-559, write_through_threshold 1): the host "
-                    "holds every computed page, decoded ones too"))
-READ = ("0.5.23",)  # the releases whose host tier was read by hand (HOST_RULE's)
+
+def unified_rules(version: str) -> tuple[tuple[str, str], ...]:
+    """UnifiedRadixCache's host-tier citations on `version` (a release in `READ`), each at
+    its own lines: the contract's `host_blocks`, `host_full_hit`, `host_load_reserve` and
+    `host_stores`. Raises KeyError on a release not read."""
+    lines = HOST_LINES[version]
+    return (("host_blocks", _HOST.format(**lines)),
+            ("host_full_hit", _FULL_HIT.format(**lines)),
+            ("host_load_reserve", lines["load_rule"]),
+            ("host_stores", _STORES.format(**lines)))
 
 # HiRadixCache's rule (0.5.20), the contract's `host_blocks` citation on RadixCache
 HIRADIX_RULE = (
@@ -199,15 +272,16 @@ HIRADIX_READ = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.16", "0.5.17", "0.5.18"
 
 def rules(tree_kind: str, version: str) -> tuple[tuple[str, str], ...]:
     """The host tier's citations for a tree of `tree_kind` on `version`: HiRadixCache's
-    (RadixCache's host tier, "radix": 0.5.14's lines before `POOL_HOST_PACKAGE`, 0.5.20's
-    from it) or UnifiedRadixCache's."""
+    (RadixCache's host tier, "radix": 0.5.13's lines before `POOL_HOST_COMMON`, 0.5.14's
+    before `POOL_HOST_PACKAGE`, 0.5.20's from it) or UnifiedRadixCache's
+    (`unified_rules`)."""
     if tree_kind == "radix":
         key = parse_version(version).key
         rule = (HIRADIX_RULE if key >= parse_version(POOL_HOST_PACKAGE).key
                 else HIRADIX_RULE_0514 if key >= parse_version(POOL_HOST_COMMON).key
                 else HIRADIX_RULE_0513)
         return (("host_blocks", rule), *HIRADIX_RULES)
-    return (("host_blocks", HOST_RULE), *RULES)
+    return unified_rules(version)
 
 
 def replicated(version: str) -> tuple[tuple[str, str, str], ...]:

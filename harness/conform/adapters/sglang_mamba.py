@@ -1,9 +1,10 @@
-"""SGLang's own scheduler code over a FULL+MAMBA `UnifiedRadixCache` (0.5.23; runs in an
-SGLang venv): `MambaScheduled`, `sglang_scheduler.SglangScheduled` opened with a
-`state_interval`, over SGLang's default hybrid Mamba pools (`HybridReqToTokenPool` with
-its `MambaPool`, `HybridLinearKVPool`), its extra buffer on and its state block
-`state_interval` pages, its rule `MAMBA_RULE`; with a window too, FULL+SWA+MAMBA
-(`WindowMambaScheduled`). What it needs beyond the full-attention path:
+"""SGLang's own scheduler code over a FULL+MAMBA `UnifiedRadixCache` (0.5.22 on, and
+0.5.19-0.5.21 under their older code: `sglang_legacy_unified`; runs in an SGLang venv):
+`MambaScheduled`, `sglang_scheduler.SglangScheduled` opened with a `state_interval`, over
+SGLang's default hybrid Mamba pools (`HybridReqToTokenPool` with its `MambaPool`,
+`HybridLinearKVPool`), its extra buffer on and its state block `state_interval` pages,
+its rule `mamba_rule` (each release's at its own lines); with a window too,
+FULL+SWA+MAMBA (`WindowMambaScheduled`). What it needs beyond the full-attention path:
 
 - `unpinned`: a decode step's `ScheduleBatch.prepare_for_decode` page-locks the Mamba
   track mask before copying it to the device (`managers/schedule_batch.py:3830`,
@@ -11,8 +12,8 @@ its `MambaPool`, `HybridLinearKVPool`), its extra buffer on and its state block
   accelerator device when none is available"). Page-locking is a transfer optimisation
   that changes no value, so for that call only, and only where no accelerator is
   available, `Tensor.pin_memory` returns the tensor itself, and `torch.tensor` drops a
-  `pin_memory=True`, the form MambaRadixCache's releases use too (`PIN_STUB` lists it
-  with the contract's replicated parts);
+  `pin_memory=True`, the form MambaRadixCache's releases and 0.5.19-0.5.22 use too for
+  the track indices (`pin_stub` lists it with the contract's replicated parts);
 - `track_decode_state`: the result processor's decode-state bookkeeping for one request
   after a decode step's forward pass, SGLang's own
   `SchedulerBatchResultProcessor._handle_finish_state_updated_req`
@@ -44,19 +45,71 @@ from harness.conform.adapters.sglang_tree import UNIFIED_ONLY
 from harness.conform.adapters.sglang_window import WindowScheduled
 from harness.conform.versions import parse_version
 
-# SGLang's Mamba snapshot rule (0.5.23, extra buffer), each part where its own code says
-# so; the contract's `state_interval` citation (its `state_rule` "extend-end")
-MAMBA_RULE = (
+# SGLang's Mamba snapshot rule (extra buffer), each part where its own code says so: the
+# contract's `state_interval` citation (its `state_rule` "extend-end"). `_MAMBA` is its
+# text with each release's lines (`MAMBA_LINES`); what keeps the full KV to the last state
+# and what a finished request donates is `checkpoint_kv_cache`'s from 0.5.22
+# (`_CHECKPOINTED`), the tree's cache_unfinished_req and release_kv_cache's insert before
+# (`_CACHED`, without 0.5.22's fallback to the previous state where the last one runs past
+# the inserted key)
+_MAMBA = (
     "UnifiedRadixCache(FULL, MAMBA, enable_mamba_extra_buffer) over HybridReqToTokenPool + "
-    "HybridLinearKVPool (kv_cache_configurator.py _build_hybrid_req_pool): states lie on "
-    "the grid g = lcm(mamba_cache_chunk_size, page) (runtime_context.py:1958-1971); an "
+    "HybridLinearKVPool (kv_cache_configurator.py{pool} _build_hybrid_req_pool): states "
+    "lie on the grid g = lcm(mamba_cache_chunk_size, page) (runtime_context.py:{grid}); an "
     "extend keeps one, at prefix_len + floor(extend_len / g) * g, none when shorter "
-    "than g (managers/schedule_batch.py:3175-3183, :3232), or the branching point its "
-    "match named when that lies inside it on its grid (unified_cache/components/"
-    "mamba.py:176-194, schedule_batch.py:3216-3231); checkpoint_kv_cache inserts the "
-    "full KV only up to the last state (mamba.py prepare_for_caching_req), a finished "
-    "request donates its last state (mamba.py:582-612 _select_finished_checkpoint); a "
-    "match ends on the deepest kept state")
+    "than g (managers/schedule_batch.py:{extend}), or the branching point its match "
+    "named when that lies inside it on its grid (unified_cache/components/{mamba}:"
+    "{branch}, schedule_batch.py:{branch_sb}); {insert}; a match ends on the deepest "
+    "kept state ({mamba}:{validator} create_match_validator)")
+_CHECKPOINTED = (
+    "checkpoint_kv_cache inserts the full KV only up to the last state "
+    "({mamba}{prepare} prepare_for_caching_req), a finished request donates its last "
+    "state ({mamba}:{donate})")
+_CACHED = (
+    "after an extend the tree's cache_unfinished_req (through maybe_cache_unfinished_req, "
+    "mem_cache/common.py:{maybe}) inserts the full KV only up to the last state "
+    "(unified_radix_cache.py:{cache}, {mamba}:{prepare} prepare_for_caching_req), and a "
+    "finished request donates its last tracked state, the key cut to it ({donate}; no "
+    "fallback to the previous state where that one runs past the key)")
+MAMBA_LINES: dict[str, dict[str, str]] = {
+    "0.5.19": dict(pool=":1038", grid="1912-1925", extend="2792, :2809-2812",
+                   mamba="mamba_component.py", branch="164-185", branch_sb="2835-2850",
+                   validator="142", insert=_CACHED, maybe="161", cache="925-991",
+                   prepare="529-606",
+                   donate="release_kv_cache, mem_cache/common.py:254, then "
+                          "cache_finished_req, unified_radix_cache.py:838-871, "
+                          "mamba_component.py:554-570"),
+    "0.5.20": dict(pool=":1104", grid="1996-2009", extend="2922, :2939-2942",
+                   mamba="mamba.py", branch="164-185", branch_sb="2965-2980",
+                   validator="142", insert=_CACHED, maybe="157", cache="1098-1166",
+                   prepare="525-602",
+                   donate="release_kv_cache, mem_cache/common.py:276, then "
+                          "cache_finished_req, unified_radix_cache.py:959-994, "
+                          "mamba.py:550-566"),
+    "0.5.21": dict(pool=":1119", grid="1903-1916", extend="3054-3058",
+                   mamba="mamba.py", branch="166-187", branch_sb="3094-3109",
+                   validator="144", insert=_CACHED, maybe="172", cache="1161-1232",
+                   prepare="539-615",
+                   donate="release_kv_cache, mem_cache/common.py:292, then insert_req "
+                          "(up_to=owned_kv_len, :316), unified_radix_cache.py:1006-1056, "
+                          "mamba.py:563-579"),
+    "0.5.22": dict(pool=":1540", grid="1950-1963", extend="3054-3057",
+                   mamba="mamba.py", branch="169-190", branch_sb="3092-3107",
+                   validator="147", insert=_CHECKPOINTED, prepare=":564-642",
+                   donate="542-562 _select_finished_checkpoint, used at :588-606"),
+    "0.5.23": dict(pool=":1700", grid="1958-1971", extend="3175-3183, :3232",
+                   mamba="mamba.py", branch="176-194", branch_sb="3216-3231",
+                   validator="151", insert=_CHECKPOINTED, prepare=":604",
+                   donate="582-603 _select_finished_checkpoint, used at :632"),
+}
+
+
+def mamba_rule(version: str) -> str:
+    """The Mamba snapshot rule of `version` at its own lines (a release of
+    `MAMBA_LINES`), else the newest's."""
+    lines = MAMBA_LINES.get(version, MAMBA_LINES["0.5.23"])
+    return _MAMBA.format(**{**lines, "insert": lines["insert"].format(**lines)})
+
 
 
 def radix_reason(version: str, why: str) -> tuple[str, str]:
@@ -77,6 +130,27 @@ PIN_STUB = (
     "managers/schedule_batch.py:3830 track_mask_cpu.pin_memory() (0.5.23), the Mamba "
     "track mask page-locked before its copy to the device",
     "a CPU-only torch cannot page-lock; page-locking changes no value")
+# before 0.5.23 prepare_for_decode also builds the track indices page-locked
+# (set_mamba_track_indices_from_reqs, torch.tensor(..., pin_memory=True)): each
+# release's (track mask, track indices) lines in managers/schedule_batch.py
+PIN_LINES = {"0.5.19": (3372, 2026), "0.5.20": (3514, 2153), "0.5.21": (3649, 2229),
+             "0.5.22": (3655, 2226)}
+
+
+def pin_stub(version: str) -> tuple[str, str, str]:
+    """The contract's `replicated` entry for `unpinned` on `version`'s UnifiedRadixCache:
+    `PIN_STUB`, or before 0.5.23 (`PIN_LINES`) with that release's two page-locked
+    tensors."""
+    lines = PIN_LINES.get(version)
+    if lines is None:
+        return PIN_STUB
+    mask, indices = lines
+    return (PIN_STUB[0],
+            f"managers/schedule_batch.py ScheduleBatch.prepare_for_decode ({version}: "
+            f":{mask} track_mask_cpu.pin_memory(), :{indices} "
+            f"set_mamba_track_indices_from_reqs's torch.tensor(..., pin_memory=True)): the "
+            "Mamba track mask and track indices page-locked before their copies to the "
+            "device", PIN_STUB[2])
 
 
 @contextmanager

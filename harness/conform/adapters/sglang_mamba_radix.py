@@ -31,7 +31,7 @@ from harness.conform.adapters.sglang_mamba import MambaScheduled
 
 # MambaRadixCache's snapshot rule (0.5.14, extra buffer), each part where its own code
 # says so: the contract's `state_interval` citation (its `state_rule` "extend-end", as
-# UnifiedRadixCache's MAMBA component keeps it: `sglang_mamba.MAMBA_RULE`)
+# UnifiedRadixCache's MAMBA component keeps it: `sglang_mamba.mamba_rule`)
 MAMBA_RADIX_RULE = (
     "MambaRadixCache(enable_mamba_extra_buffer) over HybridReqToTokenPool + "
     "HybridLinearKVPool (0.5.14; mem_cache/registry.py:119-122 builds it for a hybrid "

@@ -7,8 +7,9 @@ over a UnifiedRadixCache with more: `sglang_window.WindowScheduled` (a window),
 before 0.5.22 over RadixCache, `sglang_legacy.LegacyScheduled`, with a host tier
 `sglang_hicache.HiRadixScheduled` and with a `state_interval`
 `sglang_mamba_radix.MambaRadixScheduled` (where the release's server builds those
-trees); `contract` is the scheduler's contract with the options the release honours and
-the rule of each one opened.
+trees), and over a UnifiedRadixCache the same components as from 0.5.22 under the older
+code (`sglang_legacy_unified`); `contract` is the scheduler's contract with the options
+the release honours and the rule of each one opened.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from harness.conform.adapters import (
 )
 from harness.conform.adapters.sglang_hicache import HiRadixScheduled, HostScheduled
 from harness.conform.adapters.sglang_legacy import LegacyScheduled
+from harness.conform.adapters.sglang_legacy_unified import LEGACY_CLASSES, LegacyHostScheduled
 from harness.conform.adapters.sglang_mamba import MambaScheduled, WindowMambaScheduled
 from harness.conform.adapters.sglang_mamba_radix import MambaRadixScheduled
 from harness.conform.adapters.sglang_scheduler import SchedulerNames, SglangScheduled
-from harness.conform.adapters.sglang_window import WINDOW_POOL_RULE, WINDOW_RULE, WindowScheduled
+from harness.conform.adapters.sglang_window import WindowScheduled, window_rules
 from harness.conform.protocol import CacheOptions, Contract, OptionName
 
 # (a window, a state_interval) -> the scheduler adapter over that tree
@@ -75,17 +77,18 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     elif window is None and state_interval is None:
         options = (*options, "host_blocks")
     if state_interval is not None:
-        replicated = (*replicated, sglang_mamba.PIN_STUB if tree_kind == "unified"
-                      else sglang_mamba_radix.PIN_STUB)
+        replicated = (*replicated, sglang_mamba.pin_stub(base.version)
+                      if tree_kind == "unified" else sglang_mamba_radix.PIN_STUB)
     if host_blocks is not None:
         citations += sglang_hicache.rules(tree_kind, base.version)
         replicated = (*replicated, *sglang_hicache.replicated(base.version))
+    window_rule, window_pool_rule = window_rules(base.version)
     if window is not None:
-        citations += (("window", WINDOW_RULE),)
+        citations += (("window", window_rule),)
     if window_pool is not None:
-        citations += (("window_pool", WINDOW_POOL_RULE),)
+        citations += (("window_pool", window_pool_rule),)
     if state_interval is not None:
-        rule = sglang_mamba.MAMBA_RULE if tree_kind == "unified" \
+        rule = sglang_mamba.mamba_rule(base.version) if tree_kind == "unified" \
             else sglang_mamba_radix.MAMBA_RADIX_RULE
         citations += (("state_interval", rule),)
     return replace(terms, replicated=replicated, host_blocks=host_blocks,
@@ -95,25 +98,6 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
                    state_rule="extend-end" if state_interval is not None else "every-k",
                    window_layout="window-pool" if window is not None else "window-only",
                    notes=notes)
-
-
-# the options a UnifiedRadixCache honours through its other components, and why none
-# opens under the scheduler code before 0.5.22
-COMPONENT_OPTIONS: tuple[OptionName, ...] = ("window", "window_pool", "state_interval",
-                                             "host_blocks")
-LEGACY_UNIFIED = ("UnifiedRadixCache's SWA and MAMBA components and its host tier are "
-                  "driven from 0.5.22 (checkpoint_kv_cache); under this release's older "
-                  "scheduler code (sglang_legacy) its full-attention component alone")
-
-
-def full_attention_only(terms: Contract) -> Contract:
-    """`terms` of a UnifiedRadixCache under the scheduler code before 0.5.22: none of
-    `COMPONENT_OPTIONS`, each cited as `LEGACY_UNIFIED` (in place of its other
-    reasons)."""
-    cited = {f"options.{o}" for o in COMPONENT_OPTIONS}
-    return replace(terms, options=tuple(o for o in terms.options if o not in COMPONENT_OPTIONS),
-                   citations=(*(c for c in terms.citations if c[0] not in cited),
-                              *((f"options.{o}", LEGACY_UNIFIED) for o in COMPONENT_OPTIONS)))
 
 
 def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
@@ -126,11 +110,13 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     "unified" tree only: elsewhere they are not honoured, and `open_cache` refuses them).
     The chunk budget is the server's (`server_budget`). Raises ValueError naming a
     `window_pool` asked for without a window, or one SGLang's server would refuse
-    (`sglang_window.window_pool_tokens`). Before 0.5.22 (no `checkpoint_kv_cache`) it is
-    `sglang_legacy.LegacyScheduled`, full attention only, or with a host tier its
-    HiRadixCache (`sglang_hicache.HiRadixScheduled`, where `honoured_radix`), or with a
-    `state_interval` its MambaRadixCache (`sglang_mamba_radix.MambaRadixScheduled`,
-    where `names.mamba_radix`);
+    (`sglang_window.window_pool_tokens`). Before 0.5.22 (no `checkpoint_kv_cache`) it is,
+    over RadixCache, `sglang_legacy.LegacyScheduled`, full attention only, or with a
+    host tier its HiRadixCache (`sglang_hicache.HiRadixScheduled`, where
+    `honoured_radix`), or with a `state_interval` its MambaRadixCache
+    (`sglang_mamba_radix.MambaRadixScheduled`, where `names.mamba_radix`); over a
+    UnifiedRadixCache the same components as from 0.5.22, each under the older code
+    (`sglang_legacy_unified`);
     `tree_window`: the tree's caller opens a window apart (`sglang.load_sglang`, without
     a chunk budget), so the contract of a cache opened without a chunk budget lists the
     window's options."""
@@ -138,7 +124,7 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
     if options.window_pool is not None and options.window is None:
         raise ValueError(f"CacheOptions.window_pool {options.window_pool} sizes a window's "
                          "pool, but no window was asked for")
-    if not names.checkpoints and options.host_blocks is not None \
+    if not names.checkpoints and options.host_blocks is not None and tree_kind == "radix" \
             and sglang_hicache.honoured_radix(base.version):
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget,
                                                 host_blocks=options.host_blocks))
@@ -149,25 +135,27 @@ def scheduled(s: Any, names: SchedulerNames, tree_kind: str, base: Contract,
                                                 options.state_interval))
         return MambaRadixScheduled(s, names, tree_kind, terms, num_blocks, block_size,
                                    record)
-    if not names.checkpoints:  # before 0.5.22: full attention only (`sglang_legacy`)
+    legacy = not names.checkpoints  # before 0.5.22 (`sglang_legacy`)
+    if legacy and tree_kind != "unified":  # RadixCache: full attention only
         terms = sglang_legacy.contract(contract(base, names, tree_kind, None, budget))
-        if tree_kind == "unified":
-            terms = full_attention_only(terms)
         if tree_window and options.chunk_budget is None:  # a window is opened apart
             terms = replace(terms, options=("window", *terms.options, "window_pool"))
         elif not tree_window and s.no_swa:  # why none opens here
             terms = replace(terms, citations=(*terms.citations, ("options.window", s.no_swa)))
         return LegacyScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
+    made = sglang_legacy.contract if legacy else (lambda terms: terms)
     if options.host_blocks is not None \
             and sglang_hicache.honoured(names.hicache, tree_kind, base.version):
-        terms = contract(base, names, tree_kind, None, budget,
-                         host_blocks=options.host_blocks)
-        return HostScheduled(s, names, tree_kind, terms, num_blocks, block_size, record)
+        terms = made(contract(base, names, tree_kind, None, budget,
+                              host_blocks=options.host_blocks))
+        host = LegacyHostScheduled if legacy else HostScheduled
+        return host(s, names, tree_kind, terms, num_blocks, block_size, record)
     unified = tree_kind == "unified"
     window = options.window if names.swa is not None and unified else None
     state_interval = options.state_interval if names.mamba is not None and unified else None
     window_pool = options.window_pool if window is not None else None
-    terms = contract(base, names, tree_kind, window, budget, state_interval,
-                     window_pool=window_pool)
-    opened = CLASSES[window is not None, state_interval is not None]
+    terms = made(contract(base, names, tree_kind, window, budget, state_interval,
+                          window_pool=window_pool))
+    opened = (LEGACY_CLASSES if legacy else CLASSES)[window is not None,
+                                                     state_interval is not None]
     return opened(s, names, tree_kind, terms, num_blocks, block_size, record)

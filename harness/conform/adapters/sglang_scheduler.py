@@ -66,6 +66,9 @@ PAGED = "sglang.srt.mem_cache.allocator.paged"
 EVENTS = "sglang.srt.mem_cache.events"
 PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor"
 MAMBA_RADIX = "sglang.srt.mem_cache.mamba_radix_cache"
+# UnifiedRadixCache's components: COMPONENTS.swa and .mamba from 0.5.20, .swa_component
+# and .mamba_component in 0.5.19
+COMPONENTS = "sglang.srt.mem_cache.unified_cache.components"
 # why MambaRadixCache is not driven from 0.5.16 (`_mamba_radix_names`)
 UNIFIED_MAMBA = ("this release's server builds a hybrid Mamba model's tree as "
                  "UnifiedRadixCache's MAMBA component (mem_cache/registry.py "
@@ -231,7 +234,7 @@ def _swa_names() -> tuple[Any, Any, Any] | None:
     allocators, so their CPU paths) and the tree's SWA component: (pool, allocator,
     ComponentType.SWA), or None where this release's UnifiedRadixCache has no SWA
     component (it is then not the tree the adapter drives)."""
-    if not has_module("sglang.srt.mem_cache.unified_cache.components.swa"):
+    if not any(has_module(f"{COMPONENTS}.{name}") for name in ("swa", "swa_component")):
         return None
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -250,7 +253,7 @@ def _mamba_names() -> tuple[tuple[Any, Any, Any, Any, Any, Any] | None, str]:
     UnifiedRadixCache has no MAMBA component, or what the Mamba path imports is not in
     this lock; a module the lock lacks (ModuleNotFoundError) is raised, the lock's to
     fix: `resolve` adds it."""
-    if not has_module("sglang.srt.mem_cache.unified_cache.components.mamba"):
+    if not any(has_module(f"{COMPONENTS}.{name}") for name in ("mamba", "mamba_component")):
         return None, "no MAMBA component in this release's UnifiedRadixCache"
     try:
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape

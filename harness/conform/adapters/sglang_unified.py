@@ -47,7 +47,7 @@ def contract(version: str, block_size: int) -> Contract:
                                      "actions (FreeDeviceKV) free the duplicate slots"))
     return replace(base, engine="sglang_unified", citations=citations,
                    notes=(*base.notes, "the full-attention component; with a window, the SWA "
-                                      "component too (sglang_window.WINDOW_RULE)"))
+                                      "component too (sglang_window.window_rules)"))
 
 
 class UnifiedNames(SglangNames):

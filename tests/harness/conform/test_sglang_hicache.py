@@ -199,10 +199,10 @@ def test_radix_cache_releases_read_open_hiradix_cache_with_its_own_rule() -> Non
 
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
-    unread = sglang_options.contract(unified_contract("0.5.22", B), _names(True), "unified")
+    unread = sglang_options.contract(unified_contract("0.5.18", B), _names(True), "unified")
     radix = sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")
     old = sglang_options.contract(radix_contract("0.5.10", B), _names(False), "radix")
-    for contract, why in ((unread, "not read (read: 0.5.23)"), (radix, "not RadixCache's"),
+    for contract, why in ((unread, "not read (read: 0.5.19, 0.5.20"), (radix, "not RadixCache's"),
                           (old, "HiRadixCache")):
         assert "host_blocks" not in contract.options
         assert why in str(check_named("host_tier").skip_reason(contract))
@@ -211,12 +211,14 @@ def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
         sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")))
 
 
-@pytest.fixture(params=[LOCK, find_lock("sglang", "0.5.20"), find_lock("sglang", "0.5.14"),
+@pytest.fixture(params=[LOCK, find_lock("sglang_unified", "0.5.19"),
+                        find_lock("sglang", "0.5.20"), find_lock("sglang", "0.5.14"),
                         find_lock("sglang", "0.5.13")],
-                ids=["unified-radix-cache", "hiradix-cache-0.5.20", "hiradix-cache-0.5.14",
-                     "hiradix-cache-0.5.13"])
+                ids=["unified-radix-cache", "legacy-unified-0.5.19", "hiradix-cache-0.5.20",
+                     "hiradix-cache-0.5.14", "hiradix-cache-0.5.13"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
-    """The newest `sglang_unified` (UnifiedRadixCache.init_hicache), and SGLang 0.5.20,
+    """The newest `sglang_unified` (UnifiedRadixCache.init_hicache; and 0.5.19's under its
+    older scheduler code), and SGLang 0.5.20,
     0.5.14 and 0.5.13 (HiRadixCache beside RadixCache, under its own scheduler code;
     0.5.14's host pool in memory_pool_host.py, 0.5.13's page-locked inline there)."""
     with open_cached(request.param, tmp_path) as opened:
@@ -241,3 +243,28 @@ def test_a_prefix_evicted_from_the_device_is_reused_from_the_host(target: Target
     assert all(r.integrity == () for r in reports)
     assert reports[3].stats.engine["evictable_size"] == 0  # A left the device
     assert reports[6].value["reused_tokens"] == 16
+
+
+@pytest.mark.parametrize(("version", "backup", "load"), [
+    ("0.5.19", "starts inside the insert (mem_cache/hybrid_cache/hybrid_cache_controller.py"
+               ":309-337", "total_tokens, checked at :1212"),
+    ("0.5.20", "there is no flush_pending_backups", "schedule_policy.py:1364"),
+    ("0.5.21", "queued (mem_cache/hybrid_cache/hybrid_cache_controller.py:513-536",
+     "checked at :1377"),
+    ("0.5.22", "check_hicache_events (unified_radix_cache.py:3507-3539", "1425-1446"),
+    ("0.5.23", "unified_tree_core.py:2849 finish_write_through", "1499-1523")])
+def test_each_release_cites_its_own_unified_host_rule(version: str, backup: str,
+                                                      load: str) -> None:
+    """UnifiedRadixCache's host rules of each release at its own lines: 0.5.19-0.5.20
+    start a backup's copy inside the insert, 0.5.21 on queue it for check_hicache_events;
+    before 0.5.22 PrefillAdder charges the prompt past the device prefix up front (no
+    prepare_load_back); before 0.5.22 a chunked request's middle chunk is backed up later."""
+    cited = dict(H.unified_rules(version))
+    assert set(cited) == {"host_blocks", "host_full_hit", "host_load_reserve", "host_stores"}
+    assert backup in cited["host_blocks"] and load in cited["host_load_reserve"]
+    assert ("middle chunk backs nothing up" in cited["host_stores"]) == \
+        (version in ("0.5.19", "0.5.20", "0.5.21"))
+    assert not any("{" in text for text in cited.values())
+    assert dict(H.rules("unified", version)) == cited
+    with pytest.raises(KeyError):
+        H.unified_rules("0.5.18")

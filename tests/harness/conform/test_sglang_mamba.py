@@ -139,9 +139,12 @@ def test_a_mamba_radix_contract_cites_its_own_rule_and_pin_stub() -> None:
     assert set(sglang_legacy.LEGACY_REPLICATED) <= set(terms.replicated)
 
 
-# the trees with a Mamba state: UnifiedRadixCache's MAMBA component (0.5.23), and
-# MambaRadixCache under the legacy scheduler code of a release whose server builds it
+# the trees with a Mamba state: UnifiedRadixCache's MAMBA component (0.5.23; 0.5.19 and
+# 0.5.21 under their older scheduler code), and MambaRadixCache under the legacy
+# scheduler code of a release whose server builds it
 TREES = [pytest.param(LOCK, id="unified-0.5.23"),
+         *(pytest.param(find_lock("sglang_unified", v), id=f"legacy-unified-{v}")
+           for v in ("0.5.19", "0.5.21")),
          pytest.param(find_lock("sglang", "0.5.14"), id="mamba-radix-0.5.14")]
 
 
@@ -204,3 +207,21 @@ def test_a_refused_admission_gives_back_the_mamba_slot_its_match_took(target: Ta
     assert reports[-1].stats.engine["mamba_available_size"] == \
         reports[-2].stats.engine["mamba_available_size"]
     assert all(r.integrity == () for r in reports)
+
+
+@pytest.mark.parametrize(("version", "insert", "pinned"), [
+    ("0.5.19", "cache_unfinished_req (through maybe_cache_unfinished_req, "
+               "mem_cache/common.py:161)", ":2026 set_mamba_track_indices_from_reqs"),
+    ("0.5.21", "insert_req (up_to=owned_kv_len, :316)", ":2229"),
+    ("0.5.22", "checkpoint_kv_cache inserts", ":2226"),
+    ("0.5.23", "_select_finished_checkpoint, used at :632", "schedule_batch.py:3830")])
+def test_each_release_cites_its_own_mamba_rule_and_pin_stub(version: str, insert: str,
+                                                            pinned: str) -> None:
+    """The Mamba rule of each release is cited at its own lines, with the caller that
+    keeps the full KV to the last state (the tree's cache_unfinished_req before 0.5.22);
+    before 0.5.23 the pin stub also names the page-locked track indices."""
+    rule = sglang_mamba.mamba_rule(version)
+    assert insert in rule and "{" not in rule
+    stub = sglang_mamba.pin_stub(version)
+    assert pinned in stub[1] and stub[0] == sglang_mamba.PIN_STUB[0]
+    assert (stub == sglang_mamba.PIN_STUB) == (version == "0.5.23")

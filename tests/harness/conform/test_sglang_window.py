@@ -16,9 +16,10 @@ import pytest
 from harness.conform import ops
 from harness.conform.adapters import sglang_options, sglang_tree
 from harness.conform.adapters.sglang_unified import contract as unified_contract
+from harness.conform.adapters.sglang_window import window_rules
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.locks import pinned
+from harness.conform.controller.locks import find_lock, pinned
 from harness.conform.controller.remote import WorkerError
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
@@ -54,18 +55,6 @@ def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() ->
            "'einops')" in str(check_named("hybrid_state").skip_reason(terms))
 
 
-def test_a_unified_tree_under_the_older_scheduler_code_honours_full_attention_only() -> None:
-    """0.5.19-0.5.21's server builds UnifiedRadixCache, driven here by that release's
-    own scheduler code (sglang_legacy): its full-attention component alone, so a window,
-    a state_interval and a host tier are not honoured, each family's skip saying why."""
-    terms = sglang_options.full_attention_only(
-        sglang_options.contract(unified_contract("0.5.21", B), names(True), "unified"))
-    assert terms.options == ("chunk_budget",)
-    for family in ("sliding_window", "hybrid_state", "host_tier"):
-        reason = str(check_named(family).skip_reason(terms))
-        assert sglang_options.LEGACY_UNIFIED in reason and reason.count("driven from") == 1
-
-
 def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> None:
     base = unified_contract("0.5.23", B)
     plain = sglang_options.contract(base, names(True), "unified")
@@ -89,9 +78,17 @@ def test_the_judge_counts_no_window_group_in_a_pool_of_its_own() -> None:
     assert Judge(shared, 16).window_group is not None
 
 
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[Target]:
-    with open_cached(LOCK, tmp_path) as opened:
+# the newest, and the releases whose FULL+SWA tree runs under their older scheduler code
+# (sglang_legacy_unified; 0.5.19's SWA allocator takes no request pool, 0.5.19-0.5.20
+# keep a request's SWA cursor as a field)
+WINDOWED = [pytest.param(LOCK, id="unified-0.5.23"),
+            *(pytest.param(find_lock("sglang_unified", v), id=f"legacy-unified-{v}")
+              for v in ("0.5.19", "0.5.20", "0.5.21"))]
+
+
+@pytest.fixture(params=WINDOWED)
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    with open_cached(request.param, tmp_path) as opened:
         yield opened
 
 
@@ -176,3 +173,23 @@ def test_a_radix_trees_pages_are_those_its_nodes_hold_past_the_root() -> None:
     root = node([0, 1, 2, 3], node([4, 5, 6, 7], node([12, 13])), node([8, 9]))
     assert sglang_tree.radix_tree_pages(SimpleNamespace(root_node=root), 4) == {1, 2, 3}
     assert sglang_tree.radix_tree_pages(SimpleNamespace(root_node=node(None)), 4) == set()
+
+
+@pytest.mark.parametrize(("version", "where", "bound"), [
+    ("0.5.19", "swa_component.py:577-619", "floored to a page (mem_cache/common.py:54-119"),
+    ("0.5.21", "swa.py:651-693", "cache_unfinished_req"),
+    ("0.5.22", "checkpoint_into_tree", "pre_len - max(window, page), floored"),
+    ("0.5.23", "swa.py:694-724", "ceil_align(max(window, page), page)")])
+def test_each_release_cites_its_own_window_rule(version: str, where: str, bound: str) -> None:
+    """The window rule of each release read is cited at its own lines: 0.5.19 keeps its
+    SWA component in swa_component.py, 0.5.19-0.5.21 free out-of-window KV when the tree's
+    cache_unfinished_req inserts (0.5.22 on: checkpoint_into_tree), and only 0.5.23 keeps
+    whole pages of window (ceil_align); an unread release gets the newest's."""
+    window, pool = window_rules(version)
+    assert where in window and bound in window
+    assert window.count("{") == 0 and pool.count("{") == 0
+    assert window_rules("0.5.99") == window_rules("0.5.23")
+    terms = sglang_options.contract(unified_contract(version, B), names(True), "unified", 8,
+                                    window_pool=8)
+    assert dict(terms.citations)["window"] == window
+    assert dict(terms.citations)["window_pool"] == pool
