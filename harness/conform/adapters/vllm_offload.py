@@ -1,5 +1,6 @@
-"""vLLM's CPU offloading connector under the scheduler adapter (runs in a vLLM venv,
-0.33.0): its scheduler side is vLLM's, its worker is the adapter's.
+"""vLLM's CPU offloading connector under the scheduler adapter (runs in a vLLM venv of a
+release in `READ`, 0.24.0-0.33.0): its scheduler side is vLLM's, its worker is the
+adapter's.
 
 A `VllmConfig` with `KVTransferConfig(kv_connector="OffloadingConnector",
 kv_connector_extra_config={"cpu_bytes_to_use": ...})` (`transfer_config`) gives a
@@ -11,9 +12,16 @@ are the worker's (`offloading/worker.py`), which needs a GPU (`CPUOffloadingSpec
 get_worker`, `v1/kv_offload/cpu/spec.py:218-220`), so the adapter stands in for it
 (`WorkerStandIn`): it keeps no KV values, and reports every job of a step done in that
 step's own `KVConnectorOutput`, as a synchronous worker would (`REPLICATED`). The
-contract's parts are here too: the rule (`HOST_RULE`), where the adapter opens a host
-tier (`READ`) and why not elsewhere (`blocked_reason`), and the two rules of a host hit
-(`FULL_HIT`, `LOAD_RESERVE`, cited by `RULES`).
+contract's parts are here too: the rule (`HOST_RULE`; each release's own lines,
+`host_rule`), which blocks the host holds (`STORES`, `stores_rule`), where the adapter
+opens a host tier (`READ`) and why not elsewhere (`blocked_reason`), and the two rules
+of a host hit (`FULL_HIT`, `LOAD_RESERVE`, cited by `rules`). The releases read differ
+in how the host is sized (0.26.0 on: `offloading/config.py`'s chunks; 0.24.0 and
+0.25.1: `v1/kv_offload/cpu/spec.py` alone, `_SPEC_HEAD`), where the prompt-only store
+cap is (`_calc_num_offloadable_tokens` from 0.26.0, inline in `_build_store_jobs`
+before) and in the shape of a transfer job (0.24.0: one `transfer_spec` pair,
+`WorkerStandIn._pairs`); the adapter's `cpu_bytes` and `gpu_tensors` give exactly the
+chunks asked on each.
 """
 
 from __future__ import annotations
@@ -87,8 +95,9 @@ RULES = (("host_full_hit", FULL_HIT_RULE), ("host_load_reserve", LOAD_RESERVE_RU
 # 2026-12-02): v1/core/sched/scheduler.py's `num_computed_tokens = num_tokens - 1` in
 # _update_waiting_for_remote_kv, and the allocation that reserves
 # _inflight_prefill_reserved_blocks() with that method's definition (0.27.1's file is
-# 0.27.0's byte for byte)
-_RULE_LINES = {"0.26.0": (2582, 933, 2536), "0.27.0": (2674, 971, 2628),
+# 0.27.0's byte for byte; 0.25.1's two methods and its reserve are 0.24.0's text)
+_RULE_LINES = {"0.24.0": (2385, 872, 2348), "0.25.1": (2437, 901, 2400),
+               "0.26.0": (2582, 933, 2536), "0.27.0": (2674, 971, 2628),
                "0.27.1": (2674, 971, 2628),
                "0.28.0": (2762, 1031, 2716), "0.29.0": (2855, 1075, 2809),
                "0.30.0": (2958, 1157, 2912), "0.31.0": (3096, 1202, 3032),
@@ -109,36 +118,55 @@ def rules(version: str) -> tuple[tuple[str, str], ...]:
 
 # Which blocks vLLM's host holds, the contract's `host_stores`, read in each release in
 # `READ`: kv_connector_extra_config offload_prompt_only defaults to True (v1/kv_offload/
-# base.py), and a store job reaches no further than _calc_num_offloadable_tokens, which
-# then caps it at req.num_prompt_tokens (offloading/scheduler.py), a finished request's
-# too; a preempted request keeps its num_prompt_tokens when it resumes
+# base.py), and a store job reaches no further than _calc_num_offloadable_tokens (0.26.0
+# on; before, the same cap inline in _build_store_jobs), which then caps it at
+# req.num_prompt_tokens (offloading/scheduler.py), a finished request's too; a preempted
+# request keeps its num_prompt_tokens when it resumes
 STORES: HostStores = "prompt-only"
 _STORES_RULE = (
     "offload_prompt_only defaults to True (v1/kv_offload/base.py:{base}), so "
-    "_calc_num_offloadable_tokens (offloading/scheduler.py:{calc}) caps every store job "
+    "{cap} caps every store job "
     "at req.num_prompt_tokens: the host holds the full chunks within a request's prompt "
     "(first added; a resumed request's decoded tokens are not its prompt), stored at the "
     "step that computes them{hits}; a chunk a decode step filled, or one the prompt only "
     "partly spans, is never stored{finish}")
+_CALC = "_calc_num_offloadable_tokens (offloading/scheduler.py:{})"
+# before 0.26.0 there is no _calc_num_offloadable_tokens: _build_store_jobs caps the
+# request's tokens itself, and sets the store index to the chunks computed with no max()
+# (advance_stored_idx; 0.26.0 on keep the larger), so a request resumed after a
+# preemption offers its prompt's chunks again as it computes them (prepare_store passes
+# on those the host still holds)
+_INLINE = ("_build_store_jobs itself (offloading/scheduler.py:{cap}, no "
+           "_calc_num_offloadable_tokens)")
+_RESUMED = (" (again after a preemption, as the request computes them anew: the store "
+            "index follows the computed tokens back, advance_stored_idx :{advance} with "
+            "no max)")
 _FINISH = (", not even when its request finishes (_build_store_jobs :{lines} clamps a "
            "finished request to max(num_prompt_tokens, num_tokens - 1), then the cap "
            "applies)")
 STORES_RULES = {
-    "0.26.0": _STORES_RULE.format(base="510-511", calc="447-456", hits="", finish=""),
+    "0.24.0": _STORES_RULE.format(base="470-472", cap=_INLINE.format(cap="855-858"),
+                                  hits=_RESUMED.format(advance="294-299"), finish=""),
+    "0.25.1": _STORES_RULE.format(base="521-523", cap=_INLINE.format(cap="868-871"),
+                                  hits=_RESUMED.format(advance="296-301"), finish=""),
+    "0.26.0": _STORES_RULE.format(base="510-511", cap=_CALC.format("447-456"), hits="",
+                                  finish=""),
     **dict.fromkeys(("0.27.0", "0.27.1"), _STORES_RULE.format(
-        base="597-598", calc="534-543", hits="", finish="")),
-    "0.28.0": _STORES_RULE.format(base="597-598", calc="588-597", hits="", finish=""),
-    "0.29.0": _STORES_RULE.format(base="598-599", calc="588-597", hits="", finish=""),
+        base="597-598", cap=_CALC.format("534-543"), hits="", finish="")),
+    "0.28.0": _STORES_RULE.format(base="597-598", cap=_CALC.format("588-597"), hits="",
+                                  finish=""),
+    "0.29.0": _STORES_RULE.format(base="598-599", cap=_CALC.format("588-597"), hits="",
+                                  finish=""),
     # 0.30.0-0.32.0 clamp a finished request as 0.33.0 does, but restart no store index
     # at admission (next_stored_chunk_idx = 0 only in reset_cache)
-    "0.30.0": _STORES_RULE.format(base="601-602", calc="631-640", hits="",
+    "0.30.0": _STORES_RULE.format(base="601-602", cap=_CALC.format("631-640"), hits="",
                                   finish=_FINISH.format(lines="1481-1485")),
-    "0.31.0": _STORES_RULE.format(base="607-608", calc="660-669", hits="",
+    "0.31.0": _STORES_RULE.format(base="607-608", cap=_CALC.format("660-669"), hits="",
                                   finish=_FINISH.format(lines="1518-1522")),
-    "0.32.0": _STORES_RULE.format(base="620-621", calc="663-672", hits="",
+    "0.32.0": _STORES_RULE.format(base="620-621", cap=_CALC.format("663-672"), hits="",
                                   finish=_FINISH.format(lines="1587-1591")),
     "0.33.0": _STORES_RULE.format(
-        base="729-731", calc="762-771",
+        base="729-731", cap=_CALC.format("762-771"),
         hits=" or, hit on the device, at its admission (get_num_new_matched_tokens "
              "restarts next_stored_chunk_idx at 0, :1241-1245)",
         finish=_FINISH.format(lines="1832-1836")),
@@ -176,13 +204,28 @@ def counters(base: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
 # with its own lines, the host sized from the GPU tensors (`gpu_tensors`) and every load
 # asynchronous (its TransferJob has no sync; no sync_load_budget_bytes, 0.30.0-0.32.0
 # included: common.py is 0.29.0's, get_num_new_matched_tokens returns
-# bool(num_hit_tokens)); 0.27.1's connector and scheduler files are 0.27.0's
-_OLD_RULE = (
+# bool(num_hit_tokens)); 0.27.1's connector and scheduler files are 0.27.0's. Its sizing
+# head is offloading/config.py's (0.26.0 on, `_CONFIG_HEAD`) or, before, the CPU spec's
+# own (`_SPEC_HEAD`); the rest (`_OLD_TAIL`) is the same text at each release's lines
+_CONFIG_HEAD = (
     "kv_connector OffloadingConnector, CPU spec (v1/kv_offload/cpu/spec.py:{spec}): the "
     "host holds cpu_bytes_to_use // round_up(worker_kv_bytes_per_block x "
     "blocks_per_chunk, 4096) chunks, the block's bytes read from kv_cache_config."
     "kv_cache_tensors (offloading/config.py:{bytes}), a chunk one GPU block unless "
-    "kv_connector_extra_config sets block_size or blocks_per_chunk; every computed full "
+    "kv_connector_extra_config sets block_size or blocks_per_chunk; ")
+# 0.24.0 and 0.25.1 (no offloading/config.py): CPUOffloadingSpec.__init__ sizes the
+# host itself, with BLOCK_SIZE_ALIGNMENT 1 and OffloadingSpec's block_size_factor
+_SPEC_HEAD = (
+    "kv_connector OffloadingConnector, CPU spec (v1/kv_offload/cpu/spec.py:{spec}; no "
+    "offloading/config.py): the host holds cpu_bytes_to_use // round_up("
+    "kv_bytes_per_block x block_size_factor, BLOCK_SIZE_ALIGNMENT 1 (:{align})) chunks "
+    "(:{size}), kv_bytes_per_block being the bytes of kv_cache_config.kv_cache_tensors "
+    "(the first one's size if packed, else their sum) // kv_cache_config.num_blocks x "
+    "world_size; block_size_factor, the GPU blocks in a chunk, is 1 unless "
+    "kv_connector_extra_config sets block_size (v1/kv_offload/base.py:{factor}; there is "
+    "no blocks_per_chunk); ")
+_OLD_TAIL = (
+    "every computed full "
     "chunk of a request's prompt is stored at the step that computes it (host_stores), "
     "not on eviction "
     "(offloading/scheduler.py:{store} _build_store_jobs), so the host is inclusive and "
@@ -195,9 +238,16 @@ _OLD_RULE = (
     "(v1/kv_offload/cpu/policies/lru.py, eviction_policy 'lru'); its events are "
     "BlockStored/BlockRemoved with medium 'CPU' (offloading/scheduler.py:{events} "
     "take_events, v1/kv_offload/cpu/manager.py)")
+_OLD_RULE = _CONFIG_HEAD + _OLD_TAIL
 _RULE_0_27 = _OLD_RULE.format(spec="77-118", bytes="98-111", store=1023, lookup=631,
                               matched=816, sync=871, update=1280, events=1416)
 HOST_RULES = {
+    "0.24.0": (_SPEC_HEAD + _OLD_TAIL).format(
+        spec="60-112", align=32, size="74-104", factor="500-515", store=831, lookup=452,
+        matched=636, sync=681, update=1061, events=1203),
+    "0.25.1": (_SPEC_HEAD + _OLD_TAIL).format(
+        spec="54-106", align=26, size="68-98", factor="551-566", store=844, lookup=464,
+        matched=648, sync=693, update=1078, events=1218),
     "0.26.0": _OLD_RULE.format(spec="75-113", bytes="90-103", store=926, lookup=539,
                                matched=720, sync=775, update=1173, events=1310),
     "0.27.0": _RULE_0_27, "0.27.1": _RULE_0_27,
@@ -222,34 +272,25 @@ def host_rule(version: str) -> str:
     return HOST_RULES[version]
 
 
-# Cached releases whose connector was tried and does not match the one read, with what
-# was seen (read 2026-12-02; the two host-hit rules hold on both, the rest not as the
-# rules above state it)
-_BEFORE_CONFIG = (
-    "there is no offloading/config.py (0.26.0 on): the host is sized in "
-    "v1/kv_offload/cpu/spec.py __init__ ({spec}) from kv_bytes_per_block x "
-    "block_size_factor, only kv_connector_extra_config block_size sets the factor (no "
-    "blocks_per_chunk, v1/kv_offload/base.py:{base}), and the prompt-only store cap is "
-    "inline in _build_store_jobs (offloading/scheduler.py:{cap}), no "
-    "_calc_num_offloadable_tokens{more}")
-MISMATCHED: dict[str, str] = {
-    "0.24.0": _BEFORE_CONFIG.format(
-        spec="60-112", base="500-515", cap="855-858",
-        more="; its TransferJob holds one transfer_spec, not src_spec and dst_spec "
-             "(offloading/common.py:63), which the worker stand-in reads"),
-    "0.25.1": _BEFORE_CONFIG.format(spec="54-106", base="551-566", cap="868-871", more=""),
-}
+# Cached releases whose vLLM has no OffloadingConnector at all (read in the cached
+# wheels, 2026-12-02): 0.10.2's has no distributed/kv_transfer/kv_connector/v1/
+# offloading_connector.py nor v1/kv_offload/, and its connector factory registers none;
+# 0.11.2, the first cached release after it, has both (not read)
+NO_CONNECTOR = ("0.10.2",)
+FIRST_CONNECTOR = "0.11.2"
 
 
 def blocked_reason(version: str) -> tuple[str, str]:
     """Why the adapter opens no host tier on `version`, as the contract's citation of
-    the option ("options.host_blocks", why): what was seen where the release was tried
-    (`MISMATCHED`), else that it was not read."""
-    why = MISMATCHED.get(version)
+    the option ("options.host_blocks", why): that the release has no OffloadingConnector
+    (`NO_CONNECTOR`), else that its connector was not read."""
     read = f"read: {', '.join(READ)}"
-    return ("options.host_blocks",
-            f"this release's OffloadingConnector does not match the one read ({read}): "
-            f"{why}" if why else f"this release's OffloadingConnector was not read ({read})")
+    if version in NO_CONNECTOR:
+        return ("options.host_blocks",
+                "this release has no OffloadingConnector (no distributed/kv_transfer/"
+                "kv_connector/v1/offloading_connector.py; the first cached release with "
+                f"one is {FIRST_CONNECTOR})")
+    return ("options.host_blocks", f"this release's OffloadingConnector was not read ({read})")
 
 
 def host_chunks(host_blocks: int, num_blocks: int) -> int:
@@ -286,9 +327,11 @@ def gpu_tensors(Tensor: Any, page_bytes: int, num_blocks: int, layer: str) -> li
     """The GPU allocation of the adapter's one attention layer, as vLLM's
     `KVCacheConfig.kv_cache_tensors` describes it (`Tensor`: its `KVCacheTensor`): one
     tensor of `num_blocks` pages of `page_bytes`, layer-outermost (not packed). No GPU
-    allocates it; the host reads its size: before 0.30.0 the offloading config sizes a
-    block only from these tensors, 0 without them, so the host would get no chunk
-    (0.26.0 offloading/config.py:90-103, 0.27.0 and 0.27.1 :98-111, 0.28.0 :98-111,
+    allocates it; the host reads its size: before 0.30.0 the offloading config (before
+    0.26.0 the CPU spec itself) sizes a block only from these tensors, 0 without them,
+    so the host would get no chunk (0.26.0 on) or its division by the aligned 0 would
+    raise ZeroDivisionError (0.24.0 v1/kv_offload/cpu/spec.py:74-98, 0.25.1 :68-92;
+    0.26.0 offloading/config.py:90-103, 0.27.0 and 0.27.1 :98-111, 0.28.0 :98-111,
     0.29.0 :96-101; 0.30.0-0.32.0 :137-147 and 0.33.0 fall back to the groups' specs,
     :148-151 and :186-189, and read the same bytes here)."""
     size = page_bytes * num_blocks
@@ -303,7 +346,8 @@ class WorkerStandIn:
     return, each block a job names written to the harness log by `write` (a store:
     "offload" [device block, host chunk]; a load: "onboard" [host chunk, device block]).
     `Output` and `WorkerMeta` are vLLM's `KVConnectorOutput` and
-    `OffloadingWorkerMetadata`.
+    `OffloadingWorkerMetadata`. A job's blocks are read from its `src_spec` and
+    `dst_spec`, or, on 0.24.0, from its one `transfer_spec` pair (`_pairs`).
 
     A store copies what its request's KV is in the block, so its log entry waits
     (`pending`) until the log holds that KV and goes before anything that may overwrite
@@ -375,5 +419,11 @@ class WorkerStandIn:
 
     @staticmethod
     def _pairs(job: Any) -> list[tuple[int, int]]:
-        return list(zip(job.src_spec.block_ids.tolist(), job.dst_spec.block_ids.tolist(),
-                        strict=True))
+        """The (source block, destination block) pairs a `TransferJob` moves: from its
+        `src_spec` and `dst_spec` (0.25.1 on: offloading/common.py, 0.25.1:63-64), or
+        from 0.24.0's one `transfer_spec`, a (source, destination) `TransferSpec`
+        (offloading/common.py:63, v1/kv_offload/worker/worker.py:10). Raises ValueError
+        where the two specs name different counts of blocks."""
+        src, dst = (job.src_spec, job.dst_spec) if hasattr(job, "src_spec") \
+            else job.transfer_spec
+        return list(zip(src.block_ids.tolist(), dst.block_ids.tolist(), strict=True))

@@ -4,13 +4,16 @@ KV it copies is in the log (a store vLLM flushes before a reallocated block is
 rewritten goes before the new owner's entry), the host is sized as vLLM's spec sizes
 it, the contract honours host_blocks only on the releases read (saying why elsewhere),
 the judge leaves the device-order model off under a host tier and reads the hits as
-the device's and the connector's together; one op list that reuses from the host runs
-on each cached install of a release read, 0.26.0-0.33.0 (skipped where it is not cached,
-as the engine smoke is)."""
+the device's and the connector's together; one op list that reuses from the host runs,
+and vLLM's own CPU spec sizes the adapter's host, on each cached install of a release
+read, 0.24.0-0.33.0 (skipped where it is not cached, as the engine smoke is)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +27,7 @@ from harness.conform.adapters import vllm_offload as O
 from harness.conform.adapters.vllm import NUM_KV_HEADS
 from harness.conform.adapters.vllm import contract as vllm_contract
 from harness.conform.adapters.vllm_scheduler import TextModel, honoured, scheduler_contract
+from harness.conform.controller import install
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.fuzz import fuzz
 from harness.conform.controller.judge import Judge
@@ -33,7 +37,7 @@ from harness.conform.protocol import CacheOptions, Contract
 from tests.harness.conform.cached_engines import open_cached
 
 B = 4
-OPENED = ("0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+OPENED = ("0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
           "0.33.0")  # one engine case each
 
 
@@ -109,6 +113,35 @@ def test_a_load_job_without_sync_is_asynchronous() -> None:
     assert out.finished_recving == loaded == {"A"}
     assert out.kv_connector_worker_meta.completed_jobs == {1}
     assert _shape(log) == [("onboard", [5, 2])]
+
+
+def _old_job(req_id: str, src: list[int], dst: list[int]) -> Any:
+    """0.24.0's TransferJob (offloading/common.py:53-63): a req_id and one transfer_spec,
+    the (src, dst) TransferSpec pair (v1/kv_offload/worker/worker.py:10); no sync."""
+    spec = types.SimpleNamespace
+    return types.SimpleNamespace(req_id=req_id,
+                                 transfer_spec=(spec(block_ids=torch.tensor(src)),
+                                                spec(block_ids=torch.tensor(dst))))
+
+
+def test_a_job_s_blocks_are_read_from_either_shape_of_transfer_job() -> None:
+    """0.25.1 on name a job's two specs src_spec and dst_spec; 0.24.0 holds them as one
+    transfer_spec pair: the stand-in pairs the same blocks from either, in order."""
+    assert O.WorkerStandIn._pairs(_job("A", [3, 7], [0, 1])) == [(3, 0), (7, 1)]
+    assert O.WorkerStandIn._pairs(_old_job("A", [3, 7], [0, 1])) == [(3, 0), (7, 1)]
+    with pytest.raises(ValueError):
+        O.WorkerStandIn._pairs(_old_job("A", [3, 7], [0]))
+
+
+def test_0_24_jobs_are_stored_loaded_and_reported_as_the_later_ones() -> None:
+    """The same step as above with 0.24.0's jobs: every job done, its load (no sync)
+    asynchronous, the store logged before the loads from the transfer_spec's blocks."""
+    worker, log = _worker()
+    out, loaded = worker.output(_meta({1: _old_job("A", [3], [0])},
+                                      {2: _old_job("B", [5, 6], [2, 4])}))
+    assert out.kv_connector_worker_meta.completed_jobs == {1, 2}
+    assert out.finished_recving == loaded == {"B"}
+    assert _shape(log) == [("offload", [3, 0]), ("onboard", [5, 2]), ("onboard", [6, 4])]
 
 
 def test_a_flushed_store_of_a_finished_request_goes_before_the_new_owner() -> None:
@@ -204,7 +237,8 @@ def test_the_text_model_answers_the_kv_heads_of_the_adapter_s_layer() -> None:
 def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> None:
     assert "host_blocks" in honoured(CacheOptions(), "", "0.33.0")
     assert "host_blocks" in honoured(CacheOptions(), "", "0.26.0")
-    assert "host_blocks" not in honoured(CacheOptions(), "", "0.25.1")
+    assert "host_blocks" in honoured(CacheOptions(), "", "0.24.0")
+    assert "host_blocks" not in honoured(CacheOptions(), "", "0.23.0")
     assert "host_blocks" not in honoured(CacheOptions(window=8), "", "0.33.0")
     assert "host_blocks" not in honoured(CacheOptions(state_interval=2), "", "0.33.0")
     host = honoured(CacheOptions(host_blocks=8), "", "0.33.0")
@@ -241,8 +275,8 @@ def test_the_host_contract_cites_the_rule_and_lists_the_worker_as_replicated() -
     assert "host_stores" not in dict(windowed.citations)
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0",
-                                     "0.30.0", "0.31.0", "0.32.0"])
+@pytest.mark.parametrize("version", ["0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1",
+                                     "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0"])
 def test_each_release_read_cites_its_own_host_rule(version: str) -> None:
     """A host tier on a release read before 0.33.0 cites that release's own lines (its
     _build_store_jobs, and its loads always asynchronous), not 0.33.0's."""
@@ -269,8 +303,8 @@ def test_0_30_to_0_32_load_as_0_29_and_clamp_a_finished_request_as_0_33() -> Non
     GPU tensors, 0.29.0's form) but 0.33.0's clamp of a finished request's store, without
     0.33.0's restart of the store index at admission; 0.27.1 is 0.27.0 at 0.27.0's
     lines."""
-    assert O.READ == ("0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0",
-                      "0.31.0", "0.32.0", "0.33.0")
+    assert O.READ == ("0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0",
+                      "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
     for version, finish in (("0.30.0", ":1481-1485"), ("0.31.0", ":1518-1522"),
                             ("0.32.0", ":1587-1591")):
         host, stores = O.host_rule(version), O.stores_rule(version)
@@ -286,21 +320,58 @@ def test_0_30_to_0_32_load_as_0_29_and_clamp_a_finished_request_as_0_33() -> Non
     assert "scheduler.py:1249, defined at :3088" in dict(O.rules("0.32.0"))["host_load_reserve"]
 
 
-def test_where_no_host_tier_opens_the_skip_says_what_blocks_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each release's own blocker, as the option's citation: a connector tried and
-    found unlike the ones read says what differs; one never tried says it was not
-    read."""
-    monkeypatch.setitem(O.MISMATCHED, "0.20.2", "its connector differs")
-    for version, why in (("0.20.2", "does not match the one read"),
-                         ("0.20.2", "its connector differs"),
-                         ("0.25.1", "there is no offloading/config.py"),
-                         ("0.24.0", "transfer_spec"),
-                         ("0.23.0", "was not read (read: 0.26.0")):
+@pytest.mark.parametrize(("version", "cited", "size", "factor", "cap", "advance"), [
+    ("0.24.0", "spec.py:60-112", ":32)) chunks (:74-104)", "base.py:500-515",
+     "scheduler.py:855-858", ":294-299"),
+    ("0.25.1", "spec.py:54-106", ":26)) chunks (:68-98)", "base.py:551-566",
+     "scheduler.py:868-871", ":296-301")])
+def test_0_24_and_0_25_cite_the_spec_s_own_sizing_and_the_inline_cap(
+        version: str, cited: str, size: str, factor: str, cap: str, advance: str) -> None:
+    """Before 0.26.0 there is no offloading/config.py: the CPU spec sizes the host from
+    the GPU tensors' bytes x block_size_factor (set by block_size alone, no
+    blocks_per_chunk) aligned to 1, and _build_store_jobs caps the store at the prompt
+    itself (no _calc_num_offloadable_tokens), its store index set with no max()."""
+    host, stores = O.host_rule(version), O.stores_rule(version)
+    assert f"v1/kv_offload/cpu/spec.py:{cited.split(':')[1]}; no offloading/config.py" \
+        in host
+    assert size in host and "block_size_factor" in host and factor in host
+    assert "offloading/config.py:" not in host and "there is no blocks_per_chunk" in host
+    assert "always loaded asynchronously" in host
+    assert f"_build_store_jobs itself (offloading/{cap}, no " \
+        "_calc_num_offloadable_tokens)" in stores
+    assert f"advance_stored_idx {advance} with no max" in stores
+    assert "clamps a finished request" not in stores
+
+
+def test_0_24_and_0_25_cite_the_host_hit_rules_at_their_own_lines() -> None:
+    """The same assignment (num_tokens - 1 on a full hit) and the same reserve as
+    0.26.0's, at each release's own lines of v1/core/sched/scheduler.py."""
+    for version, full, use, define in (("0.24.0", 2385, 872, 2348),
+                                       ("0.25.1", 2437, 901, 2400)):
+        cited = dict(O.rules(version))
+        assert cited["host_full_hit"].endswith(
+            f"{version}: the same assignment at v1/core/sched/scheduler.py:{full}")
+        assert cited["host_load_reserve"].endswith(
+            f"{version}: the same reserve at v1/core/sched/scheduler.py:{use}, defined "
+            f"at :{define}")
+
+
+def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
+    """Each release's own blocker, as the option's citation: a release with no
+    OffloadingConnector says so and where it would be; one that has a connector never
+    read says it was not read."""
+    for version, whys in (
+            ("0.10.2", ("this release has no OffloadingConnector",
+                        "kv_connector/v1/offloading_connector.py",
+                        "the first cached release with one is 0.11.2")),
+            ("0.23.0", ("OffloadingConnector was not read (read: 0.24.0, 0.25.1, 0.26.0",)),
+            ("0.11.2", ("OffloadingConnector was not read",))):
         unread = _contract(version, CacheOptions())
         assert "host_blocks" not in unread.options
-        assert why in str(check_named("host_tier").skip_reason(unread))
-        assert why in dict(unread.citations)["options.host_blocks"]
+        for why in whys:
+            assert why in str(check_named("host_tier").skip_reason(unread))
+            assert why in dict(unread.citations)["options.host_blocks"]
+    assert "no OffloadingConnector" not in O.blocked_reason("0.23.0")[1]
 
 
 def test_the_hits_are_the_device_s_and_the_connector_s_together() -> None:
@@ -322,6 +393,47 @@ def test_the_judge_keeps_no_device_order_model_under_a_host_tier() -> None:
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
     with open_cached(find_lock("vllm", request.param), tmp_path) as opened:
         yield opened
+
+
+# the spec built as OffloadingConnector.__init__ builds it (0.26.0 on through
+# build_offloading_config, before from the VllmConfig and KVCacheConfig themselves), from
+# the adapter's scheduler's own configs; its chunk count (num_chunks from 0.33.0)
+SIZED = """
+import json
+import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector as connector
+from harness.conform.adapters import vllm_scheduler
+from harness.conform.protocol import CacheOptions
+from harness.conform.stubs import StubSpec
+engine = vllm_scheduler.load(StubSpec.from_dict({}))
+cache = engine.configured(6, 4, True, CacheOptions(host_blocks=8))
+configs = (cache.scheduler.vllm_config, cache.scheduler.kv_cache_config)
+build = getattr(connector, "build_offloading_config", None)
+spec = connector.OffloadingSpecFactory.create_spec(*((build(*configs),) if build else configs))
+print(json.dumps({"spec": type(spec).__name__, "factor": getattr(spec, "block_size_factor", None),
+                  "chunks": getattr(spec, "num_chunks", getattr(spec, "num_blocks", None))}))
+"""
+
+
+@pytest.mark.parametrize("version", OPENED)
+def test_vllm_s_own_spec_gives_the_adapter_s_host_its_chunks(version: str) -> None:
+    """vLLM's CPUOffloadingSpec, built from the config the adapter gives its scheduler
+    (6 blocks of 4, host_blocks 8), divides the adapter's cpu_bytes_to_use into exactly
+    num_blocks + host_blocks = 14 chunks on each release read (0.24.0 and 0.25.1 size it
+    in the spec itself, block_size_factor 1)."""
+    env = install.installed(find_lock("vllm", version))
+    if env is None:
+        pytest.skip(f"vllm=={version} is not installed in {install.cache_dir()} "
+                    f"(kvharness conform vllm=={version} installs it)")
+    checkout = Path(__file__).resolve().parents[3]
+    got = subprocess.run([str(env.python), "-c", SIZED],
+                         env={**os.environ, "PYTHONPATH": str(checkout)},
+                         capture_output=True, text=True, check=False)
+    assert got.returncode == 0, got.stderr[-3000:]
+    sized = json.loads(got.stdout.splitlines()[-1])
+    assert sized["spec"] == "CPUOffloadingSpec"
+    assert sized["chunks"] == O.host_chunks(8, 6) == 14, sized
+    if version in ("0.24.0", "0.25.1"):
+        assert sized["factor"] == 1
 
 
 def test_a_block_reallocated_in_its_store_step_is_reused_from_the_host(target: Target) -> None:
