@@ -422,7 +422,11 @@ class SchedulerCache(VllmCache):
                                             getattr(self.pool, "hash_block_size", None),
                                             s.tail_rule)
         self._budget = self.scheduler.max_num_scheduled_tokens
-        self._add_stats(self.manager.make_prefix_cache_stats())  # every counter, at 0
+        zero = self.manager.make_prefix_cache_stats()
+        self._add_stats(zero)  # every counter, at 0
+        if self._worker is not None:  # the connector's too, from the start: a counter a
+            # step first reports is no change (Scheduler.connector_prefix_cache_stats)
+            self._add_stats(zero, vllm_offload.CONNECTOR_PREFIX)
         self._parked: dict[Hashable, Any] = {}  # seq -> its Request, out of running
         self._preempted: dict[Hashable, Any] = {}  # seq -> its Request, out of waiting
         self._victims: list[Hashable] = []  # preempted since take_preempted
