@@ -124,6 +124,12 @@ KNOWN: tuple[KnownFinding, ...] = (
                  "a finished request's decoded tokens never enter the tree "
                  "(cache_finished_req keys its insert on fill_ids, the prompt)",
                  None, f"{_SGLANG}/pull/16521"),
+    KnownFinding(21, "sglang_unified", "0.5.19", "0.5.23", ("window_off_page",),
+                 ("capacity", "integrity", "provenance"),
+                 "with a window not a whole number of pages, a running request's prompt "
+                 "enters the tree unlocked (the match after the insert refuses the node "
+                 "it made), so another admission can evict and reuse its pages", None,
+                 None),
     KnownFinding(16, "sglang", "0.5.18", None, ("extra_key_isolation",), ("count",),
                  "a caller extra key equal to a LoRA's id reads that adapter's KV",
                  f"{_SGLANG}/issues/24638", None),

@@ -16,6 +16,9 @@ from the contract's fields (blocks of B = 4 tokens, numbers checkable by hand):
                          chunks and decoded past the window holds only the window's
                          blocks (the judge), and what it computed is reused, at its end
                          and in its middle
+    window_off_page      a window of 10 tokens, not a whole number of blocks: a
+                         request's prompt put into the cache stays its own (held, never
+                         the cache's to evict) while it runs
     window_pool_short    the same window over a window pool smaller than the full one
                          (`window_pool`): an allocation that finds it short evicts window
                          KV below the window, and a later match ends before it
@@ -227,6 +230,29 @@ def sliding_window(run: Run) -> None:
     run.free("D")
 
 
+OFF_PAGE = CacheOptions(window=10)
+
+
+def window_off_page(run: Run) -> None:
+    """A window of 10 tokens, not a whole number of blocks, in a pool of 16: A's 15-token
+    prompt is computed in one step and put into the cache at its end, where what A holds
+    stays A's (an engine that frees window KV below the window there must still keep the
+    part it shares locked for A); B (48 tokens, 12 blocks) then asks for more blocks than
+    are free, so an admission may evict only what no live request holds; A decodes a
+    token, and both end. The oracles judge each step (capacity and integrity: no block
+    both A's own and the cache's to evict, none held by two requests)."""
+    a = toks(100, 15)
+    run.admit("A", a)
+    run.expect_admitted("A (15 tokens, 4 blocks of 16) is admitted")
+    run.commit("A", 15)
+    if run.admit("B", toks(500, 48)) is not None:
+        run.commit("B", 48)
+        run.free("B")
+    if run.append("A", [900]) is not None:
+        run.commit("A", 16)
+    run.free("A")
+
+
 SHORT_POOL = CacheOptions(window=8, window_pool=8)
 
 
@@ -273,6 +299,9 @@ CHECKS: tuple[Check, ...] = (
     Check("sliding_window", "sliding window", "a window of 8: chunks and decode release "
           "blocks before it; what was computed is reused", 32, sliding_window,
           options=WINDOW),
+    Check("window_off_page", "sliding window", "a window of 10, not a whole number of "
+          "blocks: a request's prompt put into the cache stays its own while it runs", 16,
+          window_off_page, options=OFF_PAGE),
     Check("window_pool_short", "sliding window", "a window pool smaller than the full "
           "one: an allocation evicts window KV below the window, and a later match ends "
           "before it", 32, window_pool_short, options=SHORT_POOL),

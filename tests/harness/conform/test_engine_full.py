@@ -76,6 +76,10 @@ FINDINGS = [
                  id="sglang-0.5.22-extra-key-is-lora-id"),
     pytest.param("sglang_unified==0.5.23", "extra_key_isolation", "count", 16,
                  id="sglang-unified-0.5.23-extra-key-is-lora-id"),
+    pytest.param("sglang_unified==0.5.21", "window_off_page", "capacity", 21,
+                 id="sglang-unified-0.5.21-off-page-window-unlocks-a-running-prompt"),
+    pytest.param("sglang_unified==0.5.22", "window_off_page", "capacity", 21,
+                 id="sglang-unified-0.5.22-off-page-window-unlocks-a-running-prompt"),
 ]
 
 

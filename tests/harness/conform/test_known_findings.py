@@ -46,6 +46,10 @@ from tests.harness.conform import faults
                  id="shortfin-by-message-8"),
     pytest.param("shortfin", "3.9.0", "decode_growth", "capacity", "after free(A): ...", 11,
                  id="shortfin-newest"),
+    pytest.param("sglang_unified", "0.5.19", "window_off_page", "capacity", "", 21,
+                 id="sglang-unified-off-page-window"),
+    pytest.param("sglang_unified", "0.5.23", "window_off_page", "capacity", "", None,
+                 id="sglang-unified-whole-pages-of-window"),
     pytest.param("kvcache", "0.1.0", "scope_isolation", "count", "", None, id="unknown"),
 ])
 def test_a_known_finding_is_matched_by_release_check_and_oracle(
@@ -60,7 +64,7 @@ def test_releases_order_as_the_registry_reads_them() -> None:
              "0.5.10", "0.31", "0.31.0.post1", "0.33.1.dev3+gabc1234", "0.34.0"]
     assert sorted(order, key=lambda v: parse_version(v).key) == order
     assert parse_version("0.31").key == parse_version("0.31.0").key
-    assert {k.number for k in KNOWN} == set(range(1, 21))
+    assert {k.number for k in KNOWN} == set(range(1, 22))
 
 
 def test_report_md_names_the_engine_code_and_the_known_finding(tmp_path: Path) -> None:
