@@ -40,9 +40,9 @@ for the feature, not the version, but for the admission reserve):
   count, the refusal, the free list, the eviction) are SGLang's;
 - before 0.5.9 the tree's `evict` takes the token count, not an `EvictParams`.
 
-UnifiedRadixCache's other components and its host tier are not opened here
-(`sglang_options.full_attention_only` says so in the contract). On the `sglang`
-engine a window is `sglang_swa.SwaCache` (`sglang.load_sglang` says when), a host tier
+UnifiedRadixCache's other components and its host tier are opened by
+`sglang_legacy_unified`, this class's hooks before 0.5.22's adapter of each. On the
+`sglang` engine a window is `sglang_swa.SwaCache` (`sglang.load_sglang` says when), a host tier
 their HiRadixCache (`sglang_hicache.HiRadixScheduled` over this class) and a Mamba
 state their MambaRadixCache where the server builds it
 (`sglang_mamba_radix.MambaRadixScheduled`).
