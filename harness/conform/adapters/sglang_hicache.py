@@ -298,6 +298,13 @@ BLOCKED = {
     "0.5.5": "memory_pool_host.py:15-16 imports sgl_kernel.kvcacheio at module level "
              "(no CPU build), so hiradix_cache does not import; HiCacheController takes "
              "torch.cuda.Stream() (managers/cache_controller.py:346)",
+    "0.5.10": "tried (2026-12-02) with the copy stand-in over the lock's sgl_kernel "
+              "stub: its events name no tier, and a device eviction of a backed-up node "
+              "publishes no BlockRemoved (hiradix_cache.py:825-835 _evict_backuped: 'no "
+              "BlockRemoved since block is still reachable via load_back'), so its events "
+              "count a block as cached on either tier, which the protocol's event model "
+              "(device-resident blocks, a host tier's moves named by medium) cannot "
+              "state; not opened",
     "0.5.12": "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module level "
               "(no CPU build), so hiradix_cache does not import",
 }

@@ -138,12 +138,14 @@ def test_the_host_holds_the_device_copy_and_host_blocks_beyond() -> None:
 
 
 def test_blocked_releases_say_what_blocks_them() -> None:
-    reasons = {v: H.blocked_reason(v, "radix") for v in ("0.5.5", "0.5.12", "0.5.10")}
+    reasons = {v: H.blocked_reason(v, "radix")
+               for v in ("0.5.5", "0.5.12", "0.5.10", "0.5.9")}
     assert {name for name, _ in reasons.values()} == {"options.host_blocks"}
     assert "sgl_kernel.kvcacheio" in reasons["0.5.5"][1]
     assert "sgl_kernel.kvcacheio" in reasons["0.5.12"][1]
-    # 0.5.9-0.5.10's HiRadixCache was not read
-    assert reasons["0.5.10"][1] == H.HIRADIX
+    # 0.5.9's HiRadixCache was not read; 0.5.10's was tried: its events count both tiers
+    assert reasons["0.5.9"][1] == H.HIRADIX
+    assert "publishes no BlockRemoved" in reasons["0.5.10"][1]
     assert H.honoured_radix("0.5.13.post1") and not H.honoured_radix("0.5.12")
 
 
@@ -201,7 +203,7 @@ def test_radix_cache_releases_read_open_hiradix_cache_with_its_own_rule() -> Non
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
     unread = sglang_options.contract(unified_contract("0.5.18", B), _names(True), "unified")
     radix = sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")
-    old = sglang_options.contract(radix_contract("0.5.10", B), _names(False), "radix")
+    old = sglang_options.contract(radix_contract("0.5.9", B), _names(False), "radix")
     for contract, why in ((unread, "not read (read: 0.5.19, 0.5.20"), (radix, "not RadixCache's"),
                           (old, "HiRadixCache")):
         assert "host_blocks" not in contract.options
