@@ -46,6 +46,8 @@ from tests.harness.conform import faults
                  id="shortfin-by-message-8"),
     pytest.param("shortfin", "3.9.0", "decode_growth", "capacity", "after free(A): ...", 11,
                  id="shortfin-newest"),
+    pytest.param("vllm", "0.24.0", "window_off_page", "refusal", "", 2,
+                 id="vllm-refused-lookup-counted-under-a-window"),
     pytest.param("sglang_unified", "0.5.19", "window_off_page", "capacity", "", 21,
                  id="sglang-unified-off-page-window"),
     pytest.param("sglang_unified", "0.5.23", "window_off_page", "capacity", "", None,
