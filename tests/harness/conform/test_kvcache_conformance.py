@@ -27,7 +27,8 @@ def test_kvcache_passes_every_check_and_the_fuzz(tmp_path: Path) -> None:
     # kvcache's adapter drives its manager: the caller chooses the chunks; its key takes
     # no caller extra key
     assert {c.name for c in report.checks if c.status == "skip"} == {
-        "scheduler_chunks", "sliding_window", "window_pool_short", "extra_key_isolation"}
+        "scheduler_chunks", "sliding_window", "window_off_page", "window_pool_short",
+        "extra_key_isolation"}
     assert all(c.status == "pass" and c.num_ops > 0 for c in report.checks
                if c.status != "skip")
     assert report.self_test["problems"] == [] and report.self_test["substitutes"] > 30

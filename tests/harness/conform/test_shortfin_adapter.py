@@ -77,14 +77,16 @@ def test_scope_and_event_families_are_skipped_with_the_reason() -> None:
     assert {n for n, why in reasons.items() if why} == {
         "scope_isolation", "lora_name_repointed", "scope_event_hashes", "extra_key_isolation",
         "preemption_resume", "decode_preempts", "scheduler_chunks", "event_fields",
-        "sliding_window", "window_pool_short", "host_tier", "hybrid_state"}
+        "sliding_window", "window_off_page", "window_pool_short", "host_tier",
+        "hybrid_state"}
     assert "keys its cache on no scope" in str(reasons["scope_isolation"])
     assert "keys its cache on no LoRA adapter" in str(reasons["lora_name_repointed"])
     assert "publishes no router events" in str(reasons["scope_event_hashes"])
     assert "no preemption path" in str(reasons["preemption_resume"])
     assert {check.name for check in CHECKS
             if check.skip_reason(kvcache_contract(4))} == {
-                "scheduler_chunks", "sliding_window", "window_pool_short", "extra_key_isolation"}
+                "scheduler_chunks", "sliding_window", "window_off_page", "window_pool_short",
+                "extra_key_isolation"}
 
 
 def test_every_release_with_the_trie_is_locked_and_none_before() -> None:
