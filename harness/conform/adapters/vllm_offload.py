@@ -279,17 +279,58 @@ def host_rule(version: str) -> str:
 NO_CONNECTOR = ("0.10.2",)
 FIRST_CONNECTOR = "0.11.2"
 
+# Cached releases whose OffloadingConnector was read (2026-12-02) and whose host tier
+# the protocol cannot state, with what differs from 0.24.0's. Each one's connector
+# publishes the host's BlockStored as a placeholder (no offloading/events.py nor
+# self_describing_kv_events, 0.24.0 on): the protocol's events carry a block's tokens
+# and parent on every medium, and a router cannot place a stored block without them.
+# Their TransferJob is 0.24.0's (offloading/common.py:14-24, one transfer_spec) and
+# their CPU spec sizes the host from the tensors' summed size (v1/kv_offload/cpu/
+# spec.py: 0.23.0 :36-63 as 0.24.0; 0.22.1 :31-46 and 0.21.0 :32-47 with no
+# BLOCK_SIZE_ALIGNMENT, which `transfer_config`'s caller reads, and no rounding).
+_PLACEHOLDERS = (
+    "its connector publishes the host's BlockStored as a placeholder (offloading/"
+    "scheduler.py:{events} take_events: parent_block_hash None, token_ids [], block_size "
+    "0; no offloading/events.py, no self_describing_kv_events), which a router cannot "
+    "place, and the protocol has no way to state a medium whose events carry their "
+    "hashes alone{more}")
+# 0.21.0 and 0.22.1 also have no offload_prompt_only (nowhere in v1/kv_offload/ nor in
+# the connector) and no reserve for the prefills in flight (their Scheduler has no
+# _inflight_prefill_reserved_blocks; the admission's allocate_slots passes no
+# reserved_blocks): host_stores would be "when-computed", host_load_reserve "none"
+_OLDER = ("; also, every computed full block is stored, a decode step's too (no "
+          "offload_prompt_only: _build_store_jobs :{store} caps at req.num_tokens alone), "
+          "and an asynchronous load is admitted as any admission (no "
+          "_inflight_prefill_reserved_blocks: v1/core/sched/scheduler.py:{alloc} passes "
+          "no reserved_blocks)")
+MISMATCHED = {
+    "0.23.0": _PLACEHOLDERS.format(
+        events="1029-1048",
+        more=" (the rest is 0.24.0's: the store cap inline at :745-748, the two host-hit "
+             "rules at v1/core/sched/scheduler.py:2184, :759 and :2143)"),
+    "0.22.1": _PLACEHOLDERS.format(events="946-965",
+                                   more=_OLDER.format(store="682-685", alloc="721-731")),
+    "0.21.0": _PLACEHOLDERS.format(events="861-880",
+                                   more=_OLDER.format(store="630-633", alloc="702-712")),
+}
+
 
 def blocked_reason(version: str) -> tuple[str, str]:
     """Why the adapter opens no host tier on `version`, as the contract's citation of
     the option ("options.host_blocks", why): that the release has no OffloadingConnector
-    (`NO_CONNECTOR`), else that its connector was not read."""
+    (`NO_CONNECTOR`), what differs where its connector was read and cannot be stated
+    (`MISMATCHED`), else that its connector was not read."""
     read = f"read: {', '.join(READ)}"
     if version in NO_CONNECTOR:
         return ("options.host_blocks",
                 "this release has no OffloadingConnector (no distributed/kv_transfer/"
                 "kv_connector/v1/offloading_connector.py; the first cached release with "
                 f"one is {FIRST_CONNECTOR})")
+    why = MISMATCHED.get(version)
+    if why is not None:
+        return ("options.host_blocks",
+                f"this release's OffloadingConnector was read and its host tier cannot "
+                f"be stated ({read}): {why}")
     return ("options.host_blocks", f"this release's OffloadingConnector was not read ({read})")
 
 

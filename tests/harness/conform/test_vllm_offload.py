@@ -358,13 +358,27 @@ def test_0_24_and_0_25_cite_the_host_hit_rules_at_their_own_lines() -> None:
 
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
     """Each release's own blocker, as the option's citation: a release with no
-    OffloadingConnector says so and where it would be; one that has a connector never
-    read says it was not read."""
+    OffloadingConnector says so and where it would be; one whose connector was read
+    and cannot be stated says what differs at its own lines; one that has a connector
+    never read says it was not read."""
+    placeholder = ("take_events: parent_block_hash None, token_ids [], block_size 0",
+                   "the protocol has no way to state a medium whose events carry their "
+                   "hashes alone")
     for version, whys in (
             ("0.10.2", ("this release has no OffloadingConnector",
                         "kv_connector/v1/offloading_connector.py",
                         "the first cached release with one is 0.11.2")),
-            ("0.23.0", ("OffloadingConnector was not read (read: 0.24.0, 0.25.1, 0.26.0",)),
+            ("0.23.0", ("OffloadingConnector was read and its host tier cannot be stated "
+                        "(read: 0.24.0, 0.25.1, 0.26.0", "offloading/scheduler.py:1029-1048",
+                        *placeholder, "the rest is 0.24.0's",
+                        "v1/core/sched/scheduler.py:2184, :759 and :2143")),
+            ("0.22.1", ("offloading/scheduler.py:946-965", *placeholder,
+                        "no offload_prompt_only: _build_store_jobs :682-685",
+                        "v1/core/sched/scheduler.py:721-731 passes no reserved_blocks")),
+            ("0.21.0", ("offloading/scheduler.py:861-880", *placeholder,
+                        "_build_store_jobs :630-633",
+                        "v1/core/sched/scheduler.py:702-712 passes no reserved_blocks")),
+            ("0.20.2", ("OffloadingConnector was not read (read: 0.24.0",)),
             ("0.11.2", ("OffloadingConnector was not read",))):
         unread = _contract(version, CacheOptions())
         assert "host_blocks" not in unread.options
@@ -372,6 +386,8 @@ def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
             assert why in str(check_named("host_tier").skip_reason(unread))
             assert why in dict(unread.citations)["options.host_blocks"]
     assert "no OffloadingConnector" not in O.blocked_reason("0.23.0")[1]
+    assert "rest is 0.24.0's" not in O.blocked_reason("0.22.1")[1]
+    assert "offload_prompt_only:" not in O.blocked_reason("0.23.0")[1]
 
 
 def test_the_hits_are_the_device_s_and_the_connector_s_together() -> None:
