@@ -39,6 +39,12 @@ CLASSES: dict[tuple[bool, bool], type[SglangScheduled]] = {
     (False, True): MambaScheduled, (True, True): WindowMambaScheduled}
 
 
+# why the `sglang` engine opens no window from 0.5.22 (its server's window is the
+# unified tree's; SWARadixCache is driven by its caller before, `sglang_swa`)
+RADIX_NO_WINDOW = ("a window here is UnifiedRadixCache's SWA component (sglang_unified), "
+                   "not RadixCache's")
+
+
 def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
              window: int | None = None, chunk_budget: int | None = None,
              state_interval: int | None = None, host_blocks: int | None = None,
@@ -59,6 +65,8 @@ def contract(base: Contract, names: SchedulerNames, tree_kind: str = "radix",
     citations, notes, replicated = terms.citations, terms.notes, terms.replicated
     if names.swa is not None and tree_kind == "unified":
         options = ("window", *options, "window_pool")
+    elif tree_kind != "unified" and names.checkpoints:  # RadixCache, 0.5.22 on
+        citations += (("options.window", RADIX_NO_WINDOW),)
     if names.mamba is not None and tree_kind == "unified":
         options = (*options, "state_interval")
     elif tree_kind == "unified":

@@ -153,7 +153,7 @@ def _names(hicache: bool) -> types.SimpleNamespace:
     """What `sglang_options.contract` reads of the scheduler's names (0.5.23's)."""
     return types.SimpleNamespace(swa=("pool", "allocator", "SWA"), mamba=("pools",),
                                  mamba_radix=None, no_mamba_radix=UNIFIED_MAMBA,
-                                 names_requests=True, hicache=hicache)
+                                 names_requests=True, hicache=hicache, checkpoints=True)
 
 
 def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> None:

@@ -87,7 +87,8 @@ def test_every_mamba_slot_is_free_a_tree_state_or_one_requests_own() -> None:
 
 
 def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() -> None:
-    names = SimpleNamespace(swa=None, mamba=("pools",), names_requests=True, hicache=False)
+    names = SimpleNamespace(swa=None, mamba=("pools",), names_requests=True, hicache=False,
+                            checkpoints=True)
     base = unified_contract("0.5.23", B)
     plain = sglang_options.contract(base, names, "unified")
     hybrid = sglang_options.contract(base, names, "unified", state_interval=2)
@@ -98,7 +99,7 @@ def test_a_mamba_contract_lists_the_pin_stub_with_the_line_it_stands_in_for() ->
     assert hybrid.options == ("chunk_budget", "state_interval")
     both = sglang_options.contract(base, SimpleNamespace(swa=("SWA",), mamba=("pools",),
                                                            names_requests=True,
-                                                           hicache=False),
+                                                           hicache=False, checkpoints=True),
                                      "unified", 8, state_interval=2)
     assert both.options == ("window", "chunk_budget", "window_pool", "state_interval")
     assert (both.window, both.window_layout, both.state_rule) == (8, "window-pool",
@@ -116,7 +117,7 @@ def test_a_radix_cache_release_says_why_it_opens_no_mamba_state(version: str,
     (`no_mamba_radix`), from 0.5.21 the state is the unified tree's alone."""
     names = SimpleNamespace(swa=None, mamba=None, mamba_radix=None,
                             no_mamba_radix="its server builds UnifiedRadixCache's",
-                            names_requests=False, hicache=False)
+                            names_requests=False, hicache=False, checkpoints=False)
     terms = sglang_options.contract(radix_contract(version, B), names, "radix")
     assert "state_interval" not in terms.options
     assert why in str(check_named("hybrid_state").skip_reason(terms))
@@ -127,7 +128,7 @@ def test_a_mamba_radix_contract_cites_its_own_rule_and_pin_stub() -> None:
     state_interval: its contract cites MambaRadixCache's rule (0.5.14's lines) and the
     pin stub at those releases' line, and the legacy contract keeps both."""
     names = SimpleNamespace(swa=None, mamba=None, mamba_radix=("pools",), no_mamba_radix="",
-                            names_requests=False, hicache=False)
+                            names_requests=False, hicache=False, checkpoints=False)
     base = radix_contract("0.5.14", B)
     assert "state_interval" in sglang_options.contract(base, names, "radix").options
     terms = sglang_legacy.contract(sglang_options.contract(base, names, "radix",

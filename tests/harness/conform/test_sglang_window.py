@@ -38,7 +38,7 @@ def names(swa: bool) -> SimpleNamespace:
                            no_mamba="the Mamba path does not import here (ModuleNotFoundError:"
                                     " No module named 'einops')", mamba_radix=None,
                            no_mamba_radix="no MambaRadixCache in this release",
-                           names_requests=True, hicache=False)
+                           names_requests=True, hicache=False, checkpoints=True)
 
 
 def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() -> None:
@@ -53,6 +53,15 @@ def test_a_window_is_honoured_only_by_a_unified_tree_with_its_swa_component() ->
     terms = sglang_options.contract(base, names(True), "unified")
     assert "the Mamba path does not import here (ModuleNotFoundError: No module named " \
            "'einops')" in str(check_named("hybrid_state").skip_reason(terms))
+
+
+def test_a_radix_cache_under_the_newest_scheduler_code_says_why_it_opens_no_window() -> None:
+    """From 0.5.22 the `sglang` engine's RadixCache opens no window (the server's window
+    is the unified tree's SWA component): the sliding-window families' skip says so."""
+    terms = sglang_options.contract(unified_contract("0.5.23", B), names(True), "radix")
+    assert "window" not in terms.options
+    for family in ("sliding_window", "window_off_page", "window_pool_short"):
+        assert sglang_options.RADIX_NO_WINDOW in str(check_named(family).skip_reason(terms))
 
 
 def test_a_windowed_contract_states_sglangs_window_rule_with_its_own_code() -> None:

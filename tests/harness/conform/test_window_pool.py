@@ -28,7 +28,7 @@ A = list(range(100, 112))
 def _names() -> SimpleNamespace:
     """What `sglang_options.contract` reads: a release with the tree's SWA component."""
     return SimpleNamespace(swa=("pool", "allocator", "SWA"), mamba=None, no_mamba="none here",
-                           names_requests=True, hicache=False)
+                           names_requests=True, hicache=False, checkpoints=True)
 
 
 def _contract(window_pool: int | None) -> Contract:
