@@ -131,6 +131,13 @@ class ReuseOracle:
             self._admissions, (t.evicted, t.offloaded, t.onboarded, t.dropped),
             (t.alloc_total, t.alloc_new, t.decode_alloc))
 
+    def scopes_caching(self, tokens: Sequence[int]) -> list[Hashable]:
+        """The scopes (as the log names them, normalized) in which the full block ending
+        at `tokens` is cached: none, one, or several where two scopes computed the same
+        tokens. Changes nothing."""
+        want = tuple(tokens)
+        return [key[0] for key in self._cached if len(key) == 2 and key[1] == want]
+
     def forget(self, scope: Any, tokens: Sequence[int]) -> bool:
         """The cache dropped its full block ending at `tokens` (in `scope`, as the log
         names scopes), which no live sequence holds: later matches stop before it. For

@@ -7,8 +7,10 @@ After every op (`Judge.observe`):
   wrote; every admission must reuse what it predicts. Its model evicts nothing unless the
   contract says it models the engine's eviction (kvcache) or the judge follows the
   contract's `eviction_policy` itself (`ORDER_MODELS`: it tells the model which blocks
-  each allocation evicted), so otherwise after the first block leaves the cache (a
-  BlockRemoved event) a prediction is an upper bound. Whole-block contracts reuse whole
+  each allocation evicted); otherwise it learns each eviction from the events (a
+  device BlockRemoved of the full group whose chain the events spelled, cached in one
+  scope only: `_learn_evictions`, under a contract with that group alone), and only
+  where that cannot be told does a prediction become an upper bound. Whole-block contracts reuse whole
   blocks, and never the last prompt token; under a host tier whose `host_full_hit` is
   "all-but-last" a prompt cached whole whose last block the host holds reuses all but
   its last token (and the engine counts the whole prompt as hits), and one whose last
@@ -640,12 +642,17 @@ class Judge:
         removed: Counter[Any] = Counter()
         stored: Counter[Any] = Counter()
         window_stores: list[dict[str, Any]] = []  # placed once the full group's are folded
+        gone: list[tuple[int, ...]] = []  # the device blocks the events removed, by tokens
         for event in r.events:
             kind = event.get("type")
             dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
                                                  and bool(self.index.cached()))
             if dropped and not self.contract.bounded_oracle and not self._order_known():
-                self.exact = False  # the count oracle's model keeps every block
+                learnt = self._removed_tokens(event)
+                if learnt is None:
+                    self.exact = False  # the count oracle's model keeps every block
+                else:
+                    gone += learnt
             group = self._group(event)
             if group is None:
                 say("events", "group", f"after {r.op.describe()}: event {event} names group "
@@ -675,6 +682,7 @@ class Judge:
                 say("events", "parent", f"after {r.op.describe()}: the window group's "
                                         f"{misplaced}")
                 return
+        self._learn_evictions(gone)
         after_keys = self._keys()
         # a block whose every copy the step removed, then stored again: gone in between
         # (a cache that keeps copies, a hybrid's groups or duplicates, may drop one copy
@@ -751,6 +759,48 @@ class Judge:
         for held in self.groups:
             out.update(held)
         return out
+
+    def _removed_tokens(self, event: dict[str, Any]) -> list[tuple[int, ...]] | None:
+        """The tokens from the root to the end of each block a device BlockRemoved of the
+        full-attention group names (read up the events' chains before it is folded), for
+        the count oracle to forget: where the contract has one device group alone (no
+        window, Mamba or host tier, whose evictions the count oracle models apart).
+        None where that cannot be told (another event, group or medium, a contract with
+        more, a chain the events do not spell)."""
+        c = self.contract
+        if event.get("type") != "BlockRemoved" or self._group(event) != 0 \
+                or event.get("medium", DEVICE) != DEVICE or c.window is not None \
+                or c.state_interval is not None or c.host_blocks is not None \
+                or "count" in self.broken:
+            return None
+        out = []
+        for h in event.get("block_hashes", ()):
+            tokens = self.index.chain_tokens(h)
+            if tokens is None:
+                return None
+            out.append(tokens)
+        return out
+
+    def _learn_evictions(self, gone: list[tuple[int, ...]]) -> None:
+        """The count oracle forgets each block the events removed from the device
+        (`_removed_tokens`), so its prediction stays exact after an eviction it has no
+        order model of; where the block's scope is not one (two scopes cached the same
+        tokens) or a live sequence holds it in the model, it falls back to an upper
+        bound (which block the engine dropped is then not known; a live sequence's
+        block gone is the integrity and provenance oracles' to judge)."""
+        for tokens in gone:
+            if not self.exact:
+                return
+            scopes = self.reuse.scopes_caching(tokens)
+            if len(scopes) > 1:
+                self.exact = False
+                return
+            if scopes:
+                try:
+                    self.reuse.forget(scopes[0], tokens)
+                except ValueError:
+                    self.exact = False
+                    return
 
     def _misplaced(self, event: dict[str, Any]) -> str:
         """Why the BlockStored `event` is not stored under the block right before it (""

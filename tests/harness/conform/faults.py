@@ -25,6 +25,24 @@ class SaltIsLora(KvcacheCache):
         return super()._scope(scope)
 
 
+class MissesAfterAnEviction(KvcacheCache):
+    """Once the cache has published a BlockRemoved, an admission looks its prompt up in a
+    scope of its own (logged under the request's): it reuses nothing that is cached, a
+    shortfall only a count oracle that followed the eviction can call."""
+
+    evicted = False
+
+    def take_events(self) -> list[dict[str, Any]]:
+        events = super().take_events()
+        self.evicted = self.evicted or any(e["type"] == "BlockRemoved" for e in events)
+        return events
+
+    def _scope(self, scope: Scope | None) -> Any:
+        if self.evicted:
+            return self._kvcache.ReuseScope("a scope of its own", None)
+        return super()._scope(scope)
+
+
 class CountsRefusals(KvcacheCache):
     """A refused admission still bumps a counter, as vLLM up to 0.26 counted lookups."""
 

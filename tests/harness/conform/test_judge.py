@@ -3,6 +3,8 @@ with one deliberate fault in its adapter (tests/harness/conform/faults.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from harness.conform import ops
@@ -192,3 +194,46 @@ def test_the_scope_family_finds_the_fault(fault: type[KvcacheCache]) -> None:
     assert result.status == "fail" and result.oracle == "count"
     assert len(result.ops) <= 6  # shrunk to the two admissions and what they need
     assert any(op.get("scope") == {"salt": lora_id_text(1)} for op in result.ops)
+
+
+EVICTING = [ops.admit("A", list(range(100, 116))), ops.commit("A", 16), ops.free("A"),
+            ops.admit("B", list(range(500, 524))), ops.commit("B", 24), ops.free("B"),
+            ops.admit("A2", [*range(100, 116), 1])]
+
+
+def _judged(target: Target, op_list: list[ops.Op]) -> tuple[Judge, list[str]]:
+    """`op_list` on a pool of 8 under `target`'s contract with no eviction model of its
+    own (`bounded_oracle` off, as SGLang's: kvcache's says its count oracle models its
+    evictions), so the judge learns each eviction from the events alone."""
+    contract = replace(target.open(8, B), bounded_oracle=False)
+    judge = Judge(contract, 8)
+    found = [v.oracle for r in target.apply_all(op_list) for v in judge.observe(r)]
+    return judge, found
+
+
+def test_the_count_oracle_forgets_what_the_events_removed_and_stays_exact() -> None:
+    """B (6 blocks) evicts two of A's 4 cached blocks, each a BlockRemoved whose chain
+    the events spelled: the count oracle forgets them and still predicts A2's reuse
+    exactly (8), where it used to become an upper bound."""
+    judge, found = _judged(LocalTarget(kvcache.load()), EVICTING)
+    assert found == [] and judge.exact
+    assert judge.reuse.probe([*range(100, 116), 1]) == 8
+
+
+def test_a_shortfall_after_an_eviction_is_a_count_violation() -> None:
+    """The same run on an engine that, once it evicted, reuses nothing cached: A2 gets 0
+    where 8 are cached, which an upper bound would have let pass."""
+    _, found = _judged(LocalTarget(kvcache.load(faults.MissesAfterAnEviction)), EVICTING)
+    assert found == ["count"]
+
+
+def test_an_evicted_block_two_scopes_cached_leaves_the_count_oracle_an_upper_bound() -> None:
+    """A's tokens cached in the default scope and under salt 'x' (one token run, two
+    blocks each): which scope's block an eviction took is not one, so the count oracle
+    falls back to an upper bound, and nothing is found."""
+    a = list(range(100, 116))
+    op_list = [ops.admit("A", a), ops.commit("A", 16), ops.free("A"),
+               ops.admit("S", a, Scope(salt="x")), ops.commit("S", 16), ops.free("S"),
+               ops.admit("C", list(range(500, 516))), ops.commit("C", 16), ops.free("C")]
+    judge, found = _judged(LocalTarget(kvcache.load()), op_list)
+    assert found == [] and not judge.exact
