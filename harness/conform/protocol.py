@@ -104,6 +104,11 @@ HostLoadReserve = Literal["none", "inflight-prefills"]
 # hit ("prompt-only": a block a decode step filled is never stored, nor is one its
 # prompt only partly spans; vLLM's offload_prompt_only, on by default).
 HostStores = Literal["on-eviction", "when-computed", "prompt-only"]
+# What a host tier's router events (BlockStored / BlockRemoved on a medium other than
+# the device's) carry: what the device's carry ("self-describing": parent, tokens,
+# block size), or their hashes alone ("hashes-only": no parent, no tokens, block size
+# 0; vLLM's OffloadingConnector before self_describing_kv_events, 0.24.0).
+HostEvents = Literal["self-describing", "hashes-only"]
 # What `CacheOptions` field an adapter honours when it opens a cache.
 OptionName = Literal["window", "chunk_budget", "long_prefill_threshold", "host_blocks",
                      "state_interval", "window_pool"]
@@ -370,7 +375,10 @@ class Contract:
       blocks the host holds (`HostStores`; the reference "on-eviction" needs no host
       tier, any other value does): under "all-but-last" the judge predicts the host's
       num_tokens - 1 only where the host holds the prompt's last block, else the
-      device's hit.
+      device's hit. host_events: what a host tier's router events carry
+      (`HostEvents`; the reference "self-describing" needs no host tier, "hashes-only"
+      does): under "hashes-only" the judge folds a host BlockStored / BlockRemoved by
+      (medium, hash) alone, places it on no chain and checks no block size.
     replicated: (what, the engine function it stands in for, why) for each piece of the
       engine's caller code the adapter does itself instead of running the engine's: what
       a pass does not prove.
@@ -420,6 +428,7 @@ class Contract:
     host_full_hit: HostFullHit = "unreused-tail"
     host_load_reserve: HostLoadReserve = "none"
     host_stores: HostStores = "on-eviction"
+    host_events: HostEvents = "self-describing"
     replicated: tuple[tuple[str, str, str], ...] = ()
     citations: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
@@ -441,7 +450,8 @@ class Contract:
                  "state_rule": get_args(StateRule),
                  "host_full_hit": get_args(HostFullHit),
                  "host_load_reserve": get_args(HostLoadReserve),
-                 "host_stores": get_args(HostStores)}
+                 "host_stores": get_args(HostStores),
+                 "host_events": get_args(HostEvents)}
         for name, allowed in hints.items():
             _choice(getattr(self, name), allowed, f"Contract.{name}")
         reserve = self.admission_reserve
@@ -484,7 +494,8 @@ class Contract:
         host = self.host_blocks is not None or "host_blocks" in self.options
         for name, reference in (("host_full_hit", "unreused-tail"),
                                 ("host_load_reserve", "none"),
-                                ("host_stores", "on-eviction")):
+                                ("host_stores", "on-eviction"),
+                                ("host_events", "self-describing")):
             if getattr(self, name) != reference and not host:
                 raise ValueError(f"Contract.{name} {getattr(self, name)!r} is a host tier's "
                                  f"rule, but the contract has no host tier (host_blocks "

@@ -36,9 +36,10 @@ After every op (`Judge.observe`):
 - events: the router events, folded by `harness.kv_index.EventIndex`, hold exactly the
   blocks the cache holds on its device (`cached_hashes`; a host tier's blocks are
   folded under their own medium; where the events name their group, `group_idx`, the
-  other groups' are folded apart, by hash alone: `other_groups`), each BlockStored
-  hangs from the block right before it (`_misplaced`: the full group's, and a window
-  group's on the full group's chain), and no op removes a block it keeps (a block moved
+  other groups' are folded apart, by hash alone: `other_groups`; so are a host tier's
+  whose events carry their hashes alone, `Contract.host_events` "hashes-only"), each
+  BlockStored hangs from the block right before it (`_misplaced`: the full group's, and
+  a window group's on the full group's chain; not a host's folded apart), and no op removes a block it keeps (a block moved
   between tiers is removed from one medium and stored on the other: no churn). A
   contract without events (`Contract.events`) publishes none; a drop in its
   cachedNumBlocks then tells the count oracle that blocks left the cache.
@@ -135,6 +136,26 @@ def other_groups(contract: Contract) -> int:
     return int(window) + int(states)
 
 
+def _fold_apart(held: Counter[tuple[str, Any]], event: dict[str, Any], holder: str) -> None:
+    """Fold the BlockStored or BlockRemoved `event` into `held`, cached copies by
+    (medium, hash) alone (`holder` names them). ValueError for the removal of a block
+    `held` does not hold."""
+    kind = event.get("type")
+    medium = event.get("medium", DEVICE)
+    for h in event.get("block_hashes", ()):
+        key = (medium, h)
+        if kind == "BlockStored":
+            held[key] += 1
+        elif kind == "BlockRemoved" and not held[key]:
+            del held[key]
+            raise ValueError(f"BlockRemoved names hash {h}, which {holder} does not hold "
+                             f"on {medium}")
+        elif kind == "BlockRemoved":
+            held[key] -= 1
+            if not held[key]:
+                del held[key]
+
+
 def _blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -181,6 +202,9 @@ class Judge:
         # the full group's, and its partial entries chain on the full group's hashes)
         self.groups: list[Counter[tuple[str, Any]]] = \
             [Counter() for _ in range(other_groups(contract))]
+        # a host tier's cached blocks, by (medium, hash), where its events carry their
+        # hashes alone (`Contract.host_events` "hashes-only"): no chain to place them on
+        self.host: Counter[tuple[str, Any]] = Counter()
         self.exact = True
         model = ORDER_MODELS.get(contract.eviction_policy)
         # (a window or state group shares the pool: the full group's order is not alone;
@@ -645,8 +669,8 @@ class Judge:
         gone: list[tuple[int, ...]] = []  # the device blocks the events removed, by tokens
         for event in r.events:
             kind = event.get("type")
-            dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared"
-                                                 and bool(self.index.cached()))
+            dropped = kind == "BlockRemoved" or (kind == "AllBlocksCleared" and (
+                bool(self.index.cached()) or bool(self.host)))
             if dropped and not self.contract.bounded_oracle and not self._order_known():
                 learnt = self._removed_tokens(event)
                 if learnt is None:
@@ -664,11 +688,12 @@ class Judge:
                 removed.update((medium, h) for h in event.get("block_hashes", ()))
             elif kind == "BlockStored":
                 stored.update((medium, h) for h in event.get("block_hashes", ()))
-                misplaced = self._misplaced(event) if group == 0 else ""
+                apart = self._hashes_only(event)  # nothing to place it by
+                misplaced = self._misplaced(event) if group == 0 and not apart else ""
                 if misplaced:
                     say("events", "parent", f"after {r.op.describe()}: {misplaced}")
                     return
-                if group == 1 and self.window_group is not None:
+                if group == 1 and self.window_group is not None and not apart:
                     window_stores.append(event)
             try:
                 self._apply(group, event)
@@ -727,36 +752,36 @@ class Judge:
         group = 0 if group is None else group
         return group if isinstance(group, int) and 0 <= group <= len(self.groups) else None
 
+    def _hashes_only(self, event: dict[str, Any]) -> bool:
+        """Whether `event` is a host tier's BlockStored or BlockRemoved (a medium other
+        than the device's) that carries its hashes alone (`Contract.host_events`
+        "hashes-only"): folded by (medium, hash) into `host`, not placed on a chain."""
+        return self.contract.host_events == "hashes-only" \
+            and event.get("type") in ("BlockStored", "BlockRemoved") \
+            and event.get("medium", DEVICE) != DEVICE
+
     def _apply(self, group: int, event: dict[str, Any]) -> None:
-        """Fold `event` into its group's blocks (AllBlocksCleared: every group's).
-        ValueError for the removal of a block the group does not hold."""
+        """Fold `event` into its group's blocks, or a host tier's whose events carry
+        their hashes alone into `host` (AllBlocksCleared: every group's and the host's).
+        ValueError for the removal of a block the group (or host) does not hold."""
         kind = event.get("type")
+        if self._hashes_only(event):
+            _fold_apart(self.host, event, "the host tier")
+            return
         if group == 0 or kind == "AllBlocksCleared":
             self.index.apply(event)
         if kind == "AllBlocksCleared":
             for held in self.groups:
                 held.clear()
-        if group == 0:
-            return
-        held = self.groups[group - 1]
-        medium = event.get("medium", DEVICE)
-        for h in event.get("block_hashes", ()):
-            key = (medium, h)
-            if kind == "BlockStored":
-                held[key] += 1
-            elif kind == "BlockRemoved" and not held[key]:
-                del held[key]
-                raise ValueError(f"BlockRemoved names hash {h}, which group {group} does "
-                                 f"not hold on {medium}")
-            elif kind == "BlockRemoved":
-                held[key] -= 1
-                if not held[key]:
-                    del held[key]
+            self.host.clear()
+        if group != 0:
+            _fold_apart(self.groups[group - 1], event, f"group {group}")
 
     def _keys(self) -> Counter[tuple[str, Any]]:
-        """The cached copies of each block, every group's, by (medium, hash)."""
+        """The cached copies of each block, every group's and the host's folded apart,
+        by (medium, hash)."""
         out: Counter[tuple[str, Any]] = Counter(self.index.counts)
-        for held in self.groups:
+        for held in (*self.groups, self.host):
             out.update(held)
         return out
 

@@ -280,7 +280,7 @@ def test_an_admission_reserve_must_be_a_count() -> None:
         replace(kvcache_contract(B), admission_reserve=-1)
 
 
-# -- host_full_hit, host_load_reserve, host_stores ----------------------------------------
+# -- host_full_hit, host_load_reserve, host_stores, host_events ---------------------------
 
 # a host tier as vLLM's connector fronts it: whole blocks, chunked allocation, the count
 # oracle unbounded (exact until a block leaves), only prompt blocks stored, no router
@@ -396,7 +396,88 @@ def test_a_host_load_refused_for_what_a_prefill_in_flight_needs(
         assert "needs 1, 1 of 3 free or evictable" in got[0].message
 
 
+# -- host_events ----------------------------------------------------------------------
+
+# a host tier with router events: the device's carry their parent and tokens; the host's
+# BlockStored as vLLM's connector publishes it before 0.24.0's self_describing_kv_events
+# (offloading/scheduler.py take_events, 0.23.0 :1029-1048)
+EVENTED = replace(HOSTED, events=True)
+
+
+def device_stored(h: str, tokens: list[int], parent: str | None = None) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": B, "salt": None, "lora_id": None, "medium": "GPU"}
+
+
+def host_placeholder(h: str) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,
+            "token_ids": [], "block_size": 0, "salt": None, "lora_id": None,
+            "medium": "CPU"}
+
+
+def host_removed(h: str) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": [h], "medium": "CPU"}
+
+
+def stored_on_both(host: tuple[dict[str, Any], ...]) -> list[StepReport]:
+    """A (8 tokens) admitted, committed (both blocks stored on the device and, as
+    placeholders, on the host) and freed, whose free publishes `host`."""
+    tokens = A18[:8]
+    return [admitted("A", tokens, 0, [0, 1], 2),
+            step(ops.commit("A", 8), [{"kind": "commit", "seq_id": "A", "num_tokens": 8}],
+                 2, cached=2, events=(device_stored("a1", tokens[:4]),
+                                      device_stored("a2", tokens[4:], "a1"),
+                                      host_placeholder("a1"), host_placeholder("a2"))),
+            step(ops.free("A"), [{"kind": "free", "seq_id": "A"}], 0, cached=2,
+                 events=host)]
+
+
+@pytest.mark.parametrize(("events", "host", "found", "message"), [
+    pytest.param("hashes-only", (), [], "", id="hashes-only-placeholders"),
+    pytest.param("hashes-only", (host_removed("a2"),), [], "", id="hashes-only-removed"),
+    pytest.param("self-describing", (), ["events"],
+                 "BlockStored ['a1'] under parent None: its 0 tokens, then the 0 stored, "
+                 "are no prefix", id="self-describing-placeholders")])
+def test_a_host_block_stored_by_its_hash_alone_passes_where_the_contract_says(
+        events: str, host: tuple[dict[str, Any], ...], found: list[str],
+        message: str) -> None:
+    """The host's BlockStored name no parent, no tokens and block size 0: under
+    `host_events` "hashes-only" they are folded by hash (and a removal of one folds);
+    under "self-describing" the first one is placed nowhere, as a router would."""
+    got = judged(replace(EVENTED, host_events=events), stored_on_both(host), num_blocks=8)
+    assert [v.oracle for v in got] == found
+    if found:
+        assert message in got[0].message
+
+
+def test_a_host_block_removed_but_never_stored_is_an_events_violation_by_hash_alone(
+        ) -> None:
+    """Under "hashes-only" the host's events are still folded: a BlockRemoved of a hash
+    the host never stored does not fold."""
+    got = judged(replace(EVENTED, host_events="hashes-only"),
+                 stored_on_both((host_removed("a3"),)), num_blocks=8)
+    assert [v.oracle for v in got] == ["events"]
+    assert "BlockRemoved names hash a3, which the host tier does not hold on CPU" \
+        in got[0].message
+
+
+def test_a_host_block_removed_and_stored_again_in_one_op_is_churn_by_hash_alone() -> None:
+    """The host's blocks folded apart still count as cached: removing a2 and storing it
+    again in the free is churn (a router between the two sees it gone)."""
+    got = judged(replace(EVENTED, host_events="hashes-only"),
+                 stored_on_both((host_removed("a2"), host_placeholder("a2"))), num_blocks=8)
+    assert [v.oracle for v in got] == ["events"]
+    assert "published BlockRemoved and BlockStored again for blocks it kept cached " \
+        "(['a2'])" in got[0].message
+
+
 @pytest.mark.parametrize(("base", "field", "value", "message"), [
+    pytest.param("hosted", "host_events", "hashes",
+                 r"Contract\.host_events must be one of \('self-describing', "
+                 r"'hashes-only'\), got 'hashes'", id="events-choice"),
+    pytest.param("trie", "host_events", "hashes-only",
+                 r"Contract\.host_events 'hashes-only' is a host tier's rule, but the "
+                 r"contract has no host tier", id="events-need-a-host"),
     pytest.param("hosted", "host_full_hit", "all",
                  r"Contract\.host_full_hit must be one of \('unreused-tail', "
                  r"'all-but-last'\), got 'all'", id="full-hit-choice"),
