@@ -1,5 +1,5 @@
 """vLLM's CPU offloading connector under the scheduler adapter (runs in a vLLM venv of a
-release in `READ`, 0.24.0-0.33.0): its scheduler side is vLLM's, its worker is the
+release in `READ`, 0.21.0-0.33.0): its scheduler side is vLLM's, its worker is the
 adapter's.
 
 A `VllmConfig` with `KVTransferConfig(kv_connector="OffloadingConnector",
@@ -15,13 +15,17 @@ step's own `KVConnectorOutput`, as a synchronous worker would (`REPLICATED`). Th
 contract's parts are here too: the rule (`HOST_RULE`; each release's own lines,
 `host_rule`), which blocks the host holds (`STORES`, `stores_rule`), where the adapter
 opens a host tier (`READ`) and why not elsewhere (`blocked_reason`), and the two rules
-of a host hit (`FULL_HIT`, `LOAD_RESERVE`, cited by `rules`). The releases read differ
-in how the host is sized (0.26.0 on: `offloading/config.py`'s chunks; 0.24.0 and
-0.25.1: `v1/kv_offload/cpu/spec.py` alone, `_SPEC_HEAD`), where the prompt-only store
-cap is (`_calc_num_offloadable_tokens` from 0.26.0, inline in `_build_store_jobs`
-before) and in the shape of a transfer job (0.24.0: one `transfer_spec` pair,
-`WorkerStandIn._pairs`); the adapter's `cpu_bytes` and `gpu_tensors` give exactly the
-chunks asked on each.
+of a host hit (`FULL_HIT`, `LOAD_RESERVE`, cited by `rules`; `load_reserve`), and what
+the host's events carry (`host_events`). The releases read differ in how the host is
+sized (0.26.0 on: `offloading/config.py`'s chunks; 0.21.0-0.25.1:
+`v1/kv_offload/cpu/spec.py` alone, `_SPEC_HEAD`, with no alignment before 0.23.0,
+`alignment`), where the prompt-only store cap is (`_calc_num_offloadable_tokens` from
+0.26.0, inline in `_build_store_jobs` before; 0.21.0 and 0.22.1 have none and store a
+decode step's blocks too, `stores`), whether an asynchronous load reserves blocks for
+the prefills in flight (not before 0.23.0), what the host's BlockStored carry (their
+hashes alone before 0.24.0) and in the shape of a transfer job (before 0.25.1: one
+`transfer_spec` pair, `WorkerStandIn._pairs`); the adapter's `cpu_bytes` and
+`gpu_tensors` give exactly the chunks asked on each.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from harness.conform.protocol import HostFullHit, HostLoadReserve, HostStores
+from harness.conform.protocol import HostEvents, HostFullHit, HostLoadReserve, HostStores
 
 WORKER_STUB = (
     "each store and load job in a step's OffloadingConnectorMetadata is reported done in "
@@ -95,18 +99,44 @@ RULES = (("host_full_hit", FULL_HIT_RULE), ("host_load_reserve", LOAD_RESERVE_RU
 # 2026-12-02): v1/core/sched/scheduler.py's `num_computed_tokens = num_tokens - 1` in
 # _update_waiting_for_remote_kv, and the allocation that reserves
 # _inflight_prefill_reserved_blocks() with that method's definition (0.27.1's file is
-# 0.27.0's byte for byte; 0.25.1's two methods and its reserve are 0.24.0's text)
-_RULE_LINES = {"0.24.0": (2385, 872, 2348), "0.25.1": (2437, 901, 2400),
+# 0.27.0's byte for byte; 0.25.1's two methods and its reserve are 0.24.0's text; 0.23.0's
+# are 0.24.0's too). 0.21.0 and 0.22.1 have the assignment alone: no reserve
+# (`_NO_RESERVE`)
+_RULE_LINES = {"0.23.0": (2184, 759, 2143),
+               "0.24.0": (2385, 872, 2348), "0.25.1": (2437, 901, 2400),
                "0.26.0": (2582, 933, 2536), "0.27.0": (2674, 971, 2628),
                "0.27.1": (2674, 971, 2628),
                "0.28.0": (2762, 1031, 2716), "0.29.0": (2855, 1075, 2809),
                "0.30.0": (2958, 1157, 2912), "0.31.0": (3096, 1202, 3032),
                "0.32.0": (3172, 1249, 3088)}
+# 0.21.0 and 0.22.1 (read 2026-12-02): the same num_tokens - 1 assignment in
+# _update_waiting_for_remote_kv, and no reserve for the prefills in flight: their
+# Scheduler has no _inflight_prefill_reserved_blocks, and the admission's allocate_slots
+# passes no reserved_blocks; (assignment, allocate_slots lines)
+_NO_RESERVE = {"0.21.0": (1994, "702-712"), "0.22.1": (2099, "721-731")}
+NO_RESERVE_RULE = (
+    "an asynchronous load is admitted as any admission is, within the free blocks alone: "
+    "the Scheduler has no _inflight_prefill_reserved_blocks and the admission's "
+    "allocate_slots (v1/core/sched/scheduler.py:{alloc}, {version}) passes no "
+    "reserved_blocks")
+
+
+def load_reserve(version: str) -> HostLoadReserve:
+    """`version`'s `host_load_reserve` where its host tier opens: "none" where its
+    scheduler reserves nothing for the prefills in flight (`_NO_RESERVE`), else
+    `LOAD_RESERVE`."""
+    return "none" if version in _NO_RESERVE else LOAD_RESERVE
 
 
 def rules(version: str) -> tuple[tuple[str, str], ...]:
     """The citations of the host hit's two rules (`RULES`) for `version`, with its own
-    lines where it is an earlier release whose host tier opens."""
+    lines where it is an earlier release whose host tier opens (and, where it reserves
+    nothing, `NO_RESERVE_RULE`)."""
+    if version in _NO_RESERVE:
+        full, alloc = _NO_RESERVE[version]
+        return (("host_full_hit", f"{FULL_HIT_RULE}; {version}: the same assignment at "
+                                  f"v1/core/sched/scheduler.py:{full}"),
+                ("host_load_reserve", NO_RESERVE_RULE.format(alloc=alloc, version=version)))
     lines = _RULE_LINES.get(version)
     if lines is None:
         return RULES
@@ -144,7 +174,22 @@ _RESUMED = (" (again after a preemption, as the request computes them anew: the 
 _FINISH = (", not even when its request finishes (_build_store_jobs :{lines} clamps a "
            "finished request to max(num_prompt_tokens, num_tokens - 1), then the cap "
            "applies)")
+# 0.21.0 and 0.22.1 have no offload_prompt_only (nowhere in v1/kv_offload/ nor in the
+# connector): _build_store_jobs caps a store at req.num_tokens alone, so a block a
+# decode step filled is stored too, "when-computed" (`stores`); (cap, advance_stored_idx)
+_NO_PROMPT_ONLY = {"0.21.0": ("630-633", "169-174"), "0.22.1": ("682-685", "218-223")}
+_WHEN_COMPUTED = (
+    "no offload_prompt_only (v1/kv_offload/base.py and offloading/ have none): "
+    "_build_store_jobs (offloading/scheduler.py:{cap}) caps a store job at req.num_tokens "
+    "alone, so the host holds every full chunk a request computes, its prompt's and those "
+    "a decode step filled, stored at the step that computes them (again after a "
+    "preemption, as the request computes them anew: advance_stored_idx :{advance} with no "
+    "max)")
 STORES_RULES = {
+    **{version: _WHEN_COMPUTED.format(cap=cap, advance=advance)
+       for version, (cap, advance) in _NO_PROMPT_ONLY.items()},
+    "0.23.0": _STORES_RULE.format(base="397-399", cap=_INLINE.format(cap="745-748"),
+                                  hits=_RESUMED.format(advance="236-241"), finish=""),
     "0.24.0": _STORES_RULE.format(base="470-472", cap=_INLINE.format(cap="855-858"),
                                   hits=_RESUMED.format(advance="294-299"), finish=""),
     "0.25.1": _STORES_RULE.format(base="521-523", cap=_INLINE.format(cap="868-871"),
@@ -177,6 +222,41 @@ def stores_rule(version: str) -> str:
     """The citation of `version`'s `host_stores` (a release in `READ`). Raises KeyError
     on a release not read."""
     return STORES_RULES[version]
+
+
+def stores(version: str) -> HostStores:
+    """`version`'s `host_stores` (a release in `READ`): "when-computed" where it has no
+    offload_prompt_only (0.21.0, 0.22.1), else `STORES`. Raises KeyError on a release
+    not read."""
+    if version not in STORES_RULES:
+        raise KeyError(version)
+    return "when-computed" if version in _NO_PROMPT_ONLY else STORES
+
+
+# What the host's router events carry, the contract's `host_events`: before 0.24.0 the
+# connector has no offloading/events.py and no self_describing_kv_events option, and
+# take_events publishes each host BlockStored with its hashes alone (parent_block_hash
+# None, token_ids [], block_size 0; its BlockRemoved, hashes and medium), the only form
+# those releases publish, not a fault; 0.24.0 on, `transfer_config` sets the option.
+# The releases read with that form, at take_events' lines:
+_PLACEHOLDER_LINES = {"0.21.0": "861-880", "0.22.1": "946-965", "0.23.0": "1029-1048"}
+_HASHES_ONLY_RULE = (
+    "the host's BlockStored carry their hashes alone: take_events (offloading/"
+    "scheduler.py:{lines}, {version}) publishes each with parent_block_hash None, "
+    "token_ids [] and block_size 0, as this release always does (it has no "
+    "offloading/events.py and no self_describing_kv_events option, both from 0.24.0 on); "
+    "a router folds them by hash")
+
+
+def host_events(version: str) -> tuple[HostEvents, str | None]:
+    """`version`'s `host_events` (a release in `READ`) and its citation: "hashes-only"
+    where its connector publishes the host's BlockStored by hash alone
+    (`_PLACEHOLDER_LINES`), else "self-describing" (no citation: `transfer_config` sets
+    self_describing_kv_events)."""
+    lines = _PLACEHOLDER_LINES.get(version)
+    if lines is None:
+        return "self-describing", None
+    return "hashes-only", _HASHES_ONLY_RULE.format(lines=lines, version=version)
 
 # Under a host tier an admission's reused tokens are vLLM's device hits plus the
 # connector's (Scheduler.connector_prefix_cache_stats, recorded by Scheduler.schedule
@@ -213,20 +293,28 @@ _CONFIG_HEAD = (
     "blocks_per_chunk, 4096) chunks, the block's bytes read from kv_cache_config."
     "kv_cache_tensors (offloading/config.py:{bytes}), a chunk one GPU block unless "
     "kv_connector_extra_config sets block_size or blocks_per_chunk; ")
-# 0.24.0 and 0.25.1 (no offloading/config.py): CPUOffloadingSpec.__init__ sizes the
-# host itself, with BLOCK_SIZE_ALIGNMENT 1 and OffloadingSpec's block_size_factor
+# 0.21.0-0.25.1 (no offloading/config.py): CPUOffloadingSpec.__init__ sizes the host
+# itself, with OffloadingSpec's block_size_factor and, 0.23.0 on, BLOCK_SIZE_ALIGNMENT 1
+# (`_ALIGNED`; 0.21.0 and 0.22.1 have no such attribute and round nothing, `_UNALIGNED`);
+# 0.24.0 on read the first tensor's size alone where the tensors are packed (`_PACKED`),
+# before they sum them (`_SUMMED`)
 _SPEC_HEAD = (
     "kv_connector OffloadingConnector, CPU spec (v1/kv_offload/cpu/spec.py:{spec}; no "
-    "offloading/config.py): the host holds cpu_bytes_to_use // round_up("
-    "kv_bytes_per_block x block_size_factor, BLOCK_SIZE_ALIGNMENT 1 (:{align})) chunks "
+    "offloading/config.py): the host holds cpu_bytes_to_use // {chunk} chunks "
     "(:{size}), kv_bytes_per_block being the bytes of kv_cache_config.kv_cache_tensors "
-    "(the first one's size if packed, else their sum) // kv_cache_config.num_blocks x "
+    "({tensors}) // kv_cache_config.num_blocks x "
     "world_size; block_size_factor, the GPU blocks in a chunk, is 1 unless "
     "kv_connector_extra_config sets block_size (v1/kv_offload/base.py:{factor}; there is "
     "no blocks_per_chunk); ")
+_ALIGNED = ("round_up(kv_bytes_per_block x block_size_factor, BLOCK_SIZE_ALIGNMENT 1 "
+            "(:{align}))")
+_UNALIGNED = ("(kv_bytes_per_block x block_size_factor) (no BLOCK_SIZE_ALIGNMENT: "
+              "nothing rounded)")
+_PACKED = "the first one's size if packed, else their sum"
+_SUMMED = "their sum"
 _OLD_TAIL = (
     "every computed full "
-    "chunk of a request's prompt is stored at the step that computes it (host_stores), "
+    "chunk{of} is stored at the step that computes it (host_stores), "
     "not on eviction "
     "(offloading/scheduler.py:{store} _build_store_jobs), so the host is inclusive and "
     "the adapter sizes it num_blocks + host_blocks chunks; the lookup (:{lookup} _lookup, "
@@ -236,31 +324,60 @@ _OLD_TAIL = (
     "job (update_connector_output :{update}, finished_recving); the host evicts its "
     "least recently used chunks not being loaded when a store finds it full "
     "(v1/kv_offload/cpu/policies/lru.py, eviction_policy 'lru'); its events are "
-    "BlockStored/BlockRemoved with medium 'CPU' (offloading/scheduler.py:{events} "
+    "BlockStored/BlockRemoved with medium 'CPU'{carry} (offloading/scheduler.py:{events} "
     "take_events, v1/kv_offload/cpu/manager.py)")
 _OLD_RULE = _CONFIG_HEAD + _OLD_TAIL
-_RULE_0_27 = _OLD_RULE.format(spec="77-118", bytes="98-111", store=1023, lookup=631,
-                              matched=816, sync=871, update=1280, events=1416)
+_PROMPT_CHUNKS = " of a request's prompt"  # what a store holds (`host_stores`)
+_HASHES = " carrying their hashes alone (host_events)"
+_DECODED = ", a decode step's too,"
+
+
+def _rule(template: str, *, of: str = _PROMPT_CHUNKS, carry: str = "",
+          chunk: str = _ALIGNED, tensors: str = _PACKED, **lines: Any) -> str:
+    """`template` (a head and `_OLD_TAIL`) at a release's `lines`: its stores within a
+    prompt unless `of` says otherwise, its events self-describing unless `carry` says
+    they carry hashes alone, and (under `_SPEC_HEAD`) its chunk's bytes aligned and the
+    tensors' bytes read packed unless `chunk` and `tensors` say otherwise."""
+    return template.format(of=of, carry=carry, tensors=tensors,
+                           chunk=chunk.format(align=lines.pop("align", "")), **lines)
+
+
+_RULE_0_27 = _rule(_OLD_RULE, spec="77-118", bytes="98-111", store=1023, lookup=631,
+                   matched=816, sync=871, update=1280, events=1416)
 HOST_RULES = {
-    "0.24.0": (_SPEC_HEAD + _OLD_TAIL).format(
+    # 0.21.0-0.23.0: the host's events by hash alone; 0.21.0 and 0.22.1 store a decode
+    # step's chunks too and size the host unaligned
+    "0.21.0": _rule(
+        _SPEC_HEAD + _OLD_TAIL, of=_DECODED, carry=_HASHES, chunk=_UNALIGNED,
+        tensors=_SUMMED, spec="23-55", size="32-47", factor="367-382", store=598,
+        lookup=308, matched=446, sync=489, update=788, events=861),
+    "0.22.1": _rule(
+        _SPEC_HEAD + _OLD_TAIL, of=_DECODED, carry=_HASHES, chunk=_UNALIGNED,
+        tensors=_SUMMED, spec="22-58", size="31-46", factor="372-387", store=650,
+        lookup=360, matched=498, sync=541, update=866, events=946),
+    "0.23.0": _rule(
+        _SPEC_HEAD + _OLD_TAIL, carry=_HASHES, tensors=_SUMMED, spec="27-71", align=25,
+        size="41-63", factor="427-442", store=721, lookup=387, matched=537, sync=571,
+        update=943, events=1029),
+    "0.24.0": _rule(_SPEC_HEAD + _OLD_TAIL,
         spec="60-112", align=32, size="74-104", factor="500-515", store=831, lookup=452,
         matched=636, sync=681, update=1061, events=1203),
-    "0.25.1": (_SPEC_HEAD + _OLD_TAIL).format(
+    "0.25.1": _rule(_SPEC_HEAD + _OLD_TAIL,
         spec="54-106", align=26, size="68-98", factor="551-566", store=844, lookup=464,
         matched=648, sync=693, update=1078, events=1218),
-    "0.26.0": _OLD_RULE.format(spec="75-113", bytes="90-103", store=926, lookup=539,
-                               matched=720, sync=775, update=1173, events=1310),
+    "0.26.0": _rule(_OLD_RULE, spec="75-113", bytes="90-103", store=926, lookup=539,
+                   matched=720, sync=775, update=1173, events=1310),
     "0.27.0": _RULE_0_27, "0.27.1": _RULE_0_27,
-    "0.28.0": _OLD_RULE.format(spec="77-118", bytes="98-111", store=1248, lookup=876,
-                               matched=936, sync=991, update=1507, events=1643),
-    "0.29.0": _OLD_RULE.format(spec="94-135", bytes="96-101", store=1322, lookup=876,
-                               matched=936, sync=991, update=1584, events=1720),
-    "0.30.0": _OLD_RULE.format(spec="94-135", bytes="137-147", store=1464, lookup=951,
-                               matched=1016, sync=1074, update=1806, events=1942),
-    "0.31.0": _OLD_RULE.format(spec="94-135", bytes="137-147", store=1501, lookup=963,
-                               matched=1036, sync=1094, update=1841, events=1977),
-    "0.32.0": _OLD_RULE.format(spec="93-134", bytes="137-147", store=1570, lookup=966,
-                               matched=1039, sync=1097, update=1910, events=2046),
+    "0.28.0": _rule(_OLD_RULE, spec="77-118", bytes="98-111", store=1248, lookup=876,
+                   matched=936, sync=991, update=1507, events=1643),
+    "0.29.0": _rule(_OLD_RULE, spec="94-135", bytes="96-101", store=1322, lookup=876,
+                   matched=936, sync=991, update=1584, events=1720),
+    "0.30.0": _rule(_OLD_RULE, spec="94-135", bytes="137-147", store=1464, lookup=951,
+                   matched=1016, sync=1074, update=1806, events=1942),
+    "0.31.0": _rule(_OLD_RULE, spec="94-135", bytes="137-147", store=1501, lookup=963,
+                   matched=1036, sync=1094, update=1841, events=1977),
+    "0.32.0": _rule(_OLD_RULE, spec="93-134", bytes="137-147", store=1570, lookup=966,
+                   matched=1039, sync=1097, update=1910, events=2046),
     "0.33.0": HOST_RULE,
 }
 READ = tuple(HOST_RULES)  # the releases whose offloading connector was read by hand
@@ -279,58 +396,16 @@ def host_rule(version: str) -> str:
 NO_CONNECTOR = ("0.10.2",)
 FIRST_CONNECTOR = "0.11.2"
 
-# Cached releases whose OffloadingConnector was read (2026-12-02) and whose host tier
-# the protocol cannot state, with what differs from 0.24.0's. Each one's connector
-# publishes the host's BlockStored as a placeholder (no offloading/events.py nor
-# self_describing_kv_events, 0.24.0 on): the protocol's events carry a block's tokens
-# and parent on every medium, and a router cannot place a stored block without them.
-# Their TransferJob is 0.24.0's (offloading/common.py:14-24, one transfer_spec) and
-# their CPU spec sizes the host from the tensors' summed size (v1/kv_offload/cpu/
-# spec.py: 0.23.0 :36-63 as 0.24.0; 0.22.1 :31-46 and 0.21.0 :32-47 with no
-# BLOCK_SIZE_ALIGNMENT, which `transfer_config`'s caller reads, and no rounding).
-_PLACEHOLDERS = (
-    "its connector publishes the host's BlockStored as a placeholder (offloading/"
-    "scheduler.py:{events} take_events: parent_block_hash None, token_ids [], block_size "
-    "0; no offloading/events.py, no self_describing_kv_events), which a router cannot "
-    "place, and the protocol has no way to state a medium whose events carry their "
-    "hashes alone{more}")
-# 0.21.0 and 0.22.1 also have no offload_prompt_only (nowhere in v1/kv_offload/ nor in
-# the connector) and no reserve for the prefills in flight (their Scheduler has no
-# _inflight_prefill_reserved_blocks; the admission's allocate_slots passes no
-# reserved_blocks): host_stores would be "when-computed", host_load_reserve "none"
-_OLDER = ("; also, every computed full block is stored, a decode step's too (no "
-          "offload_prompt_only: _build_store_jobs :{store} caps at req.num_tokens alone), "
-          "and an asynchronous load is admitted as any admission (no "
-          "_inflight_prefill_reserved_blocks: v1/core/sched/scheduler.py:{alloc} passes "
-          "no reserved_blocks)")
-MISMATCHED = {
-    "0.23.0": _PLACEHOLDERS.format(
-        events="1029-1048",
-        more=" (the rest is 0.24.0's: the store cap inline at :745-748, the two host-hit "
-             "rules at v1/core/sched/scheduler.py:2184, :759 and :2143)"),
-    "0.22.1": _PLACEHOLDERS.format(events="946-965",
-                                   more=_OLDER.format(store="682-685", alloc="721-731")),
-    "0.21.0": _PLACEHOLDERS.format(events="861-880",
-                                   more=_OLDER.format(store="630-633", alloc="702-712")),
-}
-
-
 def blocked_reason(version: str) -> tuple[str, str]:
     """Why the adapter opens no host tier on `version`, as the contract's citation of
     the option ("options.host_blocks", why): that the release has no OffloadingConnector
-    (`NO_CONNECTOR`), what differs where its connector was read and cannot be stated
-    (`MISMATCHED`), else that its connector was not read."""
+    (`NO_CONNECTOR`), else that its connector was not read."""
     read = f"read: {', '.join(READ)}"
     if version in NO_CONNECTOR:
         return ("options.host_blocks",
                 "this release has no OffloadingConnector (no distributed/kv_transfer/"
                 "kv_connector/v1/offloading_connector.py; the first cached release with "
                 f"one is {FIRST_CONNECTOR})")
-    why = MISMATCHED.get(version)
-    if why is not None:
-        return ("options.host_blocks",
-                f"this release's OffloadingConnector was read and its host tier cannot "
-                f"be stated ({read}): {why}")
     return ("options.host_blocks", f"this release's OffloadingConnector was not read ({read})")
 
 
@@ -352,15 +427,27 @@ def cpu_bytes(chunks: int, page_bytes: int, alignment: int) -> int:
     return chunks * (-(-page_bytes // alignment) * alignment)
 
 
+def alignment(Spec: Any) -> int:
+    """What the CPU spec `Spec` (vLLM's `CPUOffloadingSpec`) rounds a chunk's bytes up
+    to: its `BLOCK_SIZE_ALIGNMENT` (0.23.0 on: v1/kv_offload/cpu/spec.py, 0.23.0:25,
+    0.24.0:32), else 1: 0.21.0 and 0.22.1 have no such attribute and divide by the
+    chunk's bytes as they are (spec.py 0.21.0:42-47, 0.22.1:41-46)."""
+    return int(getattr(Spec, "BLOCK_SIZE_ALIGNMENT", 1))
+
+
 def transfer_config(C: Any, chunks: int, page_bytes: int, alignment: int) -> Any:
     """The `KVTransferConfig` (`C`: vllm.config) of a CPU offloading connector of
-    `chunks` chunks of one block of `page_bytes` each."""
+    `chunks` chunks of one block of `page_bytes` each, aligned to `alignment`
+    (`alignment(CPUOffloadingSpec)`), asking for self-describing host events (a key
+    the connector reads from 0.24.0 on; before, no code reads it and its events carry
+    their hashes alone: `host_events`)."""
     return C.KVTransferConfig(
         kv_connector="OffloadingConnector", kv_role="kv_both",
         kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes(chunks, page_bytes,
                                                                  alignment),
                                    # the host's BlockStored carry their tokens and parent
-                                   # (offloading/events.py:10-15), else placeholders
+                                   # (offloading/events.py:10-15), else placeholders;
+                                   # before 0.24.0 unread (`host_events`)
                                    "self_describing_kv_events": True})
 
 
@@ -370,8 +457,10 @@ def gpu_tensors(Tensor: Any, page_bytes: int, num_blocks: int, layer: str) -> li
     tensor of `num_blocks` pages of `page_bytes`, layer-outermost (not packed). No GPU
     allocates it; the host reads its size: before 0.30.0 the offloading config (before
     0.26.0 the CPU spec itself) sizes a block only from these tensors, 0 without them,
-    so the host would get no chunk (0.26.0 on) or its division by the aligned 0 would
-    raise ZeroDivisionError (0.24.0 v1/kv_offload/cpu/spec.py:74-98, 0.25.1 :68-92;
+    so the host would get no chunk (0.26.0 on, and 0.21.0 and 0.22.1, whose division is
+    guarded: v1/kv_offload/cpu/spec.py 0.21.0:42-47, 0.22.1:41-46) or its division by
+    the aligned 0 would raise ZeroDivisionError (0.23.0 :41-57, 0.24.0 :74-98, 0.25.1
+    :68-92;
     0.26.0 offloading/config.py:90-103, 0.27.0 and 0.27.1 :98-111, 0.28.0 :98-111,
     0.29.0 :96-101; 0.30.0-0.32.0 :137-147 and 0.33.0 fall back to the groups' specs,
     :148-151 and :186-189, and read the same bytes here)."""
@@ -388,7 +477,7 @@ class WorkerStandIn:
     "offload" [device block, host chunk]; a load: "onboard" [host chunk, device block]).
     `Output` and `WorkerMeta` are vLLM's `KVConnectorOutput` and
     `OffloadingWorkerMetadata`. A job's blocks are read from its `src_spec` and
-    `dst_spec`, or, on 0.24.0, from its one `transfer_spec` pair (`_pairs`).
+    `dst_spec`, or, on 0.21.0-0.24.0, from its one `transfer_spec` pair (`_pairs`).
 
     A store copies what its request's KV is in the block, so its log entry waits
     (`pending`) until the log holds that KV and goes before anything that may overwrite
@@ -462,8 +551,9 @@ class WorkerStandIn:
     def _pairs(job: Any) -> list[tuple[int, int]]:
         """The (source block, destination block) pairs a `TransferJob` moves: from its
         `src_spec` and `dst_spec` (0.25.1 on: offloading/common.py, 0.25.1:63-64), or
-        from 0.24.0's one `transfer_spec`, a (source, destination) `TransferSpec`
-        (offloading/common.py:63, v1/kv_offload/worker/worker.py:10). Raises ValueError
+        from 0.21.0-0.24.0's one `transfer_spec`, a (source, destination) `TransferSpec`
+        (offloading/common.py, 0.24.0:63, 0.21.0-0.23.0:24; v1/kv_offload/worker/
+        worker.py:10). Raises ValueError
         where the two specs name different counts of blocks."""
         src, dst = (job.src_spec, job.dst_spec) if hasattr(job, "src_spec") \
             else job.transfer_spec

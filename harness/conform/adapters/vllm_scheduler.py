@@ -278,7 +278,7 @@ class Scheduling:
                 groups.kv_cache_groups[0].layer_names[0])
             transfer["kv_transfer_config"] = vllm_offload.transfer_config(
                 C, vllm_offload.host_chunks(options.host_blocks, num_blocks), page,
-                CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+                vllm_offload.alignment(CPUOffloadingSpec))
         config = C.VllmConfig(device_config=C.DeviceConfig(device="cpu"),
                               scheduler_config=sched, cache_config=cache,
                               kv_events_config=events, **transfer)
@@ -344,6 +344,7 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         else (vllm_offload.blocked_reason(base.version),)
     opts = honoured(options, no_states, base.version)
     rules = "host_blocks" in opts  # the host hit's rules, where a host tier may open
+    events = vllm_offload.host_events(base.version)  # what the host's events carry
     return dataclasses.replace(
         base, preemption="frees-keeps-cached" if preempt_op else "none",
         decode_refusal="preempts-last",
@@ -353,8 +354,9 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
         admission_fits="prompt" if full_prompt else "chunk",
         options=opts,
         host_full_hit=vllm_offload.FULL_HIT if rules else "unreused-tail",
-        host_load_reserve=vllm_offload.LOAD_RESERVE if rules else "none",
-        host_stores=vllm_offload.STORES if rules else "on-eviction",
+        host_load_reserve=vllm_offload.load_reserve(base.version) if rules else "none",
+        host_stores=vllm_offload.stores(base.version) if rules else "on-eviction",
+        host_events=events[0] if rules else "self-describing",
         window=options.window, window_layout="full-and-window",
         replicated=REPLICATED if host is None else (*REPLICATED, *vllm_offload.REPLICATED),
         host_blocks=host,
@@ -391,7 +393,8 @@ def scheduler_contract(base: Contract, options: CacheOptions, full_prompt: bool,
                      else ()), *host_citation,
                    *(vllm_offload.rules(base.version) if rules else ()),
                    *((("host_stores", vllm_offload.stores_rule(base.version)),) if rules
-                     else ())),
+                     else ()),
+                   *((("host_events", events[1]),) if rules and events[1] else ())),
         notes=(*base.notes, "every op that schedules runs Scheduler.schedule and "
                             "update_from_output; stats are read from the step's "
                             "SchedulerStats"))

@@ -6,7 +6,7 @@ it, the contract honours host_blocks only on the releases read (saying why elsew
 the judge leaves the device-order model off under a host tier and reads the hits as
 the device's and the connector's together; one op list that reuses from the host runs,
 and vLLM's own CPU spec sizes the adapter's host, on each cached install of a release
-read, 0.24.0-0.33.0 (skipped where it is not cached, as the engine smoke is)."""
+read, 0.21.0-0.33.0 (skipped where it is not cached, as the engine smoke is)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from harness.conform.protocol import CacheOptions, Contract
 from tests.harness.conform.cached_engines import open_cached
 
 B = 4
-OPENED = ("0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
-          "0.33.0")  # one engine case each
+OPENED = ("0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1",
+          "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")  # one engine case each
 
 
 # -- the worker stand-in -----------------------------------------------------------------
@@ -238,7 +238,8 @@ def test_host_blocks_is_honoured_apart_from_a_window_and_a_state_interval() -> N
     assert "host_blocks" in honoured(CacheOptions(), "", "0.33.0")
     assert "host_blocks" in honoured(CacheOptions(), "", "0.26.0")
     assert "host_blocks" in honoured(CacheOptions(), "", "0.24.0")
-    assert "host_blocks" not in honoured(CacheOptions(), "", "0.23.0")
+    assert "host_blocks" in honoured(CacheOptions(), "", "0.21.0")
+    assert "host_blocks" not in honoured(CacheOptions(), "", "0.20.2")
     assert "host_blocks" not in honoured(CacheOptions(window=8), "", "0.33.0")
     assert "host_blocks" not in honoured(CacheOptions(state_interval=2), "", "0.33.0")
     host = honoured(CacheOptions(host_blocks=8), "", "0.33.0")
@@ -303,7 +304,7 @@ def test_0_30_to_0_32_load_as_0_29_and_clamp_a_finished_request_as_0_33() -> Non
     GPU tensors, 0.29.0's form) but 0.33.0's clamp of a finished request's store, without
     0.33.0's restart of the store index at admission; 0.27.1 is 0.27.0 at 0.27.0's
     lines."""
-    assert O.READ == ("0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0",
+    assert O.READ == ("0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0",
                       "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
     for version, finish in (("0.30.0", ":1481-1485"), ("0.31.0", ":1518-1522"),
                             ("0.32.0", ":1587-1591")):
@@ -356,38 +357,115 @@ def test_0_24_and_0_25_cite_the_host_hit_rules_at_their_own_lines() -> None:
             f"at :{define}")
 
 
+@pytest.mark.parametrize(("version", "spec", "size", "factor", "store", "events"), [
+    ("0.21.0", "spec.py:23-55", ":32-47", "base.py:367-382", "scheduler.py:598", ":861"),
+    ("0.22.1", "spec.py:22-58", ":31-46", "base.py:372-387", "scheduler.py:650", ":946"),
+    ("0.23.0", "spec.py:27-71", ":41-63", "base.py:427-442", "scheduler.py:721", ":1029")])
+def test_0_21_to_0_23_cite_their_own_sizing_and_events_by_hash_alone(
+        version: str, spec: str, size: str, factor: str, store: str, events: str) -> None:
+    """0.21.0-0.23.0 size the host in the CPU spec from the tensors' summed bytes
+    (0.23.0 aligned to 1, before it nothing rounded) and publish the host's events with
+    their hashes alone; their own lines throughout."""
+    host = O.host_rule(version)
+    assert f"v1/kv_offload/cpu/spec.py:{spec.split(':')[1]}; no offloading/config.py" \
+        in host
+    assert f"chunks ({size})" in host and factor in host and store in host
+    assert "kv_cache_tensors (their sum)" in host and "if packed" not in host
+    assert f"medium 'CPU' carrying their hashes alone (host_events) (offloading/" \
+        f"scheduler.py{events} take_events" in host
+    assert ("BLOCK_SIZE_ALIGNMENT 1 (:25)" in host) == (version == "0.23.0")
+    assert ("nothing rounded" in host) == (version != "0.23.0")
+    assert ("a decode step's too" in host) == (version != "0.23.0")
+    assert "always loaded asynchronously" in host
+    assert "carrying their hashes alone" not in O.host_rule("0.24.0")
+
+
+@pytest.mark.parametrize(("version", "lines"), [
+    ("0.21.0", "861-880"), ("0.22.1", "946-965"), ("0.23.0", "1029-1048")])
+def test_0_21_to_0_23_publish_the_host_s_blocks_by_hash_alone(version: str,
+                                                               lines: str) -> None:
+    """Their take_events publishes each host BlockStored with no parent, no tokens and
+    block_size 0 (no self_describing_kv_events before 0.24.0): host_events
+    "hashes-only", cited at its own lines, on a host tier and only there."""
+    value, why = O.host_events(version)
+    assert value == "hashes-only" and why is not None
+    assert f"take_events (offloading/scheduler.py:{lines}, {version})" in why
+    assert "parent_block_hash None, token_ids [] and block_size 0" in why
+    host = _contract(version, CacheOptions(host_blocks=8))
+    assert host.host_events == "hashes-only" and dict(host.citations)["host_events"] == why
+    assert Contract.from_dict(host.as_dict()) == host
+    windowed = _contract(version, CacheOptions(window=8))
+    assert windowed.host_events == "self-describing"
+    assert "host_events" not in dict(windowed.citations)
+    for later in ("0.24.0", "0.33.0"):
+        assert O.host_events(later) == ("self-describing", None)
+        assert _contract(later, CacheOptions(host_blocks=8)).host_events == "self-describing"
+
+
+@pytest.mark.parametrize(("version", "stores", "reserve", "full", "cap", "advance", "alloc"), [
+    ("0.21.0", "when-computed", "none", 1994, "630-633", "169-174", "702-712"),
+    ("0.22.1", "when-computed", "none", 2099, "682-685", "218-223", "721-731"),
+    ("0.23.0", "prompt-only", "inflight-prefills", 2184, "745-748", "236-241", None)])
+def test_0_21_and_0_22_store_decoded_blocks_and_reserve_nothing(
+        version: str, stores: str, reserve: str, full: int, cap: str, advance: str,
+        alloc: str | None) -> None:
+    """0.21.0 and 0.22.1 have no offload_prompt_only (every computed full block is
+    stored, a decode step's too) and no reserve for the prefills in flight; 0.23.0 has
+    both, as 0.24.0, at its own lines. The num_tokens - 1 assignment is in all three."""
+    host = _contract(version, CacheOptions(host_blocks=8))
+    cited = dict(host.citations)
+    assert (host.host_stores, host.host_load_reserve, host.host_full_hit) == (
+        stores, reserve, "all-but-last")
+    assert O.stores(version) == stores and O.load_reserve(version) == reserve
+    assert cited["host_stores"] == O.stores_rule(version)
+    assert f"offloading/scheduler.py:{cap}" in cited["host_stores"]
+    assert f"advance_stored_idx :{advance} with no max" in cited["host_stores"]
+    assert cited["host_stores"].startswith("no offload_prompt_only") == (
+        stores == "when-computed")
+    assert cited["host_full_hit"].endswith(
+        f"{version}: the same assignment at v1/core/sched/scheduler.py:{full}")
+    if alloc is None:
+        assert cited["host_load_reserve"].endswith(
+            "0.23.0: the same reserve at v1/core/sched/scheduler.py:759, defined at :2143")
+    else:
+        assert cited["host_load_reserve"] == O.NO_RESERVE_RULE.format(alloc=alloc,
+                                                                      version=version)
+        assert "_inflight_prefill_reserved_blocks" in cited["host_load_reserve"]
+    with pytest.raises(KeyError):
+        O.stores("0.20.2")
+
+
+class _AlignedSpec:
+    """A CPU spec class as 0.23.0 on define it (v1/kv_offload/cpu/spec.py 0.23.0:25)."""
+    BLOCK_SIZE_ALIGNMENT = 4096
+
+
+class _UnalignedSpec:
+    """A CPU spec class as 0.21.0 and 0.22.1 define it: no BLOCK_SIZE_ALIGNMENT."""
+
+
+def test_a_spec_without_an_alignment_rounds_nothing() -> None:
+    assert O.alignment(_AlignedSpec) == 4096
+    assert O.alignment(_UnalignedSpec) == 1
+    assert O.cpu_bytes(14, 5000, O.alignment(_UnalignedSpec)) == 14 * 5000
+
+
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
     """Each release's own blocker, as the option's citation: a release with no
-    OffloadingConnector says so and where it would be; one whose connector was read
-    and cannot be stated says what differs at its own lines; one that has a connector
-    never read says it was not read."""
-    placeholder = ("take_events: parent_block_hash None, token_ids [], block_size 0",
-                   "the protocol has no way to state a medium whose events carry their "
-                   "hashes alone")
+    OffloadingConnector says so and where it would be; one that has a connector never
+    read says it was not read."""
     for version, whys in (
             ("0.10.2", ("this release has no OffloadingConnector",
                         "kv_connector/v1/offloading_connector.py",
                         "the first cached release with one is 0.11.2")),
-            ("0.23.0", ("OffloadingConnector was read and its host tier cannot be stated "
-                        "(read: 0.24.0, 0.25.1, 0.26.0", "offloading/scheduler.py:1029-1048",
-                        *placeholder, "the rest is 0.24.0's",
-                        "v1/core/sched/scheduler.py:2184, :759 and :2143")),
-            ("0.22.1", ("offloading/scheduler.py:946-965", *placeholder,
-                        "no offload_prompt_only: _build_store_jobs :682-685",
-                        "v1/core/sched/scheduler.py:721-731 passes no reserved_blocks")),
-            ("0.21.0", ("offloading/scheduler.py:861-880", *placeholder,
-                        "_build_store_jobs :630-633",
-                        "v1/core/sched/scheduler.py:702-712 passes no reserved_blocks")),
-            ("0.20.2", ("OffloadingConnector was not read (read: 0.24.0",)),
+            ("0.20.2", ("OffloadingConnector was not read (read: 0.21.0",)),
             ("0.11.2", ("OffloadingConnector was not read",))):
         unread = _contract(version, CacheOptions())
         assert "host_blocks" not in unread.options
         for why in whys:
             assert why in str(check_named("host_tier").skip_reason(unread))
             assert why in dict(unread.citations)["options.host_blocks"]
-    assert "no OffloadingConnector" not in O.blocked_reason("0.23.0")[1]
-    assert "rest is 0.24.0's" not in O.blocked_reason("0.22.1")[1]
-    assert "offload_prompt_only:" not in O.blocked_reason("0.23.0")[1]
+    assert "no OffloadingConnector" not in O.blocked_reason("0.20.2")[1]
 
 
 def test_the_hits_are_the_device_s_and_the_connector_s_together() -> None:
