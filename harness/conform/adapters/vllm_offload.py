@@ -338,8 +338,9 @@ def _rule(template: str, *, of: str = _PROMPT_CHUNKS, carry: str = "",
     prompt unless `of` says otherwise, its events self-describing unless `carry` says
     they carry hashes alone, and (under `_SPEC_HEAD`) its chunk's bytes aligned and the
     tensors' bytes read packed unless `chunk` and `tensors` say otherwise."""
+    align = lines.pop("align", "")  # the alignment's line, where `chunk` names one
     return template.format(of=of, carry=carry, tensors=tensors,
-                           chunk=chunk.format(align=lines.pop("align", "")), **lines)
+                           chunk=chunk.format(align=align), **lines)
 
 
 _RULE_0_27 = _rule(_OLD_RULE, spec="77-118", bytes="98-111", store=1023, lookup=631,
@@ -460,8 +461,7 @@ def gpu_tensors(Tensor: Any, page_bytes: int, num_blocks: int, layer: str) -> li
     so the host would get no chunk (0.26.0 on, and 0.21.0 and 0.22.1, whose division is
     guarded: v1/kv_offload/cpu/spec.py 0.21.0:42-47, 0.22.1:41-46) or its division by
     the aligned 0 would raise ZeroDivisionError (0.23.0 :41-57, 0.24.0 :74-98, 0.25.1
-    :68-92;
-    0.26.0 offloading/config.py:90-103, 0.27.0 and 0.27.1 :98-111, 0.28.0 :98-111,
+    :68-92; 0.26.0 offloading/config.py:90-103, 0.27.0 and 0.27.1 :98-111, 0.28.0 :98-111,
     0.29.0 :96-101; 0.30.0-0.32.0 :137-147 and 0.33.0 fall back to the groups' specs,
     :148-151 and :186-189, and read the same bytes here)."""
     size = page_bytes * num_blocks
@@ -553,8 +553,8 @@ class WorkerStandIn:
         `src_spec` and `dst_spec` (0.25.1 on: offloading/common.py, 0.25.1:63-64), or
         from 0.21.0-0.24.0's one `transfer_spec`, a (source, destination) `TransferSpec`
         (offloading/common.py, 0.24.0:63, 0.21.0-0.23.0:24; v1/kv_offload/worker/
-        worker.py:10). Raises ValueError
-        where the two specs name different counts of blocks."""
+        worker.py:10). Raises ValueError where the two specs name different counts of
+        blocks."""
         src, dst = (job.src_spec, job.dst_spec) if hasattr(job, "src_spec") \
             else job.transfer_spec
         return list(zip(src.block_ids.tolist(), dst.block_ids.tolist(), strict=True))
