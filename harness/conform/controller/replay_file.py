@@ -6,7 +6,8 @@ Every check that did not pass (a violation or a known limitation) is written as
     replay        1, the format
     engine, version, check, family, status, oracle, message
                   where it was found and what was found
-    contract      the engine's contract as that run stated it
+    contract      the engine's contract as that run stated it: the check's own where
+                  its options opened the cache under another, else the run's
     num_blocks, block_size, ops
                   the pool and the op list in full (shrunk for an oracle's finding)
     options       the `CacheOptions` the cache was opened with (window, token budget,
@@ -158,7 +159,8 @@ def _from_report(report: Any, check: str | None, where: str) -> dict[str, Any]:
            if k in entry}
     out.update(replay=FORMAT, engine=report.get("engine", ""),
                version=report.get("version", ""), check=check,
-               contract=report.get("contract") or None)
+               # the check's own contract where its options made one, else the run's
+               contract=entry.get("contract") or report.get("contract") or None)
     return out
 
 

@@ -46,8 +46,10 @@ class CheckResult:
     upstream issue, fix and first fixed release), else empty; `limitation` the upstream
     link of a known limitation; `also` the other findings of the same run; `went_through`
     the engine functions (`path: Qualified.name`) the op at `step` calls on a cache
-    opened as this one was (`Target.engine_code`), None where the adapter does not say. A check that
-    did not pass is written beside the report as its own replay file too
+    opened as this one was (`Target.engine_code`), None where the adapter does not say;
+    `contract` the contract (`Contract.as_dict`) of a check that did not pass and whose
+    cache was opened with `options` (empty: the report's own contract holds). A check
+    that did not pass is written beside the report as its own replay file too
     (`harness.conform.controller.replay_file`)."""
 
     name: str
@@ -71,6 +73,7 @@ class CheckResult:
     also: tuple[str, ...] = ()
     stats: dict[str, Any] = field(default_factory=dict)
     went_through: tuple[str, ...] | None = None
+    contract: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

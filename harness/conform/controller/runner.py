@@ -151,6 +151,11 @@ def _result(target: Target, done: Finished) -> CheckResult:
                             "stats": done.stats, "num_blocks": done.num_blocks,
                             "block_size": families.B, "options": done.options.as_dict(),
                             "seconds": done.seconds}
+    if done.violations or done.unmet:
+        # the contract the check's cache was opened under, where its options make it
+        # other than the report's (its replay file records it)
+        base["contract"] = target.open(done.num_blocks, families.B, done.options).as_dict() \
+            if done.options != CacheOptions() else {}
     if done.violations:
         first = done.violations[0]
         shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first,

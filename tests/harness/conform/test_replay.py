@@ -200,3 +200,18 @@ def load_from_text(text: str) -> ReplayRecord:
     from harness.conform.controller.replay_file import parse
 
     return parse(json.loads(text), "text")
+
+
+def test_a_check_opened_with_options_records_the_contract_it_ran_under(
+        tmp_path: Path) -> None:
+    """`host_tier` opens its cache with a host tier (host_blocks=8): its replay file
+    records that contract, not the run's plain one, so replaying it on the same engine
+    notes no difference in the contract."""
+    report = _run(faults.LeaksOnFree, tmp_path, ["host_tier"])
+    (check,) = report.checks
+    assert check.status == "fail" and check.options == {"host_blocks": 8}
+    assert check.contract["host_blocks"] == 8 and report.contract["host_blocks"] is None
+    record = load(tmp_path / "host_tier.replay.json")
+    assert record.contract is not None and record.contract.host_blocks == 8
+    outcome = replay(LocalTarget(kvcache.load(faults.LeaksOnFree)), record)
+    assert outcome.failed and not [n for n in outcome.notes if "contract differs" in n]
