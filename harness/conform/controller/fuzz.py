@@ -36,7 +36,7 @@ from harness.conform.controller.families import B
 from harness.conform.controller.judge import Judge, Violation
 from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op
-from harness.conform.protocol import CacheOptions, Scope, lora_id_text
+from harness.conform.protocol import CacheOptions, Contract, Scope, lora_id_text
 
 FUZZ_SCOPES: tuple[Scope | None, ...] = (
     None, None, None, Scope(salt="x"), Scope(salt=lora_id_text(1)), Scope.lora("x", 1),
@@ -52,13 +52,15 @@ SHRINK_BUDGET = 400  # replays at most, per failure
 
 @dataclass(frozen=True)
 class FuzzOutcome:
-    """One seed's run: its pool, its ops and the first violation (None: it passed)."""
+    """One seed's run: its pool, its ops, the first violation (None: it passed), the
+    options its cache was opened with and the contract it ran under."""
 
     seed: int
     num_blocks: int
     ops: tuple[Op, ...]
     violation: Violation | None
     options: CacheOptions = field(default_factory=CacheOptions)
+    contract: Contract | None = None
 
 
 @dataclass
@@ -224,12 +226,12 @@ def fuzz(target: Target, seed: int, num_ops: int = DEFAULT_OPS) -> FuzzOutcome:
     for _ in range(num_ops):
         found = step(draw.next())
         if found is not None:
-            return FuzzOutcome(seed, num_blocks, tuple(done), found, options)
+            return FuzzOutcome(seed, num_blocks, tuple(done), found, options, contract)
     for seq in sorted(draw.live):
         found = step(ops.free(seq))
         if found is not None:
-            return FuzzOutcome(seed, num_blocks, tuple(done), found, options)
-    return FuzzOutcome(seed, num_blocks, tuple(done), None, options)
+            return FuzzOutcome(seed, num_blocks, tuple(done), found, options, contract)
+    return FuzzOutcome(seed, num_blocks, tuple(done), None, options, contract)
 
 
 class Shrunk(NamedTuple):

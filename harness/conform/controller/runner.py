@@ -61,7 +61,7 @@ from harness.conform.controller.report import (
 from harness.conform.controller.resolve import ResolveError
 from harness.conform.controller.targets import Target, replay
 from harness.conform.ops import Op, ops_to_json
-from harness.conform.protocol import CacheOptions
+from harness.conform.protocol import CacheOptions, Contract
 
 Say = Callable[[str], None]
 
@@ -100,6 +100,7 @@ class Finished(NamedTuple):
     stats: dict[str, Any]
     seconds: float
     options: CacheOptions = CacheOptions()
+    contract: Contract | None = None  # what the cache opened with `options` stated
 
     @classmethod
     def of_check(cls, check: Check, run: Run, seconds: float) -> Finished:
@@ -107,7 +108,7 @@ class Finished(NamedTuple):
         return cls(check.name, check.family, check.about, check.num_blocks, run.ops,
                    run.violations, run.expectations, run.unmet(), run.observed,
                    run.reports[-1].stats._asdict() if run.reports else {}, seconds,
-                   run.options)
+                   run.options, run.contract)
 
 
 def run_check(target: Target, check: Check) -> CheckResult:
@@ -151,11 +152,11 @@ def _result(target: Target, done: Finished) -> CheckResult:
                             "stats": done.stats, "num_blocks": done.num_blocks,
                             "block_size": families.B, "options": done.options.as_dict(),
                             "seconds": done.seconds}
-    if done.violations or done.unmet:
-        # the contract the check's cache was opened under, where its options make it
-        # other than the report's (its replay file records it)
-        base["contract"] = target.open(done.num_blocks, families.B, done.options).as_dict() \
-            if done.options != CacheOptions() else {}
+    if (done.violations or done.unmet) and done.options != CacheOptions() \
+            and done.contract is not None:
+        # the contract its options opened the cache under, other than the report's (its
+        # replay file records it)
+        base["contract"] = done.contract.as_dict()
     if done.violations:
         first = done.violations[0]
         shown = shrink(target, done.ops[:first.step + 1], done.num_blocks, first,
@@ -193,7 +194,8 @@ def fuzz_check(target: Target, seed: int) -> CheckResult:
     return _result(target, Finished(
         f"fuzz_seed_{seed}", "differential fuzz",
         f"{len(out.ops)} random ops, a pool of {out.num_blocks} blocks", out.num_blocks,
-        list(out.ops), found, [], [], {}, {}, time.perf_counter() - start, out.options))
+        list(out.ops), found, [], [], {}, {}, time.perf_counter() - start, out.options,
+        out.contract))
 
 
 def _annotated(result: CheckResult, report: Report) -> CheckResult:

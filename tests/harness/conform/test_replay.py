@@ -215,3 +215,18 @@ def test_a_check_opened_with_options_records_the_contract_it_ran_under(
     assert record.contract is not None and record.contract.host_blocks == 8
     outcome = replay(LocalTarget(kvcache.load(faults.LeaksOnFree)), record)
     assert outcome.failed and not [n for n in outcome.notes if "contract differs" in n]
+
+
+def test_a_fuzz_seed_opened_with_options_records_the_contract_it_ran_under(
+        tmp_path: Path) -> None:
+    """The same for a fuzz seed: each failing seed whose cache was opened with options
+    records the contract those options made, one without records none of its own."""
+    report = _run(faults.LeaksOnFree, tmp_path, [], seeds=6)
+    with_options = [c for c in report.checks if c.options]
+    assert with_options and all(c.status == "fail" for c in report.checks)
+    for check in report.checks:
+        if check.options:
+            for name, value in check.options.items():
+                assert check.contract[name] == value, (check.name, name)
+        else:
+            assert check.contract == {}
