@@ -146,8 +146,7 @@ HOST_LINES: dict[str, dict[str, str]] = {
                    load="1289-1296", init_load="2734", short="1373-1377",
                    evict_host="1111-1121", media="251-255", stored="2175", removed="1559",
                    cap="1509-1514",
-                   load_rule=_LOAD_CHARGED.format(total="1202", gate="1212",
-                                                  load="1289-1296")),
+                   load_rule=_LOAD_CHARGED, total="1202", gate="1212"),
     "0.5.20": dict(registry="191-195", base="151-159", threshold="500-502",
                    chunked=_CHUNKED.format(inc="1010"),
                    backup=_STARTED.format(write="324-352", check="3280-3313"),
@@ -156,8 +155,7 @@ HOST_LINES: dict[str, dict[str, str]] = {
                    load="1400-1410", init_load="3233", short="1580-1584",
                    evict_host="1302-1312", media="260-264", stored="2520", removed="1797",
                    cap="1631-1636",
-                   load_rule=_LOAD_CHARGED.format(total="1364", gate="1372",
-                                                  load="1400-1410")),
+                   load_rule=_LOAD_CHARGED, total="1364", gate="1372"),
     "0.5.21": dict(registry="194-198", base="200-208", threshold="497-499",
                    chunked=_CHUNKED.format(inc="1056"),
                    backup=_QUEUED.format(write="513-536", check="3449-3485"),
@@ -166,20 +164,19 @@ HOST_LINES: dict[str, dict[str, str]] = {
                    load="1400-1409", init_load="3402", short="1662-1666",
                    evict_host="1368-1378", media="259-263", stored="2687", removed="1947",
                    cap="1702-1712",
-                   load_rule=_LOAD_CHARGED.format(total="1366", gate="1377",
-                                                  load="1400-1409")),
+                   load_rule=_LOAD_CHARGED, total="1366", gate="1377"),
     "0.5.22": dict(registry="192-196", base="211-219", threshold="525-527", chunked="",
                    backup=_QUEUED.format(write="540-563", check="3507-3539"),
                    evict_leaf="838-851", hit="mem_cache/common.py:227-243",
                    load="1439-1446", init_load="3442", short="1663-1667",
                    evict_host="1351-1361", media="261-265", stored="2767", removed="2003",
-                   cap="1696-1706", load_rule=_LOAD_BUDGET.format(prepare="1425-1446")),
+                   cap="1696-1706", load_rule=_LOAD_BUDGET, prepare="1425-1446"),
     "0.5.23": dict(registry="193-196", base="224-229", threshold="558-559", chunked="",
                    backup=_QUEUED.format(write="555-580", check="3651-3683"),
                    evict_leaf="918-931", hit="mem_cache/common.py:249-258",
                    load="1516-1520", init_load="3586", short="1745-1749",
                    evict_host="1433", media="265", stored="2849", removed="2059",
-                   cap="1766-1768", load_rule=_LOAD_BUDGET.format(prepare="1499-1523")),
+                   cap="1766-1768", load_rule=_LOAD_BUDGET, prepare="1499-1523"),
 }
 READ = tuple(HOST_LINES)  # the releases whose UnifiedRadixCache host tier was read by hand
 
@@ -191,7 +188,7 @@ def unified_rules(version: str) -> tuple[tuple[str, str], ...]:
     lines = HOST_LINES[version]
     return (("host_blocks", _HOST.format(**lines)),
             ("host_full_hit", _FULL_HIT.format(**lines)),
-            ("host_load_reserve", lines["load_rule"]),
+            ("host_load_reserve", lines["load_rule"].format(**lines)),
             ("host_stores", _STORES.format(**lines)))
 
 # HiRadixCache's rule (0.5.20), the contract's `host_blocks` citation on RadixCache

@@ -63,7 +63,7 @@ _MAMBA = (
     "kept state ({mamba}:{validator} create_match_validator)")
 _CHECKPOINTED = (
     "checkpoint_kv_cache inserts the full KV only up to the last state "
-    "({mamba}{prepare} prepare_for_caching_req), a finished request donates its last "
+    "({mamba}:{prepare} prepare_for_caching_req), a finished request donates its last "
     "state ({mamba}:{donate})")
 _CACHED = (
     "after an extend the tree's cache_unfinished_req (through maybe_cache_unfinished_req, "
@@ -95,11 +95,11 @@ MAMBA_LINES: dict[str, dict[str, str]] = {
                           "mamba.py:563-579"),
     "0.5.22": dict(pool=":1540", grid="1950-1963", extend="3054-3057",
                    mamba="mamba.py", branch="169-190", branch_sb="3092-3107",
-                   validator="147", insert=_CHECKPOINTED, prepare=":564-642",
+                   validator="147", insert=_CHECKPOINTED, prepare="564-642",
                    donate="542-562 _select_finished_checkpoint, used at :588-606"),
     "0.5.23": dict(pool=":1700", grid="1958-1971", extend="3175-3183, :3232",
                    mamba="mamba.py", branch="176-194", branch_sb="3216-3231",
-                   validator="151", insert=_CHECKPOINTED, prepare=":604",
+                   validator="151", insert=_CHECKPOINTED, prepare="604",
                    donate="582-603 _select_finished_checkpoint, used at :632"),
 }
 

@@ -360,12 +360,12 @@ HOST_RULES = {
         _SPEC_HEAD + _OLD_TAIL, carry=_HASHES, tensors=_SUMMED, spec="27-71", align=25,
         size="41-63", factor="427-442", store=721, lookup=387, matched=537, sync=571,
         update=943, events=1029),
-    "0.24.0": _rule(_SPEC_HEAD + _OLD_TAIL,
-        spec="60-112", align=32, size="74-104", factor="500-515", store=831, lookup=452,
-        matched=636, sync=681, update=1061, events=1203),
-    "0.25.1": _rule(_SPEC_HEAD + _OLD_TAIL,
-        spec="54-106", align=26, size="68-98", factor="551-566", store=844, lookup=464,
-        matched=648, sync=693, update=1078, events=1218),
+    "0.24.0": _rule(
+        _SPEC_HEAD + _OLD_TAIL, spec="60-112", align=32, size="74-104", factor="500-515",
+        store=831, lookup=452, matched=636, sync=681, update=1061, events=1203),
+    "0.25.1": _rule(
+        _SPEC_HEAD + _OLD_TAIL, spec="54-106", align=26, size="68-98", factor="551-566",
+        store=844, lookup=464, matched=648, sync=693, update=1078, events=1218),
     "0.26.0": _rule(_OLD_RULE, spec="75-113", bytes="90-103", store=926, lookup=539,
                    matched=720, sync=775, update=1173, events=1310),
     "0.27.0": _RULE_0_27, "0.27.1": _RULE_0_27,
@@ -396,6 +396,7 @@ def host_rule(version: str) -> str:
 # 0.11.2, the first cached release after it, has both (not read)
 NO_CONNECTOR = ("0.10.2",)
 FIRST_CONNECTOR = "0.11.2"
+
 
 def blocked_reason(version: str) -> tuple[str, str]:
     """Why the adapter opens no host tier on `version`, as the contract's citation of
