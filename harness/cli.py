@@ -9,7 +9,7 @@
                       [--match JSON | --match-exact JSON]
     kvharness sysinfo [--json] [--stage S] [--gpu NAME] ... [--distribution ID] [--job K=V]
     kvharness report [--results-dir DIR] [--output FILE]
-    kvharness report --conform DIR [--into FILE] [--output FILE]
+    kvharness report --conform DIR [--into FILE [--update]] [--output FILE]
     kvharness repro FILE
     kvharness flakes [--json] PATH ...
     kvharness conform SPEC [--report DIR] [--seeds N] [--bench] [--check NAME] [--replay FILE]
@@ -204,17 +204,23 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _conform_matrix(args: argparse.Namespace) -> int:
-    """`kvharness report --conform DIR`: the version matrix of the conform reports."""
-    from harness.conform.controller.matrix import fold, markdown, replace_table
+    """`kvharness report --conform DIR`: the version matrix of the conform reports (with
+    --update, FILE's matrix with their rows replaced or added)."""
+    from harness.conform.controller.matrix import fold, markdown, replace_table, update
 
-    lines = markdown(fold(args.conform))
-    text = "".join(f"{line}\n" for line in lines)
+    if args.update and args.into is None:
+        raise ValueError("--update changes the rows of the matrix in --into FILE; name FILE")
+    rows = fold(args.conform)
+    lines = markdown(rows)
     if args.into is not None:
         try:
             doc = args.into.read_text(encoding="utf-8")
         except OSError as exc:
             raise ValueError(f"{args.into}: cannot read it: {exc.strerror or exc}") from None
+        if args.update:
+            lines = update(doc, rows, str(args.into))
         args.into.write_text(replace_table(doc, lines, str(args.into)), encoding="utf-8")
+    text = "".join(f"{line}\n" for line in lines)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text, encoding="utf-8")
@@ -381,6 +387,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--into", type=Path, default=None, metavar="FILE",
                    help="with --conform: replace the generated matrix between its markers "
                    "in FILE (docs/conformance.md)")
+    p.add_argument("--update", action="store_true",
+                   help="with --into: replace or add only the rows of the releases under "
+                   "DIR, keeping FILE's other rows as they are")
     p.set_defaults(run=_report)
 
     p = sub.add_parser("repro", help="re-run a failed scenario or reuse check from its "

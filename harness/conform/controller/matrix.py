@@ -9,6 +9,9 @@ limitation, skip), the fuzz seeds, the findings with their upstream links (the k
 ones by number, a new one by its check), the exit code, the seconds of the run and of
 the engine's import, and the date and machine the report records. `markdown(rows)` is
 the table; `replace_table(text, table)` puts it between the markers of a document.
+`update(text, rows)` is that table with only `rows` replaced or added (`--update`): the
+rows of the releases not rerun are kept as they stand, so one release rerun needs its own
+report alone, and a family none of them ran shows `-` in their cells.
 
 Reports are data: a report from another harness version may lack a field (a cell then
 says `-`; a failed check is matched against the known findings as the registry stands
@@ -219,9 +222,18 @@ def _order(version: str) -> tuple[int, tuple[object, ...]]:
 
 def _families(rows: Sequence[Row]) -> list[str]:
     """The families the rows hold, in the order of the harness's checks (others after)."""
+    return _in_order({f for r in rows for f in r.cells})
+
+
+def _in_order(families: set[str]) -> list[str]:
+    """`families` in the order of the harness's checks, any other after them by name."""
     order = list(dict.fromkeys(c.family for c in CHECKS))
-    seen = {f for r in rows for f in r.cells}
-    return [f for f in order if f in seen] + sorted(seen - set(order))
+    return [f for f in order if f in families] + sorted(families - set(order))
+
+
+# the matrix's columns before and after its family columns
+_HEAD = ("release", "install", "verdict")
+_TAIL = ("fuzz", "findings", "exit", "run s", "import s", "date", "machine")
 
 
 def _number(value: float | None) -> str:
@@ -231,8 +243,7 @@ def _number(value: float | None) -> str:
 def markdown(rows: Sequence[Row]) -> list[str]:
     """The matrix table's lines: a row per run, a column per check family."""
     families = _families(rows)
-    header = ["release", "install", "verdict", *families, "fuzz", "findings", "exit",
-              "run s", "import s", "date", "machine"]
+    header = [*_HEAD, *families, *_TAIL]
     body = [[f"{r.engine} {r.version}".strip(), r.install,
              bold(r.verdict) if r.verdict not in ("passed", "known limitations")
              else r.verdict,
@@ -242,11 +253,74 @@ def markdown(rows: Sequence[Row]) -> list[str]:
     return table(header, body)
 
 
-def replace_table(text: str, lines: Sequence[str], where: str) -> str:
-    """`text` with the lines between its BEGIN and END markers replaced by `lines`.
-    ValueError naming `where` when the markers are missing or out of order."""
-    m = re.search(re.escape(BEGIN) + r"\n.*?" + re.escape(END), text, re.DOTALL)
+def _between(text: str, where: str) -> re.Match[str]:
+    m = re.search(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), text, re.DOTALL)
     if m is None:
         raise ValueError(f"{where}: no generated matrix to replace: put the lines\n{BEGIN}\n"
                          f"{END}\nwhere it goes")
+    return m
+
+
+def replace_table(text: str, lines: Sequence[str], where: str) -> str:
+    """`text` with the lines between its BEGIN and END markers replaced by `lines`.
+    ValueError naming `where` when the markers are missing or out of order."""
+    m = _between(text, where)
     return text[:m.start()] + "\n".join([BEGIN, *lines, END]) + text[m.end():]
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of one table row as `table` wrote them (escapes kept): split at each `|`
+    that no backslash escapes, the outer two dropped."""
+    cells, current, chars = [], "", iter(line.strip())
+    for ch in chars:
+        if ch == "\\":
+            current += ch + next(chars, "")
+        elif ch == "|":
+            cells.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return cells[1:]  # what precedes the first `|` is empty; what follows the last too
+
+
+def _parsed(lines: Sequence[str], where: str) -> list[dict[str, str]]:
+    """Each row of a matrix table as {column: cell}. ValueError naming `where` for a table
+    that is not the matrix (no `release` column) or a row of another width."""
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        return []
+    header = _cells(lines[0])
+    if not header or header[0] != "release":
+        raise ValueError(f"{where}: the text between the markers is not a version matrix "
+                         f"(its first column is not `release`: {lines[0][:80]!r})")
+    rows = []
+    for n, line in enumerate(lines[2:], 3):
+        cells = _cells(line)
+        if len(cells) != len(header):
+            raise ValueError(f"{where}: the matrix's line {n} has {len(cells)} cells under "
+                             f"a header of {len(header)}: {line[:80]!r}")
+        rows.append(dict(zip(header, cells, strict=True)))
+    return rows
+
+
+def update(text: str, rows: Sequence[Row], where: str) -> list[str]:
+    """The matrix between `text`'s markers with `rows` in it: a row of the same release
+    (engine and version) replaced, a new one added in its place (each engine's newest
+    release first), every other row kept cell for cell; the family columns are those of
+    both, a kept row's cell `-` in a family it did not run. ValueError naming `where` as
+    `replace_table` does, or when the text there is not a matrix."""
+    kept = _parsed(_between(text, where)[1].splitlines(), where)
+    fresh = _parsed(markdown(rows), where)
+    by_release = {r["release"]: r for r in kept} | {r["release"]: r for r in fresh}
+    families = _in_order({col for r in by_release.values() for col in r}
+                         - {*_HEAD, *_TAIL})
+    header = [*_HEAD, *families, *_TAIL]
+
+    def place(release: str) -> tuple[str, tuple[int, tuple[object, ...]]]:
+        engine, _, version = release.partition(" ")
+        return engine, _order(version)
+
+    releases = sorted(by_release, key=lambda r: place(r)[1], reverse=True)
+    releases.sort(key=lambda r: place(r)[0])  # stable: each engine's newest first
+    return table(header, [[Markdown(by_release[r].get(col, "-")) for col in header]
+                          for r in releases])

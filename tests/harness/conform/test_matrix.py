@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from harness.cli import main as kvharness
-from harness.conform.controller.matrix import BEGIN, END, fold, markdown, replace_table
+from harness.conform.controller.matrix import BEGIN, END, fold, markdown, replace_table, update
 
 
 def _check(name: str, family: str, status: str = "pass", oracle: str = "",
@@ -133,3 +133,58 @@ def test_a_document_without_the_markers_or_a_folder_without_reports_is_refused(
     (reports / "vllm-0.33.0" / "report.json").write_text('{"records": []}')
     assert kvharness(["report", "--conform", str(reports)]) == 1
     assert "vllm-0.33.0/report.json: not a conform report" in capsys.readouterr().err
+
+
+def _table(text: str) -> dict[str, dict[str, str]]:
+    """The matrix between `text`'s markers: release -> {column: cell}."""
+    lines = text.split(BEGIN + "\n")[1].split("\n" + END)[0].splitlines()
+    header = [c.strip() for c in lines[0].strip("| ").split(" | ")]
+    rows = [dict(zip(header, (c.strip() for c in line.strip("| ").split(" | ")), strict=True))
+            for line in lines[2:]]
+    return {r["release"]: r for r in rows}
+
+
+def test_update_replaces_the_rerun_releases_rows_and_keeps_the_others(
+        reports: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "conformance.md"
+    doc.write_text(f"intro\n\n{BEGIN}\n{END}\n")
+    assert kvharness(["report", "--conform", str(reports), "--into", str(doc)]) == 0
+    folded = doc.read_text()
+    # vLLM 0.33.0 is rerun alone; it now fails a family no other row ran, and 0.30.0 is new
+    rerun = tmp_path / "rerun"
+    for version, status in (("0.33.0", "fail"), ("0.30.0", "pass")):
+        data = dict(REPORTS["vllm-0.33.0"], spec=f"vllm=={version}", version=version,
+                    checks=[_check("cold_then_warm", "cold then warm"),
+                            _check("host_tier", "host tier", status, "capacity", "held 5")])
+        (rerun / f"vllm-{version}").mkdir(parents=True)
+        (rerun / f"vllm-{version}" / "report.json").write_text(json.dumps(data))
+    assert kvharness(["report", "--conform", str(rerun), "--into", str(doc), "--update"]) == 0
+    before, after = _table(folded), _table(doc.read_text())
+    assert [r for r in after if r.startswith("vllm")] == ["vllm 0.33.0", "vllm 0.30.0",
+                                                        "vllm 0.28.0"]
+    assert after["vllm 0.33.0"]["host tier"] == "**fail** (capacity)"
+    assert after["vllm 0.30.0"]["host tier"] == "pass"
+    # the rows not rerun are kept cell for cell, a `-` in the family they did not run
+    for release in ("vllm 0.28.0", "sglang 0.5.23", "sglang 0.5.6.post1", "sglang 0.5.99"):
+        assert after[release] == before[release] | {"host tier": "-"}
+    # updating with the same reports again changes nothing
+    text = doc.read_text()
+    assert kvharness(["report", "--conform", str(rerun), "--into", str(doc), "--update"]) == 0
+    assert doc.read_text() == text
+
+
+def test_update_round_trips_the_committed_matrix_and_refuses_what_is_not_one(
+        reports: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    committed = (Path(__file__).parents[3] / "docs" / "conformance.md").read_text()
+    current = committed.split(BEGIN + "\n")[1].split("\n" + END)[0].splitlines()
+    assert update(committed, [], "docs/conformance.md") == current  # escapes and all
+    assert kvharness(["report", "--conform", str(reports), "--update"]) == 1
+    assert "--update changes the rows of the matrix in --into FILE" in capsys.readouterr().err
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"{BEGIN}\n| a | b |\n|---|---|\n{END}\n")
+    assert kvharness(["report", "--conform", str(reports), "--into", str(doc),
+                      "--update"]) == 1
+    assert "its first column is not `release`" in capsys.readouterr().err
+    doc.write_text(f"{BEGIN}\n| release | verdict |\n|---|---|\n| vllm 1 | a | b |\n{END}\n")
+    with pytest.raises(ValueError, match=r"doc\.md: the matrix's line 3 has 3 cells"):
+        update(doc.read_text(), [], "doc.md")
