@@ -291,19 +291,39 @@ def replicated(version: str) -> tuple[tuple[str, str, str], ...]:
 
 
 # what blocks the host tier where the adapter does not open it (read by hand)
+# HiRadixCache before 0.5.13 (read 2026-12-02 in each release's wheel). 0.5.5's four
+# releases import sgl_kernel.kvcacheio at module level, which their locks do not stub;
+# 0.5.6-0.5.10's locks stub it, and their events describe both tiers as one: a device
+# eviction of a backed-up node (every node, under write-through) publishes no
+# BlockRemoved (`_evict_backuped`, at each release's lines below)
+_NO_KVCACHEIO = ("memory_pool_host.py:15-16 imports sgl_kernel.kvcacheio at module level "
+                 "(no CPU build; the lock does not stub it), so hiradix_cache does not "
+                 "import{more}")
+_BOTH_TIERS = (
+    "{tried}its events name no tier, and a device eviction of a backed-up node publishes no "
+    "BlockRemoved (hiradix_cache.py:{lines} _evict_backuped{said}), so its events count "
+    "a block as cached on either tier, which the protocol's event model "
+    "(device-resident blocks, a host tier's moves named by medium) cannot state; not "
+    "opened{same}")
+_EVICT_BACKUPED = {"0.5.6": "365-372", "0.5.6.post1": "365-372", "0.5.6.post2": "365-372",
+                   "0.5.7": "367-374", "0.5.8": "378-385", "0.5.8.post1": "378-385",
+                   "0.5.9": "820-831"}
 BLOCKED = {
-    "0.5.5": "memory_pool_host.py:15-16 imports sgl_kernel.kvcacheio at module level "
-             "(no CPU build), so hiradix_cache does not import; HiCacheController takes "
-             "torch.cuda.Stream() (managers/cache_controller.py:346)",
-    "0.5.10": "tried (2026-12-02) with the copy stand-in over the lock's sgl_kernel "
-              "stub: its events name no tier, and a device eviction of a backed-up node "
-              "publishes no BlockRemoved (hiradix_cache.py:825-835 _evict_backuped: 'no "
-              "BlockRemoved since block is still reachable via load_back'), so its events "
-              "count a block as cached on either tier, which the protocol's event model "
-              "(device-resident blocks, a host tier's moves named by medium) cannot "
-              "state; not opened",
-    "0.5.12": "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module level "
-              "(no CPU build), so hiradix_cache does not import",
+    "0.5.5": _NO_KVCACHEIO.format(more="; HiCacheController takes torch.cuda.Stream() "
+                                  "(managers/cache_controller.py:346)"),
+    **dict.fromkeys(("0.5.5.post1", "0.5.5.post2", "0.5.5.post3"),
+                    _NO_KVCACHEIO.format(more="")),
+    **{v: _BOTH_TIERS.format(tried="", lines=lines, said="", same=" (0.5.10's blocker; "
+                             "0.5.10 was tried and runs)")
+       for v, lines in _EVICT_BACKUPED.items()},
+    **dict.fromkeys(("0.5.10", "0.5.10.post1"), _BOTH_TIERS.format(
+        tried="0.5.10 (whose hiradix_cache.py and memory_pool_host.py 0.5.10.post1 has "
+        "byte for byte) was tried (2026-12-02) with the copy stand-in over the lock's "
+        "sgl_kernel stub, and it runs, but ", lines="825-836", said=": 'no BlockRemoved since block is still "
+        "reachable via load_back'", same="")),
+    **dict.fromkeys(("0.5.12", "0.5.12.post1"),
+                    "memory_pool_host.py:46-47 imports sgl_kernel.kvcacheio at module "
+                    "level (no CPU build), so hiradix_cache does not import"),
 }
 HIRADIX = ("HiRadixCache, this release's host tier beside RadixCache, was not read: the "
            "adapter opens it on 0.5.13-0.5.20 (HIRADIX_READ)")

@@ -8,6 +8,7 @@ is not cached, as the engine smoke is)."""
 from __future__ import annotations
 
 import collections
+import re
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +24,10 @@ from harness.conform.adapters.sglang_scheduler import UNIFIED_MAMBA
 from harness.conform.adapters.sglang_unified import contract as unified_contract
 from harness.conform.controller.checks import check_named
 from harness.conform.controller.judge import Judge
-from harness.conform.controller.locks import find_lock, pinned
+from harness.conform.controller.locks import find_lock, pinned, supported
 from harness.conform.controller.targets import Target
 from harness.conform.protocol import CacheOptions
+from harness.conform.versions import parse_version
 from tests.harness.conform.cached_engines import open_cached
 
 B = 4
@@ -143,10 +145,16 @@ def test_blocked_releases_say_what_blocks_them() -> None:
     assert {name for name, _ in reasons.values()} == {"options.host_blocks"}
     assert "sgl_kernel.kvcacheio" in reasons["0.5.5"][1]
     assert "sgl_kernel.kvcacheio" in reasons["0.5.12"][1]
-    # 0.5.9's HiRadixCache was not read; 0.5.10's was tried: its events count both tiers
-    assert reasons["0.5.9"][1] == H.HIRADIX
+    # 0.5.10's was tried: its events count both tiers; 0.5.9's are the same, read there
     assert "publishes no BlockRemoved" in reasons["0.5.10"][1]
+    assert "hiradix_cache.py:820-831 _evict_backuped" in reasons["0.5.9"][1]
     assert H.honoured_radix("0.5.13.post1") and not H.honoured_radix("0.5.12")
+    # every locked release the adapter does not open says what blocks it, at its lines
+    below = [v for v in supported()["sglang"]
+             if parse_version(v).key < parse_version("0.5.13").key]
+    assert below and all(H.blocked_reason(v, "radix")[1] != H.HIRADIX for v in below)
+    assert all(re.search(r"\.py:[0-9]+-[0-9]+", H.blocked_reason(v, "radix")[1])
+               for v in below)
 
 
 def _names(hicache: bool) -> types.SimpleNamespace:
