@@ -84,7 +84,7 @@ KNOWN: tuple[KnownFinding, ...] = (
         "cold_then_warm", "shared_system_prompt", "multi_turn", "branches",
         "eviction_under_pressure", "abort_before_forward", "chunked_admission",
         "decode_growth", "live_blocks_survive_eviction", "decoded_then_edited",
-        "repeated_blocks"), ("capacity",),
+        "repeated_blocks", "eviction_order", "dedup_across_split_path"), ("capacity",),
                  "a released request frees none of the pages it did not publish", None,
                  f"{_SHARK}/pull/2417", says="after free("),
     KnownFinding(9, "shortfin", "3.8.0", None, ("cold_then_warm", "same_prompt_twice",
@@ -98,11 +98,14 @@ KNOWN: tuple[KnownFinding, ...] = (
                                                  "decoded_then_edited"),
                  ("capacity",), "the first page a decode acquires from the cache is "
                  "dropped from the request's record", None, None),
+    # a refused admission's pin outlives every request: the leak check sees it
     KnownFinding(12, "shortfin", "3.1.0", "3.8.0", ("pressure_spares_own_prefix",
-                                                    "eviction_under_pressure"),
-                 ("refusal",), "a refused admission pins the prefix it matched", None,
+                                                    "eviction_under_pressure",
+                                                    "refused_then_retried"),
+                 ("refusal", "leaks"), "a refused admission pins the prefix it matched", None,
                  f"{_SHARK}/pull/2076"),
-    KnownFinding(13, "shortfin", "3.1.0", "3.8.0", ("same_prompt_twice",),
+    KnownFinding(13, "shortfin", "3.1.0", "3.8.0", ("same_prompt_twice",
+                                                    "dedup_across_split_path"),
                  ("integrity", "capacity"), "a prompt computed by two live requests loses "
                  "one copy", None, f"{_SHARK}/pull/2417"),
     KnownFinding(14, "shortfin", "3.1.0", "3.6.0", ("multi_turn", "decode_growth",

@@ -46,6 +46,17 @@ from tests.harness.conform import faults
                  id="shortfin-by-message-8"),
     pytest.param("shortfin", "3.9.0", "decode_growth", "capacity", "after free(A): ...", 11,
                  id="shortfin-newest"),
+    # families newer than shortfin's findings, read from their op lists on 3.1.0-3.7.0:
+    # a refused B leaves the root pinned (acquire_pages_for_tokens increments the matched
+    # node before the allocation that fails), two live requests lose a copy (3.1-3.5)
+    pytest.param("shortfin", "3.7.0", "refused_then_retried", "leaks",
+                 "nothing is live, yet: ...", 12, id="shortfin-refused-pin-leaks"),
+    pytest.param("shortfin", "3.8.0", "refused_then_retried", "leaks", "", None,
+                 id="shortfin-refused-pin-fixed"),
+    pytest.param("shortfin", "3.6.0", "eviction_order", "capacity", "after free(A2): ...", 8,
+                 id="shortfin-eviction-order-leaks-a-page"),
+    pytest.param("shortfin", "3.1.0", "dedup_across_split_path", "integrity",
+                 "after commit(B, 20): ...", 13, id="shortfin-dedup-loses-a-copy"),
     pytest.param("vllm", "0.24.0", "window_off_page", "refusal", "", 2,
                  id="vllm-refused-lookup-counted-under-a-window"),
     pytest.param("sglang_unified", "0.5.19", "window_off_page", "capacity", "", 21,
