@@ -211,8 +211,11 @@ def test_radix_cache_releases_read_open_hiradix_cache_with_its_own_rule() -> Non
 def test_where_no_host_tier_opens_the_skip_says_what_blocks_it() -> None:
     unread = sglang_options.contract(unified_contract("0.5.18", B), _names(True), "unified")
     radix = sglang_options.contract(radix_contract("0.5.23", B), _names(True), "radix")
-    old = sglang_options.contract(radix_contract("0.5.9", B), _names(False), "radix")
+    # 0.5.9 was read: its own blocker; 0.5.11 (no lock) was not
+    read = sglang_options.contract(radix_contract("0.5.9", B), _names(False), "radix")
+    old = sglang_options.contract(radix_contract("0.5.11", B), _names(False), "radix")
     for contract, why in ((unread, "not read (read: 0.5.19, 0.5.20"), (radix, "not RadixCache's"),
+                          (read, "hiradix_cache.py:820-831 _evict_backuped"),
                           (old, "HiRadixCache")):
         assert "host_blocks" not in contract.options
         assert why in str(check_named("host_tier").skip_reason(contract))
